@@ -1,0 +1,89 @@
+"""Per-layer state pools and input ring buffers (one object per SSM/GDN layer).
+
+Every tensor's first axis is the slot (``num_slots + 1`` rows; row 0 is the null slot
+that padding rows write into).  The ring axis has length ``L`` (capacity).  The
+bookkeeping (which ring entries are committed) lives in one shared
+:class:`~replayssm.cache.ring.RingIndex`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def _empty(shape, dtype, device, poison: bool) -> Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if poison:
+        t.fill_(float("nan") if t.is_floating_point() else -1)
+    else:
+        t.zero_()
+    return t
+
+
+@dataclass
+class Mamba2Buffers:
+    """Checkpoint states and ring of ``(x, B, dt)`` inputs of one Mamba-2 layer.
+
+    state: ``[P, H, d, n]`` (HF layout ``nheads, head_dim, d_state``; fp32 or fp64)
+    x:     ``[P, L, H, d]`` post-conv values ``v``
+    B:     ``[P, L, G, n]`` keys ``k`` (one per group)
+    dt:    ``[P, L, H]``   step sizes ``Δ`` (after softplus, bias and clamp; state dtype)
+    """
+
+    state: Tensor
+    x: Tensor
+    B: Tensor
+    dt: Tensor
+
+    @classmethod
+    def allocate(cls, num_slots: int, capacity: int, nheads: int, head_dim: int, d_state: int,
+                 ngroups: int, dtype=torch.float32, state_dtype=torch.float32,
+                 device="cpu", poison: bool = False) -> "Mamba2Buffers":
+        if nheads % ngroups:
+            raise ValueError(f"nheads {nheads} is not a multiple of ngroups {ngroups}")
+        P, L = num_slots + 1, capacity
+        return cls(
+            state=_empty((P, nheads, head_dim, d_state), state_dtype, device, poison),
+            x=_empty((P, L, nheads, head_dim), dtype, device, poison),
+            B=_empty((P, L, ngroups, d_state), dtype, device, poison),
+            dt=_empty((P, L, nheads), state_dtype, device, poison),
+        )
+
+    def ring_tensors(self) -> list[Tensor]:
+        return [self.x, self.B, self.dt]
+
+
+@dataclass
+class GDNBuffers:
+    """Checkpoint states and ring of ``(u, k, g)`` entries of one Gated DeltaNet layer.
+
+    state: ``[P, HV, K, V]`` (HF/fla layout, i.e. ``Sᵀ``; fp32 or fp64)
+    u:     ``[P, L, HV, V]`` corrected values ``u = β(v − α S k)``
+    k:     ``[P, L, H, K]``  keys after l2-norm
+    g:     ``[P, L, HV]``    log-decays ``g <= 0`` (state dtype)
+    """
+
+    state: Tensor
+    u: Tensor
+    k: Tensor
+    g: Tensor
+
+    @classmethod
+    def allocate(cls, num_slots: int, capacity: int, num_k_heads: int, num_v_heads: int,
+                 head_k_dim: int, head_v_dim: int, dtype=torch.float32,
+                 state_dtype=torch.float32, device="cpu", poison: bool = False) -> "GDNBuffers":
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
+        P, L = num_slots + 1, capacity
+        return cls(
+            state=_empty((P, num_v_heads, head_k_dim, head_v_dim), state_dtype, device, poison),
+            u=_empty((P, L, num_v_heads, head_v_dim), dtype, device, poison),
+            k=_empty((P, L, num_k_heads, head_k_dim), dtype, device, poison),
+            g=_empty((P, L, num_v_heads), state_dtype, device, poison),
+        )
+
+    def ring_tensors(self) -> list[Tensor]:
+        return [self.u, self.k, self.g]

@@ -1,0 +1,215 @@
+"""Ring buffers of recent layer inputs: the bookkeeping every replay layer shares.
+
+One :class:`RingIndex` serves all layers of a model: each sequence (a *slot*) has a
+ring of capacity ``L`` holding the inputs since its checkpoint state.  ``start[slot]``
+is the ring index of the oldest committed entry and ``length[slot]`` (``h``) is how
+many entries are committed.  Entry ``j`` (0-based, oldest first) lives at ring index
+``(start + j) % L``.  Slot 0 is the *null slot*: padding rows of a batch point at it,
+its contents are garbage, and its bookkeeping is reset to zero at every commit.
+
+A step is planned once per model (:meth:`RingIndex.plan_decode`,
+:meth:`RingIndex.plan_verify`), every layer reads the same :class:`StepPlan`, and the
+step is committed once (:meth:`RingIndex.commit`).  All per-sequence decisions (flush
+flags, positions, accepted counts) are device tensors: no host synchronisation is
+needed, so a step can be captured in a CUDA graph.
+
+Flush policies (``h`` = committed entries before the step, ``T`` = new entries):
+
+* ``decode`` (one token, always accepted, Alg. 2): the new entry is appended at
+  position ``h``; when the ring becomes full (``h + 1 == L``) the layer writes the
+  state *including* the new entry, ``S_0 <- S_{h+1}``, and the ring is emptied.
+* ``verify`` / ``tree`` (T tentative entries): flush one window early, when
+  ``h + 2T > L``; the layer writes ``S_0 <- S_h`` (committed entries only), the new
+  entries stay in the ring, and commit keeps the accepted ones.  The invariant
+  ``h <= L - T`` before every step guarantees the T new entries always fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+NULL_SLOT = 0
+
+_KINDS = ("decode", "verify", "tree")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Per-row decisions for one step; every tensor is ``[B]`` on the cache's device.
+
+    slot:  state/buffer slot of each row (``NULL_SLOT`` for padding rows).
+    start: ring index of the first committed entry.
+    hist:  committed entries ``h`` the step replays (before its new entries).
+    flush: whether this row's layers write their checkpoint state this step
+           (``decode``: ``S_{h+1}``; ``verify``/``tree``: ``S_h``).
+    num_new: ``T``, entries appended this step (1 for decode, nodes for a tree).
+    kind: ``"decode"``, ``"verify"`` or ``"tree"``.
+    capacity: ring capacity ``L``.
+    """
+
+    slot: Tensor
+    start: Tensor
+    hist: Tensor
+    flush: Tensor
+    num_new: int
+    kind: str
+    capacity: int
+
+    @property
+    def batch(self) -> int:
+        return self.slot.shape[0]
+
+    def new_positions(self) -> Tensor:
+        """Ring indices ``[B, T]`` of this step's new entries: ``(start + h + s) % L``."""
+        s = torch.arange(self.num_new, device=self.slot.device)
+        return (self.start[:, None] + self.hist[:, None] + s) % self.capacity
+
+    def hist_positions(self) -> Tensor:
+        """Ring indices ``[B, L]`` of entries ``j = 0..L-1`` counted from ``start``."""
+        j = torch.arange(self.capacity, device=self.slot.device)
+        return (self.start[:, None] + j) % self.capacity
+
+    def hist_mask(self) -> Tensor:
+        """``[B, L]`` bool: entry ``j`` (counted from ``start``) is committed (``j < h``)."""
+        j = torch.arange(self.capacity, device=self.slot.device)
+        return j[None, :] < self.hist[:, None]
+
+
+def gather_history(buf: Tensor, plan: StepPlan) -> Tensor:
+    """Entries of ``buf [P, L, ...]`` for each row, oldest first: ``[B, L, ...]``.
+
+    Entries ``j >= plan.hist`` are whatever the ring holds there (possibly NaN in
+    tests): mask them with ``torch.where``, never by multiplying with zero.
+    """
+    return buf[plan.slot[:, None], plan.hist_positions()]
+
+
+def gather_window(buf: Tensor, plan: StepPlan) -> Tensor:
+    """Committed entries followed by this step's new ones, ``[B, L, ...]``.
+
+    Same as :func:`gather_history` (the new entries sit at ``j = h .. h+T-1``
+    counted from ``start``); valid length is ``h + T``.  Call after :func:`write_new`.
+    """
+    return gather_history(buf, plan)
+
+
+def write_new(buf: Tensor, plan: StepPlan, values: Tensor) -> None:
+    """Write this step's entries ``values [B, T, ...]`` at ``plan.new_positions()``."""
+    if values.shape[:2] != (plan.batch, plan.num_new) or values.shape[2:] != buf.shape[2:]:
+        raise ValueError(
+            f"new entries have shape {tuple(values.shape)}, expected "
+            f"{(plan.batch, plan.num_new) + tuple(buf.shape[2:])}"
+        )
+    buf[plan.slot[:, None], plan.new_positions()] = values.to(buf.dtype)
+
+
+class RingIndex:
+    """Per-slot ring bookkeeping (``start``, ``length``) for a model's replay buffers.
+
+    Args:
+        num_slots: sequences that can be resident at once (slot 0 is extra, the null slot).
+        capacity: ring capacity ``L`` (``buffer_size``), >= 1.
+        device: where the bookkeeping lives (same device as the buffers).
+    """
+
+    def __init__(self, num_slots: int, capacity: int, device: torch.device | str = "cpu"):
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"buffer capacity must be a positive int, got {capacity!r}")
+        self.num_slots = num_slots
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.start = torch.zeros(num_slots + 1, dtype=torch.long, device=self.device)
+        self.length = torch.zeros(num_slots + 1, dtype=torch.long, device=self.device)
+
+    # ------------------------------------------------------------------ checks
+    def _check_slots(self, slots: Tensor) -> Tensor:
+        if not isinstance(slots, Tensor) or slots.dim() != 1:
+            raise ValueError("slots must be a 1-D integer tensor [B]")
+        if slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slots must be int32/int64, got {slots.dtype}")
+        if slots.device != self.device:
+            raise ValueError(f"slots on {slots.device}, ring on {self.device}")
+        if slots.device.type == "cpu" and slots.numel():
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < 0 or hi > self.num_slots:
+                raise ValueError(f"slot ids must be in [0, {self.num_slots}], got [{lo}, {hi}]")
+        return slots.long()
+
+    # ------------------------------------------------------------------ plans
+    def plan_decode(self, slots: Tensor) -> StepPlan:
+        """Plan one always-accepted token per row (Alg. 2 flush: when the ring fills)."""
+        slots = self._check_slots(slots)
+        start, hist = self.start[slots], self.length[slots]
+        flush = (hist + 1) >= self.capacity
+        return StepPlan(slots, start, hist, flush, 1, "decode", self.capacity)
+
+    def plan_verify(self, slots: Tensor, num_new: int, kind: str = "verify") -> StepPlan:
+        """Plan ``num_new`` tentative entries per row; flush early when ``h + 2T > L``."""
+        if kind not in ("verify", "tree"):
+            raise ValueError(f"kind must be 'verify' or 'tree', got {kind!r}")
+        if not isinstance(num_new, int) or num_new < 1:
+            raise ValueError(f"number of new entries must be a positive int, got {num_new!r}")
+        if self.capacity < 2 * num_new:
+            raise ValueError(
+                f"buffer_size {self.capacity} < 2 * {num_new} new entries: speculation needs "
+                f"L >= 2T so every step has T free slots"
+            )
+        slots = self._check_slots(slots)
+        start, hist = self.start[slots], self.length[slots]
+        flush = (hist + 2 * num_new) > self.capacity
+        return StepPlan(slots, start, hist, flush, num_new, kind, self.capacity)
+
+    # ------------------------------------------------------------------ commit
+    def check_accepted(self, plan: StepPlan, accepted: Tensor) -> Tensor:
+        """Validate accepted counts ``[B]`` (host check; only called where a sync is fine)."""
+        if not isinstance(accepted, Tensor) or accepted.shape != (plan.batch,):
+            raise ValueError(f"accepted must be a tensor of shape [{plan.batch}]")
+        if accepted.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"accepted must be an integer tensor, got {accepted.dtype}")
+        if accepted.numel():
+            lo, hi = int(accepted.min()), int(accepted.max())
+            if lo < 0 or hi > plan.num_new:
+                raise ValueError(
+                    f"accepted counts must be in [0, {plan.num_new}] (entries drafted), "
+                    f"got [{lo}, {hi}]"
+                )
+        return accepted.long()
+
+    def commit(self, plan: StepPlan, accepted: Tensor | None = None, check: bool | None = None) -> None:
+        """Advance each row's ring by its accepted count (a pointer move; no data copied).
+
+        ``decode`` plans take no counts.  ``verify``/``tree`` plans take ``accepted [B]``
+        (entries kept, ``0 <= a <= T``; for trees the accepted path must already have
+        been gathered to the front by :func:`replayssm.cache.tree.gather_path`).
+        ``check`` (default: on for CPU tensors) validates on the host; CUDA-graph
+        callers pass ``check=False`` and guarantee the range themselves.
+        """
+        L = self.capacity
+        if plan.kind == "decode":
+            if accepted is not None:
+                raise ValueError("decode steps are always accepted; pass no accepted counts")
+            new_start = torch.where(plan.flush, (plan.start + plan.hist + 1) % L, plan.start)
+            new_len = torch.where(plan.flush, torch.zeros_like(plan.hist), plan.hist + 1)
+        else:
+            if accepted is None:
+                raise ValueError(f"{plan.kind} steps need accepted counts")
+            if check is None:
+                check = accepted.device.type == "cpu"
+            accepted = self.check_accepted(plan, accepted) if check else accepted.long()
+            new_start = torch.where(plan.flush, (plan.start + plan.hist) % L, plan.start)
+            new_len = torch.where(plan.flush, torch.zeros_like(plan.hist), plan.hist) + accepted
+        self.start[plan.slot] = new_start
+        self.length[plan.slot] = new_len
+        self.start[NULL_SLOT] = 0
+        self.length[NULL_SLOT] = 0
+
+    def reset(self, slots: Tensor) -> None:
+        """Empty the rings of ``slots`` (a new sequence starts from its prefill state)."""
+        slots = self._check_slots(slots)
+        self.start[slots] = 0
+        self.length[slots] = 0
