@@ -20,8 +20,12 @@ Flush policies (``h`` = committed entries before the step, ``T`` = new entries):
   state *including* the new entry, ``S_0 <- S_{h+1}``, and the ring is emptied.
 * ``verify`` / ``tree`` (T tentative entries): flush one window early, when
   ``h + 2T > L``; the layer writes ``S_0 <- S_h`` (committed entries only), the new
-  entries stay in the ring, and commit keeps the accepted ones.  The invariant
-  ``h <= L - T`` before every step guarantees the T new entries always fit.
+  entries stay in the ring, and commit keeps the accepted ones.  In a run of verify
+  steps with one ``T`` this keeps ``h <= L - T`` before every step, so the T new entries
+  fit beside the committed ones.  After decode steps (or a larger ``T``) ``h`` may exceed
+  ``L - T``; such a step always flushes (``h + 2T > L``) and its new entries overwrite the
+  oldest committed ones, so a layer must read the history (and write ``S_h``) from what it
+  gathered *before* :func:`write_new`.  Results stay exact either way.
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ def gather_window(buf: Tensor, plan: StepPlan) -> Tensor:
 
     Same as :func:`gather_history` (the new entries sit at ``j = h .. h+T-1``
     counted from ``start``); valid length is ``h + T``.  Call after :func:`write_new`.
+    Only meaningful when ``h + T <= L``; otherwise (a flushing step after decode steps)
+    the new entries have overwritten the oldest committed ones.
     """
     return gather_history(buf, plan)
 

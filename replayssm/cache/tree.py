@@ -66,6 +66,8 @@ def path_to(parent: Tensor, leaf: Tensor) -> tuple[Tensor, Tensor]:
     Returns ``path [B, N]`` (padded with the last node) and ``length [B]``.
     """
     M = ancestor_mask(parent)
+    if M.shape[0] == 1 and leaf.shape[0] != 1:  # one [N] tree shared by every row
+        M = M.expand(leaf.shape[0], -1, -1)
     B, N, _ = M.shape
     on_path = M[torch.arange(B, device=M.device), leaf.long()]  # [B, N]: ancestors of leaf
     length = on_path.sum(-1)

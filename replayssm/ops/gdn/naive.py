@@ -1,0 +1,710 @@
+"""Float64-capable pure-PyTorch reference ops for Gated DeltaNet (Qwen3-Next style).
+
+Notation (DESIGN.md §1-2, one value head): ``α = e^g`` with ``g <= 0``, ``β ∈ (0, 1)``,
+``u_t = β_t (v_t − α_t S_{t−1} k_t)``, ``S_t = α_t S_{t−1} + u_t k_tᵀ``, ``y_t = S_t q_t``.
+States are stored transposed, HF/fla layout ``St = Sᵀ ∈ [.., HV, K, V]``, so
+``S x = Stᵀ x`` and ``u kᵀ`` becomes ``k ⊗ u``.  Value head ``hv`` uses key head
+``hv // (HV // H)`` (GVA).  ``use_qk_l2norm`` normalises q and k as
+``x / sqrt(Σx² + 1e-6)``, then q is multiplied by ``scale`` (default ``K**-0.5``).
+
+Every form below computes the same numbers as :func:`recurrent_scan` up to rounding:
+
+* ``recurrent_step`` / ``recurrent_scan``: the ground truth (Alg. 5).
+* ``chunked_prefill``: chunked WY/UT form; per chunk one unit-lower-triangular solve.
+* ``replay_decode``: Alg. 6 from a checkpoint ``S0`` and a ring of ``(u, k, g)``.
+* ``replay_verify`` / ``tree_verify``: Alg. 8, T drafts (or a tree of N nodes) in one solve.
+* ``snapshot_verify`` / ``snapshot_commit``: the serial one-state-per-draft baseline.
+* ``kv_verify`` / ``kv_to_state``: KV-only form (``S0 = 0``) over paged buffers.
+
+Decays are always ``exp`` of segment sums of log-decays (never ratios of cumulative
+products).  Math runs in the state dtype (at least fp32); ``y`` is returned in ``v``'s
+dtype.  Ring entries past a row's valid length may be NaN: they are masked with
+``torch.where``.  Bad input raises ``ValueError`` before any cache tensor is written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ...cache.buffers import GDNBuffers
+from ...cache.ring import StepPlan, gather_history, write_new
+from ...cache.tree import ancestor_mask, check_parents
+
+__all__ = [
+    "l2norm",
+    "recurrent_step",
+    "recurrent_scan",
+    "chunked_prefill",
+    "rebuild_state",
+    "replay_decode",
+    "replay_verify",
+    "snapshot_verify",
+    "snapshot_commit",
+    "tree_verify",
+    "kv_verify",
+    "kv_to_state",
+]
+
+_ROUTES = ("state", "output")
+_STATE_DTYPES = (torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------- helpers
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``x / sqrt(Σ x² + eps)`` over the last axis (HF/fla ``l2norm``)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """fp64 if any given dtype is fp64, else fp32."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _want_check(check: bool | None, *tensors: Tensor) -> bool:
+    if check is not None:
+        return bool(check)
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def _check_inputs(q, k, v, g, beta, has_time: bool, scale):
+    """Validate raw projections; return ``(Bt, T, H, HV, K, V)`` (``T = 1`` if no time axis)."""
+    names = ("q", "k", "v", "g", "beta")
+    for name, t in zip(names, (q, k, v, g, beta)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q is on {q.device}")
+    nd = 4 if has_time else 3
+    form = "[Bt, T, H, K]" if has_time else "[Bt, H, K]"
+    if q.dim() != nd:
+        raise ValueError(f"q must be {form}, got shape {tuple(q.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k has shape {tuple(k.shape)}, q has {tuple(q.shape)}: they must match")
+    if k.dtype != q.dtype:
+        raise ValueError(f"dtype mismatch: q is {q.dtype}, k is {k.dtype}")
+    lead = tuple(q.shape[:-2])
+    if v.dim() != nd or tuple(v.shape[:-2]) != lead:
+        exp = "[Bt, T, HV, V]" if has_time else "[Bt, HV, V]"
+        raise ValueError(f"v must be {exp} with leading dims {lead}, got shape {tuple(v.shape)}")
+    H, K = q.shape[-2:]
+    HV, V = v.shape[-2:]
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != lead + (HV,):
+            raise ValueError(f"{name} must have shape {lead + (HV,)}, got {tuple(t.shape)}")
+    if H < 1 or HV < 1 or K < 1 or V < 1:
+        raise ValueError(f"empty head dims: H={H}, HV={HV}, K={K}, V={V}")
+    if HV % H:
+        raise ValueError(f"value heads HV={HV} is not a multiple of key heads H={H}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    Bt = q.shape[0]
+    T = q.shape[1] if has_time else 1
+    return Bt, T, H, HV, K, V
+
+
+def _check_state_dtype(state: Tensor, what: str) -> None:
+    if state.dtype not in _STATE_DTYPES:
+        raise ValueError(f"{what} must be float32 or float64, got {state.dtype}")
+
+
+def _check_buffers(buf: GDNBuffers, plan: StepPlan, kind: str, dims, device, check: bool) -> None:
+    """Validate a layer's buffers and the step plan against the inputs' dims."""
+    Bt, T, H, HV, K, V = dims
+    if not isinstance(buf, GDNBuffers):
+        raise ValueError(f"buf must be GDNBuffers, got {type(buf).__name__}")
+    if not isinstance(plan, StepPlan):
+        raise ValueError(f"plan must be a StepPlan, got {type(plan).__name__}")
+    if plan.kind != kind:
+        raise ValueError(f"wrong plan kind: this op needs a {kind!r} plan, got {plan.kind!r}")
+    if plan.batch != Bt:
+        raise ValueError(f"plan has {plan.batch} rows, inputs have batch {Bt}")
+    if plan.num_new != T:
+        raise ValueError(f"plan appends {plan.num_new} entries per row, inputs have {T} tokens")
+    _check_state_dtype(buf.state, "buf.state dtype")
+    P = buf.state.shape[0]
+    L = plan.capacity
+    want = {
+        "state": (buf.state, (P, HV, K, V)),
+        "u": (buf.u, (P, L, HV, V)),
+        "k": (buf.k, (P, L, H, K)),
+        "g": (buf.g, (P, L, HV)),
+    }
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"buf.{name} has shape {tuple(t.shape)}, expected {shape} "
+                             f"(P={P}, L={L}, H={H}, HV={HV}, K={K}, V={V})")
+        if t.device != device:
+            raise ValueError(f"buf.{name} is on {t.device}, inputs on {device}")
+        if not t.is_floating_point():
+            raise ValueError(f"buf.{name} must be floating point, got {t.dtype}")
+    for name in ("slot", "start", "hist", "flush"):
+        t = getattr(plan, name)
+        if tuple(t.shape) != (Bt,) or t.device != device:
+            raise ValueError(f"plan.{name} must be a [{Bt}] tensor on {device}")
+    if check and Bt:
+        if bool(((plan.slot < 0) | (plan.slot >= P)).any()):
+            raise ValueError(f"plan slots must be in [0, {P - 1}]")
+        if bool(((plan.start < 0) | (plan.start >= L)).any()):
+            raise ValueError(f"plan starts must be in [0, {L - 1}]")
+        if T > L:
+            raise ValueError(f"{T} new entries do not fit a ring of capacity {L}")
+        bad = (plan.hist < 0) | (plan.hist > L) | (~plan.flush & (plan.hist + T > L))
+        if bool(bad.any()):
+            raise ValueError(f"inconsistent plan: committed lengths {plan.hist.tolist()} with "
+                             f"{T} new entries do not fit capacity {L} without a flush")
+
+
+def _prep_qk(q: Tensor, k: Tensor, cdt, scale, use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+    """Upcast, optionally l2-normalise, and scale q: returns ``(q·scale, k)`` in ``cdt``."""
+    q, k = q.to(cdt), k.to(cdt)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    s = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return q * s, k
+
+
+def _heads(x: Tensor, HV: int) -> Tensor:
+    """Expand key heads to value heads along axis -2: ``[.., H, K] -> [.., HV, K]``."""
+    H = x.shape[-2]
+    return x if H == HV else x.repeat_interleave(HV // H, dim=-2)
+
+
+def _history(buf: GDNBuffers, plan: StepPlan, cdt):
+    """Committed ring entries, masked: ``u [Bt,L,HV,V]``, ``k [Bt,L,H,K]``, weights
+    ``w_j = e^{pre_h − pre_j}`` (0 past ``h``) ``[Bt,L,HV]`` and ``pre_h [Bt,HV]``."""
+    valid = plan.hist_mask()
+    u = gather_history(buf.u, plan).to(cdt)
+    k = gather_history(buf.k, plan).to(cdt)
+    g = gather_history(buf.g, plan).to(cdt)
+    u = torch.where(valid[:, :, None, None], u, torch.zeros((), dtype=cdt))
+    k = torch.where(valid[:, :, None, None], k, torch.zeros((), dtype=cdt))
+    g = torch.where(valid[:, :, None], g, torch.zeros((), dtype=cdt))
+    pre = g.cumsum(1)
+    tot = g.sum(1)
+    w = torch.where(valid[:, :, None], torch.exp(tot[:, None] - pre), torch.zeros((), dtype=cdt))
+    return u, k, w, tot
+
+
+def _sum_history_state(u: Tensor, k: Tensor, w: Tensor) -> Tensor:
+    """``Σ_j w_j k_j ⊗ u_j`` in state layout ``[Bt, HV, K, V]``."""
+    return torch.einsum("bjh,bjhk,bjhv->bhkv", w, _heads(k, u.shape[-2]), u)
+
+
+def _history_readout(u: Tensor, k: Tensor, w: Tensor, x: Tensor) -> Tensor:
+    """``Σ_j w_j (k_j·x_m) u_j`` for key-head vectors ``x [Bt,M,H,K]`` -> ``[Bt,M,HV,V]``.
+
+    ``k_j·x_m`` is formed once per key head and shared by its value heads."""
+    HV = u.shape[-2]
+    scores = torch.einsum("bjhk,bmhk->bjmh", k, x).repeat_interleave(HV // k.shape[2], dim=-1)
+    return torch.einsum("bjh,bjmh,bjhv->bmhv", w, scores, u)
+
+
+def _state_readout(St: Tensor, x: Tensor) -> Tensor:
+    """``S x`` for every state ``St [Bt,HV,K,V]`` and key-head vectors ``x [Bt,M,H,K]``."""
+    return torch.einsum("bhkv,bmhk->bmhv", St, _heads(x, St.shape[1]))
+
+
+def _delta_block(hk, hq, q, k, v, G, beta, mask):
+    """Corrections and outputs of a block of tokens under a causal/ancestor mask.
+
+    hk, hq: ``[Bt,T,HV,V]`` history readouts ``S_h k_s`` and ``S_h q_s``;
+    q, k:   ``[Bt,T,H,K]`` (normalised, q scaled); v ``[Bt,T,HV,V]``;
+    G:      ``[Bt,T,HV]`` log-decay from ``S_h`` to token s (along its ancestor chain);
+    beta:   ``[Bt,T,HV]``; mask ``[Bt,T,T]`` bool, ``mask[s, s']`` = s' is s or precedes it.
+
+    Solves ``(I + A) U = R`` with ``A_{s,s'} = β_s e^{G_s−G_{s'}} (k_s·k_{s'})`` (s' strict
+    predecessor) and ``R_s = β_s (v_s − e^{G_s} hk_s)``; then
+    ``y_s = e^{G_s} hq_s + Σ_{s' ≤ s} e^{G_s−G_{s'}} (k_{s'}·q_s) U_{s'}``.
+    Returns ``U, y`` as ``[Bt,T,HV,V]``.
+    """
+    T, HV = v.shape[1], v.shape[2]
+    cdt = v.dtype
+    eye = torch.eye(T, dtype=torch.bool, device=v.device)
+    Gh = G.transpose(1, 2)  # [Bt,HV,T]
+    m = mask[:, None]  # [Bt,1,T,T]
+    neg_inf = torch.full((), float("-inf"), dtype=cdt, device=v.device)
+    zero = torch.zeros((), dtype=cdt, device=v.device)
+    D = torch.exp(torch.where(m, Gh[..., :, None] - Gh[..., None, :], neg_inf))  # [Bt,HV,T,T]
+    rep = HV // k.shape[2]  # key-head Gram matrices, shared by each key head's value heads
+    kk = torch.einsum("bshk,bthk->bhst", k, k).repeat_interleave(rep, dim=1)  # [Bt,HV,T,T]
+    qk = torch.einsum("bshk,bthk->bhst", q, k).repeat_interleave(rep, dim=1)
+    bh = beta.transpose(1, 2)  # [Bt,HV,T]
+    A = torch.where(m & ~eye, bh[..., :, None] * D * kk, zero)
+    eG = torch.exp(G)[..., None]  # [Bt,T,HV,1]
+    R = (beta[..., None] * (v - eG * hk)).transpose(1, 2)  # [Bt,HV,T,V]
+    I = torch.eye(T, dtype=cdt, device=v.device)
+    U = torch.linalg.solve_triangular(I + A, R, upper=False, unitriangular=True)
+    W = torch.where(m, D * qk, zero)
+    y = eG * hq + torch.einsum("bhst,bhtv->bshv", W, U)
+    return U.transpose(1, 2), y
+
+
+def _chain_mask(Bt: int, T: int, device) -> Tensor:
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(Bt, T, T)
+
+
+def _write_state_where(state: Tensor, slot: Tensor, flag: Tensor, new: Tensor) -> None:
+    """``state[slot] = new`` for rows with ``flag`` (others rewrite their old value)."""
+    old = state[slot]
+    state[slot] = torch.where(flag[:, None, None, None], new.to(state.dtype), old)
+
+
+# ---------------------------------------------------------------------------- recurrence
+def recurrent_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                   scale: float | None = None, use_qk_l2norm: bool = True) -> tuple[Tensor, Tensor]:
+    """One delta-rule step (Alg. 5).
+
+    state ``[Bt,HV,K,V]``, q/k ``[Bt,H,K]``, v ``[Bt,HV,V]``, g/beta ``[Bt,HV]``.
+    ``St ← e^g St``; ``u = β (v − Stᵀ k)``; ``St ← St + k ⊗ u``; ``y = Stᵀ q``.
+    Returns ``(y [Bt,HV,V] in v.dtype, new_state)`` (a new tensor, state dtype).
+    """
+    Bt, _, H, HV, K, V = _check_inputs(q, k, v, g, beta, False, scale)
+    if not isinstance(state, Tensor) or tuple(state.shape) != (Bt, HV, K, V):
+        raise ValueError(f"state must have shape {(Bt, HV, K, V)}, got "
+                         f"{tuple(state.shape) if isinstance(state, Tensor) else type(state).__name__}")
+    _check_state_dtype(state, "state dtype")
+    cdt = state.dtype
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    y, St = _step(state.to(cdt), qn, kn, v.to(cdt), g.to(cdt), beta.to(cdt))
+    return y.to(v.dtype), St.to(state.dtype)
+
+
+def _step(St, q, k, v, g, beta):
+    """Core of :func:`recurrent_step` on prepared inputs (all in the compute dtype)."""
+    HV = St.shape[1]
+    ke, qe = _heads(k, HV), _heads(q, HV)
+    St = torch.exp(g)[..., None, None] * St
+    u = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", St, ke))
+    St = St + ke[..., :, None] * u[..., None, :]
+    y = torch.einsum("bhkv,bhk->bhv", St, qe)
+    return y, St
+
+
+def _shape_of(x) -> str:
+    return str(tuple(x.shape)) if isinstance(x, Tensor) else repr(x)
+
+
+def _initial(initial_state, dims, cdt, device):
+    Bt, T, H, HV, K, V = dims
+    if initial_state is None:
+        return torch.zeros(Bt, HV, K, V, dtype=cdt, device=device)
+    if not isinstance(initial_state, Tensor) or tuple(initial_state.shape) != (Bt, HV, K, V):
+        raise ValueError(f"initial_state must have shape {(Bt, HV, K, V)}, got "
+                         f"{_shape_of(initial_state)}")
+    _check_state_dtype(initial_state, "initial_state dtype")
+    if initial_state.device != device:
+        raise ValueError(f"initial_state is on {initial_state.device}, inputs on {device}")
+    return initial_state.to(cdt)
+
+
+def recurrent_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                   scale: float | None = None, initial_state: Tensor | None = None,
+                   use_qk_l2norm: bool = True) -> tuple[Tensor, Tensor]:
+    """Ground truth: a loop of :func:`recurrent_step` over T tokens.
+
+    q/k ``[Bt,T,H,K]``, v ``[Bt,T,HV,V]``, g/beta ``[Bt,T,HV]``, initial_state
+    ``[Bt,HV,K,V]`` (zeros if None).  Returns ``(y [Bt,T,HV,V], final_state [Bt,HV,K,V])``;
+    math in the initial state's dtype (fp64 if any input is fp64 when there is none).
+    """
+    dims = _check_inputs(q, k, v, g, beta, True, scale)
+    cdt = initial_state.dtype if isinstance(initial_state, Tensor) else _compute_dtype(
+        q.dtype, v.dtype, g.dtype, beta.dtype)
+    St = _initial(initial_state, dims, cdt, q.device)
+    out_dtype = v.dtype
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    v, g, beta = v.to(cdt), g.to(cdt), beta.to(cdt)
+    ys = []
+    for t in range(dims[1]):
+        y, St = _step(St, qn[:, t], kn[:, t], v[:, t], g[:, t], beta[:, t])
+        ys.append(y)
+    y = torch.stack(ys, 1) if ys else v.new_zeros(v.shape)
+    return y.to(out_dtype), St
+
+
+def chunked_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                    scale: float | None = None, initial_state: Tensor | None = None,
+                    use_qk_l2norm: bool = True, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """Chunked WY/UT form of :func:`recurrent_scan` (same arguments and returns).
+
+    Per chunk of C tokens from state St (``G_s`` = in-chunk cumulative log-decay):
+    ``(I + A) U = R`` with ``A_{s,s'} = β_s e^{G_s−G_{s'}} k_s·k_{s'}`` (s' < s),
+    ``R_s = β_s (v_s − e^{G_s} S k_s)``;
+    ``y_s = e^{G_s} S q_s + Σ_{s'≤s} e^{G_s−G_{s'}} (k_{s'}·q_s) U_{s'}``;
+    ``St ← e^{G_C} St + Σ_s e^{G_C−G_s} k_s ⊗ U_s``.  The last chunk may be shorter.
+    """
+    dims = _check_inputs(q, k, v, g, beta, True, scale)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    Bt, T, H, HV, K, V = dims
+    cdt = initial_state.dtype if isinstance(initial_state, Tensor) else _compute_dtype(
+        q.dtype, v.dtype, g.dtype, beta.dtype)
+    St = _initial(initial_state, dims, cdt, q.device)
+    out_dtype = v.dtype
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    v, g, beta = v.to(cdt), g.to(cdt), beta.to(cdt)
+    ys = []
+    for c0 in range(0, T, chunk_size):
+        sl = slice(c0, min(T, c0 + chunk_size))
+        qc, kc, vc, gc, bc = qn[:, sl], kn[:, sl], v[:, sl], g[:, sl], beta[:, sl]
+        C = qc.shape[1]
+        G = gc.cumsum(1)
+        hk, hq = _state_readout(St, kc), _state_readout(St, qc)
+        U, y = _delta_block(hk, hq, qc, kc, vc, G, bc, _chain_mask(Bt, C, q.device))
+        ys.append(y)
+        w = torch.exp(G[:, -1:] - G)  # [Bt,C,HV], exponents <= 0
+        St = torch.exp(G[:, -1])[..., None, None] * St + _sum_history_state(U, kc, w)
+    y = torch.cat(ys, 1) if ys else v.new_zeros(v.shape)
+    return y.to(out_dtype), St
+
+
+# ---------------------------------------------------------------------------- replay
+def rebuild_state(buf: GDNBuffers, plan: StepPlan) -> Tensor:
+    """``S_h = e^{pre_h} S0 + Σ_{j<h} e^{pre_h−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``
+    (Alg. 6 step 1), in the state dtype.  Reads only; any plan kind."""
+    if not isinstance(buf, GDNBuffers) or not isinstance(plan, StepPlan):
+        raise ValueError("rebuild_state needs GDNBuffers and a StepPlan")
+    _check_state_dtype(buf.state, "buf.state dtype")
+    return _readouts(buf, plan, buf.state.dtype, None, "state")[1]
+
+
+def _readouts(buf, plan, cdt, x: Tensor, route: str):
+    """History readouts ``S_h x_m`` for key-head vectors ``x [Bt,M,H,K]`` and ``S_h`` itself.
+
+    route "state": materialise ``S_h`` and read it.  route "output": one read of ``S0``
+    serves all M vectors plus buffer terms ``Σ_j w_j (k_j·x) u_j``; ``S_h`` is still
+    returned (flush rows need it; a kernel forms it only on those rows)."""
+    u, kh, w, tot = _history(buf, plan, cdt)
+    S0 = buf.state[plan.slot].to(cdt)
+    Sh = torch.exp(tot)[..., None, None] * S0 + _sum_history_state(u, kh, w)
+    if x is None:
+        return None, Sh
+    if route == "state":
+        return _state_readout(Sh, x), Sh
+    r = torch.exp(tot)[:, None, :, None] * _state_readout(S0, x) + _history_readout(u, kh, w, x)
+    return r, Sh
+
+
+def _check_route(route):
+    if route not in _ROUTES:
+        raise ValueError(f"bad route {route!r}: expected one of {_ROUTES}")
+
+
+def replay_decode(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
+                  beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+                  route: str = "state", check: bool | None = None) -> Tensor:
+    """Replay decode of one token per row (Alg. 6); ``plan.kind == "decode"``.
+
+    q/k ``[Bt,H,K]``, v ``[Bt,HV,V]``, g/beta ``[Bt,HV]``.  With ``S_h`` rebuilt from the
+    checkpoint and ring: ``u = β (v − e^g S_h k)``, ``y = e^g S_h q + u (k·q)``; appends
+    ``(u, k, g)`` at ring position ``h``; rows with ``plan.flush`` write
+    ``state[slot] = e^g S_h + u kᵀ`` (= ``S_{h+1}``).  Returns ``y [Bt,HV,V]``.
+    """
+    _check_route(route)
+    dims = _check_inputs(q, k, v, g, beta, False, scale)
+    check = _want_check(check, q)
+    _check_buffers(buf, plan, "decode", dims, q.device, check)
+    Bt, _, H, HV, K, V = dims
+    cdt = buf.state.dtype
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
+    r, Sh = _readouts(buf, plan, cdt, torch.stack([kn, qn], 1), route)
+    hk, hq = r[:, 0], r[:, 1]
+    a = torch.exp(gc)[..., None]  # [Bt,HV,1]
+    u = bc[..., None] * (vc - a * hk)
+    kq = (kn * qn).sum(-1).repeat_interleave(HV // H, dim=1)[..., None]  # [Bt,HV,1]
+    y = a * hq + u * kq
+    S_next = a[..., None] * Sh + _heads(kn, HV)[..., :, None] * u[..., None, :]
+    # ---- writes (all validation done above)
+    write_new(buf.u, plan, u[:, None])
+    write_new(buf.k, plan, kn[:, None])
+    write_new(buf.g, plan, gc[:, None])
+    _write_state_where(buf.state, plan.slot, plan.flush, S_next)
+    return y.to(v.dtype)
+
+
+def replay_verify(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
+                  beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+                  route: str = "state", check: bool | None = None) -> Tensor:
+    """Replay verify of T drafts per row in one triangular solve (Alg. 8); ``plan.kind == "verify"``.
+
+    q/k ``[Bt,T,H,K]``, v ``[Bt,T,HV,V]``, g/beta ``[Bt,T,HV]``.  ``G_s = Σ_{i≤s} g_i``;
+    ``(I + A) U = R``, ``A_{s,s'} = β_s e^{G_s−G_{s'}} (k_s·k_{s'})`` (s' < s),
+    ``R_s = β_s (v_s − e^{G_s} S_h k_s)``;
+    ``y_s = e^{G_s} S_h q_s + Σ_{s'≤s} e^{G_s−G_{s'}} (k_{s'}·q_s) U_{s'}``.
+    Appends ``(U, k, g)`` at positions ``h..h+T-1``; flush rows write ``state[slot] = S_h``
+    (committed entries only).  Returns ``y [Bt,T,HV,V]``; commit with ``ring.commit``.
+    """
+    _check_route(route)
+    dims = _check_inputs(q, k, v, g, beta, True, scale)
+    check = _want_check(check, q)
+    _check_buffers(buf, plan, "verify", dims, q.device, check)
+    Bt, T, H, HV, K, V = dims
+    cdt = buf.state.dtype
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
+    r, Sh = _readouts(buf, plan, cdt, torch.cat([kn, qn], 1), route)
+    hk, hq = r[:, :T], r[:, T:]
+    U, y = _delta_block(hk, hq, qn, kn, vc, gc.cumsum(1), bc, _chain_mask(Bt, T, q.device))
+    write_new(buf.u, plan, U)
+    write_new(buf.k, plan, kn)
+    write_new(buf.g, plan, gc)
+    _write_state_where(buf.state, plan.slot, plan.flush, Sh)
+    return y.to(v.dtype)
+
+
+def tree_verify(buf: GDNBuffers, plan: StepPlan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                g: Tensor, beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+                route: str = "state", check: bool | None = None) -> Tensor:
+    """Replay verify of a draft tree of N nodes per row (STree + Alg. 8); ``plan.kind == "tree"``.
+
+    parent ``[Bt,N]`` or ``[N]`` (topological, ``-1`` = child of the last committed entry);
+    q/k ``[Bt,N,H,K]``, v ``[Bt,N,HV,V]``, g/beta ``[Bt,N,HV]``.  With ``M`` the
+    ancestor-or-self mask, ``G_i = Σ_{j∈M_i} g_j`` and the system of
+    :func:`replay_verify` restricted to ``M`` (``A_{i,j}`` nonzero only for strict
+    ancestors j of i).  Each node's output equals the recurrence along its root path.
+    Appends ``(U, k, g)`` at positions ``h..h+N-1``; flush rows write ``S_h``.  Commit:
+    ``cache.tree.gather_path(buf.ring_tensors(), plan, path, accepted)`` then ``ring.commit``.
+    """
+    _check_route(route)
+    dims = _check_inputs(q, k, v, g, beta, True, scale)
+    check = _want_check(check, q, parent) if isinstance(parent, Tensor) else True
+    _check_buffers(buf, plan, "tree", dims, q.device, check)
+    Bt, N, H, HV, K, V = dims
+    par = _check_tree(parent, Bt, N, q.device, check)
+    cdt = buf.state.dtype
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
+    M = ancestor_mask(par)  # [Bt,N,N]
+    G = torch.einsum("bij,bjh->bih", M.to(cdt), gc)  # sum of log-decays along each root path
+    r, Sh = _readouts(buf, plan, cdt, torch.cat([kn, qn], 1), route)
+    U, y = _delta_block(r[:, :N], r[:, N:], qn, kn, vc, G, bc, M)
+    write_new(buf.u, plan, U)
+    write_new(buf.k, plan, kn)
+    write_new(buf.g, plan, gc)
+    _write_state_where(buf.state, plan.slot, plan.flush, Sh)
+    return y.to(v.dtype)
+
+
+def _check_tree(parent, Bt: int, N: int, device, check: bool) -> Tensor:
+    if not isinstance(parent, Tensor) or parent.dim() not in (1, 2):
+        raise ValueError("bad tree: parent must be an integer tensor [N] or [Bt, N]")
+    if parent.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"bad tree: parent must be int32/int64, got {parent.dtype}")
+    if parent.device != device:
+        raise ValueError(f"bad tree: parent is on {parent.device}, inputs on {device}")
+    if parent.shape[-1] != N or (parent.dim() == 2 and parent.shape[0] != Bt):
+        raise ValueError(f"bad tree: parent has shape {tuple(parent.shape)}, expected [{Bt}, {N}] or [{N}]")
+    if check:
+        return check_parents(parent, Bt)  # raises on a non-topological tree
+    p = parent.long()
+    return (p[None].expand(Bt, N) if p.dim() == 1 else p).contiguous()
+
+
+# ---------------------------------------------------------------------------- snapshot baseline
+def _check_slots(slot, P: int, Bt: int, device, check: bool) -> Tensor:
+    if not isinstance(slot, Tensor) or tuple(slot.shape) != (Bt,):
+        raise ValueError(f"slot must be an integer tensor of shape [{Bt}]")
+    if slot.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot must be int32/int64, got {slot.dtype}")
+    if slot.device != device:
+        raise ValueError(f"slot is on {slot.device}, inputs on {device}")
+    if check and Bt and bool(((slot < 0) | (slot >= P)).any()):
+        raise ValueError(f"slot ids must be in [0, {P - 1}]")
+    return slot.long()
+
+
+def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
+                    beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+                    check: bool | None = None) -> tuple[Tensor, Tensor]:
+    """Baseline speculative verify (Alg. 7): serial scan from ``state[slot]``, one state per draft.
+
+    state ``[P,HV,K,V]`` (read only), slot ``[Bt]``, q/k ``[Bt,T,H,K]``, ...
+    Returns ``(y [Bt,T,HV,V], snapshots [Bt,T,HV,K,V])`` with ``snapshots[:, s]`` the state
+    after draft s (state dtype).
+    """
+    Bt, T, H, HV, K, V = _check_inputs(q, k, v, g, beta, True, scale)
+    if not isinstance(state, Tensor) or state.dim() != 4 or tuple(state.shape[1:]) != (HV, K, V):
+        raise ValueError(f"state must be [P, {HV}, {K}, {V}], got "
+                         f"{tuple(state.shape) if isinstance(state, Tensor) else type(state).__name__}")
+    _check_state_dtype(state, "state dtype")
+    if state.device != q.device:
+        raise ValueError(f"state is on {state.device}, inputs on {q.device}")
+    sl = _check_slots(slot, state.shape[0], Bt, q.device, _want_check(check, q))
+    cdt = state.dtype
+    St = state[sl].to(cdt)
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
+    ys, snaps = [], []
+    for t in range(T):
+        y, St = _step(St, qn[:, t], kn[:, t], vc[:, t], gc[:, t], bc[:, t])
+        ys.append(y)
+        snaps.append(St)
+    return torch.stack(ys, 1).to(v.dtype), torch.stack(snaps, 1)
+
+
+def snapshot_commit(state: Tensor, slot: Tensor, snapshots: Tensor, accepted: Tensor,
+                    check: bool | None = None) -> None:
+    """Baseline commit: ``state[slot] = snapshots[:, a-1]`` for rows with ``a = accepted > 0``.
+
+    snapshots ``[Bt,T,HV,K,V]``, accepted ``[Bt]`` in ``[0, T]``.  No host sync without check.
+    """
+    if not isinstance(snapshots, Tensor) or snapshots.dim() != 5:
+        raise ValueError("snapshots must be a tensor [Bt, T, HV, K, V]")
+    Bt, T = snapshots.shape[:2]
+    if not isinstance(state, Tensor) or state.dim() != 4 or state.shape[1:] != snapshots.shape[2:]:
+        raise ValueError(f"state must be [P, {', '.join(map(str, snapshots.shape[2:]))}], got "
+                         f"{tuple(state.shape) if isinstance(state, Tensor) else type(state).__name__}")
+    if snapshots.device != state.device:
+        raise ValueError(f"snapshots on {snapshots.device}, state on {state.device}")
+    check = _want_check(check, state)
+    sl = _check_slots(slot, state.shape[0], Bt, state.device, check)
+    if not isinstance(accepted, Tensor) or tuple(accepted.shape) != (Bt,):
+        raise ValueError(f"accepted must be an integer tensor of shape [{Bt}]")
+    if accepted.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"accepted must be int32/int64, got {accepted.dtype}")
+    if accepted.device != state.device:
+        raise ValueError(f"accepted is on {accepted.device}, state on {state.device}")
+    a = accepted.long()
+    if check and Bt and bool(((a < 0) | (a > T)).any()):
+        raise ValueError(f"accepted counts must be in [0, {T}], got {a.tolist()}")
+    rows = torch.arange(Bt, device=state.device)
+    chosen = snapshots[rows, (a - 1).clamp(min=0)]
+    _write_state_where(state, sl, a > 0, chosen)
+
+
+# ---------------------------------------------------------------------------- KV-only (paged)
+def _paged():
+    from ...cache import paged  # written beside this module; imported lazily
+
+    return paged
+
+
+def _check_kv(kv, pplan, dims, device, check: bool):
+    paged = _paged()
+    Bt, T, H, HV, K, V = dims
+    if not isinstance(kv, paged.GDNPagedBuffers):
+        raise ValueError(f"kv must be GDNPagedBuffers, got {type(kv).__name__}")
+    if not isinstance(pplan, paged.PagedPlan):
+        raise ValueError(f"pplan must be a PagedPlan, got {type(pplan).__name__}")
+    if pplan.slot.shape != (Bt,):
+        raise ValueError(f"paged plan has {pplan.slot.shape[0]} rows, inputs have batch {Bt}")
+    if pplan.num_new != T:
+        raise ValueError(f"paged plan appends {pplan.num_new} entries per row, inputs have {T} tokens")
+    for name in ("slot", "length", "block_table"):
+        t = getattr(pplan, name)
+        if t.shape[0] != Bt or t.device != device:
+            raise ValueError(f"pplan.{name} must have {Bt} rows on {device}")
+    NBbs = kv.u.shape[0]
+    if NBbs % pplan.block_size:
+        raise ValueError(f"KV pools have {NBbs} entries, not a multiple of block_size {pplan.block_size}")
+    want = {"u": (kv.u, (NBbs, HV, V)), "k": (kv.k, (NBbs, H, K)), "g": (kv.g, (NBbs, HV))}
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"kv.{name} has shape {tuple(t.shape)}, expected {shape}")
+        if t.device != device:
+            raise ValueError(f"kv.{name} is on {t.device}, inputs on {device}")
+        if not t.is_floating_point():
+            raise ValueError(f"kv.{name} must be floating point, got {t.dtype}")
+    if check and Bt:
+        nb = NBbs // pplan.block_size
+        if bool(((pplan.block_table < 0) | (pplan.block_table >= nb)).any()):
+            raise ValueError(f"block table entries must be in [0, {nb - 1}]")
+        cap = pplan.block_table.shape[1] * pplan.block_size
+        if bool(((pplan.length < 0) | (pplan.length + T > cap)).any()):
+            raise ValueError(f"KV lengths {pplan.length.tolist()} + {T} new entries exceed the "
+                             f"{cap} entries a row's block table can hold")
+
+
+def _kv_history(kv, pplan, cdt):
+    """Committed paged entries, masked: ``u``, ``k``, weights ``w_j = e^{pre_n−pre_j}``, ``pre_n``."""
+    paged = _paged()
+    u = paged.gather_kv(kv.u, pplan).to(cdt)
+    k = paged.gather_kv(kv.k, pplan).to(cdt)
+    g = paged.gather_kv(kv.g, pplan).to(cdt)
+    j = torch.arange(u.shape[1], device=u.device)
+    valid = j[None, :] < pplan.length[:, None]
+    zero = torch.zeros((), dtype=cdt, device=u.device)
+    u = torch.where(valid[:, :, None, None], u, zero)
+    k = torch.where(valid[:, :, None, None], k, zero)
+    g = torch.where(valid[:, :, None], g, zero)
+    tot = g.sum(1)
+    w = torch.where(valid[:, :, None], torch.exp(tot[:, None] - g.cumsum(1)), zero)
+    return u, k, w, tot
+
+
+def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+              scale: float | None = None, use_qk_l2norm: bool = True,
+              check: bool | None = None, parent: Tensor | None = None) -> Tensor:
+    """KV-only form (no state, ``S0 = 0``) for T new tokens per row over paged buffers.
+
+    kv: ``GDNPagedBuffers``; pplan: ``PagedPlan`` (``num_new == T``); q/k ``[Bt,T,H,K]``,
+    v ``[Bt,T,HV,V]``, g/beta ``[Bt,T,HV]``.  With all inputs since the start in the pages
+    (n committed entries, then the T new; ``G`` = cumulative log-decay from the start):
+    ``u_t = β_t (v_t − Σ_{j<t} e^{G_t−G_j} (k_j·k_t) u_j)``,
+    ``y_t = Σ_{j≤t} e^{G_t−G_j} (k_j·q_t) u_j``.
+    History terms are buffer readouts; the T new tokens are one triangular solve.  Writes
+    ``(u, k, g)`` of the new tokens with ``write_kv_new``; advance with
+    ``pidx.commit(pplan, accepted)``.  Optional ``parent [Bt,T]`` / ``[T]`` makes the new
+    tokens a draft tree (ancestor mask, as :func:`tree_verify`; commit with
+    ``cache.paged.gather_path`` first).  Returns ``y [Bt,T,HV,V]``.
+    Compute dtype: fp64 if the pools or the inputs are fp64, else fp32.
+    """
+    dims = _check_inputs(q, k, v, g, beta, True, scale)
+    check = _want_check(check, q)
+    _check_kv(kv, pplan, dims, q.device, check)
+    Bt, T, H, HV, K, V = dims
+    par = None if parent is None else _check_tree(parent, Bt, T, q.device, check)
+    paged = _paged()
+    cdt = _compute_dtype(kv.g.dtype, kv.u.dtype, q.dtype, v.dtype)
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
+    if par is None:
+        M, G = _chain_mask(Bt, T, q.device), gc.cumsum(1)
+    else:
+        M = ancestor_mask(par)
+        G = torch.einsum("bij,bjh->bih", M.to(cdt), gc)
+    u, kh, w, _ = _kv_history(kv, pplan, cdt)
+    r = _history_readout(u, kh, w, torch.cat([kn, qn], 1))
+    U, y = _delta_block(r[:, :T], r[:, T:], qn, kn, vc, G, bc, M)
+    paged.write_kv_new(kv.u, pplan, U)
+    paged.write_kv_new(kv.k, pplan, kn)
+    paged.write_kv_new(kv.g, pplan, gc)
+    return y.to(v.dtype)
+
+
+def kv_to_state(kv, pplan, buf: GDNBuffers, slot: Tensor, check: bool | None = None) -> None:
+    """Compress each row's committed KV entries into a checkpoint (one flush):
+    ``buf.state[slot] = Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` (``S0 = 0``).
+
+    ``pplan`` (from ``pidx.plan(slots, T)``; only its committed lengths are used) and
+    ``slot [Bt]`` (the rows' state slots in ``buf``).  Ring bookkeeping is the caller's
+    (``ring.reset(slot)``); paged blocks may be released afterwards.
+    """
+    paged = _paged()
+    if not isinstance(buf, GDNBuffers):
+        raise ValueError(f"buf must be GDNBuffers, got {type(buf).__name__}")
+    if not isinstance(kv, paged.GDNPagedBuffers):
+        raise ValueError(f"kv must be GDNPagedBuffers, got {type(kv).__name__}")
+    if not isinstance(pplan, paged.PagedPlan):
+        raise ValueError(f"pplan must be a PagedPlan, got {type(pplan).__name__}")
+    _check_state_dtype(buf.state, "buf.state dtype")
+    P, HV, K, V = buf.state.shape
+    H = kv.k.shape[1] if kv.k.dim() == 3 else -1
+    Bt = pplan.slot.shape[0]
+    if H < 1 or HV % H:
+        raise ValueError(f"value heads HV={HV} is not a multiple of the KV pool's key heads {H}")
+    dims = (Bt, pplan.num_new, H, HV, K, V)
+    check = _want_check(check, buf.state)
+    _check_kv(kv, pplan, dims, buf.state.device, False)
+    sl = _check_slots(slot, P, Bt, buf.state.device, check)
+    if check and Bt and bool((pplan.length < 0).any()):
+        raise ValueError("negative KV lengths in the paged plan")
+    cdt = buf.state.dtype
+    u, kh, w, _ = _kv_history(kv, pplan, cdt)
+    S = _sum_history_state(u, kh, w)
+    buf.state[sl] = S.to(buf.state.dtype)
