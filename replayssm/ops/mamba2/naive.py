@@ -1,0 +1,798 @@
+"""Float64-capable pure-PyTorch reference ops for Mamba-2 (every decoding form).
+
+Notation (DESIGN.md §1-2, one head ``h`` of group ``g = h // (H // G)``): state
+``S ∈ R^{d×n}``, ``v = x [d]``, ``k = B [n]``, ``q = C [n]``, step size ``Δ = dt``
+(after softplus/bias/clamp, ``>= 0``), ``A < 0`` per head, log-decay ``l = A·Δ <= 0``:
+
+    S_t = e^{l_t} S_{t-1} + Δ_t x_t B_tᵀ,        y_t = S_t C_t + D·x_t.
+
+HF state layout ``[.., H, d, n]``.  Every form below computes the same numbers as
+:func:`recurrent_scan` up to rounding:
+
+* ``recurrent_step`` / ``recurrent_scan``: the ground truth (Alg. 1).
+* ``chunked_prefill``: SSD chunked form (intra-chunk masked GEMMs, chunk states,
+  inter-chunk state passing, state read-out).
+* ``replay_decode``: Alg. 2 from a checkpoint ``S0`` and a ring of ``(x, B, Δ)``;
+  route ``"output"`` (output-only, ``B_j·C`` once per group) or ``"state"``.
+* ``replay_verify`` / ``tree_verify``: Alg. 4, T drafts (or a tree of N nodes) read the
+  same ``S0`` and ring under a causal (ancestor) mask.
+* ``snapshot_verify`` / ``snapshot_commit``: the serial one-state-per-draft baseline.
+* ``kv_verify`` / ``kv_to_state``: KV-only form (``S0 = 0``) over paged buffers.
+
+With ``pre_j`` the cumulative log-decay from the checkpoint through entry ``j``, the
+replay output of a query ``t`` is
+
+    y_t = e^{pre_t} (S0 C_t) + Σ_{j ≤ t} Δ_j e^{pre_t − pre_j} (B_j·C_t) x_j + D·x_t,
+
+where the exponent ``pre_t − pre_j`` is formed as the *segment sum* of the log-decays
+after ``j`` (never a ratio of cumulative products).  Math runs in the state dtype
+(fp32 or fp64; activations may be bf16/fp16 and are upcast); ``y`` is returned in
+``x``'s dtype.  Ring entries past a row's valid length may hold anything (NaN in tests):
+they are masked with ``torch.where``.  Bad input raises ``ValueError`` before any cache
+tensor is written.  ``check`` (default: on for CPU tensors) enables host-side value
+checks (slot ranges, plan consistency, ``A <= 0``, ``Δ >= 0``, tree order); CUDA-graph
+callers pass ``check=False``.  Shape/dtype checks always run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...cache.buffers import Mamba2Buffers
+from ...cache.ring import NULL_SLOT, StepPlan, gather_history, write_new
+from ...cache.tree import ancestor_mask, check_parents
+
+__all__ = [
+    "segsum",
+    "recurrent_step",
+    "recurrent_scan",
+    "chunked_prefill",
+    "rebuild_state",
+    "replay_decode",
+    "replay_verify",
+    "snapshot_verify",
+    "snapshot_commit",
+    "tree_verify",
+    "kv_verify",
+    "kv_to_state",
+]
+
+_ROUTES = ("output", "state")
+_STATE_DTYPES = (torch.float32, torch.float64)
+
+
+# ============================================================================ helpers
+def segsum(l: Tensor) -> Tensor:
+    """Segment sums of log-decays: ``l [..., Q] -> S [..., Q, Q]``.
+
+    ``S[..., i, j] = Σ_{j < k ≤ i} l[..., k]`` for ``j <= i`` (0 on the diagonal) and
+    ``-inf`` above it, so ``exp(S)`` is the causal decay matrix.  Built by a cumulative
+    sum of a masked copy (no differences of long prefix sums).
+    """
+    Q = l.shape[-1]
+    strict = torch.ones(Q, Q, dtype=torch.bool, device=l.device).tril(-1)  # [k, j]: k > j
+    rep = l[..., :, None].expand(*l.shape, Q)  # rep[k, j] = l_k
+    rep = torch.where(strict, rep, torch.zeros((), dtype=l.dtype, device=l.device))
+    out = rep.cumsum(-2)  # out[i, j] = Σ_{k ≤ i, k > j} l_k
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=l.device).tril()
+    return torch.where(causal, out, torch.full((), float("-inf"), dtype=l.dtype, device=l.device))
+
+
+def _want_check(check: bool | None, *tensors: Tensor) -> bool:
+    if check is not None:
+        return bool(check)
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """fp64 if any given dtype is fp64, else fp32."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _shape(t) -> str:
+    return str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
+
+
+def _check_inputs(x, dt, B, C, has_time: bool):
+    """Validate activations; return ``(Bt, T, H, d, G, n)`` (``T = 1`` without a time axis)."""
+    for name, t in (("x", x), ("dt", dt), ("B", B), ("C", C)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x is on {x.device}")
+    nd = 4 if has_time else 3
+    if x.dim() != nd:
+        form = "[Bt, T, H, d]" if has_time else "[Bt, H, d]"
+        raise ValueError(f"x must be {form}, got shape {tuple(x.shape)}")
+    lead = tuple(x.shape[:-2])
+    H, d = x.shape[-2:]
+    if tuple(dt.shape) != lead + (H,):
+        raise ValueError(f"dt must have shape {lead + (H,)}, got {tuple(dt.shape)}")
+    if B.dim() != nd or tuple(B.shape[:-2]) != lead:
+        form = "[Bt, T, G, n]" if has_time else "[Bt, G, n]"
+        raise ValueError(f"B must be {form} with leading dims {lead}, got shape {tuple(B.shape)}")
+    if C.shape != B.shape:
+        raise ValueError(f"C has shape {tuple(C.shape)}, B has {tuple(B.shape)}: they must match")
+    if B.dtype != x.dtype or C.dtype != x.dtype:
+        raise ValueError(f"dtype mismatch: x is {x.dtype}, B is {B.dtype}, C is {C.dtype}")
+    G, n = B.shape[-2:]
+    if min(H, d, G, n) < 1:
+        raise ValueError(f"empty dims: H={H}, d={d}, G={G}, n={n}")
+    if H % G:
+        raise ValueError(f"nheads H={H} is not a multiple of ngroups G={G}")
+    Bt = x.shape[0]
+    T = x.shape[1] if has_time else 1
+    return Bt, T, H, d, G, n
+
+
+def _check_params(A, D, dt, H: int, device, check: bool) -> None:
+    """``A [H]`` (``<= 0``), optional ``D [H]``, and ``dt >= 0`` (host check)."""
+    if not isinstance(A, Tensor) or not A.is_floating_point() or tuple(A.shape) != (H,):
+        raise ValueError(f"A must be a floating-point tensor of shape ({H},), got {_shape(A)}")
+    if A.device != device:
+        raise ValueError(f"A is on {A.device}, inputs on {device}")
+    if D is not None:
+        if not isinstance(D, Tensor) or not D.is_floating_point() or tuple(D.shape) != (H,):
+            raise ValueError(f"D must be None or a floating-point tensor of shape ({H},), got {_shape(D)}")
+        if D.device != device:
+            raise ValueError(f"D is on {D.device}, inputs on {device}")
+    if check:
+        if bool((A > 0).any()):
+            raise ValueError("A must be <= 0 (A = -exp(A_log)); got positive entries")
+        if dt.numel() and bool((dt < 0).any()):
+            raise ValueError("dt must be >= 0 (Δ after softplus, bias and clamp); got negative entries")
+
+
+def _check_state_dtype(state: Tensor, what: str) -> None:
+    if state.dtype not in _STATE_DTYPES:
+        raise ValueError(f"{what} must be float32 or float64, got {state.dtype}")
+
+
+def _check_slot(slot, P: int, Bt: int, device, check: bool) -> Tensor:
+    if not isinstance(slot, Tensor) or tuple(slot.shape) != (Bt,):
+        raise ValueError(f"slot must be an integer tensor of shape [{Bt}], got {_shape(slot)}")
+    if slot.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot must be int32/int64, got {slot.dtype}")
+    if slot.device != device:
+        raise ValueError(f"slot is on {slot.device}, inputs on {device}")
+    s = slot.long()
+    if check and Bt:
+        if bool(((s < 0) | (s >= P)).any()):
+            raise ValueError(f"slot ids must be in [0, {P - 1}], got {s.tolist()}")
+        _check_unique(s)
+    return s
+
+
+def _check_unique(slot: Tensor) -> None:
+    real = slot[slot != NULL_SLOT]
+    if real.numel() != torch.unique(real).numel():
+        raise ValueError(f"a slot appears in several rows: {slot.tolist()} (only the null slot "
+                         f"{NULL_SLOT} may repeat)")
+
+
+def _check_buffers(buf, plan, kind: str, dims, x: Tensor, check: bool) -> None:
+    """Validate a layer's buffers and a step plan against the inputs' dims."""
+    Bt, T, H, d, G, n = dims
+    device = x.device
+    if not isinstance(buf, Mamba2Buffers):
+        raise ValueError(f"buf must be Mamba2Buffers, got {type(buf).__name__}")
+    if not isinstance(plan, StepPlan):
+        raise ValueError(f"plan must be a StepPlan, got {type(plan).__name__}")
+    if plan.kind != kind:
+        raise ValueError(f"wrong plan kind: this op needs a {kind!r} plan, got {plan.kind!r}")
+    if plan.batch != Bt:
+        raise ValueError(f"plan has {plan.batch} rows, inputs have batch {Bt}")
+    if plan.num_new != T:
+        raise ValueError(f"plan appends {plan.num_new} entries per row, inputs have {T} tokens")
+    _check_state_dtype(buf.state, "buf.state dtype")
+    P, L = buf.state.shape[0], plan.capacity
+    want = {
+        "state": (buf.state, (P, H, d, n)),
+        "x": (buf.x, (P, L, H, d)),
+        "B": (buf.B, (P, L, G, n)),
+        "dt": (buf.dt, (P, L, H)),
+    }
+    for name, (t, shape) in want.items():
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape:
+            raise ValueError(f"buf.{name} has shape {_shape(t)}, expected {shape} "
+                             f"(P={P}, L={L}, H={H}, d={d}, G={G}, n={n})")
+        if t.device != device:
+            raise ValueError(f"buf.{name} is on {t.device}, inputs on {device}")
+        if not t.is_floating_point():
+            raise ValueError(f"buf.{name} must be floating point, got {t.dtype}")
+    if buf.x.dtype != x.dtype or buf.B.dtype != x.dtype:
+        raise ValueError(f"dtype mismatch: inputs x/B are {x.dtype}, ring stores x as {buf.x.dtype} "
+                         f"and B as {buf.B.dtype}")
+    for name in ("slot", "start", "hist", "flush"):
+        t = getattr(plan, name)
+        if not isinstance(t, Tensor) or tuple(t.shape) != (Bt,) or t.device != device:
+            raise ValueError(f"plan.{name} must be a [{Bt}] tensor on {device}")
+    if T > L:
+        raise ValueError(f"{T} new entries do not fit a ring of capacity {L}")
+    if check and Bt:
+        if bool(((plan.slot < 0) | (plan.slot >= P)).any()):
+            raise ValueError(f"plan slots must be in [0, {P - 1}], got {plan.slot.tolist()}")
+        _check_unique(plan.slot.long())
+        if bool(((plan.start < 0) | (plan.start >= L)).any()):
+            raise ValueError(f"plan starts must be in [0, {L - 1}], got {plan.start.tolist()}")
+        # A flushing row may overwrite committed entries (they are summarised into the
+        # checkpoint before any write); any other row needs h + T <= L.
+        bad = (plan.hist < 0) | (plan.hist > L) | (~plan.flush & (plan.hist + T > L))
+        if bool(bad.any()):
+            raise ValueError(f"inconsistent plan: committed lengths {plan.hist.tolist()} with {T} "
+                             f"new entries do not fit capacity {L} without a flush")
+
+
+def _group_index(H: int, G: int, device) -> Tensor:
+    """Group of each head: ``h // (H // G)``."""
+    return torch.arange(H, device=device) // (H // G)
+
+
+def _segment_logs(logs: Tensor, P: Tensor) -> tuple[Tensor, Tensor]:
+    """Decays along a masked window.
+
+    logs ``[Bt, W, H]`` finite log-decays of the window entries (in order);
+    P ``[Bt, M, W]`` bool, entries each query reads (an ancestor-closed chain).
+    Returns ``E [Bt, M, W, H]``: ``E[m, w] = Σ_{v > w, P[m, v]} logs_v`` (log-decay from
+    entry w to query m's end; meaningful where ``P[m, w]``) and ``cum [Bt, M, H]``:
+    ``Σ_{v: P[m, v]} logs_v`` (log-decay from the checkpoint).
+    """
+    W = logs.shape[1]
+    after = torch.ones(W, W, dtype=torch.bool, device=logs.device).triu(1)  # [w, v]: v > w
+    sel = (P[:, :, None, :] & after).to(logs.dtype)  # [Bt, M, W(w), W(v)], 0/1
+    E = torch.einsum("bmwv,bvh->bmwh", sel, logs)
+    cum = torch.einsum("bmv,bvh->bmh", P.to(logs.dtype), logs)
+    return E, cum
+
+
+def _attend(S0: Tensor | None, xs, Bs, dts, logs, C, P, gidx) -> Tensor:
+    """Output-only replay (Alg. 2) for M queries over a masked window of W entries.
+
+    S0 ``[Bt,H,d,n]`` or None (KV-only); xs ``[Bt,W,H,d]``, Bs ``[Bt,W,G,n]``,
+    dts/logs ``[Bt,W,H]`` (finite; masked entries zeroed); C ``[Bt,M,G,n]``; P ``[Bt,M,W]``.
+    ``y_m = e^{cum_m} (S0 C_m) + Σ_{w: P[m,w]} e^{E[m,w]} Δ_w (B_w·C_m) x_w`` -> ``[Bt,M,H,d]``.
+    ``B_w·C_m`` is formed once per group and shared by the group's heads.
+    """
+    E, cum = _segment_logs(logs, P)
+    neg_inf = torch.full((), float("-inf"), dtype=logs.dtype, device=logs.device)
+    decay = torch.exp(torch.where(P[..., None], E, neg_inf))  # 0 outside the mask
+    scores = torch.einsum("bwgn,bmgn->bmwg", Bs, C)  # once per group
+    coef = decay * dts[:, None] * scores[..., gidx]  # [Bt, M, W, H]
+    y = torch.einsum("bmwh,bwhd->bmhd", coef, xs)
+    if S0 is not None:
+        y = y + torch.exp(cum)[..., None] * torch.einsum("bhdn,bmhn->bmhd", S0, C[:, :, gidx])
+    return y
+
+
+def _build_state(S0: Tensor | None, xs, Bs, dts, logs, P, gidx) -> Tensor:
+    """State after a masked window: ``S = e^{cum} S0 + Σ_{w: P_w} e^{E_w} Δ_w x_w B_wᵀ``.
+
+    Same window arguments as :func:`_attend`, ``P [Bt, W]``; returns ``[Bt, H, d, n]``.
+    """
+    E, cum = _segment_logs(logs, P[:, None])
+    neg_inf = torch.full((), float("-inf"), dtype=logs.dtype, device=logs.device)
+    coef = torch.exp(torch.where(P[..., None], E[:, 0], neg_inf)) * dts  # [Bt, W, H]
+    S = torch.einsum("bwh,bwhd,bwhn->bhdn", coef, xs, Bs[:, :, gidx])
+    if S0 is not None:
+        S = S + torch.exp(cum[:, 0])[..., None, None] * S0
+    return S
+
+
+def _history(buf: Mamba2Buffers, plan: StepPlan, A: Tensor, cdt):
+    """Committed ring entries, oldest first and masked (zeros past ``h``):
+    ``xs [Bt,L,H,d]``, ``Bs [Bt,L,G,n]``, ``dts``/``logs [Bt,L,H]``, ``valid [Bt,L]``."""
+    valid = plan.hist_mask()
+    zero = torch.zeros((), dtype=cdt, device=valid.device)
+    xs = torch.where(valid[:, :, None, None], gather_history(buf.x, plan).to(cdt), zero)
+    Bs = torch.where(valid[:, :, None, None], gather_history(buf.B, plan).to(cdt), zero)
+    dts = torch.where(valid[:, :, None], gather_history(buf.dt, plan).to(cdt), zero)
+    return xs, Bs, dts, A.to(cdt) * dts, valid
+
+
+def _new_entries(x, dt, B, A, cdt):
+    """This step's entries ``[Bt,T,...]`` upcast to the compute dtype, with their log-decays."""
+    xc, dc, Bc = x.to(cdt), dt.to(cdt), B.to(cdt)
+    return xc, Bc, dc, A.to(cdt) * dc
+
+
+def _skip(y: Tensor, D: Tensor | None, xc: Tensor) -> Tensor:
+    """``y + D·x`` (``D [H]`` broadcast over the head axis ``-2``)."""
+    return y if D is None else y + D.to(y.dtype)[:, None] * xc
+
+
+def _write_state_where(state: Tensor, slot: Tensor, flag: Tensor, new: Tensor) -> None:
+    """``state[slot] = new`` on rows with ``flag`` (other rows rewrite their old value; no sync)."""
+    old = state[slot]
+    state[slot] = torch.where(flag[:, None, None, None], new.to(state.dtype), old)
+
+
+def _write_entries(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, B: Tensor, dt: Tensor) -> None:
+    write_new(buf.x, plan, x)
+    write_new(buf.B, plan, B)
+    write_new(buf.dt, plan, dt)
+
+
+def _check_route(route) -> None:
+    if route not in _ROUTES:
+        raise ValueError(f"bad route {route!r}: expected one of {_ROUTES}")
+
+
+# ============================================================================ recurrence
+def _step(S: Tensor, x, dt, A, B, C, gidx):
+    """Core of :func:`recurrent_step` on prepared inputs (all in the compute dtype)."""
+    a = torch.exp(A * dt)  # [Bt, H]
+    Bh, Ch = B[:, gidx], C[:, gidx]  # [Bt, H, n]
+    S = a[..., None, None] * S + (dt[..., None] * x)[..., :, None] * Bh[..., None, :]
+    y = torch.einsum("bhdn,bhn->bhd", S, Ch)
+    return y, S
+
+
+def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                   D: Tensor | None = None, check: bool | None = None) -> tuple[Tensor, Tensor]:
+    """One recurrent step (Alg. 1).
+
+    state ``[Bt,H,d,n]`` (fp32/fp64), x ``[Bt,H,d]``, dt ``[Bt,H]``, A ``[H]``,
+    B/C ``[Bt,G,n]``, D ``[H]`` or None.
+    ``S ← e^{A·Δ} S + Δ x Bᵀ``; ``y = S C + D·x``.
+    Returns ``(y [Bt,H,d] in x.dtype, new_state)`` (a new tensor in the state dtype).
+    """
+    dims = _check_inputs(x, dt, B, C, False)
+    Bt, _, H, d, G, n = dims
+    if not isinstance(state, Tensor) or tuple(state.shape) != (Bt, H, d, n):
+        raise ValueError(f"state must have shape {(Bt, H, d, n)}, got {_shape(state)}")
+    _check_state_dtype(state, "state dtype")
+    if state.device != x.device:
+        raise ValueError(f"state is on {state.device}, inputs on {x.device}")
+    _check_params(A, D, dt, H, x.device, _want_check(check, x))
+    cdt = state.dtype
+    xc = x.to(cdt)
+    y, S = _step(state, xc, dt.to(cdt), A.to(cdt), B.to(cdt), C.to(cdt),
+                 _group_index(H, G, x.device))
+    return _skip(y, D, xc).to(x.dtype), S
+
+
+def _initial(initial_state, dims, cdt, device) -> Tensor:
+    Bt, T, H, d, G, n = dims
+    if initial_state is None:
+        return torch.zeros(Bt, H, d, n, dtype=cdt, device=device)
+    if not isinstance(initial_state, Tensor) or tuple(initial_state.shape) != (Bt, H, d, n):
+        raise ValueError(f"initial_state must have shape {(Bt, H, d, n)}, got {_shape(initial_state)}")
+    _check_state_dtype(initial_state, "initial_state dtype")
+    if initial_state.device != device:
+        raise ValueError(f"initial_state is on {initial_state.device}, inputs on {device}")
+    return initial_state.to(cdt)
+
+
+def _scan_dtype(initial_state, x, dt):
+    if isinstance(initial_state, Tensor) and initial_state.dtype in _STATE_DTYPES:
+        return initial_state.dtype
+    return _compute_dtype(x.dtype, dt.dtype)
+
+
+def recurrent_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+                   initial_state: Tensor | None = None,
+                   check: bool | None = None) -> tuple[Tensor, Tensor]:
+    """Ground truth: a loop of :func:`recurrent_step` over T tokens.
+
+    x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``, A ``[H]``, B/C ``[Bt,T,G,n]``, D ``[H]`` or None,
+    initial_state ``[Bt,H,d,n]`` (zeros if None).  Math in the initial state's dtype
+    (without one: fp64 if x or dt is fp64, else fp32).
+    Returns ``(y [Bt,T,H,d] in x.dtype, final_state [Bt,H,d,n])``.
+    """
+    dims = _check_inputs(x, dt, B, C, True)
+    Bt, T, H, d, G, n = dims
+    _check_params(A, D, dt, H, x.device, _want_check(check, x))
+    cdt = _scan_dtype(initial_state, x, dt)
+    S = _initial(initial_state, dims, cdt, x.device)
+    gidx = _group_index(H, G, x.device)
+    xc, dc, Ac, Bc, Cc = x.to(cdt), dt.to(cdt), A.to(cdt), B.to(cdt), C.to(cdt)
+    ys = []
+    for t in range(T):
+        y, S = _step(S, xc[:, t], dc[:, t], Ac, Bc[:, t], Cc[:, t], gidx)
+        ys.append(y)
+    y = torch.stack(ys, 1) if ys else xc.new_zeros(xc.shape)
+    return _skip(y, D, xc).to(x.dtype), S
+
+
+def chunked_prefill(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+                    initial_state: Tensor | None = None, chunk_size: int = 64,
+                    check: bool | None = None) -> tuple[Tensor, Tensor]:
+    """SSD chunked form of :func:`recurrent_scan` (same arguments and returns).
+
+    Tokens are padded to a multiple of ``Q = chunk_size`` with ``Δ = 0`` (which leaves the
+    state unchanged) and split into chunks; with ``l = A·Δ`` and ``Λ = segsum(l)`` per chunk:
+
+    1. intra-chunk: ``y_i = Σ_{j≤i} e^{Λ_{ij}} Δ_j (B_j·C_i) x_j`` (masked GEMMs);
+    2. chunk states from zero: ``s_c = Σ_j e^{Λ_{Q-1,j}} Δ_j x_j B_jᵀ``;
+    3. inter-chunk passing: ``S_c = Σ_{c'≤c} e^{segsum over chunk totals} s_{c'}`` (plus the
+       decayed initial state), all chunks at once;
+    4. read-out: ``y_i += e^{Σ_{k≤i} l_k} (S_{c-1} C_i)``; then ``+ D·x``.
+    """
+    dims = _check_inputs(x, dt, B, C, True)
+    Bt, T, H, d, G, n = dims
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check_params(A, D, dt, H, x.device, _want_check(check, x))
+    cdt = _scan_dtype(initial_state, x, dt)
+    S_init = _initial(initial_state, dims, cdt, x.device)
+    if T == 0:
+        return x.new_zeros(x.shape), S_init
+    gidx = _group_index(H, G, x.device)
+    Q = chunk_size
+    nc = -(-T // Q)
+    pad = nc * Q - T
+
+    def prep(t: Tensor) -> Tensor:  # upcast, pad the time axis with zeros, split into chunks
+        t = t.to(cdt)
+        if pad:
+            t = torch.cat([t, t.new_zeros((Bt, pad) + tuple(t.shape[2:]))], 1)
+        return t.reshape((Bt, nc, Q) + tuple(t.shape[2:]))
+
+    xc, dc, Bc, Cc = prep(x), prep(dt), prep(B), prep(C)  # [Bt,nc,Q,...]
+    l = A.to(cdt) * dc  # [Bt,nc,Q,H]
+    seg = segsum(l.permute(0, 1, 3, 2))  # [Bt,nc,H,Q(i),Q(j)]
+    decay = torch.exp(seg)
+    # 1. intra-chunk outputs; B_j·C_i once per group
+    scores = torch.einsum("bcign,bcjgn->bcijg", Cc, Bc)[..., gidx]  # [Bt,nc,Q,Q,H]
+    y = torch.einsum("bchij,bcijh,bcjh,bcjhd->bcihd", decay, scores, dc, xc)
+    # 2. each chunk's state from zero
+    to_end = decay[..., -1, :]  # [Bt,nc,H,Q]: e^{Σ_{j<k≤Q-1} l_k}
+    states = torch.einsum("bchj,bcjh,bcjhd,bcjhn->bchdn", to_end, dc, xc, Bc[:, :, :, gidx])
+    # 3. inter-chunk state passing (index 0 = the initial state)
+    totals = l.sum(2)  # [Bt,nc,H]
+    z = torch.cat([totals.new_zeros(Bt, 1, H), totals], 1).transpose(1, 2)  # [Bt,H,nc+1]
+    pass_decay = torch.exp(segsum(z))  # [Bt,H,nc+1,nc+1]
+    all_states = torch.cat([S_init[:, None], states], 1)  # [Bt,nc+1,H,d,n]
+    S_out = torch.einsum("bhij,bjhdn->bihdn", pass_decay, all_states)  # state after chunk i-1
+    S_in, final = S_out[:, :nc], S_out[:, nc]
+    # 4. read-out of the state entering each chunk
+    into = torch.exp(l.cumsum(2))  # [Bt,nc,Q,H]: decay from chunk start through token i
+    y = y + into[..., None] * torch.einsum("bchdn,bcihn->bcihd", S_in, Cc[:, :, :, gidx])
+    y = y.reshape(Bt, nc * Q, H, d)[:, :T]
+    return _skip(y, D, x.to(cdt)).to(x.dtype), final
+
+
+# ============================================================================ replay
+def rebuild_state(buf: Mamba2Buffers, plan: StepPlan, A: Tensor) -> Tensor:
+    """``S_h = e^{pre_h} S0 + Σ_{j<h} Δ_j e^{pre_h−pre_j} x_j B_jᵀ`` per row ``[Bt,H,d,n]``
+    from each row's checkpoint and committed ring entries (state dtype).  Reads only;
+    any plan kind (``ring.plan_decode(slots)`` is a side-effect-free way to get one)."""
+    if not isinstance(buf, Mamba2Buffers) or not isinstance(plan, StepPlan):
+        raise ValueError("rebuild_state needs Mamba2Buffers and a StepPlan")
+    _check_state_dtype(buf.state, "buf.state dtype")
+    P, H, d, n = buf.state.shape
+    G = buf.B.shape[2]
+    if not isinstance(A, Tensor) or tuple(A.shape) != (H,):
+        raise ValueError(f"A must be a tensor of shape ({H},), got {_shape(A)}")
+    cdt = buf.state.dtype
+    xs, Bs, dts, logs, valid = _history(buf, plan, A, cdt)
+    return _build_state(buf.state[plan.slot].to(cdt), xs, Bs, dts, logs, valid,
+                        _group_index(H, G, buf.state.device))
+
+
+def replay_decode(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
+                  C: Tensor, D: Tensor | None = None, route: str = "output",
+                  check: bool | None = None) -> Tensor:
+    """Replay decode of one token per row (Alg. 2); ``plan.kind == "decode"``.
+
+    x ``[Bt,H,d]``, dt ``[Bt,H]``, A ``[H]``, B/C ``[Bt,G,n]``, D ``[H]`` or None.
+    With the new token as entry ``h`` (``t = h``):
+
+    * route ``"output"``: ``y = e^{pre_t}(S0 C) + Σ_{j≤t} Δ_j e^{pre_t−pre_j} (B_j·C) x_j``,
+      with ``B_j·C`` computed once per group; no state is formed for the output;
+    * route ``"state"``: rebuild ``S_{h+1}`` from ``S0`` and the ring, ``y = S_{h+1} C``;
+
+    plus ``D·x``.  Appends ``(x, B, Δ)`` at ring position ``h``; rows with ``plan.flush``
+    write ``state[slot] = S_{h+1}`` (including the new entry).  Returns ``y [Bt,H,d]``;
+    then ``ring.commit(plan)``.
+    """
+    _check_route(route)
+    dims = _check_inputs(x, dt, B, C, False)
+    Bt, _, H, d, G, n = dims
+    check = _want_check(check, x)
+    _check_params(A, D, dt, H, x.device, check)
+    _check_buffers(buf, plan, "decode", dims, x, check)
+    cdt = buf.state.dtype
+    gidx = _group_index(H, G, x.device)
+    hx, hB, hd, hl, valid = _history(buf, plan, A, cdt)
+    nx, nB, nd, nl = _new_entries(x[:, None], dt[:, None], B[:, None], A, cdt)
+    xs, Bs, dts, logs = (torch.cat(p, 1) for p in ((hx, nx), (hB, nB), (hd, nd), (hl, nl)))
+    P = torch.cat([valid, torch.ones(Bt, 1, dtype=torch.bool, device=x.device)], 1)  # [Bt, L+1]
+    S0 = buf.state[plan.slot].to(cdt)
+    S_next = _build_state(S0, xs, Bs, dts, logs, P, gidx)  # S_{h+1} (stored on flush rows)
+    Cc = C.to(cdt)
+    if route == "output":
+        y = _attend(S0, xs, Bs, dts, logs, Cc[:, None], P[:, None], gidx)[:, 0]
+    else:
+        y = torch.einsum("bhdn,bhn->bhd", S_next, Cc[:, gidx])
+    y = _skip(y, D, nx[:, 0])
+    # ---- writes (all validation done above)
+    _write_entries(buf, plan, x[:, None], B[:, None], dt[:, None])
+    _write_state_where(buf.state, plan.slot, plan.flush, S_next)
+    return y.to(x.dtype)
+
+
+def _draft_verify(buf, plan, mask, x, dt, A, B, C, D, route, dims):
+    """Shared body of :func:`replay_verify` / :func:`tree_verify` (inputs validated).
+
+    mask ``[Bt,T,T]``: draft s reads draft s' iff ``mask[s, s']`` (causal or ancestor-or-self).
+    """
+    Bt, T, H, d, G, n = dims
+    cdt = buf.state.dtype
+    gidx = _group_index(H, G, x.device)
+    hx, hB, hd, hl, valid = _history(buf, plan, A, cdt)
+    nx, nB, nd, nl = _new_entries(x, dt, B, A, cdt)
+    S0 = buf.state[plan.slot].to(cdt)
+    Sh = _build_state(S0, hx, hB, hd, hl, valid, gidx)  # committed entries only (flush rows)
+    Cc = C.to(cdt)
+    if route == "output":
+        xs, Bs, dts, logs = (torch.cat(p, 1) for p in ((hx, nx), (hB, nB), (hd, nd), (hl, nl)))
+        P = torch.cat([valid[:, None, :].expand(Bt, T, valid.shape[1]), mask], 2)  # [Bt,T,L+T]
+        y = _attend(S0, xs, Bs, dts, logs, Cc, P, gidx)
+    else:  # read the rebuilt S_h, then the drafts under the mask
+        y = _attend(Sh, nx, nB, nd, nl, Cc, mask, gidx)
+    y = _skip(y, D, nx)
+    # ---- writes (all validation done above)
+    _write_entries(buf, plan, x, B, dt)
+    _write_state_where(buf.state, plan.slot, plan.flush, Sh)
+    return y.to(x.dtype)
+
+
+def replay_verify(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
+                  C: Tensor, D: Tensor | None = None, route: str = "output",
+                  check: bool | None = None) -> Tensor:
+    """Replay verify of T drafts per row (Alg. 4); ``plan.kind == "verify"``.
+
+    x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``, A ``[H]``, B/C ``[Bt,T,G,n]``, D ``[H]`` or None.
+    Every draft reads the same ``S0`` and ring window under a causal mask, as GEMMs
+    (``K_bufᵀ Q_draft`` per group, then the weighted sum over values):
+    ``y_s = e^{pre_{h+s}}(S0 C_s) + Σ_{j ≤ h+s} Δ_j e^{pre_{h+s}−pre_j} (B_j·C_s) x_j + D·x_s``.
+    Route ``"state"`` rebuilds ``S_h`` first and reads it instead (same numbers).
+    Appends the drafts at positions ``h..h+T-1``; flush rows write ``state[slot] = S_h``
+    (committed entries only).  Returns ``y [Bt,T,H,d]``; then ``ring.commit(plan, accepted)``.
+    """
+    _check_route(route)
+    dims = _check_inputs(x, dt, B, C, True)
+    Bt, T, H, d, G, n = dims
+    check = _want_check(check, x)
+    _check_params(A, D, dt, H, x.device, check)
+    _check_buffers(buf, plan, "verify", dims, x, check)
+    mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(Bt, T, T)
+    return _draft_verify(buf, plan, mask, x, dt, A, B, C, D, route, dims)
+
+
+def _check_tree(parent, Bt: int, N: int, device, check: bool) -> Tensor:
+    if not isinstance(parent, Tensor) or parent.dim() not in (1, 2):
+        raise ValueError(f"bad tree: parent must be an integer tensor [N] or [Bt, N], got {_shape(parent)}")
+    if parent.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"bad tree: parent must be int32/int64, got {parent.dtype}")
+    if parent.device != device:
+        raise ValueError(f"bad tree: parent is on {parent.device}, inputs on {device}")
+    if parent.shape[-1] != N or (parent.dim() == 2 and parent.shape[0] != Bt):
+        raise ValueError(f"bad tree: parent has shape {tuple(parent.shape)}, expected [{Bt}, {N}] or [{N}]")
+    if check:
+        return check_parents(parent, Bt)  # raises ValueError on a non-topological tree
+    p = parent.long()
+    return (p[None].expand(Bt, N) if p.dim() == 1 else p).contiguous()
+
+
+def tree_verify(buf: Mamba2Buffers, plan: StepPlan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor,
+                B: Tensor, C: Tensor, D: Tensor | None = None, route: str = "output",
+                check: bool | None = None) -> Tensor:
+    """Replay verify of a draft tree of N nodes per row (STree); ``plan.kind == "tree"``.
+
+    parent ``[Bt,N]`` or ``[N]`` (topological: ``-1 <= parent[i] < i``, ``-1`` = child of
+    the last committed entry); x ``[Bt,N,H,d]``, dt ``[Bt,N,H]``, B/C ``[Bt,N,G,n]``.
+    With ``M`` the ancestor-or-self mask and ``cum_i`` the log-decay over the committed
+    history plus node i's ancestor chain:
+    ``y_i = e^{cum_i}(S_h C_i) + Σ_{j: M_ij} e^{cum_i−cum_j} Δ_j (B_j·C_i) x_j + D·x_i``
+    (route ``"output"`` reads ``S0`` and the ring instead of ``S_h``; same numbers).
+    Appends nodes at positions ``h..h+N-1``; flush rows write ``S_h``.  Commit:
+    ``cache.tree.gather_path(buf.ring_tensors(), plan, path, accepted)`` then ``ring.commit``.
+    """
+    _check_route(route)
+    dims = _check_inputs(x, dt, B, C, True)
+    Bt, N, H, d, G, n = dims
+    check = _want_check(check, x)
+    _check_params(A, D, dt, H, x.device, check)
+    _check_buffers(buf, plan, "tree", dims, x, check)
+    par = _check_tree(parent, Bt, N, x.device, check)
+    return _draft_verify(buf, plan, ancestor_mask(par), x, dt, A, B, C, D, route, dims)
+
+
+# ============================================================================ snapshot baseline
+def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
+                    C: Tensor, D: Tensor | None = None,
+                    check: bool | None = None) -> tuple[Tensor, Tensor]:
+    """Baseline speculative verify (Alg. 3, what vLLM does): serial scan from ``state[slot]``,
+    one stored state per draft.
+
+    state ``[P,H,d,n]`` (read only), slot ``[Bt]``, x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``,
+    B/C ``[Bt,T,G,n]``.  Returns ``(y [Bt,T,H,d], snapshots [Bt,T,H,d,n])`` with
+    ``snapshots[:, s]`` the state after draft s (state dtype).
+    """
+    dims = _check_inputs(x, dt, B, C, True)
+    Bt, T, H, d, G, n = dims
+    if not isinstance(state, Tensor) or state.dim() != 4 or tuple(state.shape[1:]) != (H, d, n):
+        raise ValueError(f"state must be [P, {H}, {d}, {n}], got {_shape(state)}")
+    _check_state_dtype(state, "state dtype")
+    if state.device != x.device:
+        raise ValueError(f"state is on {state.device}, inputs on {x.device}")
+    check = _want_check(check, x)
+    _check_params(A, D, dt, H, x.device, check)
+    sl = _check_slot(slot, state.shape[0], Bt, x.device, check)
+    cdt = state.dtype
+    gidx = _group_index(H, G, x.device)
+    S = state[sl].to(cdt)
+    xc, dc, Ac, Bc, Cc = x.to(cdt), dt.to(cdt), A.to(cdt), B.to(cdt), C.to(cdt)
+    ys, snaps = [], []
+    for t in range(T):
+        y, S = _step(S, xc[:, t], dc[:, t], Ac, Bc[:, t], Cc[:, t], gidx)
+        ys.append(y)
+        snaps.append(S)
+    if T == 0:
+        return x.new_zeros(x.shape), state.new_zeros((Bt, 0, H, d, n))
+    y = _skip(torch.stack(ys, 1), D, xc)
+    return y.to(x.dtype), torch.stack(snaps, 1)
+
+
+def snapshot_commit(state: Tensor, slot: Tensor, snapshots: Tensor, accepted: Tensor,
+                    check: bool | None = None) -> None:
+    """Baseline commit: ``state[slot] = snapshots[:, a-1]`` on rows with ``a = accepted > 0``.
+
+    state ``[P,H,d,n]``, slot ``[Bt]``, snapshots ``[Bt,T,H,d,n]``, accepted ``[Bt]`` in
+    ``[0, T]``.  No host sync when ``check=False``.
+    """
+    if not isinstance(snapshots, Tensor) or snapshots.dim() != 5:
+        raise ValueError(f"snapshots must be a tensor [Bt, T, H, d, n], got {_shape(snapshots)}")
+    Bt, T = snapshots.shape[:2]
+    if not isinstance(state, Tensor) or state.dim() != 4 or state.shape[1:] != snapshots.shape[2:]:
+        raise ValueError(f"state must be [P, {', '.join(map(str, snapshots.shape[2:]))}], got {_shape(state)}")
+    _check_state_dtype(state, "state dtype")
+    if snapshots.device != state.device:
+        raise ValueError(f"snapshots are on {snapshots.device}, state on {state.device}")
+    if not snapshots.is_floating_point():
+        raise ValueError(f"snapshots must be floating point, got {snapshots.dtype}")
+    check = _want_check(check, state)
+    sl = _check_slot(slot, state.shape[0], Bt, state.device, check)
+    if not isinstance(accepted, Tensor) or tuple(accepted.shape) != (Bt,):
+        raise ValueError(f"accepted must be an integer tensor of shape [{Bt}], got {_shape(accepted)}")
+    if accepted.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"accepted must be int32/int64, got {accepted.dtype}")
+    if accepted.device != state.device:
+        raise ValueError(f"accepted is on {accepted.device}, state on {state.device}")
+    a = accepted.long()
+    if check and Bt and bool(((a < 0) | (a > T)).any()):
+        raise ValueError(f"accepted counts must be in [0, {T}], got {a.tolist()}")
+    if T == 0:
+        return
+    chosen = snapshots[torch.arange(Bt, device=state.device), (a - 1).clamp(0, T - 1)]
+    _write_state_where(state, sl, a > 0, chosen)
+
+
+# ============================================================================ KV-only (paged)
+def _paged():
+    from ...cache import paged  # written beside this module; imported lazily
+
+    return paged
+
+
+def _check_kv(kv, pplan, dims, x: Tensor | None, device, check: bool) -> None:
+    paged = _paged()
+    Bt, T, H, d, G, n = dims
+    if not isinstance(kv, paged.Mamba2PagedBuffers):
+        raise ValueError(f"kv must be Mamba2PagedBuffers, got {type(kv).__name__}")
+    if not isinstance(pplan, paged.PagedPlan):
+        raise ValueError(f"pplan must be a PagedPlan, got {type(pplan).__name__}")
+    if not isinstance(pplan.slot, Tensor) or tuple(pplan.slot.shape) != (Bt,):
+        raise ValueError(f"paged plan has {_shape(pplan.slot)} rows, inputs have batch {Bt}")
+    if pplan.num_new != T:
+        raise ValueError(f"paged plan appends {pplan.num_new} entries per row, inputs have {T} tokens")
+    NBbs = kv.x.shape[0] if isinstance(kv.x, Tensor) else -1
+    want = {"x": (kv.x, (NBbs, H, d)), "B": (kv.B, (NBbs, G, n)), "dt": (kv.dt, (NBbs, H))}
+    for name, (t, shape) in want.items():
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape:
+            raise ValueError(f"kv.{name} has shape {_shape(t)}, expected {shape}")
+        if t.device != device:
+            raise ValueError(f"kv.{name} is on {t.device}, inputs on {device}")
+        if not t.is_floating_point():
+            raise ValueError(f"kv.{name} must be floating point, got {t.dtype}")
+    if x is not None and (kv.x.dtype != x.dtype or kv.B.dtype != x.dtype):
+        raise ValueError(f"dtype mismatch: inputs x/B are {x.dtype}, pool stores x as {kv.x.dtype} "
+                         f"and B as {kv.B.dtype}")
+    if check and Bt:
+        cap = pplan.block_table.shape[1] * pplan.block_size
+        if bool(((pplan.length < 0) | (pplan.length + T > cap)).any()):
+            raise ValueError(f"KV lengths {pplan.length.tolist()} + {T} new entries exceed the "
+                             f"{cap} entries a row's block table holds")
+        _check_unique(pplan.slot.long())
+
+
+def _kv_history(kv, pplan, A: Tensor, cdt):
+    """Committed paged entries, oldest first and masked (zeros past each row's length)."""
+    paged = _paged()
+    xs, Bs, dts = paged.gather_kv(kv.x, pplan), paged.gather_kv(kv.B, pplan), paged.gather_kv(kv.dt, pplan)
+    j = torch.arange(xs.shape[1], device=xs.device)
+    valid = j[None, :] < pplan.length[:, None]
+    zero = torch.zeros((), dtype=cdt, device=xs.device)
+    xs = torch.where(valid[:, :, None, None], xs.to(cdt), zero)
+    Bs = torch.where(valid[:, :, None, None], Bs.to(cdt), zero)
+    dts = torch.where(valid[:, :, None], dts.to(cdt), zero)
+    return xs, Bs, dts, A.to(cdt) * dts, valid
+
+
+def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+              D: Tensor | None = None, check: bool | None = None) -> Tensor:
+    """KV-only form (no state, ``S0 = 0``) for T new tokens per row over paged buffers.
+
+    kv: ``Mamba2PagedBuffers``; pplan from ``pidx.plan(slots, T)`` (n committed entries
+    per row); x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``, B/C ``[Bt,T,G,n]``.
+    ``y_t = Σ_{j ≤ t} Δ_j e^{pre_t−pre_j} (B_j·C_t) x_j + D·x_t`` over the row's n entries
+    and the new tokens up to t (causal).  Writes the new ``(x, B, Δ)`` with
+    ``write_kv_new``; advance with ``pidx.commit(pplan, accepted)``.  Returns ``y [Bt,T,H,d]``.
+    Compute dtype: fp64 if the pool's dt or the inputs are fp64, else fp32.
+    """
+    dims = _check_inputs(x, dt, B, C, True)
+    Bt, T, H, d, G, n = dims
+    check = _want_check(check, x)
+    _check_params(A, D, dt, H, x.device, check)
+    _check_kv(kv, pplan, dims, x, x.device, check)
+    paged = _paged()
+    cdt = _compute_dtype(kv.dt.dtype, kv.x.dtype, x.dtype)
+    gidx = _group_index(H, G, x.device)
+    hx, hB, hd, hl, valid = _kv_history(kv, pplan, A, cdt)
+    nx, nB, nd, nl = _new_entries(x, dt, B, A, cdt)
+    xs, Bs, dts, logs = (torch.cat(p, 1) for p in ((hx, nx), (hB, nB), (hd, nd), (hl, nl)))
+    causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(Bt, T, T)
+    P = torch.cat([valid[:, None, :].expand(Bt, T, valid.shape[1]), causal], 2)
+    y = _skip(_attend(None, xs, Bs, dts, logs, C.to(cdt), P, gidx), D, nx)
+    # ---- writes (all validation done above)
+    paged.write_kv_new(kv.x, pplan, x)
+    paged.write_kv_new(kv.B, pplan, B)
+    paged.write_kv_new(kv.dt, pplan, dt.to(kv.dt.dtype))
+    return y.to(x.dtype)
+
+
+def kv_to_state(kv, pplan, buf: Mamba2Buffers, slot: Tensor, A: Tensor,
+                check: bool | None = None) -> None:
+    """Compress each row's committed KV entries into a checkpoint (one flush):
+    ``buf.state[slot] = Σ_{j<n} Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` (``S0 = 0``).
+
+    ``pplan`` (only its committed lengths are used), ``slot [Bt]`` (each row's state slot in
+    ``buf``), ``A [H]`` (the pool stores Δ, so the decays need A).  Ring bookkeeping is the
+    caller's (``ring.reset(slot)``); the row's blocks may be released afterwards.
+    """
+    paged = _paged()
+    if not isinstance(buf, Mamba2Buffers):
+        raise ValueError(f"buf must be Mamba2Buffers, got {type(buf).__name__}")
+    if not isinstance(kv, paged.Mamba2PagedBuffers):
+        raise ValueError(f"kv must be Mamba2PagedBuffers, got {type(kv).__name__}")
+    if not isinstance(pplan, paged.PagedPlan):
+        raise ValueError(f"pplan must be a PagedPlan, got {type(pplan).__name__}")
+    _check_state_dtype(buf.state, "buf.state dtype")
+    P, H, d, n = buf.state.shape
+    if not isinstance(kv.B, Tensor) or kv.B.dim() != 3:
+        raise ValueError(f"kv.B must be [NB*bs, G, n], got {_shape(kv.B)}")
+    G = kv.B.shape[1]
+    if G < 1 or H % G:
+        raise ValueError(f"nheads H={H} is not a multiple of the KV pool's ngroups {G}")
+    Bt = pplan.slot.shape[0] if isinstance(pplan.slot, Tensor) else -1
+    device = buf.state.device
+    check = _want_check(check, buf.state)
+    _check_kv(kv, pplan, (Bt, pplan.num_new, H, d, G, n), None, device, False)
+    if not isinstance(A, Tensor) or not A.is_floating_point() or tuple(A.shape) != (H,):
+        raise ValueError(f"A must be a floating-point tensor of shape ({H},), got {_shape(A)}")
+    if A.device != device:
+        raise ValueError(f"A is on {A.device}, state on {device}")
+    if check and bool((A > 0).any()):
+        raise ValueError("A must be <= 0 (A = -exp(A_log)); got positive entries")
+    sl = _check_slot(slot, P, Bt, device, check)
+    if check and Bt and bool((pplan.length < 0).any()):
+        raise ValueError(f"negative KV lengths in the paged plan: {pplan.length.tolist()}")
+    cdt = buf.state.dtype
+    xs, Bs, dts, logs, valid = _kv_history(kv, pplan, A, cdt)
+    S = _build_state(None, xs, Bs, dts, logs, valid, _group_index(H, G, device))
+    buf.state[sl] = S.to(buf.state.dtype)
