@@ -31,7 +31,10 @@ from torch import Tensor
 
 from ...cache.buffers import GDNBuffers
 from ...cache.ring import StepPlan, gather_history, write_new
-from ...cache.tree import ancestor_mask, check_parents
+from ...cache.tree import ancestor_mask
+from ..common import (check_accepted, check_kv_lengths, check_plan, check_plan_fit, check_plan_rows,
+                      check_route, check_slot, check_state_dtype, check_tensors, check_tree,
+                      compute_dtype, paged_module, shape_str, want_check, write_state_where)
 
 __all__ = [
     "l2norm",
@@ -49,24 +52,12 @@ __all__ = [
 ]
 
 _ROUTES = ("state", "output")
-_STATE_DTYPES = (torch.float32, torch.float64)
 
 
 # ---------------------------------------------------------------------------- helpers
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """``x / sqrt(Σ x² + eps)`` over the last axis (HF/fla ``l2norm``)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """fp64 if any given dtype is fp64, else fp32."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
-
-
-def _want_check(check: bool | None, *tensors: Tensor) -> bool:
-    if check is not None:
-        return bool(check)
-    return all(t.device.type == "cpu" for t in tensors)
 
 
 def _check_inputs(q, k, v, g, beta, has_time: bool, scale):
@@ -107,25 +98,13 @@ def _check_inputs(q, k, v, g, beta, has_time: bool, scale):
     return Bt, T, H, HV, K, V
 
 
-def _check_state_dtype(state: Tensor, what: str) -> None:
-    if state.dtype not in _STATE_DTYPES:
-        raise ValueError(f"{what} must be float32 or float64, got {state.dtype}")
-
-
 def _check_buffers(buf: GDNBuffers, plan: StepPlan, kind: str, dims, device, check: bool) -> None:
     """Validate a layer's buffers and the step plan against the inputs' dims."""
     Bt, T, H, HV, K, V = dims
     if not isinstance(buf, GDNBuffers):
         raise ValueError(f"buf must be GDNBuffers, got {type(buf).__name__}")
-    if not isinstance(plan, StepPlan):
-        raise ValueError(f"plan must be a StepPlan, got {type(plan).__name__}")
-    if plan.kind != kind:
-        raise ValueError(f"wrong plan kind: this op needs a {kind!r} plan, got {plan.kind!r}")
-    if plan.batch != Bt:
-        raise ValueError(f"plan has {plan.batch} rows, inputs have batch {Bt}")
-    if plan.num_new != T:
-        raise ValueError(f"plan appends {plan.num_new} entries per row, inputs have {T} tokens")
-    _check_state_dtype(buf.state, "buf.state dtype")
+    check_plan(plan, kind, Bt, T)
+    check_state_dtype(buf.state, "buf.state dtype")
     P = buf.state.shape[0]
     L = plan.capacity
     want = {
@@ -134,18 +113,8 @@ def _check_buffers(buf: GDNBuffers, plan: StepPlan, kind: str, dims, device, che
         "k": (buf.k, (P, L, H, K)),
         "g": (buf.g, (P, L, HV)),
     }
-    for name, (t, shape) in want.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"buf.{name} has shape {tuple(t.shape)}, expected {shape} "
-                             f"(P={P}, L={L}, H={H}, HV={HV}, K={K}, V={V})")
-        if t.device != device:
-            raise ValueError(f"buf.{name} is on {t.device}, inputs on {device}")
-        if not t.is_floating_point():
-            raise ValueError(f"buf.{name} must be floating point, got {t.dtype}")
-    for name in ("slot", "start", "hist", "flush"):
-        t = getattr(plan, name)
-        if tuple(t.shape) != (Bt,) or t.device != device:
-            raise ValueError(f"plan.{name} must be a [{Bt}] tensor on {device}")
+    check_tensors("buf", want, device, f" (P={P}, L={L}, H={H}, HV={HV}, K={K}, V={V})")
+    check_plan_rows(plan, Bt, device)
     if check and Bt:
         if bool(((plan.slot < 0) | (plan.slot >= P)).any()):
             raise ValueError(f"plan slots must be in [0, {P - 1}]")
@@ -153,10 +122,7 @@ def _check_buffers(buf: GDNBuffers, plan: StepPlan, kind: str, dims, device, che
             raise ValueError(f"plan starts must be in [0, {L - 1}]")
         if T > L:
             raise ValueError(f"{T} new entries do not fit a ring of capacity {L}")
-        bad = (plan.hist < 0) | (plan.hist > L) | (~plan.flush & (plan.hist + T > L))
-        if bool(bad.any()):
-            raise ValueError(f"inconsistent plan: committed lengths {plan.hist.tolist()} with "
-                             f"{T} new entries do not fit capacity {L} without a flush")
+        check_plan_fit(plan, T, L)
 
 
 def _prep_qk(q: Tensor, k: Tensor, cdt, scale, use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
@@ -248,12 +214,6 @@ def _chain_mask(Bt: int, T: int, device) -> Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(Bt, T, T)
 
 
-def _write_state_where(state: Tensor, slot: Tensor, flag: Tensor, new: Tensor) -> None:
-    """``state[slot] = new`` for rows with ``flag`` (others rewrite their old value)."""
-    old = state[slot]
-    state[slot] = torch.where(flag[:, None, None, None], new.to(state.dtype), old)
-
-
 # ---------------------------------------------------------------------------- recurrence
 def recurrent_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                    scale: float | None = None, use_qk_l2norm: bool = True) -> tuple[Tensor, Tensor]:
@@ -265,9 +225,8 @@ def recurrent_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     """
     Bt, _, H, HV, K, V = _check_inputs(q, k, v, g, beta, False, scale)
     if not isinstance(state, Tensor) or tuple(state.shape) != (Bt, HV, K, V):
-        raise ValueError(f"state must have shape {(Bt, HV, K, V)}, got "
-                         f"{tuple(state.shape) if isinstance(state, Tensor) else type(state).__name__}")
-    _check_state_dtype(state, "state dtype")
+        raise ValueError(f"state must have shape {(Bt, HV, K, V)}, got {shape_str(state)}")
+    check_state_dtype(state, "state dtype")
     cdt = state.dtype
     qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
     y, St = _step(state.to(cdt), qn, kn, v.to(cdt), g.to(cdt), beta.to(cdt))
@@ -296,7 +255,7 @@ def _initial(initial_state, dims, cdt, device):
     if not isinstance(initial_state, Tensor) or tuple(initial_state.shape) != (Bt, HV, K, V):
         raise ValueError(f"initial_state must have shape {(Bt, HV, K, V)}, got "
                          f"{_shape_of(initial_state)}")
-    _check_state_dtype(initial_state, "initial_state dtype")
+    check_state_dtype(initial_state, "initial_state dtype")
     if initial_state.device != device:
         raise ValueError(f"initial_state is on {initial_state.device}, inputs on {device}")
     return initial_state.to(cdt)
@@ -312,7 +271,7 @@ def recurrent_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     math in the initial state's dtype (fp64 if any input is fp64 when there is none).
     """
     dims = _check_inputs(q, k, v, g, beta, True, scale)
-    cdt = initial_state.dtype if isinstance(initial_state, Tensor) else _compute_dtype(
+    cdt = initial_state.dtype if isinstance(initial_state, Tensor) else compute_dtype(
         q.dtype, v.dtype, g.dtype, beta.dtype)
     St = _initial(initial_state, dims, cdt, q.device)
     out_dtype = v.dtype
@@ -341,7 +300,7 @@ def chunked_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     Bt, T, H, HV, K, V = dims
-    cdt = initial_state.dtype if isinstance(initial_state, Tensor) else _compute_dtype(
+    cdt = initial_state.dtype if isinstance(initial_state, Tensor) else compute_dtype(
         q.dtype, v.dtype, g.dtype, beta.dtype)
     St = _initial(initial_state, dims, cdt, q.device)
     out_dtype = v.dtype
@@ -368,7 +327,7 @@ def rebuild_state(buf: GDNBuffers, plan: StepPlan) -> Tensor:
     (Alg. 6 step 1), in the state dtype.  Reads only; any plan kind."""
     if not isinstance(buf, GDNBuffers) or not isinstance(plan, StepPlan):
         raise ValueError("rebuild_state needs GDNBuffers and a StepPlan")
-    _check_state_dtype(buf.state, "buf.state dtype")
+    check_state_dtype(buf.state, "buf.state dtype")
     return _readouts(buf, plan, buf.state.dtype, None, "state")[1]
 
 
@@ -389,11 +348,6 @@ def _readouts(buf, plan, cdt, x: Tensor, route: str):
     return r, Sh
 
 
-def _check_route(route):
-    if route not in _ROUTES:
-        raise ValueError(f"bad route {route!r}: expected one of {_ROUTES}")
-
-
 def replay_decode(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                   beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                   route: str = "state", check: bool | None = None) -> Tensor:
@@ -404,9 +358,9 @@ def replay_decode(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tens
     ``(u, k, g)`` at ring position ``h``; rows with ``plan.flush`` write
     ``state[slot] = e^g S_h + u kᵀ`` (= ``S_{h+1}``).  Returns ``y [Bt,HV,V]``.
     """
-    _check_route(route)
+    check_route(route, _ROUTES)
     dims = _check_inputs(q, k, v, g, beta, False, scale)
-    check = _want_check(check, q)
+    check = want_check(check, q)
     _check_buffers(buf, plan, "decode", dims, q.device, check)
     Bt, _, H, HV, K, V = dims
     cdt = buf.state.dtype
@@ -423,7 +377,35 @@ def replay_decode(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tens
     write_new(buf.u, plan, u[:, None])
     write_new(buf.k, plan, kn[:, None])
     write_new(buf.g, plan, gc[:, None])
-    _write_state_where(buf.state, plan.slot, plan.flush, S_next)
+    write_state_where(buf.state, plan.slot, plan.flush, S_next)
+    return y.to(v.dtype)
+
+
+def _draft_mask(par: Tensor | None, gc: Tensor, Bt: int, T: int, device) -> tuple[Tensor, Tensor]:
+    """Mask ``M [Bt,T,T]`` (draft s reads s') and log-decays ``G [Bt,T,HV]`` from ``S_h``:
+    a causal chain (``G`` = cumulative sum) if ``par`` is None, else the tree's
+    ancestor-or-self mask (``G`` = sum along each root path)."""
+    if par is None:
+        return _chain_mask(Bt, T, device), gc.cumsum(1)
+    M = ancestor_mask(par)
+    return M, torch.einsum("bij,bjh->bih", M.to(gc.dtype), gc)
+
+
+def _draft_verify(buf, plan, par, q, k, v, g, beta, scale, use_qk_l2norm, route, dims):
+    """Shared body of :func:`replay_verify` / :func:`tree_verify` (inputs validated;
+    ``par`` None for a chain of drafts)."""
+    Bt, T = dims[:2]
+    cdt = buf.state.dtype
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
+    M, G = _draft_mask(par, gc, Bt, T, q.device)
+    r, Sh = _readouts(buf, plan, cdt, torch.cat([kn, qn], 1), route)
+    U, y = _delta_block(r[:, :T], r[:, T:], qn, kn, vc, G, bc, M)
+    # ---- writes (all validation done above)
+    write_new(buf.u, plan, U)
+    write_new(buf.k, plan, kn)
+    write_new(buf.g, plan, gc)
+    write_state_where(buf.state, plan.slot, plan.flush, Sh)
     return y.to(v.dtype)
 
 
@@ -439,22 +421,11 @@ def replay_verify(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tens
     Appends ``(U, k, g)`` at positions ``h..h+T-1``; flush rows write ``state[slot] = S_h``
     (committed entries only).  Returns ``y [Bt,T,HV,V]``; commit with ``ring.commit``.
     """
-    _check_route(route)
+    check_route(route, _ROUTES)
     dims = _check_inputs(q, k, v, g, beta, True, scale)
-    check = _want_check(check, q)
+    check = want_check(check, q)
     _check_buffers(buf, plan, "verify", dims, q.device, check)
-    Bt, T, H, HV, K, V = dims
-    cdt = buf.state.dtype
-    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
-    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
-    r, Sh = _readouts(buf, plan, cdt, torch.cat([kn, qn], 1), route)
-    hk, hq = r[:, :T], r[:, T:]
-    U, y = _delta_block(hk, hq, qn, kn, vc, gc.cumsum(1), bc, _chain_mask(Bt, T, q.device))
-    write_new(buf.u, plan, U)
-    write_new(buf.k, plan, kn)
-    write_new(buf.g, plan, gc)
-    _write_state_where(buf.state, plan.slot, plan.flush, Sh)
-    return y.to(v.dtype)
+    return _draft_verify(buf, plan, None, q, k, v, g, beta, scale, use_qk_l2norm, route, dims)
 
 
 def tree_verify(buf: GDNBuffers, plan: StepPlan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor,
@@ -470,54 +441,15 @@ def tree_verify(buf: GDNBuffers, plan: StepPlan, parent: Tensor, q: Tensor, k: T
     Appends ``(U, k, g)`` at positions ``h..h+N-1``; flush rows write ``S_h``.  Commit:
     ``cache.tree.gather_path(buf.ring_tensors(), plan, path, accepted)`` then ``ring.commit``.
     """
-    _check_route(route)
+    check_route(route, _ROUTES)
     dims = _check_inputs(q, k, v, g, beta, True, scale)
-    check = _want_check(check, q, parent) if isinstance(parent, Tensor) else True
+    check = want_check(check, q, parent) if isinstance(parent, Tensor) else True
     _check_buffers(buf, plan, "tree", dims, q.device, check)
-    Bt, N, H, HV, K, V = dims
-    par = _check_tree(parent, Bt, N, q.device, check)
-    cdt = buf.state.dtype
-    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
-    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
-    M = ancestor_mask(par)  # [Bt,N,N]
-    G = torch.einsum("bij,bjh->bih", M.to(cdt), gc)  # sum of log-decays along each root path
-    r, Sh = _readouts(buf, plan, cdt, torch.cat([kn, qn], 1), route)
-    U, y = _delta_block(r[:, :N], r[:, N:], qn, kn, vc, G, bc, M)
-    write_new(buf.u, plan, U)
-    write_new(buf.k, plan, kn)
-    write_new(buf.g, plan, gc)
-    _write_state_where(buf.state, plan.slot, plan.flush, Sh)
-    return y.to(v.dtype)
-
-
-def _check_tree(parent, Bt: int, N: int, device, check: bool) -> Tensor:
-    if not isinstance(parent, Tensor) or parent.dim() not in (1, 2):
-        raise ValueError("bad tree: parent must be an integer tensor [N] or [Bt, N]")
-    if parent.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"bad tree: parent must be int32/int64, got {parent.dtype}")
-    if parent.device != device:
-        raise ValueError(f"bad tree: parent is on {parent.device}, inputs on {device}")
-    if parent.shape[-1] != N or (parent.dim() == 2 and parent.shape[0] != Bt):
-        raise ValueError(f"bad tree: parent has shape {tuple(parent.shape)}, expected [{Bt}, {N}] or [{N}]")
-    if check:
-        return check_parents(parent, Bt)  # raises on a non-topological tree
-    p = parent.long()
-    return (p[None].expand(Bt, N) if p.dim() == 1 else p).contiguous()
+    par = check_tree(parent, dims[0], dims[1], q.device, check)
+    return _draft_verify(buf, plan, par, q, k, v, g, beta, scale, use_qk_l2norm, route, dims)
 
 
 # ---------------------------------------------------------------------------- snapshot baseline
-def _check_slots(slot, P: int, Bt: int, device, check: bool) -> Tensor:
-    if not isinstance(slot, Tensor) or tuple(slot.shape) != (Bt,):
-        raise ValueError(f"slot must be an integer tensor of shape [{Bt}]")
-    if slot.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot must be int32/int64, got {slot.dtype}")
-    if slot.device != device:
-        raise ValueError(f"slot is on {slot.device}, inputs on {device}")
-    if check and Bt and bool(((slot < 0) | (slot >= P)).any()):
-        raise ValueError(f"slot ids must be in [0, {P - 1}]")
-    return slot.long()
-
-
 def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                     beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                     check: bool | None = None) -> tuple[Tensor, Tensor]:
@@ -529,12 +461,11 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
     """
     Bt, T, H, HV, K, V = _check_inputs(q, k, v, g, beta, True, scale)
     if not isinstance(state, Tensor) or state.dim() != 4 or tuple(state.shape[1:]) != (HV, K, V):
-        raise ValueError(f"state must be [P, {HV}, {K}, {V}], got "
-                         f"{tuple(state.shape) if isinstance(state, Tensor) else type(state).__name__}")
-    _check_state_dtype(state, "state dtype")
+        raise ValueError(f"state must be [P, {HV}, {K}, {V}], got {shape_str(state)}")
+    check_state_dtype(state, "state dtype")
     if state.device != q.device:
         raise ValueError(f"state is on {state.device}, inputs on {q.device}")
-    sl = _check_slots(slot, state.shape[0], Bt, q.device, _want_check(check, q))
+    sl = check_slot(slot, state.shape[0], Bt, q.device, want_check(check, q))
     cdt = state.dtype
     St = state[sl].to(cdt)
     qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
@@ -557,35 +488,21 @@ def snapshot_commit(state: Tensor, slot: Tensor, snapshots: Tensor, accepted: Te
         raise ValueError("snapshots must be a tensor [Bt, T, HV, K, V]")
     Bt, T = snapshots.shape[:2]
     if not isinstance(state, Tensor) or state.dim() != 4 or state.shape[1:] != snapshots.shape[2:]:
-        raise ValueError(f"state must be [P, {', '.join(map(str, snapshots.shape[2:]))}], got "
-                         f"{tuple(state.shape) if isinstance(state, Tensor) else type(state).__name__}")
+        raise ValueError(f"state must be [P, {', '.join(map(str, snapshots.shape[2:]))}], "
+                         f"got {shape_str(state)}")
     if snapshots.device != state.device:
         raise ValueError(f"snapshots on {snapshots.device}, state on {state.device}")
-    check = _want_check(check, state)
-    sl = _check_slots(slot, state.shape[0], Bt, state.device, check)
-    if not isinstance(accepted, Tensor) or tuple(accepted.shape) != (Bt,):
-        raise ValueError(f"accepted must be an integer tensor of shape [{Bt}]")
-    if accepted.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"accepted must be int32/int64, got {accepted.dtype}")
-    if accepted.device != state.device:
-        raise ValueError(f"accepted is on {accepted.device}, state on {state.device}")
-    a = accepted.long()
-    if check and Bt and bool(((a < 0) | (a > T)).any()):
-        raise ValueError(f"accepted counts must be in [0, {T}], got {a.tolist()}")
+    check = want_check(check, state)
+    sl = check_slot(slot, state.shape[0], Bt, state.device, check)
+    a = check_accepted(accepted, Bt, T, state.device, check)
     rows = torch.arange(Bt, device=state.device)
     chosen = snapshots[rows, (a - 1).clamp(min=0)]
-    _write_state_where(state, sl, a > 0, chosen)
+    write_state_where(state, sl, a > 0, chosen)
 
 
 # ---------------------------------------------------------------------------- KV-only (paged)
-def _paged():
-    from ...cache import paged  # written beside this module; imported lazily
-
-    return paged
-
-
 def _check_kv(kv, pplan, dims, device, check: bool):
-    paged = _paged()
+    paged = paged_module()
     Bt, T, H, HV, K, V = dims
     if not isinstance(kv, paged.GDNPagedBuffers):
         raise ValueError(f"kv must be GDNPagedBuffers, got {type(kv).__name__}")
@@ -603,26 +520,17 @@ def _check_kv(kv, pplan, dims, device, check: bool):
     if NBbs % pplan.block_size:
         raise ValueError(f"KV pools have {NBbs} entries, not a multiple of block_size {pplan.block_size}")
     want = {"u": (kv.u, (NBbs, HV, V)), "k": (kv.k, (NBbs, H, K)), "g": (kv.g, (NBbs, HV))}
-    for name, (t, shape) in want.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"kv.{name} has shape {tuple(t.shape)}, expected {shape}")
-        if t.device != device:
-            raise ValueError(f"kv.{name} is on {t.device}, inputs on {device}")
-        if not t.is_floating_point():
-            raise ValueError(f"kv.{name} must be floating point, got {t.dtype}")
+    check_tensors("kv", want, device)
     if check and Bt:
         nb = NBbs // pplan.block_size
         if bool(((pplan.block_table < 0) | (pplan.block_table >= nb)).any()):
             raise ValueError(f"block table entries must be in [0, {nb - 1}]")
-        cap = pplan.block_table.shape[1] * pplan.block_size
-        if bool(((pplan.length < 0) | (pplan.length + T > cap)).any()):
-            raise ValueError(f"KV lengths {pplan.length.tolist()} + {T} new entries exceed the "
-                             f"{cap} entries a row's block table can hold")
+        check_kv_lengths(pplan, T)
 
 
 def _kv_history(kv, pplan, cdt):
     """Committed paged entries, masked: ``u``, ``k``, weights ``w_j = e^{pre_n−pre_j}``, ``pre_n``."""
-    paged = _paged()
+    paged = paged_module()
     u = paged.gather_kv(kv.u, pplan).to(cdt)
     k = paged.gather_kv(kv.k, pplan).to(cdt)
     g = paged.gather_kv(kv.g, pplan).to(cdt)
@@ -655,19 +563,15 @@ def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     Compute dtype: fp64 if the pools or the inputs are fp64, else fp32.
     """
     dims = _check_inputs(q, k, v, g, beta, True, scale)
-    check = _want_check(check, q)
+    check = want_check(check, q)
     _check_kv(kv, pplan, dims, q.device, check)
     Bt, T, H, HV, K, V = dims
-    par = None if parent is None else _check_tree(parent, Bt, T, q.device, check)
-    paged = _paged()
-    cdt = _compute_dtype(kv.g.dtype, kv.u.dtype, q.dtype, v.dtype)
+    par = None if parent is None else check_tree(parent, Bt, T, q.device, check)
+    paged = paged_module()
+    cdt = compute_dtype(kv.g.dtype, kv.u.dtype, q.dtype, v.dtype)
     qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
     vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
-    if par is None:
-        M, G = _chain_mask(Bt, T, q.device), gc.cumsum(1)
-    else:
-        M = ancestor_mask(par)
-        G = torch.einsum("bij,bjh->bih", M.to(cdt), gc)
+    M, G = _draft_mask(par, gc, Bt, T, q.device)
     u, kh, w, _ = _kv_history(kv, pplan, cdt)
     r = _history_readout(u, kh, w, torch.cat([kn, qn], 1))
     U, y = _delta_block(r[:, :T], r[:, T:], qn, kn, vc, G, bc, M)
@@ -685,23 +589,23 @@ def kv_to_state(kv, pplan, buf: GDNBuffers, slot: Tensor, check: bool | None = N
     ``slot [Bt]`` (the rows' state slots in ``buf``).  Ring bookkeeping is the caller's
     (``ring.reset(slot)``); paged blocks may be released afterwards.
     """
-    paged = _paged()
+    paged = paged_module()
     if not isinstance(buf, GDNBuffers):
         raise ValueError(f"buf must be GDNBuffers, got {type(buf).__name__}")
     if not isinstance(kv, paged.GDNPagedBuffers):
         raise ValueError(f"kv must be GDNPagedBuffers, got {type(kv).__name__}")
     if not isinstance(pplan, paged.PagedPlan):
         raise ValueError(f"pplan must be a PagedPlan, got {type(pplan).__name__}")
-    _check_state_dtype(buf.state, "buf.state dtype")
+    check_state_dtype(buf.state, "buf.state dtype")
     P, HV, K, V = buf.state.shape
     H = kv.k.shape[1] if kv.k.dim() == 3 else -1
     Bt = pplan.slot.shape[0]
     if H < 1 or HV % H:
         raise ValueError(f"value heads HV={HV} is not a multiple of the KV pool's key heads {H}")
     dims = (Bt, pplan.num_new, H, HV, K, V)
-    check = _want_check(check, buf.state)
+    check = want_check(check, buf.state)
     _check_kv(kv, pplan, dims, buf.state.device, False)
-    sl = _check_slots(slot, P, Bt, buf.state.device, check)
+    sl = check_slot(slot, P, Bt, buf.state.device, check)
     if check and Bt and bool((pplan.length < 0).any()):
         raise ValueError("negative KV lengths in the paged plan")
     cdt = buf.state.dtype

@@ -41,7 +41,10 @@ from torch import Tensor
 
 from ...cache.buffers import Mamba2Buffers
 from ...cache.ring import NULL_SLOT, StepPlan, gather_history, write_new
-from ...cache.tree import ancestor_mask, check_parents
+from ...cache.tree import ancestor_mask
+from ..common import (STATE_DTYPES, check_accepted, check_kv_lengths, check_plan, check_plan_fit,
+                      check_plan_rows, check_route, check_slot, check_state_dtype, check_tensors,
+                      check_tree, compute_dtype, paged_module, shape_str, want_check, write_state_where)
 
 __all__ = [
     "segsum",
@@ -59,7 +62,6 @@ __all__ = [
 ]
 
 _ROUTES = ("output", "state")
-_STATE_DTYPES = (torch.float32, torch.float64)
 
 
 # ============================================================================ helpers
@@ -77,21 +79,6 @@ def segsum(l: Tensor) -> Tensor:
     out = rep.cumsum(-2)  # out[i, j] = Σ_{k ≤ i, k > j} l_k
     causal = torch.ones(Q, Q, dtype=torch.bool, device=l.device).tril()
     return torch.where(causal, out, torch.full((), float("-inf"), dtype=l.dtype, device=l.device))
-
-
-def _want_check(check: bool | None, *tensors: Tensor) -> bool:
-    if check is not None:
-        return bool(check)
-    return all(t.device.type == "cpu" for t in tensors)
-
-
-def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """fp64 if any given dtype is fp64, else fp32."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
-
-
-def _shape(t) -> str:
-    return str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
 
 
 def _check_inputs(x, dt, B, C, has_time: bool):
@@ -131,12 +118,12 @@ def _check_inputs(x, dt, B, C, has_time: bool):
 def _check_params(A, D, dt, H: int, device, check: bool) -> None:
     """``A [H]`` (``<= 0``), optional ``D [H]``, and ``dt >= 0`` (host check)."""
     if not isinstance(A, Tensor) or not A.is_floating_point() or tuple(A.shape) != (H,):
-        raise ValueError(f"A must be a floating-point tensor of shape ({H},), got {_shape(A)}")
+        raise ValueError(f"A must be a floating-point tensor of shape ({H},), got {shape_str(A)}")
     if A.device != device:
         raise ValueError(f"A is on {A.device}, inputs on {device}")
     if D is not None:
         if not isinstance(D, Tensor) or not D.is_floating_point() or tuple(D.shape) != (H,):
-            raise ValueError(f"D must be None or a floating-point tensor of shape ({H},), got {_shape(D)}")
+            raise ValueError(f"D must be None or a floating-point tensor of shape ({H},), got {shape_str(D)}")
         if D.device != device:
             raise ValueError(f"D is on {D.device}, inputs on {device}")
     if check:
@@ -146,22 +133,10 @@ def _check_params(A, D, dt, H: int, device, check: bool) -> None:
             raise ValueError("dt must be >= 0 (Δ after softplus, bias and clamp); got negative entries")
 
 
-def _check_state_dtype(state: Tensor, what: str) -> None:
-    if state.dtype not in _STATE_DTYPES:
-        raise ValueError(f"{what} must be float32 or float64, got {state.dtype}")
-
-
 def _check_slot(slot, P: int, Bt: int, device, check: bool) -> Tensor:
-    if not isinstance(slot, Tensor) or tuple(slot.shape) != (Bt,):
-        raise ValueError(f"slot must be an integer tensor of shape [{Bt}], got {_shape(slot)}")
-    if slot.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot must be int32/int64, got {slot.dtype}")
-    if slot.device != device:
-        raise ValueError(f"slot is on {slot.device}, inputs on {device}")
-    s = slot.long()
+    """:func:`~replayssm.ops.common.check_slot`, plus (host check) no slot in several rows."""
+    s = check_slot(slot, P, Bt, device, check)
     if check and Bt:
-        if bool(((s < 0) | (s >= P)).any()):
-            raise ValueError(f"slot ids must be in [0, {P - 1}], got {s.tolist()}")
         _check_unique(s)
     return s
 
@@ -179,15 +154,8 @@ def _check_buffers(buf, plan, kind: str, dims, x: Tensor, check: bool) -> None:
     device = x.device
     if not isinstance(buf, Mamba2Buffers):
         raise ValueError(f"buf must be Mamba2Buffers, got {type(buf).__name__}")
-    if not isinstance(plan, StepPlan):
-        raise ValueError(f"plan must be a StepPlan, got {type(plan).__name__}")
-    if plan.kind != kind:
-        raise ValueError(f"wrong plan kind: this op needs a {kind!r} plan, got {plan.kind!r}")
-    if plan.batch != Bt:
-        raise ValueError(f"plan has {plan.batch} rows, inputs have batch {Bt}")
-    if plan.num_new != T:
-        raise ValueError(f"plan appends {plan.num_new} entries per row, inputs have {T} tokens")
-    _check_state_dtype(buf.state, "buf.state dtype")
+    check_plan(plan, kind, Bt, T)
+    check_state_dtype(buf.state, "buf.state dtype")
     P, L = buf.state.shape[0], plan.capacity
     want = {
         "state": (buf.state, (P, H, d, n)),
@@ -195,21 +163,11 @@ def _check_buffers(buf, plan, kind: str, dims, x: Tensor, check: bool) -> None:
         "B": (buf.B, (P, L, G, n)),
         "dt": (buf.dt, (P, L, H)),
     }
-    for name, (t, shape) in want.items():
-        if not isinstance(t, Tensor) or tuple(t.shape) != shape:
-            raise ValueError(f"buf.{name} has shape {_shape(t)}, expected {shape} "
-                             f"(P={P}, L={L}, H={H}, d={d}, G={G}, n={n})")
-        if t.device != device:
-            raise ValueError(f"buf.{name} is on {t.device}, inputs on {device}")
-        if not t.is_floating_point():
-            raise ValueError(f"buf.{name} must be floating point, got {t.dtype}")
+    check_tensors("buf", want, device, f" (P={P}, L={L}, H={H}, d={d}, G={G}, n={n})")
     if buf.x.dtype != x.dtype or buf.B.dtype != x.dtype:
         raise ValueError(f"dtype mismatch: inputs x/B are {x.dtype}, ring stores x as {buf.x.dtype} "
                          f"and B as {buf.B.dtype}")
-    for name in ("slot", "start", "hist", "flush"):
-        t = getattr(plan, name)
-        if not isinstance(t, Tensor) or tuple(t.shape) != (Bt,) or t.device != device:
-            raise ValueError(f"plan.{name} must be a [{Bt}] tensor on {device}")
+    check_plan_rows(plan, Bt, device)
     if T > L:
         raise ValueError(f"{T} new entries do not fit a ring of capacity {L}")
     if check and Bt:
@@ -218,12 +176,7 @@ def _check_buffers(buf, plan, kind: str, dims, x: Tensor, check: bool) -> None:
         _check_unique(plan.slot.long())
         if bool(((plan.start < 0) | (plan.start >= L)).any()):
             raise ValueError(f"plan starts must be in [0, {L - 1}], got {plan.start.tolist()}")
-        # A flushing row may overwrite committed entries (they are summarised into the
-        # checkpoint before any write); any other row needs h + T <= L.
-        bad = (plan.hist < 0) | (plan.hist > L) | (~plan.flush & (plan.hist + T > L))
-        if bool(bad.any()):
-            raise ValueError(f"inconsistent plan: committed lengths {plan.hist.tolist()} with {T} "
-                             f"new entries do not fit capacity {L} without a flush")
+        check_plan_fit(plan, T, L)
 
 
 def _group_index(H: int, G: int, device) -> Tensor:
@@ -303,21 +256,20 @@ def _skip(y: Tensor, D: Tensor | None, xc: Tensor) -> Tensor:
     return y if D is None else y + D.to(y.dtype)[:, None] * xc
 
 
-def _write_state_where(state: Tensor, slot: Tensor, flag: Tensor, new: Tensor) -> None:
-    """``state[slot] = new`` on rows with ``flag`` (other rows rewrite their old value; no sync)."""
-    old = state[slot]
-    state[slot] = torch.where(flag[:, None, None, None], new.to(state.dtype), old)
-
-
 def _write_entries(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, B: Tensor, dt: Tensor) -> None:
     write_new(buf.x, plan, x)
     write_new(buf.B, plan, B)
     write_new(buf.dt, plan, dt)
 
 
-def _check_route(route) -> None:
-    if route not in _ROUTES:
-        raise ValueError(f"bad route {route!r}: expected one of {_ROUTES}")
+def _check_replay(buf, plan, kind: str, x, dt, A, B, C, D, route, check):
+    """Validation shared by the replay ops; returns ``(dims, check)``."""
+    check_route(route, _ROUTES)
+    dims = _check_inputs(x, dt, B, C, kind != "decode")
+    check = want_check(check, x)
+    _check_params(A, D, dt, dims[2], x.device, check)
+    _check_buffers(buf, plan, kind, dims, x, check)
+    return dims, check
 
 
 # ============================================================================ recurrence
@@ -342,11 +294,11 @@ def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C
     dims = _check_inputs(x, dt, B, C, False)
     Bt, _, H, d, G, n = dims
     if not isinstance(state, Tensor) or tuple(state.shape) != (Bt, H, d, n):
-        raise ValueError(f"state must have shape {(Bt, H, d, n)}, got {_shape(state)}")
-    _check_state_dtype(state, "state dtype")
+        raise ValueError(f"state must have shape {(Bt, H, d, n)}, got {shape_str(state)}")
+    check_state_dtype(state, "state dtype")
     if state.device != x.device:
         raise ValueError(f"state is on {state.device}, inputs on {x.device}")
-    _check_params(A, D, dt, H, x.device, _want_check(check, x))
+    _check_params(A, D, dt, H, x.device, want_check(check, x))
     cdt = state.dtype
     xc = x.to(cdt)
     y, S = _step(state, xc, dt.to(cdt), A.to(cdt), B.to(cdt), C.to(cdt),
@@ -359,17 +311,17 @@ def _initial(initial_state, dims, cdt, device) -> Tensor:
     if initial_state is None:
         return torch.zeros(Bt, H, d, n, dtype=cdt, device=device)
     if not isinstance(initial_state, Tensor) or tuple(initial_state.shape) != (Bt, H, d, n):
-        raise ValueError(f"initial_state must have shape {(Bt, H, d, n)}, got {_shape(initial_state)}")
-    _check_state_dtype(initial_state, "initial_state dtype")
+        raise ValueError(f"initial_state must have shape {(Bt, H, d, n)}, got {shape_str(initial_state)}")
+    check_state_dtype(initial_state, "initial_state dtype")
     if initial_state.device != device:
         raise ValueError(f"initial_state is on {initial_state.device}, inputs on {device}")
     return initial_state.to(cdt)
 
 
 def _scan_dtype(initial_state, x, dt):
-    if isinstance(initial_state, Tensor) and initial_state.dtype in _STATE_DTYPES:
+    if isinstance(initial_state, Tensor) and initial_state.dtype in STATE_DTYPES:
         return initial_state.dtype
-    return _compute_dtype(x.dtype, dt.dtype)
+    return compute_dtype(x.dtype, dt.dtype)
 
 
 def recurrent_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
@@ -384,7 +336,7 @@ def recurrent_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Te
     """
     dims = _check_inputs(x, dt, B, C, True)
     Bt, T, H, d, G, n = dims
-    _check_params(A, D, dt, H, x.device, _want_check(check, x))
+    _check_params(A, D, dt, H, x.device, want_check(check, x))
     cdt = _scan_dtype(initial_state, x, dt)
     S = _initial(initial_state, dims, cdt, x.device)
     gidx = _group_index(H, G, x.device)
@@ -415,7 +367,7 @@ def chunked_prefill(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: T
     Bt, T, H, d, G, n = dims
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    _check_params(A, D, dt, H, x.device, _want_check(check, x))
+    _check_params(A, D, dt, H, x.device, want_check(check, x))
     cdt = _scan_dtype(initial_state, x, dt)
     S_init = _initial(initial_state, dims, cdt, x.device)
     if T == 0:
@@ -462,11 +414,11 @@ def rebuild_state(buf: Mamba2Buffers, plan: StepPlan, A: Tensor) -> Tensor:
     any plan kind (``ring.plan_decode(slots)`` is a side-effect-free way to get one)."""
     if not isinstance(buf, Mamba2Buffers) or not isinstance(plan, StepPlan):
         raise ValueError("rebuild_state needs Mamba2Buffers and a StepPlan")
-    _check_state_dtype(buf.state, "buf.state dtype")
+    check_state_dtype(buf.state, "buf.state dtype")
     P, H, d, n = buf.state.shape
     G = buf.B.shape[2]
     if not isinstance(A, Tensor) or tuple(A.shape) != (H,):
-        raise ValueError(f"A must be a tensor of shape ({H},), got {_shape(A)}")
+        raise ValueError(f"A must be a tensor of shape ({H},), got {shape_str(A)}")
     cdt = buf.state.dtype
     xs, Bs, dts, logs, valid = _history(buf, plan, A, cdt)
     return _build_state(buf.state[plan.slot].to(cdt), xs, Bs, dts, logs, valid,
@@ -489,12 +441,8 @@ def replay_decode(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, dt: Tensor, A: 
     write ``state[slot] = S_{h+1}`` (including the new entry).  Returns ``y [Bt,H,d]``;
     then ``ring.commit(plan)``.
     """
-    _check_route(route)
-    dims = _check_inputs(x, dt, B, C, False)
+    dims, check = _check_replay(buf, plan, "decode", x, dt, A, B, C, D, route, check)
     Bt, _, H, d, G, n = dims
-    check = _want_check(check, x)
-    _check_params(A, D, dt, H, x.device, check)
-    _check_buffers(buf, plan, "decode", dims, x, check)
     cdt = buf.state.dtype
     gidx = _group_index(H, G, x.device)
     hx, hB, hd, hl, valid = _history(buf, plan, A, cdt)
@@ -511,7 +459,7 @@ def replay_decode(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, dt: Tensor, A: 
     y = _skip(y, D, nx[:, 0])
     # ---- writes (all validation done above)
     _write_entries(buf, plan, x[:, None], B[:, None], dt[:, None])
-    _write_state_where(buf.state, plan.slot, plan.flush, S_next)
+    write_state_where(buf.state, plan.slot, plan.flush, S_next)
     return y.to(x.dtype)
 
 
@@ -537,7 +485,7 @@ def _draft_verify(buf, plan, mask, x, dt, A, B, C, D, route, dims):
     y = _skip(y, D, nx)
     # ---- writes (all validation done above)
     _write_entries(buf, plan, x, B, dt)
-    _write_state_where(buf.state, plan.slot, plan.flush, Sh)
+    write_state_where(buf.state, plan.slot, plan.flush, Sh)
     return y.to(x.dtype)
 
 
@@ -554,29 +502,10 @@ def replay_verify(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, dt: Tensor, A: 
     Appends the drafts at positions ``h..h+T-1``; flush rows write ``state[slot] = S_h``
     (committed entries only).  Returns ``y [Bt,T,H,d]``; then ``ring.commit(plan, accepted)``.
     """
-    _check_route(route)
-    dims = _check_inputs(x, dt, B, C, True)
-    Bt, T, H, d, G, n = dims
-    check = _want_check(check, x)
-    _check_params(A, D, dt, H, x.device, check)
-    _check_buffers(buf, plan, "verify", dims, x, check)
+    dims, check = _check_replay(buf, plan, "verify", x, dt, A, B, C, D, route, check)
+    Bt, T = dims[:2]
     mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(Bt, T, T)
     return _draft_verify(buf, plan, mask, x, dt, A, B, C, D, route, dims)
-
-
-def _check_tree(parent, Bt: int, N: int, device, check: bool) -> Tensor:
-    if not isinstance(parent, Tensor) or parent.dim() not in (1, 2):
-        raise ValueError(f"bad tree: parent must be an integer tensor [N] or [Bt, N], got {_shape(parent)}")
-    if parent.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"bad tree: parent must be int32/int64, got {parent.dtype}")
-    if parent.device != device:
-        raise ValueError(f"bad tree: parent is on {parent.device}, inputs on {device}")
-    if parent.shape[-1] != N or (parent.dim() == 2 and parent.shape[0] != Bt):
-        raise ValueError(f"bad tree: parent has shape {tuple(parent.shape)}, expected [{Bt}, {N}] or [{N}]")
-    if check:
-        return check_parents(parent, Bt)  # raises ValueError on a non-topological tree
-    p = parent.long()
-    return (p[None].expand(Bt, N) if p.dim() == 1 else p).contiguous()
 
 
 def tree_verify(buf: Mamba2Buffers, plan: StepPlan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor,
@@ -593,13 +522,8 @@ def tree_verify(buf: Mamba2Buffers, plan: StepPlan, parent: Tensor, x: Tensor, d
     Appends nodes at positions ``h..h+N-1``; flush rows write ``S_h``.  Commit:
     ``cache.tree.gather_path(buf.ring_tensors(), plan, path, accepted)`` then ``ring.commit``.
     """
-    _check_route(route)
-    dims = _check_inputs(x, dt, B, C, True)
-    Bt, N, H, d, G, n = dims
-    check = _want_check(check, x)
-    _check_params(A, D, dt, H, x.device, check)
-    _check_buffers(buf, plan, "tree", dims, x, check)
-    par = _check_tree(parent, Bt, N, x.device, check)
+    dims, check = _check_replay(buf, plan, "tree", x, dt, A, B, C, D, route, check)
+    par = check_tree(parent, dims[0], dims[1], x.device, check)
     return _draft_verify(buf, plan, ancestor_mask(par), x, dt, A, B, C, D, route, dims)
 
 
@@ -617,11 +541,11 @@ def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tenso
     dims = _check_inputs(x, dt, B, C, True)
     Bt, T, H, d, G, n = dims
     if not isinstance(state, Tensor) or state.dim() != 4 or tuple(state.shape[1:]) != (H, d, n):
-        raise ValueError(f"state must be [P, {H}, {d}, {n}], got {_shape(state)}")
-    _check_state_dtype(state, "state dtype")
+        raise ValueError(f"state must be [P, {H}, {d}, {n}], got {shape_str(state)}")
+    check_state_dtype(state, "state dtype")
     if state.device != x.device:
         raise ValueError(f"state is on {state.device}, inputs on {x.device}")
-    check = _want_check(check, x)
+    check = want_check(check, x)
     _check_params(A, D, dt, H, x.device, check)
     sl = _check_slot(slot, state.shape[0], Bt, x.device, check)
     cdt = state.dtype
@@ -647,73 +571,51 @@ def snapshot_commit(state: Tensor, slot: Tensor, snapshots: Tensor, accepted: Te
     ``[0, T]``.  No host sync when ``check=False``.
     """
     if not isinstance(snapshots, Tensor) or snapshots.dim() != 5:
-        raise ValueError(f"snapshots must be a tensor [Bt, T, H, d, n], got {_shape(snapshots)}")
+        raise ValueError(f"snapshots must be a tensor [Bt, T, H, d, n], got {shape_str(snapshots)}")
     Bt, T = snapshots.shape[:2]
     if not isinstance(state, Tensor) or state.dim() != 4 or state.shape[1:] != snapshots.shape[2:]:
-        raise ValueError(f"state must be [P, {', '.join(map(str, snapshots.shape[2:]))}], got {_shape(state)}")
-    _check_state_dtype(state, "state dtype")
+        raise ValueError(f"state must be [P, {', '.join(map(str, snapshots.shape[2:]))}], "
+                         f"got {shape_str(state)}")
+    check_state_dtype(state, "state dtype")
     if snapshots.device != state.device:
         raise ValueError(f"snapshots are on {snapshots.device}, state on {state.device}")
     if not snapshots.is_floating_point():
         raise ValueError(f"snapshots must be floating point, got {snapshots.dtype}")
-    check = _want_check(check, state)
+    check = want_check(check, state)
     sl = _check_slot(slot, state.shape[0], Bt, state.device, check)
-    if not isinstance(accepted, Tensor) or tuple(accepted.shape) != (Bt,):
-        raise ValueError(f"accepted must be an integer tensor of shape [{Bt}], got {_shape(accepted)}")
-    if accepted.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"accepted must be int32/int64, got {accepted.dtype}")
-    if accepted.device != state.device:
-        raise ValueError(f"accepted is on {accepted.device}, state on {state.device}")
-    a = accepted.long()
-    if check and Bt and bool(((a < 0) | (a > T)).any()):
-        raise ValueError(f"accepted counts must be in [0, {T}], got {a.tolist()}")
+    a = check_accepted(accepted, Bt, T, state.device, check)
     if T == 0:
         return
     chosen = snapshots[torch.arange(Bt, device=state.device), (a - 1).clamp(0, T - 1)]
-    _write_state_where(state, sl, a > 0, chosen)
+    write_state_where(state, sl, a > 0, chosen)
 
 
 # ============================================================================ KV-only (paged)
-def _paged():
-    from ...cache import paged  # written beside this module; imported lazily
-
-    return paged
-
-
 def _check_kv(kv, pplan, dims, x: Tensor | None, device, check: bool) -> None:
-    paged = _paged()
+    paged = paged_module()
     Bt, T, H, d, G, n = dims
     if not isinstance(kv, paged.Mamba2PagedBuffers):
         raise ValueError(f"kv must be Mamba2PagedBuffers, got {type(kv).__name__}")
     if not isinstance(pplan, paged.PagedPlan):
         raise ValueError(f"pplan must be a PagedPlan, got {type(pplan).__name__}")
     if not isinstance(pplan.slot, Tensor) or tuple(pplan.slot.shape) != (Bt,):
-        raise ValueError(f"paged plan has {_shape(pplan.slot)} rows, inputs have batch {Bt}")
+        raise ValueError(f"paged plan has {shape_str(pplan.slot)} rows, inputs have batch {Bt}")
     if pplan.num_new != T:
         raise ValueError(f"paged plan appends {pplan.num_new} entries per row, inputs have {T} tokens")
     NBbs = kv.x.shape[0] if isinstance(kv.x, Tensor) else -1
     want = {"x": (kv.x, (NBbs, H, d)), "B": (kv.B, (NBbs, G, n)), "dt": (kv.dt, (NBbs, H))}
-    for name, (t, shape) in want.items():
-        if not isinstance(t, Tensor) or tuple(t.shape) != shape:
-            raise ValueError(f"kv.{name} has shape {_shape(t)}, expected {shape}")
-        if t.device != device:
-            raise ValueError(f"kv.{name} is on {t.device}, inputs on {device}")
-        if not t.is_floating_point():
-            raise ValueError(f"kv.{name} must be floating point, got {t.dtype}")
+    check_tensors("kv", want, device)
     if x is not None and (kv.x.dtype != x.dtype or kv.B.dtype != x.dtype):
         raise ValueError(f"dtype mismatch: inputs x/B are {x.dtype}, pool stores x as {kv.x.dtype} "
                          f"and B as {kv.B.dtype}")
     if check and Bt:
-        cap = pplan.block_table.shape[1] * pplan.block_size
-        if bool(((pplan.length < 0) | (pplan.length + T > cap)).any()):
-            raise ValueError(f"KV lengths {pplan.length.tolist()} + {T} new entries exceed the "
-                             f"{cap} entries a row's block table holds")
+        check_kv_lengths(pplan, T)
         _check_unique(pplan.slot.long())
 
 
 def _kv_history(kv, pplan, A: Tensor, cdt):
     """Committed paged entries, oldest first and masked (zeros past each row's length)."""
-    paged = _paged()
+    paged = paged_module()
     xs, Bs, dts = paged.gather_kv(kv.x, pplan), paged.gather_kv(kv.B, pplan), paged.gather_kv(kv.dt, pplan)
     j = torch.arange(xs.shape[1], device=xs.device)
     valid = j[None, :] < pplan.length[:, None]
@@ -737,11 +639,11 @@ def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     """
     dims = _check_inputs(x, dt, B, C, True)
     Bt, T, H, d, G, n = dims
-    check = _want_check(check, x)
+    check = want_check(check, x)
     _check_params(A, D, dt, H, x.device, check)
     _check_kv(kv, pplan, dims, x, x.device, check)
-    paged = _paged()
-    cdt = _compute_dtype(kv.dt.dtype, kv.x.dtype, x.dtype)
+    paged = paged_module()
+    cdt = compute_dtype(kv.dt.dtype, kv.x.dtype, x.dtype)
     gidx = _group_index(H, G, x.device)
     hx, hB, hd, hl, valid = _kv_history(kv, pplan, A, cdt)
     nx, nB, nd, nl = _new_entries(x, dt, B, A, cdt)
@@ -765,26 +667,26 @@ def kv_to_state(kv, pplan, buf: Mamba2Buffers, slot: Tensor, A: Tensor,
     ``buf``), ``A [H]`` (the pool stores Δ, so the decays need A).  Ring bookkeeping is the
     caller's (``ring.reset(slot)``); the row's blocks may be released afterwards.
     """
-    paged = _paged()
+    paged = paged_module()
     if not isinstance(buf, Mamba2Buffers):
         raise ValueError(f"buf must be Mamba2Buffers, got {type(buf).__name__}")
     if not isinstance(kv, paged.Mamba2PagedBuffers):
         raise ValueError(f"kv must be Mamba2PagedBuffers, got {type(kv).__name__}")
     if not isinstance(pplan, paged.PagedPlan):
         raise ValueError(f"pplan must be a PagedPlan, got {type(pplan).__name__}")
-    _check_state_dtype(buf.state, "buf.state dtype")
+    check_state_dtype(buf.state, "buf.state dtype")
     P, H, d, n = buf.state.shape
     if not isinstance(kv.B, Tensor) or kv.B.dim() != 3:
-        raise ValueError(f"kv.B must be [NB*bs, G, n], got {_shape(kv.B)}")
+        raise ValueError(f"kv.B must be [NB*bs, G, n], got {shape_str(kv.B)}")
     G = kv.B.shape[1]
     if G < 1 or H % G:
         raise ValueError(f"nheads H={H} is not a multiple of the KV pool's ngroups {G}")
     Bt = pplan.slot.shape[0] if isinstance(pplan.slot, Tensor) else -1
     device = buf.state.device
-    check = _want_check(check, buf.state)
+    check = want_check(check, buf.state)
     _check_kv(kv, pplan, (Bt, pplan.num_new, H, d, G, n), None, device, False)
     if not isinstance(A, Tensor) or not A.is_floating_point() or tuple(A.shape) != (H,):
-        raise ValueError(f"A must be a floating-point tensor of shape ({H},), got {_shape(A)}")
+        raise ValueError(f"A must be a floating-point tensor of shape ({H},), got {shape_str(A)}")
     if A.device != device:
         raise ValueError(f"A is on {A.device}, state on {device}")
     if check and bool((A > 0).any()):
