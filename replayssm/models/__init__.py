@@ -1,0 +1,9 @@
+"""HF-compatible models: Mamba-2, Nemotron-H and Qwen3-Next with cached replay decoding."""
+
+from .base import CausalLM
+from .cache import ModelCache
+from .config import ConfigError, Mamba2Config, NemotronHConfig, Qwen3NextConfig, parse_config, read_config
+from .loader import WeightError, load_model, load_tokenizer
+
+__all__ = ["load_model", "load_tokenizer", "CausalLM", "ModelCache", "ConfigError", "WeightError",
+           "Mamba2Config", "NemotronHConfig", "Qwen3NextConfig", "parse_config", "read_config"]

@@ -1,0 +1,47 @@
+"""What every layer of one model call reads: the kind of step, rows, positions, plans.
+
+Built once per call by the model (``replayssm.models.base``) and shared by all layers, so
+per-row decisions (slots, positions, flush flags, masks) are computed once, as device
+tensors.  ``kind``:
+
+* ``"full"``: plain forward, no cache (``cache is None``).
+* ``"prefill"``: ``T`` prompt tokens per row, right padded; ``valid [B, T]``; rows may
+  continue a sequence (``fresh [B]`` marks rows that start at position 0).
+* ``"decode"``: one token per row, committed by the call itself.
+* ``"verify"``: ``T`` tentative tokens per row in a chain; kept until ``commit``.
+* ``"tree"``: ``N`` tentative nodes per row with ``parent [B, N]`` and the ancestor-or-self
+  mask ``anc [B, N, N]``; kept until ``commit`` along a path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+
+@dataclass
+class StepContext:
+    kind: str
+    T: int
+    positions: Tensor                 # [B, T] absolute token positions (RoPE)
+    cache: Any = None                 # replayssm.models.cache.ModelCache
+    slots: Tensor | None = None       # [B] slot of each row (0 = null slot)
+    valid: Tensor | None = None       # [B, T] bool, prefill only
+    lengths: Tensor | None = None     # [B] valid tokens per row, prefill only
+    fresh: Tensor | None = None       # [B] bool: row starts a new sequence (prefill)
+    seq_len: Tensor | None = None     # [B] committed tokens before this call
+    parent: Tensor | None = None      # [B, N] tree parents (-1 = last committed token)
+    anc: Tensor | None = None         # [B, N, N] ancestor-or-self mask
+    # SSM form selection: "recurrent" | "replay" | "kv" | "mixed" (kv rows + replay rows)
+    ssm_form: str = "recurrent"
+    kv_rows: Tensor | None = None     # [B] bool, rows in KV-only form (mixed / kv)
+    state_slots: Tensor | None = None  # [B] slots for the state form (kv rows -> null slot)
+    plan: Any = None                  # ring StepPlan over state_slots (replay form)
+    pplan: Any = None                 # PagedPlan over KV rows (kv form)
+    pending: dict = field(default_factory=dict)  # per-layer data kept until commit
+
+    @property
+    def batch(self) -> int:
+        return self.positions.shape[0]

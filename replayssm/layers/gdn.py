@@ -1,0 +1,131 @@
+"""Gated DeltaNet mixer (HF ``Qwen3NextGatedDeltaNet`` checkpoints).
+
+HF packs ``in_proj_qkvz`` per key head ``[q (K) | k (K) | v (r·V) | z (r·V)]`` and
+``in_proj_ba`` per key head ``[b (r) | a (r)]`` with ``r = HV / H``.  At load time we permute
+the rows to ``[q (H·K) | k (H·K) | v (HV·V) | z (HV·V)]`` and ``[b (HV) | a (HV)]``
+(:func:`reorder_qkvz`, :func:`reorder_ba`); value head ``hv = h·r + i`` keeps its index, so
+value head ``hv`` reads key head ``hv // r``.
+
+``qkv = silu(causal_conv([q | k | v]))``; ``β = sigmoid(b)``;
+``g = -exp(A_log) · softplus(a + dt_bias)`` (fp32+); ``y = GDN(q, k, v, g, β)`` with
+l2-normalised q, k and ``q · K^-1/2``; ``out = out_proj(rms(y) · w · silu(z))`` per value head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .context import StepContext
+from .mlp import Linear, _param
+from .norms import GatedRMSNorm, compute_dtype
+from .ssm_base import SSMLayer
+
+
+def reorder_qkvz(w: Tensor, H: int, HV: int, K: int, V: int) -> Tensor:
+    """HF per-key-head interleaved rows -> ``[q | k | v | z]`` rows (any trailing dims)."""
+    r = HV // H
+    t = w.reshape(H, 2 * K + 2 * r * V, *w.shape[1:])
+    q, k, v, z = torch.split(t, [K, K, r * V, r * V], dim=1)
+    return torch.cat([x.reshape(-1, *w.shape[1:]) for x in (q, k, v, z)], 0).contiguous()
+
+
+def reorder_ba(w: Tensor, H: int, HV: int) -> Tensor:
+    """HF per-key-head ``[b (r) | a (r)]`` rows -> ``[b (HV) | a (HV)]``."""
+    r = HV // H
+    t = w.reshape(H, 2 * r, *w.shape[1:])
+    b, a = torch.split(t, [r, r], dim=1)
+    return torch.cat([b.reshape(-1, *w.shape[1:]), a.reshape(-1, *w.shape[1:])], 0).contiguous()
+
+
+class GatedDeltaNet(SSMLayer):
+    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, conv_kernel: int, *, eps: float, chunk_size: int = 64,
+                 layer_id: int = 0):
+        super().__init__()
+        self.H, self.HV, self.K, self.V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel, self.layer_id, self.chunk_size = conv_kernel, layer_id, chunk_size
+        self.in_proj_qkvz = Linear(hidden, 2 * self.key_dim + 2 * self.value_dim)
+        self.in_proj_ba = Linear(hidden, 2 * num_v_heads)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = _param(self.conv_dim, 1, conv_kernel)
+        self.dt_bias = _param(num_v_heads)
+        self.A_log = _param(num_v_heads)
+        self.norm = GatedRMSNorm(head_v_dim, eps, gate_first=False)
+        self.out_proj = Linear(self.value_dim, hidden)
+
+    def conv1d_bias(self):
+        return None
+
+    # ---- ops glue --------------------------------------------------------------------------
+    def _ops(self):
+        from ..ops.gdn import naive
+
+        return naive
+
+    def _call(self, op: str, *prefix, a: dict, t0: bool = False, **kw):
+        f = getattr(self._ops(), op)
+        q, k, v, g, beta = a["q"], a["k"], a["v"], a["g"], a["beta"]
+        if t0:
+            q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
+        if op in ("recurrent_step", "replay_decode", "replay_verify", "tree_verify", "snapshot_verify",
+                  "kv_verify", "chunked_prefill"):
+            kw.setdefault("use_qk_l2norm", True)
+        return f(*prefix, q, k, v, g, beta, **kw)
+
+    def _mask(self, a: dict, valid: Tensor) -> dict:
+        a = dict(a)
+        m = valid[..., None]
+        a["g"] = torch.where(m, a["g"], torch.zeros_like(a["g"]))
+        a["beta"] = torch.where(m, a["beta"], torch.zeros_like(a["beta"]))
+        return a
+
+    def _rebuild(self, buf, plan):
+        return self._ops().rebuild_state(buf, plan)
+
+    def state_dtype(self, dtype) -> torch.dtype:
+        return compute_dtype(dtype)
+
+    def allocate(self, P: int, capacity: int, dtype, device, paged=None) -> dict:
+        from ..cache.buffers import GDNBuffers
+        from ..cache.conv import ConvWindow
+
+        sdt = self.state_dtype(dtype)
+        conv = ConvWindow.allocate(P - 1, self.conv_dim, self.conv_kernel, dtype=dtype, device=device)
+        buf = self._alloc_buf(P - 1, capacity, dtype, sdt, device)
+        kv = None
+        if paged is not None:
+            from ..cache.paged import GDNPagedBuffers
+
+            kv = GDNPagedBuffers.allocate(paged[0], paged[1], self.H, self.HV, self.K, self.V,
+                                          dtype=dtype, state_dtype=sdt, device=device)
+        return {"buf": buf, "conv": conv, "kv": kv}
+
+    def _alloc_buf(self, num_slots, capacity, dtype, sdt, device):
+        from ..cache.buffers import GDNBuffers
+
+        return GDNBuffers.allocate(num_slots, capacity, self.H, self.HV, self.K, self.V, dtype=dtype,
+                                   state_dtype=sdt, device=device)
+
+    def kv_to_state(self, store: dict, pplan, slots: Tensor) -> None:
+        self._ops().kv_to_state(store["kv"], pplan, store["buf"], slots)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, h: Tensor, ctx: StepContext) -> Tensor:
+        Bt, T, _ = h.shape
+        qkvz = self.in_proj_qkvz(h)
+        qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
+        b, a_ = self.in_proj_ba(h).split([self.HV, self.HV], dim=-1)
+        qkv = self._conv(qkv, ctx)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        cdt = compute_dtype(h.dtype)
+        g = -torch.exp(self.A_log.to(cdt)) * F.softplus(a_.to(cdt) + self.dt_bias.to(cdt))
+        beta = torch.sigmoid(b)
+        args = {"q": q.reshape(Bt, T, self.H, self.K), "k": k.reshape(Bt, T, self.H, self.K),
+                "v": v.reshape(Bt, T, self.HV, self.V), "g": g, "beta": beta}
+        y = self._ssm(args, ctx)                                        # [Bt, T, HV, V]
+        y = self.norm(y.to(h.dtype), z.reshape(Bt, T, self.HV, self.V))
+        return self.out_proj(y.reshape(Bt, T, self.value_dim))

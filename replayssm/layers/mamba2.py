@@ -1,0 +1,116 @@
+"""Mamba-2 mixer (HF ``Mamba2Mixer`` / ``NemotronHMamba2Mixer`` checkpoints).
+
+``[z | xBC | dt] = in_proj(h)``; ``xBC = silu(causal_conv(xBC))``; ``x, B, C = split(xBC)``;
+``Δ = clamp(softplus(dt + dt_bias), *time_step_limit)`` (fp32+); ``A = -exp(A_log)``;
+``y = SSM(x, Δ, A, B, C) + D·x`` (head ``h`` reads group ``h // (H // G)`` of B and C);
+``out = out_proj(GatedRMSNorm(y, z))`` with ``y · silu(z)`` normalised over groups of
+``norm_group_size`` channels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .context import StepContext
+from .mlp import Linear, _param
+from .norms import GatedRMSNorm, compute_dtype
+from .ssm_base import SSMLayer
+
+
+class Mamba2Mixer(SSMLayer):
+    def __init__(self, hidden: int, num_heads: int, head_dim: int, state_size: int, n_groups: int,
+                 conv_kernel: int, *, norm_group_size: int, eps: float, use_bias: bool = False,
+                 use_conv_bias: bool = True, time_step_limit=(0.0, float("inf")), chunk_size: int = 64,
+                 layer_id: int = 0):
+        super().__init__()
+        self.H, self.d, self.n, self.G = num_heads, head_dim, state_size, n_groups
+        self.inter = num_heads * head_dim
+        self.conv_dim = self.inter + 2 * n_groups * state_size
+        self.conv_kernel, self.layer_id, self.chunk_size = conv_kernel, layer_id, chunk_size
+        self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
+        self.in_proj = Linear(hidden, self.inter + self.conv_dim + num_heads, use_bias)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = _param(self.conv_dim, 1, conv_kernel)
+        self.conv1d.bias = _param(self.conv_dim) if use_conv_bias else None
+        self.dt_bias = _param(num_heads)
+        self.A_log = _param(num_heads)
+        self.D = _param(num_heads)
+        self.norm = GatedRMSNorm(self.inter, eps, group_size=norm_group_size, gate_first=True)
+        self.out_proj = Linear(self.inter, hidden, use_bias)
+
+    # ---- ops glue --------------------------------------------------------------------------
+    def _ops(self):
+        from ..ops.mamba2 import naive
+
+        return naive
+
+    def _A(self, dtype) -> Tensor:
+        return -torch.exp(self.A_log.to(dtype))
+
+    def _call(self, op: str, *prefix, a: dict, t0: bool = False, **kw):
+        f = getattr(self._ops(), op)
+        x, dt, B, C = a["x"], a["dt"], a["B"], a["C"]
+        if t0:
+            x, dt, B, C = x[:, 0], dt[:, 0], B[:, 0], C[:, 0]
+        return f(*prefix, x, dt, self._A(dt.dtype), B, C, self.D.to(dt.dtype), **kw)
+
+    def _mask(self, a: dict, valid: Tensor) -> dict:
+        a = dict(a)
+        a["dt"] = torch.where(valid[..., None], a["dt"], torch.zeros_like(a["dt"]))
+        return a
+
+    def _rebuild(self, buf, plan):
+        return self._ops().rebuild_state(buf, plan, self._A(buf.state.dtype))
+
+    def state_dtype(self, dtype) -> torch.dtype:
+        return compute_dtype(dtype)
+
+    def allocate(self, P: int, capacity: int, dtype, device, paged=None) -> dict:
+        """Per-layer cache: ``buf`` (state + ring), ``conv`` window, ``kv`` paged pools or None."""
+        from ..cache.buffers import Mamba2Buffers
+
+        sdt = self.state_dtype(dtype)
+        conv = _conv_window(P, self.conv_dim, self.conv_kernel, dtype, device)
+        buf = self._alloc_buf(P - 1, capacity, dtype, sdt, device)
+        kv = None
+        if paged is not None:
+            from ..cache.paged import Mamba2PagedBuffers
+
+            kv = Mamba2PagedBuffers.allocate(paged[0], paged[1], self.H, self.d, self.n, self.G,
+                                             dtype=dtype, state_dtype=sdt, device=device)
+        return {"buf": buf, "conv": conv, "kv": kv}
+
+    def _alloc_buf(self, num_slots, capacity, dtype, sdt, device):
+        from ..cache.buffers import Mamba2Buffers
+
+        return Mamba2Buffers.allocate(num_slots, capacity, self.H, self.d, self.n, self.G, dtype=dtype,
+                                      state_dtype=sdt, device=device)
+
+    def kv_to_state(self, store: dict, pplan, slots: Tensor) -> None:
+        self._ops().kv_to_state(store["kv"], pplan, store["buf"], slots, self._A(store["buf"].state.dtype))
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, h: Tensor, ctx: StepContext) -> Tensor:
+        Bt, T, _ = h.shape
+        zxbcdt = self.in_proj(h)
+        z, xbc, dt = zxbcdt.split([self.inter, self.conv_dim, self.H], dim=-1)
+        xbc = self._conv(xbc, ctx)
+        x, B, C = xbc.split([self.inter, self.G * self.n, self.G * self.n], dim=-1)
+        cdt = compute_dtype(h.dtype)
+        dt = F.softplus(dt.to(cdt) + self.dt_bias.to(cdt))
+        lo, hi = self.time_step_limit
+        if lo > 0.0 or hi != float("inf"):
+            dt = dt.clamp(min=lo, max=hi)
+        a = {"x": x.reshape(Bt, T, self.H, self.d), "dt": dt,
+             "B": B.reshape(Bt, T, self.G, self.n), "C": C.reshape(Bt, T, self.G, self.n)}
+        y = self._ssm(a, ctx)
+        y = self.norm(y.reshape(Bt, T, self.inter).to(h.dtype), z)
+        return self.out_proj(y)
+
+
+def _conv_window(P: int, C: int, W: int, dtype, device):
+    from ..cache import conv
+
+    return conv.ConvWindow.allocate(P - 1, C, W, dtype=dtype, device=device)

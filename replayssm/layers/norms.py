@@ -1,0 +1,65 @@
+"""RMS norms (plain, zero-centred, gated) computed in at least fp32.
+
+``rms(x) = x / sqrt(mean(x²) + eps)`` over the last axis (or over groups of it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64; everything else is computed in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rms(x: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """``y = w · rms(x)`` (``zero_centered=False``; HF Mamba2/NemotronH) or
+    ``y = (1 + w) · rms(x)`` (``zero_centered=True``; Qwen3-Next, weight initialised at 0)."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps, self.zero_centered = eps, zero_centered
+
+    def forward(self, x: Tensor) -> Tensor:
+        cdt = compute_dtype(x.dtype)
+        xn = _rms(x.to(cdt), self.eps)
+        if self.zero_centered:
+            return (xn * (1.0 + self.weight.to(cdt))).to(x.dtype)
+        return self.weight * xn.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Gated RMSNorm over groups of ``group_size`` channels.
+
+    ``gate_first=True`` (Mamba-2 / Nemotron-H, mamba_ssm ``norm_before_gate=False``):
+    ``y = w · rms_g(x · silu(z))``.  ``gate_first=False`` (Qwen3-Next GDN):
+    ``y = (w · rms(x)) · silu(z)``.
+    """
+
+    def __init__(self, dim: int, eps: float, group_size: int | None = None, gate_first: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps, self.gate_first = eps, gate_first
+        self.group_size = group_size or dim
+        if dim % self.group_size:
+            raise ValueError(f"norm dim {dim} is not a multiple of group size {self.group_size}")
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        dt = x.dtype
+        cdt = compute_dtype(dt)
+        xf = x.to(cdt)
+        if self.gate_first:
+            xf = xf * F.silu(z.to(cdt))
+            shp = xf.shape
+            xf = _rms(xf.reshape(*shp[:-1], -1, self.group_size), self.eps).reshape(shp)
+            return self.weight * xf.to(dt)
+        y = self.weight * _rms(xf, self.eps).to(dt)
+        return (y * F.silu(z.to(cdt))).to(dt)

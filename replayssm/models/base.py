@@ -1,0 +1,350 @@
+"""CausalLM: the shared model skeleton and the cached-decoding API.
+
+A model is ``embed -> blocks -> final norm -> lm_head``; a block is a list of residual
+sub-blocks ``h = h + mixer(norm(h))``.  Mixers with per-sequence memory (Mamba-2, Gated
+DeltaNet, attention) read one :class:`~replayssm.layers.context.StepContext` per call;
+MLP / MoE mixers are stateless.
+
+API (the engine codes against exactly this)::
+
+    cache = model.make_cache(num_slots, mode="replay", buffer_size=16, max_new=1,
+                             max_seq_len=2048, kv_block_size=16, kv_num_blocks=None, device=None)
+    logits = model(input_ids[B, T])                                  # [B, T, V], no cache
+    logits = model.prefill(cache, slots[B], input_ids[B, T], lengths[B])   # [B, V]
+    logits = model.decode(cache, slots[B], input_ids[B])                   # [B, V], commits
+    logits = model.verify(cache, slots[B], input_ids[B, T])                # [B, T, V]
+    logits = model.verify_tree(cache, slots[B], input_ids[B, N], parent)   # [B, N, V]
+    model.commit(cache, accepted[B], path=None)     # after verify / verify_tree
+
+``num_slots`` counts the null slot 0 (usable slots ``1 .. num_slots-1``).  ``prefill``
+appends to a slot's committed tokens (a released / new slot starts at position 0).
+Host-side validation runs for CPU tensors only; on CUDA the step makes no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..layers.attention import Attention
+from ..layers.context import StepContext
+from ..layers.norms import compute_dtype
+from ..layers.ssm_base import SSMLayer
+from .cache import ModelCache, canonical_device
+
+
+class Block(nn.Module):
+    """Residual sub-blocks ``h = h + mixer(norm(h))`` (one HF decoder layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.subs: list[tuple[str, str]] = []   # (norm attr, mixer attr)
+        self.residual_fp32 = False
+
+    def add(self, norm_name: str, norm: nn.Module, mixer_name: str, mixer: nn.Module) -> None:
+        setattr(self, norm_name, norm)
+        setattr(self, mixer_name, mixer)
+        self.subs.append((norm_name, mixer_name))
+
+    def forward(self, h: Tensor, ctx: StepContext, dtype: torch.dtype) -> Tensor:
+        for norm_name, mixer_name in self.subs:
+            mixer = getattr(self, mixer_name)
+            x = getattr(self, norm_name)(h.to(dtype))
+            out = mixer(x, ctx) if isinstance(mixer, (SSMLayer, Attention)) else mixer(x)
+            res = h.to(compute_dtype(dtype)) if self.residual_fp32 else h
+            h = res + out
+        return h
+
+
+class CausalLM(nn.Module):
+    """Shared skeleton; subclasses build ``embed``, ``blocks``, ``final_norm``, ``lm_head``."""
+
+    config = None
+
+    def __init__(self, config, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = config
+        self._dtype, self._device = dtype, canonical_device(device)
+        self.blocks: list[Block] = []
+
+    # ---- subclass interface ----------------------------------------------------------------
+    def embed_weight(self) -> Tensor:
+        raise NotImplementedError
+
+    def final_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    def head_weight(self) -> Tensor:
+        return self.lm_head.weight if not self.config.tie_word_embeddings else self.embed_weight()
+
+    def load_transforms(self) -> dict:
+        """``{param name: fn(tensor) -> tensor}`` applied to checkpoint tensors at load time."""
+        return {}
+
+    # ---- properties ------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def stateful_layers(self) -> list[nn.Module]:
+        out = []
+        for blk in self.blocks:
+            for _, mixer_name in blk.subs:
+                m = getattr(blk, mixer_name)
+                if isinstance(m, (SSMLayer, Attention)):
+                    out.append(m)
+        return out
+
+    # ---- core ------------------------------------------------------------------------------
+    def _trunk(self, input_ids: Tensor, ctx: StepContext) -> Tensor:
+        h = nn.functional.embedding(input_ids, self.embed_weight())
+        for blk in self.blocks:
+            h = blk(h, ctx, self._dtype)
+        return h
+
+    def _head(self, h: Tensor) -> Tensor:
+        h = self.final_norm()(h)
+        w = self.head_weight()
+        return nn.functional.linear(h.to(w.dtype), w).to(compute_dtype(self._dtype))
+
+    def _check_ids(self, ids: Tensor, dims: int, what: str) -> Tensor:
+        if not isinstance(ids, Tensor) or ids.dim() != dims or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{what} must be an integer tensor with {dims} dims")
+        if ids.device != self._device:
+            raise ValueError(f"{what} on {ids.device}, model on {self._device}")
+        if ids.device.type == "cpu" and ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(f"{what}: token ids must be in [0, {self.vocab_size}), got [{lo}, {hi}]")
+        return ids.long()
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """Full forward without cache: ``input_ids [B, T] -> logits [B, T, V]``."""
+        ids = self._check_ids(input_ids, 2, "input_ids")
+        B, T = ids.shape
+        pos = torch.arange(T, device=ids.device).expand(B, T)
+        ctx = StepContext(kind="full", T=T, positions=pos)
+        return self._head(self._trunk(ids, ctx))
+
+    # ---- cache API ------------------------------------------------------------------------------
+    def make_cache(self, num_slots: int, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
+                   max_seq_len: int = 2048, kv_block_size: int = 16, kv_num_blocks: int | None = None,
+                   device=None, poison: bool = False) -> ModelCache:
+        """Allocate per-slot caches for every layer (see :class:`ModelCache`).  ``poison``
+        (tests) fills every cache tensor with NaN instead of zeros."""
+        if device is not None and canonical_device(device) != self._device:
+            raise ValueError(f"cache device {device} differs from the model's {self._device}")
+        return ModelCache(self, num_slots, mode, buffer_size, max_new, max_seq_len, kv_block_size,
+                          kv_num_blocks, device, poison)
+
+    def _check_slots(self, cache: ModelCache, slots: Tensor, B: int) -> Tensor:
+        if not isinstance(cache, ModelCache):
+            raise ValueError(f"cache must come from model.make_cache, got {type(cache).__name__}")
+        if not isinstance(slots, Tensor) or tuple(slots.shape) != (B,) or \
+                slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slots must be an integer tensor of shape [{B}]")
+        if slots.device != cache.device:
+            raise ValueError(f"slots on {slots.device}, cache on {cache.device}")
+        if slots.device.type == "cpu" and B:
+            s = slots.tolist()
+            if min(s) < 0 or max(s) >= cache.P:
+                raise ValueError(f"slot ids must be in [0, {cache.P - 1}], got {s}")
+            real = [v for v in s if v]
+            if len(set(real)) != len(real):
+                raise ValueError(f"duplicate slots in one batch: {s}")
+        return slots.long()
+
+    def _check_room(self, cache: ModelCache, slots: Tensor, add: Tensor | int) -> None:
+        if slots.device.type != "cpu":
+            return
+        tot = cache.seq_len[slots] + add
+        tot = torch.where(slots == 0, torch.zeros_like(tot), tot)
+        if slots.numel() and int(tot.max()) > cache.max_seq_len:
+            b = int(tot.argmax())
+            raise ValueError(f"slot {int(slots[b])}: {int(tot[b])} tokens exceed max_seq_len "
+                             f"{cache.max_seq_len}")
+
+    def _context(self, cache: ModelCache, kind: str, slots: Tensor, T: int, positions: Tensor,
+                 **kw) -> StepContext:
+        form = cache.ssm_form()
+        ctx = StepContext(kind=kind, T=T, positions=positions, cache=cache, slots=slots,
+                          seq_len=cache.seq_len[slots], ssm_form=form, **kw)
+        if form == "mixed":
+            ctx.kv_rows = cache.kv_slot[slots]
+            zero = torch.zeros_like(slots)
+            ctx.state_slots = torch.where(ctx.kv_rows, zero, slots)
+            kv_slots = torch.where(ctx.kv_rows, slots, zero)
+        else:
+            ctx.state_slots = kv_slots = slots
+        if form in ("replay", "mixed"):
+            if kind in ("prefill", "decode"):
+                ctx.plan = cache.ring.plan_decode(ctx.state_slots)
+            else:
+                ctx.plan = cache.ring.plan_verify(ctx.state_slots, T, kind)
+        if form in ("kv", "mixed"):
+            # prefill: padded tail entries past a row's reserved blocks land in the null block
+            ctx.pplan = cache.pidx.plan(kv_slots, T, check=False if kind == "prefill" else None)
+        return ctx
+
+    def _finish(self, ctx: StepContext, accepted: Tensor | None) -> None:
+        """Move every shared pointer by the accepted counts (``None``: decode)."""
+        cache = ctx.cache
+        if ctx.kind == "prefill":
+            if ctx.plan is not None:
+                cache.ring.reset(ctx.state_slots)
+            if ctx.pplan is not None:
+                acc = ctx.lengths if ctx.kv_rows is None else torch.where(
+                    ctx.kv_rows, ctx.lengths, torch.zeros_like(ctx.lengths))
+                cache.pidx.commit(ctx.pplan, acc, check=False)
+            add = ctx.lengths
+        elif ctx.kind == "decode":
+            if ctx.plan is not None:
+                cache.ring.commit(ctx.plan)
+            if ctx.pplan is not None:
+                cache.pidx.commit(ctx.pplan, None, check=False)
+            add = 1
+        else:
+            if ctx.plan is not None:
+                cache.ring.commit(ctx.plan, accepted, check=False)
+            if ctx.pplan is not None:
+                cache.pidx.commit(ctx.pplan, accepted, check=False)
+            add = accepted
+        cache.seq_len[ctx.slots] = ctx.seq_len + add
+        cache.seq_len[:1].zero_()   # null slot (a kernel, not a host->device copy)
+
+    @torch.no_grad()
+    def prefill(self, cache: ModelCache, slots: Tensor, input_ids: Tensor, lengths: Tensor) -> Tensor:
+        """Append right-padded prompts ``input_ids [B, T]`` (``lengths [B]`` valid tokens) to
+        the slots' sequences; returns the logits ``[B, V]`` after each row's last valid token."""
+        cache._check_idle()
+        ids = self._check_ids(input_ids, 2, "input_ids")
+        B, T = ids.shape
+        slots = self._check_slots(cache, slots, B)
+        if not isinstance(lengths, Tensor) or tuple(lengths.shape) != (B,) or \
+                lengths.dtype not in (torch.int32, torch.int64) or lengths.device != cache.device:
+            raise ValueError(f"lengths must be an integer tensor of shape [{B}] on {cache.device}")
+        lengths = lengths.long()
+        if T < 1:
+            raise ValueError("prefill needs at least one token")
+        if lengths.device.type == "cpu" and B:
+            bad = ((lengths < 1) | (lengths > T)) & (slots != 0)
+            if bool(bad.any()) or bool((lengths < 0).any()) or bool((lengths > T).any()):
+                raise ValueError(f"prefill lengths must be in [1, {T}] for real rows, got {lengths.tolist()}")
+            self._check_room(cache, slots, lengths)
+            if cache.pidx is not None:
+                for s, n, m in zip(slots.tolist(), cache.seq_len[slots].tolist(), lengths.tolist()):
+                    if s and cache._modes[s] == "kv":
+                        cache.reserve(s, n + m)   # no-op when already reserved
+        lengths = torch.where(slots == 0, lengths.clamp(0, T), lengths)
+        cache._in_use.update(v for v in slots.tolist() if v)   # host mirror (prefill may sync)
+        seq = cache.seq_len[slots]
+        t = torch.arange(T, device=ids.device)
+        ctx = self._context(cache, "prefill", slots, T, seq[:, None] + t[None, :],
+                            valid=t[None, :] < lengths[:, None], lengths=lengths, fresh=seq == 0)
+        h = self._trunk(ids, ctx)
+        last = h[torch.arange(B, device=h.device), (lengths - 1).clamp(min=0)]
+        self._finish(ctx, None)
+        return self._head(last)
+
+    @torch.no_grad()
+    def decode(self, cache: ModelCache, slots: Tensor, input_ids: Tensor) -> Tensor:
+        """One always-accepted token per row: ``input_ids [B] -> logits [B, V]`` (commits)."""
+        cache._check_idle()
+        ids = self._check_ids(input_ids, 1, "input_ids")
+        B = ids.shape[0]
+        slots = self._check_slots(cache, slots, B)
+        self._check_room(cache, slots, 1)
+        ctx = self._context(cache, "decode", slots, 1, cache.seq_len[slots][:, None])
+        h = self._trunk(ids[:, None], ctx)
+        self._finish(ctx, None)
+        return self._head(h[:, 0])
+
+    @torch.no_grad()
+    def verify(self, cache: ModelCache, slots: Tensor, input_ids: Tensor) -> Tensor:
+        """``T`` tentative tokens per row (a chain): ``input_ids [B, T] -> logits [B, T, V]``.
+        Nothing is kept until :meth:`commit`."""
+        cache._check_idle()
+        ids = self._check_ids(input_ids, 2, "input_ids")
+        B, T = ids.shape
+        slots = self._check_slots(cache, slots, B)
+        if T < 1 or T > cache.max_new:
+            raise ValueError(f"verify takes 1..max_new={cache.max_new} tokens per row, got {T}")
+        self._check_room(cache, slots, T)
+        t = torch.arange(T, device=ids.device)
+        ctx = self._context(cache, "verify", slots, T, cache.seq_len[slots][:, None] + t[None, :])
+        h = self._trunk(ids, ctx)
+        cache.pending = ctx
+        return self._head(h)
+
+    @torch.no_grad()
+    def verify_tree(self, cache: ModelCache, slots: Tensor, input_ids: Tensor, parent: Tensor) -> Tensor:
+        """A draft tree of ``N`` nodes per row (``parent [B, N]`` or ``[N]``, topological,
+        ``-1`` = child of the last committed token): ``logits [B, N, V]``; kept until commit."""
+        from ..cache.tree import ancestor_mask, check_parents
+
+        cache._check_idle()
+        ids = self._check_ids(input_ids, 2, "input_ids")
+        B, N = ids.shape
+        slots = self._check_slots(cache, slots, B)
+        if N < 1 or N > cache.max_new:
+            raise ValueError(f"verify_tree takes 1..max_new={cache.max_new} nodes per row, got {N}")
+        if not isinstance(parent, Tensor) or parent.device != cache.device:
+            raise ValueError(f"parent must be an integer tensor on {cache.device}")
+        if parent.device.type == "cpu":
+            parent = check_parents(parent, B)
+            if bool((parent[:, 0] != -1).any()):
+                raise ValueError("node 0 of every tree must be a root (parent -1)")
+        else:
+            parent = (parent if parent.dim() == 2 else parent[None].expand(B, -1)).long()
+        if tuple(parent.shape) != (B, N):
+            raise ValueError(f"parent must have shape [{B}, {N}] or [{N}], got {tuple(parent.shape)}")
+        self._check_room(cache, slots, N)
+        anc = ancestor_mask(parent)
+        depth = anc.sum(-1)
+        ctx = self._context(cache, "tree", slots, N, cache.seq_len[slots][:, None] + depth - 1,
+                            parent=parent, anc=anc)
+        h = self._trunk(ids, ctx)
+        cache.pending = ctx
+        return self._head(h)
+
+    @torch.no_grad()
+    def commit(self, cache: ModelCache, accepted: Tensor, path: Tensor | None = None) -> None:
+        """Keep ``accepted[b]`` entries of the pending verify per row.  After ``verify_tree``,
+        ``path [B, N]`` lists the accepted root-down nodes (``path[b, :accepted[b]]``)."""
+        ctx = cache.pending
+        if ctx is None:
+            raise RuntimeError("commit without a pending verify / verify_tree")
+        B, T = ctx.batch, ctx.T
+        if not isinstance(accepted, Tensor) or tuple(accepted.shape) != (B,) or \
+                accepted.dtype not in (torch.int32, torch.int64) or accepted.device != cache.device:
+            raise ValueError(f"accepted must be an integer tensor of shape [{B}] on {cache.device}")
+        accepted = accepted.long()
+        if ctx.kind == "tree":
+            if path is None:
+                path = torch.arange(T, device=cache.device).expand(B, T)
+            if not isinstance(path, Tensor) or tuple(path.shape) != (B, T) or \
+                    path.dtype not in (torch.int32, torch.int64) or path.device != cache.device:
+                raise ValueError(f"path must be an integer tensor of shape [{B}, {T}] on {cache.device}")
+            path = path.long()
+        elif path is not None:
+            raise ValueError("path is only for commits after verify_tree")
+        if accepted.device.type == "cpu":
+            if B and (int(accepted.min()) < 0 or int(accepted.max()) > T):
+                raise ValueError(f"accepted counts must be in [0, {T}], got {accepted.tolist()}")
+            if ctx.kind == "tree":
+                from ..cache.tree import check_path
+
+                check_path(ctx.parent, path, accepted)
+        for layer in self.stateful_layers():
+            layer.commit(ctx, accepted, path)
+        self._finish(ctx, accepted)
+        cache.pending = None

@@ -1,0 +1,175 @@
+"""ModelCache: everything one model keeps per resident sequence (slot).
+
+Slots ``0 .. num_slots-1``; slot 0 is the null slot (padding rows read and write it; it
+holds garbage).  Per layer (``layers[layer_id]``):
+
+* Mamba-2 / GDN: ``buf`` (checkpoint state + input ring, ``cache.buffers``), ``conv``
+  (``cache.conv.ConvWindow``), ``kv`` (paged KV-only pools, ``cache.paged``; only in
+  ``mode="kv"``).
+* attention: ``k``, ``v`` ``[P, max_seq_len, Hkv, Dh]``.
+
+Shared bookkeeping: ``ring`` (``RingIndex``, replay form), ``pidx`` (``PagedIndex``, KV-only
+form), ``seq_len [P]`` (committed tokens per slot, device), the per-slot form (host list,
+changed only between steps by :meth:`switch_to_state` / :meth:`release`) and the pending
+verify (a :class:`~replayssm.layers.context.StepContext` awaiting ``model.commit``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..cache.ring import RingIndex
+
+MODES = ("recurrent", "replay", "kv")
+
+
+def canonical_device(device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>`` so device equality checks match tensors' devices."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def _as_list(slots) -> list[int]:
+    if isinstance(slots, Tensor):
+        return [int(v) for v in slots.reshape(-1).tolist()]
+    if isinstance(slots, int):
+        return [slots]
+    return [int(v) for v in slots]
+
+
+def _tensors(store: dict) -> list[Tensor]:
+    out = []
+    for v in store.values():
+        if isinstance(v, Tensor):
+            out.append(v)
+        elif v is not None:
+            out += [t for t in vars(v).values() if isinstance(t, Tensor) and t.is_floating_point()]
+    return out
+
+
+class ModelCache:
+    def __init__(self, model, num_slots: int, mode: str = "replay", buffer_size: int = 16,
+                 max_new: int = 1, max_seq_len: int = 2048, kv_block_size: int = 16,
+                 kv_num_blocks: int | None = None, device=None, poison: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"cache mode must be one of {MODES}, got {mode!r}")
+        for name, v, lo in (("num_slots", num_slots, 2), ("buffer_size", buffer_size, 1),
+                            ("max_new", max_new, 1), ("max_seq_len", max_seq_len, 1),
+                            ("kv_block_size", kv_block_size, 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}"
+                                 + (" (slot 0 is the null slot)" if name == "num_slots" else ""))
+        if mode != "recurrent" and max_new > 1 and buffer_size < 2 * max_new:
+            raise ValueError(f"buffer_size {buffer_size} < 2 * max_new = {2 * max_new}: speculation "
+                             f"needs a ring of at least twice the tokens verified per step")
+        self.model = model
+        self.num_slots, self.mode, self.buffer_size = num_slots, mode, buffer_size
+        self.max_new, self.max_seq_len, self.kv_block_size = max_new, max_seq_len, kv_block_size
+        self.device = canonical_device(device) if device is not None else model.device
+        self.dtype = model.dtype
+        P = num_slots
+        self.P = P
+        self.seq_len = torch.zeros(P, dtype=torch.long, device=self.device)
+        self._modes = ["none"] + [mode] * (P - 1)
+        self._in_use: set[int] = set()      # slots holding a sequence (host mirror)
+        self.kv_slot = torch.zeros(P, dtype=torch.bool, device=self.device)
+        self.ring = RingIndex(P - 1, buffer_size if mode != "recurrent" else 1, self.device)
+        self.pidx = None
+        paged = None
+        if mode == "kv":
+            from ..cache.paged import PagedIndex
+
+            max_blocks = -(-max_seq_len // kv_block_size)
+            self._static_kv = kv_num_blocks is None
+            if kv_num_blocks is None:
+                kv_num_blocks = (P - 1) * max_blocks
+            if not isinstance(kv_num_blocks, int) or kv_num_blocks < 1:
+                raise ValueError(f"kv_num_blocks must be a positive int, got {kv_num_blocks!r}")
+            self.pidx = PagedIndex(P - 1, kv_block_size, kv_num_blocks + 1, max_blocks, self.device)
+            paged = (kv_num_blocks + 1, kv_block_size)
+            self.kv_slot[1:] = True
+            if self._static_kv:
+                for s in range(1, P):
+                    self.pidx.reserve(s, max_seq_len)
+        cap = buffer_size if mode != "recurrent" else 1
+        self.layers: dict[int, dict] = {}
+        for layer in model.stateful_layers():
+            if hasattr(layer, "conv_dim"):
+                store = layer.allocate(P, cap, self.dtype, self.device, paged)
+            else:
+                store = layer.allocate(P, max_seq_len, self.dtype, self.device)
+            if poison:  # tests: every byte a step may not read is NaN
+                for t in _tensors(store):
+                    t.fill_(float("nan"))
+            self.layers[layer.layer_id] = store
+        self.pending = None
+
+    # ------------------------------------------------------------------ queries
+    def mode_of(self, slot: int) -> str:
+        """Form of ``slot``'s recurrent layers: ``"recurrent"``, ``"replay"`` or ``"kv"``."""
+        slot = int(slot)
+        if not 0 <= slot < self.P:
+            raise ValueError(f"slot must be in [0, {self.P - 1}], got {slot}")
+        return self._modes[slot] if slot else self.mode
+
+    def ssm_form(self) -> str:
+        """Form a step runs in: the cache mode, or ``"mixed"`` when KV and replay slots coexist."""
+        if self.mode != "kv":
+            return self.mode
+        kinds = {self._modes[s] for s in self._in_use} or {self.mode}
+        return "kv" if kinds == {"kv"} else ("mixed" if "kv" in kinds else "replay")
+
+    def _check_idle(self):
+        if self.pending is not None:
+            raise RuntimeError("a verify is waiting for its commit (call model.commit first)")
+
+    def reserve(self, slot: int, total_len: int) -> None:
+        """KV-only slots with a finite block pool: make room for ``total_len`` entries."""
+        if total_len > self.max_seq_len:
+            raise ValueError(f"slot {slot}: {total_len} tokens > max_seq_len {self.max_seq_len}")
+        if self.pidx is not None and self._modes[int(slot)] == "kv":
+            self.pidx.reserve(int(slot), total_len)
+
+    # ------------------------------------------------------------------ slot lifecycle
+    def release(self, slots) -> None:
+        """Free ``slots`` (their next prefill starts a new sequence in the cache's mode)."""
+        self._check_idle()
+        ids = [s for s in _as_list(slots) if s != 0]
+        for s in ids:
+            if not 0 < s < self.P:
+                raise ValueError(f"slot must be in [1, {self.P - 1}], got {s}")
+        if not ids:
+            return
+        t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        self.seq_len[t] = 0
+        self.ring.reset(t)
+        for s in ids:
+            self._modes[s] = self.mode
+            self._in_use.discard(s)
+            if self.pidx is not None:
+                self.pidx.release(s)
+                if self._static_kv:
+                    self.pidx.reserve(s, self.max_seq_len)
+        if self.pidx is not None:
+            self.kv_slot[t] = True
+
+    def switch_to_state(self, slots) -> None:
+        """KV-only slots -> replay form: compress each layer's KV entries into its checkpoint
+        state (one flush, ``kv_to_state``), empty the ring, free the slot's blocks."""
+        self._check_idle()
+        ids = [s for s in _as_list(slots) if s != 0 and self._modes[s] == "kv"]
+        if not ids:
+            return
+        t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pplan = self.pidx.plan(t, 1, check=False)
+        for layer in self.model.stateful_layers():
+            if hasattr(layer, "kv_to_state"):
+                layer.kv_to_state(self.layers[layer.layer_id], pplan, t)
+        self.ring.reset(t)
+        for s in ids:
+            self._modes[s] = "replay"
+            self.pidx.release(s)
+        self.kv_slot[t] = False

@@ -1,0 +1,473 @@
+"""Validated model configurations parsed from a Hugging Face ``config.json``.
+
+One dataclass per supported ``model_type``.  Structural fields (sizes, head counts, layer
+counts) are required: a missing one raises ``ConfigError`` naming ``config.json`` and the
+key.  Optional fields default to the values transformers 5.17 uses.  Old key spellings
+found on the Hub (``hybrid_override_pattern``, ``mamba_n_groups``, top-level ``rope_theta``,
+``full_attention_interval`` ...) are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+__all__ = [
+    "ConfigError",
+    "Mamba2Config",
+    "NemotronHConfig",
+    "Qwen3NextConfig",
+    "parse_config",
+    "read_config",
+    "SUPPORTED_MODEL_TYPES",
+]
+
+
+class ConfigError(ValueError):
+    """A ``config.json`` that cannot describe a supported model."""
+
+
+_ACTS = ("silu", "swish", "relu2", "gelu", "relu")
+
+
+class _Reader:
+    """Reads keys of one config dict, remembering the file for error messages."""
+
+    def __init__(self, d: dict, where: str):
+        self.d, self.where = d, where
+
+    def req(self, key: str, *aliases: str):
+        for k in (key, *aliases):
+            if k in self.d and self.d[k] is not None:
+                return self.d[k]
+        raise ConfigError(f"{self.where}: missing required key '{key}'")
+
+    def opt(self, key: str, default, *aliases: str):
+        for k in (key, *aliases):
+            if k in self.d and self.d[k] is not None:
+                return self.d[k]
+        return default
+
+    def fail(self, msg: str):
+        raise ConfigError(f"{self.where}: {msg}")
+
+
+def _pos_int(r: _Reader, name: str, v, allow_zero: bool = False) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
+        r.fail(f"'{name}' must be a {'non-negative' if allow_zero else 'positive'} integer, got {v!r}")
+    return v
+
+
+def _pos_float(r: _Reader, name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        r.fail(f"'{name}' must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _eos(v):
+    if v is None:
+        return None
+    return list(v) if isinstance(v, (list, tuple)) else int(v)
+
+
+def _num(r: _Reader, name: str, v) -> float:
+    """A JSON number; transformers writes infinities as ``{"__float__": "Infinity"}``."""
+    if isinstance(v, dict) and "__float__" in v:
+        v = v["__float__"]
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        return float(v)
+    except (TypeError, ValueError):
+        r.fail(f"'{name}' must be a number, got {v!r}")
+
+
+def _limit(r: _Reader, name: str, v) -> tuple[float, float]:
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        r.fail(f"'{name}' must be a pair [min, max], got {v!r}")
+    lo, hi = _num(r, name, v[0]), _num(r, name, v[1])
+    if not (0.0 <= lo <= hi):
+        r.fail(f"'{name}' must satisfy 0 <= min <= max, got {v!r}")
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """``Mamba2ForCausalLM``: embeddings -> [RMSNorm -> Mamba2Mixer (+residual)] x L -> RMSNorm -> lm_head.
+
+    ``intermediate = expand * hidden_size = num_heads * head_dim``; conv channels
+    ``intermediate + 2 * n_groups * state_size``; ``in_proj`` rows ``[z | xBC | dt]``.
+    ``norm_group_size``: the gated RMSNorm normalises groups of this many channels.  We use
+    ``intermediate // n_groups`` (mamba_ssm's ``RMSNormGated(group_size=d_ssm // ngroups)``);
+    transformers' torch path normalises the whole ``intermediate`` (identical when n_groups == 1).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 8
+    expand: int = 2
+    conv_kernel: int = 4
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    hidden_act: str = "silu"
+    layer_norm_epsilon: float = 1e-5
+    residual_in_fp32: bool = True
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    chunk_size: int = 256
+    tie_word_embeddings: bool = False
+    eos_token_id: int | list | None = 2
+    bos_token_id: int | None = 0
+    pad_token_id: int | None = 1
+    model_type: str = "mamba2"
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def norm_group_size(self) -> int:
+        return self.intermediate_size // self.n_groups
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        return ["mamba"] * self.num_hidden_layers
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config.json") -> "Mamba2Config":
+        r = _Reader(d, where)
+        c = cls(
+            vocab_size=_pos_int(r, "vocab_size", r.req("vocab_size")),
+            hidden_size=_pos_int(r, "hidden_size", r.req("hidden_size", "d_model")),
+            num_hidden_layers=_pos_int(r, "num_hidden_layers", r.req("num_hidden_layers", "n_layer")),
+            num_heads=_pos_int(r, "num_heads", r.req("num_heads")),
+            head_dim=_pos_int(r, "head_dim", r.req("head_dim")),
+            state_size=_pos_int(r, "state_size", r.req("state_size")),
+            n_groups=_pos_int(r, "n_groups", r.opt("n_groups", 8)),
+            expand=_pos_int(r, "expand", r.opt("expand", 2)),
+            conv_kernel=_pos_int(r, "conv_kernel", r.opt("conv_kernel", 4)),
+            use_bias=bool(r.opt("use_bias", False)),
+            use_conv_bias=bool(r.opt("use_conv_bias", True)),
+            hidden_act=r.opt("hidden_act", "silu"),
+            layer_norm_epsilon=_pos_float(r, "layer_norm_epsilon", r.opt("layer_norm_epsilon", 1e-5)),
+            residual_in_fp32=bool(r.opt("residual_in_fp32", True)),
+            time_step_limit=_limit(r, "time_step_limit", r.opt("time_step_limit", (0.0, math.inf))),
+            chunk_size=_pos_int(r, "chunk_size", r.opt("chunk_size", 256)),
+            tie_word_embeddings=bool(r.opt("tie_word_embeddings", False)),
+            eos_token_id=_eos(d.get("eos_token_id", 2)),
+            bos_token_id=d.get("bos_token_id", 0),
+            pad_token_id=d.get("pad_token_id", 1),
+        )
+        if c.hidden_act not in ("silu", "swish"):
+            r.fail(f"'hidden_act' {c.hidden_act!r} is not supported for the Mamba-2 conv (need 'silu')")
+        if c.expand * c.hidden_size != c.num_heads * c.head_dim:
+            r.fail(f"hidden_size * expand ({c.hidden_size * c.expand}) must equal num_heads * head_dim "
+                   f"({c.num_heads * c.head_dim})")
+        if c.num_heads % c.n_groups:
+            r.fail(f"num_heads {c.num_heads} is not a multiple of n_groups {c.n_groups}")
+        return c
+
+
+@dataclass(frozen=True)
+class NemotronHConfig:
+    """``NemotronHForCausalLM``: per layer ``x + mixer(RMSNorm(x))`` where the mixer is a Mamba-2
+    mixer (``M``), attention without RoPE (``*``), a relu2 MLP (``-``) or a MoE (``E``) with a
+    sigmoid router (grouped top-k, score-correction bias) and a shared relu2 expert.
+
+    The Mamba-2 gated norm uses groups of ``intermediate // n_groups`` (as transformers and
+    mamba_ssm).  ``dt`` is clamped to ``[time_step_min, inf)`` as transformers 5.17 does.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int = 8
+    conv_kernel: int = 4
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    mlp_bias: bool = False
+    mlp_hidden_act: str = "relu2"
+    mamba_hidden_act: str = "silu"
+    layer_norm_epsilon: float = 1e-5
+    time_step_min: float = 1e-3
+    chunk_size: int = 128
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 7688
+    moe_shared_expert_intermediate_size: int = 7688
+    moe_latent_size: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    tie_word_embeddings: bool = False
+    eos_token_id: int | list | None = 2
+    bos_token_id: int | None = 1
+    pad_token_id: int | None = 0
+    model_type: str = "nemotron_h"
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def mamba_intermediate(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        m = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
+        return [m[t] for t in self.layer_types]
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config.json") -> "NemotronHConfig":
+        r = _Reader(d, where)
+        pat = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+        legacy = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp", "moe": "moe"}
+        lt = d.get("layers_block_type") or d.get("layer_types")
+        if lt is None:
+            p = d.get("hybrid_override_pattern")
+            if p is None:
+                r.fail("missing required key 'layers_block_type' (or 'hybrid_override_pattern')")
+            if not isinstance(p, str) or any(ch not in pat for ch in p) or not p:
+                r.fail(f"'hybrid_override_pattern' must be a non-empty string over 'M*-E', got {p!r}")
+            lt = [pat[ch] for ch in p]
+        if not isinstance(lt, list) or not lt:
+            r.fail(f"'layers_block_type' must be a non-empty list, got {lt!r}")
+        lt = [legacy.get(t, t) for t in lt]
+        bad = sorted({t for t in lt if t not in pat.values()})
+        if bad:
+            r.fail(f"'layers_block_type' has unknown layer types {bad} (expected {sorted(pat.values())})")
+        kinds = set(lt)
+        need_attn, need_mamba = "full_attention" in kinds, "linear_attention" in kinds
+        need_moe, need_mlp = "moe" in kinds, "mlp" in kinds
+
+        def maybe(key, need, default, *aliases):
+            return r.req(key, *aliases) if need else r.opt(key, default, *aliases)
+
+        nh = maybe("num_attention_heads", need_attn, 32)
+        c = cls(
+            vocab_size=_pos_int(r, "vocab_size", r.req("vocab_size")),
+            hidden_size=_pos_int(r, "hidden_size", r.req("hidden_size")),
+            layer_types=tuple(lt),
+            num_attention_heads=_pos_int(r, "num_attention_heads", nh),
+            num_key_value_heads=_pos_int(r, "num_key_value_heads", r.opt("num_key_value_heads", nh)),
+            head_dim=_pos_int(r, "head_dim", maybe("head_dim", need_attn, 128, "attention_head_dim")),
+            intermediate_size=_pos_int(r, "intermediate_size", maybe("intermediate_size", need_mlp, 21504)),
+            mamba_num_heads=_pos_int(r, "mamba_num_heads", maybe("mamba_num_heads", need_mamba, 128)),
+            mamba_head_dim=_pos_int(r, "mamba_head_dim", maybe("mamba_head_dim", need_mamba, 64)),
+            ssm_state_size=_pos_int(r, "ssm_state_size", maybe("ssm_state_size", need_mamba, 128)),
+            n_groups=_pos_int(r, "n_groups", r.opt("n_groups", 8, "mamba_n_groups")),
+            conv_kernel=_pos_int(r, "conv_kernel", r.opt("conv_kernel", 4, "mamba_d_conv")),
+            use_conv_bias=bool(r.opt("use_conv_bias", True, "mamba_conv_bias")),
+            use_bias=bool(r.opt("use_bias", False, "mamba_proj_bias")),
+            mlp_bias=bool(r.opt("mlp_bias", False)),
+            mlp_hidden_act=r.opt("mlp_hidden_act", "relu2"),
+            mamba_hidden_act=r.opt("mamba_hidden_act", "silu"),
+            layer_norm_epsilon=_pos_float(r, "layer_norm_epsilon", r.opt("layer_norm_epsilon", 1e-5)),
+            time_step_min=_num(r, "time_step_min", r.opt("time_step_min", 1e-3, "mamba_dt_min")),
+            chunk_size=_pos_int(r, "chunk_size", r.opt("chunk_size", 128, "mamba_chunk_size")),
+            n_routed_experts=_pos_int(r, "n_routed_experts", maybe("n_routed_experts", need_moe, 8)),
+            num_experts_per_tok=_pos_int(r, "num_experts_per_tok", maybe("num_experts_per_tok", need_moe, 2)),
+            moe_intermediate_size=_pos_int(r, "moe_intermediate_size", maybe("moe_intermediate_size", need_moe, 7688)),
+            moe_shared_expert_intermediate_size=_pos_int(
+                r, "moe_shared_expert_intermediate_size",
+                maybe("moe_shared_expert_intermediate_size", need_moe, 7688)),
+            moe_latent_size=r.opt("moe_latent_size", None),
+            n_group=_pos_int(r, "n_group", r.opt("n_group", 1)),
+            topk_group=_pos_int(r, "topk_group", r.opt("topk_group", 1)),
+            norm_topk_prob=bool(r.opt("norm_topk_prob", True)),
+            routed_scaling_factor=_num(r, "routed_scaling_factor", r.opt("routed_scaling_factor", 1.0)),
+            tie_word_embeddings=bool(r.opt("tie_word_embeddings", False)),
+            eos_token_id=_eos(d.get("eos_token_id", 2)),
+            bos_token_id=d.get("bos_token_id", 1),
+            pad_token_id=d.get("pad_token_id", 0),
+        )
+        if c.mlp_hidden_act not in _ACTS:
+            r.fail(f"'mlp_hidden_act' {c.mlp_hidden_act!r} is not supported (one of {_ACTS})")
+        if need_mamba:
+            if c.mamba_hidden_act not in ("silu", "swish"):
+                r.fail(f"'mamba_hidden_act' {c.mamba_hidden_act!r} is not supported (need 'silu')")
+            if c.mamba_num_heads % c.n_groups:
+                r.fail(f"mamba_num_heads {c.mamba_num_heads} is not a multiple of n_groups {c.n_groups}")
+        if need_attn and c.num_attention_heads % c.num_key_value_heads:
+            r.fail(f"num_attention_heads {c.num_attention_heads} is not a multiple of "
+                   f"num_key_value_heads {c.num_key_value_heads}")
+        if need_moe:
+            if c.num_experts_per_tok > c.n_routed_experts:
+                r.fail(f"num_experts_per_tok {c.num_experts_per_tok} > n_routed_experts {c.n_routed_experts}")
+            if c.n_routed_experts % c.n_group or c.topk_group > c.n_group:
+                r.fail(f"n_routed_experts {c.n_routed_experts} must be a multiple of n_group {c.n_group} "
+                       f"and topk_group {c.topk_group} <= n_group")
+            if c.n_group > 1 and c.n_routed_experts // c.n_group < 2:
+                r.fail("grouped routing needs at least 2 experts per group")
+        if int(d.get("num_nextn_predict_layers", 0) or 0) > 0:
+            pass  # MTP layers are ignored at inference (their weights are skipped by the loader)
+        return c
+
+
+@dataclass(frozen=True)
+class Qwen3NextConfig:
+    """``Qwen3NextForCausalLM``: per layer ``x + mixer(N1(x))`` then ``x + ffn(N2(x))`` with
+    mixer = Gated DeltaNet or gated full attention (every ``full_attention_interval``-th layer),
+    ffn = sparse MoE (softmax top-k + sigmoid-gated shared expert) or dense SwiGLU MLP.
+    All plain RMSNorms are zero-centred, ``y = x̂ (1 + w)``; the GDN output norm is not.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    layer_types: tuple[str, ...]
+    linear_conv_kernel_dim: int = 4
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    num_experts: int = 0
+    num_experts_per_tok: int = 10
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    eos_token_id: int | list | None = None
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    model_type: str = "qwen3_next"
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        return ["gdn" if t == "linear_attention" else "attention" for t in self.layer_types]
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (i not in self.mlp_only_layers and self.num_experts > 0
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config.json") -> "Qwen3NextConfig":
+        r = _Reader(d, where)
+        L = _pos_int(r, "num_hidden_layers", r.req("num_hidden_layers"))
+        lt = d.get("layer_types")
+        if lt is None:
+            interval = _pos_int(r, "full_attention_interval", r.opt("full_attention_interval", 4))
+            lt = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(L)]
+        legacy = {"attention": "full_attention", "linear": "linear_attention"}
+        if not isinstance(lt, list):
+            r.fail(f"'layer_types' must be a list, got {lt!r}")
+        lt = [legacy.get(t, t) for t in lt]
+        if len(lt) != L:
+            r.fail(f"'layer_types' has {len(lt)} entries but num_hidden_layers is {L}")
+        bad = sorted({t for t in lt if t not in ("linear_attention", "full_attention")})
+        if bad:
+            r.fail(f"'layer_types' has unknown layer types {bad}")
+        rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if not isinstance(rp, dict):
+            r.fail(f"'rope_parameters' must be a dict, got {rp!r}")
+        rope_type = rp.get("rope_type", rp.get("type", "default"))
+        if rope_type != "default":
+            r.fail(f"rope_type {rope_type!r} is not supported (only 'default')")
+        theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+        prf = rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+        need_attn = "full_attention" in lt
+        ne = _pos_int(r, "num_experts", r.opt("num_experts", 0), allow_zero=True)
+        nh = r.req("num_attention_heads")
+        c = cls(
+            vocab_size=_pos_int(r, "vocab_size", r.req("vocab_size")),
+            hidden_size=_pos_int(r, "hidden_size", r.req("hidden_size")),
+            num_hidden_layers=L,
+            num_attention_heads=_pos_int(r, "num_attention_heads", nh),
+            num_key_value_heads=_pos_int(r, "num_key_value_heads", r.opt("num_key_value_heads", nh)),
+            head_dim=_pos_int(r, "head_dim", r.req("head_dim") if need_attn else r.opt("head_dim", 256)),
+            intermediate_size=_pos_int(r, "intermediate_size", r.req("intermediate_size")),
+            linear_num_key_heads=_pos_int(r, "linear_num_key_heads", r.req("linear_num_key_heads")),
+            linear_num_value_heads=_pos_int(r, "linear_num_value_heads", r.req("linear_num_value_heads")),
+            linear_key_head_dim=_pos_int(r, "linear_key_head_dim", r.req("linear_key_head_dim")),
+            linear_value_head_dim=_pos_int(r, "linear_value_head_dim", r.req("linear_value_head_dim")),
+            layer_types=tuple(lt),
+            linear_conv_kernel_dim=_pos_int(r, "linear_conv_kernel_dim", r.opt("linear_conv_kernel_dim", 4)),
+            hidden_act=r.opt("hidden_act", "silu"),
+            rms_norm_eps=_pos_float(r, "rms_norm_eps", r.opt("rms_norm_eps", 1e-6)),
+            attention_bias=bool(r.opt("attention_bias", False)),
+            rope_theta=_pos_float(r, "rope_theta", theta),
+            partial_rotary_factor=float(prf),
+            num_experts=ne,
+            num_experts_per_tok=_pos_int(r, "num_experts_per_tok", r.req("num_experts_per_tok") if ne else r.opt("num_experts_per_tok", 10)),
+            moe_intermediate_size=_pos_int(r, "moe_intermediate_size", r.req("moe_intermediate_size") if ne else r.opt("moe_intermediate_size", 512)),
+            shared_expert_intermediate_size=_pos_int(r, "shared_expert_intermediate_size", r.opt("shared_expert_intermediate_size", 512), allow_zero=True),
+            norm_topk_prob=bool(r.opt("norm_topk_prob", True)),
+            decoder_sparse_step=_pos_int(r, "decoder_sparse_step", r.opt("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(r.opt("mlp_only_layers", [])),
+            tie_word_embeddings=bool(r.opt("tie_word_embeddings", False)),
+            eos_token_id=_eos(d.get("eos_token_id")),
+            bos_token_id=d.get("bos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
+        )
+        if c.hidden_act not in ("silu", "swish"):
+            r.fail(f"'hidden_act' {c.hidden_act!r} is not supported (need 'silu')")
+        if c.linear_num_value_heads % c.linear_num_key_heads:
+            r.fail(f"linear_num_value_heads {c.linear_num_value_heads} is not a multiple of "
+                   f"linear_num_key_heads {c.linear_num_key_heads}")
+        if c.num_attention_heads % c.num_key_value_heads:
+            r.fail(f"num_attention_heads {c.num_attention_heads} is not a multiple of "
+                   f"num_key_value_heads {c.num_key_value_heads}")
+        if not (0.0 < c.partial_rotary_factor <= 1.0) or c.rotary_dim % 2:
+            r.fail(f"partial_rotary_factor {c.partial_rotary_factor} must give an even rotary dim "
+                   f"in (0, head_dim], got {c.rotary_dim}")
+        if ne and c.num_experts_per_tok > ne:
+            r.fail(f"num_experts_per_tok {c.num_experts_per_tok} > num_experts {ne}")
+        return c
+
+
+_CONFIGS = {"mamba2": Mamba2Config, "nemotron_h": NemotronHConfig, "qwen3_next": Qwen3NextConfig}
+SUPPORTED_MODEL_TYPES = tuple(_CONFIGS)
+
+
+def parse_config(d: dict, where: str = "config.json"):
+    """Config dataclass for ``d['model_type']`` (``ConfigError`` for unknown types)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    mt = d.get("model_type")
+    if mt is None:
+        raise ConfigError(f"{where}: missing required key 'model_type'")
+    if mt not in _CONFIGS:
+        raise ConfigError(f"{where}: unknown model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return _CONFIGS[mt].from_dict(d, where)
+
+
+def read_config(path: str):
+    """Parse ``<path>/config.json``."""
+    fn = os.path.join(path, "config.json")
+    if not os.path.isfile(fn):
+        raise FileNotFoundError(f"{fn}: no such file (a model directory needs config.json)")
+    try:
+        with open(fn) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{fn}: not valid JSON ({e})") from None
+    return parse_config(d, fn)

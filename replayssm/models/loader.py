@@ -1,0 +1,242 @@
+"""Load a Hugging Face model directory (``config.json`` + ``*.safetensors``) into a CausalLM.
+
+The model skeleton is built on the ``meta`` device (no memory), then every parameter is
+read once with ``safetensors.safe_open`` (lazily, tensor by tensor), converted to the
+target dtype/device and installed, so peak memory is the model plus one tensor.  All
+checks (unknown model type, missing / unexpected / mis-shaped tensors, unreadable files)
+run before any tensor data is read; any error raises and no model is returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+
+import torch
+from torch import nn
+
+from ..layers.norms import compute_dtype
+from .cache import canonical_device
+from .config import Mamba2Config, NemotronHConfig, Qwen3NextConfig, read_config
+
+__all__ = ["load_model", "load_tokenizer", "WeightError", "parse_dtype"]
+
+
+class WeightError(ValueError):
+    """Checkpoint tensors that do not match the model described by config.json."""
+
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "fp64": torch.float64, "fp32": torch.float32,
+           "bf16": torch.bfloat16, "fp16": torch.float16, "double": torch.float64,
+           "float": torch.float32, "half": torch.float16}
+# parameters kept in at least fp32 (they feed exponentials / routing decisions)
+_FP32_PARAMS = ("A_log", "dt_bias", "D", "e_score_correction_bias")
+_IGNORED = (re.compile(r"^mtp\."), re.compile(r"rotary_emb\.inv_freq$"))
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of float64, float32, bfloat16, float16; got {dtype!r}")
+
+
+def _model_class(cfg):
+    from .mamba2 import Mamba2LM
+    from .nemotron_h import NemotronHLM
+    from .qwen3_next import Qwen3NextLM
+
+    return {Mamba2Config: Mamba2LM, NemotronHConfig: NemotronHLM, Qwen3NextConfig: Qwen3NextLM}[type(cfg)]
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """``{tensor key: file}`` from the index (sharded) or every ``*.safetensors`` file."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                wm = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightError(f"{index}: not a valid safetensors index ({e!r})") from None
+        files = sorted(set(wm.values()))
+        for fn in files:
+            if not os.path.isfile(os.path.join(path, fn)):
+                raise WeightError(f"{index}: shard {fn!r} listed in weight_map does not exist")
+    else:
+        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise WeightError(f"{path}: no *.safetensors files (and no model.safetensors.index.json)")
+        wm = None
+    key_file: dict[str, str] = {}
+    for fn in files:
+        full = os.path.join(path, fn)
+        try:
+            with safe_open(full, framework="pt") as f:
+                keys = list(f.keys())
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise WeightError(f"{full}: corrupt or truncated safetensors file ({e})") from None
+        for k in keys:
+            if k in key_file:
+                raise WeightError(f"tensor {k!r} appears in both {key_file[k]} and {full}")
+            key_file[k] = full
+    if wm is not None:
+        for k, fn in wm.items():
+            if key_file.get(k) != os.path.join(path, fn):
+                raise WeightError(f"{index}: tensor {k!r} is mapped to {fn!r} but that file "
+                                  f"does not contain it")
+    return key_file
+
+
+class _Source:
+    """How one model parameter is read: a single key, or per-expert keys stacked."""
+
+    def __init__(self, keys: list[str], stack: str | None = None, parts: int = 1):
+        self.keys, self.stack, self.parts = keys, stack, parts
+
+
+def _resolve(name: str, shape, avail: dict, aliases: dict) -> _Source | None:
+    if name in avail:
+        return _Source([name])
+    for a in aliases.get(name, []):
+        if a in avail:
+            return _Source([a])
+    m = re.match(r"^(.*\.experts)\.(gate_up_proj|up_proj|down_proj)$", name)
+    if m:
+        pre, which = m.groups()
+        E = shape[0]
+        if which == "gate_up_proj":
+            keys = [f"{pre}.{e}.{p}.weight" for e in range(E) for p in ("gate_proj", "up_proj")]
+            if all(k in avail for k in keys):
+                return _Source(keys, stack="experts", parts=2)
+        else:
+            keys = [f"{pre}.{e}.{which}.weight" for e in range(E)]
+            if all(k in avail for k in keys):
+                return _Source(keys, stack="experts", parts=1)
+    return None
+
+
+def _install(model: nn.Module, name: str, t: torch.Tensor) -> None:
+    mod_name, _, leaf = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    mod._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+
+
+def load_model(path: str, device="cpu", dtype="float32"):
+    """Build the model in ``path`` (HF layout) on ``device`` with parameters in ``dtype``.
+
+    Supported ``model_type``: ``mamba2``, ``nemotron_h``, ``qwen3_next``.  Raises
+    ``ConfigError`` (config.json problems), ``WeightError`` (missing / unexpected /
+    mis-shaped tensors, unreadable files) or ``FileNotFoundError``; never returns a
+    partially loaded model.
+    """
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: not a model directory")
+    tdtype = parse_dtype(dtype)
+    device = canonical_device(device)
+    cfg = read_config(path)
+    cls = _model_class(cfg)
+    key_file = _weight_files(path)
+    if cfg.tie_word_embeddings and "lm_head.weight" in key_file:
+        # an explicit head wins (transformers does not tie Nemotron-H, for instance)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = cls(cfg, tdtype, device)
+    aliases = cls.key_aliases()
+    params = dict(model.named_parameters())
+    plan: dict[str, _Source] = {}
+    missing = []
+    for name, p in params.items():
+        src = _resolve(name, tuple(p.shape), key_file, aliases)
+        if src is None:
+            missing.append(name)
+        else:
+            plan[name] = src
+    if missing:
+        raise WeightError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: "
+                          + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
+    used = {k for s in plan.values() for k in s.keys}
+    extra = [k for k in key_file if k not in used and not any(r.search(k) for r in _IGNORED)]
+    if extra:
+        raise WeightError(f"{path}: {len(extra)} unexpected tensor(s) not used by a {cfg.model_type} model: "
+                          + ", ".join(f"{k} (in {os.path.basename(key_file[k])})" for k in extra[:8])
+                          + (" ..." if len(extra) > 8 else ""))
+    handles = {}
+    try:
+        for fn in sorted(set(key_file.values())):
+            handles[fn] = safe_open(fn, framework="pt", device="cpu")
+        # shape checks first (header only), then data
+        for name, src in plan.items():
+            want = tuple(params[name].shape)
+            shapes = [tuple(handles[key_file[k]].get_slice(k).get_shape()) for k in src.keys]
+            if src.stack is None:
+                got = shapes[0]
+            else:
+                E = want[0]
+                if any(s != shapes[0] for s in shapes[: src.parts]) or len(shapes[0]) != 2:
+                    got = shapes[0]
+                else:
+                    got = (E, shapes[0][0] * src.parts, shapes[0][1])
+                if len(set(shapes[i] for i in range(0, len(shapes), 1) if i % src.parts == 0)) > 1:
+                    got = ("inconsistent per-expert shapes",)
+            if got != want:
+                k = src.keys[0]
+                raise WeightError(f"{key_file[k]}: tensor {k!r} has shape {list(got)}, "
+                                  f"expected {list(want)} for {name}")
+        transforms = model.load_transforms()
+        for name, src in plan.items():
+            leaf = name.rpartition(".")[2]
+            pdt = compute_dtype(tdtype) if leaf in _FP32_PARAMS and tdtype != torch.float64 else tdtype
+            try:
+                if src.stack is None:
+                    t = handles[key_file[src.keys[0]]].get_tensor(src.keys[0])
+                else:
+                    want = tuple(params[name].shape)
+                    t = torch.empty(want, dtype=pdt, device=device)
+                    E = want[0]
+                    for e in range(E):
+                        ks = src.keys[e * src.parts:(e + 1) * src.parts]
+                        parts = [handles[key_file[k]].get_tensor(k) for k in ks]
+                        t[e] = torch.cat(parts, 0).to(pdt)
+            except WeightError:
+                raise
+            except Exception as e:
+                raise WeightError(f"{key_file[src.keys[0]]}: cannot read tensor {src.keys[0]!r} "
+                                  f"(corrupt or truncated file: {e})") from None
+            if name in transforms:
+                t = transforms[name](t)
+            if not t.is_floating_point():
+                raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} has dtype {t.dtype}, "
+                                  f"expected a floating point tensor")
+            if not torch.isfinite(t).all():
+                raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} holds NaN/Inf values")
+            _install(model, name, t.to(device=device, dtype=pdt))
+    finally:
+        handles.clear()
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:  # pragma: no cover - defensive
+        raise WeightError(f"{path}: parameters not loaded: {left[:8]}")
+    return model.eval()
+
+
+def load_tokenizer(path: str):
+    """``tokenizers.Tokenizer`` from ``<path>/tokenizer.json``, or None when absent."""
+    fn = os.path.join(os.fspath(path), "tokenizer.json")
+    if not os.path.isfile(fn):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(fn)
+    except Exception as e:
+        raise ValueError(f"{fn}: cannot load tokenizer ({e})") from None

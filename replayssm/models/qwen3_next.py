@@ -1,0 +1,76 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``): ``model.{embed_tokens, layers.i.{input_layernorm,
+linear_attn | self_attn, post_attention_layernorm, mlp}, norm}``, ``lm_head``."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from ..layers.attention import Attention
+from ..layers.gdn import GatedDeltaNet, reorder_ba, reorder_qkvz
+from ..layers.mlp import GatedMLP, SoftmaxMoE
+from ..layers.norms import RMSNorm
+from ..layers.rotary import Rotary
+from .base import Block, CausalLM
+from .config import Qwen3NextConfig
+
+
+class Qwen3NextLM(CausalLM):
+    def __init__(self, config: Qwen3NextConfig, dtype: torch.dtype, device):
+        super().__init__(config, dtype, device)
+        c = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Module()
+        self.model.embed_tokens.weight = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size), requires_grad=False)
+        rot = Rotary(c.head_dim, c.rotary_dim, c.rope_theta)
+        layers = []
+        for i, kind in enumerate(c.layer_kinds):
+            blk = Block()
+            if kind == "gdn":
+                m = GatedDeltaNet(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
+                                  c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim,
+                                  eps=c.rms_norm_eps, layer_id=i)
+                name = "linear_attn"
+            else:
+                m = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                              bias=c.attention_bias, qk_norm_eps=c.rms_norm_eps, output_gate=True,
+                              rotary=rot, layer_id=i)
+                name = "self_attn"
+            blk.add("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centered=True), name, m)
+            if c.is_moe_layer(i):
+                f = SoftmaxMoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
+                               c.norm_topk_prob, c.shared_expert_intermediate_size, c.hidden_act)
+            else:
+                f = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+            blk.add("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centered=True),
+                    "mlp", f)
+            layers.append(blk)
+        self.model.layers = nn.ModuleList(layers)
+        self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centered=True)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size), requires_grad=False)
+        self.blocks = list(layers)
+
+    def embed_weight(self):
+        return self.model.embed_tokens.weight
+
+    def final_norm(self):
+        return self.model.norm
+
+    def load_transforms(self) -> dict:
+        c = self.config
+        H, HV, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        out = {}
+        for i, kind in enumerate(c.layer_kinds):
+            if kind == "gdn":
+                p = f"model.layers.{i}.linear_attn."
+                out[p + "in_proj_qkvz.weight"] = functools.partial(reorder_qkvz, H=H, HV=HV, K=K, V=V)
+                out[p + "in_proj_ba.weight"] = functools.partial(reorder_ba, H=H, HV=HV)
+        return out
+
+    @staticmethod
+    def key_aliases() -> dict:
+        return {}

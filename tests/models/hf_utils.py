@@ -1,0 +1,121 @@
+"""Test helpers: tiny random transformers models saved to disk, and an fp64 reference mode.
+
+transformers computes several pieces in float32 on purpose (norms, the SSM scans, the RoPE
+angles, softmax), even when the model is float64.  To compare at 1e-8 we run transformers
+under :class:`Float32AsFloat64`, a torch function mode that turns every float64 -> float32
+cast (``.float()``, ``.to(torch.float32)``, ``dtype=torch.float32`` arguments) into a
+no-op / float64, i.e. transformers' own code with "fp32" meaning "at least fp32".
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+F32, F64 = torch.float32, torch.float64
+
+
+def _swap(v):
+    if v is F32:
+        return F64
+    if isinstance(v, (list, tuple)):
+        return type(v)(_swap(x) for x in v)
+    return v
+
+
+class Float32AsFloat64(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.float:  # "to float32" (also int positions) -> float64
+            return args[0].to(F64)
+        if func in (torch.Tensor.to, torch.Tensor.type):
+            args = tuple(_swap(a) for a in args)
+            kwargs = {k: _swap(v) for k, v in kwargs.items()}
+        elif "dtype" in kwargs:
+            kwargs["dtype"] = _swap(kwargs["dtype"])
+        return func(*args, **kwargs)
+
+
+def save_tiny(model, path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
+def tiny_mamba2(seed=0, **over):
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    kw = dict(vocab_size=61, hidden_size=20, num_heads=5, head_dim=8, state_size=6, n_groups=1,
+              expand=2, num_hidden_layers=2, conv_kernel=4, chunk_size=8, residual_in_fp32=False,
+              tie_word_embeddings=False, eos_token_id=None, pad_token_id=0, bos_token_id=None)
+    kw.update(over)
+    torch.manual_seed(seed)
+    m = _eager(Mamba2ForCausalLM, Mamba2Config(**kw)).eval()
+    _jitter(m, seed)
+    return m
+
+
+def tiny_nemotron_h(seed=0, **over):
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    kw = dict(vocab_size=61, hidden_size=24, hybrid_override_pattern="M*-E", num_attention_heads=4,
+              num_key_value_heads=2, head_dim=5, intermediate_size=18, mamba_num_heads=6, mamba_head_dim=4,
+              ssm_state_size=5, n_groups=3, conv_kernel=3, chunk_size=8, n_routed_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=7, moe_shared_expert_intermediate_size=9,
+              n_group=2, topk_group=1, routed_scaling_factor=1.5, time_step_min=1e-4,
+              tie_word_embeddings=False, eos_token_id=None, pad_token_id=0, bos_token_id=None)
+    kw.update(over)
+    torch.manual_seed(seed)
+    m = _eager(NemotronHForCausalLM, NemotronHConfig(**kw)).eval()
+    _jitter(m, seed)
+    return m
+
+
+def tiny_qwen3_next(seed=0, **over):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    kw = dict(vocab_size=61, hidden_size=24, num_hidden_layers=3, full_attention_interval=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=20,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=6,
+              linear_value_head_dim=5, linear_conv_kernel_dim=3, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=7, shared_expert_intermediate_size=9, decoder_sparse_step=1,
+              tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    kw.update(over)
+    torch.manual_seed(seed)
+    m = _eager(Qwen3NextForCausalLM, Qwen3NextConfig(**kw)).eval()
+    _jitter(m, seed)
+    return m
+
+
+def _eager(cls, cfg):
+    """Eager attention and eager (per-expert loop) MoE: the plain torch paths."""
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    return cls(cfg)
+
+
+@torch.no_grad()
+def _jitter(model, seed):
+    """Randomise the parameters HF initialises to constants (norm weights, biases, D, router
+    bias) so the test exercises every weight; keep magnitudes modest."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            p.copy_(p + 0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        elif leaf in ("D", "bias") or name.endswith("dt_bias"):
+            p.copy_(p + 0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.05 * torch.randn(b.shape, generator=g, dtype=b.dtype))
+
+
+@torch.no_grad()
+def hf_logits(model, ids: torch.Tensor, float64: bool = True) -> torch.Tensor:
+    if float64:
+        model = model.to(F64)
+        with Float32AsFloat64():
+            return model(ids).logits.to(F64)
+    return model(ids).logits
