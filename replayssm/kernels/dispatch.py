@@ -1,0 +1,145 @@
+"""Pick the Triton kernel or the naive reference op for each decoding form.
+
+Every function takes the same arguments as the op of the same name in
+:mod:`replayssm.ops.mamba2.naive` / :mod:`replayssm.ops.gdn.naive` plus ``backend``:
+
+* ``"auto"`` (default): Triton for CUDA tensors when Triton is importable, else naive;
+* ``"triton"``: force the kernel (CPU tensors need ``TRITON_INTERPRET=1``, set before
+  triton is imported);
+* ``"naive"``: force the reference op.
+
+The environment variable ``REPLAYSSM_KERNELS`` (``triton`` / ``naive``) overrides
+``"auto"``.  Kernel-only tuning keywords (``block_d``, ``block_v``, ``num_warps``,
+``pre_scores``, ``bits``) are dropped when the naive op runs.
+
+Commit helpers are plain tensor ops (a pointer move, no host sync) and are the same for
+both backends: :func:`ring_commit`, :func:`tree_commit`, :func:`snapshot_commit`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import Tensor
+
+from . import _triton
+
+_BACKENDS = ("auto", "triton", "naive")
+_KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits")
+
+
+def use_triton(*tensors: Tensor | None, backend: str = "auto") -> bool:
+    """Whether the Triton kernel runs for these tensors under ``backend``."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"bad backend {backend!r}: expected one of {_BACKENDS}")
+    if backend == "auto":
+        env = os.environ.get("REPLAYSSM_KERNELS", "").strip().lower()
+        if env in ("triton", "naive"):
+            backend = env
+    if backend == "naive":
+        return False
+    ts = [t for t in tensors if isinstance(t, Tensor)]
+    if backend == "triton":
+        if not _triton.HAVE_TRITON:
+            raise RuntimeError("backend='triton' but triton is not installed")
+        if not _triton.usable(*ts):
+            raise RuntimeError("backend='triton' needs CUDA tensors, or CPU tensors with "
+                               "TRITON_INTERPRET=1 set before triton is imported")
+        return True
+    return _triton.HAVE_TRITON and bool(ts) and all(t.device.type == "cuda" for t in ts)
+
+
+def _naive(family: str):
+    if family == "mamba2":
+        from ..ops.mamba2 import naive
+    else:
+        from ..ops.gdn import naive
+    return naive
+
+
+def _kern(family: str):
+    if family == "mamba2":
+        from . import mamba2 as k
+    else:
+        from . import gdn as k
+    return k
+
+
+def _call(family: str, name: str, probe, backend: str, args, kwargs):
+    if use_triton(*probe, backend=backend):
+        return getattr(_kern(family), name)(*args, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k not in _KERNEL_ONLY}
+    return getattr(_naive(family), name)(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------ Mamba-2
+def mamba2_recurrent_step(state, x, dt, A, B, C, D=None, backend: str = "auto", **kw):
+    return _call("mamba2", "recurrent_step", (state, x), backend, (state, x, dt, A, B, C, D), kw)
+
+
+def mamba2_replay_decode(buf, plan, x, dt, A, B, C, D=None, backend: str = "auto", **kw):
+    return _call("mamba2", "replay_decode", (buf.state, x), backend, (buf, plan, x, dt, A, B, C, D), kw)
+
+
+def mamba2_replay_verify(buf, plan, x, dt, A, B, C, D=None, backend: str = "auto", **kw):
+    return _call("mamba2", "replay_verify", (buf.state, x), backend, (buf, plan, x, dt, A, B, C, D), kw)
+
+
+def mamba2_tree_verify(buf, plan, parent, x, dt, A, B, C, D=None, backend: str = "auto", **kw):
+    return _call("mamba2", "tree_verify", (buf.state, x), backend,
+                 (buf, plan, parent, x, dt, A, B, C, D), kw)
+
+
+def mamba2_kv_verify(kv, pplan, x, dt, A, B, C, D=None, backend: str = "auto", **kw):
+    return _call("mamba2", "kv_verify", (kv.x, x), backend, (kv, pplan, x, dt, A, B, C, D), kw)
+
+
+def mamba2_snapshot_verify(state, slot, x, dt, A, B, C, D=None, backend: str = "auto", **kw):
+    return _call("mamba2", "snapshot_verify", (state, x), backend, (state, slot, x, dt, A, B, C, D), kw)
+
+
+# ------------------------------------------------------------------------------ GDN
+def gdn_recurrent_step(state, q, k, v, g, beta, backend: str = "auto", **kw):
+    return _call("gdn", "recurrent_step", (state, q), backend, (state, q, k, v, g, beta), kw)
+
+
+def gdn_replay_decode(buf, plan, q, k, v, g, beta, backend: str = "auto", **kw):
+    return _call("gdn", "replay_decode", (buf.state, q), backend, (buf, plan, q, k, v, g, beta), kw)
+
+
+def gdn_replay_verify(buf, plan, q, k, v, g, beta, backend: str = "auto", **kw):
+    return _call("gdn", "replay_verify", (buf.state, q), backend, (buf, plan, q, k, v, g, beta), kw)
+
+
+def gdn_tree_verify(buf, plan, parent, q, k, v, g, beta, backend: str = "auto", **kw):
+    return _call("gdn", "tree_verify", (buf.state, q), backend, (buf, plan, parent, q, k, v, g, beta), kw)
+
+
+def gdn_kv_verify(kv, pplan, q, k, v, g, beta, backend: str = "auto", **kw):
+    return _call("gdn", "kv_verify", (kv.u, q), backend, (kv, pplan, q, k, v, g, beta), kw)
+
+
+def gdn_snapshot_verify(state, slot, q, k, v, g, beta, backend: str = "auto", **kw):
+    return _call("gdn", "snapshot_verify", (state, q), backend, (state, slot, q, k, v, g, beta), kw)
+
+
+# ------------------------------------------------------------------------------ commit
+def ring_commit(ring, plan, accepted: Tensor | None = None, check: bool | None = None) -> None:
+    """Advance each row by its accepted count (pointer move on the device, no host sync)."""
+    ring.commit(plan, accepted, check=check)
+
+
+def tree_commit(buffers: list[Tensor], plan, path: Tensor, accepted: Tensor) -> None:
+    """Gather each row's accepted root-to-leaf path to the front of its new ring entries
+    (call for every layer's ``ring_tensors()``, then :func:`ring_commit`)."""
+    from ..cache.tree import gather_path
+
+    gather_path(buffers, plan, path, accepted)
+
+
+def snapshot_commit(state: Tensor, slot: Tensor, snapshots: Tensor, accepted: Tensor,
+                    check: bool | None = None) -> None:
+    """Baseline commit: ``state[slot] = snapshots[:, a-1]`` where ``a > 0`` (tensor ops)."""
+    from ..ops.mamba2.naive import snapshot_commit as _sc
+
+    _sc(state, slot, snapshots, accepted, check=check)

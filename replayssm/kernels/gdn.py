@@ -1,0 +1,513 @@
+"""Triton kernels for Gated DeltaNet decoding: recurrent baseline (Alg. 5), replay decode
+(Alg. 6; state route and output route), replay / tree / KV-only verify with the T×T
+unit-lower-triangular solve done in-kernel by forward substitution (Alg. 8), and the serial
+snapshot baseline (Alg. 7).
+
+Same arguments and results as :mod:`replayssm.ops.gdn.naive`.  Layouts (contiguous): state
+``[P,HV,K,V]`` (fla/HF layout, ``Sᵀ``) fp32; ring ``u [P,L,HV,V]``, ``k [P,L,H,K]``,
+``g [P,L,HV]``.  One program per (row, value head, V-block); the whole K axis sits in one
+tile, so ``S k``/``S q`` and the l2-norms need no cross-program reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
+
+__all__ = [
+    "recurrent_step",
+    "recurrent_update",
+    "replay_decode",
+    "replay_verify",
+    "tree_verify",
+    "kv_verify",
+    "snapshot_verify",
+]
+
+_EPS = 1e-6
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _l2n(x, L2: tl.constexpr):
+        if L2:
+            x = x * tl.rsqrt(tl.sum(x * x, 0) + 1e-6)
+        return x
+
+    @triton.jit
+    def _l2n_rows(x, L2: tl.constexpr):
+        if L2:
+            x = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+        return x
+
+    @triton.jit
+    def _gdn_recurrent_kernel(
+        sin_ptr, sout_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, snap_ptr,
+        T, H, HV, K, V, REP, scale,
+        BK: tl.constexpr, BV: tl.constexpr, HAS_SLOT: tl.constexpr, L2: tl.constexpr,
+        SNAP: tl.constexpr,
+    ):
+        """Alg. 5 over T tokens: load S, T delta-rule updates, store S (SNAP: once per token
+        into ``snap [Bt,T,HV,K,V]``, the Alg. 7 baseline; else the final state into sout)."""
+        r = tl.program_id(0)
+        hv = tl.program_id(1)
+        vb = tl.program_id(2)
+        kh = hv // REP
+        if HAS_SLOT:
+            srow = tl.load(slot_ptr + r).to(tl.int64)
+        else:
+            srow = r.to(tl.int64)
+        offs_k = tl.arange(0, BK)
+        offs_v = vb * BV + tl.arange(0, BV)
+        mk = offs_k < K
+        mv = offs_v < V
+        m2 = mk[:, None] & mv[None, :]
+        tile = offs_k[:, None] * V + offs_v[None, :]
+        S = tl.load(sin_ptr + (srow * HV + hv) * K * V + tile, mask=m2, other=0.0).to(tl.float32)
+        rT = r.to(tl.int64) * T
+        for t in range(T):
+            tok = rT + t
+            q = _l2n(tl.load(q_ptr + (tok * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
+            k = _l2n(tl.load(k_ptr + (tok * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2)
+            v = tl.load(v_ptr + (tok * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+            a = tl.exp(tl.load(g_ptr + tok * HV + hv).to(tl.float32))
+            beta = tl.load(b_ptr + tok * HV + hv).to(tl.float32)
+            S = S * a
+            u = beta * (v - tl.sum(S * k[:, None], 0))
+            S += k[:, None] * u[None, :]
+            y = tl.sum(S * q[:, None], 0)
+            tl.store(y_ptr + (tok * HV + hv) * V + offs_v, y.to(y_ptr.dtype.element_ty), mask=mv)
+            if SNAP:
+                tl.store(snap_ptr + (tok * HV + hv) * K * V + tile, S.to(snap_ptr.dtype.element_ty), mask=m2)
+        if not SNAP:
+            tl.store(sout_ptr + (srow * HV + hv) * K * V + tile, S.to(sout_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _gdn_replay_decode_kernel(
+        state_ptr, ur_ptr, kr_ptr, gr_ptr,
+        slot_ptr, start_ptr, hist_ptr, flush_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr,
+        L, H, HV, K, V, REP, scale,
+        LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """Alg. 6: ``u = β(v − α S_h k)``, ``y = α S_h q + u (k·q)``; appends ``(u, k, g)``;
+        flush rows store ``α S_h + k ⊗ u``.  State route: rebuild the ``[K, BV]`` tile of
+        ``S_h`` (one small GEMM) and read it twice.  Output route: ``S_h k``/``S_h q`` from one
+        read of ``S0`` plus ``Σ_j w_j (k_j·x) u_j``; ``S_h`` only on flush rows."""
+        r = tl.program_id(0)
+        hv = tl.program_id(1)
+        vb = tl.program_id(2)
+        kh = hv // REP
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        start = tl.load(start_ptr + r).to(tl.int64)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        flush = tl.load(flush_ptr + r) != 0
+        offs_k = tl.arange(0, BK)
+        offs_v = vb * BV + tl.arange(0, BV)
+        mk = offs_k < K
+        mv = offs_v < V
+        m2 = mk[:, None] & mv[None, :]
+        jj = tl.arange(0, LP)
+        mj = jj < h
+        e = slot * L + (start + jj) % L
+        soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
+        S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+        gj = tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32)
+        Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
+                     other=0.0).to(tl.float32)
+        Uh = tl.load(ur_ptr + (e[:, None] * HV + hv) * V + offs_v[None, :], mask=mj[:, None] & mv[None, :],
+                     other=0.0).to(tl.float32)
+        q = _l2n(tl.load(q_ptr + (r * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
+        k = _l2n(tl.load(k_ptr + (r * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2)
+        v = tl.load(v_ptr + (r * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+        graw = tl.load(g_ptr + r * HV + hv)
+        gv = graw.to(tl.float32)
+        beta = tl.load(b_ptr + r * HV + hv).to(tl.float32)
+        gj = tl.where(mj, gj, 0.0)
+        cj = tl.cumsum(gj, 0)
+        tot = tl.sum(gj, 0)
+        wj = tl.where(mj, tl.exp(tot - cj), 0.0)  # e^{pre_h - pre_j}
+        a0 = tl.exp(tot)
+        if OUTPUT_ROUTE:
+            sk = tl.sum(Kh * k[None, :], 1)
+            sq = tl.sum(Kh * q[None, :], 1)
+            hk = a0 * tl.sum(S0 * k[:, None], 0) + tl.sum((wj * sk)[:, None] * Uh, 0)
+            hq = a0 * tl.sum(S0 * q[:, None], 0) + tl.sum((wj * sq)[:, None] * Uh, 0)
+        else:
+            Sh = a0 * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
+            hk = tl.sum(Sh * k[:, None], 0)
+            hq = tl.sum(Sh * q[:, None], 0)
+        alpha = tl.exp(gv)
+        u = beta * (v - alpha * hk)
+        y = alpha * hq + u * tl.sum(k * q, 0)
+        tl.store(y_ptr + (r * HV + hv) * V + offs_v, y.to(y_ptr.dtype.element_ty), mask=mv)
+        # ---- append (u, k, g) at ring position h (never a committed entry for decode)
+        enew = slot * L + (start + h) % L
+        tl.store(ur_ptr + (enew * HV + hv) * V + offs_v, u.to(ur_ptr.dtype.element_ty), mask=mv)
+        if vb == 0:
+            tl.store(gr_ptr + enew * HV + hv, gv.to(gr_ptr.dtype.element_ty))
+            if hv % REP == 0:
+                tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
+        if flush:
+            if OUTPUT_ROUTE:
+                Sh = a0 * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
+            Snew = alpha * Sh + k[:, None] * u[None, :]
+            tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _gdn_replay_verify_kernel(
+        state_ptr, ur_ptr, kr_ptr, gr_ptr,
+        slot_ptr, start_ptr, hist_ptr, flush_ptr, bt_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bits_ptr, y_ptr, uo_ptr, ko_ptr,
+        T, L, H, HV, K, V, REP, MAXB, scale,
+        TP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        """Alg. 8: history readouts ``S_h k_s``, ``S_h q_s`` for all drafts (GEMMs), then
+        ``(I + A) U = R`` by forward substitution over the (ancestor-)masked T×T system and
+        ``Y = e^{G} S_h q + (mask ∘ e^{G_s−G_s'} QKᵀ) U``.  Writes ``U`` and the normalised
+        keys to scratch (appended to the ring by the wrapper); flush rows store ``S_h``."""
+        r = tl.program_id(0)
+        hv = tl.program_id(1)
+        vb = tl.program_id(2)
+        kh = hv // REP
+        r64 = r.to(tl.int64)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        offs_k = tl.arange(0, BK)
+        offs_v = vb * BV + tl.arange(0, BV)
+        mk = offs_k < K
+        mv = offs_v < V
+        m2 = mk[:, None] & mv[None, :]
+        jj = tl.arange(0, LP)
+        mj = jj < h
+        if PAGED:
+            blk = tl.load(bt_ptr + r64 * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
+            e = blk * L + jj % L
+        else:
+            start = tl.load(start_ptr + r).to(tl.int64)
+            e = slot * L + (start + jj) % L
+        gj = tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32)
+        gj = tl.where(mj, gj, 0.0)
+        cj = tl.cumsum(gj, 0)
+        tot = tl.sum(gj, 0)
+        wj = tl.where(mj, tl.exp(tot - cj), 0.0)
+        Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
+                     other=0.0).to(tl.float32)
+        Uh = tl.load(ur_ptr + (e[:, None] * HV + hv) * V + offs_v[None, :], mask=mj[:, None] & mv[None, :],
+                     other=0.0).to(tl.float32)
+        # ---- drafts
+        ss = tl.arange(0, TP)
+        ms = ss < T
+        tok = r64 * T + ss
+        mks = ms[:, None] & mk[None, :]
+        Qn = _l2n_rows(tl.load(q_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
+                               other=0.0).to(tl.float32), L2) * scale
+        Kn = _l2n_rows(tl.load(k_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
+                               other=0.0).to(tl.float32), L2)
+        Vn = tl.load(v_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], mask=ms[:, None] & mv[None, :],
+                     other=0.0).to(tl.float32)
+        gn = tl.where(ms, tl.load(g_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
+        bn = tl.where(ms, tl.load(b_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
+        if TREE:
+            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
+        else:
+            bits = (2 << ss) - 1
+        anc = (((bits[:, None] >> ss[None, :]) & 1) != 0) & ms[:, None] & ms[None, :]  # [s, s']
+        Gs = tl.sum(tl.where(anc, gn[None, :], 0.0), 1)
+        # ---- history readouts
+        if OUTPUT_ROUTE:
+            SK = tl.dot(Kh, tl.trans(Kn), input_precision=PREC)  # [LP, TP]
+            SQ = tl.dot(Kh, tl.trans(Qn), input_precision=PREC)
+            HK = tl.dot(tl.trans(SK * wj[:, None]), Uh, input_precision=PREC)  # [TP, BV]
+            HQ = tl.dot(tl.trans(SQ * wj[:, None]), Uh, input_precision=PREC)
+            if not PAGED:
+                soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
+                S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+                a0 = tl.exp(tot)
+                HK += a0 * tl.dot(Kn, S0, input_precision=PREC)
+                HQ += a0 * tl.dot(Qn, S0, input_precision=PREC)
+        else:
+            Sh = tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
+            if not PAGED:
+                soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
+                S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+                Sh += tl.exp(tot) * S0
+            HK = tl.dot(Kn, Sh, input_precision=PREC)
+            HQ = tl.dot(Qn, Sh, input_precision=PREC)
+        # ---- the T×T system
+        eG = tl.exp(Gs)
+        Dm = tl.exp(tl.where(anc, Gs[:, None] - Gs[None, :], 0.0))
+        KK = tl.dot(Kn, tl.trans(Kn), input_precision=PREC)
+        QK = tl.dot(Qn, tl.trans(Kn), input_precision=PREC)
+        strict = anc & (ss[:, None] != ss[None, :])
+        Amat = tl.where(strict, bn[:, None] * Dm * KK, 0.0)
+        U = bn[:, None] * (Vn - eG[:, None] * HK)
+        for i in range(1, T):  # forward substitution: U_i -= Σ_{s'<i} A[i, s'] U_{s'}
+            sel = ss[:, None] == i
+            arow = tl.sum(tl.where(sel, Amat, 0.0), 0)
+            corr = tl.sum(arow[:, None] * U, 0)
+            U = tl.where(sel, U - corr[None, :], U)
+        Y = eG[:, None] * HQ + tl.dot(tl.where(anc, Dm * QK, 0.0), U, input_precision=PREC)
+        mo = ms[:, None] & mv[None, :]
+        tl.store(y_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], Y.to(y_ptr.dtype.element_ty), mask=mo)
+        tl.store(uo_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], U.to(uo_ptr.dtype.element_ty), mask=mo)
+        if vb == 0:
+            if hv % REP == 0:
+                tl.store(ko_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], Kn.to(ko_ptr.dtype.element_ty),
+                         mask=mks)
+        if not PAGED:
+            flush = tl.load(flush_ptr + r) != 0
+            if flush:
+                if OUTPUT_ROUTE:
+                    Sh = a0 * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
+                tl.store(state_ptr + soff, Sh.to(state_ptr.dtype.element_ty), mask=m2)
+
+
+    @triton.jit
+    def _gdn_append_kernel(
+        ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, bt_ptr, u_ptr, k_ptr, g_ptr,
+        T, L, HVV, HK, HV, MAXB,
+        BU: tl.constexpr, BKK: tl.constexpr, BH: tl.constexpr, PAGED: tl.constexpr,
+    ):
+        """Append ``(u, k, g)`` of T tokens per row at positions ``h + s``; program (row, s)."""
+        r = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        if PAGED:
+            j = h + s
+            e = tl.load(bt_ptr + r * MAXB + j // L).to(tl.int64) * L + j % L
+        else:
+            slot = tl.load(slot_ptr + r).to(tl.int64)
+            start = tl.load(start_ptr + r).to(tl.int64)
+            e = slot * L + (start + h + s) % L
+        tok = r * T + s
+        for o in range(0, HVV, BU):
+            offs = o + tl.arange(0, BU)
+            m = offs < HVV
+            tl.store(ur_ptr + e * HVV + offs, tl.load(u_ptr + tok * HVV + offs, mask=m), mask=m)
+        for o in range(0, HK, BKK):
+            offs = o + tl.arange(0, BKK)
+            m = offs < HK
+            tl.store(kr_ptr + e * HK + offs, tl.load(k_ptr + tok * HK + offs, mask=m), mask=m)
+        for o in range(0, HV, BH):
+            offs = o + tl.arange(0, BH)
+            m = offs < HV
+            v = tl.load(g_ptr + tok * HV + offs, mask=m, other=0.0)
+            tl.store(gr_ptr + e * HV + offs, v.to(gr_ptr.dtype.element_ty), mask=m)
+
+
+# =============================================================================== wrappers
+def _c(t):
+    return None if t is None else t.contiguous()
+
+
+def _dims(q: Tensor, v: Tensor, has_time: bool):
+    if has_time:
+        Bt, T, H, K = q.shape
+    else:
+        (Bt, H, K), T = q.shape, 1
+    HV, V = v.shape[-2:]
+    if HV % H:
+        raise ValueError(f"num_v_heads {HV} is not a multiple of num_k_heads {H}")
+    return Bt, T, H, HV, K, V
+
+
+def _bv(V: int, block_v: int | None) -> int:
+    return max(16, next_pow2(block_v if block_v else min(V, 32)))
+
+
+def _scale(scale, K):
+    return K ** -0.5 if scale is None else float(scale)
+
+
+def _check_ring(buf, plan, v: Tensor, dims) -> None:
+    Bt, T, H, HV, K, V = dims
+    P, L = buf.state.shape[0], plan.capacity
+    for name, t, shape in (("state", buf.state, (P, HV, K, V)), ("u", buf.u, (P, L, HV, V)),
+                           ("k", buf.k, (P, L, H, K)), ("g", buf.g, (P, L, HV))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"buf.{name} has shape {tuple(t.shape)}, expected {shape}")
+        if not t.is_contiguous():
+            raise ValueError(f"buf.{name} must be contiguous for the Triton kernels")
+    if plan.batch != Bt or plan.num_new != T:
+        raise ValueError(f"plan ({plan.batch} rows, {plan.num_new} new) does not match inputs ({Bt}, {T})")
+
+
+def recurrent_update(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                     scale: float | None = None, use_qk_l2norm: bool = True, slot: Tensor | None = None,
+                     out_state: Tensor | None = None, block_v: int | None = None,
+                     num_warps: int = 4) -> Tensor:
+    """Recurrent decode kernel on a state pool (``state[slot]`` updated in place by default)."""
+    Bt, _, H, HV, K, V = _dims(q, v, False)
+    q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
+    out_state = state if out_state is None else out_state
+    y = torch.empty_like(v)
+    BV = next_pow2(block_v) if block_v else min(next_pow2(V), 16)
+    if Bt:
+        _gdn_recurrent_kernel[(Bt, HV, triton.cdiv(V, BV))](
+            state, out_state, slot if slot is not None else state, q, k, v, g, beta, y, y,
+            1, H, HV, K, V, HV // H, _scale(scale, K),
+            BK=next_pow2(K), BV=BV, HAS_SLOT=slot is not None, L2=bool(use_qk_l2norm), SNAP=False,
+            num_warps=num_warps)
+    return y
+
+
+def recurrent_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                   scale: float | None = None, use_qk_l2norm: bool = True) -> tuple[Tensor, Tensor]:
+    """Same contract as the naive op: ``(y, new_state)``; ``state`` is not modified."""
+    state = state.contiguous()
+    new = torch.empty_like(state)
+    y = recurrent_update(state, q, k, v, g, beta, scale, use_qk_l2norm, out_state=new)
+    return y, new
+
+
+def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                    scale: float | None = None, use_qk_l2norm: bool = True, check: bool | None = None,
+                    block_v: int | None = None, num_warps: int = 4,
+                    snapshots: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Baseline (Alg. 7): serial scan from ``state[slot]``, one state stored per draft."""
+    Bt, T, H, HV, K, V = _dims(q, v, True)
+    q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
+    y = torch.empty_like(v)
+    if snapshots is None:
+        snapshots = torch.empty(Bt, T, HV, K, V, dtype=state.dtype, device=state.device)
+    BV = next_pow2(block_v) if block_v else min(next_pow2(V), 16)
+    if Bt and T:
+        _gdn_recurrent_kernel[(Bt, HV, triton.cdiv(V, BV))](
+            state, state, slot, q, k, v, g, beta, y, snapshots,
+            T, H, HV, K, V, HV // H, _scale(scale, K),
+            BK=next_pow2(K), BV=BV, HAS_SLOT=True, L2=bool(use_qk_l2norm), SNAP=True, num_warps=num_warps)
+    return y, snapshots
+
+
+def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                  scale: float | None = None, use_qk_l2norm: bool = True, route: str = "state",
+                  check: bool | None = None, block_v: int | None = None, num_warps: int = 4,
+                  precision: str = "ieee") -> Tensor:
+    """Replay decode (Alg. 6) in one launch; appends ``(u, k, g)`` and flushes in-kernel."""
+    if route not in ("state", "output"):
+        raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
+    if plan.kind != "decode":
+        raise ValueError(f"replay_decode needs a 'decode' plan, got {plan.kind!r}")
+    dims = _dims(q, v, False)
+    Bt, _, H, HV, K, V = dims
+    _check_ring(buf, plan, v, dims)
+    q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
+    L = plan.capacity
+    BV = _bv(V, block_v)
+    y = torch.empty_like(v)
+    if Bt:
+        _gdn_replay_decode_kernel[(Bt, HV, triton.cdiv(V, BV))](
+            buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
+            q, k, v, g, beta, y, L, H, HV, K, V, HV // H, _scale(scale, K),
+            LP=pad16(L), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), OUTPUT_ROUTE=route == "output",
+            PREC=precision, num_warps=num_warps)
+    return y
+
+
+def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, paged=None,
+            block_v=None, num_warps=4, ring_dtype=None, precision="ieee"):
+    if route not in ("state", "output"):
+        raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
+    Bt, T, H, HV, K, V = _dims(q, v, True)
+    q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
+    BV = _bv(V, block_v)
+    y = torch.empty_like(v)
+    U = torch.empty(Bt, T, HV, V, dtype=ring_dtype[0], device=v.device)
+    Kn = torch.empty(Bt, T, H, K, dtype=ring_dtype[1], device=v.device)
+    if Bt == 0:
+        return y, U, Kn
+    grid = (Bt, HV, triton.cdiv(V, BV))
+    common = dict(TP=pad16(T), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), OUTPUT_ROUTE=route == "output",
+                  TREE=bits is not None, PREC=precision, num_warps=num_warps)
+    if paged is None:
+        _gdn_replay_verify_kernel[grid](
+            buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush, plan.slot,
+            q, k, v, g, beta, bits if bits is not None else plan.slot, y, U, Kn,
+            T, plan.capacity, H, HV, K, V, HV // H, 1, _scale(scale, K),
+            LP=pad16(plan.capacity), PAGED=False, **common)
+    else:
+        kv, pplan = paged
+        bt = pplan.block_table.contiguous()
+        _gdn_replay_verify_kernel[grid](
+            v, kv.u, kv.k, kv.g, pplan.slot, pplan.length, pplan.length, pplan.length, bt,
+            q, k, v, g, beta, bits if bits is not None else pplan.slot, y, U, Kn,
+            T, pplan.block_size, H, HV, K, V, HV // H, bt.shape[1], _scale(scale, K),
+            LP=pad16(pplan.max_len), PAGED=True, **common)
+    return y, U, Kn
+
+
+def _append_entries(ur, kr, gr, slot, start, hist, bt, U, Kn, g, L, paged: bool) -> None:
+    Bt, T, HV, V = U.shape
+    H, K = Kn.shape[-2:]
+    if Bt == 0 or T == 0:
+        return
+    g = g.contiguous()
+    _gdn_append_kernel[(Bt, T)](
+        ur, kr, gr, slot, start, hist, bt, U, Kn, g, T, L, HV * V, H * K, HV,
+        bt.shape[1] if paged else 1,
+        BU=min(2048, next_pow2(HV * V)), BKK=min(2048, next_pow2(H * K)), BH=min(1024, next_pow2(HV)),
+        PAGED=paged, num_warps=4)
+
+
+def _append(buf, plan, U, Kn, g) -> None:
+    _append_entries(buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.slot, U, Kn, g,
+                    plan.capacity, False)
+
+
+def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                  scale: float | None = None, use_qk_l2norm: bool = True, route: str = "state",
+                  check: bool | None = None, block_v: int | None = None, num_warps: int = 4,
+                  precision: str = "ieee") -> Tensor:
+    """Replay verify of T drafts (Alg. 8): one kernel, then one append kernel."""
+    if plan.kind != "verify":
+        raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
+    dims = _dims(q, v, True)
+    _check_ring(buf, plan, v, dims)
+    y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, None,
+                       block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
+                       precision=precision)
+    _append(buf, plan, U, Kn, g)
+    return y
+
+
+def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                scale: float | None = None, use_qk_l2norm: bool = True, route: str = "state",
+                check: bool | None = None, bits: Tensor | None = None, block_v: int | None = None,
+                num_warps: int = 4, precision: str = "ieee") -> Tensor:
+    """Tree verify (STree + Alg. 8): the solve restricted to the ancestor mask."""
+    from .mamba2 import tree_bits
+
+    if plan.kind != "tree":
+        raise ValueError(f"tree_verify needs a 'tree' plan, got {plan.kind!r}")
+    dims = _dims(q, v, True)
+    _check_ring(buf, plan, v, dims)
+    if bits is None:
+        bits = tree_bits(parent, dims[0])
+    y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
+                       block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
+                       precision=precision)
+    _append(buf, plan, U, Kn, g)
+    return y
+
+
+def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+              scale: float | None = None, use_qk_l2norm: bool = True, check: bool | None = None,
+              parent: Tensor | None = None, route: str = "output", block_v: int | None = None,
+              num_warps: int = 4, precision: str = "ieee") -> Tensor:
+    """KV-only form (``S0 = 0``) over paged buffers (a draft tree when ``parent`` is given);
+    appends ``(U, k, g)`` after the kernel."""
+    from .mamba2 import tree_bits
+
+    bits = None if parent is None else tree_bits(parent, q.shape[0])
+    y, U, Kn = _verify(None, None, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
+                       paged=(kv, pplan), block_v=block_v, num_warps=num_warps,
+                       ring_dtype=(kv.u.dtype, kv.k.dtype), precision=precision)
+    _append_entries(kv.u, kv.k, kv.g, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
+                    U, Kn, g, pplan.block_size, True)
+    return y

@@ -1,0 +1,568 @@
+"""Triton kernels for Mamba-2 decoding: recurrent baseline, replay decode (Alg. 2),
+replay / tree / KV-only verify (Alg. 4), snapshot verify baseline (Alg. 3).
+
+Same arguments and results as :mod:`replayssm.ops.mamba2.naive`.  Layouts (contiguous):
+state ``[P,H,d,n]`` fp32, ring ``x [P,L,H,d]``, ``B [P,L,G,n]``, ``dt [P,L,H]``.
+Grid: one program per (row, head, d-block); the state tile is ``[BD, n]`` with the whole
+``n`` (d_state) axis in one tile, so ``S q`` and the flush need no cross-program reduction.
+Per-row plan data (slot, start, hist, flush, block table) is read on the device; flush is a
+run-time branch, so one launch (and one CUDA graph) covers rows that flush and rows that
+do not.  No host synchronisation anywhere.
+
+Decode (``T = 1``) writes its ring entry in-kernel (the new position ``(start+h) % L`` is
+never a committed entry).  Verify/tree/KV steps may overwrite committed entries (a
+flushing row with ``h + T > L``) that other programs of the row still read, so their new
+entries are written with torch index ops after the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._triton import HAVE_TRITON, pad16, next_pow2, triton, tl
+
+__all__ = [
+    "recurrent_step",
+    "recurrent_update",
+    "replay_decode",
+    "replay_verify",
+    "tree_verify",
+    "kv_verify",
+    "snapshot_verify",
+    "tree_bits",
+]
+
+
+# =============================================================================== kernels
+if HAVE_TRITON:
+
+    @triton.jit
+    def _m2_recurrent_kernel(
+        sin_ptr, sout_ptr, slot_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr,
+        H, G, d, n, HPG,
+        BD: tl.constexpr, BN: tl.constexpr, HAS_SLOT: tl.constexpr, HAS_D: tl.constexpr,
+    ):
+        """Alg. 1: load S, update, read out, store S (like selective_state_update)."""
+        r = tl.program_id(0)
+        hd = tl.program_id(1)
+        db = tl.program_id(2)
+        g = hd // HPG
+        if HAS_SLOT:
+            srow = tl.load(slot_ptr + r).to(tl.int64)
+        else:
+            srow = r.to(tl.int64)
+        offs_d = db * BD + tl.arange(0, BD)
+        offs_n = tl.arange(0, BN)
+        md = offs_d < d
+        mn = offs_n < n
+        m2 = md[:, None] & mn[None, :]
+        soff = ((srow * H + hd) * d + offs_d[:, None]) * n + offs_n[None, :]
+        S = tl.load(sin_ptr + soff, mask=m2, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + (r * H + hd) * d + offs_d, mask=md, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + r * H + hd).to(tl.float32)
+        A = tl.load(A_ptr + hd).to(tl.float32)
+        Bv = tl.load(B_ptr + (r * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
+        Cv = tl.load(C_ptr + (r * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
+        S = tl.exp(A * dt) * S + (dt * x)[:, None] * Bv[None, :]
+        y = tl.sum(S * Cv[None, :], 1)
+        if HAS_D:
+            y += tl.load(D_ptr + hd).to(tl.float32) * x
+        tl.store(y_ptr + (r * H + hd) * d + offs_d, y.to(y_ptr.dtype.element_ty), mask=md)
+        tl.store(sout_ptr + soff, S.to(sout_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _m2_snapshot_kernel(
+        state_ptr, slot_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, snap_ptr,
+        T, H, G, d, n, HPG,
+        BD: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
+    ):
+        """Alg. 3 baseline: serial scan over T drafts, one state snapshot stored per draft."""
+        r = tl.program_id(0)
+        hd = tl.program_id(1)
+        db = tl.program_id(2)
+        g = hd // HPG
+        srow = tl.load(slot_ptr + r).to(tl.int64)
+        offs_d = db * BD + tl.arange(0, BD)
+        offs_n = tl.arange(0, BN)
+        md = offs_d < d
+        mn = offs_n < n
+        m2 = md[:, None] & mn[None, :]
+        tile = offs_d[:, None] * n + offs_n[None, :]
+        S = tl.load(state_ptr + (srow * H + hd) * d * n + tile, mask=m2, other=0.0).to(tl.float32)
+        A = tl.load(A_ptr + hd).to(tl.float32)
+        if HAS_D:
+            Dv = tl.load(D_ptr + hd).to(tl.float32)
+        rT = r.to(tl.int64) * T
+        for t in range(T):
+            x = tl.load(x_ptr + ((rT + t) * H + hd) * d + offs_d, mask=md, other=0.0).to(tl.float32)
+            dt = tl.load(dt_ptr + (rT + t) * H + hd).to(tl.float32)
+            Bv = tl.load(B_ptr + ((rT + t) * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
+            Cv = tl.load(C_ptr + ((rT + t) * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
+            S = tl.exp(A * dt) * S + (dt * x)[:, None] * Bv[None, :]
+            y = tl.sum(S * Cv[None, :], 1)
+            if HAS_D:
+                y += Dv * x
+            tl.store(y_ptr + ((rT + t) * H + hd) * d + offs_d, y.to(y_ptr.dtype.element_ty), mask=md)
+            tl.store(snap_ptr + ((rT + t) * H + hd) * d * n + tile, S.to(snap_ptr.dtype.element_ty),
+                     mask=m2)
+
+    @triton.jit
+    def _m2_append_kernel(
+        xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, bt_ptr, x_ptr, B_ptr, dt_ptr,
+        T, L, H, G, HD, GN, MAXB,
+        BHD: tl.constexpr, BGN: tl.constexpr, BH: tl.constexpr, PAGED: tl.constexpr,
+    ):
+        """Append this step's T entries ``(x, B, dt)`` per row at ring (or paged) positions
+        ``h + s``; one program per (row, s).  Runs after the verify kernel (stream order), so
+        no program of that kernel can still be reading an overwritten entry."""
+        r = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        if PAGED:
+            j = h + s
+            e = tl.load(bt_ptr + r * MAXB + j // L).to(tl.int64) * L + j % L
+        else:
+            slot = tl.load(slot_ptr + r).to(tl.int64)
+            start = tl.load(start_ptr + r).to(tl.int64)
+            e = slot * L + (start + h + s) % L
+        tok = r * T + s
+        for o in range(0, HD, BHD):
+            offs = o + tl.arange(0, BHD)
+            m = offs < HD
+            tl.store(xr_ptr + e * HD + offs, tl.load(x_ptr + tok * HD + offs, mask=m), mask=m)
+        for o in range(0, GN, BGN):
+            offs = o + tl.arange(0, BGN)
+            m = offs < GN
+            tl.store(Br_ptr + e * GN + offs, tl.load(B_ptr + tok * GN + offs, mask=m), mask=m)
+        for o in range(0, H, BH):
+            offs = o + tl.arange(0, BH)
+            m = offs < H
+            v = tl.load(dt_ptr + tok * H + offs, mask=m, other=0.0)
+            tl.store(dtr_ptr + e * H + offs, v.to(dtr_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _m2_scores_kernel(
+        Br_ptr, slot_ptr, start_ptr, hist_ptr, B_ptr, C_ptr, sc_ptr,
+        L, G, n,
+        LP: tl.constexpr, BN: tl.constexpr,
+    ):
+        """Decode precompute (paper §5.4): ``B_j·C`` once per (row, group) for the ring entries
+        and the new one -> scratch ``[Bt, G, LP+1]``; also appends the new ``B`` to the ring."""
+        r = tl.program_id(0)
+        g = tl.program_id(1)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        start = tl.load(start_ptr + r).to(tl.int64)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        jj = tl.arange(0, LP)
+        mj = jj < h
+        offs_n = tl.arange(0, BN)
+        mn = offs_n < n
+        e = slot * L + (start + jj) % L
+        Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
+                     other=0.0).to(tl.float32)
+        Braw = tl.load(B_ptr + (r * G + g) * n + offs_n, mask=mn, other=0.0)
+        Bv = Braw.to(tl.float32)
+        Cv = tl.load(C_ptr + (r * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
+        sc = tl.sum(Bh * Cv[None, :], 1)
+        base = (r.to(tl.int64) * G + g) * (LP + 1)
+        tl.store(sc_ptr + base + jj, sc)
+        tl.store(sc_ptr + base + LP, tl.sum(Bv * Cv, 0))
+        enew = slot * L + (start + h) % L
+        tl.store(Br_ptr + (enew * G + g) * n + offs_n, Braw, mask=mn)
+
+    @triton.jit
+    def _m2_replay_decode_kernel(
+        state_ptr, xr_ptr, Br_ptr, dtr_ptr,
+        slot_ptr, start_ptr, hist_ptr, flush_ptr,
+        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
+        L, H, G, d, n, HPG,
+        LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """Alg. 2, output-only: ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + D x``.
+
+        Flush rows (``h + 1 == L``) also store ``S_{h+1}`` (checkpoint, ring and new entry)."""
+        r = tl.program_id(0)
+        hd = tl.program_id(1)
+        db = tl.program_id(2)
+        g = hd // HPG
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        start = tl.load(start_ptr + r).to(tl.int64)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        flush = tl.load(flush_ptr + r) != 0
+        offs_d = db * BD + tl.arange(0, BD)
+        offs_n = tl.arange(0, BN)
+        md = offs_d < d
+        mn = offs_n < n
+        m2 = md[:, None] & mn[None, :]
+        jj = tl.arange(0, LP)
+        mj = jj < h
+        e = slot * L + (start + jj) % L  # ring entry of history position j
+        # ---- loads: checkpoint tile, ring, this token
+        soff = ((slot * H + hd) * d + offs_d[:, None]) * n + offs_n[None, :]
+        S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+        A = tl.load(A_ptr + hd).to(tl.float32)
+        dtj = tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32)
+        Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
+                     other=0.0).to(tl.float32)
+        xraw = tl.load(x_ptr + (r * H + hd) * d + offs_d, mask=md, other=0.0)
+        xv = xraw.to(tl.float32)
+        dtraw = tl.load(dt_ptr + r * H + hd)
+        dtv = dtraw.to(tl.float32)
+        Cv = tl.load(C_ptr + (r * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
+        Braw = tl.load(B_ptr + (r * G + g) * n + offs_n, mask=mn, other=0.0)
+        Bv = Braw.to(tl.float32)
+        # ---- decays: pre_t - pre_j = (tot - cum_j) + l_new, all <= 0
+        dtj = tl.where(mj, dtj, 0.0)
+        lj = A * dtj
+        cj = tl.cumsum(lj, 0)
+        tot = tl.sum(lj, 0)
+        lv = A * dtv
+        wj = dtj * tl.exp(tot - cj + lv)  # 0 past h
+        if PRE_SCORES:
+            base = (r.to(tl.int64) * G + g) * (LP + 1)
+            sc = tl.load(sc_ptr + base + jj)
+            scn = tl.load(sc_ptr + base + LP)
+        else:
+            Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
+                         other=0.0).to(tl.float32)
+            sc = tl.sum(Bh * Cv[None, :], 1)
+            scn = tl.sum(Bv * Cv, 0)
+        coef = tl.where(mj, wj * sc, 0.0)
+        y = tl.exp(tot + lv) * tl.sum(S0 * Cv[None, :], 1) + tl.sum(coef[:, None] * Xh, 0) + (dtv * scn) * xv
+        if HAS_D:
+            y += tl.load(D_ptr + hd).to(tl.float32) * xv
+        tl.store(y_ptr + (r * H + hd) * d + offs_d, y.to(y_ptr.dtype.element_ty), mask=md)
+        # ---- append (x, B, dt) at ring position h (never a committed entry for decode)
+        enew = slot * L + (start + h) % L
+        tl.store(xr_ptr + (enew * H + hd) * d + offs_d, xraw, mask=md)
+        if db == 0:
+            tl.store(dtr_ptr + enew * H + hd, dtv.to(dtr_ptr.dtype.element_ty))
+            if not PRE_SCORES:
+                if hd % HPG == 0:
+                    tl.store(Br_ptr + (enew * G + g) * n + offs_n, Braw, mask=mn)
+        # ---- flush: S_{h+1} = e^{pre} S0 + Σ_j w_j x_j B_jᵀ + Δ x Bᵀ (tensor-core-free fp32 dot)
+        if flush:
+            if PRE_SCORES:
+                Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :],
+                             mask=mj[:, None] & mn[None, :], other=0.0).to(tl.float32)
+            Xw = tl.where(mj[:, None], Xh * wj[:, None], 0.0)
+            Snew = tl.exp(tot + lv) * S0 + tl.dot(tl.trans(Xw), Bh, input_precision=PREC)
+            Snew += (dtv * xv)[:, None] * Bv[None, :]
+            tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _m2_replay_verify_kernel(
+        state_ptr, xr_ptr, Br_ptr, dtr_ptr,
+        slot_ptr, start_ptr, hist_ptr, flush_ptr, bt_ptr,
+        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bits_ptr, y_ptr,
+        T, L, H, G, d, n, HPG, MAXB,
+        TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+        HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """Alg. 4 (and STree, KV-only): T draft queries read the same checkpoint and history.
+
+        ``Y = e^{pre+G} (S0 Cᵀ) + X_hᵀ W_h + X_nᵀ W_n`` with ``W_h[j,m] = Δ_j e^{tot-cum_j+G_m}
+        (B_j·C_m)`` (history) and ``W_n[s,m] = Δ_s e^{G_m-G_s} (B_s·C_m)`` for s an ancestor-or-
+        self of m (causal chain, or tree bits).  Score and value products are ``tl.dot``s.
+        PAGED: history from a block table, ``S0 = 0``, no flush (KV-only form).
+        Flush rows (ring mode) store ``S_h`` (committed entries only)."""
+        r = tl.program_id(0)
+        hd = tl.program_id(1)
+        db = tl.program_id(2)
+        g = hd // HPG
+        r64 = r.to(tl.int64)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        offs_d = db * BD + tl.arange(0, BD)
+        offs_n = tl.arange(0, BN)
+        md = offs_d < d
+        mn = offs_n < n
+        m2 = md[:, None] & mn[None, :]
+        jj = tl.arange(0, LP)
+        mj = jj < h
+        if PAGED:
+            blk = tl.load(bt_ptr + r64 * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
+            e = blk * L + jj % L
+        else:
+            start = tl.load(start_ptr + r).to(tl.int64)
+            e = slot * L + (start + jj) % L
+        A = tl.load(A_ptr + hd).to(tl.float32)
+        dtj = tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32)
+        dtj = tl.where(mj, dtj, 0.0)
+        lj = A * dtj
+        cj = tl.cumsum(lj, 0)
+        tot = tl.sum(lj, 0)
+        Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
+                     other=0.0).to(tl.float32)
+        Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
+                     other=0.0).to(tl.float32)
+        # ---- drafts
+        ss = tl.arange(0, TP)
+        ms = ss < T
+        tok = r64 * T + ss
+        Xn = tl.load(x_ptr + (tok[:, None] * H + hd) * d + offs_d[None, :], mask=ms[:, None] & md[None, :],
+                     other=0.0).to(tl.float32)
+        dtn = tl.load(dt_ptr + tok * H + hd, mask=ms, other=0.0).to(tl.float32)
+        Bn = tl.load(B_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+                     other=0.0).to(tl.float32)
+        Cn = tl.load(C_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+                     other=0.0).to(tl.float32)
+        ln = A * tl.where(ms, dtn, 0.0)
+        if TREE:
+            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
+        else:
+            bits = (2 << ss) - 1  # chain: s' <= s
+        # anc[m, s]: draft s is draft m or one of its ancestors
+        anc = (((bits[:, None] >> ss[None, :]) & 1) != 0) & ms[:, None] & ms[None, :]
+        Gm = tl.sum(tl.where(anc, ln[None, :], 0.0), 1)  # log-decay from S_h to draft m
+        ancT = (((bits[None, :] >> ss[:, None]) & 1) != 0) & ms[:, None] & ms[None, :]  # [s, m]
+        # ---- scores (GEMMs): history keys x draft queries, draft keys x draft queries
+        HS = tl.dot(Bh, tl.trans(Cn), input_precision=PREC)  # [LP, TP]
+        NS = tl.dot(Bn, tl.trans(Cn), input_precision=PREC)  # [TP(s), TP(m)]
+        Wh = tl.where(mj[:, None], dtj[:, None] * tl.exp((tot - cj)[:, None] + Gm[None, :]) * HS, 0.0)
+        Wn = tl.where(ancT, dtn[:, None] * tl.exp(Gm[None, :] - Gm[:, None]) * NS, 0.0)
+        Yt = tl.dot(tl.trans(Xh), Wh, input_precision=PREC)  # [BD, TP]
+        Yt += tl.dot(tl.trans(Xn), Wn, input_precision=PREC)
+        if not PAGED:
+            soff = ((slot * H + hd) * d + offs_d[:, None]) * n + offs_n[None, :]
+            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+            Yt += tl.exp(tot + Gm)[None, :] * tl.dot(S0, tl.trans(Cn), input_precision=PREC)
+        if HAS_D:
+            Yt += tl.load(D_ptr + hd).to(tl.float32) * tl.trans(Xn)
+        tl.store(y_ptr + (tok[None, :] * H + hd) * d + offs_d[:, None], Yt.to(y_ptr.dtype.element_ty),
+                 mask=md[:, None] & ms[None, :])
+        if not PAGED:
+            flush = tl.load(flush_ptr + r) != 0
+            if flush:  # S_h = e^{tot} S0 + Σ_{j<h} Δ_j e^{tot-cum_j} x_j B_jᵀ
+                Xw = tl.where(mj[:, None], Xh * (dtj * tl.exp(tot - cj))[:, None], 0.0)
+                Sh = tl.exp(tot) * S0 + tl.dot(tl.trans(Xw), Bh, input_precision=PREC)
+                tl.store(state_ptr + soff, Sh.to(state_ptr.dtype.element_ty), mask=m2)
+
+
+# =============================================================================== wrappers
+def _c(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def _dims(x: Tensor, B: Tensor, has_time: bool):
+    if has_time:
+        Bt, T, H, d = x.shape
+    else:
+        (Bt, H, d), T = x.shape, 1
+    G, n = B.shape[-2:]
+    if H % G:
+        raise ValueError(f"nheads H={H} is not a multiple of ngroups G={G}")
+    return Bt, T, H, d, G, n
+
+
+def _block_d(d: int, block_d: int | None) -> int:
+    return max(16, next_pow2(block_d if block_d else min(d, 64)))
+
+
+def _check_ring(buf, plan, x: Tensor, dims) -> None:
+    Bt, T, H, d, G, n = dims
+    P, L = buf.state.shape[0], plan.capacity
+    for name, t, shape in (("state", buf.state, (P, H, d, n)), ("x", buf.x, (P, L, H, d)),
+                           ("B", buf.B, (P, L, G, n)), ("dt", buf.dt, (P, L, H))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"buf.{name} has shape {tuple(t.shape)}, expected {shape}")
+        if not t.is_contiguous():
+            raise ValueError(f"buf.{name} must be contiguous for the Triton kernels")
+    if buf.x.dtype != x.dtype or buf.B.dtype != x.dtype:
+        raise ValueError(f"dtype mismatch: inputs are {x.dtype}, ring holds {buf.x.dtype}/{buf.B.dtype}")
+    if plan.batch != Bt or plan.num_new != T:
+        raise ValueError(f"plan ({plan.batch} rows, {plan.num_new} new) does not match inputs ({Bt}, {T})")
+
+
+def recurrent_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                     D: Tensor | None = None, slot: Tensor | None = None, out_state: Tensor | None = None,
+                     block_d: int | None = None, num_warps: int = 4) -> Tensor:
+    """Recurrent decode kernel (Alg. 1) on a state pool: ``state[slot]`` is read, updated and
+    written to ``out_state[slot]`` (default: in place).  Returns ``y [Bt,H,d]``."""
+    Bt, _, H, d, G, n = _dims(x, B, False)
+    x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
+    out_state = state if out_state is None else out_state
+    y = torch.empty_like(x)
+    BD = next_pow2(block_d) if block_d else min(next_pow2(d), 16)
+    grid = (Bt, H, triton.cdiv(d, BD))
+    if Bt:
+        _m2_recurrent_kernel[grid](
+            state, out_state, slot if slot is not None else state, x, dt, A, B, C,
+            D if D is not None else A, y, H, G, d, n, H // G,
+            BD=BD, BN=next_pow2(n), HAS_SLOT=slot is not None, HAS_D=D is not None, num_warps=num_warps)
+    return y
+
+
+def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                   D: Tensor | None = None, check: bool | None = None) -> tuple[Tensor, Tensor]:
+    """Same contract as the naive op: returns ``(y, new_state)``; ``state`` is not modified."""
+    state = state.contiguous()
+    new = torch.empty_like(state)
+    y = recurrent_update(state, x, dt, A, B, C, D, out_state=new)
+    return y, new
+
+
+def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                  D: Tensor | None = None, route: str = "output", check: bool | None = None,
+                  block_d: int | None = None, num_warps: int = 4, pre_scores: bool = False,
+                  precision: str = "ieee") -> Tensor:
+    """Replay decode (Alg. 2) in one launch (two with ``pre_scores``).
+
+    The output is always formed output-only (``route`` is accepted for API parity: both
+    routes give the same numbers); flush rows build ``S_{h+1}`` in the same program.
+    """
+    if route not in ("output", "state"):
+        raise ValueError(f"bad route {route!r}: expected 'output' or 'state'")
+    if plan.kind != "decode":
+        raise ValueError(f"replay_decode needs a 'decode' plan, got {plan.kind!r}")
+    dims = _dims(x, B, False)
+    Bt, _, H, d, G, n = dims
+    _check_ring(buf, plan, x, dims)
+    x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
+    L = plan.capacity
+    LP, BN, BD = pad16(L), pad16(n), _block_d(d, block_d)
+    y = torch.empty_like(x)
+    if Bt == 0:
+        return y
+    sc = None
+    if pre_scores:
+        sc = torch.empty(Bt, G, LP + 1, dtype=torch.float32, device=x.device)
+        _m2_scores_kernel[(Bt, G)](buf.B, plan.slot, plan.start, plan.hist, B, C, sc, L, G, n,
+                                   LP=LP, BN=BN, num_warps=4)
+    grid = (Bt, H, triton.cdiv(d, BD))
+    _m2_replay_decode_kernel[grid](
+        buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush,
+        x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
+        L, H, G, d, n, H // G,
+        LP=LP, BD=BD, BN=BN, HAS_D=D is not None, PRE_SCORES=bool(pre_scores), PREC=precision,
+        num_warps=num_warps)
+    return y
+
+
+def tree_bits(parent: Tensor, batch: int) -> Tensor:
+    """Ancestor-or-self sets as int32 bitmasks ``[Bt, N]`` (bit s of node m: s is m or an
+    ancestor of m).  Device tensor ops only (N small, N <= 31)."""
+    from ..cache.tree import ancestor_mask
+
+    p = parent.long()
+    if p.dim() == 1:
+        p = p[None].expand(batch, -1)
+    M = ancestor_mask(p)  # [Bt, N, N] bool
+    N = M.shape[-1]
+    if N > 31:
+        raise ValueError(f"tree kernels support at most 31 nodes, got {N}")
+    w = (1 << torch.arange(N, device=p.device, dtype=torch.int64))
+    return (M.long() * w).sum(-1).to(torch.int32).contiguous()
+
+
+def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=4, precision="ieee"):
+    dims = _dims(x, B, True)
+    Bt, T, H, d, G, n = dims
+    x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
+    BD, BN, TP = _block_d(d, block_d), pad16(n), pad16(T)
+    y = torch.empty_like(x)
+    if Bt == 0:
+        return y
+    grid = (Bt, H, triton.cdiv(d, BD))
+    if paged is None:
+        L = plan.capacity
+        _m2_replay_verify_kernel[grid](
+            buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush, plan.slot,
+            x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,
+            T, L, H, G, d, n, H // G, 1,
+            TP=TP, LP=pad16(L), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None, PAGED=False,
+            PREC=precision, num_warps=num_warps)
+    else:
+        kv, pplan = paged
+        bt = pplan.block_table.contiguous()
+        _m2_replay_verify_kernel[grid](
+            x, kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, pplan.length, bt,
+            x, dt, A, B, C, D if D is not None else A, bits if bits is not None else pplan.slot, y,
+            T, pplan.block_size, H, G, d, n, H // G, bt.shape[1],
+            TP=TP, LP=pad16(pplan.max_len), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None,
+            PAGED=True, PREC=precision, num_warps=num_warps)
+    return y
+
+
+def _append(xr, Br, dtr, slot, start, hist, bt, x, B, dt, L, paged: bool) -> None:
+    """One launch appending ``(x, B, dt) [Bt,T,...]`` at positions ``h + s`` of each row."""
+    Bt, T, H, d = x.shape
+    G, n = B.shape[-2:]
+    if Bt == 0 or T == 0:
+        return
+    x, B, dt = _c(x), _c(B), _c(dt)
+    _m2_append_kernel[(Bt, T)](
+        xr, Br, dtr, slot, start, hist, bt, x, B, dt, T, L, H, G, H * d, G * n,
+        bt.shape[1] if paged else 1,
+        BHD=min(2048, next_pow2(H * d)), BGN=min(2048, next_pow2(G * n)), BH=min(1024, next_pow2(H)),
+        PAGED=paged, num_warps=4)
+
+
+def _write_entries(buf, plan, x, B, dt) -> None:
+    _append(buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.slot, x, B, dt,
+            plan.capacity, False)
+
+
+def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                  D: Tensor | None = None, route: str = "output", check: bool | None = None,
+                  block_d: int | None = None, num_warps: int = 4, precision: str = "ieee") -> Tensor:
+    """Replay verify of T drafts (Alg. 4): one kernel (GEMMs under a causal mask; flush rows
+    store ``S_h``), then one append kernel writes the T entries."""
+    if plan.kind != "verify":
+        raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
+    dims = _dims(x, B, True)
+    _check_ring(buf, plan, x, dims)
+    y = _verify(buf, plan, x, dt, A, B, C, D, None, block_d=block_d, num_warps=num_warps,
+                precision=precision)
+    _write_entries(buf, plan, x, B, dt)
+    return y
+
+
+def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                D: Tensor | None = None, route: str = "output", check: bool | None = None,
+                bits: Tensor | None = None, block_d: int | None = None, num_warps: int = 4,
+                precision: str = "ieee") -> Tensor:
+    """Tree verify (STree) under the ancestor mask; ``bits`` (from :func:`tree_bits`) may be
+    passed precomputed once per step for all layers."""
+    if plan.kind != "tree":
+        raise ValueError(f"tree_verify needs a 'tree' plan, got {plan.kind!r}")
+    dims = _dims(x, B, True)
+    _check_ring(buf, plan, x, dims)
+    if bits is None:
+        bits = tree_bits(parent, dims[0])
+    y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision)
+    _write_entries(buf, plan, x, B, dt)
+    return y
+
+
+def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+              D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
+              num_warps: int = 4, precision: str = "ieee", parent: Tensor | None = None) -> Tensor:
+    """KV-only form (no state) over paged buffers; appends the new entries after the kernel."""
+    if kv.x.dtype != x.dtype or kv.B.dtype != x.dtype:
+        raise ValueError(f"dtype mismatch: inputs are {x.dtype}, pool holds {kv.x.dtype}/{kv.B.dtype}")
+    bits = None if parent is None else tree_bits(parent, x.shape[0])
+    y = _verify(None, None, x, dt, A, B, C, D, bits, paged=(kv, pplan), block_d=block_d,
+                num_warps=num_warps, precision=precision)
+    _append(kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
+            x, B, dt, pplan.block_size, True)
+    return y
+
+
+def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                    D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
+                    num_warps: int = 4, snapshots: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Baseline (Alg. 3): serial scan, one state stored per draft -> ``(y, snapshots)``."""
+    Bt, T, H, d, G, n = _dims(x, B, True)
+    x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
+    BD = next_pow2(block_d) if block_d else min(next_pow2(d), 16)
+    y = torch.empty_like(x)
+    if snapshots is None:
+        snapshots = torch.empty(Bt, T, H, d, n, dtype=state.dtype, device=state.device)
+    if Bt and T:
+        _m2_snapshot_kernel[(Bt, H, triton.cdiv(d, BD))](
+            state, slot, x, dt, A, B, C, D if D is not None else A, y, snapshots,
+            T, H, G, d, n, H // G, BD=BD, BN=next_pow2(n), HAS_D=D is not None, num_warps=num_warps)
+    return y, snapshots

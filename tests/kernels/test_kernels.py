@@ -1,0 +1,406 @@
+"""Every Triton kernel against its naive op.
+
+CPU: the Triton interpreter (``TRITON_INTERPRET=1``, set in ``conftest.py`` before triton is
+imported) with small odd shapes.  CUDA (when present): the compiled kernels with realistic
+shapes.  Each case uses poisoned ring buffers (NaN past every row's valid entries), random
+fill levels and starts per row, flush rows mixed with non-flush rows, and padding rows on
+the null slot 0; outputs, states and ring buffers are compared (slot 0 holds garbage and
+padding rows' outputs are not compared).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from replayssm.cache.buffers import GDNBuffers, Mamba2Buffers  # noqa: E402
+from replayssm.cache.ring import RingIndex  # noqa: E402
+from replayssm.kernels import _triton, dispatch  # noqa: E402
+
+N2 = pytest.importorskip("replayssm.ops.mamba2.naive")
+NG = pytest.importorskip("replayssm.ops.gdn.naive")
+
+from replayssm.kernels import gdn as KG  # noqa: E402
+from replayssm.kernels import mamba2 as K2  # noqa: E402
+
+DEVICES = []
+if _triton.interpreting():
+    DEVICES.append("cpu")
+if torch.cuda.is_available() and not _triton.interpreting():
+    DEVICES.append("cuda")
+if not DEVICES:
+    pytest.skip("neither the Triton interpreter nor a GPU is available", allow_module_level=True)
+
+
+def shapes(device):
+    """Small odd shapes on CPU (interpreter), realistic ones on CUDA."""
+    if device == "cpu":
+        return dict(Bt=5, H=4, d=5, G=2, n=7, HK=2, HV=4, K=7, V=5, P=8, L=8, dtype=torch.float32)
+    return dict(Bt=24, H=16, d=64, G=2, n=128, HK=4, HV=8, K=128, V=128, P=40, L=16, dtype=torch.bfloat16)
+
+
+def tol(dtype):
+    return (2e-5, 2e-4) if dtype == torch.float32 else (2e-2, 2e-2)
+
+
+def close(a, b, dtype, what):
+    atol, rtol = tol(dtype)
+    a, b = a.float(), b.float()
+    assert not torch.isnan(b).any(), f"{what}: NaN in kernel result"
+    torch.testing.assert_close(b, a, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def close_buffers(ref, out, dtype, names):
+    """Compare every non-null slot of each tensor (NaN where the reference has NaN)."""
+    for name in names:
+        a, b = getattr(ref, name)[1:].float(), getattr(out, name)[1:].float()
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), f"buf.{name}: NaN pattern differs"
+        atol, rtol = tol(dtype if name not in ("state",) else torch.float32)
+        if name == "state" and dtype != torch.float32:
+            atol, rtol = 1e-3, 1e-3
+        torch.testing.assert_close(torch.nan_to_num(b), torch.nan_to_num(a), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"buf.{name}: {m}")
+
+
+def make_ring(s, device, T, seed, kind="decode"):
+    """A ring with random starts and fill levels; returns (ring, slots) with padding rows."""
+    g = torch.Generator().manual_seed(seed)
+    P, L, Bt = s["P"], s["L"], s["Bt"]
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    ring = RingIndex(P - 1, L, dev)
+    maxh = L - 1 if kind == "decode" else L - T
+    ring.length[1:] = torch.randint(0, maxh + 1, (P - 1,), generator=g).to(device)
+    ring.start[1:] = torch.randint(0, L, (P - 1,), generator=g).to(device)
+    perm = torch.randperm(P - 1, generator=g)[: Bt - 1] + 1
+    slots = torch.cat([perm[:2], torch.zeros(1, dtype=torch.long), perm[2:]]).to(device)  # row 2 pads
+    # make sure at least one row flushes and one does not
+    if kind == "decode":
+        ring.length[slots[0]] = L - 1
+        ring.length[slots[1]] = 0
+    else:
+        ring.length[slots[0]] = L - T  # h + 2T > L
+        ring.length[slots[1]] = 0
+    return ring, slots
+
+
+def fill_m2(s, device, seed):
+    torch.manual_seed(seed)
+    buf = Mamba2Buffers.allocate(s["P"] - 1, s["L"], s["H"], s["d"], s["n"], s["G"], dtype=s["dtype"],
+                                 device=device, poison=True)
+    buf.state.normal_()
+    return buf
+
+
+def valid_ring(ring, slots, buf_tensors, init):
+    """Fill the committed entries of every slot with random data (the rest stays NaN)."""
+    L = ring.capacity
+    P = ring.start.shape[0]
+    for sl in range(1, P):
+        st, ln = int(ring.start[sl]), int(ring.length[sl])
+        for j in range(ln):
+            pos = (st + j) % L
+            for t, f in zip(buf_tensors, init):
+                t[sl, pos] = f(t[sl, pos])
+
+
+def m2_inputs(s, device, T=None):
+    Bt, H, d, G, n, dt_ = s["Bt"], s["H"], s["d"], s["G"], s["n"], s["dtype"]
+    lead = (Bt,) if T is None else (Bt, T)
+    x = torch.randn(*lead, H, d, device=device).to(dt_)
+    dt = torch.rand(*lead, H, device=device) * 0.5 + 0.05
+    A = -(torch.rand(H, device=device) + 0.3)
+    B = torch.randn(*lead, G, n, device=device).to(dt_)
+    C = torch.randn(*lead, G, n, device=device).to(dt_)
+    D = torch.randn(H, device=device)
+    return x, dt, A, B, C, D
+
+
+def clone_m2(buf):
+    return Mamba2Buffers(*(t.clone() for t in (buf.state, buf.x, buf.B, buf.dt)))
+
+
+def prep_m2(s, device, seed, T=1, kind="decode"):
+    ring, slots = make_ring(s, device, T, seed, kind)
+    buf = fill_m2(s, device, seed)
+    valid_ring(ring, slots, [buf.x, buf.B, buf.dt],
+               [lambda t: torch.randn_like(t), lambda t: torch.randn_like(t),
+                lambda t: torch.rand_like(t) * 0.5 + 0.05])
+    return ring, slots, buf
+
+
+M2_BUF = ("state", "x", "B", "dt")
+GDN_BUF = ("state", "u", "k", "g")
+
+
+# ============================================================================ Mamba-2
+@pytest.mark.parametrize("device", DEVICES)
+def test_mamba2_recurrent(device):
+    s = shapes(device)
+    torch.manual_seed(1)
+    x, dt, A, B, C, D = m2_inputs(s, device)
+    state = torch.randn(s["Bt"], s["H"], s["d"], s["n"], device=device)
+    y0, S0 = N2.recurrent_step(state, x, dt, A, B, C, D)
+    y1, S1 = K2.recurrent_step(state, x, dt, A, B, C, D)
+    close(y0, y1, s["dtype"], "y")
+    close(S0, S1, torch.float32, "state")
+    # in-place on a pool with slot indirection
+    pool = torch.randn(s["P"], s["H"], s["d"], s["n"], device=device)
+    slot = torch.randperm(s["P"] - 1)[: s["Bt"]].to(device) + 1
+    ref = pool.clone()
+    y2, S2 = N2.recurrent_step(ref[slot], x, dt, A, B, C, D)
+    y3 = K2.recurrent_update(pool, x, dt, A, B, C, D, slot=slot)
+    close(y2, y3, s["dtype"], "y(pool)")
+    close(S2, pool[slot], torch.float32, "pool state")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pre_scores", [False, True])
+def test_mamba2_replay_decode_cycle(device, pre_scores):
+    """Several decode steps in a row (fills, flushes, ring wrap), kernel vs naive each step."""
+    s = shapes(device)
+    ring, slots, buf = prep_m2(s, device, seed=2)
+    ref = clone_m2(buf)
+    steps = 3 if device == "cpu" else s["L"] + 2
+    for step in range(steps):
+        x, dt, A, B, C, D = m2_inputs(s, device)
+        plan = ring.plan_decode(slots)
+        y_ref = N2.replay_decode(ref, plan, x, dt, A, B, C, D)
+        y = K2.replay_decode(buf, plan, x, dt, A, B, C, D, pre_scores=pre_scores)
+        real = slots != 0
+        close(y_ref[real], y[real], s["dtype"], f"y step {step}")
+        close_buffers(ref, buf, s["dtype"], M2_BUF)
+        ring.commit(plan)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["verify", "tree"])
+def test_mamba2_verify(device, kind):
+    s = shapes(device)
+    T = 3
+    ring, slots, buf = prep_m2(s, device, seed=3, T=T, kind=kind)
+    ref = clone_m2(buf)
+    plan = ring.plan_verify(slots, T, kind)
+    x, dt, A, B, C, D = m2_inputs(s, device, T)
+    if kind == "verify":
+        y_ref = N2.replay_verify(ref, plan, x, dt, A, B, C, D)
+        y = K2.replay_verify(buf, plan, x, dt, A, B, C, D)
+    else:
+        parent = torch.tensor([-1, 0, 0], device=device).repeat(s["Bt"], 1)
+        parent[1] = torch.tensor([-1, -1, 1])
+        parent[3] = torch.tensor([-1, 0, 1])
+        y_ref = N2.tree_verify(ref, plan, parent, x, dt, A, B, C, D)
+        y = K2.tree_verify(buf, plan, parent, x, dt, A, B, C, D)
+    real = slots != 0
+    close(y_ref[real], y[real], s["dtype"], "y")
+    close_buffers(ref, buf, s["dtype"], M2_BUF)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mamba2_snapshot_verify(device):
+    s = shapes(device)
+    torch.manual_seed(4)
+    T = 3
+    x, dt, A, B, C, D = m2_inputs(s, device, T)
+    state = torch.randn(s["P"], s["H"], s["d"], s["n"], device=device)
+    slot = (torch.randperm(s["P"] - 1)[: s["Bt"]] + 1).to(device)
+    y0, S0 = N2.snapshot_verify(state, slot, x, dt, A, B, C, D)
+    y1, S1 = K2.snapshot_verify(state, slot, x, dt, A, B, C, D)
+    close(y0, y1, s["dtype"], "y")
+    close(S0, S1, torch.float32, "snapshots")
+
+
+def _paged(device, s, family, T, seed):
+    paged = pytest.importorskip("replayssm.cache.paged")
+    g = torch.Generator().manual_seed(seed)
+    bs, maxb = 4, 4
+    nb = 4 * s["Bt"] + 2
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    pidx = paged.PagedIndex(s["P"] - 1, bs, nb, maxb, dev)
+    slots = torch.tensor([1, 2, 0] + list(range(3, s["Bt"])), device=device)
+    lens = {}
+    for sl in slots.tolist():
+        if sl == 0 or sl in lens:
+            continue
+        n_c = int(torch.randint(0, maxb * bs - T + 1, (1,), generator=g))
+        pidx.reserve(sl, n_c + T)
+        lens[sl] = n_c
+    if family == "mamba2":
+        kv = paged.Mamba2PagedBuffers.allocate(nb, bs, s["H"], s["d"], s["n"], s["G"], dtype=s["dtype"],
+                                               device=device, poison=True)
+        fills = [lambda t: torch.randn_like(t), lambda t: torch.randn_like(t),
+                 lambda t: torch.rand_like(t) * 0.5 + 0.05]
+        tensors = [kv.x, kv.B, kv.dt]
+    else:
+        kv = paged.GDNPagedBuffers.allocate(nb, bs, s["HK"], s["HV"], s["K"], s["V"], dtype=s["dtype"],
+                                            device=device, poison=True)
+        fills = [lambda t: torch.randn_like(t), lambda t: torch.nn.functional.normalize(torch.randn_like(t), dim=-1),
+                 lambda t: -torch.rand_like(t) * 0.5]
+        tensors = [kv.u, kv.k, kv.g]
+    # fill committed entries and set lengths
+    for sl, n_c in lens.items():
+        blocks = pidx.blocks_of(sl)
+        for j in range(n_c):
+            p = blocks[j // bs] * bs + j % bs
+            for t, f in zip(tensors, fills):
+                t[p] = f(t[p])
+        pidx.length[sl] = n_c
+    return pidx, kv, slots
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mamba2_kv_verify(device):
+    s = shapes(device)
+    T = 2
+    pidx, kv, slots = _paged(device, s, "mamba2", T, seed=5)
+    import copy
+
+    kv_ref = copy.deepcopy(kv)
+    pplan = pidx.plan(slots, T)
+    x, dt, A, B, C, D = m2_inputs(s, device, T)
+    y_ref = N2.kv_verify(kv_ref, pplan, x, dt, A, B, C, D)
+    y = K2.kv_verify(kv, pplan, x, dt, A, B, C, D)
+    real = slots != 0
+    close(y_ref[real], y[real], s["dtype"], "y")
+    for name in ("x", "B", "dt"):
+        a, b = getattr(kv_ref, name)[s["L"]:], getattr(kv, name)[s["L"]:]  # skip the null block
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+
+
+# ============================================================================ GDN
+def gdn_inputs(s, device, T=None):
+    Bt, HK, HV, K, V, dt_ = s["Bt"], s["HK"], s["HV"], s["K"], s["V"], s["dtype"]
+    lead = (Bt,) if T is None else (Bt, T)
+    q = torch.randn(*lead, HK, K, device=device).to(dt_)
+    k = torch.randn(*lead, HK, K, device=device).to(dt_)
+    v = torch.randn(*lead, HV, V, device=device).to(dt_)
+    g = -torch.rand(*lead, HV, device=device) * 0.7
+    beta = torch.rand(*lead, HV, device=device)
+    return q, k, v, g, beta
+
+
+def prep_gdn(s, device, seed, T=1, kind="decode"):
+    ring, slots = make_ring(s, device, T, seed, kind)
+    torch.manual_seed(seed)
+    buf = GDNBuffers.allocate(s["P"] - 1, s["L"], s["HK"], s["HV"], s["K"], s["V"], dtype=s["dtype"],
+                              device=device, poison=True)
+    buf.state.normal_()
+    valid_ring(ring, slots, [buf.u, buf.k, buf.g],
+               [lambda t: torch.randn_like(t), lambda t: torch.nn.functional.normalize(torch.randn_like(t), dim=-1),
+                lambda t: -torch.rand_like(t) * 0.7])
+    return ring, slots, buf
+
+
+def clone_gdn(buf):
+    return GDNBuffers(*(t.clone() for t in (buf.state, buf.u, buf.k, buf.g)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gdn_recurrent_and_snapshot(device):
+    s = shapes(device)
+    torch.manual_seed(6)
+    q, k, v, g, beta = gdn_inputs(s, device)
+    state = torch.randn(s["Bt"], s["HV"], s["K"], s["V"], device=device)
+    y0, S0 = NG.recurrent_step(state, q, k, v, g, beta)
+    y1, S1 = KG.recurrent_step(state, q, k, v, g, beta)
+    close(y0, y1, s["dtype"], "y")
+    close(S0, S1, torch.float32, "state")
+    T = 3
+    q, k, v, g, beta = gdn_inputs(s, device, T)
+    pool = torch.randn(s["P"], s["HV"], s["K"], s["V"], device=device)
+    slot = (torch.randperm(s["P"] - 1)[: s["Bt"]] + 1).to(device)
+    y0, S0 = NG.snapshot_verify(pool, slot, q, k, v, g, beta)
+    y1, S1 = KG.snapshot_verify(pool, slot, q, k, v, g, beta)
+    close(y0, y1, s["dtype"], "y snapshot")
+    close(S0, S1, torch.float32, "snapshots")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("route", ["state", "output"])
+def test_gdn_replay_decode_cycle(device, route):
+    s = shapes(device)
+    ring, slots, buf = prep_gdn(s, device, seed=7)
+    ref = clone_gdn(buf)
+    steps = 2 if device == "cpu" else s["L"] + 2
+    for step in range(steps):
+        q, k, v, g, beta = gdn_inputs(s, device)
+        plan = ring.plan_decode(slots)
+        y_ref = NG.replay_decode(ref, plan, q, k, v, g, beta)
+        y = KG.replay_decode(buf, plan, q, k, v, g, beta, route=route)
+        real = slots != 0
+        close(y_ref[real], y[real], s["dtype"], f"y step {step}")
+        close_buffers(ref, buf, s["dtype"], GDN_BUF)
+        ring.commit(plan)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind,route", [("verify", "state"), ("verify", "output"), ("tree", "state")])
+def test_gdn_verify(device, kind, route):
+    s = shapes(device)
+    T = 3
+    ring, slots, buf = prep_gdn(s, device, seed=8, T=T, kind=kind)
+    ref = clone_gdn(buf)
+    plan = ring.plan_verify(slots, T, kind)
+    q, k, v, g, beta = gdn_inputs(s, device, T)
+    if kind == "verify":
+        y_ref = NG.replay_verify(ref, plan, q, k, v, g, beta)
+        y = KG.replay_verify(buf, plan, q, k, v, g, beta, route=route)
+    else:
+        parent = torch.tensor([-1, 0, 0], device=device).repeat(s["Bt"], 1)
+        parent[1] = torch.tensor([-1, -1, 1])
+        parent[3] = torch.tensor([-1, 0, 1])
+        y_ref = NG.tree_verify(ref, plan, parent, q, k, v, g, beta)
+        y = KG.tree_verify(buf, plan, parent, q, k, v, g, beta, route=route)
+    real = slots != 0
+    close(y_ref[real], y[real], s["dtype"], "y")
+    close_buffers(ref, buf, s["dtype"], GDN_BUF)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gdn_kv_verify(device):
+    s = shapes(device)
+    T = 2
+    pidx, kv, slots = _paged(device, s, "gdn", T, seed=9)
+    import copy
+
+    kv_ref = copy.deepcopy(kv)
+    pplan = pidx.plan(slots, T)
+    q, k, v, g, beta = gdn_inputs(s, device, T)
+    y_ref = NG.kv_verify(kv_ref, pplan, q, k, v, g, beta)
+    y = KG.kv_verify(kv, pplan, q, k, v, g, beta)
+    real = slots != 0
+    close(y_ref[real], y[real], s["dtype"], "y")
+    bs = pplan.block_size
+    for name in ("u", "k", "g"):
+        a, b = getattr(kv_ref, name)[bs:], getattr(kv, name)[bs:]
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        torch.testing.assert_close(torch.nan_to_num(b).float(), torch.nan_to_num(a).float(),
+                                   atol=tol(s["dtype"])[0] * 10, rtol=tol(s["dtype"])[1])
+
+
+# ============================================================================ dispatch
+def test_dispatch_backend_choice(monkeypatch):
+    x = torch.zeros(2)
+    assert dispatch.use_triton(x, backend="naive") is False
+    if not _triton.interpreting():
+        assert dispatch.use_triton(x) is False  # CPU tensors -> naive by default
+    monkeypatch.setenv("REPLAYSSM_KERNELS", "naive")
+    assert dispatch.use_triton(x) is False
+    with pytest.raises(ValueError):
+        dispatch.use_triton(x, backend="bogus")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatch_matches(device):
+    s = shapes(device)
+    ring, slots, buf = prep_m2(s, device, seed=10)
+    ref = clone_m2(buf)
+    plan = ring.plan_decode(slots)
+    x, dt, A, B, C, D = m2_inputs(s, device)
+    y0 = dispatch.mamba2_replay_decode(ref, plan, x, dt, A, B, C, D, backend="naive", pre_scores=True)
+    y1 = dispatch.mamba2_replay_decode(buf, plan, x, dt, A, B, C, D, backend="triton")
+    real = slots != 0
+    close(y0[real], y1[real], s["dtype"], "y")
