@@ -1,0 +1,48 @@
+"""The inference engine: LLM API, continuous batching scheduler, model runner, sampler and
+speculative drafters (n-gram, draft model, token trees).
+
+Layout (nano-vllm style):
+
+* ``config.py``    SamplingParams, SpeculativeConfig, EngineConfig (validated dataclasses)
+* ``sequence.py``  Sequence: prompt/output ids, status, slot, cache form, acceptance stats
+* ``memory.py``    per-sequence bytes from the model config (states, rings, KV, scratch)
+* ``scheduler.py`` continuous batching under slots + memory budget; rejects the impossible
+* ``model_runner.py`` prefill / decode / verify / verify_tree / commit on one cache;
+  batch-size buckets with null-slot padding; optional CUDA graphs for decode
+* ``sampler.py``   temperature / top-k / top-p, per-request generators, greedy and lossless
+  (multi-step) speculative acceptance over chains and trees
+* ``speculative.py`` drafters: prompt lookup (chain, trie), draft model (chain, beam or static
+  tree); draft caches roll back through the same verify/commit API as the target
+* ``llm.py``       LLM / RequestOutput: ``generate``, ``stream``, ``add_request`` + ``step``
+* ``reference.py`` a recomputation model implementing the cache API exactly (tests, smoke)
+* ``cli.py``       ``replayssm generate``
+
+One step: admit waiting requests, prefill them, then one decode step (or one speculative
+step: draft, verify, accept, commit) for every running request; finished requests release
+their slots.  The model cache holds every token of a request except the last sampled one,
+which is the input of the next step.  ``decode_mode="auto"`` keeps a request KV-only until
+its context reaches ``auto_threshold`` tokens (default: where the traffic model says the
+KV-only form stops reading fewer bytes than amortised replay), then switches it to a state.
+
+Exports are resolved lazily so that ``import replayssm.engine`` stays cheap.
+"""
+
+_EXPORTS = {
+    "LLM": "llm", "RequestOutput": "llm",
+    "SamplingParams": "config", "SpeculativeConfig": "config", "EngineConfig": "config",
+    "Sequence": "sequence", "SequenceStatus": "sequence",
+    "Scheduler": "scheduler", "ModelRunner": "model_runner", "Sampler": "sampler",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'replayssm.engine' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,408 @@
+"""``replayssm bench e2e``: end-to-end engine throughput.
+
+Measures, on one model:
+
+1. decode throughput vs batch size, recurrent vs replay (optionally kv / auto);
+2. speculative decoding: the snapshot baseline (recurrent form, one state per draft) vs
+   replay speculation (rollback is a pointer move), tokens/s and mean accepted length;
+3. the most sequences that fit a memory budget in each form (with and without speculation),
+   checked by running twice that many requests and recording the peak batch.
+
+Writes ``e2e.json`` and ``e2e_*.png`` into ``--out``.  ``--smoke`` is a CPU run on a tiny
+model that finishes in well under 30 s (CI).  Without ``--model`` the benchmark builds a
+random-weight Mamba-2 of the ``--preset`` size with ``replayssm.models`` when available, and
+falls back to the engine's recomputation reference model otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRESETS = {
+    # name: Mamba2Config kwargs (random weights)
+    "tiny": dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
+                 state_size=16, n_groups=2, expand=2, conv_kernel=4),
+    "small": dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_heads=16, head_dim=64,
+                  state_size=128, n_groups=1, expand=2, conv_kernel=4),
+    "130m": dict(vocab_size=50288, hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64,
+                 state_size=128, n_groups=1, expand=2, conv_kernel=4),
+    "2.7b": dict(vocab_size=50288, hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim=64,
+                 state_size=128, n_groups=1, expand=2, conv_kernel=4),
+}
+
+
+def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
+    """Save a random-weight Mamba-2 of ``preset`` size in HF layout under ``root``."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = dict(PRESETS[preset], model_type="mamba2", architectures=["Mamba2ForCausalLM"],
+               eos_token_id=None, tie_word_embeddings=False, time_step_limit=[0.0, float("inf")],
+               residual_in_fp32=True, use_bias=False, use_conv_bias=True, layer_norm_epsilon=1e-5,
+               chunk_size=256, hidden_act="silu")
+    g = torch.Generator().manual_seed(seed)
+    H, hd, n, G, D = cfg["num_heads"], cfg["head_dim"], cfg["state_size"], cfg["n_groups"], cfg["hidden_size"]
+    inter = H * hd
+    conv = inter + 2 * G * n
+    W = cfg["conv_kernel"]
+    V = cfg["vocab_size"]
+    r = lambda *s, scale=0.02: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16 if preset == "2.7b" else torch.float32)
+    sd = {"backbone.embeddings.weight": r(V, D), "backbone.norm_f.weight": torch.ones(D), "lm_head.weight": r(V, D)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"backbone.layers.{i}."
+        sd[p + "norm.weight"] = torch.ones(D)
+        sd[p + "mixer.in_proj.weight"] = r(2 * inter + 2 * G * n + H, D)
+        sd[p + "mixer.conv1d.weight"] = r(conv, 1, W, scale=0.3)
+        sd[p + "mixer.conv1d.bias"] = r(conv, scale=0.1)
+        sd[p + "mixer.dt_bias"] = torch.log(torch.expm1(torch.empty(H).uniform_(1e-3, 1e-1, generator=g)))
+        sd[p + "mixer.A_log"] = torch.log(torch.empty(H).uniform_(1, 16, generator=g))
+        sd[p + "mixer.D"] = torch.ones(H)
+        sd[p + "mixer.norm.weight"] = torch.ones(inter)
+        sd[p + "mixer.out_proj.weight"] = r(D, inter, scale=0.02 / (cfg["num_hidden_layers"] ** 0.5))
+    d = Path(root) / f"random-mamba2-{preset}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"))
+    return str(d)
+
+
+def _load_model(args, tmp: str):
+    """(model object or directory, description)."""
+    if args.model:
+        return args.model, f"model {args.model}"
+    if args.reference:
+        from replayssm.engine.reference import RecomputeModel, TinyLM
+
+        return RecomputeModel(TinyLM(64, hidden=16), device=args.device), "reference recompute model (TinyLM)"
+    try:
+        from replayssm.models import load_model  # noqa: F401
+    except Exception as e:  # models not available: fall back to the reference model
+        from replayssm.engine.reference import RecomputeModel, TinyLM
+
+        print(f"[bench e2e] replayssm.models unavailable ({e}); using the reference model", file=sys.stderr)
+        return RecomputeModel(TinyLM(64, hidden=16), device=args.device), "reference recompute model (TinyLM)"
+    return _random_model_dir(args.preset, tmp), f"random-weight Mamba-2 ({args.preset})"
+
+
+class OracleDrafter:
+    """Proposes each request's known greedy continuation, each draft corrupted with
+    probability ``1 - accept``: isolates the verify/commit path at a chosen acceptance
+    (random-weight models accept almost nothing from real drafters)."""
+
+    method = "oracle"
+
+    def __init__(self, refs: dict, k: int, accept: float, vocab: int, device, seed: int = 0):
+        import random
+
+        self.refs, self.k, self.accept, self.vocab, self.device = refs, k, accept, vocab, device
+        self.rng = random.Random(seed)
+
+    def prefill(self, seqs):
+        pass
+
+    def release(self, seq):
+        pass
+
+    def accepted(self, seqs, accepted, path):
+        pass
+
+    def propose(self, seqs):
+        import torch
+
+        from replayssm.engine.speculative import Proposal, chain_parent
+
+        B, N = len(seqs), self.k + 1
+        tokens = torch.zeros(B, N, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ref = self.refs[tuple(s.prompt_ids)]
+            d = ref[len(s.output_ids):len(s.output_ids) + self.k]
+            d = d + [0] * (self.k - len(d))
+            d = [t if self.rng.random() < self.accept else (t + 1) % self.vocab for t in d]
+            tokens[b] = torch.tensor([s.last_token] + d)
+        return Proposal(tokens.to(self.device), chain_parent(B, N, self.device),
+                        torch.ones(B, N, dtype=torch.bool, device=self.device))
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int, repetitive: bool = True) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if repetitive:  # a motif repeated: prompt lookup has something to find
+            motif = [rng.randrange(vocab) for _ in range(8)]
+            p = (motif * (length // 8 + 1))[:length]
+        else:
+            p = [rng.randrange(vocab) for _ in range(length)]
+        out.append(p)
+    return out
+
+
+def _free(device):
+    import gc
+
+    import torch
+
+    gc.collect()
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def _sync(device):
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, prompts=None, **kw) -> dict:
+    vocab = int(model.config.vocab_size)
+    prompts = prompts or _prompts(batch, args.prompt_len, vocab, seed=batch)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    warm = prompts[:batch]
+    refs = None
+    if spec is not None and args.spec_method == "oracle":  # known continuations, before the engine's cache
+        ref = LLM(model, device=args.device, dtype=args.dtype, decode_mode="recurrent", max_num_seqs=batch,
+                  max_seq_len=args.max_seq_len)
+        refs = {tuple(p): o.token_ids for p, o in zip(prompts, ref.generate(prompts, params))}
+        warm = [p[:-1] + [(p[-1] + 1) % vocab] for p in prompts[:batch]]  # warm-up prompts need refs too
+        refs.update({tuple(p): o.token_ids for p, o in zip(warm, ref.generate(warm, params))})
+        del ref
+        _free(args.device)
+    llm = LLM(model, device=args.device, dtype=args.dtype, decode_mode=mode, buffer_size=args.buffer_size,
+              speculative=spec, max_num_seqs=batch, cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len, **kw)
+    if refs is not None:
+        llm.drafter = OracleDrafter(refs, spec.num_tokens, args.oracle_accept, vocab, llm.device)
+    llm.generate(warm, SamplingParams(max_tokens=min(4, args.max_tokens), ignore_eos=True))
+    for k in llm.stats:  # warm-up done (also captures CUDA graphs)
+        llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
+    _sync(args.device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    _sync(args.device)
+    wall = time.perf_counter() - t0
+    gen = sum(len(o.token_ids) for o in outs)
+    decode_tokens = gen - len(outs)  # the first token of each comes from prefill
+    acc = [o.mean_accepted_length for o in outs]
+    num_slots, peak = llm.num_slots, llm.scheduler.peak_running
+    stats = dict(llm.stats)
+    del llm
+    _free(args.device)
+    return {
+        "batch": batch, "mode": mode, "speculative": None if spec is None else spec.method,
+        "generated": gen, "wall_s": wall, "tokens_per_s": gen / wall,
+        "decode_s": stats["decode_s"], "decode_tokens_per_s": decode_tokens / max(stats["decode_s"], 1e-9),
+        "mean_accepted_length": sum(acc) / len(acc), "num_slots": num_slots,
+        "peak_running": peak,
+    }
+
+
+def _plots(res: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in sorted({r["mode"] for r in res["throughput"]}):
+        rows = [r for r in res["throughput"] if r["mode"] == mode]
+        ax.plot([r["batch"] for r in rows], [r["decode_tokens_per_s"] for r in rows], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("throughput vs batch size")
+    ax.legend()
+    fig.tight_layout()
+    f = out / "e2e_throughput.png"
+    fig.savefig(f, dpi=120)
+    plt.close(fig)
+    files.append(str(f))
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 4))
+    labels, tps, acc = [], [], []
+    for r in res["speculative"]:
+        labels.append(f"{'snapshot' if r['mode'] == 'recurrent' else r['mode']}\nB={r['batch']}")
+        tps.append(r["decode_tokens_per_s"])
+        acc.append(r["mean_accepted_length"])
+    a1.bar(range(len(tps)), tps, color=["tab:gray" if "snapshot" in l else "tab:blue" for l in labels])
+    a1.set_xticks(range(len(tps)), labels, fontsize=7)
+    a1.set_ylabel("decode tokens/s")
+    a1.set_title(f"speculation ({res['config']['spec_method']}, T={res['config']['num_tokens']})")
+    a2.bar(range(len(acc)), acc)
+    a2.set_xticks(range(len(acc)), labels, fontsize=7)
+    a2.set_ylabel("mean accepted length")
+    fig.tight_layout()
+    f = out / "e2e_speculative.png"
+    fig.savefig(f, dpi=120)
+    plt.close(fig)
+    files.append(str(f))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = res["concurrency"]
+    ax.bar(range(len(rows)), [r["max_sequences"] for r in rows])
+    ax.set_xticks(range(len(rows)), [r["label"] for r in rows], fontsize=7, rotation=20)
+    ax.set_ylabel("sequences in budget")
+    ax.set_title(f"max concurrency in {res['config']['memory_budget'] / 2**20:.1f} MiB")
+    fig.tight_layout()
+    f = out / "e2e_concurrency.png"
+    fig.savefig(f, dpi=120)
+    plt.close(fig)
+    files.append(str(f))
+    return files
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="replayssm bench e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model directory (default: random weights, --preset)")
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--reference", action="store_true", help="use the recomputation reference model")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--batch-sizes", default="1,4,16,64,256")
+    p.add_argument("--modes", default="recurrent,replay", help="decode modes for the throughput sweep")
+    p.add_argument("--spec-batch-sizes", default="1,16,64")
+    p.add_argument("--spec-method", default=None, choices=["oracle", "ngram", "draft", "tree"],
+                   help="default: oracle for random weights (known continuation, --oracle-accept), else ngram")
+    p.add_argument("--oracle-accept", type=float, default=1.0, help="oracle: probability each draft is right")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--num-tokens", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-seq-len", type=int, default=None, help="default: prompt + max tokens + margin")
+    p.add_argument("--buffer-size", type=int, default=16)
+    p.add_argument("--memory-budget", type=float, default=None, help="bytes (default: 64 replay sequences)")
+    p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--out", default="out/bench_e2e")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run (< 30 s) for CI")
+    p.add_argument("--no-plots", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    from tqdm.auto import tqdm
+
+    from replayssm.engine.config import SamplingParams, SpeculativeConfig
+    from replayssm.engine.llm import LLM
+
+    if args.smoke:
+        args.device = args.device or "cpu"
+        args.preset = "tiny" if args.model is None else args.preset
+        args.batch_sizes, args.spec_batch_sizes = "1,4", "4"
+        args.max_tokens, args.prompt_len = 8, 16
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda":
+        args.device = f"cuda:{torch.cuda.current_device()}"
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.spec_method == "draft" and not args.draft_model:
+        print("replayssm bench e2e: error: --spec-method draft needs --draft-model", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batch_sizes.split(",") if b]
+    spec_batches = [int(b) for b in args.spec_batch_sizes.split(",") if b]
+    modes = [m for m in args.modes.split(",") if m]
+    if args.spec_method is None:
+        args.spec_method = "ngram" if (args.model or args.reference) else "oracle"
+    method = "ngram" if args.spec_method == "oracle" else args.spec_method
+    spec = SpeculativeConfig(method, num_tokens=args.num_tokens, draft_model=args.draft_model)
+    if args.max_seq_len is None:
+        need = args.prompt_len + args.max_tokens + 2 * spec.verify_tokens + 16
+        args.max_seq_len = -(-need // 64) * 64
+    buffer_needed = 2 * spec.verify_tokens
+    if args.buffer_size < buffer_needed:
+        args.buffer_size = buffer_needed
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        model, desc = _load_model(args, tmp)
+        if isinstance(model, str):  # load once, share between engines
+            from replayssm.models import load_model
+
+            model_obj = load_model(model, device=args.device, dtype=getattr(torch, args.dtype))
+        else:
+            model_obj = model
+        res = {"config": {**vars(args), "model_desc": desc, "spec_method": args.spec_method,
+                          "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"},
+               "throughput": [], "speculative": [], "concurrency": []}
+        jobs = [("throughput", m, b) for m in modes for b in batches]
+        jobs += [("speculative", m, b) for b in spec_batches for m in ("recurrent", "replay")]
+        conc_modes = [("recurrent", None), ("replay", None), ("recurrent", spec), ("replay", spec), ("kv", None)]
+        jobs += [("concurrency", m, s) for m, s in conc_modes]
+        bar = tqdm(jobs, desc="bench e2e", unit="run", file=sys.stderr)
+        budget = args.memory_budget
+        for kind, mode, arg in bar:
+            bar.set_postfix_str(f"{kind} {mode} {arg if not hasattr(arg, 'method') else arg.method}")
+            if kind == "throughput":
+                res["throughput"].append(_run(LLM, SamplingParams, model_obj, args, arg, mode))
+            elif kind == "speculative":
+                res["speculative"].append(_run(LLM, SamplingParams, model_obj, args, arg, mode, spec=spec))
+            else:
+                probe = LLM(model_obj, device=args.device, dtype=args.dtype, decode_mode="replay",
+                            buffer_size=args.buffer_size, max_num_seqs=1, max_seq_len=args.max_seq_len)
+                per_seq_tokens = args.prompt_len + args.max_tokens
+                if budget is None:
+                    budget = (8 if args.smoke else 64) * probe.memory.need(per_seq_tokens)
+                    res["config"]["memory_budget"] = budget
+                del probe
+                _free(args.device)
+                llm = LLM(model_obj, device=args.device, dtype=args.dtype, decode_mode=mode, speculative=arg,
+                          buffer_size=args.buffer_size, max_num_seqs=100_000, memory_budget=int(budget),
+                          max_seq_len=args.max_seq_len)
+                fit = llm.num_slots
+                if mode == "kv":
+                    fit = min(fit, int(budget // llm.memory.need(per_seq_tokens + llm.memory.verify_tokens)))
+                row = {"label": f"{'snapshot' if mode == 'recurrent' and arg else mode}{'+spec' if arg else ''}",
+                       "mode": mode, "speculative": arg is not None, "max_sequences": int(fit),
+                       "bytes_per_sequence": llm.memory.need(per_seq_tokens)}
+                if mode != "kv" and fit <= 64:  # check by running 2x that many short requests
+                    n = min(2 * fit, 128)
+                    llm.generate(_prompts(n, 8, llm.vocab_size, 0), SamplingParams(max_tokens=2, ignore_eos=True))
+                    row["observed_peak_batch"] = llm.scheduler.peak_running
+                res["concurrency"].append(row)
+                del llm
+                _free(args.device)
+        bar.close()
+    res["config"]["memory_budget"] = budget
+    res["elapsed_s"] = time.perf_counter() - t_start
+    # summary ratios
+    summ = {}
+    for b in batches:
+        r = {x["mode"]: x for x in res["throughput"] if x["batch"] == b}
+        if "replay" in r and "recurrent" in r:
+            summ[f"replay_vs_recurrent_B{b}"] = r["replay"]["decode_tokens_per_s"] / r["recurrent"]["decode_tokens_per_s"]
+    for b in spec_batches:
+        r = {x["mode"]: x for x in res["speculative"] if x["batch"] == b}
+        if "replay" in r and "recurrent" in r:
+            summ[f"replay_spec_vs_snapshot_B{b}"] = r["replay"]["decode_tokens_per_s"] / r["recurrent"]["decode_tokens_per_s"]
+    c = {x["label"]: x["max_sequences"] for x in res["concurrency"]}
+    if c.get("snapshot+spec"):
+        summ["concurrency_replay_spec_vs_snapshot"] = c.get("replay+spec", 0) / c["snapshot+spec"]
+    res["summary"] = summ
+    (out / "e2e.json").write_text(json.dumps(res, indent=1, default=str))
+    files = [] if args.no_plots else _plots(res, out)
+    print(f"model: {desc}; device {res['config']['device_name']}; dtype {args.dtype}")
+    print(f"{'kind':<12}{'mode':<11}{'batch':>6}{'tok/s':>11}{'decode tok/s':>14}{'acc len':>9}")
+    for kind in ("throughput", "speculative"):
+        for r in res[kind]:
+            print(f"{kind:<12}{('snapshot' if kind == 'speculative' and r['mode'] == 'recurrent' else r['mode']):<11}"
+                  f"{r['batch']:>6}{r['tokens_per_s']:>11.1f}{r['decode_tokens_per_s']:>14.1f}"
+                  f"{r['mean_accepted_length']:>9.2f}")
+    for r in res["concurrency"]:
+        print(f"concurrency {r['label']:<16} {r['max_sequences']:>6} sequences"
+              + (f" (observed peak batch {r['observed_peak_batch']})" if "observed_peak_batch" in r else ""))
+    for k, v in summ.items():
+        print(f"{k}: {v:.2f}x")
+    print(f"wrote {out / 'e2e.json'}" + (f" and {len(files)} plots" if files else "") + f" in {res['elapsed_s']:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,236 @@
+"""Validated user-facing settings: :class:`SamplingParams`, :class:`SpeculativeConfig`,
+:class:`EngineConfig`.
+
+Every dataclass checks itself in ``__post_init__`` and raises :class:`ValueError` naming the
+offending field, so impossible settings fail before any model or cache is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+DECODE_MODES = ("recurrent", "replay", "kv", "auto")
+SPEC_METHODS = ("ngram", "draft", "tree")
+
+
+def _int(name: str, v, lo: int | None = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an int, got {v!r}")
+    if lo is not None and v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    return v
+
+
+def _float(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {v!r}")
+    v = float(v)
+    if v != v:
+        raise ValueError(f"{name} must not be NaN")
+    return v
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled.
+
+    ``temperature == 0`` is greedy (argmax).  ``top_k == 0`` and ``top_p == 1`` disable those
+    filters.  ``seed`` gives the request its own ``torch.Generator`` (reproducible regardless
+    of what else is in the batch); ``None`` draws from the engine's generator.  Generation
+    stops at ``max_tokens`` generated tokens, at the model's EOS (unless ``ignore_eos``), at
+    any of ``stop_token_ids`` (the stop token is kept in the output), or when the generated
+    text contains one of ``stop`` (the text is cut before it).
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        _int("SamplingParams.max_tokens", self.max_tokens, 1)
+        self.temperature = _float("SamplingParams.temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        _int("SamplingParams.top_k", self.top_k, 0)
+        self.top_p = _float("SamplingParams.top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            _int("SamplingParams.seed", self.seed, None)
+        if isinstance(self.stop_token_ids, int):
+            self.stop_token_ids = (self.stop_token_ids,)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        for t in self.stop_token_ids:
+            _int("SamplingParams.stop_token_ids[...]", t, 0)
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"SamplingParams.stop entries must be non-empty strings, got {s!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding.
+
+    * ``method="ngram"``: prompt lookup (no model).  The last ``prompt_lookup_max`` ..
+      ``prompt_lookup_min`` tokens are searched for in the request's earlier tokens and the
+      ``num_tokens`` tokens that followed the most recent match are proposed.
+    * ``method="draft"``: a second model (``draft_model``: a directory or a loaded model)
+      proposes a chain of ``num_tokens`` tokens; its cache is rolled back like the target's.
+    * ``method="tree"``: a token tree verified in one pass (STree).  With ``draft_model``,
+      ``tree="beam"`` (default) grows a beam-search tree ``tree_width`` wide and
+      ``tree_depth`` deep from the draft; ``tree`` may instead be a static shape: a list of
+      rank paths such as ``[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]`` (node = the
+      ``rank``-th choice of its parent's draft distribution).  Without ``draft_model`` the
+      tree is a trie of several prompt-lookup continuations.
+
+    ``num_tokens`` is the chain length (linear methods) and, for trees without an explicit
+    shape, the depth.  The verifier sees ``num_tokens + 1`` inputs per step (the last
+    accepted token plus the drafts), so the replay buffer must hold
+    ``buffer_size >= 2 * (num_tokens + 1)`` (trees: ``2 * (nodes + 1)``).
+    """
+
+    method: str = "ngram"
+    num_tokens: int = 4
+    draft_model: object = None
+    tree: object = None
+    tree_width: int = 2
+    tree_depth: int | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"SpeculativeConfig.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        _int("SpeculativeConfig.num_tokens", self.num_tokens, 1)
+        _int("SpeculativeConfig.tree_width", self.tree_width, 1)
+        if self.tree_depth is not None:
+            _int("SpeculativeConfig.tree_depth", self.tree_depth, 1)
+        _int("SpeculativeConfig.prompt_lookup_min", self.prompt_lookup_min, 1)
+        _int("SpeculativeConfig.prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"SpeculativeConfig.prompt_lookup_min ({self.prompt_lookup_min}) > "
+                f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("SpeculativeConfig(method='draft') needs draft_model (a directory or model)")
+        if self.method != "tree" and self.tree is not None:
+            raise ValueError(f"SpeculativeConfig.tree is only used with method='tree', not {self.method!r}")
+        if self.method == "tree":
+            if self.tree is None:
+                self.tree = "beam"
+            if isinstance(self.tree, str):
+                if self.tree != "beam":
+                    raise ValueError(f"SpeculativeConfig.tree must be 'beam' or a list of rank paths, got {self.tree!r}")
+            else:
+                self.tree = normalize_static_tree(self.tree)
+                if self.draft_model is None:
+                    raise ValueError("SpeculativeConfig: a static tree (rank paths) needs draft_model to rank "
+                                     "the candidates; without one, method='tree' builds an n-gram trie")
+
+    @property
+    def depth(self) -> int:
+        if self.method == "tree" and not isinstance(self.tree, str):
+            return max(len(p) for p in self.tree)
+        return self.tree_depth or self.num_tokens
+
+    @property
+    def max_draft_nodes(self) -> int:
+        """Most draft tokens one verify step carries (excluding the last accepted token)."""
+        if self.method != "tree":
+            return self.num_tokens
+        if not isinstance(self.tree, str):
+            return len(self.tree)
+        if self.draft_model is None:  # n-gram trie: up to width chains of depth tokens
+            return self.tree_width * self.depth
+        return self.tree_width * self.depth
+
+    @property
+    def verify_tokens(self) -> int:
+        """Inputs per verify step: the last accepted token + the drafts."""
+        return self.max_draft_nodes + 1
+
+
+def normalize_static_tree(tree) -> tuple[tuple[int, ...], ...]:
+    """Validate a static tree given as rank paths; returns them sorted by depth (topological)."""
+    try:
+        paths = [tuple(int(r) for r in p) for p in tree]
+    except TypeError:
+        raise ValueError("SpeculativeConfig.tree must be 'beam' or a list of rank paths like [(0,), (0, 0)]") from None
+    if not paths:
+        raise ValueError("SpeculativeConfig.tree must have at least one node")
+    seen = set()
+    for p in paths:
+        if not p:
+            raise ValueError("SpeculativeConfig.tree: empty rank path")
+        if any(r < 0 for r in p):
+            raise ValueError(f"SpeculativeConfig.tree: negative rank in {p}")
+        if p in seen:
+            raise ValueError(f"SpeculativeConfig.tree: duplicate node {p}")
+        seen.add(p)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in seen:
+            raise ValueError(f"SpeculativeConfig.tree: node {p} has no parent {p[:-1]}")
+        for r in range(p[-1]):
+            if p[:-1] + (r,) not in seen:
+                raise ValueError(f"SpeculativeConfig.tree: node {p} needs its elder sibling {p[:-1] + (r,)}")
+    return tuple(sorted(paths, key=lambda p: (len(p), p)))
+
+
+@dataclass
+class EngineConfig:
+    """Engine-wide settings (built by :class:`~replayssm.engine.llm.LLM`)."""
+
+    decode_mode: str = "replay"
+    buffer_size: int = 16
+    max_num_seqs: int = 16
+    memory_budget: int | None = None
+    max_seq_len: int = 2048
+    kv_block_size: int = 16
+    auto_threshold: int | None = None
+    speculative: SpeculativeConfig | None = None
+    cuda_graphs: bool = False
+    seed: int = 0
+    max_prefill_tokens: int = 4096
+
+    def __post_init__(self):
+        if self.decode_mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
+        _int("buffer_size", self.buffer_size, 1)
+        _int("max_num_seqs", self.max_num_seqs, 1)
+        _int("max_seq_len", self.max_seq_len, 1)
+        _int("kv_block_size", self.kv_block_size, 1)
+        _int("max_prefill_tokens", self.max_prefill_tokens, 1)
+        if self.memory_budget is not None:
+            _int("memory_budget", self.memory_budget, 1)
+        if self.auto_threshold is not None:
+            _int("auto_threshold", self.auto_threshold, 1)
+        if self.speculative is not None:
+            if isinstance(self.speculative, dict):
+                self.speculative = SpeculativeConfig(**self.speculative)
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
+            need = 2 * self.speculative.verify_tokens
+            if self.decode_mode in ("replay", "auto") and self.buffer_size < need:
+                raise ValueError(
+                    f"buffer_size {self.buffer_size} < 2 * (draft tokens + 1) = {need}: the replay "
+                    f"buffer must hold two verify windows of {self.speculative.verify_tokens} tokens")
+
+    @property
+    def max_new(self) -> int:
+        return 1 if self.speculative is None else self.speculative.verify_tokens

@@ -1,0 +1,236 @@
+"""ModelRunner: turns scheduled sequences into model calls on one cache.
+
+Calls take Python slot lists and token tensors and return logits; the only host
+synchronisation in a step is the one the caller does after sampling.  On CUDA,
+``cuda_graphs=True`` captures ``decode`` once per batch-size bucket (padding rows use the
+null slot 0) and replays it; any capture failure falls back to eager execution for that
+bucket with a warning.  ``pad_batches=True`` pads eagerly to the same buckets, which lets
+the CPU tests exercise the padding path that the graphs use.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    out, b = [], 1
+    while b < min(max_batch, 16):
+        out.append(b)
+        b *= 2
+    b = 16
+    while b < max_batch:
+        out.append(b)
+        b += 16 if b < 128 else 32
+    out.append(max_batch)
+    return sorted(set(out))
+
+
+class ModelRunner:
+    def __init__(self, model, cache, device, max_batch: int, cuda_graphs: bool = False,
+                 pad_batches: bool = False):
+        self.model, self.cache = model, cache
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self.buckets = batch_buckets(max_batch)
+        self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        if cuda_graphs and not self.use_graphs:
+            warnings.warn("cuda_graphs=True ignored: the device is not CUDA", stacklevel=2)
+        self.pad_batches = pad_batches or self.use_graphs
+        self._graphs: dict = {}
+        self._graph_failed: set = set()
+        self._pool = None
+        self.num_calls = {"prefill": 0, "decode": 0, "verify": 0, "tree": 0}
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _h2d(self, t: Tensor) -> Tensor:
+        """Host -> device without waiting for queued work (pinned staging on CUDA)."""
+        if t.device == self.device:
+            return t
+        if self.device.type == "cuda" and t.device.type == "cpu":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def _slots(self, slots: list[int], pad_to: int | None = None) -> Tensor:
+        s = list(slots) + [0] * ((pad_to or len(slots)) - len(slots))
+        return self._h2d(torch.tensor(s, dtype=torch.long))
+
+    def _bucket(self, B: int) -> int:
+        for b in self.buckets:
+            if b >= B:
+                return b
+        return B
+
+    @staticmethod
+    def _pad_rows(x: Tensor, n: int, value=0) -> Tensor:
+        if x.shape[0] == n:
+            return x
+        pad = torch.full((n - x.shape[0],) + tuple(x.shape[1:]), value, dtype=x.dtype, device=x.device)
+        return torch.cat([x, pad], 0)
+
+    # -- calls -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> Tensor:
+        self.num_calls["prefill"] += 1
+        B, T = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        return self.model.prefill(self.cache, self._slots(slots), self._h2d(ids), self._h2d(lengths))
+
+    @torch.inference_mode()
+    def decode(self, slots: list[int], tokens: Tensor) -> Tensor:
+        self.num_calls["decode"] += 1
+        B = len(slots)
+        tokens = self._h2d(tokens)
+        if not self.pad_batches:
+            return self.model.decode(self.cache, self._slots(slots), tokens)
+        Bp = self._bucket(B)
+        if self.use_graphs and Bp not in self._graph_failed:
+            g = self._graphs.get(("decode", Bp))
+            if g is None:
+                g = self._capture_decode(Bp)
+            if g is not None:
+                graph, s_in, t_in, out = g
+                s_in.copy_(self._slots(slots, Bp))
+                t_in.copy_(self._pad_rows(tokens, Bp))
+                graph.replay()
+                return out[:B]
+        out = self.model.decode(self.cache, self._slots(slots, Bp), self._pad_rows(tokens, Bp))
+        return out[:B]
+
+    @torch.inference_mode()
+    def verify(self, slots: list[int], tokens: Tensor) -> Tensor:
+        self.num_calls["verify"] += 1
+        B = len(slots)
+        tokens = self._h2d(tokens)
+        Bp = self._bucket(B) if self.pad_batches else B
+        out = self.model.verify(self.cache, self._slots(slots, Bp), self._pad_rows(tokens, Bp))
+        self._rows = (B, Bp)
+        return out[:B]
+
+    @torch.inference_mode()
+    def verify_tree(self, slots: list[int], tokens: Tensor, parent: Tensor) -> Tensor:
+        self.num_calls["tree"] += 1
+        B = len(slots)
+        tokens, parent = self._h2d(tokens), self._h2d(parent)
+        Bp = self._bucket(B) if self.pad_batches else B
+        if Bp != B:  # padding rows: a chain (any valid tree will do for the null slot)
+            N = tokens.shape[1]
+            chain = torch.arange(-1, N - 1, device=self.device).expand(Bp - B, N)
+            parent = torch.cat([parent, chain], 0)
+        out = self.model.verify_tree(self.cache, self._slots(slots, Bp), self._pad_rows(tokens, Bp), parent)
+        self._rows = (B, Bp)
+        return out[:B]
+
+    @torch.inference_mode()
+    def commit(self, accepted: Tensor, path: Tensor | None = None) -> None:
+        B, Bp = getattr(self, "_rows", (accepted.shape[0], accepted.shape[0]))
+        accepted = self._pad_rows(accepted.to(self.device), Bp)
+        if path is not None:
+            path = self._pad_rows(path.to(self.device), Bp)
+            self.model.commit(self.cache, accepted, path)
+        else:
+            self.model.commit(self.cache, accepted)
+
+    # -- a whole greedy speculative step ----------------------------------------------------
+    def _greedy_body(self, slots_t: Tensor, tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool):
+        """verify -> greedy acceptance -> commit, all device work (graph-capturable)."""
+        from ..cache.tree import path_to
+        from .sampler import accept_greedy
+
+        if tree:
+            logits = self.model.verify_tree(self.cache, slots_t, tokens, parent)
+        else:
+            logits = self.model.verify(self.cache, slots_t, tokens)
+        accepted, leaf, bonus = accept_greedy(logits, tokens, parent, valid)
+        if tree:
+            path = path_to(parent, leaf)[0]
+            self.model.commit(self.cache, accepted, path)
+        else:
+            path = None
+            self.model.commit(self.cache, accepted)
+        return accepted, bonus, path
+
+    @torch.inference_mode()
+    def greedy_verify_step(self, slots: list[int], tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool):
+        """Verify drafts, accept greedily and commit in one go; returns ``(accepted [B],
+        bonus [B], path [B, N] | None)``.  With CUDA graphs the three are one graph per
+        (batch bucket, nodes, chain|tree); padding rows carry only their root on slot 0."""
+        self.num_calls["tree" if tree else "verify"] += 1
+        B, N = tokens.shape
+        tokens, parent, valid = self._h2d(tokens), self._h2d(parent), self._h2d(valid)
+        Bp = self._bucket(B) if self.pad_batches else B
+        if Bp != B:
+            chain = torch.arange(-1, N - 1, device=self.device).expand(Bp - B, N)
+            parent = torch.cat([parent, chain], 0)
+            tokens = self._pad_rows(tokens, Bp)
+            valid = torch.cat([valid, torch.zeros(Bp - B, N, dtype=torch.bool, device=self.device)], 0)
+        key = ("spec", Bp, N, tree)
+        if self.use_graphs and key not in self._graph_failed:
+            g = self._graphs.get(key) or self._capture_spec(key, Bp, N, tree)
+            if g is not None:
+                graph, ins, outs = g
+                for dst, src in zip(ins, (self._slots(slots, Bp), tokens, parent, valid)):
+                    dst.copy_(src)
+                graph.replay()
+                acc, bonus, path = outs
+                return acc[:B], bonus[:B], (path[:B] if path is not None else None)
+        acc, bonus, path = self._greedy_body(self._slots(slots, Bp), tokens, parent, valid, tree)
+        return acc[:B], bonus[:B], (path[:B] if path is not None else None)
+
+    def _capture_spec(self, key, Bp: int, N: int, tree: bool):
+        s_in = torch.zeros(Bp, dtype=torch.long, device=self.device)
+        t_in = torch.zeros(Bp, N, dtype=torch.long, device=self.device)
+        p_in = torch.arange(-1, N - 1, device=self.device).expand(Bp, N).contiguous()
+        v_in = torch.zeros(Bp, N, dtype=torch.bool, device=self.device)
+        v_in[:, 0] = True
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up on the null slot only
+                    self._greedy_body(s_in, t_in, p_in, v_in, tree)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                outs = self._greedy_body(s_in, t_in, p_in, v_in, tree)
+            self._pool = graph.pool()
+        except NotImplementedError:
+            raise  # e.g. no KV-only tree op: the caller switches forms and retries
+        except Exception as e:  # pragma: no cover - depends on the model's kernels
+            warnings.warn(f"CUDA graph capture of a speculative step {key} failed, running eagerly: {e}")
+            self._graph_failed.add(key)
+            if getattr(self.cache, "pending", None) is not None:  # a half-run verify: drop it
+                self.cache.pending = None
+            return None
+        entry = (graph, (s_in, t_in, p_in, v_in), outs)
+        self._graphs[key] = entry
+        return entry
+
+    # -- CUDA graphs -----------------------------------------------------------------------
+    def _capture_decode(self, Bp: int):
+        try:
+            s_in = torch.zeros(Bp, dtype=torch.long, device=self.device)
+            t_in = torch.zeros(Bp, dtype=torch.long, device=self.device)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up on the null slot only
+                    self.model.decode(self.cache, s_in, t_in)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.model.decode(self.cache, s_in, t_in)
+            self._pool = graph.pool()
+            entry = (graph, s_in, t_in, out)
+            self._graphs[("decode", Bp)] = entry
+            return entry
+        except Exception as e:  # pragma: no cover - depends on the model's kernels
+            warnings.warn(f"CUDA graph capture of decode (batch {Bp}) failed, running eagerly: {e}")
+            self._graph_failed.add(Bp)
+            return None

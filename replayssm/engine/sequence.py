@@ -1,0 +1,94 @@
+"""One request's host-side record: tokens, status, slot, mode and speculation stats."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from .config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # queued, no slot yet
+    RUNNING = "running"      # holds a slot; prefilled
+    FINISHED = "finished"
+    REJECTED = "rejected"    # could never fit: finished with an error
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """A request moving through the engine.
+
+    ``prompt_ids`` and ``output_ids`` are plain Python lists.  The model cache holds every
+    token of ``all_ids`` except the last one (``pending``), which is fed on the next step.
+    """
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None):
+        self.request_id = next(_ids) if request_id is None else request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.slot: int | None = None
+        self.mode: str | None = None        # cache form of the slot: recurrent | replay | kv
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.reserved_bytes = 0
+        self.generator: torch.Generator | None = None
+        self.text_len = 0                   # chars of decoded text already checked for stops
+        self.stop_text_cut: int | None = None
+        # speculation statistics
+        self.num_steps = 0                  # forward steps that produced tokens for this seq
+        self.num_verify_steps = 0
+        self.num_drafted = 0
+        self.num_accepted_drafts = 0
+        self.accepted_lengths: list[int] = []
+        self.prompt_text: str | None = None  # the prompt string, when given as text
+        self.token_cap: int | None = None   # total-token limit set at admission (budget)
+        # draft-model drafters: tokens of all_ids already in the draft model's cache
+        self.draft_cached = 0
+
+    # -- token views ---------------------------------------------------------------------
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens the model cache holds for this sequence (all but the pending last one)."""
+        return self.num_tokens - 1
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.REJECTED)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens produced per forward step (1.0 without speculation)."""
+        if not self.accepted_lengths:
+            return 1.0 if self.output_ids else 0.0
+        return sum(self.accepted_lengths) / len(self.accepted_lengths)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.request_id}, status={self.status.value}, slot={self.slot}, "
+                f"prompt={len(self.prompt_ids)}, out={len(self.output_ids)})")

@@ -1,0 +1,80 @@
+"""`replayssm generate` and `replayssm bench e2e --smoke`."""
+
+import json
+
+import pytest
+
+from replayssm import cli as top
+from replayssm.engine import cli
+
+
+def test_missing_shipped_model_is_a_clear_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "DEFAULT_MODEL", tmp_path / "no-such-model")
+    assert cli.main(["hello"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "--model" in err
+
+
+def test_bad_arguments(tmp_path, capsys):
+    assert cli.main(["--model", str(tmp_path), "hi"]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert cli.main([]) == 2
+    assert "PROMPT" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["hi", "--mode", "fast"])
+
+
+def test_router_reaches_generate(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "DEFAULT_MODEL", tmp_path / "absent")
+    assert top.main(["generate", "hello"]) == 2
+    assert "absent" in capsys.readouterr().err
+
+
+def test_bench_e2e_smoke(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from replayssm.bench import e2e
+
+    assert e2e.main(["--smoke", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "e2e.json").read_text())
+    assert {r["mode"] for r in res["throughput"]} == {"recurrent", "replay"}
+    assert {r["mode"] for r in res["speculative"]} == {"recurrent", "replay"}
+    assert all(r["mean_accepted_length"] >= 1 for r in res["speculative"])
+    conc = {r["label"]: r for r in res["concurrency"]}
+    assert conc["replay+spec"]["max_sequences"] > conc["snapshot+spec"]["max_sequences"]
+    for r in res["concurrency"]:
+        if "observed_peak_batch" in r:
+            assert r["observed_peak_batch"] == r["max_sequences"]
+    for f in ("e2e_throughput.png", "e2e_speculative.png", "e2e_concurrency.png"):
+        assert (tmp_path / f).stat().st_size > 1000
+    assert "tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not (cli.DEFAULT_MODEL / "config.json").is_file(), reason="shipped model not present")
+@pytest.mark.parametrize("extra", [[], ["--speculative", "draft"], ["--speculative", "tree", "--mode", "auto"],
+                                   ["--speculative", "ngram", "--mode", "kv"]])
+def test_generate_with_shipped_model(capsys, extra):
+    if "draft" in extra or "tree" in extra:
+        if not (cli.DEFAULT_DRAFT / "config.json").is_file():
+            pytest.skip("shipped draft model not present")
+    assert cli.main(["def add(a, b):", "--max-tokens", "12", *extra]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith("def add(a, b):")
+    assert "tokens/s" in cap.err and "mean accepted length" in cap.err
+
+
+@pytest.mark.skipif(not (cli.DEFAULT_MODEL / "config.json").is_file(), reason="shipped model not present")
+def test_shipped_model_greedy_is_the_same_in_every_configuration():
+    from replayssm import LLM, SamplingParams, SpeculativeConfig
+
+    outs = set()
+    draft = str(cli.DEFAULT_DRAFT) if (cli.DEFAULT_DRAFT / "config.json").is_file() else None
+    configs = [("replay", None), ("recurrent", None), ("auto", None), ("replay", SpeculativeConfig("ngram", 3))]
+    if draft:
+        configs += [("replay", SpeculativeConfig("draft", 3, draft_model=draft)),
+                    ("recurrent", SpeculativeConfig("tree", draft_model=draft, tree_width=2, tree_depth=2))]
+    for mode, sp in configs:
+        llm = LLM(str(cli.DEFAULT_MODEL), dtype="float64", decode_mode=mode, speculative=sp, max_seq_len=128,
+                  auto_threshold=24)
+        o = llm.generate(["def fibonacci(n):\n    "], SamplingParams(max_tokens=24))[0]
+        outs.add(tuple(o.token_ids))
+    assert len(outs) == 1

@@ -1,0 +1,111 @@
+"""Continuous batching under a memory budget."""
+
+import pytest
+
+from replayssm import LLM, SamplingParams, SpeculativeConfig
+from replayssm.engine.memory import memory_model
+
+from engine_helpers import PROMPTS, reference_greedy
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def expected(target):
+    return [reference_greedy(target, p, N) for p in PROMPTS]
+
+
+def test_over_budget_prompt_rejected_while_others_finish(target, expected):
+    probe = LLM(target, decode_mode="kv")
+    budget = probe.memory.need(120)  # room for one sequence of ~120 tokens
+    llm = LLM(target, decode_mode="kv", memory_budget=budget)
+    long_prompt = [3] * 400
+    outs = llm.generate([PROMPTS[0], long_prompt, PROMPTS[1]], SamplingParams(max_tokens=N))
+    assert outs[1].finish_reason == "rejected" and outs[1].token_ids == []
+    assert "prompt of 400 tokens" in outs[1].error and "memory budget" in outs[1].error
+    assert outs[0].token_ids == expected[0] and outs[2].token_ids == expected[1]
+    assert outs[0].error is None
+    assert llm.scheduler.reserved == 0 and not llm.has_unfinished()
+
+
+def test_prompt_longer_than_max_seq_len_rejected(target, expected):
+    llm = LLM(target, max_seq_len=64)
+    outs = llm.generate([PROMPTS[2], [1] * 80], SamplingParams(max_tokens=N))
+    assert outs[0].token_ids == expected[2]
+    assert outs[1].finish_reason == "rejected" and "max_seq_len=64" in outs[1].error
+
+
+def test_queue_when_budget_full(target, draft):
+    prompts = [[(7 * i + j) % 32 for j in range(10)] for i in range(5)]
+    exp = [reference_greedy(target, p, N) for p in prompts]
+    for sp in (None, SpeculativeConfig("draft", num_tokens=2, draft_model=draft)):
+        probe = LLM(target, decode_mode="kv", speculative=sp)
+        per_seq = probe.memory.need(10 + N + probe.memory.verify_tokens)
+        budget = 2 * per_seq + 1
+        llm = LLM(target, decode_mode="kv", speculative=sp, memory_budget=budget, max_num_seqs=8)
+        seqs = [llm.add_request(p, SamplingParams(max_tokens=N)) for p in prompts]
+        while llm.has_unfinished():
+            llm.step()
+            assert llm.scheduler.reserved <= budget
+        assert [llm.output(s).token_ids for s in seqs] == exp
+        assert llm.scheduler.peak_running == 2
+        assert llm.scheduler.reserved == 0
+
+
+def test_capped_generation_when_only_the_prompt_fits(target, expected):
+    probe = LLM(target, decode_mode="kv")
+    n_prompt = len(PROMPTS[4])
+    budget = probe.memory.need(n_prompt + 1 + probe.memory.verify_tokens + 5)
+    llm = LLM(target, decode_mode="kv", memory_budget=budget)
+    out = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=N))[0]
+    assert out.finish_reason == "length" and 1 <= len(out.token_ids) < N
+    assert out.token_ids == expected[4][: len(out.token_ids)]
+
+
+def test_slots_limit_concurrency(target, expected):
+    llm = LLM(target, max_num_seqs=2)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    assert llm.scheduler.peak_running == 2
+
+
+def test_replay_fits_more_speculating_sequences_than_snapshots(target):
+    sp = SpeculativeConfig("ngram", num_tokens=4)
+    one = memory_model(target.config, "replay", 16, 5, 2).need(64)
+    budget = 40 * one
+    replay = LLM(target, decode_mode="replay", speculative=sp, memory_budget=budget, max_num_seqs=1000)
+    snap = LLM(target, decode_mode="recurrent", speculative=sp, memory_budget=budget, max_num_seqs=1000)
+    assert replay.num_slots >= 2.5 * snap.num_slots
+
+
+def test_auto_mode_switches_at_threshold(target, expected):
+    llm = LLM(target, decode_mode="auto", auto_threshold=10)
+    seqs = [llm.add_request(p, SamplingParams(max_tokens=N)) for p in PROMPTS]
+    modes = {}
+    while llm.has_unfinished():
+        llm.step()
+        for s in seqs:
+            if s.slot is not None and not s.is_finished:
+                modes.setdefault(s.request_id, []).append((s.num_cached, s.mode))
+    for s, e in zip(seqs, expected):
+        assert llm.output(s).token_ids == e
+        hist = modes.get(s.request_id, [])
+        for n, m in hist:
+            assert m == ("kv" if n < 10 else "replay"), hist
+    # the default threshold comes from the traffic model (about n or d tokens)
+    assert 16 <= LLM(target, decode_mode="auto").auto_threshold <= 256
+
+
+def test_kv_pool_running_dry_ends_requests_with_an_error(target, expected):
+    """A safety net below the budget: a KV block pool that is too small (here shrunk by
+    hand) ends the requests that cannot grow, with an error, and the others continue."""
+    llm = LLM(target, decode_mode="kv", max_seq_len=256, kv_block_size=4)
+    llm.cache._static_kv = False
+    llm.cache.kv_num_blocks = 9
+    outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=N))
+    errs = [o for o in outs if o.finish_reason == "error"]
+    assert errs and all("pool exhausted" in o.error for o in errs)
+    for o, e in zip(outs, expected):
+        assert o.token_ids == e[: len(o.token_ids)]
+    assert any(o.finish_reason == "length" for o in outs) or len(errs) == 3
+    assert not llm.has_unfinished() and llm.scheduler.reserved == 0
