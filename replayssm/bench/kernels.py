@@ -423,9 +423,11 @@ def run(args) -> dict:
         gdn_variants += [dict(route="state", block_v=bv, num_warps=4, precision=p)
                          for bv in (16, 32) for p in ("tf32x3", "tf32")]
     if cuda_t and args.quick:
-        m2_variants = [dict(block_d=bd, pre_scores=ps, num_warps=4) for bd in (32, 64) for ps in (False, True)]
+        m2_variants = [dict(block_d=bd, pre_scores=True, num_warps=nw, precision="tf32x3")
+                       for bd in (16, 32, 64) for nw in (2, 4, 8)]
         m2_variants += [dict(block_d=64, pre_scores=False, num_warps=4, precision="tf32x3")]
-        gdn_variants = [dict(route=r, block_v=32, num_warps=4) for r in ("state", "output")]
+        gdn_variants = [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3")
+                        for bv in (8, 16, 32, 64) for nw in (1, 2, 4)]
         gdn_variants += [dict(route="state", block_v=32, num_warps=4, precision="tf32x3")]
         Ts = [1, 2, 4, 6]
     rec_m2_variants = [dict(block_d=b, num_warps=w) for b in (4, 8, 16) for w in (2, 4)] if device == "cuda" else [{}]
@@ -571,6 +573,8 @@ def run(args) -> dict:
                 vkw = dict(route=route, check=False)
         if not ops.triton and fam == "mamba2":
             vkw = dict(check=False)
+        if ops.triton and device == "cuda":
+            vkw = verify_sweep(fam, store, s, setup, inputs, mod, timer, device, dtype, Bmain, Lspec, vkw, args)
         store["verify_kwargs"] = {k: v for k, v in vkw.items() if k != "check"}
         std = store["decode"][str(Bt)]
         std_us = std.get("peer_us", std["recurrent_us"])
@@ -646,6 +650,54 @@ def run(args) -> dict:
     return out
 
 
+def verify_sweep(fam, store, s, setup, inputs, mod, timer, device, dtype, Bt, L, base_kw, args) -> dict:
+    """Time T=4 replay verify variants (``impl`` rows/dot, tile, warps, flush precision) at a
+    non-flush fill (h = 0) and a flush fill (h = L - T); return the fastest variant's kwargs."""
+    T = min(4, L // 2)
+    slots = torch.arange(1, Bt + 1, device=device)
+    inp = inputs(Bt, s, device, dtype, T)
+    buf = setup(Bt, L, s, device, dtype)
+    ring = _ring(Bt + 1, L, device)
+    if fam == "mamba2":
+        variants = [dict(impl="rows", block_d=bd, num_warps=nw, precision=p)
+                    for bd in (16, 32, 64) for nw in (2, 4, 8) for p in ("tf32x3",)]
+        variants += [dict(impl="rows", block_d=32, num_warps=4, precision="ieee")]
+        variants += [dict(impl="dot", block_d=bd, num_warps=4, precision="tf32x3") for bd in (32, 64)]
+    else:
+        variants = [dict(impl="rows", route="output", block_v=bv, num_warps=nw, precision="tf32x3")
+                    for bv in (8, 16, 32) for nw in (1, 2, 4)]
+        variants += [dict(impl="rows", route="output", block_v=64, num_warps=nw, precision="tf32x3")
+                     for nw in (2, 4)]
+        variants += [dict(impl="rows", route="output", block_v=32, num_warps=2, precision="ieee")]
+        variants += [dict(impl="dot", route=r, block_v=32, num_warps=4, precision="tf32x3")
+                     for r in ("state", "output")]
+    res = store["verify_variants"] = {}
+    best = None
+    for var in variants:
+        key = json.dumps(var, sort_keys=True)
+        try:
+            ts = []
+            for h in (0, L - T):
+                _set_fill(ring, slots, h)
+                plan = ring.plan_verify(slots, T, "verify")
+                ts.append(timer(lambda: mod.replay_verify(buf, plan, **inp, **var)))
+        except Exception as exc:
+            res[key] = dict(error=repr(exc)[:300])
+            print(f"{fam} verify variant {key} failed: {repr(exc)[:200]}", flush=True)
+            continue
+        res[key] = dict(T=T, nonflush_us=ts[0], flush_us=ts[1])
+        print(f"{fam} verify T={T} {key}: {ts[0]:.1f} us (h=0), {ts[1]:.1f} us (flush)", flush=True)
+        cost = ts[0] + ts[1]
+        if best is None or cost < best[0]:
+            best = (cost, var)
+    del buf
+    if best is None:
+        return base_kw
+    store["verify_best_variant"] = best[1]
+    print(f"{fam}: best verify variant {best[1]}", flush=True)
+    return dict(best[1])
+
+
 # ============================================================================== report
 def summary(res: dict) -> list[str]:
     lines = []
@@ -674,6 +726,10 @@ def summary(res: dict) -> list[str]:
                              f"{v['replay_all_accept_us']:8.1f}  x{v['speedup_vs_snapshot_min']:.2f}..x"
                              f"{v['speedup_vs_snapshot_max']:.2f}  norm snap {v['snapshot_norm']:.2f} replay "
                              f"{v['replay_norm_reject']:.2f}..{v['replay_norm_accept']:.2f}")
+        if st.get("verify_best_variant"):
+            lines.append(f"   best verify variant {st['verify_best_variant']}")
+        if "tree_T4_us" in st:
+            lines.append(f"   tree verify (4 nodes, 2 branches) B={Bt}: {st['tree_T4_us']:.1f} us")
     c = res["capacity"]
     lines.append(f"-- capacity (T={c['T']}, L={c['L']}): mamba2 x{c['mamba2']['ratio']:.2f}, gdn x{c['gdn']['ratio']:.2f} "
                  f"more sequences with replay")

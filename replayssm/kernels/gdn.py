@@ -51,9 +51,9 @@ if HAVE_TRITON:
     ):
         """Alg. 5 over T tokens: load S, T delta-rule updates, store S (SNAP: once per token
         into ``snap [Bt,T,HV,K,V]``, the Alg. 7 baseline; else the final state into sout)."""
-        r = tl.program_id(0)
+        vb = tl.program_id(0)  # V-blocks of one (row, head) run side by side: they share DRAM pages
         hv = tl.program_id(1)
-        vb = tl.program_id(2)
+        r = tl.program_id(2)
         kh = hv // REP
         if HAS_SLOT:
             srow = tl.load(slot_ptr + r).to(tl.int64)
@@ -97,9 +97,9 @@ if HAVE_TRITON:
         flush rows store ``α S_h + k ⊗ u``.  State route: rebuild the ``[K, BV]`` tile of
         ``S_h`` (one small GEMM) and read it twice.  Output route: ``S_h k``/``S_h q`` from one
         read of ``S0`` plus ``Σ_j w_j (k_j·x) u_j``; ``S_h`` only on flush rows."""
-        r = tl.program_id(0)
+        vb = tl.program_id(0)  # V-blocks of one (row, head) run side by side: they share DRAM pages
         hv = tl.program_id(1)
-        vb = tl.program_id(2)
+        r = tl.program_id(2)
         kh = hv // REP
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int64)
@@ -171,9 +171,9 @@ if HAVE_TRITON:
         ``(I + A) U = R`` by forward substitution over the (ancestor-)masked T×T system and
         ``Y = e^{G} S_h q + (mask ∘ e^{G_s−G_s'} QKᵀ) U``.  Writes ``U`` and the normalised
         keys to scratch (appended to the ring by the wrapper); flush rows store ``S_h``."""
-        r = tl.program_id(0)
+        vb = tl.program_id(0)  # V-blocks of one (row, head) run side by side: they share DRAM pages
         hv = tl.program_id(1)
-        vb = tl.program_id(2)
+        r = tl.program_id(2)
         kh = hv // REP
         r64 = r.to(tl.int64)
         slot = tl.load(slot_ptr + r).to(tl.int64)
@@ -269,6 +269,122 @@ if HAVE_TRITON:
 
 
     @triton.jit
+    def _gdn_verify_rows_kernel(
+        state_ptr, ur_ptr, kr_ptr, gr_ptr,
+        slot_ptr, start_ptr, hist_ptr, flush_ptr, bt_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bits_ptr, y_ptr, uo_ptr, ko_ptr,
+        T, L, H, HV, K, V, REP, MAXB, scale,
+        TP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """Same contract as ``_gdn_replay_verify_kernel`` (output route), one draft at a time.
+
+        Per draft s (unrolled): ``S_h k_s = α0 S0 k_s + Σ_j w_j (k_j·k_s) u_j`` (same for q_s)
+        and the rows ``k_s·k_{s'}``, ``q_s·k_{s'}`` of the T×T system; then forward
+        substitution and ``Y = e^{G} S_h q + (mask ∘ e^{G_s−G_s'} QKᵀ) U`` as outer-product
+        sums.  Register tiles only: the ``[BK, BV]`` checkpoint tile is read once."""
+        vb = tl.program_id(0)  # V-blocks of one (row, head) run side by side: they share DRAM pages
+        hv = tl.program_id(1)
+        r = tl.program_id(2)
+        kh = hv // REP
+        r64 = r.to(tl.int64)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        offs_k = tl.arange(0, BK)
+        offs_v = vb * BV + tl.arange(0, BV)
+        mk = offs_k < K
+        mv = offs_v < V
+        m2 = mk[:, None] & mv[None, :]
+        jj = tl.arange(0, LP)
+        mj = jj < h
+        if PAGED:
+            blk = tl.load(bt_ptr + r64 * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
+            e = blk * L + jj % L
+        else:
+            start = tl.load(start_ptr + r).to(tl.int64)
+            e = slot * L + (start + jj) % L
+        gj = tl.where(mj, tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32), 0.0)
+        cj = tl.cumsum(gj, 0)
+        tot = tl.sum(gj, 0)
+        wj = tl.where(mj, tl.exp(tot - cj), 0.0)
+        a0 = tl.exp(tot)
+        Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
+                     other=0.0).to(tl.float32)
+        Uh = tl.load(ur_ptr + (e[:, None] * HV + hv) * V + offs_v[None, :], mask=mj[:, None] & mv[None, :],
+                     other=0.0).to(tl.float32)
+        ss = tl.arange(0, TP)
+        ms = ss < T
+        tok = r64 * T + ss
+        mks = ms[:, None] & mk[None, :]
+        Qn = _l2n_rows(tl.load(q_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
+                               other=0.0).to(tl.float32), L2) * scale
+        Kn = _l2n_rows(tl.load(k_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
+                               other=0.0).to(tl.float32), L2)
+        Vn = tl.load(v_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], mask=ms[:, None] & mv[None, :],
+                     other=0.0).to(tl.float32)
+        gn = tl.where(ms, tl.load(g_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
+        bn = tl.where(ms, tl.load(b_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
+        if TREE:
+            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
+        else:
+            bits = (2 << ss) - 1
+        anc = (((bits[:, None] >> ss[None, :]) & 1) != 0) & ms[:, None] & ms[None, :]  # [s, s']
+        Gs = tl.sum(tl.where(anc, gn[None, :], 0.0), 1)
+        if not PAGED:
+            soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
+            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+        # ---- per-draft history readouts and rows of K Kᵀ, Q Kᵀ
+        HK = tl.zeros([TP, BV], dtype=tl.float32)
+        HQ = tl.zeros([TP, BV], dtype=tl.float32)
+        KK = tl.zeros([TP, TP], dtype=tl.float32)
+        QK = tl.zeros([TP, TP], dtype=tl.float32)
+        for s in tl.static_range(TP):
+            if s < T:
+                row = ss[:, None] == s
+                ks = tl.sum(tl.where(row, Kn, 0.0), 0)
+                qs = tl.sum(tl.where(row, Qn, 0.0), 0)
+                hk = tl.sum((wj * tl.sum(Kh * ks[None, :], 1))[:, None] * Uh, 0)
+                hq = tl.sum((wj * tl.sum(Kh * qs[None, :], 1))[:, None] * Uh, 0)
+                if not PAGED:
+                    hk += a0 * tl.sum(S0 * ks[:, None], 0)
+                    hq += a0 * tl.sum(S0 * qs[:, None], 0)
+                HK = tl.where(row, hk[None, :], HK)
+                HQ = tl.where(row, hq[None, :], HQ)
+                KK = tl.where(row, tl.sum(Kn * ks[None, :], 1)[None, :], KK)
+                QK = tl.where(row, tl.sum(Kn * qs[None, :], 1)[None, :], QK)
+        # ---- the T×T system (I + A) U = R by forward substitution
+        eG = tl.exp(Gs)
+        Dm = tl.exp(tl.where(anc, Gs[:, None] - Gs[None, :], 0.0))
+        strict = anc & (ss[:, None] != ss[None, :])
+        Amat = tl.where(strict, bn[:, None] * Dm * KK, 0.0)
+        U = bn[:, None] * (Vn - eG[:, None] * HK)
+        for i in range(1, T):
+            sel = ss[:, None] == i
+            arow = tl.sum(tl.where(sel, Amat, 0.0), 0)
+            corr = tl.sum(arow[:, None] * U, 0)
+            U = tl.where(sel, U - corr[None, :], U)
+        Mq = tl.where(anc, Dm * QK, 0.0)
+        Y = eG[:, None] * HQ
+        for s in tl.static_range(TP):
+            if s < T:
+                ucol = tl.sum(tl.where(ss[:, None] == s, U, 0.0), 0)
+                mcol = tl.sum(tl.where(ss[None, :] == s, Mq, 0.0), 1)
+                Y += mcol[:, None] * ucol[None, :]
+        mo = ms[:, None] & mv[None, :]
+        tl.store(y_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], Y.to(y_ptr.dtype.element_ty), mask=mo)
+        tl.store(uo_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], U.to(uo_ptr.dtype.element_ty), mask=mo)
+        if vb == 0:
+            if hv % REP == 0:
+                tl.store(ko_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], Kn.to(ko_ptr.dtype.element_ty),
+                         mask=mks)
+        if not PAGED:
+            flush = tl.load(flush_ptr + r) != 0
+            if flush:
+                Sh = a0 * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
+                tl.store(state_ptr + soff, Sh.to(state_ptr.dtype.element_ty), mask=m2)
+
+
+    @triton.jit
     def _gdn_append_kernel(
         ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, bt_ptr, u_ptr, k_ptr, g_ptr,
         T, L, HVV, HK, HV, MAXB,
@@ -318,7 +434,8 @@ def _dims(q: Tensor, v: Tensor, has_time: bool):
 
 
 def _bv(V: int, block_v: int | None) -> int:
-    return max(16, next_pow2(block_v if block_v else min(V, 32)))
+    """V-tile width: ``block_v`` (default 32) clamped to [16, next_pow2(V)] (``tl.dot`` needs 16)."""
+    return max(16, min(next_pow2(block_v if block_v else 32), next_pow2(V)))
 
 
 def _scale(scale, K):
@@ -349,7 +466,7 @@ def recurrent_update(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, 
     y = torch.empty_like(v)
     BV = next_pow2(block_v) if block_v else min(next_pow2(V), 16)
     if Bt:
-        _gdn_recurrent_kernel[(Bt, HV, triton.cdiv(V, BV))](
+        _gdn_recurrent_kernel[(triton.cdiv(V, BV), HV, Bt)](
             state, out_state, slot if slot is not None else state, q, k, v, g, beta, y, y,
             1, H, HV, K, V, HV // H, _scale(scale, K),
             BK=next_pow2(K), BV=BV, HAS_SLOT=slot is not None, L2=bool(use_qk_l2norm), SNAP=False,
@@ -378,7 +495,7 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
         snapshots = torch.empty(Bt, T, HV, K, V, dtype=state.dtype, device=state.device)
     BV = next_pow2(block_v) if block_v else min(next_pow2(V), 16)
     if Bt and T:
-        _gdn_recurrent_kernel[(Bt, HV, triton.cdiv(V, BV))](
+        _gdn_recurrent_kernel[(triton.cdiv(V, BV), HV, Bt)](
             state, state, slot, q, k, v, g, beta, y, snapshots,
             T, H, HV, K, V, HV // H, _scale(scale, K),
             BK=next_pow2(K), BV=BV, HAS_SLOT=True, L2=bool(use_qk_l2norm), SNAP=True, num_warps=num_warps)
@@ -386,9 +503,9 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
 
 
 def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                  scale: float | None = None, use_qk_l2norm: bool = True, route: str = "state",
-                  check: bool | None = None, block_v: int | None = None, num_warps: int = 4,
-                  precision: str = "ieee") -> Tensor:
+                  scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
+                  check: bool | None = None, block_v: int | None = 16, num_warps: int = 1,
+                  precision: str = "tf32x3") -> Tensor:
     """Replay decode (Alg. 6) in one launch; appends ``(u, k, g)`` and flushes in-kernel."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
@@ -402,7 +519,7 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     BV = _bv(V, block_v)
     y = torch.empty_like(v)
     if Bt:
-        _gdn_replay_decode_kernel[(Bt, HV, triton.cdiv(V, BV))](
+        _gdn_replay_decode_kernel[(triton.cdiv(V, BV), HV, Bt)](
             buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
             q, k, v, g, beta, y, L, H, HV, K, V, HV // H, _scale(scale, K),
             LP=pad16(L), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), OUTPUT_ROUTE=route == "output",
@@ -411,9 +528,12 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 
 
 def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, paged=None,
-            block_v=None, num_warps=4, ring_dtype=None, precision="ieee"):
+            block_v=None, num_warps=4, ring_dtype=None, precision="ieee", impl="rows"):
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
+    if impl not in ("rows", "dot"):
+        raise ValueError(f"impl must be 'rows' or 'dot', got {impl!r}")
+    rows = impl == "rows" and route == "output"  # the rows kernel implements the output route
     Bt, T, H, HV, K, V = _dims(q, v, True)
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
     BV = _bv(V, block_v)
@@ -422,11 +542,16 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
     Kn = torch.empty(Bt, T, H, K, dtype=ring_dtype[1], device=v.device)
     if Bt == 0:
         return y, U, Kn
-    grid = (Bt, HV, triton.cdiv(V, BV))
-    common = dict(TP=pad16(T), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), OUTPUT_ROUTE=route == "output",
+    grid = (triton.cdiv(V, BV), HV, Bt)
+    common = dict(TP=max(2, next_pow2(T)) if rows else pad16(T), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm),
                   TREE=bits is not None, PREC=precision, num_warps=num_warps)
+    if rows:
+        kern = _gdn_verify_rows_kernel
+    else:
+        kern = _gdn_replay_verify_kernel
+        common["OUTPUT_ROUTE"] = route == "output"
     if paged is None:
-        _gdn_replay_verify_kernel[grid](
+        kern[grid](
             buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush, plan.slot,
             q, k, v, g, beta, bits if bits is not None else plan.slot, y, U, Kn,
             T, plan.capacity, H, HV, K, V, HV // H, 1, _scale(scale, K),
@@ -434,7 +559,7 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
     else:
         kv, pplan = paged
         bt = pplan.block_table.contiguous()
-        _gdn_replay_verify_kernel[grid](
+        kern[grid](
             v, kv.u, kv.k, kv.g, pplan.slot, pplan.length, pplan.length, pplan.length, bt,
             q, k, v, g, beta, bits if bits is not None else pplan.slot, y, U, Kn,
             T, pplan.block_size, H, HV, K, V, HV // H, bt.shape[1], _scale(scale, K),
@@ -461,25 +586,27 @@ def _append(buf, plan, U, Kn, g) -> None:
 
 
 def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                  scale: float | None = None, use_qk_l2norm: bool = True, route: str = "state",
-                  check: bool | None = None, block_v: int | None = None, num_warps: int = 4,
-                  precision: str = "ieee") -> Tensor:
-    """Replay verify of T drafts (Alg. 8): one kernel, then one append kernel."""
+                  scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
+                  check: bool | None = None, block_v: int | None = 64, num_warps: int = 2,
+                  precision: str = "tf32x3", impl: str = "rows") -> Tensor:
+    """Replay verify of T drafts (Alg. 8): one kernel, then one append kernel.  ``impl="rows"``
+    (output route): one draft at a time on register tiles; ``"dot"``: padded ``tl.dot``s
+    (both routes; kept for comparison)."""
     if plan.kind != "verify":
         raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
     dims = _dims(q, v, True)
     _check_ring(buf, plan, v, dims)
     y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, None,
                        block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
-                       precision=precision)
+                       precision=precision, impl=impl)
     _append(buf, plan, U, Kn, g)
     return y
 
 
 def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                scale: float | None = None, use_qk_l2norm: bool = True, route: str = "state",
-                check: bool | None = None, bits: Tensor | None = None, block_v: int | None = None,
-                num_warps: int = 4, precision: str = "ieee") -> Tensor:
+                scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
+                check: bool | None = None, bits: Tensor | None = None, block_v: int | None = 64,
+                num_warps: int = 2, precision: str = "tf32x3", impl: str = "rows") -> Tensor:
     """Tree verify (STree + Alg. 8): the solve restricted to the ancestor mask."""
     from .mamba2 import tree_bits
 
@@ -491,15 +618,15 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
         bits = tree_bits(parent, dims[0])
     y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
-                       precision=precision)
+                       precision=precision, impl=impl)
     _append(buf, plan, U, Kn, g)
     return y
 
 
 def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
               scale: float | None = None, use_qk_l2norm: bool = True, check: bool | None = None,
-              parent: Tensor | None = None, route: str = "output", block_v: int | None = None,
-              num_warps: int = 4, precision: str = "ieee") -> Tensor:
+              parent: Tensor | None = None, route: str = "output", block_v: int | None = 64,
+              num_warps: int = 2, precision: str = "tf32x3", impl: str = "rows") -> Tensor:
     """KV-only form (``S0 = 0``) over paged buffers (a draft tree when ``parent`` is given);
     appends ``(U, k, g)`` after the kernel."""
     from .mamba2 import tree_bits
@@ -507,7 +634,7 @@ def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     bits = None if parent is None else tree_bits(parent, q.shape[0])
     y, U, Kn = _verify(None, None, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        paged=(kv, pplan), block_v=block_v, num_warps=num_warps,
-                       ring_dtype=(kv.u.dtype, kv.k.dtype), precision=precision)
+                       ring_dtype=(kv.u.dtype, kv.k.dtype), precision=precision, impl=impl)
     _append_entries(kv.u, kv.k, kv.g, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
                     U, Kn, g, pplan.block_size, True)
     return y

@@ -44,9 +44,9 @@ if HAVE_TRITON:
         BD: tl.constexpr, BN: tl.constexpr, HAS_SLOT: tl.constexpr, HAS_D: tl.constexpr,
     ):
         """Alg. 1: load S, update, read out, store S (like selective_state_update)."""
-        r = tl.program_id(0)
+        db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
         hd = tl.program_id(1)
-        db = tl.program_id(2)
+        r = tl.program_id(2)
         g = hd // HPG
         if HAS_SLOT:
             srow = tl.load(slot_ptr + r).to(tl.int64)
@@ -78,9 +78,9 @@ if HAVE_TRITON:
         BD: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
     ):
         """Alg. 3 baseline: serial scan over T drafts, one state snapshot stored per draft."""
-        r = tl.program_id(0)
+        db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
         hd = tl.program_id(1)
-        db = tl.program_id(2)
+        r = tl.program_id(2)
         g = hd // HPG
         srow = tl.load(slot_ptr + r).to(tl.int64)
         offs_d = db * BD + tl.arange(0, BD)
@@ -183,9 +183,9 @@ if HAVE_TRITON:
         """Alg. 2, output-only: ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + D x``.
 
         Flush rows (``h + 1 == L``) also store ``S_{h+1}`` (checkpoint, ring and new entry)."""
-        r = tl.program_id(0)
+        db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
         hd = tl.program_id(1)
-        db = tl.program_id(2)
+        r = tl.program_id(2)
         g = hd // HPG
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int64)
@@ -268,9 +268,9 @@ if HAVE_TRITON:
         self of m (causal chain, or tree bits).  Score and value products are ``tl.dot``s.
         PAGED: history from a block table, ``S0 = 0``, no flush (KV-only form).
         Flush rows (ring mode) store ``S_h`` (committed entries only)."""
-        r = tl.program_id(0)
+        db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
         hd = tl.program_id(1)
-        db = tl.program_id(2)
+        r = tl.program_id(2)
         g = hd // HPG
         r64 = r.to(tl.int64)
         slot = tl.load(slot_ptr + r).to(tl.int64)
@@ -340,6 +340,93 @@ if HAVE_TRITON:
                 Sh = tl.exp(tot) * S0 + tl.dot(tl.trans(Xw), Bh, input_precision=PREC)
                 tl.store(state_ptr + soff, Sh.to(state_ptr.dtype.element_ty), mask=m2)
 
+    @triton.jit
+    def _m2_verify_rows_kernel(
+        state_ptr, xr_ptr, Br_ptr, dtr_ptr,
+        slot_ptr, start_ptr, hist_ptr, flush_ptr, bt_ptr,
+        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bits_ptr, y_ptr,
+        T, L, H, G, d, n, HPG, MAXB,
+        TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+        HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """Same contract as ``_m2_replay_verify_kernel``, one draft query at a time.
+
+        For each query m (unrolled, T is small): ``y_m = e^{tot+G_m} S0·C_m
+        + Σ_j Δ_j e^{tot-cum_j+G_m} (B_j·C_m) x_j + Σ_{s⪯m} Δ_s e^{G_m-G_s} (B_s·C_m) x_s``.
+        Only broadcast-multiply-reduce on register tiles (no padded ``tl.dot``): the
+        ``[BD, BN]`` checkpoint tile is read once and reused by every query."""
+        db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
+        hd = tl.program_id(1)
+        r = tl.program_id(2)
+        g = hd // HPG
+        r64 = r.to(tl.int64)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        offs_d = db * BD + tl.arange(0, BD)
+        offs_n = tl.arange(0, BN)
+        md = offs_d < d
+        mn = offs_n < n
+        m2 = md[:, None] & mn[None, :]
+        jj = tl.arange(0, LP)
+        mj = jj < h
+        if PAGED:
+            blk = tl.load(bt_ptr + r64 * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
+            e = blk * L + jj % L
+        else:
+            start = tl.load(start_ptr + r).to(tl.int64)
+            e = slot * L + (start + jj) % L
+        A = tl.load(A_ptr + hd).to(tl.float32)
+        dtj = tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32)
+        dtj = tl.where(mj, dtj, 0.0)
+        lj = A * dtj
+        cj = tl.cumsum(lj, 0)
+        tot = tl.sum(lj, 0)
+        Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
+                     other=0.0).to(tl.float32)
+        Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
+                     other=0.0).to(tl.float32)
+        ss = tl.arange(0, TP)
+        ms = ss < T
+        tok = r64 * T + ss
+        Xn = tl.load(x_ptr + (tok[:, None] * H + hd) * d + offs_d[None, :], mask=ms[:, None] & md[None, :],
+                     other=0.0).to(tl.float32)
+        dtn = tl.where(ms, tl.load(dt_ptr + tok * H + hd, mask=ms, other=0.0).to(tl.float32), 0.0)
+        Bn = tl.load(B_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+                     other=0.0).to(tl.float32)
+        ln = A * dtn
+        if TREE:
+            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
+        else:
+            bits = (2 << ss) - 1
+        anc = (((bits[:, None] >> ss[None, :]) & 1) != 0) & ms[:, None] & ms[None, :]  # [m, s]
+        Gs = tl.sum(tl.where(anc, ln[None, :], 0.0), 1)
+        if not PAGED:
+            soff = ((slot * H + hd) * d + offs_d[:, None]) * n + offs_n[None, :]
+            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+        if HAS_D:
+            Dh = tl.load(D_ptr + hd).to(tl.float32)
+        for m in tl.static_range(TP):
+            if m < T:
+                tm = r64 * T + m
+                cm = tl.load(C_ptr + (tm * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
+                Gm = tl.sum(tl.where(ss == m, Gs, 0.0), 0)
+                bm = tl.sum(tl.where(ss == m, bits, 0), 0)
+                am = (((bm >> ss) & 1) != 0) & ms  # drafts s on the path to m (m included)
+                wh = tl.where(mj, dtj * tl.exp(tot - cj + Gm) * tl.sum(Bh * cm[None, :], 1), 0.0)
+                wn = tl.where(am, dtn * tl.exp(Gm - Gs) * tl.sum(Bn * cm[None, :], 1), 0.0)
+                y = tl.sum(wh[:, None] * Xh, 0) + tl.sum(wn[:, None] * Xn, 0)
+                if not PAGED:
+                    y += tl.exp(tot + Gm) * tl.sum(S0 * cm[None, :], 1)
+                if HAS_D:
+                    y += Dh * tl.sum(tl.where(ss[:, None] == m, Xn, 0.0), 0)
+                tl.store(y_ptr + (tm * H + hd) * d + offs_d, y.to(y_ptr.dtype.element_ty), mask=md)
+        if not PAGED:
+            flush = tl.load(flush_ptr + r) != 0
+            if flush:  # S_h = e^{tot} S0 + Σ_{j<h} Δ_j e^{tot-cum_j} x_j B_jᵀ
+                Xw = tl.where(mj[:, None], Xh * (dtj * tl.exp(tot - cj))[:, None], 0.0)
+                Sh = tl.exp(tot) * S0 + tl.dot(tl.trans(Xw), Bh, input_precision=PREC)
+                tl.store(state_ptr + soff, Sh.to(state_ptr.dtype.element_ty), mask=m2)
+
 
 # =============================================================================== wrappers
 def _c(t: Tensor | None) -> Tensor | None:
@@ -386,7 +473,7 @@ def recurrent_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
     out_state = state if out_state is None else out_state
     y = torch.empty_like(x)
     BD = next_pow2(block_d) if block_d else min(next_pow2(d), 16)
-    grid = (Bt, H, triton.cdiv(d, BD))
+    grid = (triton.cdiv(d, BD), H, Bt)
     if Bt:
         _m2_recurrent_kernel[grid](
             state, out_state, slot if slot is not None else state, x, dt, A, B, C,
@@ -406,8 +493,8 @@ def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C
 
 def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
-                  block_d: int | None = None, num_warps: int = 4, pre_scores: bool = False,
-                  precision: str = "ieee") -> Tensor:
+                  block_d: int | None = None, num_warps: int = 2, pre_scores: bool = True,
+                  precision: str = "tf32x3") -> Tensor:
     """Replay decode (Alg. 2) in one launch (two with ``pre_scores``).
 
     The output is always formed output-only (``route`` is accepted for API parity: both
@@ -431,7 +518,7 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
         sc = torch.empty(Bt, G, LP + 1, dtype=torch.float32, device=x.device)
         _m2_scores_kernel[(Bt, G)](buf.B, plan.slot, plan.start, plan.hist, B, C, sc, L, G, n,
                                    LP=LP, BN=BN, num_warps=4)
-    grid = (Bt, H, triton.cdiv(d, BD))
+    grid = (triton.cdiv(d, BD), H, Bt)
     _m2_replay_decode_kernel[grid](
         buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush,
         x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
@@ -457,18 +544,23 @@ def tree_bits(parent: Tensor, batch: int) -> Tensor:
     return (M.long() * w).sum(-1).to(torch.int32).contiguous()
 
 
-def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=4, precision="ieee"):
+def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=4, precision="ieee",
+            impl="rows"):
+    if impl not in ("rows", "dot"):
+        raise ValueError(f"impl must be 'rows' or 'dot', got {impl!r}")
     dims = _dims(x, B, True)
     Bt, T, H, d, G, n = dims
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
-    BD, BN, TP = _block_d(d, block_d), pad16(n), pad16(T)
+    BD, BN = _block_d(d, block_d), pad16(n)
+    kern = _m2_verify_rows_kernel if impl == "rows" else _m2_replay_verify_kernel
+    TP = max(2, next_pow2(T)) if impl == "rows" else pad16(T)
     y = torch.empty_like(x)
     if Bt == 0:
         return y
-    grid = (Bt, H, triton.cdiv(d, BD))
+    grid = (triton.cdiv(d, BD), H, Bt)
     if paged is None:
         L = plan.capacity
-        _m2_replay_verify_kernel[grid](
+        kern[grid](
             buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush, plan.slot,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,
             T, L, H, G, d, n, H // G, 1,
@@ -477,7 +569,7 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     else:
         kv, pplan = paged
         bt = pplan.block_table.contiguous()
-        _m2_replay_verify_kernel[grid](
+        kern[grid](
             x, kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, pplan.length, bt,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else pplan.slot, y,
             T, pplan.block_size, H, G, d, n, H // G, bt.shape[1],
@@ -507,15 +599,17 @@ def _write_entries(buf, plan, x, B, dt) -> None:
 
 def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
-                  block_d: int | None = None, num_warps: int = 4, precision: str = "ieee") -> Tensor:
-    """Replay verify of T drafts (Alg. 4): one kernel (GEMMs under a causal mask; flush rows
-    store ``S_h``), then one append kernel writes the T entries."""
+                  block_d: int | None = None, num_warps: int = 4, precision: str = "tf32x3",
+                  impl: str = "rows") -> Tensor:
+    """Replay verify of T drafts (Alg. 4): one kernel (flush rows store ``S_h``), then one
+    append kernel writes the T entries.  ``impl="rows"``: one query at a time on register
+    tiles; ``"dot"``: padded ``tl.dot`` score/value products (kept for comparison)."""
     if plan.kind != "verify":
         raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
     dims = _dims(x, B, True)
     _check_ring(buf, plan, x, dims)
     y = _verify(buf, plan, x, dt, A, B, C, D, None, block_d=block_d, num_warps=num_warps,
-                precision=precision)
+                precision=precision, impl=impl)
     _write_entries(buf, plan, x, B, dt)
     return y
 
@@ -523,7 +617,7 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
 def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                 D: Tensor | None = None, route: str = "output", check: bool | None = None,
                 bits: Tensor | None = None, block_d: int | None = None, num_warps: int = 4,
-                precision: str = "ieee") -> Tensor:
+                precision: str = "tf32x3", impl: str = "rows") -> Tensor:
     """Tree verify (STree) under the ancestor mask; ``bits`` (from :func:`tree_bits`) may be
     passed precomputed once per step for all layers."""
     if plan.kind != "tree":
@@ -532,20 +626,22 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
     _check_ring(buf, plan, x, dims)
     if bits is None:
         bits = tree_bits(parent, dims[0])
-    y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision)
+    y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision,
+                impl=impl)
     _write_entries(buf, plan, x, B, dt)
     return y
 
 
 def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
               D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
-              num_warps: int = 4, precision: str = "ieee", parent: Tensor | None = None) -> Tensor:
+              num_warps: int = 4, precision: str = "tf32x3", parent: Tensor | None = None,
+              impl: str = "rows") -> Tensor:
     """KV-only form (no state) over paged buffers; appends the new entries after the kernel."""
     if kv.x.dtype != x.dtype or kv.B.dtype != x.dtype:
         raise ValueError(f"dtype mismatch: inputs are {x.dtype}, pool holds {kv.x.dtype}/{kv.B.dtype}")
     bits = None if parent is None else tree_bits(parent, x.shape[0])
     y = _verify(None, None, x, dt, A, B, C, D, bits, paged=(kv, pplan), block_d=block_d,
-                num_warps=num_warps, precision=precision)
+                num_warps=num_warps, precision=precision, impl=impl)
     _append(kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
             x, B, dt, pplan.block_size, True)
     return y
@@ -562,7 +658,7 @@ def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tenso
     if snapshots is None:
         snapshots = torch.empty(Bt, T, H, d, n, dtype=state.dtype, device=state.device)
     if Bt and T:
-        _m2_snapshot_kernel[(Bt, H, triton.cdiv(d, BD))](
+        _m2_snapshot_kernel[(triton.cdiv(d, BD), H, Bt)](
             state, slot, x, dt, A, B, C, D if D is not None else A, y, snapshots,
             T, H, G, d, n, H // G, BD=BD, BN=next_pow2(n), HAS_D=D is not None, num_warps=num_warps)
     return y, snapshots

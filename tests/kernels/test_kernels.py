@@ -87,6 +87,15 @@ def make_ring(s, device, T, seed, kind="decode"):
     return ring, slots
 
 
+def random_parents(Bt, T, seed, device):
+    """Random topologically ordered forests: node i hangs off a node < i, or is a root."""
+    g = torch.Generator().manual_seed(seed)
+    parent = torch.stack([torch.randint(-1, max(i, 1) if i else 0, (Bt,), generator=g) if i else
+                          torch.full((Bt,), -1) for i in range(T)], 1)
+    parent[0] = torch.arange(-1, T - 1)  # one row is a chain
+    return parent.to(device)
+
+
 def fill_m2(s, device, seed):
     torch.manual_seed(seed)
     buf = Mamba2Buffers.allocate(s["P"] - 1, s["L"], s["H"], s["d"], s["n"], s["G"], dtype=s["dtype"],
@@ -178,22 +187,20 @@ def test_mamba2_replay_decode_cycle(device, pre_scores):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["verify", "tree"])
-def test_mamba2_verify(device, kind):
+@pytest.mark.parametrize("impl,T", [("rows", 3), ("rows", 4), ("dot", 3)])
+def test_mamba2_verify(device, kind, impl, T):
     s = shapes(device)
-    T = 3
     ring, slots, buf = prep_m2(s, device, seed=3, T=T, kind=kind)
     ref = clone_m2(buf)
     plan = ring.plan_verify(slots, T, kind)
     x, dt, A, B, C, D = m2_inputs(s, device, T)
     if kind == "verify":
         y_ref = N2.replay_verify(ref, plan, x, dt, A, B, C, D)
-        y = K2.replay_verify(buf, plan, x, dt, A, B, C, D)
+        y = K2.replay_verify(buf, plan, x, dt, A, B, C, D, impl=impl)
     else:
-        parent = torch.tensor([-1, 0, 0], device=device).repeat(s["Bt"], 1)
-        parent[1] = torch.tensor([-1, -1, 1])
-        parent[3] = torch.tensor([-1, 0, 1])
+        parent = random_parents(s["Bt"], T, seed=T, device=device)
         y_ref = N2.tree_verify(ref, plan, parent, x, dt, A, B, C, D)
-        y = K2.tree_verify(buf, plan, parent, x, dt, A, B, C, D)
+        y = K2.tree_verify(buf, plan, parent, x, dt, A, B, C, D, impl=impl)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     close_buffers(ref, buf, s["dtype"], M2_BUF)
@@ -252,7 +259,8 @@ def _paged(device, s, family, T, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_mamba2_kv_verify(device):
+@pytest.mark.parametrize("impl", ["rows", "dot"])
+def test_mamba2_kv_verify(device, impl):
     s = shapes(device)
     T = 2
     pidx, kv, slots = _paged(device, s, "mamba2", T, seed=5)
@@ -262,7 +270,7 @@ def test_mamba2_kv_verify(device):
     pplan = pidx.plan(slots, T)
     x, dt, A, B, C, D = m2_inputs(s, device, T)
     y_ref = N2.kv_verify(kv_ref, pplan, x, dt, A, B, C, D)
-    y = K2.kv_verify(kv, pplan, x, dt, A, B, C, D)
+    y = K2.kv_verify(kv, pplan, x, dt, A, B, C, D, impl=impl)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     for name in ("x", "B", "dt"):
@@ -337,30 +345,30 @@ def test_gdn_replay_decode_cycle(device, route):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind,route", [("verify", "state"), ("verify", "output"), ("tree", "state")])
-def test_gdn_verify(device, kind, route):
+@pytest.mark.parametrize("kind,route,impl,T", [
+    ("verify", "state", "dot", 3), ("verify", "output", "dot", 3), ("tree", "state", "dot", 3),
+    ("verify", "output", "rows", 3), ("verify", "output", "rows", 4), ("tree", "output", "rows", 4)])
+def test_gdn_verify(device, kind, route, impl, T):
     s = shapes(device)
-    T = 3
     ring, slots, buf = prep_gdn(s, device, seed=8, T=T, kind=kind)
     ref = clone_gdn(buf)
     plan = ring.plan_verify(slots, T, kind)
     q, k, v, g, beta = gdn_inputs(s, device, T)
     if kind == "verify":
         y_ref = NG.replay_verify(ref, plan, q, k, v, g, beta)
-        y = KG.replay_verify(buf, plan, q, k, v, g, beta, route=route)
+        y = KG.replay_verify(buf, plan, q, k, v, g, beta, route=route, impl=impl)
     else:
-        parent = torch.tensor([-1, 0, 0], device=device).repeat(s["Bt"], 1)
-        parent[1] = torch.tensor([-1, -1, 1])
-        parent[3] = torch.tensor([-1, 0, 1])
+        parent = random_parents(s["Bt"], T, seed=10 + T, device=device)
         y_ref = NG.tree_verify(ref, plan, parent, q, k, v, g, beta)
-        y = KG.tree_verify(buf, plan, parent, q, k, v, g, beta, route=route)
+        y = KG.tree_verify(buf, plan, parent, q, k, v, g, beta, route=route, impl=impl)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     close_buffers(ref, buf, s["dtype"], GDN_BUF)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gdn_kv_verify(device):
+@pytest.mark.parametrize("impl", ["rows", "dot"])
+def test_gdn_kv_verify(device, impl):
     s = shapes(device)
     T = 2
     pidx, kv, slots = _paged(device, s, "gdn", T, seed=9)
@@ -370,7 +378,7 @@ def test_gdn_kv_verify(device):
     pplan = pidx.plan(slots, T)
     q, k, v, g, beta = gdn_inputs(s, device, T)
     y_ref = NG.kv_verify(kv_ref, pplan, q, k, v, g, beta)
-    y = KG.kv_verify(kv, pplan, q, k, v, g, beta)
+    y = KG.kv_verify(kv, pplan, q, k, v, g, beta, impl=impl)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     bs = pplan.block_size
