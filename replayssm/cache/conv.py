@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..runtime import want_check
 from .buffers import _empty
 from .tree import check_parents
 
@@ -57,7 +58,7 @@ class ConvWindow:
 
     def write(self, slot: Tensor, window: Tensor) -> None:
         """Set ``window[slot] = window [Bt, C, W-1]`` (e.g. the final window of a prefill)."""
-        slot = _check_slot(self, slot, check=slot.device.type == "cpu")
+        slot = _check_slot(self, slot, check=want_check(None, slot))
         want = (slot.shape[0], self.channels, self.width - 1)
         if tuple(window.shape) != want:
             raise ValueError(f"window has shape {tuple(window.shape)}, expected {want}")
@@ -65,7 +66,7 @@ class ConvWindow:
 
     def reset(self, slot: Tensor) -> None:
         """Zero the windows of ``slot [Bt]`` (a fresh sequence)."""
-        slot = _check_slot(self, slot, check=slot.device.type == "cpu")
+        slot = _check_slot(self, slot, check=want_check(None, slot))
         self.window[slot] = 0
 
 
@@ -186,7 +187,7 @@ def conv_prefill(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     if lengths is None:
         final = xp[:, :, T:]
     else:
-        lengths = _check_counts(lengths, Bt, T, "lengths", lengths.device.type == "cpu")
+        lengths = _check_counts(lengths, Bt, T, "lengths", want_check(None, lengths))
         final = _last_window(xp, lengths, W - 1)
     return out, final.to(x.dtype if window_init is None else window_init.dtype)
 
@@ -195,8 +196,7 @@ def _check_step(win: ConvWindow, slot, x_new, weight, bias, activation, check):
     _check_x(x_new, win.channels, "x_new")
     _check_activation(activation)
     weight = _check_weight(weight, bias, win.channels, win.width)
-    if check is None:
-        check = x_new.device.type == "cpu"
+    check = want_check(check, x_new)
     slot = _check_slot(win, slot, check, x_new.shape[0])
     return slot, weight, check
 
@@ -221,8 +221,7 @@ def conv_commit(win: ConvWindow, slot: Tensor, x_new: Tensor, accepted: Tensor,
     ``x_new [Bt, T, C]``, ``accepted [Bt]`` in ``[0, T]`` (host-checked for CPU tensors).
     """
     _check_x(x_new, win.channels, "x_new")
-    if check is None:
-        check = x_new.device.type == "cpu"
+    check = want_check(check, x_new)
     Bt, T, _ = x_new.shape
     slot = _check_slot(win, slot, check, Bt)
     accepted = _check_counts(accepted, Bt, T, "accepted", check)
@@ -300,8 +299,7 @@ def conv_commit_tree(win: ConvWindow, slot: Tensor, x_new: Tensor, path: Tensor,
     verified to be a chain of the tree.
     """
     _check_x(x_new, win.channels, "x_new")
-    if check is None:
-        check = x_new.device.type == "cpu"
+    check = want_check(check, x_new)
     Bt, N, C = x_new.shape
     if not isinstance(path, Tensor) or tuple(path.shape) != (Bt, N) or \
             path.dtype not in (torch.int32, torch.int64):

@@ -23,10 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..runtime import canonical_device, want_check
 from .buffers import _empty
 
 NULL_SLOT = 0
 NULL_BLOCK = 0
+assert NULL_SLOT == 0, "the null slot is row 0 (commits reset it as [:1])"
 
 
 class PoolExhausted(ValueError):
@@ -178,7 +180,7 @@ class PagedIndex:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks = max_blocks_per_seq
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         P = num_slots + 1
         self.block_table = torch.full((P, max_blocks_per_seq), NULL_BLOCK, dtype=torch.long,
                                       device=self.device)
@@ -288,9 +290,9 @@ class PagedIndex:
     def plan(self, slots: Tensor, num_new: int, check: bool | None = None) -> PagedPlan:
         """Plan ``num_new`` entries per row of ``slots [Bt]`` (1 for decode).
 
-        With ``check`` (default: on for CPU tensors) validates on the host that slot ids are
-        in range, non-null slots are distinct, and every non-null row has blocks for
-        ``length + num_new`` entries (reserve them first).
+        With ``check`` (default: on for CPU tensors, off during CUDA-graph capture) validates
+        on the host that slot ids are in range, non-null slots are distinct, and every
+        non-null row has blocks for ``length + num_new`` entries (reserve them first).
         """
         if not isinstance(num_new, int) or isinstance(num_new, bool) or num_new < 1:
             raise ValueError(f"number of new entries must be a positive int, got {num_new!r}")
@@ -298,8 +300,7 @@ class PagedIndex:
             raise ValueError(f"{num_new} new entries exceed max_blocks_per_seq * block_size = "
                              f"{self.max_len}")
         slots = self._check_slots(slots)
-        if check is None:
-            check = self.device.type == "cpu"
+        check = want_check(check, slots)
         if check and slots.numel():
             lo, hi = int(slots.min()), int(slots.max())
             if lo < 0 or hi > self.num_slots:
@@ -336,18 +337,17 @@ class PagedIndex:
                check: bool | None = None) -> None:
         """``length[slot] += accepted`` per row (``None``: all ``T`` accepted, e.g. decode).
 
-        ``check`` (default: on for CPU tensors) validates ``0 <= accepted <= T`` on the host
-        before anything is written.  The null slot's length is reset to 0.
+        ``check`` (default: on for CPU tensors, off during CUDA-graph capture) validates
+        ``0 <= accepted <= T`` on the host before anything is written.  The null slot's
+        length is reset to 0.
         """
         if accepted is None:
             accepted = torch.full((pplan.batch,), pplan.num_new, dtype=torch.long,
                                   device=self.device)
-        if check is None:
-            check = self.device.type == "cpu"
-        if check:
+        if want_check(check, accepted):
             accepted = self.check_accepted(pplan, accepted)
         self.length[pplan.slot] = pplan.length + accepted.long()
-        self.length[NULL_SLOT] = 0
+        self.length[:1].zero_()   # null slot (a kernel on a view: no sync, capturable)
 
     # tree commit in KV mode (module function, exposed here for discoverability)
     gather_path = staticmethod(gather_path)

@@ -20,12 +20,15 @@ Flush policies (``h`` = committed entries before the step, ``T`` = new entries):
   state *including* the new entry, ``S_0 <- S_{h+1}``, and the ring is emptied.
 * ``verify`` / ``tree`` (T tentative entries): flush one window early, when
   ``h + 2T > L``; the layer writes ``S_0 <- S_h`` (committed entries only), the new
-  entries stay in the ring, and commit keeps the accepted ones.  In a run of verify
-  steps with one ``T`` this keeps ``h <= L - T`` before every step, so the T new entries
-  fit beside the committed ones.  After decode steps (or a larger ``T``) ``h`` may exceed
-  ``L - T``; such a step always flushes (``h + 2T > L``) and its new entries overwrite the
-  oldest committed ones, so a layer must read the history (and write ``S_h``) from what it
-  gathered *before* :func:`write_new`.  Results stay exact either way.
+  entries stay in the ring, and commit keeps the accepted ones.
+
+  A row that does *not* flush has ``h + 2T <= L``, so its T new entries never touch a
+  committed one.  There is no bound on ``h`` for a flushing row: a run of verify steps
+  with one ``T`` keeps ``h <= L - T``, but after decode steps (``h`` up to ``L - 1``) or
+  with a larger ``T``, ``h + T > L`` happens; such a row always flushes and its new
+  entries overwrite the oldest committed ones, so a layer must read the history (and
+  write ``S_h``) from what it gathered *before* :func:`write_new` (kernels: before the
+  append).  Results stay exact either way.
 """
 
 from __future__ import annotations
@@ -35,7 +38,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..runtime import canonical_device, want_check
+
 NULL_SLOT = 0
+assert NULL_SLOT == 0, "the null slot is row 0 of every pool (commits reset it as [:1])"
 
 _KINDS = ("decode", "verify", "tree")
 
@@ -128,7 +134,7 @@ class RingIndex:
             raise ValueError(f"buffer capacity must be a positive int, got {capacity!r}")
         self.num_slots = num_slots
         self.capacity = capacity
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.start = torch.zeros(num_slots + 1, dtype=torch.long, device=self.device)
         self.length = torch.zeros(num_slots + 1, dtype=torch.long, device=self.device)
 
@@ -140,7 +146,7 @@ class RingIndex:
             raise ValueError(f"slots must be int32/int64, got {slots.dtype}")
         if slots.device != self.device:
             raise ValueError(f"slots on {slots.device}, ring on {self.device}")
-        if slots.device.type == "cpu" and slots.numel():
+        if slots.numel() and want_check(None, slots):
             lo, hi = int(slots.min()), int(slots.max())
             if lo < 0 or hi > self.num_slots:
                 raise ValueError(f"slot ids must be in [0, {self.num_slots}], got [{lo}, {hi}]")
@@ -192,8 +198,9 @@ class RingIndex:
         ``decode`` plans take no counts.  ``verify``/``tree`` plans take ``accepted [B]``
         (entries kept, ``0 <= a <= T``; for trees the accepted path must already have
         been gathered to the front by :func:`replayssm.cache.tree.gather_path`).
-        ``check`` (default: on for CPU tensors) validates on the host; CUDA-graph
-        callers pass ``check=False`` and guarantee the range themselves.
+        ``check`` (default: on for CPU tensors; always off during CUDA-graph capture)
+        validates on the host; CUDA-graph callers pass ``check=False`` and guarantee the
+        range themselves.
         """
         L = self.capacity
         if plan.kind == "decode":
@@ -204,15 +211,15 @@ class RingIndex:
         else:
             if accepted is None:
                 raise ValueError(f"{plan.kind} steps need accepted counts")
-            if check is None:
-                check = accepted.device.type == "cpu"
+            check = want_check(check, accepted)
             accepted = self.check_accepted(plan, accepted) if check else accepted.long()
             new_start = torch.where(plan.flush, (plan.start + plan.hist) % L, plan.start)
             new_len = torch.where(plan.flush, torch.zeros_like(plan.hist), plan.hist) + accepted
         self.start[plan.slot] = new_start
         self.length[plan.slot] = new_len
-        self.start[NULL_SLOT] = 0
-        self.length[NULL_SLOT] = 0
+        # null slot back to empty: a kernel on a view (no host scalar, no sync; capturable)
+        self.start[:1].zero_()
+        self.length[:1].zero_()
 
     def reset(self, slots: Tensor) -> None:
         """Empty the rings of ``slots`` (a new sequence starts from its prefill state)."""

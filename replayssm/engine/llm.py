@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from ..runtime import canonical_device
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
 from .memory import MemoryModel, default_auto_threshold, fmt_bytes, memory_model
 from .model_runner import ModelRunner
@@ -110,11 +111,10 @@ class LLM:
                                    max_prefill_tokens=max_prefill_tokens)
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
-        if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError("device='cuda' requested but CUDA is not available")
-            if self.device.index is None:  # tensors live on an indexed device: compare equal
-                self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' requested but CUDA is not available")
+        # as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu"): compare equal
+        self.device = canonical_device(self.device)
         if _is_model(model):
             self.model, self.tokenizer = model, tokenizer
             if isinstance(getattr(model, "dtype", None), torch.dtype):

@@ -2,10 +2,19 @@
 
 Calls take Python slot lists and token tensors and return logits; the only host
 synchronisation in a step is the one the caller does after sampling.  On CUDA,
-``cuda_graphs=True`` captures ``decode`` once per batch-size bucket (padding rows use the
-null slot 0) and replays it; any capture failure falls back to eager execution for that
-bucket with a warning.  ``pad_batches=True`` pads eagerly to the same buckets, which lets
-the CPU tests exercise the padding path that the graphs use.
+``cuda_graphs=True`` captures ``decode`` (and the greedy verify-accept-commit step) once per
+batch-size bucket and cache form (padding rows use the null slot 0) and replays it; any
+capture failure falls back to eager execution for that key with a warning.
+
+A captured step bakes in every host-side decision of the model call: the batch bucket, the
+draft count, chain or tree, and the cache's SSM form (``cache.ssm_form()``: "replay", "kv",
+"mixed", ... — it changes between steps in ``decode_mode="auto"`` as requests switch from
+KV-only to state form), so the form is part of every graph key.  Everything else a step
+reads (slots, lengths, ring pointers, block tables, the KV/state row mask) is device data
+updated in place between replays.
+
+``pad_batches=True`` pads eagerly to the same buckets, which lets the CPU tests exercise the
+padding path that the graphs use.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ import warnings
 
 import torch
 from torch import Tensor
+
+from ..runtime import canonical_device
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -33,15 +44,15 @@ class ModelRunner:
     def __init__(self, model, cache, device, max_batch: int, cuda_graphs: bool = False,
                  pad_batches: bool = False):
         self.model, self.cache = model, cache
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.max_batch = max_batch
         self.buckets = batch_buckets(max_batch)
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         if cuda_graphs and not self.use_graphs:
             warnings.warn("cuda_graphs=True ignored: the device is not CUDA", stacklevel=2)
         self.pad_batches = pad_batches or self.use_graphs
-        self._graphs: dict = {}
-        self._graph_failed: set = set()
+        self._graphs: dict = {}          # key -> captured graph and its static tensors
+        self._graph_failed: set = set()  # keys whose capture failed (run eagerly)
         self._pool = None
         self.num_calls = {"prefill": 0, "decode": 0, "verify": 0, "tree": 0}
 
@@ -57,6 +68,11 @@ class ModelRunner:
     def _slots(self, slots: list[int], pad_to: int | None = None) -> Tensor:
         s = list(slots) + [0] * ((pad_to or len(slots)) - len(slots))
         return self._h2d(torch.tensor(s, dtype=torch.long))
+
+    def _form(self):
+        """The cache's SSM form (part of every graph key; None for caches without one)."""
+        f = getattr(self.cache, "ssm_form", None)
+        return f() if callable(f) else None
 
     def _bucket(self, B: int) -> int:
         for b in self.buckets:
@@ -90,10 +106,11 @@ class ModelRunner:
         if not self.pad_batches:
             return self.model.decode(self.cache, self._slots(slots), tokens)
         Bp = self._bucket(B)
-        if self.use_graphs and Bp not in self._graph_failed:
-            g = self._graphs.get(("decode", Bp))
+        key = ("decode", Bp, self._form())
+        if self.use_graphs and key not in self._graph_failed:
+            g = self._graphs.get(key)
             if g is None:
-                g = self._capture_decode(Bp)
+                g = self._capture_decode(key, Bp)
             if g is not None:
                 graph, s_in, t_in, out = g
                 s_in.copy_(self._slots(slots, Bp))
@@ -170,7 +187,7 @@ class ModelRunner:
             parent = torch.cat([parent, chain], 0)
             tokens = self._pad_rows(tokens, Bp)
             valid = torch.cat([valid, torch.zeros(Bp - B, N, dtype=torch.bool, device=self.device)], 0)
-        key = ("spec", Bp, N, tree)
+        key = ("spec", Bp, N, tree, self._form())
         if self.use_graphs and key not in self._graph_failed:
             g = self._graphs.get(key) or self._capture_spec(key, Bp, N, tree)
             if g is not None:
@@ -213,7 +230,7 @@ class ModelRunner:
         return entry
 
     # -- CUDA graphs -----------------------------------------------------------------------
-    def _capture_decode(self, Bp: int):
+    def _capture_decode(self, key, Bp: int):
         try:
             s_in = torch.zeros(Bp, dtype=torch.long, device=self.device)
             t_in = torch.zeros(Bp, dtype=torch.long, device=self.device)
@@ -228,9 +245,9 @@ class ModelRunner:
                 out = self.model.decode(self.cache, s_in, t_in)
             self._pool = graph.pool()
             entry = (graph, s_in, t_in, out)
-            self._graphs[("decode", Bp)] = entry
+            self._graphs[key] = entry
             return entry
         except Exception as e:  # pragma: no cover - depends on the model's kernels
-            warnings.warn(f"CUDA graph capture of decode (batch {Bp}) failed, running eagerly: {e}")
-            self._graph_failed.add(Bp)
+            warnings.warn(f"CUDA graph capture of decode {key} failed, running eagerly: {e}")
+            self._graph_failed.add(key)
             return None

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..runtime import canonical_device
+
 MODES = ("recurrent", "replay", "kv")
 
 
@@ -78,7 +80,7 @@ class RecomputeCache:
             raise ValueError(f"buffer_size {buffer_size} < 2 * max_new = {2 * max_new}")
         self.num_slots, self.mode, self.buffer_size = num_slots, mode, buffer_size
         self.max_new, self.max_seq_len, self.kv_block_size = max_new, max_seq_len, kv_block_size
-        self.device = torch.device(device or "cpu")
+        self.device = canonical_device(device or "cpu")
         self.history: list[list[int]] = [[] for _ in range(num_slots)]
         self._modes = [mode] * num_slots
         self._in_use = [False] * num_slots
@@ -180,7 +182,7 @@ class RecomputeModel:
     def __init__(self, lm, vocab_size: int | None = None, eos_token_id: int | None = None,
                  device="cpu", dtype=torch.float64):
         self.lm = lm
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.dtype = dtype
         vocab_size = vocab_size if vocab_size is not None else getattr(lm, "vocab_size")
         self.config = RefConfig(vocab_size=vocab_size, eos_token_id=eos_token_id)

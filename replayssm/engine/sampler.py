@@ -17,12 +17,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..runtime import canonical_device
+
 from .sequence import Sequence
 
 
 class Sampler:
     def __init__(self, device, seed: int = 0):
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.generator = _make_generator(self.device, seed)
 
     # -- per-request parameters as tensors ---------------------------------------------------
@@ -123,8 +125,8 @@ def accept_greedy(logits: Tensor, tokens: Tensor, parent: Tensor, valid: Tensor)
     ar = torch.arange(B, device=tokens.device)
     alive = torch.zeros(B, N, dtype=torch.bool, device=tokens.device)
     depth = torch.zeros(B, N, dtype=torch.long, device=tokens.device)
-    alive[:, 0] = True
-    depth[:, 0] = 1
+    alive[:, 0].fill_(True)   # fill_ on a view: one kernel, no host scalar (graph-capturable)
+    depth[:, 0].fill_(1)
     for i in range(1, N):
         par = parent[:, i].clamp(min=0)
         ok = valid[:, i] & (parent[:, i] >= 0) & alive[ar, par] & (tokens[:, i] == g[ar, par])

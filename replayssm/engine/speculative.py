@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..runtime import canonical_device
+
 from .model_runner import ModelRunner
 from .sampler import Sampler, sample_from
 from .sequence import Sequence
@@ -147,7 +149,7 @@ class NgramDrafter(_NgramBase):
 
     def __init__(self, num_tokens: int, n_min: int, n_max: int, device):
         super().__init__(n_min, n_max)
-        self.k, self.device = num_tokens, torch.device(device)
+        self.k, self.device = num_tokens, canonical_device(device)
 
     def propose(self, seqs):
         drafts = []
@@ -173,7 +175,7 @@ class NgramTreeDrafter(_NgramBase):
     def __init__(self, width: int, depth: int, n_min: int, n_max: int, device):
         super().__init__(n_min, n_max)
         self.w, self.d = width, depth
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
 
     def propose(self, seqs):
         tries = []
@@ -213,7 +215,7 @@ class NgramTreeDrafter(_NgramBase):
 class _DraftModelBase(Drafter):
     def __init__(self, model, cache, sampler: Sampler, device, max_batch: int, cuda_graphs: bool = False):
         self.model, self.cache, self.sampler = model, cache, sampler
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.runner = ModelRunner(model, cache, device, max_batch, cuda_graphs=cuda_graphs)
         self._deferred = False  # a draft verify waits for the target's verdict
 

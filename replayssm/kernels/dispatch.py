@@ -10,7 +10,12 @@ Every function takes the same arguments as the op of the same name in
 
 The environment variable ``REPLAYSSM_KERNELS`` (``triton`` / ``naive``) overrides
 ``"auto"``.  Kernel-only tuning keywords (``block_d``, ``block_v``, ``num_warps``,
-``pre_scores``, ``bits``) are dropped when the naive op runs.
+``pre_scores``, ``bits``, ``impl``, ``precision``, ``snapshots``) are dropped when the naive
+op runs.
+
+:func:`ops_for` returns the object the layers call (``layer._ops()``): it has every
+attribute of the naive module, and the ops that have a kernel (:data:`ROUTED`) choose the
+kernel or the naive op per call, from the call's tensors.
 
 Commit helpers are plain tensor ops (a pointer move, no host sync) and are the same for
 both backends: :func:`ring_commit`, :func:`tree_commit`, :func:`snapshot_commit`.
@@ -18,14 +23,26 @@ both backends: :func:`ring_commit`, :func:`tree_commit`, :func:`snapshot_commit`
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 
+import torch
 from torch import Tensor
 
 from . import _triton
 
 _BACKENDS = ("auto", "triton", "naive")
-_KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits")
+_KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "impl", "precision",
+                "snapshots")
+#: ops of both families that have a Triton kernel with the naive op's signature
+ROUTED = ("recurrent_step", "replay_decode", "replay_verify", "tree_verify", "kv_verify",
+          "snapshot_verify")
+
+
+def _env_backend() -> str | None:
+    env = os.environ.get("REPLAYSSM_KERNELS", "").strip().lower()
+    return env if env in ("triton", "naive") else None
 
 
 def use_triton(*tensors: Tensor | None, backend: str = "auto") -> bool:
@@ -33,9 +50,7 @@ def use_triton(*tensors: Tensor | None, backend: str = "auto") -> bool:
     if backend not in _BACKENDS:
         raise ValueError(f"bad backend {backend!r}: expected one of {_BACKENDS}")
     if backend == "auto":
-        env = os.environ.get("REPLAYSSM_KERNELS", "").strip().lower()
-        if env in ("triton", "naive"):
-            backend = env
+        backend = _env_backend() or backend
     if backend == "naive":
         return False
     ts = [t for t in tensors if isinstance(t, Tensor)]
@@ -67,9 +82,85 @@ def _kern(family: str):
 
 def _call(family: str, name: str, probe, backend: str, args, kwargs):
     if use_triton(*probe, backend=backend):
-        return getattr(_kern(family), name)(*args, **kwargs)
+        f = getattr(_kern(family), name)
+        if "check" in kwargs and not _accepts(f, "check"):
+            kwargs = {k: v for k, v in kwargs.items() if k != "check"}  # validation toggle only
+        return f(*args, **kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in _KERNEL_ONLY}
     return getattr(_naive(family), name)(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _accepts(f, kw: str) -> bool:
+    return kw in inspect.signature(f).parameters
+
+
+def _probe(args) -> list[Tensor]:
+    """The tensors that decide the backend of one call: tensor arguments, plus the state
+    (or first pool tensor) of buffer objects (``Mamba2Buffers`` / ``GDNBuffers`` /
+    paged pools)."""
+    out = []
+    for a in args:
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif isinstance(getattr(a, "state", None), Tensor):
+            out.append(a.state)
+        elif hasattr(a, "tensors") and callable(a.tensors):
+            ts = [t for t in a.tensors() if isinstance(t, Tensor)]
+            out += ts[:1]
+    return out
+
+
+class KernelOps:
+    """What a layer's ``_ops()`` returns: the naive module of ``family``, with the ops in
+    :data:`ROUTED` dispatched per call.
+
+    ``ops.<name>(...)`` for a routed op runs the Triton kernel when :func:`use_triton`
+    says so for the call's tensors (``backend="auto"``: CUDA tensors and Triton
+    importable; ``REPLAYSSM_KERNELS`` overrides), else the naive op with kernel-only
+    keywords dropped.  In ``"auto"`` mode without the environment override, float64
+    calls stay on the naive ops: the kernels compute in fp32, and fp64 is the exactness
+    reference.  Every other attribute (``chunked_prefill``, ``rebuild_state``,
+    ``kv_to_state``, ``snapshot_commit``, ...) is the naive module's.
+    """
+
+    def __init__(self, family: str, backend: str = "auto"):
+        if family not in ("mamba2", "gdn"):
+            raise ValueError(f"unknown op family {family!r}: expected 'mamba2' or 'gdn'")
+        if backend not in _BACKENDS:
+            raise ValueError(f"bad backend {backend!r}: expected one of {_BACKENDS}")
+        self.family, self.backend = family, backend
+        self.naive = _naive(family)
+        for name in ROUTED:
+            setattr(self, name, self._router(name))
+
+    def _router(self, name: str):
+        naive_f = getattr(self.naive, name)
+
+        @functools.wraps(naive_f)
+        def op(*args, **kwargs):
+            probe = _probe(args)
+            backend = self.backend
+            if backend == "auto" and _env_backend() is None and \
+                    any(t.dtype == torch.float64 for t in probe):
+                backend = "naive"
+            return _call(self.family, name, probe, backend, args, kwargs)
+
+        return op
+
+    def __getattr__(self, name):  # everything not routed: the naive module
+        if name in ("naive", "family", "backend"):
+            raise AttributeError(name)
+        return getattr(self.naive, name)
+
+    def __repr__(self) -> str:
+        return f"KernelOps({self.family!r}, backend={self.backend!r})"
+
+
+@functools.lru_cache(maxsize=None)
+def ops_for(family: str, backend: str = "auto") -> KernelOps:
+    """The (cached) :class:`KernelOps` of ``family`` (``"mamba2"`` or ``"gdn"``)."""
+    return KernelOps(family, backend)
 
 
 # ------------------------------------------------------------------------------ Mamba-2

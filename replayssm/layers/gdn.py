@@ -62,9 +62,11 @@ class GatedDeltaNet(SSMLayer):
 
     # ---- ops glue --------------------------------------------------------------------------
     def _ops(self):
-        from ..ops.gdn import naive
+        """The gdn ops: Triton kernels for CUDA tensors, the naive reference otherwise
+        (:func:`replayssm.kernels.dispatch.ops_for`)."""
+        from ..kernels.dispatch import ops_for
 
-        return naive
+        return ops_for("gdn")
 
     def _call(self, op: str, *prefix, a: dict, t0: bool = False, **kw):
         f = getattr(self._ops(), op)

@@ -42,9 +42,11 @@ class Mamba2Mixer(SSMLayer):
 
     # ---- ops glue --------------------------------------------------------------------------
     def _ops(self):
-        from ..ops.mamba2 import naive
+        """The mamba2 ops: Triton kernels for CUDA tensors, the naive reference otherwise
+        (:func:`replayssm.kernels.dispatch.ops_for`)."""
+        from ..kernels.dispatch import ops_for
 
-        return naive
+        return ops_for("mamba2")
 
     def _A(self, dtype) -> Tensor:
         return -torch.exp(self.A_log.to(dtype))

@@ -1,8 +1,10 @@
 """Shared cache plumbing of the two recurrent mixers (Mamba-2, Gated DeltaNet).
 
 A subclass projects its input, calls :meth:`SSMLayer._conv` (causal depthwise conv through
-``replayssm.cache.conv``) and :meth:`SSMLayer._ssm` (the recurrence through the reference
-ops ``replayssm.ops.<kind>.naive``), then gates/normalises/projects.  This class only routes
+``replayssm.cache.conv``) and :meth:`SSMLayer._ssm` (the recurrence through
+``self._ops()``: :func:`replayssm.kernels.dispatch.ops_for`, i.e. the Triton kernels for CUDA
+tensors and the reference ops ``replayssm.ops.<kind>.naive`` otherwise), then
+gates/normalises/projects.  This class only routes
 each call to the right op for the step kind and the cache form:
 
 ============  =====================  ==============================  =====================

@@ -18,7 +18,10 @@ API (the engine codes against exactly this)::
 
 ``num_slots`` counts the null slot 0 (usable slots ``1 .. num_slots-1``).  ``prefill``
 appends to a slot's committed tokens (a released / new slot starts at position 0).
-Host-side validation runs for CPU tensors only; on CUDA the step makes no host sync.
+Between steps: ``cache.reserve(slot, n)``, ``cache.switch_to_state(slots)``,
+``cache.release(slots)`` (see :class:`ModelCache` and docs/ARCHITECTURE.md, "Model-level API").
+Host-side validation runs for CPU tensors only; on CUDA ``decode`` / ``verify`` /
+``verify_tree`` / ``commit`` make no host sync (they are what the engine graph-captures).
 """
 
 from __future__ import annotations

@@ -20,16 +20,9 @@ import torch
 from torch import Tensor
 
 from ..cache.ring import RingIndex
+from ..runtime import canonical_device  # noqa: F401  (re-exported: models code imports it here)
 
 MODES = ("recurrent", "replay", "kv")
-
-
-def canonical_device(device) -> torch.device:
-    """``cuda`` -> ``cuda:<current>`` so device equality checks match tensors' devices."""
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    return d
 
 
 def _as_list(slots) -> list[int]:

@@ -13,16 +13,16 @@ from torch import Tensor
 
 from ..cache.ring import StepPlan
 from ..cache.tree import check_parents
+from ..runtime import want_check as _want_check
 
 STATE_DTYPES = (torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def want_check(check: bool | None, *tensors: Tensor) -> bool:
-    """Host-side value checks: ``check`` if given, else on iff every tensor is on the CPU."""
-    if check is not None:
-        return bool(check)
-    return all(t.device.type == "cpu" for t in tensors)
+    """Host-side value checks: ``check`` if given, else on iff every tensor is on the CPU;
+    always off while a CUDA graph is being captured (:func:`replayssm.runtime.want_check`)."""
+    return _want_check(check, *tensors)
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:

@@ -147,12 +147,13 @@ def _history(buf: GDNBuffers, plan: StepPlan, cdt):
     u = gather_history(buf.u, plan).to(cdt)
     k = gather_history(buf.k, plan).to(cdt)
     g = gather_history(buf.g, plan).to(cdt)
-    u = torch.where(valid[:, :, None, None], u, torch.zeros((), dtype=cdt))
-    k = torch.where(valid[:, :, None, None], k, torch.zeros((), dtype=cdt))
-    g = torch.where(valid[:, :, None], g, torch.zeros((), dtype=cdt))
+    zero = torch.zeros((), dtype=cdt, device=valid.device)
+    u = torch.where(valid[:, :, None, None], u, zero)
+    k = torch.where(valid[:, :, None, None], k, zero)
+    g = torch.where(valid[:, :, None], g, zero)
     pre = g.cumsum(1)
     tot = g.sum(1)
-    w = torch.where(valid[:, :, None], torch.exp(tot[:, None] - pre), torch.zeros((), dtype=cdt))
+    w = torch.where(valid[:, :, None], torch.exp(tot[:, None] - pre), zero)
     return u, k, w, tot
 
 

@@ -1,0 +1,239 @@
+"""The layers reach the Triton kernels through ``kernels.dispatch.ops_for``.
+
+Whole models (a tiny Mamba-2 and a tiny Qwen3-Next with a GDN layer and an attention layer)
+run prefill, replay decode (through a flush), replay verify + commit, tree verify + commit,
+KV-only decode / verify / tree, a KV -> state switch (mixed form) and the recurrent
+baseline, once with the naive ops (``REPLAYSSM_KERNELS=naive``) and once with the kernels
+(``REPLAYSSM_KERNELS=triton``): logits and every cache tensor (except the null slot / null
+block, which hold garbage) must agree in float32.  On CPU the kernels run in the Triton
+interpreter (``TRITON_INTERPRET=1`` from ``conftest.py``), so shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+triton = pytest.importorskip("triton")
+
+from replayssm.kernels import _triton, dispatch  # noqa: E402
+from replayssm.models.config import parse_config  # noqa: E402
+from replayssm.models.mamba2 import Mamba2LM  # noqa: E402
+from replayssm.models.qwen3_next import Qwen3NextLM  # noqa: E402
+
+if _triton.interpreting():
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:  # pragma: no cover - conftest sets TRITON_INTERPRET on CPU-only machines
+    pytest.skip("neither the Triton interpreter nor a GPU is available", allow_module_level=True)
+
+ATOL, RTOL = 1e-5, 1e-4
+
+CONFIGS = {
+    "mamba2": (Mamba2LM, dict(model_type="mamba2", vocab_size=19, hidden_size=8, num_heads=2, head_dim=4,
+                              state_size=8, n_groups=1, expand=1, num_hidden_layers=1, conv_kernel=3,
+                              chunk_size=8, tie_word_embeddings=False)),
+    # layer 0: Gated DeltaNet (1 key head, 2 value heads: GVA), layer 1: gated attention
+    "qwen3_next": (Qwen3NextLM, dict(model_type="qwen3_next", vocab_size=19, hidden_size=8, num_hidden_layers=2,
+                                     full_attention_interval=2, num_attention_heads=2, num_key_value_heads=1,
+                                     head_dim=8, intermediate_size=8, linear_num_key_heads=1,
+                                     linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4,
+                                     linear_conv_kernel_dim=3, num_experts=0, tie_word_embeddings=False)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(name: str):
+    """A random-weight float32 model built in memory (no checkpoint round trip)."""
+    cls, d = CONFIGS[name]
+    with torch.device("meta"):
+        m = cls(parse_config(d), torch.float32, DEVICE)
+    g = torch.Generator().manual_seed(1)
+    for pname, p in list(m.named_parameters()):
+        mod_name, _, leaf = pname.rpartition(".")
+        t = 0.3 * torch.randn(p.shape, generator=g)
+        if leaf == "A_log":
+            t = torch.empty(p.shape).uniform_(0.0, 1.5, generator=g)
+        elif leaf == "dt_bias":
+            t = torch.empty(p.shape).uniform_(-2.0, 0.0, generator=g)
+        elif pname.endswith("norm.weight") or pname.endswith("norm_f.weight"):
+            t = 0.1 * torch.randn(p.shape, generator=g) + (1.0 if cls is Mamba2LM else 0.0)
+        m.get_submodule(mod_name)._parameters[leaf] = nn.Parameter(t.to(DEVICE), requires_grad=False)
+    return m.eval()
+
+
+def cache_tensors(cache) -> dict:
+    """Every cache tensor without its null row (slot 0 / paged block 0 hold garbage)."""
+    out = {"seq_len": cache.seq_len, "ring.start": cache.ring.start, "ring.length": cache.ring.length}
+    skip = {"seq_len": 1, "ring.start": 1, "ring.length": 1}
+    if cache.pidx is not None:
+        out["pidx.length"], skip["pidx.length"] = cache.pidx.length, 1
+    for lid, store in cache.layers.items():
+        for k, v in store.items():
+            if isinstance(v, torch.Tensor):
+                out[f"{lid}.{k}"], skip[f"{lid}.{k}"] = v, 1
+            elif v is not None:
+                for n, t in vars(v).items():
+                    if isinstance(t, torch.Tensor):
+                        key = f"{lid}.{k}.{n}"
+                        out[key] = t
+                        skip[key] = cache.kv_block_size if k == "kv" else 1
+    return {k: v[skip[k]:].clone() for k, v in out.items()}
+
+
+def run_scenario(model, mode: str):
+    """Prefill, decodes through a ring flush, a verify and a tree verify with their commits,
+    more decodes; in KV mode also a switch of one slot to state form (mixed steps).
+    Returns (logits per step, cache tensors after each phase)."""
+    g = torch.Generator().manual_seed(0)
+    V = model.vocab_size
+    cache = model.make_cache(4, mode=mode, buffer_size=4, max_new=2, max_seq_len=24, kv_block_size=4)
+    dev = cache.device
+    slots = torch.tensor([1, 0, 2], device=dev)                 # row 1 pads (null slot)
+
+    def ids(*shape):
+        return torch.randint(0, V, shape, generator=g).to(dev)
+
+    logits, snaps = [], []
+    logits.append(model.prefill(cache, slots, ids(3, 5), torch.tensor([3, 1, 5], device=dev)))
+    for _ in range(5):                                           # L = 4: every row flushes
+        logits.append(model.decode(cache, slots, ids(3)))
+    snaps.append(cache_tensors(cache))
+    logits.append(model.verify(cache, slots, ids(3, 2)))
+    model.commit(cache, torch.tensor([2, 0, 1], device=dev))
+    snaps.append(cache_tensors(cache))
+    parent = torch.tensor([[-1, 0], [-1, 0], [-1, -1]], device=dev)
+    logits.append(model.verify_tree(cache, slots, ids(3, 2), parent))
+    model.commit(cache, torch.tensor([2, 0, 1], device=dev), torch.tensor([[0, 1], [0, 1], [1, 0]], device=dev))
+    snaps.append(cache_tensors(cache))
+    for _ in range(2):
+        logits.append(model.decode(cache, slots, ids(3)))
+    if mode == "kv":
+        cache.switch_to_state([2])                               # slot 2 -> replay, slot 1 stays KV
+        assert cache.ssm_form() == "mixed"
+        for _ in range(2):
+            logits.append(model.decode(cache, slots, ids(3)))
+        logits.append(model.verify(cache, slots, ids(3, 2)))
+        model.commit(cache, torch.tensor([1, 0, 2], device=dev))
+    snaps.append(cache_tensors(cache))
+    return logits, snaps
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Count calls of each routed kernel wrapper (``{(family, op): n}``)."""
+    from replayssm.kernels import gdn as KG
+    from replayssm.kernels import mamba2 as K2
+
+    calls: dict = {}
+    for fam, mod in (("mamba2", K2), ("gdn", KG)):
+        for name in dispatch.ROUTED:
+            f = getattr(mod, name)
+
+            def spy(*a, _f=f, _key=(fam, name), **kw):
+                calls[_key] = calls.get(_key, 0) + 1
+                return _f(*a, **kw)
+
+            monkeypatch.setattr(mod, name, functools.wraps(f)(spy))
+    return calls
+
+
+EXPECTED = {  # kernels each mode must reach
+    "replay": {"replay_decode", "replay_verify", "tree_verify"},
+    "kv": {"kv_verify", "tree_verify", "replay_decode", "replay_verify"},   # tree: temp ring; mixed rows
+    "recurrent": {"recurrent_step", "snapshot_verify"},
+}
+
+
+@pytest.mark.parametrize("mode", ["replay", "kv", "recurrent"])
+@pytest.mark.parametrize("name", ["mamba2", "qwen3_next"])
+def test_layers_kernels_match_naive(name, mode, monkeypatch, kernel_calls):
+    model = tiny_model(name)
+    fam = "mamba2" if name == "mamba2" else "gdn"
+    res = {}
+    for backend in ("naive", "triton"):
+        monkeypatch.setenv("REPLAYSSM_KERNELS", backend)
+        kernel_calls.clear()
+        res[backend] = run_scenario(model, mode)
+        used = {op for (f, op) in kernel_calls if f == fam}
+        if backend == "naive":
+            assert not kernel_calls, f"naive run called kernels: {kernel_calls}"
+        else:
+            assert EXPECTED[mode] <= used, f"{mode}: kernels {sorted(EXPECTED[mode] - used)} never ran"
+    (lg_n, sn_n), (lg_t, sn_t) = res["naive"], res["triton"]
+    assert len(lg_n) == len(lg_t)
+    for i, (a, b) in enumerate(zip(lg_n, lg_t)):
+        assert torch.isfinite(b).all(), f"step {i}: non-finite kernel logits"
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=RTOL, msg=lambda m, i=i: f"logits of step {i}: {m}")
+    for phase, (a, b) in enumerate(zip(sn_n, sn_t)):
+        assert a.keys() == b.keys()
+        for k in a:
+            if a[k].is_floating_point():
+                torch.testing.assert_close(b[k], a[k], atol=ATOL, rtol=RTOL, equal_nan=True,
+                                           msg=lambda m, k=k, p=phase: f"cache {k} after phase {p}: {m}")
+            else:
+                assert torch.equal(a[k], b[k]), f"cache {k} after phase {phase} differs"
+
+
+def test_ops_for_exposes_naive_and_routes():
+    from replayssm.kernels import gdn as KG
+    from replayssm.kernels import mamba2 as K2
+    from replayssm.layers.gdn import GatedDeltaNet
+    from replayssm.layers.mamba2 import Mamba2Mixer
+    from replayssm.ops.gdn import naive as NG
+    from replayssm.ops.mamba2 import naive as N2
+
+    for fam, naive, kern in (("mamba2", N2, K2), ("gdn", NG, KG)):
+        ops = dispatch.ops_for(fam)
+        assert ops is dispatch.ops_for(fam)
+        for name in ("chunked_prefill", "rebuild_state", "kv_to_state", "snapshot_commit", "recurrent_scan"):
+            assert getattr(ops, name) is getattr(naive, name)
+        for name in dispatch.ROUTED:
+            # every keyword the naive op takes (what the layers pass) is accepted by the kernel,
+            # and the positional arguments line up
+            pn = inspect.signature(getattr(naive, name)).parameters
+            pk = inspect.signature(getattr(kern, name)).parameters
+            missing = [p for p in pn if p not in pk]
+            assert not missing, f"{fam}.{name}: kernel lacks {missing}"
+            assert list(pk)[: len(pn)] == list(pn), f"{fam}.{name}: argument order differs"
+        with pytest.raises(AttributeError):
+            ops.no_such_op
+    m = tiny_model("mamba2")
+    q = tiny_model("qwen3_next")
+    assert isinstance(m.blocks[0].mixer, Mamba2Mixer) and m.blocks[0].mixer._ops() is dispatch.ops_for("mamba2")
+    assert isinstance(q.blocks[0].linear_attn, GatedDeltaNet)
+    assert q.blocks[0].linear_attn._ops() is dispatch.ops_for("gdn")
+
+
+def test_naive_path_drops_kernel_only_keywords(monkeypatch):
+    from replayssm.cache.buffers import Mamba2Buffers
+    from replayssm.cache.ring import RingIndex
+
+    monkeypatch.setenv("REPLAYSSM_KERNELS", "naive")
+    ring = RingIndex(2, 4, "cpu")
+    buf = Mamba2Buffers.allocate(2, 4, 2, 3, 4, 1)
+    plan = ring.plan_decode(torch.tensor([1, 2]))
+    x, dt, A = torch.randn(2, 2, 3), torch.rand(2, 2), -torch.rand(2)
+    B, C = torch.randn(2, 1, 4), torch.randn(2, 1, 4)
+    y = dispatch.ops_for("mamba2").replay_decode(buf, plan, x, dt, A, B, C, None, block_d=16, num_warps=2,
+                                                 pre_scores=True, precision="ieee", impl="x")
+    assert y.shape == (2, 2, 3)
+
+
+def test_auto_keeps_float64_on_the_naive_ops(monkeypatch):
+    """``backend="auto"``: fp64 calls never pick the (fp32) kernels; the env override still wins."""
+    seen = []
+    monkeypatch.setattr(dispatch, "_call", lambda fam, name, probe, backend, a, kw: seen.append(backend))
+    monkeypatch.delenv("REPLAYSSM_KERNELS", raising=False)
+    ops = dispatch.KernelOps("mamba2")
+    x32, x64 = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)
+    ops.recurrent_step(x32, x32)
+    ops.recurrent_step(x64, x64)
+    monkeypatch.setenv("REPLAYSSM_KERNELS", "triton")
+    ops.recurrent_step(x64, x64)
+    assert seen == ["auto", "naive", "auto"]
