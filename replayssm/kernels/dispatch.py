@@ -36,7 +36,7 @@ _BACKENDS = ("auto", "triton", "naive")
 _KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "impl", "precision",
                 "snapshots")
 #: ops of both families that have a Triton kernel with the naive op's signature
-ROUTED = ("recurrent_step", "replay_decode", "replay_verify", "tree_verify", "kv_verify",
+ROUTED = ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify", "kv_verify",
           "snapshot_verify")
 
 

@@ -11,7 +11,7 @@ each call to the right op for the step kind and the cache form:
 kind          recurrent              replay                          kv (KV-only, paged)
 ============  =====================  ==============================  =====================
 prefill       chunked from state     chunked from rebuilt state      kv_verify (T tokens)
-decode        recurrent_step         replay_decode                   kv_verify (1 token)
+decode        recurrent_update       replay_decode                   kv_verify (1 token)
 verify        snapshot_verify        replay_verify                   kv_verify (T tokens)
 tree          recurrent_step / node  tree_verify                     tree_verify, temp ring
 commit        snapshot_commit        ring pointer move (+ path)      paged move (+ path)
@@ -128,8 +128,7 @@ class SSMLayer(nn.Module):
             return y
         if kind == "decode":
             if form == "recurrent":
-                y, S = self._call("recurrent_step", buf.state[slots], a=a, t0=True)
-                buf.state[slots] = S.to(buf.state.dtype)
+                y = self._call("recurrent_update", buf.state, a=a, t0=True, slot=slots)
             else:
                 y = self._call("replay_decode", buf, ctx.plan, a=a, t0=True)
             return y[:, None]

@@ -904,3 +904,17 @@ def test_kv_bad_input_raises_before_any_write(name, fn):
         fn(h, x, pplan)
     for a, b in zip(before, h.kv.tensors() + [h.pidx.length, h.pidx.block_table]):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_recurrent_update_in_place_on_a_pool_touches_only_its_slots():
+    P, Bt, H, HV, K, V = 6, 3, 2, 4, 5, 3
+    pool = rand_state(P, HV, K, V, seed=3)
+    slot = torch.tensor([4, 0, 2])
+    q, k, v, g, beta = inputs(Bt, 1, H, HV, K, V, seed=5, time=False)
+    y_ref, S_ref = gdn.recurrent_step(pool[slot].clone(), q, k, v, g, beta)
+    before = pool.clone()
+    y = gdn.recurrent_update(pool, q, k, v, g, beta, slot=slot)
+    close(y, y_ref)
+    assert torch.equal(pool[slot], S_ref)
+    others = torch.tensor([i for i in range(P) if i not in slot.tolist()])
+    assert torch.equal(pool[others], before[others])

@@ -847,3 +847,19 @@ def test_bad_kv_inputs_leave_pools_untouched():
         with pytest.raises(ValueError):
             call()
         assert_unchanged(before, cache_tensors(kv, pidx, buf))
+
+
+def test_recurrent_update_in_place_on_a_pool_touches_only_its_slots():
+    g = gen(77)
+    P, Bt = 7, 3
+    A, D = params()
+    pool = torch.randn(P, H, D_, N_, generator=g, dtype=F64)
+    slot = torch.tensor([5, 1, 3])
+    x, dt, B, C = tokens((Bt,), g=g)
+    y_ref, S_ref = m2.recurrent_step(pool[slot].clone(), x, dt, A, B, C, D)
+    before = pool.clone()
+    y = m2.recurrent_update(pool, x, dt, A, B, C, D, slot=slot)
+    assert_close(y, y_ref)
+    assert torch.equal(pool[slot], S_ref)
+    others = torch.tensor([i for i in range(P) if i not in slot.tolist()])
+    assert torch.equal(pool[others], before[others])

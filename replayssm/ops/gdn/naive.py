@@ -39,6 +39,7 @@ from ..common import (check_accepted, check_kv_lengths, check_plan, check_plan_f
 __all__ = [
     "l2norm",
     "recurrent_step",
+    "recurrent_update",
     "recurrent_scan",
     "chunked_prefill",
     "rebuild_state",
@@ -233,6 +234,19 @@ def recurrent_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     y, St = _step(state.to(cdt), qn, kn, v.to(cdt), g.to(cdt), beta.to(cdt))
     return y.to(v.dtype), St.to(state.dtype)
 
+
+
+def recurrent_update(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                     scale: float | None = None, use_qk_l2norm: bool = True,
+                     slot: Tensor | None = None) -> Tensor:
+    """One delta-rule step on a state pool, in place: ``state[slot] ← step(state[slot])``.
+
+    state ``[P,HV,K,V]``, slot ``[Bt]`` (default: rows ``0..Bt-1``); other shapes as in
+    :func:`recurrent_step`.  Returns ``y [Bt,HV,V]``."""
+    idx = torch.arange(v.shape[0], device=v.device) if slot is None else slot
+    y, S = recurrent_step(state[idx], q, k, v, g, beta, scale, use_qk_l2norm)
+    state[idx] = S.to(state.dtype)
+    return y
 
 def _step(St, q, k, v, g, beta):
     """Core of :func:`recurrent_step` on prepared inputs (all in the compute dtype)."""

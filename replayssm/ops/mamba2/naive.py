@@ -49,6 +49,7 @@ from ..common import (STATE_DTYPES, check_accepted, check_kv_lengths, check_plan
 __all__ = [
     "segsum",
     "recurrent_step",
+    "recurrent_update",
     "recurrent_scan",
     "chunked_prefill",
     "rebuild_state",
@@ -305,6 +306,19 @@ def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C
                  _group_index(H, G, x.device))
     return _skip(y, D, xc).to(x.dtype), S
 
+
+
+def recurrent_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                     D: Tensor | None = None, slot: Tensor | None = None) -> Tensor:
+    """One recurrent step on a state pool, in place: ``state[slot] ← step(state[slot])``.
+
+    state ``[P,H,d,n]``, slot ``[Bt]`` (default: rows ``0..Bt-1``); other shapes as in
+    :func:`recurrent_step`.  Returns ``y [Bt,H,d]``.  (The kernel twin updates the pool
+    without the gather/scatter copies.)"""
+    idx = torch.arange(x.shape[0], device=x.device) if slot is None else slot
+    y, S = recurrent_step(state[idx], x, dt, A, B, C, D)
+    state[idx] = S.to(state.dtype)
+    return y
 
 def _initial(initial_state, dims, cdt, device) -> Tensor:
     Bt, T, H, d, G, n = dims
