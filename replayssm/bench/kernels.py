@@ -423,12 +423,10 @@ def run(args) -> dict:
         gdn_variants += [dict(route="state", block_v=bv, num_warps=4, precision=p)
                          for bv in (16, 32) for p in ("tf32x3", "tf32")]
     if cuda_t and args.quick:
-        m2_variants = [dict(block_d=bd, pre_scores=True, num_warps=nw, precision="tf32x3")
-                       for bd in (16, 32, 64) for nw in (2, 4, 8)]
-        m2_variants += [dict(block_d=64, pre_scores=False, num_warps=4, precision="tf32x3")]
-        gdn_variants = [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3")
-                        for bv in (8, 16, 32, 64) for nw in (1, 2, 4)]
-        gdn_variants += [dict(route="state", block_v=32, num_warps=4, precision="tf32x3")]
+        m2_variants = [dict(block_d=bd, pre_scores=True, num_warps=nw, precision="tf32x3", flush_dot=fd)
+                       for bd, nw in ((32, 2), (64, 2), (64, 4)) for fd in (False, True)]
+        gdn_variants = [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3", flush_dot=fd)
+                        for bv, nw in ((16, 1), (32, 1), (32, 2), (64, 2)) for fd in (False, True)]
         Ts = [1, 2, 4, 6]
     rec_m2_variants = [dict(block_d=b, num_warps=w) for b in (4, 8, 16) for w in (2, 4)] if device == "cuda" else [{}]
     rec_gdn_variants = [dict(block_v=b, num_warps=w) for b in (8, 16, 32) for w in (1, 2, 4)] if device == "cuda" else [{}]

@@ -34,7 +34,7 @@ from . import _triton
 
 _BACKENDS = ("auto", "triton", "naive")
 _KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "impl", "precision",
-                "snapshots")
+                "snapshots", "flush_dot")
 #: ops of both families that have a Triton kernel with the naive op's signature
 ROUTED = ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify", "kv_verify",
           "snapshot_verify")
@@ -212,6 +212,22 @@ def gdn_kv_verify(kv, pplan, q, k, v, g, beta, backend: str = "auto", **kw):
 
 def gdn_snapshot_verify(state, slot, q, k, v, g, beta, backend: str = "auto", **kw):
     return _call("gdn", "snapshot_verify", (state, q), backend, (state, slot, q, k, v, g, beta), kw)
+
+
+# ------------------------------------------------------------------------------ conv
+def conv_decode(win, slot, x, weight, bias=None, activation=None, backend: str = "auto", check=None):
+    """Decode step of the short conv (:func:`replayssm.cache.conv.conv_decode`): the fused
+    kernel for CUDA tensors below fp64, the reference otherwise."""
+    probe = (win.window, x)
+    if backend == "auto" and _env_backend() is None and x.dtype == torch.float64:
+        backend = "naive"
+    if use_triton(*probe, backend=backend):
+        from . import conv as kconv
+
+        return kconv.conv_decode(win, slot, x, weight, bias, activation)
+    from ..cache import conv as rconv
+
+    return rconv.conv_decode(win, slot, x, weight, bias, activation, check=check)
 
 
 # ------------------------------------------------------------------------------ commit

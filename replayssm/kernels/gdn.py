@@ -91,7 +91,7 @@ if HAVE_TRITON:
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr,
         L, H, HV, K, V, REP, scale,
         LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PREC: tl.constexpr,
+        L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PREC: tl.constexpr, FLUSH_DOT: tl.constexpr,
     ):
         """Alg. 6: ``u = β(v − α S_h k)``, ``y = α S_h q + u (k·q)``; appends ``(u, k, g)``;
         flush rows store ``α S_h + k ⊗ u``.  State route: rebuild the ``[K, BV]`` tile of
@@ -153,7 +153,16 @@ if HAVE_TRITON:
                 tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
         if flush:
             if OUTPUT_ROUTE:
-                Sh = a0 * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
+                if FLUSH_DOT:
+                    Sh = a0 * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
+                else:  # rank-1 updates from the ring: no shared-memory tile for a rare branch
+                    Sh = a0 * S0
+                    for j in range(0, h):
+                        ej = slot * L + (start + j) % L
+                        kj = tl.load(kr_ptr + (ej * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+                        uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+                        wjs = tl.sum(tl.where(jj == j, wj, 0.0), 0)
+                        Sh += (wjs * kj)[:, None] * uj[None, :]
             Snew = alpha * Sh + k[:, None] * u[None, :]
             tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
@@ -505,8 +514,10 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
 def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = 16, num_warps: int = 1,
-                  precision: str = "tf32x3") -> Tensor:
-    """Replay decode (Alg. 6) in one launch; appends ``(u, k, g)`` and flushes in-kernel."""
+                  precision: str = "tf32x3", flush_dot: bool = False) -> Tensor:
+    """Replay decode (Alg. 6) in one launch; appends ``(u, k, g)`` and flushes in-kernel
+    (output route: ``flush_dot=False`` rebuilds ``S_h`` by rank-1 updates read from the ring,
+    ``True`` by one ``tl.dot``)."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     if plan.kind != "decode":
@@ -523,7 +534,7 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
             buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
             q, k, v, g, beta, y, L, H, HV, K, V, HV // H, _scale(scale, K),
             LP=pad16(L), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), OUTPUT_ROUTE=route == "output",
-            PREC=precision, num_warps=num_warps)
+            PREC=precision, FLUSH_DOT=bool(flush_dot), num_warps=num_warps)
     return y
 
 

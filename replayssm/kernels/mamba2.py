@@ -178,7 +178,7 @@ if HAVE_TRITON:
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
         L, H, G, d, n, HPG,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr,
+        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr, FLUSH_DOT: tl.constexpr,
     ):
         """Alg. 2, output-only: ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + D x``.
 
@@ -244,12 +244,20 @@ if HAVE_TRITON:
                     tl.store(Br_ptr + (enew * G + g) * n + offs_n, Braw, mask=mn)
         # ---- flush: S_{h+1} = e^{pre} S0 + Σ_j w_j x_j B_jᵀ + Δ x Bᵀ (tensor-core-free fp32 dot)
         if flush:
-            if PRE_SCORES:
-                Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :],
-                             mask=mj[:, None] & mn[None, :], other=0.0).to(tl.float32)
-            Xw = tl.where(mj[:, None], Xh * wj[:, None], 0.0)
-            Snew = tl.exp(tot + lv) * S0 + tl.dot(tl.trans(Xw), Bh, input_precision=PREC)
-            Snew += (dtv * xv)[:, None] * Bv[None, :]
+            Snew = tl.exp(tot + lv) * S0 + (dtv * xv)[:, None] * Bv[None, :]
+            if FLUSH_DOT:
+                if PRE_SCORES:
+                    Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :],
+                                 mask=mj[:, None] & mn[None, :], other=0.0).to(tl.float32)
+                Xw = tl.where(mj[:, None], Xh * wj[:, None], 0.0)
+                Snew += tl.dot(tl.trans(Xw), Bh, input_precision=PREC)
+            else:  # rank-1 updates from the ring: no shared-memory tile for a rare branch
+                for j in range(0, h):
+                    ej = slot * L + (start + j) % L
+                    xj = tl.load(xr_ptr + (ej * H + hd) * d + offs_d, mask=md, other=0.0).to(tl.float32)
+                    bj = tl.load(Br_ptr + (ej * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
+                    wjs = tl.sum(tl.where(jj == j, wj, 0.0), 0)
+                    Snew += (wjs * xj)[:, None] * bj[None, :]
             tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
@@ -494,11 +502,12 @@ def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C
 def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = None, num_warps: int = 2, pre_scores: bool = True,
-                  precision: str = "tf32x3") -> Tensor:
+                  precision: str = "tf32x3", flush_dot: bool = False) -> Tensor:
     """Replay decode (Alg. 2) in one launch (two with ``pre_scores``).
 
     The output is always formed output-only (``route`` is accepted for API parity: both
-    routes give the same numbers); flush rows build ``S_{h+1}`` in the same program.
+    routes give the same numbers); flush rows build ``S_{h+1}`` in the same program, by
+    rank-1 updates read from the ring (``flush_dot=False``) or one ``tl.dot``.
     """
     if route not in ("output", "state"):
         raise ValueError(f"bad route {route!r}: expected 'output' or 'state'")
@@ -524,7 +533,7 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
         x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
         L, H, G, d, n, H // G,
         LP=LP, BD=BD, BN=BN, HAS_D=D is not None, PRE_SCORES=bool(pre_scores), PREC=precision,
-        num_warps=num_warps)
+        FLUSH_DOT=bool(flush_dot), num_warps=num_warps)
     return y
 
 

@@ -86,14 +86,15 @@ class SSMLayer(nn.Module):
             out, final = conv.conv_prefill(xc, w, b, init, self.activation, lengths=ctx.lengths)
             win.window[slots] = final.to(win.window.dtype)
             return out
+        if ctx.kind == "decode":  # one fused launch on the GPU (kernels.conv)
+            from ..kernels.dispatch import conv_decode
+
+            return conv_decode(win, slots, xc[:, 0], w, b, self.activation)[:, None]
         if ctx.kind == "tree":
             out = conv.conv_tree(win, slots, xc, ctx.parent, w, b, self.activation)
         else:
             out = conv.conv_verify(win, slots, xc, w, b, self.activation)
-        if ctx.kind == "decode":
-            conv.conv_commit(win, slots, xc, torch.ones_like(slots))
-        else:
-            ctx.pending[(self.layer_id, "conv")] = xc
+        ctx.pending[(self.layer_id, "conv")] = xc  # the commit keeps the accepted inputs
         return out
 
     # ---- recurrence ---------------------------------------------------------------------

@@ -167,8 +167,8 @@ def test_mamba2_recurrent(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("pre_scores", [False, True])
-def test_mamba2_replay_decode_cycle(device, pre_scores):
+@pytest.mark.parametrize("pre_scores,flush_dot", [(False, True), (True, False), (False, False), (True, True)])
+def test_mamba2_replay_decode_cycle(device, pre_scores, flush_dot):
     """Several decode steps in a row (fills, flushes, ring wrap), kernel vs naive each step."""
     s = shapes(device)
     ring, slots, buf = prep_m2(s, device, seed=2)
@@ -178,7 +178,7 @@ def test_mamba2_replay_decode_cycle(device, pre_scores):
         x, dt, A, B, C, D = m2_inputs(s, device)
         plan = ring.plan_decode(slots)
         y_ref = N2.replay_decode(ref, plan, x, dt, A, B, C, D)
-        y = K2.replay_decode(buf, plan, x, dt, A, B, C, D, pre_scores=pre_scores)
+        y = K2.replay_decode(buf, plan, x, dt, A, B, C, D, pre_scores=pre_scores, flush_dot=flush_dot)
         real = slots != 0
         close(y_ref[real], y[real], s["dtype"], f"y step {step}")
         close_buffers(ref, buf, s["dtype"], M2_BUF)
@@ -327,8 +327,8 @@ def test_gdn_recurrent_and_snapshot(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("route", ["state", "output"])
-def test_gdn_replay_decode_cycle(device, route):
+@pytest.mark.parametrize("route,flush_dot", [("state", False), ("output", False), ("output", True)])
+def test_gdn_replay_decode_cycle(device, route, flush_dot):
     s = shapes(device)
     ring, slots, buf = prep_gdn(s, device, seed=7)
     ref = clone_gdn(buf)
@@ -337,7 +337,7 @@ def test_gdn_replay_decode_cycle(device, route):
         q, k, v, g, beta = gdn_inputs(s, device)
         plan = ring.plan_decode(slots)
         y_ref = NG.replay_decode(ref, plan, q, k, v, g, beta)
-        y = KG.replay_decode(buf, plan, q, k, v, g, beta, route=route)
+        y = KG.replay_decode(buf, plan, q, k, v, g, beta, route=route, flush_dot=flush_dot)
         real = slots != 0
         close(y_ref[real], y[real], s["dtype"], f"y step {step}")
         close_buffers(ref, buf, s["dtype"], GDN_BUF)

@@ -167,7 +167,9 @@ def test_layers_kernels_match_naive(name, mode, monkeypatch, kernel_calls):
             assert EXPECTED[mode] <= used, f"{mode}: kernels {sorted(EXPECTED[mode] - used)} never ran"
     (lg_n, sn_n), (lg_t, sn_t) = res["naive"], res["triton"]
     assert len(lg_n) == len(lg_t)
+    real = [0, 2]  # row 1 pads on the null slot: its logits are garbage (racy on a GPU)
     for i, (a, b) in enumerate(zip(lg_n, lg_t)):
+        a, b = a[real], b[real]
         assert torch.isfinite(b).all(), f"step {i}: non-finite kernel logits"
         torch.testing.assert_close(b, a, atol=ATOL, rtol=RTOL, msg=lambda m, i=i: f"logits of step {i}: {m}")
     for phase, (a, b) in enumerate(zip(sn_n, sn_t)):

@@ -1,0 +1,52 @@
+"""The fused decode-conv kernel against the reference window ops (output and window)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from replayssm.cache.conv import ConvWindow, conv_decode  # noqa: E402
+from replayssm.kernels import _triton  # noqa: E402
+from replayssm.kernels import conv as KC  # noqa: E402
+
+if _triton.interpreting():
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:  # pragma: no cover
+    pytest.skip("neither the Triton interpreter nor a GPU is available", allow_module_level=True)
+
+
+@pytest.mark.parametrize("C,W,bias,act,dtype", [
+    (13, 4, True, "silu", torch.float32), (7, 3, False, None, torch.float32),
+    (300, 4, True, "silu", torch.bfloat16), (5, 2, True, "silu", torch.float32), (6, 1, True, "silu", torch.float32)])
+def test_conv_decode_kernel_matches_reference(C, W, bias, act, dtype):
+    g = torch.Generator().manual_seed(C * W)
+    P, Bt = 6, 4
+    win_ref = ConvWindow.allocate(P - 1, C, W, dtype=dtype, device=DEVICE)
+    win_ref.window.copy_(torch.randn(win_ref.window.shape, generator=g).to(dtype))
+    win = ConvWindow(win_ref.window.clone())
+    w = torch.randn(C, W, generator=g).to(DEVICE)
+    b = torch.randn(C, generator=g).to(DEVICE) if bias else None
+    slot = torch.tensor([3, 1, 5, 2], device=DEVICE)
+    for step in range(3):  # the window advances: later steps read what earlier ones wrote
+        full = torch.randn(Bt, C + 5, generator=g).to(dtype).to(DEVICE)
+        x = full[:, 2:2 + C]  # strided rows, as the layer's slice of the in_proj output
+        y_ref = conv_decode(win_ref, slot, x, w, b, act)
+        y = KC.conv_decode(win, slot, x, w, b, act)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(y.float(), y_ref.float(), **tol, msg=lambda m: f"out, step {step}: {m}")
+        torch.testing.assert_close(win.window, win_ref.window, atol=0, rtol=0,
+                                   msg=lambda m: f"window, step {step}: {m}")
+
+
+def test_conv_decode_kernel_rejects_bad_shapes():
+    win = ConvWindow.allocate(3, 8, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="channels"):
+        KC.conv_decode(win, torch.tensor([1], device=DEVICE), torch.zeros(1, 9, device=DEVICE),
+                       torch.zeros(9, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="taps"):
+        KC.conv_decode(win, torch.tensor([1], device=DEVICE), torch.zeros(1, 8, device=DEVICE),
+                       torch.zeros(8, 3, device=DEVICE))
