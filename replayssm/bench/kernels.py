@@ -423,10 +423,12 @@ def run(args) -> dict:
         gdn_variants += [dict(route="state", block_v=bv, num_warps=4, precision=p)
                          for bv in (16, 32) for p in ("tf32x3", "tf32")]
     if cuda_t and args.quick:
-        m2_variants = [dict(block_d=bd, pre_scores=True, num_warps=nw, precision="tf32x3", flush_dot=fd)
-                       for bd, nw in ((32, 2), (64, 2), (64, 4)) for fd in (False, True)]
-        gdn_variants = [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3", flush_dot=fd)
-                        for bv, nw in ((16, 1), (32, 1), (32, 2), (64, 2)) for fd in (False, True)]
+        m2_variants = [dict(block_d=64, pre_scores=True, num_warps=2, precision="tf32x3", flush_dot=True)]
+        m2_variants += [dict(block_d=bd, pre_scores=True, num_warps=nw, precision="tf32x3", split_flush=True)
+                        for bd, nw in ((64, 2), (64, 4), (32, 2), (32, 4), (16, 2), (16, 4))]
+        gdn_variants = [dict(route="output", block_v=64, num_warps=2, precision="tf32x3", flush_dot=False)]
+        gdn_variants += [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3", split_flush=True)
+                         for bv, nw in ((64, 2), (64, 4), (32, 1), (32, 2), (16, 1))]
         Ts = [1, 2, 4, 6]
     rec_m2_variants = [dict(block_d=b, num_warps=w) for b in (4, 8, 16) for w in (2, 4)] if device == "cuda" else [{}]
     rec_gdn_variants = [dict(block_v=b, num_warps=w) for b in (8, 16, 32) for w in (1, 2, 4)] if device == "cuda" else [{}]
@@ -657,18 +659,13 @@ def verify_sweep(fam, store, s, setup, inputs, mod, timer, device, dtype, Bt, L,
     buf = setup(Bt, L, s, device, dtype)
     ring = _ring(Bt + 1, L, device)
     if fam == "mamba2":
-        variants = [dict(impl="rows", block_d=bd, num_warps=nw, precision=p)
-                    for bd in (16, 32, 64) for nw in (2, 4, 8) for p in ("tf32x3",)]
-        variants += [dict(impl="rows", block_d=32, num_warps=4, precision="ieee")]
-        variants += [dict(impl="dot", block_d=bd, num_warps=4, precision="tf32x3") for bd in (32, 64)]
+        variants = [dict(impl="rows", block_d=64, num_warps=4, precision="tf32x3")]
+        variants += [dict(impl="rows", block_d=bd, num_warps=nw, precision="tf32x3", split_flush=True)
+                     for bd, nw in ((64, 4), (64, 2), (32, 2), (32, 4), (16, 4))]
     else:
-        variants = [dict(impl="rows", route="output", block_v=bv, num_warps=nw, precision="tf32x3")
-                    for bv in (8, 16, 32) for nw in (1, 2, 4)]
-        variants += [dict(impl="rows", route="output", block_v=64, num_warps=nw, precision="tf32x3")
-                     for nw in (2, 4)]
-        variants += [dict(impl="rows", route="output", block_v=32, num_warps=2, precision="ieee")]
-        variants += [dict(impl="dot", route=r, block_v=32, num_warps=4, precision="tf32x3")
-                     for r in ("state", "output")]
+        variants = [dict(impl="rows", route="output", block_v=64, num_warps=2, precision="tf32x3")]
+        variants += [dict(impl="rows", route="output", block_v=bv, num_warps=nw, precision="tf32x3",
+                          split_flush=True) for bv, nw in ((64, 2), (64, 4), (32, 1), (32, 2), (16, 1))]
     res = store["verify_variants"] = {}
     best = None
     for var in variants:

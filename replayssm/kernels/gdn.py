@@ -92,6 +92,7 @@ if HAVE_TRITON:
         L, H, HV, K, V, REP, scale,
         LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PREC: tl.constexpr, FLUSH_DOT: tl.constexpr,
+        DO_FLUSH: tl.constexpr,
     ):
         """Alg. 6: ``u = β(v − α S_h k)``, ``y = α S_h q + u (k·q)``; appends ``(u, k, g)``;
         flush rows store ``α S_h + k ⊗ u``.  State route: rebuild the ``[K, BV]`` tile of
@@ -151,7 +152,7 @@ if HAVE_TRITON:
             tl.store(gr_ptr + enew * HV + hv, gv.to(gr_ptr.dtype.element_ty))
             if hv % REP == 0:
                 tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
-        if flush:
+        if DO_FLUSH and flush:
             if OUTPUT_ROUTE:
                 if FLUSH_DOT:
                     Sh = a0 * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
@@ -164,6 +165,45 @@ if HAVE_TRITON:
                         wjs = tl.sum(tl.where(jj == j, wj, 0.0), 0)
                         Sh += (wjs * kj)[:, None] * uj[None, :]
             Snew = alpha * Sh + k[:, None] * u[None, :]
+            tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _gdn_fold_kernel(
+        state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+        L, H, HV, K, V, REP, EXTRA,
+        LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """Flush rows only: fold the first ``h + EXTRA`` ring entries into the checkpoint,
+        ``S ← e^{tot} S0 + Σ_j e^{tot-cum_j} k_j u_jᵀ`` (one ``tl.dot``), after the decode
+        kernel appended the new entry (``EXTRA = 1``)."""
+        vb = tl.program_id(0)
+        hv = tl.program_id(1)
+        r = tl.program_id(2)
+        flush = tl.load(flush_ptr + r) != 0
+        if flush:
+            kh = hv // REP
+            slot = tl.load(slot_ptr + r).to(tl.int64)
+            start = tl.load(start_ptr + r).to(tl.int64)
+            cnt = tl.load(hist_ptr + r).to(tl.int64) + EXTRA
+            offs_k = tl.arange(0, BK)
+            offs_v = vb * BV + tl.arange(0, BV)
+            mk = offs_k < K
+            mv = offs_v < V
+            m2 = mk[:, None] & mv[None, :]
+            jj = tl.arange(0, LP)
+            mj = jj < cnt
+            e = slot * L + (start + jj) % L
+            gj = tl.where(mj, tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32), 0.0)
+            cj = tl.cumsum(gj, 0)
+            tot = tl.sum(gj, 0)
+            wj = tl.where(mj, tl.exp(tot - cj), 0.0)
+            Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
+                         other=0.0).to(tl.float32)
+            Uh = tl.load(ur_ptr + (e[:, None] * HV + hv) * V + offs_v[None, :], mask=mj[:, None] & mv[None, :],
+                         other=0.0).to(tl.float32)
+            soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
+            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+            Snew = tl.exp(tot) * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
             tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
@@ -285,6 +325,7 @@ if HAVE_TRITON:
         T, L, H, HV, K, V, REP, MAXB, scale,
         TP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
+        DO_FLUSH: tl.constexpr,
     ):
         """Same contract as ``_gdn_replay_verify_kernel`` (output route), one draft at a time.
 
@@ -386,7 +427,7 @@ if HAVE_TRITON:
             if hv % REP == 0:
                 tl.store(ko_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], Kn.to(ko_ptr.dtype.element_ty),
                          mask=mks)
-        if not PAGED:
+        if DO_FLUSH and not PAGED:
             flush = tl.load(flush_ptr + r) != 0
             if flush:
                 Sh = a0 * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
@@ -513,11 +554,12 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
 
 def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
-                  check: bool | None = None, block_v: int | None = 16, num_warps: int = 1,
-                  precision: str = "tf32x3", flush_dot: bool = False) -> Tensor:
+                  check: bool | None = None, block_v: int | None = 64, num_warps: int = 2,
+                  precision: str = "tf32x3", flush_dot: bool = False, split_flush: bool = False) -> Tensor:
     """Replay decode (Alg. 6) in one launch; appends ``(u, k, g)`` and flushes in-kernel
     (output route: ``flush_dot=False`` rebuilds ``S_h`` by rank-1 updates read from the ring,
-    ``True`` by one ``tl.dot``)."""
+    ``True`` by one ``tl.dot``), or with ``split_flush`` in a second kernel that folds the
+    ring (new entry included) into the checkpoint."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     if plan.kind != "decode":
@@ -534,12 +576,17 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
             buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
             q, k, v, g, beta, y, L, H, HV, K, V, HV // H, _scale(scale, K),
             LP=pad16(L), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), OUTPUT_ROUTE=route == "output",
-            PREC=precision, FLUSH_DOT=bool(flush_dot), num_warps=num_warps)
+            PREC=precision, FLUSH_DOT=bool(flush_dot), DO_FLUSH=not split_flush, num_warps=num_warps)
+        if split_flush:
+            _gdn_fold_kernel[(triton.cdiv(V, BV), HV, Bt)](
+                buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
+                L, H, HV, K, V, HV // H, 1, LP=pad16(L), BK=pad16(K), BV=BV, PREC=precision,
+                num_warps=4)
     return y
 
 
 def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, paged=None,
-            block_v=None, num_warps=4, ring_dtype=None, precision="ieee", impl="rows"):
+            block_v=None, num_warps=4, ring_dtype=None, precision="ieee", impl="rows", split_flush=False):
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     if impl not in ("rows", "dot"):
@@ -556,8 +603,10 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
     grid = (triton.cdiv(V, BV), HV, Bt)
     common = dict(TP=max(2, next_pow2(T)) if rows else pad16(T), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm),
                   TREE=bits is not None, PREC=precision, num_warps=num_warps)
+    split = bool(split_flush) and rows and paged is None  # flush rows folded by a second kernel
     if rows:
         kern = _gdn_verify_rows_kernel
+        common["DO_FLUSH"] = not split
     else:
         kern = _gdn_replay_verify_kernel
         common["OUTPUT_ROUTE"] = route == "output"
@@ -567,6 +616,11 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
             q, k, v, g, beta, bits if bits is not None else plan.slot, y, U, Kn,
             T, plan.capacity, H, HV, K, V, HV // H, 1, _scale(scale, K),
             LP=pad16(plan.capacity), PAGED=False, **common)
+        if split:  # S_h over the committed entries (EXTRA = 0), after every draft read S0
+            _gdn_fold_kernel[grid](
+                buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
+                plan.capacity, H, HV, K, V, HV // H, 0, LP=pad16(plan.capacity), BK=pad16(K), BV=BV,
+                PREC=precision, num_warps=4)
     else:
         kv, pplan = paged
         bt = pplan.block_table.contiguous()
@@ -599,7 +653,7 @@ def _append(buf, plan, U, Kn, g) -> None:
 def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = 64, num_warps: int = 2,
-                  precision: str = "tf32x3", impl: str = "rows") -> Tensor:
+                  precision: str = "tf32x3", impl: str = "rows", split_flush: bool = False) -> Tensor:
     """Replay verify of T drafts (Alg. 8): one kernel, then one append kernel.  ``impl="rows"``
     (output route): one draft at a time on register tiles; ``"dot"``: padded ``tl.dot``s
     (both routes; kept for comparison)."""
@@ -609,7 +663,7 @@ def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     _check_ring(buf, plan, v, dims)
     y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, None,
                        block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
-                       precision=precision, impl=impl)
+                       precision=precision, impl=impl, split_flush=split_flush)
     _append(buf, plan, U, Kn, g)
     return y
 
@@ -617,7 +671,8 @@ def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                 scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                 check: bool | None = None, bits: Tensor | None = None, block_v: int | None = 64,
-                num_warps: int = 2, precision: str = "tf32x3", impl: str = "rows") -> Tensor:
+                num_warps: int = 2, precision: str = "tf32x3", impl: str = "rows",
+                split_flush: bool = False) -> Tensor:
     """Tree verify (STree + Alg. 8): the solve restricted to the ancestor mask."""
     from .mamba2 import tree_bits
 
@@ -629,7 +684,7 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
         bits = tree_bits(parent, dims[0])
     y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
-                       precision=precision, impl=impl)
+                       precision=precision, impl=impl, split_flush=split_flush)
     _append(buf, plan, U, Kn, g)
     return y
 
@@ -637,7 +692,8 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
 def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
               scale: float | None = None, use_qk_l2norm: bool = True, check: bool | None = None,
               parent: Tensor | None = None, route: str = "output", block_v: int | None = 64,
-              num_warps: int = 2, precision: str = "tf32x3", impl: str = "rows") -> Tensor:
+              num_warps: int = 2, precision: str = "tf32x3", impl: str = "rows",
+              split_flush: bool = False) -> Tensor:
     """KV-only form (``S0 = 0``) over paged buffers (a draft tree when ``parent`` is given);
     appends ``(U, k, g)`` after the kernel."""
     from .mamba2 import tree_bits
@@ -645,7 +701,8 @@ def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     bits = None if parent is None else tree_bits(parent, q.shape[0])
     y, U, Kn = _verify(None, None, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        paged=(kv, pplan), block_v=block_v, num_warps=num_warps,
-                       ring_dtype=(kv.u.dtype, kv.k.dtype), precision=precision, impl=impl)
+                       ring_dtype=(kv.u.dtype, kv.k.dtype), precision=precision, impl=impl,
+                       split_flush=split_flush)
     _append_entries(kv.u, kv.k, kv.g, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
                     U, Kn, g, pplan.block_size, True)
     return y

@@ -179,6 +179,7 @@ if HAVE_TRITON:
         L, H, G, d, n, HPG,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
         HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr, FLUSH_DOT: tl.constexpr,
+        DO_FLUSH: tl.constexpr,
     ):
         """Alg. 2, output-only: ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + D x``.
 
@@ -243,7 +244,7 @@ if HAVE_TRITON:
                 if hd % HPG == 0:
                     tl.store(Br_ptr + (enew * G + g) * n + offs_n, Braw, mask=mn)
         # ---- flush: S_{h+1} = e^{pre} S0 + Σ_j w_j x_j B_jᵀ + Δ x Bᵀ (tensor-core-free fp32 dot)
-        if flush:
+        if DO_FLUSH and flush:
             Snew = tl.exp(tot + lv) * S0 + (dtv * xv)[:, None] * Bv[None, :]
             if FLUSH_DOT:
                 if PRE_SCORES:
@@ -258,6 +259,48 @@ if HAVE_TRITON:
                     bj = tl.load(Br_ptr + (ej * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
                     wjs = tl.sum(tl.where(jj == j, wj, 0.0), 0)
                     Snew += (wjs * xj)[:, None] * bj[None, :]
+            tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _m2_fold_kernel(
+        state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr, A_ptr,
+        L, H, G, d, n, HPG, EXTRA,
+        LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """Flush rows only: fold the first ``h + EXTRA`` ring entries into the checkpoint,
+        ``S ← e^{tot} S0 + Σ_j Δ_j e^{tot-cum_j} x_j B_jᵀ`` (one ``tl.dot``).  Run after the
+        decode kernel (which appended the new entry, ``EXTRA = 1``), so that kernel carries no
+        shared-memory tile for its rare flush branch."""
+        db = tl.program_id(0)
+        hd = tl.program_id(1)
+        r = tl.program_id(2)
+        flush = tl.load(flush_ptr + r) != 0
+        if flush:
+            g = hd // HPG
+            slot = tl.load(slot_ptr + r).to(tl.int64)
+            start = tl.load(start_ptr + r).to(tl.int64)
+            cnt = tl.load(hist_ptr + r).to(tl.int64) + EXTRA
+            offs_d = db * BD + tl.arange(0, BD)
+            offs_n = tl.arange(0, BN)
+            md = offs_d < d
+            mn = offs_n < n
+            m2 = md[:, None] & mn[None, :]
+            jj = tl.arange(0, LP)
+            mj = jj < cnt
+            e = slot * L + (start + jj) % L
+            A = tl.load(A_ptr + hd).to(tl.float32)
+            dtj = tl.where(mj, tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32), 0.0)
+            lj = A * dtj
+            cj = tl.cumsum(lj, 0)
+            tot = tl.sum(lj, 0)
+            wj = tl.where(mj, dtj * tl.exp(tot - cj), 0.0)
+            Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
+                         other=0.0).to(tl.float32)
+            Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
+                         other=0.0).to(tl.float32)
+            soff = ((slot * H + hd) * d + offs_d[:, None]) * n + offs_n[None, :]
+            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+            Snew = tl.exp(tot) * S0 + tl.dot(tl.trans(Xh * wj[:, None]), Bh, input_precision=PREC)
             tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
@@ -356,6 +399,7 @@ if HAVE_TRITON:
         T, L, H, G, d, n, HPG, MAXB,
         TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
         HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
+        DO_FLUSH: tl.constexpr,
     ):
         """Same contract as ``_m2_replay_verify_kernel``, one draft query at a time.
 
@@ -428,7 +472,7 @@ if HAVE_TRITON:
                 if HAS_D:
                     y += Dh * tl.sum(tl.where(ss[:, None] == m, Xn, 0.0), 0)
                 tl.store(y_ptr + (tm * H + hd) * d + offs_d, y.to(y_ptr.dtype.element_ty), mask=md)
-        if not PAGED:
+        if DO_FLUSH and not PAGED:
             flush = tl.load(flush_ptr + r) != 0
             if flush:  # S_h = e^{tot} S0 + Σ_{j<h} Δ_j e^{tot-cum_j} x_j B_jᵀ
                 Xw = tl.where(mj[:, None], Xh * (dtj * tl.exp(tot - cj))[:, None], 0.0)
@@ -502,12 +546,14 @@ def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C
 def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = None, num_warps: int = 2, pre_scores: bool = True,
-                  precision: str = "tf32x3", flush_dot: bool = False) -> Tensor:
-    """Replay decode (Alg. 2) in one launch (two with ``pre_scores``).
+                  precision: str = "tf32x3", flush_dot: bool = True, split_flush: bool = False) -> Tensor:
+    """Replay decode (Alg. 2) in one launch (+1 with ``pre_scores``, +1 with ``split_flush``).
 
     The output is always formed output-only (``route`` is accepted for API parity: both
-    routes give the same numbers); flush rows build ``S_{h+1}`` in the same program, by
-    rank-1 updates read from the ring (``flush_dot=False``) or one ``tl.dot``.
+    routes give the same numbers).  Flush rows build ``S_{h+1}`` in the same program, by one
+    ``tl.dot`` (``flush_dot``) or rank-1 updates read from the ring; or, with
+    ``split_flush``, in a second kernel that folds the ring (new entry included) into the
+    checkpoint after the decode kernel.
     """
     if route not in ("output", "state"):
         raise ValueError(f"bad route {route!r}: expected 'output' or 'state'")
@@ -533,7 +579,11 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
         x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
         L, H, G, d, n, H // G,
         LP=LP, BD=BD, BN=BN, HAS_D=D is not None, PRE_SCORES=bool(pre_scores), PREC=precision,
-        FLUSH_DOT=bool(flush_dot), num_warps=num_warps)
+        FLUSH_DOT=bool(flush_dot), DO_FLUSH=not split_flush, num_warps=num_warps)
+    if split_flush:
+        _m2_fold_kernel[grid](
+            buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush, A,
+            L, H, G, d, n, H // G, 1, LP=LP, BD=BD, BN=BN, PREC=precision, num_warps=4)
     return y
 
 
@@ -554,15 +604,18 @@ def tree_bits(parent: Tensor, batch: int) -> Tensor:
 
 
 def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=4, precision="ieee",
-            impl="rows"):
+            impl="rows", split_flush=False):
     if impl not in ("rows", "dot"):
         raise ValueError(f"impl must be 'rows' or 'dot', got {impl!r}")
     dims = _dims(x, B, True)
     Bt, T, H, d, G, n = dims
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
     BD, BN = _block_d(d, block_d), pad16(n)
-    kern = _m2_verify_rows_kernel if impl == "rows" else _m2_replay_verify_kernel
-    TP = max(2, next_pow2(T)) if impl == "rows" else pad16(T)
+    rows = impl == "rows"
+    kern = _m2_verify_rows_kernel if rows else _m2_replay_verify_kernel
+    TP = max(2, next_pow2(T)) if rows else pad16(T)
+    split = bool(split_flush) and rows and paged is None  # flush rows folded by a second kernel
+    extra = dict(DO_FLUSH=not split) if rows else {}
     y = torch.empty_like(x)
     if Bt == 0:
         return y
@@ -574,7 +627,11 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,
             T, L, H, G, d, n, H // G, 1,
             TP=TP, LP=pad16(L), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None, PAGED=False,
-            PREC=precision, num_warps=num_warps)
+            PREC=precision, num_warps=num_warps, **extra)
+        if split:  # S_h over the committed entries (EXTRA = 0), after every query read S0
+            _m2_fold_kernel[grid](
+                buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush, A,
+                L, H, G, d, n, H // G, 0, LP=pad16(L), BD=BD, BN=BN, PREC=precision, num_warps=4)
     else:
         kv, pplan = paged
         bt = pplan.block_table.contiguous()
@@ -583,7 +640,7 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else pplan.slot, y,
             T, pplan.block_size, H, G, d, n, H // G, bt.shape[1],
             TP=TP, LP=pad16(pplan.max_len), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None,
-            PAGED=True, PREC=precision, num_warps=num_warps)
+            PAGED=True, PREC=precision, num_warps=num_warps, **extra)
     return y
 
 
@@ -609,7 +666,7 @@ def _write_entries(buf, plan, x, B, dt) -> None:
 def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = None, num_warps: int = 4, precision: str = "tf32x3",
-                  impl: str = "rows") -> Tensor:
+                  impl: str = "rows", split_flush: bool = False) -> Tensor:
     """Replay verify of T drafts (Alg. 4): one kernel (flush rows store ``S_h``), then one
     append kernel writes the T entries.  ``impl="rows"``: one query at a time on register
     tiles; ``"dot"``: padded ``tl.dot`` score/value products (kept for comparison)."""
@@ -618,7 +675,7 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
     dims = _dims(x, B, True)
     _check_ring(buf, plan, x, dims)
     y = _verify(buf, plan, x, dt, A, B, C, D, None, block_d=block_d, num_warps=num_warps,
-                precision=precision, impl=impl)
+                precision=precision, impl=impl, split_flush=split_flush)
     _write_entries(buf, plan, x, B, dt)
     return y
 
@@ -626,7 +683,7 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
 def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                 D: Tensor | None = None, route: str = "output", check: bool | None = None,
                 bits: Tensor | None = None, block_d: int | None = None, num_warps: int = 4,
-                precision: str = "tf32x3", impl: str = "rows") -> Tensor:
+                precision: str = "tf32x3", impl: str = "rows", split_flush: bool = False) -> Tensor:
     """Tree verify (STree) under the ancestor mask; ``bits`` (from :func:`tree_bits`) may be
     passed precomputed once per step for all layers."""
     if plan.kind != "tree":
@@ -636,7 +693,7 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
     if bits is None:
         bits = tree_bits(parent, dims[0])
     y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision,
-                impl=impl)
+                impl=impl, split_flush=split_flush)
     _write_entries(buf, plan, x, B, dt)
     return y
 
@@ -644,13 +701,13 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
 def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
               D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
               num_warps: int = 4, precision: str = "tf32x3", parent: Tensor | None = None,
-              impl: str = "rows") -> Tensor:
+              impl: str = "rows", split_flush: bool = False) -> Tensor:
     """KV-only form (no state) over paged buffers; appends the new entries after the kernel."""
     if kv.x.dtype != x.dtype or kv.B.dtype != x.dtype:
         raise ValueError(f"dtype mismatch: inputs are {x.dtype}, pool holds {kv.x.dtype}/{kv.B.dtype}")
     bits = None if parent is None else tree_bits(parent, x.shape[0])
     y = _verify(None, None, x, dt, A, B, C, D, bits, paged=(kv, pplan), block_d=block_d,
-                num_warps=num_warps, precision=precision, impl=impl)
+                num_warps=num_warps, precision=precision, impl=impl, split_flush=split_flush)
     _append(kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
             x, B, dt, pplan.block_size, True)
     return y

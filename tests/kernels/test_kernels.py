@@ -167,8 +167,10 @@ def test_mamba2_recurrent(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("pre_scores,flush_dot", [(False, True), (True, False), (False, False), (True, True)])
-def test_mamba2_replay_decode_cycle(device, pre_scores, flush_dot):
+@pytest.mark.parametrize("pre_scores,flush_dot,split", [(False, True, False), (True, False, False),
+                                                         (False, False, False), (True, True, False),
+                                                         (True, True, True), (False, True, True)])
+def test_mamba2_replay_decode_cycle(device, pre_scores, flush_dot, split):
     """Several decode steps in a row (fills, flushes, ring wrap), kernel vs naive each step."""
     s = shapes(device)
     ring, slots, buf = prep_m2(s, device, seed=2)
@@ -178,7 +180,8 @@ def test_mamba2_replay_decode_cycle(device, pre_scores, flush_dot):
         x, dt, A, B, C, D = m2_inputs(s, device)
         plan = ring.plan_decode(slots)
         y_ref = N2.replay_decode(ref, plan, x, dt, A, B, C, D)
-        y = K2.replay_decode(buf, plan, x, dt, A, B, C, D, pre_scores=pre_scores, flush_dot=flush_dot)
+        y = K2.replay_decode(buf, plan, x, dt, A, B, C, D, pre_scores=pre_scores, flush_dot=flush_dot,
+                             split_flush=split)
         real = slots != 0
         close(y_ref[real], y[real], s["dtype"], f"y step {step}")
         close_buffers(ref, buf, s["dtype"], M2_BUF)
@@ -187,8 +190,9 @@ def test_mamba2_replay_decode_cycle(device, pre_scores, flush_dot):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["verify", "tree"])
-@pytest.mark.parametrize("impl,T", [("rows", 3), ("rows", 4), ("dot", 3)])
-def test_mamba2_verify(device, kind, impl, T):
+@pytest.mark.parametrize("impl,T,split", [("rows", 3, False), ("rows", 4, False), ("dot", 3, False),
+                                          ("rows", 4, True)])
+def test_mamba2_verify(device, kind, impl, T, split):
     s = shapes(device)
     ring, slots, buf = prep_m2(s, device, seed=3, T=T, kind=kind)
     ref = clone_m2(buf)
@@ -196,11 +200,11 @@ def test_mamba2_verify(device, kind, impl, T):
     x, dt, A, B, C, D = m2_inputs(s, device, T)
     if kind == "verify":
         y_ref = N2.replay_verify(ref, plan, x, dt, A, B, C, D)
-        y = K2.replay_verify(buf, plan, x, dt, A, B, C, D, impl=impl)
+        y = K2.replay_verify(buf, plan, x, dt, A, B, C, D, impl=impl, split_flush=split)
     else:
         parent = random_parents(s["Bt"], T, seed=T, device=device)
         y_ref = N2.tree_verify(ref, plan, parent, x, dt, A, B, C, D)
-        y = K2.tree_verify(buf, plan, parent, x, dt, A, B, C, D, impl=impl)
+        y = K2.tree_verify(buf, plan, parent, x, dt, A, B, C, D, impl=impl, split_flush=split)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     close_buffers(ref, buf, s["dtype"], M2_BUF)
@@ -327,8 +331,10 @@ def test_gdn_recurrent_and_snapshot(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("route,flush_dot", [("state", False), ("output", False), ("output", True)])
-def test_gdn_replay_decode_cycle(device, route, flush_dot):
+@pytest.mark.parametrize("route,flush_dot,split", [("state", False, False), ("output", False, False),
+                                                   ("output", True, False), ("output", False, True),
+                                                   ("state", False, True)])
+def test_gdn_replay_decode_cycle(device, route, flush_dot, split):
     s = shapes(device)
     ring, slots, buf = prep_gdn(s, device, seed=7)
     ref = clone_gdn(buf)
@@ -337,7 +343,8 @@ def test_gdn_replay_decode_cycle(device, route, flush_dot):
         q, k, v, g, beta = gdn_inputs(s, device)
         plan = ring.plan_decode(slots)
         y_ref = NG.replay_decode(ref, plan, q, k, v, g, beta)
-        y = KG.replay_decode(buf, plan, q, k, v, g, beta, route=route, flush_dot=flush_dot)
+        y = KG.replay_decode(buf, plan, q, k, v, g, beta, route=route, flush_dot=flush_dot,
+                             split_flush=split)
         real = slots != 0
         close(y_ref[real], y[real], s["dtype"], f"y step {step}")
         close_buffers(ref, buf, s["dtype"], GDN_BUF)
@@ -345,10 +352,11 @@ def test_gdn_replay_decode_cycle(device, route, flush_dot):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind,route,impl,T", [
-    ("verify", "state", "dot", 3), ("verify", "output", "dot", 3), ("tree", "state", "dot", 3),
-    ("verify", "output", "rows", 3), ("verify", "output", "rows", 4), ("tree", "output", "rows", 4)])
-def test_gdn_verify(device, kind, route, impl, T):
+@pytest.mark.parametrize("kind,route,impl,T,split", [
+    ("verify", "state", "dot", 3, False), ("verify", "output", "dot", 3, False), ("tree", "state", "dot", 3, False),
+    ("verify", "output", "rows", 3, False), ("verify", "output", "rows", 4, False),
+    ("tree", "output", "rows", 4, False), ("verify", "output", "rows", 4, True), ("tree", "output", "rows", 3, True)])
+def test_gdn_verify(device, kind, route, impl, T, split):
     s = shapes(device)
     ring, slots, buf = prep_gdn(s, device, seed=8, T=T, kind=kind)
     ref = clone_gdn(buf)
@@ -356,11 +364,12 @@ def test_gdn_verify(device, kind, route, impl, T):
     q, k, v, g, beta = gdn_inputs(s, device, T)
     if kind == "verify":
         y_ref = NG.replay_verify(ref, plan, q, k, v, g, beta)
-        y = KG.replay_verify(buf, plan, q, k, v, g, beta, route=route, impl=impl)
+        y = KG.replay_verify(buf, plan, q, k, v, g, beta, route=route, impl=impl, split_flush=split)
     else:
         parent = random_parents(s["Bt"], T, seed=10 + T, device=device)
         y_ref = NG.tree_verify(ref, plan, parent, q, k, v, g, beta)
-        y = KG.tree_verify(buf, plan, parent, q, k, v, g, beta, route=route, impl=impl)
+        y = KG.tree_verify(buf, plan, parent, q, k, v, g, beta, route=route, impl=impl,
+                            split_flush=split)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     close_buffers(ref, buf, s["dtype"], GDN_BUF)
