@@ -554,8 +554,8 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
 
 def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
-                  check: bool | None = None, block_v: int | None = 64, num_warps: int = 2,
-                  precision: str = "tf32x3", flush_dot: bool = False, split_flush: bool = False) -> Tensor:
+                  check: bool | None = None, block_v: int | None = 32, num_warps: int = 1,
+                  precision: str = "tf32x3", flush_dot: bool = False, split_flush: bool = True) -> Tensor:
     """Replay decode (Alg. 6) in one launch; appends ``(u, k, g)`` and flushes in-kernel
     (output route: ``flush_dot=False`` rebuilds ``S_h`` by rank-1 updates read from the ring,
     ``True`` by one ``tl.dot``), or with ``split_flush`` in a second kernel that folds the
@@ -652,8 +652,8 @@ def _append(buf, plan, U, Kn, g) -> None:
 
 def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
-                  check: bool | None = None, block_v: int | None = 64, num_warps: int = 2,
-                  precision: str = "tf32x3", impl: str = "rows", split_flush: bool = False) -> Tensor:
+                  check: bool | None = None, block_v: int | None = 32, num_warps: int = 1,
+                  precision: str = "tf32x3", impl: str = "rows", split_flush: bool = True) -> Tensor:
     """Replay verify of T drafts (Alg. 8): one kernel, then one append kernel.  ``impl="rows"``
     (output route): one draft at a time on register tiles; ``"dot"``: padded ``tl.dot``s
     (both routes; kept for comparison)."""
@@ -670,9 +670,9 @@ def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 
 def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                 scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
-                check: bool | None = None, bits: Tensor | None = None, block_v: int | None = 64,
-                num_warps: int = 2, precision: str = "tf32x3", impl: str = "rows",
-                split_flush: bool = False) -> Tensor:
+                check: bool | None = None, bits: Tensor | None = None, block_v: int | None = 32,
+                num_warps: int = 1, precision: str = "tf32x3", impl: str = "rows",
+                split_flush: bool = True) -> Tensor:
     """Tree verify (STree + Alg. 8): the solve restricted to the ancestor mask."""
     from .mamba2 import tree_bits
 
@@ -691,9 +691,9 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
 
 def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
               scale: float | None = None, use_qk_l2norm: bool = True, check: bool | None = None,
-              parent: Tensor | None = None, route: str = "output", block_v: int | None = 64,
-              num_warps: int = 2, precision: str = "tf32x3", impl: str = "rows",
-              split_flush: bool = False) -> Tensor:
+              parent: Tensor | None = None, route: str = "output", block_v: int | None = 32,
+              num_warps: int = 1, precision: str = "tf32x3", impl: str = "rows",
+              split_flush: bool = True) -> Tensor:
     """KV-only form (``S0 = 0``) over paged buffers (a draft tree when ``parent`` is given);
     appends ``(U, k, g)`` after the kernel."""
     from .mamba2 import tree_bits

@@ -497,7 +497,8 @@ def _dims(x: Tensor, B: Tensor, has_time: bool):
 
 
 def _block_d(d: int, block_d: int | None) -> int:
-    return max(16, next_pow2(block_d if block_d else min(d, 64)))
+    """d-tile height: ``block_d`` (default 64) clamped to [16, next_pow2(d)] (``tl.dot`` needs 16)."""
+    return max(16, min(next_pow2(block_d if block_d else 64), next_pow2(d)))
 
 
 def _check_ring(buf, plan, x: Tensor, dims) -> None:
@@ -545,8 +546,8 @@ def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C
 
 def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
-                  block_d: int | None = None, num_warps: int = 2, pre_scores: bool = True,
-                  precision: str = "tf32x3", flush_dot: bool = True, split_flush: bool = False) -> Tensor:
+                  block_d: int | None = 32, num_warps: int = 2, pre_scores: bool = True,
+                  precision: str = "tf32x3", flush_dot: bool = True, split_flush: bool = True) -> Tensor:
     """Replay decode (Alg. 2) in one launch (+1 with ``pre_scores``, +1 with ``split_flush``).
 
     The output is always formed output-only (``route`` is accepted for API parity: both
@@ -665,8 +666,8 @@ def _write_entries(buf, plan, x, B, dt) -> None:
 
 def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
-                  block_d: int | None = None, num_warps: int = 4, precision: str = "tf32x3",
-                  impl: str = "rows", split_flush: bool = False) -> Tensor:
+                  block_d: int | None = None, num_warps: int = 2, precision: str = "tf32x3",
+                  impl: str = "rows", split_flush: bool = True) -> Tensor:
     """Replay verify of T drafts (Alg. 4): one kernel (flush rows store ``S_h``), then one
     append kernel writes the T entries.  ``impl="rows"``: one query at a time on register
     tiles; ``"dot"``: padded ``tl.dot`` score/value products (kept for comparison)."""
@@ -682,8 +683,8 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
 
 def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                 D: Tensor | None = None, route: str = "output", check: bool | None = None,
-                bits: Tensor | None = None, block_d: int | None = None, num_warps: int = 4,
-                precision: str = "tf32x3", impl: str = "rows", split_flush: bool = False) -> Tensor:
+                bits: Tensor | None = None, block_d: int | None = None, num_warps: int = 2,
+                precision: str = "tf32x3", impl: str = "rows", split_flush: bool = True) -> Tensor:
     """Tree verify (STree) under the ancestor mask; ``bits`` (from :func:`tree_bits`) may be
     passed precomputed once per step for all layers."""
     if plan.kind != "tree":
@@ -700,8 +701,8 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
 
 def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
               D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
-              num_warps: int = 4, precision: str = "tf32x3", parent: Tensor | None = None,
-              impl: str = "rows", split_flush: bool = False) -> Tensor:
+              num_warps: int = 2, precision: str = "tf32x3", parent: Tensor | None = None,
+              impl: str = "rows", split_flush: bool = True) -> Tensor:
     """KV-only form (no state) over paged buffers; appends the new entries after the kernel."""
     if kv.x.dtype != x.dtype or kv.B.dtype != x.dtype:
         raise ValueError(f"dtype mismatch: inputs are {x.dtype}, pool holds {kv.x.dtype}/{kv.B.dtype}")
