@@ -164,7 +164,11 @@ if HAVE_TRITON:
                         uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
                         wjs = tl.sum(tl.where(jj == j, wj, 0.0), 0)
                         Sh += (wjs * kj)[:, None] * uj[None, :]
-            Snew = alpha * Sh + k[:, None] * u[None, :]
+            # the newest entry as the ring stores it (the checkpoint is a fold of stored entries)
+            a_s = tl.exp(gv.to(gr_ptr.dtype.element_ty).to(tl.float32))
+            k_s = k.to(kr_ptr.dtype.element_ty).to(tl.float32)
+            u_s = u.to(ur_ptr.dtype.element_ty).to(tl.float32)
+            Snew = a_s * Sh + k_s[:, None] * u_s[None, :]
             tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit

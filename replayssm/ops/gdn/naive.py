@@ -371,7 +371,9 @@ def replay_decode(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tens
     q/k ``[Bt,H,K]``, v ``[Bt,HV,V]``, g/beta ``[Bt,HV]``.  With ``S_h`` rebuilt from the
     checkpoint and ring: ``u = β (v − e^g S_h k)``, ``y = e^g S_h q + u (k·q)``; appends
     ``(u, k, g)`` at ring position ``h``; rows with ``plan.flush`` write
-    ``state[slot] = e^g S_h + u kᵀ`` (= ``S_{h+1}``).  Returns ``y [Bt,HV,V]``.
+    ``state[slot] = e^g S_h + u kᵀ`` (= ``S_{h+1}``) with ``(u, k, g)`` as the ring stores
+    them (rounded to its dtype), so a checkpoint is always the fold of stored entries.
+    Returns ``y [Bt,HV,V]``.
     """
     check_route(route, _ROUTES)
     dims = _check_inputs(q, k, v, g, beta, False, scale)
@@ -387,7 +389,9 @@ def replay_decode(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tens
     u = bc[..., None] * (vc - a * hk)
     kq = (kn * qn).sum(-1).repeat_interleave(HV // H, dim=1)[..., None]  # [Bt,HV,1]
     y = a * hq + u * kq
-    S_next = a[..., None] * Sh + _heads(kn, HV)[..., :, None] * u[..., None, :]
+    u_s, k_s = u.to(buf.u.dtype).to(cdt), kn.to(buf.k.dtype).to(cdt)    # as stored
+    a_s = torch.exp(gc.to(buf.g.dtype).to(cdt))[..., None, None]
+    S_next = a_s * Sh + _heads(k_s, HV)[..., :, None] * u_s[..., None, :]
     # ---- writes (all validation done above)
     write_new(buf.u, plan, u[:, None])
     write_new(buf.k, plan, kn[:, None])
