@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", action="store_true", help="use the recomputation reference model")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--batch-sizes", default="1,4,16,64,256")
+    p.add_argument("--batch-sizes", default="1,4,16,64,256,512")
     p.add_argument("--modes", default="recurrent,replay", help="decode modes for the throughput sweep")
     p.add_argument("--spec-batch-sizes", default="1,16,64")
     p.add_argument("--spec-method", default=None, choices=["oracle", "ngram", "draft", "tree"],
@@ -382,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         r = {x["mode"]: x for x in res["speculative"] if x["batch"] == b}
         if "replay" in r and "recurrent" in r:
             summ[f"replay_spec_vs_snapshot_B{b}"] = r["replay"]["decode_tokens_per_s"] / r["recurrent"]["decode_tokens_per_s"]
+        std = {x["mode"]: x for x in res["throughput"] if x["batch"] == b}
+        if "replay" in r and "recurrent" in std:  # standard decoding = the engine's recurrent mode
+            summ[f"replay_spec_vs_standard_B{b}"] = (r["replay"]["decode_tokens_per_s"]
+                                                     / std["recurrent"]["decode_tokens_per_s"])
     c = {x["label"]: x["max_sequences"] for x in res["concurrency"]}
     if c.get("snapshot+spec"):
         summ["concurrency_replay_spec_vs_snapshot"] = c.get("replay+spec", 0) / c["snapshot+spec"]
