@@ -651,7 +651,7 @@ def run(args) -> dict:
 
 
 def verify_sweep(fam, store, s, setup, inputs, mod, timer, device, dtype, Bt, L, base_kw, args) -> dict:
-    """Time T=4 replay verify variants (``impl`` rows/dot, tile, warps, flush precision) at a
+    """Time T=4 replay verify variants (tile, warps, split flush) at a
     non-flush fill (h = 0) and a flush fill (h = L - T); return the fastest variant's kwargs."""
     T = min(4, L // 2)
     slots = torch.arange(1, Bt + 1, device=device)
@@ -659,12 +659,12 @@ def verify_sweep(fam, store, s, setup, inputs, mod, timer, device, dtype, Bt, L,
     buf = setup(Bt, L, s, device, dtype)
     ring = _ring(Bt + 1, L, device)
     if fam == "mamba2":
-        variants = [dict(impl="rows", block_d=64, num_warps=4, precision="tf32x3")]
-        variants += [dict(impl="rows", block_d=bd, num_warps=nw, precision="tf32x3", split_flush=True)
+        variants = [dict(block_d=64, num_warps=4, precision="tf32x3")]
+        variants += [dict(block_d=bd, num_warps=nw, precision="tf32x3", split_flush=True)
                      for bd, nw in ((64, 4), (64, 2), (32, 2), (32, 4), (16, 4))]
     else:
-        variants = [dict(impl="rows", route="output", block_v=64, num_warps=2, precision="tf32x3")]
-        variants += [dict(impl="rows", route="output", block_v=bv, num_warps=nw, precision="tf32x3",
+        variants = [dict(route="output", block_v=64, num_warps=2, precision="tf32x3")]
+        variants += [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3",
                           split_flush=True) for bv, nw in ((64, 2), (64, 4), (32, 1), (32, 2), (16, 1))]
     res = store["verify_variants"] = {}
     best = None

@@ -211,117 +211,6 @@ if HAVE_TRITON:
             tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
-    def _gdn_replay_verify_kernel(
-        state_ptr, ur_ptr, kr_ptr, gr_ptr,
-        slot_ptr, start_ptr, hist_ptr, flush_ptr, bt_ptr,
-        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bits_ptr, y_ptr, uo_ptr, ko_ptr,
-        T, L, H, HV, K, V, REP, MAXB, scale,
-        TP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr,
-        PREC: tl.constexpr,
-    ):
-        """Alg. 8: history readouts ``S_h k_s``, ``S_h q_s`` for all drafts (GEMMs), then
-        ``(I + A) U = R`` by forward substitution over the (ancestor-)masked T×T system and
-        ``Y = e^{G} S_h q + (mask ∘ e^{G_s−G_s'} QKᵀ) U``.  Writes ``U`` and the normalised
-        keys to scratch (appended to the ring by the wrapper); flush rows store ``S_h``."""
-        vb = tl.program_id(0)  # V-blocks of one (row, head) run side by side: they share DRAM pages
-        hv = tl.program_id(1)
-        r = tl.program_id(2)
-        kh = hv // REP
-        r64 = r.to(tl.int64)
-        slot = tl.load(slot_ptr + r).to(tl.int64)
-        h = tl.load(hist_ptr + r).to(tl.int64)
-        offs_k = tl.arange(0, BK)
-        offs_v = vb * BV + tl.arange(0, BV)
-        mk = offs_k < K
-        mv = offs_v < V
-        m2 = mk[:, None] & mv[None, :]
-        jj = tl.arange(0, LP)
-        mj = jj < h
-        if PAGED:
-            blk = tl.load(bt_ptr + r64 * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
-            e = blk * L + jj % L
-        else:
-            start = tl.load(start_ptr + r).to(tl.int64)
-            e = slot * L + (start + jj) % L
-        gj = tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32)
-        gj = tl.where(mj, gj, 0.0)
-        cj = tl.cumsum(gj, 0)
-        tot = tl.sum(gj, 0)
-        wj = tl.where(mj, tl.exp(tot - cj), 0.0)
-        Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
-                     other=0.0).to(tl.float32)
-        Uh = tl.load(ur_ptr + (e[:, None] * HV + hv) * V + offs_v[None, :], mask=mj[:, None] & mv[None, :],
-                     other=0.0).to(tl.float32)
-        # ---- drafts
-        ss = tl.arange(0, TP)
-        ms = ss < T
-        tok = r64 * T + ss
-        mks = ms[:, None] & mk[None, :]
-        Qn = _l2n_rows(tl.load(q_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
-                               other=0.0).to(tl.float32), L2) * scale
-        Kn = _l2n_rows(tl.load(k_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
-                               other=0.0).to(tl.float32), L2)
-        Vn = tl.load(v_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], mask=ms[:, None] & mv[None, :],
-                     other=0.0).to(tl.float32)
-        gn = tl.where(ms, tl.load(g_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
-        bn = tl.where(ms, tl.load(b_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
-        if TREE:
-            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
-        else:
-            bits = (2 << ss) - 1
-        anc = (((bits[:, None] >> ss[None, :]) & 1) != 0) & ms[:, None] & ms[None, :]  # [s, s']
-        Gs = tl.sum(tl.where(anc, gn[None, :], 0.0), 1)
-        # ---- history readouts
-        if OUTPUT_ROUTE:
-            SK = tl.dot(Kh, tl.trans(Kn), input_precision=PREC)  # [LP, TP]
-            SQ = tl.dot(Kh, tl.trans(Qn), input_precision=PREC)
-            HK = tl.dot(tl.trans(SK * wj[:, None]), Uh, input_precision=PREC)  # [TP, BV]
-            HQ = tl.dot(tl.trans(SQ * wj[:, None]), Uh, input_precision=PREC)
-            if not PAGED:
-                soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
-                S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
-                a0 = tl.exp(tot)
-                HK += a0 * tl.dot(Kn, S0, input_precision=PREC)
-                HQ += a0 * tl.dot(Qn, S0, input_precision=PREC)
-        else:
-            Sh = tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
-            if not PAGED:
-                soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
-                S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
-                Sh += tl.exp(tot) * S0
-            HK = tl.dot(Kn, Sh, input_precision=PREC)
-            HQ = tl.dot(Qn, Sh, input_precision=PREC)
-        # ---- the T×T system
-        eG = tl.exp(Gs)
-        Dm = tl.exp(tl.where(anc, Gs[:, None] - Gs[None, :], 0.0))
-        KK = tl.dot(Kn, tl.trans(Kn), input_precision=PREC)
-        QK = tl.dot(Qn, tl.trans(Kn), input_precision=PREC)
-        strict = anc & (ss[:, None] != ss[None, :])
-        Amat = tl.where(strict, bn[:, None] * Dm * KK, 0.0)
-        U = bn[:, None] * (Vn - eG[:, None] * HK)
-        for i in range(1, T):  # forward substitution: U_i -= Σ_{s'<i} A[i, s'] U_{s'}
-            sel = ss[:, None] == i
-            arow = tl.sum(tl.where(sel, Amat, 0.0), 0)
-            corr = tl.sum(arow[:, None] * U, 0)
-            U = tl.where(sel, U - corr[None, :], U)
-        Y = eG[:, None] * HQ + tl.dot(tl.where(anc, Dm * QK, 0.0), U, input_precision=PREC)
-        mo = ms[:, None] & mv[None, :]
-        tl.store(y_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], Y.to(y_ptr.dtype.element_ty), mask=mo)
-        tl.store(uo_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], U.to(uo_ptr.dtype.element_ty), mask=mo)
-        if vb == 0:
-            if hv % REP == 0:
-                tl.store(ko_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], Kn.to(ko_ptr.dtype.element_ty),
-                         mask=mks)
-        if not PAGED:
-            flush = tl.load(flush_ptr + r) != 0
-            if flush:
-                if OUTPUT_ROUTE:
-                    Sh = a0 * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
-                tl.store(state_ptr + soff, Sh.to(state_ptr.dtype.element_ty), mask=m2)
-
-
-    @triton.jit
     def _gdn_verify_rows_kernel(
         state_ptr, ur_ptr, kr_ptr, gr_ptr,
         slot_ptr, start_ptr, hist_ptr, flush_ptr, bt_ptr,
@@ -331,12 +220,15 @@ if HAVE_TRITON:
         L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
         DO_FLUSH: tl.constexpr,
     ):
-        """Same contract as ``_gdn_replay_verify_kernel`` (output route), one draft at a time.
+        """Alg. 8 (and STree, KV-only), output route, one draft at a time.
 
         Per draft s (unrolled): ``S_h k_s = α0 S0 k_s + Σ_j w_j (k_j·k_s) u_j`` (same for q_s)
-        and the rows ``k_s·k_{s'}``, ``q_s·k_{s'}`` of the T×T system; then forward
-        substitution and ``Y = e^{G} S_h q + (mask ∘ e^{G_s−G_s'} QKᵀ) U`` as outer-product
-        sums.  Register tiles only: the ``[BK, BV]`` checkpoint tile is read once."""
+        and the rows ``k_s·k_{s'}``, ``q_s·k_{s'}`` of the T×T system ``(I + A) U = R``
+        (restricted to the causal chain or the tree's ancestor bits), solved by forward
+        substitution; then ``Y = e^{G} S_h q + (mask ∘ e^{G_s−G_s'} QKᵀ) U`` as outer-product
+        sums.  Register tiles only: the ``[BK, BV]`` checkpoint tile is read once.  Writes
+        ``U`` and the normalised keys to scratch (appended by the wrapper).  PAGED: KV-only
+        (``S0 = 0``).  DO_FLUSH: flush rows store ``S_h`` here, else the fold kernel does."""
         vb = tl.program_id(0)  # V-blocks of one (row, head) run side by side: they share DRAM pages
         hv = tl.program_id(1)
         r = tl.program_id(2)
@@ -590,12 +482,9 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 
 
 def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, paged=None,
-            block_v=None, num_warps=4, ring_dtype=None, precision="ieee", impl="rows", split_flush=False):
+            block_v=None, num_warps=4, ring_dtype=None, precision="ieee", split_flush=False):
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
-    if impl not in ("rows", "dot"):
-        raise ValueError(f"impl must be 'rows' or 'dot', got {impl!r}")
-    rows = impl == "rows" and route == "output"  # the rows kernel implements the output route
     Bt, T, H, HV, K, V = _dims(q, v, True)
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
     BV = _bv(V, block_v)
@@ -605,15 +494,10 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
     if Bt == 0:
         return y, U, Kn
     grid = (triton.cdiv(V, BV), HV, Bt)
-    common = dict(TP=max(2, next_pow2(T)) if rows else pad16(T), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm),
-                  TREE=bits is not None, PREC=precision, num_warps=num_warps)
-    split = bool(split_flush) and rows and paged is None  # flush rows folded by a second kernel
-    if rows:
-        kern = _gdn_verify_rows_kernel
-        common["DO_FLUSH"] = not split
-    else:
-        kern = _gdn_replay_verify_kernel
-        common["OUTPUT_ROUTE"] = route == "output"
+    split = bool(split_flush) and paged is None  # flush rows folded by a second kernel
+    common = dict(TP=max(2, next_pow2(T)), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), TREE=bits is not None,
+                  PREC=precision, DO_FLUSH=not split, num_warps=num_warps)
+    kern = _gdn_verify_rows_kernel  # output route: both routes give the same numbers up to rounding
     if paged is None:
         kern[grid](
             buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush, plan.slot,
@@ -657,17 +541,17 @@ def _append(buf, plan, U, Kn, g) -> None:
 def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = 32, num_warps: int = 1,
-                  precision: str = "tf32x3", impl: str = "rows", split_flush: bool = True) -> Tensor:
-    """Replay verify of T drafts (Alg. 8): one kernel, then one append kernel.  ``impl="rows"``
-    (output route): one draft at a time on register tiles; ``"dot"``: padded ``tl.dot``s
-    (both routes; kept for comparison)."""
+                  precision: str = "tf32x3", split_flush: bool = True) -> Tensor:
+    """Replay verify of T drafts (Alg. 8): one kernel (output route; ``route`` is accepted for
+    API parity), then one append kernel; flush rows store ``S_h`` (fold kernel with
+    ``split_flush``)."""
     if plan.kind != "verify":
         raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
     dims = _dims(q, v, True)
     _check_ring(buf, plan, v, dims)
     y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, None,
                        block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
-                       precision=precision, impl=impl, split_flush=split_flush)
+                       precision=precision, split_flush=split_flush)
     _append(buf, plan, U, Kn, g)
     return y
 
@@ -675,8 +559,7 @@ def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                 scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                 check: bool | None = None, bits: Tensor | None = None, block_v: int | None = 32,
-                num_warps: int = 1, precision: str = "tf32x3", impl: str = "rows",
-                split_flush: bool = True) -> Tensor:
+                num_warps: int = 1, precision: str = "tf32x3", split_flush: bool = True) -> Tensor:
     """Tree verify (STree + Alg. 8): the solve restricted to the ancestor mask."""
     from .mamba2 import tree_bits
 
@@ -688,7 +571,7 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
         bits = tree_bits(parent, dims[0])
     y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
-                       precision=precision, impl=impl, split_flush=split_flush)
+                       precision=precision, split_flush=split_flush)
     _append(buf, plan, U, Kn, g)
     return y
 
@@ -696,8 +579,7 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
 def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
               scale: float | None = None, use_qk_l2norm: bool = True, check: bool | None = None,
               parent: Tensor | None = None, route: str = "output", block_v: int | None = 32,
-              num_warps: int = 1, precision: str = "tf32x3", impl: str = "rows",
-              split_flush: bool = True) -> Tensor:
+              num_warps: int = 1, precision: str = "tf32x3", split_flush: bool = True) -> Tensor:
     """KV-only form (``S0 = 0``) over paged buffers (a draft tree when ``parent`` is given);
     appends ``(U, k, g)`` after the kernel."""
     from .mamba2 import tree_bits
@@ -705,7 +587,7 @@ def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     bits = None if parent is None else tree_bits(parent, q.shape[0])
     y, U, Kn = _verify(None, None, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        paged=(kv, pplan), block_v=block_v, num_warps=num_warps,
-                       ring_dtype=(kv.u.dtype, kv.k.dtype), precision=precision, impl=impl,
+                       ring_dtype=(kv.u.dtype, kv.k.dtype), precision=precision,
                        split_flush=split_flush)
     _append_entries(kv.u, kv.k, kv.g, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
                     U, Kn, g, pplan.block_size, True)

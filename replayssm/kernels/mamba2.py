@@ -304,94 +304,6 @@ if HAVE_TRITON:
             tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
-    def _m2_replay_verify_kernel(
-        state_ptr, xr_ptr, Br_ptr, dtr_ptr,
-        slot_ptr, start_ptr, hist_ptr, flush_ptr, bt_ptr,
-        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bits_ptr, y_ptr,
-        T, L, H, G, d, n, HPG, MAXB,
-        TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-        HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
-    ):
-        """Alg. 4 (and STree, KV-only): T draft queries read the same checkpoint and history.
-
-        ``Y = e^{pre+G} (S0 Cᵀ) + X_hᵀ W_h + X_nᵀ W_n`` with ``W_h[j,m] = Δ_j e^{tot-cum_j+G_m}
-        (B_j·C_m)`` (history) and ``W_n[s,m] = Δ_s e^{G_m-G_s} (B_s·C_m)`` for s an ancestor-or-
-        self of m (causal chain, or tree bits).  Score and value products are ``tl.dot``s.
-        PAGED: history from a block table, ``S0 = 0``, no flush (KV-only form).
-        Flush rows (ring mode) store ``S_h`` (committed entries only)."""
-        db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
-        hd = tl.program_id(1)
-        r = tl.program_id(2)
-        g = hd // HPG
-        r64 = r.to(tl.int64)
-        slot = tl.load(slot_ptr + r).to(tl.int64)
-        h = tl.load(hist_ptr + r).to(tl.int64)
-        offs_d = db * BD + tl.arange(0, BD)
-        offs_n = tl.arange(0, BN)
-        md = offs_d < d
-        mn = offs_n < n
-        m2 = md[:, None] & mn[None, :]
-        jj = tl.arange(0, LP)
-        mj = jj < h
-        if PAGED:
-            blk = tl.load(bt_ptr + r64 * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
-            e = blk * L + jj % L
-        else:
-            start = tl.load(start_ptr + r).to(tl.int64)
-            e = slot * L + (start + jj) % L
-        A = tl.load(A_ptr + hd).to(tl.float32)
-        dtj = tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32)
-        dtj = tl.where(mj, dtj, 0.0)
-        lj = A * dtj
-        cj = tl.cumsum(lj, 0)
-        tot = tl.sum(lj, 0)
-        Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
-                     other=0.0).to(tl.float32)
-        Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
-                     other=0.0).to(tl.float32)
-        # ---- drafts
-        ss = tl.arange(0, TP)
-        ms = ss < T
-        tok = r64 * T + ss
-        Xn = tl.load(x_ptr + (tok[:, None] * H + hd) * d + offs_d[None, :], mask=ms[:, None] & md[None, :],
-                     other=0.0).to(tl.float32)
-        dtn = tl.load(dt_ptr + tok * H + hd, mask=ms, other=0.0).to(tl.float32)
-        Bn = tl.load(B_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
-                     other=0.0).to(tl.float32)
-        Cn = tl.load(C_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
-                     other=0.0).to(tl.float32)
-        ln = A * tl.where(ms, dtn, 0.0)
-        if TREE:
-            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
-        else:
-            bits = (2 << ss) - 1  # chain: s' <= s
-        # anc[m, s]: draft s is draft m or one of its ancestors
-        anc = (((bits[:, None] >> ss[None, :]) & 1) != 0) & ms[:, None] & ms[None, :]
-        Gm = tl.sum(tl.where(anc, ln[None, :], 0.0), 1)  # log-decay from S_h to draft m
-        ancT = (((bits[None, :] >> ss[:, None]) & 1) != 0) & ms[:, None] & ms[None, :]  # [s, m]
-        # ---- scores (GEMMs): history keys x draft queries, draft keys x draft queries
-        HS = tl.dot(Bh, tl.trans(Cn), input_precision=PREC)  # [LP, TP]
-        NS = tl.dot(Bn, tl.trans(Cn), input_precision=PREC)  # [TP(s), TP(m)]
-        Wh = tl.where(mj[:, None], dtj[:, None] * tl.exp((tot - cj)[:, None] + Gm[None, :]) * HS, 0.0)
-        Wn = tl.where(ancT, dtn[:, None] * tl.exp(Gm[None, :] - Gm[:, None]) * NS, 0.0)
-        Yt = tl.dot(tl.trans(Xh), Wh, input_precision=PREC)  # [BD, TP]
-        Yt += tl.dot(tl.trans(Xn), Wn, input_precision=PREC)
-        if not PAGED:
-            soff = ((slot * H + hd) * d + offs_d[:, None]) * n + offs_n[None, :]
-            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
-            Yt += tl.exp(tot + Gm)[None, :] * tl.dot(S0, tl.trans(Cn), input_precision=PREC)
-        if HAS_D:
-            Yt += tl.load(D_ptr + hd).to(tl.float32) * tl.trans(Xn)
-        tl.store(y_ptr + (tok[None, :] * H + hd) * d + offs_d[:, None], Yt.to(y_ptr.dtype.element_ty),
-                 mask=md[:, None] & ms[None, :])
-        if not PAGED:
-            flush = tl.load(flush_ptr + r) != 0
-            if flush:  # S_h = e^{tot} S0 + Σ_{j<h} Δ_j e^{tot-cum_j} x_j B_jᵀ
-                Xw = tl.where(mj[:, None], Xh * (dtj * tl.exp(tot - cj))[:, None], 0.0)
-                Sh = tl.exp(tot) * S0 + tl.dot(tl.trans(Xw), Bh, input_precision=PREC)
-                tl.store(state_ptr + soff, Sh.to(state_ptr.dtype.element_ty), mask=m2)
-
-    @triton.jit
     def _m2_verify_rows_kernel(
         state_ptr, xr_ptr, Br_ptr, dtr_ptr,
         slot_ptr, start_ptr, hist_ptr, flush_ptr, bt_ptr,
@@ -401,12 +313,15 @@ if HAVE_TRITON:
         HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
         DO_FLUSH: tl.constexpr,
     ):
-        """Same contract as ``_m2_replay_verify_kernel``, one draft query at a time.
+        """Alg. 4 (and STree, KV-only): T draft queries read the same checkpoint and history.
 
-        For each query m (unrolled, T is small): ``y_m = e^{tot+G_m} S0·C_m
-        + Σ_j Δ_j e^{tot-cum_j+G_m} (B_j·C_m) x_j + Σ_{s⪯m} Δ_s e^{G_m-G_s} (B_s·C_m) x_s``.
-        Only broadcast-multiply-reduce on register tiles (no padded ``tl.dot``): the
-        ``[BD, BN]`` checkpoint tile is read once and reused by every query."""
+        For each query m (unrolled; T is small): ``y_m = e^{tot+G_m} S0·C_m
+        + Σ_j Δ_j e^{tot-cum_j+G_m} (B_j·C_m) x_j + Σ_{s⪯m} Δ_s e^{G_m-G_s} (B_s·C_m) x_s + D x_m``
+        where ``s⪯m`` is the causal chain or the tree's ancestor-or-self bits.  Only
+        broadcast-multiply-reduce on register tiles (padded ``tl.dot``s for T ≤ 6 were 20×
+        slower): the ``[BD, BN]`` checkpoint tile is read once and reused by every query.
+        PAGED: history from a block table, ``S0 = 0``, no flush (KV-only form).  DO_FLUSH:
+        flush rows store ``S_h`` (committed entries only) here, else the fold kernel does."""
         db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
         hd = tl.program_id(1)
         r = tl.program_id(2)
@@ -605,18 +520,15 @@ def tree_bits(parent: Tensor, batch: int) -> Tensor:
 
 
 def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=4, precision="ieee",
-            impl="rows", split_flush=False):
-    if impl not in ("rows", "dot"):
-        raise ValueError(f"impl must be 'rows' or 'dot', got {impl!r}")
+            split_flush=False):
     dims = _dims(x, B, True)
     Bt, T, H, d, G, n = dims
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
     BD, BN = _block_d(d, block_d), pad16(n)
-    rows = impl == "rows"
-    kern = _m2_verify_rows_kernel if rows else _m2_replay_verify_kernel
-    TP = max(2, next_pow2(T)) if rows else pad16(T)
-    split = bool(split_flush) and rows and paged is None  # flush rows folded by a second kernel
-    extra = dict(DO_FLUSH=not split) if rows else {}
+    kern = _m2_verify_rows_kernel
+    TP = max(2, next_pow2(T))
+    split = bool(split_flush) and paged is None  # flush rows folded by a second kernel
+    extra = dict(DO_FLUSH=not split)
     y = torch.empty_like(x)
     if Bt == 0:
         return y
@@ -667,16 +579,15 @@ def _write_entries(buf, plan, x, B, dt) -> None:
 def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = None, num_warps: int = 2, precision: str = "tf32x3",
-                  impl: str = "rows", split_flush: bool = True) -> Tensor:
-    """Replay verify of T drafts (Alg. 4): one kernel (flush rows store ``S_h``), then one
-    append kernel writes the T entries.  ``impl="rows"``: one query at a time on register
-    tiles; ``"dot"``: padded ``tl.dot`` score/value products (kept for comparison)."""
+                  split_flush: bool = True) -> Tensor:
+    """Replay verify of T drafts (Alg. 4): one kernel (flush rows store ``S_h``, in-kernel or
+    by the fold kernel with ``split_flush``), then one append kernel writes the T entries."""
     if plan.kind != "verify":
         raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
     dims = _dims(x, B, True)
     _check_ring(buf, plan, x, dims)
     y = _verify(buf, plan, x, dt, A, B, C, D, None, block_d=block_d, num_warps=num_warps,
-                precision=precision, impl=impl, split_flush=split_flush)
+                precision=precision, split_flush=split_flush)
     _write_entries(buf, plan, x, B, dt)
     return y
 
@@ -684,7 +595,7 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
 def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                 D: Tensor | None = None, route: str = "output", check: bool | None = None,
                 bits: Tensor | None = None, block_d: int | None = None, num_warps: int = 2,
-                precision: str = "tf32x3", impl: str = "rows", split_flush: bool = True) -> Tensor:
+                precision: str = "tf32x3", split_flush: bool = True) -> Tensor:
     """Tree verify (STree) under the ancestor mask; ``bits`` (from :func:`tree_bits`) may be
     passed precomputed once per step for all layers."""
     if plan.kind != "tree":
@@ -694,7 +605,7 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
     if bits is None:
         bits = tree_bits(parent, dims[0])
     y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision,
-                impl=impl, split_flush=split_flush)
+                split_flush=split_flush)
     _write_entries(buf, plan, x, B, dt)
     return y
 
@@ -702,13 +613,13 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
 def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
               D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
               num_warps: int = 2, precision: str = "tf32x3", parent: Tensor | None = None,
-              impl: str = "rows", split_flush: bool = True) -> Tensor:
+              split_flush: bool = True) -> Tensor:
     """KV-only form (no state) over paged buffers; appends the new entries after the kernel."""
     if kv.x.dtype != x.dtype or kv.B.dtype != x.dtype:
         raise ValueError(f"dtype mismatch: inputs are {x.dtype}, pool holds {kv.x.dtype}/{kv.B.dtype}")
     bits = None if parent is None else tree_bits(parent, x.shape[0])
     y = _verify(None, None, x, dt, A, B, C, D, bits, paged=(kv, pplan), block_d=block_d,
-                num_warps=num_warps, precision=precision, impl=impl, split_flush=split_flush)
+                num_warps=num_warps, precision=precision, split_flush=split_flush)
     _append(kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
             x, B, dt, pplan.block_size, True)
     return y

@@ -190,9 +190,8 @@ def test_mamba2_replay_decode_cycle(device, pre_scores, flush_dot, split):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["verify", "tree"])
-@pytest.mark.parametrize("impl,T,split", [("rows", 3, False), ("rows", 4, False), ("dot", 3, False),
-                                          ("rows", 4, True)])
-def test_mamba2_verify(device, kind, impl, T, split):
+@pytest.mark.parametrize("T,split", [(3, False), (4, False), (3, True), (4, True)])
+def test_mamba2_verify(device, kind, T, split):
     s = shapes(device)
     ring, slots, buf = prep_m2(s, device, seed=3, T=T, kind=kind)
     ref = clone_m2(buf)
@@ -200,11 +199,11 @@ def test_mamba2_verify(device, kind, impl, T, split):
     x, dt, A, B, C, D = m2_inputs(s, device, T)
     if kind == "verify":
         y_ref = N2.replay_verify(ref, plan, x, dt, A, B, C, D)
-        y = K2.replay_verify(buf, plan, x, dt, A, B, C, D, impl=impl, split_flush=split)
+        y = K2.replay_verify(buf, plan, x, dt, A, B, C, D, split_flush=split)
     else:
         parent = random_parents(s["Bt"], T, seed=T, device=device)
         y_ref = N2.tree_verify(ref, plan, parent, x, dt, A, B, C, D)
-        y = K2.tree_verify(buf, plan, parent, x, dt, A, B, C, D, impl=impl, split_flush=split)
+        y = K2.tree_verify(buf, plan, parent, x, dt, A, B, C, D, split_flush=split)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     close_buffers(ref, buf, s["dtype"], M2_BUF)
@@ -263,8 +262,7 @@ def _paged(device, s, family, T, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", ["rows", "dot"])
-def test_mamba2_kv_verify(device, impl):
+def test_mamba2_kv_verify(device):
     s = shapes(device)
     T = 2
     pidx, kv, slots = _paged(device, s, "mamba2", T, seed=5)
@@ -274,7 +272,7 @@ def test_mamba2_kv_verify(device, impl):
     pplan = pidx.plan(slots, T)
     x, dt, A, B, C, D = m2_inputs(s, device, T)
     y_ref = N2.kv_verify(kv_ref, pplan, x, dt, A, B, C, D)
-    y = K2.kv_verify(kv, pplan, x, dt, A, B, C, D, impl=impl)
+    y = K2.kv_verify(kv, pplan, x, dt, A, B, C, D)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     for name in ("x", "B", "dt"):
@@ -352,11 +350,11 @@ def test_gdn_replay_decode_cycle(device, route, flush_dot, split):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind,route,impl,T,split", [
-    ("verify", "state", "dot", 3, False), ("verify", "output", "dot", 3, False), ("tree", "state", "dot", 3, False),
-    ("verify", "output", "rows", 3, False), ("verify", "output", "rows", 4, False),
-    ("tree", "output", "rows", 4, False), ("verify", "output", "rows", 4, True), ("tree", "output", "rows", 3, True)])
-def test_gdn_verify(device, kind, route, impl, T, split):
+@pytest.mark.parametrize("kind,route,T,split", [
+    ("verify", "state", 3, False), ("verify", "output", 3, False), ("verify", "output", 4, False),
+    ("tree", "state", 3, False), ("tree", "output", 4, False), ("verify", "output", 4, True),
+    ("tree", "output", 3, True)])
+def test_gdn_verify(device, kind, route, T, split):
     s = shapes(device)
     ring, slots, buf = prep_gdn(s, device, seed=8, T=T, kind=kind)
     ref = clone_gdn(buf)
@@ -364,20 +362,18 @@ def test_gdn_verify(device, kind, route, impl, T, split):
     q, k, v, g, beta = gdn_inputs(s, device, T)
     if kind == "verify":
         y_ref = NG.replay_verify(ref, plan, q, k, v, g, beta)
-        y = KG.replay_verify(buf, plan, q, k, v, g, beta, route=route, impl=impl, split_flush=split)
+        y = KG.replay_verify(buf, plan, q, k, v, g, beta, route=route, split_flush=split)
     else:
         parent = random_parents(s["Bt"], T, seed=10 + T, device=device)
         y_ref = NG.tree_verify(ref, plan, parent, q, k, v, g, beta)
-        y = KG.tree_verify(buf, plan, parent, q, k, v, g, beta, route=route, impl=impl,
-                            split_flush=split)
+        y = KG.tree_verify(buf, plan, parent, q, k, v, g, beta, route=route, split_flush=split)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     close_buffers(ref, buf, s["dtype"], GDN_BUF)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", ["rows", "dot"])
-def test_gdn_kv_verify(device, impl):
+def test_gdn_kv_verify(device):
     s = shapes(device)
     T = 2
     pidx, kv, slots = _paged(device, s, "gdn", T, seed=9)
@@ -387,7 +383,7 @@ def test_gdn_kv_verify(device, impl):
     pplan = pidx.plan(slots, T)
     q, k, v, g, beta = gdn_inputs(s, device, T)
     y_ref = NG.kv_verify(kv_ref, pplan, q, k, v, g, beta)
-    y = KG.kv_verify(kv, pplan, q, k, v, g, beta, impl=impl)
+    y = KG.kv_verify(kv, pplan, q, k, v, g, beta)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     bs = pplan.block_size

@@ -223,7 +223,7 @@ def test_naive_path_drops_kernel_only_keywords(monkeypatch):
     x, dt, A = torch.randn(2, 2, 3), torch.rand(2, 2), -torch.rand(2)
     B, C = torch.randn(2, 1, 4), torch.randn(2, 1, 4)
     y = dispatch.ops_for("mamba2").replay_decode(buf, plan, x, dt, A, B, C, None, block_d=16, num_warps=2,
-                                                 pre_scores=True, precision="ieee", impl="x")
+                                                 pre_scores=True, precision="ieee", split_flush=True)
     assert y.shape == (2, 2, 3)
 
 
