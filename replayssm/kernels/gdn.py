@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
+from .append import append_entries
 
 __all__ = [
     "recurrent_step",
@@ -330,39 +331,6 @@ if HAVE_TRITON:
                 tl.store(state_ptr + soff, Sh.to(state_ptr.dtype.element_ty), mask=m2)
 
 
-    @triton.jit
-    def _gdn_append_kernel(
-        ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, bt_ptr, u_ptr, k_ptr, g_ptr,
-        T, L, HVV, HK, HV, MAXB,
-        BU: tl.constexpr, BKK: tl.constexpr, BH: tl.constexpr, PAGED: tl.constexpr,
-    ):
-        """Append ``(u, k, g)`` of T tokens per row at positions ``h + s``; program (row, s)."""
-        r = tl.program_id(0).to(tl.int64)
-        s = tl.program_id(1)
-        h = tl.load(hist_ptr + r).to(tl.int64)
-        if PAGED:
-            j = h + s
-            e = tl.load(bt_ptr + r * MAXB + j // L).to(tl.int64) * L + j % L
-        else:
-            slot = tl.load(slot_ptr + r).to(tl.int64)
-            start = tl.load(start_ptr + r).to(tl.int64)
-            e = slot * L + (start + h + s) % L
-        tok = r * T + s
-        for o in range(0, HVV, BU):
-            offs = o + tl.arange(0, BU)
-            m = offs < HVV
-            tl.store(ur_ptr + e * HVV + offs, tl.load(u_ptr + tok * HVV + offs, mask=m), mask=m)
-        for o in range(0, HK, BKK):
-            offs = o + tl.arange(0, BKK)
-            m = offs < HK
-            tl.store(kr_ptr + e * HK + offs, tl.load(k_ptr + tok * HK + offs, mask=m), mask=m)
-        for o in range(0, HV, BH):
-            offs = o + tl.arange(0, BH)
-            m = offs < HV
-            v = tl.load(g_ptr + tok * HV + offs, mask=m, other=0.0)
-            tl.store(gr_ptr + e * HV + offs, v.to(gr_ptr.dtype.element_ty), mask=m)
-
-
 # =============================================================================== wrappers
 def _c(t):
     return None if t is None else t.contiguous()
@@ -521,17 +489,7 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
 
 
 def _append_entries(ur, kr, gr, slot, start, hist, bt, U, Kn, g, L, paged: bool) -> None:
-    Bt, T, HV, V = U.shape
-    H, K = Kn.shape[-2:]
-    if Bt == 0 or T == 0:
-        return
-    g = g.contiguous()
-    _gdn_append_kernel[(Bt, T)](
-        ur, kr, gr, slot, start, hist, bt, U, Kn, g, T, L, HV * V, H * K, HV,
-        bt.shape[1] if paged else 1,
-        BU=min(2048, next_pow2(HV * V)), BKK=min(2048, next_pow2(H * K)), BH=min(1024, next_pow2(HV)),
-        PAGED=paged, num_warps=4)
-
+    append_entries((ur, kr, gr), (U, Kn, g), slot, start, hist, bt if paged else None, L)
 
 def _append(buf, plan, U, Kn, g) -> None:
     _append_entries(buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.slot, U, Kn, g,

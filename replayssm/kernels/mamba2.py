@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ._triton import HAVE_TRITON, pad16, next_pow2, triton, tl
+from .append import append_entries
 
 __all__ = [
     "recurrent_step",
@@ -106,40 +107,6 @@ if HAVE_TRITON:
             tl.store(y_ptr + ((rT + t) * H + hd) * d + offs_d, y.to(y_ptr.dtype.element_ty), mask=md)
             tl.store(snap_ptr + ((rT + t) * H + hd) * d * n + tile, S.to(snap_ptr.dtype.element_ty),
                      mask=m2)
-
-    @triton.jit
-    def _m2_append_kernel(
-        xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, bt_ptr, x_ptr, B_ptr, dt_ptr,
-        T, L, H, G, HD, GN, MAXB,
-        BHD: tl.constexpr, BGN: tl.constexpr, BH: tl.constexpr, PAGED: tl.constexpr,
-    ):
-        """Append this step's T entries ``(x, B, dt)`` per row at ring (or paged) positions
-        ``h + s``; one program per (row, s).  Runs after the verify kernel (stream order), so
-        no program of that kernel can still be reading an overwritten entry."""
-        r = tl.program_id(0).to(tl.int64)
-        s = tl.program_id(1)
-        h = tl.load(hist_ptr + r).to(tl.int64)
-        if PAGED:
-            j = h + s
-            e = tl.load(bt_ptr + r * MAXB + j // L).to(tl.int64) * L + j % L
-        else:
-            slot = tl.load(slot_ptr + r).to(tl.int64)
-            start = tl.load(start_ptr + r).to(tl.int64)
-            e = slot * L + (start + h + s) % L
-        tok = r * T + s
-        for o in range(0, HD, BHD):
-            offs = o + tl.arange(0, BHD)
-            m = offs < HD
-            tl.store(xr_ptr + e * HD + offs, tl.load(x_ptr + tok * HD + offs, mask=m), mask=m)
-        for o in range(0, GN, BGN):
-            offs = o + tl.arange(0, BGN)
-            m = offs < GN
-            tl.store(Br_ptr + e * GN + offs, tl.load(B_ptr + tok * GN + offs, mask=m), mask=m)
-        for o in range(0, H, BH):
-            offs = o + tl.arange(0, BH)
-            m = offs < H
-            v = tl.load(dt_ptr + tok * H + offs, mask=m, other=0.0)
-            tl.store(dtr_ptr + e * H + offs, v.to(dtr_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _m2_scores_kernel(
@@ -559,17 +526,7 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
 
 def _append(xr, Br, dtr, slot, start, hist, bt, x, B, dt, L, paged: bool) -> None:
     """One launch appending ``(x, B, dt) [Bt,T,...]`` at positions ``h + s`` of each row."""
-    Bt, T, H, d = x.shape
-    G, n = B.shape[-2:]
-    if Bt == 0 or T == 0:
-        return
-    x, B, dt = _c(x), _c(B), _c(dt)
-    _m2_append_kernel[(Bt, T)](
-        xr, Br, dtr, slot, start, hist, bt, x, B, dt, T, L, H, G, H * d, G * n,
-        bt.shape[1] if paged else 1,
-        BHD=min(2048, next_pow2(H * d)), BGN=min(2048, next_pow2(G * n)), BH=min(1024, next_pow2(H)),
-        PAGED=paged, num_warps=4)
-
+    append_entries((xr, Br, dtr), (x, B, dt), slot, start, hist, bt if paged else None, L)
 
 def _write_entries(buf, plan, x, B, dt) -> None:
     _append(buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.slot, x, B, dt,
