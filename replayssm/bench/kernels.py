@@ -423,11 +423,12 @@ def run(args) -> dict:
         gdn_variants += [dict(route="state", block_v=bv, num_warps=4, precision=p)
                          for bv in (16, 32) for p in ("tf32x3", "tf32")]
     if cuda_t and args.quick:
-        m2_variants = [dict(block_d=bd, pre_scores=True, num_warps=2, precision="tf32x3", flush_dot=True,
-                            flush_mode=fm) for bd in (32, 64) for fm in ("fold", "rows")]
-        gdn_variants = [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3", flush_dot=fd,
-                             flush_mode=fm) for bv, nw in ((32, 1), (64, 2))
-                        for fd, fm in ((False, "fold"), (False, "rows"), (True, "rows"))]
+        m2_variants = [dict(block_d=64, pre_scores=True, num_warps=2, precision="tf32x3", flush_dot=True)]
+        m2_variants += [dict(block_d=bd, pre_scores=True, num_warps=nw, precision="tf32x3", split_flush=True)
+                        for bd, nw in ((64, 2), (64, 4), (32, 2), (32, 4), (16, 2), (16, 4))]
+        gdn_variants = [dict(route="output", block_v=64, num_warps=2, precision="tf32x3", flush_dot=False)]
+        gdn_variants += [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3", split_flush=True)
+                         for bv, nw in ((64, 2), (64, 4), (32, 1), (32, 2), (16, 1))]
         Ts = [1, 2, 4, 6]
     rec_m2_variants = [dict(block_d=b, num_warps=w) for b in (4, 8, 16) for w in (2, 4)] if device == "cuda" else [{}]
     rec_gdn_variants = [dict(block_v=b, num_warps=w) for b in (8, 16, 32) for w in (1, 2, 4)] if device == "cuda" else [{}]
@@ -658,11 +659,13 @@ def verify_sweep(fam, store, s, setup, inputs, mod, timer, device, dtype, Bt, L,
     buf = setup(Bt, L, s, device, dtype)
     ring = _ring(Bt + 1, L, device)
     if fam == "mamba2":
-        variants = [dict(block_d=bd, num_warps=nw, precision="tf32x3", split_flush=True)
-                    for bd, nw in ((64, 2), (32, 2))]
+        variants = [dict(block_d=64, num_warps=4, precision="tf32x3")]
+        variants += [dict(block_d=bd, num_warps=nw, precision="tf32x3", split_flush=True)
+                     for bd, nw in ((64, 4), (64, 2), (32, 2), (32, 4), (16, 4))]
     else:
-        variants = [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3", split_flush=True)
-                    for bv, nw in ((32, 1), (16, 1))]
+        variants = [dict(route="output", block_v=64, num_warps=2, precision="tf32x3")]
+        variants += [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3",
+                          split_flush=True) for bv, nw in ((64, 2), (64, 4), (32, 1), (32, 2), (16, 1))]
     res = store["verify_variants"] = {}
     best = None
     for var in variants:

@@ -93,7 +93,7 @@ if HAVE_TRITON:
         L, H, HV, K, V, REP, scale,
         LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PREC: tl.constexpr, FLUSH_DOT: tl.constexpr,
-        DO_FLUSH: tl.constexpr, ROWS: tl.constexpr,
+        DO_FLUSH: tl.constexpr,
     ):
         """Alg. 6: ``u = β(v − α S_h k)``, ``y = α S_h q + u (k·q)``; appends ``(u, k, g)``;
         flush rows store ``α S_h + k ⊗ u``.  State route: rebuild the ``[K, BV]`` tile of
@@ -106,21 +106,14 @@ if HAVE_TRITON:
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int64)
         h = tl.load(hist_ptr + r).to(tl.int64)
-        fl = tl.load(flush_ptr + r)
-        flush = fl != 0
-        if ROWS == 1:  # this launch serves the rows that do not flush
-            go = fl == 0
-        elif ROWS == 2:  # ... the rows that flush
-            go = fl != 0
-        else:
-            go = h >= 0
+        flush = tl.load(flush_ptr + r) != 0
         offs_k = tl.arange(0, BK)
         offs_v = vb * BV + tl.arange(0, BV)
-        mk = tl.where(go, offs_k < K, False)
-        mv = tl.where(go, offs_v < V, False)
+        mk = offs_k < K
+        mv = offs_v < V
         m2 = mk[:, None] & mv[None, :]
         jj = tl.arange(0, LP)
-        mj = tl.where(go, jj < h, False)
+        mj = jj < h
         e = slot * L + (start + jj) % L
         soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
         S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
@@ -157,7 +150,7 @@ if HAVE_TRITON:
         enew = slot * L + (start + h) % L
         tl.store(ur_ptr + (enew * HV + hv) * V + offs_v, u.to(ur_ptr.dtype.element_ty), mask=mv)
         if vb == 0:
-            tl.store(gr_ptr + enew * HV + hv, gv.to(gr_ptr.dtype.element_ty), mask=go)
+            tl.store(gr_ptr + enew * HV + hv, gv.to(gr_ptr.dtype.element_ty))
             if hv % REP == 0:
                 tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
         if DO_FLUSH and flush:
@@ -426,15 +419,11 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
 def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = 32, num_warps: int = 1,
-                  precision: str = "tf32x3", flush_dot: bool = False, flush_mode: str = "rows") -> Tensor:
-    """Replay decode (Alg. 6): appends ``(u, k, g)``; flush rows store ``S_{h+1}`` (output
-    route: ``flush_dot=False`` rebuilds ``S_h`` by rank-1 updates read from the ring, ``True``
-    by one ``tl.dot``), by ``flush_mode``: ``"inline"`` in the one launch, ``"fold"`` in a
-    second kernel that folds the ring (new entry included) into the checkpoint, ``"rows"`` in
-    two launches of the decode kernel (rows that do not flush, compiled without the flush
-    code; then the rows that do)."""
-    if flush_mode not in ("inline", "fold", "rows"):
-        raise ValueError(f"flush_mode must be 'inline', 'fold' or 'rows', got {flush_mode!r}")
+                  precision: str = "tf32x3", flush_dot: bool = False, split_flush: bool = True) -> Tensor:
+    """Replay decode (Alg. 6) in one launch; appends ``(u, k, g)`` and flushes in-kernel
+    (output route: ``flush_dot=False`` rebuilds ``S_h`` by rank-1 updates read from the ring,
+    ``True`` by one ``tl.dot``), or with ``split_flush`` in a second kernel that folds the
+    ring (new entry included) into the checkpoint."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     if plan.kind != "decode":
@@ -447,14 +436,12 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     BV = _bv(V, block_v)
     y = torch.empty_like(v)
     if Bt:
-        for rows in ((1, 2) if flush_mode == "rows" else (0,)):
-            _gdn_replay_decode_kernel[(triton.cdiv(V, BV), HV, Bt)](
-                buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
-                q, k, v, g, beta, y, L, H, HV, K, V, HV // H, _scale(scale, K),
-                LP=pad16(L), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), OUTPUT_ROUTE=route == "output",
-                PREC=precision, FLUSH_DOT=bool(flush_dot), DO_FLUSH=flush_mode != "fold" and rows != 1,
-                ROWS=rows, num_warps=num_warps)
-        if flush_mode == "fold":
+        _gdn_replay_decode_kernel[(triton.cdiv(V, BV), HV, Bt)](
+            buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
+            q, k, v, g, beta, y, L, H, HV, K, V, HV // H, _scale(scale, K),
+            LP=pad16(L), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), OUTPUT_ROUTE=route == "output",
+            PREC=precision, FLUSH_DOT=bool(flush_dot), DO_FLUSH=not split_flush, num_warps=num_warps)
+        if split_flush:
             _gdn_fold_kernel[(triton.cdiv(V, BV), HV, Bt)](
                 buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
                 L, H, HV, K, V, HV // H, 1, LP=pad16(L), BK=pad16(K), BV=BV, PREC=precision,

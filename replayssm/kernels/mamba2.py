@@ -146,7 +146,7 @@ if HAVE_TRITON:
         L, H, G, d, n, HPG,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
         HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr, FLUSH_DOT: tl.constexpr,
-        DO_FLUSH: tl.constexpr, ROWS: tl.constexpr,
+        DO_FLUSH: tl.constexpr,
     ):
         """Alg. 2, output-only: ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + D x``.
 
@@ -158,21 +158,14 @@ if HAVE_TRITON:
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int64)
         h = tl.load(hist_ptr + r).to(tl.int64)
-        fl = tl.load(flush_ptr + r)
-        flush = fl != 0
-        if ROWS == 1:  # this launch serves the rows that do not flush
-            go = fl == 0
-        elif ROWS == 2:  # ... the rows that flush
-            go = fl != 0
-        else:
-            go = h >= 0
+        flush = tl.load(flush_ptr + r) != 0
         offs_d = db * BD + tl.arange(0, BD)
         offs_n = tl.arange(0, BN)
-        md = tl.where(go, offs_d < d, False)
-        mn = tl.where(go, offs_n < n, False)
+        md = offs_d < d
+        mn = offs_n < n
         m2 = md[:, None] & mn[None, :]
         jj = tl.arange(0, LP)
-        mj = tl.where(go, jj < h, False)
+        mj = jj < h
         e = slot * L + (start + jj) % L  # ring entry of history position j
         # ---- loads: checkpoint tile, ring, this token
         soff = ((slot * H + hd) * d + offs_d[:, None]) * n + offs_n[None, :]
@@ -197,8 +190,8 @@ if HAVE_TRITON:
         wj = dtj * tl.exp(tot - cj + lv)  # 0 past h
         if PRE_SCORES:
             base = (r.to(tl.int64) * G + g) * (LP + 1)
-            sc = tl.load(sc_ptr + base + jj, mask=mj, other=0.0)
-            scn = tl.load(sc_ptr + base + LP, mask=go, other=0.0)
+            sc = tl.load(sc_ptr + base + jj)
+            scn = tl.load(sc_ptr + base + LP)
         else:
             Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
                          other=0.0).to(tl.float32)
@@ -213,7 +206,7 @@ if HAVE_TRITON:
         enew = slot * L + (start + h) % L
         tl.store(xr_ptr + (enew * H + hd) * d + offs_d, xraw, mask=md)
         if db == 0:
-            tl.store(dtr_ptr + enew * H + hd, dtv.to(dtr_ptr.dtype.element_ty), mask=go)
+            tl.store(dtr_ptr + enew * H + hd, dtv.to(dtr_ptr.dtype.element_ty))
             if not PRE_SCORES:
                 if hd % HPG == 0:
                     tl.store(Br_ptr + (enew * G + g) * n + offs_n, Braw, mask=mn)
@@ -436,19 +429,15 @@ def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C
 def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = 32, num_warps: int = 2, pre_scores: bool = True,
-                  precision: str = "tf32x3", flush_dot: bool = True, flush_mode: str = "rows") -> Tensor:
-    """Replay decode (Alg. 2); the output is always formed output-only (``route`` is accepted
-    for API parity: both routes give the same numbers).  ``pre_scores`` adds one small launch
-    computing the per-group ``B_j·C`` once.  Flush rows build ``S_{h+1}`` (``flush_dot``: one
-    ``tl.dot``, else rank-1 updates read from the ring), by ``flush_mode``:
+                  precision: str = "tf32x3", flush_dot: bool = True, split_flush: bool = True) -> Tensor:
+    """Replay decode (Alg. 2) in one launch (+1 with ``pre_scores``, +1 with ``split_flush``).
 
-    * ``"inline"``: in the one decode launch;
-    * ``"fold"``: a second kernel folds the ring (new entry included) into the checkpoint;
-    * ``"rows"``: two launches of the decode kernel, the first for the rows that do not flush
-      (compiled without the flush code), the second for the rows that do.
+    The output is always formed output-only (``route`` is accepted for API parity: both
+    routes give the same numbers).  Flush rows build ``S_{h+1}`` in the same program, by one
+    ``tl.dot`` (``flush_dot``) or rank-1 updates read from the ring; or, with
+    ``split_flush``, in a second kernel that folds the ring (new entry included) into the
+    checkpoint after the decode kernel.
     """
-    if flush_mode not in ("inline", "fold", "rows"):
-        raise ValueError(f"flush_mode must be 'inline', 'fold' or 'rows', got {flush_mode!r}")
     if route not in ("output", "state"):
         raise ValueError(f"bad route {route!r}: expected 'output' or 'state'")
     if plan.kind != "decode":
@@ -468,15 +457,13 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
         _m2_scores_kernel[(Bt, G)](buf.B, plan.slot, plan.start, plan.hist, B, C, sc, L, G, n,
                                    LP=LP, BN=BN, num_warps=4)
     grid = (triton.cdiv(d, BD), H, Bt)
-    for rows in ((1, 2) if flush_mode == "rows" else (0,)):
-        _m2_replay_decode_kernel[grid](
-            buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush,
-            x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
-            L, H, G, d, n, H // G,
-            LP=LP, BD=BD, BN=BN, HAS_D=D is not None, PRE_SCORES=bool(pre_scores), PREC=precision,
-            FLUSH_DOT=bool(flush_dot), DO_FLUSH=flush_mode != "fold" and rows != 1, ROWS=rows,
-            num_warps=num_warps)
-    if flush_mode == "fold":
+    _m2_replay_decode_kernel[grid](
+        buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush,
+        x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
+        L, H, G, d, n, H // G,
+        LP=LP, BD=BD, BN=BN, HAS_D=D is not None, PRE_SCORES=bool(pre_scores), PREC=precision,
+        FLUSH_DOT=bool(flush_dot), DO_FLUSH=not split_flush, num_warps=num_warps)
+    if split_flush:
         _m2_fold_kernel[grid](
             buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush, A,
             L, H, G, d, n, H // G, 1, LP=LP, BD=BD, BN=BN, PREC=precision, num_warps=4)

@@ -167,11 +167,10 @@ def test_mamba2_recurrent(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("pre_scores,flush_dot,mode", [(False, True, "inline"), (True, False, "inline"),
-                                                        (False, False, "inline"), (True, True, "fold"),
-                                                        (False, True, "fold"), (True, True, "rows"),
-                                                        (False, False, "rows")])
-def test_mamba2_replay_decode_cycle(device, pre_scores, flush_dot, mode):
+@pytest.mark.parametrize("pre_scores,flush_dot,split", [(False, True, False), (True, False, False),
+                                                         (False, False, False), (True, True, False),
+                                                         (True, True, True), (False, True, True)])
+def test_mamba2_replay_decode_cycle(device, pre_scores, flush_dot, split):
     """Several decode steps in a row (fills, flushes, ring wrap), kernel vs naive each step."""
     s = shapes(device)
     ring, slots, buf = prep_m2(s, device, seed=2)
@@ -182,7 +181,7 @@ def test_mamba2_replay_decode_cycle(device, pre_scores, flush_dot, mode):
         plan = ring.plan_decode(slots)
         y_ref = N2.replay_decode(ref, plan, x, dt, A, B, C, D)
         y = K2.replay_decode(buf, plan, x, dt, A, B, C, D, pre_scores=pre_scores, flush_dot=flush_dot,
-                             flush_mode=mode)
+                             split_flush=split)
         real = slots != 0
         close(y_ref[real], y[real], s["dtype"], f"y step {step}")
         close_buffers(ref, buf, s["dtype"], M2_BUF)
@@ -330,11 +329,10 @@ def test_gdn_recurrent_and_snapshot(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("route,flush_dot,mode", [("state", False, "inline"), ("output", False, "inline"),
-                                                  ("output", True, "inline"), ("output", False, "fold"),
-                                                  ("state", False, "fold"), ("output", False, "rows"),
-                                                  ("output", True, "rows"), ("state", False, "rows")])
-def test_gdn_replay_decode_cycle(device, route, flush_dot, mode):
+@pytest.mark.parametrize("route,flush_dot,split", [("state", False, False), ("output", False, False),
+                                                   ("output", True, False), ("output", False, True),
+                                                   ("state", False, True)])
+def test_gdn_replay_decode_cycle(device, route, flush_dot, split):
     s = shapes(device)
     ring, slots, buf = prep_gdn(s, device, seed=7)
     ref = clone_gdn(buf)
@@ -344,7 +342,7 @@ def test_gdn_replay_decode_cycle(device, route, flush_dot, mode):
         plan = ring.plan_decode(slots)
         y_ref = NG.replay_decode(ref, plan, q, k, v, g, beta)
         y = KG.replay_decode(buf, plan, q, k, v, g, beta, route=route, flush_dot=flush_dot,
-                             flush_mode=mode)
+                             split_flush=split)
         real = slots != 0
         close(y_ref[real], y[real], s["dtype"], f"y step {step}")
         close_buffers(ref, buf, s["dtype"], GDN_BUF)
