@@ -26,7 +26,6 @@ import argparse
 import datetime as _dt
 import importlib
 import json
-import math
 import os
 import sys
 import time
@@ -423,12 +422,10 @@ def run(args) -> dict:
         gdn_variants += [dict(route="state", block_v=bv, num_warps=4, precision=p)
                          for bv in (16, 32) for p in ("tf32x3", "tf32")]
     if cuda_t and args.quick:
-        m2_variants = [dict(block_d=64, pre_scores=True, num_warps=2, precision="tf32x3", flush_dot=True)]
-        m2_variants += [dict(block_d=bd, pre_scores=True, num_warps=nw, precision="tf32x3", split_flush=True)
-                        for bd, nw in ((64, 2), (64, 4), (32, 2), (32, 4), (16, 2), (16, 4))]
-        gdn_variants = [dict(route="output", block_v=64, num_warps=2, precision="tf32x3", flush_dot=False)]
-        gdn_variants += [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3", split_flush=True)
-                         for bv, nw in ((64, 2), (64, 4), (32, 1), (32, 2), (16, 1))]
+        m2_variants = [dict(block_d=bd, pre_scores=True, num_warps=nw, precision="tf32x3")
+                       for bd, nw in ((32, 2), (64, 2), (64, 4), (16, 4))]
+        gdn_variants = [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3")
+                        for bv, nw in ((32, 1), (64, 2), (32, 2), (16, 1))]
         Ts = [1, 2, 4, 6]
     rec_m2_variants = [dict(block_d=b, num_warps=w) for b in (4, 8, 16) for w in (2, 4)] if device == "cuda" else [{}]
     rec_gdn_variants = [dict(block_v=b, num_warps=w) for b in (8, 16, 32) for w in (1, 2, 4)] if device == "cuda" else [{}]
@@ -651,21 +648,19 @@ def run(args) -> dict:
 
 
 def verify_sweep(fam, store, s, setup, inputs, mod, timer, device, dtype, Bt, L, base_kw, args) -> dict:
-    """Time T=4 replay verify variants (tile, warps, split flush) at a
-    non-flush fill (h = 0) and a flush fill (h = L - T); return the fastest variant's kwargs."""
+    """Time T=4 replay verify variants (tile, warps) at a non-flush fill (h = 0) and a flush
+    fill (h = L - T); return the fastest variant's kwargs."""
     T = min(4, L // 2)
     slots = torch.arange(1, Bt + 1, device=device)
     inp = inputs(Bt, s, device, dtype, T)
     buf = setup(Bt, L, s, device, dtype)
     ring = _ring(Bt + 1, L, device)
     if fam == "mamba2":
-        variants = [dict(block_d=64, num_warps=4, precision="tf32x3")]
-        variants += [dict(block_d=bd, num_warps=nw, precision="tf32x3", split_flush=True)
-                     for bd, nw in ((64, 4), (64, 2), (32, 2), (32, 4), (16, 4))]
+        variants = [dict(block_d=bd, num_warps=nw, precision="tf32x3")
+                    for bd, nw in ((64, 2), (64, 4), (32, 2), (32, 4), (16, 4))]
     else:
-        variants = [dict(route="output", block_v=64, num_warps=2, precision="tf32x3")]
-        variants += [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3",
-                          split_flush=True) for bv, nw in ((64, 2), (64, 4), (32, 1), (32, 2), (16, 1))]
+        variants = [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3")
+                    for bv, nw in ((32, 1), (16, 1), (32, 2), (64, 2), (64, 4))]
     res = store["verify_variants"] = {}
     best = None
     for var in variants:

@@ -34,6 +34,29 @@ def pad16(x: int) -> int:
     return max(16, next_pow2(x))
 
 
+def tile(size: int, block: int | None, default: int) -> int:
+    """Tile width along an axis of ``size``: ``block`` (else ``default``) rounded up to a power
+    of two and clamped to [16, next_pow2(size)] (``tl.dot`` needs 16)."""
+    return max(16, min(next_pow2(block if block else default), next_pow2(size)))
+
+
+def contiguous(t):
+    """``t.contiguous()`` (None stays None): the kernels index flat row-major buffers."""
+    return None if t is None else t.contiguous()
+
+
+def check_ring(named: tuple, plan, Bt: int, T: int) -> None:
+    """Each ``(name, tensor, expected shape)`` of a layer's buffers has that shape and is
+    contiguous, and ``plan`` matches ``Bt`` rows of ``T`` new tokens."""
+    for name, t, shape in named:
+        if tuple(t.shape) != shape:
+            raise ValueError(f"buf.{name} has shape {tuple(t.shape)}, expected {shape}")
+        if not t.is_contiguous():
+            raise ValueError(f"buf.{name} must be contiguous for the Triton kernels")
+    if plan.batch != Bt or plan.num_new != T:
+        raise ValueError(f"plan ({plan.batch} rows, {plan.num_new} new) does not match inputs ({Bt}, {T})")
+
+
 def usable(*tensors) -> bool:
     """Kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
     if not HAVE_TRITON:

@@ -10,8 +10,7 @@ Every function takes the same arguments as the op of the same name in
 
 The environment variable ``REPLAYSSM_KERNELS`` (``triton`` / ``naive``) overrides
 ``"auto"``.  Kernel-only tuning keywords (``block_d``, ``block_v``, ``num_warps``,
-``pre_scores``, ``bits``, ``precision``, ``snapshots``, ``flush_dot``, ``split_flush``) are
-dropped when the naive op runs.
+``pre_scores``, ``bits``, ``precision``, ``snapshots``) are dropped when the naive op runs.
 
 :func:`ops_for` returns the object the layers call (``layer._ops()``): it has every
 attribute of the naive module, and the ops that have a kernel (:data:`ROUTED`) choose the
@@ -33,8 +32,7 @@ from torch import Tensor
 from . import _triton
 
 _BACKENDS = ("auto", "triton", "naive")
-_KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "precision", "snapshots",
-                "flush_dot", "split_flush")
+_KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "precision", "snapshots")
 #: ops of both families that have a Triton kernel with the naive op's signature
 ROUTED = ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify", "kv_verify",
           "snapshot_verify")

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
+from ._triton import HAVE_TRITON, check_ring, next_pow2, pad16, tile, triton, tl
+from ._triton import contiguous as _c
 from .append import append_entries
 
 __all__ = [
@@ -88,15 +89,14 @@ if HAVE_TRITON:
     @triton.jit
     def _gdn_replay_decode_kernel(
         state_ptr, ur_ptr, kr_ptr, gr_ptr,
-        slot_ptr, start_ptr, hist_ptr, flush_ptr,
+        slot_ptr, start_ptr, hist_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr,
         L, H, HV, K, V, REP, scale,
         LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PREC: tl.constexpr, FLUSH_DOT: tl.constexpr,
-        DO_FLUSH: tl.constexpr,
+        L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PREC: tl.constexpr,
     ):
         """Alg. 6: ``u = β(v − α S_h k)``, ``y = α S_h q + u (k·q)``; appends ``(u, k, g)``;
-        flush rows store ``α S_h + k ⊗ u``.  State route: rebuild the ``[K, BV]`` tile of
+        flush rows are folded afterwards by ``_gdn_fold_kernel``.  State route: rebuild the ``[K, BV]`` tile of
         ``S_h`` (one small GEMM) and read it twice.  Output route: ``S_h k``/``S_h q`` from one
         read of ``S0`` plus ``Σ_j w_j (k_j·x) u_j``; ``S_h`` only on flush rows."""
         vb = tl.program_id(0)  # V-blocks of one (row, head) run side by side: they share DRAM pages
@@ -106,7 +106,6 @@ if HAVE_TRITON:
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int64)
         h = tl.load(hist_ptr + r).to(tl.int64)
-        flush = tl.load(flush_ptr + r) != 0
         offs_k = tl.arange(0, BK)
         offs_v = vb * BV + tl.arange(0, BV)
         mk = offs_k < K
@@ -153,24 +152,6 @@ if HAVE_TRITON:
             tl.store(gr_ptr + enew * HV + hv, gv.to(gr_ptr.dtype.element_ty))
             if hv % REP == 0:
                 tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
-        if DO_FLUSH and flush:
-            if OUTPUT_ROUTE:
-                if FLUSH_DOT:
-                    Sh = a0 * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
-                else:  # rank-1 updates from the ring: no shared-memory tile for a rare branch
-                    Sh = a0 * S0
-                    for j in range(0, h):
-                        ej = slot * L + (start + j) % L
-                        kj = tl.load(kr_ptr + (ej * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-                        uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-                        wjs = tl.sum(tl.where(jj == j, wj, 0.0), 0)
-                        Sh += (wjs * kj)[:, None] * uj[None, :]
-            # the newest entry as the ring stores it (the checkpoint is a fold of stored entries)
-            a_s = tl.exp(gv.to(gr_ptr.dtype.element_ty).to(tl.float32))
-            k_s = k.to(kr_ptr.dtype.element_ty).to(tl.float32)
-            u_s = u.to(ur_ptr.dtype.element_ty).to(tl.float32)
-            Snew = a_s * Sh + k_s[:, None] * u_s[None, :]
-            tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
     def _gdn_fold_kernel(
@@ -214,12 +195,11 @@ if HAVE_TRITON:
     @triton.jit
     def _gdn_verify_rows_kernel(
         state_ptr, ur_ptr, kr_ptr, gr_ptr,
-        slot_ptr, start_ptr, hist_ptr, flush_ptr, bt_ptr,
+        slot_ptr, start_ptr, hist_ptr, bt_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bits_ptr, y_ptr, uo_ptr, ko_ptr,
         T, L, H, HV, K, V, REP, MAXB, scale,
         TP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
-        DO_FLUSH: tl.constexpr,
+        L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr,
     ):
         """Alg. 8 (and STree, KV-only), output route, one draft at a time.
 
@@ -229,7 +209,7 @@ if HAVE_TRITON:
         substitution; then ``Y = e^{G} S_h q + (mask ∘ e^{G_s−G_s'} QKᵀ) U`` as outer-product
         sums.  Register tiles only: the ``[BK, BV]`` checkpoint tile is read once.  Writes
         ``U`` and the normalised keys to scratch (appended by the wrapper).  PAGED: KV-only
-        (``S0 = 0``).  DO_FLUSH: flush rows store ``S_h`` here, else the fold kernel does."""
+        (``S0 = 0``).  Flush rows are folded by ``_gdn_fold_kernel`` after this kernel."""
         vb = tl.program_id(0)  # V-blocks of one (row, head) run side by side: they share DRAM pages
         hv = tl.program_id(1)
         r = tl.program_id(2)
@@ -324,18 +304,9 @@ if HAVE_TRITON:
             if hv % REP == 0:
                 tl.store(ko_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], Kn.to(ko_ptr.dtype.element_ty),
                          mask=mks)
-        if DO_FLUSH and not PAGED:
-            flush = tl.load(flush_ptr + r) != 0
-            if flush:
-                Sh = a0 * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
-                tl.store(state_ptr + soff, Sh.to(state_ptr.dtype.element_ty), mask=m2)
 
 
 # =============================================================================== wrappers
-def _c(t):
-    return None if t is None else t.contiguous()
-
-
 def _dims(q: Tensor, v: Tensor, has_time: bool):
     if has_time:
         Bt, T, H, K = q.shape
@@ -348,8 +319,7 @@ def _dims(q: Tensor, v: Tensor, has_time: bool):
 
 
 def _bv(V: int, block_v: int | None) -> int:
-    """V-tile width: ``block_v`` (default 32) clamped to [16, next_pow2(V)] (``tl.dot`` needs 16)."""
-    return max(16, min(next_pow2(block_v if block_v else 32), next_pow2(V)))
+    return tile(V, block_v, 32)
 
 
 def _scale(scale, K):
@@ -359,15 +329,8 @@ def _scale(scale, K):
 def _check_ring(buf, plan, v: Tensor, dims) -> None:
     Bt, T, H, HV, K, V = dims
     P, L = buf.state.shape[0], plan.capacity
-    for name, t, shape in (("state", buf.state, (P, HV, K, V)), ("u", buf.u, (P, L, HV, V)),
-                           ("k", buf.k, (P, L, H, K)), ("g", buf.g, (P, L, HV))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"buf.{name} has shape {tuple(t.shape)}, expected {shape}")
-        if not t.is_contiguous():
-            raise ValueError(f"buf.{name} must be contiguous for the Triton kernels")
-    if plan.batch != Bt or plan.num_new != T:
-        raise ValueError(f"plan ({plan.batch} rows, {plan.num_new} new) does not match inputs ({Bt}, {T})")
-
+    check_ring((("state", buf.state, (P, HV, K, V)), ("u", buf.u, (P, L, HV, V)),
+                ("k", buf.k, (P, L, H, K)), ("g", buf.g, (P, L, HV))), plan, Bt, T)
 
 def recurrent_update(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                      scale: float | None = None, use_qk_l2norm: bool = True, slot: Tensor | None = None,
@@ -416,14 +379,25 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
     return y, snapshots
 
 
+def _fold(buf, plan, extra: int, grid, BV: int, precision: str) -> None:
+    """Flush rows: fold the first ``h + extra`` ring entries into the checkpoint (after the
+    decode (``extra = 1``, the new entry as the ring stores it) or verify (``extra = 0``)
+    kernel)."""
+    P, HV, K, V = buf.state.shape
+    H = buf.k.shape[2]
+    L = plan.capacity
+    _gdn_fold_kernel[grid](
+        buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
+        L, H, HV, K, V, HV // H, extra, LP=pad16(L), BK=pad16(K), BV=BV, PREC=precision, num_warps=4)
+
+
 def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = 32, num_warps: int = 1,
-                  precision: str = "tf32x3", flush_dot: bool = False, split_flush: bool = True) -> Tensor:
-    """Replay decode (Alg. 6) in one launch; appends ``(u, k, g)`` and flushes in-kernel
-    (output route: ``flush_dot=False`` rebuilds ``S_h`` by rank-1 updates read from the ring,
-    ``True`` by one ``tl.dot``), or with ``split_flush`` in a second kernel that folds the
-    ring (new entry included) into the checkpoint."""
+                  precision: str = "tf32x3") -> Tensor:
+    """Replay decode (Alg. 6): the decode kernel appends ``(u, k, g)``, then the fold kernel
+    updates the checkpoints of the rows that flush.  ``precision``: the ``tl.dot`` of the
+    state route and of the fold."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     if plan.kind != "decode":
@@ -436,21 +410,20 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     BV = _bv(V, block_v)
     y = torch.empty_like(v)
     if Bt:
-        _gdn_replay_decode_kernel[(triton.cdiv(V, BV), HV, Bt)](
-            buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
+        grid = (triton.cdiv(V, BV), HV, Bt)
+        _gdn_replay_decode_kernel[grid](
+            buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist,
             q, k, v, g, beta, y, L, H, HV, K, V, HV // H, _scale(scale, K),
             LP=pad16(L), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), OUTPUT_ROUTE=route == "output",
-            PREC=precision, FLUSH_DOT=bool(flush_dot), DO_FLUSH=not split_flush, num_warps=num_warps)
-        if split_flush:
-            _gdn_fold_kernel[(triton.cdiv(V, BV), HV, Bt)](
-                buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
-                L, H, HV, K, V, HV // H, 1, LP=pad16(L), BK=pad16(K), BV=BV, PREC=precision,
-                num_warps=4)
+            PREC=precision, num_warps=num_warps)
+        _fold(buf, plan, 1, grid, BV, precision)
     return y
 
 
 def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, paged=None,
-            block_v=None, num_warps=4, ring_dtype=None, precision="ieee", split_flush=False):
+            block_v=None, num_warps=4, ring_dtype=None, precision="ieee"):
+    """The verify kernel (output route: both routes give the same numbers up to rounding);
+    in ring form then the fold kernel for the rows that flush."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     Bt, T, H, HV, K, V = _dims(q, v, True)
@@ -462,26 +435,20 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
     if Bt == 0:
         return y, U, Kn
     grid = (triton.cdiv(V, BV), HV, Bt)
-    split = bool(split_flush) and paged is None  # flush rows folded by a second kernel
     common = dict(TP=max(2, next_pow2(T)), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), TREE=bits is not None,
-                  PREC=precision, DO_FLUSH=not split, num_warps=num_warps)
-    kern = _gdn_verify_rows_kernel  # output route: both routes give the same numbers up to rounding
+                  num_warps=num_warps)
     if paged is None:
-        kern[grid](
-            buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush, plan.slot,
+        _gdn_verify_rows_kernel[grid](
+            buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.slot,
             q, k, v, g, beta, bits if bits is not None else plan.slot, y, U, Kn,
             T, plan.capacity, H, HV, K, V, HV // H, 1, _scale(scale, K),
             LP=pad16(plan.capacity), PAGED=False, **common)
-        if split:  # S_h over the committed entries (EXTRA = 0), after every draft read S0
-            _gdn_fold_kernel[grid](
-                buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
-                plan.capacity, H, HV, K, V, HV // H, 0, LP=pad16(plan.capacity), BK=pad16(K), BV=BV,
-                PREC=precision, num_warps=4)
+        _fold(buf, plan, 0, grid, BV, precision)  # S_h (committed entries), after every draft read S0
     else:
         kv, pplan = paged
         bt = pplan.block_table.contiguous()
-        kern[grid](
-            v, kv.u, kv.k, kv.g, pplan.slot, pplan.length, pplan.length, pplan.length, bt,
+        _gdn_verify_rows_kernel[grid](
+            v, kv.u, kv.k, kv.g, pplan.slot, pplan.length, pplan.length, bt,
             q, k, v, g, beta, bits if bits is not None else pplan.slot, y, U, Kn,
             T, pplan.block_size, H, HV, K, V, HV // H, bt.shape[1], _scale(scale, K),
             LP=pad16(pplan.max_len), PAGED=True, **common)
@@ -499,17 +466,17 @@ def _append(buf, plan, U, Kn, g) -> None:
 def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = 32, num_warps: int = 1,
-                  precision: str = "tf32x3", split_flush: bool = True) -> Tensor:
-    """Replay verify of T drafts (Alg. 8): one kernel (output route; ``route`` is accepted for
-    API parity), then one append kernel; flush rows store ``S_h`` (fold kernel with
-    ``split_flush``)."""
+                  precision: str = "tf32x3") -> Tensor:
+    """Replay verify of T drafts (Alg. 8): the verify kernel (output route; ``route`` is
+    accepted for API parity), the fold kernel (flush rows store ``S_h``), then one append
+    kernel."""
     if plan.kind != "verify":
         raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
     dims = _dims(q, v, True)
     _check_ring(buf, plan, v, dims)
     y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, None,
                        block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
-                       precision=precision, split_flush=split_flush)
+                       precision=precision)
     _append(buf, plan, U, Kn, g)
     return y
 
@@ -517,7 +484,7 @@ def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                 scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                 check: bool | None = None, bits: Tensor | None = None, block_v: int | None = 32,
-                num_warps: int = 1, precision: str = "tf32x3", split_flush: bool = True) -> Tensor:
+                num_warps: int = 1, precision: str = "tf32x3") -> Tensor:
     """Tree verify (STree + Alg. 8): the solve restricted to the ancestor mask."""
     from .mamba2 import tree_bits
 
@@ -529,7 +496,7 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
         bits = tree_bits(parent, dims[0])
     y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
-                       precision=precision, split_flush=split_flush)
+                       precision=precision)
     _append(buf, plan, U, Kn, g)
     return y
 
@@ -537,7 +504,7 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
 def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
               scale: float | None = None, use_qk_l2norm: bool = True, check: bool | None = None,
               parent: Tensor | None = None, route: str = "output", block_v: int | None = 32,
-              num_warps: int = 1, precision: str = "tf32x3", split_flush: bool = True) -> Tensor:
+              num_warps: int = 1, precision: str = "tf32x3") -> Tensor:
     """KV-only form (``S0 = 0``) over paged buffers (a draft tree when ``parent`` is given);
     appends ``(U, k, g)`` after the kernel."""
     from .mamba2 import tree_bits
@@ -545,8 +512,7 @@ def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     bits = None if parent is None else tree_bits(parent, q.shape[0])
     y, U, Kn = _verify(None, None, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        paged=(kv, pplan), block_v=block_v, num_warps=num_warps,
-                       ring_dtype=(kv.u.dtype, kv.k.dtype), precision=precision,
-                       split_flush=split_flush)
+                       ring_dtype=(kv.u.dtype, kv.k.dtype), precision=precision)
     _append_entries(kv.u, kv.k, kv.g, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
                     U, Kn, g, pplan.block_size, True)
     return y

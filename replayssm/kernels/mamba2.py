@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import HAVE_TRITON, pad16, next_pow2, triton, tl
+from ._triton import HAVE_TRITON, check_ring, next_pow2, pad16, tile, triton, tl
+from ._triton import contiguous as _c
 from .append import append_entries
 
 __all__ = [
@@ -141,16 +142,16 @@ if HAVE_TRITON:
     @triton.jit
     def _m2_replay_decode_kernel(
         state_ptr, xr_ptr, Br_ptr, dtr_ptr,
-        slot_ptr, start_ptr, hist_ptr, flush_ptr,
+        slot_ptr, start_ptr, hist_ptr,
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
         L, H, G, d, n, HPG,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr, FLUSH_DOT: tl.constexpr,
-        DO_FLUSH: tl.constexpr,
+        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr,
     ):
-        """Alg. 2, output-only: ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + D x``.
-
-        Flush rows (``h + 1 == L``) also store ``S_{h+1}`` (checkpoint, ring and new entry)."""
+        """Alg. 2, output-only: ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + D x``;
+        appends ``(x, B, dt)`` at ring position h.  Flush rows are folded afterwards by
+        ``_m2_fold_kernel`` (a ``tl.dot`` tile here, even in a rare branch, costs every
+        program its occupancy)."""
         db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
         hd = tl.program_id(1)
         r = tl.program_id(2)
@@ -158,7 +159,6 @@ if HAVE_TRITON:
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int64)
         h = tl.load(hist_ptr + r).to(tl.int64)
-        flush = tl.load(flush_ptr + r) != 0
         offs_d = db * BD + tl.arange(0, BD)
         offs_n = tl.arange(0, BN)
         md = offs_d < d
@@ -210,23 +210,6 @@ if HAVE_TRITON:
             if not PRE_SCORES:
                 if hd % HPG == 0:
                     tl.store(Br_ptr + (enew * G + g) * n + offs_n, Braw, mask=mn)
-        # ---- flush: S_{h+1} = e^{pre} S0 + Σ_j w_j x_j B_jᵀ + Δ x Bᵀ (tensor-core-free fp32 dot)
-        if DO_FLUSH and flush:
-            Snew = tl.exp(tot + lv) * S0 + (dtv * xv)[:, None] * Bv[None, :]
-            if FLUSH_DOT:
-                if PRE_SCORES:
-                    Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :],
-                                 mask=mj[:, None] & mn[None, :], other=0.0).to(tl.float32)
-                Xw = tl.where(mj[:, None], Xh * wj[:, None], 0.0)
-                Snew += tl.dot(tl.trans(Xw), Bh, input_precision=PREC)
-            else:  # rank-1 updates from the ring: no shared-memory tile for a rare branch
-                for j in range(0, h):
-                    ej = slot * L + (start + j) % L
-                    xj = tl.load(xr_ptr + (ej * H + hd) * d + offs_d, mask=md, other=0.0).to(tl.float32)
-                    bj = tl.load(Br_ptr + (ej * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
-                    wjs = tl.sum(tl.where(jj == j, wj, 0.0), 0)
-                    Snew += (wjs * xj)[:, None] * bj[None, :]
-            tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
     def _m2_fold_kernel(
@@ -273,12 +256,11 @@ if HAVE_TRITON:
     @triton.jit
     def _m2_verify_rows_kernel(
         state_ptr, xr_ptr, Br_ptr, dtr_ptr,
-        slot_ptr, start_ptr, hist_ptr, flush_ptr, bt_ptr,
+        slot_ptr, start_ptr, hist_ptr, bt_ptr,
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bits_ptr, y_ptr,
         T, L, H, G, d, n, HPG, MAXB,
         TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-        HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
-        DO_FLUSH: tl.constexpr,
+        HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr,
     ):
         """Alg. 4 (and STree, KV-only): T draft queries read the same checkpoint and history.
 
@@ -287,8 +269,8 @@ if HAVE_TRITON:
         where ``s⪯m`` is the causal chain or the tree's ancestor-or-self bits.  Only
         broadcast-multiply-reduce on register tiles (padded ``tl.dot``s for T ≤ 6 were 20×
         slower): the ``[BD, BN]`` checkpoint tile is read once and reused by every query.
-        PAGED: history from a block table, ``S0 = 0``, no flush (KV-only form).  DO_FLUSH:
-        flush rows store ``S_h`` (committed entries only) here, else the fold kernel does."""
+        PAGED: history from a block table, ``S0 = 0`` (KV-only form).  Flush rows are folded
+        (committed entries only) by ``_m2_fold_kernel`` after this kernel."""
         db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
         hd = tl.program_id(1)
         r = tl.program_id(2)
@@ -354,19 +336,9 @@ if HAVE_TRITON:
                 if HAS_D:
                     y += Dh * tl.sum(tl.where(ss[:, None] == m, Xn, 0.0), 0)
                 tl.store(y_ptr + (tm * H + hd) * d + offs_d, y.to(y_ptr.dtype.element_ty), mask=md)
-        if DO_FLUSH and not PAGED:
-            flush = tl.load(flush_ptr + r) != 0
-            if flush:  # S_h = e^{tot} S0 + Σ_{j<h} Δ_j e^{tot-cum_j} x_j B_jᵀ
-                Xw = tl.where(mj[:, None], Xh * (dtj * tl.exp(tot - cj))[:, None], 0.0)
-                Sh = tl.exp(tot) * S0 + tl.dot(tl.trans(Xw), Bh, input_precision=PREC)
-                tl.store(state_ptr + soff, Sh.to(state_ptr.dtype.element_ty), mask=m2)
 
 
 # =============================================================================== wrappers
-def _c(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.contiguous()
-
-
 def _dims(x: Tensor, B: Tensor, has_time: bool):
     if has_time:
         Bt, T, H, d = x.shape
@@ -379,23 +351,16 @@ def _dims(x: Tensor, B: Tensor, has_time: bool):
 
 
 def _block_d(d: int, block_d: int | None) -> int:
-    """d-tile height: ``block_d`` (default 64) clamped to [16, next_pow2(d)] (``tl.dot`` needs 16)."""
-    return max(16, min(next_pow2(block_d if block_d else 64), next_pow2(d)))
+    return tile(d, block_d, 64)
 
 
 def _check_ring(buf, plan, x: Tensor, dims) -> None:
     Bt, T, H, d, G, n = dims
     P, L = buf.state.shape[0], plan.capacity
-    for name, t, shape in (("state", buf.state, (P, H, d, n)), ("x", buf.x, (P, L, H, d)),
-                           ("B", buf.B, (P, L, G, n)), ("dt", buf.dt, (P, L, H))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"buf.{name} has shape {tuple(t.shape)}, expected {shape}")
-        if not t.is_contiguous():
-            raise ValueError(f"buf.{name} must be contiguous for the Triton kernels")
     if buf.x.dtype != x.dtype or buf.B.dtype != x.dtype:
         raise ValueError(f"dtype mismatch: inputs are {x.dtype}, ring holds {buf.x.dtype}/{buf.B.dtype}")
-    if plan.batch != Bt or plan.num_new != T:
-        raise ValueError(f"plan ({plan.batch} rows, {plan.num_new} new) does not match inputs ({Bt}, {T})")
+    check_ring((("state", buf.state, (P, H, d, n)), ("x", buf.x, (P, L, H, d)),
+                ("B", buf.B, (P, L, G, n)), ("dt", buf.dt, (P, L, H))), plan, Bt, T)
 
 
 def recurrent_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
@@ -426,17 +391,26 @@ def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C
     return y, new
 
 
+def _fold(buf, plan, A: Tensor, extra: int, grid, BD: int, precision: str) -> None:
+    """Flush rows: fold the first ``h + extra`` ring entries into the checkpoint (after the
+    decode (``extra = 1``, the new entry included) or verify (``extra = 0``) kernel)."""
+    P, H, d, n = buf.state.shape
+    G = buf.B.shape[2]
+    L = plan.capacity
+    _m2_fold_kernel[grid](
+        buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush, A,
+        L, H, G, d, n, H // G, extra, LP=pad16(L), BD=BD, BN=pad16(n), PREC=precision, num_warps=4)
+
+
 def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = 32, num_warps: int = 2, pre_scores: bool = True,
-                  precision: str = "tf32x3", flush_dot: bool = True, split_flush: bool = True) -> Tensor:
-    """Replay decode (Alg. 2) in one launch (+1 with ``pre_scores``, +1 with ``split_flush``).
+                  precision: str = "tf32x3") -> Tensor:
+    """Replay decode (Alg. 2): the decode kernel (+ the ``pre_scores`` kernel computing the
+    per-group ``B_j·C`` once), then the fold kernel for the rows that flush.
 
     The output is always formed output-only (``route`` is accepted for API parity: both
-    routes give the same numbers).  Flush rows build ``S_{h+1}`` in the same program, by one
-    ``tl.dot`` (``flush_dot``) or rank-1 updates read from the ring; or, with
-    ``split_flush``, in a second kernel that folds the ring (new entry included) into the
-    checkpoint after the decode kernel.
+    routes give the same numbers).  ``precision`` is the fold's ``tl.dot`` precision.
     """
     if route not in ("output", "state"):
         raise ValueError(f"bad route {route!r}: expected 'output' or 'state'")
@@ -458,15 +432,11 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
                                    LP=LP, BN=BN, num_warps=4)
     grid = (triton.cdiv(d, BD), H, Bt)
     _m2_replay_decode_kernel[grid](
-        buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush,
+        buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist,
         x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
         L, H, G, d, n, H // G,
-        LP=LP, BD=BD, BN=BN, HAS_D=D is not None, PRE_SCORES=bool(pre_scores), PREC=precision,
-        FLUSH_DOT=bool(flush_dot), DO_FLUSH=not split_flush, num_warps=num_warps)
-    if split_flush:
-        _m2_fold_kernel[grid](
-            buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush, A,
-            L, H, G, d, n, H // G, 1, LP=LP, BD=BD, BN=BN, PREC=precision, num_warps=4)
+        LP=LP, BD=BD, BN=BN, HAS_D=D is not None, PRE_SCORES=bool(pre_scores), num_warps=num_warps)
+    _fold(buf, plan, A, 1, grid, BD, precision)
     return y
 
 
@@ -486,41 +456,33 @@ def tree_bits(parent: Tensor, batch: int) -> Tensor:
     return (M.long() * w).sum(-1).to(torch.int32).contiguous()
 
 
-def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=4, precision="ieee",
-            split_flush=False):
+def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=4, precision="ieee"):
     dims = _dims(x, B, True)
     Bt, T, H, d, G, n = dims
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
-    BD, BN = _block_d(d, block_d), pad16(n)
-    kern = _m2_verify_rows_kernel
-    TP = max(2, next_pow2(T))
-    split = bool(split_flush) and paged is None  # flush rows folded by a second kernel
-    extra = dict(DO_FLUSH=not split)
+    BD, BN, TP = _block_d(d, block_d), pad16(n), max(2, next_pow2(T))
     y = torch.empty_like(x)
     if Bt == 0:
         return y
     grid = (triton.cdiv(d, BD), H, Bt)
     if paged is None:
         L = plan.capacity
-        kern[grid](
-            buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush, plan.slot,
+        _m2_verify_rows_kernel[grid](
+            buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.slot,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,
             T, L, H, G, d, n, H // G, 1,
             TP=TP, LP=pad16(L), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None, PAGED=False,
-            PREC=precision, num_warps=num_warps, **extra)
-        if split:  # S_h over the committed entries (EXTRA = 0), after every query read S0
-            _m2_fold_kernel[grid](
-                buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush, A,
-                L, H, G, d, n, H // G, 0, LP=pad16(L), BD=BD, BN=BN, PREC=precision, num_warps=4)
+            num_warps=num_warps)
+        _fold(buf, plan, A, 0, grid, BD, precision)  # S_h (committed entries), after every query read S0
     else:
         kv, pplan = paged
         bt = pplan.block_table.contiguous()
-        kern[grid](
-            x, kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, pplan.length, bt,
+        _m2_verify_rows_kernel[grid](
+            x, kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, bt,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else pplan.slot, y,
             T, pplan.block_size, H, G, d, n, H // G, bt.shape[1],
             TP=TP, LP=pad16(pplan.max_len), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None,
-            PAGED=True, PREC=precision, num_warps=num_warps, **extra)
+            PAGED=True, num_warps=num_warps)
     return y
 
 
@@ -535,16 +497,15 @@ def _write_entries(buf, plan, x, B, dt) -> None:
 
 def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
-                  block_d: int | None = None, num_warps: int = 2, precision: str = "tf32x3",
-                  split_flush: bool = True) -> Tensor:
-    """Replay verify of T drafts (Alg. 4): one kernel (flush rows store ``S_h``, in-kernel or
-    by the fold kernel with ``split_flush``), then one append kernel writes the T entries."""
+                  block_d: int | None = None, num_warps: int = 2, precision: str = "tf32x3") -> Tensor:
+    """Replay verify of T drafts (Alg. 4): the verify kernel, the fold kernel (flush rows
+    store ``S_h``), then one append kernel writes the T entries."""
     if plan.kind != "verify":
         raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
     dims = _dims(x, B, True)
     _check_ring(buf, plan, x, dims)
     y = _verify(buf, plan, x, dt, A, B, C, D, None, block_d=block_d, num_warps=num_warps,
-                precision=precision, split_flush=split_flush)
+                precision=precision)
     _write_entries(buf, plan, x, B, dt)
     return y
 
@@ -552,7 +513,7 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
 def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                 D: Tensor | None = None, route: str = "output", check: bool | None = None,
                 bits: Tensor | None = None, block_d: int | None = None, num_warps: int = 2,
-                precision: str = "tf32x3", split_flush: bool = True) -> Tensor:
+                precision: str = "tf32x3") -> Tensor:
     """Tree verify (STree) under the ancestor mask; ``bits`` (from :func:`tree_bits`) may be
     passed precomputed once per step for all layers."""
     if plan.kind != "tree":
@@ -561,22 +522,20 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
     _check_ring(buf, plan, x, dims)
     if bits is None:
         bits = tree_bits(parent, dims[0])
-    y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision,
-                split_flush=split_flush)
+    y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision)
     _write_entries(buf, plan, x, B, dt)
     return y
 
 
 def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
               D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
-              num_warps: int = 2, precision: str = "tf32x3", parent: Tensor | None = None,
-              split_flush: bool = True) -> Tensor:
+              num_warps: int = 2, precision: str = "tf32x3", parent: Tensor | None = None) -> Tensor:
     """KV-only form (no state) over paged buffers; appends the new entries after the kernel."""
     if kv.x.dtype != x.dtype or kv.B.dtype != x.dtype:
         raise ValueError(f"dtype mismatch: inputs are {x.dtype}, pool holds {kv.x.dtype}/{kv.B.dtype}")
     bits = None if parent is None else tree_bits(parent, x.shape[0])
     y = _verify(None, None, x, dt, A, B, C, D, bits, paged=(kv, pplan), block_d=block_d,
-                num_warps=num_warps, precision=precision, split_flush=split_flush)
+                num_warps=num_warps, precision=precision)
     _append(kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
             x, B, dt, pplan.block_size, True)
     return y

@@ -7,16 +7,12 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kernel_device import kernel_device  # noqa: E402
+
 from replayssm.cache.conv import ConvWindow, conv_decode  # noqa: E402
-from replayssm.kernels import _triton  # noqa: E402
 from replayssm.kernels import conv as KC  # noqa: E402
 
-if _triton.interpreting():
-    DEVICE = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:  # pragma: no cover
-    pytest.skip("neither the Triton interpreter nor a GPU is available", allow_module_level=True)
+DEVICE = kernel_device()
 
 
 @pytest.mark.parametrize("C,W,bias,act,dtype", [

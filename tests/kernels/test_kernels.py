@@ -10,12 +10,13 @@ padding rows' outputs are not compared).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+
+from kernel_device import kernel_device  # noqa: E402
 
 from replayssm.cache.buffers import GDNBuffers, Mamba2Buffers  # noqa: E402
 from replayssm.cache.ring import RingIndex  # noqa: E402
@@ -27,13 +28,7 @@ NG = pytest.importorskip("replayssm.ops.gdn.naive")
 from replayssm.kernels import gdn as KG  # noqa: E402
 from replayssm.kernels import mamba2 as K2  # noqa: E402
 
-DEVICES = []
-if _triton.interpreting():
-    DEVICES.append("cpu")
-if torch.cuda.is_available() and not _triton.interpreting():
-    DEVICES.append("cuda")
-if not DEVICES:
-    pytest.skip("neither the Triton interpreter nor a GPU is available", allow_module_level=True)
+DEVICES = [kernel_device()]
 
 
 def shapes(device):
@@ -167,10 +162,8 @@ def test_mamba2_recurrent(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("pre_scores,flush_dot,split", [(False, True, False), (True, False, False),
-                                                         (False, False, False), (True, True, False),
-                                                         (True, True, True), (False, True, True)])
-def test_mamba2_replay_decode_cycle(device, pre_scores, flush_dot, split):
+@pytest.mark.parametrize("pre_scores", [False, True])
+def test_mamba2_replay_decode_cycle(device, pre_scores):
     """Several decode steps in a row (fills, flushes, ring wrap), kernel vs naive each step."""
     s = shapes(device)
     ring, slots, buf = prep_m2(s, device, seed=2)
@@ -180,8 +173,7 @@ def test_mamba2_replay_decode_cycle(device, pre_scores, flush_dot, split):
         x, dt, A, B, C, D = m2_inputs(s, device)
         plan = ring.plan_decode(slots)
         y_ref = N2.replay_decode(ref, plan, x, dt, A, B, C, D)
-        y = K2.replay_decode(buf, plan, x, dt, A, B, C, D, pre_scores=pre_scores, flush_dot=flush_dot,
-                             split_flush=split)
+        y = K2.replay_decode(buf, plan, x, dt, A, B, C, D, pre_scores=pre_scores)
         real = slots != 0
         close(y_ref[real], y[real], s["dtype"], f"y step {step}")
         close_buffers(ref, buf, s["dtype"], M2_BUF)
@@ -190,8 +182,8 @@ def test_mamba2_replay_decode_cycle(device, pre_scores, flush_dot, split):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["verify", "tree"])
-@pytest.mark.parametrize("T,split", [(3, False), (4, False), (3, True), (4, True)])
-def test_mamba2_verify(device, kind, T, split):
+@pytest.mark.parametrize("T", [3, 4])
+def test_mamba2_verify(device, kind, T):
     s = shapes(device)
     ring, slots, buf = prep_m2(s, device, seed=3, T=T, kind=kind)
     ref = clone_m2(buf)
@@ -199,11 +191,11 @@ def test_mamba2_verify(device, kind, T, split):
     x, dt, A, B, C, D = m2_inputs(s, device, T)
     if kind == "verify":
         y_ref = N2.replay_verify(ref, plan, x, dt, A, B, C, D)
-        y = K2.replay_verify(buf, plan, x, dt, A, B, C, D, split_flush=split)
+        y = K2.replay_verify(buf, plan, x, dt, A, B, C, D)
     else:
         parent = random_parents(s["Bt"], T, seed=T, device=device)
         y_ref = N2.tree_verify(ref, plan, parent, x, dt, A, B, C, D)
-        y = K2.tree_verify(buf, plan, parent, x, dt, A, B, C, D, split_flush=split)
+        y = K2.tree_verify(buf, plan, parent, x, dt, A, B, C, D)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     close_buffers(ref, buf, s["dtype"], M2_BUF)
@@ -329,10 +321,8 @@ def test_gdn_recurrent_and_snapshot(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("route,flush_dot,split", [("state", False, False), ("output", False, False),
-                                                   ("output", True, False), ("output", False, True),
-                                                   ("state", False, True)])
-def test_gdn_replay_decode_cycle(device, route, flush_dot, split):
+@pytest.mark.parametrize("route", ["state", "output"])
+def test_gdn_replay_decode_cycle(device, route):
     s = shapes(device)
     ring, slots, buf = prep_gdn(s, device, seed=7)
     ref = clone_gdn(buf)
@@ -341,8 +331,7 @@ def test_gdn_replay_decode_cycle(device, route, flush_dot, split):
         q, k, v, g, beta = gdn_inputs(s, device)
         plan = ring.plan_decode(slots)
         y_ref = NG.replay_decode(ref, plan, q, k, v, g, beta)
-        y = KG.replay_decode(buf, plan, q, k, v, g, beta, route=route, flush_dot=flush_dot,
-                             split_flush=split)
+        y = KG.replay_decode(buf, plan, q, k, v, g, beta, route=route)
         real = slots != 0
         close(y_ref[real], y[real], s["dtype"], f"y step {step}")
         close_buffers(ref, buf, s["dtype"], GDN_BUF)
@@ -350,11 +339,10 @@ def test_gdn_replay_decode_cycle(device, route, flush_dot, split):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind,route,T,split", [
-    ("verify", "state", 3, False), ("verify", "output", 3, False), ("verify", "output", 4, False),
-    ("tree", "state", 3, False), ("tree", "output", 4, False), ("verify", "output", 4, True),
-    ("tree", "output", 3, True)])
-def test_gdn_verify(device, kind, route, T, split):
+@pytest.mark.parametrize("kind,route,T", [
+    ("verify", "state", 3), ("verify", "output", 3), ("verify", "output", 4),
+    ("tree", "state", 3), ("tree", "output", 4), ("tree", "output", 3)])
+def test_gdn_verify(device, kind, route, T):
     s = shapes(device)
     ring, slots, buf = prep_gdn(s, device, seed=8, T=T, kind=kind)
     ref = clone_gdn(buf)
@@ -362,11 +350,11 @@ def test_gdn_verify(device, kind, route, T, split):
     q, k, v, g, beta = gdn_inputs(s, device, T)
     if kind == "verify":
         y_ref = NG.replay_verify(ref, plan, q, k, v, g, beta)
-        y = KG.replay_verify(buf, plan, q, k, v, g, beta, route=route, split_flush=split)
+        y = KG.replay_verify(buf, plan, q, k, v, g, beta, route=route)
     else:
         parent = random_parents(s["Bt"], T, seed=10 + T, device=device)
         y_ref = NG.tree_verify(ref, plan, parent, q, k, v, g, beta)
-        y = KG.tree_verify(buf, plan, parent, q, k, v, g, beta, route=route, split_flush=split)
+        y = KG.tree_verify(buf, plan, parent, q, k, v, g, beta, route=route)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     close_buffers(ref, buf, s["dtype"], GDN_BUF)

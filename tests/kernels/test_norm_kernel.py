@@ -7,16 +7,12 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from replayssm.kernels import _triton  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
+
 from replayssm.kernels.norm import gated_rmsnorm  # noqa: E402
 from replayssm.layers.norms import GatedRMSNorm  # noqa: E402
 
-if _triton.interpreting():
-    DEVICE = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:  # pragma: no cover
-    pytest.skip("neither the Triton interpreter nor a GPU is available", allow_module_level=True)
+DEVICE = kernel_device()
 
 
 @pytest.mark.parametrize("N,group,gate_first,dtype", [
