@@ -59,6 +59,13 @@ class Block(nn.Module):
         return h
 
 
+def _holder(*shape: int) -> nn.Module:
+    """A module with one ``weight`` parameter of ``shape``, filled by the loader."""
+    m = nn.Module()
+    m.weight = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    return m
+
+
 class CausalLM(nn.Module):
     """Shared skeleton; subclasses build ``embed``, ``blocks``, ``final_norm``, ``lm_head``."""
 
@@ -70,12 +77,29 @@ class CausalLM(nn.Module):
         self._dtype, self._device = dtype, canonical_device(device)
         self.blocks: list[Block] = []
 
-    # ---- subclass interface ----------------------------------------------------------------
+    # ---- assembly (subclasses build their layers, then call this) ---------------------------
+    def _assemble(self, root: str, embed: str, layers: list, norm_name: str, norm: nn.Module) -> None:
+        """Register ``<root>.{<embed>.weight, layers, <norm_name>}`` and, when untied,
+        ``lm_head.weight`` under the checkpoint's names (weights stay empty until loaded);
+        ``blocks`` are the layers in order."""
+        c = self.config
+        body = nn.Module()
+        setattr(body, embed, _holder(c.vocab_size, c.hidden_size))
+        body.layers = nn.ModuleList(layers)
+        setattr(body, norm_name, norm)
+        setattr(self, root, body)
+        if not c.tie_word_embeddings:
+            self.lm_head = _holder(c.vocab_size, c.hidden_size)
+        self.blocks = list(layers)
+        self._names = (root, embed, norm_name)
+
     def embed_weight(self) -> Tensor:
-        raise NotImplementedError
+        root, embed, _ = self._names
+        return getattr(getattr(self, root), embed).weight
 
     def final_norm(self) -> nn.Module:
-        raise NotImplementedError
+        root, _, norm_name = self._names
+        return getattr(getattr(self, root), norm_name)
 
     def head_weight(self) -> Tensor:
         return self.lm_head.weight if not self.config.tie_word_embeddings else self.embed_weight()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.norms import RMSNorm
@@ -15,9 +14,6 @@ class Mamba2LM(CausalLM):
     def __init__(self, config: Mamba2Config, dtype: torch.dtype, device):
         super().__init__(config, dtype, device)
         c = config
-        self.backbone = nn.Module()
-        self.backbone.embeddings = nn.Module()
-        self.backbone.embeddings.weight = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size), requires_grad=False)
         layers = []
         for i in range(c.num_hidden_layers):
             blk = Block()
@@ -28,18 +24,7 @@ class Mamba2LM(CausalLM):
                                 time_step_limit=c.time_step_limit, chunk_size=min(c.chunk_size, 64), layer_id=i)
             blk.add("norm", RMSNorm(c.hidden_size, c.layer_norm_epsilon), "mixer", mixer)
             layers.append(blk)
-        self.backbone.layers = nn.ModuleList(layers)
-        self.backbone.norm_f = RMSNorm(c.hidden_size, c.layer_norm_epsilon)
-        if not c.tie_word_embeddings:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size), requires_grad=False)
-        self.blocks = list(layers)
-
-    def embed_weight(self):
-        return self.backbone.embeddings.weight
-
-    def final_norm(self):
-        return self.backbone.norm_f
+        self._assemble("backbone", "embeddings", layers, "norm_f", RMSNorm(c.hidden_size, c.layer_norm_epsilon))
 
     @staticmethod
     def key_aliases() -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from ..layers.attention import Attention
 from ..layers.mamba2 import Mamba2Mixer
@@ -21,9 +20,6 @@ class NemotronHLM(CausalLM):
     def __init__(self, config: NemotronHConfig, dtype: torch.dtype, device):
         super().__init__(config, dtype, device)
         c = config
-        self.backbone = nn.Module()
-        self.backbone.embeddings = nn.Module()
-        self.backbone.embeddings.weight = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size), requires_grad=False)
         layers = []
         for i, kind in enumerate(c.layer_kinds):
             if kind == "mamba":
@@ -45,18 +41,7 @@ class NemotronHLM(CausalLM):
             blk = Block()
             blk.add("norm", RMSNorm(c.hidden_size, c.layer_norm_epsilon), "mixer", m)
             layers.append(blk)
-        self.backbone.layers = nn.ModuleList(layers)
-        self.backbone.norm_f = RMSNorm(c.hidden_size, c.layer_norm_epsilon)
-        if not c.tie_word_embeddings:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size), requires_grad=False)
-        self.blocks = list(layers)
-
-    def embed_weight(self):
-        return self.backbone.embeddings.weight
-
-    def final_norm(self):
-        return self.backbone.norm_f
+        self._assemble("backbone", "embeddings", layers, "norm_f", RMSNorm(c.hidden_size, c.layer_norm_epsilon))
 
     @staticmethod
     def key_aliases() -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 
 from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet, reorder_ba, reorder_qkvz
@@ -21,9 +20,6 @@ class Qwen3NextLM(CausalLM):
     def __init__(self, config: Qwen3NextConfig, dtype: torch.dtype, device):
         super().__init__(config, dtype, device)
         c = config
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Module()
-        self.model.embed_tokens.weight = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size), requires_grad=False)
         rot = Rotary(c.head_dim, c.rotary_dim, c.rope_theta)
         layers = []
         for i, kind in enumerate(c.layer_kinds):
@@ -47,18 +43,8 @@ class Qwen3NextLM(CausalLM):
             blk.add("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centered=True),
                     "mlp", f)
             layers.append(blk)
-        self.model.layers = nn.ModuleList(layers)
-        self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centered=True)
-        if not c.tie_word_embeddings:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size), requires_grad=False)
-        self.blocks = list(layers)
-
-    def embed_weight(self):
-        return self.model.embed_tokens.weight
-
-    def final_norm(self):
-        return self.model.norm
+        self._assemble("model", "embed_tokens", layers, "norm",
+                       RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centered=True))
 
     def load_transforms(self) -> dict:
         c = self.config

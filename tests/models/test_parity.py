@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_utils as H
-from conftest import SPECS
+from hf_utils import SPECS
 
 ALL = [n for n in SPECS if n != "mamba2_g3"]  # n_groups > 1: see test_mamba2_grouped_norm
 
