@@ -51,51 +51,57 @@ def _stub(name, path=None):
     return m
 
 
+def _peer(pkg: str, root: str, packages: list[str], module: str, attr: str, prepare=None):
+    """``module.attr`` of peer ``pkg``: the installed package if importable, else the source
+    folder ``root/pkg`` with only ``packages`` stubbed (their ``__init__`` imports compiled
+    extensions that are not built).  Returns the function, an error string, or None."""
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception:
+        pass
+    path = os.path.join(root, pkg)
+    if not os.path.isdir(path):
+        return None
+    try:
+        for name in [k for k in sys.modules if k == pkg or k.startswith(pkg + ".")]:
+            del sys.modules[name]
+        for sub in packages:
+            _stub(sub, os.path.join(path, *sub.split(".")[1:]))
+        if prepare is not None:
+            prepare()
+        return getattr(importlib.import_module(module), attr)
+    except Exception as exc:  # pragma: no cover
+        return repr(exc)
+
+
+def _mamba_ssm_prepare():
+    try:
+        import einops  # noqa: F401
+    except ImportError:
+        e = _stub("einops")
+        e.rearrange = e.repeat = None
+
+
+def _fla_prepare():
+    sys.modules["fla"].__version__ = "0.6.0"
+
+
 def load_peers(root: str | None = None) -> dict:
     """Import the peers if present: installed packages first, else files under ``root``
     (default ``$REPLAYSSM_PEERS`` or ``.peers``), importing only the needed modules."""
     root = root or os.environ.get("REPLAYSSM_PEERS", ".peers")
     peers = {}
-    try:
-        from mamba_ssm.ops.triton.selective_state_update import selective_state_update  # noqa
-
-        peers["mamba_ssm"] = selective_state_update
-    except Exception:
-        p = os.path.join(root, "mamba_ssm")
-        if os.path.isdir(p):
-            try:
-                for name in [k for k in sys.modules if k == "mamba_ssm" or k.startswith("mamba_ssm.")]:
-                    del sys.modules[name]
-                _stub("mamba_ssm", p)
-                _stub("mamba_ssm.ops", os.path.join(p, "ops"))
-                _stub("mamba_ssm.ops.triton", os.path.join(p, "ops", "triton"))
-                try:
-                    import einops  # noqa: F401
-                except ImportError:
-                    e = _stub("einops")
-                    e.rearrange = e.repeat = None
-                mod = importlib.import_module("mamba_ssm.ops.triton.selective_state_update")
-                peers["mamba_ssm"] = mod.selective_state_update
-            except Exception as exc:  # pragma: no cover
-                peers["mamba_ssm_error"] = repr(exc)
-    try:
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule  # noqa
-
-        peers["fla"] = fused_recurrent_gated_delta_rule
-    except Exception:
-        p = os.path.join(root, "fla")
-        if os.path.isdir(p):
-            try:
-                for name in [k for k in sys.modules if k == "fla" or k.startswith("fla.")]:
-                    del sys.modules[name]
-                f = _stub("fla", p)
-                f.__version__ = "0.6.0"
-                _stub("fla.ops", os.path.join(p, "ops"))
-                _stub("fla.ops.gated_delta_rule", os.path.join(p, "ops", "gated_delta_rule"))
-                mod = importlib.import_module("fla.ops.gated_delta_rule.fused_recurrent")
-                peers["fla"] = mod.fused_recurrent_gated_delta_rule
-            except Exception as exc:  # pragma: no cover
-                peers["fla_error"] = repr(exc)
+    for name, packages, module, attr, prepare in (
+        ("mamba_ssm", ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"],
+         "mamba_ssm.ops.triton.selective_state_update", "selective_state_update", _mamba_ssm_prepare),
+        ("fla", ["fla", "fla.ops", "fla.ops.gated_delta_rule"],
+         "fla.ops.gated_delta_rule.fused_recurrent", "fused_recurrent_gated_delta_rule", _fla_prepare),
+    ):
+        f = _peer(name, root, packages, module, attr, prepare)
+        if isinstance(f, str):
+            peers[name + "_error"] = f
+        elif f is not None:
+            peers[name] = f
     return peers
 
 
