@@ -43,6 +43,15 @@ def _env_backend() -> str | None:
     return env if env in ("triton", "naive") else None
 
 
+def _fp64_naive(backend: str, tensors) -> str:
+    """``"auto"`` keeps float64 calls on the naive ops (the kernels compute in fp32; fp64 is
+    the exactness reference) unless ``REPLAYSSM_KERNELS`` overrides."""
+    if backend == "auto" and _env_backend() is None and \
+            any(isinstance(t, Tensor) and t.dtype == torch.float64 for t in tensors):
+        return "naive"
+    return backend
+
+
 def use_triton(*tensors: Tensor | None, backend: str = "auto") -> bool:
     """Whether the Triton kernel runs for these tensors under ``backend``."""
     if backend not in _BACKENDS:
@@ -138,11 +147,7 @@ class KernelOps:
         @functools.wraps(naive_f)
         def op(*args, **kwargs):
             probe = _probe(args)
-            backend = self.backend
-            if backend == "auto" and _env_backend() is None and \
-                    any(t.dtype == torch.float64 for t in probe):
-                backend = "naive"
-            return _call(self.family, name, probe, backend, args, kwargs)
+            return _call(self.family, name, probe, _fp64_naive(self.backend, probe), args, kwargs)
 
         return op
 
@@ -217,9 +222,7 @@ def conv_decode(win, slot, x, weight, bias=None, activation=None, backend: str =
     """Decode step of the short conv (:func:`replayssm.cache.conv.conv_decode`): the fused
     kernel for CUDA tensors below fp64, the reference otherwise."""
     probe = (win.window, x)
-    if backend == "auto" and _env_backend() is None and x.dtype == torch.float64:
-        backend = "naive"
-    if use_triton(*probe, backend=backend):
+    if use_triton(*probe, backend=_fp64_naive(backend, (x,))):
         from . import conv as kconv
 
         return kconv.conv_decode(win, slot, x, weight, bias, activation)
