@@ -38,7 +38,16 @@ PRESETS = {
 
 
 def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
-    """Save a random-weight Mamba-2 of ``preset`` size in HF layout under ``root``."""
+    """Save a random-weight Mamba-2 of ``preset`` size in HF layout under ``root``.
+
+    Embeddings are unit-variance and ``lm_head`` is a permutation of the embedding rows
+    scaled by ``1/sqrt(d_model)``: the residual stream keeps the current token's embedding,
+    so the greedy next token is that token's image under the permutation, by a logit margin
+    far above bf16 rounding.  With small random heads instead, the logits are nearly flat
+    and the verify and decode paths' rounding flips near-ties, so a precomputed greedy
+    continuation (the oracle drafter's) goes stale after a few tokens.  The compute is
+    the same either way: only the weight values differ.
+    """
     import torch
     from safetensors.torch import save_file
 
@@ -53,7 +62,9 @@ def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
     W = cfg["conv_kernel"]
     V = cfg["vocab_size"]
     r = lambda *s, scale=0.02: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16 if preset == "2.7b" else torch.float32)
-    sd = {"backbone.embeddings.weight": r(V, D), "backbone.norm_f.weight": torch.ones(D), "lm_head.weight": r(V, D)}
+    emb = r(V, D, scale=1.0)
+    head = (emb.float()[torch.randperm(V, generator=g)] / D ** 0.5).to(emb.dtype)
+    sd = {"backbone.embeddings.weight": emb, "backbone.norm_f.weight": torch.ones(D), "lm_head.weight": head}
     for i in range(cfg["num_hidden_layers"]):
         p = f"backbone.layers.{i}."
         sd[p + "norm.weight"] = torch.ones(D)

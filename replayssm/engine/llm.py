@@ -177,13 +177,35 @@ class LLM:
         self.drafter = self._make_drafter(sp, num_slots, T)
         self.stats = {"steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "generated": 0}
         self._tree_needs_state = False
+        self.capture_s = 0.0
+        if self.runner.use_graphs:  # every graph a step can need, before the first request
+            t0 = time.perf_counter()
+            self.runner.capture(self._spec_shapes())
+            draft_runner = getattr(self.drafter, "runner", None)
+            if draft_runner is not None:
+                draft_runner.capture()
+            self.capture_s = time.perf_counter() - t0
+
+    def _spec_shapes(self) -> list[tuple[int, bool]]:
+        """``(nodes, tree)`` of the verify steps the drafter proposes (fixed shapes only; an
+        n-gram trie's size varies per step, so its graphs are captured when first needed)."""
+        sp = self.config.speculative
+        if sp is None:
+            return []
+        if sp.method in ("ngram", "draft"):
+            return [(sp.num_tokens + 1, False)]
+        if self.draft_model is not None:
+            return [(self.drafter.num_nodes, True)]
+        return []
 
     # -- construction helpers -----------------------------------------------------------
     def _make_drafter(self, sp: SpeculativeConfig | None, num_slots: int, T: int):
         if sp is None:
             return None
         if sp.method == "ngram":
-            return spec.NgramDrafter(sp.num_tokens, sp.prompt_lookup_min, sp.prompt_lookup_max, self.device)
+            # with CUDA graphs, chains are padded to num_tokens drafts: one graph per batch bucket
+            return spec.NgramDrafter(sp.num_tokens, sp.prompt_lookup_min, sp.prompt_lookup_max, self.device,
+                                     pad=self.runner.use_graphs)
         if sp.method == "tree" and self.draft_model is None:
             return spec.NgramTreeDrafter(sp.tree_width, sp.depth, sp.prompt_lookup_min, sp.prompt_lookup_max,
                                          self.device)

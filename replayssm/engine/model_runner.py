@@ -230,6 +230,30 @@ class ModelRunner:
         return entry
 
     # -- CUDA graphs -----------------------------------------------------------------------
+    def capture(self, spec_shapes=()) -> int:
+        """Capture, ahead of serving, the decode graph of every batch bucket and the greedy
+        speculative graph of every bucket for each ``(nodes, tree)`` in ``spec_shapes``, in the
+        cache's current form.  A graph first needed mid-run is captured then (warm-up passes
+        plus capture: a stall of that step), so engines capture up front, as vLLM does.
+        Returns the number of graphs captured; keys that fail fall back to eager as usual."""
+        if not self.use_graphs:
+            return 0
+        form, n = self._form(), 0
+        for Bp in self.buckets:
+            key = ("decode", Bp, form)
+            if key not in self._graphs and key not in self._graph_failed:
+                n += self._capture_decode(key, Bp) is not None
+            for N, tree in spec_shapes:
+                key = ("spec", Bp, N, tree, form)
+                if key in self._graphs or key in self._graph_failed:
+                    continue
+                try:
+                    n += self._capture_spec(key, Bp, N, tree) is not None
+                except NotImplementedError:  # e.g. no KV-only tree verify: captured after the switch
+                    if getattr(self.cache, "pending", None) is not None:
+                        self.cache.pending = None
+        return n
+
     def _capture_decode(self, key, Bp: int):
         try:
             s_in = torch.zeros(Bp, dtype=torch.long, device=self.device)

@@ -147,11 +147,13 @@ class _NgramBase(Drafter):
 class NgramDrafter(_NgramBase):
     method = "ngram"
 
-    def __init__(self, num_tokens: int, n_min: int, n_max: int, device):
+    def __init__(self, num_tokens: int, n_min: int, n_max: int, device, pad: bool = False):
         super().__init__(n_min, n_max)
-        self.k, self.device = num_tokens, canonical_device(device)
+        self.k, self.device, self.pad = num_tokens, canonical_device(device), pad
 
     def propose(self, seqs):
+        """Chains of up to ``k`` looked-up drafts; shorter rows are padded with invalid nodes
+        (to ``k`` when ``pad``: one verify shape, hence one CUDA graph per batch bucket)."""
         drafts = []
         for s in seqs:
             c = self._lookup(s, min(self.k, max(s.remaining - 1, 0)), 1)
@@ -159,6 +161,8 @@ class NgramDrafter(_NgramBase):
         n = max(len(d) for d in drafts)
         if n == 0:
             return None
+        if self.pad:
+            n = self.k
         B, N = len(seqs), n + 1
         rows = [[s.last_token] + d + [0] * (n - len(d)) for s, d in zip(seqs, drafts)]
         lens = torch.tensor([1 + len(d) for d in drafts])
@@ -317,6 +321,11 @@ class DraftTreeDrafter(_DraftModelBase):
             self.static_rank = [0] + [p[-1] for p in paths]
             self.static_depth = [0] + [len(p) for p in paths]
 
+    @property
+    def num_nodes(self) -> int:
+        """Nodes per proposed tree, root included (fixed for beam and static shapes)."""
+        return 1 + self.w * self.d if self.shape == "beam" else len(self.static_parent)
+
     # levels: list of node-index lists in target numbering (root = 0)
     def propose(self, seqs):
         B = len(seqs)
@@ -326,10 +335,7 @@ class DraftTreeDrafter(_DraftModelBase):
         logits = self._catch_up(seqs)
         V = logits.shape[-1]
         # per node: draft logits (filled level by level), tokens, parents, scores, q
-        if self.shape == "beam":
-            N = 1 + self.w * self.d
-        else:
-            N = len(self.static_parent)
+        N = self.num_nodes
         tokens = torch.zeros(B, N, dtype=torch.long, device=self.device)
         parent = torch.full((B, N), -1, dtype=torch.long, device=self.device)
         tokens[:, 0] = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=self.device)

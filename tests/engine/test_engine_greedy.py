@@ -77,6 +77,19 @@ def test_padded_batches_match(target, draft, expected):
         assert any(c[1] > len(PROMPTS) for c in llm.cache.calls if c[0] in ("decode", "tree"))
 
 
+def test_padded_ngram_chains_match(target, expected):
+    """With CUDA graphs, n-gram chains are padded to num_tokens drafts (invalid nodes): one
+    verify shape per batch bucket.  Padding is never accepted and keeps greedy output."""
+    for mode in ("replay", "recurrent"):
+        llm = LLM(target, decode_mode=mode, speculative=SpeculativeConfig("ngram", num_tokens=4))
+        llm.drafter.pad = True
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+        assert [o.token_ids for o in outs] == expected
+        verify_T = {c[2] for c in llm.cache.calls if c[0] == "verify"}
+        assert verify_T == {5}, verify_T
+        assert all(o.num_accepted <= o.num_drafted for o in outs)
+
+
 def test_requests_join_mid_flight(target, draft, expected):
     """Requests of different lengths join and leave between steps."""
     for sp in (None, SpeculativeConfig("draft", num_tokens=3, draft_model=draft)):
