@@ -66,7 +66,7 @@ def run(model, args, mode: str, spec: bool, refs: dict, prompts) -> dict:
     for p in warm:
         refs.setdefault(tuple(p), refs[tuple(prompts[0])])
     llm.generate(warm, SamplingParams(max_tokens=12, ignore_eos=True))  # captures graphs
-    out = {"mode": mode, "spec": spec}
+    out = {"mode": mode, "spec": spec, "capture_s": llm.capture_s}
 
     def gen():
         seqs = [llm.add_request(p, params) for p in prompts]
@@ -145,7 +145,7 @@ def main() -> None:
             ph = " ".join(f"{k}={v:.2f}" for k, v in r["phases_ms"].items())
             print(f"{mode:>9} {'spec' if spec else 'plain':>5}: step {r['step_ms']:.2f} ms, gpu {r['gpu_ms_per_step']:.2f}"
                   f" ms, {r['tok_s']:.0f} tok/s, acc {r['acc']:.2f}, {r['steps']} steps | synced: {ph}")
-            print(f"    graphs {r['graph_keys']} failed {r['graph_failed']}")
+            print(f"    capture {r['capture_s']:.1f} s; graphs {r['graph_keys']} failed {r['graph_failed']}")
             if args.tables:
                 print(r["top_cpu"])
                 print(r["top_gpu"])

@@ -239,7 +239,10 @@ class ModelRunner:
         if not self.use_graphs:
             return 0
         form, n = self._form(), 0
-        for Bp in self.buckets:
+        # largest bucket first: the graphs share one memory pool, and a smaller graph's
+        # temporaries fit in blocks a larger one freed (smallest first grows the pool by the
+        # sum of all buckets; that ran the 2.7B snapshot baseline out of memory)
+        for Bp in sorted(self.buckets, reverse=True):
             key = ("decode", Bp, form)
             if key not in self._graphs and key not in self._graph_failed:
                 n += self._capture_decode(key, Bp) is not None
