@@ -186,6 +186,11 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
         refs.update({tuple(p): o.token_ids for p, o in zip(warm, ref.generate(warm, params))})
         del ref
         _free(args.device)
+    cuda = str(args.device).startswith("cuda")
+    if cuda:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
     llm = LLM(model, device=args.device, dtype=args.dtype, decode_mode=mode, buffer_size=args.buffer_size,
               speculative=spec, max_num_seqs=batch, cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len, **kw)
     if refs is not None:
@@ -203,15 +208,20 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
     acc = [o.mean_accepted_length for o in outs]
     num_slots, peak = llm.num_slots, llm.scheduler.peak_running
     stats = dict(llm.stats)
-    del llm
-    _free(args.device)
-    return {
+    row = {
         "batch": batch, "mode": mode, "speculative": None if spec is None else spec.method,
         "generated": gen, "wall_s": wall, "tokens_per_s": gen / wall,
         "decode_s": stats["decode_s"], "decode_tokens_per_s": decode_tokens / max(stats["decode_s"], 1e-9),
         "mean_accepted_length": sum(acc) / len(acc), "num_slots": num_slots,
-        "peak_running": peak,
+        "peak_running": peak, "capture_s": llm.capture_s,
+        "peak_memory_GB": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
     }
+    del llm
+    _free(args.device)
+    print(f"[bench e2e] {'spec' if spec else 'plain'} {mode} B={batch}: {row['decode_tokens_per_s']:.0f} decode tok/s,"
+          f" acc {row['mean_accepted_length']:.2f}, slots {num_slots} (peak {peak}), capture {row['capture_s']:.1f} s"
+          + (f", peak memory {row['peak_memory_GB']:.1f} GB" if cuda else ""), file=sys.stderr, flush=True)
+    return row
 
 
 def _plots(res: dict, out: Path) -> list[str]:

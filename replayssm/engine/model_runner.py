@@ -200,22 +200,31 @@ class ModelRunner:
         acc, bonus, path = self._greedy_body(self._slots(slots, Bp), tokens, parent, valid, tree)
         return acc[:B], bonus[:B], (path[:B] if path is not None else None)
 
-    def _capture_spec(self, key, Bp: int, N: int, tree: bool):
+    def _spec_inputs(self, Bp: int, N: int):
         s_in = torch.zeros(Bp, dtype=torch.long, device=self.device)
         t_in = torch.zeros(Bp, N, dtype=torch.long, device=self.device)
         p_in = torch.arange(-1, N - 1, device=self.device).expand(Bp, N).contiguous()
         v_in = torch.zeros(Bp, N, dtype=torch.bool, device=self.device)
         v_in[:, 0] = True
+        return s_in, t_in, p_in, v_in
+
+    def _warm(self, fn, passes: int = 2) -> None:
+        """Run ``fn`` eagerly on a side stream (compiles kernels, sets up cuBLAS) before capture."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(passes):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def _capture_spec(self, key, Bp: int, N: int, tree: bool, warm: bool = True):
+        ins = self._spec_inputs(Bp, N)
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up on the null slot only
-                    self._greedy_body(s_in, t_in, p_in, v_in, tree)
-            torch.cuda.current_stream().wait_stream(stream)
+            if warm:  # on the null slot only
+                self._warm(lambda: self._greedy_body(*ins, tree))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                outs = self._greedy_body(s_in, t_in, p_in, v_in, tree)
+                outs = self._greedy_body(*ins, tree)
             self._pool = graph.pool()
         except NotImplementedError:
             raise  # e.g. no KV-only tree op: the caller switches forms and retries
@@ -225,7 +234,7 @@ class ModelRunner:
             if getattr(self.cache, "pending", None) is not None:  # a half-run verify: drop it
                 self.cache.pending = None
             return None
-        entry = (graph, (s_in, t_in, p_in, v_in), outs)
+        entry = (graph, ins, outs)
         self._graphs[key] = entry
         return entry
 
@@ -235,38 +244,57 @@ class ModelRunner:
         speculative graph of every bucket for each ``(nodes, tree)`` in ``spec_shapes``, in the
         cache's current form.  A graph first needed mid-run is captured then (warm-up passes
         plus capture: a stall of that step), so engines capture up front, as vLLM does.
+
+        Memory: every key is first run eagerly once (kernels compile then, not during
+        capture), the allocator's cache is released, then graphs are captured largest bucket
+        first into one shared pool, where each smaller graph reuses blocks a larger one freed.
+        (Warm-up beside a pool already holding the largest graph's temporaries, or smallest
+        first, ran the 2.7B snapshot baseline out of memory.)
         Returns the number of graphs captured; keys that fail fall back to eager as usual."""
         if not self.use_graphs:
             return 0
         form, n = self._form(), 0
-        # largest bucket first: the graphs share one memory pool, and a smaller graph's
-        # temporaries fit in blocks a larger one freed (smallest first grows the pool by the
-        # sum of all buckets; that ran the 2.7B snapshot baseline out of memory)
+        keys = []
         for Bp in sorted(self.buckets, reverse=True):
-            key = ("decode", Bp, form)
-            if key not in self._graphs and key not in self._graph_failed:
-                n += self._capture_decode(key, Bp) is not None
-            for N, tree in spec_shapes:
-                key = ("spec", Bp, N, tree, form)
-                if key in self._graphs or key in self._graph_failed:
-                    continue
-                try:
-                    n += self._capture_spec(key, Bp, N, tree) is not None
-                except NotImplementedError:  # e.g. no KV-only tree verify: captured after the switch
-                    if getattr(self.cache, "pending", None) is not None:
-                        self.cache.pending = None
+            keys.append((("decode", Bp, form), Bp, None, None))
+            keys += [(("spec", Bp, N, tree, form), Bp, N, tree) for N, tree in spec_shapes]
+        keys = [k for k in keys if k[0] not in self._graphs and k[0] not in self._graph_failed]
+        runnable = []
+        for key, Bp, N, tree in keys:
+            try:
+                if N is None:
+                    ins = self._decode_inputs(Bp)
+                    self._warm(lambda: self.model.decode(self.cache, *ins), passes=1)
+                else:
+                    ins = self._spec_inputs(Bp, N)
+                    self._warm(lambda: self._greedy_body(*ins, tree), passes=1)
+                runnable.append((key, Bp, N, tree))
+            except NotImplementedError:  # e.g. no KV-only tree verify: captured after the switch
+                if getattr(self.cache, "pending", None) is not None:
+                    self.cache.pending = None
+            except Exception as e:  # pragma: no cover - depends on the model's kernels
+                warnings.warn(f"warm-up of CUDA graph {key} failed, it runs eagerly: {e}")
+                self._graph_failed.add(key)
+                if getattr(self.cache, "pending", None) is not None:
+                    self.cache.pending = None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        for key, Bp, N, tree in runnable:
+            if N is None:
+                n += self._capture_decode(key, Bp, warm=False) is not None
+            else:
+                n += self._capture_spec(key, Bp, N, tree, warm=False) is not None
         return n
 
-    def _capture_decode(self, key, Bp: int):
+    def _decode_inputs(self, Bp: int):
+        return (torch.zeros(Bp, dtype=torch.long, device=self.device),
+                torch.zeros(Bp, dtype=torch.long, device=self.device))
+
+    def _capture_decode(self, key, Bp: int, warm: bool = True):
         try:
-            s_in = torch.zeros(Bp, dtype=torch.long, device=self.device)
-            t_in = torch.zeros(Bp, dtype=torch.long, device=self.device)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up on the null slot only
-                    self.model.decode(self.cache, s_in, t_in)
-            torch.cuda.current_stream().wait_stream(stream)
+            s_in, t_in = self._decode_inputs(Bp)
+            if warm:  # on the null slot only
+                self._warm(lambda: self.model.decode(self.cache, s_in, t_in))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 out = self.model.decode(self.cache, s_in, t_in)

@@ -1,9 +1,15 @@
-"""Triton kernel for the decode step of the causal depthwise conv (Mamba-2 / GDN short conv).
+"""Triton kernels for the causal depthwise conv (Mamba-2 / GDN short conv) of the
+decode and speculative steps; fp32 arithmetic, one launch each instead of gather + concat +
+conv + gather + scatter.  The window is ``[P, C, W-1]`` (oldest first).
 
-Same contract as :func:`replayssm.cache.conv.conv_decode`: for one always-accepted token
-``x [Bt, C]`` per row, ``out = act(bias + Σ_{k<W-1} w[:, k] window[slot, :, k] + w[:, W-1] x)``
-and the window ``[P, C, W-1]`` (oldest first) shifts left by one with ``x`` appended — one
-launch instead of gather + concat + conv + gather + scatter.  fp32 arithmetic.
+* :func:`conv_decode` (contract of :func:`replayssm.cache.conv.conv_decode`): one
+  always-accepted token ``x [Bt, C]``: ``out = act(bias + Σ_{k<W-1} w[:, k] window[:, k]
+  + w[:, W-1] x)``, and the window shifts left by one with ``x`` appended.
+* :func:`conv_verify` (:func:`replayssm.cache.conv.conv_verify`): ``T`` tentative tokens
+  ``x [Bt, T, C]``: ``out_t = act(bias + Σ_k w[:, k] s[t + k])`` over ``s = [window; x]``;
+  the window is left untouched.
+* :func:`conv_commit` (:func:`replayssm.cache.conv.conv_commit`): the window becomes the
+  last ``W-1`` entries of ``[window; x[:a]]`` for each row's accepted count ``a``.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from torch import Tensor
 
 from ._triton import HAVE_TRITON, next_pow2, triton, tl
 
-__all__ = ["conv_decode"]
+__all__ = ["conv_decode", "conv_verify", "conv_commit"]
 
 if HAVE_TRITON:
 
@@ -47,6 +53,111 @@ if HAVE_TRITON:
         tl.debug_barrier()  # every lane has read the old window before any lane overwrites it
         new = tl.where(kk[None, :] == WM1 - 1, xraw[:, None].to(nxt.dtype), nxt)
         tl.store(win_ptr + wbase, new.to(win_ptr.dtype.element_ty), mask=mwin)
+
+
+    @triton.jit
+    def _conv_verify_kernel(
+        win_ptr, slot_ptr, x_ptr, w_ptr, b_ptr, y_ptr,
+        C, T, xs_b, xs_t,
+        WM1: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    ):
+        cb = tl.program_id(0)
+        r = tl.program_id(1)
+        r64 = r.to(tl.int64)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        offs_c = cb * BC + tl.arange(0, BC)
+        mc = offs_c < C
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)
+        for t in range(T):
+            acc = tl.zeros([BC], dtype=tl.float32)
+            for k in tl.static_range(WM1 + 1):
+                i = tl.zeros([BC], dtype=tl.int32) + (t + k - WM1)  # < 0: window entry WM1 + i, else token i
+                xv = tl.load(x_ptr + r64 * xs_b + i * xs_t + offs_c, mask=mc & (i >= 0), other=0.0)
+                wv = tl.load(win_ptr + (slot * C + offs_c) * WM1 + WM1 + i, mask=mc & (i < 0), other=0.0)
+                tap = tl.load(w_ptr + offs_c * (WM1 + 1) + k, mask=mc, other=0.0).to(tl.float32)
+                acc += tap * (xv.to(tl.float32) + wv.to(tl.float32))
+            if HAS_BIAS:
+                acc += bias
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            tl.store(y_ptr + (r64 * T + t) * C + offs_c, acc.to(y_ptr.dtype.element_ty), mask=mc)
+
+    @triton.jit
+    def _conv_commit_kernel(
+        win_ptr, slot_ptr, x_ptr, acc_ptr, C, xs_b, xs_t,
+        WM1: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
+    ):
+        cb = tl.program_id(0)
+        r = tl.program_id(1)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        a = tl.load(acc_ptr + r).to(tl.int32)
+        offs_c = cb * BC + tl.arange(0, BC)
+        mc = offs_c < C
+        kk = tl.arange(0, WP)
+        src = a + kk  # new entry kk is entry a + kk of [window; x]
+        mk = mc[:, None] & (kk[None, :] < WM1)
+        old = tl.load(win_ptr + (slot * C + offs_c[:, None]) * WM1 + src[None, :],
+                      mask=mk & (src[None, :] < WM1), other=0.0)
+        xv = tl.load(x_ptr + r.to(tl.int64) * xs_b + (src[None, :] - WM1) * xs_t + offs_c[:, None],
+                     mask=mk & (src[None, :] >= WM1), other=0.0)
+        new = tl.where(src[None, :] < WM1, old, xv.to(old.dtype))
+        tl.debug_barrier()  # every lane has read the old window before any lane overwrites it
+        tl.store(win_ptr + (slot * C + offs_c[:, None]) * WM1 + kk[None, :], new, mask=mk)
+
+
+def _check_conv(win, x: Tensor, weight: Tensor | None, activation, T: bool):
+    if x.dim() != (3 if T else 2):
+        raise ValueError(f"x must be [Bt, {'T, ' if T else ''}C], got {tuple(x.shape)}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unknown activation {activation!r}")
+    C = x.shape[-1]
+    W = win.window.shape[2] + 1
+    if win.window.shape[1] != C:
+        raise ValueError(f"x has {C} channels, the window {win.window.shape[1]}")
+    if weight is not None:
+        weight = weight.reshape(C, -1)
+        if weight.shape[1] != W:
+            raise ValueError(f"weight has {weight.shape[1]} taps, the window needs {W}")
+        weight = weight.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x, weight, C, W
+
+
+def conv_verify(win, slot: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                activation: str | None = None, check: bool | None = None) -> Tensor:
+    """``x [Bt, T, C]`` (last axis contiguous; rows and tokens may be strided) ->
+    ``out [Bt, T, C]`` (x dtype), each token convolved after the committed window and the
+    earlier tokens of its row; the window is not changed."""
+    x, weight, C, W = _check_conv(win, x, weight, activation, True)
+    Bt, T, _ = x.shape
+    y = torch.empty(Bt, T, C, dtype=x.dtype, device=x.device)
+    if Bt == 0 or T == 0:
+        return y
+    if W == 1:
+        out = x.float() * weight[:, 0].float() + (bias.float() if bias is not None else 0.0)
+        out = out * torch.sigmoid(out) if activation in ("silu", "swish") else out
+        return out.to(x.dtype)
+    BC = min(256, next_pow2(C))
+    _conv_verify_kernel[(triton.cdiv(C, BC), Bt)](
+        win.window, slot, x, weight, bias if bias is not None else weight, y,
+        C, T, x.stride(0), x.stride(1), WM1=W - 1, BC=BC, HAS_BIAS=bias is not None,
+        SILU=activation in ("silu", "swish"), num_warps=4)
+    return y
+
+
+def conv_commit(win, slot: Tensor, x: Tensor, accepted: Tensor, check: bool | None = None) -> None:
+    """Window of each row's slot := the last ``W-1`` entries of ``[window; x[:accepted]]``
+    (``x [Bt, T, C]``, ``accepted [Bt]`` in ``[0, T]``), in place."""
+    x, _, C, W = _check_conv(win, x, None, None, True)
+    Bt = x.shape[0]
+    if Bt == 0 or W == 1:
+        return
+    BC = min(128, next_pow2(C))
+    _conv_commit_kernel[(triton.cdiv(C, BC), Bt)](
+        win.window, slot, x, accepted, C, x.stride(0), x.stride(1),
+        WM1=W - 1, WP=max(2, next_pow2(W - 1)), BC=BC, num_warps=4)
 
 
 def conv_decode(win, slot: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None = None,

@@ -231,6 +231,30 @@ def conv_decode(win, slot, x, weight, bias=None, activation=None, backend: str =
     return rconv.conv_decode(win, slot, x, weight, bias, activation, check=check)
 
 
+def conv_verify(win, slot, x, weight, bias=None, activation=None, backend: str = "auto", check=None):
+    """Short conv of ``T`` tentative tokens (:func:`replayssm.cache.conv.conv_verify`): one
+    kernel for CUDA tensors below fp64, the reference otherwise."""
+    if use_triton(win.window, x, backend=_fp64_naive(backend, (x,))):
+        from . import conv as kconv
+
+        return kconv.conv_verify(win, slot, x, weight, bias, activation)
+    from ..cache import conv as rconv
+
+    return rconv.conv_verify(win, slot, x, weight, bias, activation, check=check)
+
+
+def conv_commit(win, slot, x, accepted, backend: str = "auto", check=None) -> None:
+    """Keep the accepted tokens in the conv window (:func:`replayssm.cache.conv.conv_commit`):
+    one kernel for CUDA tensors below fp64, the reference otherwise."""
+    if use_triton(win.window, x, backend=_fp64_naive(backend, (x,))):
+        from . import conv as kconv
+
+        return kconv.conv_commit(win, slot, x, accepted)
+    from ..cache import conv as rconv
+
+    return rconv.conv_commit(win, slot, x, accepted, check=check)
+
+
 # ------------------------------------------------------------------------------ commit
 def ring_commit(ring, plan, accepted: Tensor | None = None, check: bool | None = None) -> None:
     """Advance each row by its accepted count (pointer move on the device, no host sync)."""

@@ -393,7 +393,7 @@ def _fold(buf, plan, extra: int, grid, BV: int, precision: str) -> None:
 
 def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
-                  check: bool | None = None, block_v: int | None = 32, num_warps: int = 1,
+                  check: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   precision: str = "tf32x3") -> Tensor:
     """Replay decode (Alg. 6): the decode kernel appends ``(u, k, g)``, then the fold kernel
     updates the checkpoints of the rows that flush.  ``precision``: the ``tl.dot`` of the
@@ -421,14 +421,16 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 
 
 def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, paged=None,
-            block_v=None, num_warps=4, ring_dtype=None, precision="ieee"):
+            block_v=None, num_warps=None, ring_dtype=None, precision="ieee"):
     """The verify kernel (output route: both routes give the same numbers up to rounding);
     in ring form then the fold kernel for the rows that flush."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     Bt, T, H, HV, K, V = _dims(q, v, True)
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
-    BV = _bv(V, block_v)
+    wide = T >= 5  # H100 sweep (scripts/tune_verify.py): 64-wide V tiles on 2 warps win from T = 5
+    BV = _bv(V, block_v or (64 if wide else 32))
+    num_warps = num_warps or (2 if wide else 1)
     y = torch.empty_like(v)
     U = torch.empty(Bt, T, HV, V, dtype=ring_dtype[0], device=v.device)
     Kn = torch.empty(Bt, T, H, K, dtype=ring_dtype[1], device=v.device)
@@ -465,7 +467,7 @@ def _append(buf, plan, U, Kn, g) -> None:
 
 def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
-                  check: bool | None = None, block_v: int | None = 32, num_warps: int = 1,
+                  check: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   precision: str = "tf32x3") -> Tensor:
     """Replay verify of T drafts (Alg. 8): the verify kernel (output route; ``route`` is
     accepted for API parity), the fold kernel (flush rows store ``S_h``), then one append
@@ -483,8 +485,8 @@ def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 
 def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                 scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
-                check: bool | None = None, bits: Tensor | None = None, block_v: int | None = 32,
-                num_warps: int = 1, precision: str = "tf32x3") -> Tensor:
+                check: bool | None = None, bits: Tensor | None = None, block_v: int | None = None,
+                num_warps: int | None = None, precision: str = "tf32x3") -> Tensor:
     """Tree verify (STree + Alg. 8): the solve restricted to the ancestor mask."""
     from .mamba2 import tree_bits
 
@@ -503,8 +505,8 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
 
 def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
               scale: float | None = None, use_qk_l2norm: bool = True, check: bool | None = None,
-              parent: Tensor | None = None, route: str = "output", block_v: int | None = 32,
-              num_warps: int = 1, precision: str = "tf32x3") -> Tensor:
+              parent: Tensor | None = None, route: str = "output", block_v: int | None = None,
+              num_warps: int | None = None, precision: str = "tf32x3") -> Tensor:
     """KV-only form (``S0 = 0``) over paged buffers (a draft tree when ``parent`` is given);
     appends ``(U, k, g)`` after the kernel."""
     from .mamba2 import tree_bits

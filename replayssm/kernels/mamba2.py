@@ -460,6 +460,8 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     dims = _dims(x, B, True)
     Bt, T, H, d, G, n = dims
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
+    if block_d is None:  # H100 sweep (scripts/tune_verify.py): narrow tiles when few (row, head) pairs
+        block_d = 16 if Bt * H <= 256 else 32 if Bt * H <= 2048 else 64
     BD, BN, TP = _block_d(d, block_d), pad16(n), max(2, next_pow2(T))
     y = torch.empty_like(x)
     if Bt == 0:

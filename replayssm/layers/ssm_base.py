@@ -92,8 +92,10 @@ class SSMLayer(nn.Module):
             return conv_decode(win, slots, xc[:, 0], w, b, self.activation)[:, None]
         if ctx.kind == "tree":
             out = conv.conv_tree(win, slots, xc, ctx.parent, w, b, self.activation)
-        else:
-            out = conv.conv_verify(win, slots, xc, w, b, self.activation)
+        else:  # one fused launch on the GPU (kernels.conv)
+            from ..kernels.dispatch import conv_verify
+
+            out = conv_verify(win, slots, xc, w, b, self.activation)
         ctx.pending[(self.layer_id, "conv")] = xc  # the commit keeps the accepted inputs
         return out
 
@@ -206,7 +208,9 @@ class SSMLayer(nn.Module):
         if ctx.kind == "tree":
             conv.conv_commit_tree(store["conv"], ctx.slots, xc, path, accepted)
         else:
-            conv.conv_commit(store["conv"], ctx.slots, xc, accepted)
+            from ..kernels.dispatch import conv_commit
+
+            conv_commit(store["conv"], ctx.slots, xc, accepted)
         buf = store["buf"]
         if (self.layer_id, "snap") in ctx.pending:
             self._ops().snapshot_commit(buf.state, ctx.state_slots, ctx.pending.pop((self.layer_id, "snap")),
