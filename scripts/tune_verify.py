@@ -19,7 +19,9 @@ from replayssm.kernels import gdn as kg
 from replayssm.kernels import mamba2 as km
 
 M2_27B = dict(H=80, d=64, n=128, G=1)
-M2_VARIANTS = [dict(block_d=bd, num_warps=nw) for bd in (8, 16, 32, 64) for nw in (1, 2, 4)]
+M2_VARIANTS = ([dict(impl="rows", block_d=bd, num_warps=2) for bd in (32, 64)]
+               + [dict(impl="dot", block_d=bd, num_warps=nw, fused_fold=f)
+                  for bd in (32, 64) for nw in (2, 4) for f in (True, False)])
 GDN_VARIANTS = [dict(block_v=bv, num_warps=nw) for bv in (8, 16, 32, 64) for nw in (1, 2, 4)]
 
 
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,64,256")
     ap.add_argument("--T", default="5")
     ap.add_argument("--L", type=int, default=16)
+    ap.add_argument("--fams", default="mamba2,gdn")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1")
     ap.add_argument("--shape-scale", type=int, default=1, help="divide head counts (dry runs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -43,6 +46,8 @@ def main() -> None:
     for fam, s, setup, inputs, mod, variants in (
             ("mamba2", _scaled(M2_27B, args.shape_scale), m2_setup, m2_inputs, km, M2_VARIANTS),
             ("gdn", _scaled(GDN_SHAPE, args.shape_scale), gdn_setup, gdn_inputs, kg, GDN_VARIANTS)):
+        if fam not in args.fams.split(","):
+            continue
         for Bt in [int(b) for b in args.batches.split(",")]:
             slots = torch.arange(1, Bt + 1, device=dev)
             buf = setup(Bt, L, s, dev, dt)

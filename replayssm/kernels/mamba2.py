@@ -338,6 +338,118 @@ if HAVE_TRITON:
                 tl.store(y_ptr + (tm * H + hd) * d + offs_d, y.to(y_ptr.dtype.element_ty), mask=md)
 
 
+    @triton.jit
+    def _mm(a, b, PREC: tl.constexpr):
+        """``a @ b`` with fp32 accumulation; fp32 operands at ``PREC`` (tf32x3: fp32-level)."""
+        if a.dtype == tl.float32:
+            out = tl.dot(a, b, input_precision=PREC)
+        else:
+            out = tl.dot(a, b)
+        return out
+
+    @triton.jit
+    def _m2_verify_dot_kernel(
+        state_ptr, xr_ptr, Br_ptr, dtr_ptr,
+        slot_ptr, start_ptr, hist_ptr, bt_ptr,
+        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bits_ptr, y_ptr, flush_ptr,
+        T, L, H, G, d, n, HPG, MAXB,
+        TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
+        HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
+        FOLD: tl.constexpr,
+    ):
+        """Alg. 4 as small matrix products (tensor cores), all queries at once:
+
+        ``Y [T, BD] = (e^{tot+G} ∘ C S0ᵀ) + Whᵀ X_hist + Wnᵀ X_new + D X_new`` with
+        ``Wh[j, m] = Δ_j e^{tot-cum_j+G_m} (B_j·C_m)`` over the committed history and
+        ``Wn[s, m] = [s ⪯ m] Δ_s e^{G_m-G_s} (B_s·C_m)`` over the drafts (chain, or the tree's
+        ancestor-or-self bits).  Queries are padded to ``TP ≥ 16`` rows.  ``C S0ᵀ`` runs over
+        ``n`` in chunks of ``BNC`` so the checkpoint never sits whole in registers (the whole
+        ``[BD, BN]`` tile spilled at 255 registers/thread: Nsight Compute, H100).  Ring
+        operands stay in their storage dtype for the score products; fp32 ones use ``PREC``.
+        ``FOLD``: flush rows also store ``S_h = e^{tot} S0 + Σ_j Δ_j e^{tot-cum_j} x_j B_jᵀ``
+        (committed entries) chunk by chunk, right after the chunk's last read, instead of a
+        separate ``_m2_fold_kernel`` pass over the state.  Otherwise the arguments of
+        ``_m2_verify_rows_kernel`` (plus ``flush_ptr``)."""
+        db = tl.program_id(0)
+        hd = tl.program_id(1)
+        r = tl.program_id(2)
+        g = hd // HPG
+        r64 = r.to(tl.int64)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        offs_d = db * BD + tl.arange(0, BD)
+        offs_n = tl.arange(0, BN)
+        md = offs_d < d
+        mn = offs_n < n
+        jj = tl.arange(0, LP)
+        mj = jj < h
+        if PAGED:
+            blk = tl.load(bt_ptr + r64 * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
+            e = blk * L + jj % L
+        else:
+            start = tl.load(start_ptr + r).to(tl.int64)
+            e = slot * L + (start + jj) % L
+        A = tl.load(A_ptr + hd).to(tl.float32)
+        dtj = tl.where(mj, tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32), 0.0)
+        lj = A * dtj
+        cj = tl.cumsum(lj, 0)
+        tot = tl.sum(lj, 0)
+        ss = tl.arange(0, TP)
+        ms = ss < T
+        tok = r64 * T + ss
+        Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
+                     other=0.0)                                                             # [LP, BN]
+        Bn = tl.load(B_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+                     other=0.0)                                                             # [TP, BN]
+        Cn = tl.load(C_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+                     other=0.0)                                                             # [TP, BN]
+        dtn = tl.where(ms, tl.load(dt_ptr + tok * H + hd, mask=ms, other=0.0).to(tl.float32), 0.0)
+        ln = A * dtn
+        if TREE:
+            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
+        else:
+            bits = (2 << ss) - 1
+        # ancT[s, m]: draft s is on the path to query m (m included)
+        ancT = (((bits[None, :] >> ss[:, None]) & 1) != 0) & ms[:, None] & ms[None, :]
+        Gm = tl.sum(tl.where(ancT, ln[:, None], 0.0), 0)                                   # [TP] by m
+        Gs = tl.sum(tl.where(ss[:, None] == ss[None, :], Gm[None, :], 0.0), 1)              # same, by s
+        HC = _mm(Bh.to(Cn.dtype), tl.trans(Cn), PREC)                                       # [LP, TP]
+        Wh = tl.where(mj[:, None] & ms[None, :],
+                      dtj[:, None] * tl.exp(tot - cj[:, None] + Gm[None, :]) * HC, 0.0)
+        NC = _mm(Bn, tl.trans(Cn), PREC)                                                    # [TP(s), TP(m)]
+        Wn = tl.where(ancT, dtn[:, None] * tl.exp(Gm[None, :] - Gs[:, None]) * NC, 0.0)
+        Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
+                     other=0.0).to(tl.float32)                                              # [LP, BD]
+        Xn = tl.load(x_ptr + (tok[:, None] * H + hd) * d + offs_d[None, :], mask=ms[:, None] & md[None, :],
+                     other=0.0).to(tl.float32)                                              # [TP, BD]
+        Y = tl.dot(tl.trans(Wh), Xh, input_precision=PREC)                                  # [TP, BD]
+        Y += tl.dot(tl.trans(Wn), Xn, input_precision=PREC)
+        if not PAGED:
+            SC = tl.zeros([TP, BD], dtype=tl.float32)
+            if FOLD:
+                flush = tl.load(flush_ptr + r) != 0
+                XW = tl.trans(Xh * tl.where(mj, dtj * tl.exp(tot - cj), 0.0)[:, None])    # [BD, LP]
+            for k0 in tl.static_range(0, BN, BNC):
+                offs_k = k0 + tl.arange(0, BNC)
+                mk = offs_k < n
+                sptr = state_ptr + ((slot * H + hd) * d + offs_d[:, None]) * n + offs_k[None, :]
+                S0 = tl.load(sptr, mask=md[:, None] & mk[None, :], other=0.0)               # [BD, BNC]
+                Ck = tl.load(C_ptr + (tok[:, None] * G + g) * n + offs_k[None, :], mask=ms[:, None] & mk[None, :],
+                             other=0.0).to(tl.float32)                                      # [TP, BNC]
+                SC += tl.dot(Ck, tl.trans(S0), input_precision=PREC)
+                if FOLD:
+                    if flush:
+                        Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
+                                     mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [LP, BNC]
+                        Sh = tl.exp(tot) * S0 + tl.dot(XW, Bk, input_precision=PREC)
+                        tl.store(sptr, Sh.to(state_ptr.dtype.element_ty), mask=md[:, None] & mk[None, :])
+            Y += tl.exp(tot + Gm)[:, None] * SC
+        if HAS_D:
+            Y += tl.load(D_ptr + hd).to(tl.float32) * Xn
+        tl.store(y_ptr + (tok[:, None] * H + hd) * d + offs_d[None, :], Y.to(y_ptr.dtype.element_ty),
+                 mask=ms[:, None] & md[None, :])
+
+
 # =============================================================================== wrappers
 def _dims(x: Tensor, B: Tensor, has_time: bool):
     if has_time:
@@ -456,35 +568,54 @@ def tree_bits(parent: Tensor, batch: int) -> Tensor:
     return (M.long() * w).sum(-1).to(torch.int32).contiguous()
 
 
-def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=4, precision="ieee"):
+VERIFY_IMPLS = ("dot", "rows")
+
+
+def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=None, precision="ieee",
+            impl="dot", fused_fold=True):
+    """``impl="dot"``: all queries as tensor-core products (``_m2_verify_dot_kernel``);
+    ``"rows"``: one query at a time on register tiles (``_m2_verify_rows_kernel``)."""
+    if impl not in VERIFY_IMPLS:
+        raise ValueError(f"bad verify impl {impl!r}: expected one of {VERIFY_IMPLS}")
     dims = _dims(x, B, True)
     Bt, T, H, d, G, n = dims
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
-    if block_d is None:  # H100 sweep (scripts/tune_verify.py): narrow tiles when few (row, head) pairs
-        block_d = 16 if Bt * H <= 256 else 32 if Bt * H <= 2048 else 64
-    BD, BN, TP = _block_d(d, block_d), pad16(n), max(2, next_pow2(T))
+    if impl == "rows":
+        if block_d is None:  # H100 sweep (scripts/tune_verify.py): narrow tiles when few (row, head) pairs
+            block_d = 16 if Bt * H <= 256 else 32 if Bt * H <= 2048 else 64
+        TP, kernel, extra = max(2, next_pow2(T)), _m2_verify_rows_kernel, {}
+        num_warps = num_warps or 2
+    else:  # H100 sweep (scripts/tune_verify.py, T = 5)
+        block_d = block_d or (64 if Bt * H >= 4096 else 32)
+        TP, kernel = max(16, next_pow2(T)), _m2_verify_dot_kernel
+        extra = dict(PREC=precision, BNC=min(32, pad16(n)), FOLD=fused_fold)
+        num_warps = num_warps or 2
+    BD, BN = _block_d(d, block_d), pad16(n)
     y = torch.empty_like(x)
     if Bt == 0:
         return y
     grid = (triton.cdiv(d, BD), H, Bt)
     if paged is None:
         L = plan.capacity
-        _m2_verify_rows_kernel[grid](
+        kernel[grid](
             buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.slot,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,
+            *((plan.flush,) if impl == "dot" else ()),
             T, L, H, G, d, n, H // G, 1,
             TP=TP, LP=pad16(L), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None, PAGED=False,
-            num_warps=num_warps)
-        _fold(buf, plan, A, 0, grid, BD, precision)  # S_h (committed entries), after every query read S0
+            num_warps=num_warps, **extra)
+        if not (impl == "dot" and fused_fold):  # S_h (committed entries), after every query read S0
+            _fold(buf, plan, A, 0, grid, BD, precision)
     else:
         kv, pplan = paged
         bt = pplan.block_table.contiguous()
-        _m2_verify_rows_kernel[grid](
+        kernel[grid](
             x, kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, bt,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else pplan.slot, y,
+            *((pplan.slot,) if impl == "dot" else ()),
             T, pplan.block_size, H, G, d, n, H // G, bt.shape[1],
             TP=TP, LP=pad16(pplan.max_len), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None,
-            PAGED=True, num_warps=num_warps)
+            PAGED=True, num_warps=num_warps, **extra)
     return y
 
 
@@ -499,23 +630,25 @@ def _write_entries(buf, plan, x, B, dt) -> None:
 
 def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
-                  block_d: int | None = None, num_warps: int = 2, precision: str = "tf32x3") -> Tensor:
-    """Replay verify of T drafts (Alg. 4): the verify kernel, the fold kernel (flush rows
-    store ``S_h``), then one append kernel writes the T entries."""
+                  block_d: int | None = None, num_warps: int | None = None, precision: str = "tf32x3",
+                  impl: str = "dot", fused_fold: bool = True) -> Tensor:
+    """Replay verify of T drafts (Alg. 4): the verify kernel, whose flush rows also store
+    ``S_h`` (``impl="dot"``, ``fused_fold``; else a separate fold kernel), then one append
+    kernel writes the T entries."""
     if plan.kind != "verify":
         raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
     dims = _dims(x, B, True)
     _check_ring(buf, plan, x, dims)
     y = _verify(buf, plan, x, dt, A, B, C, D, None, block_d=block_d, num_warps=num_warps,
-                precision=precision)
+                precision=precision, impl=impl, fused_fold=fused_fold)
     _write_entries(buf, plan, x, B, dt)
     return y
 
 
 def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                 D: Tensor | None = None, route: str = "output", check: bool | None = None,
-                bits: Tensor | None = None, block_d: int | None = None, num_warps: int = 2,
-                precision: str = "tf32x3") -> Tensor:
+                bits: Tensor | None = None, block_d: int | None = None, num_warps: int | None = None,
+                precision: str = "tf32x3", impl: str = "dot", fused_fold: bool = True) -> Tensor:
     """Tree verify (STree) under the ancestor mask; ``bits`` (from :func:`tree_bits`) may be
     passed precomputed once per step for all layers."""
     if plan.kind != "tree":
@@ -524,20 +657,22 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
     _check_ring(buf, plan, x, dims)
     if bits is None:
         bits = tree_bits(parent, dims[0])
-    y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision)
+    y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision,
+                impl=impl, fused_fold=fused_fold)
     _write_entries(buf, plan, x, B, dt)
     return y
 
 
 def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
               D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
-              num_warps: int = 2, precision: str = "tf32x3", parent: Tensor | None = None) -> Tensor:
+              num_warps: int | None = None, precision: str = "tf32x3", parent: Tensor | None = None,
+              impl: str = "dot") -> Tensor:
     """KV-only form (no state) over paged buffers; appends the new entries after the kernel."""
     if kv.x.dtype != x.dtype or kv.B.dtype != x.dtype:
         raise ValueError(f"dtype mismatch: inputs are {x.dtype}, pool holds {kv.x.dtype}/{kv.B.dtype}")
     bits = None if parent is None else tree_bits(parent, x.shape[0])
     y = _verify(None, None, x, dt, A, B, C, D, bits, paged=(kv, pplan), block_d=block_d,
-                num_warps=num_warps, precision=precision)
+                num_warps=num_warps, precision=precision, impl=impl)
     _append(kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
             x, B, dt, pplan.block_size, True)
     return y

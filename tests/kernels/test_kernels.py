@@ -183,7 +183,11 @@ def test_mamba2_replay_decode_cycle(device, pre_scores):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["verify", "tree"])
 @pytest.mark.parametrize("T", [3, 4])
-def test_mamba2_verify(device, kind, T):
+@pytest.mark.parametrize("impl", ["dot", "dot-unfused", "rows"])
+def test_mamba2_verify(device, kind, T, impl):
+    """Every verify kernel variant: outputs and every buffer (state after the flush rows'
+    fold, ring entries) against the naive op."""
+    kw = dict(impl="dot", fused_fold=False) if impl == "dot-unfused" else dict(impl=impl)
     s = shapes(device)
     ring, slots, buf = prep_m2(s, device, seed=3, T=T, kind=kind)
     ref = clone_m2(buf)
@@ -191,11 +195,11 @@ def test_mamba2_verify(device, kind, T):
     x, dt, A, B, C, D = m2_inputs(s, device, T)
     if kind == "verify":
         y_ref = N2.replay_verify(ref, plan, x, dt, A, B, C, D)
-        y = K2.replay_verify(buf, plan, x, dt, A, B, C, D)
+        y = K2.replay_verify(buf, plan, x, dt, A, B, C, D, **kw)
     else:
         parent = random_parents(s["Bt"], T, seed=T, device=device)
         y_ref = N2.tree_verify(ref, plan, parent, x, dt, A, B, C, D)
-        y = K2.tree_verify(buf, plan, parent, x, dt, A, B, C, D)
+        y = K2.tree_verify(buf, plan, parent, x, dt, A, B, C, D, **kw)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     close_buffers(ref, buf, s["dtype"], M2_BUF)
@@ -254,7 +258,8 @@ def _paged(device, s, family, T, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_mamba2_kv_verify(device):
+@pytest.mark.parametrize("impl", ["dot", "rows"])
+def test_mamba2_kv_verify(device, impl):
     s = shapes(device)
     T = 2
     pidx, kv, slots = _paged(device, s, "mamba2", T, seed=5)
@@ -264,7 +269,7 @@ def test_mamba2_kv_verify(device):
     pplan = pidx.plan(slots, T)
     x, dt, A, B, C, D = m2_inputs(s, device, T)
     y_ref = N2.kv_verify(kv_ref, pplan, x, dt, A, B, C, D)
-    y = K2.kv_verify(kv, pplan, x, dt, A, B, C, D)
+    y = K2.kv_verify(kv, pplan, x, dt, A, B, C, D, impl=impl)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     for name in ("x", "B", "dt"):
