@@ -129,13 +129,13 @@ class OracleDrafter:
         from replayssm.engine.speculative import Proposal, chain_parent
 
         B, N = len(seqs), self.k + 1
-        tokens = torch.zeros(B, N, dtype=torch.long)
-        for b, s in enumerate(seqs):
+        rows = []  # host lists, one tensor: a tensor per row cost ~1.5 ms a step at B=256
+        for s in seqs:
             ref = self.refs[tuple(s.prompt_ids)]
             d = ref[len(s.output_ids):len(s.output_ids) + self.k]
             d = d + [0] * (self.k - len(d))
-            d = [t if self.rng.random() < self.accept else (t + 1) % self.vocab for t in d]
-            tokens[b] = torch.tensor([s.last_token] + d)
+            rows.append([s.last_token] + [t if self.rng.random() < self.accept else (t + 1) % self.vocab for t in d])
+        tokens = torch.tensor(rows, dtype=torch.long)
         return Proposal(tokens.to(self.device), chain_parent(B, N, self.device),
                         torch.ones(B, N, dtype=torch.bool, device=self.device))
 

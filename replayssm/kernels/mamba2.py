@@ -267,8 +267,9 @@ if HAVE_TRITON:
         For each query m (unrolled; T is small): ``y_m = e^{tot+G_m} S0·C_m
         + Σ_j Δ_j e^{tot-cum_j+G_m} (B_j·C_m) x_j + Σ_{s⪯m} Δ_s e^{G_m-G_s} (B_s·C_m) x_s + D x_m``
         where ``s⪯m`` is the causal chain or the tree's ancestor-or-self bits.  Only
-        broadcast-multiply-reduce on register tiles (padded ``tl.dot``s for T ≤ 6 were 20×
-        slower): the ``[BD, BN]`` checkpoint tile is read once and reused by every query.
+        broadcast-multiply-reduce on register tiles: the ``[BD, BN]`` checkpoint tile is read
+        once and reused by every query (``impl="rows"``; it spills at large tiles, so the
+        default is ``_m2_verify_dot_kernel``).
         PAGED: history from a block table, ``S0 = 0`` (KV-only form).  Flush rows are folded
         (committed entries only) by ``_m2_fold_kernel`` after this kernel."""
         db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
