@@ -55,6 +55,16 @@ def ancestor_mask(parent: Tensor) -> Tensor:
     return torch.stack(rows, 1)
 
 
+def ancestor_bits(mask: Tensor) -> Tensor:
+    """``bits [B, N]`` int32 from an ancestor-or-self mask ``[B, N, N]``: bit ``j`` of node
+    ``i`` is ``mask[b, i, j]`` (the tree kernels' form; ``N <= 31``)."""
+    N = mask.shape[-1]
+    if N > 31:
+        raise ValueError(f"tree kernels support at most 31 nodes, got {N}")
+    w = 1 << torch.arange(N, device=mask.device, dtype=torch.int64)
+    return (mask.long() * w).sum(-1).to(torch.int32).contiguous()
+
+
 def node_depth(parent: Tensor) -> Tensor:
     """Depth ``[B, N]`` of each node counting itself (a root has depth 1)."""
     return ancestor_mask(parent).sum(-1)

@@ -556,17 +556,12 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
 def tree_bits(parent: Tensor, batch: int) -> Tensor:
     """Ancestor-or-self sets as int32 bitmasks ``[Bt, N]`` (bit s of node m: s is m or an
     ancestor of m).  Device tensor ops only (N small, N <= 31)."""
-    from ..cache.tree import ancestor_mask
+    from ..cache.tree import ancestor_bits, ancestor_mask
 
     p = parent.long()
     if p.dim() == 1:
         p = p[None].expand(batch, -1)
-    M = ancestor_mask(p)  # [Bt, N, N] bool
-    N = M.shape[-1]
-    if N > 31:
-        raise ValueError(f"tree kernels support at most 31 nodes, got {N}")
-    w = (1 << torch.arange(N, device=p.device, dtype=torch.int64))
-    return (M.long() * w).sum(-1).to(torch.int32).contiguous()
+    return ancestor_bits(ancestor_mask(p))
 
 
 VERIFY_IMPLS = ("dot", "rows")

@@ -34,6 +34,7 @@ class StepContext:
     seq_len: Tensor | None = None     # [B] committed tokens before this call
     parent: Tensor | None = None      # [B, N] tree parents (-1 = last committed token)
     anc: Tensor | None = None         # [B, N, N] ancestor-or-self mask
+    tree_bits: Tensor | None = None   # [B, N] int32, ``anc`` as bitmasks (tree kernels; N <= 31)
     # SSM form selection: "recurrent" | "replay" | "kv" | "mixed" (kv rows + replay rows)
     ssm_form: str = "recurrent"
     kv_rows: Tensor | None = None     # [B] bool, rows in KV-only form (mixed / kv)

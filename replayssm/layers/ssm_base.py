@@ -144,7 +144,7 @@ class SSMLayer(nn.Module):
         if kind == "tree":
             if form == "recurrent":
                 return self._tree_recurrent(a, ctx, buf)
-            return self._call("tree_verify", buf, ctx.plan, ctx.parent, a=a)
+            return self._call("tree_verify", buf, ctx.plan, ctx.parent, a=a, **self._bits(ctx))
         raise ValueError(f"unknown step kind {kind!r}")
 
     def _tree_recurrent(self, a: dict, ctx: StepContext, buf) -> Tensor:
@@ -164,6 +164,12 @@ class SSMLayer(nn.Module):
             ys.append(y)
         ctx.pending[(self.layer_id, "nodes")] = nodes
         return torch.stack(ys, 1)
+
+    @staticmethod
+    def _bits(ctx: StepContext) -> dict:
+        """The step's ancestor bitmasks, computed once per model call rather than per layer
+        (the naive ops drop ``bits``)."""
+        return {} if ctx.tree_bits is None else {"bits": ctx.tree_bits}
 
     def _kv_form(self, a: dict, ctx: StepContext, store: dict) -> Tensor:
         if ctx.kind == "tree":
@@ -193,7 +199,7 @@ class SSMLayer(nn.Module):
         rows = torch.arange(1, B + 1, device=dev)
         zero = torch.zeros(B, dtype=torch.long, device=dev)
         plan = StepPlan(rows, zero, pplan.length, torch.zeros(B, dtype=torch.bool, device=dev), N, "tree", Lt)
-        y = self._call("tree_verify", tmp, plan, ctx.parent, a=a)
+        y = self._call("tree_verify", tmp, plan, ctx.parent, a=a, **self._bits(ctx))
         pos = pplan.length[:, None] + torch.arange(N, device=dev)[None, :]
         for rt, pool in zip(tmp.ring_tensors(), kv.tensors()):
             paged.write_kv_new(pool, pplan, rt[rows[:, None], pos])

@@ -316,7 +316,7 @@ class CausalLM(nn.Module):
     def verify_tree(self, cache: ModelCache, slots: Tensor, input_ids: Tensor, parent: Tensor) -> Tensor:
         """A draft tree of ``N`` nodes per row (``parent [B, N]`` or ``[N]``, topological,
         ``-1`` = child of the last committed token): ``logits [B, N, V]``; kept until commit."""
-        from ..cache.tree import ancestor_mask, check_parents
+        from ..cache.tree import ancestor_bits, ancestor_mask, check_parents
 
         cache._check_idle()
         ids = self._check_ids(input_ids, 2, "input_ids")
@@ -338,7 +338,7 @@ class CausalLM(nn.Module):
         anc = ancestor_mask(parent)
         depth = anc.sum(-1)
         ctx = self._context(cache, "tree", slots, N, cache.seq_len[slots][:, None] + depth - 1,
-                            parent=parent, anc=anc)
+                            parent=parent, anc=anc, tree_bits=ancestor_bits(anc) if N <= 31 else None)
         h = self._trunk(ids, ctx)
         cache.pending = ctx
         return self._head(h)
