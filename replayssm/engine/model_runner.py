@@ -4,7 +4,9 @@ Calls take Python slot lists and token tensors and return logits; the only host
 synchronisation in a step is the one the caller does after sampling.  On CUDA,
 ``cuda_graphs=True`` captures ``decode`` (and the greedy verify-accept-commit step) once per
 batch-size bucket and cache form (padding rows use the null slot 0) and replays it; any
-capture failure falls back to eager execution for that key with a warning.
+capture failure falls back to eager execution for that key with a warning.  :meth:`ModelRunner.capture`
+takes every fixed-shape graph before serving (``LLM`` calls it); keys first met mid-run are
+captured then.
 
 A captured step bakes in every host-side decision of the model call: the batch bucket, the
 draft count, chain or tree, and the cache's SSM form (``cache.ssm_form()``: "replay", "kv",
