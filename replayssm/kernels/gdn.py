@@ -306,6 +306,134 @@ if HAVE_TRITON:
                          mask=mks)
 
 
+    @triton.jit
+    def _gdn_verify_dot_kernel(
+        state_ptr, ur_ptr, kr_ptr, gr_ptr,
+        slot_ptr, start_ptr, hist_ptr, bt_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bits_ptr, y_ptr, uo_ptr, ko_ptr, flush_ptr,
+        T, L, H, HV, K, V, REP, MAXB, scale,
+        TP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
+        L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
+        FOLD: tl.constexpr,
+    ):
+        """Alg. 8 as small matrix products over ``K`` in chunks of ``BKC`` (the Mamba-2
+        ``_m2_verify_dot_kernel`` treatment; the whole ``[BK, BV]`` checkpoint never sits in
+        registers):
+
+        ``HK = α0 Kn S0 + (w ∘ Kn Khᵀ) Uh``, ``HQ`` likewise with ``Qn``; ``KK = Kn Knᵀ``,
+        ``QK = Qn Knᵀ`` (drafts padded to ``TP ≥ 16`` rows); then the T×T system
+        ``(I + A) U = R`` by forward substitution, and ``Y = e^{G} HQ + (mask ∘ e^{G_s−G_s'} QK) U``.
+        ``FOLD``: flush rows store ``S_h = α0 S0 + Σ_j w_j k_j u_jᵀ`` chunk by chunk in the same
+        pass (no ``_gdn_fold_kernel``).  Arguments of ``_gdn_verify_rows_kernel`` plus ``flush_ptr``."""
+        vb = tl.program_id(0)
+        hv = tl.program_id(1)
+        r = tl.program_id(2)
+        kh = hv // REP
+        r64 = r.to(tl.int64)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        offs_v = vb * BV + tl.arange(0, BV)
+        mv = offs_v < V
+        jj = tl.arange(0, LP)
+        mj = jj < h
+        if PAGED:
+            blk = tl.load(bt_ptr + r64 * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
+            e = blk * L + jj % L
+        else:
+            start = tl.load(start_ptr + r).to(tl.int64)
+            e = slot * L + (start + jj) % L
+        gj = tl.where(mj, tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32), 0.0)
+        cj = tl.cumsum(gj, 0)
+        tot = tl.sum(gj, 0)
+        wj = tl.where(mj, tl.exp(tot - cj), 0.0)
+        a0 = tl.exp(tot)
+        Uh = tl.load(ur_ptr + (e[:, None] * HV + hv) * V + offs_v[None, :], mask=mj[:, None] & mv[None, :],
+                     other=0.0).to(tl.float32)                                              # [LP, BV]
+        ss = tl.arange(0, TP)
+        ms = ss < T
+        tok = r64 * T + ss
+        # l2 norms of the drafts' q and k rows (first pass over K)
+        sq = tl.zeros([TP], dtype=tl.float32)
+        sk = tl.zeros([TP], dtype=tl.float32)
+        for k0 in tl.static_range(0, BK, BKC):
+            offs_k = k0 + tl.arange(0, BKC)
+            mks = ms[:, None] & (offs_k < K)[None, :]
+            qc = tl.load(q_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks, other=0.0).to(tl.float32)
+            kc = tl.load(k_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks, other=0.0).to(tl.float32)
+            sq += tl.sum(qc * qc, 1)
+            sk += tl.sum(kc * kc, 1)
+        if L2:
+            rq = tl.rsqrt(sq + 1e-6) * scale
+            rk = tl.rsqrt(sk + 1e-6)
+        else:
+            rq = tl.zeros([TP], dtype=tl.float32) + scale
+            rk = tl.zeros([TP], dtype=tl.float32) + 1.0
+        if FOLD:
+            flush = tl.load(flush_ptr + r) != 0
+        # second pass: the products over K, chunk by chunk
+        KK = tl.zeros([TP, TP], dtype=tl.float32)
+        QK = tl.zeros([TP, TP], dtype=tl.float32)
+        SK = tl.zeros([TP, LP], dtype=tl.float32)
+        SQ = tl.zeros([TP, LP], dtype=tl.float32)
+        HK = tl.zeros([TP, BV], dtype=tl.float32)
+        HQ = tl.zeros([TP, BV], dtype=tl.float32)
+        for k0 in tl.static_range(0, BK, BKC):
+            offs_k = k0 + tl.arange(0, BKC)
+            mk = offs_k < K
+            mks = ms[:, None] & mk[None, :]
+            qc = tl.load(q_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
+                         other=0.0).to(tl.float32) * rq[:, None]                            # [TP, BKC]
+            kc = tl.load(k_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
+                         other=0.0).to(tl.float32) * rk[:, None]
+            if vb == 0:
+                if hv % REP == 0:
+                    tl.store(ko_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], kc.to(ko_ptr.dtype.element_ty),
+                             mask=mks)
+            khc = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
+                          other=0.0).to(tl.float32)                                         # [LP, BKC]
+            KK += tl.dot(kc, tl.trans(kc), input_precision=PREC)
+            QK += tl.dot(qc, tl.trans(kc), input_precision=PREC)
+            SK += tl.dot(kc, tl.trans(khc), input_precision=PREC)
+            SQ += tl.dot(qc, tl.trans(khc), input_precision=PREC)
+            if not PAGED:
+                sptr = state_ptr + ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
+                S0 = tl.load(sptr, mask=mk[:, None] & mv[None, :], other=0.0)              # [BKC, BV]
+                HK += tl.dot(kc, S0, input_precision=PREC)
+                HQ += tl.dot(qc, S0, input_precision=PREC)
+                if FOLD:
+                    if flush:
+                        Sh = a0 * S0 + tl.dot(tl.trans(khc * wj[:, None]), Uh, input_precision=PREC)
+                        tl.store(sptr, Sh.to(state_ptr.dtype.element_ty), mask=mk[:, None] & mv[None, :])
+        HK = a0 * HK + tl.dot(SK * wj[None, :], Uh, input_precision=PREC)
+        HQ = a0 * HQ + tl.dot(SQ * wj[None, :], Uh, input_precision=PREC)
+        Vn = tl.load(v_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], mask=ms[:, None] & mv[None, :],
+                     other=0.0).to(tl.float32)
+        gn = tl.where(ms, tl.load(g_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
+        bn = tl.where(ms, tl.load(b_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
+        if TREE:
+            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
+        else:
+            bits = (2 << ss) - 1
+        anc = (((bits[:, None] >> ss[None, :]) & 1) != 0) & ms[:, None] & ms[None, :]  # [s, s']
+        Gs = tl.sum(tl.where(anc, gn[None, :], 0.0), 1)
+        # the T×T system (I + A) U = R by forward substitution
+        eG = tl.exp(Gs)
+        Dm = tl.exp(tl.where(anc, Gs[:, None] - Gs[None, :], 0.0))
+        strict = anc & (ss[:, None] != ss[None, :])
+        Amat = tl.where(strict, bn[:, None] * Dm * KK, 0.0)
+        U = bn[:, None] * (Vn - eG[:, None] * HK)
+        for i in range(1, T):
+            sel = ss[:, None] == i
+            arow = tl.sum(tl.where(sel, Amat, 0.0), 0)
+            corr = tl.sum(arow[:, None] * U, 0)
+            U = tl.where(sel, U - corr[None, :], U)
+        Mq = tl.where(anc, Dm * QK, 0.0)
+        Y = eG[:, None] * HQ + tl.dot(Mq, U, input_precision=PREC)
+        mo = ms[:, None] & mv[None, :]
+        tl.store(y_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], Y.to(y_ptr.dtype.element_ty), mask=mo)
+        tl.store(uo_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], U.to(uo_ptr.dtype.element_ty), mask=mo)
+
+
 # =============================================================================== wrappers
 def _dims(q: Tensor, v: Tensor, has_time: bool):
     if has_time:
@@ -420,38 +548,59 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     return y
 
 
+VERIFY_IMPLS = ("rows", "dot")
+
+
 def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, paged=None,
-            block_v=None, num_warps=None, ring_dtype=None, precision="ieee"):
-    """The verify kernel (output route: both routes give the same numbers up to rounding);
-    in ring form then the fold kernel for the rows that flush."""
+            block_v=None, num_warps=None, ring_dtype=None, precision="ieee", impl="rows", fused_fold=True):
+    """The verify kernel (output route: both routes give the same numbers up to rounding).
+    ``impl="rows"`` (default): one draft at a time on register tiles, then the fold kernel
+    for the rows that flush.  ``impl="dot"``: small tensor-core products over K chunks, the
+    flush rows folded in the same pass when ``fused_fold`` (checked against the naive ops by
+    the tests; not yet timed on the GPU, so not the default)."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
+    if impl not in VERIFY_IMPLS:
+        raise ValueError(f"bad verify impl {impl!r}: expected one of {VERIFY_IMPLS}")
     Bt, T, H, HV, K, V = _dims(q, v, True)
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
-    wide = T >= 5  # H100 sweep (scripts/tune_verify.py): 64-wide V tiles on 2 warps win from T = 5
-    BV = _bv(V, block_v or (64 if wide else 32))
-    num_warps = num_warps or (2 if wide else 1)
+    flush = ()
+    if impl == "rows":
+        wide = T >= 5  # H100 sweep (scripts/tune_verify.py): 64-wide V tiles on 2 warps win from T = 5
+        BV = _bv(V, block_v or (64 if wide else 32))
+        num_warps = num_warps or (2 if wide else 1)
+        kernel, extra = _gdn_verify_rows_kernel, dict(TP=max(2, next_pow2(T)))
+    else:
+        BV = _bv(V, block_v or 64)
+        num_warps = num_warps or 4
+        kernel = _gdn_verify_dot_kernel
+        extra = dict(TP=max(16, next_pow2(T)), BKC=min(32, pad16(K)), PREC=precision, FOLD=fused_fold)
     y = torch.empty_like(v)
     U = torch.empty(Bt, T, HV, V, dtype=ring_dtype[0], device=v.device)
     Kn = torch.empty(Bt, T, H, K, dtype=ring_dtype[1], device=v.device)
     if Bt == 0:
         return y, U, Kn
     grid = (triton.cdiv(V, BV), HV, Bt)
-    common = dict(TP=max(2, next_pow2(T)), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), TREE=bits is not None,
-                  num_warps=num_warps)
+    common = dict(BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), TREE=bits is not None, num_warps=num_warps,
+                  **extra)
     if paged is None:
-        _gdn_verify_rows_kernel[grid](
+        if impl == "dot":
+            flush = (plan.flush,)
+        kernel[grid](
             buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.slot,
-            q, k, v, g, beta, bits if bits is not None else plan.slot, y, U, Kn,
+            q, k, v, g, beta, bits if bits is not None else plan.slot, y, U, Kn, *flush,
             T, plan.capacity, H, HV, K, V, HV // H, 1, _scale(scale, K),
             LP=pad16(plan.capacity), PAGED=False, **common)
-        _fold(buf, plan, 0, grid, BV, precision)  # S_h (committed entries), after every draft read S0
+        if not (impl == "dot" and fused_fold):  # S_h (committed entries), after every draft read S0
+            _fold(buf, plan, 0, grid, BV, precision)
     else:
         kv, pplan = paged
         bt = pplan.block_table.contiguous()
-        _gdn_verify_rows_kernel[grid](
+        if impl == "dot":
+            flush = (pplan.slot,)
+        kernel[grid](
             v, kv.u, kv.k, kv.g, pplan.slot, pplan.length, pplan.length, bt,
-            q, k, v, g, beta, bits if bits is not None else pplan.slot, y, U, Kn,
+            q, k, v, g, beta, bits if bits is not None else pplan.slot, y, U, Kn, *flush,
             T, pplan.block_size, H, HV, K, V, HV // H, bt.shape[1], _scale(scale, K),
             LP=pad16(pplan.max_len), PAGED=True, **common)
     return y, U, Kn
@@ -468,7 +617,7 @@ def _append(buf, plan, U, Kn, g) -> None:
 def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
-                  precision: str = "tf32x3") -> Tensor:
+                  precision: str = "tf32x3", impl: str = "rows", fused_fold: bool = True) -> Tensor:
     """Replay verify of T drafts (Alg. 8): the verify kernel (output route; ``route`` is
     accepted for API parity), the fold kernel (flush rows store ``S_h``), then one append
     kernel."""
@@ -478,7 +627,7 @@ def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     _check_ring(buf, plan, v, dims)
     y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, None,
                        block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
-                       precision=precision)
+                       precision=precision, impl=impl, fused_fold=fused_fold)
     _append(buf, plan, U, Kn, g)
     return y
 
@@ -486,7 +635,8 @@ def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                 scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                 check: bool | None = None, bits: Tensor | None = None, block_v: int | None = None,
-                num_warps: int | None = None, precision: str = "tf32x3") -> Tensor:
+                num_warps: int | None = None, precision: str = "tf32x3", impl: str = "rows",
+                fused_fold: bool = True) -> Tensor:
     """Tree verify (STree + Alg. 8): the solve restricted to the ancestor mask."""
     from .mamba2 import tree_bits
 
@@ -498,7 +648,7 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
         bits = tree_bits(parent, dims[0])
     y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
-                       precision=precision)
+                       precision=precision, impl=impl, fused_fold=fused_fold)
     _append(buf, plan, U, Kn, g)
     return y
 
@@ -506,7 +656,7 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
 def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
               scale: float | None = None, use_qk_l2norm: bool = True, check: bool | None = None,
               parent: Tensor | None = None, route: str = "output", block_v: int | None = None,
-              num_warps: int | None = None, precision: str = "tf32x3") -> Tensor:
+              num_warps: int | None = None, precision: str = "tf32x3", impl: str = "rows") -> Tensor:
     """KV-only form (``S0 = 0``) over paged buffers (a draft tree when ``parent`` is given);
     appends ``(U, k, g)`` after the kernel."""
     from .mamba2 import tree_bits
@@ -514,7 +664,7 @@ def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     bits = None if parent is None else tree_bits(parent, q.shape[0])
     y, U, Kn = _verify(None, None, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        paged=(kv, pplan), block_v=block_v, num_warps=num_warps,
-                       ring_dtype=(kv.u.dtype, kv.k.dtype), precision=precision)
+                       ring_dtype=(kv.u.dtype, kv.k.dtype), precision=precision, impl=impl)
     _append_entries(kv.u, kv.k, kv.g, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
                     U, Kn, g, pplan.block_size, True)
     return y

@@ -347,7 +347,11 @@ def test_gdn_replay_decode_cycle(device, route):
 @pytest.mark.parametrize("kind,route,T", [
     ("verify", "state", 3), ("verify", "output", 3), ("verify", "output", 4),
     ("tree", "state", 3), ("tree", "output", 4), ("tree", "output", 3)])
-def test_gdn_verify(device, kind, route, T):
+@pytest.mark.parametrize("impl", ["rows", "dot", "dot-unfused"])
+def test_gdn_verify(device, kind, route, T, impl):
+    """Every verify kernel variant: outputs and every buffer (state after the flush rows'
+    fold, ring entries) against the naive op."""
+    kw = dict(impl="dot", fused_fold=False) if impl == "dot-unfused" else dict(impl=impl)
     s = shapes(device)
     ring, slots, buf = prep_gdn(s, device, seed=8, T=T, kind=kind)
     ref = clone_gdn(buf)
@@ -355,18 +359,19 @@ def test_gdn_verify(device, kind, route, T):
     q, k, v, g, beta = gdn_inputs(s, device, T)
     if kind == "verify":
         y_ref = NG.replay_verify(ref, plan, q, k, v, g, beta)
-        y = KG.replay_verify(buf, plan, q, k, v, g, beta, route=route)
+        y = KG.replay_verify(buf, plan, q, k, v, g, beta, route=route, **kw)
     else:
         parent = random_parents(s["Bt"], T, seed=10 + T, device=device)
         y_ref = NG.tree_verify(ref, plan, parent, q, k, v, g, beta)
-        y = KG.tree_verify(buf, plan, parent, q, k, v, g, beta, route=route)
+        y = KG.tree_verify(buf, plan, parent, q, k, v, g, beta, route=route, **kw)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     close_buffers(ref, buf, s["dtype"], GDN_BUF)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gdn_kv_verify(device):
+@pytest.mark.parametrize("impl", ["rows", "dot"])
+def test_gdn_kv_verify(device, impl):
     s = shapes(device)
     T = 2
     pidx, kv, slots = _paged(device, s, "gdn", T, seed=9)
@@ -376,7 +381,7 @@ def test_gdn_kv_verify(device):
     pplan = pidx.plan(slots, T)
     q, k, v, g, beta = gdn_inputs(s, device, T)
     y_ref = NG.kv_verify(kv_ref, pplan, q, k, v, g, beta)
-    y = KG.kv_verify(kv, pplan, q, k, v, g, beta)
+    y = KG.kv_verify(kv, pplan, q, k, v, g, beta, impl=impl)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     bs = pplan.block_size
