@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--T", type=int, default=5)
     ap.add_argument("--L", type=int, default=16)
-    ap.add_argument("--variants", default="rows:64:2,dot:64:4")
+    ap.add_argument("--variants", default="64:2,32:2", help="block_d:num_warps,...")
     ap.add_argument("--fill", type=int, default=0, help="committed entries per row (L - T: every row flushes)")
     args = ap.parse_args()
     Bt, T, L, s = args.batch, args.T, args.L, M2_27B
@@ -35,17 +35,15 @@ def main() -> None:
     for _ in range(2):  # warm-up: compile everything first
         km.replay_decode(buf, ring.plan_decode(slots), **dec)
         for v in args.variants.split(","):
-            impl, bd, nw = v.split(":")
-            km.replay_verify(buf, ring.plan_verify(slots, T, "verify"), **inp, impl=impl, block_d=int(bd),
-                             num_warps=int(nw))
+            bd, nw = v.split(":")
+            km.replay_verify(buf, ring.plan_verify(slots, T, "verify"), **inp, block_d=int(bd), num_warps=int(nw))
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
     if args.fill == 0:
         km.replay_decode(buf, ring.plan_decode(slots), **dec)
     for v in args.variants.split(","):
-        impl, bd, nw = v.split(":")
-        km.replay_verify(buf, ring.plan_verify(slots, T, "verify"), **inp, impl=impl, block_d=int(bd),
-                         num_warps=int(nw))
+        bd, nw = v.split(":")
+        km.replay_verify(buf, ring.plan_verify(slots, T, "verify"), **inp, block_d=int(bd), num_warps=int(nw))
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
 

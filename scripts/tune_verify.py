@@ -19,9 +19,7 @@ from replayssm.kernels import gdn as kg
 from replayssm.kernels import mamba2 as km
 
 M2_27B = dict(H=80, d=64, n=128, G=1)
-M2_VARIANTS = ([dict(impl="rows", block_d=bd, num_warps=2) for bd in (32, 64)]
-               + [dict(impl="dot", block_d=bd, num_warps=nw, fused_fold=f)
-                  for bd in (32, 64) for nw in (2, 4) for f in (True, False)])
+M2_VARIANTS = [dict(block_d=bd, num_warps=nw, fused_fold=f) for bd in (32, 64) for nw in (2, 4) for f in (True, False)]
 GDN_VARIANTS = ([dict(impl="rows", block_v=bv, num_warps=nw) for bv, nw in ((32, 1), (64, 2))]
                 + [dict(impl="dot", block_v=bv, num_warps=nw, fused_fold=f)
                    for bv in (32, 64) for nw in (2, 4) for f in (True, False)])

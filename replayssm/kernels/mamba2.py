@@ -254,92 +254,6 @@ if HAVE_TRITON:
             tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
-    def _m2_verify_rows_kernel(
-        state_ptr, xr_ptr, Br_ptr, dtr_ptr,
-        slot_ptr, start_ptr, hist_ptr, bt_ptr,
-        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bits_ptr, y_ptr,
-        T, L, H, G, d, n, HPG, MAXB,
-        TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-        HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr,
-    ):
-        """Alg. 4 (and STree, KV-only): T draft queries read the same checkpoint and history.
-
-        For each query m (unrolled; T is small): ``y_m = e^{tot+G_m} S0·C_m
-        + Σ_j Δ_j e^{tot-cum_j+G_m} (B_j·C_m) x_j + Σ_{s⪯m} Δ_s e^{G_m-G_s} (B_s·C_m) x_s + D x_m``
-        where ``s⪯m`` is the causal chain or the tree's ancestor-or-self bits.  Only
-        broadcast-multiply-reduce on register tiles: the ``[BD, BN]`` checkpoint tile is read
-        once and reused by every query (``impl="rows"``; it spills at large tiles, so the
-        default is ``_m2_verify_dot_kernel``).
-        PAGED: history from a block table, ``S0 = 0`` (KV-only form).  Flush rows are folded
-        (committed entries only) by ``_m2_fold_kernel`` after this kernel."""
-        db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
-        hd = tl.program_id(1)
-        r = tl.program_id(2)
-        g = hd // HPG
-        r64 = r.to(tl.int64)
-        slot = tl.load(slot_ptr + r).to(tl.int64)
-        h = tl.load(hist_ptr + r).to(tl.int64)
-        offs_d = db * BD + tl.arange(0, BD)
-        offs_n = tl.arange(0, BN)
-        md = offs_d < d
-        mn = offs_n < n
-        m2 = md[:, None] & mn[None, :]
-        jj = tl.arange(0, LP)
-        mj = jj < h
-        if PAGED:
-            blk = tl.load(bt_ptr + r64 * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
-            e = blk * L + jj % L
-        else:
-            start = tl.load(start_ptr + r).to(tl.int64)
-            e = slot * L + (start + jj) % L
-        A = tl.load(A_ptr + hd).to(tl.float32)
-        dtj = tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32)
-        dtj = tl.where(mj, dtj, 0.0)
-        lj = A * dtj
-        cj = tl.cumsum(lj, 0)
-        tot = tl.sum(lj, 0)
-        Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
-                     other=0.0).to(tl.float32)
-        Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
-                     other=0.0).to(tl.float32)
-        ss = tl.arange(0, TP)
-        ms = ss < T
-        tok = r64 * T + ss
-        Xn = tl.load(x_ptr + (tok[:, None] * H + hd) * d + offs_d[None, :], mask=ms[:, None] & md[None, :],
-                     other=0.0).to(tl.float32)
-        dtn = tl.where(ms, tl.load(dt_ptr + tok * H + hd, mask=ms, other=0.0).to(tl.float32), 0.0)
-        Bn = tl.load(B_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
-                     other=0.0).to(tl.float32)
-        ln = A * dtn
-        if TREE:
-            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
-        else:
-            bits = (2 << ss) - 1
-        anc = (((bits[:, None] >> ss[None, :]) & 1) != 0) & ms[:, None] & ms[None, :]  # [m, s]
-        Gs = tl.sum(tl.where(anc, ln[None, :], 0.0), 1)
-        if not PAGED:
-            soff = ((slot * H + hd) * d + offs_d[:, None]) * n + offs_n[None, :]
-            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
-        if HAS_D:
-            Dh = tl.load(D_ptr + hd).to(tl.float32)
-        for m in tl.static_range(TP):
-            if m < T:
-                tm = r64 * T + m
-                cm = tl.load(C_ptr + (tm * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
-                Gm = tl.sum(tl.where(ss == m, Gs, 0.0), 0)
-                bm = tl.sum(tl.where(ss == m, bits, 0), 0)
-                am = (((bm >> ss) & 1) != 0) & ms  # drafts s on the path to m (m included)
-                wh = tl.where(mj, dtj * tl.exp(tot - cj + Gm) * tl.sum(Bh * cm[None, :], 1), 0.0)
-                wn = tl.where(am, dtn * tl.exp(Gm - Gs) * tl.sum(Bn * cm[None, :], 1), 0.0)
-                y = tl.sum(wh[:, None] * Xh, 0) + tl.sum(wn[:, None] * Xn, 0)
-                if not PAGED:
-                    y += tl.exp(tot + Gm) * tl.sum(S0 * cm[None, :], 1)
-                if HAS_D:
-                    y += Dh * tl.sum(tl.where(ss[:, None] == m, Xn, 0.0), 0)
-                tl.store(y_ptr + (tm * H + hd) * d + offs_d, y.to(y_ptr.dtype.element_ty), mask=md)
-
-
-    @triton.jit
     def _mm(a, b, PREC: tl.constexpr):
         """``a @ b`` with fp32 accumulation; fp32 operands at ``PREC`` (tf32x3: fp32-level)."""
         if a.dtype == tl.float32:
@@ -369,8 +283,10 @@ if HAVE_TRITON:
         operands stay in their storage dtype for the score products; fp32 ones use ``PREC``.
         ``FOLD``: flush rows also store ``S_h = e^{tot} S0 + Σ_j Δ_j e^{tot-cum_j} x_j B_jᵀ``
         (committed entries) chunk by chunk, right after the chunk's last read, instead of a
-        separate ``_m2_fold_kernel`` pass over the state.  Otherwise the arguments of
-        ``_m2_verify_rows_kernel`` (plus ``flush_ptr``)."""
+        separate ``_m2_fold_kernel`` pass over the state.  Grid ``(d-blocks, heads, rows)``;
+        ring form reads the history at ``(start + j) % L`` of the row's slot; ``PAGED``: from
+        a block table, with ``S0 = 0`` (KV-only form); ``TREE``: ``bits_ptr`` holds each
+        query's ancestor-or-self bitmask (:func:`tree_bits`), else the chain."""
         db = tl.program_id(0)
         hd = tl.program_id(1)
         r = tl.program_id(2)
@@ -564,28 +480,18 @@ def tree_bits(parent: Tensor, batch: int) -> Tensor:
     return ancestor_bits(ancestor_mask(p))
 
 
-VERIFY_IMPLS = ("dot", "rows")
-
-
 def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=None, precision="ieee",
-            impl="dot", fused_fold=True):
-    """``impl="dot"``: all queries as tensor-core products (``_m2_verify_dot_kernel``);
-    ``"rows"``: one query at a time on register tiles (``_m2_verify_rows_kernel``)."""
-    if impl not in VERIFY_IMPLS:
-        raise ValueError(f"bad verify impl {impl!r}: expected one of {VERIFY_IMPLS}")
+            fused_fold=True):
+    """All draft queries as small tensor-core products (``_m2_verify_dot_kernel``); flush
+    rows fold ``S_h`` in the same pass (``fused_fold``), else in the fold kernel after it.
+    Tiles from the H100 sweep (scripts/tune_verify.py, T = 5)."""
     dims = _dims(x, B, True)
     Bt, T, H, d, G, n = dims
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
-    if impl == "rows":
-        if block_d is None:  # H100 sweep (scripts/tune_verify.py): narrow tiles when few (row, head) pairs
-            block_d = 16 if Bt * H <= 256 else 32 if Bt * H <= 2048 else 64
-        TP, kernel, extra = max(2, next_pow2(T)), _m2_verify_rows_kernel, {}
-        num_warps = num_warps or 2
-    else:  # H100 sweep (scripts/tune_verify.py, T = 5)
-        block_d = block_d or (64 if Bt * H >= 4096 else 32)
-        TP, kernel = max(16, next_pow2(T)), _m2_verify_dot_kernel
-        extra = dict(PREC=precision, BNC=min(32, pad16(n)), FOLD=fused_fold)
-        num_warps = num_warps or 2
+    block_d = block_d or (64 if Bt * H >= 4096 else 32)
+    num_warps = num_warps or 2
+    TP = max(16, next_pow2(T))
+    extra = dict(PREC=precision, BNC=min(32, pad16(n)), FOLD=fused_fold)
     BD, BN = _block_d(d, block_d), pad16(n)
     y = torch.empty_like(x)
     if Bt == 0:
@@ -593,22 +499,22 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     grid = (triton.cdiv(d, BD), H, Bt)
     if paged is None:
         L = plan.capacity
-        kernel[grid](
+        _m2_verify_dot_kernel[grid](
             buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.slot,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,
-            *((plan.flush,) if impl == "dot" else ()),
+            plan.flush,
             T, L, H, G, d, n, H // G, 1,
             TP=TP, LP=pad16(L), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None, PAGED=False,
             num_warps=num_warps, **extra)
-        if not (impl == "dot" and fused_fold):  # S_h (committed entries), after every query read S0
+        if not fused_fold:  # S_h (committed entries), after every query read S0
             _fold(buf, plan, A, 0, grid, BD, precision)
     else:
         kv, pplan = paged
         bt = pplan.block_table.contiguous()
-        kernel[grid](
+        _m2_verify_dot_kernel[grid](
             x, kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, bt,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else pplan.slot, y,
-            *((pplan.slot,) if impl == "dot" else ()),
+            pplan.slot,
             T, pplan.block_size, H, G, d, n, H // G, bt.shape[1],
             TP=TP, LP=pad16(pplan.max_len), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None,
             PAGED=True, num_warps=num_warps, **extra)
@@ -627,16 +533,16 @@ def _write_entries(buf, plan, x, B, dt) -> None:
 def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = None, num_warps: int | None = None, precision: str = "tf32x3",
-                  impl: str = "dot", fused_fold: bool = True) -> Tensor:
+                  fused_fold: bool = True) -> Tensor:
     """Replay verify of T drafts (Alg. 4): the verify kernel, whose flush rows also store
-    ``S_h`` (``impl="dot"``, ``fused_fold``; else a separate fold kernel), then one append
-    kernel writes the T entries."""
+    ``S_h`` (``fused_fold``; else a separate fold kernel), then one append kernel writes the
+    T entries."""
     if plan.kind != "verify":
         raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
     dims = _dims(x, B, True)
     _check_ring(buf, plan, x, dims)
     y = _verify(buf, plan, x, dt, A, B, C, D, None, block_d=block_d, num_warps=num_warps,
-                precision=precision, impl=impl, fused_fold=fused_fold)
+                precision=precision, fused_fold=fused_fold)
     _write_entries(buf, plan, x, B, dt)
     return y
 
@@ -644,7 +550,7 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
 def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                 D: Tensor | None = None, route: str = "output", check: bool | None = None,
                 bits: Tensor | None = None, block_d: int | None = None, num_warps: int | None = None,
-                precision: str = "tf32x3", impl: str = "dot", fused_fold: bool = True) -> Tensor:
+                precision: str = "tf32x3", fused_fold: bool = True) -> Tensor:
     """Tree verify (STree) under the ancestor mask; ``bits`` (from :func:`tree_bits`) may be
     passed precomputed once per step for all layers."""
     if plan.kind != "tree":
@@ -654,21 +560,20 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
     if bits is None:
         bits = tree_bits(parent, dims[0])
     y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision,
-                impl=impl, fused_fold=fused_fold)
+                fused_fold=fused_fold)
     _write_entries(buf, plan, x, B, dt)
     return y
 
 
 def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
               D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
-              num_warps: int | None = None, precision: str = "tf32x3", parent: Tensor | None = None,
-              impl: str = "dot") -> Tensor:
+              num_warps: int | None = None, precision: str = "tf32x3", parent: Tensor | None = None) -> Tensor:
     """KV-only form (no state) over paged buffers; appends the new entries after the kernel."""
     if kv.x.dtype != x.dtype or kv.B.dtype != x.dtype:
         raise ValueError(f"dtype mismatch: inputs are {x.dtype}, pool holds {kv.x.dtype}/{kv.B.dtype}")
     bits = None if parent is None else tree_bits(parent, x.shape[0])
     y = _verify(None, None, x, dt, A, B, C, D, bits, paged=(kv, pplan), block_d=block_d,
-                num_warps=num_warps, precision=precision, impl=impl)
+                num_warps=num_warps, precision=precision)
     _append(kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
             x, B, dt, pplan.block_size, True)
     return y

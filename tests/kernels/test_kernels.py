@@ -183,11 +183,11 @@ def test_mamba2_replay_decode_cycle(device, pre_scores):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["verify", "tree"])
 @pytest.mark.parametrize("T", [3, 4])
-@pytest.mark.parametrize("impl", ["dot", "dot-unfused", "rows"])
-def test_mamba2_verify(device, kind, T, impl):
-    """Every verify kernel variant: outputs and every buffer (state after the flush rows'
-    fold, ring entries) against the naive op."""
-    kw = dict(impl="dot", fused_fold=False) if impl == "dot-unfused" else dict(impl=impl)
+@pytest.mark.parametrize("fused_fold", [True, False])
+def test_mamba2_verify(device, kind, T, fused_fold):
+    """The verify kernel with the flush rows' fold fused or separate: outputs and every
+    buffer (state after the fold, ring entries) against the naive op."""
+    kw = dict(fused_fold=fused_fold)
     s = shapes(device)
     ring, slots, buf = prep_m2(s, device, seed=3, T=T, kind=kind)
     ref = clone_m2(buf)
@@ -258,8 +258,7 @@ def _paged(device, s, family, T, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", ["dot", "rows"])
-def test_mamba2_kv_verify(device, impl):
+def test_mamba2_kv_verify(device):
     s = shapes(device)
     T = 2
     pidx, kv, slots = _paged(device, s, "mamba2", T, seed=5)
@@ -269,7 +268,7 @@ def test_mamba2_kv_verify(device, impl):
     pplan = pidx.plan(slots, T)
     x, dt, A, B, C, D = m2_inputs(s, device, T)
     y_ref = N2.kv_verify(kv_ref, pplan, x, dt, A, B, C, D)
-    y = K2.kv_verify(kv, pplan, x, dt, A, B, C, D, impl=impl)
+    y = K2.kv_verify(kv, pplan, x, dt, A, B, C, D)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     for name in ("x", "B", "dt"):
