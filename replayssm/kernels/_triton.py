@@ -20,6 +20,31 @@ except Exception:  # pragma: no cover
     HAVE_TRITON = False
 
 
+if HAVE_TRITON:
+
+    @triton.jit
+    def history_entries(slot_ptr, start_ptr, hist_ptr, bt_ptr, r, L, MAXB,
+                        LP: tl.constexpr, PAGED: tl.constexpr):
+        """Where row ``r``'s committed history lives: ``(slot, h, mj [LP], e [LP])`` with
+        ``e[j]`` the flat entry index of history entry ``j < h`` — ring form:
+        ``slot * L + (start + j) % L``; ``PAGED``: block ``bt[r, j // L]``, offset ``j % L``
+        (``L`` is then the block size)."""
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        jj = tl.arange(0, LP)
+        mj = jj < h
+        if PAGED:
+            blk = tl.load(bt_ptr + r.to(tl.int64) * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
+            e = blk * L + jj % L
+        else:
+            start = tl.load(start_ptr + r).to(tl.int64)
+            e = slot * L + (start + jj) % L
+        return slot, h, mj, e
+
+else:  # pragma: no cover
+    history_entries = None
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import HAVE_TRITON, check_ring, next_pow2, pad16, tile, triton, tl
+from ._triton import HAVE_TRITON, check_ring, history_entries, next_pow2, pad16, tile, triton, tl
 from ._triton import contiguous as _c
 from .append import append_entries
 
@@ -193,6 +193,41 @@ if HAVE_TRITON:
             tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
+    def _draft_inputs(v_ptr, g_ptr, b_ptr, bits_ptr, tok, ss, ms, offs_v, mv, hv, HV, V, TREE: tl.constexpr):
+        """Per draft ``s``: values ``Vn [TP, BV]``, ``β``, the ancestor-or-self mask
+        ``anc [s, s']`` (tree bits, else the chain) and the path log-decay ``G_s``."""
+        Vn = tl.load(v_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], mask=ms[:, None] & mv[None, :],
+                     other=0.0).to(tl.float32)
+        gn = tl.where(ms, tl.load(g_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
+        bn = tl.where(ms, tl.load(b_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
+        if TREE:
+            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
+        else:
+            bits = (2 << ss) - 1
+        anc = (((bits[:, None] >> ss[None, :]) & 1) != 0) & ms[:, None] & ms[None, :]
+        Gs = tl.sum(tl.where(anc, gn[None, :], 0.0), 1)
+        return Vn, bn, anc, Gs
+
+    @triton.jit
+    def _solve_drafts(KK, QK, HK, Vn, Gs, bn, anc, ss, T):
+        """The T×T system of Alg. 8 over the drafts (chain or tree mask ``anc [s, s']``):
+        ``(I + A) U = β ∘ (V − e^{G} HK)`` with ``A[s, s'] = β_s e^{G_s−G_s'} (k_s·k_s')`` for
+        strict ancestors ``s'``, by forward substitution.  Returns ``U``, the output mask
+        ``Mq[s, s'] = e^{G_s−G_s'} (q_s·k_s')`` and ``e^{G}``."""
+        eG = tl.exp(Gs)
+        Dm = tl.exp(tl.where(anc, Gs[:, None] - Gs[None, :], 0.0))
+        strict = anc & (ss[:, None] != ss[None, :])
+        Amat = tl.where(strict, bn[:, None] * Dm * KK, 0.0)
+        U = bn[:, None] * (Vn - eG[:, None] * HK)
+        for i in range(1, T):
+            sel = ss[:, None] == i
+            arow = tl.sum(tl.where(sel, Amat, 0.0), 0)
+            corr = tl.sum(arow[:, None] * U, 0)
+            U = tl.where(sel, U - corr[None, :], U)
+        Mq = tl.where(anc, Dm * QK, 0.0)
+        return U, Mq, eG
+
+    @triton.jit
     def _gdn_verify_rows_kernel(
         state_ptr, ur_ptr, kr_ptr, gr_ptr,
         slot_ptr, start_ptr, hist_ptr, bt_ptr,
@@ -215,21 +250,12 @@ if HAVE_TRITON:
         r = tl.program_id(2)
         kh = hv // REP
         r64 = r.to(tl.int64)
-        slot = tl.load(slot_ptr + r).to(tl.int64)
-        h = tl.load(hist_ptr + r).to(tl.int64)
         offs_k = tl.arange(0, BK)
         offs_v = vb * BV + tl.arange(0, BV)
         mk = offs_k < K
         mv = offs_v < V
         m2 = mk[:, None] & mv[None, :]
-        jj = tl.arange(0, LP)
-        mj = jj < h
-        if PAGED:
-            blk = tl.load(bt_ptr + r64 * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
-            e = blk * L + jj % L
-        else:
-            start = tl.load(start_ptr + r).to(tl.int64)
-            e = slot * L + (start + jj) % L
+        slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, bt_ptr, r, L, MAXB, LP, PAGED)
         gj = tl.where(mj, tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32), 0.0)
         cj = tl.cumsum(gj, 0)
         tot = tl.sum(gj, 0)
@@ -247,16 +273,7 @@ if HAVE_TRITON:
                                other=0.0).to(tl.float32), L2) * scale
         Kn = _l2n_rows(tl.load(k_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
                                other=0.0).to(tl.float32), L2)
-        Vn = tl.load(v_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], mask=ms[:, None] & mv[None, :],
-                     other=0.0).to(tl.float32)
-        gn = tl.where(ms, tl.load(g_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
-        bn = tl.where(ms, tl.load(b_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
-        if TREE:
-            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
-        else:
-            bits = (2 << ss) - 1
-        anc = (((bits[:, None] >> ss[None, :]) & 1) != 0) & ms[:, None] & ms[None, :]  # [s, s']
-        Gs = tl.sum(tl.where(anc, gn[None, :], 0.0), 1)
+        Vn, bn, anc, Gs = _draft_inputs(v_ptr, g_ptr, b_ptr, bits_ptr, tok, ss, ms, offs_v, mv, hv, HV, V, TREE)
         if not PAGED:
             soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
             S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
@@ -280,17 +297,7 @@ if HAVE_TRITON:
                 KK = tl.where(row, tl.sum(Kn * ks[None, :], 1)[None, :], KK)
                 QK = tl.where(row, tl.sum(Kn * qs[None, :], 1)[None, :], QK)
         # ---- the T×T system (I + A) U = R by forward substitution
-        eG = tl.exp(Gs)
-        Dm = tl.exp(tl.where(anc, Gs[:, None] - Gs[None, :], 0.0))
-        strict = anc & (ss[:, None] != ss[None, :])
-        Amat = tl.where(strict, bn[:, None] * Dm * KK, 0.0)
-        U = bn[:, None] * (Vn - eG[:, None] * HK)
-        for i in range(1, T):
-            sel = ss[:, None] == i
-            arow = tl.sum(tl.where(sel, Amat, 0.0), 0)
-            corr = tl.sum(arow[:, None] * U, 0)
-            U = tl.where(sel, U - corr[None, :], U)
-        Mq = tl.where(anc, Dm * QK, 0.0)
+        U, Mq, eG = _solve_drafts(KK, QK, HK, Vn, Gs, bn, anc, ss, T)
         Y = eG[:, None] * HQ
         for s in tl.static_range(TP):
             if s < T:
@@ -330,18 +337,9 @@ if HAVE_TRITON:
         r = tl.program_id(2)
         kh = hv // REP
         r64 = r.to(tl.int64)
-        slot = tl.load(slot_ptr + r).to(tl.int64)
-        h = tl.load(hist_ptr + r).to(tl.int64)
         offs_v = vb * BV + tl.arange(0, BV)
         mv = offs_v < V
-        jj = tl.arange(0, LP)
-        mj = jj < h
-        if PAGED:
-            blk = tl.load(bt_ptr + r64 * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
-            e = blk * L + jj % L
-        else:
-            start = tl.load(start_ptr + r).to(tl.int64)
-            e = slot * L + (start + jj) % L
+        slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, bt_ptr, r, L, MAXB, LP, PAGED)
         gj = tl.where(mj, tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32), 0.0)
         cj = tl.cumsum(gj, 0)
         tot = tl.sum(gj, 0)
@@ -406,28 +404,9 @@ if HAVE_TRITON:
                         tl.store(sptr, Sh.to(state_ptr.dtype.element_ty), mask=mk[:, None] & mv[None, :])
         HK = a0 * HK + tl.dot(SK * wj[None, :], Uh, input_precision=PREC)
         HQ = a0 * HQ + tl.dot(SQ * wj[None, :], Uh, input_precision=PREC)
-        Vn = tl.load(v_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], mask=ms[:, None] & mv[None, :],
-                     other=0.0).to(tl.float32)
-        gn = tl.where(ms, tl.load(g_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
-        bn = tl.where(ms, tl.load(b_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
-        if TREE:
-            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
-        else:
-            bits = (2 << ss) - 1
-        anc = (((bits[:, None] >> ss[None, :]) & 1) != 0) & ms[:, None] & ms[None, :]  # [s, s']
-        Gs = tl.sum(tl.where(anc, gn[None, :], 0.0), 1)
+        Vn, bn, anc, Gs = _draft_inputs(v_ptr, g_ptr, b_ptr, bits_ptr, tok, ss, ms, offs_v, mv, hv, HV, V, TREE)
         # the T×T system (I + A) U = R by forward substitution
-        eG = tl.exp(Gs)
-        Dm = tl.exp(tl.where(anc, Gs[:, None] - Gs[None, :], 0.0))
-        strict = anc & (ss[:, None] != ss[None, :])
-        Amat = tl.where(strict, bn[:, None] * Dm * KK, 0.0)
-        U = bn[:, None] * (Vn - eG[:, None] * HK)
-        for i in range(1, T):
-            sel = ss[:, None] == i
-            arow = tl.sum(tl.where(sel, Amat, 0.0), 0)
-            corr = tl.sum(arow[:, None] * U, 0)
-            U = tl.where(sel, U - corr[None, :], U)
-        Mq = tl.where(anc, Dm * QK, 0.0)
+        U, Mq, eG = _solve_drafts(KK, QK, HK, Vn, Gs, bn, anc, ss, T)
         Y = eG[:, None] * HQ + tl.dot(Mq, U, input_precision=PREC)
         mo = ms[:, None] & mv[None, :]
         tl.store(y_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], Y.to(y_ptr.dtype.element_ty), mask=mo)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import HAVE_TRITON, check_ring, next_pow2, pad16, tile, triton, tl
+from ._triton import HAVE_TRITON, check_ring, history_entries, next_pow2, pad16, tile, triton, tl
 from ._triton import contiguous as _c
 from .append import append_entries
 
@@ -292,20 +292,11 @@ if HAVE_TRITON:
         r = tl.program_id(2)
         g = hd // HPG
         r64 = r.to(tl.int64)
-        slot = tl.load(slot_ptr + r).to(tl.int64)
-        h = tl.load(hist_ptr + r).to(tl.int64)
         offs_d = db * BD + tl.arange(0, BD)
         offs_n = tl.arange(0, BN)
         md = offs_d < d
         mn = offs_n < n
-        jj = tl.arange(0, LP)
-        mj = jj < h
-        if PAGED:
-            blk = tl.load(bt_ptr + r64 * MAXB + jj // L, mask=mj, other=0).to(tl.int64)
-            e = blk * L + jj % L
-        else:
-            start = tl.load(start_ptr + r).to(tl.int64)
-            e = slot * L + (start + jj) % L
+        slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, bt_ptr, r, L, MAXB, LP, PAGED)
         A = tl.load(A_ptr + hd).to(tl.float32)
         dtj = tl.where(mj, tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32), 0.0)
         lj = A * dtj
