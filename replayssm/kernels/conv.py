@@ -107,6 +107,9 @@ if HAVE_TRITON:
 
 
 def _check_conv(win, x: Tensor, weight: Tensor | None, activation, T: bool):
+    """Validate ``x`` (``[Bt, T, C]`` if ``T`` else ``[Bt, C]``), the activation and the
+    taps against the window; returns ``(x with a contiguous last axis, weight [C, W]
+    contiguous | None, C, W)``."""
     if x.dim() != (3 if T else 2):
         raise ValueError(f"x must be [Bt, {'T, ' if T else ''}C], got {tuple(x.shape)}")
     if activation not in (None, "silu", "swish"):
@@ -125,6 +128,13 @@ def _check_conv(win, x: Tensor, weight: Tensor | None, activation, T: bool):
     return x, weight, C, W
 
 
+def _no_window(x: Tensor, weight: Tensor, bias: Tensor | None, activation) -> Tensor:
+    """``W == 1`` (no window): ``act(bias + w x)`` elementwise, in x's dtype."""
+    out = x.float() * weight[:, 0].float() + (bias.float() if bias is not None else 0.0)
+    out = out * torch.sigmoid(out) if activation in ("silu", "swish") else out
+    return out.to(x.dtype)
+
+
 def conv_verify(win, slot: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None = None,
                 activation: str | None = None, check: bool | None = None) -> Tensor:
     """``x [Bt, T, C]`` (last axis contiguous; rows and tokens may be strided) ->
@@ -136,9 +146,7 @@ def conv_verify(win, slot: Tensor, x: Tensor, weight: Tensor, bias: Tensor | Non
     if Bt == 0 or T == 0:
         return y
     if W == 1:
-        out = x.float() * weight[:, 0].float() + (bias.float() if bias is not None else 0.0)
-        out = out * torch.sigmoid(out) if activation in ("silu", "swish") else out
-        return out.to(x.dtype)
+        return _no_window(x, weight, bias, activation)
     BC = min(256, next_pow2(C))
     _conv_verify_kernel[(triton.cdiv(C, BC), Bt)](
         win.window, slot, x, weight, bias if bias is not None else weight, y,
@@ -164,30 +172,16 @@ def conv_decode(win, slot: Tensor, x: Tensor, weight: Tensor, bias: Tensor | Non
                 activation: str | None = None, check: bool | None = None) -> Tensor:
     """``x [Bt, C]`` (last axis contiguous; rows may be strided) -> ``out [Bt, C]`` (x dtype);
     the window of each row's slot advances by one in place."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be [Bt, C], got {tuple(x.shape)}")
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"unknown activation {activation!r}")
-    Bt, C = x.shape
-    window = win.window
-    W = window.shape[2] + 1
-    if window.shape[1] != C:
-        raise ValueError(f"x has {C} channels, the window {window.shape[1]}")
-    weight = weight.reshape(C, -1)
-    if weight.shape[1] != W:
-        raise ValueError(f"weight has {weight.shape[1]} taps, the window needs {W}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x, weight, C, W = _check_conv(win, x, weight, activation, False)
+    Bt = x.shape[0]
     y = torch.empty(Bt, C, dtype=x.dtype, device=x.device)
     if Bt == 0:
         return y
-    if W == 1:  # no window: out = act(bias + w x)
-        out = x.float() * weight[:, 0].float() + (bias.float() if bias is not None else 0.0)
-        out = out * torch.sigmoid(out) if activation in ("silu", "swish") else out
-        return out.to(x.dtype)
+    if W == 1:
+        return _no_window(x, weight, bias, activation)
     BC = min(256, next_pow2(C))
     _conv_decode_kernel[(triton.cdiv(C, BC), Bt)](
-        window, slot, x, weight.contiguous(), bias if bias is not None else weight, y,
+        win.window, slot, x, weight, bias if bias is not None else weight, y,
         C, x.stride(0), WM1=W - 1, WP=next_pow2(W), BC=BC, HAS_BIAS=bias is not None,
         SILU=activation in ("silu", "swish"), num_warps=4)
     return y
