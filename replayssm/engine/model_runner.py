@@ -210,6 +210,11 @@ class ModelRunner:
         v_in[:, 0] = True
         return s_in, t_in, p_in, v_in
 
+    def _drop_pending(self) -> None:
+        """Forget a verify that failed half-way (its commit will never come)."""
+        if getattr(self.cache, "pending", None) is not None:
+            self.cache.pending = None
+
     def _warm(self, fn, passes: int = 2) -> None:
         """Run ``fn`` eagerly on a side stream (compiles kernels, sets up cuBLAS) before capture."""
         stream = torch.cuda.Stream()
@@ -233,8 +238,7 @@ class ModelRunner:
         except Exception as e:  # pragma: no cover - depends on the model's kernels
             warnings.warn(f"CUDA graph capture of a speculative step {key} failed, running eagerly: {e}")
             self._graph_failed.add(key)
-            if getattr(self.cache, "pending", None) is not None:  # a half-run verify: drop it
-                self.cache.pending = None
+            self._drop_pending()
             return None
         entry = (graph, ins, outs)
         self._graphs[key] = entry
@@ -272,13 +276,11 @@ class ModelRunner:
                     self._warm(lambda: self._greedy_body(*ins, tree), passes=1)
                 runnable.append((key, Bp, N, tree))
             except NotImplementedError:  # e.g. no KV-only tree verify: captured after the switch
-                if getattr(self.cache, "pending", None) is not None:
-                    self.cache.pending = None
+                self._drop_pending()
             except Exception as e:  # pragma: no cover - depends on the model's kernels
                 warnings.warn(f"warm-up of CUDA graph {key} failed, it runs eagerly: {e}")
                 self._graph_failed.add(key)
-                if getattr(self.cache, "pending", None) is not None:
-                    self.cache.pending = None
+                self._drop_pending()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         for key, Bp, N, tree in runnable:
