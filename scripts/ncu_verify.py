@@ -32,18 +32,18 @@ def main() -> None:
     _set_fill(ring, slots, args.fill)
     dec = m2_inputs(Bt, s, "cuda", torch.bfloat16)
     inp = m2_inputs(Bt, s, "cuda", torch.bfloat16, T)
-    for _ in range(2):  # warm-up: compile everything first
-        km.replay_decode(buf, ring.plan_decode(slots), **dec)
+    def launch(decode: bool) -> None:
+        if decode:
+            km.replay_decode(buf, ring.plan_decode(slots), **dec)
         for v in args.variants.split(","):
             bd, nw = v.split(":")
             km.replay_verify(buf, ring.plan_verify(slots, T, "verify"), **inp, block_d=int(bd), num_warps=int(nw))
+
+    for _ in range(2):  # warm-up: compile everything first
+        launch(True)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    if args.fill == 0:
-        km.replay_decode(buf, ring.plan_decode(slots), **dec)
-    for v in args.variants.split(","):
-        bd, nw = v.split(":")
-        km.replay_verify(buf, ring.plan_verify(slots, T, "verify"), **inp, block_d=int(bd), num_warps=int(nw))
+    launch(args.fill == 0)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
 

@@ -15,17 +15,24 @@ from replayssm.kernels import conv as KC  # noqa: E402
 DEVICE = kernel_device()
 
 
+def _setup(g, P, C, W, dtype, bias):
+    """A reference window of ``P - 1`` slots filled at random, a copy for the kernel, taps
+    and bias."""
+    win_ref = ConvWindow.allocate(P - 1, C, W, dtype=dtype, device=DEVICE)
+    win_ref.window.copy_(torch.randn(win_ref.window.shape, generator=g).to(dtype))
+    win = ConvWindow(win_ref.window.clone())
+    w = torch.randn(C, W, generator=g).to(DEVICE)
+    b = torch.randn(C, generator=g).to(DEVICE) if bias else None
+    return win_ref, win, w, b
+
+
 @pytest.mark.parametrize("C,W,bias,act,dtype", [
     (13, 4, True, "silu", torch.float32), (7, 3, False, None, torch.float32),
     (300, 4, True, "silu", torch.bfloat16), (5, 2, True, "silu", torch.float32), (6, 1, True, "silu", torch.float32)])
 def test_conv_decode_kernel_matches_reference(C, W, bias, act, dtype):
     g = torch.Generator().manual_seed(C * W)
     P, Bt = 6, 4
-    win_ref = ConvWindow.allocate(P - 1, C, W, dtype=dtype, device=DEVICE)
-    win_ref.window.copy_(torch.randn(win_ref.window.shape, generator=g).to(dtype))
-    win = ConvWindow(win_ref.window.clone())
-    w = torch.randn(C, W, generator=g).to(DEVICE)
-    b = torch.randn(C, generator=g).to(DEVICE) if bias else None
+    win_ref, win, w, b = _setup(g, P, C, W, dtype, bias)
     slot = torch.tensor([3, 1, 5, 2], device=DEVICE)
     for step in range(3):  # the window advances: later steps read what earlier ones wrote
         full = torch.randn(Bt, C + 5, generator=g).to(dtype).to(DEVICE)
@@ -60,11 +67,7 @@ def test_conv_verify_and_commit_kernels_match_reference(C, W, T, bias, act, dtyp
 
     g = torch.Generator().manual_seed(C * W + T)
     P, Bt = 7, 5
-    win_ref = ConvWindow.allocate(P - 1, C, W, dtype=dtype, device=DEVICE)
-    win_ref.window.copy_(torch.randn(win_ref.window.shape, generator=g).to(dtype))
-    win = ConvWindow(win_ref.window.clone())
-    w = torch.randn(C, W, generator=g).to(DEVICE)
-    b = torch.randn(C, generator=g).to(DEVICE) if bias else None
+    win_ref, win, w, b = _setup(g, P, C, W, dtype, bias)
     slot = torch.tensor([3, 1, 6, 2, 0], device=DEVICE)  # the last row pads on the null slot
     real = slot != 0
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
