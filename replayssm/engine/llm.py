@@ -176,6 +176,8 @@ class LLM:
         self.scheduler = Scheduler(num_slots, self.memory, ec.memory_budget, ec.max_seq_len, ec.max_prefill_tokens)
         self.drafter = self._make_drafter(sp, num_slots, T)
         self.stats = {"steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "generated": 0}
+        self._requests: dict = {}     # unfinished requests by id (abort, step outputs)
+        self._touched: list[Sequence] = []   # sequences that got tokens in the current step
         self._tree_needs_state = False
         self.capture_s = 0.0
         if self.runner.use_graphs:  # every graph a step can need, before the first request
@@ -240,15 +242,36 @@ class LLM:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         return text, ids
 
-    def add_request(self, prompt, params: SamplingParams | None = None) -> Sequence:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id=None) -> Sequence:
+        """Queue one request (validated first: a bad one raises ``ValueError`` and queues
+        nothing).  ``request_id`` (any hashable, default a fresh int) names it for
+        :meth:`abort` and in :meth:`step`'s outputs; returns its :class:`Sequence`."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if request_id is not None and request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.encode(prompt)
-        seq = Sequence(ids, params)
+        seq = Sequence(ids, params, request_id=request_id)
         seq.prompt_text = text
         self.scheduler.add(seq)
+        self._requests[seq.request_id] = seq
         return seq
+
+    def abort(self, request_id) -> bool:
+        """Stop a request between steps: a waiting one leaves the queue, a running one frees
+        its slot and cache at once.  Returns False when no unfinished request has that id."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        seq.finish_reason = "abort"
+        if seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+            self.scheduler.finish(seq, "abort")
+        else:
+            self._release(seq)
+        self._requests.pop(request_id, None)
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -274,7 +297,7 @@ class LLM:
             bar = tqdm(total=len(seqs), desc="generate", unit="req")
         done = 0
         while self.has_unfinished():
-            self.step()
+            self._step()
             if bar is not None:
                 n = sum(s.is_finished for s in seqs)
                 bar.update(n - done)
@@ -288,7 +311,7 @@ class LLM:
         seq = self.add_request(prompt, params)
         while not seq.is_finished:
             before = len(seq.output_ids)
-            self.step()
+            self._step()
             if len(seq.output_ids) > before:
                 yield seq.output_ids[before:]
         self.last_output = self.output(seq)
@@ -309,8 +332,21 @@ class LLM:
             accepted_lengths=list(drafted_steps))
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self) -> list[Sequence]:
-        """One engine step; returns the sequences that finished in it."""
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns a :class:`RequestOutput` (cumulative tokens so far) for
+        every request that produced tokens or finished in it, in admission order."""
+        finished = self._step()
+        out, seen = [], set()
+        for s in self._touched + finished:
+            if id(s) not in seen:
+                seen.add(id(s))
+                out.append(self.output(s))
+        return out
+
+    def _step(self) -> list[Sequence]:
+        """Schedule, prefill the admitted, decode/speculate the running; returns the
+        sequences that finished in it."""
+        self._touched = []
         sch = self.scheduler
         before = set(id(s) for s in sch.rejected)
         t0 = time.perf_counter()
@@ -339,6 +375,8 @@ class LLM:
             elif self.config.decode_mode == "auto" and s.mode == "kv" and s.num_cached >= self.auto_threshold:
                 to_switch.append(s)
         self._switch(to_switch)
+        for s in finished:
+            self._requests.pop(s.request_id, None)
         return finished
 
     def _switch(self, seqs: list[Sequence]) -> None:
@@ -504,6 +542,8 @@ class LLM:
     def _append(self, s: Sequence, toks: list[int]) -> None:
         p = s.params
         cap = s.token_cap if s.token_cap is not None else self.scheduler.token_limit
+        if toks:
+            self._touched.append(s)
         for t in toks:
             s.output_ids.append(int(t))
             self.stats["generated"] += 1

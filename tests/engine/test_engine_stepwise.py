@@ -1,0 +1,64 @@
+"""The step-wise API a server drives: add_request / step / abort, outputs as they come."""
+
+import pytest
+
+from replayssm import LLM, SamplingParams, SpeculativeConfig
+
+from engine_helpers import PROMPTS, reference_greedy
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def expected(target):
+    return [reference_greedy(target, p, N) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_step_outputs_stream_every_token_once(target, expected, spec):
+    sp = SpeculativeConfig("ngram", num_tokens=3) if spec else None
+    llm = LLM(target, speculative=sp, max_num_seqs=3)
+    ids = [llm.add_request(p, SamplingParams(max_tokens=N), request_id=f"r{i}").request_id
+           for i, p in enumerate(PROMPTS)]
+    seen = {i: [] for i in ids}
+    done = set()
+    while llm.has_unfinished():
+        for out in llm.step():
+            assert out.request_id not in done, "no output after a request finished"
+            new = out.token_ids[len(seen[out.request_id]):]
+            assert out.token_ids[: len(seen[out.request_id])] == seen[out.request_id]  # cumulative
+            assert new or out.finished
+            seen[out.request_id] = list(out.token_ids)
+            if out.finished:
+                done.add(out.request_id)
+    assert done == set(ids)
+    assert [seen[i] for i in ids] == expected
+
+
+def test_abort_waiting_and_running_frees_slots(target, expected):
+    llm = LLM(target, max_num_seqs=2)
+    a = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=N), request_id="a")
+    b = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=N), request_id="b")
+    c = llm.add_request(PROMPTS[2], SamplingParams(max_tokens=N), request_id="c")   # waits
+    llm.step()
+    assert llm.abort("c") and c.finish_reason == "abort"       # still queued
+    assert llm.abort("a") and a.finish_reason == "abort"       # running: slot back at once
+    assert not llm.abort("a") and not llm.abort("nope")
+    assert len(llm.scheduler.free_slots) == llm.num_slots - 1
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.output(b).token_ids == expected[1]
+    assert len(llm.scheduler.free_slots) == llm.num_slots
+    # the engine serves new requests normally afterwards
+    d = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=N), request_id="a")  # id free again
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.output(d).token_ids == expected[0]
+
+
+def test_duplicate_request_id_rejected_before_queueing(target):
+    llm = LLM(target)
+    llm.add_request(PROMPTS[0], SamplingParams(max_tokens=2), request_id=7)
+    with pytest.raises(ValueError, match="request_id 7"):
+        llm.add_request(PROMPTS[1], SamplingParams(max_tokens=2), request_id=7)
+    assert len(llm.scheduler.waiting) == 1
