@@ -2,13 +2,13 @@
 decode and speculative steps; fp32 arithmetic, one launch each instead of gather + concat +
 conv + gather + scatter.  The window is ``[P, C, W-1]`` (oldest first).
 
-* :func:`conv_decode` (contract of :func:`replayssm.cache.conv.conv_decode`): one
+* :func:`conv_decode` (contract of :func:`replayssm.ops.conv.naive.conv_decode`): one
   always-accepted token ``x [Bt, C]``: ``out = act(bias + Σ_{k<W-1} w[:, k] window[:, k]
   + w[:, W-1] x)``, and the window shifts left by one with ``x`` appended.
-* :func:`conv_verify` (:func:`replayssm.cache.conv.conv_verify`): ``T`` tentative tokens
+* :func:`conv_verify` (:func:`replayssm.ops.conv.naive.conv_verify`): ``T`` tentative tokens
   ``x [Bt, T, C]``: ``out_t = act(bias + Σ_k w[:, k] s[t + k])`` over ``s = [window; x]``;
   the window is left untouched.
-* :func:`conv_commit` (:func:`replayssm.cache.conv.conv_commit`): the window becomes the
+* :func:`conv_commit` (:func:`replayssm.ops.conv.naive.conv_commit`): the window becomes the
   last ``W-1`` entries of ``[window; x[:a]]`` for each row's accepted count ``a``.
 """
 

@@ -17,10 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..cache.buffers import GDNBuffers
+from ..cache.paged import GDNPagedBuffers
 from .context import StepContext
 from .mlp import Linear, _param
 from .norms import GatedRMSNorm, compute_dtype
 from .ssm_base import SSMLayer
+
+
+#: ops whose q/k are l2-normalised inside (HF/fla ``use_qk_l2norm_in_kernel``)
+_QK_NORM_OPS = ("recurrent_step", "replay_decode", "replay_verify", "tree_verify", "snapshot_verify",
+                "kv_verify", "chunked_prefill")
 
 
 def reorder_qkvz(w: Tensor, H: int, HV: int, K: int, V: int) -> Tensor:
@@ -40,6 +47,8 @@ def reorder_ba(w: Tensor, H: int, HV: int) -> Tensor:
 
 
 class GatedDeltaNet(SSMLayer):
+    family = "gdn"
+
     def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel: int, *, eps: float, chunk_size: int = 64,
                  layer_id: int = 0):
@@ -60,60 +69,35 @@ class GatedDeltaNet(SSMLayer):
     def conv1d_bias(self):
         return None
 
-    # ---- ops glue --------------------------------------------------------------------------
-    def _ops(self):
-        """The gdn ops: Triton kernels for CUDA tensors, the naive reference otherwise
-        (:func:`replayssm.kernels.dispatch.ops_for`)."""
-        from ..kernels.dispatch import ops_for
-
-        return ops_for("gdn")
-
-    def _call(self, op: str, *prefix, a: dict, t0: bool = False, **kw):
-        f = getattr(self._ops(), op)
+    # ---- family hooks (forms call these) -------------------------------------------------
+    def op(self, name: str, *prefix, a: dict, t0: bool = False, **kw):
         q, k, v, g, beta = a["q"], a["k"], a["v"], a["g"], a["beta"]
         if t0:
             q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
-        if op in ("recurrent_step", "replay_decode", "replay_verify", "tree_verify", "snapshot_verify",
-                  "kv_verify", "chunked_prefill"):
+        if name in _QK_NORM_OPS:
             kw.setdefault("use_qk_l2norm", True)
-        return f(*prefix, q, k, v, g, beta, **kw)
+        return getattr(self.ops(), name)(*prefix, q, k, v, g, beta, **kw)
 
-    def _mask(self, a: dict, valid: Tensor) -> dict:
+    def mask_padding(self, a: dict, valid: Tensor) -> dict:
         a = dict(a)
         m = valid[..., None]
         a["g"] = torch.where(m, a["g"], torch.zeros_like(a["g"]))
         a["beta"] = torch.where(m, a["beta"], torch.zeros_like(a["beta"]))
         return a
 
-    def _rebuild(self, buf, plan):
-        return self._ops().rebuild_state(buf, plan)
+    def rebuild_state(self, buf, plan):
+        return self.ops().rebuild_state(buf, plan)
 
-    def state_dtype(self, dtype) -> torch.dtype:
-        return compute_dtype(dtype)
-
-    def allocate(self, P: int, capacity: int, dtype, device, paged=None) -> dict:
-        from ..cache.buffers import GDNBuffers
-        from ..cache.conv import ConvWindow
-
-        sdt = self.state_dtype(dtype)
-        conv = ConvWindow.allocate(P - 1, self.conv_dim, self.conv_kernel, dtype=dtype, device=device)
-        buf = self._alloc_buf(P - 1, capacity, dtype, sdt, device)
-        kv = None
-        if paged is not None:
-            from ..cache.paged import GDNPagedBuffers
-
-            kv = GDNPagedBuffers.allocate(paged[0], paged[1], self.H, self.HV, self.K, self.V,
-                                          dtype=dtype, state_dtype=sdt, device=device)
-        return {"buf": buf, "conv": conv, "kv": kv}
-
-    def _alloc_buf(self, num_slots, capacity, dtype, sdt, device):
-        from ..cache.buffers import GDNBuffers
-
+    def alloc_ring(self, num_slots: int, capacity: int, dtype, device) -> GDNBuffers:
         return GDNBuffers.allocate(num_slots, capacity, self.H, self.HV, self.K, self.V, dtype=dtype,
-                                   state_dtype=sdt, device=device)
+                                   state_dtype=compute_dtype(dtype), device=device)
+
+    def alloc_pages(self, num_blocks: int, block_size: int, dtype, device) -> GDNPagedBuffers:
+        return GDNPagedBuffers.allocate(num_blocks, block_size, self.H, self.HV, self.K, self.V, dtype=dtype,
+                                        state_dtype=compute_dtype(dtype), device=device)
 
     def kv_to_state(self, store: dict, pplan, slots: Tensor) -> None:
-        self._ops().kv_to_state(store["kv"], pplan, store["buf"], slots)
+        self.ops().kv_to_state(store["kv"], pplan, store["buf"], slots)
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, h: Tensor, ctx: StepContext) -> Tensor:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..cache.buffers import Mamba2Buffers
+from ..cache.paged import Mamba2PagedBuffers
 from .context import StepContext
 from .mlp import Linear, _param
 from .norms import GatedRMSNorm, compute_dtype
@@ -20,6 +22,8 @@ from .ssm_base import SSMLayer
 
 
 class Mamba2Mixer(SSMLayer):
+    family = "mamba2"
+
     def __init__(self, hidden: int, num_heads: int, head_dim: int, state_size: int, n_groups: int,
                  conv_kernel: int, *, norm_group_size: int, eps: float, use_bias: bool = False,
                  use_conv_bias: bool = True, time_step_limit=(0.0, float("inf")), chunk_size: int = 64,
@@ -40,58 +44,34 @@ class Mamba2Mixer(SSMLayer):
         self.norm = GatedRMSNorm(self.inter, eps, group_size=norm_group_size, gate_first=True)
         self.out_proj = Linear(self.inter, hidden, use_bias)
 
-    # ---- ops glue --------------------------------------------------------------------------
-    def _ops(self):
-        """The mamba2 ops: Triton kernels for CUDA tensors, the naive reference otherwise
-        (:func:`replayssm.kernels.dispatch.ops_for`)."""
-        from ..kernels.dispatch import ops_for
-
-        return ops_for("mamba2")
-
+    # ---- family hooks (forms call these) -------------------------------------------------
     def _A(self, dtype) -> Tensor:
         return -torch.exp(self.A_log.to(dtype))
 
-    def _call(self, op: str, *prefix, a: dict, t0: bool = False, **kw):
-        f = getattr(self._ops(), op)
+    def op(self, name: str, *prefix, a: dict, t0: bool = False, **kw):
         x, dt, B, C = a["x"], a["dt"], a["B"], a["C"]
         if t0:
             x, dt, B, C = x[:, 0], dt[:, 0], B[:, 0], C[:, 0]
-        return f(*prefix, x, dt, self._A(dt.dtype), B, C, self.D.to(dt.dtype), **kw)
+        return getattr(self.ops(), name)(*prefix, x, dt, self._A(dt.dtype), B, C, self.D.to(dt.dtype), **kw)
 
-    def _mask(self, a: dict, valid: Tensor) -> dict:
+    def mask_padding(self, a: dict, valid: Tensor) -> dict:
         a = dict(a)
         a["dt"] = torch.where(valid[..., None], a["dt"], torch.zeros_like(a["dt"]))
         return a
 
-    def _rebuild(self, buf, plan):
-        return self._ops().rebuild_state(buf, plan, self._A(buf.state.dtype))
+    def rebuild_state(self, buf, plan):
+        return self.ops().rebuild_state(buf, plan, self._A(buf.state.dtype))
 
-    def state_dtype(self, dtype) -> torch.dtype:
-        return compute_dtype(dtype)
-
-    def allocate(self, P: int, capacity: int, dtype, device, paged=None) -> dict:
-        """Per-layer cache: ``buf`` (state + ring), ``conv`` window, ``kv`` paged pools or None."""
-        from ..cache.buffers import Mamba2Buffers
-
-        sdt = self.state_dtype(dtype)
-        conv = _conv_window(P, self.conv_dim, self.conv_kernel, dtype, device)
-        buf = self._alloc_buf(P - 1, capacity, dtype, sdt, device)
-        kv = None
-        if paged is not None:
-            from ..cache.paged import Mamba2PagedBuffers
-
-            kv = Mamba2PagedBuffers.allocate(paged[0], paged[1], self.H, self.d, self.n, self.G,
-                                             dtype=dtype, state_dtype=sdt, device=device)
-        return {"buf": buf, "conv": conv, "kv": kv}
-
-    def _alloc_buf(self, num_slots, capacity, dtype, sdt, device):
-        from ..cache.buffers import Mamba2Buffers
-
+    def alloc_ring(self, num_slots: int, capacity: int, dtype, device) -> Mamba2Buffers:
         return Mamba2Buffers.allocate(num_slots, capacity, self.H, self.d, self.n, self.G, dtype=dtype,
-                                      state_dtype=sdt, device=device)
+                                      state_dtype=compute_dtype(dtype), device=device)
+
+    def alloc_pages(self, num_blocks: int, block_size: int, dtype, device) -> Mamba2PagedBuffers:
+        return Mamba2PagedBuffers.allocate(num_blocks, block_size, self.H, self.d, self.n, self.G, dtype=dtype,
+                                           state_dtype=compute_dtype(dtype), device=device)
 
     def kv_to_state(self, store: dict, pplan, slots: Tensor) -> None:
-        self._ops().kv_to_state(store["kv"], pplan, store["buf"], slots, self._A(store["buf"].state.dtype))
+        self.ops().kv_to_state(store["kv"], pplan, store["buf"], slots, self._A(store["buf"].state.dtype))
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, h: Tensor, ctx: StepContext) -> Tensor:
@@ -111,8 +91,3 @@ class Mamba2Mixer(SSMLayer):
         y = self.norm(y.reshape(Bt, T, self.inter).to(h.dtype), z)
         return self.out_proj(y)
 
-
-def _conv_window(P: int, C: int, W: int, dtype, device):
-    from ..cache import conv
-
-    return conv.ConvWindow.allocate(P - 1, C, W, dtype=dtype, device=device)

@@ -26,7 +26,7 @@ def _fused_ok(x: Tensor, z: Tensor, w: Tensor) -> bool:
         return False
     from ..kernels import _triton, dispatch
 
-    return _triton.HAVE_TRITON and dispatch._env_backend() != "naive"
+    return _triton.HAVE_TRITON and dispatch.env_backend() != "naive"
 
 
 class RMSNorm(nn.Module):

@@ -91,7 +91,7 @@ class ModelCache:
         self.layers: dict[int, dict] = {}
         for layer in model.stateful_layers():
             if hasattr(layer, "conv_dim"):
-                store = layer.allocate(P, cap, self.dtype, self.device, paged)
+                store = layer.allocate(P, cap, self.dtype, self.device, paged, mode=mode)
             else:
                 store = layer.allocate(P, max_seq_len, self.dtype, self.device)
             if poison:  # tests: every byte a step may not read is NaN

@@ -9,7 +9,8 @@ triton = pytest.importorskip("triton")
 
 from kernel_device import kernel_device  # noqa: E402
 
-from replayssm.cache.conv import ConvWindow, conv_decode  # noqa: E402
+from replayssm.cache.conv import ConvWindow  # noqa: E402
+from replayssm.ops.conv.naive import conv_commit, conv_decode, conv_verify  # noqa: E402
 from replayssm.kernels import conv as KC  # noqa: E402
 
 DEVICE = kernel_device()
@@ -63,7 +64,6 @@ def test_conv_verify_and_commit_kernels_match_reference(C, W, T, bias, act, dtyp
     """Verify (window untouched) then commit of a random accepted count per row — counts 0,
     T and in between, T shorter than the window — against the reference ops, over several
     steps so later steps read windows the kernels wrote.  Padding rows on the null slot."""
-    from replayssm.cache.conv import conv_commit, conv_verify
 
     g = torch.Generator().manual_seed(C * W + T)
     P, Bt = 7, 5

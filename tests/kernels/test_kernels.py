@@ -410,7 +410,7 @@ def test_dispatch_matches(device):
     ref = clone_m2(buf)
     plan = ring.plan_decode(slots)
     x, dt, A, B, C, D = m2_inputs(s, device)
-    y0 = dispatch.mamba2_replay_decode(ref, plan, x, dt, A, B, C, D, backend="naive", pre_scores=True)
-    y1 = dispatch.mamba2_replay_decode(buf, plan, x, dt, A, B, C, D, backend="triton")
+    y0 = dispatch.KernelOps("mamba2", backend="naive").replay_decode(ref, plan, x, dt, A, B, C, D, pre_scores=True)
+    y1 = dispatch.KernelOps("mamba2", backend="triton").replay_decode(buf, plan, x, dt, A, B, C, D)
     real = slots != 0
     close(y0[real], y1[real], s["dtype"], "y")

@@ -129,7 +129,7 @@ def kernel_calls(monkeypatch):
 
     calls: dict = {}
     for fam, mod in (("mamba2", K2), ("gdn", KG)):
-        for name in dispatch.ROUTED:
+        for name in dispatch.ROUTED[fam]:
             f = getattr(mod, name)
 
             def spy(*a, _f=f, _key=(fam, name), **kw):
@@ -192,7 +192,7 @@ def test_ops_for_exposes_naive_and_routes():
         assert ops is dispatch.ops_for(fam)
         for name in ("chunked_prefill", "rebuild_state", "kv_to_state", "snapshot_commit", "recurrent_scan"):
             assert getattr(ops, name) is getattr(naive, name)
-        for name in dispatch.ROUTED:
+        for name in dispatch.ROUTED[fam]:
             # every keyword the naive op takes (what the layers pass) is accepted by the kernel,
             # and the positional arguments line up
             pn = inspect.signature(getattr(naive, name)).parameters
@@ -204,9 +204,9 @@ def test_ops_for_exposes_naive_and_routes():
             ops.no_such_op
     m = tiny_model("mamba2")
     q = tiny_model("qwen3_next")
-    assert isinstance(m.blocks[0].mixer, Mamba2Mixer) and m.blocks[0].mixer._ops() is dispatch.ops_for("mamba2")
+    assert isinstance(m.blocks[0].mixer, Mamba2Mixer) and m.blocks[0].mixer.ops() is dispatch.ops_for("mamba2")
     assert isinstance(q.blocks[0].linear_attn, GatedDeltaNet)
-    assert q.blocks[0].linear_attn._ops() is dispatch.ops_for("gdn")
+    assert q.blocks[0].linear_attn.ops() is dispatch.ops_for("gdn")
 
 
 def test_naive_path_drops_kernel_only_keywords(monkeypatch):
@@ -227,12 +227,38 @@ def test_naive_path_drops_kernel_only_keywords(monkeypatch):
 def test_auto_keeps_float64_on_the_naive_ops(monkeypatch):
     """``backend="auto"``: fp64 calls never pick the (fp32) kernels; the env override still wins."""
     seen = []
-    monkeypatch.setattr(dispatch, "_call", lambda fam, name, probe, backend, a, kw: seen.append(backend))
+
+    def spy(*tensors, backend="auto"):
+        seen.append(backend)
+        return False
+
+    monkeypatch.setattr(dispatch, "use_triton", spy)
     monkeypatch.delenv("REPLAYSSM_KERNELS", raising=False)
     ops = dispatch.KernelOps("mamba2")
-    x32, x64 = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)
-    ops.recurrent_step(x32, x32)
-    ops.recurrent_step(x64, x64)
+    st32, st64 = torch.zeros(2, 1, 1, 1), torch.zeros(2, 1, 1, 1, dtype=torch.float64)
+    x32, x64 = torch.randn(2, 1, 1), torch.randn(2, 1, 1, dtype=torch.float64)
+    args = lambda x: (x[:, :, 0] * 0 + 0.5, -torch.ones(1, dtype=x.dtype), torch.randn(2, 1, 1, dtype=x.dtype),
+                      torch.randn(2, 1, 1, dtype=x.dtype))
+    ops.recurrent_step(st32, x32, *args(x32))
+    ops.recurrent_step(st64, x64, *args(x64))
     monkeypatch.setenv("REPLAYSSM_KERNELS", "triton")
-    ops.recurrent_step(x64, x64)
+    ops.recurrent_step(st64, x64, *args(x64))
     assert seen == ["auto", "naive", "auto"]
+
+
+def test_every_op_is_routed_or_declared_reference_only():
+    """No op reaches the reference silently on CUDA: each public op of a family's reference
+    module is either routed to a kernel or listed as reference-only, and that list is this."""
+    from replayssm.ops.conv import naive as NC
+    from replayssm.ops.gdn import naive as NG
+    from replayssm.ops.mamba2 import naive as N2
+
+    for fam, naive in (("mamba2", N2), ("gdn", NG), ("conv", NC)):
+        routed, ref = set(dispatch.ROUTED[fam]), set(dispatch.REFERENCE_ONLY[fam])
+        assert not routed & ref, fam
+        assert routed | ref == set(naive.__all__), f"{fam}: unclassified {set(naive.__all__) - routed - ref}"
+    assert dispatch.REFERENCE_ONLY == {
+        "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state"),
+        "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state"),
+        "conv": ("conv_prefill", "conv_tree", "conv_commit_tree"),
+    }

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from replayssm.cache.conv import (ConvWindow, conv_commit, conv_commit_tree, conv_decode,
-                                  conv_prefill, conv_tree, conv_verify)
+from replayssm.cache.conv import ConvWindow
+from replayssm.ops.conv.naive import (conv_commit, conv_commit_tree, conv_decode, conv_prefill, conv_tree,
+                                      conv_verify)
 from replayssm.cache.tree import path_to
 
 f64 = torch.float64

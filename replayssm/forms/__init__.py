@@ -1,0 +1,47 @@
+"""Decode forms as objects: how an SSM layer keeps a sequence and runs each step kind.
+
+``get_form(name)`` returns the registered form (``"recurrent"``, ``"replay"``, ``"kv"``,
+``"mixed"``); :data:`CACHE_FORMS` says which forms a model cache of each mode allocates
+(a KV-only cache also holds the replay form its slots switch to).  A new form is one module
+defining a :class:`~replayssm.forms.base.DecodeForm` subclass plus one
+:func:`register_form` call (and, for a new cache mode, an entry in :data:`CACHE_FORMS`).
+"""
+
+from __future__ import annotations
+
+from .base import STEP_KINDS, DecodeForm, FormLayer
+from .kv import KVForm
+from .mixed import MixedForm
+from .recurrent import RecurrentForm
+from .replay import ReplayForm
+
+_FORMS: dict[str, DecodeForm] = {}
+
+#: forms whose memory a model cache of each mode allocates (first: the mode's own form)
+CACHE_FORMS: dict[str, tuple[str, ...]] = {
+    "recurrent": ("recurrent",),
+    "replay": ("replay",),
+    "kv": ("kv", "replay"),
+}
+
+
+def register_form(form: DecodeForm) -> DecodeForm:
+    """Make ``form`` available as ``get_form(form.name)``."""
+    if not isinstance(form, DecodeForm) or not form.name:
+        raise ValueError(f"a form must be a named DecodeForm, got {form!r}")
+    _FORMS[form.name] = form
+    return form
+
+
+def get_form(name: str) -> DecodeForm:
+    try:
+        return _FORMS[name]
+    except KeyError:
+        raise ValueError(f"unknown decode form {name!r}: registered {sorted(_FORMS)}") from None
+
+
+for _f in (RecurrentForm(), ReplayForm(), KVForm(), MixedForm()):
+    register_form(_f)
+
+__all__ = ["STEP_KINDS", "CACHE_FORMS", "DecodeForm", "FormLayer", "KVForm", "MixedForm", "RecurrentForm",
+           "ReplayForm", "get_form", "register_form"]

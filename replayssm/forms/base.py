@@ -1,0 +1,93 @@
+"""What a decode form is: the memory one SSM layer keeps per sequence, and each step on it.
+
+A *form* (``recurrent``, ``replay``, ``kv``; ``docs/MATH.md`` gives the equations) is a
+stateless object.  For one layer it owns
+
+* its **allocation**: :meth:`DecodeForm.allocate` returns this form's part of the layer's
+  per-sequence store (a dict merged with the other forms' parts by the model cache),
+* its **steps**: :meth:`prefill`, :meth:`decode`, :meth:`verify`, :meth:`tree` take the
+  layer's time-major inputs ``a`` (each ``[B, T, ...]``) and the call's
+  :class:`~replayssm.layers.context.StepContext` and return ``y [B, T, ...]``;
+  :meth:`commit` keeps the accepted entries of a pending verify / tree step,
+* which shared bookkeeping its steps read: a ring plan (``uses_ring``) and/or a paged plan
+  (``uses_pages``), built once per model call.
+
+The layer family (Mamba-2, Gated DeltaNet) is reached through :class:`FormLayer`: the forms
+never know which family they run, so a new form is one new module plus a registration in
+:mod:`replayssm.forms`, and a new family implements :class:`FormLayer` once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from torch import Tensor
+
+#: step kinds a form implements (``StepContext.kind`` of a cached call)
+STEP_KINDS = ("prefill", "decode", "verify", "tree")
+
+
+class FormLayer(Protocol):
+    """What a form needs from an SSM layer family (implemented by
+    :class:`~replayssm.layers.ssm_base.SSMLayer`)."""
+
+    layer_id: int
+    chunk_size: int
+
+    def op(self, name: str, *prefix, a: dict, t0: bool = False, **kw) -> Any:
+        """Call op ``name`` of the family (``ops_for(family).<name>``) with ``prefix`` and
+        the family's arguments taken from ``a`` (``t0``: drop the time axis)."""
+
+    def ops(self) -> Any:
+        """The family's routed ops object (``kernels.dispatch.ops_for(family)``)."""
+
+    def rebuild_state(self, buf, plan) -> Tensor:
+        """``S_h`` of each plan row from its checkpoint and committed ring entries."""
+
+    def alloc_ring(self, num_slots: int, capacity: int, dtype, device):
+        """Checkpoint states + input ring (``Mamba2Buffers`` / ``GDNBuffers``)."""
+
+    def alloc_pages(self, num_blocks: int, block_size: int, dtype, device):
+        """Paged KV-only pools (``Mamba2PagedBuffers`` / ``GDNPagedBuffers``)."""
+
+    def kv_to_state(self, store: dict, pplan, slots: Tensor) -> None:
+        """Compress the slots' KV-only entries into their checkpoint states."""
+
+
+class DecodeForm:
+    """Base of the decode forms (see the module docstring)."""
+
+    name = ""
+    uses_ring = False     # steps read a ring plan (``ctx.plan``)
+    uses_pages = False    # steps read a paged plan (``ctx.pplan``)
+
+    def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device,
+                 pages: tuple[int, int] | None = None) -> dict:
+        """This form's part of the layer store for ``num_slots`` slots (null slot included);
+        ``capacity`` is the ring size, ``pages`` ``(num_blocks, block_size)`` of a paged pool."""
+        raise NotImplementedError
+
+    def run(self, layer: FormLayer, a: dict, ctx, store: dict) -> Tensor:
+        """Dispatch to the method named by the step kind."""
+        if ctx.kind not in STEP_KINDS:
+            raise ValueError(f"unknown step kind {ctx.kind!r}: expected one of {STEP_KINDS}")
+        return getattr(self, ctx.kind)(layer, a, ctx, store)
+
+    def prefill(self, layer: FormLayer, a: dict, ctx, store: dict) -> Tensor:
+        raise NotImplementedError
+
+    def decode(self, layer: FormLayer, a: dict, ctx, store: dict) -> Tensor:
+        raise NotImplementedError
+
+    def verify(self, layer: FormLayer, a: dict, ctx, store: dict) -> Tensor:
+        raise NotImplementedError
+
+    def tree(self, layer: FormLayer, a: dict, ctx, store: dict) -> Tensor:
+        raise NotImplementedError
+
+    def commit(self, layer: FormLayer, ctx, store: dict, accepted: Tensor, path: Tensor | None) -> None:
+        """Keep ``accepted`` entries of the pending step (the shared ring / paged pointers
+        move in the model, once for all layers); default: nothing form-specific to do."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

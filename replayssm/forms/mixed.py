@@ -1,0 +1,34 @@
+"""KV-only rows and replay rows in one step (``decode_mode="auto"`` after some requests
+switched to a state): both forms run, each on its own rows (the other rows point at the
+null slot), and ``torch.where`` keeps each row's own result."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import DecodeForm, FormLayer
+from .kv import KVForm
+from .replay import ReplayForm
+
+
+class MixedForm(DecodeForm):
+    name = "mixed"
+    uses_ring = True
+    uses_pages = True
+
+    def __init__(self, kv: DecodeForm | None = None, state: DecodeForm | None = None):
+        self.kv, self.state = kv or KVForm(), state or ReplayForm()
+
+    def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None) -> dict:
+        return {**self.state.allocate(layer, num_slots, capacity, dtype, device, pages),
+                **self.kv.allocate(layer, num_slots, capacity, dtype, device, pages)}
+
+    def run(self, layer, a, ctx, store) -> Tensor:
+        y_state = self.state.run(layer, a, ctx, store)
+        y_kv = self.kv.run(layer, a, ctx, store)
+        return torch.where(ctx.kv_rows.view(-1, *([1] * (y_kv.dim() - 1))), y_kv, y_state)
+
+    def commit(self, layer, ctx, store, accepted, path) -> None:
+        self.state.commit(layer, ctx, store, accepted, path)
+        self.kv.commit(layer, ctx, store, accepted, path)

@@ -1,0 +1,65 @@
+"""Recurrent form (the baseline vLLM/SGLang run): one state per slot, read and written every
+token; speculation stores one state per draft (the *snapshot* baseline) until commit.
+
+``S_t = a_t S_{t-1} + (update of token t)``; verify runs the recurrence over the T drafts
+keeping every intermediate state, commit copies the state after the last accepted draft.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import DecodeForm, FormLayer
+
+
+class RecurrentForm(DecodeForm):
+    name = "recurrent"
+
+    def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None) -> dict:
+        # the state pool; its 1-entry ring is never read (one buffer type for every form)
+        return {"buf": layer.alloc_ring(num_slots - 1, 1, dtype, device)}
+
+    def prefill(self, layer, a, ctx, store) -> Tensor:
+        buf, slots = store["buf"], ctx.state_slots
+        init = buf.state[slots]
+        init = torch.where(ctx.fresh.view(-1, 1, 1, 1), torch.zeros_like(init), init).to(buf.state.dtype)
+        y, S = layer.op("chunked_prefill", a=a, initial_state=init, chunk_size=layer.chunk_size)
+        buf.state[slots] = S.to(buf.state.dtype)
+        return y
+
+    def decode(self, layer, a, ctx, store) -> Tensor:
+        return layer.op("recurrent_update", store["buf"].state, a=a, t0=True, slot=ctx.state_slots)[:, None]
+
+    def verify(self, layer, a, ctx, store) -> Tensor:
+        y, snaps = layer.op("snapshot_verify", store["buf"].state, ctx.state_slots, a=a)
+        ctx.pending[(layer.layer_id, "snap")] = snaps
+        return y
+
+    def tree(self, layer, a, ctx, store) -> Tensor:
+        """Per-node states from each node's parent (a root's parent: the slot's state)."""
+        S0 = store["buf"].state[ctx.state_slots]
+        B, N = ctx.parent.shape
+        rows = torch.arange(B, device=S0.device)
+        nodes = S0.new_zeros((B, N) + tuple(S0.shape[1:]))
+        ys = []
+        for i in range(N):
+            p = ctx.parent[:, i]
+            base = S0 if i == 0 else torch.where(
+                (p < 0).view(-1, 1, 1, 1), S0, nodes[rows, p.clamp(min=0)])
+            ai = {k: v[:, i:i + 1] for k, v in a.items()}
+            y, S = layer.op("recurrent_step", base, a=ai, t0=True)
+            nodes[:, i] = S.to(nodes.dtype)
+            ys.append(y)
+        ctx.pending[(layer.layer_id, "nodes")] = nodes
+        return torch.stack(ys, 1)
+
+    def commit(self, layer, ctx, store, accepted, path) -> None:
+        state = store["buf"].state
+        if ctx.kind == "tree":
+            nodes = ctx.pending.pop((layer.layer_id, "nodes"))
+            rows = torch.arange(nodes.shape[0], device=nodes.device)
+            snaps = nodes[rows[:, None], path.long()]                   # [B, N, ...] along the path
+        else:
+            snaps = ctx.pending.pop((layer.layer_id, "snap"))
+        layer.ops().snapshot_commit(state, ctx.state_slots, snaps, accepted)

@@ -1,0 +1,49 @@
+"""Replay form (ReplaySSM): a checkpoint state plus a ring of the last ``h`` layer inputs.
+
+Outputs read the checkpoint and the ring; the state is written only when the ring flushes
+(``h + 1 == L`` on decode, ``h + 2T > L`` on a speculative step, committed entries only);
+rollback of rejected drafts is the ring pointer not moving.  A tree commit first gathers the
+accepted root-to-leaf path to the front of the new entries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..cache.tree import gather_path
+from .base import DecodeForm, FormLayer
+
+
+def tree_bits(ctx) -> dict:
+    """The step's ancestor bitmasks (computed once per model call; the reference ops drop them)."""
+    return {} if ctx.tree_bits is None else {"bits": ctx.tree_bits}
+
+
+class ReplayForm(DecodeForm):
+    name = "replay"
+    uses_ring = True
+
+    def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None) -> dict:
+        return {"buf": layer.alloc_ring(num_slots - 1, capacity, dtype, device)}
+
+    def prefill(self, layer, a, ctx, store) -> Tensor:
+        buf = store["buf"]
+        init = layer.rebuild_state(buf, ctx.plan)
+        init = torch.where(ctx.fresh.view(-1, 1, 1, 1), torch.zeros_like(init), init).to(buf.state.dtype)
+        y, S = layer.op("chunked_prefill", a=a, initial_state=init, chunk_size=layer.chunk_size)
+        buf.state[ctx.state_slots] = S.to(buf.state.dtype)   # the model empties the ring
+        return y
+
+    def decode(self, layer, a, ctx, store) -> Tensor:
+        return layer.op("replay_decode", store["buf"], ctx.plan, a=a, t0=True)[:, None]
+
+    def verify(self, layer, a, ctx, store) -> Tensor:
+        return layer.op("replay_verify", store["buf"], ctx.plan, a=a)
+
+    def tree(self, layer, a, ctx, store) -> Tensor:
+        return layer.op("tree_verify", store["buf"], ctx.plan, ctx.parent, a=a, **tree_bits(ctx))
+
+    def commit(self, layer, ctx, store, accepted, path) -> None:
+        if ctx.kind == "tree":
+            gather_path(store["buf"].ring_tensors(), ctx.plan, path, accepted)

@@ -1,0 +1,1 @@
+"""Short causal depthwise conv: reference ops in ``naive``."""
