@@ -87,17 +87,6 @@ def _load_model(args, tmp: str):
     """(model object or directory, description)."""
     if args.model:
         return args.model, f"model {args.model}"
-    if args.reference:
-        from replayssm.engine.reference import RecomputeModel, TinyLM
-
-        return RecomputeModel(TinyLM(64, hidden=16), device=args.device), "reference recompute model (TinyLM)"
-    try:
-        from replayssm.models import load_model  # noqa: F401
-    except Exception as e:  # models not available: fall back to the reference model
-        from replayssm.engine.reference import RecomputeModel, TinyLM
-
-        print(f"[bench e2e] replayssm.models unavailable ({e}); using the reference model", file=sys.stderr)
-        return RecomputeModel(TinyLM(64, hidden=16), device=args.device), "reference recompute model (TinyLM)"
     return _random_model_dir(args.preset, tmp), f"random-weight Mamba-2 ({args.preset})"
 
 
@@ -283,7 +272,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replayssm bench e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: random weights, --preset)")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    p.add_argument("--reference", action="store_true", help="use the recomputation reference model")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--batch-sizes", default="1,4,16,64,256,512")
@@ -332,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     spec_batches = [int(b) for b in args.spec_batch_sizes.split(",") if b]
     modes = [m for m in args.modes.split(",") if m]
     if args.spec_method is None:
-        args.spec_method = "ngram" if (args.model or args.reference) else "oracle"
+        args.spec_method = "ngram" if args.model else "oracle"
     method = "ngram" if args.spec_method == "oracle" else args.spec_method
     spec = SpeculativeConfig(method, num_tokens=args.num_tokens, draft_model=args.draft_model)
     if args.max_seq_len is None:

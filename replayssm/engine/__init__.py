@@ -5,16 +5,22 @@ Layout (nano-vllm style):
 
 * ``config.py``    SamplingParams, SpeculativeConfig, EngineConfig (validated dataclasses)
 * ``sequence.py``  Sequence: prompt/output ids, status, slot, cache form, acceptance stats
-* ``memory.py``    per-sequence bytes from the model config (states, rings, KV, scratch)
-* ``scheduler.py`` continuous batching under slots + memory budget; rejects the impossible
+* ``protocols.py`` what the engine needs from a model and its cache (typing.Protocol)
+* ``loading.py``   dtype names, model directories or loaded models
+* ``memory.py``    per-sequence bytes from the caches' measured layouts (states, rings, KV, scratch)
+* ``block_manager.py`` slots, KV-only blocks and the memory budget (one owner)
+* ``scheduler.py`` continuous batching: admission FCFS; rejects the impossible
 * ``model_runner.py`` prefill / decode / verify / verify_tree / commit on one cache;
   batch-size buckets with null-slot padding; optional CUDA graphs for decode
 * ``sampler.py``   temperature / top-k / top-p, per-request generators, greedy and lossless
   (multi-step) speculative acceptance over chains and trees
 * ``speculative.py`` drafters: prompt lookup (chain, trie), draft model (chain, beam or static
   tree); draft caches roll back through the same verify/commit API as the target
-* ``llm.py``       LLM / RequestOutput: ``generate``, ``stream``, ``add_request`` + ``step``
-* ``reference.py`` a recomputation model implementing the cache API exactly (tests, smoke)
+* ``outputs.py``   RequestOutput
+* ``engine.py``    LLMEngine: ``add_request`` / ``step`` / ``abort``; a step is schedule ->
+  run (prefill, decode or draft-verify-accept-commit) -> postprocess (tokens, stop criteria,
+  freeing, form switches)
+* ``llm.py``       LLM: ``generate``, ``stream`` (offline loops over the steps)
 * ``cli.py``       ``replayssm generate``
 
 One step: admit waiting requests, prefill them, then one decode step (or one speculative
@@ -28,10 +34,11 @@ Exports are resolved lazily so that ``import replayssm.engine`` stays cheap.
 """
 
 _EXPORTS = {
-    "LLM": "llm", "RequestOutput": "llm",
+    "LLM": "llm", "LLMEngine": "engine", "RequestOutput": "outputs",
     "SamplingParams": "config", "SpeculativeConfig": "config", "EngineConfig": "config",
     "Sequence": "sequence", "SequenceStatus": "sequence",
     "Scheduler": "scheduler", "ModelRunner": "model_runner", "Sampler": "sampler",
+    "BlockManager": "block_manager", "CachedModel": "protocols",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -234,3 +234,13 @@ class EngineConfig:
     @property
     def max_new(self) -> int:
         return 1 if self.speculative is None else self.speculative.verify_tokens
+
+    @property
+    def cache_mode(self) -> str:
+        """The target cache's mode: KV-only slots (``kv``, ``auto``) need a paged cache."""
+        return "kv" if self.decode_mode in ("kv", "auto") else self.decode_mode
+
+    @property
+    def draft_mode(self) -> str:
+        """A draft model's cache mode: the snapshot baseline drafts in the recurrent form too."""
+        return "recurrent" if self.decode_mode == "recurrent" else "replay"

@@ -1,40 +1,52 @@
-"""Continuous batching: requests join and leave between steps.
+"""Continuous batching: which requests run in the next step.
 
-Admission is first-come first-served under three limits: free state slots, a prefill
-token budget per step, and the memory budget (each sequence reserves its estimated bytes
-for its whole life: fixed part + per-token part for ``min(prompt + max_tokens + T,
-max_seq_len)`` tokens).  A request that can never fit — its prompt alone exceeds the budget
-or ``max_seq_len`` — is rejected with an error on its output; the others carry on.  One
-that fits only with fewer new tokens is admitted with a token cap (finish reason
-``"length"``).
+Admission is first-come first-served under three limits, all checked by the
+:class:`~replayssm.engine.block_manager.BlockManager`: a free slot, the memory budget, and a
+prefill token budget per step (``max_prefill_tokens``).  A request that can never fit (its
+prompt alone exceeds ``max_seq_len`` or the budget) is rejected with an error on its output;
+the others carry on.  One that fits only with fewer new tokens is admitted with a token cap
+(finish reason ``"length"``).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
-from .memory import MemoryModel, fmt_bytes
+from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 
+@dataclass
+class ScheduledBatch:
+    """One step's work: prompts to prefill, running sequences to advance, and the requests
+    rejected at admission (finished with an error)."""
+
+    prefill: list[Sequence] = field(default_factory=list)
+    running: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)
+
+
 class Scheduler:
-    def __init__(self, num_slots: int, memory: MemoryModel, budget: int | None, max_seq_len: int,
-                 max_prefill_tokens: int = 4096):
-        self.free_slots = list(range(num_slots, 0, -1))   # slots 1..num_slots (0 is null)
-        self.num_slots = num_slots
-        self.memory, self.budget = memory, budget
-        self.max_seq_len = max_seq_len
+    def __init__(self, blocks: BlockManager, max_prefill_tokens: int = 4096):
+        self.blocks = blocks
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.reserved = 0
         self.peak_running = 0
-        self.rejected: list[Sequence] = []
 
-    # limit on a sequence's total tokens (prompt + generated), leaving room for one verify
+    # views of the block manager's bookkeeping (what tests and metrics read)
+    @property
+    def free_slots(self) -> list[int]:
+        return self.blocks.free_slots
+
+    @property
+    def reserved(self) -> int:
+        return self.blocks.reserved
+
     @property
     def token_limit(self) -> int:
-        return self.max_seq_len - self.memory.verify_tokens
+        return self.blocks.token_limit
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -43,66 +55,39 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _reject(self, seq: Sequence, why: str) -> None:
-        seq.status = SequenceStatus.REJECTED
-        seq.finish_reason = "rejected"
-        seq.error = why
-        self.rejected.append(seq)
-
-    def _plan(self, seq: Sequence) -> tuple[int, int] | None:
-        """(bytes to reserve, token cap) or None after rejecting the sequence."""
-        n_prompt = seq.num_prompt_tokens
-        T = self.memory.verify_tokens
-        if n_prompt + 1 > self.token_limit:
-            self._reject(seq, f"prompt of {n_prompt} tokens does not fit max_seq_len={self.max_seq_len} "
-                              f"(needs {n_prompt + 1 + T} with one verify window)")
-            return None
-        want = min(n_prompt + seq.params.max_tokens, self.token_limit)
-        need = self.memory.need(want + T)
-        if self.budget is None or need <= self.budget:
-            return need, want
-        prompt_need = self.memory.need(n_prompt + 1 + T)
-        if prompt_need > self.budget:
-            self._reject(seq, f"prompt of {n_prompt} tokens needs {fmt_bytes(prompt_need)} of cache, more than "
-                              f"the whole memory budget of {fmt_bytes(self.budget)}")
-            return None
-        per = max(self.memory.per_token, 1)
-        cap = n_prompt + 1 + (self.budget - prompt_need) // per
-        return self.memory.need(cap + T), int(min(cap, want))
-
-    def schedule(self) -> list[Sequence]:
-        """Admit waiting sequences; returns the newly admitted ones (to prefill)."""
-        admitted: list[Sequence] = []
+    def schedule(self) -> ScheduledBatch:
+        """Admit waiting sequences (they prefill this step); the rest of the running ones
+        advance by one decode or speculative step."""
+        batch = ScheduledBatch(running=[s for s in self.running if not s.is_finished])
         tokens = 0
-        while self.waiting and self.free_slots:
+        while self.waiting:
             seq = self.waiting[0]
-            plan = self._plan(seq)
-            if plan is None:
+            adm = self.blocks.plan(seq)
+            if isinstance(adm, str):
                 self.waiting.popleft()
+                seq.status = SequenceStatus.REJECTED
+                seq.finish_reason, seq.error = "rejected", adm
+                batch.rejected.append(seq)
                 continue
-            need, cap = plan
-            if self.budget is not None and self.reserved + need > self.budget:
+            if not self.blocks.can_allocate(adm):
                 break  # wait for running sequences to finish (FCFS: no overtaking)
-            if admitted and tokens + seq.num_prompt_tokens > self.max_prefill_tokens:
+            if batch.prefill and tokens + seq.num_prompt_tokens > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
-            seq.slot = self.free_slots.pop()
-            seq.reserved_bytes = need
-            seq.token_cap = cap
+            self.blocks.allocate(seq, adm)
             seq.status = SequenceStatus.RUNNING
-            self.reserved += need
             tokens += seq.num_prompt_tokens
-            admitted.append(seq)
+            batch.prefill.append(seq)
             self.running.append(seq)
         self.peak_running = max(self.peak_running, len(self.running))
-        return admitted
+        return batch
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` (finished, aborted or failed): free its slot, blocks and bytes."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
         if seq in self.running:
             self.running.remove(seq)
-        if seq.slot is not None:
-            self.free_slots.append(seq.slot)
-        self.reserved -= seq.reserved_bytes
-        seq.reserved_bytes = 0
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)

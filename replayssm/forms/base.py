@@ -27,6 +27,19 @@ from torch import Tensor
 STEP_KINDS = ("prefill", "decode", "verify", "tree")
 
 
+def ring_plan(ring, kind: str, slots: Tensor, T: int):
+    """The ring plan of a step: one new entry (prefill and decode) or ``T`` tentative ones."""
+    if kind in ("prefill", "decode"):
+        return ring.plan_decode(slots)
+    return ring.plan_verify(slots, T, kind)
+
+
+def paged_plan(pidx, kind: str, slots: Tensor, T: int):
+    """The paged plan of a step (a prefill's padded tail past a row's reserved blocks lands
+    in the null block, so its length check is off)."""
+    return pidx.plan(slots, T, check=False if kind == "prefill" else None)
+
+
 class FormLayer(Protocol):
     """What a form needs from an SSM layer family (implemented by
     :class:`~replayssm.layers.ssm_base.SSMLayer`)."""
@@ -66,6 +79,16 @@ class DecodeForm:
         """This form's part of the layer store for ``num_slots`` slots (null slot included);
         ``capacity`` is the ring size, ``pages`` ``(num_blocks, block_size)`` of a paged pool."""
         raise NotImplementedError
+
+    def bind(self, ctx, cache) -> None:
+        """Set the rows and plans this form's steps read on the model call's context (once
+        per call, for all layers): ``ctx.state_slots`` and a ring plan (``uses_ring``) over
+        them, a paged plan (``uses_pages``) over ``ctx.slots``."""
+        ctx.state_slots = ctx.slots
+        if self.uses_ring:
+            ctx.plan = ring_plan(cache.ring, ctx.kind, ctx.state_slots, ctx.T)
+        if self.uses_pages:
+            ctx.pplan = paged_plan(cache.pidx, ctx.kind, ctx.slots, ctx.T)
 
     def run(self, layer: FormLayer, a: dict, ctx, store: dict) -> Tensor:
         """Dispatch to the method named by the step kind."""

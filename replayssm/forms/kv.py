@@ -17,6 +17,20 @@ from .base import DecodeForm, FormLayer
 from .replay import tree_bits
 
 
+def kv_only_threshold(state_bytes: int, entry_bytes: int, buffer_size: int) -> int:
+    """First context length ``c`` at which a KV-only step reads more bytes than a replay step
+    averaged over its flush cycle (``docs/MATH.md``, traffic model).
+
+    KV-only reads ``c`` entries ``E``; replay reads the state ``S``, on average ``(L-1)/2``
+    ring entries and stores ``S`` once per ``L`` steps (the per-token inputs cancel), so
+    ``c = floor((S (1 + 1/L) + E (L-1)/2) / E) + 1``.  Sizes are one slot's, over all layers.
+    """
+    S, E, L = int(state_bytes), int(entry_bytes), int(buffer_size)
+    if S < 0 or E <= 0 or L < 1:
+        raise ValueError(f"need state_bytes >= 0, entry_bytes > 0, buffer_size >= 1; got {S}, {E}, {L}")
+    return (2 * L * S + 2 * S + E * L * (L - 1)) // (2 * L * E) + 1
+
+
 class KVForm(DecodeForm):
     name = "kv"
     uses_pages = True

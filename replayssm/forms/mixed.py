@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import DecodeForm, FormLayer
+from .base import DecodeForm, FormLayer, paged_plan, ring_plan
 from .kv import KVForm
 from .replay import ReplayForm
 
@@ -23,6 +23,15 @@ class MixedForm(DecodeForm):
     def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None) -> dict:
         return {**self.state.allocate(layer, num_slots, capacity, dtype, device, pages),
                 **self.kv.allocate(layer, num_slots, capacity, dtype, device, pages)}
+
+    def bind(self, ctx, cache) -> None:
+        """KV rows run on the paged plan, the others on the ring plan; each form's rows of
+        the other point at the null slot."""
+        zero = torch.zeros_like(ctx.slots)
+        ctx.kv_rows = cache.kv_slot[ctx.slots]
+        ctx.state_slots = torch.where(ctx.kv_rows, zero, ctx.slots)
+        ctx.plan = ring_plan(cache.ring, ctx.kind, ctx.state_slots, ctx.T)
+        ctx.pplan = paged_plan(cache.pidx, ctx.kind, torch.where(ctx.kv_rows, ctx.slots, zero), ctx.T)
 
     def run(self, layer, a, ctx, store) -> Tensor:
         y_state = self.state.run(layer, a, ctx, store)

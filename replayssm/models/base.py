@@ -29,11 +29,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..forms import get_form
 from ..layers.attention import Attention
 from ..layers.context import StepContext
 from ..layers.norms import compute_dtype
 from ..layers.ssm_base import SSMLayer
-from .cache import ModelCache, canonical_device
+from .cache import CacheLayout, ModelCache, canonical_device
 
 
 class Block(nn.Module):
@@ -173,6 +174,12 @@ class CausalLM(nn.Module):
         return ModelCache(self, num_slots, mode, buffer_size, max_new, max_seq_len, kv_block_size,
                           kv_num_blocks, device, poison)
 
+    def cache_layout(self, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
+                     max_seq_len: int = 2048, kv_block_size: int = 16) -> CacheLayout:
+        """Bytes :meth:`make_cache` allocates per slot and per KV-only block (measured on the
+        ``meta`` device: :meth:`ModelCache.layout`)."""
+        return ModelCache.layout(self, mode, buffer_size, max_new, max_seq_len, kv_block_size)
+
     def _check_slots(self, cache: ModelCache, slots: Tensor, B: int) -> Tensor:
         if not isinstance(cache, ModelCache):
             raise ValueError(f"cache must come from model.make_cache, got {type(cache).__name__}")
@@ -205,21 +212,7 @@ class CausalLM(nn.Module):
         form = cache.ssm_form()
         ctx = StepContext(kind=kind, T=T, positions=positions, cache=cache, slots=slots,
                           seq_len=cache.seq_len[slots], ssm_form=form, **kw)
-        if form == "mixed":
-            ctx.kv_rows = cache.kv_slot[slots]
-            zero = torch.zeros_like(slots)
-            ctx.state_slots = torch.where(ctx.kv_rows, zero, slots)
-            kv_slots = torch.where(ctx.kv_rows, slots, zero)
-        else:
-            ctx.state_slots = kv_slots = slots
-        if form in ("replay", "mixed"):
-            if kind in ("prefill", "decode"):
-                ctx.plan = cache.ring.plan_decode(ctx.state_slots)
-            else:
-                ctx.plan = cache.ring.plan_verify(ctx.state_slots, T, kind)
-        if form in ("kv", "mixed"):
-            # prefill: padded tail entries past a row's reserved blocks land in the null block
-            ctx.pplan = cache.pidx.plan(kv_slots, T, check=False if kind == "prefill" else None)
+        get_form(form).bind(ctx, cache)
         return ctx
 
     def _finish(self, ctx: StepContext, accepted: Tensor | None) -> None:

@@ -16,10 +16,14 @@ verify (a :class:`~replayssm.layers.context.StepContext` awaiting ``model.commit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
+from ..cache.paged import PagedIndex
 from ..cache.ring import RingIndex
+from ..forms import CACHE_FORMS, get_form
 from ..runtime import canonical_device  # noqa: F401  (re-exported: models code imports it here)
 
 MODES = ("recurrent", "replay", "kv")
@@ -34,13 +38,46 @@ def _as_list(slots) -> list[int]:
 
 
 def _tensors(store: dict) -> list[Tensor]:
-    out = []
-    for v in store.values():
-        if isinstance(v, Tensor):
-            out.append(v)
-        elif v is not None:
-            out += [t for t in vars(v).values() if isinstance(t, Tensor) and t.is_floating_point()]
-    return out
+    """The floating-point tensors of a layer store (what ``poison`` fills with NaN)."""
+    return [t for t in _owned(store) if t.is_floating_point()]
+
+
+def _owned(obj) -> list[Tensor]:
+    """Every tensor held by ``obj``: itself, a dict's values, an object's attributes
+    (buffers, pools, indices), recursively one level of containers deep."""
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _owned(v)]
+    if obj is None or isinstance(obj, (int, float, str, bool)):
+        return []
+    return [t for t in vars(obj).values() if isinstance(t, Tensor)]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Bytes a :class:`ModelCache` allocates, measured by running its own allocation on the
+    ``meta`` device (no memory is touched), so admission budgets what the cache really holds.
+
+    ``slot_bytes``: one usable slot (checkpoint states, rings, conv windows, attention KV,
+    per-slot bookkeeping).  ``block_bytes``: one block of the KV-only pool over all SSM
+    layers (0 outside ``mode="kv"``), ``block_size`` entries each.  ``state_bytes`` /
+    ``entry_bytes``: one slot's checkpoint states and one input entry (ring or KV-only) over
+    all SSM layers: the two sizes that decide when the KV-only form stops paying
+    (:func:`replayssm.forms.kv.kv_only_threshold`).
+    """
+
+    mode: str
+    slot_bytes: int
+    block_bytes: int
+    block_size: int
+    state_bytes: int
+    entry_bytes: int
+
+    @property
+    def kv_token_bytes(self) -> int:
+        """Bytes of one KV-only token (its share of a block)."""
+        return self.block_bytes // self.block_size
 
 
 class ModelCache:
@@ -55,7 +92,10 @@ class ModelCache:
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}"
                                  + (" (slot 0 is the null slot)" if name == "num_slots" else ""))
-        if mode != "recurrent" and max_new > 1 and buffer_size < 2 * max_new:
+        forms = [get_form(f) for f in CACHE_FORMS[mode]]
+        uses_ring = any(f.uses_ring for f in forms)
+        uses_pages = any(f.uses_pages for f in forms)
+        if uses_ring and max_new > 1 and buffer_size < 2 * max_new:
             raise ValueError(f"buffer_size {buffer_size} < 2 * max_new = {2 * max_new}: speculation "
                              f"needs a ring of at least twice the tokens verified per step")
         self.model = model
@@ -69,12 +109,12 @@ class ModelCache:
         self._modes = ["none"] + [mode] * (P - 1)
         self._in_use: set[int] = set()      # slots holding a sequence (host mirror)
         self.kv_slot = torch.zeros(P, dtype=torch.bool, device=self.device)
-        self.ring = RingIndex(P - 1, buffer_size if mode != "recurrent" else 1, self.device)
+        cap = buffer_size if uses_ring else 1
+        self.ring = RingIndex(P - 1, cap, self.device)
+        self.uses_pages = uses_pages
         self.pidx = None
         paged = None
-        if mode == "kv":
-            from ..cache.paged import PagedIndex
-
+        if uses_pages:
             max_blocks = -(-max_seq_len // kv_block_size)
             self._static_kv = kv_num_blocks is None
             if kv_num_blocks is None:
@@ -87,7 +127,6 @@ class ModelCache:
             if self._static_kv:
                 for s in range(1, P):
                     self.pidx.reserve(s, max_seq_len)
-        cap = buffer_size if mode != "recurrent" else 1
         self.layers: dict[int, dict] = {}
         for layer in model.stateful_layers():
             if hasattr(layer, "conv_dim"):
@@ -99,6 +138,36 @@ class ModelCache:
                     t.fill_(float("nan"))
             self.layers[layer.layer_id] = store
         self.pending = None
+
+    # ------------------------------------------------------------------ memory
+    def tensors(self) -> list[Tensor]:
+        """Every tensor this cache holds (layer stores and the shared bookkeeping)."""
+        out = [self.seq_len, self.kv_slot] + _owned(self.ring) + _owned(self.pidx)
+        for store in self.layers.values():
+            out += _owned(store)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    @classmethod
+    def layout(cls, model, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
+               max_seq_len: int = 2048, kv_block_size: int = 16) -> CacheLayout:
+        """What a cache of these settings allocates per slot and per KV-only block, measured
+        by building it on the ``meta`` device with one and two slots (one and two blocks)."""
+        meta = torch.device("meta")
+
+        def build(P: int, blocks: int) -> "ModelCache":
+            return cls(model, P, mode, buffer_size, max_new, max_seq_len, kv_block_size,
+                       blocks if mode == "kv" else None, device=meta)
+
+        one = build(2, 1)
+        slot = build(3, 1).nbytes() - one.nbytes()
+        block = build(2, 2).nbytes() - one.nbytes() if one.pidx is not None else 0
+        bufs = [st["buf"] for st in one.layers.values() if "buf" in st]
+        state = sum(b.state.nbytes for b in bufs) // one.P
+        entry = sum(t.nbytes // (t.shape[0] * t.shape[1]) for b in bufs for t in b.ring_tensors())
+        return CacheLayout(mode, slot, block, kv_block_size, state, entry)
 
     # ------------------------------------------------------------------ queries
     def mode_of(self, slot: int) -> str:

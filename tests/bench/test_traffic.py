@@ -61,3 +61,17 @@ def test_cli_prints_tables(capsys):
     assert "optimal buffer size" in out and "Gated DeltaNet" in out
     assert tr.main(["--d", "32", "--n", "16", "--json"]) == 0
     assert '"recurrent"' in capsys.readouterr().out
+
+
+def test_core_threshold_agrees_with_the_traffic_model():
+    """The engine's KV-only switch point (closed form on real byte sizes, no bench import)
+    is the traffic model's first context where KV-only reads more than amortised replay."""
+    import random
+
+    from replayssm.forms.kv import kv_only_threshold
+
+    rng = random.Random(0)
+    for _ in range(500):
+        s = HeadShape(d=rng.randint(1, 256), n=rng.randint(1, 256), vec_bytes=rng.choice([2, 4]))
+        L = rng.randint(1, 64)
+        assert kv_only_threshold(s.state, int(s.entry), L) == kv_switch_threshold(s, L)

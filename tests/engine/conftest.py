@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from replayssm.engine.reference import tiny_pair
+from recompute_model import tiny_pair
 
 
 @pytest.fixture(scope="session")

@@ -176,7 +176,7 @@ def test_seeded_speculative_sampling_is_reproducible(target, draft, method):
 def test_engine_speculative_sampling_distribution(method):
     """End to end on a 4-token vocabulary: the first three sampled tokens (two of them from
     speculative steps) follow the model's own joint distribution (chi-square, 64 cells)."""
-    from replayssm.engine.reference import tiny_pair
+    from recompute_model import tiny_pair
 
     target, draft = tiny_pair(vocab_size=4, draft_noise=1.0)
     prompt = [1, 2]

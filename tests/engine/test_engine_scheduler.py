@@ -71,7 +71,7 @@ def test_slots_limit_concurrency(target, expected):
 
 def test_replay_fits_more_speculating_sequences_than_snapshots(target):
     sp = SpeculativeConfig("ngram", num_tokens=4)
-    one = memory_model(target.config, "replay", 16, 5, 2).need(64)
+    one = memory_model(target.cache_layout("replay", 16, 5), "replay", 5, target.config.vocab_size).need(64)
     budget = 40 * one
     replay = LLM(target, decode_mode="replay", speculative=sp, memory_budget=budget, max_num_seqs=1000)
     snap = LLM(target, decode_mode="recurrent", speculative=sp, memory_budget=budget, max_num_seqs=1000)

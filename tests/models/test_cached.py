@@ -269,3 +269,21 @@ def test_random_schedules_match_full_forward(ours, name, mode, buffer, ops, seed
             st._check(lg[0], st._ref(st.seqs[s])[-1])
     st.check_lengths()
     assert st.err < TOL, (st.err, ops)
+
+
+@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv"])
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h", "qwen3_next"])
+def test_layout_is_what_the_cache_allocates(ours, arch, mode):
+    """One source of truth for memory: the layout the engine budgets (measured on the meta
+    device) equals the bytes a real cache of any size allocates, blocks included."""
+    from replayssm.models.cache import ModelCache
+
+    m = ours(arch)
+    lay = m.cache_layout(mode, buffer_size=8, max_new=3, max_seq_len=48, kv_block_size=4)
+    blocks = 9 if mode == "kv" else None
+    base = ModelCache(m, 2, mode, 8, 3, 48, 4, 1 if blocks else None).nbytes()
+    cache = m.make_cache(6, mode=mode, buffer_size=8, max_new=3, max_seq_len=48, kv_block_size=4,
+                         kv_num_blocks=blocks)
+    assert cache.nbytes() == base + 4 * lay.slot_bytes + (8 * lay.block_bytes if blocks else 0)
+    assert lay.slot_bytes > 0 and lay.state_bytes > 0 and lay.entry_bytes > 0
+    assert (lay.block_bytes > 0) == (mode == "kv")

@@ -7,8 +7,7 @@ It is exact by construction (every logit is the full model's logit for that pref
 and strict: it checks the call protocol (a verify must be followed by one commit before the
 next call on that cache; slot 0 is the null slot; tree parents are topological; accepted
 counts are in range; KV-only slots draw blocks from a finite pool).  The engine's tests run
-against it, and the end-to-end benchmark's ``--smoke`` mode can use it when no model
-directory is available.
+against it (it implements :class:`replayssm.engine.protocols.CachedModel`).
 
 :class:`TinyLM` is a small random causal LM (float64 by default) with a strong, structured
 bigram preference so that generated text repeats and drafts get accepted.
@@ -22,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..runtime import canonical_device
+from replayssm.models.cache import CacheLayout
+from replayssm.runtime import canonical_device
 
 MODES = ("recurrent", "replay", "kv")
 
@@ -89,6 +89,7 @@ class RecomputeCache:
             kv_num_blocks = (num_slots - 1) * -(-max_seq_len // kv_block_size)
         self.kv_num_blocks = kv_num_blocks
         self._blocks = [0] * num_slots
+        self.uses_pages = mode == "kv"
         self.pending = None           # (kind, slots, ids, parent) of an uncommitted verify
         self.calls: list[tuple] = []  # (kind, batch, T) log for tests
         self.switched: list[int] = []
@@ -211,6 +212,19 @@ class RecomputeModel:
                    kv_block_size=16, kv_num_blocks=None, device=None):
         return RecomputeCache(num_slots, mode, buffer_size, max_new, max_seq_len, kv_block_size,
                               kv_num_blocks, device or self.device)
+
+    def cache_layout(self, mode="replay", buffer_size=16, max_new=1, max_seq_len=2048, kv_block_size=16):
+        """Nominal sizes: what one Mamba-2 layer of 8 heads x 64, ``n = 128``, one group and a
+        width-4 conv would allocate in this dtype (the recomputation itself keeps only token
+        lists), so memory budgets in tests behave like a small real model's."""
+        ab = torch.finfo(self.dtype).bits // 8
+        sb = max(4, ab)
+        H, d, n, G, W = 8, 64, 128, 1, 4
+        state, entry = sb * H * d * n, ab * (H * d + G * n) + sb * H
+        ring = buffer_size if mode != "recurrent" else 1
+        slot = state + ring * entry + ab * (H * d + 2 * G * n) * (W - 1)
+        block = kv_block_size * entry if mode == "kv" else 0
+        return CacheLayout(mode, slot, block, kv_block_size, state, entry)
 
     def _null_logits(self, n):
         return torch.zeros(n, self.config.vocab_size, dtype=self.dtype, device=self.device)

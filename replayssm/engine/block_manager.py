@@ -1,0 +1,114 @@
+"""Slots, KV-only blocks and the memory budget: which sequence holds what, between steps.
+
+One :class:`BlockManager` owns every host-side allocation decision of the engine:
+
+* **slots** of the model cache (``1 .. num_slots``; 0 is the null slot), one per running
+  sequence;
+* the **memory budget**: each admitted sequence reserves ``need(tokens)`` bytes for its
+  whole life (:class:`~replayssm.engine.memory.MemoryModel`, from the caches' measured
+  layouts), for ``min(prompt + max_tokens + T, max_seq_len)`` tokens — or fewer, with a
+  token cap, when only that fits;
+* **KV-only blocks** of the cache's paged pool, reserved before each step for the entries
+  it appends (``cache.reserve``; a no-op for slots in a state form).
+
+Everything here runs between model calls; a step itself reads only device data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .memory import MemoryModel, fmt_bytes
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A sequence may be admitted: reserve ``need`` bytes, allow ``cap`` total tokens."""
+
+    need: int
+    cap: int
+
+
+class BlockManager:
+    def __init__(self, cache, memory: MemoryModel, budget: int | None, num_slots: int, max_seq_len: int):
+        self.cache, self.memory, self.budget = cache, memory, budget
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.free_slots = list(range(num_slots, 0, -1))   # slots 1..num_slots (0 is null)
+        self.reserved = 0
+        self.uses_pages = cache.uses_pages
+
+    # -- admission ---------------------------------------------------------------------------
+    @property
+    def token_limit(self) -> int:
+        """Most tokens (prompt + generated) a sequence may hold: one verify window stays free."""
+        return self.max_seq_len - self.memory.verify_tokens
+
+    def plan(self, seq: Sequence) -> Admission | str:
+        """What admitting ``seq`` takes, or why it can never fit (a message)."""
+        n_prompt = seq.num_prompt_tokens
+        T = self.memory.verify_tokens
+        if n_prompt + 1 > self.token_limit:
+            return (f"prompt of {n_prompt} tokens does not fit max_seq_len={self.max_seq_len} "
+                    f"(needs {n_prompt + 1 + T} with one verify window)")
+        want = min(n_prompt + seq.params.max_tokens, self.token_limit)
+        need = self.memory.need(want + T)
+        if self.budget is None or need <= self.budget:
+            return Admission(need, want)
+        prompt_need = self.memory.need(n_prompt + 1 + T)
+        if prompt_need > self.budget:
+            return (f"prompt of {n_prompt} tokens needs {fmt_bytes(prompt_need)} of cache, more than "
+                    f"the whole memory budget of {fmt_bytes(self.budget)}")
+        per = max(self.memory.per_token, 1)
+        cap = n_prompt + 1 + (self.budget - prompt_need) // per
+        return Admission(self.memory.need(cap + T), int(min(cap, want)))
+
+    def can_allocate(self, adm: Admission) -> bool:
+        return bool(self.free_slots) and (self.budget is None or self.reserved + adm.need <= self.budget)
+
+    def allocate(self, seq: Sequence, adm: Admission) -> None:
+        """Give ``seq`` a slot and reserve its bytes."""
+        seq.slot = self.free_slots.pop()
+        seq.reserved_bytes = adm.need
+        seq.token_cap = adm.cap
+        self.reserved += adm.need
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s slot (cache rows reset, KV blocks returned) and its bytes."""
+        if seq.slot is not None:
+            self.cache.release(torch.tensor([seq.slot], dtype=torch.long, device=self.cache.device))
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+        self.reserved -= seq.reserved_bytes
+        seq.reserved_bytes = 0
+
+    # -- KV-only blocks ------------------------------------------------------------------------
+    def reserve_tokens(self, seqs: list[Sequence], extra: int) -> list[Sequence]:
+        """Reserve KV-only blocks for this step's entries (``extra=0``: the whole prompt of a
+        prefill, else ``extra`` more than the cached tokens).  The budget makes this succeed;
+        if the pool still runs dry, that request ends with an error and the others go on.
+        Returns the sequences that can run."""
+        if not self.uses_pages:
+            return seqs
+        ok = []
+        for s in seqs:
+            if self.cache.mode_of(s.slot) == "kv":
+                n = s.num_prompt_tokens if extra == 0 else s.num_cached + extra
+                try:
+                    self.cache.reserve(s.slot, min(n, self.max_seq_len))
+                except (RuntimeError, ValueError) as e:  # PoolExhausted is a ValueError
+                    s.error = f"KV-only block pool exhausted: {e}"
+                    s.finish_reason = "error"
+                    continue
+            ok.append(s)
+        return ok
+
+    def switch_to_state(self, seqs: list[Sequence]) -> None:
+        """KV-only -> state form for ``seqs`` (one flush each; their blocks are freed)."""
+        if not seqs:
+            return
+        self.cache.switch_to_state(torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.cache.device))
+        for s in seqs:
+            s.mode = self.cache.mode_of(s.slot)
