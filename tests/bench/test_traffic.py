@@ -72,6 +72,6 @@ def test_core_threshold_agrees_with_the_traffic_model():
 
     rng = random.Random(0)
     for _ in range(500):
-        s = HeadShape(d=rng.randint(1, 256), n=rng.randint(1, 256), vec_bytes=rng.choice([2, 4]))
+        s = tr.HeadShape(d=rng.randint(1, 256), n=rng.randint(1, 256), vec_bytes=rng.choice([2, 4]))
         L = rng.randint(1, 64)
-        assert kv_only_threshold(s.state, int(s.entry), L) == kv_switch_threshold(s, L)
+        assert kv_only_threshold(s.state, int(s.entry), L) == tr.kv_switch_threshold(s, L)
