@@ -3,6 +3,7 @@
 * :func:`canonical_device` / :func:`same_device`: devices as tensors report them, so a
   user's ``"cuda"`` compares equal to the ``cuda:0`` of the tensors it created, and
   ``"cpu:0"`` to ``cpu``.
+* :func:`compute_dtype`: the dtype math runs in (fp64 stays fp64, everything else fp32).
 * :func:`capturing` / :func:`want_check`: host-side validation (which syncs) is on by
   default for CPU tensors only, and always off while a CUDA graph is being captured.
 """
@@ -13,6 +14,15 @@ import functools
 
 import torch
 from torch import Tensor
+
+
+def compute_dtype(*xs) -> torch.dtype:
+    """The dtype math runs in: float64 if any of ``xs`` (dtypes or tensors; None ignored)
+    is float64, else float32 (bf16/fp16 activations are upcast)."""
+    for x in xs:
+        if (x.dtype if isinstance(x, Tensor) else x) == torch.float64:
+            return torch.float64
+    return torch.float32
 
 
 def canonical_device(device) -> torch.device:

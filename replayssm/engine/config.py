@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..cache.ring import check_speculative_capacity
+
 DECODE_MODES = ("recurrent", "replay", "kv", "auto")
 SPEC_METHODS = ("ngram", "draft", "tree")
 
@@ -225,11 +227,9 @@ class EngineConfig:
                 self.speculative = SpeculativeConfig(**self.speculative)
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
-            need = 2 * self.speculative.verify_tokens
-            if self.decode_mode in ("replay", "auto") and self.buffer_size < need:
-                raise ValueError(
-                    f"buffer_size {self.buffer_size} < 2 * (draft tokens + 1) = {need}: the replay "
-                    f"buffer must hold two verify windows of {self.speculative.verify_tokens} tokens")
+            if self.decode_mode != "recurrent":
+                check_speculative_capacity(self.buffer_size, self.speculative.verify_tokens,
+                                           "(draft tokens + 1) verified per step")
 
     @property
     def max_new(self) -> int:

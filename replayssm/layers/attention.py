@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from .context import StepContext
 from .mlp import Linear
-from .norms import RMSNorm, compute_dtype
+from ..runtime import compute_dtype
+from .norms import RMSNorm
 from .rotary import Rotary
 
 

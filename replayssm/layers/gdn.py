@@ -21,7 +21,8 @@ from ..cache.buffers import GDNBuffers
 from ..cache.paged import GDNPagedBuffers
 from .context import StepContext
 from .mlp import Linear, _param
-from .norms import GatedRMSNorm, compute_dtype
+from ..runtime import compute_dtype
+from .norms import GatedRMSNorm
 from .ssm_base import SSMLayer
 
 

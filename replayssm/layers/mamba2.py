@@ -17,7 +17,8 @@ from ..cache.buffers import Mamba2Buffers
 from ..cache.paged import Mamba2PagedBuffers
 from .context import StepContext
 from .mlp import Linear, _param
-from .norms import GatedRMSNorm, compute_dtype
+from ..runtime import compute_dtype
+from .norms import GatedRMSNorm
 from .ssm_base import SSMLayer
 
 

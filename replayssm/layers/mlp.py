@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .norms import compute_dtype
+from ..runtime import compute_dtype
 
 
 def _param(*shape) -> nn.Parameter:

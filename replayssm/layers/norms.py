@@ -9,10 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp64 stays fp64; everything else is computed in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ..runtime import compute_dtype
 
 
 def _rms(x: Tensor, eps: float) -> Tensor:

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..forms import get_form
 from ..layers.attention import Attention
 from ..layers.context import StepContext
-from ..layers.norms import compute_dtype
+from ..runtime import compute_dtype
 from ..layers.ssm_base import SSMLayer
 from .cache import CacheLayout, ModelCache, canonical_device
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..cache.paged import PagedIndex
-from ..cache.ring import RingIndex
+from ..cache.ring import RingIndex, check_speculative_capacity
 from ..forms import CACHE_FORMS, get_form
 from ..runtime import canonical_device  # noqa: F401  (re-exported: models code imports it here)
 
@@ -95,9 +95,8 @@ class ModelCache:
         forms = [get_form(f) for f in CACHE_FORMS[mode]]
         uses_ring = any(f.uses_ring for f in forms)
         uses_pages = any(f.uses_pages for f in forms)
-        if uses_ring and max_new > 1 and buffer_size < 2 * max_new:
-            raise ValueError(f"buffer_size {buffer_size} < 2 * max_new = {2 * max_new}: speculation "
-                             f"needs a ring of at least twice the tokens verified per step")
+        if uses_ring:
+            check_speculative_capacity(buffer_size, max_new, "tokens verified per step (max_new)")
         self.model = model
         self.num_slots, self.mode, self.buffer_size = num_slots, mode, buffer_size
         self.max_new, self.max_seq_len, self.kv_block_size = max_new, max_seq_len, kv_block_size

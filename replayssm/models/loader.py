@@ -18,7 +18,7 @@ import re
 import torch
 from torch import nn
 
-from ..layers.norms import compute_dtype
+from ..runtime import compute_dtype
 from .cache import canonical_device
 from .config import Mamba2Config, NemotronHConfig, Qwen3NextConfig, read_config
 

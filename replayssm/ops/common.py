@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..cache.ring import StepPlan
 from ..cache.tree import check_parents
+from ..runtime import compute_dtype  # noqa: F401  (the ops import it from here)
 from ..runtime import want_check as _want_check
 
 STATE_DTYPES = (torch.float32, torch.float64)
@@ -23,11 +24,6 @@ def want_check(check: bool | None, *tensors: Tensor) -> bool:
     """Host-side value checks: ``check`` if given, else on iff every tensor is on the CPU;
     always off while a CUDA graph is being captured (:func:`replayssm.runtime.want_check`)."""
     return _want_check(check, *tensors)
-
-
-def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """fp64 if any given dtype is fp64, else fp32."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def shape_str(t) -> str:

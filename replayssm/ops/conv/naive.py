@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ...cache.conv import ConvWindow, check_slot as _check_slot
 from ...cache.tree import check_parents, check_path
-from ...runtime import want_check
+from ...runtime import compute_dtype, want_check
 
 __all__ = ["conv_prefill", "conv_decode", "conv_verify", "conv_commit", "conv_tree", "conv_commit_tree"]
 
@@ -75,14 +75,6 @@ def _act(y: Tensor, activation) -> Tensor:
     return F.silu(y) if activation in ("silu", "swish") else y
 
 
-def _compute_dtype(*ts) -> torch.dtype:
-    dt = torch.float32
-    for t in ts:
-        if t is not None:
-            dt = torch.promote_types(dt, t.dtype)
-    return dt
-
-
 # ---------------------------------------------------------------------------- forms
 def _conv_over(xp: Tensor, weight: Tensor, bias: Tensor | None, activation) -> Tensor:
     """``xp [Bt, C, W-1+T]`` (window then inputs) -> ``[Bt, T, C]`` (compute dtype of xp)."""
@@ -120,7 +112,7 @@ def conv_prefill(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     _check_activation(activation)
     weight = _check_weight(weight, bias, C)
     W = weight.shape[1]
-    cdt = _compute_dtype(x, weight, window_init)
+    cdt = compute_dtype(x, weight, window_init)
     if window_init is None:
         win = torch.zeros(Bt, C, W - 1, dtype=cdt, device=x.device)
     else:
@@ -155,7 +147,7 @@ def conv_verify(win: ConvWindow, slot: Tensor, x_new: Tensor, weight: Tensor,
     Returns ``out [Bt, T, C]`` (x_new's dtype).
     """
     slot, weight, _ = _check_step(win, slot, x_new, weight, bias, activation, check)
-    cdt = _compute_dtype(x_new, weight, win.window)
+    cdt = compute_dtype(x_new, weight, win.window)
     xp = torch.cat([win.window[slot].to(cdt), x_new.to(cdt).transpose(1, 2)], dim=2)
     return _conv_over(xp, weight, bias, activation).to(x_new.dtype)
 
@@ -224,7 +216,7 @@ def conv_tree(win: ConvWindow, slot: Tensor, x_new: Tensor, parent: Tensor, weig
     if tuple(parent.shape) != (Bt, N):
         raise ValueError(f"parent has {parent.shape[-1]} nodes, x_new has {N}")
     W = win.width
-    cdt = _compute_dtype(x_new, weight, win.window)
+    cdt = compute_dtype(x_new, weight, win.window)
     xcat = torch.cat([win.window[slot].to(cdt).transpose(1, 2), x_new.to(cdt)], dim=1)
     idx = _tree_lag_index(parent, W)  # [Bt, N, W], lag order
     g = xcat.gather(1, idx.reshape(Bt, N * W, 1).expand(-1, -1, C)).reshape(Bt, N, W, C)
