@@ -26,7 +26,9 @@ import warnings
 import torch
 from torch import Tensor
 
+from ..cache.tree import path_to
 from ..runtime import canonical_device
+from .sampler import accept_greedy
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -159,9 +161,6 @@ class ModelRunner:
     # -- a whole greedy speculative step ----------------------------------------------------
     def _greedy_body(self, slots_t: Tensor, tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool):
         """verify -> greedy acceptance -> commit, all device work (graph-capturable)."""
-        from ..cache.tree import path_to
-        from .sampler import accept_greedy
-
         if tree:
             logits = self.model.verify_tree(self.cache, slots_t, tokens, parent)
         else:

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels import _triton, dispatch
+from ..kernels.norm import gated_rmsnorm
 from ..runtime import compute_dtype
 
 
@@ -21,8 +23,6 @@ def _fused_ok(x: Tensor, z: Tensor, w: Tensor) -> bool:
     ``REPLAYSSM_KERNELS=naive``."""
     if x.device.type != "cuda" or x.dtype == torch.float64 or not (x.dtype == z.dtype == w.dtype):
         return False
-    from ..kernels import _triton, dispatch
-
     return _triton.HAVE_TRITON and dispatch.env_backend() != "naive"
 
 
@@ -61,8 +61,6 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
         if _fused_ok(x, z, self.weight):
-            from ..kernels.norm import gated_rmsnorm
-
             return gated_rmsnorm(x, z, self.weight, self.eps, self.group_size, self.gate_first)
         return self.reference(x, z)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..cache.tree import ancestor_bits, ancestor_mask, check_parents, check_path
 from ..forms import get_form
 from ..layers.attention import Attention
 from ..layers.context import StepContext
@@ -309,8 +310,6 @@ class CausalLM(nn.Module):
     def verify_tree(self, cache: ModelCache, slots: Tensor, input_ids: Tensor, parent: Tensor) -> Tensor:
         """A draft tree of ``N`` nodes per row (``parent [B, N]`` or ``[N]``, topological,
         ``-1`` = child of the last committed token): ``logits [B, N, V]``; kept until commit."""
-        from ..cache.tree import ancestor_bits, ancestor_mask, check_parents
-
         cache._check_idle()
         ids = self._check_ids(input_ids, 2, "input_ids")
         B, N = ids.shape
@@ -361,8 +360,6 @@ class CausalLM(nn.Module):
             if B and (int(accepted.min()) < 0 or int(accepted.max()) > T):
                 raise ValueError(f"accepted counts must be in [0, {T}], got {accepted.tolist()}")
             if ctx.kind == "tree":
-                from ..cache.tree import check_path
-
                 check_path(ctx.parent, path, accepted)
         for layer in self.stateful_layers():
             layer.commit(ctx, accepted, path)
