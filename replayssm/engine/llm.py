@@ -9,6 +9,7 @@ are device data for the model; the host syncs once per step to append sampled to
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -16,12 +17,14 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from torch import Tensor
 
 from ..runtime import canonical_device
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
+from .detokenizer import Detokenizer, find_stop
 from .memory import MemoryModel, default_auto_threshold, fmt_bytes, memory_model
 from .model_runner import ModelRunner
-from .sampler import Sampler, accept_tree
+from .sampler import Sampler, token_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 from . import speculative as spec
@@ -57,6 +60,10 @@ class RequestOutput:
     num_accepted: int = 0            # accepted draft tokens
     mean_accepted_length: float = 1.0  # tokens produced per decode/verify step
     accepted_lengths: list = field(default_factory=list)
+    index: int = 0                   # sample index (SamplingParams.n > 1)
+    # per generated token (SamplingParams.logprobs): (logprob, [(token id, logprob), ...])
+    logprobs: list | None = None
+    samples: list = field(default_factory=list)   # generate() with n > 1: every sample's output
 
     @property
     def acceptance_rate(self) -> float:
@@ -172,7 +179,7 @@ class LLM:
                                            kv_num_blocks=kv_blocks, device=self.device)
         self.runner = ModelRunner(self.model, self.cache, self.device, num_slots, cuda_graphs=cuda_graphs,
                                   pad_batches=pad_batches)
-        self.sampler = Sampler(self.device, seed)
+        self.sampler = Sampler(self.device, seed, num_slots=num_slots + 1, vocab_size=self.vocab_size)
         self.scheduler = Scheduler(num_slots, self.memory, ec.memory_budget, ec.max_seq_len, ec.max_prefill_tokens)
         self.drafter = self._make_drafter(sp, num_slots, T)
         self.stats = {"steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "generated": 0}
@@ -182,7 +189,7 @@ class LLM:
         self.capture_s = 0.0
         if self.runner.use_graphs:  # every graph a step can need, before the first request
             t0 = time.perf_counter()
-            self.runner.capture(self._spec_shapes())
+            self.runner.capture(self._spec_shapes(), self._sampled_shapes())
             draft_runner = getattr(self.drafter, "runner", None)
             if draft_runner is not None:
                 draft_runner.capture()
@@ -199,6 +206,11 @@ class LLM:
         if self.draft_model is not None:
             return [(self.drafter.num_nodes, True)]
         return []
+
+    def _sampled_shapes(self) -> list[tuple[int, bool, bool]]:
+        """``(nodes, tree, draft distributions)`` of sampled speculative steps (fixed shapes)."""
+        has_q = self.draft_model is not None
+        return [(n, tree, has_q) for n, tree in self._spec_shapes()]
 
     # -- construction helpers -----------------------------------------------------------
     def _make_drafter(self, sp: SpeculativeConfig | None, num_slots: int, T: int):
@@ -251,25 +263,41 @@ class LLM:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id is not None and request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n > self.num_slots:
+            raise ValueError(f"SamplingParams.n={params.n} exceeds the engine's {self.num_slots} slots "
+                             f"(the samples of a request run together)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (tokenizer.json in the model directory)")
         text, ids = self.encode(prompt)
         seq = Sequence(ids, params, request_id=request_id)
-        seq.prompt_text = text
-        self.scheduler.add(seq)
+        for i in range(1, params.n):   # the other samples: own generators, one shared prefill
+            sp = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            sib = Sequence(ids, sp, request_id=(seq.request_id, i))
+            sib.group_id, sib.index, sib.group = seq.request_id, i, seq.group
+            seq.group.append(sib)
+        for s in seq.group:
+            s.prompt_text = text
+            if self.tokenizer is not None:
+                s.detok = Detokenizer(self.tokenizer, ids)
+            self.scheduler.add(s)
         self._requests[seq.request_id] = seq
         return seq
 
     def abort(self, request_id) -> bool:
         """Stop a request between steps: a waiting one leaves the queue, a running one frees
         its slot and cache at once.  Returns False when no unfinished request has that id."""
-        seq = self._requests.get(request_id)
-        if seq is None or seq.is_finished:
+        head = self._requests.get(request_id)
+        if head is None or all(s.is_finished for s in head.group):
             return False
-        seq.finish_reason = "abort"
-        if seq in self.scheduler.waiting:
-            self.scheduler.waiting.remove(seq)
-            self.scheduler.finish(seq, "abort")
-        else:
-            self._release(seq)
+        for seq in head.group:
+            if seq.is_finished:
+                continue
+            seq.finish_reason = "abort"
+            if seq in self.scheduler.waiting:
+                self.scheduler.waiting.remove(seq)
+                self.scheduler.finish(seq, "abort")
+            else:
+                self._release(seq)
         self._requests.pop(request_id, None)
         return True
 
@@ -299,12 +327,18 @@ class LLM:
         while self.has_unfinished():
             self._step()
             if bar is not None:
-                n = sum(s.is_finished for s in seqs)
+                n = sum(all(m.is_finished for m in s.group) for s in seqs)
                 bar.update(n - done)
                 done = n
         if bar is not None:
             bar.close()
-        return [self.output(s) for s in seqs]
+        outs = []
+        for s in seqs:
+            out = self.output(s)
+            if len(s.group) > 1:
+                out.samples = [self.output(m) for m in s.group]
+            outs.append(out)
+        return outs
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[list[int]]:
         """Generate one request, yielding lists of new token ids as they are accepted."""
@@ -318,13 +352,15 @@ class LLM:
 
     def output(self, seq: Sequence) -> RequestOutput:
         text = ""
-        if self.tokenizer is not None and seq.output_ids:
-            text = self.tokenizer.decode(seq.output_ids)
-            if seq.stop_text_cut is not None:
-                text = text[: seq.stop_text_cut]
+        if seq.detok is not None:
+            if seq.is_finished and seq.stop_text_cut is None:
+                seq.detok.flush()   # the end: release trailing bytes of an incomplete character
+            text = seq.detok.text
         drafted_steps = seq.accepted_lengths
         return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt_text, prompt_token_ids=seq.prompt_ids,
+            request_id=seq.group_id, index=seq.index,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            prompt=seq.prompt_text, prompt_token_ids=seq.prompt_ids,
             text=text, token_ids=list(seq.output_ids), finish_reason=seq.finish_reason, error=seq.error,
             num_steps=seq.num_steps, num_verify_steps=seq.num_verify_steps, num_drafted=seq.num_drafted,
             num_accepted=seq.num_accepted_drafts,
@@ -376,7 +412,8 @@ class LLM:
                 to_switch.append(s)
         self._switch(to_switch)
         for s in finished:
-            self._requests.pop(s.request_id, None)
+            if all(m.is_finished for m in s.group):
+                self._requests.pop(s.group_id, None)
         return finished
 
     def _switch(self, seqs: list[Sequence]) -> None:
@@ -411,6 +448,13 @@ class LLM:
         self._prefill_groups(seqs)
 
     def _prefill_groups(self, seqs: list[Sequence]) -> None:
+        # samples of one request admitted with it share its prefill: their slots get a copy
+        # of its cache (cache.fork) and they sample from its logits
+        can_fork = hasattr(self.cache, "fork")
+        ids = set(id(s) for s in seqs)
+        forked = [s for s in seqs if can_fork and s.index > 0 and id(s.group[0]) in ids]
+        fk = set(id(s) for s in forked)
+        seqs = [s for s in seqs if id(s) not in fk]
         logits_all, order = [], []
         group, width = [], 0
         groups = []
@@ -432,13 +476,27 @@ class LLM:
             logits_all.append(self.runner.prefill([s.slot for s in g], [s.prompt_ids for s in g]))
             order.extend(g)
         logits = torch.cat(logits_all, 0)
+        rows = {id(s): i for i, s in enumerate(order)}
+        forked = [s for s in forked if id(s.group[0]) in rows]   # the head's prefill may have failed
+        if forked:
+            by_head: dict = {}
+            for s in forked:
+                by_head.setdefault(id(s.group[0]), (s.group[0], []))[1].append(s)
+            for head, sibs in by_head.values():
+                self.cache.fork(head.slot, [s.slot for s in sibs])
+            logits = torch.cat([logits, logits[[rows[id(s.group[0])] for s in forked]]], 0)
+            order = order + forked
         if self.drafter is not None:
             self.drafter.prefill(order)
-        toks = self.sampler.sample(logits, order).tolist()
-        for s, t in zip(order, toks):
+        self.sampler.start(order)
+        sb = self.sampler.batch(order)
+        toks = self.sampler.sample(logits, order, sb)
+        lps = self._logprobs_host(logits, toks, sb)
+        toks = toks.tolist()
+        for b, (s, t) in enumerate(zip(order, toks)):
             s.mode = self.cache.mode_of(s.slot) if hasattr(self.cache, "mode_of") else self.config.decode_mode
             s.num_steps += 1
-            self._append(s, [t])
+            self._append(s, [t], None if lps is None else [lps[b]])
 
     def _reserve_kv(self, seqs: list[Sequence], extra: int) -> list[Sequence]:
         """KV-only slots draw blocks from a finite pool: reserve this step's entries first
@@ -468,10 +526,20 @@ class LLM:
                 return
         toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
         logits = self.runner.decode([s.slot for s in seqs], toks)
-        out = self.sampler.sample(logits, seqs).tolist()
-        for s, t in zip(seqs, out):
+        sb = self.sampler.batch(seqs)
+        out = self.sampler.sample(logits, seqs, sb)
+        lps = self._logprobs_host(logits, out, sb)
+        for b, (s, t) in enumerate(zip(seqs, out.tolist())):
             s.num_steps += 1
-            self._append(s, [t])
+            self._append(s, [t], None if lps is None else [lps[b]])
+
+    @staticmethod
+    def _logprobs_host(logits: Tensor, toks: Tensor, sb) -> list | None:
+        """Per row ``(logprob of the sampled token, [(id, logprob), ...] top alternatives)``."""
+        if sb.logprobs < 0:
+            return None
+        chosen, vals, idx = token_logprobs(logits, toks, sb.logprobs)
+        return _lp_rows(chosen.tolist(), vals.tolist(), idx.tolist())
 
     def _speculate(self, seqs: list[Sequence]) -> None:
         seqs = self._reserve_kv(seqs, self.config.max_new)
@@ -484,11 +552,12 @@ class LLM:
                 s.accepted_lengths.append(1)
             return
         slots = [s.slot for s in seqs]
-        greedy = all(s.params.greedy for s in seqs)
+        # the fast greedy step when no row needs penalties or logprobs
+        greedy = all(s.params.greedy and not s.params.penalized and s.params.logprobs is None for s in seqs)
         if prop.tree and self._tree_needs_state:
             self._switch([s for s in seqs if s.mode == "kv"])
         try:
-            accepted, bonus, path = self._verify_accept_commit(seqs, slots, prop, greedy)
+            accepted, bonus, path, lps = self._verify_accept_commit(seqs, slots, prop, greedy)
         except NotImplementedError as e:
             # the model has no KV-only tree verify (it raises before touching the cache):
             # give these requests a state (exact: one flush) and verify in replay form
@@ -498,7 +567,7 @@ class LLM:
             warnings.warn(f"tree speculation: KV-only slots switched to state form ({e})", stacklevel=2)
             self._tree_needs_state = True
             self._switch(kv)
-            accepted, bonus, path = self._verify_accept_commit(seqs, slots, prop, greedy)
+            accepted, bonus, path, lps = self._verify_accept_commit(seqs, slots, prop, greedy)
         # the step's one host sync: everything the host needs in one transfer
         N = prop.tokens.shape[1]
         parts = [accepted[:, None], bonus[:, None], prop.num_drafts[:, None], prop.tokens]
@@ -506,6 +575,10 @@ class LLM:
             parts.append(path)
         host = torch.cat([x.long() for x in parts], 1).tolist()
         acc = [r[0] for r in host]
+        lp_rows = None
+        if lps is not None:
+            chosen, vals, idx = (x.tolist() for x in lps)
+            lp_rows = [_lp_rows(c, v, i) for c, v, i in zip(chosen, vals, idx)]
         self.drafter.accepted(seqs, acc, path)
         for b, s in enumerate(seqs):
             row = host[b]
@@ -517,47 +590,51 @@ class LLM:
             s.num_drafted += ndraft
             s.num_accepted_drafts += a - 1
             s.accepted_lengths.append(a)
-            self._append(s, new)
+            self._append(s, new, None if lp_rows is None else lp_rows[b][:a])
 
     def _verify_accept_commit(self, seqs, slots, prop, greedy: bool):
-        if greedy:  # one device-side step (a CUDA graph when enabled)
-            return self.runner.greedy_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree)
-        if prop.tree:
-            logits = self.runner.verify_tree(slots, prop.tokens, prop.parent)
-        else:
-            logits = self.runner.verify(slots, prop.tokens)
-        p = self.sampler.probs(logits, seqs)
+        """One device-side step (a CUDA graph when enabled): verify, accept, commit.
+        Returns ``(accepted, bonus, path, logprobs | None)``."""
+        if greedy:
+            return (*self.runner.greedy_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree), None)
+        sb = self.sampler.batch(seqs)
         u = self.sampler.uniforms(seqs, prop.tokens.shape[1] + 1)
-        accepted, leaf, bonus = accept_tree(p, prop.tokens, prop.parent, prop.valid, prop.q, u)
-        path = None
-        if prop.tree:
-            from ..cache.tree import path_to
+        return self.runner.sampled_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree, prop.q, sb, u)
 
-            path, _ = path_to(prop.parent, leaf)
-            self.runner.commit(accepted, path)
-        else:
-            self.runner.commit(accepted)
-        return accepted, bonus, path
-
-    def _append(self, s: Sequence, toks: list[int]) -> None:
+    def _append(self, s: Sequence, toks: list[int], lps: list | None = None) -> None:
+        """Append accepted tokens until one ends the request (EOS, a stop token, the length
+        limit, or a stop string completed in the incrementally decoded text: the text is cut
+        before the stop string and later tokens of the step are dropped)."""
         p = s.params
         cap = s.token_cap if s.token_cap is not None else self.scheduler.token_limit
         if toks:
             self._touched.append(s)
+        eos = self.eos_token_id
+        kept = 0
         for t in toks:
-            s.output_ids.append(int(t))
+            t = int(t)
+            s.output_ids.append(t)
+            if s.logprobs is not None and lps is not None and kept < len(lps):
+                s.logprobs.append(lps[kept])
+            kept += 1
             self.stats["generated"] += 1
-            eos = self.eos_token_id
             is_eos = eos is not None and (t in eos if isinstance(eos, (list, tuple, set)) else t == eos)
             if t in p.stop_token_ids or (is_eos and not p.ignore_eos):
                 s.finish_reason = "stop"
-            elif len(s.output_ids) >= p.max_tokens or s.num_tokens >= cap:
+            elif s.detok is not None:
+                piece = s.detok.push(t)
+                cut = find_stop(s.detok.text, len(piece), p.stop)
+                if cut is not None:
+                    s.stop_text_cut = cut
+                    s.detok.text = s.detok.text[:cut]
+                    s.finish_reason = "stop"
+            if s.finish_reason is None and (len(s.output_ids) >= p.max_tokens or s.num_tokens >= cap):
                 s.finish_reason = "length"
             if s.finish_reason is not None:
                 break
-        if p.stop and self.tokenizer is not None and s.finish_reason in (None, "length"):
-            text = self.tokenizer.decode(s.output_ids)
-            hits = [text.find(x) for x in p.stop if x in text]
-            if hits:
-                s.stop_text_cut = min(hits)
-                s.finish_reason = "stop"
+        self.sampler.observe(s, toks[:kept])
+
+
+def _lp_rows(chosen: list, vals: list, idx: list) -> list:
+    """Host lists -> ``[(logprob, [(token id, logprob), ...]), ...]``."""
+    return [(c, list(zip(i, v))) for c, v, i in zip(chosen, vals, idx)]

@@ -83,7 +83,10 @@ class Scheduler:
             need, cap = plan
             if self.budget is not None and self.reserved + need > self.budget:
                 break  # wait for running sequences to finish (FCFS: no overtaking)
-            if admitted and tokens + seq.num_prompt_tokens > self.max_prefill_tokens:
+            if seq.index == 0 and len(seq.group) > len(self.free_slots):
+                break  # the n samples of a request start together (one shared prefill)
+            shared = seq.index > 0 and seq.group[0] in admitted   # prefilled with its first sample
+            if admitted and not shared and tokens + seq.num_prompt_tokens > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
             seq.slot = self.free_slots.pop()
@@ -91,7 +94,7 @@ class Scheduler:
             seq.token_cap = cap
             seq.status = SequenceStatus.RUNNING
             self.reserved += need
-            tokens += seq.num_prompt_tokens
+            tokens += 0 if shared else seq.num_prompt_tokens
             admitted.append(seq)
             self.running.append(seq)
         self.peak_running = max(self.peak_running, len(self.running))

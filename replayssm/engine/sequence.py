@@ -51,6 +51,12 @@ class Sequence:
         self.token_cap: int | None = None   # total-token limit set at admission (budget)
         # draft-model drafters: tokens of all_ids already in the draft model's cache
         self.draft_cached = 0
+        # n samples of one request: the group shares a prompt (one prefill, then a cache fork)
+        self.group_id = self.request_id     # the request's id (samples: the first one's)
+        self.index = 0                      # sample index within the group
+        self.group: list[Sequence] = [self]
+        self.detok = None                   # engine.detokenizer.Detokenizer (string output)
+        self.logprobs: list | None = [] if params.logprobs is not None else None
 
     # -- token views ---------------------------------------------------------------------
     @property
