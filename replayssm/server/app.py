@@ -204,7 +204,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
 
     async def respond(req, raw: Request, reqs, rid: str, kind: str, encoded):
         stream = submit(reqs)
-        state = _Choices(reqs, req.n, tok, chat=kind == "chat.completion")
+        state = _Choices(reqs, req.n, tok, chat=kind == "chat.completion", token_ids=req.return_token_ids)
         head = {"id": rid, "created": int(time.time()), "model": config.model_name}
         n_prompt = sum(len(e) for e in encoded)
         if req.stream:
@@ -234,6 +234,7 @@ class _Choice:
     stop_hold: int                  # chars held back while streaming (a stop string may start there)
     text: str = ""
     sent_chars: int = 0
+    sent_tokens: int = 0
     token_ids: list = field(default_factory=list)
     sent_lp: int = 0
     logprobs: list | None = None
@@ -245,8 +246,8 @@ class _Choice:
 class _Choices:
     """Per (engine request, sample) choice state: what was sent, what is final."""
 
-    def __init__(self, reqs, n: int, tok, chat: bool):
-        self.tok, self.chat = tok, chat
+    def __init__(self, reqs, n: int, tok, chat: bool, token_ids: bool = False):
+        self.tok, self.chat, self.token_ids = tok, chat, token_ids
         self.by_key: dict = {}
         for p, (rid, _, params) in enumerate(reqs):
             hold = max((len(s) for s in params.stop), default=1) - 1
@@ -291,11 +292,13 @@ class _Choices:
             pairs = list(zip(c.token_ids, c.logprobs)) if c.logprobs is not None else None
             lp = self.format_logprobs(pairs, 0) if pairs is not None else None
             if self.chat:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
+                ch = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                      "logprobs": lp, "finish_reason": _reason(c.finish_reason)}
             else:
-                out.append({"index": c.index, "text": c.text, "logprobs": lp,
-                            "finish_reason": _reason(c.finish_reason)})
+                ch = {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)}
+            if self.token_ids:
+                ch["token_ids"] = list(c.token_ids)
+            out.append(ch)
         return out
 
     def token_str(self, t: int) -> str:
@@ -378,10 +381,13 @@ async def _sse(stream: RequestStream, state: _Choices, head: dict, kind: str, in
                 c = state.update(out)
                 if c.finish_reason in ("error", "rejected"):
                     raise EngineError(c.error or "engine error")
+                new_ids = c.token_ids[c.sent_tokens:]
+                new_tokens = len(new_ids)
+                c.sent_tokens = len(c.token_ids)
                 piece, lps = state.delta(c)
                 done = c.finish_reason is not None
-                if not piece and not done:
-                    continue
+                if not piece and not done and not new_tokens:
+                    continue   # (a chunk per step with new tokens, even if their text is held back)
                 lp = state.format_logprobs(lps, c.sent_chars - len(piece)) if c.logprobs is not None else None
                 reason = _reason(c.finish_reason) if done else None
                 if state.chat:
@@ -389,6 +395,8 @@ async def _sse(stream: RequestStream, state: _Choices, head: dict, kind: str, in
                           "finish_reason": reason}
                 else:
                     ch = {"index": c.index, "text": piece, "logprobs": lp, "finish_reason": reason}
+                if state.token_ids:
+                    ch["token_ids"] = new_ids
                 yield chunk([ch])
         except EngineError as e:
             yield f"data: {json.dumps(error_body(str(e), 'internal_error', code=500))}\n\n"

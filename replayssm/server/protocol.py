@@ -58,6 +58,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
+    return_token_ids: bool = False     # extension: generated token ids in each choice / chunk
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
