@@ -285,10 +285,23 @@ class ModelRunner:
         s_in, t_in, p_in, v_in = self._spec_inputs(Bp, N)
         V = int(self.model.config.vocab_size)
         u_in = torch.full((Bp, N + 1), 0.5, dtype=torch.float32, device=self.device)
-        q_in = torch.zeros(Bp, N, V, dtype=torch.float32, device=self.device) if has_q else None
+        # the [B, N, V] / [B, V] inputs are views of one buffer per shape shared by every batch
+        # bucket (graphs replay one at a time; each replay overwrites its rows)
+        q_in = self._shared("q", (N, V), torch.float32)[:Bp] if has_q else None
         sb_in = sb.blank(Bp)
+        if sb_in.use_penalties:
+            sb_in.counts = self._shared("counts", (V,), torch.float32)[:Bp]
+            sb_in.seen = self._shared("seen", (V,), torch.bool)[:Bp]
         ins = [s_in, t_in, p_in, v_in, u_in] + ([q_in] if has_q else []) + sb_in.tensors()
         return ins, (s_in, t_in, p_in, v_in, u_in, q_in, sb_in)
+
+    def _shared(self, name: str, shape: tuple, dtype) -> Tensor:
+        """A zeroed ``[max bucket, *shape]`` static buffer, one per (name, shape, dtype)."""
+        cache = self.__dict__.setdefault("_static_bufs", {})
+        k = (name, shape, dtype)
+        if k not in cache:
+            cache[k] = torch.zeros((self.buckets[-1],) + tuple(shape), dtype=dtype, device=self.device)
+        return cache[k]
 
     def _capture_sampled(self, key, Bp: int, N: int, tree: bool, has_q: bool, sb, warm: bool = True):
         ins, args = self._sampled_inputs(Bp, N, has_q, sb)

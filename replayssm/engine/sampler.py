@@ -307,7 +307,7 @@ def transform(logits: Tensor, temp: Tensor, top_k: Tensor, top_p: Tensor, min_p:
     greedy = (temp == 0)[:, None, None]
     t = torch.where(temp > 0, temp, torch.ones_like(temp)).to(dt)[:, None, None]
     x = x / t
-    neg = torch.tensor(float("-inf"), dtype=dt, device=x.device)
+    neg = x.new_full((), float("-inf"))   # a fill kernel, not a host copy (graph-capturable)
     if use_top_k is None:
         use_top_k = bool((top_k > 0).any())
     if use_top_p is None:
