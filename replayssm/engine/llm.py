@@ -526,7 +526,8 @@ class LLM:
                 return
         toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
         logits = self.runner.decode([s.slot for s in seqs], toks)
-        sb = self.sampler.batch(seqs)
+        plain = all(s.params.greedy and not s.params.penalized and s.params.logprobs is None for s in seqs)
+        sb = None if plain else self.sampler.batch(seqs)   # plain greedy: argmax, no parameter copy
         out = self.sampler.sample(logits, seqs, sb)
         lps = self._logprobs_host(logits, out, sb)
         for b, (s, t) in enumerate(zip(seqs, out.tolist())):
@@ -536,7 +537,7 @@ class LLM:
     @staticmethod
     def _logprobs_host(logits: Tensor, toks: Tensor, sb) -> list | None:
         """Per row ``(logprob of the sampled token, [(id, logprob), ...] top alternatives)``."""
-        if sb.logprobs < 0:
+        if sb is None or sb.logprobs < 0:
             return None
         chosen, vals, idx = token_logprobs(logits, toks, sb.logprobs)
         return _lp_rows(chosen.tolist(), vals.tolist(), idx.tolist())

@@ -39,7 +39,6 @@ class Sequence:
         self.error: str | None = None
         self.reserved_bytes = 0
         self.generator: torch.Generator | None = None
-        self.text_len = 0                   # chars of decoded text already checked for stops
         self.stop_text_cut: int | None = None
         # speculation statistics
         self.num_steps = 0                  # forward steps that produced tokens for this seq
