@@ -170,6 +170,14 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         return min(default, room) if default is not None else room
 
     def submit(reqs) -> RequestStream:
+        n = reqs[0][2].n
+        if n > loop.max_running:
+            raise APIError(400, f"n={n} exceeds the {loop.max_running} sequences this server runs at once "
+                                f"(the samples of a request run together)", param="n")
+        seqs = sum(p.n for _, _, p in reqs)
+        if seqs > loop.max_running + loop.max_queue:
+            raise APIError(400, f"{len(reqs)} prompts x n={n} = {seqs} sequences can never fit this server "
+                                f"({loop.max_running} running + {loop.max_queue} queued)", param="prompt")
         try:
             return loop.submit(reqs)
         except QueueFull as e:

@@ -97,6 +97,9 @@ def test_sampling_parameters_over_http(plain_server, offline):
     b = c.completions.create(**kw)
     assert [x.index for x in a.choices] == [0, 1]
     assert [x.text for x in a.choices] == [x.text for x in b.choices]       # seeded
+    r = c.completions.create(model="tiny-chat", prompt=PROMPTS[:2], max_tokens=MAX, temperature=0)
+    assert [(x.index, x.text) for x in r.choices] == [(i, offline_greedy(offline, p).text)
+                                                      for i, p in enumerate(PROMPTS[:2])]
     r = c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                   logprobs=True, top_logprobs=2, temperature=0)
     lp = r.choices[0].logprobs.content
@@ -114,7 +117,8 @@ def test_errors_are_openai_style_and_name_the_field(plain_server):
              ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "stop": 5}, "stop"), ({"max_tokens": 3}, "prompt"),
              ({"prompt": "x", "model": "gpt-9"}, "model"), ({"prompt": "x" * 3000}, "prompt"),
              ({"prompt": "x", "max_tokens": 2047}, "max_tokens"), ({"prompt": [1, 99999]}, "prompt"),
-             ({"prompt": "x", "presence_penalty": 5.0}, "presence_penalty")]
+             ({"prompt": "x", "presence_penalty": 5.0}, "presence_penalty"), ({"prompt": "x", "n": 3}, "n"),
+             ({"prompt": ["a", "b"], "n": 2}, "prompt"), ({"prompt": "x", "echo": True}, "echo")]
     for body, field in cases:
         r = httpx.post(url, json=body, headers=h)
         err = r.json()["error"]
