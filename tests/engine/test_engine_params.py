@@ -321,3 +321,26 @@ def test_sampled_step_through_static_inputs_equals_eager(target, draft, method):
     r._capture_spec = lambda *a, **k: None
     got = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, p)]
     assert captured and got == want
+
+
+@pytest.mark.parametrize("mode", ["replay", "kv"])
+def test_n_samples_fork_a_real_model_cache(mode):
+    """The shipped Mamba-2 (real ModelCache): n greedy samples forked from one prefill
+    continue exactly like a request of their own, with draft speculation."""
+    import os
+
+    import replayssm
+
+    assets = os.path.join(os.path.dirname(replayssm.__file__), "assets")
+    target, dr = os.path.join(assets, "tiny-mamba2"), os.path.join(assets, "tiny-mamba2-draft")
+    if not os.path.isfile(os.path.join(dr, "config.json")):
+        pytest.skip("shipped models not present")
+    sp = SpeculativeConfig("draft", num_tokens=3, draft_model=dr)
+    llm = LLM(target, decode_mode=mode, speculative=sp, max_num_seqs=4, max_seq_len=128)
+    plain = llm.generate(["def merge(a, b):"], SamplingParams(max_tokens=16))[0]
+    before = llm.runner.num_calls["prefill"]
+    out = llm.generate(["def merge(a, b):"], SamplingParams(max_tokens=16, n=3))[0]
+    assert llm.runner.num_calls["prefill"] == before + 1
+    assert [s.text for s in out.samples] == [plain.text] * 3
+    assert [s.token_ids for s in out.samples] == [plain.token_ids] * 3
+    assert len(llm.scheduler.free_slots) == llm.num_slots
