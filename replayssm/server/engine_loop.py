@@ -172,6 +172,11 @@ class AsyncEngine:
 
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        dev = getattr(self.engine, "device", None)
+        if getattr(dev, "type", None) == "cuda":   # a new thread starts on device 0
+            import torch
+
+            torch.cuda.set_device(dev)
         while not self._stop:
             self._drain()
             if not self.engine.has_unfinished():
