@@ -264,22 +264,24 @@ def load_dataset(path: str, n: int, default_out: int) -> list:
 def make_prompts(args, url: str, model: str, vocab: int) -> list:
     """``[(prompt token ids, output_len)] * num_prompts`` for the chosen prompt kind."""
     rng = random.Random(args.seed)
-    P, O, n = args.prompt_len, args.output_len, args.num_prompts
+    P, out_len, n = args.prompt_len, args.output_len, args.num_prompts
     if args.prompt_kind == "random":
-        return [([rng.randrange(vocab) for _ in range(P)], O) for _ in range(n)]
+        return [([rng.randrange(vocab) for _ in range(P)], out_len) for _ in range(n)]
     if args.prompt_kind == "motif":
         out = []
         for _ in range(n):
             motif = [rng.randrange(vocab) for _ in range(8)]
-            out.append(((motif * (P // 8 + 1))[:P], O))
+            out.append(((motif * (P // 8 + 1))[:P], out_len))
         return out
-    # walk: A + A[:k] with A a greedy walk, so that A[k:] (the continuation) is in the prompt
-    a = max(-(-(P + O) // 2), P - max(4, P // 4))
+    # walk: A + A[:k] with A a greedy walk of a tokens: the greedy continuation is A[k:], which
+    # prompt lookup finds in the first copy.  It covers the output when a - k >= output_len,
+    # i.e. a >= (P + output_len) / 2; k stays >= 1 (and >= P/4 when the output is short)
+    a = max(-(-(P + out_len) // 2), P - max(4, P // 4))
     a = min(a, P - 1)
     k = P - a
     starts = [rng.randrange(vocab) for _ in range(n)]
     ids = asyncio.run(_greedy_walk_ids(url, model, starts, a))
-    return [(w + w[:k], O) for w in ids]
+    return [(w + w[:k], out_len) for w in ids]
 
 
 async def _greedy_walk_ids(url, model, starts, length):

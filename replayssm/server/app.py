@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .chat import ChatTemplate, NoChatTemplate
+from .chat import ChatTemplate
 from .engine_loop import AsyncEngine, EngineError, QueueFull, RequestStream
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
@@ -60,7 +60,8 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     slots = getattr(engine, "num_slots", None) or getattr(getattr(engine, "config", None), "max_num_seqs", 16)
     loop = AsyncEngine(engine, max_running=slots, max_queue=config.max_queue, metrics=metrics)
     tok = getattr(engine, "tokenizer", None)
-    chat = ChatTemplate.from_model_dir(config.model_dir, config.chat_template) if config.model_dir else ChatTemplate(None)
+    chat = (ChatTemplate.from_model_dir(config.model_dir, config.chat_template) if config.model_dir
+            else ChatTemplate(config.chat_template))
     limit = config.max_model_len or context_limit(engine)
     vocab = int(getattr(engine, "vocab_size", 0) or 0)
 
@@ -160,7 +161,8 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
                                 f"(prompt + generated)", param=param)
         return ids
 
-    def max_tokens_for(req, n_prompt: int, requested: int | None, default: int | None) -> int:
+    def max_tokens_for(n_prompt: int, requested: int | None, default: int | None) -> int:
+        """``requested`` if it fits the context (else 400), otherwise ``default`` capped to the room."""
         room = limit - n_prompt
         if requested is not None:
             if n_prompt + requested > limit:
@@ -191,7 +193,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         reqs = []
         for i, ids in enumerate(encoded):
-            mt = max_tokens_for(req, len(ids), req.max_tokens, DEFAULT_COMPLETION_TOKENS)
+            mt = max_tokens_for(len(ids), req.max_tokens, DEFAULT_COMPLETION_TOKENS)
             reqs.append((f"{rid}-{i}", ids, req.sampling_params(mt)))
         return await respond(req, raw, reqs, rid, "text_completion", encoded)
 
@@ -201,12 +203,10 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
         try:
             text = chat.render(msgs, req.add_generation_prompt)
-        except NoChatTemplate as e:
-            raise APIError(400, str(e), param="messages") from None
-        except ValueError as e:
+        except ValueError as e:   # NoChatTemplate, or the template raised / failed to render
             raise APIError(400, str(e), param="messages") from None
         ids = encode(text, "messages", special=False)
-        mt = max_tokens_for(req, len(ids), req.requested_max_tokens, None)
+        mt = max_tokens_for(len(ids), req.requested_max_tokens, None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await respond(req, raw, [(f"{rid}-0", ids, req.sampling_params(mt))], rid, "chat.completion", [ids])
 

@@ -11,7 +11,7 @@ import torch
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig
 from replayssm.engine.detokenizer import Detokenizer, find_stop
-from replayssm.engine.sampler import Sampler, apply_penalties, blank_batch
+from replayssm.engine.sampler import apply_penalties, blank_batch
 
 from engine_helpers import PROMPTS
 from test_engine_sampling import chi2, chi2_critical
@@ -74,7 +74,8 @@ def test_apply_penalties_matches_formula_at_every_draft_node():
 
     sb = blank_batch(B, V, "cpu", use_penalties=True)
     for b, (p, pr, o) in enumerate(zip(params, prompts, outs)):
-        sb.repetition[b], sb.presence[b], sb.frequency[b] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+        sb.repetition[b], sb.presence[b] = p.repetition_penalty, p.presence_penalty
+        sb.frequency[b] = p.frequency_penalty
         for t in pr + o:
             sb.seen[b, t] = True
         for t in o:

@@ -151,7 +151,7 @@ def _open_stream(server, max_tokens=1500):
 def test_disconnect_mid_stream_frees_the_slot(plain_server, offline):
     cl, cm, resp = _open_stream(plain_server)
     lines = resp.iter_lines()
-    first = next(l for l in lines if l.startswith("data: "))
+    first = next(x for x in lines if x.startswith("data: "))
     assert json.loads(first[6:])["choices"][0]["text"]
     assert plain_server.metrics()["replayssm_num_requests_running"] == 1
     cm.__exit__(None, None, None)                   # the client goes away mid-stream
