@@ -9,10 +9,9 @@ import time
 import httpx
 import openai
 import pytest
+from server_helpers import API_KEY
 
 from replayssm import SamplingParams
-
-from conftest import API_KEY
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Foo:\n    def", "for i in range(", "x = [1, 2,",
            "# compute the", "return self.", "def __init__(self"]
