@@ -16,7 +16,6 @@ pytest.importorskip("openai")
 from server_helpers import API_KEY, CHAT_TEMPLATE, DRAFT, MODEL, Server  # noqa: E402
 
 
-
 @pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory) -> Path:
     """The shipped model with a simple chat template (the shipped one has none)."""
