@@ -84,6 +84,11 @@ class ServerMetrics:
         if self._steps_total:
             self.accepted_length.set(self._spec_tokens_total / self._steps_total)
 
+    def on_end(self, n: int, reason: str) -> None:
+        """``n`` sequences cancelled (client gone) or failed without a final output."""
+        if n > 0:
+            self.requests.labels(model_name=self._lab["model_name"], finished_reason=reason).inc(n)
+
     def on_tokens(self, n: int) -> None:
         self.tokens.inc(n)
 

@@ -157,6 +157,7 @@ def test_disconnect_mid_stream_frees_the_slot(plain_server, offline):
     cl.close()
     m = wait_idle(plain_server, timeout=10)
     assert m["replayssm_generation_tokens_total"] < 1500   # cancelled, not run to the end
+    assert m['replayssm_request_success_total{finished_reason="abort",model_name="tiny-chat"}'] >= 1
     r = client(plain_server).completions.create(model="tiny-chat", prompt=PROMPTS[3], max_tokens=MAX, temperature=0)
     assert r.choices[0].text == offline_greedy(offline, PROMPTS[3]).text
 
