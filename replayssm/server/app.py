@@ -1,8 +1,9 @@
 """The FastAPI application: OpenAI-compatible routes over an :class:`AsyncEngine`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers
-server-sent events, one ``data: {chunk}`` per engine step that produced text, ending in
-``data: [DONE]``; ``stream_options.include_usage`` adds a final chunk with ``usage``),
+server-sent events, one ``data: {chunk}`` per engine step that produced tokens, ending in
+``data: [DONE]``; the last chunk carries ``usage``, or with ``stream_options.include_usage``,
+as OpenAI does, one more chunk without choices does and the others have ``usage: null``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 
 Every refusal is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``:
@@ -374,10 +375,10 @@ async def _sse(stream: RequestStream, state: _Choices, head: dict, kind: str, in
     """Server-sent events for one request; aborts the engine requests if the client leaves."""
     obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
 
-    def chunk(choices, usage=None, final_usage=False) -> str:
+    def chunk(choices, usage=None) -> str:
         body = dict(head, object=obj, choices=choices)
-        if include_usage:
-            body["usage"] = usage if final_usage else None
+        if include_usage or usage is not None:
+            body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     try:
@@ -405,13 +406,16 @@ async def _sse(stream: RequestStream, state: _Choices, head: dict, kind: str, in
                     ch = {"index": c.index, "text": piece, "logprobs": lp, "finish_reason": reason}
                 if state.token_ids:
                     ch["token_ids"] = new_ids
-                yield chunk([ch])
+                last = done and all(x.finish_reason is not None for x in state.by_key.values())
+                # usage: in the last chunk, or (include_usage, as OpenAI) in one more without choices
+                usage = _usage(n_prompt, state.completion_tokens()) if last and not include_usage else None
+                yield chunk([ch], usage)
         except EngineError as e:
             yield f"data: {json.dumps(error_body(str(e), 'internal_error', code=500))}\n\n"
             yield "data: [DONE]\n\n"
             return
         if include_usage:
-            yield chunk([], _usage(n_prompt, state.completion_tokens()), final_usage=True)
+            yield chunk([], _usage(n_prompt, state.completion_tokens()))
         yield "data: [DONE]\n\n"
     finally:
         if not stream.closed:   # the client went away (or the response was cancelled)

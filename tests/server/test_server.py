@@ -57,6 +57,10 @@ def test_completions_greedy_match_offline(plain_server, offline):
         assert "".join(ch.text for k in chunks for ch in k.choices) == ref.text
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX
         assert [ch.finish_reason for k in chunks for ch in k.choices][-1] == "length"
+        plain = list(c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=MAX, temperature=0,
+                                          stream=True))
+        assert plain[-1].usage.completion_tokens == MAX and plain[-1].choices[0].finish_reason == "length"
+        assert all(k.usage is None for k in plain[:-1])
     # token-id prompts
     ids = offline.tokenizer.encode(PROMPTS[2]).ids
     r = c.completions.create(model="tiny-chat", prompt=ids, max_tokens=MAX, temperature=0)
@@ -75,6 +79,7 @@ def test_chat_greedy_matches_offline(plain_server, offline):
     chunks = list(c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=MAX, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(k.usage is None for k in chunks[:-1])
     assert "".join(ch.delta.content or "" for k in chunks for ch in k.choices) == ref.text
     assert chunks[-1].usage.total_tokens == len(ids) + MAX
 
