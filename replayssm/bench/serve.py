@@ -171,11 +171,10 @@ async def run_rate(url: str, model: str, requests: list, rate: float, temperatur
                    max_concurrency: int | None, desc: str) -> tuple[list[Result], float]:
     """Send ``requests`` ``[(prompt, output_len)]`` with Poisson arrivals at ``rate`` per second."""
     import httpx
-    from tqdm.auto import tqdm
 
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(requests), desc=desc, unit="req", file=sys.stderr, leave=False)
+    bar = _progress(len(requests), desc)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
         async def send(p, n):
@@ -197,6 +196,22 @@ async def run_rate(url: str, model: str, requests: list, rate: float, temperatur
         dur = time.perf_counter() - t0
     bar.close()
     return results, dur
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
 
 
 def _pct(xs: list, q: float) -> float:
