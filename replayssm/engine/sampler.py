@@ -201,17 +201,20 @@ class Sampler:
         return process(logits, self.batch(seqs, penalties=False))
 
     def uniforms(self, seqs: list[Sequence], n: int) -> Tensor:
-        """``[B, n]`` uniforms, each row from its request's generator (greedy rows: 0.5)."""
-        rows = []
-        for s in seqs:
-            if s.params.greedy:
-                rows.append(torch.full((n,), 0.5, device=self.device))
+        """``[B, n]`` uniforms: seeded rows from their request's generator (one draw each),
+        the other sampled rows in one draw from the engine's generator, greedy rows 0.5."""
+        out = torch.full((len(seqs), n), 0.5, device=self.device)
+        shared = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.seed is None]
+        if shared:
+            rows = torch.tensor(shared, dtype=torch.long).to(self.device, non_blocking=True)
+            out[rows] = torch.rand(len(shared), n, generator=self.generator, device=self.device)
+        for i, s in enumerate(seqs):
+            if s.params.greedy or s.params.seed is None:
                 continue
-            if s.params.seed is not None and s.generator is None:
+            if s.generator is None:
                 s.generator = _make_generator(self.device, s.params.seed)
-            g = s.generator if s.generator is not None else self.generator
-            rows.append(torch.rand(n, generator=g, device=self.device))
-        return torch.stack(rows)
+            out[i] = torch.rand(n, generator=s.generator, device=self.device)
+        return out
 
     def sample(self, logits: Tensor, seqs: list[Sequence], sb: SamplingBatch | None = None) -> Tensor:
         """One token per row from ``logits [B, V]`` (penalties, temperature, filters)."""
