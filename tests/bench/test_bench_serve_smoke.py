@@ -24,3 +24,20 @@ def test_bench_serve_smoke(tmp_path, capsys):
         assert r["mean_accepted_length"] > 1.5       # walk prompts: prompt lookup finds the continuation
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "replay+spec" in capsys.readouterr().out
+
+
+def test_hybrid_preset_loads_and_its_greedy_step_is_a_token_map(tmp_path):
+    """The random hybrid checkpoint loads, and its greedy next token depends on the current
+    token only (what the benchmark's walk prompts rely on)."""
+    import torch
+
+    from replayssm.bench.serve import hybrid_model_dir
+    from replayssm.models import load_model
+
+    model = load_model(hybrid_model_dir("hybrid-tiny", str(tmp_path)))
+    assert model.config.model_type == "nemotron_h"
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, 256, (8, 12), generator=g)
+    ctx[:, -1] = ctx[0, -1]                       # different contexts, the same last token
+    nxt = model(ctx)[:, -1].argmax(-1)
+    assert (nxt == nxt[0]).all()
