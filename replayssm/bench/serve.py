@@ -19,10 +19,11 @@ run (``--configs``):
                   vLLM/SGLang do for SSM speculation)
 
 Without ``--model`` a random-weight model of ``--preset`` size is written first: a Mamba-2
-(the presets of ``bench e2e``) or a Nemotron-H hybrid (``hybrid-tiny``, ``hybrid-4b``).  Its greedy next token is a fixed permutation of the current one,
-so ``--prompt-kind walk`` (the default for presets) builds prompts ``A + A[:k]`` from greedy
-walks ``A`` of the model itself: prompt lookup then finds the continuation, as on
-repetitive real text, and both speculative configurations see the same drafts.
+(the presets of ``bench e2e``) or a Nemotron-H hybrid (``hybrid-tiny``, ``hybrid-4b``).  Its
+greedy next token is a fixed permutation of the current one, so ``--prompt-kind walk`` (the
+default for presets) builds prompts ``A + A[:k]`` from greedy walks ``A`` of the model
+itself: prompt lookup then finds the continuation, as on repetitive real text, and both
+speculative configurations see the same drafts.
 ``--prompt-kind random`` gives prompts where nothing is found (speculation overhead only).
 ``--url`` benchmarks a server that is already running (one configuration).
 
