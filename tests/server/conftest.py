@@ -58,5 +58,7 @@ def offline():
 
     from replayssm import LLM
 
+    n = torch.get_num_threads()
     torch.set_num_threads(1)
-    return LLM(str(MODEL), max_seq_len=512, max_num_seqs=16)
+    yield LLM(str(MODEL), max_seq_len=512, max_num_seqs=16)
+    torch.set_num_threads(n)
