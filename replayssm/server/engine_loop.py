@@ -257,7 +257,6 @@ class AsyncEngine:
             for r in stream.request_ids:
                 self._streams.pop(r, None)
             self._in_flight -= left
-            stream.finished.update(("end", i) for i in range(left))
         if self.metrics is not None:
             self.metrics.on_end(left, "abort" if aborted else "error")
         for r in stream.request_ids:     # the request's other engine requests leave too
