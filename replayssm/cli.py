@@ -1,4 +1,4 @@
-"""The ``replayssm`` command: ``generate``, ``traffic``, ``bench kernels``, ``bench e2e``.
+"""The ``replayssm`` command: ``generate``, ``serve``, ``traffic``, ``bench kernels|e2e|serve``.
 
 Each subcommand lives in its own module and exposes ``main(argv) -> int``; this file
 only routes, so importing it stays cheap.
@@ -12,9 +12,11 @@ import sys
 # subcommand -> (module, help)
 _COMMANDS = {
     "generate": ("replayssm.engine.cli", "generate text with the LLM engine (default: shipped tiny model)"),
+    "serve": ("replayssm.server.cli", "OpenAI-compatible HTTP server (needs the serve extra)"),
     "traffic": ("replayssm.bench.traffic", "print the per-step memory-traffic model (DESIGN §3)"),
     "bench kernels": ("replayssm.bench.kernels", "benchmark decode/verify kernels against peers"),
     "bench e2e": ("replayssm.bench.e2e", "end-to-end throughput benchmark"),
+    "bench serve": ("replayssm.bench.serve", "serving benchmark: Poisson load against the HTTP server"),
 }
 
 _DEFAULT = "generate"
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     elif argv and argv[0] in _COMMANDS:
         name, rest = argv[0], argv[1:]
     elif argv and argv[0] == "bench":
-        print("usage: replayssm bench {kernels,e2e} [options]", file=sys.stderr)
+        print("usage: replayssm bench {kernels,e2e,serve} [options]", file=sys.stderr)
         return 2
     elif argv and not argv[0].startswith("-") and argv[0] not in _COMMANDS:
         print(f"replayssm: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)

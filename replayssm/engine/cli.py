@@ -106,23 +106,20 @@ def main(argv: list[str] | None = None) -> int:
         t_load = time.perf_counter() - t0
         if isinstance(prompt, str):
             sys.stdout.write(prompt)
-        shown = ""
-        ids: list[int] = []
+        from .detokenizer import Detokenizer
+
+        detok = Detokenizer(tok, llm.encode(prompt)[1]) if tok is not None else None
         t1 = time.perf_counter()
         for chunk in llm.stream(prompt, params):
-            ids.extend(chunk)
-            if tok is not None:
-                text = tok.decode(ids)
-                if text.startswith(shown) and not text.endswith("\ufffd"):
-                    sys.stdout.write(text[len(shown):])
-                    shown = text
+            if detok is not None:   # incremental: whole characters only, no re-decoding
+                sys.stdout.write("".join(detok.push(t) for t in chunk))
             else:
                 sys.stdout.write(" ".join(str(t) for t in chunk) + " ")
             sys.stdout.flush()
         dt = time.perf_counter() - t1
         out = llm.last_output
-        if tok is not None and out.text != shown and out.text.startswith(shown):
-            sys.stdout.write(out.text[len(shown):])
+        if detok is not None:
+            sys.stdout.write(detok.flush())
         sys.stdout.write("\n")
         sys.stdout.flush()
     except ValueError as e:

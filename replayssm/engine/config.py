@@ -14,6 +14,7 @@ from ..cache.ring import check_speculative_capacity
 
 DECODE_MODES = ("recurrent", "replay", "kv", "auto")
 SPEC_METHODS = ("ngram", "draft", "tree")
+MAX_LOGPROBS = 20   # top alternatives per token (OpenAI's limit for chat)
 
 
 def _int(name: str, v, lo: int | None = 0) -> int:
@@ -42,7 +43,19 @@ class SamplingParams:
     of what else is in the batch); ``None`` draws from the engine's generator.  Generation
     stops at ``max_tokens`` generated tokens, at the model's EOS (unless ``ignore_eos``), at
     any of ``stop_token_ids`` (the stop token is kept in the output), or when the generated
-    text contains one of ``stop`` (the text is cut before it).
+    text contains one of ``stop`` (the text is cut before it, and tokens a speculative step
+    accepted past the one that completed it are dropped).
+
+    Penalties act on the model's logits before the temperature, in this order (as vLLM and
+    HF do): ``repetition_penalty`` ``r`` over every token of the prompt and the output so far
+    (a positive logit is divided by ``r``, a negative one multiplied), then
+    ``frequency_penalty * count + presence_penalty * (count > 0)`` subtracted, counting the
+    output tokens only.  Filters act on the tempered distribution: ``top_k``, ``top_p``,
+    ``min_p`` (drop tokens below ``min_p`` times the most likely one's probability).  Greedy
+    decoding takes the argmax after the penalties.  ``logprobs``: ``None`` for none, else
+    each generated token's log-probability under the model (log-softmax of the raw logits)
+    and the ``logprobs`` most likely alternatives.  ``n``: independent samples of the same
+    prompt (one shared prefill).
     """
 
     max_tokens: int = 64
@@ -53,6 +66,12 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self):
         _int("SamplingParams.max_tokens", self.max_tokens, 1)
@@ -78,10 +97,31 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.stop entries must be non-empty strings, got {s!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self.min_p = _float("SamplingParams.min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _float(f"SamplingParams.{name}", getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {v}")
+            setattr(self, name, v)
+        self.repetition_penalty = _float("SamplingParams.repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 100.0 or self.repetition_penalty == float("inf"):
+            raise ValueError(f"SamplingParams.repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if self.logprobs is not None:
+            _int("SamplingParams.logprobs", self.logprobs, 0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"SamplingParams.logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        _int("SamplingParams.n", self.n, 1)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass

@@ -15,21 +15,23 @@ memory budget.  ``decode_mode="auto"`` keeps a request KV-only until its context
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 
 import torch
+from torch import Tensor
 
-from ..cache.tree import path_to
 from ..runtime import canonical_device
 from . import speculative as spec
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
+from .detokenizer import Detokenizer, find_stop
 from .loading import is_model, load, parse_dtype
 from .memory import MemoryModel, default_auto_threshold, fmt_bytes, memory_model
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, request_output
-from .sampler import Sampler, accept_tree
+from .sampler import Sampler, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
 
@@ -105,7 +107,7 @@ class LLMEngine:
                                            kv_num_blocks=self._plan_kv_blocks(), device=self.device)
         self.runner = ModelRunner(self.model, self.cache, self.device, self.num_slots, cuda_graphs=cuda_graphs,
                                   pad_batches=pad_batches)
-        self.sampler = Sampler(self.device, seed)
+        self.sampler = Sampler(self.device, seed, num_slots=self.num_slots + 1, vocab_size=self.vocab_size)
         self.blocks = BlockManager(self.cache, self.memory, ec.memory_budget, self.num_slots, ec.max_seq_len)
         self.scheduler = Scheduler(self.blocks, ec.max_prefill_tokens)
         self.drafter = self._make_drafter(sp, self.num_slots, T)
@@ -115,7 +117,7 @@ class LLMEngine:
         self.capture_s = 0.0
         if self.runner.use_graphs:  # every graph a step can need, before the first request
             t0 = time.perf_counter()
-            self.runner.capture(self._spec_shapes())
+            self.runner.capture(self._spec_shapes(), self._sampled_shapes())
             draft_runner = getattr(self.drafter, "runner", None)
             if draft_runner is not None:
                 draft_runner.capture()
@@ -160,6 +162,11 @@ class LLMEngine:
         if self.draft_model is not None:
             return [(self.drafter.num_nodes, True)]
         return []
+
+    def _sampled_shapes(self) -> list[tuple[int, bool, bool]]:
+        """``(nodes, tree, draft distributions)`` of sampled speculative steps (fixed shapes)."""
+        has_q = self.draft_model is not None
+        return [(n, tree, has_q) for n, tree in self._spec_shapes()]
 
     def _make_drafter(self, sp: SpeculativeConfig | None, num_slots: int, T: int):
         if sp is None:
@@ -213,28 +220,57 @@ class LLMEngine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id is not None and request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n > self.num_slots:
+            raise ValueError(f"SamplingParams.n={params.n} exceeds the engine's {self.num_slots} slots "
+                             f"(the samples of a request run together)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (tokenizer.json in the model directory)")
         text, ids = self.encode(prompt)
         seq = Sequence(ids, params, request_id=request_id)
-        seq.prompt_text = text
-        self.scheduler.add(seq)
+        for i in range(1, params.n):   # the other samples: own generators, one shared prefill
+            sp = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            sib = Sequence(ids, sp, request_id=(seq.request_id, i))
+            sib.group_id, sib.index, sib.group = seq.request_id, i, seq.group
+            seq.group.append(sib)
+        for s in seq.group:
+            s.prompt_text = text
+            if self.tokenizer is not None:
+                s.detok = Detokenizer(self.tokenizer, ids)
+            self.scheduler.add(s)
         self._requests[seq.request_id] = seq
         return seq
 
     def abort(self, request_id) -> bool:
         """Stop a request between steps: a waiting one leaves the queue, a running one frees
         its slot and cache at once.  Returns False when no unfinished request has that id."""
-        seq = self._requests.pop(request_id, None)
-        if seq is None or seq.is_finished:
+        head = self._requests.pop(request_id, None)
+        if head is None or all(s.is_finished for s in head.group):
             return False
-        seq.finish_reason = "abort"
-        self._finish(seq)
+        for seq in head.group:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self._finish(seq)
         return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def output(self, seq: Sequence) -> RequestOutput:
-        return request_output(seq, self.tokenizer)
+        return request_output(seq)
+
+    def occupancy(self) -> dict:
+        """Running / waiting requests, free and total slots, free KV-only blocks (-1: none)."""
+        pidx = getattr(self.cache, "pidx", None)
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "free_slots": len(self.blocks.free_slots), "total_slots": self.num_slots,
+                "free_kv_blocks": pidx.free_blocks if pidx is not None else -1}
+
+    def recover(self) -> None:
+        """After a step raised half-way: forget the verify that will never be committed
+        (target and draft caches), so that aborts and the next steps can run."""
+        self.cache.pending = None
+        if self.drafter is not None:
+            self.drafter.reset()
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -258,7 +294,7 @@ class LLMEngine:
         self.stats["decode_s"] += time.perf_counter() - t1
         return self._postprocess(batch, new)
 
-    def _run(self, batch: ScheduledBatch) -> tuple[list[tuple[Sequence, list[int]]], float]:
+    def _run(self, batch: ScheduledBatch) -> tuple[list[Step], float]:
         """Run the model for this step: prefill the admitted prompts, then one decode or
         speculative step for the running sequences.  Returns the new tokens per sequence and
         the time the prefill part ended."""
@@ -268,14 +304,14 @@ class LLMEngine:
             new += self._decode(batch.running) if self.drafter is None else self._speculate(batch.running)
         return new, t1
 
-    def _postprocess(self, batch: ScheduledBatch, new: list[tuple[Sequence, list[int]]]):
+    def _postprocess(self, batch: ScheduledBatch, new: list[Step]):
         """Append tokens (stop criteria), free finished sequences, switch KV-only ones that
         reached the threshold to a state."""
         advanced = []
-        for s, toks in new:
+        for s, toks, lps in new:
             if toks:
                 advanced.append(s)
-                self._append(s, toks)
+                self._append(s, toks, lps)
         finished = list(batch.rejected)
         to_switch = []
         for s in list(self.scheduler.running):
@@ -286,7 +322,8 @@ class LLMEngine:
                 to_switch.append(s)
         self.blocks.switch_to_state(to_switch)
         for s in finished:
-            self._requests.pop(s.request_id, None)
+            if all(m.is_finished for m in s.group):
+                self._requests.pop(s.group_id, None)
         return advanced, finished
 
     def _finish(self, s: Sequence) -> None:
@@ -295,7 +332,7 @@ class LLMEngine:
         self.scheduler.finish(s, s.finish_reason or "stop")
 
     # -- running the model --------------------------------------------------------------------
-    def _prefill(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+    def _prefill(self, seqs: list[Sequence]) -> list[Step]:
         if self.config.decode_mode == "auto":
             # prompts already past the threshold skip the KV-only form: an empty slot switched
             # to a (zero) state prefills straight into it; prefill each form separately
@@ -307,9 +344,14 @@ class LLMEngine:
             seqs = short + long
         return self._prefill_groups(seqs)
 
-    def _prefill_groups(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+    def _prefill_groups(self, seqs: list[Sequence]) -> list[Step]:
         """Prefill in groups of at most ``max_prefill_tokens`` padded tokens; sample each
-        sequence's first token."""
+        sequence's first token.  Samples of one request admitted with it share its prefill:
+        their slots get a copy of its cache (``cache.fork``) and they sample from its logits."""
+        ids = set(id(s) for s in seqs)
+        forked = [s for s in seqs if s.index > 0 and id(s.group[0]) in ids]
+        fk = set(id(s) for s in forked)
+        seqs = [s for s in seqs if id(s) not in fk]
         groups, group, width = [], [], 0
         for s in seqs:
             w = max(width, s.num_prompt_tokens)
@@ -328,27 +370,51 @@ class LLMEngine:
         for g in groups:
             logits.append(self.runner.prefill([s.slot for s in g], [s.prompt_ids for s in g]))
             order.extend(g)
+        logits = torch.cat(logits, 0)
+        rows = {id(s): i for i, s in enumerate(order)}
+        forked = [s for s in forked if id(s.group[0]) in rows]   # the head's prefill may have failed
+        if forked:
+            by_head: dict = {}
+            for s in forked:
+                by_head.setdefault(id(s.group[0]), (s.group[0], []))[1].append(s)
+            for head, sibs in by_head.values():
+                self.cache.fork(head.slot, [s.slot for s in sibs])
+            logits = torch.cat([logits, logits[[rows[id(s.group[0])] for s in forked]]], 0)
+            order = order + forked
         if self.drafter is not None:
             self.drafter.prefill(order)
-        toks = self.sampler.sample(torch.cat(logits, 0), order).tolist()
+        self.sampler.start(order)
+        sb = self.sampler.batch(order)
+        toks = self.sampler.sample(logits, order, sb)
+        lps = self._logprobs_host(logits, toks, sb)
         for s in order:
             s.mode = self.cache.mode_of(s.slot)
             s.num_steps += 1
-        return [(s, [t]) for s, t in zip(order, toks)]
+        return [(s, [t], None if lps is None else [lps[b]]) for b, (s, t) in enumerate(zip(order, toks.tolist()))]
 
-    def _decode(self, seqs: list[Sequence], reserve: bool = True) -> list[tuple[Sequence, list[int]]]:
+    def _decode(self, seqs: list[Sequence], reserve: bool = True) -> list[Step]:
         if reserve:
             seqs = self.blocks.reserve_tokens(seqs, 1)
             if not seqs:
                 return []
         toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
         logits = self.runner.decode([s.slot for s in seqs], toks)
-        out = self.sampler.sample(logits, seqs).tolist()
+        sb = None if all(_plain(s.params) for s in seqs) else self.sampler.batch(seqs)  # plain: argmax
+        out = self.sampler.sample(logits, seqs, sb)
+        lps = self._logprobs_host(logits, out, sb)
         for s in seqs:
             s.num_steps += 1
-        return [(s, [t]) for s, t in zip(seqs, out)]
+        return [(s, [t], None if lps is None else [lps[b]]) for b, (s, t) in enumerate(zip(seqs, out.tolist()))]
 
-    def _speculate(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+    @staticmethod
+    def _logprobs_host(logits: Tensor, toks: Tensor, sb) -> list | None:
+        """Per row ``(logprob of the sampled token, [(id, logprob), ...] top alternatives)``."""
+        if sb is None or sb.logprobs < 0:
+            return None
+        chosen, vals, idx = token_logprobs(logits, toks, sb.logprobs)
+        return _lp_rows(chosen.tolist(), vals.tolist(), idx.tolist())
+
+    def _speculate(self, seqs: list[Sequence]) -> list[Step]:
         seqs = self.blocks.reserve_tokens(seqs, self.config.max_new)
         if not seqs:
             return []
@@ -359,11 +425,11 @@ class LLMEngine:
                 s.accepted_lengths.append(1)
             return out
         slots = [s.slot for s in seqs]
-        greedy = all(s.params.greedy for s in seqs)
+        greedy = all(_plain(s.params) for s in seqs)   # the fast greedy step
         if prop.tree and self._tree_needs_state:
             self.blocks.switch_to_state([s for s in seqs if s.mode == "kv"])
         try:
-            accepted, bonus, path = self._verify_accept_commit(seqs, slots, prop, greedy)
+            accepted, bonus, path, lps = self._verify_accept_commit(seqs, slots, prop, greedy)
         except NotImplementedError as e:
             # the model has no KV-only tree verify (it raises before touching the cache):
             # give these requests a state (exact: one flush) and verify in replay form
@@ -373,16 +439,20 @@ class LLMEngine:
             warnings.warn(f"tree speculation: KV-only slots switched to state form ({e})", stacklevel=2)
             self._tree_needs_state = True
             self.blocks.switch_to_state(kv)
-            accepted, bonus, path = self._verify_accept_commit(seqs, slots, prop, greedy)
+            accepted, bonus, path, lps = self._verify_accept_commit(seqs, slots, prop, greedy)
         # the step's one host sync: everything the host needs in one transfer
         N = prop.tokens.shape[1]
         parts = [accepted[:, None], bonus[:, None], prop.num_drafts[:, None], prop.tokens]
         if path is not None:
             parts.append(path)
         host = torch.cat([x.long() for x in parts], 1).tolist()
+        lp_rows = None
+        if lps is not None:
+            chosen, vals, idx = (x.tolist() for x in lps)
+            lp_rows = [_lp_rows(c, v, i) for c, v, i in zip(chosen, vals, idx)]
         self.drafter.accepted(seqs, [r[0] for r in host], path)
         out = []
-        for s, row in zip(seqs, host):
+        for b, (s, row) in enumerate(zip(seqs, host)):
             a, bonus_b, ndraft, toks = row[0], row[1], row[2], row[3:3 + N]
             nodes = row[3 + N:3 + N + a][1:] if path is not None else range(1, a)
             s.num_steps += 1
@@ -390,46 +460,60 @@ class LLMEngine:
             s.num_drafted += ndraft
             s.num_accepted_drafts += a - 1
             s.accepted_lengths.append(a)
-            out.append((s, [toks[i] for i in nodes] + [bonus_b]))
+            out.append((s, [toks[i] for i in nodes] + [bonus_b], None if lp_rows is None else lp_rows[b][:a]))
         return out
 
     def _verify_accept_commit(self, seqs, slots, prop, greedy: bool):
-        if greedy:  # one device-side step (a CUDA graph when enabled)
-            return self.runner.greedy_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree)
-        if prop.tree:
-            logits = self.runner.verify_tree(slots, prop.tokens, prop.parent)
-        else:
-            logits = self.runner.verify(slots, prop.tokens)
-        p = self.sampler.probs(logits, seqs)
+        """One device-side step (a CUDA graph when enabled): verify, accept, commit.
+        Returns ``(accepted, bonus, path, logprobs | None)``."""
+        if greedy:
+            return (*self.runner.greedy_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree), None)
+        sb = self.sampler.batch(seqs)
         u = self.sampler.uniforms(seqs, prop.tokens.shape[1] + 1)
-        accepted, leaf, bonus = accept_tree(p, prop.tokens, prop.parent, prop.valid, prop.q, u)
-        path = None
-        if prop.tree:
-            path, _ = path_to(prop.parent, leaf)
-            self.runner.commit(accepted, path)
-        else:
-            self.runner.commit(accepted)
-        return accepted, bonus, path
+        return self.runner.sampled_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree, prop.q, sb, u)
 
     # -- postprocessing ---------------------------------------------------------------------
-    def _append(self, s: Sequence, toks: list[int]) -> None:
-        """Append sampled tokens until a stop criterion (EOS, stop ids, length, stop text)."""
+    def _append(self, s: Sequence, toks: list[int], lps: list | None = None) -> None:
+        """Append accepted tokens until one ends the request (EOS, a stop token, the length
+        limit, or a stop string completed in the incrementally decoded text: the text is cut
+        before the stop string and later tokens of the step are dropped)."""
         p = s.params
         cap = s.token_cap if s.token_cap is not None else self.scheduler.token_limit
         eos = self.eos_token_id
+        kept = 0
         for t in toks:
-            s.output_ids.append(int(t))
+            t = int(t)
+            s.output_ids.append(t)
+            if s.logprobs is not None and lps is not None and kept < len(lps):
+                s.logprobs.append(lps[kept])
+            kept += 1
             self.stats["generated"] += 1
             is_eos = eos is not None and (t in eos if isinstance(eos, (list, tuple, set)) else t == eos)
             if t in p.stop_token_ids or (is_eos and not p.ignore_eos):
                 s.finish_reason = "stop"
-            elif len(s.output_ids) >= p.max_tokens or s.num_tokens >= cap:
+            elif s.detok is not None:
+                piece = s.detok.push(t)
+                cut = find_stop(s.detok.text, len(piece), p.stop)
+                if cut is not None:
+                    s.stop_text_cut = cut
+                    s.detok.text = s.detok.text[:cut]
+                    s.finish_reason = "stop"
+            if s.finish_reason is None and (len(s.output_ids) >= p.max_tokens or s.num_tokens >= cap):
                 s.finish_reason = "length"
             if s.finish_reason is not None:
                 break
-        if p.stop and self.tokenizer is not None and s.finish_reason in (None, "length"):
-            text = self.tokenizer.decode(s.output_ids)
-            hits = [text.find(x) for x in p.stop if x in text]
-            if hits:
-                s.stop_text_cut = min(hits)
-                s.finish_reason = "stop"
+        self.sampler.observe(s, toks[:kept])
+
+
+#: one sequence's result of a step: (sequence, new tokens, per-token logprobs or None)
+Step = tuple
+
+
+def _plain(p: SamplingParams) -> bool:
+    """Greedy with no penalties and no logprobs: the argmax fast path."""
+    return p.greedy and not p.penalized and p.logprobs is None
+
+
+def _lp_rows(chosen: list, vals: list, idx: list) -> list:
+    """Host lists -> ``[(logprob, [(token id, logprob), ...]), ...]``."""
+    return [(c, list(zip(i, v))) for c, v, i in zip(chosen, vals, idx)]

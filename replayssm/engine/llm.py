@@ -34,14 +34,22 @@ class LLM(LLMEngine):
             self.encode(p)
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         bar = tqdm(total=len(seqs), desc="generate", unit="req") if use_tqdm else None
-        mine = {id(s) for s in seqs}
+        done = 0
         while self.has_unfinished():
-            _, finished = self._step()
+            self._step()
             if bar is not None:
-                bar.update(sum(id(s) in mine for s in finished))
+                n = sum(all(m.is_finished for m in s.group) for s in seqs)
+                bar.update(n - done)
+                done = n
         if bar is not None:
             bar.close()
-        return [self.output(s) for s in seqs]
+        outs = []
+        for s in seqs:
+            out = self.output(s)
+            if len(s.group) > 1:
+                out.samples = [self.output(m) for m in s.group]
+            outs.append(out)
+        return outs
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[list[int]]:
         """Generate one request, yielding lists of new token ids as they are accepted

@@ -71,12 +71,15 @@ class Scheduler:
                 continue
             if not self.blocks.can_allocate(adm):
                 break  # wait for running sequences to finish (FCFS: no overtaking)
-            if batch.prefill and tokens + seq.num_prompt_tokens > self.max_prefill_tokens:
+            if seq.index == 0 and len(seq.group) > len(self.free_slots):
+                break  # the n samples of a request start together (one shared prefill)
+            shared = seq.index > 0 and any(seq.group[0] is s for s in batch.prefill)   # prefilled with sample 0
+            if batch.prefill and not shared and tokens + seq.num_prompt_tokens > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq, adm)
             seq.status = SequenceStatus.RUNNING
-            tokens += seq.num_prompt_tokens
+            tokens += 0 if shared else seq.num_prompt_tokens
             batch.prefill.append(seq)
             self.running.append(seq)
         self.peak_running = max(self.peak_running, len(self.running))

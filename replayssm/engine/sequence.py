@@ -39,7 +39,6 @@ class Sequence:
         self.error: str | None = None
         self.reserved_bytes = 0
         self.generator: torch.Generator | None = None
-        self.text_len = 0                   # chars of decoded text already checked for stops
         self.stop_text_cut: int | None = None
         # speculation statistics
         self.num_steps = 0                  # forward steps that produced tokens for this seq
@@ -51,6 +50,12 @@ class Sequence:
         self.token_cap: int | None = None   # total-token limit set at admission (budget)
         # draft-model drafters: tokens of all_ids already in the draft model's cache
         self.draft_cached = 0
+        # n samples of one request: the group shares a prompt (one prefill, then a cache fork)
+        self.group_id = self.request_id     # the request's id (samples: the first one's)
+        self.index = 0                      # sample index within the group
+        self.group: list[Sequence] = [self]
+        self.detok = None                   # engine.detokenizer.Detokenizer (string output)
+        self.logprobs: list | None = [] if params.logprobs is not None else None
 
     # -- token views ---------------------------------------------------------------------
     @property

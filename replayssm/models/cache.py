@@ -217,6 +217,68 @@ class ModelCache:
         if self.pidx is not None:
             self.kv_slot[t] = True
 
+    def fork(self, src: int, dst) -> None:
+        """Copy slot ``src``'s sequence into every slot of ``dst`` (``n`` samples of one
+        prompt share its prefill): every per-slot tensor — checkpoint states, rings, conv
+        windows, attention KV — the KV-only pages (``dst`` slots get blocks of their own),
+        ``seq_len``, ring pointers, paged lengths and the slot's form.  Between steps only;
+        ``dst`` slots must be free.  Validated before anything is written
+        (:class:`~replayssm.cache.paged.PoolExhausted` when the block pool is too small)."""
+        self._check_idle()
+        src = int(src)
+        dsts = _as_list(dst)
+        if not 0 < src < self.P or src not in self._in_use:
+            raise ValueError(f"fork source must be a slot in use in [1, {self.P - 1}], got {src}")
+        if len(set(dsts)) != len(dsts) or any(not 0 < d < self.P or d == src or d in self._in_use for d in dsts):
+            raise ValueError(f"fork targets must be distinct free slots in [1, {self.P - 1}] other than "
+                             f"{src}, got {dsts}")
+        if not dsts:
+            return
+        kv = self.pidx is not None and self._modes[src] == "kv"
+        rows_src = rows_dst = None
+        if kv:
+            n = int(self.pidx.length[src])
+            need = self.pidx.blocks_needed(n)               # blocks holding entries (copied)
+            held = self.pidx.num_allocated(src)             # each copy gets as many as the source
+            extra = sum(max(0, held - self.pidx.num_allocated(d)) for d in dsts)
+            if extra > self.pidx.free_blocks:
+                from ..cache.paged import PoolExhausted
+
+                raise PoolExhausted(f"fork of slot {src}: {len(dsts)} copies of its {held} blocks need {extra} "
+                                    f"more, only {self.pidx.free_blocks} are free")
+            for d in dsts:
+                self.pidx.reserve(d, held * self.kv_block_size)
+            bs = self.kv_block_size
+            off = torch.arange(bs)
+            src_blocks = torch.tensor(self.pidx.blocks_of(src)[:need], dtype=torch.long)
+            rows_src = (src_blocks[:, None] * bs + off).reshape(-1).repeat(len(dsts))
+            rows_dst = torch.cat([(torch.tensor(self.pidx.blocks_of(d)[:need], dtype=torch.long)[:, None] * bs
+                                   + off).reshape(-1) for d in dsts])
+            rows_src, rows_dst = rows_src.to(self.device), rows_dst.to(self.device)
+        d_t = torch.tensor(dsts, dtype=torch.long, device=self.device)
+        for store in self.layers.values():
+            for key, v in store.items():
+                if v is None:
+                    continue
+                if isinstance(v, Tensor):          # attention k / v [P, S, ...]
+                    v[d_t] = v[src].clone()
+                    continue
+                for t in vars(v).values():
+                    if not isinstance(t, Tensor):
+                        continue
+                    if key == "kv":                # paged pools [blocks * block_size, ...]
+                        if kv:
+                            t[rows_dst] = t[rows_src]
+                    else:                          # checkpoint state, ring, conv window [P, ...]
+                        t[d_t] = t[src].clone()
+        for t in (self.seq_len, self.ring.start, self.ring.length, self.kv_slot):
+            t[d_t] = t[src].clone()
+        if self.pidx is not None:
+            self.pidx.length[d_t] = self.pidx.length[src].clone() if kv else 0
+        for d in dsts:
+            self._modes[d] = self._modes[src]
+            self._in_use.add(d)
+
     def switch_to_state(self, slots) -> None:
         """KV-only slots -> replay form: compress each layer's KV entries into its checkpoint
         state (one flush, ``kv_to_state``), empty the ring, free the slot's blocks."""
