@@ -17,8 +17,10 @@ from typing import Iterator
 
 import torch
 
-from ..runtime import canonical_device
+from ..runtime import check_device
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
+from .inputs import encode_prompt, prompt_list
+from .limits import cache_bytes, check_cache_fits
 from .memory import MemoryModel, default_auto_threshold, fmt_bytes, memory_model
 from .model_runner import ModelRunner
 from .sampler import Sampler, accept_tree
@@ -99,7 +101,7 @@ class LLM:
     """
 
     def __init__(self, model, device="cpu", dtype="float32", decode_mode: str = "replay",
-                 buffer_size: int = 16, speculative: SpeculativeConfig | None = None,
+                 buffer_size: int | None = None, speculative: SpeculativeConfig | None = None,
                  max_num_seqs: int = 16, memory_budget: int | None = None, max_seq_len: int = 2048,
                  kv_block_size: int = 16, auto_threshold: int | None = None, cuda_graphs: bool = False,
                  seed: int = 0, tokenizer=None, pad_batches: bool = False,
@@ -109,12 +111,9 @@ class LLM:
                                    kv_block_size=kv_block_size, auto_threshold=auto_threshold,
                                    speculative=speculative, cuda_graphs=cuda_graphs, seed=seed,
                                    max_prefill_tokens=max_prefill_tokens)
-        self.device = torch.device(device)
+        # validated, as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu")
+        self.device = check_device(device)
         self.dtype = parse_dtype(dtype)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' requested but CUDA is not available")
-        # as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu"): compare equal
-        self.device = canonical_device(self.device)
         if _is_model(model):
             self.model, self.tokenizer = model, tokenizer
             if isinstance(getattr(model, "dtype", None), torch.dtype):
@@ -167,6 +166,8 @@ class LLM:
                 # absorbs rounding to whole blocks
                 budget_blocks = ec.memory_budget // (self.memory.kv_entry_bytes * ec.kv_block_size) + num_slots
                 kv_blocks = max(blocks_per_seq, min(kv_blocks, budget_blocks))
+        check_cache_fits(cache_bytes(self.memory, num_slots, ec.max_seq_len, ec.decode_mode, ec.kv_block_size,
+                                     kv_blocks), self.device, num_slots, ec.max_seq_len)
         self.cache = self.model.make_cache(num_slots + 1, mode=cache_mode, buffer_size=ec.buffer_size, max_new=T,
                                            max_seq_len=ec.max_seq_len, kv_block_size=ec.kv_block_size,
                                            kv_num_blocks=kv_blocks, device=self.device)
@@ -223,24 +224,8 @@ class LLM:
 
     # -- requests -------------------------------------------------------------------------
     def encode(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer (tokenizer.json in the model directory); "
-                                 "pass token id lists instead")
-            ids = self.tokenizer.encode(prompt).ids
-            text = prompt
-        else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
-            text = None
-        if not ids:
-            raise ValueError("empty prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        return text, ids
+        """``(text or None, token ids)`` of a prompt, validated (:mod:`replayssm.engine.inputs`)."""
+        return encode_prompt(prompt, self.tokenizer, self.vocab_size)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None) -> Sequence:
         """Queue one request (validated first: a bad one raises ``ValueError`` and queues
@@ -278,18 +263,25 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Run ``prompts`` (one prompt or a list) to completion; one output per prompt, in order.
+        A prompt that fails validation gets an output with ``finish_reason="error"`` and the
+        message in ``error``, and the others run; bad arguments of the call itself raise."""
+        prompts = prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
-        encoded = [self.encode(p) for p in prompts]  # validate everything before queueing
-        del encoded
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        for sp in params:
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
+        seqs = []
+        for p, sp in zip(prompts, params):
+            try:
+                seqs.append(self.add_request(p, sp))
+            except ValueError as e:  # this request fails alone
+                seqs.append(Sequence.failed(sp, str(e), p if isinstance(p, str) else None))
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm

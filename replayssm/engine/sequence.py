@@ -52,6 +52,17 @@ class Sequence:
         # draft-model drafters: tokens of all_ids already in the draft model's cache
         self.draft_cached = 0
 
+    @classmethod
+    def failed(cls, params: SamplingParams, error: str, prompt_text: str | None = None) -> "Sequence":
+        """A request refused before it was queued (e.g. an invalid prompt): finished, with
+        ``finish_reason="error"`` and the reason in ``error``; it never holds a slot."""
+        seq = cls([], params)
+        seq.status = SequenceStatus.REJECTED
+        seq.finish_reason = "error"
+        seq.error = error
+        seq.prompt_text = prompt_text
+        return seq
+
     # -- token views ---------------------------------------------------------------------
     @property
     def all_ids(self) -> list[int]:
