@@ -148,9 +148,9 @@ def load_model(path: str, device="cpu", dtype="float32"):
     tdtype = parse_dtype(dtype)
     device = check_device(device)
     cfg = read_config(path)
-    cls = _model_class(cfg)
     key_file = _weight_files(path)
     check_sizes(cfg, key_file, os.path.join(path, "config.json"))  # before any module is built
+    cls = _model_class(cfg)
     if cfg.tie_word_embeddings and "lm_head.weight" in key_file:
         # an explicit head wins (transformers does not tie Nemotron-H, for instance)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
