@@ -107,7 +107,9 @@ class SpeculativeConfig:
     ``num_tokens`` is the chain length (linear methods) and, for trees without an explicit
     shape, the depth.  The verifier sees ``num_tokens + 1`` inputs per step (the last
     accepted token plus the drafts), so the replay buffer must hold
-    ``buffer_size >= 2 * (num_tokens + 1)`` (trees: ``2 * (nodes + 1)``).
+    ``buffer_size >= 2 * (num_tokens + 1)`` (trees: ``2 * (nodes + 1)``); left unset, the
+    engine picks that (or 16 if larger).  At most ``MAX_VERIFY_TOKENS - 1`` (127) draft
+    tokens per step: larger chains or trees (``tree_width x depth``) raise ``ValueError``.
     """
 
     method: str = "ngram"
