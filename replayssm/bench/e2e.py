@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..argtypes import int_list, positive_float, positive_int, probability
+
 PRESETS = {
     # name: Mamba2Config kwargs (random weights)
     "tiny": dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
@@ -274,19 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--batch-sizes", default="1,4,16,64,256,512")
+    p.add_argument("--batch-sizes", type=int_list, default="1,4,16,64,256,512")
     p.add_argument("--modes", default="recurrent,replay", help="decode modes for the throughput sweep")
-    p.add_argument("--spec-batch-sizes", default="1,16,64")
+    p.add_argument("--spec-batch-sizes", type=int_list, default="1,16,64")
     p.add_argument("--spec-method", default=None, choices=["oracle", "ngram", "draft", "tree"],
                    help="default: oracle for random weights (known continuation, --oracle-accept), else ngram")
-    p.add_argument("--oracle-accept", type=float, default=1.0, help="oracle: probability each draft is right")
+    p.add_argument("--oracle-accept", type=probability, default=1.0, help="oracle: probability each draft is right")
     p.add_argument("--draft-model", default=None)
-    p.add_argument("--num-tokens", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-seq-len", type=int, default=None, help="default: prompt + max tokens + margin")
-    p.add_argument("--buffer-size", type=int, default=16)
-    p.add_argument("--memory-budget", type=float, default=None, help="bytes (default: 64 replay sequences)")
+    p.add_argument("--num-tokens", type=positive_int, default=4)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--max-seq-len", type=positive_int, default=None, help="default: prompt + max tokens + margin")
+    p.add_argument("--buffer-size", type=positive_int, default=16)
+    p.add_argument("--memory-budget", type=positive_float, default=None, help="bytes (default: 64 replay sequences)")
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--out", default="out/bench_e2e")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (< 30 s) for CI")
@@ -400,7 +402,13 @@ def main(argv: list[str] | None = None) -> int:
         summ["concurrency_replay_spec_vs_snapshot"] = c.get("replay+spec", 0) / c["snapshot+spec"]
     res["summary"] = summ
     (out / "e2e.json").write_text(json.dumps(res, indent=1, default=str))
-    files = [] if args.no_plots else _plots(res, out)
+    files = []
+    if not args.no_plots:
+        try:
+            files = _plots(res, out)
+        except ImportError:
+            print("replayssm bench e2e: plots skipped: matplotlib is not installed "
+                  "(pip install 'replayssm[bench]')", file=sys.stderr)
     print(f"model: {desc}; device {res['config']['device_name']}; dtype {args.dtype}")
     print(f"{'kind':<12}{'mode':<11}{'batch':>6}{'tok/s':>11}{'decode tok/s':>14}{'acc len':>9}")
     for kind in ("throughput", "speculative"):

@@ -33,6 +33,7 @@ import types
 
 import torch
 
+from ..argtypes import int_list
 from ..cache.buffers import GDNBuffers, Mamba2Buffers
 from ..cache.ring import RingIndex
 
@@ -792,8 +793,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="replayssm bench kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run (CI): interpreter or naive ops")
     ap.add_argument("--out", default=None, help="output folder (default out/bench_kernels, or $OUT)")
-    ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
-    ap.add_argument("--buffers", default=None, help="comma-separated buffer sizes")
+    ap.add_argument("--batches", type=int_list, default=None, help="comma-separated batch sizes")
+    ap.add_argument("--buffers", type=int_list, default=None, help="comma-separated buffer sizes")
     ap.add_argument("--peers", default=None, help="folder holding mamba_ssm/ and fla/ (default .peers)")
     ap.add_argument("--verify-precision", default="ieee", help="tl.dot precision in verify kernels")
     ap.add_argument("--gdn-verify-route", default=None, help="state | output (default: decode's best)")

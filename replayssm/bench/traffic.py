@@ -26,6 +26,8 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from ..argtypes import positive_int
+
 
 @dataclass(frozen=True)
 class HeadShape:
@@ -204,12 +206,12 @@ DEFAULT_SHAPES = {
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="replayssm traffic", description=__doc__.split("\n\n")[0])
-    p.add_argument("--d", type=int, help="value dim (head_dim / V); with --n, report one custom shape")
-    p.add_argument("--n", type=int, help="key dim (d_state / K)")
-    p.add_argument("--state-bytes", type=int, default=4)
-    p.add_argument("--vec-bytes", type=int, default=2)
-    p.add_argument("--key-share", type=int, default=1)
-    p.add_argument("--buffer-size", type=int, default=None, help="L (default: best integer)")
+    p.add_argument("--d", type=positive_int, help="value dim (head_dim / V); with --n, report one custom shape")
+    p.add_argument("--n", type=positive_int, help="key dim (d_state / K)")
+    p.add_argument("--state-bytes", type=positive_int, default=4)
+    p.add_argument("--vec-bytes", type=positive_int, default=2)
+    p.add_argument("--key-share", type=positive_int, default=1)
+    p.add_argument("--buffer-size", type=positive_int, default=None, help="L (default: best integer)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     a = p.parse_args(argv)
     if (a.d is None) != (a.n is None):

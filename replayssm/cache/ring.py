@@ -118,12 +118,12 @@ def write_new(buf: Tensor, plan: StepPlan, values: Tensor) -> None:
     buf[plan.slot[:, None], plan.new_positions()] = values.to(buf.dtype)
 
 
-def check_speculative_capacity(buffer_size: int, num_new: int, what: str = "new entries") -> None:
+def check_speculative_capacity(buffer_size: int, num_new: int, what: str = "new entries", hint: str = "") -> None:
     """Speculation needs a ring of ``L >= 2T``: a step flushes early (``h + 2T > L``) so the
     next one always has ``T`` free slots.  Raises ``ValueError`` naming both numbers."""
     if num_new > 1 and buffer_size < 2 * num_new:
-        raise ValueError(f"buffer_size {buffer_size} < 2 * {num_new} {what}: speculation needs a ring of "
-                         f"L >= 2T so every step has T free slots")
+        raise ValueError(f"buffer_size {buffer_size} < 2 * {what} = {2 * num_new}: speculation needs a ring "
+                         f"of L >= 2T so every step has T free slots{hint}")
 
 
 class RingIndex:
@@ -174,7 +174,7 @@ class RingIndex:
             raise ValueError(f"kind must be 'verify' or 'tree', got {kind!r}")
         if not isinstance(num_new, int) or num_new < 1:
             raise ValueError(f"number of new entries must be a positive int, got {num_new!r}")
-        check_speculative_capacity(self.capacity, num_new)
+        check_speculative_capacity(self.capacity, num_new, f"{num_new} new entries")
         slots = self._check_slots(slots)
         start, hist = self.start[slots], self.length[slots]
         flush = (hist + 2 * num_new) > self.capacity

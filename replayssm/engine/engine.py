@@ -22,11 +22,13 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..runtime import canonical_device
+from ..runtime import check_device
 from . import speculative as spec
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
 from .detokenizer import Detokenizer, find_stop
+from .inputs import encode_prompt
+from .limits import cache_bytes, check_cache_fits
 from .loading import is_model, load, parse_dtype
 from .memory import MemoryModel, default_auto_threshold, fmt_bytes, memory_model
 from .model_runner import ModelRunner
@@ -55,7 +57,7 @@ class LLMEngine:
     """
 
     def __init__(self, model, device="cpu", dtype="float32", decode_mode: str = "replay",
-                 buffer_size: int = 16, speculative: SpeculativeConfig | None = None,
+                 buffer_size: int | None = None, speculative: SpeculativeConfig | None = None,
                  max_num_seqs: int = 16, memory_budget: int | None = None, max_seq_len: int = 2048,
                  kv_block_size: int = 16, auto_threshold: int | None = None, cuda_graphs: bool = False,
                  seed: int = 0, tokenizer=None, pad_batches: bool = False,
@@ -65,12 +67,9 @@ class LLMEngine:
             memory_budget=memory_budget, max_seq_len=max_seq_len, kv_block_size=kv_block_size,
             auto_threshold=auto_threshold, speculative=speculative, cuda_graphs=cuda_graphs, seed=seed,
             max_prefill_tokens=max_prefill_tokens)
-        self.device = torch.device(device)
+        # validated, as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu")
+        self.device = check_device(device)
         self.dtype = parse_dtype(dtype)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' requested but CUDA is not available")
-        # as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu"): compare equal
-        self.device = canonical_device(self.device)
         if is_model(model):
             self.model, self.tokenizer = model, tokenizer
             if isinstance(getattr(model, "dtype", None), torch.dtype):
@@ -102,9 +101,12 @@ class LLMEngine:
             free, _ = torch.cuda.mem_get_info(self.device)
             ec.memory_budget = int(free * gpu_memory_utilization)
         self.num_slots = self._plan_slots()
+        kv_blocks = self._plan_kv_blocks()
+        check_cache_fits(cache_bytes(self.layout, draft_layout, self.num_slots, kv_blocks), self.device,
+                         self.num_slots, ec.max_seq_len)
         self.cache = self.model.make_cache(self.num_slots + 1, mode=ec.cache_mode, buffer_size=ec.buffer_size,
                                            max_new=T, max_seq_len=ec.max_seq_len, kv_block_size=ec.kv_block_size,
-                                           kv_num_blocks=self._plan_kv_blocks(), device=self.device)
+                                           kv_num_blocks=kv_blocks, device=self.device)
         self.runner = ModelRunner(self.model, self.cache, self.device, self.num_slots, cuda_graphs=cuda_graphs,
                                   pad_batches=pad_batches)
         self.sampler = Sampler(self.device, seed, num_slots=self.num_slots + 1, vocab_size=self.vocab_size)
@@ -191,25 +193,8 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
     def encode(self, prompt) -> tuple[str | None, list[int]]:
-        """``(text | None, token ids)`` of a prompt (a string or a list of ids), validated."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer (tokenizer.json in the model directory); "
-                                 "pass token id lists instead")
-            ids = self.tokenizer.encode(prompt).ids
-            text = prompt
-        else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
-            text = None
-        if not ids:
-            raise ValueError("empty prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        return text, ids
+        """``(text or None, token ids)`` of a prompt, validated (:mod:`replayssm.engine.inputs`)."""
+        return encode_prompt(prompt, self.tokenizer, self.vocab_size)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None) -> Sequence:
         """Queue one request (validated first: a bad one raises ``ValueError`` and queues

@@ -1,4 +1,4 @@
-"""Turning user arguments into a model: dtype names, model directories or loaded models."""
+"""Turning user arguments into a model: model directories or loaded models (and dtype names)."""
 
 from __future__ import annotations
 
@@ -7,23 +7,8 @@ import os
 import torch
 
 from ..models import load_model, load_tokenizer
+from ..models.loader import parse_dtype  # noqa: F401  (the engine's dtype names)
 from .protocols import CachedModel
-
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
-
-
-def parse_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))} or a torch.dtype, got {dtype!r}")
-
 
 def is_model(obj) -> bool:
     """Whether ``obj`` is an already loaded model (implements :class:`CachedModel`)."""

@@ -57,6 +57,17 @@ class Sequence:
         self.detok = None                   # engine.detokenizer.Detokenizer (string output)
         self.logprobs: list | None = [] if params.logprobs is not None else None
 
+    @classmethod
+    def failed(cls, params: SamplingParams, error: str, prompt_text: str | None = None) -> "Sequence":
+        """A request refused before it was queued (e.g. an invalid prompt): finished, with
+        ``finish_reason="error"`` and the reason in ``error``; it never holds a slot."""
+        seq = cls([], params)
+        seq.status = SequenceStatus.REJECTED
+        seq.finish_reason = "error"
+        seq.error = error
+        seq.prompt_text = prompt_text
+        return seq
+
     # -- token views ---------------------------------------------------------------------
     @property
     def all_ids(self) -> list[int]:

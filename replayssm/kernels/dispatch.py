@@ -53,8 +53,10 @@ ROUTED = {
 }
 #: ops (and helpers) that run the reference on every device, per family
 REFERENCE_ONLY = {
-    "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state"),
-    "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state"),
+    "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
+               "kv_tree_verify"),
+    "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
+            "kv_tree_verify"),
     "conv": ("conv_prefill", "conv_tree", "conv_commit_tree"),
 }
 

@@ -28,7 +28,7 @@ from .ssm_base import SSMLayer
 
 #: ops whose q/k are l2-normalised inside (HF/fla ``use_qk_l2norm_in_kernel``)
 _QK_NORM_OPS = ("recurrent_step", "replay_decode", "replay_verify", "tree_verify", "snapshot_verify",
-                "kv_verify", "chunked_prefill")
+                "kv_verify", "kv_tree_verify", "chunked_prefill")
 
 
 def reorder_qkvz(w: Tensor, H: int, HV: int, K: int, V: int) -> Tensor:

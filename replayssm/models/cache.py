@@ -96,7 +96,7 @@ class ModelCache:
         uses_ring = any(f.uses_ring for f in forms)
         uses_pages = any(f.uses_pages for f in forms)
         if uses_ring:
-            check_speculative_capacity(buffer_size, max_new, "tokens verified per step (max_new)")
+            check_speculative_capacity(buffer_size, max_new, "max_new")
         self.model = model
         self.num_slots, self.mode, self.buffer_size = num_slots, mode, buffer_size
         self.max_new, self.max_seq_len, self.kv_block_size = max_new, max_seq_len, kv_block_size

@@ -142,7 +142,7 @@ def kernel_calls(monkeypatch):
 
 EXPECTED = {  # kernels each mode must reach
     "replay": {"replay_decode", "replay_verify", "tree_verify"},
-    "kv": {"kv_verify", "tree_verify", "replay_decode", "replay_verify"},   # tree: temp ring; mixed rows
+    "kv": {"kv_verify", "replay_decode", "replay_verify"},   # mixed rows; KV trees: kv_tree_verify (reference)
     "recurrent": {"recurrent_step", "snapshot_verify"},
 }
 
@@ -258,7 +258,9 @@ def test_every_op_is_routed_or_declared_reference_only():
         assert not routed & ref, fam
         assert routed | ref == set(naive.__all__), f"{fam}: unclassified {set(naive.__all__) - routed - ref}"
     assert dispatch.REFERENCE_ONLY == {
-        "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state"),
-        "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state"),
+        "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
+                   "kv_tree_verify"),
+        "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
+                "kv_tree_verify"),
         "conv": ("conv_prefill", "conv_tree", "conv_commit_tree"),
     }

@@ -14,7 +14,8 @@ Every form below computes the same numbers as :func:`recurrent_scan` up to round
 * ``replay_decode``: Alg. 6 from a checkpoint ``S0`` and a ring of ``(u, k, g)``.
 * ``replay_verify`` / ``tree_verify``: Alg. 8, T drafts (or a tree of N nodes) in one solve.
 * ``snapshot_verify`` / ``snapshot_commit``: the serial one-state-per-draft baseline.
-* ``kv_verify`` / ``kv_to_state``: KV-only form (``S0 = 0``) over paged buffers.
+* ``kv_verify`` / ``kv_tree_verify`` / ``kv_to_state``: KV-only form (``S0 = 0``) over the
+  paged blocks a row holds (linear in the held context, see the KV-only section).
 
 Decays are always ``exp`` of segment sums of log-decays (never ratios of cumulative
 products).  Math runs in the state dtype (at least fp32); ``y`` is returned in ``v``'s
@@ -49,6 +50,7 @@ __all__ = [
     "snapshot_commit",
     "tree_verify",
     "kv_verify",
+    "kv_tree_verify",
     "kv_to_state",
 ]
 
@@ -520,6 +522,18 @@ def snapshot_commit(state: Tensor, slot: Tensor, snapshots: Tensor, accepted: Te
 
 
 # ---------------------------------------------------------------------------- KV-only (paged)
+# The KV-only form keeps every entry since the start in paged blocks (``S0 = 0``).  The ops
+# walk the blocks a batch actually holds, a run of whole blocks at a time
+# (:mod:`replayssm.ops.kv_blocks`), so memory and time follow the held context:
+#
+# * up to ``KV_CHUNK`` new tokens (decode, verify, trees): the history readouts
+#   ``S_n k_t`` / ``S_n q_t`` are sums over the held entries, run by run, and the new
+#   tokens are one triangular solve under their chain / tree mask;
+# * more new tokens (a prefill): the history is folded into a state run by run and the new
+#   tokens run the chunked WY/UT scan from it, keeping each token's correction ``u``.
+KV_CHUNK = 64
+
+
 def _check_kv(kv, pplan, dims, device, check: bool):
     paged = paged_module()
     Bt, T, H, HV, K, V = dims
@@ -547,21 +561,90 @@ def _check_kv(kv, pplan, dims, device, check: bool):
         check_kv_lengths(pplan, T)
 
 
-def _kv_history(kv, pplan, cdt):
-    """Committed paged entries, masked: ``u``, ``k``, weights ``w_j = e^{pre_n−pre_j}``, ``pre_n``."""
+def _kv_run(kv, pos: Tensor, valid: Tensor, cdt):
+    """One run of held entries, masked (zeros where not ``valid``): ``u [Bt,E,HV,V]``,
+    ``k [Bt,E,H,K]`` and the log-decays ``g [Bt,E,HV]``."""
+    zero = torch.zeros((), dtype=cdt, device=pos.device)
+    u = torch.where(valid[:, :, None, None], kv.u[pos].to(cdt), zero)
+    k = torch.where(valid[:, :, None, None], kv.k[pos].to(cdt), zero)
+    g = torch.where(valid[:, :, None], kv.g[pos].to(cdt), zero)
+    return u, k, g
+
+
+def _kv_fold(kv, pplan, cdt) -> Tensor:
+    """``S_n = Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``, run by run:
+    ``S ← e^{Σ_run g} S + Σ_{j∈run} e^{Σ_{v>j in run} g_v} k_j ⊗ u_j``."""
+    from ..kv_blocks import runs, suffix_after
+
+    Bt = pplan.batch
+    HV, V = kv.u.shape[1:]
+    H, K = kv.k.shape[1:]
+    S = torch.zeros(Bt, HV, K, V, dtype=cdt, device=kv.u.device)
+    for pos, valid in runs(pplan, Bt * (2 * HV * V + 2 * H * K + HV * K + 4 * HV)):
+        u, k, g = _kv_run(kv, pos, valid, cdt)
+        w = torch.where(valid[:, :, None], torch.exp(suffix_after(g)),
+                        torch.zeros((), dtype=cdt, device=u.device))
+        S = torch.exp(g.sum(1))[..., None, None] * S + _sum_history_state(u, k, w)
+    return S
+
+
+def _kv_readout(kv, pplan, x: Tensor, cdt) -> Tensor:
+    """History readouts ``S_n x_m = Σ_{j<n} e^{pre_n−pre_j} (k_j·x_m) u_j`` for key-head
+    vectors ``x [Bt,M,H,K]`` -> ``[Bt,M,HV,V]``, run by run (newest first, carrying the
+    log-decay of the runs already seen), without forming ``S_n``."""
+    from ..kv_blocks import runs, suffix_after
+
+    Bt, M, H, K = x.shape
+    HV, V = kv.u.shape[1:]
+    r = torch.zeros(Bt, M, HV, V, dtype=cdt, device=x.device)
+    later = torch.zeros(Bt, HV, dtype=cdt, device=x.device)
+    zero = torch.zeros((), dtype=cdt, device=x.device)
+    per_entry = Bt * (2 * HV * V + 2 * H * K + 3 * HV + M * (H + 2 * HV))
+    for pos, valid in runs(pplan, per_entry, reverse=True):
+        u, k, g = _kv_run(kv, pos, valid, cdt)
+        w = torch.where(valid[:, :, None], torch.exp(suffix_after(g) + later[:, None]), zero)
+        later = later + g.sum(1)
+        r = r + _history_readout(u, k, w, x)
+    return r
+
+
+def _kv_scan(St: Tensor, qn, kn, vc, gc, bc, chunk: int) -> tuple[Tensor, Tensor]:
+    """Chunked WY/UT scan of new tokens from state ``St`` (as :func:`chunked_prefill`),
+    keeping the corrections: returns ``U, y`` as ``[Bt,T,HV,V]``."""
+    from ..kv_blocks import suffix_after
+
+    Bt, T = qn.shape[:2]
+    Us, ys = [], []
+    for c0 in range(0, T, chunk):
+        sl = slice(c0, min(T, c0 + chunk))
+        qc, kc, vc_, gcc, bcc = qn[:, sl], kn[:, sl], vc[:, sl], gc[:, sl], bc[:, sl]
+        hk, hq = _state_readout(St, kc), _state_readout(St, qc)
+        U, y = _delta_block(hk, hq, qc, kc, vc_, gcc.cumsum(1), bcc, _chain_mask(Bt, qc.shape[1], qn.device))
+        Us.append(U)
+        ys.append(y)
+        St = torch.exp(gcc.sum(1))[..., None, None] * St + _sum_history_state(U, kc, torch.exp(suffix_after(gcc)))
+    return torch.cat(Us, 1), torch.cat(ys, 1)
+
+
+def _kv_new(kv, pplan, par, q, k, v, g, beta, scale, use_qk_l2norm, dims):
+    """Shared body of :func:`kv_verify` / :func:`kv_tree_verify` (inputs validated;
+    ``par`` None for a chain).  Writes the new ``(u, k, g)``; returns ``y`` in ``v.dtype``."""
     paged = paged_module()
-    u = paged.gather_kv(kv.u, pplan).to(cdt)
-    k = paged.gather_kv(kv.k, pplan).to(cdt)
-    g = paged.gather_kv(kv.g, pplan).to(cdt)
-    j = torch.arange(u.shape[1], device=u.device)
-    valid = j[None, :] < pplan.length[:, None]
-    zero = torch.zeros((), dtype=cdt, device=u.device)
-    u = torch.where(valid[:, :, None, None], u, zero)
-    k = torch.where(valid[:, :, None, None], k, zero)
-    g = torch.where(valid[:, :, None], g, zero)
-    tot = g.sum(1)
-    w = torch.where(valid[:, :, None], torch.exp(tot[:, None] - g.cumsum(1)), zero)
-    return u, k, w, tot
+    Bt, T = dims[:2]
+    cdt = compute_dtype(kv.g.dtype, kv.u.dtype, q.dtype, v.dtype)
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
+    if par is None and T > KV_CHUNK:
+        U, y = _kv_scan(_kv_fold(kv, pplan, cdt), qn, kn, vc, gc, bc, KV_CHUNK)
+    else:
+        M, G = _draft_mask(par, gc, Bt, T, q.device)
+        r = _kv_readout(kv, pplan, torch.cat([kn, qn], 1), cdt)
+        U, y = _delta_block(r[:, :T], r[:, T:], qn, kn, vc, G, bc, M)
+    # ---- writes (all validation done above)
+    paged.write_kv_new(kv.u, pplan, U)
+    paged.write_kv_new(kv.k, pplan, kn)
+    paged.write_kv_new(kv.g, pplan, gc)
+    return y.to(v.dtype)
 
 
 def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -574,35 +657,47 @@ def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     (n committed entries, then the T new; ``G`` = cumulative log-decay from the start):
     ``u_t = β_t (v_t − Σ_{j<t} e^{G_t−G_j} (k_j·k_t) u_j)``,
     ``y_t = Σ_{j≤t} e^{G_t−G_j} (k_j·q_t) u_j``.
-    History terms are buffer readouts; the T new tokens are one triangular solve.  Writes
+    Computed over the held blocks only (memory and time grow with the context held, not
+    with ``max_seq_len``): up to ``KV_CHUNK`` tokens, history readouts run by run and one
+    triangular solve; more, the history folded into a state and the chunked scan.  Writes
     ``(u, k, g)`` of the new tokens with ``write_kv_new``; advance with
-    ``pidx.commit(pplan, accepted)``.  Optional ``parent [Bt,T]`` / ``[T]`` makes the new
-    tokens a draft tree (ancestor mask, as :func:`tree_verify`; commit with
-    ``cache.paged.gather_path`` first).  Returns ``y [Bt,T,HV,V]``.
+    ``pidx.commit(pplan, accepted)``.  ``parent [Bt,T]`` / ``[T]`` makes the new tokens a
+    draft tree (as :func:`kv_tree_verify`).  Returns ``y [Bt,T,HV,V]``.
     Compute dtype: fp64 if the pools or the inputs are fp64, else fp32.
     """
     dims = _check_inputs(q, k, v, g, beta, True, scale)
     check = want_check(check, q)
     _check_kv(kv, pplan, dims, q.device, check)
-    Bt, T, H, HV, K, V = dims
-    par = None if parent is None else check_tree(parent, Bt, T, q.device, check)
-    paged = paged_module()
-    cdt = compute_dtype(kv.g.dtype, kv.u.dtype, q.dtype, v.dtype)
-    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
-    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
-    M, G = _draft_mask(par, gc, Bt, T, q.device)
-    u, kh, w, _ = _kv_history(kv, pplan, cdt)
-    r = _history_readout(u, kh, w, torch.cat([kn, qn], 1))
-    U, y = _delta_block(r[:, :T], r[:, T:], qn, kn, vc, G, bc, M)
-    paged.write_kv_new(kv.u, pplan, U)
-    paged.write_kv_new(kv.k, pplan, kn)
-    paged.write_kv_new(kv.g, pplan, gc)
-    return y.to(v.dtype)
+    par = None if parent is None else check_tree(parent, dims[0], dims[1], q.device, check)
+    return _kv_new(kv, pplan, par, q, k, v, g, beta, scale, use_qk_l2norm, dims)
+
+
+def kv_tree_verify(kv, pplan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
+                   beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+                   check: bool | None = None) -> Tensor:
+    """KV-only form of :func:`tree_verify`: a draft tree of N nodes per row over paged buffers.
+
+    parent ``[Bt,N]`` or ``[N]`` (topological, ``-1`` = child of the last committed entry);
+    q/k ``[Bt,N,H,K]``, v ``[Bt,N,HV,V]``, g/beta ``[Bt,N,HV]``.  With ``S_n`` the state the
+    row's n held entries fold into (never formed: readouts run block by block), ``M`` the
+    ancestor-or-self mask and ``G_i = Σ_{j∈M_i} g_j``: ``(I + A) U = R`` with
+    ``A_{i,j} = β_i e^{G_i−G_j} (k_i·k_j)`` for strict ancestors j of i,
+    ``R_i = β_i (v_i − e^{G_i} S_n k_i)``; ``y_i = e^{G_i} S_n q_i + Σ_{j∈M_i} e^{G_i−G_j}
+    (k_j·q_i) U_j`` — each node's output is the recurrence along its root path.  Writes
+    ``(U, k, g)`` at logical ``length .. length+N-1``; commit moves the accepted path to the
+    front (``cache.paged.gather_path``) before ``pidx.commit``.  Returns ``y [Bt,N,HV,V]``.
+    """
+    dims = _check_inputs(q, k, v, g, beta, True, scale)
+    check = want_check(check, q)
+    _check_kv(kv, pplan, dims, q.device, check)
+    par = check_tree(parent, dims[0], dims[1], q.device, check)
+    return _kv_new(kv, pplan, par, q, k, v, g, beta, scale, use_qk_l2norm, dims)
 
 
 def kv_to_state(kv, pplan, buf: GDNBuffers, slot: Tensor, check: bool | None = None) -> None:
     """Compress each row's committed KV entries into a checkpoint (one flush):
-    ``buf.state[slot] = Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` (``S0 = 0``).
+    ``buf.state[slot] = Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` (``S0 = 0``), folded run by run
+    over the held blocks.
 
     ``pplan`` (from ``pidx.plan(slots, T)``; only its committed lengths are used) and
     ``slot [Bt]`` (the rows' state slots in ``buf``).  Ring bookkeeping is the caller's
@@ -627,7 +722,5 @@ def kv_to_state(kv, pplan, buf: GDNBuffers, slot: Tensor, check: bool | None = N
     sl = check_slot(slot, P, Bt, buf.state.device, check)
     if check and Bt and bool((pplan.length < 0).any()):
         raise ValueError("negative KV lengths in the paged plan")
-    cdt = buf.state.dtype
-    u, kh, w, _ = _kv_history(kv, pplan, cdt)
-    S = _sum_history_state(u, kh, w)
+    S = _kv_fold(kv, pplan, buf.state.dtype)
     buf.state[sl] = S.to(buf.state.dtype)
