@@ -1,4 +1,5 @@
-"""The ``replayssm`` command: ``generate``, ``traffic``, ``bench kernels``, ``bench e2e``.
+"""The ``replayssm`` command: ``generate``, ``traffic``, ``bench kernels``, ``bench e2e``,
+``bench prefill``.
 
 Each subcommand lives in its own module and exposes ``main(argv) -> int``; this file
 only routes, so importing it stays cheap.
@@ -15,6 +16,7 @@ _COMMANDS = {
     "traffic": ("replayssm.bench.traffic", "print the per-step memory-traffic model (DESIGN §3)"),
     "bench kernels": ("replayssm.bench.kernels", "benchmark decode/verify kernels against peers"),
     "bench e2e": ("replayssm.bench.e2e", "end-to-end throughput benchmark"),
+    "bench prefill": ("replayssm.bench.prefill", "benchmark packed prefill kernels against peers"),
 }
 
 _DEFAULT = "generate"
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     elif argv and argv[0] in _COMMANDS:
         name, rest = argv[0], argv[1:]
     elif argv and argv[0] == "bench":
-        print("usage: replayssm bench {kernels,e2e} [options]", file=sys.stderr)
+        print("usage: replayssm bench {kernels,e2e,prefill} [options]", file=sys.stderr)
         return 2
     elif argv and not argv[0].startswith("-") and argv[0] not in _COMMANDS:
         print(f"replayssm: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)

@@ -140,6 +140,9 @@ class KernelOps:
         self.naive = _naive(family)
         for name in ROUTED:
             setattr(self, name, self._router(name))
+        for name in PREFILL_ROUTED:  # packed prefill: see the block at the end of this module
+            setattr(self, name, functools.wraps(getattr(self.naive, name))(
+                functools.partial(prefill_varlen, family, backend=backend)))
 
     def _router(self, name: str):
         naive_f = getattr(self.naive, name)
@@ -275,3 +278,42 @@ def snapshot_commit(state: Tensor, slot: Tensor, snapshots: Tensor, accepted: Te
     from ..ops.mamba2.naive import snapshot_commit as _sc
 
     _sc(state, slot, snapshots, accepted, check=check)
+
+
+# ------------------------------------------------------------------------------ packed prefill
+#: packed (varlen) prefill ops with a Triton kernel: kernels/mamba2_prefill.py, kernels/gdn_prefill.py
+PREFILL_ROUTED = ("chunked_prefill_varlen",)
+_PREFILL_KERNEL_ONLY = ("block_t", "block_d", "block_v", "num_warps", "num_stages", "wu_warps", "precision",
+                        "inv_precision")
+
+
+def prefill_varlen(family: str, *args, backend: str = "auto", **kwargs):
+    """``chunked_prefill_varlen`` of ``family`` (``"mamba2"`` / ``"gdn"``): the Triton kernel
+    when every tensor argument (the state source included) is a CUDA tensor below fp64, the
+    reference op otherwise (kernel-only keywords dropped).  ``ops_for(family)`` exposes it as
+    ``ops.chunked_prefill_varlen``."""
+    probe = [a for a in args if isinstance(a, Tensor)]
+    probe += [kwargs[k] for k in ("initial_state", "state_pool") if isinstance(kwargs.get(k), Tensor)]
+    if use_triton(*probe, backend=_fp64_naive(backend, probe)):
+        if family == "mamba2":
+            from .mamba2_prefill import chunked_prefill_varlen as f
+        else:
+            from .gdn_prefill import chunked_prefill_varlen as f
+        return f(*args, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k not in _PREFILL_KERNEL_ONLY}
+    return _naive(family).chunked_prefill_varlen(*args, **kwargs)
+
+
+def conv_prefill_varlen(x, weight, bias, cu_seqlens, window_pool, slots, fresh=None, activation=None,
+                        backend: str = "auto", check=None):
+    """Short conv of a packed prefill batch (:func:`replayssm.cache.conv.conv_prefill_varlen`),
+    in place on the window pool: the kernel for CUDA tensors below fp64, the reference otherwise."""
+    pool = getattr(window_pool, "window", window_pool)
+    if use_triton(pool, x, backend=_fp64_naive(backend, (x, pool))):
+        from . import conv as kconv
+
+        return kconv.conv_prefill_varlen(x, weight, bias, cu_seqlens, window_pool, slots, fresh, activation)
+    from ..cache import conv as rconv
+
+    return rconv.conv_prefill_varlen(x, weight, bias, cu_seqlens, window_pool, slots, fresh, activation,
+                                     check=check)
