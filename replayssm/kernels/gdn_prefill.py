@@ -252,31 +252,41 @@ def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     out = (y, None if pool_form else final) + ((u_out,) if return_u else ())
     if N == 0:
         return out
-    BK, BVW = pad16(K), pad16(V)
-    BV = max(16, min(next_pow2(block_v or DEFAULTS["block_v"]), BVW))
     qr, sq = _rows(q)
     kr, sk = _rows(k)
     vr, sv = _rows(v)
     gr, sg = _rows(g)
     br, sb = _rows(beta)
     cu = cu_seqlens.contiguous()
-    sc = K ** -0.5 if scale is None else float(scale)
     iprec = inv_precision or ("tf32" if q.dtype != torch.float32 else precision)
-    w = torch.empty(Nt, HV, K, dtype=q.dtype, device=dev)
-    up = torch.empty(Nt, HV, V, dtype=v.dtype, device=dev)
-    if Nt:
-        slots_total = Nt // _Q + N
-        _gdn_wu_kernel[(slots_total * HV,)](
-            kr, vr, gr, br, cu, w, up, N, H, HV, K, V, HV // H, sk, sv, sg, sb,
-            LOGN=max(1, N.bit_length()), Q=_Q, BK=BK, BV=BVW, L2=bool(use_qk_l2norm), PREC=precision,
-            IPREC=iprec, num_warps=wu_warps or DEFAULTS["wu_warps"])
+    w, up = wu_pass(kr, sk, vr, sv, gr, sg, br, sb, cu, N, H, use_qk_l2norm, precision, iprec,
+                    wu_warps or DEFAULTS["wu_warps"])
+    sc = K ** -0.5 if scale is None else float(scale)
+    BV = max(16, min(next_pow2(block_v or DEFAULTS["block_v"]), pad16(V)))
     NVB = triton.cdiv(V, BV)
     sin = src.contiguous() if src is not None else final
     _gdn_scan_kernel[(N * HV * NVB,)](
         qr, kr, w, up, gr, y, u_out if return_u else y,
         cu, sin, final, sl if pool_form else cu, fr.view(torch.uint8) if fr is not None else cu,
         H, HV, K, V, HV // H, NVB, sq, sk, sg, sc,
-        Q=_Q, BK=BK, BV=BV, L2=bool(use_qk_l2norm), HAS_INIT=src is not None, HAS_SLOT=pool_form,
+        Q=_Q, BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), HAS_INIT=src is not None, HAS_SLOT=pool_form,
         HAS_FRESH=fr is not None, RET_U=bool(return_u), PREC=precision,
         num_warps=num_warps or DEFAULTS["num_warps"], num_stages=num_stages or DEFAULTS["num_stages"])
     return out
+
+
+def wu_pass(k: Tensor, sk: int, v: Tensor, sv: int, g: Tensor, sg: int, beta: Tensor, sb: int, cu: Tensor,
+            N: int, H: int, use_qk_l2norm: bool = True, precision: str = "ieee", inv_precision: str = "tf32",
+            num_warps: int = 4) -> tuple[Tensor, Tensor]:
+    """Launch 1: ``w [Nt,HV,K]`` (k dtype) and ``u' [Nt,HV,V]`` (v dtype) of every chunk.
+    Inputs as :func:`chunked_prefill_varlen` takes them (``s*``: token strides)."""
+    Nt, HV, V = v.shape
+    K = k.shape[2]
+    w = torch.empty(Nt, HV, K, dtype=k.dtype, device=k.device)
+    up = torch.empty(Nt, HV, V, dtype=v.dtype, device=v.device)
+    if Nt:
+        _gdn_wu_kernel[((Nt // _Q + N) * HV,)](
+            k, v, g, beta, cu, w, up, N, H, HV, K, V, HV // H, sk, sv, sg, sb,
+            LOGN=max(1, N.bit_length()), Q=_Q, BK=pad16(K), BV=pad16(V), L2=bool(use_qk_l2norm),
+            PREC=precision, IPREC=inv_precision, num_warps=num_warps)
+    return w, up
