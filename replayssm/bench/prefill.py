@@ -252,7 +252,7 @@ def run_case(fam: str, Bt: int, T: int, s: dict, device: str, peers: dict, args,
     c = make(Bt, T, s, device, dtype=torch.float32 if args.smoke else torch.bfloat16)
     row = {"batch": Bt, "tokens": T}
     (y_ref, S_ref), ms = first_call(lambda: reference(fam, c))
-    if not args.no_ref_timing:
+    if not args.no_ref_timing and not (args.budget is not None and time.time() - args.t0 > args.budget):
         row["ref_ms"] = ms if device != "cuda" else time_ms(lambda: reference(fam, c), device, args.quick)
     be = ours_backend(device)
     row["ours_backend"] = be
@@ -266,7 +266,10 @@ def run_case(fam: str, Bt: int, T: int, s: dict, device: str, peers: dict, args,
         row["peer_state_err"], row["peer_y_err"] = relerr(Sp, S_ref), relerr(yp, y_ref)
         row["peer_ms"] = time_ms(call, device, args.quick)
         row["x_peer"] = row["peer_ms"] / row["ours_ms"]
-    if args.compile and device == "cuda":
+    late = args.budget is not None and time.time() - args.t0 > args.budget
+    if late:
+        row["skipped"] = "compiled reference (over --budget)"
+    if args.compile and device == "cuda" and not late:
         try:
             if fam.startswith("mamba2"):
                 if fam not in compiled:
@@ -380,7 +383,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile of the reference")
     ap.add_argument("--no-ref-timing", action="store_true", help="run the reference for checks only")
     ap.add_argument("--quick", action="store_true", help="shorter timing runs")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds after which the reference is no longer timed or compiled (ours and peers still are)")
     args = ap.parse_args(argv)
+    args.t0 = time.time()
     outdir = args.out or (os.path.join(os.environ["OUT"], "bench_prefill") if os.environ.get("OUT")
                           else os.path.join("out", "bench_prefill"))
     os.makedirs(outdir, exist_ok=True)

@@ -43,25 +43,68 @@ from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
 __all__ = ["chunked_prefill_varlen", "DEFAULTS"]
 
 #: default tiles (tuned on the H100 for HV=32, H=16, K=V=128; see docs/BENCHMARKS.md)
-DEFAULTS = dict(block_v=32, num_warps=4, num_stages=2, wu_warps=4)
+DEFAULTS = dict(block_v=32, num_warps=4, num_stages=2, wu_warps=4, inv=0)
 _Q = 64  # chunk length of the kernels (four 16-row blocks)
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _l2n(x, L2: tl.constexpr):
-        """Row-wise ``x / sqrt(Σx² + 1e-6)`` in fp32 (identity without ``L2``)."""
-        x = x.to(tl.float32)
+    def _rnorm(x, L2: tl.constexpr):
+        """Row scales ``1 / sqrt(Σx² + 1e-6)`` of ``x [R, C]`` in fp32 (ones without ``L2``):
+        the l2-norm is applied to dot results and small operands, never to a copy of ``x``."""
         if L2:
-            x = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
-        return x
+            xf = x.to(tl.float32)
+            return tl.rsqrt(tl.sum(xf * xf, 1) + 1e-6)
+        return tl.full([x.shape[0]], 1.0, tl.float32)
+
+    @triton.jit
+    def _block_diag_inverse(A, Q: tl.constexpr, INV: tl.constexpr, IPREC: tl.constexpr):
+        """``(I + A_d)^{-1}`` of the 16×16 diagonal blocks of the strictly lower ``A [Q, Q]``,
+        as a block-diagonal ``[Q, Q]`` tile.
+
+        ``INV = 0``: column-oriented forward substitution on the whole tile (all blocks at
+        once, 15 rank-1 steps); ``INV = 1``: the same on a ``[Q/16, 16, 16]`` tile (reductions
+        over 16 entries); ``INV = 2``: ``(I − P)(I + P²)(I + P⁴)(I + P⁸)`` with ``P = A_d``
+        (nilpotent, ``P¹⁶ = 0``) as six batched ``tl.dot`` s."""
+        NB: tl.constexpr = Q // 16
+        r = tl.arange(0, Q)[:, None]
+        c = tl.arange(0, Q)[None, :]
+        same = (r // 16) == (c // 16)
+        if INV == 0:
+            Ad = tl.where(same, A, 0.0)
+            X = tl.where(r == c, 1.0, 0.0)
+            for s in tl.static_range(15):  # column s of every block: X_i -= A_is X_s (i > s)
+                col = tl.sum(tl.where(c == (r // 16) * 16 + s, Ad, 0.0), 1)
+                row = tl.sum(tl.where(r == (c // 16) * 16 + s, X, 0.0), 0)
+                X = X - tl.where(same, col[:, None] * row[None, :], 0.0)
+            return X
+        b1 = tl.arange(0, NB)[:, None, None, None]
+        b2 = tl.arange(0, NB)[None, None, :, None]
+        A3 = tl.sum(tl.where(b1 == b2, tl.reshape(A, [NB, 16, NB, 16]), 0.0), 2)  # [NB, 16, 16]
+        r3 = tl.arange(0, 16)[None, :, None]
+        c3 = tl.arange(0, 16)[None, None, :]
+        eye = tl.where(r3 == c3, 1.0, 0.0) + tl.zeros([NB, 16, 16], tl.float32)
+        if INV == 1:
+            X3 = eye
+            for s in tl.static_range(15):
+                col = tl.sum(tl.where(c3 == s, A3, 0.0), 2)   # [NB, 16]: A[b, i, s]
+                row = tl.sum(tl.where(r3 == s, X3, 0.0), 1)   # [NB, 16]: X[b, s, j]
+                X3 = X3 - col[:, :, None] * row[:, None, :]
+        else:
+            P = A3
+            X3 = eye - P
+            for _ in tl.static_range(3):
+                P = tl.dot(P, P, input_precision=IPREC)
+                X3 = X3 + tl.dot(X3, P, input_precision=IPREC)
+        X4 = tl.where(b1 == b2, tl.broadcast_to(X3[:, :, None, :], [NB, 16, NB, 16]), 0.0)
+        return tl.reshape(X4, [Q, Q])
 
     @triton.jit
     def _gdn_wu_kernel(
         k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, w_ptr, u_ptr,
         N, H, HV, K, V, RATIO, sk, sv, sg, sb,
         LOGN: tl.constexpr, Q: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        L2: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr,
+        L2: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, INV: tl.constexpr,
     ):
         pid = tl.program_id(0)
         hv = pid % HV
@@ -93,30 +136,23 @@ if HAVE_TRITON:
             kr = tl.load(k_ptr + t[:, None] * sk + hk * K + offs_k[None, :], mask=mt[:, None] & mk[None, :],
                          other=0.0)
             DT = kr.dtype
-            kn = _l2n(kr, L2)
-            kd = kn.to(DT)
+            rk = _rnorm(kr, L2)
             r = offs_q[:, None]
             c = offs_q[None, :]
-            kk = tl.dot(kd, tl.trans(kd), input_precision=PREC)
+            kk = tl.dot(kr, tl.trans(kr), input_precision=PREC) * rk[:, None] * rk[None, :]
             A = tl.where(r > c, beta[:, None] * tl.exp(tl.where(r > c, G[:, None] - G[None, :], float("-inf")))
                          * kk, 0.0)
             same = (r // 16) == (c // 16)
-            Ad = tl.where(same, A, 0.0)
-            X = tl.where(r == c, 1.0, 0.0)
-            for s in tl.static_range(15):  # column s of every 16-block: X_i -= A_ij X_j (i > j)
-                col = tl.sum(tl.where(c == (r // 16) * 16 + s, Ad, 0.0), 1)
-                row = tl.sum(tl.where(r == (c // 16) * 16 + s, X, 0.0), 0)
-                X = X - tl.where(same, col[:, None] * row[None, :], 0.0)
-            Nm = tl.dot(X, tl.where(same, 0.0, A), input_precision=IPREC)  # strictly block-lower
+            X = _block_diag_inverse(A, Q, INV, IPREC)
+            Nm = tl.dot(X, tl.where(same, 0.0, A), input_precision=IPREC)  # strictly block-lower, N^4 = 0
             T1 = X + tl.dot(tl.dot(Nm, Nm, input_precision=IPREC), X, input_precision=IPREC)
-            X = T1 - tl.dot(Nm, T1, input_precision=IPREC)
-            Xd = X.to(DT)
-            w = tl.dot(Xd, (kn * (beta * tl.exp(G))[:, None]).to(DT), input_precision=PREC)
+            X = T1 - tl.dot(Nm, T1, input_precision=IPREC)  # (I + A)^{-1} = (I - N)(I + N^2) X_d
+            w = tl.dot((X * (beta * tl.exp(G) * rk)[None, :]).to(DT), kr, input_precision=PREC)
             tl.store(w_ptr + (t[:, None] * HV + hv) * K + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
                      mask=mt[:, None] & mk[None, :])
             vr = tl.load(v_ptr + t[:, None] * sv + hv * V + offs_v[None, :], mask=mt[:, None] & mv[None, :],
                          other=0.0)
-            u = tl.dot(Xd.to(vr.dtype), (vr.to(tl.float32) * beta[:, None]).to(vr.dtype), input_precision=PREC)
+            u = tl.dot((X * beta[None, :]).to(vr.dtype), vr, input_precision=PREC)
             tl.store(u_ptr + (t[:, None] * HV + hv) * V + offs_v[None, :], u.to(u_ptr.dtype.element_ty),
                      mask=mt[:, None] & mv[None, :])
 
@@ -166,10 +202,10 @@ if HAVE_TRITON:
             gv = tl.load(g_ptr + t * sg + hv, mask=mt, other=0.0).to(tl.float32)
             G = tl.cumsum(gv, 0)
             last = tl.min(G, 0)  # = G[Q-1]
-            qn = _l2n(tl.load(q_ptr + t[:, None] * sq + hk * K + offs_k[None, :], mask=mqk, other=0.0), L2)
-            kn = _l2n(tl.load(k_ptr + t[:, None] * sk + hk * K + offs_k[None, :], mask=mqk, other=0.0), L2)
-            qd = (qn * scale).to(DT)
-            kd = kn.to(DT)
+            qr = tl.load(q_ptr + t[:, None] * sq + hk * K + offs_k[None, :], mask=mqk, other=0.0)
+            kr = tl.load(k_ptr + t[:, None] * sk + hk * K + offs_k[None, :], mask=mqk, other=0.0)
+            rq = _rnorm(qr, L2) * scale
+            rk = _rnorm(kr, L2)
             w = tl.load(w_ptr + (t[:, None] * HV + hv) * K + offs_k[None, :], mask=mqk, other=0.0)
             up = tl.load(u_ptr + (t[:, None] * HV + hv) * V + offs_v[None, :], mask=mtv, other=0.0)
             Sd = S.to(DT)
@@ -177,14 +213,14 @@ if HAVE_TRITON:
             if RET_U:
                 tl.store(uo_ptr + (t[:, None] * HV + hv) * V + offs_v[None, :], U.to(uo_ptr.dtype.element_ty),
                          mask=mtv)
-            Ud = U.to(DT)
-            qk = tl.dot(qd, tl.trans(kd), input_precision=PREC)                         # [Q, Q]
+            qk = tl.dot(qr, tl.trans(kr), input_precision=PREC) * rk[None, :]          # [Q, Q]
             P = qk * tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))
-            y = tl.exp(G)[:, None] * tl.dot(qd, Sd, input_precision=PREC) + tl.dot(P.to(DT), Ud,
+            y = tl.dot(qr, Sd, input_precision=PREC) * tl.exp(G)[:, None] + tl.dot(P.to(DT), U.to(DT),
                                                                                      input_precision=PREC)
-            tl.store(y_ptr + (t[:, None] * HV + hv) * V + offs_v[None, :], y.to(y_ptr.dtype.element_ty), mask=mtv)
-            kdec = (kn * tl.exp(last - G)[:, None]).to(DT)
-            S = tl.exp(last) * S + tl.dot(tl.trans(kdec), Ud, input_precision=PREC)
+            tl.store(y_ptr + (t[:, None] * HV + hv) * V + offs_v[None, :], (y * rq[:, None]).to(y_ptr.dtype.element_ty),
+                     mask=mtv)
+            Uk = (U * (rk * tl.exp(last - G))[:, None]).to(DT)
+            S = tl.exp(last) * S + tl.dot(tl.trans(kr), Uk, input_precision=PREC)
         tl.store(sout_ptr + soff, S.to(sout_ptr.dtype.element_ty), mask=m2)
 
 
@@ -208,7 +244,7 @@ def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            check: bool | None = None, block_v: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
                            wu_warps: int | None = None, precision: str = "ieee",
-                           inv_precision: str | None = None):
+                           inv_precision: str | None = None, inv: int | None = None):
     """Kernel form of :func:`replayssm.ops.gdn.naive.chunked_prefill_varlen` (same arguments
     and returns; states fp32).
 
@@ -260,7 +296,7 @@ def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     cu = cu_seqlens.contiguous()
     iprec = inv_precision or ("tf32" if q.dtype != torch.float32 else precision)
     w, up = wu_pass(kr, sk, vr, sv, gr, sg, br, sb, cu, N, H, use_qk_l2norm, precision, iprec,
-                    wu_warps or DEFAULTS["wu_warps"])
+                    wu_warps or DEFAULTS["wu_warps"], DEFAULTS["inv"] if inv is None else inv)
     sc = K ** -0.5 if scale is None else float(scale)
     BV = max(16, min(next_pow2(block_v or DEFAULTS["block_v"]), pad16(V)))
     NVB = triton.cdiv(V, BV)
@@ -277,8 +313,9 @@ def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 
 def wu_pass(k: Tensor, sk: int, v: Tensor, sv: int, g: Tensor, sg: int, beta: Tensor, sb: int, cu: Tensor,
             N: int, H: int, use_qk_l2norm: bool = True, precision: str = "ieee", inv_precision: str = "tf32",
-            num_warps: int = 4) -> tuple[Tensor, Tensor]:
-    """Launch 1: ``w [Nt,HV,K]`` (k dtype) and ``u' [Nt,HV,V]`` (v dtype) of every chunk.
+            num_warps: int = 4, inv: int = 0) -> tuple[Tensor, Tensor]:
+    """Launch 1: ``w [Nt,HV,K]`` (k dtype) and ``u' [Nt,HV,V]`` (v dtype) of every chunk
+    (``inv``: the diagonal-block inverse variant of :func:`_block_diag_inverse`).
     Inputs as :func:`chunked_prefill_varlen` takes them (``s*``: token strides)."""
     Nt, HV, V = v.shape
     K = k.shape[2]
@@ -288,5 +325,5 @@ def wu_pass(k: Tensor, sk: int, v: Tensor, sv: int, g: Tensor, sg: int, beta: Te
         _gdn_wu_kernel[((Nt // _Q + N) * HV,)](
             k, v, g, beta, cu, w, up, N, H, HV, K, V, HV // H, sk, sv, sg, sb,
             LOGN=max(1, N.bit_length()), Q=_Q, BK=pad16(K), BV=pad16(V), L2=bool(use_qk_l2norm),
-            PREC=precision, IPREC=inv_precision, num_warps=num_warps)
+            PREC=precision, IPREC=inv_precision, INV=inv, num_warps=num_warps)
     return w, up

@@ -35,18 +35,48 @@ from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
 __all__ = ["chunked_prefill_varlen", "DEFAULTS"]
 
 #: default tile sizes (tuned on the H100 for the 2.7B shapes; see docs/BENCHMARKS.md)
-DEFAULTS = dict(block_t=64, block_d=32, num_warps=4, num_stages=2)
+DEFAULTS = dict(block_t=64, block_d=32, num_warps=4, num_stages=2, precompute_cb=True)
 
 if HAVE_TRITON:
 
     @triton.jit
+    def _m2_cb_kernel(
+        B_ptr, C_ptr, cu_ptr, cb_ptr, N, G, n, sb, sc,
+        LOGN: tl.constexpr, Q: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """``C Bᵀ [Q, Q]`` (fp32) of one (chunk, group), shared by the group's heads.  Sequence
+        ``i``'s chunks take the slots ``cu[i] // Q + i + c`` (found by a binary search)."""
+        pid = tl.program_id(0)
+        g = pid % G
+        cs = pid // G
+        lo = cs * 0
+        hi = lo + N
+        for _ in tl.static_range(LOGN):
+            mid = (lo + hi) // 2
+            go = tl.load(cu_ptr + mid).to(tl.int32) // Q + mid <= cs
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        s0 = tl.load(cu_ptr + lo).to(tl.int64)
+        s1 = tl.load(cu_ptr + lo + 1).to(tl.int64)
+        t0 = s0 + (cs - (s0.to(tl.int32) // Q + lo)).to(tl.int64) * Q
+        if t0 < s1:
+            offs_q = tl.arange(0, Q)
+            offs_n = tl.arange(0, BN)
+            t = t0 + offs_q
+            m = (t < s1)[:, None] & (offs_n < n)[None, :]
+            Bm = tl.load(B_ptr + t[:, None] * sb + g * n + offs_n[None, :], mask=m, other=0.0)
+            Cm = tl.load(C_ptr + t[:, None] * sc + g * n + offs_n[None, :], mask=m, other=0.0)
+            CB = tl.dot(Cm, tl.trans(Bm), input_precision=PREC)
+            tl.store(cb_ptr + (cs.to(tl.int64) * G + g) * (Q * Q) + offs_q[:, None] * Q + offs_q[None, :], CB)
+
+    @triton.jit
     def _m2_prefill_kernel(
-        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr,
+        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cb_ptr,
         cu_ptr, sin_ptr, sout_ptr, slot_ptr, fresh_ptr,
-        H, d, n, HPG, ND, sx, sdt, sb, sc,
+        H, G, d, n, HPG, ND, sx, sdt, sb, sc,
         Q: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
         HAS_D: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SLOT: tl.constexpr, HAS_FRESH: tl.constexpr,
-        PREC: tl.constexpr,
+        PRE_CB: tl.constexpr, PREC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         db = pid % ND
@@ -80,6 +110,7 @@ if HAVE_TRITON:
         DT = x_ptr.dtype.element_ty
         causal = offs_q[:, None] >= offs_q[None, :]
         nchunks = tl.cdiv(s1 - s0, Q)
+        cb_row = (s0 // Q + i) * G + g  # CB slot of the sequence's first chunk (PRE_CB)
         for c in range(nchunks):
             t = s0 + c * Q + offs_q                                                # [Q] tokens
             mt = t < s1
@@ -92,7 +123,10 @@ if HAVE_TRITON:
                          other=0.0)                                               # [Q, BN]
             Cm = tl.load(C_ptr + t[:, None] * sc + g * n + offs_n[None, :], mask=mt[:, None] & mn[None, :],
                          other=0.0)
-            CB = tl.dot(Cm, tl.trans(Bm), input_precision=PREC)                   # [Q(i), Q(j)]
+            if PRE_CB:
+                CB = tl.load(cb_ptr + (cb_row + c * G) * (Q * Q) + offs_q[:, None] * Q + offs_q[None, :])
+            else:
+                CB = tl.dot(Cm, tl.trans(Bm), input_precision=PREC)               # [Q(i), Q(j)]
             seg = tl.where(causal, cum[:, None] - cum[None, :], float("-inf"))
             M = CB * tl.exp(seg) * dt[None, :]
             y = tl.dot(M.to(DT), x, input_precision=PREC)                         # [Q, BD]
@@ -124,14 +158,16 @@ def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
                            fresh: Tensor | None = None, check: bool | None = None,
                            block_t: int | None = None, block_d: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
-                           precision: str = "ieee"):
+                           precision: str = "ieee", precompute_cb: bool | None = None):
     """Kernel form of :func:`replayssm.ops.mamba2.naive.chunked_prefill_varlen` (same
     arguments and returns; states fp32).
 
     ``chunk_size`` is validated for the reference's contract; the kernel's own chunk is
     ``block_t`` (a power of two in [16, 128]; results differ from the reference only by
     rounding).  Kernel-only tuning: ``block_t``, ``block_d`` (d-block per program),
-    ``num_warps``, ``num_stages``, ``precision`` (``tl.dot`` precision of fp32 operands).
+    ``num_warps``, ``num_stages``, ``precision`` (``tl.dot`` precision of fp32 operands),
+    ``precompute_cb`` (``C Bᵀ`` of every (chunk, group) by a first launch, shared by the
+    group's heads and d-blocks, instead of one ``tl.dot`` per program and chunk).
     Activations may be strided along the token axis (e.g. slices of a projection) as long
     as each token's ``[H, d]`` / ``[G, n]`` block is contiguous.
     """
@@ -169,11 +205,17 @@ def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
         raise ValueError("state_pool must be contiguous for the Triton kernel")
     cu = cu_seqlens.contiguous()
     ND = triton.cdiv(d, BD)
+    pre = DEFAULTS["precompute_cb"] if precompute_cb is None else bool(precompute_cb)
+    cb = y
+    if pre and Nt:
+        cb = torch.empty((Nt // Q + N) * G, Q, Q, dtype=torch.float32, device=x.device)
+        _m2_cb_kernel[((Nt // Q + N) * G,)](Br, Cr, cu, cb, N, G, n, sb, sc, LOGN=max(1, N.bit_length()), Q=Q,
+                                           BN=BN, PREC=precision, num_warps=4)
     _m2_prefill_kernel[(N * H * ND,)](
-        xr, dtr, A.contiguous(), Br, Cr, D.contiguous() if D is not None else A, y,
+        xr, dtr, A.contiguous(), Br, Cr, D.contiguous() if D is not None else A, y, cb,
         cu, sin, final, sl if pool_form else cu, fr.view(torch.uint8) if fr is not None else cu,
-        H, d, n, H // G, ND, sx, sdt, sb, sc,
+        H, G, d, n, H // G, ND, sx, sdt, sb, sc,
         Q=Q, BD=BD, BN=BN, HAS_D=D is not None, HAS_INIT=src is not None, HAS_SLOT=pool_form,
-        HAS_FRESH=fr is not None, PREC=precision,
+        HAS_FRESH=fr is not None, PRE_CB=pre, PREC=precision,
         num_warps=num_warps or DEFAULTS["num_warps"], num_stages=num_stages or DEFAULTS["num_stages"])
     return y, (None if pool_form else final)

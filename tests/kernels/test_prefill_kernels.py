@@ -234,3 +234,31 @@ def test_dispatch_routes_packed_prefill():
     xc = torch.randn(13, 8, generator=g).to(DEVICE)
     out = dispatch.conv_prefill_varlen(xc, w, None, cu, pool, torch.tensor([1, 2, 3], device=DEVICE))
     assert out.shape == (13, 8) and bool((pool[2] == 0).all())
+
+
+# ============================================================================ kernel variants
+@pytest.mark.parametrize("inv", [0, 1, 2])
+def test_gdn_prefill_inverse_variants(inv):
+    """Every diagonal-block inverse of the w/u kernel (loop on the tile, loop on [4,16,16],
+    nilpotent product) gives the reference."""
+    g = torch.Generator().manual_seed(20 + inv)
+    lens = [70, 0, 5]
+    q, k, v, gg, beta = gdn_inputs(g, lens, 1, 2, 8, 8, F32)
+    beta = torch.ones_like(beta) * 0.99  # strong coupling: the inverse matters
+    cu = cu_of(lens)
+    y, S, u = KG.chunked_prefill_varlen(q, k, v, gg, beta, cu_seqlens=cu, return_u=True, inv=inv)
+    yr, Sr, ur = NG.chunked_prefill_varlen(q, k, v, gg, beta, cu_seqlens=cu, return_u=True)
+    for a, b in ((y, yr), (S, Sr), (u, ur)):
+        torch.testing.assert_close(a, b, **tol(F32))
+
+
+@pytest.mark.parametrize("pre", [False, True])
+def test_mamba2_prefill_cb_variants(pre):
+    g = torch.Generator().manual_seed(30)
+    lens = [20, 0, 33, 1]
+    x, dt, A, B, C, D = m2_inputs(g, lens, 4, 2, 8, 8, F32)
+    cu = cu_of(lens)
+    y, S = KM.chunked_prefill_varlen(x, dt, A, B, C, D, cu_seqlens=cu, block_t=16, precompute_cb=pre)
+    yr, Sr = N2.chunked_prefill_varlen(x, dt, A, B, C, D, cu_seqlens=cu)
+    torch.testing.assert_close(y, yr, **tol(F32))
+    torch.testing.assert_close(S, Sr, **tol(F32))
