@@ -48,6 +48,13 @@ SMOKE = {"mamba2": dict(H=3, d=8, n=16, G=1), "mamba2_g8": dict(H=4, d=8, n=16, 
 SHAPES = [(1, 8192), (16, 2048), (64, 512), (4, 32768)]
 SMOKE_SHAPES = [(1, 37), (3, 20)]
 SMOKE_FAMILIES = ("mamba2", "gdn")
+#: other kernel settings timed beside the defaults on CUDA (``--no-variants`` skips them)
+VARIANTS = {
+    "mamba2": [dict(block_t=32, block_d=32), dict(block_t=64, block_d=64), dict(block_t=32, block_d=64),
+               dict(block_t=64, block_d=32), dict(block_t=64, block_d=64, precompute_cb=False)],
+    "gdn": [dict(block_v=64), dict(block_v=16), dict(inv=1), dict(block_v=64, num_warps=8)],
+}
+VARIANTS["mamba2_g8"] = VARIANTS["mamba2"]
 TOL = 2e-2  # relative error bound for bf16 (decode-kernel tests' bf16 tolerance)
 PEER_CHUNK = 256  # mamba_ssm chunk size of the Mamba-2 checkpoints
 
@@ -203,8 +210,10 @@ def peer_call(fam: str, c: dict, peers: dict):
 
 # ============================================================================== timing
 def relerr(a, b) -> float:
-    """``|a - b| / |b|`` (Frobenius), b the reference; NaN in a gives NaN."""
-    a, b = a.double(), b.double()
+    """``|a - b| / |b|`` (Frobenius), b the reference; NaN in a gives NaN (fp64 on CPU, fp32
+    sums on the GPU, where the largest outputs hold over 10⁹ elements)."""
+    dt = torch.float64 if a.device.type == "cpu" else torch.float32
+    a, b = a.to(dt), b.to(dt)
     if not torch.isfinite(a).all():
         return float("nan")
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -253,19 +262,35 @@ def run_case(fam: str, Bt: int, T: int, s: dict, device: str, peers: dict, args,
     row = {"batch": Bt, "tokens": T}
     (y_ref, S_ref), ms = first_call(lambda: reference(fam, c))
     if not args.no_ref_timing and not (args.budget is not None and time.time() - args.t0 > args.budget):
-        row["ref_ms"] = ms if device != "cuda" else time_ms(lambda: reference(fam, c), device, args.quick)
+        row["ref_ms"] = ms if device != "cuda" else time_ms(lambda: reference(fam, c), device, True)
+    if device == "cuda":
+        torch.cuda.empty_cache()
     be = ours_backend(device)
     row["ours_backend"] = be
     (y, S), ms = first_call(lambda: ours(fam, c, be))
     row["ours_state_err"], row["ours_y_err"] = relerr(S, S_ref), relerr(y, y_ref)
+    del y, S
     row["ours_ms"] = ms if device != "cuda" else time_ms(lambda: ours(fam, c, be), device, args.quick)
     call = peer_call(fam, c, peers) if device == "cuda" else None
     if call is not None:
-        out = call()
-        yp, Sp = out[0], out[-1]
-        row["peer_state_err"], row["peer_y_err"] = relerr(Sp, S_ref), relerr(yp, y_ref)
-        row["peer_ms"] = time_ms(call, device, args.quick)
-        row["x_peer"] = row["peer_ms"] / row["ours_ms"]
+        try:
+            out = call()
+            row["peer_state_err"], row["peer_y_err"] = relerr(out[-1], S_ref), relerr(out[0], y_ref)
+            del out
+            row["peer_ms"] = time_ms(call, device, args.quick)
+            row["x_peer"] = row["peer_ms"] / row["ours_ms"]
+        except Exception as exc:  # pragma: no cover - a peer failing is reported, not fatal
+            row["peer_error"] = repr(exc)[:300]
+    if device == "cuda" and args.variants:
+        row["variants"] = []
+        for kw in VARIANTS.get(fam, []):
+            try:
+                (yv, Sv), _ = first_call(lambda: ours(fam, c, be, **kw))
+                err = max(relerr(Sv, S_ref), relerr(yv, y_ref))
+                del yv, Sv
+                row["variants"].append(dict(kw, ms=time_ms(lambda: ours(fam, c, be, **kw), device, True), err=err))
+            except Exception as exc:  # pragma: no cover
+                row["variants"].append(dict(kw, error=repr(exc)[:200]))
     late = args.budget is not None and time.time() - args.t0 > args.budget
     if late:
         row["skipped"] = "compiled reference (over --budget)"
@@ -283,8 +308,9 @@ def run_case(fam: str, Bt: int, T: int, s: dict, device: str, peers: dict, args,
             reference(fam, c, fn)
             row["compile_s"] = time.time() - t0
             row["compiled_ms"] = time_ms(lambda: reference(fam, c, fn), device, args.quick)
-        except Exception as exc:  # pragma: no cover - compiler failures are reported, not fatal
+        except Exception as exc:  # pragma: no cover - compiler failures (or OOM) are reported, not fatal
             row["compiled_error"] = repr(exc)[:300]
+            torch.cuda.empty_cache()
     row["ok"] = bool(row["ours_state_err"] <= TOL and row["ours_y_err"] <= TOL)
     del c
     if device == "cuda":
@@ -292,7 +318,7 @@ def run_case(fam: str, Bt: int, T: int, s: dict, device: str, peers: dict, args,
     return row
 
 
-def run(args) -> dict:
+def run(args, save=None) -> dict:
     device = "cuda" if (torch.cuda.is_available() and not args.smoke) else "cpu"
     fams = args.families.split(",") if args.families else list(SMOKE_FAMILIES if args.smoke else FAMILIES)
     shapes = SMOKE_SHAPES if args.smoke else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -311,23 +337,35 @@ def run(args) -> dict:
         if name not in peers:
             print(f"{name}: peer not installed" + ("" if device == "cuda" else " (CPU run)"))
     compiled: dict = {}
+    if args.compile and device == "cuda":
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = 64  # one compile per (family, shape)
     for fam in fams:
         s = (SMOKE if args.smoke else FAMILIES)[fam]
         rows = []
         for Bt, T in shapes:
-            row = run_case(fam, Bt, T, s, device, peers, args, compiled)
+            try:
+                row = run_case(fam, Bt, T, s, device, peers, args, compiled)
+            except Exception as exc:  # pragma: no cover - e.g. out of memory at the largest shape
+                row = {"batch": Bt, "tokens": T, "error": repr(exc)[:300], "ok": False, "ours_state_err": float("nan"),
+                       "ours_ms": float("nan")}
+                if device == "cuda":
+                    torch.cuda.empty_cache()
             rows.append(row)
             print(f"{fam} {Bt}x{T}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in row.items() if k not in ("batch", "tokens")),
                   flush=True)
-        out["families"][fam] = {"shape": s, "rows": rows}
+            out["families"][fam] = {"shape": s, "rows": rows}
+            if save is not None:
+                save(out)
     return out
 
 
 def summary(res: dict) -> list[str]:
     lines = [f"prefill on {res['device']} ({res['date']}), {res['dtype']} inputs, fp32 states; times in ms (median)",
              f"{'family':<10} {'shape':>9} {'ours':>8} {'peer':>8} {'x peer':>7} {'ref':>8} {'compiled':>9} "
-             f"{'state err':>9} {'peer err':>9}"]
+             f"{'state err':>9} {'peer err':>9}  best variant (ms)"]
 
     def f(v, w, p=3):
         return f"{v:{w}.{p}f}" if isinstance(v, (int, float)) and v == v else f"{'-':>{w}}"
@@ -337,11 +375,19 @@ def summary(res: dict) -> list[str]:
             lines.append(f"{fam:<10} {str(r['batch']) + 'x' + str(r['tokens']):>9} {f(r['ours_ms'], 8)} "
                          f"{f(r.get('peer_ms'), 8)} {f(r.get('x_peer'), 7, 2)} {f(r.get('ref_ms'), 8)} "
                          f"{f(r.get('compiled_ms'), 9)} {r['ours_state_err']:9.1e} "
-                         f"{r.get('peer_state_err', float('nan')):9.1e}")
+                         f"{r.get('peer_state_err', float('nan')):9.1e}  {_best_variant(r)}")
     bad = [(fam, r["batch"], r["tokens"]) for fam, blk in res["families"].items() for r in blk["rows"] if not r["ok"]]
     lines.append("correctness: " + ("all final states and outputs within %.0e of the reference" % res["tol"]
                                     if not bad else f"FAILED {bad}"))
     return lines
+
+
+def _best_variant(r: dict) -> str:
+    ok = [v for v in r.get("variants", []) if "ms" in v]
+    if not ok:
+        return ""
+    b = min(ok, key=lambda v: v["ms"])
+    return ",".join(f"{k}={v}" for k, v in b.items() if k not in ("ms", "err")) + f" {b['ms']:.3f}"
 
 
 def plot(res: dict, outdir: str) -> str | None:
@@ -382,6 +428,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", default=None, help="folder holding mamba_ssm/, fla/, einops/ (default .peers)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile of the reference")
     ap.add_argument("--no-ref-timing", action="store_true", help="run the reference for checks only")
+    ap.add_argument("--no-variants", dest="variants", action="store_false",
+                    help="time only the default kernel settings (CUDA runs also time VARIANTS)")
     ap.add_argument("--quick", action="store_true", help="shorter timing runs")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds after which the reference is no longer timed or compiled (ours and peers still are)")
@@ -391,10 +439,14 @@ def main(argv=None) -> int:
                           else os.path.join("out", "bench_prefill"))
     os.makedirs(outdir, exist_ok=True)
     t0 = time.time()
-    res = run(args)
+
+    def save(r):
+        with open(os.path.join(outdir, "prefill.json"), "w") as f:
+            json.dump(r, f, indent=1, default=str)
+
+    res = run(args, save)
     res["wall_s"] = time.time() - t0
-    with open(os.path.join(outdir, "prefill.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    save(res)
     png = plot(res, outdir)
     lines = summary(res)
     print("\n".join(lines))

@@ -34,8 +34,19 @@ from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
 
 __all__ = ["chunked_prefill_varlen", "DEFAULTS"]
 
-#: default tile sizes (tuned on the H100 for the 2.7B shapes; see docs/BENCHMARKS.md)
-DEFAULTS = dict(block_t=64, block_d=32, num_warps=4, num_stages=2, precompute_cb=True)
+#: default tile sizes (tuned on the H100 for the 2.7B shapes; see docs/BENCHMARKS.md).  ``block_t``
+#: and ``block_d`` of None follow :func:`pick_tiles`.
+DEFAULTS = dict(block_t=None, block_d=None, num_warps=4, num_stages=2, precompute_cb=True)
+
+
+def pick_tiles(N: int, H: int, d: int, device) -> tuple[int, int]:
+    """``(block_t, block_d)``: the whole head (``block_d = 64``, 64-token chunks) when the
+    batch gives at least two programs per SM; otherwise half heads with 32-token chunks, so a
+    short batch still fills the GPU (measured on the H100: 2.7B shapes, 1×8192 vs 16×2048)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    if N * H * -(-d // 64) >= 2 * sms:
+        return 64, 64
+    return 32, 32
 
 if HAVE_TRITON:
 
@@ -186,10 +197,11 @@ def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
         raise ValueError(f"the prefill kernel keeps fp32 states, got {src.dtype} (fp64 runs the reference op)")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"the prefill kernel takes fp16/bf16/fp32 activations, got {x.dtype}")
-    Q = DEFAULTS["block_t"] if block_t is None else int(block_t)
+    auto_t, auto_d = pick_tiles(cu_seqlens.numel() - 1, H, d, x.device)
+    Q = (DEFAULTS["block_t"] or auto_t) if block_t is None else int(block_t)
     if Q < 16 or Q > 128 or Q & (Q - 1):
         raise ValueError(f"block_t must be a power of two in [16, 128], got {block_t!r}")
-    BD = max(16, min(next_pow2(block_d or DEFAULTS["block_d"]), next_pow2(d)))
+    BD = max(16, min(next_pow2(block_d or DEFAULTS["block_d"] or auto_d), next_pow2(d)))
     BN = pad16(n)
     y = torch.empty(Nt, H, d, dtype=x.dtype, device=x.device)
     pool_form = state_pool is not None
