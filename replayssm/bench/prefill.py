@@ -312,9 +312,6 @@ def run_case(fam: str, Bt: int, T: int, s: dict, device: str, peers: dict, args,
             row["compiled_error"] = repr(exc)[:300]
             torch.cuda.empty_cache()
     row["ok"] = bool(row["ours_state_err"] <= TOL and row["ours_y_err"] <= TOL)
-    del c
-    if device == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
@@ -338,9 +335,9 @@ def run(args, save=None) -> dict:
             print(f"{name}: peer not installed" + ("" if device == "cuda" else " (CPU run)"))
     compiled: dict = {}
     if args.compile and device == "cuda":
-        import torch._dynamo
+        from torch import _dynamo
 
-        torch._dynamo.config.cache_size_limit = 64  # one compile per (family, shape)
+        _dynamo.config.cache_size_limit = 64  # one compile per (family, shape)
     for fam in fams:
         s = (SMOKE if args.smoke else FAMILIES)[fam]
         rows = []
@@ -353,6 +350,8 @@ def run(args, save=None) -> dict:
                 if device == "cuda":
                     torch.cuda.empty_cache()
             rows.append(row)
+            if device == "cuda":
+                torch.cuda.empty_cache()
             print(f"{fam} {Bt}x{T}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in row.items() if k not in ("batch", "tokens")),
                   flush=True)
