@@ -1,4 +1,4 @@
-"""The ``replayssm`` command: ``generate``, ``serve``, ``traffic``, ``bench kernels|e2e|serve``.
+"""The ``replayssm`` command: ``generate``, ``serve``, ``traffic``, ``bench kernels|prefill|e2e|serve``.
 
 Each subcommand lives in its own module and exposes ``main(argv) -> int``; this file
 only routes, so importing it stays cheap.
@@ -17,6 +17,7 @@ _COMMANDS = {
     "bench kernels": ("replayssm.bench.kernels", "benchmark decode/verify kernels against peers"),
     "bench e2e": ("replayssm.bench.e2e", "end-to-end throughput benchmark"),
     "bench serve": ("replayssm.bench.serve", "serving benchmark: Poisson load against the HTTP server"),
+    "bench prefill": ("replayssm.bench.prefill", "benchmark packed prefill kernels against peers"),
 }
 
 _DEFAULT = "generate"

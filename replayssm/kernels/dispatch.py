@@ -34,22 +34,25 @@ from ..ops.mamba2 import naive as mamba2_naive
 from . import _triton
 from . import conv as conv_kernels
 from . import gdn as gdn_kernels
+from . import gdn_prefill
 from . import mamba2 as mamba2_kernels
+from . import mamba2_prefill
 
 BACKENDS = ("auto", "triton", "naive")
 KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "precision", "snapshots", "impl",
-               "fused_fold")
+               "fused_fold", "block_t", "block_c", "num_stages", "wu_warps", "inv_precision", "inv")
 
 _REFERENCE = {"mamba2": mamba2_naive, "gdn": gdn_naive, "conv": conv_naive}
-_KERNELS = {"mamba2": mamba2_kernels, "gdn": gdn_kernels, "conv": conv_kernels}
+#: where each family's kernels live (the first module defining an op's name has it)
+_KERNELS = {"mamba2": (mamba2_kernels, mamba2_prefill), "gdn": (gdn_kernels, gdn_prefill), "conv": (conv_kernels,)}
 
 #: ops with a Triton kernel of the reference op's signature, per family
 ROUTED = {
     "mamba2": ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify",
-               "kv_verify", "snapshot_verify"),
+               "kv_verify", "snapshot_verify", "chunked_prefill_varlen"),
     "gdn": ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify",
-            "kv_verify", "snapshot_verify"),
-    "conv": ("conv_decode", "conv_verify", "conv_commit"),
+            "kv_verify", "snapshot_verify", "chunked_prefill_varlen"),
+    "conv": ("conv_decode", "conv_verify", "conv_commit", "conv_prefill_varlen"),
 }
 #: ops (and helpers) that run the reference on every device, per family
 REFERENCE_ONLY = {
@@ -100,11 +103,16 @@ def _accepts(f, kw: str) -> bool:
     return kw in inspect.signature(f).parameters
 
 
-def _probe(args) -> list[Tensor]:
-    """The tensors that decide the backend of one call: tensor arguments, plus the state
-    (ring buffers), window (conv) or first pool tensor (paged pools) of cache objects."""
+#: keyword arguments that carry state a kernel would read or write (part of the probe)
+_STATE_KWARGS = ("initial_state", "state_pool")
+
+
+def _probe(args, kwargs=None) -> list[Tensor]:
+    """The tensors that decide the backend of one call: tensor arguments and state keywords,
+    plus the state (ring buffers), window (conv) or first pool tensor (paged pools) of cache
+    objects."""
     out = []
-    for a in args:
+    for a in list(args) + [(kwargs or {}).get(k) for k in _STATE_KWARGS]:
         if isinstance(a, Tensor):
             out.append(a)
         elif isinstance(getattr(a, "state", None), Tensor):
@@ -115,6 +123,11 @@ def _probe(args) -> list[Tensor]:
             ts = [t for t in a.tensors() if isinstance(t, Tensor)]
             out += ts[:1]
     return out
+
+
+def kernel_for(family: str, name: str):
+    """The Triton wrapper of ``family``'s routed op ``name``."""
+    return next(getattr(m, name) for m in _KERNELS[family] if hasattr(m, name))
 
 
 class KernelOps:
@@ -132,7 +145,7 @@ class KernelOps:
         if backend not in BACKENDS:
             raise ValueError(f"bad backend {backend!r}: expected one of {BACKENDS}")
         self.family, self.backend = family, backend
-        self.naive, self.kernels = _REFERENCE[family], _KERNELS[family]
+        self.naive = _REFERENCE[family]
         for name in ROUTED[family]:
             setattr(self, name, self._router(name))
         for name in REFERENCE_ONLY[family]:
@@ -140,12 +153,11 @@ class KernelOps:
 
     def _router(self, name: str):
         naive_f = getattr(self.naive, name)
-
         @functools.wraps(naive_f)
         def op(*args, **kwargs):
-            probe = _probe(args)
+            probe = _probe(args, kwargs)
             if use_triton(*probe, backend=_fp64_naive(self.backend, probe)):
-                f = getattr(self.kernels, name)
+                f = kernel_for(self.family, name)
                 if "check" in kwargs and not _accepts(f, "check"):
                     kwargs = {k: v for k, v in kwargs.items() if k != "check"}
                 return f(*args, **kwargs)

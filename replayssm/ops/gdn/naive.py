@@ -52,6 +52,7 @@ __all__ = [
     "kv_verify",
     "kv_tree_verify",
     "kv_to_state",
+    "chunked_prefill_varlen",
 ]
 
 _ROUTES = ("state", "output")
@@ -724,3 +725,82 @@ def kv_to_state(kv, pplan, buf: GDNBuffers, slot: Tensor, check: bool | None = N
         raise ValueError("negative KV lengths in the paged plan")
     S = _kv_fold(kv, pplan, buf.state.dtype)
     buf.state[sl] = S.to(buf.state.dtype)
+
+
+# ---------------------------------------------------------------------------- packed prefill
+def _chunked_scan_u(qn, kn, v, g, beta, St, chunk_size: int):
+    """The chunk loop of :func:`chunked_prefill` on prepared inputs of one sequence
+    (``[1,T,..]``, compute dtype), also returning the corrected values
+    ``U [1,T,HV,V]`` (``u_t = β_t (v_t − α_t S_{t−1} k_t)``).  Returns ``(y, St, U)``."""
+    T = v.shape[1]
+    ys, us = [], []
+    for c0 in range(0, T, chunk_size):
+        sl = slice(c0, min(T, c0 + chunk_size))
+        qc, kc, vc, gc, bc = qn[:, sl], kn[:, sl], v[:, sl], g[:, sl], beta[:, sl]
+        G = gc.cumsum(1)
+        hk, hq = _state_readout(St, kc), _state_readout(St, qc)
+        U, y = _delta_block(hk, hq, qc, kc, vc, G, bc, _chain_mask(1, qc.shape[1], v.device))
+        ys.append(y)
+        us.append(U)
+        w = torch.exp(G[:, -1:] - G)  # [1,C,HV], exponents <= 0
+        St = torch.exp(G[:, -1])[..., None, None] * St + _sum_history_state(U, kc, w)
+    if not ys:
+        return v.new_zeros(v.shape), St, v.new_zeros(v.shape)
+    return torch.cat(ys, 1), St, torch.cat(us, 1)
+
+
+def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
+                           cu_seqlens: Tensor, initial_state: Tensor | None = None,
+                           scale: float | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
+                           return_u: bool = False, state_pool: Tensor | None = None,
+                           slots: Tensor | None = None, fresh: Tensor | None = None,
+                           check: bool | None = None):
+    """:func:`chunked_prefill` over a packed batch of ``N`` variable-length sequences.
+
+    q/k ``[Nt,H,K]``, v ``[Nt,HV,V]``, g/beta ``[Nt,HV]``; sequence ``i`` is tokens
+    ``cu_seqlens[i]:cu_seqlens[i+1]`` (may be empty), scanned on its own (chunks restart at
+    its first token) from ``initial_state[i] [HV,K,V]`` (zeros if None), or, in pool form
+    (:mod:`replayssm.ops.varlen`), from zeros if ``fresh[i]`` else ``state_pool[slots[i]]``,
+    its final state written back to ``state_pool[slots[i]]``.  Math in fp64 if any input or
+    the state source is fp64, else fp32.
+
+    Returns ``(y [Nt,HV,V] in v.dtype, final_state [N,HV,K,V])`` (pool form: ``None`` in
+    place of the final states), plus ``u [Nt,HV,V]`` (v.dtype) with ``return_u``:
+    ``u_t = β_t (v_t − α_t S_{t−1} k_t)``, the corrected values the replay ring and the
+    KV-only pages store for GDN.
+    """
+    from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
+
+    for name, t, form in (("q", q, "[Nt, H, K]"), ("k", k, "[Nt, H, K]"), ("v", v, "[Nt, HV, V]"),
+                          ("g", g, "[Nt, HV]"), ("beta", beta, "[Nt, HV]")):
+        if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:
+            raise ValueError(f"{name} must be {form}, got {shape_str(t)}")
+    _, Nt, H, HV, K, V = _check_inputs(q[None], k[None], v[None], g[None], beta[None], True, scale)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check = want_check(check, q)
+    N = check_cu_seqlens(cu_seqlens, Nt, q.device, check)
+    shape = (HV, K, V)
+    sl, fr = check_state_source(initial_state, state_pool, slots, fresh, N, shape, q.device, check)
+    src = state_pool if state_pool is not None else initial_state
+    cdt = compute_dtype(q.dtype, v.dtype, g.dtype, beta.dtype, *(() if src is None else (src.dtype,)))
+    S0 = gather_initial(initial_state, state_pool, sl, fr, N, shape, cdt, q.device)
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
+    ys, us, finals = [], [], []
+    for i, (s, e) in enumerate(seq_bounds(cu_seqlens)):
+        y_i, S_i, u_i = _chunked_scan_u(qn[None, s:e], kn[None, s:e], vc[None, s:e], gc[None, s:e],
+                                        bc[None, s:e], S0[i:i + 1], chunk_size)
+        ys.append(y_i[0])
+        us.append(u_i[0])
+        finals.append(S_i[0])
+    y = torch.cat(ys, 0).to(v.dtype) if ys else v.new_zeros(v.shape)
+    final = torch.stack(finals, 0) if finals else S0
+    if state_pool is not None:
+        if N:
+            state_pool[sl] = final.to(state_pool.dtype)
+        final = None
+    if return_u:
+        u = torch.cat(us, 0).to(v.dtype) if us else v.new_zeros(v.shape)
+        return y, final, u
+    return y, final

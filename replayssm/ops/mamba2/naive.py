@@ -62,6 +62,7 @@ __all__ = [
     "kv_verify",
     "kv_tree_verify",
     "kv_to_state",
+    "chunked_prefill_varlen",
 ]
 
 _ROUTES = ("output", "state")
@@ -816,3 +817,58 @@ def kv_to_state(kv, pplan, buf: Mamba2Buffers, slot: Tensor, A: Tensor,
         raise ValueError(f"negative KV lengths in the paged plan: {pplan.length.tolist()}")
     S = _kv_fold(kv, pplan, A, _group_index(H, G, device), buf.state.dtype)
     buf.state[sl] = S.to(buf.state.dtype)
+
+
+# ============================================================================ packed prefill
+def _check_varlen_inputs(x, dt, B, C):
+    """Validate packed activations ``x [Nt,H,d]``, ``dt [Nt,H]``, ``B/C [Nt,G,n]``; returns
+    ``(1, Nt, H, d, G, n)``."""
+    for name, t, form in (("x", x, "[Nt, H, d]"), ("dt", dt, "[Nt, H]"), ("B", B, "[Nt, G, n]"),
+                          ("C", C, "[Nt, G, n]")):
+        if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:
+            raise ValueError(f"{name} must be {form}, got {shape_str(t)}")
+    return _check_inputs(x[None], dt[None], B[None], C[None], True)
+
+
+def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+                           *, cu_seqlens: Tensor, initial_state: Tensor | None = None, chunk_size: int = 64,
+                           state_pool: Tensor | None = None, slots: Tensor | None = None,
+                           fresh: Tensor | None = None, check: bool | None = None):
+    """:func:`chunked_prefill` over a packed batch of ``N`` variable-length sequences.
+
+    x ``[Nt,H,d]``, dt ``[Nt,H]`` (Δ after softplus/bias/clamp), A ``[H]``, B/C ``[Nt,G,n]``,
+    D ``[H]`` or None; sequence ``i`` is tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` (may be
+    empty).  Each sequence is scanned on its own (chunks restart at its first token) from
+    ``initial_state[i]`` (zeros if None), or, in pool form (:mod:`replayssm.ops.varlen`),
+    from zeros if ``fresh[i]`` else ``state_pool[slots[i]]``, its final state written back
+    to ``state_pool[slots[i]]``.  Math in fp64 if x, dt or the state source is fp64, else fp32.
+
+    Returns ``(y [Nt,H,d] in x.dtype incl. D·x, final_state [N,H,d,n])``; in pool form
+    ``(y, None)`` (the final states are in the pool).
+    """
+    from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
+
+    _, Nt, H, d, G, n = _check_varlen_inputs(x, dt, B, C)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check = want_check(check, x)
+    _check_params(A, D, dt, H, x.device, check)
+    N = check_cu_seqlens(cu_seqlens, Nt, x.device, check)
+    shape = (H, d, n)
+    sl, fr = check_state_source(initial_state, state_pool, slots, fresh, N, shape, x.device, check)
+    src = state_pool if state_pool is not None else initial_state
+    cdt = compute_dtype(x.dtype, dt.dtype, *(() if src is None else (src.dtype,)))
+    S0 = gather_initial(initial_state, state_pool, sl, fr, N, shape, cdt, x.device)
+    ys, finals = [], []
+    for i, (s, e) in enumerate(seq_bounds(cu_seqlens)):
+        y_i, S_i = chunked_prefill(x[None, s:e], dt[None, s:e], A, B[None, s:e], C[None, s:e], D,
+                                   initial_state=S0[i:i + 1], chunk_size=chunk_size, check=False)
+        ys.append(y_i[0])
+        finals.append(S_i[0])
+    y = torch.cat(ys, 0) if ys else x.new_zeros(x.shape)
+    final = torch.stack(finals, 0) if finals else S0
+    if state_pool is None:
+        return y, final
+    if N:
+        state_pool[sl] = final.to(state_pool.dtype)
+    return y, None
