@@ -30,35 +30,26 @@ def _scaled(s: dict, k: int) -> dict:
 
 
 M2_BIG = [dict(flush_mode="split", pre_scores=True, block_d=32, num_warps=2),  # the 2026-11-23 default
-          dict(flush_mode="split", pre_scores=False, block_d=32, num_warps=2),
           dict(flush_mode="apart", pre_scores=True, block_d=32, num_warps=2),
           dict(flush_mode="apart", pre_scores=True, block_d=32, num_warps=4),
           dict(flush_mode="apart", pre_scores=True, block_d=64, num_warps=4),
-          dict(flush_mode="apart", pre_scores=True, block_d=32, num_warps=2, fold_warps=8),
           dict(flush_mode="fused", pre_scores=True, block_d=32, num_warps=2),
           dict(flush_mode="fused", pre_scores=False, block_d=32, num_warps=2)]
 M2_SMALL = [dict(flush_mode="split", pre_scores=True, block_d=32, num_warps=2),
             dict(flush_mode="fused", pre_scores=False, block_d=32, num_warps=2),
-            dict(flush_mode="fused", pre_scores=False, block_d=32, num_warps=4),
-            dict(flush_mode="fused", pre_scores=False, block_d=64, num_warps=4),
-            dict(flush_mode="apart", pre_scores=True, block_d=32, num_warps=2)]
+            dict(flush_mode="fused", pre_scores=False, block_d=32, num_warps=4)]
 GDN_BIG = [dict(flush_mode="split", pre_scores=False, block_v=32, num_warps=1),  # the 2026-11-23 default
            dict(flush_mode="split", pre_scores=True, block_v=32, num_warps=1),
            dict(flush_mode="apart", pre_scores=True, block_v=32, num_warps=1),
            dict(flush_mode="apart", pre_scores=True, block_v=32, num_warps=2),
            dict(flush_mode="apart", pre_scores=True, block_v=64, num_warps=2),
-           dict(flush_mode="apart", pre_scores=True, block_v=16, num_warps=1),
-           dict(flush_mode="apart", pre_scores=False, block_v=32, num_warps=1),
            dict(flush_mode="fused", pre_scores=True, block_v=32, num_warps=4)]
 GDN_SMALL = [dict(flush_mode="split", pre_scores=False, block_v=32, num_warps=1),
              dict(flush_mode="fused", pre_scores=False, block_v=32, num_warps=4),
-             dict(flush_mode="fused", pre_scores=False, block_v=64, num_warps=4),
-             dict(flush_mode="fused", pre_scores=False, block_v=32, num_warps=2),
-             dict(flush_mode="apart", pre_scores=True, block_v=32, num_warps=1)]
-M2_VERIFY = [dict(block_d=64, num_warps=2), dict(block_d=32, num_warps=4), dict(block_d=64, num_warps=8),
-             dict(block_d=64, num_warps=4)]
-GDN_VERIFY = [dict(impl="rows"), dict(impl="rows", block_v=32, num_warps=4), dict(impl="rows", block_v=64, num_warps=8),
-              dict(impl="dot"), dict(impl="dot", block_v=64, num_warps=8), dict(impl="dot", block_v=32, num_warps=4)]
+             dict(flush_mode="fused", pre_scores=False, block_v=32, num_warps=2)]
+M2_VERIFY = [dict(block_d=64, num_warps=2), dict(block_d=32, num_warps=4), dict(block_d=64, num_warps=8)]
+GDN_VERIFY = [dict(impl="rows"), dict(impl="rows", block_v=32, num_warps=4), dict(impl="dot"),
+              dict(impl="dot", block_v=64, num_warps=8), dict(impl="dot", block_v=32, num_warps=4)]
 
 
 def _key(v: dict) -> str:
