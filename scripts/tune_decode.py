@@ -29,15 +29,9 @@ def _scaled(s: dict, k: int) -> dict:
     return {key: (max(2, v // k) if key in ("H", "HK", "HV", "d", "n", "K", "V") else v) for key, v in s.items()}
 
 
-M2_BIG = [dict(flush_mode="split", pre_scores=True, block_d=32, num_warps=2),  # the 2026-11-23 default
-          dict(flush_mode="apart", pre_scores=True, block_d=32, num_warps=2),
-          dict(flush_mode="apart", pre_scores=True, block_d=32, num_warps=4),
-          dict(flush_mode="apart", pre_scores=True, block_d=64, num_warps=4),
-          dict(flush_mode="fused", pre_scores=True, block_d=32, num_warps=2),
-          dict(flush_mode="fused", pre_scores=False, block_d=32, num_warps=2)]
-M2_SMALL = [dict(flush_mode="split", pre_scores=True, block_d=32, num_warps=2),
-            dict(flush_mode="fused", pre_scores=False, block_d=32, num_warps=2),
-            dict(flush_mode="fused", pre_scores=False, block_d=32, num_warps=4)]
+M2_BIG = [dict(pre_scores=True, block_d=32, num_warps=2), dict(pre_scores=True, block_d=32, num_warps=4),
+          dict(pre_scores=True, block_d=64, num_warps=4), dict(pre_scores=False, block_d=32, num_warps=2)]
+M2_SMALL = [dict(pre_scores=False, block_d=32, num_warps=2), dict(pre_scores=False, block_d=32, num_warps=4)]
 GDN_BIG = [dict(flush_mode="split", pre_scores=False, block_v=32, num_warps=1),  # the 2026-11-23 default
            dict(flush_mode="split", pre_scores=True, block_v=32, num_warps=1),
            dict(flush_mode="apart", pre_scores=True, block_v=32, num_warps=1),

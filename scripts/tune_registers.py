@@ -108,10 +108,11 @@ def main() -> None:
             buf = setup(Bt, L, s, "cpu", dt)
             inp = inputs(Bt, s, "cpu", dt)
             for t in tiles:
-                for mode in mod.FLUSH_MODES:
+                for mode in getattr(mod, "FLUSH_MODES", (None,)):
                     for pre in (False, True):
-                        tag[0] = f"{fam} decode {mode} pre={pre} {t}"
-                        mod.replay_decode(buf, plan, **inp, flush_mode=mode, pre_scores=pre, **t)
+                        tag[0] = f"{fam} decode {mode or ''} pre={pre} {t}"
+                        kw = dict(flush_mode=mode) if mode else {}
+                        mod.replay_decode(buf, plan, **inp, pre_scores=pre, **kw, **t)
     if "verify" in only:
         for T in (1, 2, 4, 6):
             vplan = ring.plan_verify(slots, T, "verify")

@@ -320,7 +320,7 @@ def correctness(device, dtype, smoke) -> dict:
     def clone(buf):
         return type(buf)(*(t.clone() for t in buf.__dict__.values()))
 
-    for kind in ("decode-split", "decode-fused", "decode-apart", "verify", "tree"):
+    for kind in ("decode", "decode-scores", "verify", "tree"):
         buf = m2_setup(Bt, L, s, device, dtype)
         ring = _ring(Bt + 1, L, device)
         _set_fill(ring, slots, 0, stagger=True)
@@ -330,7 +330,7 @@ def correctness(device, dtype, smoke) -> dict:
             plan = ring.plan_decode(slots)
             inp = m2_inputs(Bt, s, device, dtype)
             a = nm.replay_decode(ref, plan, **inp, check=False)
-            b = km.replay_decode(buf, plan, **inp, flush_mode=kind[7:])
+            b = km.replay_decode(buf, plan, **inp, pre_scores=kind == "decode-scores")
         else:
             plan = ring.plan_verify(slots, T, kind)
             inp = m2_inputs(Bt, s, device, dtype, T)
@@ -432,8 +432,8 @@ def run(args) -> dict:
     m2 = out["mamba2"] = dict(decode={}, variants={}, verify={})
     gd = out["gdn"] = dict(decode={}, variants={}, verify={})
     cuda_t = use_triton and device == "cuda" and not smoke  # tune tiles and forms on a GPU run
-    m2_variants = [dict(block_d=bd, num_warps=nw, pre_scores=ps, flush_mode=fm) for bd, nw in ((32, 2), (32, 4), (64, 4))
-                   for ps in (False, True) for fm in ("fused", "apart", "split")] if cuda_t else [{}]
+    m2_variants = [dict(block_d=bd, num_warps=nw, pre_scores=ps) for bd, nw in ((32, 2), (32, 4), (64, 2), (64, 4))
+                   for ps in (False, True)] if cuda_t else [{}]
     gdn_variants = [dict(route="output", block_v=bv, num_warps=nw, pre_scores=ps, flush_mode=fm)
                     for bv, nw in ((32, 1), (32, 2), (64, 2), (16, 1)) for ps in (False, True)
                     for fm in ("fused", "apart", "split")] if cuda_t else [{}]
@@ -441,10 +441,9 @@ def run(args) -> dict:
         gdn_variants += [dict(route="state", block_v=bv, num_warps=nw, flush_mode="split")
                          for bv, nw in ((32, 1), (32, 2))]
     if cuda_t and args.quick:  # the wrappers' defaults and their nearest neighbours
-        m2_variants = [{}] + [dict(block_d=bd, num_warps=nw, pre_scores=True, flush_mode="apart")
-                              for bd, nw in ((32, 2), (32, 4), (64, 4))]
-        gdn_variants = [{}] + [dict(route="output", block_v=bv, num_warps=nw, pre_scores=True, flush_mode="apart")
-                               for bv, nw in ((32, 1), (32, 2), (64, 2))]
+        m2_variants = [{}, dict(block_d=32, num_warps=4, pre_scores=True), dict(block_d=64, num_warps=4, pre_scores=True)]
+        gdn_variants = [{}] + [dict(route="output", block_v=bv, num_warps=nw, pre_scores=True, flush_mode=fm)
+                               for fm, bv, nw in (("apart", 32, 1), ("split", 64, 2), ("fused", 64, 2))]
         Ts = [1, 2, 4, 6]
     rec_m2_variants = [dict(block_d=b, num_warps=w) for b in (4, 8, 16) for w in (2, 4)] if cuda_t else [{}]
     rec_gdn_variants = [dict(block_v=b, num_warps=w) for b in (8, 16, 32) for w in (1, 2, 4)] if cuda_t else [{}]
@@ -676,11 +675,12 @@ def verify_sweep(fam, store, s, setup, inputs, mod, timer, device, dtype, Bt, L,
     buf = setup(Bt, L, s, device, dtype)
     ring = _ring(Bt + 1, L, device)
     if fam == "mamba2":
-        variants = [dict(base_kw, block_d=bd, num_warps=nw) for bd, nw in ((64, 2), (32, 4), (64, 4), (64, 8))]
+        tiles = ((64, 2),) if args.quick else ((64, 2), (32, 4), (64, 4), (64, 8))
+        variants = [dict(base_kw, block_d=bd, num_warps=nw) for bd, nw in tiles]
     else:
-        variants = [dict(base_kw, impl=impl, block_v=bv, num_warps=nw)
-                    for impl, bv, nw in (("rows", 32, 1), ("rows", 32, 4), ("rows", 64, 8), ("dot", 64, 4),
-                                         ("dot", 64, 8), ("dot", 32, 4))]
+        tiles = (("rows", 32, 1), ("dot", 64, 4)) if args.quick else (
+            ("rows", 32, 1), ("rows", 32, 4), ("rows", 64, 8), ("dot", 64, 4), ("dot", 64, 8), ("dot", 32, 4))
+        variants = [dict(base_kw, impl=impl, block_v=bv, num_warps=nw) for impl, bv, nw in tiles]
     res = store["verify_variants"] = {}
     best = None
     for var in variants:

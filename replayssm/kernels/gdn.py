@@ -603,17 +603,18 @@ def _fold(buf, plan, extra: int, grid, BV: int, precision: str) -> None:
 #: ``flush_mode`` of :func:`replay_decode` (see :func:`replayssm.kernels.mamba2.replay_decode`)
 FLUSH_MODES = ("split", "fused", "apart")
 
-#: up to this many (row, value head, V-block) tiles a decode step is one launch
-SMALL_GRID = 4096
+#: up to this many (row, value head, 32-wide V-block) tiles a decode step is one launch
+SMALL_GRID = 2048
 
 
-def decode_defaults(Bt: int, HV: int, V: int, block_v: int | None) -> dict:
-    """Default form of :func:`replay_decode` for a batch (H100 measurements, KERNEL_NOTES.md):
-    one launch for small grids, else the per-head scores kernel, the hot kernel and the
+def decode_defaults(Bt: int, HV: int, V: int) -> dict:
+    """Default form of :func:`replay_decode` for a batch (H100, 2026-11-23, KERNEL_NOTES.md):
+    small grids run as one launch (``fused``, 4 warps: its fold spills on fewer); larger ones
+    run the per-head scores kernel, the hot kernel on 64-wide V tiles and 2 warps, and the
     flush rows apart."""
-    if Bt * HV * triton.cdiv(V, _bv(V, block_v)) <= SMALL_GRID:
-        return dict(pre_scores=False, flush_mode="fused", num_warps=4)  # its fold spills on 1-2 warps
-    return dict(pre_scores=True, flush_mode="apart", num_warps=1)
+    if Bt * HV * triton.cdiv(V, 32) <= SMALL_GRID:
+        return dict(pre_scores=False, flush_mode="fused", num_warps=4, block_v=32)
+    return dict(pre_scores=True, flush_mode="apart", num_warps=2, block_v=64)
 
 
 def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -622,13 +623,18 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
                   precision: str = "tf32x3", pre_scores: bool | None = None, flush_mode: str | None = None,
                   fold_warps: int = 4) -> Tensor:
     """Replay decode (Alg. 6), appending ``(u, k, g)``.  ``flush_mode`` (default:
-    :func:`decode_defaults`) as for Mamba-2: ``"fused"`` (one kernel; flush rows fold the
-    tile they read), ``"apart"`` (the hot kernel skips flush rows, a persistent kernel runs
-    decode + fold for them), ``"split"`` (the hot kernel, then the fold kernel re-reads the
-    flush rows' checkpoints).  ``pre_scores``: normalised ``q``/``k`` and the history scores
-    once per (row, key head) in a small kernel (output route only).  ``route="state"``
-    rebuilds ``S_h`` in the kernel (``split`` form only).  ``precision``: the ``tl.dot`` of
-    the state route and of the fold."""
+    :func:`decode_defaults`) is how flush rows store ``S_{h+1}``:
+
+    * ``"fused"``: one kernel; flush rows fold the tile they read (the small-batch form).
+    * ``"apart"``: the hot kernel (no flush code) skips the flush rows; a persistent kernel of
+      ``fold_warps``-warp programs then runs decode + fold for them only, the rows found on
+      the device (large batches).
+    * ``"split"``: the hot kernel for every row, then the fold kernel re-reads the flush
+      rows' checkpoints (three state passes on a flush step; the state route's form).
+
+    ``pre_scores``: normalised ``q``/``k`` and the history scores once per (row, key head) in
+    a small kernel (output route only).  ``route="state"`` rebuilds ``S_h`` in the kernel.
+    ``precision``: the ``tl.dot`` of the state route and of the fold."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     if plan.kind != "decode":
@@ -636,9 +642,9 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     dims = _dims(q, v, False)
     Bt, _, H, HV, K, V = dims
     _check_ring(buf, plan, v, dims)
-    auto = decode_defaults(Bt, HV, V, block_v)
+    auto = decode_defaults(Bt, HV, V)
     if route == "state":
-        auto = dict(pre_scores=False, flush_mode="split", num_warps=1)
+        auto = dict(pre_scores=False, flush_mode="split", num_warps=1, block_v=32)
     flush_mode = flush_mode or auto["flush_mode"]
     pre_scores = auto["pre_scores"] if pre_scores is None else bool(pre_scores)
     num_warps = num_warps or auto["num_warps"]
@@ -648,7 +654,7 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
         raise ValueError("route='state' runs with pre_scores=False and flush_mode='split' only")
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
     L = plan.capacity
-    BV, LP, BK = _bv(V, block_v), pad16(L), pad16(K)
+    BV, LP, BK = _bv(V, block_v or auto["block_v"]), pad16(L), pad16(K)
     y = torch.empty_like(v)
     if Bt == 0:
         return y

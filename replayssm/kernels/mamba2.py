@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import (HAVE_TRITON, check_ring, count_flags, flag_chunk, flat_grid, history_entries, next_pow2,
-                      nth_flag, pad16, persistent_programs, tile, tile_ids, triton, tl)
+from ._triton import HAVE_TRITON, check_ring, flat_grid, history_entries, next_pow2, pad16, tile, tile_ids, triton, tl
 from ._triton import contiguous as _c
 from .append import append_entries
 
@@ -142,17 +141,18 @@ if HAVE_TRITON:
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
         r, hd, db, L, H, G, d, n, HPG,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
-        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
+        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr,
     ):
         """One ``(row, head, d-block)`` tile of Alg. 2, output-only:
         ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + Δ (B·C) x + D x``; appends
         ``(x, dt)`` (and ``B`` unless ``PRE_SCORES``: the scores kernel did) at ring position h.
         The whole ``[BD, n]`` checkpoint tile is read in one load.
 
-        ``FOLD``: a flush row then stores ``S_{h+1} = e^{pre} S0 + Σ_{j≤h} Δ_j e^{pre-pre_j}
-        x_j B_jᵀ`` (the new entry included), ``n`` in chunks of ``BNC``: each chunk of ``S0`` is
-        read again right after the first read (from L2, not DRAM), so the register tile of the
-        readout is not held across the fold's ``tl.dot``."""
+        A flush row then stores ``S_{h+1} = e^{pre} S0 + Σ_{j≤h} Δ_j e^{pre-pre_j} x_j B_jᵀ``
+        (the new entry included), ``n`` in chunks of ``BNC``: each chunk of ``S0`` is read again
+        right after the first read (from L2, not DRAM), so the register tile of the readout is
+        not held across the fold's ``tl.dot``.  One DRAM read and, on flush rows, one write: no
+        second pass over the state."""
         g = hd // HPG
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int64)
@@ -205,60 +205,36 @@ if HAVE_TRITON:
             if not PRE_SCORES:
                 if hd % HPG == 0:
                     tl.store(Br_ptr + (enew * G + g) * n + offs_n, tl.load(B_ptr + gbase + offs_n, mask=mn), mask=mn)
-        if FOLD:
-            if tl.load(flush_ptr + r) != 0:
-                newj = jj == h
-                # S_{h+1} weights: Δ_j e^{tot+l_new-cum_j} for j < h, Δ for the new entry (row h)
-                XW = tl.trans(tl.where(newj[:, None], xv[None, :], Xh) * tl.where(newj, dtv, wj)[:, None])  # [BD, LP]
-                a1 = tl.exp(tot + lv)
-                for k0 in tl.static_range(0, BN, BNC):
-                    offs_k = k0 + tl.arange(0, BNC)
-                    mk = offs_k < n
-                    Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
-                                 mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [LP, BNC]
-                    bk = tl.load(B_ptr + gbase + offs_k, mask=mk, other=0.0).to(tl.float32)
-                    S0c = tl.load(state_ptr + sbase + offs_k[None, :], mask=md[:, None] & mk[None, :], other=0.0)
-                    Sn = a1 * S0c + tl.dot(XW, tl.where(newj[:, None], bk[None, :], Bk), input_precision=PREC)
-                    tl.store(state_ptr + sbase + offs_k[None, :], Sn.to(state_ptr.dtype.element_ty),
-                             mask=md[:, None] & mk[None, :])
+        if tl.load(flush_ptr + r) != 0:
+            newj = jj == h
+            # S_{h+1} weights: Δ_j e^{tot+l_new-cum_j} for j < h, Δ for the new entry (row h)
+            XW = tl.trans(tl.where(newj[:, None], xv[None, :], Xh) * tl.where(newj, dtv, wj)[:, None])  # [BD, LP]
+            a1 = tl.exp(tot + lv)
+            for k0 in tl.static_range(0, BN, BNC):
+                offs_k = k0 + tl.arange(0, BNC)
+                mk = offs_k < n
+                Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
+                             mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [LP, BNC]
+                bk = tl.load(B_ptr + gbase + offs_k, mask=mk, other=0.0).to(tl.float32)
+                S0c = tl.load(state_ptr + sbase + offs_k[None, :], mask=md[:, None] & mk[None, :], other=0.0)
+                Sn = a1 * S0c + tl.dot(XW, tl.where(newj[:, None], bk[None, :], Bk), input_precision=PREC)
+                tl.store(state_ptr + sbase + offs_k[None, :], Sn.to(state_ptr.dtype.element_ty),
+                         mask=md[:, None] & mk[None, :])
 
     @triton.jit
     def _m2_replay_decode_kernel(
         state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
-        Bt, NPROG, L, H, G, d, n, HPG,
-        LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr, BT: tl.constexpr,
-        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
-        SKIP_FLUSH: tl.constexpr, PERSIST: tl.constexpr,
+        L, H, G, d, n, HPG,
+        LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
+        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr,
     ):
         """Alg. 2 decode (:func:`_m2_decode_tile`) over a flat grid of ``d-blocks × heads ×
-        rows`` (d-blocks of one (row, head) side by side: one contiguous stream).
-
-        ``SKIP_FLUSH``: flush rows do nothing here (the ``apart`` form's hot launch).
-        ``PERSIST``: ``NPROG`` programs loop over the tiles of the flush rows only, found on the
-        device (:func:`nth_flag`), each folded in its one pass (the ``apart`` form's second launch:
-        a non-flush step costs it only ``NPROG`` empty programs)."""
-        nd = tl.cdiv(d, BD)
-        if PERSIST:
-            ntile = nd * H
-            work = count_flags(flush_ptr, Bt, BT) * ntile
-            for w in range(tl.program_id(0), work, NPROG):
-                r = nth_flag(flush_ptr, Bt, w // ntile, BT)
-                t = w % ntile
-                _m2_decode_tile(state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
-                                x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
-                                r, t // nd, t % nd, L, H, G, d, n, HPG,
-                                LP, BD, BN, BNC, HAS_D, PRE_SCORES, FOLD, PREC)
-        else:
-            db, hd, r = tile_ids(nd, H)
-            go = True
-            if SKIP_FLUSH:
-                go = tl.load(flush_ptr + r) == 0
-            if go:
-                _m2_decode_tile(state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
-                                x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
-                                r, hd, db, L, H, G, d, n, HPG,
-                                LP, BD, BN, BNC, HAS_D, PRE_SCORES, FOLD, PREC)
+        rows`` (d-blocks of one (row, head) side by side: one contiguous stream)."""
+        db, hd, r = tile_ids(tl.cdiv(d, BD), H)
+        _m2_decode_tile(state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+                        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
+                        r, hd, db, L, H, G, d, n, HPG, LP, BD, BN, BNC, HAS_D, PRE_SCORES, PREC)
 
     @triton.jit
     def _m2_fold_kernel(
@@ -467,43 +443,29 @@ def _fold(buf, plan, A: Tensor, extra: int, grid, BD: int, precision: str) -> No
         L, H, G, d, n, H // G, extra, LP=pad16(L), BD=BD, BN=pad16(n), PREC=precision, num_warps=4)
 
 
-#: ``flush_mode`` of :func:`replay_decode`: how the rows that flush store ``S_{h+1}``.
-FLUSH_MODES = ("split", "fused", "apart")
+#: up to this many (row, head, d-block) tiles a decode step is one launch (no scores kernel)
+SMALL_GRID = 2048
 
 
 def decode_defaults(Bt: int, H: int, d: int, block_d: int | None) -> dict:
-    """Default form of :func:`replay_decode` for a batch (H100 measurements, KERNEL_NOTES.md):
-    small grids are launch-bound and run as one launch (scores and fold inside the kernel);
-    large ones run the hot kernel, with the scores computed once per group beforehand and the
-    flush rows folded apart."""
-    BD = _block_d(d, block_d)
-    if Bt * H * triton.cdiv(d, BD) <= SMALL_GRID:
-        return dict(pre_scores=False, flush_mode="fused", num_warps=2)
-    return dict(pre_scores=True, flush_mode="apart", num_warps=2)
-
-
-#: up to this many (row, head, d-block) tiles a decode step is one launch
-SMALL_GRID = 4096
+    """Default form of :func:`replay_decode` for a batch (H100, 2026-11-23, KERNEL_NOTES.md):
+    small grids are launch-bound and run as one launch on 4 warps; larger ones compute the
+    per-group scores in a small kernel first and run the decode kernel on 2 warps."""
+    if Bt * H * triton.cdiv(d, _block_d(d, block_d)) <= SMALL_GRID:
+        return dict(pre_scores=False, num_warps=4)
+    return dict(pre_scores=True, num_warps=2)
 
 
 def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = 32, num_warps: int | None = None, pre_scores: bool | None = None,
-                  precision: str = "tf32x3", flush_mode: str | None = None, fold_warps: int = 4,
-                  block_n: int = 32) -> Tensor:
+                  precision: str = "tf32x3", block_n: int = 32) -> Tensor:
     """Replay decode (Alg. 2), output-only (``route`` is accepted for API parity: both routes
-    give the same numbers).  Launches, by ``flush_mode`` (default: :func:`decode_defaults`):
-
-    * ``"fused"``: one kernel; flush rows store ``S_{h+1}`` chunk by chunk in the pass that
-      reads ``S0`` (``n`` in chunks of ``block_n``).
-    * ``"apart"``: the hot kernel (whole ``[block_d, n]`` tile, no flush code) skips the flush
-      rows; a persistent kernel of ``fold_warps``-warp programs then runs decode + fold for
-      the flush rows only, in one pass each.
-    * ``"split"``: the hot kernel for every row, then the fold kernel re-reads the flush
-      rows' checkpoints (three state passes on a flush step).
-
-    ``pre_scores``: a small kernel computes the per-group ``B_j·C`` once (and appends ``B``)
-    instead of every head's programs.  ``precision`` is the fold's ``tl.dot`` precision.
+    give the same numbers), in one pass over the checkpoints: flush rows store ``S_{h+1}`` in
+    the kernel that reads ``S0`` (``n`` in chunks of ``block_n``; ``precision`` is that
+    ``tl.dot``'s).  ``pre_scores``: a small kernel first computes the per-group ``B_j·C`` once
+    (and appends ``B``) instead of every head's programs.  ``pre_scores`` / ``num_warps``
+    default to :func:`decode_defaults`.
     """
     if route not in ("output", "state"):
         raise ValueError(f"bad route {route!r}: expected 'output' or 'state'")
@@ -513,11 +475,8 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
     Bt, _, H, d, G, n = dims
     _check_ring(buf, plan, x, dims)
     auto = decode_defaults(Bt, H, d, block_d)
-    flush_mode = flush_mode or auto["flush_mode"]
     pre_scores = auto["pre_scores"] if pre_scores is None else bool(pre_scores)
     num_warps = num_warps or auto["num_warps"]
-    if flush_mode not in FLUSH_MODES:
-        raise ValueError(f"bad flush_mode {flush_mode!r}: expected one of {FLUSH_MODES}")
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
     L = plan.capacity
     LP, BN, BD = pad16(L), pad16(n), _block_d(d, block_d)
@@ -529,21 +488,12 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
         sc = torch.empty(Bt, G, LP + 1, dtype=torch.float32, device=x.device)
         _m2_scores_kernel[(Bt, G)](buf.B, plan.slot, plan.start, plan.hist, B, C, sc, L, G, n,
                                    LP=LP, BN=BN, num_warps=4)
-    nd = triton.cdiv(d, BD)
-    args = (buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush,
-            x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y)
-    const = dict(LP=LP, BD=BD, BN=BN, BNC=min(BN, pad16(block_n)), BT=flag_chunk(Bt), HAS_D=D is not None,
-                 PRE_SCORES=pre_scores, PREC=precision)
-    grid = flat_grid(nd, H, Bt)
-    dims_args = (L, H, G, d, n, H // G)
-    hot = dict(FOLD=flush_mode == "fused", SKIP_FLUSH=flush_mode == "apart", PERSIST=False)
-    _m2_replay_decode_kernel[grid](*args, Bt, 1, *dims_args, **const, **hot, num_warps=num_warps)
-    if flush_mode == "apart":
-        nprog = persistent_programs(x.device, Bt * H * nd, 32 // fold_warps)
-        _m2_replay_decode_kernel[(nprog,)](*args, Bt, nprog, *dims_args, **const, FOLD=True, SKIP_FLUSH=False,
-                                           PERSIST=True, num_warps=fold_warps)
-    elif flush_mode == "split":
-        _fold(buf, plan, A, 1, grid, BD, precision)
+    _m2_replay_decode_kernel[flat_grid(triton.cdiv(d, BD), H, Bt)](
+        buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush,
+        x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
+        L, H, G, d, n, H // G,
+        LP=LP, BD=BD, BN=BN, BNC=min(BN, pad16(block_n)), HAS_D=D is not None, PRE_SCORES=pre_scores,
+        PREC=precision, num_warps=num_warps)
     return y
 
 

@@ -94,9 +94,8 @@ def test_mamba2_launches_past_the_grid_limit(launches):
     x, dt, B, C = torch.randn(ROWS, H, d), torch.rand(ROWS, H), torch.randn(ROWS, G, n), torch.randn(ROWS, G, n)
     A = -torch.ones(H)
     ring, slots = _ring(1, 3)
-    for mode in mamba2.FLUSH_MODES:
-        for pre in (False, True):
-            mamba2.replay_decode(buf, ring.plan_decode(slots), x, dt, A, B, C, flush_mode=mode, pre_scores=pre)
+    for pre in (False, True):
+        mamba2.replay_decode(buf, ring.plan_decode(slots), x, dt, A, B, C, pre_scores=pre)
     mamba2.recurrent_update(buf.state, x, dt, A, B, C, slot=slots)
     xT, dtT, BT_, CT = (t[:, None].expand(-1, T, *t.shape[1:]).contiguous() for t in (x, dt, B, C))
     ring, slots = _ring(T, 0)
