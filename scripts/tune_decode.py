@@ -29,6 +29,8 @@ def _scaled(s: dict, k: int) -> dict:
     return {key: (max(2, v // k) if key in ("H", "HK", "HV", "d", "n", "K", "V") else v) for key, v in s.items()}
 
 
+# The 2026-11-23 run also timed the Mamba-2 `split` and `apart` flush forms, removed since
+# (docs/BENCHMARKS.md, "Decode flush forms").
 M2_BIG = [dict(pre_scores=True, block_d=32, num_warps=2), dict(pre_scores=True, block_d=32, num_warps=4),
           dict(pre_scores=True, block_d=64, num_warps=4), dict(pre_scores=False, block_d=32, num_warps=2)]
 M2_SMALL = [dict(pre_scores=False, block_d=32, num_warps=2), dict(pre_scores=False, block_d=32, num_warps=4)]

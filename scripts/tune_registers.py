@@ -127,6 +127,24 @@ def main() -> None:
                       dict(impl="dot", block_v=32, num_warps=2), dict(impl="dot", block_v=64, num_warps=2)):
                 tag[0] = f"gdn verify T={T} {t}"
                 kg.replay_verify(buf, vplan, **inp, **t)
+    if "other" in only:
+        from replayssm.cache.conv import ConvWindow
+        from replayssm.kernels import conv, norm
+
+        for N, group, gate_first in ((5120, 5120, True), (128, 128, False)):
+            tag[0] = f"gated norm N={N} group={group}"
+            x = torch.randn(4, N, dtype=dt)
+            norm.gated_rmsnorm(x, x, torch.ones(N, dtype=dt), 1e-6, group, gate_first)
+        win = ConvWindow.allocate(Bt, 4096, 4, dtype=dt)
+        tag[0] = "conv decode / verify / commit"
+        conv.conv_decode(win, slots, torch.randn(Bt, 4096, dtype=dt), torch.randn(4096, 4), activation="silu")
+        conv.conv_verify(win, slots, torch.randn(Bt, 4, 4096, dtype=dt), torch.randn(4096, 4), activation="silu")
+        conv.conv_commit(win, slots, torch.randn(Bt, 4, 4096, dtype=dt), torch.ones(Bt, dtype=torch.long))
+        for fam, s, mod, inputs in (("mamba2", M2_SHAPE, km, m2_inputs), ("gdn", GDN_SHAPE, kg, gdn_inputs)):
+            tag[0] = f"{fam} recurrent / snapshot"
+            pool = torch.randn(Bt + 1, *((s["H"], s["d"], s["n"]) if fam == "mamba2" else (s["HV"], s["K"], s["V"])))
+            mod.recurrent_update(pool, **inputs(Bt, s, "cpu", dt), slot=slots)
+            mod.snapshot_verify(pool, slots, **inputs(Bt, s, "cpu", dt, 4))
     print(f"{'launch':<62} {'kernel':<28} {'warps':>5} {'REG':>4} {'SPILL':>5} {'SHARED':>6}")
     for tg, name, w, reg, loc, sh, _flags in rows:
         print(f"{tg[:62]:<62} {name[:28]:<28} {w:>5} {reg:>4} {loc:>5} {sh:>6}")

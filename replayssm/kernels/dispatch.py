@@ -32,7 +32,8 @@ from torch import Tensor
 from . import _triton
 
 _BACKENDS = ("auto", "triton", "naive")
-_KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "precision", "snapshots", "impl", "fused_fold")
+_KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "precision", "snapshots", "impl", "fused_fold",
+                "flush_mode", "fold_warps", "block_n")
 #: ops of both families that have a Triton kernel with the naive op's signature
 ROUTED = ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify", "kv_verify",
           "snapshot_verify")

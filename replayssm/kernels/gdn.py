@@ -154,12 +154,21 @@ if HAVE_TRITON:
         soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
         S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
         gj = tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32)
+        qbase = (r64 * H + kh) * 2 * K
+        # load order as measured: the ring keys right after the state in the form without scores
+        # (the 2026-11-22 kernel's order), the scores after the values in the other
+        if not PRE_SCORES:
+            Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
+                         other=0.0).to(tl.float32)
         Uh = tl.load(ur_ptr + (e[:, None] * HV + hv) * V + offs_v[None, :], mask=mj[:, None] & mv[None, :],
                      other=0.0).to(tl.float32)
+        if not PRE_SCORES:
+            q = _l2n(tl.load(q_ptr + (r64 * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
+            kraw = tl.load(k_ptr + (r64 * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+            k = _l2n(kraw, L2)
         v = tl.load(v_ptr + (r64 * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
         gv = tl.load(g_ptr + r64 * HV + hv).to(tl.float32)
         beta = tl.load(b_ptr + r64 * HV + hv).to(tl.float32)
-        qbase = (r64 * H + kh) * 2 * K
         if PRE_SCORES:
             k = tl.load(qk_ptr + qbase + offs_k, mask=mk, other=0.0)
             q = tl.load(qk_ptr + qbase + K + offs_k, mask=mk, other=0.0)
@@ -168,11 +177,6 @@ if HAVE_TRITON:
             kq = tl.load(sc_ptr + base + LP)
             sq = tl.load(sc_ptr + base + LP + 1 + jj)
         else:
-            Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
-                         other=0.0).to(tl.float32)
-            q = _l2n(tl.load(q_ptr + (r64 * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
-            kraw = tl.load(k_ptr + (r64 * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-            k = _l2n(kraw, L2)
             sk = tl.sum(Kh * k[None, :], 1)
             sq = tl.sum(Kh * q[None, :], 1)
             kq = tl.sum(k * q, 0)
