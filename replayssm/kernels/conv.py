@@ -21,7 +21,7 @@ from ..cache.conv import ConvWindow
 from ..ops.common import want_check
 from ..ops.conv.naive import _check_activation, _check_weight
 from ..ops.varlen import check_cu_seqlens, check_slots
-from ._triton import HAVE_TRITON, next_pow2, triton, tl
+from ._triton import HAVE_TRITON, flat_grid, next_pow2, triton, tl
 
 __all__ = ["conv_decode", "conv_verify", "conv_commit"]
 
@@ -34,8 +34,9 @@ if HAVE_TRITON:
         WM1: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
         HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     ):
-        cb = tl.program_id(0)
-        r = tl.program_id(1)
+        pid = tl.program_id(0)  # flat grid, channel blocks fastest: no limit on rows
+        cb = pid % tl.cdiv(C, BC)
+        r = pid // tl.cdiv(C, BC)
         slot = tl.load(slot_ptr + r).to(tl.int64)
         offs_c = cb * BC + tl.arange(0, BC)
         mc = offs_c < C
@@ -65,8 +66,9 @@ if HAVE_TRITON:
         C, T, xs_b, xs_t,
         WM1: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     ):
-        cb = tl.program_id(0)
-        r = tl.program_id(1)
+        pid = tl.program_id(0)  # flat grid, channel blocks fastest: no limit on rows
+        cb = pid % tl.cdiv(C, BC)
+        r = pid // tl.cdiv(C, BC)
         r64 = r.to(tl.int64)
         slot = tl.load(slot_ptr + r).to(tl.int64)
         offs_c = cb * BC + tl.arange(0, BC)
@@ -92,8 +94,9 @@ if HAVE_TRITON:
         win_ptr, slot_ptr, x_ptr, acc_ptr, C, xs_b, xs_t,
         WM1: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
     ):
-        cb = tl.program_id(0)
-        r = tl.program_id(1)
+        pid = tl.program_id(0)  # flat grid, channel blocks fastest: no limit on rows
+        cb = pid % tl.cdiv(C, BC)
+        r = pid // tl.cdiv(C, BC)
         slot = tl.load(slot_ptr + r).to(tl.int64)
         a = tl.load(acc_ptr + r).to(tl.int32)
         offs_c = cb * BC + tl.arange(0, BC)
@@ -152,7 +155,7 @@ def conv_verify(win, slot: Tensor, x: Tensor, weight: Tensor, bias: Tensor | Non
     if W == 1:
         return _no_window(x, weight, bias, activation)
     BC = min(256, next_pow2(C))
-    _conv_verify_kernel[(triton.cdiv(C, BC), Bt)](
+    _conv_verify_kernel[flat_grid(triton.cdiv(C, BC), Bt)](
         win.window, slot, x, weight, bias if bias is not None else weight, y,
         C, T, x.stride(0), x.stride(1), WM1=W - 1, BC=BC, HAS_BIAS=bias is not None,
         SILU=activation in ("silu", "swish"), num_warps=4)
@@ -167,7 +170,7 @@ def conv_commit(win, slot: Tensor, x: Tensor, accepted: Tensor, check: bool | No
     if Bt == 0 or W == 1:
         return
     BC = min(128, next_pow2(C))
-    _conv_commit_kernel[(triton.cdiv(C, BC), Bt)](
+    _conv_commit_kernel[flat_grid(triton.cdiv(C, BC), Bt)](
         win.window, slot, x, accepted, C, x.stride(0), x.stride(1),
         WM1=W - 1, WP=max(2, next_pow2(W - 1)), BC=BC, num_warps=4)
 
@@ -184,7 +187,7 @@ def conv_decode(win, slot: Tensor, x: Tensor, weight: Tensor, bias: Tensor | Non
     if W == 1:
         return _no_window(x, weight, bias, activation)
     BC = min(256, next_pow2(C))
-    _conv_decode_kernel[(triton.cdiv(C, BC), Bt)](
+    _conv_decode_kernel[flat_grid(triton.cdiv(C, BC), Bt)](
         win.window, slot, x, weight, bias if bias is not None else weight, y,
         C, x.stride(0), WM1=W - 1, WP=next_pow2(W), BC=BC, HAS_BIAS=bias is not None,
         SILU=activation in ("silu", "swish"), num_warps=4)

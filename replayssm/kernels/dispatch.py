@@ -40,7 +40,8 @@ from . import mamba2_prefill
 
 BACKENDS = ("auto", "triton", "naive")
 KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "precision", "snapshots", "impl",
-               "fused_fold", "block_t", "block_c", "num_stages", "wu_warps", "inv_precision", "inv")
+               "fused_fold", "flush_mode", "fold_warps", "block_n", "block_t", "block_c", "num_stages", "wu_warps",
+               "inv_precision", "inv")
 
 _REFERENCE = {"mamba2": mamba2_naive, "gdn": gdn_naive, "conv": conv_naive}
 #: where each family's kernels live (the first module defining an op's name has it)
