@@ -275,3 +275,51 @@ def snapshot_commit(state: Tensor, slot: Tensor, snapshots: Tensor, accepted: Te
     from ..ops.mamba2.naive import snapshot_commit as _sc
 
     _sc(state, slot, snapshots, accepted, check=check)
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping, backend: str = "auto", check=None) -> None:
+    """Write each token's key and value to its flat cache slot
+    (:func:`replayssm.ops.attention.naive.write_kv`; negative slots are skipped): one kernel
+    launch for CUDA tensors below fp64, the reference otherwise."""
+    if use_triton(k_cache, k, backend=_fp64_naive(backend, (k, k_cache))):
+        from . import attention as katt
+
+        return katt.write_kv(k_cache, v_cache, k, v, slot_mapping, check=check)
+    from ..ops.attention import naive
+
+    return naive.write_kv(k_cache, v_cache, k, v, slot_mapping, check=check)
+
+
+def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, *, scale, tree_bits=None, out=None,
+                    backend: str = "auto", check=None, **kw):
+    """Softmax attention over a paged KV cache
+    (:func:`replayssm.ops.attention.naive.paged_attention`): the Triton kernel for CUDA
+    tensors below fp64, the reference otherwise (kernel-only keywords ``num_splits``,
+    ``block_m``, ``block_n``, ``num_warps`` are then dropped)."""
+    args = (q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens)
+    if use_triton(q, k_cache, backend=_fp64_naive(backend, (q, k_cache))):
+        from . import attention as katt
+
+        return katt.paged_attention(*args, scale=scale, tree_bits=tree_bits, out=out, check=check, **kw)
+    from ..ops.attention import naive
+
+    return naive.paged_attention(*args, scale=scale, tree_bits=tree_bits, out=out, check=check)
+
+
+# ------------------------------------------------------------------------------ mixture of experts
+def moe_experts(x, idx, w, w1, w2, *, act: str = "silu", gated: bool = True, backend: str = "auto", **kw):
+    """Routed experts of a MoE block (:func:`replayssm.ops.moe.naive.experts`): the fused
+    grouped-GEMM kernels for CUDA tensors below fp64 with a supported activation, the
+    gather-based reference otherwise (kernel-only keywords ``block_m``, ``block_n``,
+    ``block_k``, ``num_warps`` are then dropped)."""
+    from . import moe as kmoe
+
+    if act in kmoe.SUPPORTED_ACTS and use_triton(x, w1, backend=_fp64_naive(backend, (x, w1))):
+        return kmoe.experts(x, idx, w, w1, w2, act=act, gated=gated, **kw)
+    from ..ops.moe import naive
+
+    return naive.experts(x, idx, w, w1, w2, act=act, gated=gated)
