@@ -22,6 +22,8 @@ contributes nothing.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -173,17 +175,20 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
                             BW=min(2048, next_pow2(W)), num_warps=4)
 
 
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _sm_count(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return _sms(torch.device(device))
 
 
-def default_splits(programs: int, max_keys: int, device, block_n: int) -> int:
-    """Split-KV count from shapes only: enough programs to fill the GPU twice over, at most
-    16 splits, and none shorter than 4 key tiles at the block table's full capacity."""
-    want = -(-2 * _sm_count(device) // max(programs, 1))
-    return max(1, min(16, want, max_keys // (4 * block_n)))
+def default_splits(programs: int, device, waves: int = 4) -> int:
+    """Split-KV count from shapes only (never from the block table's width, so
+    ``max_seq_len`` changes nothing): enough programs for ``waves`` per SM, at most 16."""
+    want = -(-waves * _sm_count(device) // max(programs, 1))
+    return max(1, min(16, want))
 
 
 def _tiles(Nt: int, N: int, R: int, Dh: int, tree: bool, block_m: int | None):
@@ -222,7 +227,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
     warps = num_warps or warps
     tiles = -(-Nt // QT) + N
     MB = block_table.shape[1]
-    S = num_splits or default_splits(tiles * Hkv, MB * BS, q.device, BN)
+    S = num_splits or default_splits(max(N, -(-Nt // QT)) * Hkv, q.device)
     S = max(1, int(S))
     prec = "ieee" if torch.float32 in (q.dtype, k_cache.dtype) else "tf32"
     bits = tree_bits if tree_bits is not None else kv_lens
