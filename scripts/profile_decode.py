@@ -126,10 +126,10 @@ def profile_model(model, batch: int, context: int, T: int, modes, steps: int = 8
         ids = torch.randint(0, V, (B, T), device="cuda", generator=g)
         acc = torch.randint(1, T + 1, (B,), device="cuda", generator=g)
 
-        def decode():
+        def decode(cache=cache):
             model.decode(cache, slots, tok)
 
-        def verify():
+        def verify(cache=cache):
             model.verify(cache, slots, ids)
             model.commit(cache, acc)
 
@@ -152,7 +152,7 @@ def profile_model(model, batch: int, context: int, T: int, modes, steps: int = 8
             row["decode_graph_ms"] = None
             print(f"{mode}: graph capture failed: {e!r}"[:400])
         results.append(row)
-        del cache
+        cache = decode = verify = None
         torch.cuda.empty_cache()
     return results
 
