@@ -250,6 +250,72 @@ def time_attention(res, contexts=(1024, 8192, 32768), batches=(16, 64)):
     res["attention_decode"] = rows
 
 
+def graph_ms(fn) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph (no launch overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench(g.replay)
+
+
+def time_attention_graph(res, contexts=(1024, 8192, 32768), batches=(16, 64)):
+    """Decode, verify and prefill with both sides replayed from CUDA graphs."""
+    rows = []
+    for name, s in ATTN_SHAPES.items():
+        H, Hkv, Dh = s["H"], s["Hkv"], s["Dh"]
+        scale = Dh ** -0.5
+        for B in batches:
+            for ctx in contexts:
+                c = paged_case(B, [ctx] * B, [1] * B, H, Hkv, Dh, poison=False, seed=B + ctx)
+                out = torch.empty_like(c["q"])
+                t_paged = graph_ms(lambda: KA.paged_attention(**c, scale=scale, out=out))
+                rows_idx = (c["block_table"].long()[:, :, None] * 16 + torch.arange(16, device=DEV)).flatten(1)[:, :ctx]
+                K = c["k_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
+                V = c["v_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
+                be, fn = sdpa_decode(c["q"].view(B, H, 1, Dh), K, V)
+                t_dense = graph_ms(fn)
+                byts = 2 * B * ctx * Hkv * Dh * 2
+                row = dict(shape=name, kind="decode", B=B, context=ctx, paged_ms=t_paged, dense_ms=t_dense,
+                           dense_backend=be, paged_TBps=byts / t_paged / 1e9, dense_TBps=byts / t_dense / 1e9,
+                           paged_vs_dense=t_dense / t_paged)
+                rows.append(row)
+                print(f"[attn graph] {name:14s} decode B={B:3d} ctx={ctx:6d}: paged {t_paged:.3f} ms "
+                      f"({row['paged_TBps']:.2f} TB/s), dense {be} {t_dense:.3f} ms ({row['dense_TBps']:.2f} TB/s), "
+                      f"dense/paged {row['paged_vs_dense']:.2f}", flush=True)
+                c = K = V = out = None
+                torch.cuda.empty_cache()
+        for ctx in (1024, 8192):
+            for kind, T, bits in (("verify5", 5, None), ("tree16", 16, tree_bits(64, 16, 3))):
+                c = paged_case(64, [ctx] * 64, [T] * 64, H, Hkv, Dh, poison=False, seed=ctx + T)
+                out = torch.empty_like(c["q"])
+                t = graph_ms(lambda: KA.paged_attention(**c, scale=scale, tree_bits=bits, out=out))
+                byts = 2 * 64 * ctx * Hkv * Dh * 2
+                rows.append(dict(shape=name, kind=kind, B=64, context=ctx, paged_ms=t, paged_TBps=byts / t / 1e9))
+                print(f"[attn graph] {name:14s} {kind} B=64 ctx={ctx}: paged {t:.3f} ms ({byts / t / 1e9:.2f} TB/s)",
+                      flush=True)
+        c = paged_case(4, [2048] * 4, [2048] * 4, H, Hkv, Dh, poison=False)
+        t = graph_ms(lambda: KA.paged_attention(**c, scale=scale))
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        q = c["q"].view(4, 2048, H, Dh).transpose(1, 2)
+        rows_idx = (c["block_table"].long()[:, :, None] * 16 + torch.arange(16, device=DEV)).flatten(1)
+        K = c["k_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
+        V = c["v_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
+
+        def flash():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(q, K, V, is_causal=True, enable_gqa=True)
+
+        td = graph_ms(flash)
+        rows.append(dict(shape=name, kind="prefill", B=4, context=2048, paged_ms=t, dense_ms=td, dense_backend="FLASH",
+                         paged_vs_dense=td / t))
+        print(f"[attn graph] {name:14s} prefill 4x2048 causal: paged {t:.3f} ms, flash SDPA {td:.3f} ms", flush=True)
+        c = K = V = q = None
+        torch.cuda.empty_cache()
+    res["attention_graph"] = rows
+
+
 def tune_attention(res):
     rows = []
     for name, s in ATTN_SHAPES.items():
@@ -364,11 +430,12 @@ def time_moe(res):
 
 
 # ------------------------------------------------------------------------------ profiles
-def profile_presets(res, batch, context, budget_s):
+def profile_presets(res, batch, context, budget_s, extra=((256, 64),)):
     import profile_decode as P
 
     rows = []
-    for preset in ("nemotron-h-4b", "qwen3-next-4b"):
+    res["profile"] = rows
+    for preset in ("qwen3-next-4b", "nemotron-h-4b"):
         if elapsed() > budget_s:
             print(f"[profile] skipped {preset}: {elapsed():.0f} s elapsed", flush=True)
             continue
@@ -377,12 +444,15 @@ def profile_presets(res, batch, context, budget_s):
             model = P.build(preset, None, tmp)
         build_s = time.perf_counter() - t
         P.label_layers(model)
-        r = P.profile_model(model, batch, context, 5, ["recurrent", "replay"], steps=4)
-        P.print_table(r, f"{preset} ({model.config.num_hidden_layers} layers), B={batch}, context {context}")
-        rows.append(dict(preset=preset, build_s=build_s, results=r))
-        del model
+        for B, ctx in ((batch, context),) + tuple(extra):
+            if elapsed() > budget_s + 40:
+                continue
+            r = P.profile_model(model, B, ctx, 5, ["recurrent", "replay"], steps=4, prefill_chunk=max(1, 1024 // B),
+                                top=15)
+            P.print_table(r, f"{preset} ({model.config.num_hidden_layers} layers), B={B}, context {ctx}")
+            rows.append(dict(preset=preset, build_s=build_s, results=r))
+        model = None
         torch.cuda.empty_cache()
-    res["profile"] = rows
 
 
 def main():
@@ -399,6 +469,7 @@ def main():
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     print(f"device {res['device']}, torch {res['torch']}, triton {res['triton']}", flush=True)
     steps = {"check": lambda: (check_attention(res), check_moe(res)), "attn": lambda: time_attention(res),
+             "attn_graph": lambda: time_attention_graph(res),
              "moe": lambda: time_moe(res), "tune": lambda: tune_attention(res),
              "profile": lambda: profile_presets(res, args.profile_batch, args.profile_context, args.budget)}
     for name in args.sections.split(","):

@@ -111,7 +111,8 @@ def build(preset: str, layers: int | None, tmp: str):
     return load_model(_random_model_dir("_prof", tmp), device="cuda", dtype=torch.bfloat16)
 
 
-def profile_model(model, batch: int, context: int, T: int, modes, steps: int = 8, rows: int = 0) -> list[dict]:
+def profile_model(model, batch: int, context: int, T: int, modes, steps: int = 8, rows: int = 0,
+                  prefill_chunk: int | None = None, top: int = 0) -> list[dict]:
     """Per-type GPU time of a decode step and a verify+commit step for each mode."""
     B, V = batch, int(model.config.vocab_size)
     slots = torch.arange(1, B + 1, device="cuda")
@@ -120,8 +121,12 @@ def profile_model(model, batch: int, context: int, T: int, modes, steps: int = 8
     for mode in modes:
         cache = model.make_cache(B + 1, mode=mode, buffer_size=16, max_new=T,
                                  max_seq_len=context + (steps + 8) * (T + 1) + 64)
-        model.prefill(cache, slots, torch.randint(0, V, (B, context), device="cuda", generator=g),
-                      torch.full((B,), context, device="cuda"))
+        # in chunks: the gated-norm kernel's grid (rows = B * T * heads) must stay <= 65535
+        chunk = max(1, min(context, prefill_chunk or context))
+        for c0 in range(0, context, chunk):
+            n = min(chunk, context - c0)
+            model.prefill(cache, slots, torch.randint(0, V, (B, n), device="cuda", generator=g),
+                          torch.full((B,), n, device="cuda"))
         tok = torch.randint(0, V, (B,), device="cuda", generator=g)
         ids = torch.randint(0, V, (B, T), device="cuda", generator=g)
         acc = torch.randint(1, T + 1, (B,), device="cuda", generator=g)
@@ -143,6 +148,9 @@ def profile_model(model, batch: int, context: int, T: int, modes, steps: int = 8
                     fn()
                 torch.cuda.synchronize()
             row[kind] = by_type(prof, steps)
+            if top:
+                ka = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:top]
+                row[kind + "_top_kernels_ms"] = [(e.key[:90], e.self_device_time_total / steps / 1e3) for e in ka]
             if rows:
                 print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows,
                                                 max_name_column_width=70))
@@ -179,12 +187,14 @@ def main() -> None:
     ap.add_argument("--T", type=int, default=5, help="verify tokens")
     ap.add_argument("--modes", default="recurrent,replay")
     ap.add_argument("--rows", type=int, default=0, help="also print the top kernels table (rows)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill the context in chunks of this many tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = build(args.preset, args.layers, tmp)
     label_layers(model)
-    res = profile_model(model, args.batch, args.context, args.T, args.modes.split(","), rows=args.rows)
+    res = profile_model(model, args.batch, args.context, args.T, args.modes.split(","), rows=args.rows,
+                        prefill_chunk=args.prefill_chunk)
     print_table(res, f"{args.preset} ({model.config.num_hidden_layers} layers), B={args.batch}, "
                      f"context {args.context}")
     if args.json:

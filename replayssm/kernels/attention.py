@@ -191,17 +191,18 @@ def default_splits(programs: int, device, waves: int = 4) -> int:
     return max(1, min(16, want))
 
 
-def _tiles(Nt: int, N: int, R: int, Dh: int, tree: bool, block_m: int | None):
-    """``(BLOCK_M, QT, BLOCK_N, warps)`` from shapes: query rows per tile cover the mean
-    tokens per sequence (decode / verify) up to 64 rows (prefill)."""
+def _tiles(Nt: int, N: int, R: int, Dh: int, block_m: int | None):
+    """``(BLOCK_M, QT, BLOCK_N, warps)`` from shapes (H100 sweep, 2026-11-23): decode and
+    verify (up to 64 query rows per sequence) use 16-row tiles, as many programs as possible,
+    a sequence's tiles re-reading its keys from L2; prefill uses 64-row tiles (4 warps), or
+    128 rows and 8 warps for head dims above 128."""
     mean_t = -(-Nt // max(N, 1))
     if block_m is None:
-        block_m = max(16, min(64, next_pow2(mean_t * R)))
+        block_m = 16 if mean_t * R <= 64 else 64 if Dh <= 128 else 128
     block_m = max(16, next_pow2(max(block_m, R)))
     QT = block_m // R
-    block_n = 64 if Dh <= 128 else 32
-    warps = 4 if block_m <= 32 else 8 if Dh > 128 else 4
-    return block_m, QT, block_n, warps
+    warps = 8 if block_m >= 128 else 4
+    return block_m, QT, 64, warps
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
@@ -222,7 +223,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
     if Nt == 0 or N == 0:
         return o
     q = q.contiguous()
-    BM, QT, BN, warps = _tiles(Nt, N, R, Dh, tree_bits is not None, block_m)
+    BM, QT, BN, warps = _tiles(Nt, N, R, Dh, block_m)
     BN = max(16, next_pow2(block_n)) if block_n else BN
     warps = num_warps or warps
     tiles = -(-Nt // QT) + N
