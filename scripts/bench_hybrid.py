@@ -462,6 +462,7 @@ def main():
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--profile-context", type=int, default=512)
     ap.add_argument("--budget", type=float, default=330.0, help="seconds after which optional sections stop")
+    ap.add_argument("--profile-extra", default="256x64", help="more BxCONTEXT profiles per preset ('' for none)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import triton
@@ -471,7 +472,9 @@ def main():
     steps = {"check": lambda: (check_attention(res), check_moe(res)), "attn": lambda: time_attention(res),
              "attn_graph": lambda: time_attention_graph(res),
              "moe": lambda: time_moe(res), "tune": lambda: tune_attention(res),
-             "profile": lambda: profile_presets(res, args.profile_batch, args.profile_context, args.budget)}
+             "profile": lambda: profile_presets(res, args.profile_batch, args.profile_context, args.budget,
+                                               tuple(tuple(int(v) for v in e.split("x"))
+                                                     for e in args.profile_extra.split(",") if e))}
     for name in args.sections.split(","):
         if name != "check" and elapsed() > args.budget:
             print(f"[{name}] skipped: {elapsed():.0f} s elapsed", flush=True)
