@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..kernels import dispatch
 from ..ops.moe.naive import activation
 from .norms import compute_dtype
 
@@ -67,6 +66,14 @@ class PlainMLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
+def _moe_experts(*args, **kwargs) -> Tensor:
+    """:func:`replayssm.kernels.dispatch.moe_experts`, imported on first use (importing the
+    kernels imports triton, which must not happen before tests set ``TRITON_INTERPRET``)."""
+    from ..kernels.dispatch import moe_experts
+
+    return moe_experts(*args, **kwargs)
+
+
 class SoftmaxMoE(nn.Module):
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  shared_inter: int, act: str = "silu"):
@@ -95,7 +102,7 @@ class SoftmaxMoE(nn.Module):
         shp = x.shape
         xf = x.reshape(-1, shp[-1])
         idx, w = self.route(xf)
-        out = dispatch.moe_experts(xf, idx, w, self.experts.gate_up_proj, self.experts.down_proj,
+        out = _moe_experts(xf, idx, w, self.experts.gate_up_proj, self.experts.down_proj,
                                    act=self.act_name, gated=True)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(xf)) * self.shared_expert(xf)
@@ -143,7 +150,7 @@ class SigmoidMoE(nn.Module):
         xf = x.reshape(-1, shp[-1])
         idx, w = self.route(xf)
         h = self.fc1_latent_proj(xf) if self.fc1_latent_proj is not None else xf
-        h = dispatch.moe_experts(h, idx, w, self.experts.up_proj, self.experts.down_proj,
+        h = _moe_experts(h, idx, w, self.experts.up_proj, self.experts.down_proj,
                                  act=self.act_name, gated=False)
         if self.fc2_latent_proj is not None:
             h = self.fc2_latent_proj(h)
