@@ -37,6 +37,8 @@ PRESETS = {
     "2.7b": dict(vocab_size=50288, hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim=64,
                  state_size=128, n_groups=1, expand=2, conv_kernel=4),
 }
+# hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE): replayssm.bench.hybrid_presets
+from .hybrid_presets import HYBRID_PRESETS, TINY_OF, random_hybrid_dir  # noqa: E402
 
 
 def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
@@ -50,6 +52,8 @@ def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
     continuation (the oracle drafter's) goes stale after a few tokens.  The compute is
     the same either way: only the weight values differ.
     """
+    if preset in HYBRID_PRESETS:
+        return random_hybrid_dir(preset, root, seed)
     import torch
     from safetensors.torch import save_file
 
@@ -89,7 +93,8 @@ def _load_model(args, tmp: str):
     """(model object or directory, description)."""
     if args.model:
         return args.model, f"model {args.model}"
-    return _random_model_dir(args.preset, tmp), f"random-weight Mamba-2 ({args.preset})"
+    kind = HYBRID_PRESETS[args.preset][0]["model_type"] if args.preset in HYBRID_PRESETS else "Mamba-2"
+    return _random_model_dir(args.preset, tmp), f"random-weight {kind} ({args.preset})"
 
 
 class OracleDrafter:
@@ -273,7 +278,7 @@ def _plots(res: dict, out: Path) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replayssm bench e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: random weights, --preset)")
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS) + sorted(HYBRID_PRESETS))
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--batch-sizes", type=int_list, default="1,4,16,64,256,512")
@@ -306,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.smoke:
         args.device = args.device or "cpu"
-        args.preset = "tiny" if args.model is None else args.preset
+        args.preset = TINY_OF.get(args.preset, "tiny") if args.model is None else args.preset
         args.batch_sizes, args.spec_batch_sizes = "1,4", "4"
         args.max_tokens, args.prompt_len = 8, 16
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

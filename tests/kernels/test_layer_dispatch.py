@@ -248,18 +248,23 @@ def test_auto_keeps_float64_on_the_naive_ops(monkeypatch):
 def test_every_op_is_routed_or_declared_reference_only():
     """No op reaches the reference silently on CUDA: each public op of a family's reference
     module is either routed to a kernel or listed as reference-only, and that list is this."""
+    from replayssm.ops.attention import naive as NA
     from replayssm.ops.conv import naive as NC
     from replayssm.ops.gdn import naive as NG
     from replayssm.ops.mamba2 import naive as N2
+    from replayssm.ops.moe import naive as NM
 
-    for fam, naive in (("mamba2", N2), ("gdn", NG), ("conv", NC)):
+    for fam, naive in (("mamba2", N2), ("gdn", NG), ("conv", NC), ("attention", NA), ("moe", NM)):
         routed, ref = set(dispatch.ROUTED[fam]), set(dispatch.REFERENCE_ONLY[fam])
+        ops = {n for n in naive.__all__ if callable(getattr(naive, n))}
         assert not routed & ref, fam
-        assert routed | ref == set(naive.__all__), f"{fam}: unclassified {set(naive.__all__) - routed - ref}"
+        assert routed | ref == ops, f"{fam}: unclassified {ops - routed - ref}"
     assert dispatch.REFERENCE_ONLY == {
         "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
                    "kv_tree_verify"),
         "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
                 "kv_tree_verify"),
         "conv": ("conv_prefill", "conv_tree", "conv_commit_tree"),
+        "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
+        "moe": ("activation", "check_experts"),
     }
