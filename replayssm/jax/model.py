@@ -30,7 +30,7 @@ from . import ops
 from .layers import MIXERS, Ctx, commit_conv, commit_snapshots
 from .params import ModelSpec, jnp_dtype
 
-__all__ = ["Cache", "init_cache", "forward", "prefill", "decode", "verify", "commit", "MODES"]
+__all__ = ["Cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit", "MODES"]
 
 MODES = ("recurrent", "replay")
 
@@ -165,11 +165,26 @@ def prefill(spec: ModelSpec, params, cache: Cache, ids, lengths):
     return _head(spec, params, last), cache.replace(seq_len=lengths, ring_start=z, ring_len=z, stages=stages)
 
 
+def ring_flush(hist, kind: str, T: int, L: int):
+    """Rows whose layers write the checkpoint this step: decode when the ring fills
+    (``h + 1 == L``), verify one window early (``h + 2T > L``)."""
+    return (hist + 1 >= L) if kind == "decode" else (hist + 2 * T > L)
+
+
+def ring_commit(start, hist, flush, L: int, accepted=None):
+    """Ring pointers after a step: decode (``accepted=None``) keeps its entry (or empties the
+    ring after a flush); verify keeps ``accepted`` entries after the committed ones (after a
+    flush, the accepted entries are the whole ring).  Returns ``(start, length)``."""
+    if accepted is None:
+        return jnp.where(flush, (start + hist + 1) % L, start), jnp.where(flush, 0, hist + 1)
+    return jnp.where(flush, (start + hist) % L, start), jnp.where(flush, 0, hist) + accepted
+
+
 def _step_ctx(cache: Cache, kind: str, T: int) -> Ctx:
     L = cache.L
     seq = cache.seq_len
     start, hist = cache.ring_start, cache.ring_len
-    flush = (hist + 1 >= L) if kind == "decode" else (hist + 2 * T > L)
+    flush = ring_flush(hist, kind, T, L)
     return Ctx(kind=kind, mode=cache.mode, T=T, positions=seq[:, None] + jnp.arange(T)[None, :],
                seq_len=seq, start=start, hist=hist, flush=flush, L=L)
 
@@ -181,9 +196,8 @@ def decode(spec: ModelSpec, params, cache: Cache, ids, active=None):
     h, stages, _ = _trunk(spec, params, cache.stages, ids[:, None], ctx)
     L = cache.L
     step = jnp.ones_like(ctx.seq_len) if active is None else active.astype(jnp.int32)
-    new = cache.replace(stages=stages, seq_len=ctx.seq_len + step,
-                        ring_start=jnp.where(ctx.flush, (ctx.start + ctx.hist + 1) % L, ctx.start),
-                        ring_len=jnp.where(ctx.flush, 0, ctx.hist + 1))
+    rs, rl = ring_commit(ctx.start, ctx.hist, ctx.flush, L)
+    new = cache.replace(stages=stages, seq_len=ctx.seq_len + step, ring_start=rs, ring_len=rl)
     return _head(spec, params, h[:, 0]), new
 
 
@@ -216,6 +230,6 @@ def commit(spec: ModelSpec, cache: Cache, pending: dict, accepted):
     start, hist, flush = pending["start"], pending["hist"], pending["flush"]
     new = cache.replace(stages=stages, seq_len=cache.seq_len + a)
     if cache.mode == "replay":
-        new = new.replace(ring_start=jnp.where(flush, (start + hist) % L, start),
-                          ring_len=jnp.where(flush, 0, hist) + a)
+        rs, rl = ring_commit(start, hist, flush, L, a)
+        new = new.replace(ring_start=rs, ring_len=rl)
     return new
