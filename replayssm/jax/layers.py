@@ -23,9 +23,10 @@ verify      serial scan, T snapshots     every draft reads S0 + ring under a
                                          write ``S_h``
 ==========  ===========================  ======================================
 
-Per-row decisions (flush, fill level, positions) are arrays; the only branch is
-``lax.cond(any(flush))`` around the checkpoint write, so steps where no row flushes move
-no state bytes.
+Per-row decisions (flush, fill level, positions) are arrays.  The model branches once per
+step (``lax.cond(any(flush))`` around the whole trunk, one predicate per step rather than
+one per layer): the branch where no row flushes has no state write at all, the other
+scatters the new checkpoints of the flushing rows only.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Ctx:
     hist: Any = None               # [Bt] committed ring entries h (replay)
     flush: Any = None              # [Bt] bool: this step writes the checkpoint (replay)
     L: int = 0                     # ring capacity
+    write_flush: bool = True       # static: some row flushes this step (the model branches once)
 
 
 def _get(p: dict, name: str):
@@ -124,13 +126,16 @@ def _history(c: dict, names, i, ctx: Ctx, cdt):
     return out, valid
 
 
-def _write_state_on_flush(c: dict, i, ctx: Ctx, S0, make_state):
-    """``state[i] = where(flush, make_state(), S0)``, run only when some row flushes."""
-    def flush(st):
-        S = make_state()
-        return st.at[i].set(jnp.where(ctx.flush[:, None, None, None], S.astype(st.dtype), S0.astype(st.dtype)))
-
-    return _set(c, "state", lax.cond(jnp.any(ctx.flush), flush, lambda st: st, c["state"]))
+def _write_state_on_flush(c: dict, i, ctx: Ctx, make_state):
+    """``state[i][b] = make_state()[b]`` on the rows that flush (a scatter whose other rows
+    are dropped, so only flushing rows write).  Not traced at all in the model's branch for
+    steps where no row flushes (``ctx.write_flush`` False)."""
+    if not ctx.write_flush:
+        return c
+    st = c["state"]
+    B = ctx.flush.shape[0]
+    rows = jnp.where(ctx.flush, jnp.arange(B), B)
+    return _set(c, "state", st.at[i, rows].set(make_state().astype(st.dtype), mode="drop"))
 
 
 def _causal(T: int):
@@ -194,7 +199,7 @@ def _mamba_ssm(sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt):
         make = lambda: ops.m2_build_state(S0, xs, Bs, dts, logs, P[:, 0])
     else:                      # flush rows store S_h (committed entries only)
         make = lambda: ops.m2_build_state(S0, hx, hB, hdt, hl, valid)
-    c = _write_state_on_flush(c, i, ctx, S0, make)
+    c = _write_state_on_flush(c, i, ctx, make)
     for name, v in (("rx", x), ("rB", B), ("rdt", dt)):
         c = _ring_write(c, name, i, ctx, v)
     return y, c, {}
@@ -264,7 +269,7 @@ def _gdn_ssm(sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt):
             return jnp.exp(gc[:, 0])[..., None, None] * Sh + k_s[..., :, None] * u_s[..., None, :]
     else:
         make = lambda: ops.gdn_build_state(S0, hu, hk, w, tot)
-    c = _write_state_on_flush(c, i, ctx, S0, make)
+    c = _write_state_on_flush(c, i, ctx, make)
     for name, val in (("ru", U), ("rk", kn), ("rg", gc)):
         c = _ring_write(c, name, i, ctx, val)
     return y.astype(out_dtype), c, {}

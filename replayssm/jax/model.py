@@ -22,6 +22,8 @@ model); the rest is in the model dtype.  Flush rules: decode flushes when ``h + 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -189,11 +191,23 @@ def _step_ctx(cache: Cache, kind: str, T: int) -> Ctx:
                seq_len=seq, start=start, hist=hist, flush=flush, L=L)
 
 
+def _step_trunk(spec: ModelSpec, params, cache: Cache, ids, ctx: Ctx):
+    """The trunk of a decode / verify step.  Replay form: one branch on ``any(flush)`` for
+    the whole step (the no-flush branch writes no checkpoint anywhere)."""
+    if cache.mode != "replay":
+        return _trunk(spec, params, cache.stages, ids, ctx)
+
+    def run(write: bool):
+        return lambda: _trunk(spec, params, cache.stages, ids, dataclasses.replace(ctx, write_flush=write))
+
+    return lax.cond(jnp.any(ctx.flush), run(True), run(False))
+
+
 def decode(spec: ModelSpec, params, cache: Cache, ids, active=None):
     """One always-accepted token per row: ``ids [B] -> logits [B, V]``; commits itself
     (rows with ``active == False`` keep their ``seq_len``: finished rows of a batch)."""
     ctx = _step_ctx(cache, "decode", 1)
-    h, stages, _ = _trunk(spec, params, cache.stages, ids[:, None], ctx)
+    h, stages, _ = _step_trunk(spec, params, cache, ids[:, None], ctx)
     L = cache.L
     step = jnp.ones_like(ctx.seq_len) if active is None else active.astype(jnp.int32)
     rs, rl = ring_commit(ctx.start, ctx.hist, ctx.flush, L)
@@ -209,7 +223,7 @@ def verify(spec: ModelSpec, params, cache: Cache, ids):
     if cache.mode == "replay" and cache.L < 2 * T:
         raise ValueError(f"buffer_size {cache.L} < 2 * {T} verify tokens: speculation needs L >= 2T")
     ctx = _step_ctx(cache, "verify", T)
-    h, stages, pends = _trunk(spec, params, cache.stages, ids, ctx)
+    h, stages, pends = _step_trunk(spec, params, cache, ids, ctx)
     pending = {"stages": pends, "start": ctx.start, "hist": ctx.hist, "flush": ctx.flush}
     return _head(spec, params, h), cache.replace(stages=stages), pending
 

@@ -69,7 +69,7 @@ def test_shipped_model_with_shipped_draft_matches_torch():
     ("nemotron_h", "float64", "recurrent", None),
     ("nemotron_h", "float64", "replay", "draft"),
     ("qwen3_next", "float64", "replay", "ngram"),
-    ("qwen3_next", "float64", "recurrent", "draft"),
+    ("qwen3_next", "float64", "recurrent", "ngram"),
     ("qwen3_next_dense", "float32", "replay", None),
     ("nemotron_h_dense", "float32", "replay", "ngram"),
 ])
