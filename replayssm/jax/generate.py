@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import jax
@@ -37,7 +37,7 @@ from jax import lax
 
 from . import model as M
 from .params import ModelSpec, load_params
-from .sampling import accept_chain, accept_greedy, ngram_propose, sample, sample_from, transform
+from .sampling import accept_chain, accept_greedy, ngram_propose, sample, transform
 
 __all__ = ["JaxLLM", "GenerateConfig"]
 
@@ -441,7 +441,7 @@ def _with_chunk(spec: ModelSpec, chunk: int) -> ModelSpec:
     """``spec`` with every SSM stage's prefill chunk set to ``chunk``."""
     import dataclasses
 
-    from .params import MixerSpec, SubBlockSpec
+    from .params import MixerSpec
 
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk!r}")

@@ -102,7 +102,7 @@ def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: i
 
 def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):
     """All layers of one stage: ``h = res(h) + mixer(norm(h))``, scanned when ``cnt > 1``."""
-    dtype = jnp_dtype_of(p["norm"])
+    dtype = p["norm"].dtype                      # the model dtype
     mixer = MIXERS[sb.mixer.kind]
     if sb.residual_fp32:
         h = h.astype(ops.compute_dtype(dtype))
@@ -119,10 +119,6 @@ def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):
         return h, c, jax.tree_util.tree_map(lambda a: a[None], pend)
     (h, c), pend = lax.scan(body, (h, c), (p, jnp.arange(cnt)))
     return h, c, pend
-
-
-def jnp_dtype_of(a):
-    return a.dtype
 
 
 def _trunk(spec: ModelSpec, params, stages_cache, ids, ctx: Ctx):

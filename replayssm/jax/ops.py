@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = [
-    "compute_dtype", "ein", "linear", "softplus", "silu", "rms_norm", "gated_rms_norm",
+    "compute_dtype", "ein", "linear", "softplus", "silu", "activation", "rms_norm", "gated_rms_norm",
     "conv_over", "last_window",
     "segsum", "m2_chunked", "m2_step", "m2_attend", "m2_build_state",
-    "l2norm", "gdn_prep_qk", "gdn_chunked", "gdn_step", "gdn_readout", "gdn_build_state", "gdn_block",
+    "l2norm", "gdn_prep_qk", "gdn_chunked", "gdn_step", "gdn_readout", "gdn_build_state", "gdn_block", "gdn_hist_weights",
     "gather_ring",
 ]
 
