@@ -140,20 +140,39 @@ class _Program:
 
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self, params, dparams, c, rowp, limit):
-        def cond(c):
+        """Steps until every row stopped or ``step == limit``.  Replay form: an inner loop runs
+        steps compiled without checkpoint writes while no row flushes; then one step that
+        scatters the flushing rows' checkpoints.  (No ``lax.cond``: XLA copies the arrays a
+        branch passes through or updates, which here is the whole cache.)"""
+        cfg = self.cfg
+
+        def running(c):
             return jnp.any(~c["done"]) & (c["step"] < limit)
 
-        def body(c):
-            c = self._spec_step(params, dparams, c, rowp) if self.cfg.spec_method else \
-                self._decode_step(params, c, rowp)
-            return {**c, "step": c["step"] + 1}
+        def step(flush: bool):
+            def body(c):
+                c = self._spec_step(params, dparams, c, rowp, flush) if cfg.spec_method else \
+                    self._decode_step(params, c, rowp, flush)
+                return {**c, "step": c["step"] + 1}
+            return body
 
-        return lax.while_loop(cond, body, c)
+        if cfg.mode != "replay":
+            return lax.while_loop(running, step(True), c)
+        T = cfg.num_tokens + 1 if cfg.spec_method else 1
+        kind = "verify" if cfg.spec_method else "decode"
 
-    def _decode_step(self, params, c, rowp):
+        def no_flush(c):
+            return running(c) & ~jnp.any(M.ring_flush(c["cache"].ring_len, kind, T, cfg.buffer_size))
+
+        def outer(c):
+            return step(True)(lax.while_loop(no_flush, step(False), c))
+
+        return lax.while_loop(running, outer, c)
+
+    def _decode_step(self, params, c, rowp, flush: bool = True):
         cfg = self.cfg
         active = ~c["done"]
-        logits, cache = M.decode(self.spec, params, c["cache"], c["last"], active=active)
+        logits, cache = M.decode(self.spec, params, c["cache"], c["last"], active=active, flush=flush)
         key, sub = jax.random.split(c["key"])
         tok, _ = sample(logits, rowp, sub, cfg.greedy, cfg.use_top_k, cfg.use_top_p)
         one = active.astype(jnp.int32)
@@ -180,7 +199,7 @@ class _Program:
         q = None if qs is None else jnp.swapaxes(qs[:cfg.num_tokens], 0, 1)
         return drafts, q, dc, snaps
 
-    def _spec_step(self, params, dparams, c, rowp):
+    def _spec_step(self, params, dparams, c, rowp, flush: bool = True):
         cfg, spec = self.cfg, self.spec
         B, k = cfg.batch, cfg.num_tokens
         active = ~c["done"]
@@ -197,7 +216,7 @@ class _Program:
                 q = jnp.concatenate([jnp.zeros_like(qd[:, :1]), qd], 1)
         tokens = jnp.concatenate([c["last"][:, None], drafts], 1)          # [B, k + 1]
         valid = jnp.concatenate([jnp.ones((B, 1), bool), dvalid], 1)
-        logits, cache, pend = M.verify(spec, params, c["cache"], tokens)
+        logits, cache, pend = M.verify(spec, params, c["cache"], tokens, flush=flush)
         if cfg.greedy:
             a, bonus = accept_greedy(logits, tokens, valid)
         else:

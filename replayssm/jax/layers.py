@@ -1,13 +1,15 @@
 """Mixers of the JAX backend: Mamba-2, Gated DeltaNet, attention, MLPs and MoEs.
 
-Each stateful mixer has one signature, ``mixer(p, sp, x, ctx, c, i) -> (out, c, pending)``:
+Every mixer has one signature, ``mixer(p, sp, x, ctx, c, i) -> (out, c, pending, updates)``:
 ``p`` its parameters, ``sp`` its :class:`~replayssm.jax.params.MixerSpec`, ``x [Bt, T, D]``
 the normalised input, ``ctx`` the step's :class:`Ctx`, ``c`` the cache of its *stage*
 (arrays with a leading layer axis) and ``i`` its layer index there.  A mixer reads its own
-slices (``c[name][i]``) and writes only what the step changes, in place on the stacked
-arrays (one ring entry per row, a state only on flush steps), so a ``lax.scan`` over the
-stage's layers carries the cache without copying it.  ``pending`` holds what a verify step
-keeps until the commit (pre-conv inputs, the snapshot baseline's states).
+slices (``c[name][i]``) and returns what the step changes as ``updates`` (new ring entries,
+K/V entries, conv window, flushed checkpoints), which the model writes after the stage's layer
+scan (:func:`apply_updates`): read-then-write of one array inside the scan body would make
+XLA copy the whole stacked cache every layer.  The recurrent form's state is the exception:
+read and rewritten slice by slice, in place.  ``pending`` holds what a verify step keeps until
+the commit (pre-conv inputs, the snapshot baseline's states).
 
 Step kinds (``ctx.kind``) and cache forms (``ctx.mode``):
 
@@ -23,10 +25,9 @@ verify      serial scan, T snapshots     every draft reads S0 + ring under a
                                          write ``S_h``
 ==========  ===========================  ======================================
 
-Per-row decisions (flush, fill level, positions) are arrays.  The model branches once per
-step (``lax.cond(any(flush))`` around the whole trunk, one predicate per step rather than
-one per layer): the branch where no row flushes has no state write at all, the other
-scatters the new checkpoints of the flushing rows only.
+Per-row decisions (flush, fill level, positions) are arrays.  A step compiled with
+``ctx.write_flush`` scatters the new checkpoints of the flushing rows only; the generation
+loop runs steps compiled without it (no state write at all) while no row flushes.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Ctx:
     hist: Any = None               # [Bt] committed ring entries h (replay)
     flush: Any = None              # [Bt] bool: this step writes the checkpoint (replay)
     L: int = 0                     # ring capacity
-    write_flush: bool = True       # static: some row flushes this step (the model branches once)
+    write_flush: bool = True       # static: False compiles a step that writes no checkpoint
 
 
 def _get(p: dict, name: str):
@@ -76,8 +77,9 @@ def _rows(Bt: int):
 
 
 # ------------------------------------------------------------------------------ conv
-def _conv(p, sp, xc, ctx: Ctx, c: dict, i):
-    """Causal conv + silu of the pre-conv inputs ``xc [Bt, T, C]`` for this step kind."""
+def _conv(p, sp, xc, ctx: Ctx, c: dict, i, upd: dict):
+    """Causal conv + silu of the pre-conv inputs ``xc [Bt, T, C]`` for this step kind; the new
+    window (prefill, decode) goes to ``upd["win"]``."""
     w, b = p["conv_w"], _get(p, "conv_b")
     Wm1 = sp.W - 1
     cdt = jnp.promote_types(compute_dtype(xc.dtype), w.dtype)
@@ -86,16 +88,15 @@ def _conv(p, sp, xc, ctx: Ctx, c: dict, i):
         xp = jnp.concatenate([jnp.zeros((Bt, Wm1, xc.shape[2]), cdt), xc.astype(cdt)], 1)
         out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
         if ctx.kind == "prefill":
-            final = ops.last_window(xp, ctx.lengths, Wm1)
-            c = _set(c, "win", c["win"].at[i].set(final.astype(c["win"].dtype)))
-        return out, c, {}
+            upd["win"] = ops.last_window(xp, ctx.lengths, Wm1).astype(c["win"].dtype)
+        return out, {}
     win = c["win"][i]
     xp = jnp.concatenate([win.astype(cdt), xc.astype(cdt)], 1)
     out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
     if ctx.kind == "decode":
-        c = _set(c, "win", c["win"].at[i].set(xp[:, xp.shape[1] - Wm1:].astype(c["win"].dtype)))
-        return out, c, {}
-    return out, c, {"conv_x": xc.astype(c["win"].dtype)}
+        upd["win"] = xp[:, xp.shape[1] - Wm1:].astype(win.dtype)
+        return out, {}
+    return out, {"conv_x": xc.astype(win.dtype)}
 
 
 def commit_conv(win, conv_x, accepted):
@@ -107,11 +108,40 @@ def commit_conv(win, conv_x, accepted):
     return jnp.take_along_axis(xp, jnp.broadcast_to(idx, win.shape[:3] + (1,)), axis=2)
 
 
-def _ring_write(c: dict, name: str, i, ctx: Ctx, values):
-    """Write this step's entries ``values [Bt, T, ...]`` at ``(start + h + s) % L``."""
-    Bt, T = values.shape[:2]
-    pos = (ctx.start[:, None] + ctx.hist[:, None] + jnp.arange(T)[None, :]) % ctx.L
-    return _set(c, name, c[name].at[i, _rows(Bt), pos].set(values.astype(c[name].dtype)))
+def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
+    """Write a stage's updates ``upd`` (stacked ``[Ly, ...]`` by the layer scan) into its cache
+    ``c``, after the scan.
+
+    Layers only *read* the cache (the recurrent form's state excepted: it is read and
+    rewritten slice by slice in place); their writes are collected and done here, once per
+    stage.  Reading and writing one array inside the same layer body makes XLA keep the old
+    array alive and copy the whole stacked cache every layer; after the scan nothing reads the
+    old values, so every write below is in place and moves only what changes: ring entries
+    ``[Ly, Bt, T, ...]`` at ``(start + h + s) % L``, attention K/V at ``seq_len + s``, conv
+    windows, and (flush branch) the checkpoints of the flushing rows only (a scatter whose
+    other rows' indices are out of range, hence dropped)."""
+    if not upd:
+        return c
+    c = dict(c)
+    any_v = next(iter(upd.values()))
+    Bt, T = any_v.shape[1], ctx.T
+    rows = _rows(Bt)
+    for name, v in upd.items():
+        if name in ("win", "state"):                       # every row's value is new
+            c[name] = v.astype(c[name].dtype)
+        elif name == "flush_state":
+            drop = jnp.where(ctx.flush, jnp.arange(Bt), Bt)
+            c["state"] = c["state"].at[:, drop].set(v.astype(c["state"].dtype), mode="drop")
+        elif name in ("k", "v"):
+            if ctx.kind == "prefill":
+                c[name] = c[name].at[:, :, :T].set(v.astype(c[name].dtype))
+            else:
+                pos = jnp.minimum(ctx.seq_len[:, None] + jnp.arange(T)[None, :], c[name].shape[2] - 1)
+                c[name] = c[name].at[:, rows, pos].set(v.astype(c[name].dtype))
+        else:                                              # ring entries
+            pos = (ctx.start[:, None] + ctx.hist[:, None] + jnp.arange(T)[None, :]) % ctx.L
+            c[name] = c[name].at[:, rows, pos].set(v.astype(c[name].dtype))
+    return c
 
 
 def _history(c: dict, names, i, ctx: Ctx, cdt):
@@ -126,16 +156,20 @@ def _history(c: dict, names, i, ctx: Ctx, cdt):
     return out, valid
 
 
-def _write_state_on_flush(c: dict, i, ctx: Ctx, make_state):
-    """``state[i][b] = make_state()[b]`` on the rows that flush (a scatter whose other rows
-    are dropped, so only flushing rows write).  Not traced at all in the model's branch for
-    steps where no row flushes (``ctx.write_flush`` False)."""
-    if not ctx.write_flush:
-        return c
-    st = c["state"]
-    B = ctx.flush.shape[0]
-    rows = jnp.where(ctx.flush, jnp.arange(B), B)
-    return _set(c, "state", st.at[i, rows].set(make_state().astype(st.dtype), mode="drop"))
+def _rewrite_state(c: dict, i, S, y) -> dict:
+    """Recurrent form: ``state[i] = S`` in place.  ``S`` is made data-dependent on the output
+    ``y`` (``+ 0·Σy``) so that every read of the old state (XLA may re-read it to form ``y``)
+    is ordered before the write; otherwise XLA copies the stacked state to keep the old one."""
+    S = S + jnp.sum(y).astype(S.dtype) * 0.0
+    return _set(c, "state", c["state"].at[i].set(S.astype(c["state"].dtype)))
+
+
+def _flush_state(upd: dict, ctx: Ctx, make_state) -> None:
+    """The new checkpoint of flushing rows (``upd["flush_state"]``, written by
+    :func:`apply_updates` for those rows only).  Not traced at all in steps compiled for no
+    flush (``ctx.write_flush`` False)."""
+    if ctx.write_flush:
+        upd["flush_state"] = make_state()
 
 
 def _causal(T: int):
@@ -153,7 +187,8 @@ def mamba(p, sp, h, ctx: Ctx, c: dict, i):
     inter = H * d
     zxbcdt = linear(h, p["in_proj_w"], _get(p, "in_proj_b"))
     z, xbc, dtr = zxbcdt[..., :inter], zxbcdt[..., inter:inter + sp.conv_dim], zxbcdt[..., inter + sp.conv_dim:]
-    xbc, c, pend = _conv(p, sp, xbc, ctx, c, i)
+    upd: dict = {}
+    xbc, pend = _conv(p, sp, xbc, ctx, c, i, upd)
     x = xbc[..., :inter].reshape(Bt, T, H, d)
     B = xbc[..., inter:inter + G * n].reshape(Bt, T, G, n)
     C = xbc[..., inter + G * n:].reshape(Bt, T, G, n)
@@ -161,13 +196,13 @@ def mamba(p, sp, h, ctx: Ctx, c: dict, i):
     if sp.dt_min > 0.0 or sp.dt_max != math.inf:
         dt = jnp.clip(dt, sp.dt_min, sp.dt_max)
     A = -jnp.exp(p["A_log"].astype(cdt))
-    y, c, pend2 = _mamba_ssm(sp, x, dt, A, B, C, ctx, c, i, cdt)
+    y, c, pend2 = _mamba_ssm(sp, x, dt, A, B, C, ctx, c, i, cdt, upd)
     y = (y + p["D"].astype(cdt)[:, None] * x.astype(cdt)).astype(x.dtype)
     y = ops.gated_rms_norm(y.reshape(Bt, T, inter).astype(dtype), z, p["norm_w"], sp.eps, sp.group_size, True)
-    return linear(y, p["out_proj_w"], _get(p, "out_proj_b")), c, {**pend, **pend2}
+    return linear(y, p["out_proj_w"], _get(p, "out_proj_b")), c, {**pend, **pend2}, upd
 
 
-def _mamba_ssm(sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt):
+def _mamba_ssm(sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
     Bt, T, H, d = x.shape
     xc, Bc, Cc = x.astype(cdt), B.astype(cdt), C.astype(cdt)
     if ctx.kind == "full":
@@ -175,7 +210,8 @@ def _mamba_ssm(sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt):
     if ctx.kind == "prefill":
         dt = jnp.where(ctx.valid[..., None], dt, jnp.zeros((), cdt))   # padding leaves S unchanged
         y, S = ops.m2_chunked(xc, dt, A, Bc, Cc, jnp.zeros((Bt, H, d, sp.n), cdt), sp.chunk)
-        return y, _set(c, "state", c["state"].at[i].set(S.astype(c["state"].dtype))), {}
+        upd["state"] = S
+        return y, c, {}
     S0 = c["state"][i].astype(cdt)
     if ctx.mode == "recurrent":
         ys, snaps, S = [], [], S0
@@ -185,7 +221,7 @@ def _mamba_ssm(sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt):
             snaps.append(S)
         y = jnp.stack(ys, 1)
         if ctx.kind == "decode":
-            return y, _set(c, "state", c["state"].at[i].set(S.astype(c["state"].dtype))), {}
+            return y, _rewrite_state(c, i, S, y), {}
         return y, c, {"snap": jnp.stack(snaps, 1)}
     (hx, hB, hdt), valid = _history(c, ("rx", "rB", "rdt"), i, ctx, cdt)
     hl = A * hdt
@@ -199,9 +235,8 @@ def _mamba_ssm(sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt):
         make = lambda: ops.m2_build_state(S0, xs, Bs, dts, logs, P[:, 0])
     else:                      # flush rows store S_h (committed entries only)
         make = lambda: ops.m2_build_state(S0, hx, hB, hdt, hl, valid)
-    c = _write_state_on_flush(c, i, ctx, make)
-    for name, v in (("rx", x), ("rB", B), ("rdt", dt)):
-        c = _ring_write(c, name, i, ctx, v)
+    _flush_state(upd, ctx, make)
+    upd.update(rx=x, rB=B, rdt=dt)
     return y, c, {}
 
 
@@ -219,18 +254,19 @@ def gdn(p, sp, h, ctx: Ctx, c: dict, i):
     qkv, z = qkvz[..., :sp.conv_dim], qkvz[..., sp.conv_dim:]
     ba = linear(h, p["in_proj_ba_w"], _get(p, "in_proj_ba_b"))
     b, a = ba[..., :HV], ba[..., HV:]
-    qkv, c, pend = _conv(p, sp, qkv, ctx, c, i)
+    upd: dict = {}
+    qkv, pend = _conv(p, sp, qkv, ctx, c, i, upd)
     q = qkv[..., :kd].reshape(Bt, T, H, K)
     k = qkv[..., kd:2 * kd].reshape(Bt, T, H, K)
     v = qkv[..., 2 * kd:].reshape(Bt, T, HV, V)
     g = -jnp.exp(p["A_log"].astype(cdt)) * ops.softplus(a.astype(cdt) + p["dt_bias"].astype(cdt))
     beta = jax.nn.sigmoid(b)
-    y, c, pend2 = _gdn_ssm(sp, q, k, v, g, beta, ctx, c, i, cdt)
+    y, c, pend2 = _gdn_ssm(sp, q, k, v, g, beta, ctx, c, i, cdt, upd)
     y = ops.gated_rms_norm(y.astype(dtype), z.reshape(Bt, T, HV, V), p["norm_w"], sp.eps, V, False)
-    return linear(y.reshape(Bt, T, vd), p["out_proj_w"], _get(p, "out_proj_b")), c, {**pend, **pend2}
+    return linear(y.reshape(Bt, T, vd), p["out_proj_w"], _get(p, "out_proj_b")), c, {**pend, **pend2}, upd
 
 
-def _gdn_ssm(sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt):
+def _gdn_ssm(sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
     Bt, T = q.shape[:2]
     HV, K, V = sp.HV, sp.K, sp.V
     qn, kn = ops.gdn_prep_qk(q, k, cdt)
@@ -242,7 +278,7 @@ def _gdn_ssm(sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt):
             gc, bc = jnp.where(m, gc, jnp.zeros((), cdt)), jnp.where(m, bc, jnp.zeros((), cdt))
         y, S = ops.gdn_chunked(qn, kn, vc, gc, bc, jnp.zeros((Bt, HV, K, V), cdt), sp.chunk)
         if ctx.kind == "prefill":
-            c = _set(c, "state", c["state"].at[i].set(S.astype(c["state"].dtype)))
+            upd["state"] = S
         return y.astype(out_dtype), c, {}
     S0 = c["state"][i].astype(cdt)
     if ctx.mode == "recurrent":
@@ -253,7 +289,7 @@ def _gdn_ssm(sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt):
             snaps.append(S)
         y = jnp.stack(ys, 1).astype(out_dtype)
         if ctx.kind == "decode":
-            return y, _set(c, "state", c["state"].at[i].set(S.astype(c["state"].dtype))), {}
+            return y, _rewrite_state(c, i, S, y), {}
         return y, c, {"snap": jnp.stack(snaps, 1)}
     (hu, hk, hg), valid = _history(c, ("ru", "rk", "rg"), i, ctx, cdt)
     w, tot = ops.gdn_hist_weights(hg, valid)
@@ -269,9 +305,8 @@ def _gdn_ssm(sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt):
             return jnp.exp(gc[:, 0])[..., None, None] * Sh + k_s[..., :, None] * u_s[..., None, :]
     else:
         make = lambda: ops.gdn_build_state(S0, hu, hk, w, tot)
-    c = _write_state_on_flush(c, i, ctx, make)
-    for name, val in (("ru", U), ("rk", kn), ("rg", gc)):
-        c = _ring_write(c, name, i, ctx, val)
+    _flush_state(upd, ctx, make)
+    upd.update(ru=U, rk=kn, rg=gc)
     return y.astype(out_dtype), c, {}
 
 
@@ -299,23 +334,30 @@ def _rope(x, positions, inv_freq, rdim: int):
     return jnp.concatenate([xr * cos + rot * sin, xp], -1)
 
 
-def _attend(q, K, V, mask, Hkv: int):
-    """``softmax(q kᵀ / sqrt(D) + mask) v`` with GQA; q ``[Bt,T,H,D]``, K/V ``[Bt,S,Hkv,D]``,
-    mask ``[Bt,T,S]``.  Keys no query reads are zeroed (they may hold anything)."""
+def _attend(q, keys, mask, Hkv: int):
+    """``softmax(q kᵀ / sqrt(D) + mask) v`` with GQA over key blocks ``keys = [(K, V), ...]``
+    (each ``[Bt, S_i, Hkv, D]``) and ``mask [Bt, T, Σ S_i]``; one softmax over all blocks.
+    Keys no query reads are zeroed (they may hold anything); a row with no key reads 0."""
     Bt, T, H, D = q.shape
     cdt = compute_dtype(q.dtype)
     qg = q.reshape(Bt, T, Hkv, H // Hkv, D).astype(cdt)
-    s = ein("btgrd,bsgd->bgrts", qg, K.astype(cdt)) * (D ** -0.5)
+    s = jnp.concatenate([ein("btgrd,bsgd->bgrts", qg, K.astype(cdt)) for K, _ in keys], -1) * (D ** -0.5)
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
     pr = jnp.nan_to_num(jax.nn.softmax(s, axis=-1), nan=0.0)
-    V = jnp.where(jnp.any(mask, 1)[:, :, None, None], V, jnp.zeros((), V.dtype))
-    o = ein("bgrts,bsgd->btgrd", pr, V.astype(cdt))
+    o, off = 0.0, 0
+    for K, V in keys:
+        S = K.shape[1]
+        read = jnp.any(mask[:, :, off:off + S], 1)[:, :, None, None]
+        o = o + ein("bgrts,bsgd->btgrd", pr[..., off:off + S], jnp.where(read, V, jnp.zeros((), V.dtype)).astype(cdt))
+        off += S
     return o.reshape(Bt, T, H * D).astype(q.dtype)
 
 
 def attention(p, sp, x, ctx: Ctx, c: dict, i):
     """Grouped-query attention with optional q/k RMSNorm, partial RoPE and output gate; the
-    cache keeps ``k, v [Ly, Bt, S, Hkv, Dh]``, a row's tokens at ``0 .. seq_len-1``."""
+    cache keeps ``k, v [Ly, Bt, S, Hkv, Dh]``, a row's tokens at ``0 .. seq_len-1``.  A step
+    reads the committed keys from the cache and its own ``T`` keys from registers (the new
+    entries are written after the layer scan, :func:`apply_updates`)."""
     Bt, T, _ = x.shape
     H, Hkv, Dh = sp.H, sp.Hkv, sp.Dh
     q = linear(x, p["q_proj_w"], _get(p, "q_proj_b"))
@@ -333,34 +375,32 @@ def attention(p, sp, x, ctx: Ctx, c: dict, i):
         q = _rope(q, ctx.positions, sp.inv_freq, sp.rotary_dim)
         k = _rope(k, ctx.positions, sp.inv_freq, sp.rotary_dim)
     t = jnp.arange(T)
+    causal = jnp.broadcast_to(t[None, :] <= t[:, None], (Bt, T, T))
+    upd: dict = {}
     if ctx.kind in ("full", "prefill"):
-        mask = jnp.broadcast_to(t[None, :] <= t[:, None], (Bt, T, T))
-        if ctx.kind == "prefill":   # fresh rows: keys at 0..T-1 of the cache
-            mask = mask & (t[None, None, :] < ctx.lengths[:, None, None])
-            c = _set(c, "k", c["k"].at[i, :, :T].set(k.astype(c["k"].dtype)))
-            c = _set(c, "v", c["v"].at[i, :, :T].set(v.astype(c["v"].dtype)))
-        o = _attend(q, k, v, mask, Hkv)
+        if ctx.kind == "prefill":   # fresh rows: padded keys are never read
+            causal = causal & (t[None, None, :] < ctx.lengths[:, None, None])
+            upd = {"k": k, "v": v}
+        o = _attend(q, [(k, v)], causal, Hkv)
     else:
         S = c["k"].shape[2]
-        pos = ctx.seq_len[:, None] + t[None, :]
-        posw = jnp.minimum(pos, S - 1)
-        c = _set(c, "k", c["k"].at[i, _rows(Bt), posw].set(k.astype(c["k"].dtype)))
-        c = _set(c, "v", c["v"].at[i, _rows(Bt), posw].set(v.astype(c["v"].dtype)))
-        mask = jnp.arange(S)[None, None, :] <= pos[:, :, None]
-        o = _attend(q, c["k"][i], c["v"][i], mask, Hkv)
+        committed = jnp.broadcast_to(jnp.arange(S)[None, None, :] < ctx.seq_len[:, None, None], (Bt, T, S))
+        o = _attend(q, [(c["k"][i], c["v"][i]), (k, v)], jnp.concatenate([committed, causal], 2), Hkv)
+        upd = {"k": k, "v": v}
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)
-    return linear(o, p["o_proj_w"], _get(p, "o_proj_b")), c, {}
+    return linear(o, p["o_proj_w"], _get(p, "o_proj_b")), c, {}, upd
 
 
 # ------------------------------------------------------------------------------ feed-forward
 def mlp(p, sp, x, ctx, c, i):
-    return linear(ops.activation(sp.act, linear(x, p["up_w"], _get(p, "up_b"))), p["down_w"], _get(p, "down_b")), c, {}
+    h = ops.activation(sp.act, linear(x, p["up_w"], _get(p, "up_b")))
+    return linear(h, p["down_w"], _get(p, "down_b")), c, {}, {}
 
 
 def gmlp(p, sp, x, ctx, c, i):
     g = ops.activation(sp.act, linear(x, p["gate_w"], _get(p, "gate_b")))
-    return linear(g * linear(x, p["up_w"], _get(p, "up_b")), p["down_w"], _get(p, "down_b")), c, {}
+    return linear(g * linear(x, p["up_w"], _get(p, "up_b")), p["down_w"], _get(p, "down_b")), c, {}, {}
 
 
 def _dispatch(x, idx, w, E: int, gathered, dense):
@@ -408,7 +448,7 @@ def moe_sig(p, sp, x, ctx, c, i):
         out = linear(out, p["fc2_w"], _get(p, "fc2_b"))
     shared = linear(ops.activation(sp.act, linear(xf, p["sh_up_w"], _get(p, "sh_up_b"))),
                     p["sh_down_w"], _get(p, "sh_down_b"))
-    return (out + shared).reshape(shp), c, {}
+    return (out + shared).reshape(shp), c, {}, {}
 
 
 def moe_soft(p, sp, x, ctx, c, i):
@@ -437,7 +477,7 @@ def moe_soft(p, sp, x, ctx, c, i):
     if sp.shared:
         sh = linear(ops.activation(sp.act, linear(xf, p["sh_gate_w"])) * linear(xf, p["sh_up_w"]), p["sh_down_w"])
         out = out + jax.nn.sigmoid(linear(xf, p["sh_sig_w"])) * sh
-    return out.reshape(shp), c, {}
+    return out.reshape(shp), c, {}, {}
 
 
 MIXERS = {"mamba": mamba, "gdn": gdn, "attn": attention, "mlp": mlp, "gmlp": gmlp,

@@ -22,14 +22,12 @@ model); the rest is in the model dtype.  Flush rules: decode flushes when ``h + 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from . import ops
-from .layers import MIXERS, Ctx, commit_conv, commit_snapshots
+from .layers import MIXERS, Ctx, apply_updates, commit_conv, commit_snapshots
 from .params import ModelSpec, jnp_dtype
 
 __all__ = ["Cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit", "MODES"]
@@ -111,23 +109,38 @@ def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):
         hh, cc = carry
         pi, i = xs
         x = ops.rms_norm(hh.astype(dtype), pi["norm"], sb.norm_eps, sb.norm_zero_centered)
-        out, cc, pend = mixer(pi["mixer"], sb.mixer, x, ctx, cc, i)
-        return ((hh + out).astype(hh.dtype), cc), pend
+        out, cc, pend, upd = mixer(pi["mixer"], sb.mixer, x, ctx, cc, i)
+        return ((hh + out).astype(hh.dtype), cc), (pend, upd)
 
     if cnt == 1:
-        (h, c), pend = body((h, c), (jax.tree_util.tree_map(lambda a: a[0], p), 0))
-        return h, c, jax.tree_util.tree_map(lambda a: a[None], pend)
-    (h, c), pend = lax.scan(body, (h, c), (p, jnp.arange(cnt)))
-    return h, c, pend
+        (h, c), (pend, upd) = body((h, c), (jax.tree_util.tree_map(lambda a: a[0], p), 0))
+        pend, upd = jax.tree_util.tree_map(lambda a: a[None], (pend, upd))
+    else:
+        (h, c), (pend, upd) = lax.scan(body, (h, c), (p, jnp.arange(cnt)))
+    return h, c, pend, upd
+
+
+def _after(upd: dict, h) -> dict:
+    """``upd`` made data-dependent on ``h`` (adds ``0 · Σh``): every read of the old cache feeds
+    ``h``, so the writes of ``upd`` are ordered after all of them and XLA can update the cache
+    in place.  A stage of several layers gets that order from its ``lax.scan``; a single-layer
+    stage (hybrids) would otherwise get a copy of each cache array it writes, every step (XLA
+    drops ``optimization_barrier`` before it places copies)."""
+    zero = jnp.sum(h.astype(jnp.float32)) * 0.0
+    return {k: v + zero.astype(v.dtype) for k, v in upd.items()}
 
 
 def _trunk(spec: ModelSpec, params, stages_cache, ids, ctx: Ctx):
+    """Embedding and every stage; each stage's cache updates are written after its layer scan
+    (:func:`~replayssm.jax.layers.apply_updates`)."""
     h = jnp.take(params["embed"], ids, axis=0)
     new_cache, pends = [], []
     for s, (sb, cnt) in enumerate(spec.stages):
         c = stages_cache[s] if stages_cache is not None else {}
-        h, c, pend = _run_stage(sb, params["stages"][s], c, cnt, h, ctx)
-        new_cache.append(c)
+        h, c, pend, upd = _run_stage(sb, params["stages"][s], c, cnt, h, ctx)
+        if upd and cnt == 1:
+            upd = _after(upd, h)
+        new_cache.append(apply_updates(c, upd, ctx))
         pends.append(pend)
     return h, new_cache, pends
 
@@ -178,32 +191,24 @@ def ring_commit(start, hist, flush, L: int, accepted=None):
     return jnp.where(flush, (start + hist) % L, start), jnp.where(flush, 0, hist) + accepted
 
 
-def _step_ctx(cache: Cache, kind: str, T: int) -> Ctx:
+def _step_ctx(cache: Cache, kind: str, T: int, flush: bool = True) -> Ctx:
     L = cache.L
     seq = cache.seq_len
     start, hist = cache.ring_start, cache.ring_len
-    flush = ring_flush(hist, kind, T, L)
+    write_flush, flush = flush, ring_flush(hist, kind, T, L)
     return Ctx(kind=kind, mode=cache.mode, T=T, positions=seq[:, None] + jnp.arange(T)[None, :],
-               seq_len=seq, start=start, hist=hist, flush=flush, L=L)
+               seq_len=seq, start=start, hist=hist, flush=flush, L=L, write_flush=write_flush)
 
 
-def _step_trunk(spec: ModelSpec, params, cache: Cache, ids, ctx: Ctx):
-    """The trunk of a decode / verify step.  Replay form: one branch on ``any(flush)`` for
-    the whole step (the no-flush branch writes no checkpoint anywhere)."""
-    if cache.mode != "replay":
-        return _trunk(spec, params, cache.stages, ids, ctx)
-
-    def run(write: bool):
-        return lambda: _trunk(spec, params, cache.stages, ids, dataclasses.replace(ctx, write_flush=write))
-
-    return lax.cond(jnp.any(ctx.flush), run(True), run(False))
-
-
-def decode(spec: ModelSpec, params, cache: Cache, ids, active=None):
+def decode(spec: ModelSpec, params, cache: Cache, ids, active=None, flush: bool = True):
     """One always-accepted token per row: ``ids [B] -> logits [B, V]``; commits itself
-    (rows with ``active == False`` keep their ``seq_len``: finished rows of a batch)."""
-    ctx = _step_ctx(cache, "decode", 1)
-    h, stages, _ = _step_trunk(spec, params, cache, ids[:, None], ctx)
+    (rows with ``active == False`` keep their ``seq_len``: finished rows of a batch).
+
+    ``flush=False`` (static) compiles a step that writes no checkpoint: only for callers that
+    know no row flushes (``ring_flush`` false for every row), like the generation loop's inner
+    loop; the default step scatters the checkpoints of the rows that flush."""
+    ctx = _step_ctx(cache, "decode", 1, flush)
+    h, stages, _ = _trunk(spec, params, cache.stages, ids[:, None], ctx)
     L = cache.L
     step = jnp.ones_like(ctx.seq_len) if active is None else active.astype(jnp.int32)
     rs, rl = ring_commit(ctx.start, ctx.hist, ctx.flush, L)
@@ -211,15 +216,16 @@ def decode(spec: ModelSpec, params, cache: Cache, ids, active=None):
     return _head(spec, params, h[:, 0]), new
 
 
-def verify(spec: ModelSpec, params, cache: Cache, ids):
+def verify(spec: ModelSpec, params, cache: Cache, ids, flush: bool = True):
     """``T`` tentative tokens per row (a chain): ``ids [B, T] -> logits [B, T, V]``.  The
     entries are written (ring, KV, flush checkpoints) but nothing is committed until
-    :func:`commit`; returns ``(logits, cache, pending)``."""
+    :func:`commit`; returns ``(logits, cache, pending)``.  ``flush=False``: as in
+    :func:`decode`."""
     T = ids.shape[1]
     if cache.mode == "replay" and cache.L < 2 * T:
         raise ValueError(f"buffer_size {cache.L} < 2 * {T} verify tokens: speculation needs L >= 2T")
-    ctx = _step_ctx(cache, "verify", T)
-    h, stages, pends = _step_trunk(spec, params, cache, ids, ctx)
+    ctx = _step_ctx(cache, "verify", T, flush)
+    h, stages, pends = _trunk(spec, params, cache.stages, ids, ctx)
     pending = {"stages": pends, "start": ctx.start, "hist": ctx.hist, "flush": ctx.flush}
     return _head(spec, params, h), cache.replace(stages=stages), pending
 

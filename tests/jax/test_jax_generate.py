@@ -133,7 +133,7 @@ def _primitives(jaxpr, out):
 
 def test_decode_loop_has_no_host_callback(hf_model_dir):
     """The whole decode phase (draft, verify, accept, commit, sampling) is one while loop
-    with no callback primitive anywhere inside."""
+    (holding the inner loop of no-flush steps) with no callback primitive anywhere inside."""
     path = hf_model_dir("nemotron_h")
     llm = JaxLLM(path, dtype="float64", decode_mode="replay", buffer_size=8, speculative=_spec("draft", path))
     rows = llm._rows(PROMPTS, SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9))
@@ -143,8 +143,9 @@ def test_decode_loop_has_no_host_callback(hf_model_dir):
     jaxpr = jax.make_jaxpr(prog._loop)(llm.params, llm.dparams, carry, rowp, jnp.int32(5)).jaxpr
     top = [e.primitive.name for e in jaxpr.eqns]
     assert top.count("while") == 1
-    names = set(_primitives(jaxpr, []))
-    assert {"scan", "cond", "sort"} <= names            # draft steps, flush gating, top-p
+    inner = _primitives(jaxpr, [])
+    names = set(inner)
+    assert inner.count("while") == 2 and {"scan", "sort", "scatter"} <= names   # no-flush loop, draft steps, top-p
     assert not names & {"pure_callback", "io_callback", "debug_callback", "callback", "outside_call"}
 
 
@@ -182,3 +183,27 @@ def test_cli_backend_jax_streams_the_torch_tokens(hf_model_dir, capsys):
     assert cap.out.split() == want and len(want) == 12
     assert "backend=jax" in cap.err
     assert main(argv + ["--backend", "jax", "--mode", "kv"]) == 2
+
+
+def test_compiled_loop_updates_the_cache_in_place(hf_model_dir):
+    """XLA copies an array it cannot update in place; a copy of a state, ring or K/V array
+    inside the decode loop would move the whole cache every step.  Only the conv windows
+    (replaced whole every step, like the engine's) may be copied."""
+    import re
+
+    path = hf_model_dir("nemotron_h")
+    llm = JaxLLM(path, dtype="float32", decode_mode="replay", buffer_size=8, speculative=_spec("ngram"))
+    rows = llm._rows(PROMPTS, SamplingParams(max_tokens=8))
+    prog, cfg = llm._program(rows)
+    ids, lengths, rowp, key = llm._inputs(rows, cfg)
+    carry = jax.eval_shape(prog._start, llm.params, llm.dparams, ids, lengths, rowp, key)
+    hlo = jax.jit(prog._loop, donate_argnums=(2,)).lower(llm.params, llm.dparams, carry, rowp,
+                                                         jnp.int32(5)).compile().as_text()
+    big = set()
+    for c in carry["cache"].stages:
+        for name, a in c.items():
+            if name != "win":
+                big.add("f32[" + ",".join(map(str, a.shape)) + "]")
+    assert len(big) >= 5                                 # state, 3 ring arrays, K/V
+    copied = re.findall(r"= (f32\[[\d,]*\])\{[^}]*\} copy\(", hlo)
+    assert not [s for s in copied if s in big], sorted(set(copied) & big)

@@ -1,6 +1,6 @@
 """JAX forms vs the PyTorch reference ops (float64): chunked prefill against the recurrence,
-and the replay machinery (ring gather/append, output-only decode, chain verify, per-row
-flushes, commit) over a run of steps with per-row accepted counts, a NaN-poisoned ring and
+and the replay machinery (ring gather, output-only decode, chain verify, the writes of
+``apply_updates`` (ring entries, flushing rows' checkpoints), commit) over a run of steps with per-row accepted counts, a NaN-poisoned ring and
 wrap-around, against a per-row recurrent reference; final checkpoints rebuilt from S0 and
 the ring against the reference states."""
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
 from replayssm.jax import ops  # noqa: E402
-from replayssm.jax.layers import Ctx, _gdn_ssm, _mamba_ssm  # noqa: E402
+from replayssm.jax.layers import Ctx, _gdn_ssm, _mamba_ssm, apply_updates  # noqa: E402
 from replayssm.jax.model import ring_commit, ring_flush  # noqa: E402
 from replayssm.jax.params import MixerSpec  # noqa: E402
 from replayssm.ops.gdn import naive as gdn_ref  # noqa: E402
@@ -105,10 +105,13 @@ class _Runner:
         if key not in self._jit:
             def run(c, a, arrays):
                 cx = Ctx(kind=ctx.kind, mode="replay", T=ctx.T, L=self.L, **arrays)
+                upd = {}
                 if self.kind == "mamba":
                     x, dt, B, C = a
-                    return _mamba_ssm(self.sp, x, dt, jnp.asarray(self.A), B, C, cx, c, 0, F64)[:2]
-                return _gdn_ssm(self.sp, *a, cx, c, 0, F64)[:2]
+                    y, c, _ = _mamba_ssm(self.sp, x, dt, jnp.asarray(self.A), B, C, cx, c, 0, F64, upd)
+                else:
+                    y, c, _ = _gdn_ssm(self.sp, *a, cx, c, 0, F64, upd)
+                return y, apply_updates(c, {k: v[None] for k, v in upd.items()}, cx)
 
             self._jit[key] = jax.jit(run)
         arrays = {k: getattr(ctx, k) for k in ("positions", "valid", "lengths", "start", "hist", "flush")}
