@@ -118,8 +118,8 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
     array alive and copy the whole stacked cache every layer; after the scan nothing reads the
     old values, so every write below is in place and moves only what changes: ring entries
     ``[Ly, Bt, T, ...]`` at ``(start + h + s) % L``, attention K/V at ``seq_len + s``, conv
-    windows, and (steps compiled with ``write_flush``) the checkpoints of the flushing rows only (a scatter whose
-    other rows' indices are out of range, hence dropped)."""
+    windows, and (steps compiled with ``write_flush``) the checkpoints of the flushing rows
+    only (a scatter whose other rows' indices are out of range, hence dropped)."""
     if not upd:
         return c
     c = dict(c)
