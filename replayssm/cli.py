@@ -81,8 +81,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     else:
         name, rest = _DEFAULT, argv
-    module = importlib.import_module(_COMMANDS[name][0])
+    target = _COMMANDS[name][0]
+    if name == "generate" and _backend(rest) == "jax":
+        target = "replayssm.jax.cli"   # the same command on the JAX backend (a wing above the engine)
+    module = importlib.import_module(target)
     return int(module.main(rest) or 0)
+
+
+def _backend(argv: list[str]) -> str | None:
+    """The value of ``--backend`` in ``argv`` (``--backend X`` or ``--backend=X``), if any."""
+    for i, a in enumerate(argv):
+        if a == "--backend" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--backend="):
+            return a.split("=", 1)[1]
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--cuda-graphs", action="store_true", help="capture decode in CUDA graphs (CUDA only)")
+    p.add_argument("--backend", default="torch", choices=["torch", "jax"],
+                   help="torch: this engine; jax: the compiled JAX loop (replayssm.jax, needs jax)")
     return p
 
 
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = ("the shipped model is missing from this installation (expected at "
                 f"{DEFAULT_MODEL}); pass --model DIR") if args.model is None else "no config.json there"
         return _err(f"model directory {str(model_dir)!r} not found or incomplete: {hint}")
+    if args.backend == "jax":   # replayssm.cli routes --backend jax to replayssm.jax.cli
+        return _err("--backend jax runs through the `replayssm generate` command (replayssm.jax.cli)")
 
     try:
         spec = None

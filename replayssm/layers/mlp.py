@@ -51,7 +51,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj = Linear(hidden, inter, bias), Linear(hidden, inter, bias)
         self.down_proj = Linear(inter, hidden, bias)
-        self.act = activation(act)
+        self.act, self.act_name = activation(act), act
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -61,7 +61,7 @@ class PlainMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, act: str = "relu2", bias: bool = False):
         super().__init__()
         self.up_proj, self.down_proj = Linear(hidden, inter, bias), Linear(inter, hidden, bias)
-        self.act = activation(act)
+        self.act, self.act_name = activation(act), act
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
