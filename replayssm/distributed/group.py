@@ -302,12 +302,15 @@ class TensorParallelGroup:
             return {k: p for k, (p, _) in pairs.items()}, {k: v for k, (_, v) in pairs.items()}
         return x, x
 
-    def run(self, op: str, args, local):
-        """Send ``op(*args)`` to the workers, then return ``local()`` (rank 0's share)."""
+    def _check_open(self) -> None:
+        if self._failure:
+            raise WorkerFailed(f"the tensor-parallel group failed earlier: {self._failure}")
         if self._closed:
             raise RuntimeError("the tensor-parallel group is closed")
-        if self._failure:
-            raise WorkerFailed(self._failure)
+
+    def run(self, op: str, args, local):
+        """Send ``op(*args)`` to the workers, then return ``local()`` (rank 0's share)."""
+        self._check_open()
         try:
             self._send(op, args)
             return local()
@@ -322,10 +325,7 @@ class TensorParallelGroup:
         tensors: list = []
         wire_args, local_args = self._encode(tuple(args), tensors)
         wire_kw, local_kw = self._encode(dict(kwargs or {}), tensors)
-        if self._closed:
-            raise RuntimeError("the tensor-parallel group is closed")
-        if self._failure:
-            raise WorkerFailed(self._failure)
+        self._check_open()
         try:
             frees, self._frees = self._frees, []
             self.comm.send(("call", (target, method, wire_args, wire_kw, result), frees), tensors)
