@@ -75,7 +75,7 @@ def _pad(t: torch.Tensor, rule: Shard) -> torch.Tensor:
 
 
 def _skeletons(cfg, dtype, device, rank: int, size: int, group):
-    """``(global model, local model)`` on the meta device."""
+    """``(global model, local model)`` on the meta device (no memory)."""
     cls = _model_class(cfg)
     with torch.device("meta"):
         gmodel = cls(cfg, dtype, device)
@@ -184,14 +184,14 @@ def random_shard(cfg_dict: dict, rank: int, size: int, device="cpu", dtype="bflo
     tdtype = parse_dtype(dtype)
     device = canonical_device(device)
     cfg = parse_config(dict(cfg_dict), "config dict")
-    _, model = _skeletons(cfg, tdtype, device, rank, size, group)
-    rules = shard_rules(_skeletons(cfg, tdtype, device, 0, 1, None)[0], size, rank)
+    gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group)
+    rules = shard_rules(gmodel, size, rank)
     for name, p in model.named_parameters():
         leaf = name.rpartition(".")[2]
         pdt = _param_dtype(name, tdtype)
-        sharded = isinstance(rules.get(name), Shard) and not name.endswith(("norm.weight",))
+        sharded = isinstance(rules.get(name), Shard)
         g = torch.Generator(device=device)
-        g.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) + (rank + 1) * 7919 * sharded)
+        g.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) + (rank + 1) * 7919 * int(sharded))
         if name.endswith("norm.weight") or leaf == "D":
             t = torch.ones(p.shape, dtype=pdt, device=device)
         elif leaf == "A_log":

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--cuda-graphs", action="store_true", help="capture decode in CUDA graphs (CUDA only)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N processes by heads (GPUs cuda:i..i+N-1, or CPU over gloo); "
+                        "under torchrun, the number of processes it started")
     return p
 
 
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         max_seq_len = -(-need // 64) * 64
         llm = LLM(str(model_dir), device=args.device, dtype=args.dtype, decode_mode=args.mode,
                   buffer_size=buffer, speculative=spec, max_num_seqs=1, cuda_graphs=args.cuda_graphs,
-                  tokenizer=tok, max_seq_len=max_seq_len)
+                  tokenizer=tok, max_seq_len=max_seq_len, tensor_parallel_size=args.tensor_parallel_size)
         t_load = time.perf_counter() - t0
         if isinstance(prompt, str):
             sys.stdout.write(prompt)
@@ -125,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(out.text[len(shown):])
         sys.stdout.write("\n")
         sys.stdout.flush()
+        llm.close()
     except ValueError as e:
         return _err(str(e))
     n = len(out.token_ids)

@@ -47,6 +47,10 @@ class LLMEngine:
     ``memory_budget``: bytes of cache the scheduler may reserve (``None``: on CUDA,
     ``gpu_memory_utilization`` of the free device memory; on CPU only ``max_num_seqs``
     limits concurrency).
+    ``tensor_parallel_size``: split the model by heads over that many processes (rank ``r``
+    on ``cuda:<index + r>``, or CPU over gloo; :mod:`replayssm.distributed`); the engine
+    starts the workers and :meth:`close` stops them.  A model loaded with
+    ``TensorParallelGroup.load_model`` brings its own group.  Budgets are per rank.
 
     Not thread-safe: one thread (an event loop's engine task) calls ``add_request``,
     ``abort`` and ``step``.
@@ -82,15 +86,8 @@ class LLMEngine:
             self.model, self.tokenizer = model, tokenizer
             if isinstance(getattr(model, "dtype", None), torch.dtype):
                 self.dtype = model.dtype  # a loaded model keeps its own dtype
-        elif (tp or 1) > 1:
-            # the distributed wing: workers started here, each loading its shard of the checkpoint
-            from ..distributed import load_tensor_parallel
-            from ..models import load_tokenizer
-
-            self.model = load_tensor_parallel(model, tp, self.device, self.dtype)
-            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(str(model))
-        else:
-            self.model, tok = load(model, self.device, self.dtype)
+        else:  # tensor_parallel_size > 1: workers started here, each loading its shard
+            self.model, tok = load(model, self.device, self.dtype, tp or 1)
             self.tokenizer = tokenizer if tokenizer is not None else tok
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)

@@ -30,8 +30,16 @@ def is_model(obj) -> bool:
     return isinstance(obj, CachedModel)
 
 
-def load(model, device: torch.device, dtype: torch.dtype):
-    """``(model, tokenizer | None)`` from a Hugging Face-layout directory."""
+def load(model, device: torch.device, dtype: torch.dtype, tensor_parallel_size: int = 1):
+    """``(model, tokenizer | None)`` from a Hugging Face-layout directory.
+
+    ``tensor_parallel_size > 1``: the model split over that many processes, each reading its
+    shard (:func:`replayssm.distributed.load_tensor_parallel`, the engine's one entry into the
+    distributed wing, imported on use); the returned model owns its workers (``close()``)."""
     if not os.path.isdir(str(model)):
         raise ValueError(f"model directory not found: {model!r}")
+    if tensor_parallel_size > 1:
+        from ..distributed import load_tensor_parallel
+
+        return load_tensor_parallel(str(model), tensor_parallel_size, device, dtype), load_tokenizer(str(model))
     return load_model(str(model), device=device, dtype=dtype), load_tokenizer(str(model))

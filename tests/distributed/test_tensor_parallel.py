@@ -284,6 +284,36 @@ def test_model_api_and_bad_input_keep_the_group(models):
     tp.local.make_cache(2)  # rank 0's own shard is an ordinary model
 
 
+RANDOM_CFG = dict(model_type="nemotron_h", vocab_size=61, hidden_size=16, hybrid_override_pattern="M*E",
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=8, mamba_num_heads=4, mamba_head_dim=4,
+                  ssm_state_size=6, n_groups=2, conv_kernel=3, n_routed_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=6, moe_shared_expert_intermediate_size=4, eos_token_id=None)
+
+
+def test_random_shards_share_replicated_weights():
+    """Random weights built per rank on the device: replicated parameters agree across
+    ranks, sharded ones differ and have the local shapes (no process needed to build one)."""
+    from replayssm.distributed.loading import _skeletons, random_shard
+    from replayssm.distributed.sharding import Shard, shard_rules
+
+    r0, r1 = (random_shard(RANDOM_CFG, r, 2, dtype="float32") for r in (0, 1))
+    p0, p1 = dict(r0.named_parameters()), dict(r1.named_parameters())
+    rules = shard_rules(_skeletons(r0.tp.config, torch.float32, "cpu", 0, 2, None)[0], 2, 0)
+    for n, p in p0.items():
+        assert p.shape == p1[n].shape and torch.isfinite(p).all(), n
+        if not isinstance(rules.get(n), Shard):
+            assert torch.equal(p, p1[n]), n
+    w0, w1 = p0["backbone.layers.0.mixer.in_proj.weight"], p1["backbone.layers.0.mixer.in_proj.weight"]
+    assert w0.shape == (8 + 8 + 6 + 6 + 2, 16) and not torch.equal(w0, w1)   # [z | x | B | C | dt] of 2 heads
+
+
+def test_random_model_generates(group):
+    model = group.random_model(RANDOM_CFG, dtype="float32", seed=3)
+    out = _generate(model, decode_mode="replay")
+    assert [len(o) for o in out] == [N_NEW] * len(PROMPTS)
+    model.close()
+
+
 # ---------------------------------------------------------------------------------------
 # an engine that owns its group; a worker that dies
 # ---------------------------------------------------------------------------------------
