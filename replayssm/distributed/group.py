@@ -153,6 +153,7 @@ class TensorParallelGroup:
     def _init_state(self) -> None:
         self._next_handle = 0
         self._frees: list[int] = []
+        self._frees_lock = threading.RLock()   # finalisers may run in any thread, even mid-send
         self._failure: str | None = None
         self._closing = self._closed = False
         self._monitor = None
@@ -167,8 +168,8 @@ class TensorParallelGroup:
         """
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        dtype_ = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device("cuda", local) if dtype_ == "cuda" else torch.device("cpu")
+        kind = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda", local) if kind == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not dist.is_initialized():
@@ -280,11 +281,16 @@ class TensorParallelGroup:
 
     def release(self, handle: int) -> None:
         """Free ``handle`` on the workers with the next message (safe from a finaliser)."""
-        self._frees.append(handle)
+        with self._frees_lock:
+            self._frees.append(handle)
+
+    def _take_frees(self) -> list[int]:
+        with self._frees_lock:
+            frees, self._frees = self._frees, []
+        return frees
 
     def _send(self, op: str, args, tensors=()) -> None:
-        frees, self._frees = self._frees, []
-        self.comm.send((op, args, frees), list(tensors))
+        self.comm.send((op, args, self._take_frees()), list(tensors))
 
     def _encode(self, x, tensors: list):
         """``(what the workers get, what rank 0 runs with)`` for one argument."""
@@ -327,8 +333,7 @@ class TensorParallelGroup:
         wire_kw, local_kw = self._encode(dict(kwargs or {}), tensors)
         self._check_open()
         try:
-            frees, self._frees = self._frees, []
-            self.comm.send(("call", (target, method, wire_args, wire_kw, result), frees), tensors)
+            self._send("call", (target, method, wire_args, wire_kw, result), tensors)
             return local(*local_args, **local_kw)
         except ValueError:
             raise

@@ -47,10 +47,18 @@ class _Proxy:
     def _call(self, method: str, *args, **kwargs):
         return self._group.call(self._tp_handle, method, getattr(self.local, method), args, kwargs)
 
+    #: methods of ``local`` that only read (answered by rank 0's shard); a call of any other
+    #: method must be forwarded explicitly, or the ranks' states would drift apart
+    _READS: frozenset = frozenset()
+
     def __getattr__(self, name):
         if name in ("local", "_group", "_tp_handle"):
             raise AttributeError(name)
-        return getattr(self.local, name)
+        value = getattr(self.local, name)
+        if callable(value) and not isinstance(value, type) and name not in self._READS:
+            raise AttributeError(f"{type(self).__name__}.{name}: not forwarded to the tensor-parallel workers "
+                                 f"(add it to replayssm/distributed/model.py)")
+        return value
 
     @property
     def group(self):
@@ -63,6 +71,8 @@ class _Proxy:
 
 class ShardedCache(_Proxy):
     """A ``ModelCache`` over all ranks (each holds its heads' states, rings, blocks, windows)."""
+
+    _READS = frozenset({"mode_of", "ssm_form", "nbytes", "tensors", "layout"})
 
     def reserve(self, slot: int, total_len: int) -> None:
         self._call("reserve", int(slot), int(total_len))
@@ -77,6 +87,8 @@ class ShardedCache(_Proxy):
 class ShardedRunner(_Proxy):
     """A ``ModelRunner`` over all ranks; each rank's runner captures and replays its own
     CUDA graphs under the same keys."""
+
+    _READS = frozenset({"_bucket"})
 
     def prefill(self, slots, prompts):
         return self._call("prefill", list(slots), [list(p) for p in prompts])
