@@ -232,32 +232,28 @@ def test_full_forward_matches(models, arch):
     assert tp.tensor_parallel_size == 2
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("mode", ["recurrent", "replay", "kv", "auto"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_one_rank_fp64(models, expected, arch, mode):
-    assert _generate(models(arch)[1], decode_mode=mode, auto_threshold=6) == expected(arch)
+def test_greedy_matches_one_rank(models, expected, arch, mode, dtype):
+    """Every decode mode (replay also with padded batches, the CUDA-graph path's padding)."""
+    tp = models(arch, dtype)[1]
+    assert _generate(tp, decode_mode=mode, auto_threshold=6, pad_batches=mode == "replay") == expected(arch, dtype)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_one_rank_fp32(models, expected, arch):
-    ref, tp = models(arch, "float32")
-    want = _generate(ref, decode_mode="replay")
-    assert want == expected(arch)   # the fp32 reference agrees with fp64 on these prompts
-    assert _generate(tp, decode_mode="replay", pad_batches=True) == want
-
-
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("method", ["ngram", "draft", "ngram-tree", "draft-tree"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_speculation_keeps_greedy_output(models, expected, arch, method):
-    ref, tp = models(arch)
-    draft = models("draft")[0]
+def test_speculation_keeps_greedy_output(models, expected, arch, method, dtype):
+    ref, tp = models(arch, dtype)
+    draft = models("draft", dtype)[0]
     sp = {"ngram": SpeculativeConfig("ngram", num_tokens=3),
           "draft": SpeculativeConfig("draft", num_tokens=3, draft_model=draft),
           "ngram-tree": SpeculativeConfig("tree", num_tokens=3, tree_width=2),
           "draft-tree": SpeculativeConfig("tree", draft_model=ref, tree_width=2, tree_depth=2)}[method]
     mode = {"mamba2": "replay", "nemotron_h": "kv", "qwen3_next": "recurrent"}[arch] if method != "draft-tree" \
         else "replay"
-    assert _generate(tp, decode_mode=mode, speculative=sp) == expected(arch)
+    assert _generate(tp, decode_mode=mode, speculative=sp) == expected(arch, dtype)
 
 
 def test_sampled_speculation_matches_one_rank(models):
