@@ -86,7 +86,7 @@ class LLMEngine:
             self.model, self.tokenizer = model, tokenizer
             if isinstance(getattr(model, "dtype", None), torch.dtype):
                 self.dtype = model.dtype  # a loaded model keeps its own dtype
-        else:  # tensor_parallel_size > 1: workers started here, each loading its shard
+        else:  # a directory (tensor_parallel_size > 1: workers started here, each reading its shard)
             self.model, tok = load(model, self.device, self.dtype, tp or 1)
             self.tokenizer = tokenizer if tokenizer is not None else tok
         cfg = self.model.config
