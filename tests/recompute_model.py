@@ -140,6 +140,9 @@ class RecomputeCache:
             self._modes[s] = self.mode
             self._in_use[s] = False
 
+    def clear_pending(self) -> None:
+        self.pending = None
+
     def _check_idle(self):
         if self.pending is not None:
             raise RuntimeError("a verify is waiting for its commit")

@@ -295,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer-size", type=positive_int, default=16)
     p.add_argument("--memory-budget", type=positive_float, default=None, help="bytes (default: 64 replay sequences)")
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N GPUs (loaded once, shared by every run)")
     p.add_argument("--out", default="out/bench_e2e")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (< 30 s) for CI")
     p.add_argument("--no-plots", action="store_true")
@@ -340,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, desc = _load_model(args, tmp)
         if isinstance(model, str):  # load once, share between engines
-            from replayssm.models import load_model
+            from replayssm.engine.loading import load
 
-            model_obj = load_model(model, device=args.device, dtype=getattr(torch, args.dtype))
+            model_obj = load(model, torch.device(args.device), getattr(torch, args.dtype),
+                             args.tensor_parallel_size)[0]
         else:
             model_obj = model
         res = {"config": {**vars(args), "model_desc": desc, "spec_method": args.spec_method,
@@ -386,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                 del llm
                 _free(args.device)
         bar.close()
+        if args.tensor_parallel_size > 1:
+            model_obj.close()   # stops the workers
     res["config"]["memory_budget"] = budget
     res["elapsed_s"] = time.perf_counter() - t_start
     # summary ratios

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true", help="capture decode in CUDA graphs (CUDA only)")
     p.add_argument("--backend", default="torch", choices=["torch", "jax"],
                    help="torch: this engine; jax: the compiled JAX loop (replayssm.jax, needs jax)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N processes by heads (GPUs cuda:i..i+N-1, or CPU over gloo); "
+                        "under torchrun, the number of processes it started")
     return p
 
 
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({source}) and the prompt has {n_prompt}; --max-seq-len changes the limit")
         llm = LLM(str(model_dir), device=device, dtype=args.dtype, decode_mode=args.mode,
                   buffer_size=args.buffer_size, speculative=spec, max_num_seqs=1, cuda_graphs=args.cuda_graphs,
-                  tokenizer=tok, max_seq_len=max_seq_len)
+                  tokenizer=tok, max_seq_len=max_seq_len, tensor_parallel_size=args.tensor_parallel_size)
         t_load = time.perf_counter() - t0
         progress = (prefill_progress([llm.model, llm.draft_model], n_prompt) if n_prompt >= PROGRESS_MIN_TOKENS
                     else contextlib.nullcontext())
@@ -199,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(detok.flush())
         sys.stdout.write("\n")
         sys.stdout.flush()
+        llm.close()
     except ValueError as e:
         return _err(str(e))
     n = len(out.token_ids)

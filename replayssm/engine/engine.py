@@ -51,6 +51,10 @@ class LLMEngine:
     ``memory_budget``: bytes of cache the scheduler may reserve (``None``: on CUDA,
     ``gpu_memory_utilization`` of the free device memory; on CPU only ``max_num_seqs``
     limits concurrency).
+    ``tensor_parallel_size``: split the model by heads over that many processes (rank ``r``
+    on ``cuda:<index + r>``, or CPU over gloo; :mod:`replayssm.distributed`); the engine
+    starts the workers and :meth:`close` stops them.  A model loaded with
+    ``TensorParallelGroup.load_model`` brings its own group.  Budgets are per rank.
 
     Not thread-safe: one thread (an event loop's engine task) calls ``add_request``,
     ``abort`` and ``step``.
@@ -61,7 +65,8 @@ class LLMEngine:
                  max_num_seqs: int = 16, memory_budget: int | None = None, max_seq_len: int = 2048,
                  kv_block_size: int = 16, auto_threshold: int | None = None, cuda_graphs: bool = False,
                  seed: int = 0, tokenizer=None, pad_batches: bool = False,
-                 max_prefill_tokens: int = 4096, gpu_memory_utilization: float | None = 0.8):
+                 max_prefill_tokens: int = 4096, gpu_memory_utilization: float | None = 0.8,
+                 tensor_parallel_size: int | None = None):
         self.config = ec = EngineConfig(
             decode_mode=decode_mode, buffer_size=buffer_size, max_num_seqs=max_num_seqs,
             memory_budget=memory_budget, max_seq_len=max_seq_len, kv_block_size=kv_block_size,
@@ -70,12 +75,20 @@ class LLMEngine:
         # validated, as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu")
         self.device = check_device(device)
         self.dtype = parse_dtype(dtype)
+        self._owns_model = not is_model(model)
+        tp = tensor_parallel_size
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
         if is_model(model):
+            have = int(getattr(model, "tensor_parallel_size", 1))
+            if tp is not None and tp != have:
+                raise ValueError(f"tensor_parallel_size={tp} but the model given is split over {have} rank(s) "
+                                 f"(load it with that many, or pass a model directory)")
             self.model, self.tokenizer = model, tokenizer
             if isinstance(getattr(model, "dtype", None), torch.dtype):
                 self.dtype = model.dtype  # a loaded model keeps its own dtype
-        else:
-            self.model, tok = load(model, self.device, self.dtype)
+        else:  # a directory (tensor_parallel_size > 1: workers started here, each reading its shard)
+            self.model, tok = load(model, self.device, self.dtype, tp or 1)
             self.tokenizer = tokenizer if tokenizer is not None else tok
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -107,8 +120,13 @@ class LLMEngine:
         self.cache = self.model.make_cache(self.num_slots + 1, mode=ec.cache_mode, buffer_size=ec.buffer_size,
                                            max_new=T, max_seq_len=ec.max_seq_len, kv_block_size=ec.kv_block_size,
                                            kv_num_blocks=kv_blocks, device=self.device)
-        self.runner = ModelRunner(self.model, self.cache, self.device, self.num_slots, cuda_graphs=cuda_graphs,
-                                  pad_batches=pad_batches)
+        make_runner = getattr(self.model, "make_runner", None)   # a tensor-parallel model runs every rank
+        if make_runner is not None:
+            self.runner = make_runner(self.cache, self.num_slots, cuda_graphs=cuda_graphs, pad_batches=pad_batches,
+                                      runner_cls=ModelRunner)
+        else:
+            self.runner = ModelRunner(self.model, self.cache, self.device, self.num_slots, cuda_graphs=cuda_graphs,
+                                      pad_batches=pad_batches)
         self.sampler = Sampler(self.device, seed, num_slots=self.num_slots + 1, vocab_size=self.vocab_size)
         self.blocks = BlockManager(self.cache, self.memory, ec.memory_budget, self.num_slots, ec.max_seq_len)
         self.scheduler = Scheduler(self.blocks, ec.max_prefill_tokens)
@@ -124,6 +142,23 @@ class LLMEngine:
             if draft_runner is not None:
                 draft_runner.capture()
             self.capture_s = time.perf_counter() - t0
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the engine's caches; stop tensor-parallel workers the engine started itself
+        (a model passed in stays usable).  The engine cannot step afterwards."""
+        for obj in (self.runner, self.cache):
+            release = getattr(obj, "close", None)
+            if release is not None:
+                release()
+        if self._owns_model and hasattr(self.model, "close"):
+            self.model.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     # -- construction helpers -----------------------------------------------------------
     def _plan_slots(self) -> int:
@@ -253,7 +288,7 @@ class LLMEngine:
     def recover(self) -> None:
         """After a step raised half-way: forget the verify that will never be committed
         (target and draft caches), so that aborts and the next steps can run."""
-        self.cache.pending = None
+        self.cache.clear_pending()
         if self.drafter is not None:
             self.drafter.reset()
 

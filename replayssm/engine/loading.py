@@ -6,17 +6,25 @@ import os
 
 import torch
 
+from ..distributed import load_tensor_parallel
 from ..models import load_model, load_tokenizer
 from ..models.loader import parse_dtype  # noqa: F401  (the engine's dtype names)
 from .protocols import CachedModel
+
 
 def is_model(obj) -> bool:
     """Whether ``obj`` is an already loaded model (implements :class:`CachedModel`)."""
     return isinstance(obj, CachedModel)
 
 
-def load(model, device: torch.device, dtype: torch.dtype):
-    """``(model, tokenizer | None)`` from a Hugging Face-layout directory."""
+def load(model, device: torch.device, dtype: torch.dtype, tensor_parallel_size: int = 1):
+    """``(model, tokenizer | None)`` from a Hugging Face-layout directory.
+
+    ``tensor_parallel_size > 1``: the model split over that many processes, each reading its
+    shard (:func:`replayssm.distributed.load_tensor_parallel`, the engine's entry into the
+    distributed layer below it); the returned model owns its workers (``close()``)."""
     if not os.path.isdir(str(model)):
         raise ValueError(f"model directory not found: {model!r}")
+    if tensor_parallel_size > 1:
+        return load_tensor_parallel(str(model), tensor_parallel_size, device, dtype), load_tokenizer(str(model))
     return load_model(str(model), device=device, dtype=dtype), load_tokenizer(str(model))

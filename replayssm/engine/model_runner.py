@@ -332,7 +332,7 @@ class ModelRunner:
     def _drop_pending(self) -> None:
         """Forget a verify that failed half-way (its commit will never come)."""
         if getattr(self.cache, "pending", None) is not None:
-            self.cache.pending = None
+            self.cache.clear_pending()
 
     def _warm(self, fn, passes: int = 2) -> None:
         """Run ``fn`` eagerly on a side stream (compiles kernels, sets up cuBLAS) before capture."""

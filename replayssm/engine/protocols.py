@@ -31,6 +31,8 @@ class ModelCacheLike(Protocol):
 
     def release(self, slots) -> None: ...
 
+    def clear_pending(self) -> None: ...
+
 
 @runtime_checkable
 class CachedModel(Protocol):

@@ -237,7 +237,7 @@ class _DraftModelBase(Drafter):
             self.cache.release([seq.slot])
 
     def reset(self) -> None:
-        self.cache.pending = None
+        self.cache.clear_pending()
         self._deferred = False
 
     def _catch_up(self, seqs) -> Tensor:

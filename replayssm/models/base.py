@@ -133,8 +133,12 @@ class CausalLM(nn.Module):
         return out
 
     # ---- core ------------------------------------------------------------------------------
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        """Token embeddings ``[..., hidden]`` (tensor parallelism overrides it: a vocabulary shard)."""
+        return nn.functional.embedding(input_ids, self.embed_weight())
+
     def _trunk(self, input_ids: Tensor, ctx: StepContext) -> Tensor:
-        h = nn.functional.embedding(input_ids, self.embed_weight())
+        h = self._embed(input_ids)
         for blk in self.blocks:
             h = blk(h, ctx, self._dtype)
         return h

@@ -183,6 +183,10 @@ class ModelCache:
         kinds = {self._modes[s] for s in self._in_use} or {self.mode}
         return "kv" if kinds == {"kv"} else ("mixed" if "kv" in kinds else "replay")
 
+    def clear_pending(self) -> None:
+        """Forget a verify whose commit will never come (a step that failed half-way)."""
+        self.pending = None
+
     def _check_idle(self):
         if self.pending is not None:
             raise RuntimeError("a verify is waiting for its commit (call model.commit first)")
