@@ -227,7 +227,7 @@ class RecomputeModel:
         return torch.stack(out)
 
     def make_cache(self, num_slots, mode="replay", buffer_size=16, max_new=1, max_seq_len=2048,
-                   kv_block_size=16, kv_num_blocks=None, device=None):
+                   kv_block_size=16, kv_num_blocks=None, device=None, attn_num_blocks=None):
         return RecomputeCache(num_slots, mode, buffer_size, max_new, max_seq_len, kv_block_size,
                               kv_num_blocks, device or self.device)
 

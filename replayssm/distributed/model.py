@@ -159,12 +159,13 @@ class TensorParallelModel(_Proxy):
     # -- objects on every rank ------------------------------------------------------------------
     def make_cache(self, num_slots: int, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
                    max_seq_len: int = 2048, kv_block_size: int = 16, kv_num_blocks: int | None = None,
-                   device=None, poison: bool = False) -> ShardedCache:
+                   device=None, poison: bool = False, attn_num_blocks: int | None = None) -> ShardedCache:
         if device is not None and canonical_device(device) != self.device:
             raise ValueError(f"cache device {device} differs from rank 0's {self.device}")
         h = self._group.new_handle()
         kw = dict(mode=mode, buffer_size=buffer_size, max_new=max_new, max_seq_len=max_seq_len,
-                  kv_block_size=kv_block_size, kv_num_blocks=kv_num_blocks, poison=poison)
+                  kv_block_size=kv_block_size, kv_num_blocks=kv_num_blocks, poison=poison,
+                  attn_num_blocks=attn_num_blocks)
         local = self._group.call(self._tp_handle, "make_cache", self.local.make_cache, (num_slots,), kw, result=h)
         return ShardedCache(self._group, h, local)
 

@@ -30,7 +30,7 @@ from .detokenizer import Detokenizer, find_stop
 from .inputs import encode_prompt
 from .limits import cache_bytes, check_cache_fits
 from .loading import is_model, load, parse_dtype
-from .memory import MemoryModel, default_auto_threshold, fmt_bytes, memory_model
+from .memory import MemoryModel, auto_kv_blocks, default_auto_threshold, fmt_bytes, memory_model
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, request_output
 from .sampler import Sampler, token_logprobs
@@ -48,9 +48,12 @@ class LLMEngine:
     ``auto_threshold`` tokens, then one flush into a state and replay; the default threshold
     is where KV-only stops reading fewer bytes than replay, from the cache's real sizes —
     :func:`replayssm.engine.memory.default_auto_threshold`).
-    ``memory_budget``: bytes of cache the scheduler may reserve (``None``: on CUDA,
+    ``memory_budget``: bytes of cache for the sequences (``None``: on CUDA,
     ``gpu_memory_utilization`` of the free device memory; on CPU only ``max_num_seqs``
-    limits concurrency).
+    limits concurrency): ``num_slots`` fixed parts (states, rings, conv windows, step scratch)
+    and block pools for what grows with the context (attention KV of hybrids, KV-only
+    entries) in the rest; the null slot and null blocks that padding rows write to come on
+    top.  Without a budget the pools are static (``max_seq_len`` per slot).
     ``tensor_parallel_size``: split the model by heads over that many processes (rank ``r``
     on ``cuda:<index + r>``, or CPU over gloo; :mod:`replayssm.distributed`); the engine
     starts the workers and :meth:`close` stops them.  A model loaded with
@@ -108,18 +111,18 @@ class LLMEngine:
         self.layout = self.model.cache_layout(ec.cache_mode, ec.buffer_size, T, ec.max_seq_len, ec.kv_block_size)
         self.auto_threshold = ec.auto_threshold or default_auto_threshold(self.layout, ec.buffer_size)
         self.memory: MemoryModel = memory_model(self.layout, ec.decode_mode, T, self.vocab_size,
-                                                self.auto_threshold, draft_layout)
+                                                self.auto_threshold, draft_layout, ec.max_seq_len)
         if ec.memory_budget is None and self.device.type == "cuda" and gpu_memory_utilization:
             # like vLLM's gpu_memory_utilization: caches may take this share of the free memory
             free, _ = torch.cuda.mem_get_info(self.device)
             ec.memory_budget = int(free * gpu_memory_utilization)
         self.num_slots = self._plan_slots()
-        kv_blocks = self._plan_kv_blocks()
-        check_cache_fits(cache_bytes(self.layout, draft_layout, self.num_slots, kv_blocks), self.device,
-                         self.num_slots, ec.max_seq_len)
+        kv_blocks, attn_blocks = self._plan_pools()
+        check_cache_fits(cache_bytes(self.layout, draft_layout, self.num_slots, ec.max_seq_len, kv_blocks,
+                                     attn_blocks), self.device, self.num_slots, ec.max_seq_len)
         self.cache = self.model.make_cache(self.num_slots + 1, mode=ec.cache_mode, buffer_size=ec.buffer_size,
                                            max_new=T, max_seq_len=ec.max_seq_len, kv_block_size=ec.kv_block_size,
-                                           kv_num_blocks=kv_blocks, device=self.device)
+                                           kv_num_blocks=kv_blocks, device=self.device, attn_num_blocks=attn_blocks)
         make_runner = getattr(self.model, "make_runner", None)   # a tensor-parallel model runs every rank
         if make_runner is not None:
             self.runner = make_runner(self.cache, self.num_slots, cuda_graphs=cuda_graphs, pad_batches=pad_batches,
@@ -173,20 +176,24 @@ class LLMEngine:
                              f"({fmt_bytes(need)})")
         return int(min(ec.max_num_seqs, fit))
 
-    def _plan_kv_blocks(self) -> int | None:
-        """Blocks of the KV-only pool (``None``: a static pool, ``max_seq_len`` per slot)."""
-        ec, T = self.config, self.config.max_new
-        if ec.cache_mode != "kv":
-            return None
-        per_seq = ec.max_seq_len if ec.decode_mode == "kv" else self.auto_threshold + 2 * T + ec.kv_block_size
-        blocks_per_seq = -(-per_seq // ec.kv_block_size) + 1
-        blocks = blocks_per_seq * self.num_slots
-        if ec.memory_budget is not None and self.memory.kv_block_bytes:
-            # the scheduler keeps reservations within the budget; one spare block per slot
-            # absorbs rounding to whole blocks
-            budget_blocks = ec.memory_budget // self.memory.kv_block_bytes + self.num_slots
-            blocks = max(blocks_per_seq, min(blocks, budget_blocks))
-        return blocks
+    def _plan_pools(self) -> tuple[int | None, int | None]:
+        """Blocks of the KV-only pool and of the attention pool (``None``: a static pool,
+        ``max_seq_len`` per slot).  ``auto`` gives each slot KV-only room up to the switch
+        threshold; with a memory budget, what the slots' fixed parts leave is split over the
+        pools that grow with each token (one block of each per block of tokens)."""
+        ec, mem = self.config, self.memory
+        kv = attn = None
+        if ec.decode_mode == "auto":
+            kv = self.num_slots * auto_kv_blocks(self.auto_threshold, ec.max_new, ec.kv_block_size)
+        if ec.memory_budget is None:
+            return kv, None
+        per_block = (mem.kv_block_bytes if ec.decode_mode == "kv" else 0) + mem.attn_block_bytes
+        if per_block:
+            static = self.num_slots * -(-ec.max_seq_len // ec.kv_block_size)
+            n = int(max(1, min(static, (ec.memory_budget - self.num_slots * mem.fixed) // per_block)))
+            kv = n if ec.decode_mode == "kv" else kv
+            attn = n if mem.attn_block_bytes else None
+        return kv, attn
 
     def _spec_shapes(self) -> list[tuple[int, bool]]:
         """``(nodes, tree)`` of the verify steps the drafter proposes (fixed shapes only; an

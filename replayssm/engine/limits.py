@@ -53,13 +53,22 @@ def available_memory(device) -> int | None:
     return None
 
 
-def cache_bytes(layout, draft_layout, num_slots: int, kv_blocks: int | None = None) -> int:
+def cache_bytes(layout, draft_layout, num_slots: int, max_seq_len: int, kv_blocks: int | None = None,
+                attn_blocks: int | None = None) -> int:
     """What ``model.make_cache`` (and the draft model's cache) allocate for ``num_slots``
-    sequences plus the null slot: the layouts' measured slot bytes, plus the paged pool of
-    ``kv_blocks`` blocks (and its null block) in the KV-only / auto modes."""
-    per_slot = layout.slot_bytes + (draft_layout.slot_bytes if draft_layout is not None else 0)
-    pool = (kv_blocks + 1) * layout.block_bytes if kv_blocks is not None else 0
-    return (num_slots + 1) * per_slot + pool
+    sequences plus the null slot: the layouts' measured slot bytes, plus the paged pools
+    (KV-only entries: ``kv_blocks``; attention KV: ``attn_blocks``; ``None`` is a static pool
+    of ``max_seq_len`` per slot) and their null blocks."""
+    static = num_slots * -(-max_seq_len // layout.block_size)
+    total = (num_slots + 1) * layout.slot_bytes
+    if layout.block_bytes:
+        total += ((kv_blocks if kv_blocks is not None else static) + 1) * layout.block_bytes
+    if layout.attn_block_bytes:
+        total += ((attn_blocks if attn_blocks is not None else static) + 1) * layout.attn_block_bytes
+    if draft_layout is not None:
+        d_static = num_slots * -(-max_seq_len // draft_layout.block_size)
+        total += (num_slots + 1) * draft_layout.slot_bytes + (d_static + 1) * draft_layout.attn_block_bytes
+    return total
 
 
 def check_cache_fits(need: int, device, num_slots: int, max_seq_len: int) -> None:

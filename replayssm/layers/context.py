@@ -41,6 +41,7 @@ class StepContext:
     state_slots: Tensor | None = None  # [B] slots for the state form (kv rows -> null slot)
     plan: Any = None                  # ring StepPlan over state_slots (replay form)
     pplan: Any = None                 # PagedPlan over KV rows (kv form)
+    attn_table: Tensor | None = None  # [B, max_blocks] attention KV blocks of each row (hybrids)
     pending: dict = field(default_factory=dict)  # per-layer data kept until commit
 
     @property

@@ -138,7 +138,7 @@ def test_cache_estimate_is_what_make_cache_allocates():
     for mode in ("recurrent", "replay", "kv", "auto"):
         llm = LLM(model, decode_mode=mode, max_num_seqs=3, max_seq_len=512)
         kv = llm.cache.pidx.num_blocks - 1 if llm.cache.pidx is not None else None
-        est = limits.cache_bytes(llm.layout, None, llm.num_slots, kv)
+        est = limits.cache_bytes(llm.layout, None, llm.num_slots, 512, kv)
         assert est == llm.cache.nbytes(), (mode, llm.cache.nbytes(), est)
 
 

@@ -10,16 +10,21 @@ from replayssm.cache.paged import PoolExhausted
 from test_cached import Stream
 
 
+def _paged_rows(index, slot, n):
+    bs = index.block_size
+    return torch.tensor([b * bs + o for b in index.blocks_of(slot) for o in range(bs)][:n], dtype=torch.long)
+
+
 def _slot_tensors(cache, slot):
-    """Every per-slot tensor row of ``slot`` (states, rings, conv windows, attention KV) and
-    its bookkeeping, plus its KV-only entries gathered through its block table."""
+    """Every per-slot tensor row of ``slot`` (states, rings, conv windows) and its
+    bookkeeping, plus its KV-only entries and attention KV gathered through its block tables."""
     out = [cache.seq_len[slot], cache.ring.start[slot], cache.ring.length[slot], cache.kv_slot[slot]]
     for store in cache.layers.values():
         for key, v in store.items():
             if v is None:
                 continue
-            if isinstance(v, torch.Tensor):
-                out.append(v[slot])
+            if isinstance(v, torch.Tensor):   # attention k / v pools [blocks, block_size, ...]
+                out.append(v.view(-1, *v.shape[2:])[_paged_rows(cache.attn, slot, int(cache.seq_len[slot]))])
                 continue
             for t in vars(v).values():
                 if not isinstance(t, torch.Tensor):
