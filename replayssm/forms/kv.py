@@ -40,7 +40,13 @@ class KVForm(DecodeForm):
     def _all(self, layer, a, ctx, store) -> Tensor:
         return layer.op("kv_verify", store["kv"], ctx.pplan, a=a)
 
-    prefill = decode = verify = _all
+    decode = verify = _all
+
+    def prefill(self, layer, a, ctx, store) -> Tensor:
+        """The packed rows, padded back to ``[B, T]`` (padding leaves no trace: ``Δ = 0`` /
+        ``g = β = 0``), appended to each slot's pages after its held entries."""
+        a = layer.mask_padding({k: ctx.unpack(v) for k, v in a.items()}, ctx.valid)
+        return ctx.pack(self._all(layer, a, ctx, store))
 
     def tree(self, layer, a, ctx, store) -> Tensor:
         """Each node's recurrence along its root path from the state the row's held entries

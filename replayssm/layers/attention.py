@@ -104,24 +104,19 @@ class Attention(nn.Module):
     def _paged(self, q: Tensor, k: Tensor, v: Tensor, ctx: StepContext) -> Tensor:
         """Write the new keys/values into the slots' blocks, attend over each row's context.
 
-        Prefill packs each row's valid tokens (``cu_seqlens`` from ``ctx.lengths``; padding
-        is neither written nor attended); decode / verify / tree steps run ``T`` queries per
-        row, the last ``T`` positions of ``seq_len + T`` keys (a tree masks by its ancestor
-        bits)."""
+        Prefill runs packed (row ``b``'s ``lengths[b]`` tokens at ``cu_seqlens[b]:[b+1]`` of
+        one stream); decode / verify / tree steps run ``T`` queries per row, the last ``T``
+        positions of ``seq_len + T`` keys (a tree masks by its ancestor bits)."""
         B, T = q.shape[:2]
         ops = ops_for("attention")
         store = ctx.cache.layers[self.layer_id]
         Kc, Vc = store["k"], store["v"]
         bs = Kc.shape[1]
         table = ctx.attn_table
-        if ctx.kind == "prefill":
-            real = ctx.slots != 0                      # padding rows write and read nothing
-            rows = (ctx.valid & real[:, None]).reshape(-1).nonzero().flatten()   # prefill may sync
-            lengths = torch.where(real, ctx.lengths, torch.zeros_like(ctx.lengths))
-            cu = torch.zeros(B + 1, dtype=torch.long, device=q.device)
-            cu[1:] = lengths.cumsum(0)
-            kv_lens = ctx.seq_len + lengths
-            qf, kf, vf = (t.reshape(B * T, *t.shape[2:])[rows] for t in (q, k, v))
+        if ctx.kind == "prefill":   # packed: q/k/v are [1, Nt, ...], row b owns cu_seqlens[b]:[b+1]
+            cu = ctx.cu_seqlens
+            kv_lens = ctx.seq_len + ctx.lengths
+            qf, kf, vf = q[0], k[0], v[0]
             bits = None
         else:
             cu = torch.arange(B + 1, device=q.device) * T
@@ -134,10 +129,6 @@ class Attention(nn.Module):
                 bits = ctx.tree_bits
         ops.write_kv(Kc, Vc, kf, vf, ops.new_slots(table, cu, kv_lens, bs, qf.shape[0]))
         of = ops.paged_attention(qf, Kc, Vc, table, cu, kv_lens, scale=self.Dh ** -0.5, tree_bits=bits)
-        if ctx.kind == "prefill":
-            o = torch.zeros(B * T, self.H, self.Dh, dtype=of.dtype, device=of.device)
-            o[rows] = of
-            of = o
         return of.reshape(B, T, self.H * self.Dh)
 
     # ------------------------------------------------------------------ commit

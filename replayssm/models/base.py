@@ -273,14 +273,24 @@ class CausalLM(nn.Module):
                 for s, n, m in zip(slots.tolist(), cache.seq_len[slots].tolist(), lengths.tolist()):
                     if s:
                         cache.reserve(s, n + m)   # no-op when already reserved
-        lengths = torch.where(slots == 0, lengths.clamp(0, T), lengths)
+        lengths = torch.where(slots == 0, torch.zeros_like(lengths), lengths)   # padding rows: no tokens
         cache._in_use.update(v for v in slots.tolist() if v)   # host mirror (prefill may sync)
         seq = cache.seq_len[slots]
         t = torch.arange(T, device=ids.device)
-        ctx = self._context(cache, "prefill", slots, T, seq[:, None] + t[None, :],
-                            valid=t[None, :] < lengths[:, None], lengths=lengths, fresh=seq == 0)
-        h = self._trunk(ids, ctx)
-        last = h[torch.arange(B, device=h.device), (lengths - 1).clamp(min=0)]
+        valid = t[None, :] < lengths[:, None]
+        # packed: one stream of every row's valid tokens, no padding (finding them syncs)
+        cu = torch.zeros(B + 1, dtype=torch.long, device=ids.device)
+        cu[1:] = lengths.cumsum(0)
+        index = valid.reshape(-1).nonzero().flatten()
+        rows = torch.arange(B, device=ids.device)[:, None].expand(B, T).reshape(-1)[index]
+        positions = (seq[:, None] + t[None, :]).reshape(-1)[index][None]
+        ctx = self._context(cache, "prefill", slots, T, positions, valid=valid, lengths=lengths, fresh=seq == 0,
+                            cu_seqlens=cu, token_index=index, token_rows=rows)
+        if index.numel():
+            h = self._trunk(ids.reshape(-1)[index][None], ctx)             # [1, Nt, D]
+            last = h[0, (cu[1:] - 1).clamp(min=0)]
+        else:   # only padding rows
+            last = self.embed_weight().new_zeros(B, self.config.hidden_size)
         self._finish(ctx, None)
         return self._head(last)
 
