@@ -95,15 +95,17 @@ class BlockManager:
 
     # -- KV-only blocks ------------------------------------------------------------------------
     def reserve_tokens(self, seqs: list[Sequence], extra: int) -> list[Sequence]:
-        """Reserve KV-only blocks for this step's entries (``extra=0``: the whole prompt of a
-        prefill, else ``extra`` more than the cached tokens).  The budget makes this succeed;
-        if the pool still runs dry, that request ends with an error and the others go on.
-        Returns the sequences that can run."""
+        """Reserve blocks for a step of ``extra`` entries past each sequence's cached tokens."""
+        return self.reserve([(s, s.num_cached + extra) for s in seqs])
+
+    def reserve(self, totals: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Reserve paged blocks so each sequence holds its given total of tokens (attention KV,
+        KV-only entries).  The budget makes this succeed; if a pool still runs dry, that
+        request ends with an error and the others go on.  Returns the sequences that can run."""
         if not self.uses_pages:
-            return seqs
+            return [s for s, _ in totals]
         ok = []
-        for s in seqs:
-            n = s.num_prompt_tokens if extra == 0 else s.num_cached + extra
+        for s, n in totals:
             try:   # the cache reserves in the pools the slot uses (attention KV, KV-only entries)
                 self.cache.reserve(s.slot, min(n, self.max_seq_len))
             except (RuntimeError, ValueError) as e:  # PoolExhausted is a ValueError

@@ -273,7 +273,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     cuda_graphs: bool = False
     seed: int = 0
-    max_prefill_tokens: int = 4096
+    max_num_batched_tokens: int = 8192   # tokens per step: decodes + prompt chunks (chunked prefill)
 
     def __post_init__(self):
         if self.decode_mode not in DECODE_MODES:
@@ -283,7 +283,7 @@ class EngineConfig:
         _int("max_num_seqs", self.max_num_seqs, 1)
         _int("max_seq_len", self.max_seq_len, 1)
         _int("kv_block_size", self.kv_block_size, 1)
-        _int("max_prefill_tokens", self.max_prefill_tokens, 1)
+        _int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _int("seed", self.seed, None)
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")

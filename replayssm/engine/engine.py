@@ -68,13 +68,13 @@ class LLMEngine:
                  max_num_seqs: int = 16, memory_budget: int | None = None, max_seq_len: int = 2048,
                  kv_block_size: int = 16, auto_threshold: int | None = None, cuda_graphs: bool = False,
                  seed: int = 0, tokenizer=None, pad_batches: bool = False,
-                 max_prefill_tokens: int = 4096, gpu_memory_utilization: float | None = 0.8,
+                 max_num_batched_tokens: int = 8192, gpu_memory_utilization: float | None = 0.8,
                  tensor_parallel_size: int | None = None):
         self.config = ec = EngineConfig(
             decode_mode=decode_mode, buffer_size=buffer_size, max_num_seqs=max_num_seqs,
             memory_budget=memory_budget, max_seq_len=max_seq_len, kv_block_size=kv_block_size,
             auto_threshold=auto_threshold, speculative=speculative, cuda_graphs=cuda_graphs, seed=seed,
-            max_prefill_tokens=max_prefill_tokens)
+            max_num_batched_tokens=max_num_batched_tokens)
         # validated, as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu")
         self.device = check_device(device)
         self.dtype = parse_dtype(dtype)
@@ -132,7 +132,7 @@ class LLMEngine:
                                       pad_batches=pad_batches)
         self.sampler = Sampler(self.device, seed, num_slots=self.num_slots + 1, vocab_size=self.vocab_size)
         self.blocks = BlockManager(self.cache, self.memory, ec.memory_budget, self.num_slots, ec.max_seq_len)
-        self.scheduler = Scheduler(self.blocks, ec.max_prefill_tokens)
+        self.scheduler = Scheduler(self.blocks, ec.max_num_batched_tokens)
         self.drafter = self._make_drafter(sp, self.num_slots, T)
         self.stats = {"steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "generated": 0}
         self._requests: dict = {}            # unfinished requests by id (abort, outputs)
@@ -345,7 +345,8 @@ class LLMEngine:
             if s.finish_reason is not None:
                 self._finish(s)
                 finished.append(s)
-            elif self.config.decode_mode == "auto" and s.mode == "kv" and s.num_cached >= self.auto_threshold:
+            elif self.config.decode_mode == "auto" and s.mode == "kv" and not s.prefilling \
+                    and s.num_cached >= self.auto_threshold:
                 to_switch.append(s)
         self.blocks.switch_to_state(to_switch)
         for s in finished:
@@ -359,55 +360,50 @@ class LLMEngine:
         self.scheduler.finish(s, s.finish_reason or "stop")
 
     # -- running the model --------------------------------------------------------------------
-    def _prefill(self, seqs: list[Sequence]) -> list[Step]:
+    def _prefill(self, items: list[tuple[Sequence, int]]) -> list[Step]:
+        """Prefill this step's prompt chunks (each continues its sequence; a chunk of 0 tokens
+        is a sample waiting for its first sample); sequences whose prompt is now complete
+        sample their first token — the waiting samples of a completed request copy its cache
+        (``cache.fork``) and sample from its logits."""
+        chunks = [(s, n) for s, n in items if n > 0]
+        waiting = [s for s, n in items if n == 0]
         if self.config.decode_mode == "auto":
             # prompts already past the threshold skip the KV-only form: an empty slot switched
-            # to a (zero) state prefills straight into it; prefill each form separately
-            long = [s for s in seqs if s.num_prompt_tokens >= self.auto_threshold]
-            short = [s for s in seqs if s.num_prompt_tokens < self.auto_threshold]
-            self.blocks.switch_to_state(long)
-            if short and long:
-                return self._prefill_groups(short) + self._prefill_groups(long)
-            seqs = short + long
-        return self._prefill_groups(seqs)
-
-    def _prefill_groups(self, seqs: list[Sequence]) -> list[Step]:
-        """Prefill in groups of at most ``max_prefill_tokens`` padded tokens; sample each
-        sequence's first token.  Samples of one request admitted with it share its prefill:
-        their slots get a copy of its cache (``cache.fork``) and they sample from its logits."""
-        ids = set(id(s) for s in seqs)
-        forked = [s for s in seqs if s.index > 0 and id(s.group[0]) in ids]
-        fk = set(id(s) for s in forked)
-        seqs = [s for s in seqs if id(s) not in fk]
-        groups, group, width = [], [], 0
-        for s in seqs:
-            w = max(width, s.num_prompt_tokens)
-            if group and w * (len(group) + 1) > self.config.max_prefill_tokens:
-                groups.append(group)
-                group, w = [], s.num_prompt_tokens
-            group.append(s)
-            width = w
-        if group:
-            groups.append(group)
-        fits = set(id(s) for s in self.blocks.reserve_tokens([s for g in groups for s in g], 0))
-        groups = [g for g in ([s for s in g if id(s) in fits] for g in groups) if g]
-        if not groups:
-            return []
+            # to a (zero) state prefills straight into it; each form prefills in its own call
+            self.blocks.switch_to_state([s for s, _ in chunks
+                                         if s.num_prefilled == 0 and s.num_prompt_tokens >= self.auto_threshold])
+        fits = set(id(s) for s in self.blocks.reserve([(s, s.num_prefilled + n) for s, n in chunks]))
+        chunks = [(s, n) for s, n in chunks if id(s) in fits]
+        groups = [chunks]
+        if self.config.decode_mode == "auto":
+            groups = [[c for c in chunks if self.cache.mode_of(c[0].slot) == m] for m in ("kv", "replay")]
         logits, order = [], []
         for g in groups:
-            logits.append(self.runner.prefill([s.slot for s in g], [s.prompt_ids for s in g]))
-            order.extend(g)
-        logits = torch.cat(logits, 0)
-        rows = {id(s): i for i, s in enumerate(order)}
-        forked = [s for s in forked if id(s.group[0]) in rows]   # the head's prefill may have failed
+            if not g:
+                continue
+            lg = self.runner.prefill([s.slot for s, _ in g],
+                                     [s.prompt_ids[s.num_prefilled:s.num_prefilled + n] for s, n in g])
+            for (s, n), row in zip(g, lg):
+                s.num_prefilled += n
+                s.mode = self.cache.mode_of(s.slot)
+                if not s.prefilling:
+                    logits.append(row)
+                    order.append(s)
+        done = {id(s): i for i, s in enumerate(order)}
+        forked = [s for s in waiting if id(s.group[0]) in done]
         if forked:
             by_head: dict = {}
             for s in forked:
                 by_head.setdefault(id(s.group[0]), (s.group[0], []))[1].append(s)
             for head, sibs in by_head.values():
                 self.cache.fork(head.slot, [s.slot for s in sibs])
-            logits = torch.cat([logits, logits[[rows[id(s.group[0])] for s in forked]]], 0)
+            for s in forked:
+                s.num_prefilled, s.mode = s.num_prompt_tokens, self.cache.mode_of(s.slot)
+                logits.append(logits[done[id(s.group[0])]])
             order = order + forked
+        if not order:
+            return []
+        logits = torch.stack(logits, 0)
         if self.drafter is not None:
             self.drafter.prefill(order)
         self.sampler.start(order)
@@ -415,7 +411,6 @@ class LLMEngine:
         toks = self.sampler.sample(logits, order, sb)
         lps = self._logprobs_host(logits, toks, sb)
         for s in order:
-            s.mode = self.cache.mode_of(s.slot)
             s.num_steps += 1
         return [(s, [t], None if lps is None else [lps[b]]) for b, (s, t) in enumerate(zip(order, toks.tolist()))]
 

@@ -50,6 +50,7 @@ class Sequence:
         self.token_cap: int | None = None   # total-token limit set at admission (budget)
         # draft-model drafters: tokens of all_ids already in the draft model's cache
         self.draft_cached = 0
+        self.num_prefilled = 0              # prompt tokens in the cache (chunked prefill)
         # n samples of one request: the group shares a prompt (one prefill, then a cache fork)
         self.group_id = self.request_id     # the request's id (samples: the first one's)
         self.index = 0                      # sample index within the group
@@ -84,6 +85,11 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is not in the cache yet (chunked prefill)."""
+        return self.num_prefilled < len(self.prompt_ids)
 
     @property
     def num_cached(self) -> int:

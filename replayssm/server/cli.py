@@ -39,7 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share of free GPU memory for caches when --memory-budget is not given")
     g.add_argument("--kv-block-size", type=int, default=16)
     g.add_argument("--auto-threshold", type=int, default=None, help="decode mode auto: KV-only below this length")
-    g.add_argument("--max-prefill-tokens", type=int, default=4096, help="prefill tokens per step")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N processes by heads (GPUs cuda:i..i+N-1, or CPU over gloo)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens per engine step: decodes plus prompt chunks (chunked prefill)")
     g.add_argument("--seed", type=int, default=0, help="the engine's generator (unseeded requests)")
     g.add_argument("--pad-batches", action="store_true", help="pad batches to graph buckets without graphs")
     g.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (CPU)")
@@ -64,12 +67,13 @@ def build_engine(model_dir: str, args):
         spec = SpeculativeConfig(args.speculative, num_tokens=args.num_tokens, draft_model=draft,
                                  tree_width=args.tree_width, tree_depth=args.tree_depth,
                                  prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
-    buffer = args.buffer_size or (max(16, 2 * spec.verify_tokens) if spec else 16)
-    return LLM(model_dir, device=device, dtype=dtype, decode_mode=args.mode, buffer_size=buffer, speculative=spec,
+    return LLM(model_dir, device=device, dtype=dtype, decode_mode=args.mode, buffer_size=args.buffer_size,
+               speculative=spec, tensor_parallel_size=args.tensor_parallel_size,
                max_num_seqs=args.max_num_seqs, memory_budget=int(args.memory_budget) if args.memory_budget else None,
                max_seq_len=args.max_seq_len, kv_block_size=args.kv_block_size, auto_threshold=args.auto_threshold,
                cuda_graphs=args.cuda_graphs, seed=args.seed, pad_batches=args.pad_batches,
-               max_prefill_tokens=args.max_prefill_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -180,3 +180,14 @@ def test_attention_kv_in_the_budget_grows_in_blocks(loaded, expected, arch, mode
         peak_used = max(peak_used, free - attn.free_blocks)
     assert [llm.output(s).token_ids for s in seqs] == expected[arch]
     assert peak_used > 0 and attn.free_blocks == free and llm.scheduler.reserved == 0
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv", "auto"])
+def test_chunked_prefill_matches_full_forward(loaded, expected, arch, mode):
+    """Prompts split into chunks of a few tokens (each continuing from the state, conv window,
+    KV-only entries and attention KV the previous chunk left) give the full forward's tokens."""
+    llm = LLM(loaded[arch], dtype="float64", decode_mode=mode, auto_threshold=6, max_seq_len=MAXLEN,
+              max_num_batched_tokens=5)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected[arch]
