@@ -18,6 +18,7 @@ from ._triton import (HAVE_TRITON, check_ring, count_flags, flag_chunk, flat_gri
                       nth_flag, pad16, persistent_programs, tile, tile_ids, triton, tl)
 from ._triton import contiguous as _c
 from .append import append_entries
+from .mamba2 import tree_bits
 
 __all__ = [
     "recurrent_step",
@@ -778,8 +779,6 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
                 num_warps: int | None = None, precision: str = "tf32x3", impl: str = "rows",
                 fused_fold: bool = True) -> Tensor:
     """Tree verify (STree + Alg. 8): the solve restricted to the ancestor mask."""
-    from .mamba2 import tree_bits
-
     if plan.kind != "tree":
         raise ValueError(f"tree_verify needs a 'tree' plan, got {plan.kind!r}")
     dims = _dims(q, v, True)
@@ -799,8 +798,6 @@ def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
               num_warps: int | None = None, precision: str = "tf32x3", impl: str = "rows") -> Tensor:
     """KV-only form (``S0 = 0``) over paged buffers (a draft tree when ``parent`` is given);
     appends ``(U, k, g)`` after the kernel."""
-    from .mamba2 import tree_bits
-
     bits = None if parent is None else tree_bits(parent, q.shape[0])
     y, U, Kn = _verify(None, None, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        paged=(kv, pplan), block_v=block_v, num_warps=num_warps,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..cache.tree import ancestor_bits, ancestor_mask
 from ._triton import HAVE_TRITON, check_ring, flat_grid, history_entries, next_pow2, pad16, tile, tile_ids, triton, tl
 from ._triton import contiguous as _c
 from .append import append_entries
@@ -500,8 +501,6 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
 def tree_bits(parent: Tensor, batch: int) -> Tensor:
     """Ancestor-or-self sets as int32 bitmasks ``[Bt, N]`` (bit s of node m: s is m or an
     ancestor of m).  Device tensor ops only (N small, N <= 31)."""
-    from ..cache.tree import ancestor_bits, ancestor_mask
-
     p = parent.long()
     if p.dim() == 1:
         p = p[None].expand(batch, -1)

@@ -30,12 +30,15 @@ import math
 import torch
 from torch import Tensor
 
+from ...cache import paged
 from ...cache.buffers import GDNBuffers
 from ...cache.ring import StepPlan, gather_history, write_new
 from ...cache.tree import ancestor_mask
 from ..common import (check_accepted, check_kv_lengths, check_plan, check_plan_fit, check_plan_rows,
                       check_route, check_slot, check_state_dtype, check_tensors, check_tree,
-                      compute_dtype, paged_module, shape_str, want_check, write_state_where)
+                      compute_dtype, shape_str, want_check, write_state_where)
+from ..kv_blocks import runs, suffix_after
+from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
 
 __all__ = [
     "l2norm",
@@ -536,7 +539,6 @@ KV_CHUNK = 64
 
 
 def _check_kv(kv, pplan, dims, device, check: bool):
-    paged = paged_module()
     Bt, T, H, HV, K, V = dims
     if not isinstance(kv, paged.GDNPagedBuffers):
         raise ValueError(f"kv must be GDNPagedBuffers, got {type(kv).__name__}")
@@ -575,8 +577,6 @@ def _kv_run(kv, pos: Tensor, valid: Tensor, cdt):
 def _kv_fold(kv, pplan, cdt) -> Tensor:
     """``S_n = Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``, run by run:
     ``S ← e^{Σ_run g} S + Σ_{j∈run} e^{Σ_{v>j in run} g_v} k_j ⊗ u_j``."""
-    from ..kv_blocks import runs, suffix_after
-
     Bt = pplan.batch
     HV, V = kv.u.shape[1:]
     H, K = kv.k.shape[1:]
@@ -593,8 +593,6 @@ def _kv_readout(kv, pplan, x: Tensor, cdt) -> Tensor:
     """History readouts ``S_n x_m = Σ_{j<n} e^{pre_n−pre_j} (k_j·x_m) u_j`` for key-head
     vectors ``x [Bt,M,H,K]`` -> ``[Bt,M,HV,V]``, run by run (newest first, carrying the
     log-decay of the runs already seen), without forming ``S_n``."""
-    from ..kv_blocks import runs, suffix_after
-
     Bt, M, H, K = x.shape
     HV, V = kv.u.shape[1:]
     r = torch.zeros(Bt, M, HV, V, dtype=cdt, device=x.device)
@@ -612,8 +610,6 @@ def _kv_readout(kv, pplan, x: Tensor, cdt) -> Tensor:
 def _kv_scan(St: Tensor, qn, kn, vc, gc, bc, chunk: int) -> tuple[Tensor, Tensor]:
     """Chunked WY/UT scan of new tokens from state ``St`` (as :func:`chunked_prefill`),
     keeping the corrections: returns ``U, y`` as ``[Bt,T,HV,V]``."""
-    from ..kv_blocks import suffix_after
-
     Bt, T = qn.shape[:2]
     Us, ys = [], []
     for c0 in range(0, T, chunk):
@@ -630,7 +626,6 @@ def _kv_scan(St: Tensor, qn, kn, vc, gc, bc, chunk: int) -> tuple[Tensor, Tensor
 def _kv_new(kv, pplan, par, q, k, v, g, beta, scale, use_qk_l2norm, dims):
     """Shared body of :func:`kv_verify` / :func:`kv_tree_verify` (inputs validated;
     ``par`` None for a chain).  Writes the new ``(u, k, g)``; returns ``y`` in ``v.dtype``."""
-    paged = paged_module()
     Bt, T = dims[:2]
     cdt = compute_dtype(kv.g.dtype, kv.u.dtype, q.dtype, v.dtype)
     qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
@@ -704,7 +699,6 @@ def kv_to_state(kv, pplan, buf: GDNBuffers, slot: Tensor, check: bool | None = N
     ``slot [Bt]`` (the rows' state slots in ``buf``).  Ring bookkeeping is the caller's
     (``ring.reset(slot)``); paged blocks may be released afterwards.
     """
-    paged = paged_module()
     if not isinstance(buf, GDNBuffers):
         raise ValueError(f"buf must be GDNBuffers, got {type(buf).__name__}")
     if not isinstance(kv, paged.GDNPagedBuffers):
@@ -769,8 +763,6 @@ def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     ``u_t = β_t (v_t − α_t S_{t−1} k_t)``, the corrected values the replay ring and the
     KV-only pages store for GDN.
     """
-    from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
-
     for name, t, form in (("q", q, "[Nt, H, K]"), ("k", k, "[Nt, H, K]"), ("v", v, "[Nt, HV, V]"),
                           ("g", g, "[Nt, HV]"), ("beta", beta, "[Nt, HV]")):
         if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:

@@ -40,12 +40,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...cache import paged
 from ...cache.buffers import Mamba2Buffers
 from ...cache.ring import NULL_SLOT, StepPlan, gather_history, write_new
 from ...cache.tree import ancestor_mask
 from ..common import (STATE_DTYPES, check_accepted, check_kv_lengths, check_plan, check_plan_fit,
                       check_plan_rows, check_route, check_slot, check_state_dtype, check_tensors,
-                      check_tree, compute_dtype, paged_module, shape_str, want_check, write_state_where)
+                      check_tree, compute_dtype, shape_str, want_check, write_state_where)
+from ..kv_blocks import path_logs, runs, suffix_after
+from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
 
 __all__ = [
     "segsum",
@@ -621,7 +624,6 @@ KV_CHUNK = 64
 
 
 def _check_kv(kv, pplan, dims, x: Tensor | None, device, check: bool) -> None:
-    paged = paged_module()
     Bt, T, H, d, G, n = dims
     if not isinstance(kv, paged.Mamba2PagedBuffers):
         raise ValueError(f"kv must be Mamba2PagedBuffers, got {type(kv).__name__}")
@@ -660,8 +662,6 @@ def _kv_run(kv, pos: Tensor, valid: Tensor, A: Tensor, cdt):
 def _kv_fold(kv, pplan, A: Tensor, gidx: Tensor, cdt) -> Tensor:
     """``S_n = Σ_{j<n} Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` per row ``[Bt,H,d,n]``, run by run:
     ``S ← e^{Σ_run l} S + Σ_{j∈run} e^{Σ_{v>j in run} l_v} Δ_j x_j B_jᵀ``."""
-    from ..kv_blocks import runs, suffix_after
-
     Bt = pplan.batch
     H, d = kv.x.shape[1:]
     n = kv.B.shape[2]
@@ -684,8 +684,6 @@ def _kv_attend(kv, pplan, A, xn, Bn, dn, ln, Cc, mask, gidx, cdt) -> Tensor:
     with ``cum_t`` the log-decay along t's path from the last committed entry.  New entries
     ``xn [Bt,N,H,d]``, ``Bn``/``Cc [Bt,N,G,n]``, ``dn``/``ln [Bt,N,H]`` in ``cdt``.
     """
-    from ..kv_blocks import path_logs, runs, suffix_after
-
     Bt, N, H, d = xn.shape
     G, n = Bn.shape[2:]
     E, cum = path_logs(mask, ln)
@@ -706,7 +704,6 @@ def _kv_attend(kv, pplan, A, xn, Bn, dn, ln, Cc, mask, gidx, cdt) -> Tensor:
 
 
 def _kv_write(kv, pplan, x: Tensor, B: Tensor, dt: Tensor) -> None:
-    paged = paged_module()
     paged.write_kv_new(kv.x, pplan, x)
     paged.write_kv_new(kv.B, pplan, B)
     paged.write_kv_new(kv.dt, pplan, dt.to(kv.dt.dtype))
@@ -788,7 +785,6 @@ def kv_to_state(kv, pplan, buf: Mamba2Buffers, slot: Tensor, A: Tensor,
     ``buf``), ``A [H]`` (the pool stores Δ, so the decays need A).  Ring bookkeeping is the
     caller's (``ring.reset(slot)``); the row's blocks may be released afterwards.
     """
-    paged = paged_module()
     if not isinstance(buf, Mamba2Buffers):
         raise ValueError(f"buf must be Mamba2Buffers, got {type(buf).__name__}")
     if not isinstance(kv, paged.Mamba2PagedBuffers):
@@ -846,8 +842,6 @@ def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
     Returns ``(y [Nt,H,d] in x.dtype incl. D·x, final_state [N,H,d,n])``; in pool form
     ``(y, None)`` (the final states are in the pool).
     """
-    from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
-
     _, Nt, H, d, G, n = _check_varlen_inputs(x, dt, B, C)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
