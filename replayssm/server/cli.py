@@ -12,6 +12,11 @@ import argparse
 import socket
 import sys
 
+import torch
+
+from ..engine.config import SpeculativeConfig
+from ..engine.llm import LLM
+
 DECODE_MODES = ("recurrent", "replay", "kv", "auto")
 
 
@@ -47,11 +52,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def build_engine(model_dir: str, args):
     """An ``LLM`` from :func:`add_engine_args` flags."""
-    import torch
-
-    from ..engine.config import SpeculativeConfig
-    from ..engine.llm import LLM
-
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from .app import ServerConfig, build_app
+        from .app import ServerConfig, build_app  # fastapi (the serve extra): reported below if missing
     except ImportError as e:
         print(f"replayssm serve: error: {e}; install the serve extra: pip install 'replayssm[serve]'", file=sys.stderr)
         return 2
