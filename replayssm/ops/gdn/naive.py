@@ -1,6 +1,6 @@
 """Float64-capable pure-PyTorch reference ops for Gated DeltaNet (Qwen3-Next style).
 
-Notation (DESIGN.md §1-2, one value head): ``α = e^g`` with ``g <= 0``, ``β ∈ (0, 1)``,
+Notation (``docs/MATH.md``, Notation; one value head): ``α = e^g`` with ``g <= 0``, ``β ∈ (0, 1)``,
 ``u_t = β_t (v_t − α_t S_{t−1} k_t)``, ``S_t = α_t S_{t−1} + u_t k_tᵀ``, ``y_t = S_t q_t``.
 States are stored transposed, HF/fla layout ``St = Sᵀ ∈ [.., HV, K, V]``, so
 ``S x = Stᵀ x`` and ``u kᵀ`` becomes ``k ⊗ u``.  Value head ``hv`` uses key head
@@ -9,10 +9,10 @@ States are stored transposed, HF/fla layout ``St = Sᵀ ∈ [.., HV, K, V]``, so
 
 Every form below computes the same numbers as :func:`recurrent_scan` up to rounding:
 
-* ``recurrent_step`` / ``recurrent_scan``: the ground truth (Alg. 5).
+* ``recurrent_step`` / ``recurrent_scan``: the ground truth (the recurrent form).
 * ``chunked_prefill``: chunked WY/UT form; per chunk one unit-lower-triangular solve.
-* ``replay_decode``: Alg. 6 from a checkpoint ``S0`` and a ring of ``(u, k, g)``.
-* ``replay_verify`` / ``tree_verify``: Alg. 8, T drafts (or a tree of N nodes) in one solve.
+* ``replay_decode``: GDN replay from a checkpoint ``S0`` and a ring of ``(u, k, g)``.
+* ``replay_verify`` / ``tree_verify``: speculative verify, T drafts (or a tree of N nodes) in one solve.
 * ``snapshot_verify`` / ``snapshot_commit``: the serial one-state-per-draft baseline.
 * ``kv_verify`` / ``kv_tree_verify`` / ``kv_to_state``: KV-only form (``S0 = 0``) over the
   paged blocks a row holds (linear in the held context, see the KV-only section).
@@ -225,7 +225,7 @@ def _chain_mask(Bt: int, T: int, device) -> Tensor:
 # ---------------------------------------------------------------------------- recurrence
 def recurrent_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                    scale: float | None = None, use_qk_l2norm: bool = True) -> tuple[Tensor, Tensor]:
-    """One delta-rule step (Alg. 5).
+    """One delta-rule step (the recurrent form).
 
     state ``[Bt,HV,K,V]``, q/k ``[Bt,H,K]``, v ``[Bt,HV,V]``, g/beta ``[Bt,HV]``.
     ``St ← e^g St``; ``u = β (v − Stᵀ k)``; ``St ← St + k ⊗ u``; ``y = Stᵀ q``.
@@ -345,7 +345,7 @@ def chunked_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 # ---------------------------------------------------------------------------- replay
 def rebuild_state(buf: GDNBuffers, plan: StepPlan) -> Tensor:
     """``S_h = e^{pre_h} S0 + Σ_{j<h} e^{pre_h−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``
-    (Alg. 6 step 1), in the state dtype.  Reads only; any plan kind."""
+    (the first step of GDN replay), in the state dtype.  Reads only; any plan kind."""
     if not isinstance(buf, GDNBuffers) or not isinstance(plan, StepPlan):
         raise ValueError("rebuild_state needs GDNBuffers and a StepPlan")
     check_state_dtype(buf.state, "buf.state dtype")
@@ -372,7 +372,8 @@ def _readouts(buf, plan, cdt, x: Tensor, route: str):
 def replay_decode(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                   beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                   route: str = "state", check: bool | None = None) -> Tensor:
-    """Replay decode of one token per row (Alg. 6); ``plan.kind == "decode"``.
+    """Replay decode of one token per row (``docs/MATH.md``, "GDN replay" and "Flush");
+    ``plan.kind == "decode"``.
 
     q/k ``[Bt,H,K]``, v ``[Bt,HV,V]``, g/beta ``[Bt,HV]``.  With ``S_h`` rebuilt from the
     checkpoint and ring: ``u = β (v − e^g S_h k)``, ``y = e^g S_h q + u (k·q)``; appends
@@ -437,7 +438,8 @@ def _draft_verify(buf, plan, par, q, k, v, g, beta, scale, use_qk_l2norm, route,
 def replay_verify(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                   beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                   route: str = "state", check: bool | None = None) -> Tensor:
-    """Replay verify of T drafts per row in one triangular solve (Alg. 8); ``plan.kind == "verify"``.
+    """Replay verify of T drafts per row in one triangular solve (``docs/MATH.md``, "Speculative
+    verify"); ``plan.kind == "verify"``.
 
     q/k ``[Bt,T,H,K]``, v ``[Bt,T,HV,V]``, g/beta ``[Bt,T,HV]``.  ``G_s = Σ_{i≤s} g_i``;
     ``(I + A) U = R``, ``A_{s,s'} = β_s e^{G_s−G_{s'}} (k_s·k_{s'})`` (s' < s),
@@ -456,7 +458,8 @@ def replay_verify(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tens
 def tree_verify(buf: GDNBuffers, plan: StepPlan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor,
                 g: Tensor, beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                 route: str = "state", check: bool | None = None) -> Tensor:
-    """Replay verify of a draft tree of N nodes per row (STree + Alg. 8); ``plan.kind == "tree"``.
+    """Replay verify of a draft tree of N nodes per row (the triangular solve under the ancestor
+    mask, ``docs/MATH.md``, "Speculative verify"); ``plan.kind == "tree"``.
 
     parent ``[Bt,N]`` or ``[N]`` (topological, ``-1`` = child of the last committed entry);
     q/k ``[Bt,N,H,K]``, v ``[Bt,N,HV,V]``, g/beta ``[Bt,N,HV]``.  With ``M`` the
@@ -478,7 +481,7 @@ def tree_verify(buf: GDNBuffers, plan: StepPlan, parent: Tensor, q: Tensor, k: T
 def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                     beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                     check: bool | None = None) -> tuple[Tensor, Tensor]:
-    """Baseline speculative verify (Alg. 7): serial scan from ``state[slot]``, one state per draft.
+    """Baseline speculative verify (snapshot verify): serial scan from ``state[slot]``, one state per draft.
 
     state ``[P,HV,K,V]`` (read only), slot ``[Bt]``, q/k ``[Bt,T,H,K]``, ...
     Returns ``(y [Bt,T,HV,V], snapshots [Bt,T,HV,K,V])`` with ``snapshots[:, s]`` the state

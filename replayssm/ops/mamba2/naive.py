@@ -1,6 +1,6 @@
 """Float64-capable pure-PyTorch reference ops for Mamba-2 (every decoding form).
 
-Notation (DESIGN.md §1-2, one head ``h`` of group ``g = h // (H // G)``): state
+Notation (``docs/MATH.md``, Notation; one head ``h`` of group ``g = h // (H // G)``): state
 ``S ∈ R^{d×n}``, ``v = x [d]``, ``k = B [n]``, ``q = C [n]``, step size ``Δ = dt``
 (after softplus/bias/clamp, ``>= 0``), ``A < 0`` per head, log-decay ``l = A·Δ <= 0``:
 
@@ -9,12 +9,12 @@ Notation (DESIGN.md §1-2, one head ``h`` of group ``g = h // (H // G)``): state
 HF state layout ``[.., H, d, n]``.  Every form below computes the same numbers as
 :func:`recurrent_scan` up to rounding:
 
-* ``recurrent_step`` / ``recurrent_scan``: the ground truth (Alg. 1).
+* ``recurrent_step`` / ``recurrent_scan``: the ground truth (the recurrent form).
 * ``chunked_prefill``: SSD chunked form (intra-chunk masked GEMMs, chunk states,
   inter-chunk state passing, state read-out).
-* ``replay_decode``: Alg. 2 from a checkpoint ``S0`` and a ring of ``(x, B, Δ)``;
+* ``replay_decode``: replay from a checkpoint ``S0`` and a ring of ``(x, B, Δ)``;
   route ``"output"`` (output-only, ``B_j·C`` once per group) or ``"state"``.
-* ``replay_verify`` / ``tree_verify``: Alg. 4, T drafts (or a tree of N nodes) read the
+* ``replay_verify`` / ``tree_verify``: speculative verify, T drafts (or a tree of N nodes) read the
   same ``S0`` and ring under a causal (ancestor) mask.
 * ``snapshot_verify`` / ``snapshot_commit``: the serial one-state-per-draft baseline.
 * ``kv_verify`` / ``kv_tree_verify`` / ``kv_to_state``: KV-only form (``S0 = 0``) over the
@@ -209,7 +209,7 @@ def _segment_logs(logs: Tensor, P: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _attend(S0: Tensor | None, xs, Bs, dts, logs, C, P, gidx) -> Tensor:
-    """Output-only replay (Alg. 2) for M queries over a masked window of W entries.
+    """Output-only replay (``docs/MATH.md``, "Replay, output only") for M queries over a masked window of W entries.
 
     S0 ``[Bt,H,d,n]`` or None (KV-only); xs ``[Bt,W,H,d]``, Bs ``[Bt,W,G,n]``,
     dts/logs ``[Bt,W,H]`` (finite; masked entries zeroed); C ``[Bt,M,G,n]``; P ``[Bt,M,W]``.
@@ -291,7 +291,7 @@ def _step(S: Tensor, x, dt, A, B, C, gidx):
 
 def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                    D: Tensor | None = None, check: bool | None = None) -> tuple[Tensor, Tensor]:
-    """One recurrent step (Alg. 1).
+    """One recurrent step (the recurrent form).
 
     state ``[Bt,H,d,n]`` (fp32/fp64), x ``[Bt,H,d]``, dt ``[Bt,H]``, A ``[H]``,
     B/C ``[Bt,G,n]``, D ``[H]`` or None.
@@ -448,7 +448,8 @@ def rebuild_state(buf: Mamba2Buffers, plan: StepPlan, A: Tensor) -> Tensor:
 def replay_decode(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
                   C: Tensor, D: Tensor | None = None, route: str = "output",
                   check: bool | None = None) -> Tensor:
-    """Replay decode of one token per row (Alg. 2); ``plan.kind == "decode"``.
+    """Replay decode of one token per row (``docs/MATH.md``, "Replay, output only" and "Flush");
+    ``plan.kind == "decode"``.
 
     x ``[Bt,H,d]``, dt ``[Bt,H]``, A ``[H]``, B/C ``[Bt,G,n]``, D ``[H]`` or None.
     With the new token as entry ``h`` (``t = h``):
@@ -512,7 +513,8 @@ def _draft_verify(buf, plan, mask, x, dt, A, B, C, D, route, dims):
 def replay_verify(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
                   C: Tensor, D: Tensor | None = None, route: str = "output",
                   check: bool | None = None) -> Tensor:
-    """Replay verify of T drafts per row (Alg. 4); ``plan.kind == "verify"``.
+    """Replay verify of T drafts per row (``docs/MATH.md``, "Speculative verify");
+    ``plan.kind == "verify"``.
 
     x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``, A ``[H]``, B/C ``[Bt,T,G,n]``, D ``[H]`` or None.
     Every draft reads the same ``S0`` and ring window under a causal mask, as GEMMs
@@ -551,7 +553,7 @@ def tree_verify(buf: Mamba2Buffers, plan: StepPlan, parent: Tensor, x: Tensor, d
 def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
                     C: Tensor, D: Tensor | None = None,
                     check: bool | None = None) -> tuple[Tensor, Tensor]:
-    """Baseline speculative verify (Alg. 3, what vLLM does): serial scan from ``state[slot]``,
+    """Baseline speculative verify (snapshot verify, what vLLM does): serial scan from ``state[slot]``,
     one stored state per draft.
 
     state ``[P,H,d,n]`` (read only), slot ``[Bt]``, x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``,
