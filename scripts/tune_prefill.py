@@ -22,7 +22,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from replayssm.bench import prefill as BP
 from replayssm.cache import conv as RC
@@ -121,7 +120,6 @@ def compiled_stats() -> list[str]:
         try:
             for caches in fn.device_caches.values():
                 for key, k in caches[0].items():
-                    c = {a: b for a, b in getattr(k, "constants", {}).items()} if hasattr(k, "constants") else {}
                     md = k.metadata
                     out.append(f"{name}: regs={k.n_regs} spills={k.n_spills} shared={getattr(md, 'shared', '?')} "
                                f"warps={getattr(md, 'num_warps', '?')} stages={getattr(md, 'num_stages', '?')} "

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if (a.d is None) != (a.n is None):
         p.error("--d and --n go together")
     shapes = DEFAULT_SHAPES if a.d is None else {
-        f"custom": HeadShape(a.d, a.n, a.state_bytes, a.vec_bytes, a.key_share)}
+        "custom": HeadShape(a.d, a.n, a.state_bytes, a.vec_bytes, a.key_share)}
     reports = {name: report(s, a.buffer_size) for name, s in shapes.items()}
     if a.json:
         print(json.dumps(reports, indent=1))
