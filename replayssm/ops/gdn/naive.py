@@ -34,10 +34,10 @@ from ...cache import paged
 from ...cache.buffers import GDNBuffers
 from ...cache.ring import StepPlan, gather_history, write_new
 from ...cache.tree import ancestor_mask
+from .. import kv_blocks  # a module reference: tests spy on kv_blocks.runs
 from ..common import (check_accepted, check_kv_lengths, check_plan, check_plan_fit, check_plan_rows,
                       check_route, check_slot, check_state_dtype, check_tensors, check_tree,
                       compute_dtype, shape_str, want_check, write_state_where)
-from ..kv_blocks import runs, suffix_after
 from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
 
 __all__ = [
@@ -584,9 +584,9 @@ def _kv_fold(kv, pplan, cdt) -> Tensor:
     HV, V = kv.u.shape[1:]
     H, K = kv.k.shape[1:]
     S = torch.zeros(Bt, HV, K, V, dtype=cdt, device=kv.u.device)
-    for pos, valid in runs(pplan, Bt * (2 * HV * V + 2 * H * K + HV * K + 4 * HV)):
+    for pos, valid in kv_blocks.runs(pplan, Bt * (2 * HV * V + 2 * H * K + HV * K + 4 * HV)):
         u, k, g = _kv_run(kv, pos, valid, cdt)
-        w = torch.where(valid[:, :, None], torch.exp(suffix_after(g)),
+        w = torch.where(valid[:, :, None], torch.exp(kv_blocks.suffix_after(g)),
                         torch.zeros((), dtype=cdt, device=u.device))
         S = torch.exp(g.sum(1))[..., None, None] * S + _sum_history_state(u, k, w)
     return S
@@ -602,9 +602,9 @@ def _kv_readout(kv, pplan, x: Tensor, cdt) -> Tensor:
     later = torch.zeros(Bt, HV, dtype=cdt, device=x.device)
     zero = torch.zeros((), dtype=cdt, device=x.device)
     per_entry = Bt * (2 * HV * V + 2 * H * K + 3 * HV + M * (H + 2 * HV))
-    for pos, valid in runs(pplan, per_entry, reverse=True):
+    for pos, valid in kv_blocks.runs(pplan, per_entry, reverse=True):
         u, k, g = _kv_run(kv, pos, valid, cdt)
-        w = torch.where(valid[:, :, None], torch.exp(suffix_after(g) + later[:, None]), zero)
+        w = torch.where(valid[:, :, None], torch.exp(kv_blocks.suffix_after(g) + later[:, None]), zero)
         later = later + g.sum(1)
         r = r + _history_readout(u, k, w, x)
     return r
@@ -622,7 +622,8 @@ def _kv_scan(St: Tensor, qn, kn, vc, gc, bc, chunk: int) -> tuple[Tensor, Tensor
         U, y = _delta_block(hk, hq, qc, kc, vc_, gcc.cumsum(1), bcc, _chain_mask(Bt, qc.shape[1], qn.device))
         Us.append(U)
         ys.append(y)
-        St = torch.exp(gcc.sum(1))[..., None, None] * St + _sum_history_state(U, kc, torch.exp(suffix_after(gcc)))
+        w = torch.exp(kv_blocks.suffix_after(gcc))
+        St = torch.exp(gcc.sum(1))[..., None, None] * St + _sum_history_state(U, kc, w)
     return torch.cat(Us, 1), torch.cat(ys, 1)
 
 

@@ -44,10 +44,10 @@ from ...cache import paged
 from ...cache.buffers import Mamba2Buffers
 from ...cache.ring import NULL_SLOT, StepPlan, gather_history, write_new
 from ...cache.tree import ancestor_mask
+from .. import kv_blocks  # a module reference: tests spy on kv_blocks.runs
 from ..common import (STATE_DTYPES, check_accepted, check_kv_lengths, check_plan, check_plan_fit,
                       check_plan_rows, check_route, check_slot, check_state_dtype, check_tensors,
                       check_tree, compute_dtype, shape_str, want_check, write_state_where)
-from ..kv_blocks import path_logs, runs, suffix_after
 from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
 
 __all__ = [
@@ -668,9 +668,9 @@ def _kv_fold(kv, pplan, A: Tensor, gidx: Tensor, cdt) -> Tensor:
     H, d = kv.x.shape[1:]
     n = kv.B.shape[2]
     S = torch.zeros(Bt, H, d, n, dtype=cdt, device=kv.x.device)
-    for pos, valid in runs(pplan, Bt * (2 * H * d + 2 * kv.B.shape[1] * n + H * n + 4 * H)):
+    for pos, valid in kv_blocks.runs(pplan, Bt * (2 * H * d + 2 * kv.B.shape[1] * n + H * n + 4 * H)):
         xs, Bs, dts, logs = _kv_run(kv, pos, valid, A, cdt)
-        coef = torch.exp(suffix_after(logs)) * dts  # 0 on invalid entries (dts = 0)
+        coef = torch.exp(kv_blocks.suffix_after(logs)) * dts  # 0 on invalid entries (dts = 0)
         S = torch.exp(logs.sum(1))[..., None, None] * S + torch.einsum(
             "beh,behd,behn->bhdn", coef, xs, Bs[:, :, gidx])
     return S
@@ -688,16 +688,16 @@ def _kv_attend(kv, pplan, A, xn, Bn, dn, ln, Cc, mask, gidx, cdt) -> Tensor:
     """
     Bt, N, H, d = xn.shape
     G, n = Bn.shape[2:]
-    E, cum = path_logs(mask, ln)
+    E, cum = kv_blocks.path_logs(mask, ln)
     neg_inf = torch.full((), float("-inf"), dtype=cdt, device=xn.device)
     decay = torch.exp(torch.where(mask[..., None], E, neg_inf))  # 0 off the path
     scores = torch.einsum("bsgn,btgn->btsg", Bn, Cc)[..., gidx]
     y = torch.einsum("btsh,bshd->bthd", decay * dn[:, None] * scores, xn)
     later = torch.zeros(Bt, H, dtype=cdt, device=xn.device)  # log-decay of the runs after this one
     per_entry = Bt * (H * d + G * n + 3 * H + N * (G + 3 * H))
-    for pos, valid in runs(pplan, per_entry, reverse=True):
+    for pos, valid in kv_blocks.runs(pplan, per_entry, reverse=True):
         xs, Bs, dts, logs = _kv_run(kv, pos, valid, A, cdt)
-        to_end = suffix_after(logs) + later[:, None]  # [Bt,E,H]: Σ_{j<v<n} l_v
+        to_end = kv_blocks.suffix_after(logs) + later[:, None]  # [Bt,E,H]: Σ_{j<v<n} l_v
         later = later + logs.sum(1)
         scores = torch.einsum("begn,btgn->bteg", Bs, Cc)[..., gidx]  # [Bt,N,E,H]
         coef = torch.exp(cum[:, :, None] + to_end[:, None]) * dts[:, None] * scores
