@@ -32,6 +32,8 @@ from ..engine.config import SamplingParams, SpeculativeConfig
 from ..engine.llm import LLM
 from ..engine.loading import load
 from ..engine.speculative import Proposal, chain_parent
+from . import ttft
+from .common import free_memory, sync
 # hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE)
 from .hybrid_presets import HYBRID_PRESETS, TINY_OF, random_hybrid_dir
 
@@ -151,19 +153,6 @@ def _prompts(n: int, length: int, vocab: int, seed: int, repetitive: bool = True
     return out
 
 
-def _free(device):
-    import gc
-
-    gc.collect()
-    if str(device).startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
-def _sync(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, prompts=None, **kw) -> dict:
     vocab = int(model.config.vocab_size)
     prompts = prompts or _prompts(batch, args.prompt_len, vocab, seed=batch)
@@ -177,7 +166,7 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
         warm = [p[:-1] + [(p[-1] + 1) % vocab] for p in prompts[:batch]]  # warm-up prompts need refs too
         refs.update({tuple(p): o.token_ids for p, o in zip(warm, ref.generate(warm, params))})
         del ref
-        _free(args.device)
+        free_memory(args.device)
     cuda = str(args.device).startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -188,10 +177,10 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
     llm.generate(warm, SamplingParams(max_tokens=min(4, args.max_tokens), ignore_eos=True))
     for k in llm.stats:  # warm-up done (also captures CUDA graphs)
         llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
-    _sync(args.device)
+    sync(args.device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
-    _sync(args.device)
+    sync(args.device)
     wall = time.perf_counter() - t0
     gen = sum(len(o.token_ids) for o in outs)
     decode_tokens = gen - len(outs)  # the first token of each comes from prefill
@@ -207,7 +196,7 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
         "peak_memory_GB": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
     }
     del llm
-    _free(args.device)
+    free_memory(args.device)
     print(f"[bench e2e] {'spec' if spec else 'plain'} {mode} B={batch}: {row['decode_tokens_per_s']:.0f} decode tok/s,"
           f" acc {row['mean_accepted_length']:.2f}, slots {num_slots} (peak {peak}), capture {row['capture_s']:.1f} s"
           + (f", peak memory {row['peak_memory_GB']:.1f} GB" if cuda else ""), file=sys.stderr, flush=True)
@@ -291,6 +280,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N GPUs (loaded once, shared by every run)")
+    g = p.add_argument_group("workloads")
+    g.add_argument("--workload", default="decode", choices=["decode", "prefill"],
+                   help="decode: the sweeps above; prefill: time to first token and chunked prefill "
+                        "under load (replayssm.bench.ttft)")
+    g.add_argument("--workload-mode", default="replay", choices=["recurrent", "replay", "kv", "auto"],
+                   help="workloads: decode mode")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
+                   help="prefill: the engine's tokens per step (chunked prefill budget)")
+    g.add_argument("--ttft-lens", type=int_list, default="2048,8192,32768", help="prefill: prompt lengths")
+    g.add_argument("--ttft-batches", type=int_list, default="1,16", help="prefill: prompts submitted together")
+    g.add_argument("--mixed-decoders", type=positive_int, default=16, help="prefill: requests decoding ...")
+    g.add_argument("--mixed-max-tokens", type=positive_int, default=256, help="... this many tokens each ...")
+    g.add_argument("--mixed-prompts", type=int, default=4, help="... when this many long prompts arrive (0: skip)")
+    g.add_argument("--mixed-len", type=positive_int, default=8192, help="... of this many tokens")
     p.add_argument("--out", default="out/bench_e2e")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (< 30 s) for CI")
     p.add_argument("--no-plots", action="store_true")
@@ -304,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         args.preset = TINY_OF.get(args.preset, "tiny") if args.model is None else args.preset
         args.batch_sizes, args.spec_batch_sizes = "1,4", "4"
         args.max_tokens, args.prompt_len = 8, 16
+        args.ttft_lens, args.ttft_batches, args.max_num_batched_tokens = "24,40", "1,3", 16
+        args.mixed_decoders, args.mixed_max_tokens, args.mixed_prompts, args.mixed_len = 3, 12, 2, 40
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda":
         args.device = f"cuda:{torch.cuda.current_device()}"
@@ -313,6 +318,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.workload == "prefill":
+        args.ttft_lens = [int(x) for x in args.ttft_lens.split(",") if x]
+        args.ttft_batches = [int(x) for x in args.ttft_batches.split(",") if x]
+        with tempfile.TemporaryDirectory() as tmp:
+            model, desc = _load_model(args, tmp)
+            if isinstance(model, str):
+                model = load(model, torch.device(args.device), getattr(torch, args.dtype), args.tensor_parallel_size)[0]
+            rc = ttft.run(LLM, model, args, out, desc)
+            if args.tensor_parallel_size > 1:
+                model.close()
+        return rc
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     spec_batches = [int(b) for b in args.spec_batch_sizes.split(",") if b]
     modes = [m for m in args.modes.split(",") if m]
@@ -357,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                     budget = (8 if args.smoke else 64) * probe.memory.need(per_seq_tokens)
                     res["config"]["memory_budget"] = budget
                 del probe
-                _free(args.device)
+                free_memory(args.device)
                 llm = LLM(model_obj, device=args.device, dtype=args.dtype, decode_mode=mode, speculative=arg,
                           buffer_size=args.buffer_size, max_num_seqs=100_000, memory_budget=int(budget),
                           max_seq_len=args.max_seq_len)
@@ -373,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["observed_peak_batch"] = llm.scheduler.peak_running
                 res["concurrency"].append(row)
                 del llm
-                _free(args.device)
+                free_memory(args.device)
         bar.close()
         if args.tensor_parallel_size > 1:
             model_obj.close()   # stops the workers

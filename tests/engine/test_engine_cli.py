@@ -49,6 +49,21 @@ def test_bench_e2e_smoke(tmp_path, capsys):
     assert "tok/s" in capsys.readouterr().out
 
 
+def test_bench_e2e_prefill_workload_smoke(tmp_path, capsys):
+    """TTFT rows for every (length, batch); the mixed run finishes every request in full with
+    chunked prefill on and off (tiny budget: 16 tokens a step, so prompts of 40 take 3 chunks)."""
+    from replayssm.bench import e2e
+
+    assert e2e.main(["--smoke", "--workload", "prefill", "--no-plots", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "prefill.json").read_text())
+    assert [(r["prompt_len"], r["batch"]) for r in res["ttft"]] == [(24, 1), (24, 3), (40, 1), (40, 3)]
+    assert all(0 < r["ttft_min_ms"] <= r["ttft_mean_ms"] <= r["ttft_max_ms"] for r in res["ttft"])
+    assert [r["prefill"] for r in res["mixed"]] == ["chunked", "whole"]
+    assert all(r["tokens"] == 3 * 12 + 2 * 16 for r in res["mixed"])
+    assert res["mixed"][0]["max_num_batched_tokens"] == 16 and res["mixed"][1]["max_num_batched_tokens"] >= 2 * 40
+    assert "TTFT" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(not (cli.DEFAULT_MODEL / "config.json").is_file(), reason="shipped model not present")
 @pytest.mark.parametrize("extra", [[], ["--speculative", "draft"], ["--speculative", "tree", "--mode", "auto"],
                                    ["--speculative", "ngram", "--mode", "kv"]])
