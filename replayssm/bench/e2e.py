@@ -244,8 +244,10 @@ def _plots(res: dict, out: Path) -> list[str]:
     plt.close(fig)
     files.append(str(f))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
     rows = res["concurrency"]
+    if not rows:
+        return files
+    fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar(range(len(rows)), [r["max_sequences"] for r in rows])
     ax.set_xticks(range(len(rows)), [r["label"] for r in rows], fontsize=7, rotation=20)
     ax.set_ylabel("sequences in budget")
@@ -278,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer-size", type=positive_int, default=16)
     p.add_argument("--memory-budget", type=positive_float, default=None, help="bytes (default: 64 replay sequences)")
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--skip-concurrency", action="store_true", help="skip section 3 (sequences in a memory budget)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N GPUs (loaded once, shared by every run)")
     g = p.add_argument_group("workloads")
@@ -356,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [("throughput", m, b) for m in modes for b in batches]
         jobs += [("speculative", m, b) for b in spec_batches for m in ("recurrent", "replay")]
         conc_modes = [("recurrent", None), ("replay", None), ("recurrent", spec), ("replay", spec), ("kv", None)]
-        jobs += [("concurrency", m, s) for m, s in conc_modes]
+        jobs += [] if args.skip_concurrency else [("concurrency", m, s) for m, s in conc_modes]
         bar = tqdm(jobs, desc="bench e2e", unit="run", file=sys.stderr)
         budget = args.memory_budget
         for kind, mode, arg in bar:

@@ -22,7 +22,7 @@ tests).  A short table is printed last; ``prefill.json`` and ``prefill.png`` go 
 Families: ``mamba2`` (2.7B: 80 heads × 64, d_state 128, 1 group), ``mamba2_g8`` (the bench
 preset: 128 heads, 8 groups), ``gdn`` (HV=32, H=16, K=V=128).
 
-``--smoke`` runs tiny shapes on CPU (the Triton interpreter when ``TRITON_INTERPRET=1``)
+``--smoke`` runs tiny fp32 shapes (on the GPU when there is one, else on CPU: the Triton interpreter when ``TRITON_INTERPRET=1``)
 and checks correctness; CI uses it.
 """
 
@@ -312,7 +312,7 @@ def run_case(fam: str, Bt: int, T: int, s: dict, device: str, peers: dict, args,
 
 
 def run(args, save=None) -> dict:
-    device = "cuda" if (torch.cuda.is_available() and not args.smoke) else "cpu"
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # smoke on a GPU machine: the compiled kernels
     fams = args.families.split(",") if args.families else list(SMOKE_FAMILIES if args.smoke else FAMILIES)
     shapes = SMOKE_SHAPES if args.smoke else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -416,7 +416,7 @@ def plot(res: dict, outdir: str) -> str | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="replayssm bench prefill", description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny CPU run (CI): interpreter or naive ops")
+    ap.add_argument("--smoke", action="store_true", help="tiny fp32 run (CI): the GPU, else CPU (interpreter or naive ops)")
     ap.add_argument("--out", default=None, help="output folder (default out/bench_prefill, or $OUT/bench_prefill)")
     ap.add_argument("--families", default=None, help=f"comma-separated subset of {','.join(FAMILIES)}")
     ap.add_argument("--shapes", default=",".join(f"{b}x{t}" for b, t in SHAPES), help="batch x tokens, comma-separated")
