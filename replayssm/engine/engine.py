@@ -127,9 +127,10 @@ class LLMEngine:
         self._budget = None if ec.memory_budget is None else ec.memory_budget - store_bytes  # slots + pools
         self.num_slots = self._plan_slots()
         kv_blocks, attn_blocks = self._plan_pools()
-        check_cache_fits(cache_bytes(self.layout, draft_layout, self.num_slots, ec.max_seq_len, kv_blocks,
-                                     attn_blocks) + store_bytes, self.device, self.num_slots, ec.max_seq_len)
         ps = self.prefix_store
+        store_own = store_bytes - (ps.blocks * self.layout.attn_block_bytes if ps is not None else 0)  # (attn: in the pool)
+        check_cache_fits(cache_bytes(self.layout, draft_layout, self.num_slots, ec.max_seq_len, kv_blocks,
+                                     attn_blocks) + store_own, self.device, self.num_slots, ec.max_seq_len)
         prefix_kw = {} if ps is None else dict(prefix_blocks=ps.blocks, prefix_checkpoints=ps.checkpoints)
         self.cache = self.model.make_cache(self.num_slots + 1, mode=ec.cache_mode, buffer_size=ec.buffer_size,
                                            max_new=T, max_seq_len=ec.max_seq_len, kv_block_size=ec.kv_block_size,
@@ -410,12 +411,8 @@ class LLMEngine:
             # to a (zero) state prefills straight into it; each form prefills in its own call
             self.blocks.switch_to_state([s for s, _ in chunks if s.num_prompt_tokens >= self.auto_threshold and (
                 s.num_prefilled == 0 or (s.prefix is not None and s.prefix.load is not None))])
-        if self.prefix_cache is not None:   # resume prefix-cache hits, then mark the blocks to capture
-            for s, n in chunks:
-                if s.prefix is not None and s.prefix.load is not None:
-                    self.prefix_cache.load(s)
-                    s.mode = self.cache.mode_of(s.slot)
-                self.prefix_cache.before_prefill(s, n)
+        if self.prefix_cache is not None:
+            chunks = self._prefix_before(chunks)
         fits = set(id(s) for s in self.blocks.reserve([(s, s.num_prefilled + n) for s, n in chunks]))
         chunks = [(s, n) for s, n in chunks if id(s) in fits]
         groups = [chunks]
@@ -459,6 +456,23 @@ class LLMEngine:
         for s in order:
             s.num_steps += 1
         return [(s, [t], None if lps is None else [lps[b]]) for b, (s, t) in enumerate(zip(order, toks.tolist()))]
+
+    def _prefix_before(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Resume prefix-cache hits (before a sequence's first chunk) and mark the prompt
+        blocks this step's chunks capture.  A hit that cannot be loaded (a pool ran dry)
+        ends that request with an error; the others go on."""
+        ok = []
+        for s, n in chunks:
+            if s.prefix is not None and s.prefix.load is not None:
+                try:
+                    self.prefix_cache.load(s)
+                except (RuntimeError, ValueError) as e:
+                    s.error, s.finish_reason = f"prefix cache: resuming the cached prefix failed: {e}", "error"
+                    continue
+                s.mode = self.cache.mode_of(s.slot)
+            self.prefix_cache.before_prefill(s, n)
+            ok.append((s, n))
+        return ok
 
     def _decode(self, seqs: list[Sequence], reserve: bool = True) -> list[Step]:
         if reserve:

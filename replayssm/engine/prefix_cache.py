@@ -296,7 +296,7 @@ class PrefixCache:
     def load(self, seq) -> None:
         """Resume ``seq``'s slot at its hit (before its first prefill chunk)."""
         st: SeqPrefix = seq.prefix
-        m, st.load = st.load, None
+        m = st.load
         if m is None:
             return
         bs = self.block_size
@@ -304,21 +304,25 @@ class PrefixCache:
         ckpt = None
         for b in reversed(m.full):        # nearest checkpoint at or before the hit
             if b.ckpt is not None:
-                ckpt = ((b.index + 1) * bs, b.ckpt)
+                ckpt = (b.end, b.ckpt)
                 break
         attn = [b.attn for b in blocks] if self.has_attn else ()
-        self.cache.load_prefix(seq.slot, m.length, [b.store for b in blocks], attn=attn, checkpoint=ckpt)
-        if m.partial is not None:
-            k, r = len(m.full), m.length - len(m.full) * bs
-            if (k + 1) * bs <= seq.num_prompt_tokens:   # its own copy will be captured: copy the used part
+        try:
+            self.cache.load_prefix(seq.slot, m.length, [b.store for b in blocks], attn=attn, checkpoint=ckpt)
+            k = len(m.full)
+            if m.partial is not None and (k + 1) * bs <= seq.num_prompt_tokens:
+                # the sequence captures its own copy of the partly matched block: copy the used part
                 dst = self.index.alloc_block()
                 if dst is None:
                     st.stopped = True
                 else:
-                    self.cache.prefix_copy(m.partial.store, dst, r)
+                    self.cache.prefix_copy(m.partial.store, dst, m.length - k * bs)
                     st.pending[k] = dst
                     self.cache.prefix_assign(seq.slot, [(k, dst)])
-            self.index.release([m.partial])
+        finally:
+            st.load = None
+            if m.partial is not None:     # read (and copied): no longer held
+                self.index.release([m.partial])
 
     # -- capture -----------------------------------------------------------------------------
     def before_prefill(self, seq, n: int) -> None:
