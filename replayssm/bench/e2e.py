@@ -41,6 +41,14 @@ PRESETS = {
 from .hybrid_presets import HYBRID_PRESETS, TINY_OF, random_hybrid_dir  # noqa: E402
 
 
+def mamba2_preset_config(preset: str) -> dict:
+    """``config.json`` of the random-weight Mamba-2 of ``preset`` size."""
+    return dict(PRESETS[preset], model_type="mamba2", architectures=["Mamba2ForCausalLM"],
+                eos_token_id=None, tie_word_embeddings=False, time_step_limit=[0.0, float("inf")],
+                residual_in_fp32=True, use_bias=False, use_conv_bias=True, layer_norm_epsilon=1e-5,
+                chunk_size=256, hidden_act="silu")
+
+
 def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
     """Save a random-weight Mamba-2 of ``preset`` size in HF layout under ``root``.
 
@@ -57,10 +65,7 @@ def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
     import torch
     from safetensors.torch import save_file
 
-    cfg = dict(PRESETS[preset], model_type="mamba2", architectures=["Mamba2ForCausalLM"],
-               eos_token_id=None, tie_word_embeddings=False, time_step_limit=[0.0, float("inf")],
-               residual_in_fp32=True, use_bias=False, use_conv_bias=True, layer_norm_epsilon=1e-5,
-               chunk_size=256, hidden_act="silu")
+    cfg = mamba2_preset_config(preset)
     g = torch.Generator().manual_seed(seed)
     H, hd, n, G, D = cfg["num_heads"], cfg["head_dim"], cfg["state_size"], cfg["n_groups"], cfg["hidden_size"]
     inter = H * hd
@@ -297,6 +302,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N GPUs (loaded once, shared by every run)")
+    g = p.add_argument_group("prefix caching (replayssm.bench.prefix)")
+    g.add_argument("--workload", default="decode",
+                   help="decode (the sweeps above), or shared-prefix and/or chat (comma-separated): TTFT and "
+                        "throughput with prefix caching off vs on")
+    g.add_argument("--prefix-memory", action="store_true",
+                   help="print memory per cached token, ours vs state-per-block, for --memory-presets")
+    g.add_argument("--memory-presets", default="2.7b,nemotron-h-4b,qwen3-next-4b")
+    g.add_argument("--prefix-len", type=positive_int, default=4096, help="shared-prefix: system prompt tokens")
+    g.add_argument("--question-len", type=positive_int, default=64, help="shared-prefix: tokens per question")
+    g.add_argument("--num-questions", type=positive_int, default=64)
+    g.add_argument("--conversations", type=positive_int, default=16, help="chat: conversations")
+    g.add_argument("--turns", type=positive_int, default=4, help="chat: turns per conversation")
+    g.add_argument("--turn-len", type=positive_int, default=64, help="chat: tokens per user message")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64, help="workloads: engine slots")
+    g.add_argument("--prefix-checkpoint-interval", type=positive_int, default=None)
     p.add_argument("--out", default="out/bench_e2e")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (< 30 s) for CI")
     p.add_argument("--no-plots", action="store_true")
@@ -316,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         args.preset = TINY_OF.get(args.preset, "tiny") if args.model is None else args.preset
         args.batch_sizes, args.spec_batch_sizes = "1,4", "4"
         args.max_tokens, args.prompt_len = 8, 16
+        args.prefix_len, args.question_len, args.num_questions = 40, 6, 4
+        args.conversations, args.turns, args.turn_len, args.max_num_seqs = 2, 2, 18, 4
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda":
         args.device = f"cuda:{torch.cuda.current_device()}"
@@ -325,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.prefix_memory or args.workload != "decode":
+        return _prefix_main(args, out, LLM, SamplingParams)
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     spec_batches = [int(b) for b in args.spec_batch_sizes.split(",") if b]
     modes = [m for m in args.modes.split(",") if m]
@@ -433,6 +457,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k}: {v:.2f}x")
     print(f"wrote {out / 'e2e.json'}" + (f" and {len(files)} plots" if files else "") + f" in {res['elapsed_s']:.1f}s")
     return 0
+
+
+def _prefix_main(args, out: Path, LLM, SamplingParams) -> int:
+    """``--prefix-memory`` and the prefix-caching workloads (:mod:`replayssm.bench.prefix`)."""
+    import torch
+
+    from . import prefix
+
+    if args.prefix_memory:
+        rows = [prefix.memory_per_token(p, "bfloat16", 16, args.prefix_checkpoint_interval)
+                for p in args.memory_presets.split(",") if p]
+        (out / "prefix_memory.json").write_text(json.dumps(rows, indent=1, default=str))
+        prefix.print_memory(rows)
+        if args.workload == "decode":
+            return 0
+    bad = [w for w in args.workload.split(",") if w not in ("shared-prefix", "chat")]
+    if bad:
+        print(f"replayssm bench e2e: error: unknown --workload {bad[0]!r} (decode, shared-prefix, chat)",
+              file=sys.stderr)
+        return 2
+    if args.max_seq_len is None:
+        need = max(args.prefix_len + args.question_len, args.turns * (args.turn_len + args.max_tokens)) \
+            + args.max_tokens + 16
+        args.max_seq_len = -(-need // 64) * 64
+    with tempfile.TemporaryDirectory() as tmp:
+        model, desc = _load_model(args, tmp)
+        if isinstance(model, str):
+            from replayssm.engine.loading import load
+
+            model = load(model, torch.device(args.device), getattr(torch, args.dtype), args.tensor_parallel_size)[0]
+        rc = prefix.run(LLM, SamplingParams, model, args, out, desc)
+        if args.tensor_parallel_size > 1:
+            model.close()
+    return rc
 
 
 if __name__ == "__main__":  # pragma: no cover
