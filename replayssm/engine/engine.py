@@ -60,6 +60,10 @@ class LLMEngine:
     on ``cuda:<index + r>``, or CPU over gloo; :mod:`replayssm.distributed`); the engine
     starts the workers and :meth:`close` stops them.  A model loaded with
     ``TensorParallelGroup.load_model`` brings its own group.  Budgets are per rank.
+    ``enable_prefix_caching``: reuse cached prompt prefixes, resumed exactly at any token
+    (:mod:`replayssm.engine.prefix_cache`): checkpoints every ``prefix_checkpoint_interval``
+    tokens (default from the cache's sizes), a store of ``prefix_cache_blocks`` blocks or
+    ``prefix_cache_fraction`` of the memory budget; counters in :meth:`prefix_stats`.
 
     Not thread-safe: one thread (an event loop's engine task) calls ``add_request``,
     ``abort`` and ``step``.

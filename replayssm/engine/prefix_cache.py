@@ -28,6 +28,8 @@ token's logits).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -106,6 +108,10 @@ class PrefixIndex:
         self._roots: dict[int, CachedBlock] = {}
         self._clock = 0
         self.evictions = 0
+        # eviction candidates (unreferenced leaves) by last use: a heap whose stale entries
+        # (since referenced, given a child, used again, evicted) are skipped when popped
+        self._heap: list = []
+        self._seq = itertools.count()
 
     # -- views -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -117,11 +123,6 @@ class PrefixIndex:
     @property
     def free_blocks(self) -> int:
         return len(self._free_blocks)
-
-    def evictable(self) -> list[CachedBlock]:
-        """Unreferenced leaves, least recently used first."""
-        return sorted((b for b in self._by_hash.values() if b.ref == 0 and not b.children),
-                      key=lambda b: b.last_used)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -171,22 +172,38 @@ class PrefixIndex:
 
     def release(self, blocks) -> None:
         """Give back references taken with :meth:`acquire`."""
-        t = self._tick()
+        blocks = list(blocks)
         for b in blocks:
             if b.ref <= 0:
                 raise ValueError("release: block holds no reference")
+        t = self._tick()
+        for b in blocks:
             b.ref -= 1
             b.last_used = t
+            self._candidate(b)
+
+    def _candidate(self, b: CachedBlock) -> None:
+        """Queue ``b`` for eviction if it is an unreferenced leaf."""
+        if b.ref == 0 and not b.children and b in self:
+            heapq.heappush(self._heap, (b.last_used, next(self._seq), b))
+            if len(self._heap) > 4 * len(self._by_hash) + 64:   # drop the stale entries
+                self._heap = [(x.last_used, next(self._seq), x) for x in self._by_hash.values()
+                              if x.ref == 0 and not x.children]
+                heapq.heapify(self._heap)
 
     # -- space -----------------------------------------------------------------------------
     def evict_one(self) -> bool:
         """Evict the least recently used unreferenced leaf; False when there is none."""
-        cands = [b for b in self._by_hash.values() if b.ref == 0 and not b.children]
-        if not cands:
+        while self._heap:
+            used, _, b = heapq.heappop(self._heap)
+            if b in self and b.ref == 0 and not b.children and b.last_used == used:
+                break
+        else:
             return False
-        b = min(cands, key=lambda x: x.last_used)
         del self._by_hash[b.hash]
         (b.parent.children if b.parent is not None else self._roots).pop(b.hash, None)
+        if b.parent is not None:
+            self._candidate(b.parent)   # may be a leaf now
         self._free_blocks.append(b.store)
         if b.ckpt is not None:
             self._free_ckpts.append(b.ckpt)
@@ -233,6 +250,7 @@ class PrefixIndex:
                         last_used=self._tick())
         self._by_hash[h] = b
         (parent.children if parent is not None else self._roots)[h] = b
+        self._candidate(b)
         return b, True
 
 

@@ -257,6 +257,28 @@ def test_concurrent_requests_n_samples_and_joining_mid_flight(loaded, expected):
     assert llm.scheduler.reserved == 0
 
 
+def test_aborts_give_every_reference_back(loaded, expected):
+    """Requests aborted before their resume, mid-prompt and while decoding hold nothing
+    afterwards; the cache keeps serving hits."""
+    arch = "nemotron_h"
+    llm = _llm(loaded[arch], "replay", max_num_batched_tokens=6)
+    _one_by_one(llm, [PROMPTS[0]])
+    a = llm.add_request(PROMPTS[10], SamplingParams(max_tokens=N))          # admitted, not yet resumed
+    b = llm.add_request(PROMPTS[2], SamplingParams(max_tokens=N))
+    llm.scheduler.schedule()                                                # admit without running
+    llm.abort(a.request_id)
+    llm.step()                                                              # b resumed, prefills a chunk
+    llm.abort(b.request_id)
+    c = llm.add_request(PROMPTS[5], SamplingParams(max_tokens=N))
+    while not c.output_ids:
+        llm.step()
+    llm.abort(c.request_id)
+    ix = llm.prefix_cache.index
+    assert all(blk.ref == 0 for blk in ix._by_hash.values()) and llm.scheduler.reserved == 0
+    assert ix.free_blocks + len(ix) == ix.num_blocks
+    assert _one_by_one(llm, [PROMPTS[4]]) == [expected(arch, PROMPTS[4])]
+
+
 def test_a_prefix_evicted_between_two_requests(loaded, expected):
     arch = "qwen3_next"
     llm = _llm(loaded[arch], "replay", prefix_cache_blocks=10)
@@ -407,3 +429,14 @@ def test_serve_flag_builds_a_caching_engine():
 
     llm = build_engine(str(Path(__file__).resolve().parents[2] / "replayssm" / "assets" / "tiny-mamba2"), args)
     assert llm.prefix_cache is not None and llm.prefix_cache.interval == 32
+
+
+def test_eviction_queue_stays_bounded():
+    """Blocks used over and over without being evicted leave no pile of stale queue entries."""
+    ix = _index(blocks=4)
+    chain = _insert_chain(ix, list(range(16)))
+    for _ in range(2000):
+        ix.acquire(chain)
+        ix.release(chain)
+    assert len(ix._heap) <= 4 * len(ix) + 64 + 4
+    assert ix.alloc_block() == chain[-1].store           # still LRU over leaves
