@@ -316,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--turns", type=positive_int, default=4, help="chat: turns per conversation")
     g.add_argument("--turn-len", type=positive_int, default=64, help="chat: tokens per user message")
     g.add_argument("--max-num-seqs", type=positive_int, default=64, help="workloads: engine slots")
+    g.add_argument("--workload-mode", default="replay", choices=["recurrent", "replay", "kv", "auto"],
+                   help="workloads: decode mode")
     g.add_argument("--prefix-checkpoint-interval", type=positive_int, default=None)
     p.add_argument("--out", default="out/bench_e2e")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (< 30 s) for CI")

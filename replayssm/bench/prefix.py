@@ -145,7 +145,7 @@ def run_workload(LLM, SamplingParams, model, args, workload: str, caching: bool)
     vocab = int(model.config.vocab_size)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    kw = dict(device=args.device, dtype=args.dtype, decode_mode=args.modes.split(",")[0], buffer_size=args.buffer_size,
+    kw = dict(device=args.device, dtype=args.dtype, decode_mode=args.workload_mode, buffer_size=args.buffer_size,
               max_num_seqs=args.max_num_seqs, cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len,
               enable_prefix_caching=caching, prefix_checkpoint_interval=args.prefix_checkpoint_interval)
     if args.memory_budget:
