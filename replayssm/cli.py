@@ -13,7 +13,7 @@ import sys
 _COMMANDS = {
     "generate": ("replayssm.engine.cli", "generate text with the LLM engine (default: shipped tiny model)"),
     "serve": ("replayssm.server.cli", "OpenAI-compatible HTTP server (needs the serve extra)"),
-    "traffic": ("replayssm.bench.traffic", "print the per-step memory-traffic model (DESIGN §3)"),
+    "traffic": ("replayssm.bench.traffic", "print the per-step memory-traffic model (docs/MATH.md)"),
     "bench kernels": ("replayssm.bench.kernels", "benchmark decode/verify kernels against peers"),
     "bench e2e": ("replayssm.bench.e2e", "end-to-end throughput benchmark"),
     "bench serve": ("replayssm.bench.serve", "serving benchmark: Poisson load against the HTTP server"),

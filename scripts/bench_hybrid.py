@@ -34,8 +34,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import profile_decode as P  # noqa: E402  (scripts/, on the path above)
 from replayssm.kernels import attention as KA  # noqa: E402
 from replayssm.kernels import moe as KM  # noqa: E402
+from replayssm.layers.mlp import SoftmaxMoE  # noqa: E402
 from replayssm.ops.attention import naive as A  # noqa: E402
 from replayssm.ops.moe import naive as M  # noqa: E402
 
@@ -151,8 +153,6 @@ def check_attention(res):
 
 
 def check_moe(res):
-    from replayssm.layers.mlp import SoftmaxMoE
-
     rows = []
     shapes = {"qwen3-next-4b": (2048, 256, 64, 8), "qwen3-next-80b": (2048, 512, 512, 10),
               "nemotron-relu2": (1024, 384, 32, 6)}
@@ -431,8 +431,6 @@ def time_moe(res):
 
 # ------------------------------------------------------------------------------ profiles
 def profile_presets(res, batch, context, budget_s, extra=((256, 64),)):
-    import profile_decode as P
-
     rows = []
     res["profile"] = rows
     for preset in ("qwen3-next-4b", "nemotron-h-4b"):

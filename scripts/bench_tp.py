@@ -22,6 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from replayssm import LLM, SamplingParams
+from replayssm.bench import e2e
+from replayssm.distributed import TensorParallelGroup
+from replayssm.engine.loading import load
+from replayssm.models.config import parse_config
+from replayssm.models.nemotron_h import NemotronHLM
+
 _NEMOTRON_UNIT = "M-M-M-M*-M-M-M-M-"   # Mamba-2/MLP pairs, one attention layer per unit
 BIG = dict(model_type="nemotron_h", vocab_size=131072, hidden_size=8192, hybrid_override_pattern=_NEMOTRON_UNIT * 10,
            num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=32768,
@@ -33,11 +42,6 @@ BIG_SMOKE = dict(BIG, vocab_size=256, hidden_size=32, hybrid_override_pattern=_N
 
 
 def _params(cfg: dict) -> int:
-    import torch
-
-    from replayssm.models.config import parse_config
-    from replayssm.models.nemotron_h import NemotronHLM
-
     with torch.device("meta"):
         m = NemotronHLM(parse_config(dict(cfg)), torch.bfloat16, "cpu")
     return sum(p.numel() for p in m.parameters())
@@ -55,13 +59,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/bench_tp")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
-    import torch
-
-    from replayssm import LLM, SamplingParams
-    from replayssm.bench import e2e
-    from replayssm.distributed import TensorParallelGroup
-    from replayssm.engine.loading import load
-
     cuda = torch.cuda.is_available() and not args.smoke
     dev = "cuda:0" if cuda else "cpu"
     run_args = argparse.Namespace(

@@ -23,6 +23,10 @@ import torch
 
 from replayssm.bench.kernels import (GDN_SHAPE, M2_SHAPE, Timer, _ring, _set_fill, gdn_bytes, gdn_inputs, gdn_setup,
                                      load_peers, m2_bytes, m2_inputs, m2_setup)
+from replayssm.kernels import gdn as kg
+from replayssm.kernels import mamba2 as km
+from replayssm.ops.gdn import naive as ng
+from replayssm.ops.mamba2 import naive as nm
 
 
 def _scaled(s: dict, k: int) -> dict:
@@ -94,11 +98,6 @@ def main() -> None:
     ap.add_argument("--big-from", type=int, default=64, help="batches from here time the large-batch variants")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    from replayssm.kernels import gdn as kg
-    from replayssm.kernels import mamba2 as km
-    from replayssm.ops.gdn import naive as ng
-    from replayssm.ops.mamba2 import naive as nm
-
     dev = args.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     timer = Timer(dev, quick=True)

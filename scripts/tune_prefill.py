@@ -22,9 +22,14 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from replayssm.bench import prefill as BP
+from replayssm.cache import conv as RC
+from replayssm.kernels import conv as KC
+from replayssm.kernels import gdn_prefill as KG
+from replayssm.kernels import mamba2_prefill as KM
+from replayssm.ops.gdn import naive as NG
+from replayssm.ops.mamba2 import naive as N2
 
 M2_VARIANTS = [dict(block_t=t, block_d=d, num_warps=w, num_stages=s, precompute_cb=p) for t, d, w, s, p in (
     (64, 64, 4, 2, True), (64, 32, 4, 2, True), (64, 16, 4, 2, True), (32, 64, 4, 2, True), (32, 32, 4, 2, True),
@@ -56,13 +61,6 @@ def pool_case(N, shape, P, dev, seed):
 
 
 def correctness(dev) -> dict:
-    from replayssm.cache import conv as RC
-    from replayssm.kernels import conv as KC
-    from replayssm.kernels import gdn_prefill as KG
-    from replayssm.kernels import mamba2_prefill as KM
-    from replayssm.ops.gdn import naive as NG
-    from replayssm.ops.mamba2 import naive as N2
-
     res = {}
     cu = cu_of(LENS, dev)
     Nt, N = sum(LENS), len(LENS)
@@ -116,16 +114,12 @@ def correctness(dev) -> dict:
 
 def compiled_stats() -> list[str]:
     """Registers, spills and shared memory of every compiled prefill kernel variant."""
-    from replayssm.kernels import gdn_prefill as KG
-    from replayssm.kernels import mamba2_prefill as KM
-
     out = []
     for name, fn in (("m2_cb", KM._m2_cb_kernel), ("m2_scan", KM._m2_prefill_kernel), ("gdn_wu", KG._gdn_wu_kernel),
                      ("gdn_scan", KG._gdn_scan_kernel)):
         try:
             for caches in fn.device_caches.values():
                 for key, k in caches[0].items():
-                    c = {a: b for a, b in getattr(k, "constants", {}).items()} if hasattr(k, "constants") else {}
                     md = k.metadata
                     out.append(f"{name}: regs={k.n_regs} spills={k.n_spills} shared={getattr(md, 'shared', '?')} "
                                f"warps={getattr(md, 'num_warps', '?')} stages={getattr(md, 'num_stages', '?')} "
@@ -202,8 +196,6 @@ def main() -> int:
                     del out
                 row["default_ms"] = BP.time_ms(lambda: BP.ours(fam, c), dev, quick=True)
                 if fam == "gdn":
-                    from replayssm.kernels import gdn_prefill as KG
-
                     args_wu = []
                     for name in ("k", "v", "g", "beta"):
                         t2, st = KG._rows(BP.packed(c[name]))
@@ -220,8 +212,6 @@ def main() -> int:
     save()
     # the GDN w/u kernel alone
     if "gdn" in fams:
-        from replayssm.kernels import gdn_prefill as KG
-
         for kw in WU_VARIANTS:
             for key, (f2, c) in cases.items():
                 if f2 != "gdn":
@@ -266,9 +256,7 @@ def main() -> int:
             c = cases[key[0]][1]
             try:
                 if fam.startswith("mamba2"):
-                    from replayssm.ops.mamba2.naive import chunked_prefill
-
-                    fn = torch.compile(chunked_prefill, dynamic=False)
+                    fn = torch.compile(N2.chunked_prefill, dynamic=False)
                 else:
                     fn = BP.gdn_compiled_reference()
                 t = time.time()

@@ -27,6 +27,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from replayssm.bench.kernels import (GDN_SHAPE, M2_SHAPE, _ring, _set_fill, gdn_inputs, gdn_setup,  # noqa: E402
+                                     m2_inputs, m2_setup)
+from replayssm.cache.conv import ConvWindow  # noqa: E402
+from replayssm.kernels import conv, norm  # noqa: E402
+from replayssm.kernels import gdn as kg  # noqa: E402
+from replayssm.kernels import mamba2 as km  # noqa: E402
+
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
         torch.int32: "*i32", torch.bool: "*i1", torch.int8: "*i8"}
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -86,11 +93,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="decode,verify,other")
     args = ap.parse_args()
-    from replayssm.bench.kernels import GDN_SHAPE, M2_SHAPE, _ring, _set_fill, gdn_inputs, gdn_setup, m2_inputs, \
-        m2_setup
-    from replayssm.kernels import gdn as kg
-    from replayssm.kernels import mamba2 as km
-
     tag = ["-"]
     intercept(tag)
     Bt, L, dt = 2, 16, torch.bfloat16
@@ -128,9 +130,6 @@ def main() -> None:
                 tag[0] = f"gdn verify T={T} {t}"
                 kg.replay_verify(buf, vplan, **inp, **t)
     if "other" in only:
-        from replayssm.cache.conv import ConvWindow
-        from replayssm.kernels import conv, norm
-
         for N, group, gate_first in ((5120, 5120, True), (128, 128, False)):
             tag[0] = f"gated norm N={N} group={group}"
             x = torch.randn(4, N, dtype=dt)

@@ -18,13 +18,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
 from ..argtypes import int_list, positive_float, positive_int, probability
+from ..engine.config import SamplingParams, SpeculativeConfig
+from ..engine.llm import LLM
+from ..engine.loading import load
+from ..engine.speculative import Proposal, chain_parent
+# hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE)
+from .hybrid_presets import HYBRID_PRESETS, TINY_OF, random_hybrid_dir
 
 PRESETS = {
     # name: Mamba2Config kwargs (random weights)
@@ -37,8 +46,6 @@ PRESETS = {
     "2.7b": dict(vocab_size=50288, hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim=64,
                  state_size=128, n_groups=1, expand=2, conv_kernel=4),
 }
-# hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE): replayssm.bench.hybrid_presets
-from .hybrid_presets import HYBRID_PRESETS, TINY_OF, random_hybrid_dir  # noqa: E402
 
 
 def mamba2_preset_config(preset: str) -> dict:
@@ -62,9 +69,6 @@ def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
     """
     if preset in HYBRID_PRESETS:
         return random_hybrid_dir(preset, root, seed)
-    import torch
-    from safetensors.torch import save_file
-
     cfg = mamba2_preset_config(preset)
     g = torch.Generator().manual_seed(seed)
     H, hd, n, G, D = cfg["num_heads"], cfg["head_dim"], cfg["state_size"], cfg["n_groups"], cfg["hidden_size"]
@@ -125,10 +129,6 @@ class OracleDrafter:
         pass
 
     def propose(self, seqs):
-        import torch
-
-        from replayssm.engine.speculative import Proposal, chain_parent
-
         B, N = len(seqs), self.k + 1
         rows = []  # host lists, one tensor: a tensor per row cost ~1.5 ms a step at B=256
         for s in seqs:
@@ -159,16 +159,12 @@ def _prompts(n: int, length: int, vocab: int, seed: int, repetitive: bool = True
 def _free(device):
     import gc
 
-    import torch
-
     gc.collect()
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()
 
 
 def _sync(device):
-    import torch
-
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -189,8 +185,6 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
         _free(args.device)
     cuda = str(args.device).startswith("cuda")
     if cuda:
-        import torch
-
         torch.cuda.reset_peak_memory_stats()
     llm = LLM(model, device=args.device, dtype=args.dtype, decode_mode=mode, buffer_size=args.buffer_size,
               speculative=spec, max_num_seqs=batch, cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len, **kw)
@@ -327,12 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
-    from tqdm.auto import tqdm
-
-    from replayssm.engine.config import SamplingParams, SpeculativeConfig
-    from replayssm.engine.llm import LLM
-
     if args.smoke:
         args.device = args.device or "cpu"
         args.preset = TINY_OF.get(args.preset, "tiny") if args.model is None else args.preset
@@ -368,8 +356,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, desc = _load_model(args, tmp)
         if isinstance(model, str):  # load once, share between engines
-            from replayssm.engine.loading import load
-
             model_obj = load(model, torch.device(args.device), getattr(torch, args.dtype),
                              args.tensor_parallel_size)[0]
         else:

@@ -25,6 +25,12 @@ import json
 import math
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
+from ..models.config import parse_config
+from ..models.loader import _model_class
+
 NEMOTRON_4B = dict(
     model_type="nemotron_h", architectures=["NemotronHForCausalLM"], vocab_size=131072, hidden_size=3136,
     hybrid_override_pattern="M-M-M-MM-M-M*-M-M*-M-M-M*-M-M-MM*-MMM-M-M-", mamba_num_heads=96, mamba_head_dim=80,
@@ -75,8 +81,6 @@ def preset_config(preset: str, num_layers: int | None = None) -> dict:
 
 def _init(name: str, shape, module, L: int, gen, device):
     """Random value of one parameter (see the module docstring for the recipe)."""
-    import torch
-
     leaf = name.rpartition(".")[2]
     rnd = lambda scale: torch.randn(*shape, generator=gen, device=device) * scale
     uni = lambda lo, hi: torch.empty(*shape, device=device).uniform_(lo, hi, generator=gen)
@@ -104,12 +108,6 @@ def random_hybrid_dir(preset: str, root: str, seed: int = 0, num_layers: int | N
     """Save a random-weight model of ``preset`` in HF layout under ``root``; returns its path.
     Values are drawn on ``gen_device`` (default: CUDA when available, it is much faster for
     4 B parameters) and saved in the preset's dtype."""
-    import torch
-    from safetensors.torch import save_file
-
-    from ..models.config import parse_config
-    from ..models.loader import _model_class
-
     cfg = preset_config(preset, num_layers)
     dtype = getattr(torch, HYBRID_PRESETS[preset][1])
     parsed = parse_config(cfg, f"preset {preset}")
@@ -142,11 +140,6 @@ def random_hybrid_dir(preset: str, root: str, seed: int = 0, num_layers: int | N
 
 def parameter_count(preset: str) -> int:
     """Parameters of the preset's model (from the meta-device skeleton, no memory)."""
-    import torch
-
-    from ..models.config import parse_config
-    from ..models.loader import _model_class
-
     parsed = parse_config(preset_config(preset), f"preset {preset}")
     with torch.device("meta"):
         model = _model_class(parsed)(parsed, torch.bfloat16, "cpu")

@@ -36,6 +36,12 @@ import torch
 from ..argtypes import int_list
 from ..cache.buffers import GDNBuffers, Mamba2Buffers
 from ..cache.ring import RingIndex
+from ..kernels import _triton
+from ..kernels import gdn as gdn_kernels
+from ..kernels import mamba2 as mamba2_kernels
+from ..kernels.mamba2 import tree_bits
+from ..ops.gdn import naive as gdn_naive
+from ..ops.mamba2 import naive as mamba2_naive
 
 M2_SHAPE = dict(H=128, d=64, n=128, G=8)
 GDN_SHAPE = dict(HK=16, HV=32, K=128, V=128)
@@ -268,15 +274,9 @@ class Ops:
     def __init__(self, use_triton: bool):
         self.triton = use_triton
         if use_triton:
-            from ..kernels import gdn as kg
-            from ..kernels import mamba2 as km
-
-            self.m2, self.gdn = km, kg
+            self.m2, self.gdn = mamba2_kernels, gdn_kernels
         else:
-            from ..ops.gdn import naive as ng
-            from ..ops.mamba2 import naive as nm
-
-            self.m2, self.gdn = nm, ng
+            self.m2, self.gdn = mamba2_naive, gdn_naive
 
     def kw(self, **kw):
         return kw if self.triton else {}
@@ -305,11 +305,6 @@ def _relerr(a, b):
 
 def correctness(device, dtype, smoke) -> dict:
     """GPU (or interpreter) kernels vs the naive ops, realistic head shapes, small batch."""
-    from ..kernels import gdn as kg
-    from ..kernels import mamba2 as km
-    from ..ops.gdn import naive as ng
-    from ..ops.mamba2 import naive as nm
-
     res = {}
     Bt, L, T = (4, 8, 3) if smoke else (8, 16, 4)
     s = SMOKE_M2 if smoke else M2_SHAPE
@@ -330,18 +325,18 @@ def correctness(device, dtype, smoke) -> dict:
         if kind.startswith("decode"):
             plan = ring.plan_decode(slots)
             inp = m2_inputs(Bt, s, device, dtype)
-            a = nm.replay_decode(ref, plan, **inp, check=False)
-            b = km.replay_decode(buf, plan, **inp, pre_scores=kind == "decode-scores")
+            a = mamba2_naive.replay_decode(ref, plan, **inp, check=False)
+            b = mamba2_kernels.replay_decode(buf, plan, **inp, pre_scores=kind == "decode-scores")
         else:
             plan = ring.plan_verify(slots, T, kind)
             inp = m2_inputs(Bt, s, device, dtype, T)
             if kind == "verify":
-                a = nm.replay_verify(ref, plan, **inp, check=False)
-                b = km.replay_verify(buf, plan, **inp)
+                a = mamba2_naive.replay_verify(ref, plan, **inp, check=False)
+                b = mamba2_kernels.replay_verify(buf, plan, **inp)
             else:
                 parent = torch.tensor([-1, 0, 0, 1][:T] + [0] * max(0, T - 4), device=device)
-                a = nm.tree_verify(ref, plan, parent, **inp, check=False)
-                b = km.tree_verify(buf, plan, parent, **inp)
+                a = mamba2_naive.tree_verify(ref, plan, parent, **inp, check=False)
+                b = mamba2_kernels.tree_verify(buf, plan, parent, **inp)
         res[f"mamba2_{kind}_y"] = _relerr(a[real], b[real])
         res[f"mamba2_{kind}_state"] = _relerr(ref.state[1:], buf.state[1:])
     sg = SMOKE_GDN if smoke else GDN_SHAPE
@@ -356,33 +351,33 @@ def correctness(device, dtype, smoke) -> dict:
         if kind.startswith("decode"):
             plan = ring.plan_decode(slots)
             inp = gdn_inputs(Bt, sg, device, dtype)
-            a = ng.replay_decode(ref, plan, **inp, check=False)
+            a = gdn_naive.replay_decode(ref, plan, **inp, check=False)
             mode = dict(flush_mode=kind[7:]) if route == "output" else {}
-            b = kg.replay_decode(buf, plan, **inp, route=route, **mode)
+            b = gdn_kernels.replay_decode(buf, plan, **inp, route=route, **mode)
         else:
             fam_kind, impl = kind.split("-")
             plan = ring.plan_verify(slots, T, fam_kind)
             inp = gdn_inputs(Bt, sg, device, dtype, T)
             if fam_kind == "verify":
-                a = ng.replay_verify(ref, plan, **inp, check=False)
-                b = kg.replay_verify(buf, plan, **inp, route=route, impl=impl)
+                a = gdn_naive.replay_verify(ref, plan, **inp, check=False)
+                b = gdn_kernels.replay_verify(buf, plan, **inp, route=route, impl=impl)
             else:
                 parent = torch.tensor([-1, 0, 0, 1][:T] + [0] * max(0, T - 4), device=device)
-                a = ng.tree_verify(ref, plan, parent, **inp, check=False)
-                b = kg.tree_verify(buf, plan, parent, **inp, route=route, impl=impl)
+                a = gdn_naive.tree_verify(ref, plan, parent, **inp, check=False)
+                b = gdn_kernels.tree_verify(buf, plan, parent, **inp, route=route, impl=impl)
         res[f"gdn_{kind}_{route}_y"] = _relerr(a[real], b[real])
         res[f"gdn_{kind}_{route}_state"] = _relerr(ref.state[1:], buf.state[1:])
     # snapshot baselines
     inp = m2_inputs(Bt, s, device, dtype, T)
     pool = torch.randn(Bt + 1, s["H"], s["d"], s["n"], device=device)
-    a, sa = nm.snapshot_verify(pool, slots, **inp, check=False)
-    b, sb = km.snapshot_verify(pool, slots, **inp)
+    a, sa = mamba2_naive.snapshot_verify(pool, slots, **inp, check=False)
+    b, sb = mamba2_kernels.snapshot_verify(pool, slots, **inp)
     res["mamba2_snapshot_y"] = _relerr(a, b)
     res["mamba2_snapshot_states"] = _relerr(sa, sb)
     inp = gdn_inputs(Bt, sg, device, dtype, T)
     pool = torch.randn(Bt + 1, sg["HV"], sg["K"], sg["V"], device=device) * 0.05
-    a, sa = ng.snapshot_verify(pool, slots, **inp)
-    b, sb = kg.snapshot_verify(pool, slots, **inp)
+    a, sa = gdn_naive.snapshot_verify(pool, slots, **inp)
+    b, sb = gdn_kernels.snapshot_verify(pool, slots, **inp)
     res["gdn_snapshot_y"] = _relerr(a, b)
     res["gdn_snapshot_states"] = _relerr(sa, sb)
     return res
@@ -392,8 +387,6 @@ def correctness(device, dtype, smoke) -> dict:
 def run(args) -> dict:
     smoke = args.smoke
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    from ..kernels import _triton
-
     use_triton = device == "cuda" or (_triton.HAVE_TRITON and _triton.interpreting())
     ops = Ops(use_triton)
     timer = Timer(device, quick=smoke)
@@ -645,8 +638,6 @@ def run(args) -> dict:
             plan = ring.plan_verify(slots, T, "tree")
             parent = torch.tensor([-1, 0, 0, 1][:T], device=device)
             if ops.triton:
-                from ..kernels.mamba2 import tree_bits
-
                 bits = tree_bits(parent, Bt)
                 store["tree_T4_us"] = timer(lambda: mod.tree_verify(buf, plan, parent, **inp, bits=bits, **vkw))
             else:

@@ -38,7 +38,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..kernels import _triton
 from ..kernels.dispatch import KernelOps
+from ..ops.gdn import naive as gdn_naive
+from ..ops.mamba2 import naive as mamba2_naive
+from .kernels import _fla_prepare, _mamba_ssm_prepare, _peer
 
 FAMILIES = {
     "mamba2": dict(H=80, d=64, n=128, G=1),
@@ -66,8 +70,6 @@ def load_prefill_peers(root: str | None = None) -> dict:
     """The prefill peers, if present (installed, or source folders under ``root``, default
     ``$REPLAYSSM_PEERS`` or ``.peers``): ``{"mamba_ssm": fn, "fla": fn}`` plus ``*_error``
     entries for peers that are present but fail to import."""
-    from .kernels import _fla_prepare, _mamba_ssm_prepare, _peer
-
     root = root or os.environ.get("REPLAYSSM_PEERS", ".peers")
     if os.path.isdir(os.path.join(root, "einops")) and root not in sys.path:
         try:
@@ -135,8 +137,6 @@ def packed(t):
 # ============================================================================== callers
 def ours_backend(device: str) -> str:
     """``"triton"`` where the kernels can run (CUDA, or CPU under the interpreter), else ``"naive"``."""
-    from ..kernels import _triton
-
     return "triton" if _triton.usable(torch.empty(0, device=device)) else "naive"
 
 
@@ -157,33 +157,29 @@ def ours(fam: str, c: dict, backend: str = "triton", **kw):
 def reference(fam: str, c: dict, compiled=None):
     """The reference ``chunked_prefill`` (fp32 math) on the padded layout (or ``compiled``)."""
     if fam.startswith("mamba2"):
-        from ..ops.mamba2.naive import chunked_prefill
-
-        f = compiled or chunked_prefill
+        f = compiled or mamba2_naive.chunked_prefill
         return f(c["x"], c["dt"], c["A"], c["B"], c["C"], c["D"], initial_state=c["S0"], chunk_size=64,
                  check=False)
     if compiled is not None:
         return compiled(c)
-    from ..ops.gdn.naive import chunked_prefill
-
-    return chunked_prefill(c["q"], c["k"], c["v"], c["g"], c["beta"], initial_state=c["S0"], chunk_size=64)
+    return gdn_naive.chunked_prefill(c["q"], c["k"], c["v"], c["g"], c["beta"], initial_state=c["S0"], chunk_size=64)
 
 
 def gdn_compiled_reference():
     """The reference GDN chunk loop with its per-chunk step under ``torch.compile``."""
-    from ..ops.gdn import naive as ng
 
     def chunk_step(St, qc, kc, vc, gc, bc):
         Gc = gc.cumsum(1)
-        hk, hq = ng._state_readout(St, kc), ng._state_readout(St, qc)
-        U, y = ng._delta_block(hk, hq, qc, kc, vc, Gc, bc, ng._chain_mask(qc.shape[0], qc.shape[1], qc.device))
+        hk, hq = gdn_naive._state_readout(St, kc), gdn_naive._state_readout(St, qc)
+        mask = gdn_naive._chain_mask(qc.shape[0], qc.shape[1], qc.device)
+        U, y = gdn_naive._delta_block(hk, hq, qc, kc, vc, Gc, bc, mask)
         w = torch.exp(Gc[:, -1:] - Gc)
-        return y, torch.exp(Gc[:, -1])[..., None, None] * St + ng._sum_history_state(U, kc, w)
+        return y, torch.exp(Gc[:, -1])[..., None, None] * St + gdn_naive._sum_history_state(U, kc, w)
 
     step = torch.compile(chunk_step, dynamic=False)
 
     def run(c):
-        qn, kn = ng._prep_qk(c["q"], c["k"], torch.float32, None, True)
+        qn, kn = gdn_naive._prep_qk(c["q"], c["k"], torch.float32, None, True)
         v, g, b = c["v"].float(), c["g"].float(), c["beta"].float()
         St, ys = c["S0"], []
         for t0 in range(0, v.shape[1], 64):
@@ -300,9 +296,7 @@ def run_case(fam: str, Bt: int, T: int, s: dict, device: str, peers: dict, args,
         try:
             if fam.startswith("mamba2"):
                 if fam not in compiled:
-                    from ..ops.mamba2.naive import chunked_prefill
-
-                    compiled[fam] = torch.compile(chunked_prefill, dynamic=False)
+                    compiled[fam] = torch.compile(mamba2_naive.chunked_prefill, dynamic=False)
                 fn = compiled[fam]
             else:
                 fn = compiled.setdefault(fam, gdn_compiled_reference())

@@ -47,6 +47,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
+from ..models.config import read_config
+from ..models.nemotron_h import NemotronHLM
+from ..server.cli import add_engine_args
+from .e2e import PRESETS, _random_model_dir
+
 # Random-weight hybrid presets (Nemotron-H layout: Mamba-2 'M', attention '*', relu2 MLP '-').
 # Nemotron-H-class dimensions, not a published checkpoint's: "hybrid-4b" has 27 Mamba-2, 4
 # attention and 25 MLP layers, hidden 3072 (about 4.3B parameters).
@@ -79,12 +87,6 @@ def hybrid_model_dir(preset: str, root: str, seed: int = 0) -> str:
     tensors are the ones our Nemotron-H model asks for (names and shapes from the model built
     on the meta device), so the directory loads with :func:`replayssm.models.load_model`.
     """
-    import torch
-    from safetensors.torch import save_file
-
-    from ..models.config import read_config
-    from ..models.nemotron_h import NemotronHLM
-
     cfg = dict(HYBRID_PRESETS[preset], model_type="nemotron_h", architectures=["NemotronHForCausalLM"],
                eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
                time_step_min=1e-3, chunk_size=128, use_conv_bias=True, use_bias=False, mlp_bias=False,
@@ -170,8 +172,6 @@ class ServerProcess:
 
 def engine_flags(args, mode: str, spec: bool) -> list[str]:
     """Server flags: every engine option given to the benchmark, plus the configuration's."""
-    from ..server.cli import add_engine_args
-
     p = argparse.ArgumentParser(add_help=False)
     add_engine_args(p)
     out = ["--mode", mode, "--max-queue", str(100_000), "--log-level", "warning"]
@@ -420,9 +420,6 @@ def plot(res: dict, path: Path) -> str | None:
 
 # ---- main ------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from ..server.cli import add_engine_args
-    from .e2e import PRESETS
-
     p = argparse.ArgumentParser(prog="replayssm bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: random weights of --preset)")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS) + sorted(HYBRID_PRESETS),
@@ -494,8 +491,6 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = hybrid_model_dir(args.preset, tmp)
             desc = f"random-weight Nemotron-H hybrid ({args.preset})"
         elif model_dir is None:
-            from .e2e import _random_model_dir
-
             print(f"[bench serve] writing a random-weight Mamba-2 ({args.preset})", file=sys.stderr, flush=True)
             model_dir = _random_model_dir(args.preset, tmp)
             desc = f"random-weight Mamba-2 ({args.preset})"

@@ -13,9 +13,10 @@ step is committed once (:meth:`RingIndex.commit`).  All per-sequence decisions (
 flags, positions, accepted counts) are device tensors: no host synchronisation is
 needed, so a step can be captured in a CUDA graph.
 
-Flush policies (``h`` = committed entries before the step, ``T`` = new entries):
+Flush policies (``docs/MATH.md``, "Flush"; ``h`` = committed entries before the step,
+``T`` = new entries):
 
-* ``decode`` (one token, always accepted, Alg. 2): the new entry is appended at
+* ``decode`` (one token, always accepted): the new entry is appended at
   position ``h``; when the ring becomes full (``h + 1 == L``) the layer writes the
   state *including* the new entry, ``S_0 <- S_{h+1}``, and the ring is emptied.
 * ``verify`` / ``tree`` (T tentative entries): flush one window early, when
@@ -162,7 +163,7 @@ class RingIndex:
 
     # ------------------------------------------------------------------ plans
     def plan_decode(self, slots: Tensor) -> StepPlan:
-        """Plan one always-accepted token per row (Alg. 2 flush: when the ring fills)."""
+        """Plan one always-accepted token per row (the decode flush: when the ring fills)."""
         slots = self._check_slots(slots)
         start, hist = self.start[slots], self.length[slots]
         flush = (hist + 1) >= self.capacity

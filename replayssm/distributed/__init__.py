@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 
+from ..models.config import read_config
 from .group import TensorParallelGroup, WorkerFailed, check_devices
 from .model import ShardedCache, ShardedRunner, TensorParallelModel
 from .sharding import check_tensor_parallel, local_config
@@ -55,8 +56,6 @@ def load_tensor_parallel(path, size: int, device="cpu", dtype="float32") -> Tens
     dimension, before any process starts), start a group of its own (or join torchrun's:
     ranks above 0 serve inside this call and exit), and load every rank's shard.  The model
     owns the group: ``model.close()`` stops the workers."""
-    from ..models.config import read_config
-
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"model directory not found: {path!r}")

@@ -38,8 +38,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..models.config import parse_config, read_config
 from ..runtime import canonical_device
 from .comm import CONTROL_TIMEOUT, Comm, Ref, TensorArg
+from .loading import load_shard, random_shard
+from .model import TensorParallelModel
+from .sharding import check_tensor_parallel
 from .worker import Worker, WorkerSpec, worker_main
 
 __all__ = ["TensorParallelGroup", "WorkerFailed", "join"]
@@ -367,11 +371,6 @@ class TensorParallelGroup:
     def load_model(self, path, dtype="float32"):
         """Every rank loads its shard of the checkpoint in ``path`` (reading only that shard);
         returns rank 0's :class:`~replayssm.distributed.model.TensorParallelModel`."""
-        from ..models.config import read_config
-        from .loading import load_shard
-        from .model import TensorParallelModel
-        from .sharding import check_tensor_parallel
-
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{path}: not a model directory")
@@ -385,11 +384,6 @@ class TensorParallelGroup:
     def random_model(self, config: dict, dtype="bfloat16", seed: int = 0):
         """Every rank builds its shard of a random-weight model (``config``: a ``config.json``
         dict) directly on its device; returns rank 0's model handle."""
-        from ..models.config import parse_config
-        from .loading import random_shard
-        from .model import TensorParallelModel
-        from .sharding import check_tensor_parallel
-
         check_tensor_parallel(parse_config(dict(config), "config dict"), self.size)
         h = self.new_handle()
         local = self.run("random", (h, dict(config), dtype, seed),

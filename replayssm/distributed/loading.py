@@ -21,7 +21,7 @@ import zlib
 
 import torch
 
-from ..models.config import read_config
+from ..models.config import parse_config, read_config
 from ..models.loader import (_FP32_PARAMS, _IGNORED, WeightError, _install, _model_class, _resolve,
                              _weight_files, parse_dtype)
 from ..runtime import canonical_device, compute_dtype
@@ -179,8 +179,6 @@ def random_shard(cfg_dict: dict, rank: int, size: int, device="cpu", dtype="bflo
     generated directly on ``device`` (no checkpoint).  Norm weights are 1, ``A_log`` and
     ``dt_bias`` in the usual ranges, other weights ``N(0, scale²)``; replicated parameters
     are identical on every rank (their seed depends only on their name)."""
-    from ..models.config import parse_config
-
     tdtype = parse_dtype(dtype)
     device = canonical_device(device)
     cfg = parse_config(dict(cfg_dict), "config dict")

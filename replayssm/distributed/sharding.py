@@ -44,6 +44,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..layers.attention import Attention
+from ..layers.gdn import GatedDeltaNet
+from ..layers.mamba2 import Mamba2Mixer
+from ..layers.mlp import GatedMLP, PlainMLP, SigmoidMoE, SoftmaxMoE
+
 __all__ = ["Shard", "ROOT_ONLY", "check_tensor_parallel", "local_config", "shard_rules", "vocab_shard",
            "kv_heads", "mamba_groups"]
 
@@ -285,11 +290,6 @@ def _sigmoid_moe_rules(m, N: int, r: int) -> dict:
 
 
 def _layer_rules(m, N: int, r: int) -> dict:
-    from ..layers.attention import Attention
-    from ..layers.gdn import GatedDeltaNet
-    from ..layers.mamba2 import Mamba2Mixer
-    from ..layers.mlp import GatedMLP, PlainMLP, SigmoidMoE, SoftmaxMoE
-
     for cls, fn in ((Mamba2Mixer, _mamba_rules), (GatedDeltaNet, _gdn_rules), (Attention, _attention_rules),
                     (SoftmaxMoE, _softmax_moe_rules), (SigmoidMoE, _sigmoid_moe_rules),
                     (GatedMLP, _mlp_rules), (PlainMLP, _mlp_rules)):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import Comm, Ref
+from .loading import load_shard, random_shard
 
 __all__ = ["Worker", "WorkerSpec", "worker_main"]
 
@@ -55,14 +56,10 @@ class Worker:
 
     # -- operations ---------------------------------------------------------------------
     def op_load(self, handle: int, path: str, dtype: str) -> None:
-        from .loading import load_shard
-
         c = self.comm
         self.objects[handle] = load_shard(path, c.rank, c.size, c.device, dtype, group=c.data)
 
     def op_random(self, handle: int, cfg: dict, dtype: str, seed: int) -> None:
-        from .loading import random_shard
-
         c = self.comm
         self.objects[handle] = random_shard(cfg, c.rank, c.size, c.device, dtype, group=c.data, seed=seed)
 
@@ -97,7 +94,7 @@ def worker_main(spec: WorkerSpec, errors) -> None:  # pragma: no cover - runs in
     try:
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        from .group import join
+        from .group import join  # local: group.py imports this module (Worker, worker_main)
 
         comm = join(spec)
         Worker(comm).serve()

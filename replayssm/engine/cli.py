@@ -21,8 +21,10 @@ from pathlib import Path
 
 from ..argtypes import positive_int
 from ..models import load_tokenizer, read_config
+from ..runtime import check_device
 from .config import SamplingParams, SpeculativeConfig
 from .detokenizer import Detokenizer
+from .inputs import check_text, encode_prompt, token_ids
 from .limits import DEFAULT_CONTEXT, context_limit
 from .llm import LLM
 
@@ -104,8 +106,6 @@ def prefill_progress(models, n_tokens: int):
 
 def _read_prompt(args, tok, vocab_size: int):
     """``(text or None, ids)`` from PROMPT or --token-ids, validated."""
-    from .inputs import encode_prompt, token_ids
-
     if args.token_ids is not None:
         parts = [t for t in args.token_ids.replace(" ", "").split(",") if t]
         try:
@@ -122,9 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.prompt is None and args.token_ids is None:
         return _err("give a PROMPT (or --token-ids 1,2,3)")
-    from .inputs import check_text
-    from ..runtime import check_device
-
     try:
         if args.prompt is not None:
             check_text(args.prompt, "PROMPT")

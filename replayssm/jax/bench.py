@@ -34,6 +34,14 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
+from ..bench import e2e
+from ..engine.config import SamplingParams
+from ..engine.llm import LLM
+from ..models import load_model
+from .params import from_torch_model
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_jax", description=__doc__.split("\n\n")[0])
@@ -71,17 +79,12 @@ def _median(xs):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # share the GPU with torch
+    # jax (an optional extra) is imported here, after the allocator setting above
     import jax
     import jax.numpy as jnp
-    import torch
 
-    from ..bench import e2e
-    from ..engine.config import SamplingParams
-    from ..engine.llm import LLM
-    from ..models import load_model
     from . import model as M
     from .generate import JaxLLM, _with_chunk
-    from .params import from_torch_model
 
     if args.smoke:
         args.presets, args.batch_sizes, args.max_tokens, args.prompt_len = "tiny", "1,4", 12, 16

@@ -11,11 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+from ..engine.cli import DEFAULT_DRAFT, DEFAULT_MODEL, _err, build_parser
+from ..engine.config import SamplingParams, SpeculativeConfig
+
 
 def main(argv: list[str] | None = None) -> int:
     """``replayssm generate --backend jax ...``: the engine command's arguments, run here."""
-    from ..engine.cli import DEFAULT_DRAFT, DEFAULT_MODEL, _err, build_parser
-
     args = build_parser().parse_args(argv)
     if args.prompt is None and args.token_ids is None:
         return _err("give a PROMPT (or --token-ids 1,2,3)")
@@ -39,8 +40,7 @@ def generate_main(args, model_dir: Path, default_draft: Path, err) -> int:
         return err("--cuda-graphs is a torch-backend option (the JAX loop is compiled as a whole)")
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
-    from ..engine.config import SamplingParams, SpeculativeConfig
-    from .generate import JaxLLM
+    from .generate import JaxLLM  # imports jax (an optional extra): only once it is known to be there
 
     try:
         spec = None

@@ -35,8 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..engine.config import SamplingParams, SpeculativeConfig
+from ..engine.llm import RequestOutput
+from ..models import load_tokenizer
 from . import model as M
-from .params import ModelSpec, load_params
+from .params import MixerSpec, ModelSpec, load_params
 from .sampling import accept_chain, accept_greedy, ngram_propose, sample, transform
 
 __all__ = ["JaxLLM", "GenerateConfig"]
@@ -261,8 +264,6 @@ class JaxLLM:
     def __init__(self, model, dtype: str = "float32", decode_mode: str = "replay", buffer_size: int = 16,
                  speculative=None, max_seq_len: int | None = None, chunk_size: int | None = None,
                  seed: int = 0, tokenizer=None):
-        from ..engine.config import SpeculativeConfig
-
         if decode_mode not in M.MODES:
             raise ValueError(f"decode_mode must be one of {M.MODES} for the JAX backend, got {decode_mode!r} "
                              "(kv / auto are PyTorch-engine forms)")
@@ -305,8 +306,6 @@ class JaxLLM:
                                  f"{self.spec.vocab_size}")
         self.tokenizer = tokenizer
         if tokenizer is None and path is not None:
-            from ..models import load_tokenizer
-
             self.tokenizer = load_tokenizer(path)
         self._programs: dict = {}
         self.last_stats: dict = {}
@@ -325,8 +324,6 @@ class JaxLLM:
         return None, ids
 
     def _rows(self, prompts, sampling_params):
-        from ..engine.config import SamplingParams
-
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -440,8 +437,6 @@ class JaxLLM:
         self.last_output = self._output(0, rows[0], host)
 
     def _output(self, b: int, row: _Row, host: dict):
-        from ..engine.llm import RequestOutput
-
         n = int(host["n"][b])
         ids = [int(t) for t in host["out"][b, :n]]
         text = self.tokenizer.decode(ids) if self.tokenizer is not None and ids else ""
@@ -459,8 +454,6 @@ class JaxLLM:
 def _with_chunk(spec: ModelSpec, chunk: int) -> ModelSpec:
     """``spec`` with every SSM stage's prefill chunk set to ``chunk``."""
     import dataclasses
-
-    from .params import MixerSpec
 
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk!r}")

@@ -11,8 +11,8 @@
 
 Every function is traceable (``jax.jit`` with ``spec`` static); all per-row decisions are
 arrays.  A cache is a pytree: ``seq_len [B]`` (committed tokens), the ring pointers
-``ring_start/ring_len [B]`` shared by every layer (DESIGN §2: entry ``j`` of a row lives at
-``(start + j) % L``), and per stage of the spec the stacked per-layer arrays: Mamba-2
+``ring_start/ring_len [B]`` shared by every layer (as ``replayssm.cache.ring``: entry ``j``
+of a row lives at ``(start + j) % L``), and per stage of the spec the stacked per-layer arrays: Mamba-2
 ``state [Ly,B,H,d,n]``, ``win [Ly,B,W-1,C]``, ring ``rx [Ly,B,L,H,d]``, ``rB [Ly,B,L,G,n]``,
 ``rdt [Ly,B,L,H]``; GDN ``state [Ly,B,HV,K,V]``, ``win``, ring ``ru``, ``rk``, ``rg``;
 attention ``k, v [Ly,B,S,Hkv,Dh]``.  States and decays are fp32 (fp64 for a float64

@@ -5,7 +5,7 @@ Written for a compiler (``papers/compiler_first_ssd.txt``): static shapes, masks
 data-dependent branches, einsums for the heavy terms, decays as ``exp`` of segment sums of
 log-decays, and float32 (float64 in exactness tests) for every decay, state and
 accumulation.  The math is that of the reference ops (:mod:`replayssm.ops.mamba2.naive`,
-:mod:`replayssm.ops.gdn.naive`; notation in DESIGN.md §1-2); each function names the
+:mod:`replayssm.ops.gdn.naive`; notation in ``docs/MATH.md``); each function names the
 equation it implements.  Nothing here holds a cache: the model (:mod:`replayssm.jax.model`)
 gathers ring entries, calls these, and writes the results back.
 
@@ -196,7 +196,7 @@ def _segment_logs(logs, P):
 
 
 def m2_attend(S0, xs, Bs, dts, logs, C, P):
-    """Output-only replay (Alg. 2 / Alg. 4) for M queries over a masked window of W entries:
+    """Output-only replay (decode and verify) for M queries over a masked window of W entries:
     ``y_m = e^{cum_m} (S0 C_m) + Σ_{w: P[m,w]} e^{E[m,w]} Δ_w (B_w·C_m) x_w``.
 
     ``S0 [Bt,H,d,n]`` or None, ``xs [Bt,W,H,d]``, ``Bs [Bt,W,G,n]``, ``dts/logs [Bt,W,H]``
@@ -235,7 +235,7 @@ def gdn_prep_qk(q, k, cdt):
 
 
 def gdn_step(St, q, k, v, g, beta):
-    """One delta-rule step (Alg. 5): ``St ← e^g St``; ``u = β (v − Stᵀ k)``;
+    """One delta-rule step (the recurrent form): ``St ← e^g St``; ``u = β (v − Stᵀ k)``;
     ``St ← St + k ⊗ u``; ``y = Stᵀ q`` (q/k ``[Bt,H,K]`` prepared, v ``[Bt,HV,V]``)."""
     HV = St.shape[1]
     ke, qe = _rep(k, HV), _rep(q, HV)
@@ -246,7 +246,8 @@ def gdn_step(St, q, k, v, g, beta):
 
 
 def gdn_block(hk, hq, q, k, v, G, beta, mask):
-    """Corrections and outputs of a block of T tokens after state ``S_h`` (Alg. 8):
+    """Corrections and outputs of a block of T tokens after state ``S_h`` (the triangular solve
+    of speculative verify):
     ``(I + A) U = R``, ``A_{s,s'} = β_s e^{G_s−G_{s'}} (k_s·k_{s'})`` (s' < s in ``mask``),
     ``R_s = β_s (v_s − e^{G_s} S_h k_s)``; ``y_s = e^{G_s} S_h q_s + Σ_{s'≤s} e^{G_s−G_{s'}}
     (k_{s'}·q_s) U_{s'}``.  ``hk/hq [Bt,T,HV,V]`` = ``S_h k_s``, ``S_h q_s``; q/k ``[Bt,T,H,K]``;

@@ -18,6 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+
+from ..layers.attention import Attention
+from ..layers.gdn import GatedDeltaNet
+from ..layers.mamba2 import Mamba2Mixer
+from ..layers.mlp import GatedMLP, PlainMLP, SigmoidMoE, SoftmaxMoE
+from ..models import load_model
+from ..models.base import Block
 
 __all__ = ["MixerSpec", "SubBlockSpec", "ModelSpec", "load_params", "from_torch_model", "jnp_dtype"]
 
@@ -92,8 +100,6 @@ def jnp_dtype(name: str):
 
 def _np(t):
     """A torch parameter as a numpy array (bf16 goes through fp32; cast back by the caller)."""
-    import torch
-
     t = t.detach().cpu()
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.float()
@@ -108,11 +114,6 @@ def _linear(prefix: str, lin, out: dict) -> None:
 
 def _mixer(m) -> tuple[MixerSpec, dict]:
     """Spec and (torch) parameters of one mixer module of ``replayssm.layers``."""
-    from ..layers.attention import Attention
-    from ..layers.gdn import GatedDeltaNet
-    from ..layers.mamba2 import Mamba2Mixer
-    from ..layers.mlp import GatedMLP, PlainMLP, SigmoidMoE, SoftmaxMoE
-
     p: dict = {}
     if isinstance(m, Mamba2Mixer):
         _linear("in_proj", m.in_proj, p)
@@ -186,8 +187,6 @@ def from_torch_model(model, dtype: str | None = None):
     """
     import jax.numpy as jnp
 
-    from ..models.base import Block
-
     name = dtype or _TORCH_TO_NAME[str(model.dtype)]
     wdt = jnp_dtype(name)
     keep32 = jnp.float64 if name == "float64" else jnp.float32
@@ -246,8 +245,6 @@ def load_params(path: str, dtype: str = "float32"):
     ``dtype``: ``float32`` | ``float64`` | ``bfloat16`` | ``float16``.  Raises the loader's
     ``ConfigError`` / ``WeightError`` / ``FileNotFoundError`` for bad directories.
     """
-    from ..models import load_model
-
     if dtype not in ("float32", "float64", "bfloat16", "float16"):
         raise ValueError(f"dtype must be one of float32, float64, bfloat16, float16; got {dtype!r}")
     if dtype == "float64":

@@ -1,7 +1,7 @@
-"""Triton kernels for Gated DeltaNet decoding: recurrent baseline (Alg. 5), replay decode
-(Alg. 6; state route and output route), replay / tree / KV-only verify with the T×T
-unit-lower-triangular solve done in-kernel by forward substitution (Alg. 8), and the serial
-snapshot baseline (Alg. 7).
+"""Triton kernels for Gated DeltaNet decoding: recurrent baseline, replay decode (state route
+and output route), replay / tree / KV-only verify with the T×T unit-lower-triangular solve
+done in-kernel by forward substitution, and the serial snapshot baseline (the forms of
+``docs/MATH.md``).
 
 Same arguments and results as :mod:`replayssm.ops.gdn.naive`.  Layouts (contiguous): state
 ``[P,HV,K,V]`` (fla/HF layout, ``Sᵀ``) fp32; ring ``u [P,L,HV,V]``, ``k [P,L,H,K]``,
@@ -18,6 +18,7 @@ from ._triton import (HAVE_TRITON, check_ring, count_flags, flag_chunk, flat_gri
                       nth_flag, pad16, persistent_programs, tile, tile_ids, triton, tl)
 from ._triton import contiguous as _c
 from .append import append_entries
+from .mamba2 import tree_bits
 
 __all__ = [
     "recurrent_step",
@@ -52,8 +53,8 @@ if HAVE_TRITON:
         BK: tl.constexpr, BV: tl.constexpr, HAS_SLOT: tl.constexpr, L2: tl.constexpr,
         SNAP: tl.constexpr,
     ):
-        """Alg. 5 over T tokens: load S, T delta-rule updates, store S (SNAP: once per token
-        into ``snap [Bt,T,HV,K,V]``, the Alg. 7 baseline; else the final state into sout)."""
+        """Recurrent form over T tokens: load S, T delta-rule updates, store S (SNAP: once per
+        token into ``snap [Bt,T,HV,K,V]``, the snapshot baseline; else the final state into sout)."""
         vb, hv, r = tile_ids(tl.cdiv(V, BV), HV)  # V-blocks of one (row, head) side by side
         kh = hv // REP
         if HAS_SLOT:
@@ -129,7 +130,7 @@ if HAVE_TRITON:
         LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
         OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
     ):
-        """One ``(row, value head, V-block)`` tile of Alg. 6: ``u = β(v − α S_h k)``,
+        """One ``(row, value head, V-block)`` tile of GDN replay: ``u = β(v − α S_h k)``,
         ``y = α S_h q + u (k·q)``; appends ``u``, ``g`` (and the normalised ``k`` unless
         ``PRE_SCORES``: the scores kernel did).  Output route: ``S_h k``/``S_h q`` from one read
         of ``S0`` plus ``Σ_j w_j (k_j·x) u_j``; state route: rebuild the ``[K, BV]`` tile of
@@ -240,7 +241,7 @@ if HAVE_TRITON:
         L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr,
         PREC: tl.constexpr, SKIP_FLUSH: tl.constexpr, PERSIST: tl.constexpr,
     ):
-        """Alg. 6 decode (:func:`_gdn_decode_tile`) over a flat grid of ``V-blocks × value
+        """Replay decode (:func:`_gdn_decode_tile`) over a flat grid of ``V-blocks × value
         heads × rows`` (V-blocks of one (row, head) side by side: they share DRAM pages).
         ``SKIP_FLUSH`` / ``PERSIST``: as in the Mamba-2 kernel (the ``apart`` form)."""
         nv = tl.cdiv(V, BV)
@@ -320,7 +321,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _solve_drafts(KK, QK, HK, Vn, Gs, bn, anc, ss, T):
-        """The T×T system of Alg. 8 over the drafts (chain or tree mask ``anc [s, s']``):
+        """The T×T system of speculative verify over the drafts (chain or tree mask ``anc [s, s']``):
         ``(I + A) U = β ∘ (V − e^{G} HK)`` with ``A[s, s'] = β_s e^{G_s−G_s'} (k_s·k_s')`` for
         strict ancestors ``s'``, by forward substitution.  Returns ``U``, the output mask
         ``Mq[s, s'] = e^{G_s−G_s'} (q_s·k_s')`` and ``e^{G}``."""
@@ -346,7 +347,7 @@ if HAVE_TRITON:
         TP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr,
     ):
-        """Alg. 8 (and STree, KV-only), output route, one draft at a time.
+        """Replay verify (chains, trees, KV-only), output route, one draft at a time.
 
         Per draft s (unrolled): ``S_h k_s = α0 S0 k_s + Σ_j w_j (k_j·k_s) u_j`` (same for q_s)
         and the rows ``k_s·k_{s'}``, ``q_s·k_{s'}`` of the T×T system ``(I + A) U = R``
@@ -431,7 +432,7 @@ if HAVE_TRITON:
         L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
         FOLD: tl.constexpr,
     ):
-        """Alg. 8 as small matrix products over ``K`` in chunks of ``BKC`` (the Mamba-2
+        """Replay verify as small matrix products over ``K`` in chunks of ``BKC`` (the Mamba-2
         ``_m2_verify_dot_kernel`` treatment; the whole ``[BK, BV]`` checkpoint never sits in
         registers):
 
@@ -577,7 +578,7 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
                     scale: float | None = None, use_qk_l2norm: bool = True, check: bool | None = None,
                     block_v: int | None = None, num_warps: int = 4,
                     snapshots: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Baseline (Alg. 7): serial scan from ``state[slot]``, one state stored per draft."""
+    """Snapshot baseline: serial scan from ``state[slot]``, one state stored per draft."""
     Bt, T, H, HV, K, V = _dims(q, v, True)
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
     y = torch.empty_like(v)
@@ -626,7 +627,7 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
                   check: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   precision: str = "tf32x3", pre_scores: bool | None = None, flush_mode: str | None = None,
                   fold_warps: int = 4) -> Tensor:
-    """Replay decode (Alg. 6), appending ``(u, k, g)``.  ``flush_mode`` (default:
+    """Replay decode, appending ``(u, k, g)``.  ``flush_mode`` (default:
     :func:`decode_defaults`) is how flush rows store ``S_{h+1}``:
 
     * ``"fused"``: one kernel; flush rows fold the tile they read (the small-batch form).
@@ -758,7 +759,7 @@ def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   precision: str = "tf32x3", impl: str = "rows", fused_fold: bool = True) -> Tensor:
-    """Replay verify of T drafts (Alg. 8): the verify kernel (output route; ``route`` is
+    """Replay verify of T drafts: the verify kernel (output route; ``route`` is
     accepted for API parity), the fold kernel (flush rows store ``S_h``), then one append
     kernel."""
     if plan.kind != "verify":
@@ -777,9 +778,7 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
                 check: bool | None = None, bits: Tensor | None = None, block_v: int | None = None,
                 num_warps: int | None = None, precision: str = "tf32x3", impl: str = "rows",
                 fused_fold: bool = True) -> Tensor:
-    """Tree verify (STree + Alg. 8): the solve restricted to the ancestor mask."""
-    from .mamba2 import tree_bits
-
+    """Tree verify: the triangular solve restricted to the ancestor mask."""
     if plan.kind != "tree":
         raise ValueError(f"tree_verify needs a 'tree' plan, got {plan.kind!r}")
     dims = _dims(q, v, True)
@@ -799,8 +798,6 @@ def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
               num_warps: int | None = None, precision: str = "tf32x3", impl: str = "rows") -> Tensor:
     """KV-only form (``S0 = 0``) over paged buffers (a draft tree when ``parent`` is given);
     appends ``(U, k, g)`` after the kernel."""
-    from .mamba2 import tree_bits
-
     bits = None if parent is None else tree_bits(parent, q.shape[0])
     y, U, Kn = _verify(None, None, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        paged=(kv, pplan), block_v=block_v, num_warps=num_warps,

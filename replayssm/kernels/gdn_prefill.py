@@ -37,7 +37,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops.common import want_check
+from ..ops.common import shape_str, want_check
+from ..ops.gdn.naive import _check_inputs
+from ..ops.varlen import check_cu_seqlens, check_state_source
 from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
 
 __all__ = ["chunked_prefill_varlen", "DEFAULTS"]
@@ -265,10 +267,6 @@ def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     else ``precision``).  q/k/v/g/beta may be strided along the token axis (slices of a
     projection) as long as each token's block is contiguous.
     """
-    from ..ops.gdn.naive import _check_inputs
-    from ..ops.common import shape_str
-    from ..ops.varlen import check_cu_seqlens, check_state_source
-
     for name, t, form in (("q", q, "[Nt, H, K]"), ("k", k, "[Nt, H, K]"), ("v", v, "[Nt, HV, V]"),
                           ("g", g, "[Nt, HV]"), ("beta", beta, "[Nt, HV]")):
         if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:

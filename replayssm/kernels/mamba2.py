@@ -1,5 +1,5 @@
-"""Triton kernels for Mamba-2 decoding: recurrent baseline, replay decode (Alg. 2),
-replay / tree / KV-only verify (Alg. 4), snapshot verify baseline (Alg. 3).
+"""Triton kernels for Mamba-2 decoding: recurrent baseline, output-only replay decode,
+replay / tree / KV-only verify, snapshot verify baseline (the forms of ``docs/MATH.md``).
 
 Same arguments and results as :mod:`replayssm.ops.mamba2.naive`.  Layouts (contiguous):
 state ``[P,H,d,n]`` fp32, ring ``x [P,L,H,d]``, ``B [P,L,G,n]``, ``dt [P,L,H]``.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..cache.tree import ancestor_bits, ancestor_mask
 from ._triton import HAVE_TRITON, check_ring, flat_grid, history_entries, next_pow2, pad16, tile, tile_ids, triton, tl
 from ._triton import contiguous as _c
 from .append import append_entries
@@ -45,7 +46,7 @@ if HAVE_TRITON:
         H, G, d, n, HPG,
         BD: tl.constexpr, BN: tl.constexpr, HAS_SLOT: tl.constexpr, HAS_D: tl.constexpr,
     ):
-        """Alg. 1: load S, update, read out, store S (like selective_state_update)."""
+        """Recurrent form: load S, update, read out, store S (like selective_state_update)."""
         db, hd, r = tile_ids(tl.cdiv(d, BD), H)  # d-blocks of one (row, head) side by side
         g = hd // HPG
         if HAS_SLOT:
@@ -77,7 +78,7 @@ if HAVE_TRITON:
         T, H, G, d, n, HPG,
         BD: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
     ):
-        """Alg. 3 baseline: serial scan over T drafts, one state snapshot stored per draft."""
+        """Snapshot baseline: serial scan over T drafts, one state snapshot stored per draft."""
         db, hd, r = tile_ids(tl.cdiv(d, BD), H)  # d-blocks of one (row, head) side by side
         g = hd // HPG
         srow = tl.load(slot_ptr + r).to(tl.int64)
@@ -111,8 +112,9 @@ if HAVE_TRITON:
         L, G, n,
         LP: tl.constexpr, BN: tl.constexpr,
     ):
-        """Decode precompute (paper §5.4): ``B_j·C`` once per (row, group) for the ring entries
-        and the new one -> scratch ``[Bt, G, LP+1]``; also appends the new ``B`` to the ring."""
+        """Decode precompute: the scores ``B_j·C`` (shared by a group's heads) once per (row, group)
+        for the ring entries and the new one -> scratch ``[Bt, G, LP+1]``; also appends the new
+        ``B`` to the ring."""
         r = tl.program_id(0)
         g = tl.program_id(1)
         slot = tl.load(slot_ptr + r).to(tl.int64)
@@ -143,7 +145,7 @@ if HAVE_TRITON:
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
         HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr,
     ):
-        """One ``(row, head, d-block)`` tile of Alg. 2, output-only:
+        """One ``(row, head, d-block)`` tile of output-only replay decode:
         ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + Δ (B·C) x + D x``; appends
         ``(x, dt)`` (and ``B`` unless ``PRE_SCORES``: the scores kernel did) at ring position h.
         The whole ``[BD, n]`` checkpoint tile is read in one load.
@@ -229,7 +231,7 @@ if HAVE_TRITON:
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
         HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr,
     ):
-        """Alg. 2 decode (:func:`_m2_decode_tile`) over a flat grid of ``d-blocks × heads ×
+        """Replay decode (:func:`_m2_decode_tile`) over a flat grid of ``d-blocks × heads ×
         rows`` (d-blocks of one (row, head) side by side: one contiguous stream)."""
         db, hd, r = tile_ids(tl.cdiv(d, BD), H)
         _m2_decode_tile(state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
@@ -295,7 +297,7 @@ if HAVE_TRITON:
         HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
         FOLD: tl.constexpr,
     ):
-        """Alg. 4 as small matrix products (tensor cores), all queries at once:
+        """Replay verify as small matrix products (tensor cores), all queries at once:
 
         ``Y [T, BD] = (e^{tot+G} ∘ C S0ᵀ) + Whᵀ X_hist + Wnᵀ X_new + D X_new`` with
         ``Wh[j, m] = Δ_j e^{tot-cum_j+G_m} (B_j·C_m)`` over the committed history and
@@ -407,7 +409,7 @@ def _check_ring(buf, plan, x: Tensor, dims) -> None:
 def recurrent_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                      D: Tensor | None = None, slot: Tensor | None = None, out_state: Tensor | None = None,
                      block_d: int | None = None, num_warps: int = 4) -> Tensor:
-    """Recurrent decode kernel (Alg. 1) on a state pool: ``state[slot]`` is read, updated and
+    """Recurrent decode kernel (the recurrent form) on a state pool: ``state[slot]`` is read, updated and
     written to ``out_state[slot]`` (default: in place).  Returns ``y [Bt,H,d]``."""
     Bt, _, H, d, G, n = _dims(x, B, False)
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
@@ -460,7 +462,7 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = 32, num_warps: int | None = None, pre_scores: bool | None = None,
                   precision: str = "tf32x3", block_n: int = 32) -> Tensor:
-    """Replay decode (Alg. 2), output-only (``route`` is accepted for API parity: both routes
+    """Replay decode, output-only (``route`` is accepted for API parity: both routes
     give the same numbers), in one pass over the checkpoints: flush rows store ``S_{h+1}`` in
     the kernel that reads ``S0`` (``n`` in chunks of ``block_n``; ``precision`` is that
     ``tl.dot``'s).  ``pre_scores``: a small kernel first computes the per-group ``B_j·C`` once
@@ -500,8 +502,6 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
 def tree_bits(parent: Tensor, batch: int) -> Tensor:
     """Ancestor-or-self sets as int32 bitmasks ``[Bt, N]`` (bit s of node m: s is m or an
     ancestor of m).  Device tensor ops only (N small, N <= 31)."""
-    from ..cache.tree import ancestor_bits, ancestor_mask
-
     p = parent.long()
     if p.dim() == 1:
         p = p[None].expand(batch, -1)
@@ -562,7 +562,7 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = None, num_warps: int | None = None, precision: str = "tf32x3",
                   fused_fold: bool = True) -> Tensor:
-    """Replay verify of T drafts (Alg. 4): the verify kernel, whose flush rows also store
+    """Replay verify of T drafts: the verify kernel, whose flush rows also store
     ``S_h`` (``fused_fold``; else a separate fold kernel), then one append kernel writes the
     T entries."""
     if plan.kind != "verify":
@@ -610,7 +610,7 @@ def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
 def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                     D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
                     num_warps: int = 4, snapshots: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Baseline (Alg. 3): serial scan, one state stored per draft -> ``(y, snapshots)``."""
+    """Snapshot baseline: serial scan, one state stored per draft -> ``(y, snapshots)``."""
     Bt, T, H, d, G, n = _dims(x, B, True)
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
     BD = next_pow2(block_d) if block_d else min(next_pow2(d), 16)

@@ -33,6 +33,8 @@ import torch
 from torch import Tensor
 
 from ..ops.common import want_check
+from ..ops.mamba2.naive import _check_params, _check_varlen_inputs
+from ..ops.varlen import check_cu_seqlens, check_state_source
 from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
 
 __all__ = ["chunked_prefill_varlen", "DEFAULTS"]
@@ -187,9 +189,6 @@ def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
     Activations may be strided along the token axis (e.g. slices of a projection) as long
     as each token's ``[H, d]`` / ``[G, n]`` block is contiguous.
     """
-    from ..ops.mamba2.naive import _check_params, _check_varlen_inputs
-    from ..ops.varlen import check_cu_seqlens, check_state_source
-
     _, Nt, H, d, G, n = _check_varlen_inputs(x, dt, B, C)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")

@@ -9,10 +9,21 @@
 * ``metrics.py``     Prometheus metrics
 * ``cli.py``         ``replayssm serve``
 
-Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client).
+Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client).  The exports load on first
+use, so ``replayssm serve`` can say so clearly when the extra is missing.
 """
 
-from .app import ServerConfig, build_app
-from .engine_loop import AsyncEngine, StepEngine
+import importlib
 
-__all__ = ["AsyncEngine", "ServerConfig", "StepEngine", "build_app"]
+_EXPORTS = {"ServerConfig": "app", "build_app": "app", "AsyncEngine": "engine_loop", "StepEngine": "engine_loop"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'replayssm.server' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value

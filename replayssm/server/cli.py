@@ -9,8 +9,14 @@ picks a free port and prints it).
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
+
+import torch
+
+from ..engine.config import SpeculativeConfig
+from ..engine.llm import LLM
 
 DECODE_MODES = ("recurrent", "replay", "kv", "auto")
 
@@ -56,11 +62,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def build_engine(model_dir: str, args):
     """An ``LLM`` from :func:`add_engine_args` flags."""
-    import torch
-
-    from ..engine.config import SpeculativeConfig
-    from ..engine.llm import LLM
-
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -102,8 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import os
-
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"replayssm serve: error: {args.model!r} is not a model directory (no config.json)", file=sys.stderr)
         return 2
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from .app import ServerConfig, build_app
+        from .app import ServerConfig, build_app  # fastapi (the serve extra): reported below if missing
     except ImportError as e:
         print(f"replayssm serve: error: {e}; install the serve extra: pip install 'replayssm[serve]'", file=sys.stderr)
         return 2

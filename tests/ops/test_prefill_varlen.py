@@ -88,7 +88,7 @@ def test_mamba2_varlen_matches_recurrence_per_sequence(chunk):
 def test_mamba2_varlen_pool_form_in_place():
     (x, dt, A, B, C, D), S0 = m2_inputs(LENS, seed=1)
     cu = cu_of(LENS)
-    N, P = len(LENS), 12
+    P = 12
     slots = torch.tensor([7, 2, 11, 4, 9, 1, 5, 3])
     fresh = torch.tensor([False, True, False, True, False, False, True, False])
     pool = torch.full((P,) + S0.shape[1:], float("nan"), dtype=F64)

@@ -1,6 +1,6 @@
 """Float64-capable pure-PyTorch reference ops for Gated DeltaNet (Qwen3-Next style).
 
-Notation (DESIGN.md §1-2, one value head): ``α = e^g`` with ``g <= 0``, ``β ∈ (0, 1)``,
+Notation (``docs/MATH.md``, Notation; one value head): ``α = e^g`` with ``g <= 0``, ``β ∈ (0, 1)``,
 ``u_t = β_t (v_t − α_t S_{t−1} k_t)``, ``S_t = α_t S_{t−1} + u_t k_tᵀ``, ``y_t = S_t q_t``.
 States are stored transposed, HF/fla layout ``St = Sᵀ ∈ [.., HV, K, V]``, so
 ``S x = Stᵀ x`` and ``u kᵀ`` becomes ``k ⊗ u``.  Value head ``hv`` uses key head
@@ -9,10 +9,10 @@ States are stored transposed, HF/fla layout ``St = Sᵀ ∈ [.., HV, K, V]``, so
 
 Every form below computes the same numbers as :func:`recurrent_scan` up to rounding:
 
-* ``recurrent_step`` / ``recurrent_scan``: the ground truth (Alg. 5).
+* ``recurrent_step`` / ``recurrent_scan``: the ground truth (the recurrent form).
 * ``chunked_prefill``: chunked WY/UT form; per chunk one unit-lower-triangular solve.
-* ``replay_decode``: Alg. 6 from a checkpoint ``S0`` and a ring of ``(u, k, g)``.
-* ``replay_verify`` / ``tree_verify``: Alg. 8, T drafts (or a tree of N nodes) in one solve.
+* ``replay_decode``: GDN replay from a checkpoint ``S0`` and a ring of ``(u, k, g)``.
+* ``replay_verify`` / ``tree_verify``: speculative verify, T drafts (or a tree of N nodes) in one solve.
 * ``snapshot_verify`` / ``snapshot_commit``: the serial one-state-per-draft baseline.
 * ``kv_verify`` / ``kv_tree_verify`` / ``kv_to_state``: KV-only form (``S0 = 0``) over the
   paged blocks a row holds (linear in the held context, see the KV-only section).
@@ -30,12 +30,15 @@ import math
 import torch
 from torch import Tensor
 
+from ...cache import paged
 from ...cache.buffers import GDNBuffers
 from ...cache.ring import StepPlan, gather_history, write_new
 from ...cache.tree import ancestor_mask
+from .. import kv_blocks  # a module reference: tests spy on kv_blocks.runs
 from ..common import (check_accepted, check_kv_lengths, check_plan, check_plan_fit, check_plan_rows,
                       check_route, check_slot, check_state_dtype, check_tensors, check_tree,
-                      compute_dtype, paged_module, shape_str, want_check, write_state_where)
+                      compute_dtype, shape_str, want_check, write_state_where)
+from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
 
 __all__ = [
     "l2norm",
@@ -223,7 +226,7 @@ def _chain_mask(Bt: int, T: int, device) -> Tensor:
 # ---------------------------------------------------------------------------- recurrence
 def recurrent_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                    scale: float | None = None, use_qk_l2norm: bool = True) -> tuple[Tensor, Tensor]:
-    """One delta-rule step (Alg. 5).
+    """One delta-rule step (the recurrent form).
 
     state ``[Bt,HV,K,V]``, q/k ``[Bt,H,K]``, v ``[Bt,HV,V]``, g/beta ``[Bt,HV]``.
     ``St ← e^g St``; ``u = β (v − Stᵀ k)``; ``St ← St + k ⊗ u``; ``y = Stᵀ q``.
@@ -343,7 +346,7 @@ def chunked_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 # ---------------------------------------------------------------------------- replay
 def rebuild_state(buf: GDNBuffers, plan: StepPlan) -> Tensor:
     """``S_h = e^{pre_h} S0 + Σ_{j<h} e^{pre_h−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``
-    (Alg. 6 step 1), in the state dtype.  Reads only; any plan kind."""
+    (the first step of GDN replay), in the state dtype.  Reads only; any plan kind."""
     if not isinstance(buf, GDNBuffers) or not isinstance(plan, StepPlan):
         raise ValueError("rebuild_state needs GDNBuffers and a StepPlan")
     check_state_dtype(buf.state, "buf.state dtype")
@@ -370,7 +373,8 @@ def _readouts(buf, plan, cdt, x: Tensor, route: str):
 def replay_decode(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                   beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                   route: str = "state", check: bool | None = None) -> Tensor:
-    """Replay decode of one token per row (Alg. 6); ``plan.kind == "decode"``.
+    """Replay decode of one token per row (``docs/MATH.md``, "GDN replay" and "Flush");
+    ``plan.kind == "decode"``.
 
     q/k ``[Bt,H,K]``, v ``[Bt,HV,V]``, g/beta ``[Bt,HV]``.  With ``S_h`` rebuilt from the
     checkpoint and ring: ``u = β (v − e^g S_h k)``, ``y = e^g S_h q + u (k·q)``; appends
@@ -435,7 +439,8 @@ def _draft_verify(buf, plan, par, q, k, v, g, beta, scale, use_qk_l2norm, route,
 def replay_verify(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                   beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                   route: str = "state", check: bool | None = None) -> Tensor:
-    """Replay verify of T drafts per row in one triangular solve (Alg. 8); ``plan.kind == "verify"``.
+    """Replay verify of T drafts per row in one triangular solve (``docs/MATH.md``, "Speculative
+    verify"); ``plan.kind == "verify"``.
 
     q/k ``[Bt,T,H,K]``, v ``[Bt,T,HV,V]``, g/beta ``[Bt,T,HV]``.  ``G_s = Σ_{i≤s} g_i``;
     ``(I + A) U = R``, ``A_{s,s'} = β_s e^{G_s−G_{s'}} (k_s·k_{s'})`` (s' < s),
@@ -454,7 +459,8 @@ def replay_verify(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tens
 def tree_verify(buf: GDNBuffers, plan: StepPlan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor,
                 g: Tensor, beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                 route: str = "state", check: bool | None = None) -> Tensor:
-    """Replay verify of a draft tree of N nodes per row (STree + Alg. 8); ``plan.kind == "tree"``.
+    """Replay verify of a draft tree of N nodes per row (the triangular solve under the ancestor
+    mask, ``docs/MATH.md``, "Speculative verify"); ``plan.kind == "tree"``.
 
     parent ``[Bt,N]`` or ``[N]`` (topological, ``-1`` = child of the last committed entry);
     q/k ``[Bt,N,H,K]``, v ``[Bt,N,HV,V]``, g/beta ``[Bt,N,HV]``.  With ``M`` the
@@ -476,7 +482,7 @@ def tree_verify(buf: GDNBuffers, plan: StepPlan, parent: Tensor, q: Tensor, k: T
 def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                     beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                     check: bool | None = None) -> tuple[Tensor, Tensor]:
-    """Baseline speculative verify (Alg. 7): serial scan from ``state[slot]``, one state per draft.
+    """Baseline speculative verify (snapshot verify): serial scan from ``state[slot]``, one state per draft.
 
     state ``[P,HV,K,V]`` (read only), slot ``[Bt]``, q/k ``[Bt,T,H,K]``, ...
     Returns ``(y [Bt,T,HV,V], snapshots [Bt,T,HV,K,V])`` with ``snapshots[:, s]`` the state
@@ -537,7 +543,6 @@ KV_CHUNK = 64
 
 
 def _check_kv(kv, pplan, dims, device, check: bool):
-    paged = paged_module()
     Bt, T, H, HV, K, V = dims
     if not isinstance(kv, paged.GDNPagedBuffers):
         raise ValueError(f"kv must be GDNPagedBuffers, got {type(kv).__name__}")
@@ -577,15 +582,13 @@ def _kv_fold(kv, pplan, cdt, S0: Tensor | None = None) -> Tensor:
     """``S_n = e^{pre_n} S0 + Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``
     (``S0 = 0`` when None), run by run:
     ``S ← e^{Σ_run g} S + Σ_{j∈run} e^{Σ_{v>j in run} g_v} k_j ⊗ u_j``."""
-    from ..kv_blocks import runs, suffix_after
-
     Bt = pplan.batch
     HV, V = kv.u.shape[1:]
     H, K = kv.k.shape[1:]
     S = torch.zeros(Bt, HV, K, V, dtype=cdt, device=kv.u.device) if S0 is None else S0.to(cdt)
-    for pos, valid in runs(pplan, Bt * (2 * HV * V + 2 * H * K + HV * K + 4 * HV)):
+    for pos, valid in kv_blocks.runs(pplan, Bt * (2 * HV * V + 2 * H * K + HV * K + 4 * HV)):
         u, k, g = _kv_run(kv, pos, valid, cdt)
-        w = torch.where(valid[:, :, None], torch.exp(suffix_after(g)),
+        w = torch.where(valid[:, :, None], torch.exp(kv_blocks.suffix_after(g)),
                         torch.zeros((), dtype=cdt, device=u.device))
         S = torch.exp(g.sum(1))[..., None, None] * S + _sum_history_state(u, k, w)
     return S
@@ -595,17 +598,15 @@ def _kv_readout(kv, pplan, x: Tensor, cdt) -> Tensor:
     """History readouts ``S_n x_m = Σ_{j<n} e^{pre_n−pre_j} (k_j·x_m) u_j`` for key-head
     vectors ``x [Bt,M,H,K]`` -> ``[Bt,M,HV,V]``, run by run (newest first, carrying the
     log-decay of the runs already seen), without forming ``S_n``."""
-    from ..kv_blocks import runs, suffix_after
-
     Bt, M, H, K = x.shape
     HV, V = kv.u.shape[1:]
     r = torch.zeros(Bt, M, HV, V, dtype=cdt, device=x.device)
     later = torch.zeros(Bt, HV, dtype=cdt, device=x.device)
     zero = torch.zeros((), dtype=cdt, device=x.device)
     per_entry = Bt * (2 * HV * V + 2 * H * K + 3 * HV + M * (H + 2 * HV))
-    for pos, valid in runs(pplan, per_entry, reverse=True):
+    for pos, valid in kv_blocks.runs(pplan, per_entry, reverse=True):
         u, k, g = _kv_run(kv, pos, valid, cdt)
-        w = torch.where(valid[:, :, None], torch.exp(suffix_after(g) + later[:, None]), zero)
+        w = torch.where(valid[:, :, None], torch.exp(kv_blocks.suffix_after(g) + later[:, None]), zero)
         later = later + g.sum(1)
         r = r + _history_readout(u, k, w, x)
     return r
@@ -614,8 +615,6 @@ def _kv_readout(kv, pplan, x: Tensor, cdt) -> Tensor:
 def _kv_scan(St: Tensor, qn, kn, vc, gc, bc, chunk: int) -> tuple[Tensor, Tensor]:
     """Chunked WY/UT scan of new tokens from state ``St`` (as :func:`chunked_prefill`),
     keeping the corrections: returns ``U, y`` as ``[Bt,T,HV,V]``."""
-    from ..kv_blocks import suffix_after
-
     Bt, T = qn.shape[:2]
     Us, ys = [], []
     for c0 in range(0, T, chunk):
@@ -625,14 +624,14 @@ def _kv_scan(St: Tensor, qn, kn, vc, gc, bc, chunk: int) -> tuple[Tensor, Tensor
         U, y = _delta_block(hk, hq, qc, kc, vc_, gcc.cumsum(1), bcc, _chain_mask(Bt, qc.shape[1], qn.device))
         Us.append(U)
         ys.append(y)
-        St = torch.exp(gcc.sum(1))[..., None, None] * St + _sum_history_state(U, kc, torch.exp(suffix_after(gcc)))
+        w = torch.exp(kv_blocks.suffix_after(gcc))
+        St = torch.exp(gcc.sum(1))[..., None, None] * St + _sum_history_state(U, kc, w)
     return torch.cat(Us, 1), torch.cat(ys, 1)
 
 
 def _kv_new(kv, pplan, par, q, k, v, g, beta, scale, use_qk_l2norm, dims):
     """Shared body of :func:`kv_verify` / :func:`kv_tree_verify` (inputs validated;
     ``par`` None for a chain).  Writes the new ``(u, k, g)``; returns ``y`` in ``v.dtype``."""
-    paged = paged_module()
     Bt, T = dims[:2]
     cdt = compute_dtype(kv.g.dtype, kv.u.dtype, q.dtype, v.dtype)
     qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
@@ -739,7 +738,6 @@ def kv_to_state(kv, pplan, buf: GDNBuffers, slot: Tensor, check: bool | None = N
     ``slot [Bt]`` (the rows' state slots in ``buf``).  Ring bookkeeping is the caller's
     (``ring.reset(slot)``); paged blocks may be released afterwards.
     """
-    paged = paged_module()
     if not isinstance(buf, GDNBuffers):
         raise ValueError(f"buf must be GDNBuffers, got {type(buf).__name__}")
     if not isinstance(kv, paged.GDNPagedBuffers):
@@ -804,8 +802,6 @@ def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     ``u_t = β_t (v_t − α_t S_{t−1} k_t)``, the corrected values the replay ring and the
     KV-only pages store for GDN.
     """
-    from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
-
     for name, t, form in (("q", q, "[Nt, H, K]"), ("k", k, "[Nt, H, K]"), ("v", v, "[Nt, HV, V]"),
                           ("g", g, "[Nt, HV]"), ("beta", beta, "[Nt, HV]")):
         if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:

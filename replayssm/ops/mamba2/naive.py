@@ -1,6 +1,6 @@
 """Float64-capable pure-PyTorch reference ops for Mamba-2 (every decoding form).
 
-Notation (DESIGN.md §1-2, one head ``h`` of group ``g = h // (H // G)``): state
+Notation (``docs/MATH.md``, Notation; one head ``h`` of group ``g = h // (H // G)``): state
 ``S ∈ R^{d×n}``, ``v = x [d]``, ``k = B [n]``, ``q = C [n]``, step size ``Δ = dt``
 (after softplus/bias/clamp, ``>= 0``), ``A < 0`` per head, log-decay ``l = A·Δ <= 0``:
 
@@ -9,12 +9,12 @@ Notation (DESIGN.md §1-2, one head ``h`` of group ``g = h // (H // G)``): state
 HF state layout ``[.., H, d, n]``.  Every form below computes the same numbers as
 :func:`recurrent_scan` up to rounding:
 
-* ``recurrent_step`` / ``recurrent_scan``: the ground truth (Alg. 1).
+* ``recurrent_step`` / ``recurrent_scan``: the ground truth (the recurrent form).
 * ``chunked_prefill``: SSD chunked form (intra-chunk masked GEMMs, chunk states,
   inter-chunk state passing, state read-out).
-* ``replay_decode``: Alg. 2 from a checkpoint ``S0`` and a ring of ``(x, B, Δ)``;
+* ``replay_decode``: replay from a checkpoint ``S0`` and a ring of ``(x, B, Δ)``;
   route ``"output"`` (output-only, ``B_j·C`` once per group) or ``"state"``.
-* ``replay_verify`` / ``tree_verify``: Alg. 4, T drafts (or a tree of N nodes) read the
+* ``replay_verify`` / ``tree_verify``: speculative verify, T drafts (or a tree of N nodes) read the
   same ``S0`` and ring under a causal (ancestor) mask.
 * ``snapshot_verify`` / ``snapshot_commit``: the serial one-state-per-draft baseline.
 * ``kv_verify`` / ``kv_tree_verify`` / ``kv_to_state``: KV-only form (``S0 = 0``) over the
@@ -40,12 +40,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...cache import paged
 from ...cache.buffers import Mamba2Buffers
 from ...cache.ring import NULL_SLOT, StepPlan, gather_history, write_new
 from ...cache.tree import ancestor_mask
+from .. import kv_blocks  # a module reference: tests spy on kv_blocks.runs
 from ..common import (STATE_DTYPES, check_accepted, check_kv_lengths, check_plan, check_plan_fit,
                       check_plan_rows, check_route, check_slot, check_state_dtype, check_tensors,
-                      check_tree, compute_dtype, paged_module, shape_str, want_check, write_state_where)
+                      check_tree, compute_dtype, shape_str, want_check, write_state_where)
+from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
 
 __all__ = [
     "segsum",
@@ -207,7 +210,7 @@ def _segment_logs(logs: Tensor, P: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _attend(S0: Tensor | None, xs, Bs, dts, logs, C, P, gidx) -> Tensor:
-    """Output-only replay (Alg. 2) for M queries over a masked window of W entries.
+    """Output-only replay (``docs/MATH.md``, "Replay, output only") for M queries over a masked window of W entries.
 
     S0 ``[Bt,H,d,n]`` or None (KV-only); xs ``[Bt,W,H,d]``, Bs ``[Bt,W,G,n]``,
     dts/logs ``[Bt,W,H]`` (finite; masked entries zeroed); C ``[Bt,M,G,n]``; P ``[Bt,M,W]``.
@@ -289,7 +292,7 @@ def _step(S: Tensor, x, dt, A, B, C, gidx):
 
 def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                    D: Tensor | None = None, check: bool | None = None) -> tuple[Tensor, Tensor]:
-    """One recurrent step (Alg. 1).
+    """One recurrent step (the recurrent form).
 
     state ``[Bt,H,d,n]`` (fp32/fp64), x ``[Bt,H,d]``, dt ``[Bt,H]``, A ``[H]``,
     B/C ``[Bt,G,n]``, D ``[H]`` or None.
@@ -446,7 +449,8 @@ def rebuild_state(buf: Mamba2Buffers, plan: StepPlan, A: Tensor) -> Tensor:
 def replay_decode(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
                   C: Tensor, D: Tensor | None = None, route: str = "output",
                   check: bool | None = None) -> Tensor:
-    """Replay decode of one token per row (Alg. 2); ``plan.kind == "decode"``.
+    """Replay decode of one token per row (``docs/MATH.md``, "Replay, output only" and "Flush");
+    ``plan.kind == "decode"``.
 
     x ``[Bt,H,d]``, dt ``[Bt,H]``, A ``[H]``, B/C ``[Bt,G,n]``, D ``[H]`` or None.
     With the new token as entry ``h`` (``t = h``):
@@ -510,7 +514,8 @@ def _draft_verify(buf, plan, mask, x, dt, A, B, C, D, route, dims):
 def replay_verify(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
                   C: Tensor, D: Tensor | None = None, route: str = "output",
                   check: bool | None = None) -> Tensor:
-    """Replay verify of T drafts per row (Alg. 4); ``plan.kind == "verify"``.
+    """Replay verify of T drafts per row (``docs/MATH.md``, "Speculative verify");
+    ``plan.kind == "verify"``.
 
     x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``, A ``[H]``, B/C ``[Bt,T,G,n]``, D ``[H]`` or None.
     Every draft reads the same ``S0`` and ring window under a causal mask, as GEMMs
@@ -549,7 +554,7 @@ def tree_verify(buf: Mamba2Buffers, plan: StepPlan, parent: Tensor, x: Tensor, d
 def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
                     C: Tensor, D: Tensor | None = None,
                     check: bool | None = None) -> tuple[Tensor, Tensor]:
-    """Baseline speculative verify (Alg. 3, what vLLM does): serial scan from ``state[slot]``,
+    """Baseline speculative verify (snapshot verify, what vLLM does): serial scan from ``state[slot]``,
     one stored state per draft.
 
     state ``[P,H,d,n]`` (read only), slot ``[Bt]``, x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``,
@@ -622,7 +627,6 @@ KV_CHUNK = 64
 
 
 def _check_kv(kv, pplan, dims, x: Tensor | None, device, check: bool) -> None:
-    paged = paged_module()
     Bt, T, H, d, G, n = dims
     if not isinstance(kv, paged.Mamba2PagedBuffers):
         raise ValueError(f"kv must be Mamba2PagedBuffers, got {type(kv).__name__}")
@@ -662,15 +666,13 @@ def _kv_fold(kv, pplan, A: Tensor, gidx: Tensor, cdt, S0: Tensor | None = None) 
     """``S_n = e^{pre_n} S0 + Σ_{j<n} Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` per row ``[Bt,H,d,n]``
     (``S0 = 0`` when None), run by run:
     ``S ← e^{Σ_run l} S + Σ_{j∈run} e^{Σ_{v>j in run} l_v} Δ_j x_j B_jᵀ``."""
-    from ..kv_blocks import runs, suffix_after
-
     Bt = pplan.batch
     H, d = kv.x.shape[1:]
     n = kv.B.shape[2]
     S = torch.zeros(Bt, H, d, n, dtype=cdt, device=kv.x.device) if S0 is None else S0.to(cdt)
-    for pos, valid in runs(pplan, Bt * (2 * H * d + 2 * kv.B.shape[1] * n + H * n + 4 * H)):
+    for pos, valid in kv_blocks.runs(pplan, Bt * (2 * H * d + 2 * kv.B.shape[1] * n + H * n + 4 * H)):
         xs, Bs, dts, logs = _kv_run(kv, pos, valid, A, cdt)
-        coef = torch.exp(suffix_after(logs)) * dts  # 0 on invalid entries (dts = 0)
+        coef = torch.exp(kv_blocks.suffix_after(logs)) * dts  # 0 on invalid entries (dts = 0)
         S = torch.exp(logs.sum(1))[..., None, None] * S + torch.einsum(
             "beh,behd,behn->bhdn", coef, xs, Bs[:, :, gidx])
     return S
@@ -686,20 +688,18 @@ def _kv_attend(kv, pplan, A, xn, Bn, dn, ln, Cc, mask, gidx, cdt) -> Tensor:
     with ``cum_t`` the log-decay along t's path from the last committed entry.  New entries
     ``xn [Bt,N,H,d]``, ``Bn``/``Cc [Bt,N,G,n]``, ``dn``/``ln [Bt,N,H]`` in ``cdt``.
     """
-    from ..kv_blocks import path_logs, runs, suffix_after
-
     Bt, N, H, d = xn.shape
     G, n = Bn.shape[2:]
-    E, cum = path_logs(mask, ln)
+    E, cum = kv_blocks.path_logs(mask, ln)
     neg_inf = torch.full((), float("-inf"), dtype=cdt, device=xn.device)
     decay = torch.exp(torch.where(mask[..., None], E, neg_inf))  # 0 off the path
     scores = torch.einsum("bsgn,btgn->btsg", Bn, Cc)[..., gidx]
     y = torch.einsum("btsh,bshd->bthd", decay * dn[:, None] * scores, xn)
     later = torch.zeros(Bt, H, dtype=cdt, device=xn.device)  # log-decay of the runs after this one
     per_entry = Bt * (H * d + G * n + 3 * H + N * (G + 3 * H))
-    for pos, valid in runs(pplan, per_entry, reverse=True):
+    for pos, valid in kv_blocks.runs(pplan, per_entry, reverse=True):
         xs, Bs, dts, logs = _kv_run(kv, pos, valid, A, cdt)
-        to_end = suffix_after(logs) + later[:, None]  # [Bt,E,H]: Σ_{j<v<n} l_v
+        to_end = kv_blocks.suffix_after(logs) + later[:, None]  # [Bt,E,H]: Σ_{j<v<n} l_v
         later = later + logs.sum(1)
         scores = torch.einsum("begn,btgn->bteg", Bs, Cc)[..., gidx]  # [Bt,N,E,H]
         coef = torch.exp(cum[:, :, None] + to_end[:, None]) * dts[:, None] * scores
@@ -708,7 +708,6 @@ def _kv_attend(kv, pplan, A, xn, Bn, dn, ln, Cc, mask, gidx, cdt) -> Tensor:
 
 
 def _kv_write(kv, pplan, x: Tensor, B: Tensor, dt: Tensor) -> None:
-    paged = paged_module()
     paged.write_kv_new(kv.x, pplan, x)
     paged.write_kv_new(kv.B, pplan, B)
     paged.write_kv_new(kv.dt, pplan, dt.to(kv.dt.dtype))
@@ -826,7 +825,6 @@ def kv_to_state(kv, pplan, buf: Mamba2Buffers, slot: Tensor, A: Tensor,
     ``buf``), ``A [H]`` (the pool stores Δ, so the decays need A).  Ring bookkeeping is the
     caller's (``ring.reset(slot)``); the row's blocks may be released afterwards.
     """
-    paged = paged_module()
     if not isinstance(buf, Mamba2Buffers):
         raise ValueError(f"buf must be Mamba2Buffers, got {type(buf).__name__}")
     if not isinstance(kv, paged.Mamba2PagedBuffers):
@@ -884,8 +882,6 @@ def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
     Returns ``(y [Nt,H,d] in x.dtype incl. D·x, final_state [N,H,d,n])``; in pool form
     ``(y, None)`` (the final states are in the pool).
     """
-    from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
-
     _, Nt, H, d, G, n = _check_varlen_inputs(x, dt, B, C)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
