@@ -705,7 +705,6 @@ def kv_fold(kv, pplan, initial_state: Tensor | None = None, check: bool | None =
     ``initial_state [Bt,HV,K,V]``.  Folded run by run over the held blocks.  Returns
     ``[Bt,HV,K,V]`` in fp64 if the pool's g or ``initial_state`` is fp64, else fp32.  Reads only.
     """
-    paged = paged_module()
     if not isinstance(kv, paged.GDNPagedBuffers):
         raise ValueError(f"kv must be GDNPagedBuffers, got {type(kv).__name__}")
     if not isinstance(pplan, paged.PagedPlan):

@@ -789,7 +789,6 @@ def kv_fold(kv, pplan, A: Tensor, initial_state: Tensor | None = None, check: bo
     held blocks (:mod:`replayssm.ops.kv_blocks`).  Returns ``[Bt,H,d,n]`` in fp64 if the
     pool's Δ or ``initial_state`` is fp64, else fp32.  Reads only.
     """
-    paged = paged_module()
     if not isinstance(kv, paged.Mamba2PagedBuffers):
         raise ValueError(f"kv must be Mamba2PagedBuffers, got {type(kv).__name__}")
     if not isinstance(pplan, paged.PagedPlan):
