@@ -32,8 +32,9 @@ from ..engine.config import SamplingParams, SpeculativeConfig
 from ..engine.llm import LLM
 from ..engine.loading import load
 from ..engine.speculative import Proposal, chain_parent
+from . import prefix
 # hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE)
-from .hybrid_presets import HYBRID_PRESETS, TINY_OF, random_hybrid_dir
+from .hybrid_presets import HYBRID_PRESETS, TINY_OF, preset_config, random_hybrid_dir
 
 PRESETS = {
     # name: Mamba2Config kwargs (random weights)
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.prefix_memory or args.workload != "decode":
-        return _prefix_main(args, out, LLM, SamplingParams)
+        return _prefix_main(args, out)
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     spec_batches = [int(b) for b in args.spec_batch_sizes.split(",") if b]
     modes = [m for m in args.modes.split(",") if m]
@@ -447,14 +448,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prefix_main(args, out: Path, LLM, SamplingParams) -> int:
+def _prefix_main(args, out: Path) -> int:
     """``--prefix-memory`` and the prefix-caching workloads (:mod:`replayssm.bench.prefix`)."""
-    import torch
-
-    from . import prefix
-
     if args.prefix_memory:
-        rows = [prefix.memory_per_token(p, "bfloat16", 16, args.prefix_checkpoint_interval)
+        rows = [prefix.memory_per_token(p, mamba2_preset_config(p) if p in PRESETS else preset_config(p), "bfloat16",
+                                        16, args.prefix_checkpoint_interval)
                 for p in args.memory_presets.split(",") if p]
         (out / "prefix_memory.json").write_text(json.dumps(rows, indent=1, default=str))
         prefix.print_memory(rows)
@@ -472,10 +470,8 @@ def _prefix_main(args, out: Path, LLM, SamplingParams) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, desc = _load_model(args, tmp)
         if isinstance(model, str):
-            from replayssm.engine.loading import load
-
             model = load(model, torch.device(args.device), getattr(torch, args.dtype), args.tensor_parallel_size)[0]
-        rc = prefix.run(LLM, SamplingParams, model, args, out, desc)
+        rc = prefix.run(model, args, out, desc)
         if args.tensor_parallel_size > 1:
             model.close()
     return rc

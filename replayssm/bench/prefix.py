@@ -20,25 +20,28 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import random
 import sys
 import time
 from pathlib import Path
+
+import torch
+
+from ..engine.config import SamplingParams
+from ..engine.llm import LLM
+from ..engine.prefix_cache import default_checkpoint_interval
+from ..models.cache import ModelCache
+from ..models.config import parse_config
+from ..models.loader import _model_class
 
 #: block sizes of the state-per-block comparison (hit granularity of that scheme)
 STATE_BLOCKS = (16, 64, 256, 1024)
 
 
-def _meta_model(preset: str, dtype):
-    """The preset's model skeleton on the ``meta`` device (shapes only)."""
-    import torch
-
-    from ..models.config import parse_config
-    from ..models.loader import _model_class
-    from .e2e import PRESETS, mamba2_preset_config
-    from .hybrid_presets import preset_config
-
-    cfg = mamba2_preset_config(preset) if preset in PRESETS else preset_config(preset)
+def _meta_model(preset: str, cfg: dict, dtype):
+    """The model skeleton of ``cfg`` (a ``config.json`` dict) on the ``meta`` device (shapes only)."""
     parsed = parse_config(cfg, f"preset {preset}")
     with torch.device("meta"):
         return _model_class(parsed)(parsed, dtype, "cpu")
@@ -63,16 +66,12 @@ def _analytic(model, act: int) -> dict:
     return dict(entry=entry, conv_in=conv_in, state=state, conv_state=conv_state, attn=attn)
 
 
-def memory_per_token(preset: str, dtype: str = "bfloat16", block_size: int = 16, interval: int | None = None,
-                     max_seq_len: int = 8192) -> dict:
-    """Bytes per cached token of our scheme and of the state-per-block scheme (module docstring)."""
-    import torch
-
-    from ..engine.prefix_cache import default_checkpoint_interval
-    from ..models.cache import ModelCache
-
+def memory_per_token(preset: str, cfg: dict, dtype: str = "bfloat16", block_size: int = 16,
+                     interval: int | None = None, max_seq_len: int = 8192) -> dict:
+    """Bytes per cached token of our scheme and of the state-per-block scheme (module
+    docstring) for the model of ``cfg`` (``config.json`` of preset ``preset``)."""
     dt = getattr(torch, dtype)
-    model = _meta_model(preset, dt)
+    model = _meta_model(preset, cfg, dt)
     lay = model.cache_layout("replay", 16, 1, max_seq_len, block_size)
     C = interval or default_checkpoint_interval(lay, max_seq_len)
     a = _analytic(model, torch.empty((), dtype=dt).element_size())
@@ -136,12 +135,13 @@ def _rng_tokens(rng, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def run_workload(LLM, SamplingParams, model, args, workload: str, caching: bool) -> dict:
+def _sync(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_workload(model, args, workload: str, caching: bool) -> dict:
     """One workload with prefix caching off or on (see the module docstring)."""
-    import random
-
-    from .e2e import _free, _sync
-
     vocab = int(model.config.vocab_size)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
@@ -195,18 +195,20 @@ def run_workload(LLM, SamplingParams, model, args, workload: str, caching: bool)
         row["bytes_per_cached_token"] = (lay.prefix_block_bytes / lay.block_size + lay.checkpoint_bytes / ps.interval
                                          + lay.attn_block_bytes / lay.block_size)
     del llm
-    _free(args.device)
+    gc.collect()
+    if str(args.device).startswith("cuda"):
+        torch.cuda.empty_cache()
     print(f"[bench e2e] {workload} caching {'on ' if caching else 'off'}: TTFT mean {row['ttft_mean_ms']:.1f} ms, "
           f"{row['output_tokens_per_s']:.0f} tok/s, hit rate {row['hit_rate']:.2f}", file=sys.stderr, flush=True)
     return row
 
 
-def run(LLM, SamplingParams, model, args, out: Path, desc: str) -> int:
+def run(model, args, out: Path, desc: str) -> int:
     """``bench e2e --workload ...``: every workload with caching off and on, one table."""
     res = {"config": {**vars(args), "model_desc": desc}, "runs": []}
     for w in args.workload.split(","):
         for caching in (False, True):
-            res["runs"].append(run_workload(LLM, SamplingParams, model, args, w, caching))
+            res["runs"].append(run_workload(model, args, w, caching))
     summ = {}
     for w in args.workload.split(","):
         r = {x["caching"]: x for x in res["runs"] if x["workload"] == w}

@@ -81,9 +81,9 @@ def build_engine(model_dir: str, args):
                cuda_graphs=args.cuda_graphs, seed=args.seed, pad_batches=args.pad_batches,
                max_num_batched_tokens=args.max_num_batched_tokens,
                gpu_memory_utilization=args.gpu_memory_utilization,
-               enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
-               prefix_checkpoint_interval=getattr(args, "prefix_checkpoint_interval", None),
-               prefix_cache_fraction=getattr(args, "prefix_cache_fraction", 0.25))
+               enable_prefix_caching=args.enable_prefix_caching,
+               prefix_checkpoint_interval=args.prefix_checkpoint_interval,
+               prefix_cache_fraction=args.prefix_cache_fraction)
 
 
 def build_parser() -> argparse.ArgumentParser:
