@@ -3,6 +3,8 @@ off vs on on a tiny model (CPU), and memory per cached token, ours vs state-per-
 
 import json
 
+import pytest
+
 
 def test_bench_prefix_smoke(tmp_path, capsys):
     from replayssm.bench.e2e import main
@@ -20,6 +22,11 @@ def test_bench_prefix_smoke(tmp_path, capsys):
         assert r["prefill_tokens_computed"] == r["prompt_tokens"] - r["hit_tokens"]
         if on:
             assert r["bytes_per_cached_token"] > 0 and r["store_bytes"] > 0
+    # smoke sizes: a 40-token system prompt + 6-token questions, blocks of 16: the first
+    # request caches the system prompt's 2 whole blocks, the 3 others resume at token 32
+    sp = runs[("shared-prefix", True)]
+    assert sp["requests"] == 3 and sp["hit_tokens"] == 3 * 32 and sp["prompt_tokens"] == 3 * 46
+    assert sp["hit_rate"] == pytest.approx(96 / (4 * 46))    # the cold first request is looked up too
     mem = json.loads((tmp_path / "prefix_memory.json").read_text())
     assert [m["preset"] for m in mem] == ["2.7b", "nemotron-h-4b"]
     for m in mem:

@@ -279,15 +279,31 @@ def test_aborts_give_every_reference_back(loaded, expected):
     assert _one_by_one(llm, [PROMPTS[4]]) == [expected(arch, PROMPTS[4])]
 
 
-def test_a_prefix_evicted_between_two_requests(loaded, expected):
-    arch = "qwen3_next"
-    llm = _llm(loaded[arch], "replay", prefix_cache_blocks=10)
+@pytest.mark.parametrize("arch,mode", [("mamba2", "replay"), ("qwen3_next", "recurrent"), ("nemotron_h", "kv")])
+def test_a_prefix_evicted_between_two_requests(loaded, expected, arch, mode):
+    """A cached prompt evicted whole by another one before it is asked again is a miss and is
+    recomputed; one whose last block (the LRU leaf) was evicted resumes where what is left
+    of its chain ends (a checkpoint plus the entries after it), exactly (freed blocks poisoned)."""
     other = [(5 * i + 1) % 61 for i in range(40)]
+    llm = _llm(loaded[arch], mode, prefix_cache_blocks=10)
     prompts = [PROMPTS[0], other, PROMPTS[2], PROMPTS[1]]
     assert _one_by_one(llm, prompts) == [expected(arch, p) for p in prompts]
     s = llm.prefix_stats()
     assert s["prefix_evictions"] >= 10 and s["prefix_cached_blocks"] <= 10
     assert s["prefix_hit_tokens"] == 8            # BASE evicted by `other`; PROMPTS[1] hits PROMPTS[2]'s blocks
+    # 13 blocks: BASE takes 10, a 4-block prompt evicts BASE's last block only
+    llm = _llm(loaded[arch], mode, prefix_cache_blocks=13)
+    _poison_frees(llm)
+    prompts = [BASE, other[:16], BASE, PROMPTS[8]]
+    hits = []
+    for p in prompts:
+        before = llm.stats["prefix_hit_tokens"]
+        assert _one_by_one(llm, [p]) == [expected(arch, p)]
+        hits.append(llm.stats["prefix_hit_tokens"] - before)
+    # evicted: BASE's last block, then `other`'s last two (BASE's block 9 captured again, the
+    # copy of the block PROMPTS[8] matches 3 tokens into)
+    assert hits == [0, 0, 36, 23] and llm.prefix_stats()["prefix_evictions"] == 3
+    assert all(b.ref == 0 for b in llm.prefix_cache.index._by_hash.values())
 
 
 def _poison_frees(llm):
