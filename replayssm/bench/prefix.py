@@ -10,7 +10,8 @@
 * **Shared-prefix workload**: a system prompt of ``--prefix-len`` tokens followed by
   ``--num-questions`` different questions; the first request runs alone (cold), then the
   rest arrive together.  Caching off vs on in one run: time to first token of the first and
-  of the others (mean / p50 / p99), wall time and output tokens/s of the batch, hit rate.
+  of the others (mean / p50 / p99), wall time and output tokens/s of the batch, hit rate, and
+  the share of requests whose greedy output with caching on equals the one with caching off.
 * **Chat workload**: ``--conversations`` conversations of ``--turns`` turns; each turn's prompt
   is the conversation so far (earlier prompts and answers) plus a new user message of
   ``--turn-len`` tokens, all conversations' turn ``t`` arriving together.  Only prompt
@@ -156,7 +157,7 @@ def run_workload(model, args, workload: str, caching: bool) -> dict:
         llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
     _sync(args.device)
     row = {"workload": workload, "caching": caching, "mode": kw["decode_mode"]}
-    ttft, wall, outs, prompt_tokens = [], 0.0, 0, 0
+    ttft, wall, outs, prompt_tokens, tokens = [], 0.0, 0, 0, []
     if workload == "shared-prefix":
         system = _rng_tokens(rng, args.prefix_len, vocab)
         prompts = [system + _rng_tokens(rng, args.question_len, vocab) for _ in range(args.num_questions)]
@@ -164,6 +165,7 @@ def run_workload(model, args, workload: str, caching: bool) -> dict:
         row["ttft_first_ms"] = t[0] * 1e3
         seqs, ttft, wall = _drive(llm, prompts[1:], params)          # the others, together
         outs = sum(len(s.output_ids) for s in seqs)
+        tokens = [list(s.output_ids) for s in seqs]
         prompt_tokens = sum(len(p) for p in prompts[1:])
     elif workload == "chat":
         hist = [[] for _ in range(args.conversations)]
@@ -172,6 +174,7 @@ def run_workload(model, args, workload: str, caching: bool) -> dict:
             prompts = [h + _rng_tokens(rng, args.turn_len, vocab) for h in hist]
             seqs, t, w = _drive(llm, prompts, params)
             hist = [p + s.output_ids for p, s in zip(prompts, seqs)]
+            tokens += [list(s.output_ids) for s in seqs]
             ttft += t
             wall += w
             outs += sum(len(s.output_ids) for s in seqs)
@@ -187,7 +190,8 @@ def run_workload(model, args, workload: str, caching: bool) -> dict:
                 "ttft_p99_ms": _pct(ttft, 0.99) * 1e3,
                 "hit_rate": st.get("prefix_hit_rate", 0.0), "hit_tokens": st.get("prefix_hit_tokens", 0),
                 "prefill_tokens_computed": prompt_tokens - st.get("prefix_hit_tokens", 0),
-                "cached_blocks": st.get("prefix_cached_blocks", 0), "evictions": st.get("prefix_evictions", 0)})
+                "cached_blocks": st.get("prefix_cached_blocks", 0), "evictions": st.get("prefix_evictions", 0),
+                "output_ids": tokens})
     if caching:   # what a cached token costs in this engine (measured from its cache's layout)
         lay, ps = llm.layout, llm.prefix_store
         row["checkpoint_interval"] = ps.interval
@@ -214,6 +218,10 @@ def run(model, args, out: Path, desc: str) -> int:
         r = {x["caching"]: x for x in res["runs"] if x["workload"] == w}
         summ[f"{w}_ttft_off_over_on"] = r[False]["ttft_mean_ms"] / max(r[True]["ttft_mean_ms"], 1e-9)
         summ[f"{w}_throughput_on_over_off"] = r[True]["output_tokens_per_s"] / max(r[False]["output_tokens_per_s"], 1e-9)
+        # greedy outputs with caching on equal to off (exact up to rounding: a near-tie may flip
+        # in low precision; chat turns after a flip see different histories)
+        pairs = list(zip(r[False]["output_ids"], r[True]["output_ids"]))
+        summ[f"{w}_same_output_frac"] = sum(a == b for a, b in pairs) / max(1, len(pairs))
     res["summary"] = summ
     (out / "prefix.json").write_text(json.dumps(res, indent=1, default=str))
     print(f"model: {desc}; dtype {args.dtype}")
@@ -225,6 +233,6 @@ def run(model, args, out: Path, desc: str) -> int:
               f"{r['ttft_p50_ms']:>9.1f}{r['ttft_p99_ms']:>9.1f}{r['output_tokens_per_s']:>9.0f}{r['hit_rate']:>9.2f}"
               f"{r['prefill_tokens_computed']:>10}{(f'{bpt:.0f}' if bpt else '-'):>10}")
     for k, v in summ.items():
-        print(f"{k}: {v:.2f}x")
+        print(f"{k}: {v:.2f}" + ("" if k.endswith("_frac") else "x"))
     print(f"wrote {out / 'prefix.json'}")
     return 0

@@ -27,6 +27,8 @@ def test_bench_prefix_smoke(tmp_path, capsys):
     sp = runs[("shared-prefix", True)]
     assert sp["requests"] == 3 and sp["hit_tokens"] == 3 * 32 and sp["prompt_tokens"] == 3 * 46
     assert sp["hit_rate"] == pytest.approx(96 / (4 * 46))    # the cold first request is looked up too
+    # greedy outputs with caching on are those with caching off (fp32 on CPU)
+    assert res["summary"]["shared-prefix_same_output_frac"] == 1.0 and res["summary"]["chat_same_output_frac"] == 1.0
     mem = json.loads((tmp_path / "prefix_memory.json").read_text())
     assert [m["preset"] for m in mem] == ["2.7b", "nemotron-h-4b"]
     for m in mem:
