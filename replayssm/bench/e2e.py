@@ -32,10 +32,10 @@ from ..engine.config import SamplingParams, SpeculativeConfig
 from ..engine.llm import LLM
 from ..engine.loading import load
 from ..engine.speculative import Proposal, chain_parent
-from . import ttft
+from . import prefix, ttft
 from .common import free_memory, sync
 # hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE)
-from .hybrid_presets import HYBRID_PRESETS, TINY_OF, random_hybrid_dir
+from .hybrid_presets import HYBRID_PRESETS, TINY_OF, preset_config, random_hybrid_dir
 
 PRESETS = {
     # name: Mamba2Config kwargs (random weights)
@@ -48,6 +48,14 @@ PRESETS = {
     "2.7b": dict(vocab_size=50288, hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim=64,
                  state_size=128, n_groups=1, expand=2, conv_kernel=4),
 }
+
+
+def mamba2_preset_config(preset: str) -> dict:
+    """``config.json`` of the random-weight Mamba-2 of ``preset`` size."""
+    return dict(PRESETS[preset], model_type="mamba2", architectures=["Mamba2ForCausalLM"],
+                eos_token_id=None, tie_word_embeddings=False, time_step_limit=[0.0, float("inf")],
+                residual_in_fp32=True, use_bias=False, use_conv_bias=True, layer_norm_epsilon=1e-5,
+                chunk_size=256, hidden_act="silu")
 
 
 def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
@@ -63,10 +71,7 @@ def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
     """
     if preset in HYBRID_PRESETS:
         return random_hybrid_dir(preset, root, seed)
-    cfg = dict(PRESETS[preset], model_type="mamba2", architectures=["Mamba2ForCausalLM"],
-               eos_token_id=None, tie_word_embeddings=False, time_step_limit=[0.0, float("inf")],
-               residual_in_fp32=True, use_bias=False, use_conv_bias=True, layer_norm_epsilon=1e-5,
-               chunk_size=256, hidden_act="silu")
+    cfg = mamba2_preset_config(preset)
     g = torch.Generator().manual_seed(seed)
     H, hd, n, G, D = cfg["num_heads"], cfg["head_dim"], cfg["state_size"], cfg["n_groups"], cfg["hidden_size"]
     inter = H * hd
@@ -283,10 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-concurrency", action="store_true", help="skip section 3 (sequences in a memory budget)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N GPUs (loaded once, shared by every run)")
-    g = p.add_argument_group("workloads")
-    g.add_argument("--workload", default="decode", choices=["decode", "prefill"],
-                   help="decode: the sweeps above; prefill: time to first token and chunked prefill "
-                        "under load (replayssm.bench.ttft)")
+    g = p.add_argument_group("workloads (replayssm.bench.ttft, replayssm.bench.prefix)")
+    g.add_argument("--workload", default="decode",
+                   help="decode: the sweeps above; prefill: time to first token and chunked prefill under load; "
+                        "shared-prefix and/or chat (comma-separated): TTFT and throughput with prefix caching "
+                        "off vs on")
     g.add_argument("--workload-mode", default="replay", choices=["recurrent", "replay", "kv", "auto"],
                    help="workloads: decode mode")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
@@ -297,6 +303,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mixed-max-tokens", type=positive_int, default=256, help="... this many tokens each ...")
     g.add_argument("--mixed-prompts", type=int, default=4, help="... when this many long prompts arrive (0: skip)")
     g.add_argument("--mixed-len", type=positive_int, default=8192, help="... of this many tokens")
+    g.add_argument("--prefix-memory", action="store_true",
+                   help="print memory per cached token, ours vs state-per-block, for --memory-presets")
+    g.add_argument("--memory-presets", default="2.7b,nemotron-h-4b,qwen3-next-4b")
+    g.add_argument("--prefix-len", type=positive_int, default=4096, help="shared-prefix: system prompt tokens")
+    g.add_argument("--question-len", type=positive_int, default=64, help="shared-prefix: tokens per question")
+    g.add_argument("--num-questions", type=positive_int, default=64)
+    g.add_argument("--conversations", type=positive_int, default=16, help="chat: conversations")
+    g.add_argument("--turns", type=positive_int, default=4, help="chat: turns per conversation")
+    g.add_argument("--turn-len", type=positive_int, default=64, help="chat: tokens per user message")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64, help="prefix workloads: engine slots")
+    g.add_argument("--prefix-checkpoint-interval", type=positive_int, default=None)
     p.add_argument("--out", default="out/bench_e2e")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (< 30 s) for CI")
     p.add_argument("--no-plots", action="store_true")
@@ -312,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         args.max_tokens, args.prompt_len = 8, 16
         args.ttft_lens, args.ttft_batches, args.max_num_batched_tokens = "24,40", "1,3", 16
         args.mixed_decoders, args.mixed_max_tokens, args.mixed_prompts, args.mixed_len = 3, 12, 2, 40
+        args.prefix_len, args.question_len, args.num_questions = 40, 6, 4
+        args.conversations, args.turns, args.turn_len, args.max_num_seqs = 2, 2, 18, 4
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda":
         args.device = f"cuda:{torch.cuda.current_device()}"
@@ -322,16 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.workload == "prefill":
-        args.ttft_lens = [int(x) for x in args.ttft_lens.split(",") if x]
-        args.ttft_batches = [int(x) for x in args.ttft_batches.split(",") if x]
-        with tempfile.TemporaryDirectory() as tmp:
-            model, desc = _load_model(args, tmp)
-            if isinstance(model, str):
-                model = load(model, torch.device(args.device), getattr(torch, args.dtype), args.tensor_parallel_size)[0]
-            rc = ttft.run(LLM, model, args, out, desc)
-            if args.tensor_parallel_size > 1:
-                model.close()
-        return rc
+        return _prefill_main(args, out)
+    if args.prefix_memory or args.workload != "decode":
+        return _prefix_main(args, out)
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     spec_batches = [int(b) for b in args.spec_batch_sizes.split(",") if b]
     modes = [m for m in args.modes.split(",") if m]
@@ -438,6 +450,48 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k}: {v:.2f}x")
     print(f"wrote {out / 'e2e.json'}" + (f" and {len(files)} plots" if files else "") + f" in {res['elapsed_s']:.1f}s")
     return 0
+
+
+def _prefix_main(args, out: Path) -> int:
+    """``--prefix-memory`` and the prefix-caching workloads (:mod:`replayssm.bench.prefix`)."""
+    if args.prefix_memory:
+        rows = [prefix.memory_per_token(p, mamba2_preset_config(p) if p in PRESETS else preset_config(p), "bfloat16",
+                                        16, args.prefix_checkpoint_interval)
+                for p in args.memory_presets.split(",") if p]
+        (out / "prefix_memory.json").write_text(json.dumps(rows, indent=1, default=str))
+        prefix.print_memory(rows)
+        if args.workload == "decode":
+            return 0
+    bad = [w for w in args.workload.split(",") if w not in ("shared-prefix", "chat")]
+    if bad:
+        print(f"replayssm bench e2e: error: unknown --workload {bad[0]!r} (decode, prefill, shared-prefix, chat)",
+              file=sys.stderr)
+        return 2
+    if args.max_seq_len is None:
+        need = max(args.prefix_len + args.question_len, args.turns * (args.turn_len + args.max_tokens)) \
+            + args.max_tokens + 16
+        args.max_seq_len = -(-need // 64) * 64
+    return _with_model(args, lambda model, desc: prefix.run(model, args, out, desc))
+
+
+def _prefill_main(args, out: Path) -> int:
+    """``--workload prefill`` (:mod:`replayssm.bench.ttft`)."""
+    args.ttft_lens = [int(x) for x in args.ttft_lens.split(",") if x]
+    args.ttft_batches = [int(x) for x in args.ttft_batches.split(",") if x]
+    return _with_model(args, lambda model, desc: ttft.run(model, args, out, desc))
+
+
+def _with_model(args, fn) -> int:
+    """Load ``--model`` / the random ``--preset`` once and run ``fn(model, description)``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model, desc = _load_model(args, tmp)
+        if isinstance(model, str):
+            model = load(model, torch.device(args.device), getattr(torch, args.dtype), args.tensor_parallel_size)[0]
+        try:
+            return fn(model, desc)
+        finally:
+            if args.tensor_parallel_size > 1:
+                model.close()   # stops the workers
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..engine.config import SamplingParams
+from ..engine.llm import LLM
 from .common import free_memory, sync
 
 
@@ -77,7 +78,7 @@ def _max_gap(r: dict) -> float:
     return max((b - a for a, b in zip(t, t[1:])), default=0.0)
 
 
-def run_ttft(LLM, model, args) -> list[dict]:
+def run_ttft(model, args) -> list[dict]:
     """Section 1: TTFT for every (prompt length, batch)."""
     vocab = int(model.config.vocab_size)
     rows = []
@@ -102,7 +103,7 @@ def run_ttft(LLM, model, args) -> list[dict]:
     return rows
 
 
-def run_mixed(LLM, model, args) -> list[dict]:
+def run_mixed(model, args) -> list[dict]:
     """Section 2: long prompts arriving while others decode, chunked prefill on vs off."""
     vocab = int(model.config.vocab_size)
     D, N, P = args.mixed_decoders, args.mixed_prompts, args.mixed_len
@@ -138,12 +139,12 @@ def run_mixed(LLM, model, args) -> list[dict]:
     return rows
 
 
-def run(LLM, model, args, out: Path, desc: str) -> int:
+def run(model, args, out: Path, desc: str) -> int:
     """Both sections; writes ``prefill.json`` (and ``prefill_ttft.png``) into ``out``."""
     res = {"config": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "model_desc": desc,
            "device_name": torch.cuda.get_device_name() if str(args.device).startswith("cuda") else "cpu"}
-    res["ttft"] = run_ttft(LLM, model, args)
-    res["mixed"] = run_mixed(LLM, model, args) if args.mixed_prompts else []
+    res["ttft"] = run_ttft(model, args)
+    res["mixed"] = run_mixed(model, args) if args.mixed_prompts else []
     (out / "prefill.json").write_text(json.dumps(res, indent=1, default=str))
     if not args.no_plots:
         try:

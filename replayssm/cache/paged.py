@@ -10,6 +10,11 @@ entry ``j`` of a slot sits at pool index ``block_table[slot, j // bs] * bs + j %
 * Block 0 is the reserved *null block*: unused ``block_table`` entries point at it, so a
   gather over a full row never goes out of range, and padding rows (the null slot 0) write
   their garbage there.  Usable blocks are ``1 .. num_blocks-1``.
+* Blocks are reference counted (prefix caching shares attention blocks between sequences
+  and the engine's prefix index): :meth:`PagedIndex.reserve` hands out blocks with one
+  reference, :meth:`PagedIndex.share` lets an empty slot start with blocks others hold,
+  :meth:`PagedIndex.retain` / :meth:`PagedIndex.drop` take and give back references from
+  outside any slot, and a block returns to the free list when its last reference goes.
 * ``length[slot]`` counts committed entries.  A step appends ``T`` tentative entries at
   ``length .. length+T-1`` (:func:`write_kv_new`); :meth:`PagedIndex.commit` keeps the
   accepted ones (a pointer move).  For trees, :func:`gather_path` first moves the accepted
@@ -188,6 +193,7 @@ class PagedIndex:
         # host side: free list (pop from the end -> low block ids first) and blocks per slot
         self._free: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))
         self._blocks: list[list[int]] = [[] for _ in range(P)]
+        self._ref: list[int] = [0] * num_blocks     # holders of each block (slots + retains)
 
     # ------------------------------------------------------------------ host bookkeeping
     @property
@@ -262,20 +268,74 @@ class PagedIndex:
                 f"{len(self._free)} of {self.num_blocks - 1} are free"
             )
         new = [self._free.pop() for _ in range(extra)]
+        for b in new:
+            self._ref[b] = 1
         self._blocks[slot].extend(new)
         self.block_table[slot, have:need] = torch.tensor(new, dtype=torch.long,
                                                          device=self.device)
 
     def release(self, slot: int) -> None:
-        """Return ``slot``'s blocks to the pool and empty it (length 0, table -> null block)."""
+        """Drop ``slot``'s references to its blocks and empty it (length 0, table -> null
+        block); blocks nobody else holds return to the pool."""
         slot = self._check_slot(slot)
         if slot == NULL_SLOT:
             return
         blocks = self._blocks[slot]
-        self._free.extend(reversed(blocks))
+        self._unref(reversed(blocks))
         self._blocks[slot] = []
         self.block_table[slot] = NULL_BLOCK
         self.length[slot] = 0
+
+    # ------------------------------------------------------------------ shared blocks
+    def refcount(self, block: int) -> int:
+        """Holders of ``block`` (slots whose table lists it, plus :meth:`retain` calls)."""
+        return self._ref[self._check_block(block)]
+
+    def _check_block(self, block) -> int:
+        if not isinstance(block, int) or isinstance(block, bool) or not NULL_BLOCK < block < self.num_blocks:
+            raise ValueError(f"block must be an int in [1, {self.num_blocks - 1}], got {block!r}")
+        return block
+
+    def _check_held(self, blocks) -> list[int]:
+        out = [self._check_block(b) for b in blocks]
+        for b in out:
+            if self._ref[b] <= 0:
+                raise ValueError(f"block {b} is free: only held blocks can be shared or retained")
+        return out
+
+    def _unref(self, blocks) -> None:
+        for b in blocks:
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free.append(b)
+
+    def share(self, slot: int, blocks: list[int]) -> None:
+        """Start the empty ``slot`` with ``blocks`` (held elsewhere) as its first logical
+        blocks: one more reference each; nothing is copied.  A shared block must not be
+        written while others hold it (the caller copies a block it will write into)."""
+        slot = self._check_slot(slot)
+        if slot == NULL_SLOT:
+            raise ValueError("cannot share blocks into the null slot 0")
+        if self._blocks[slot]:
+            raise ValueError(f"slot {slot} already holds {len(self._blocks[slot])} blocks; share into an empty slot")
+        blocks = self._check_held(list(blocks))
+        if len(blocks) > self.max_blocks:
+            raise ValueError(f"{len(blocks)} blocks exceed max_blocks_per_seq={self.max_blocks}")
+        for b in blocks:
+            self._ref[b] += 1
+        self._blocks[slot] = list(blocks)
+        if blocks:
+            self.block_table[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.long, device=self.device)
+
+    def retain(self, blocks: list[int]) -> None:
+        """Take one reference on each of ``blocks`` (held ones) from outside any slot."""
+        for b in self._check_held(list(blocks)):
+            self._ref[b] += 1
+
+    def drop(self, blocks: list[int]) -> None:
+        """Give back references taken with :meth:`retain`; blocks nobody holds are freed."""
+        blocks = self._check_held(list(blocks))
+        self._unref(blocks)
 
     # ------------------------------------------------------------------ steps
     def _check_slots(self, slots: Tensor) -> Tensor:

@@ -89,6 +89,28 @@ class ShardedCache(_Proxy):
     def fork(self, src: int, dst) -> None:
         self._call("fork", int(src), _slot_list(dst))
 
+    # prefix caching (replayssm.models.prefix): ids come from rank 0's prefix index
+    def prefix_assign(self, slot: int, pairs) -> None:
+        self._call("prefix_assign", int(slot), [(int(k), int(b)) for k, b in pairs])
+
+    def prefix_copy(self, src: int, dst: int, count: int) -> None:
+        self._call("prefix_copy", int(src), int(dst), int(count))
+
+    def prefix_checkpoint(self, row: int, slot: int | None = None, chain=(), start: int = 0, stop: int = 0,
+                          base: int | None = None) -> None:
+        self._call("prefix_checkpoint", int(row), None if slot is None else int(slot), [int(b) for b in chain],
+                   int(start), int(stop), None if base is None else int(base))
+
+    def load_prefix(self, slot: int, length: int, chain, attn=(), checkpoint=None) -> None:
+        ck = None if checkpoint is None else (int(checkpoint[0]), int(checkpoint[1]))
+        self._call("load_prefix", int(slot), int(length), [int(b) for b in chain], [int(b) for b in attn], ck)
+
+    def prefix_retain_attn(self, blocks) -> None:
+        self._call("prefix_retain_attn", [int(b) for b in blocks])
+
+    def prefix_drop_attn(self, blocks) -> None:
+        self._call("prefix_drop_attn", [int(b) for b in blocks])
+
 
 class ShardedRunner(_Proxy):
     """A ``ModelRunner`` over all ranks; each rank's runner captures and replays its own
@@ -159,13 +181,15 @@ class TensorParallelModel(_Proxy):
     # -- objects on every rank ------------------------------------------------------------------
     def make_cache(self, num_slots: int, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
                    max_seq_len: int = 2048, kv_block_size: int = 16, kv_num_blocks: int | None = None,
-                   device=None, poison: bool = False, attn_num_blocks: int | None = None) -> ShardedCache:
+                   device=None, poison: bool = False, attn_num_blocks: int | None = None,
+                   prefix_blocks: int | None = None, prefix_checkpoints: int | None = None) -> ShardedCache:
         if device is not None and canonical_device(device) != self.device:
             raise ValueError(f"cache device {device} differs from rank 0's {self.device}")
         h = self._group.new_handle()
         kw = dict(mode=mode, buffer_size=buffer_size, max_new=max_new, max_seq_len=max_seq_len,
                   kv_block_size=kv_block_size, kv_num_blocks=kv_num_blocks, poison=poison,
-                  attn_num_blocks=attn_num_blocks)
+                  attn_num_blocks=attn_num_blocks, prefix_blocks=prefix_blocks,
+                  prefix_checkpoints=prefix_checkpoints)
         local = self._group.call(self._tp_handle, "make_cache", self.local.make_cache, (num_slots,), kw, result=h)
         return ShardedCache(self._group, h, local)
 

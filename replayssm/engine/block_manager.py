@@ -10,7 +10,12 @@ One :class:`BlockManager` owns every host-side allocation decision of the engine
   (:class:`~replayssm.engine.memory.MemoryModel`, from the caches' measured layouts) — or of
   fewer, with a token cap, when only that fits;
 * the **blocks** themselves, reserved before each step for the entries it appends
-  (``cache.reserve``; the cache picks the pools the slot uses).
+  (``cache.reserve``; the cache picks the pools the slot uses);
+* with prefix caching (``prefix``, a :class:`~replayssm.engine.prefix_cache.PrefixCache`),
+  the prefix store holds its own share of the budget (``prefix_bytes``: store blocks,
+  checkpoints and the attention blocks it caches); a request whose prompt starts with a
+  cached prefix reserves the attention blocks it shares no more, and its own attention
+  blocks that become cached move from its reservation to the store's share.
 
 Everything here runs between model calls; a step itself reads only device data.
 """
@@ -31,15 +36,20 @@ class Admission:
 
     need: int
     cap: int
+    match: object = None   # prefix-cache hit (engine.prefix_cache.Match) of a request's first sample
 
 
 class BlockManager:
-    def __init__(self, cache, memory: MemoryModel, budget: int | None, num_slots: int, max_seq_len: int):
+    def __init__(self, cache, memory: MemoryModel, budget: int | None, num_slots: int, max_seq_len: int,
+                 prefix=None, prefix_bytes: int = 0):
         self.cache, self.memory, self.budget = cache, memory, budget
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.free_slots = list(range(num_slots, 0, -1))   # slots 1..num_slots (0 is null)
         self.reserved = 0
         self.uses_pages = cache.uses_pages
+        self.prefix, self.prefix_bytes = prefix, prefix_bytes
+        if prefix is not None:
+            prefix.on_transfer = self._cached_blocks
 
     # -- admission ---------------------------------------------------------------------------
     @property
@@ -50,7 +60,9 @@ class BlockManager:
     @property
     def pool_bytes(self) -> int | None:
         """Budget left for the block pools once every slot's fixed part is allocated."""
-        return None if self.budget is None else self.budget - self.num_slots * self.memory.fixed
+        if self.budget is None:
+            return None
+        return self.budget - self.num_slots * self.memory.fixed - self.prefix_bytes
 
     def plan(self, seq: Sequence) -> Admission | str:
         """What admitting ``seq`` takes (its block bytes), or why it can never fit (a message)."""
@@ -59,19 +71,21 @@ class BlockManager:
         if n_prompt + 1 > self.token_limit:
             return (f"prompt of {n_prompt} tokens does not fit max_seq_len={self.max_seq_len} "
                     f"(needs {n_prompt + 1 + T} with one verify window)")
+        match = self.prefix.match(seq) if self.prefix is not None and seq.index == 0 else None
+        shared = len(match.full) * self.memory.attn_block_bytes if match is not None else 0   # cached blocks
         want = min(n_prompt + seq.params.max_tokens, self.token_limit)
-        need = self.memory.dynamic(want + T)
+        need = self.memory.dynamic(want + T) - shared
         pool = self.pool_bytes
         if pool is None or need <= pool:
-            return Admission(need, want)
-        prompt_need = self.memory.dynamic(n_prompt + 1 + T)
+            return Admission(need, want, match)
+        prompt_need = self.memory.dynamic(n_prompt + 1 + T) - shared
         if prompt_need > pool:
             return (f"prompt of {n_prompt} tokens needs {fmt_bytes(prompt_need)} of KV blocks, more than the "
                     f"{fmt_bytes(pool)} the memory budget of {fmt_bytes(self.budget)} leaves after "
                     f"{self.num_slots} slots")
         bs = self.memory.block_size
-        cap = pool // (bs * self.memory.per_token) * bs - T     # the most tokens whole blocks hold
-        return Admission(self.memory.dynamic(cap + T), int(min(cap, want)))
+        cap = (pool + shared) // (bs * self.memory.per_token) * bs - T     # the most tokens whole blocks hold
+        return Admission(self.memory.dynamic(cap + T) - shared, int(min(cap, want)), match)
 
     def can_allocate(self, adm: Admission) -> bool:
         pool = self.pool_bytes
@@ -83,9 +97,20 @@ class BlockManager:
         seq.reserved_bytes = adm.need
         seq.token_cap = adm.cap
         self.reserved += adm.need
+        if adm.match is not None:
+            self.prefix.admit(seq, adm.match)
+
+    def _cached_blocks(self, seq: Sequence, blocks: int) -> None:
+        """``blocks`` of ``seq``'s own attention blocks became cached: their bytes leave its
+        reservation (the prefix store's share holds them now)."""
+        b = min(seq.reserved_bytes, blocks * self.memory.attn_block_bytes)
+        seq.reserved_bytes -= b
+        self.reserved -= b
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s slot (cache rows reset, KV blocks returned) and its bytes."""
+        if self.prefix is not None:
+            self.prefix.finish(seq)
         if seq.slot is not None:
             self.cache.release(torch.tensor([seq.slot], dtype=torch.long, device=self.cache.device))
             self.free_slots.append(seq.slot)

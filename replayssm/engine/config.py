@@ -274,6 +274,11 @@ class EngineConfig:
     cuda_graphs: bool = False
     seed: int = 0
     max_num_batched_tokens: int = 8192   # tokens per step: decodes + prompt chunks (chunked prefill)
+    # prefix caching (replayssm.engine.prefix_cache): token-granular, exact
+    enable_prefix_caching: bool = False
+    prefix_checkpoint_interval: int | None = None   # tokens between checkpoints (multiple of kv_block_size)
+    prefix_cache_fraction: float = 0.25             # share of memory_budget for the prefix store
+    prefix_cache_blocks: int | None = None          # store blocks (overrides the fraction)
 
     def __post_init__(self):
         if self.decode_mode not in DECODE_MODES:
@@ -291,6 +296,18 @@ class EngineConfig:
             _int("memory_budget", self.memory_budget, 1)
         if self.auto_threshold is not None:
             _int("auto_threshold", self.auto_threshold, 1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if self.prefix_checkpoint_interval is not None:
+            _int("prefix_checkpoint_interval", self.prefix_checkpoint_interval, 1)
+            if self.prefix_checkpoint_interval % self.kv_block_size:
+                raise ValueError(f"prefix_checkpoint_interval {self.prefix_checkpoint_interval} must be a multiple of "
+                                 f"kv_block_size {self.kv_block_size} (checkpoints sit at block ends)")
+        self.prefix_cache_fraction = _float("prefix_cache_fraction", self.prefix_cache_fraction)
+        if not 0.0 < self.prefix_cache_fraction < 1.0:
+            raise ValueError(f"prefix_cache_fraction must be in (0, 1), got {self.prefix_cache_fraction}")
+        if self.prefix_cache_blocks is not None:
+            _int("prefix_cache_blocks", self.prefix_cache_blocks, 1)
         if self.speculative is not None:
             if isinstance(self.speculative, dict):
                 self.speculative = SpeculativeConfig(**self.speculative)

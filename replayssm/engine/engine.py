@@ -16,6 +16,7 @@ memory budget.  ``decode_mode="auto"`` keeps a request KV-only until its context
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 import warnings
 
@@ -33,6 +34,7 @@ from .loading import is_model, load, parse_dtype
 from .memory import MemoryModel, auto_kv_blocks, default_auto_threshold, fmt_bytes, memory_model
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, request_output
+from .prefix_cache import PrefixCache, plan_store
 from .sampler import Sampler, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -58,6 +60,10 @@ class LLMEngine:
     on ``cuda:<index + r>``, or CPU over gloo; :mod:`replayssm.distributed`); the engine
     starts the workers and :meth:`close` stops them.  A model loaded with
     ``TensorParallelGroup.load_model`` brings its own group.  Budgets are per rank.
+    ``enable_prefix_caching``: reuse cached prompt prefixes, resumed exactly at any token
+    (:mod:`replayssm.engine.prefix_cache`): checkpoints every ``prefix_checkpoint_interval``
+    tokens (default from the cache's sizes), a store of ``prefix_cache_blocks`` blocks or
+    ``prefix_cache_fraction`` of the memory budget; counters in :meth:`prefix_stats`.
 
     Not thread-safe: one thread (an event loop's engine task) calls ``add_request``,
     ``abort`` and ``step``.
@@ -69,12 +75,16 @@ class LLMEngine:
                  kv_block_size: int = 16, auto_threshold: int | None = None, cuda_graphs: bool = False,
                  seed: int = 0, tokenizer=None, pad_batches: bool = False,
                  max_num_batched_tokens: int = 8192, gpu_memory_utilization: float | None = 0.8,
-                 tensor_parallel_size: int | None = None):
+                 tensor_parallel_size: int | None = None, enable_prefix_caching: bool = False,
+                 prefix_checkpoint_interval: int | None = None, prefix_cache_fraction: float = 0.25,
+                 prefix_cache_blocks: int | None = None):
         self.config = ec = EngineConfig(
             decode_mode=decode_mode, buffer_size=buffer_size, max_num_seqs=max_num_seqs,
             memory_budget=memory_budget, max_seq_len=max_seq_len, kv_block_size=kv_block_size,
             auto_threshold=auto_threshold, speculative=speculative, cuda_graphs=cuda_graphs, seed=seed,
-            max_num_batched_tokens=max_num_batched_tokens)
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            prefix_checkpoint_interval=prefix_checkpoint_interval, prefix_cache_fraction=prefix_cache_fraction,
+            prefix_cache_blocks=prefix_cache_blocks)
         # validated, as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu")
         self.device = check_device(device)
         self.dtype = parse_dtype(dtype)
@@ -116,13 +126,20 @@ class LLMEngine:
             # like vLLM's gpu_memory_utilization: caches may take this share of the free memory
             free, _ = torch.cuda.mem_get_info(self.device)
             ec.memory_budget = int(free * gpu_memory_utilization)
+        self.prefix_store = self._plan_prefix_store()   # None without prefix caching
+        store_bytes = self.prefix_store.bytes if self.prefix_store is not None else 0
+        self._budget = None if ec.memory_budget is None else ec.memory_budget - store_bytes  # slots + pools
         self.num_slots = self._plan_slots()
         kv_blocks, attn_blocks = self._plan_pools()
+        ps = self.prefix_store
+        store_own = store_bytes - (ps.blocks * self.layout.attn_block_bytes if ps is not None else 0)  # (attn: in the pool)
         check_cache_fits(cache_bytes(self.layout, draft_layout, self.num_slots, ec.max_seq_len, kv_blocks,
-                                     attn_blocks), self.device, self.num_slots, ec.max_seq_len)
+                                     attn_blocks) + store_own, self.device, self.num_slots, ec.max_seq_len)
+        prefix_kw = {} if ps is None else dict(prefix_blocks=ps.blocks, prefix_checkpoints=ps.checkpoints)
         self.cache = self.model.make_cache(self.num_slots + 1, mode=ec.cache_mode, buffer_size=ec.buffer_size,
                                            max_new=T, max_seq_len=ec.max_seq_len, kv_block_size=ec.kv_block_size,
-                                           kv_num_blocks=kv_blocks, device=self.device, attn_num_blocks=attn_blocks)
+                                           kv_num_blocks=kv_blocks, device=self.device, attn_num_blocks=attn_blocks,
+                                           **prefix_kw)
         make_runner = getattr(self.model, "make_runner", None)   # a tensor-parallel model runs every rank
         if make_runner is not None:
             self.runner = make_runner(self.cache, self.num_slots, cuda_graphs=cuda_graphs, pad_batches=pad_batches,
@@ -131,10 +148,13 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.cache, self.device, self.num_slots, cuda_graphs=cuda_graphs,
                                       pad_batches=pad_batches)
         self.sampler = Sampler(self.device, seed, num_slots=self.num_slots + 1, vocab_size=self.vocab_size)
-        self.blocks = BlockManager(self.cache, self.memory, ec.memory_budget, self.num_slots, ec.max_seq_len)
+        self.stats = {"steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "generated": 0}
+        self.prefix_cache = None if ps is None else PrefixCache(
+            self.cache, ec.kv_block_size, ps.blocks, ps.checkpoints, ps.interval, stats=self.stats)
+        self.blocks = BlockManager(self.cache, self.memory, ec.memory_budget, self.num_slots, ec.max_seq_len,
+                                   prefix=self.prefix_cache, prefix_bytes=store_bytes)
         self.scheduler = Scheduler(self.blocks, ec.max_num_batched_tokens)
         self.drafter = self._make_drafter(sp, self.num_slots, T)
-        self.stats = {"steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "generated": 0}
         self._requests: dict = {}            # unfinished requests by id (abort, outputs)
         self._tree_needs_state = False
         self.capture_s = 0.0
@@ -164,16 +184,31 @@ class LLMEngine:
         self.close()
 
     # -- construction helpers -----------------------------------------------------------
+    def _plan_prefix_store(self):
+        """Size of the prefix store (:func:`~replayssm.engine.prefix_cache.plan_store`), or None
+        without prefix caching.  Its per-slot bookkeeping joins each slot's fixed part."""
+        ec = self.config
+        if not ec.enable_prefix_caching:
+            return None
+        if "prefix_blocks" not in inspect.signature(self.model.make_cache).parameters or \
+                not getattr(self.layout, "prefix_block_bytes", 0):
+            raise ValueError(f"enable_prefix_caching=True needs a model whose cache has a prefix store "
+                             f"(replayssm.models with SSM layers); {type(self.model).__name__} has none")
+        self.memory.fixed += self.layout.prefix_slot_bytes
+        return plan_store(self.layout, budget=ec.memory_budget, fraction=ec.prefix_cache_fraction,
+                          blocks=ec.prefix_cache_blocks, interval=ec.prefix_checkpoint_interval,
+                          num_slots=ec.max_num_seqs, max_seq_len=ec.max_seq_len)
+
     def _plan_slots(self) -> int:
         """Concurrent sequences: ``max_num_seqs``, or fewer when the budget's fixed part
         (one sequence with one verify window) says so."""
         ec, need = self.config, self.memory.need(self.config.max_new + 1)
-        if ec.memory_budget is None:
+        if self._budget is None:
             return ec.max_num_seqs
-        fit = ec.memory_budget // max(1, need)
+        fit = self._budget // max(1, need)
         if fit < 1:
             raise ValueError(f"memory_budget {fmt_bytes(ec.memory_budget)} is smaller than one sequence "
-                             f"({fmt_bytes(need)})")
+                             f"({fmt_bytes(need)})" + (" plus the prefix store" if self.prefix_store else ""))
         return int(min(ec.max_num_seqs, fit))
 
     def _plan_pools(self) -> tuple[int | None, int | None]:
@@ -185,14 +220,17 @@ class LLMEngine:
         kv = attn = None
         if ec.decode_mode == "auto":
             kv = self.num_slots * auto_kv_blocks(self.auto_threshold, ec.max_new, ec.kv_block_size)
-        if ec.memory_budget is None:
-            return kv, None
-        per_block = (mem.kv_block_bytes if ec.decode_mode == "kv" else 0) + mem.attn_block_bytes
-        if per_block:
-            static = self.num_slots * -(-ec.max_seq_len // ec.kv_block_size)
-            n = int(max(1, min(static, (ec.memory_budget - self.num_slots * mem.fixed) // per_block)))
-            kv = n if ec.decode_mode == "kv" else kv
-            attn = n if mem.attn_block_bytes else None
+        static = self.num_slots * -(-ec.max_seq_len // ec.kv_block_size)
+        if self._budget is not None:
+            per_block = (mem.kv_block_bytes if ec.decode_mode == "kv" else 0) + mem.attn_block_bytes
+            if per_block:
+                n = int(max(1, min(static, (self._budget - self.num_slots * mem.fixed) // per_block)))
+                kv = n if ec.decode_mode == "kv" else kv
+                attn = n if mem.attn_block_bytes else None
+        if self.prefix_store is not None and mem.attn_block_bytes:
+            # shared attention blocks: a finite pool (blocks drawn as contexts grow) plus the
+            # blocks the prefix store may hold
+            attn = (static if attn is None else attn) + self.prefix_store.blocks
         return kv, attn
 
     def _spec_shapes(self) -> list[tuple[int, bool]]:
@@ -288,9 +326,14 @@ class LLMEngine:
     def occupancy(self) -> dict:
         """Running / waiting requests, free and total slots, free KV-only blocks (-1: none)."""
         pidx = getattr(self.cache, "pidx", None)
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "free_slots": len(self.blocks.free_slots), "total_slots": self.num_slots,
-                "free_kv_blocks": pidx.free_blocks if pidx is not None else -1}
+        occ = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+               "free_slots": len(self.blocks.free_slots), "total_slots": self.num_slots,
+               "free_kv_blocks": pidx.free_blocks if pidx is not None else -1}
+        return {**occ, **self.prefix_stats()}
+
+    def prefix_stats(self) -> dict:
+        """Prefix-cache counters and hit rate (:meth:`PrefixCache.snapshot`); empty when off."""
+        return {} if self.prefix_cache is None else self.prefix_cache.snapshot()
 
     def recover(self) -> None:
         """After a step raised half-way: forget the verify that will never be committed
@@ -370,8 +413,10 @@ class LLMEngine:
         if self.config.decode_mode == "auto":
             # prompts already past the threshold skip the KV-only form: an empty slot switched
             # to a (zero) state prefills straight into it; each form prefills in its own call
-            self.blocks.switch_to_state([s for s, _ in chunks
-                                         if s.num_prefilled == 0 and s.num_prompt_tokens >= self.auto_threshold])
+            self.blocks.switch_to_state([s for s, _ in chunks if s.num_prompt_tokens >= self.auto_threshold and (
+                s.num_prefilled == 0 or (s.prefix is not None and s.prefix.load is not None))])
+        if self.prefix_cache is not None:
+            chunks = self._prefix_before(chunks)
         fits = set(id(s) for s in self.blocks.reserve([(s, s.num_prefilled + n) for s, n in chunks]))
         chunks = [(s, n) for s, n in chunks if id(s) in fits]
         groups = [chunks]
@@ -386,6 +431,8 @@ class LLMEngine:
             for (s, n), row in zip(g, lg):
                 s.num_prefilled += n
                 s.mode = self.cache.mode_of(s.slot)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.after_prefill(s)
                 if not s.prefilling:
                     logits.append(row)
                     order.append(s)
@@ -413,6 +460,23 @@ class LLMEngine:
         for s in order:
             s.num_steps += 1
         return [(s, [t], None if lps is None else [lps[b]]) for b, (s, t) in enumerate(zip(order, toks.tolist()))]
+
+    def _prefix_before(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Resume prefix-cache hits (before a sequence's first chunk) and mark the prompt
+        blocks this step's chunks capture.  A hit that cannot be loaded (a pool ran dry)
+        ends that request with an error; the others go on."""
+        ok = []
+        for s, n in chunks:
+            if s.prefix is not None and s.prefix.load is not None:
+                try:
+                    self.prefix_cache.load(s)
+                except (RuntimeError, ValueError) as e:
+                    s.error, s.finish_reason = f"prefix cache: resuming the cached prefix failed: {e}", "error"
+                    continue
+                s.mode = self.cache.mode_of(s.slot)
+            self.prefix_cache.before_prefill(s, n)
+            ok.append((s, n))
+        return ok
 
     def _decode(self, seqs: list[Sequence], reserve: bool = True) -> list[Step]:
         if reserve:

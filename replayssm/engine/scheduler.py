@@ -76,7 +76,7 @@ class Scheduler:
             if s.index > 0 and s.num_prefilled == 0:   # waits for its first sample's prefill
                 batch.prefill.append((s, 0))
                 continue
-            n = min(s.num_prompt_tokens - s.num_prefilled, left)
+            n = self._chunk(s, left)
             if n > 0:
                 batch.prefill.append((s, n))
                 left -= n
@@ -99,12 +99,19 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.allocate(seq, adm)
             seq.status = SequenceStatus.RUNNING
-            n = 0 if shared else min(seq.num_prompt_tokens, left)
+            n = 0 if shared else self._chunk(seq, left)   # (a prefix-cache hit starts past 0)
             left -= n
             batch.prefill.append((seq, n))
             self.running.append(seq)
         self.peak_running = max(self.peak_running, len(self.running))
         return batch
+
+    def _chunk(self, seq: Sequence, left: int) -> int:
+        """Prompt tokens of ``seq`` to prefill this step (with prefix caching, a chunk the
+        budget cuts short ends on a checkpoint boundary: ``PrefixCache.align``)."""
+        n = min(seq.num_prompt_tokens - seq.num_prefilled, left)
+        prefix = self.blocks.prefix
+        return prefix.align(seq, n) if prefix is not None and n > 0 else n
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (finished, aborted or failed): free its slot, blocks and bytes."""

@@ -51,6 +51,7 @@ class Sequence:
         # draft-model drafters: tokens of all_ids already in the draft model's cache
         self.draft_cached = 0
         self.num_prefilled = 0              # prompt tokens in the cache (chunked prefill)
+        self.prefix = None                  # its part in the prefix cache (engine.prefix_cache.SeqPrefix)
         # n samples of one request: the group shares a prompt (one prefill, then a cache fork)
         self.group_id = self.request_id     # the request's id (samples: the first one's)
         self.index = 0                      # sample index within the group

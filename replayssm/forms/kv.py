@@ -46,7 +46,11 @@ class KVForm(DecodeForm):
         """The packed rows, padded back to ``[B, T]`` (padding leaves no trace: ``Δ = 0`` /
         ``g = β = 0``), appended to each slot's pages after its held entries."""
         a = layer.mask_padding({k: ctx.unpack(v) for k, v in a.items()}, ctx.valid)
-        return ctx.pack(self._all(layer, a, ctx, store))
+        y = ctx.pack(self._all(layer, a, ctx, store))
+        if ctx.prefix_rows is not None:   # prefix caching: the entries just written to the pages
+            pos = ctx.pplan.new_positions()
+            layer.capture(ctx, [ctx.pack(t[pos])[0] for t in store["kv"].tensors()], ctx.pplan.slot)
+        return y
 
     def tree(self, layer, a, ctx, store) -> Tensor:
         """Each node's recurrence along its root path from the state the row's held entries

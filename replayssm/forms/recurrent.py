@@ -23,10 +23,13 @@ class RecurrentForm(DecodeForm):
     def prefill(self, layer, a, ctx, store) -> Tensor:
         """Packed chunked scan from each slot's state (zeros when fresh), final state written
         back in place (the pool form of ``chunked_prefill_varlen``)."""
-        y, _ = layer.op("chunked_prefill_varlen", a=a, packed=True, cu_seqlens=ctx.cu_seqlens,
-                        state_pool=store["buf"].state, slots=ctx.state_slots, fresh=ctx.fresh,
-                        chunk_size=layer.chunk_size)
-        return y[None]
+        kw = layer.entry_kwargs() if ctx.prefix_rows is not None else {}
+        out = layer.op("chunked_prefill_varlen", a=a, packed=True, cu_seqlens=ctx.cu_seqlens,
+                       state_pool=store["buf"].state, slots=ctx.state_slots, fresh=ctx.fresh,
+                       chunk_size=layer.chunk_size, **kw)
+        if ctx.prefix_rows is not None:   # prefix caching: every token's ring entry
+            layer.capture(ctx, layer.prefill_entries(a, out), ctx.state_slots)
+        return out[0][None]
 
     def decode(self, layer, a, ctx, store) -> Tensor:
         return layer.op("recurrent_update", store["buf"].state, a=a, t0=True, slot=ctx.state_slots)[:, None]

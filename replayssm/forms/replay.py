@@ -33,10 +33,13 @@ class ReplayForm(DecodeForm):
         buf = store["buf"]
         init = layer.rebuild_state(buf, ctx.plan)
         init = torch.where(ctx.fresh.view(-1, 1, 1, 1), torch.zeros_like(init), init).to(buf.state.dtype)
-        y, S = layer.op("chunked_prefill_varlen", a=a, packed=True, cu_seqlens=ctx.cu_seqlens, initial_state=init,
-                        chunk_size=layer.chunk_size)
-        buf.state[ctx.state_slots] = S.to(buf.state.dtype)
-        return y[None]
+        kw = layer.entry_kwargs() if ctx.prefix_rows is not None else {}
+        out = layer.op("chunked_prefill_varlen", a=a, packed=True, cu_seqlens=ctx.cu_seqlens, initial_state=init,
+                       chunk_size=layer.chunk_size, **kw)
+        buf.state[ctx.state_slots] = out[1].to(buf.state.dtype)
+        if ctx.prefix_rows is not None:   # prefix caching: every token's ring entry
+            layer.capture(ctx, layer.prefill_entries(a, out), ctx.state_slots)
+        return out[0][None]
 
     def decode(self, layer, a, ctx, store) -> Tensor:
         return layer.op("replay_decode", store["buf"], ctx.plan, a=a, t0=True)[:, None]

@@ -71,9 +71,9 @@ ROUTED = {
 #: ops (and helpers) that run the reference on every device, per family
 REFERENCE_ONLY = {
     "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
-               "kv_tree_verify"),
+               "kv_tree_verify", "kv_fold"),
     "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
-            "kv_tree_verify"),
+            "kv_tree_verify", "kv_fold"),
     "conv": ("conv_prefill", "conv_tree", "conv_commit_tree"),
     "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
     "moe": ("activation", "check_experts"),

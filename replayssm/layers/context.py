@@ -47,6 +47,7 @@ class StepContext:
     cu_seqlens: Tensor | None = None  # [B+1] packed prefill: row b's tokens in the stream
     token_index: Tensor | None = None  # [Nt] packed prefill: flat index b*T+t of each token
     token_rows: Tensor | None = None  # [Nt] packed prefill: row of each token
+    prefix_rows: Tensor | None = None  # [Nt] packed prefill with prefix caching: each token's prefix-store row
     pending: dict = field(default_factory=dict)  # per-layer data kept until commit
 
     @property

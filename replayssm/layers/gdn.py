@@ -98,6 +98,20 @@ class GatedDeltaNet(SSMLayer):
     def kv_to_state(self, store: dict, pplan, slots: Tensor) -> None:
         self.ops().kv_to_state(store["kv"], pplan, store["buf"], slots)
 
+    def state_shape(self) -> tuple[int, ...]:
+        return (self.HV, self.K, self.V)
+
+    def fold(self, entries, pplan, initial_state):
+        return self.ops().kv_fold(entries, pplan, initial_state)
+
+    def entry_kwargs(self) -> dict:
+        return {"return_u": True}    # the corrected values the ring stores
+
+    def prefill_entries(self, a: dict, out: tuple) -> list[Tensor]:
+        """``(u, k, g)``: ``u`` from the scan, ``k`` l2-normalised as the ops store it."""
+        k = a["k"][0]
+        return [out[2], self.ops().l2norm(k.to(compute_dtype(k.dtype))), a["g"][0]]
+
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, h: Tensor, ctx: StepContext) -> Tensor:
         Bt, T, _ = h.shape

@@ -72,6 +72,15 @@ class Mamba2Mixer(SSMLayer):
     def kv_to_state(self, store: dict, pplan, slots: Tensor) -> None:
         self.ops().kv_to_state(store["kv"], pplan, store["buf"], slots, self._A(store["buf"].state.dtype))
 
+    def state_shape(self) -> tuple[int, ...]:
+        return (self.H, self.d, self.n)
+
+    def fold(self, entries, pplan, initial_state):
+        return self.ops().kv_fold(entries, pplan, self._A(entries.dt.dtype), initial_state)
+
+    def prefill_entries(self, a: dict, out: tuple) -> list[Tensor]:
+        return [a["x"][0], a["B"][0], a["dt"][0]]
+
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, h: Tensor, ctx: StepContext) -> Tensor:
         Bt, T, _ = h.shape

@@ -16,8 +16,10 @@ import torch
 from torch import Tensor, nn
 
 from ..cache.conv import ConvWindow
+from ..cache.prefix import PrefixPools
 from ..forms import CACHE_FORMS, get_form
 from ..kernels.dispatch import ops_for
+from ..runtime import compute_dtype
 from .context import StepContext
 
 
@@ -61,6 +63,44 @@ class SSMLayer(nn.Module):
     def kv_to_state(self, store: dict, pplan, slots: Tensor) -> None:
         raise NotImplementedError
 
+    # ---- prefix caching hooks (the model cache's prefix store, replayssm.models.prefix) ---
+    def state_shape(self) -> tuple[int, ...]:
+        """Shape of one sequence's state (Mamba-2 ``(H, d, n)``, GDN ``(HV, K, V)``)."""
+        raise NotImplementedError
+
+    def fold(self, entries, pplan, initial_state: Tensor | None) -> Tensor:
+        """The state ``initial_state`` becomes after the paged ``entries`` of ``pplan``'s rows
+        (``ops.kv_fold``): ``[Bt, *state]``."""
+        raise NotImplementedError
+
+    def prefill_entries(self, a: dict, out: tuple) -> list[Tensor]:
+        """Every token's ring entry ``[Nt, ...]`` (the paged pools' order) of a packed prefill
+        from its inputs ``a`` and the ``chunked_prefill_varlen`` result ``out``."""
+        raise NotImplementedError
+
+    def entry_kwargs(self) -> dict:
+        """Extra ``chunked_prefill_varlen`` arguments :meth:`prefill_entries` needs."""
+        return {}
+
+    def alloc_prefix(self, num_blocks: int, block_size: int, num_checkpoints: int, dtype, device) -> PrefixPools:
+        """This layer's part of the prefix store: entries and pre-conv inputs of
+        ``num_blocks`` blocks, ``num_checkpoints`` checkpoint states."""
+        state = torch.zeros((num_checkpoints,) + tuple(self.state_shape()), dtype=compute_dtype(dtype), device=device)
+        return PrefixPools(self.alloc_pages(num_blocks, block_size, dtype, device),
+                           torch.zeros(num_blocks * block_size, self.conv_dim, dtype=dtype, device=device), state)
+
+    def capture(self, ctx: StepContext, entries: list[Tensor], form_slots: Tensor) -> None:
+        """Store a packed prefill's ring entries (``[Nt, ...]`` each) in the prefix store at
+        the rows the capture table gives (``ctx.prefix_rows``); tokens of rows this form does
+        not run (``form_slots`` 0) go to the null block."""
+        if ctx.prefix_rows is None:
+            return
+        pools = ctx.cache.layers[self.layer_id]["prefix"]
+        rows = ctx.prefix_rows
+        rows = torch.where(form_slots[ctx.token_rows] != 0, rows, torch.zeros_like(rows))
+        for t, v in zip(pools.entries.tensors(), entries):
+            t[rows] = v.to(t.dtype)
+
     def allocate(self, P: int, capacity: int, dtype, device, paged=None, mode: str = "replay") -> dict:
         """Per-layer cache for ``P`` slots (null slot included): the conv window plus what the
         forms of cache ``mode`` allocate (``{"conv", "buf", "kv"?}``; see ModelCache)."""
@@ -85,6 +125,9 @@ class SSMLayer(nn.Module):
         win = ctx.cache.layers[self.layer_id]["conv"]
         slots = ctx.slots
         if ctx.kind == "prefill":   # packed rows, each after its window (zeros when fresh)
+            if ctx.prefix_rows is not None:   # prefix caching: every token's conv input
+                pre = ctx.cache.layers[self.layer_id]["prefix"].preconv
+                pre[ctx.prefix_rows] = xc[0].to(pre.dtype)
             return conv.conv_prefill_varlen(xc[0], w, b, ctx.cu_seqlens, win, slots, ctx.fresh, self.activation)[None]
         if ctx.kind == "decode":  # one fused launch on the GPU
             return conv.conv_decode(win, slots, xc[:, 0], w, b, self.activation)[:, None]

@@ -171,15 +171,17 @@ class CausalLM(nn.Module):
     # ---- cache API ------------------------------------------------------------------------------
     def make_cache(self, num_slots: int, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
                    max_seq_len: int = 2048, kv_block_size: int = 16, kv_num_blocks: int | None = None,
-                   device=None, poison: bool = False, attn_num_blocks: int | None = None) -> ModelCache:
+                   device=None, poison: bool = False, attn_num_blocks: int | None = None,
+                   prefix_blocks: int | None = None, prefix_checkpoints: int | None = None) -> ModelCache:
         """Allocate per-slot caches for every layer (see :class:`ModelCache`).  ``poison``
         (tests) fills every cache tensor with NaN instead of zeros; ``kv_num_blocks`` /
         ``attn_num_blocks`` size the KV-only and attention block pools (``None``: static,
-        ``max_seq_len`` per slot)."""
+        ``max_seq_len`` per slot); ``prefix_blocks`` / ``prefix_checkpoints`` size a prefix
+        store (prefix caching, :mod:`replayssm.models.prefix`; ``None``: none)."""
         if device is not None and canonical_device(device) != self._device:
             raise ValueError(f"cache device {device} differs from the model's {self._device}")
         return ModelCache(self, num_slots, mode, buffer_size, max_new, max_seq_len, kv_block_size,
-                          kv_num_blocks, device, poison, attn_num_blocks)
+                          kv_num_blocks, device, poison, attn_num_blocks, prefix_blocks, prefix_checkpoints)
 
     def cache_layout(self, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
                      max_seq_len: int = 2048, kv_block_size: int = 16) -> CacheLayout:
@@ -286,6 +288,8 @@ class CausalLM(nn.Module):
         positions = (seq[:, None] + t[None, :]).reshape(-1)[index][None]
         ctx = self._context(cache, "prefill", slots, T, positions, valid=valid, lengths=lengths, fresh=seq == 0,
                             cu_seqlens=cu, token_index=index, token_rows=rows)
+        if cache.prefix is not None:   # prefix caching: every token's store row (the null block if uncaptured)
+            ctx.prefix_rows = cache.prefix.rows(slots[rows], positions[0])
         if index.numel():
             h = self._trunk(ids.reshape(-1)[index][None], ctx)             # [1, Nt, D]
             last = h[0, (cu[1:] - 1).clamp(min=0)]

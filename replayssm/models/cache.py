@@ -22,8 +22,10 @@ import torch
 from torch import Tensor
 
 from ..cache.paged import PagedIndex, PoolExhausted
+from ..cache.prefix import PrefixPools, PrefixTable
 from ..cache.ring import RingIndex, check_speculative_capacity
 from ..forms import CACHE_FORMS, get_form
+from . import prefix as prefix_ops
 from ..runtime import canonical_device  # noqa: F401  (re-exported: models code imports it here)
 
 MODES = ("recurrent", "replay", "kv")
@@ -51,6 +53,8 @@ def _owned(obj) -> list[Tensor]:
         return [t for v in obj.values() for t in _owned(v)]
     if obj is None or isinstance(obj, (int, float, str, bool)):
         return []
+    if isinstance(obj, PrefixPools):
+        return obj.tensors()
     return [t for t in vars(obj).values() if isinstance(t, Tensor)]
 
 
@@ -75,6 +79,9 @@ class CacheLayout:
     state_bytes: int
     entry_bytes: int
     attn_block_bytes: int = 0   # one block of the attention KV pool over all attention layers
+    prefix_block_bytes: int = 0  # one prefix-store block over all SSM layers (entries + conv inputs)
+    checkpoint_bytes: int = 0    # one prefix-store checkpoint over all SSM layers
+    prefix_slot_bytes: int = 0   # the prefix store's per-slot bookkeeping (capture table row)
 
     @property
     def kv_token_bytes(self) -> int:
@@ -91,7 +98,8 @@ class ModelCache:
     def __init__(self, model, num_slots: int, mode: str = "replay", buffer_size: int = 16,
                  max_new: int = 1, max_seq_len: int = 2048, kv_block_size: int = 16,
                  kv_num_blocks: int | None = None, device=None, poison: bool = False,
-                 attn_num_blocks: int | None = None):
+                 attn_num_blocks: int | None = None, prefix_blocks: int | None = None,
+                 prefix_checkpoints: int | None = None):
         if mode not in MODES:
             raise ValueError(f"cache mode must be one of {MODES}, got {mode!r}")
         for name, v, lo in (("num_slots", num_slots, 2), ("buffer_size", buffer_size, 1),
@@ -126,11 +134,19 @@ class ModelCache:
         self.uses_pages = self.pidx is not None or self.attn is not None
         if self.pidx is not None:
             self.kv_slot[1:] = True
+        # prefix caching (replayssm.models.prefix): a store of token blocks and checkpoints
+        self.prefix = None
+        if prefix_blocks is not None:
+            self.prefix = PrefixTable(P, kv_block_size, prefix_blocks + 1, (prefix_checkpoints or 0) + 1,
+                                      -(-max_seq_len // kv_block_size), self.device)
         self.layers: dict[int, dict] = {}
         for layer in model.stateful_layers():
             if hasattr(layer, "conv_dim"):
                 pages = (self.pidx.num_blocks, kv_block_size) if self.pidx is not None else None
                 store = layer.allocate(P, cap, self.dtype, self.device, pages, mode=mode)
+                if self.prefix is not None:
+                    store["prefix"] = layer.alloc_prefix(self.prefix.num_blocks, kv_block_size,
+                                                         self.prefix.num_checkpoints, self.dtype, self.device)
             else:
                 store = layer.allocate(self.attn.num_blocks, kv_block_size, self.dtype, self.device)
             if poison:  # tests: every byte a step may not read is NaN
@@ -161,6 +177,7 @@ class ModelCache:
     def tensors(self) -> list[Tensor]:
         """Every tensor this cache holds (layer stores and the shared bookkeeping)."""
         out = [self.seq_len, self.kv_slot] + _owned(self.ring) + _owned(self.pidx) + _owned(self.attn)
+        out += _owned(self.prefix)
         for store in self.layers.values():
             out += _owned(store)
         return out
@@ -175,9 +192,10 @@ class ModelCache:
         by building it on the ``meta`` device with one and two slots (one and two blocks)."""
         meta = torch.device("meta")
 
-        def build(P: int, kv_blocks: int = 1, attn_blocks: int = 1) -> "ModelCache":
+        def build(P: int, kv_blocks: int = 1, attn_blocks: int = 1, prefix=(None, None)) -> "ModelCache":
             return cls(model, P, mode, buffer_size, max_new, max_seq_len, kv_block_size,
-                       kv_blocks if mode == "kv" else None, device=meta, attn_num_blocks=attn_blocks)
+                       kv_blocks if mode == "kv" else None, device=meta, attn_num_blocks=attn_blocks,
+                       prefix_blocks=prefix[0], prefix_checkpoints=prefix[1])
 
         one = build(2)
         slot = build(3).nbytes() - one.nbytes()
@@ -186,7 +204,11 @@ class ModelCache:
         bufs = [st["buf"] for st in one.layers.values() if "buf" in st]
         state = sum(b.state.nbytes for b in bufs) // one.P
         entry = sum(t.nbytes // (t.shape[0] * t.shape[1]) for b in bufs for t in b.ring_tensors())
-        return CacheLayout(mode, slot, block, kv_block_size, state, entry, attn_block)
+        pre = build(2, prefix=(1, 1)).nbytes()
+        pre_block = build(2, prefix=(2, 1)).nbytes() - pre
+        ckpt = build(2, prefix=(1, 2)).nbytes() - pre
+        pre_slot = build(3, prefix=(1, 1)).nbytes() - pre - slot
+        return CacheLayout(mode, slot, block, kv_block_size, state, entry, attn_block, pre_block, ckpt, pre_slot)
 
     # ------------------------------------------------------------------ queries
     def mode_of(self, slot: int) -> str:
@@ -249,6 +271,8 @@ class ModelCache:
                         pool.reserve(s, self.max_seq_len)
         if self.pidx is not None:
             self.kv_slot[t] = True
+        if self.prefix is not None:
+            self.prefix.clear(t)
 
     def fork(self, src: int, dst) -> None:
         """Copy slot ``src``'s sequence into every slot of ``dst`` (``n`` samples of one
@@ -279,7 +303,7 @@ class ModelCache:
         d_t = torch.tensor(dsts, dtype=torch.long, device=self.device)
         for store in self.layers.values():
             for key, v in store.items():
-                if v is None:
+                if v is None or key == "prefix":   # the prefix store belongs to no slot
                     continue
                 if isinstance(v, Tensor):          # attention k / v pools [blocks, block_size, ...]
                     flat = v.view(-1, *v.shape[2:])
@@ -331,3 +355,33 @@ class ModelCache:
             self._modes[s] = "replay"
             self.pidx.release(s)
         self.kv_slot[t] = False
+
+    # ------------------------------------------------------------------ prefix caching
+    # (replayssm.models.prefix; the engine's prefix index decides every id passed here)
+    def prefix_assign(self, slot: int, pairs) -> None:
+        """Capture ``slot``'s logical blocks ``k`` into prefix-store blocks ``b`` during its
+        next prefills (``pairs`` of ``(k, b)``)."""
+        prefix_ops.assign(self, slot, pairs)
+
+    def prefix_copy(self, src: int, dst: int, count: int) -> None:
+        """Copy ``count`` tokens of prefix-store block ``src`` into ``dst`` (copy on write)."""
+        prefix_ops.copy_block(self, src, dst, count)
+
+    def prefix_checkpoint(self, row: int, slot: int | None = None, chain=(), start: int = 0, stop: int = 0,
+                          base: int | None = None) -> None:
+        """Write prefix checkpoint ``row``: ``slot``'s state, or the chain's entries
+        ``start .. stop-1`` folded into checkpoint ``base`` (zeros when None)."""
+        prefix_ops.checkpoint(self, row, slot=slot, chain=chain, start=start, stop=stop, base=base)
+
+    def load_prefix(self, slot: int, length: int, chain, attn=(), checkpoint=None) -> None:
+        """Resume the free ``slot`` exactly at token ``length`` of a cached prefix (checkpoint
+        + entries, conv inputs, shared attention blocks); a prefill continues from there."""
+        prefix_ops.load(self, slot, length, chain, attn, checkpoint)
+
+    def prefix_retain_attn(self, blocks) -> None:
+        """The prefix index takes a reference on attention blocks it caches."""
+        self.attn.retain([int(b) for b in blocks])
+
+    def prefix_drop_attn(self, blocks) -> None:
+        """The prefix index gives back attention blocks it evicted (freed when unused)."""
+        self.attn.drop([int(b) for b in blocks])

@@ -49,6 +49,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over N processes by heads (GPUs cuda:i..i+N-1, or CPU over gloo)")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens per engine step: decodes plus prompt chunks (chunked prefill)")
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse cached prompt prefixes, resumed exactly at any token")
+    g.add_argument("--prefix-checkpoint-interval", type=int, default=None,
+                   help="tokens between the prefix cache's checkpoint states (a multiple of --kv-block-size)")
+    g.add_argument("--prefix-cache-fraction", type=float, default=0.25,
+                   help="share of the memory budget the prefix cache may hold")
     g.add_argument("--seed", type=int, default=0, help="the engine's generator (unseeded requests)")
     g.add_argument("--pad-batches", action="store_true", help="pad batches to graph buckets without graphs")
     g.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (CPU)")
@@ -74,7 +80,10 @@ def build_engine(model_dir: str, args):
                max_seq_len=args.max_seq_len, kv_block_size=args.kv_block_size, auto_threshold=args.auto_threshold,
                cuda_graphs=args.cuda_graphs, seed=args.seed, pad_batches=args.pad_batches,
                max_num_batched_tokens=args.max_num_batched_tokens,
-               gpu_memory_utilization=args.gpu_memory_utilization)
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               enable_prefix_caching=args.enable_prefix_caching,
+               prefix_checkpoint_interval=args.prefix_checkpoint_interval,
+               prefix_cache_fraction=args.prefix_cache_fraction)
 
 
 def build_parser() -> argparse.ArgumentParser:

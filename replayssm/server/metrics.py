@@ -58,6 +58,21 @@ class ServerMetrics:
                                      "speculation)", ["model_name"], registry=r).labels(**lab)
         self.step_seconds = Histogram("replayssm_engine_step_seconds", "Duration of one engine step",
                                       ["model_name"], buckets=_LATENCY, registry=r).labels(**lab)
+        self.prefix_hit_rate = Gauge("replayssm_prefix_cache_hit_rate",
+                                     "Prompt tokens resumed from the prefix cache / prompt tokens looked up "
+                                     "(0 when prefix caching is off)", ["model_name"], registry=r).labels(**lab)
+        self.prefix_query_tokens = Counter("replayssm_prefix_cache_queries",
+                                           "Prompt tokens looked up in the prefix cache", ["model_name"],
+                                           registry=r).labels(**lab)
+        self.prefix_hit_tokens = Counter("replayssm_prefix_cache_hits",
+                                         "Prompt tokens resumed from the prefix cache (not recomputed)",
+                                         ["model_name"], registry=r).labels(**lab)
+        self.prefix_blocks_saved = Counter("replayssm_prefix_cache_blocks_saved",
+                                           "Whole cached blocks requests reused", ["model_name"],
+                                           registry=r).labels(**lab)
+        self.prefix_cached_blocks = Gauge("replayssm_prefix_cache_blocks", "Blocks held by the prefix cache",
+                                          ["model_name"], registry=r).labels(**lab)
+        self._prefix_seen = {}
         self._failures = 0
         self._steps_total = 0
         self._spec_tokens_total = 0
@@ -105,6 +120,17 @@ class ServerMetrics:
         self.free_slots.set(occ["free_slots"])
         self.total_slots.set(occ["total_slots"])
         self.free_blocks.set(occ["free_kv_blocks"])
+        if "prefix_hit_rate" in occ:   # prefix caching on
+            self.prefix_hit_rate.set(occ["prefix_hit_rate"])
+            self.prefix_cached_blocks.set(occ["prefix_cached_blocks"])
+            for key, counter in (("prefix_query_tokens", self.prefix_query_tokens),
+                                 ("prefix_hit_tokens", self.prefix_hit_tokens),
+                                 ("prefix_blocks_saved", self.prefix_blocks_saved)):
+                now = occ[key]
+                delta = now - self._prefix_seen.get(key, 0)
+                if delta > 0:
+                    counter.inc(delta)
+                self._prefix_seen[key] = now
         self.in_flight.set(loop.in_flight)
         if loop.step_failures > self._failures:
             self.step_failures.inc(loop.step_failures - self._failures)

@@ -270,3 +270,34 @@ def test_buffers_allocate():
     assert not any(t.any() for t in gd.tensors())
     with pytest.raises(ValueError):
         GDNPagedBuffers.allocate(4, 2, 3, 4, 3, 5)
+
+
+def test_shared_blocks_are_reference_counted():
+    """share / retain / drop / release: a block returns to the free list only when its last
+    holder lets go, and bad calls change nothing."""
+    idx = PagedIndex(num_slots=3, block_size=4, num_blocks=8, max_blocks_per_seq=4)
+    idx.reserve(1, 10)                                  # 3 blocks, one reference each
+    held = idx.blocks_of(1)
+    assert [idx.refcount(b) for b in held] == [1, 1, 1] and idx.free_blocks == 4
+    idx.retain(held[:2])                                # an outside holder (the prefix index)
+    idx.share(2, held[:2])                              # slot 2 starts with them
+    assert idx.blocks_of(2) == held[:2] and idx.block_table[2, :2].tolist() == held[:2]
+    assert [idx.refcount(b) for b in held] == [3, 3, 1]
+    idx.reserve(2, 9)                                   # grows past the shared blocks with its own
+    assert idx.blocks_of(2)[:2] == held[:2] and idx.num_allocated(2) == 3 and idx.free_blocks == 3
+    idx.release(1)
+    assert idx.free_blocks == 4 and [idx.refcount(b) for b in held[:2]] == [2, 2]
+    idx.release(2)
+    assert idx.free_blocks == 5 and [idx.refcount(b) for b in held[:2]] == [1, 1]
+    idx.drop(held[:2])
+    assert idx.free_blocks == 7 and sorted(idx._free) == list(range(1, 8))
+    free = idx._free[-1]
+    before = (list(idx._free), idx.block_table.clone())
+    for bad in (lambda: idx.retain([free]), lambda: idx.drop([free]), lambda: idx.share(3, [free]),
+                lambda: idx.share(3, [0]), lambda: idx.retain([99])):
+        with pytest.raises(ValueError):
+            bad()
+        assert idx._free == before[0] and torch.equal(idx.block_table, before[1])
+    idx.reserve(1, 4)
+    with pytest.raises(ValueError, match="empty slot"):
+        idx.share(1, idx.blocks_of(1))

@@ -265,6 +265,31 @@ def test_sampled_speculation_matches_one_rank(models):
         _generate(ref, params, speculative=sp, decode_mode="auto", auto_threshold=6)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_caching_matches_one_rank(models, arch):
+    """Prefix caching under tensor parallelism: rank 0's index picks store blocks and
+    checkpoints, every rank captures, checkpoints and resumes its heads' share; requests
+    resumed at checkpoints, inside blocks and past the ring give one rank's output."""
+    ref, tp = models(arch)
+    base = [(7 * i + 3) % 61 for i in range(30)]
+    prompts = [base, base[:9] + [1, 2], base[:17] + [3], base[:22] + [4, 5], base]
+    params = SamplingParams(max_tokens=6)
+    kw = dict(decode_mode="kv" if arch == "nemotron_h" else "replay", kv_block_size=4, buffer_size=6,
+              enable_prefix_caching=True, prefix_checkpoint_interval=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with LLM(tp, max_seq_len=MAXLEN, **kw) as llm:
+            got = [llm.generate([p], params)[0].token_ids for p in prompts]
+            assert llm.stats["prefix_hit_tokens"] == 9 + 17 + 22 + 28   # (the 30-token base caches 7 blocks)
+    want = [_generate_one(ref, p, params) for p in prompts]
+    assert got == want
+
+
+def _generate_one(model, prompt, params):
+    with LLM(model, max_seq_len=MAXLEN) as llm:
+        return llm.generate([prompt], params)[0].token_ids
+
+
 def test_model_api_and_bad_input_keep_the_group(models):
     """The model API runs on every rank; bad input raises the same ValueError on rank 0 (the
     workers drop it) and the group goes on."""

@@ -261,9 +261,9 @@ def test_every_op_is_routed_or_declared_reference_only():
         assert routed | ref == ops, f"{fam}: unclassified {ops - routed - ref}"
     assert dispatch.REFERENCE_ONLY == {
         "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
-                   "kv_tree_verify"),
+                   "kv_tree_verify", "kv_fold"),
         "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
-                "kv_tree_verify"),
+                "kv_tree_verify", "kv_fold"),
         "conv": ("conv_prefill", "conv_tree", "conv_commit_tree"),
         "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
         "moe": ("activation", "check_experts"),

@@ -441,3 +441,28 @@ def test_5000_token_kv_prompt_runs_in_bounded_memory_and_time(family):
     assert int(pidx.length[1]) == ctx + 7
     assert peak < 40 * entry_bytes + (64 << 20), f"peak extra memory {peak / 2**20:.0f} MiB"
     assert elapsed < 60, f"{elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("family", ["m2", "gdn"])
+def test_kv_fold_continues_from_a_given_state(family):
+    """Folding the first blocks of each row, then the rest from that state, is the whole
+    row's recurrence (what a prefix-cache hit does from a checkpoint); reads only."""
+    from replayssm.cache.paged import PagedPlan
+
+    p = Paged(family, [11, 0, 5, 1, 9], bs=3, T=1, seed=6)
+    pplan = p.plan(1)
+    before = [t.clone() for t in p.kv.tensors()]
+    fold = (lambda pl, s0: m2.kv_fold(p.kv, pl, p.A, s0)) if family == "m2" else \
+        (lambda pl, s0: gdn.kv_fold(p.kv, pl, s0))
+    m = 2                                                    # split after 2 blocks (6 entries)
+    head = PagedPlan(pplan.slot, pplan.length.clamp(max=m * 3), pplan.block_table[:, :m], 1, 3)
+    tail = PagedPlan(pplan.slot, (pplan.length - m * 3).clamp(min=0), pplan.block_table[:, m:], 1, 3)
+    S_mid = fold(head, None)
+    S = fold(tail, S_mid)
+    for i in range(pplan.batch):
+        close(S[i], p.S[i], f"row {i}")
+        close(fold(pplan, None)[i], p.S[i], f"row {i}, one fold")
+    for a, b in zip(before, p.kv.tensors()):
+        assert torch.equal(torch.nan_to_num(a, 7.0), torch.nan_to_num(b, 7.0))
+    with pytest.raises(ValueError, match="initial_state"):
+        fold(pplan, S_mid[:2])

@@ -31,7 +31,7 @@ def chat_model_dir(tmp_path_factory) -> Path:
 def _servers(chat_model_dir):
     """Both servers start together (their start-up overlaps); each is waited for on use."""
     plain = Server(chat_model_dir, "--api-key", API_KEY, "--max-num-seqs", "2", "--max-queue", "1",
-                   "--served-model-name", "tiny-chat")
+                   "--served-model-name", "tiny-chat", "--enable-prefix-caching")
     spec = Server(MODEL, "--speculative", "draft", "--draft-model", str(DRAFT), "--num-tokens", "3",
                   "--max-num-seqs", "16", "--max-queue", "256", "--max-seq-len", "512")
     yield {"plain": plain, "spec": spec}
@@ -41,7 +41,8 @@ def _servers(chat_model_dir):
 
 @pytest.fixture(scope="session")
 def plain_server(_servers) -> Server:
-    """No speculation, API key, 2 slots + 1 queued sequence, a chat template."""
+    """No speculation, API key, 2 slots + 1 queued sequence, a chat template, prefix caching
+    (its greedy output is still the offline engine's without caching)."""
     return _servers["plain"].wait()
 
 

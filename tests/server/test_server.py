@@ -132,6 +132,33 @@ def test_errors_are_openai_style_and_name_the_field(plain_server):
         c.completions.create(model="tiny-chat", prompt="x", max_tokens=-1)
 
 
+def test_prefix_cache_hits_over_http(plain_server, offline):
+    """A long shared prefix sent twice with different endings: the second request resumes from
+    the cached prefix (exactly the tokens the first one's whole blocks cover, up to where the
+    prompts differ), its text is the uncached engine's, and /metrics counts the hit."""
+    shared = "You are a careful assistant. Answer in one line.\n" * 4
+    prompts = [shared + "Q: what is 2+2?\nA:", shared + "Q: name a colour.\nA:"]
+    refs = [offline_greedy(offline, p) for p in prompts]
+    a, b = (ref.prompt_token_ids for ref in refs)
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    bs = 16                                                  # --kv-block-size default
+    assert common >= 2 * bs
+    want = min(common, len(a) // bs * bs, len(b) - 1)
+    c = client(plain_server)
+    seen = [wait_idle(plain_server)]
+    for p, ref in zip(prompts, refs):
+        r = c.completions.create(model="tiny-chat", prompt=p, max_tokens=MAX, temperature=0)
+        assert r.choices[0].text == ref.text
+        seen.append(wait_idle(plain_server))
+    delta = [{k: m1[k] - m0[k] for k in ("replayssm_prefix_cache_queries_total", "replayssm_prefix_cache_hits_total")}
+             for m0, m1 in zip(seen, seen[1:])]
+    assert [d["replayssm_prefix_cache_queries_total"] for d in delta] == [len(a), len(b)]
+    assert delta[1]["replayssm_prefix_cache_hits_total"] == want
+    m = seen[-1]
+    assert m["replayssm_prefix_cache_blocks"] >= len(a) // bs
+    assert 0 < m["replayssm_prefix_cache_hit_rate"] <= 1
+
+
 def test_api_key(plain_server):
     with pytest.raises(openai.AuthenticationError):
         client(plain_server, key="wrong").completions.create(model="tiny-chat", prompt="x", max_tokens=1)

@@ -55,6 +55,7 @@ __all__ = [
     "kv_verify",
     "kv_tree_verify",
     "kv_to_state",
+    "kv_fold",
     "chunked_prefill_varlen",
 ]
 
@@ -577,13 +578,14 @@ def _kv_run(kv, pos: Tensor, valid: Tensor, cdt):
     return u, k, g
 
 
-def _kv_fold(kv, pplan, cdt) -> Tensor:
-    """``S_n = Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``, run by run:
+def _kv_fold(kv, pplan, cdt, S0: Tensor | None = None) -> Tensor:
+    """``S_n = e^{pre_n} S0 + Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``
+    (``S0 = 0`` when None), run by run:
     ``S ← e^{Σ_run g} S + Σ_{j∈run} e^{Σ_{v>j in run} g_v} k_j ⊗ u_j``."""
     Bt = pplan.batch
     HV, V = kv.u.shape[1:]
     H, K = kv.k.shape[1:]
-    S = torch.zeros(Bt, HV, K, V, dtype=cdt, device=kv.u.device)
+    S = torch.zeros(Bt, HV, K, V, dtype=cdt, device=kv.u.device) if S0 is None else S0.to(cdt)
     for pos, valid in kv_blocks.runs(pplan, Bt * (2 * HV * V + 2 * H * K + HV * K + 4 * HV)):
         u, k, g = _kv_run(kv, pos, valid, cdt)
         w = torch.where(valid[:, :, None], torch.exp(kv_blocks.suffix_after(g)),
@@ -692,6 +694,38 @@ def kv_tree_verify(kv, pplan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g
     _check_kv(kv, pplan, dims, q.device, check)
     par = check_tree(parent, dims[0], dims[1], q.device, check)
     return _kv_new(kv, pplan, par, q, k, v, g, beta, scale, use_qk_l2norm, dims)
+
+
+def kv_fold(kv, pplan, initial_state: Tensor | None = None, check: bool | None = None) -> Tensor:
+    """The state each row's committed paged entries fold into, from ``initial_state``:
+    ``S_n = e^{pre_n} S0 + Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` (``S0 = 0`` when None).
+
+    kv: ``GDNPagedBuffers`` (a slot's KV-only pages, or the prefix store's blocks);
+    ``pplan``: its block tables and lengths ``n`` per row (only those are read);
+    ``initial_state [Bt,HV,K,V]``.  Folded run by run over the held blocks.  Returns
+    ``[Bt,HV,K,V]`` in fp64 if the pool's g or ``initial_state`` is fp64, else fp32.  Reads only.
+    """
+    if not isinstance(kv, paged.GDNPagedBuffers):
+        raise ValueError(f"kv must be GDNPagedBuffers, got {type(kv).__name__}")
+    if not isinstance(pplan, paged.PagedPlan):
+        raise ValueError(f"pplan must be a PagedPlan, got {type(pplan).__name__}")
+    if not isinstance(kv.u, Tensor) or kv.u.dim() != 3 or not isinstance(kv.k, Tensor) or kv.k.dim() != 3:
+        raise ValueError(f"kv pools must be u [NB*bs, HV, V] and k [NB*bs, H, K], got {_shape_of(kv.u)}, "
+                         f"{_shape_of(kv.k)}")
+    HV, V = kv.u.shape[1:]
+    H, K = kv.k.shape[1:]
+    if H < 1 or HV % H:
+        raise ValueError(f"value heads HV={HV} is not a multiple of the KV pool's key heads {H}")
+    Bt = pplan.slot.shape[0] if isinstance(pplan.slot, Tensor) else -1
+    device = kv.u.device
+    _check_kv(kv, pplan, (Bt, pplan.num_new, H, HV, K, V), device, False)
+    if initial_state is not None and (not isinstance(initial_state, Tensor)
+                                      or tuple(initial_state.shape) != (Bt, HV, K, V) or initial_state.device != device):
+        raise ValueError(f"initial_state must be [{Bt}, {HV}, {K}, {V}] on {device}, got {_shape_of(initial_state)}")
+    if want_check(check, kv.u) and Bt and bool((pplan.length < 0).any()):
+        raise ValueError("negative KV lengths in the paged plan")
+    cdt = compute_dtype(kv.g.dtype, *(() if initial_state is None else (initial_state.dtype,)))
+    return _kv_fold(kv, pplan, cdt, initial_state)
 
 
 def kv_to_state(kv, pplan, buf: GDNBuffers, slot: Tensor, check: bool | None = None) -> None:

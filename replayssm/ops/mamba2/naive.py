@@ -61,6 +61,7 @@ __all__ = [
     "replay_verify",
     "snapshot_verify",
     "snapshot_commit",
+    "kv_fold",
     "tree_verify",
     "kv_verify",
     "kv_tree_verify",
@@ -661,13 +662,14 @@ def _kv_run(kv, pos: Tensor, valid: Tensor, A: Tensor, cdt):
     return xs, Bs, dts, A.to(cdt) * dts
 
 
-def _kv_fold(kv, pplan, A: Tensor, gidx: Tensor, cdt) -> Tensor:
-    """``S_n = Σ_{j<n} Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` per row ``[Bt,H,d,n]``, run by run:
+def _kv_fold(kv, pplan, A: Tensor, gidx: Tensor, cdt, S0: Tensor | None = None) -> Tensor:
+    """``S_n = e^{pre_n} S0 + Σ_{j<n} Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` per row ``[Bt,H,d,n]``
+    (``S0 = 0`` when None), run by run:
     ``S ← e^{Σ_run l} S + Σ_{j∈run} e^{Σ_{v>j in run} l_v} Δ_j x_j B_jᵀ``."""
     Bt = pplan.batch
     H, d = kv.x.shape[1:]
     n = kv.B.shape[2]
-    S = torch.zeros(Bt, H, d, n, dtype=cdt, device=kv.x.device)
+    S = torch.zeros(Bt, H, d, n, dtype=cdt, device=kv.x.device) if S0 is None else S0.to(cdt)
     for pos, valid in kv_blocks.runs(pplan, Bt * (2 * H * d + 2 * kv.B.shape[1] * n + H * n + 4 * H)):
         xs, Bs, dts, logs = _kv_run(kv, pos, valid, A, cdt)
         coef = torch.exp(kv_blocks.suffix_after(logs)) * dts  # 0 on invalid entries (dts = 0)
@@ -775,6 +777,41 @@ def kv_tree_verify(kv, pplan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, 
     # ---- writes (all validation done above)
     _kv_write(kv, pplan, x, B, dt)
     return y.to(x.dtype)
+
+
+def kv_fold(kv, pplan, A: Tensor, initial_state: Tensor | None = None, check: bool | None = None) -> Tensor:
+    """The state each row's committed paged entries fold into, from ``initial_state``:
+    ``S_n = e^{pre_n} S0 + Σ_{j<n} Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` (``S0 = 0`` when None).
+
+    kv: ``Mamba2PagedBuffers`` (any pool in that layout: a slot's KV-only pages, or the
+    prefix store's blocks); ``pplan``: its block tables and lengths ``n`` per row (only
+    those are read); ``A [H]``; ``initial_state [Bt,H,d,n]``.  Folded run by run over the
+    held blocks (:mod:`replayssm.ops.kv_blocks`).  Returns ``[Bt,H,d,n]`` in fp64 if the
+    pool's Δ or ``initial_state`` is fp64, else fp32.  Reads only.
+    """
+    if not isinstance(kv, paged.Mamba2PagedBuffers):
+        raise ValueError(f"kv must be Mamba2PagedBuffers, got {type(kv).__name__}")
+    if not isinstance(pplan, paged.PagedPlan):
+        raise ValueError(f"pplan must be a PagedPlan, got {type(pplan).__name__}")
+    if not isinstance(kv.x, Tensor) or kv.x.dim() != 3 or not isinstance(kv.B, Tensor) or kv.B.dim() != 3:
+        raise ValueError(f"kv pools must be x [NB*bs, H, d] and B [NB*bs, G, n], got {shape_str(kv.x)}, "
+                         f"{shape_str(kv.B)}")
+    H, d = kv.x.shape[1:]
+    G, n = kv.B.shape[1:]
+    if G < 1 or H % G:
+        raise ValueError(f"nheads H={H} is not a multiple of the KV pool's ngroups {G}")
+    Bt = pplan.slot.shape[0] if isinstance(pplan.slot, Tensor) else -1
+    device = kv.x.device
+    _check_kv(kv, pplan, (Bt, pplan.num_new, H, d, G, n), None, device, False)
+    if not isinstance(A, Tensor) or not A.is_floating_point() or tuple(A.shape) != (H,) or A.device != device:
+        raise ValueError(f"A must be a floating-point tensor of shape ({H},) on {device}, got {shape_str(A)}")
+    if initial_state is not None and (not isinstance(initial_state, Tensor) or tuple(initial_state.shape) != (Bt, H, d, n)
+                                      or initial_state.device != device):
+        raise ValueError(f"initial_state must be [{Bt}, {H}, {d}, {n}] on {device}, got {shape_str(initial_state)}")
+    if want_check(check, kv.x) and Bt and bool((pplan.length < 0).any()):
+        raise ValueError(f"negative KV lengths in the paged plan: {pplan.length.tolist()}")
+    cdt = compute_dtype(kv.dt.dtype, *(() if initial_state is None else (initial_state.dtype,)))
+    return _kv_fold(kv, pplan, A, _group_index(H, G, device), cdt, initial_state)
 
 
 def kv_to_state(kv, pplan, buf: Mamba2Buffers, slot: Tensor, A: Tensor,

@@ -1,0 +1,158 @@
+"""The model cache's prefix store: a prefill captures every token's ring entry and conv input
+(packed, next to other rows), checkpoints come from a slot's state or from folding stored
+entries, and ``load_prefix`` resumes a free slot exactly at any token — every form, every
+model type, NaN-poisoned caches (and the attention blocks freed meanwhile poisoned too) —
+after which prefill, decode and verify continue as on the full sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_cached import Stream
+
+BS, C, L = 4, 8, 6     # block size, checkpoint interval, ring capacity (C - 1 > L: folds happen)
+N = 27                 # cached prompt: 6 whole blocks + 3 tokens
+
+
+def _store(model, mode, poison=True):
+    attn = any(not hasattr(x, "conv_dim") for x in model.stateful_layers())
+    return model.make_cache(5, mode=mode, buffer_size=L, max_new=3, max_seq_len=64, kv_block_size=BS,
+                            kv_num_blocks=40 if mode == "kv" else None, attn_num_blocks=60 if attn else None,
+                            poison=poison, prefix_blocks=12, prefix_checkpoints=4)
+
+
+def _poison_free_attention(cache):
+    if cache.attn is not None:
+        free = torch.tensor(cache.attn._free, dtype=torch.long)
+        for layer in cache.layers.values():
+            if "k" in layer:
+                layer["k"][free] = float("nan")
+                layer["v"][free] = float("nan")
+
+
+def _cache_prompt(model, cache, mode, g):
+    """Prefill slot 1 with a random N-token prompt in two packed calls (slot 2 prefills other
+    tokens in the same calls), capturing its whole blocks into store blocks 1..6; checkpoint
+    1 at token 8 from the slot's state (state forms) or by folding, checkpoint 2 at token 16
+    by folding from checkpoint 1.  Returns the prompt and the attention blocks (retained)."""
+    V = model.vocab_size
+    ids = torch.randint(0, V, (2, N), generator=g)
+    nb = N // BS
+    cache.prefix_assign(1, [(k, k + 1) for k in range(nb)])
+    slots = torch.tensor([1, 2])
+    for s in (1, 2):
+        if cache.uses_pages:
+            cache.reserve(s, N)
+    model.prefill(cache, slots, ids[:, :C], torch.tensor([C, 5]))
+    if mode == "kv":
+        cache.prefix_checkpoint(1, chain=[1, 2], start=0, stop=C)
+    else:
+        cache.prefix_checkpoint(1, slot=1)
+    rest = torch.cat([ids[:, C:], torch.zeros(2, C, dtype=torch.long)], 1)
+    model.prefill(cache, slots, rest, torch.tensor([N - C, 9]))
+    cache.prefix_checkpoint(2, chain=list(range(1, nb + 1)), start=C, stop=2 * C, base=1)
+    attn = []
+    if cache.attn is not None:
+        attn = cache.attn.blocks_of(1)[:nb]
+        cache.prefix_retain_attn(attn)
+    cache.release(torch.tensor([1, 2]))
+    _poison_free_attention(cache)
+    return ids[0].tolist(), attn
+
+
+@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv"])
+@pytest.mark.parametrize("name", ["mamba2", "nemotron_h", "qwen3_next"])
+def test_load_resumes_exactly_at_any_token(ours, name, mode):
+    model = ours(name)
+    cache = _store(model, mode)
+    g = torch.Generator().manual_seed(3)
+    prompt, attn = _cache_prompt(model, cache, mode, g)
+    for p in (1, 3, 4, 7, 8, 9, 13, 14, 15, 16, 17, 22, 23, 24):   # c, c+1, c+L-1, c+L, C-1 past c, ...
+        ck = (2 * C, 2) if p >= 2 * C else (C, 1) if p >= C else None
+        nblk = -(-p // BS)
+        cache.load_prefix(3, p, list(range(1, nblk + 1)), attn=attn[:nblk], checkpoint=ck)
+        assert int(cache.seq_len[3]) == p
+        st = Stream(model, cache, [0, 3], seed=p)
+        st.seqs[3] = prompt[:p]
+        if cache.uses_pages:
+            cache.reserve(3, 40)
+        st.prefill([1, 5])
+        st.decode()
+        st.verify(3)
+        st.decode()
+        assert st.err < 1e-9, (p, st.err)
+        cache.release(torch.tensor([3]))
+        _poison_free_attention(cache)
+
+
+def test_attention_blocks_are_shared_and_copied_on_write(ours):
+    """Whole cached blocks enter the slot's table without a copy (one more reference each);
+    the block the hit ends inside is the slot's own copy; release gives the references back."""
+    model = ours("nemotron_h")
+    cache = _store(model, "replay")
+    prompt, attn = _cache_prompt(model, cache, "replay", torch.Generator().manual_seed(0))
+    refs = [cache.attn.refcount(b) for b in attn]
+    assert refs == [1] * len(attn)                       # the cache's own reference
+    cache.load_prefix(3, 10, [1, 2, 3], attn=attn[:3], checkpoint=(C, 1))
+    table = cache.attn.blocks_of(3)
+    assert table[:2] == attn[:2] and table[2] != attn[2]
+    assert [cache.attn.refcount(b) for b in attn[:3]] == [2, 2, 1]
+    cache.release(torch.tensor([3]))
+    assert [cache.attn.refcount(b) for b in attn] == refs
+    cache.prefix_drop_attn(attn)
+    assert cache.attn.free_blocks == cache.attn.num_blocks - 1
+
+
+def _snapshot(cache):
+    return [t.clone() for t in cache.tensors()] + [list(cache.attn._free) if cache.attn is not None else None]
+
+
+def _same(a, b):
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(torch.nan_to_num(x, nan=7.0), torch.nan_to_num(y, nan=7.0))
+        else:
+            assert x == y
+
+
+def test_bad_loads_are_refused_before_the_cache_changes(ours):
+    model = ours("nemotron_h")
+    cache = _store(model, "replay")
+    prompt, attn = _cache_prompt(model, cache, "replay", torch.Generator().manual_seed(1))
+    cache.load_prefix(4, 5, [1, 2], attn=attn[:2], checkpoint=None)      # slot 4 in use
+    before = _snapshot(cache)
+    bad = [
+        dict(slot=4, length=5, chain=[1, 2], attn=attn[:2]),                       # slot in use
+        dict(slot=3, length=9, chain=[1, 2], attn=attn[:2]),                       # chain too short
+        dict(slot=3, length=9, chain=[1, 2, 3], attn=attn[:3], checkpoint=(6, 1)),  # checkpoint off a block
+        dict(slot=3, length=9, chain=[1, 2, 3], attn=attn[:3], checkpoint=(12, 1)),  # checkpoint past the hit
+        dict(slot=3, length=9, chain=[1, 2, 99], attn=attn[:3]),                   # no such store block
+        dict(slot=3, length=9, chain=[1, 2, 3], attn=attn[:2]),                    # attention blocks missing
+        dict(slot=3, length=9, chain=[1, 2, 3], attn=[cache.attn._free[-1]] + attn[1:3]),  # a free block
+        dict(slot=3, length=0, chain=[], attn=[]),
+    ]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            cache.load_prefix(**kw)
+        _same(before, _snapshot(cache))
+    with pytest.raises(ValueError):
+        cache.prefix_checkpoint(9)                         # no such checkpoint row
+    with pytest.raises(ValueError):
+        cache.prefix_checkpoint(3, slot=4)                 # slot 4's ring holds entries past its state
+    with pytest.raises(ValueError):
+        cache.prefix_assign(3, [(0, 50)])
+    _same(before, _snapshot(cache))
+
+
+def test_layout_measures_the_prefix_store(ours):
+    """The layout's prefix sizes are what a cache with a store really allocates."""
+    model = ours("qwen3_next")
+    lay = model.cache_layout("replay", 6, 3, 64, BS)
+    a = model.make_cache(3, buffer_size=6, max_new=3, max_seq_len=64, kv_block_size=BS, attn_num_blocks=10,
+                         prefix_blocks=5, prefix_checkpoints=2)
+    b = model.make_cache(3, buffer_size=6, max_new=3, max_seq_len=64, kv_block_size=BS, attn_num_blocks=10,
+                         prefix_blocks=7, prefix_checkpoints=5)
+    assert b.nbytes() - a.nbytes() == 2 * lay.prefix_block_bytes + 3 * lay.checkpoint_bytes
+    assert lay.checkpoint_bytes == lay.state_bytes
+    assert lay.prefix_block_bytes >= BS * lay.entry_bytes > 0
