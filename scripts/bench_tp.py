@@ -26,6 +26,7 @@ import torch
 
 from replayssm import LLM, SamplingParams
 from replayssm.bench import e2e
+from replayssm.bench.common import free_memory
 from replayssm.distributed import TensorParallelGroup
 from replayssm.engine.loading import load
 from replayssm.models.config import parse_config
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
             if tp > 1:
                 model.close()
             del model
-            e2e._free(dev)
+            free_memory(dev)
         same = sum(a == b for a, b in zip(tokens[1], tokens[2]))
         res["greedy_tokens_equal"] = f"{same}/{len(prompts)}"
     if not args.skip_big:

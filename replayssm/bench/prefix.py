@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import random
 import sys
@@ -36,6 +35,7 @@ from ..engine.prefix_cache import default_checkpoint_interval
 from ..models.cache import ModelCache
 from ..models.config import parse_config
 from ..models.loader import _model_class
+from .common import free_memory, sync
 
 #: block sizes of the state-per-block comparison (hit granularity of that scheme)
 STATE_BLOCKS = (16, 64, 256, 1024)
@@ -136,11 +136,6 @@ def _rng_tokens(rng, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def _sync(device) -> None:
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def run_workload(model, args, workload: str, caching: bool) -> dict:
     """One workload with prefix caching off or on (see the module docstring)."""
     vocab = int(model.config.vocab_size)
@@ -155,7 +150,7 @@ def run_workload(model, args, workload: str, caching: bool) -> dict:
     llm.generate([_rng_tokens(rng, 16, vocab) for _ in range(2)], SamplingParams(max_tokens=2, ignore_eos=True))
     for k in llm.stats:   # warm-up done
         llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
-    _sync(args.device)
+    sync(args.device)
     row = {"workload": workload, "caching": caching, "mode": kw["decode_mode"]}
     ttft, wall, outs, prompt_tokens, tokens = [], 0.0, 0, 0, []
     if workload == "shared-prefix":
@@ -182,7 +177,7 @@ def run_workload(model, args, workload: str, caching: bool) -> dict:
             row["ttft_per_turn_ms"].append(sum(t) / len(t) * 1e3)
     else:
         raise ValueError(f"unknown workload {workload!r}")
-    _sync(args.device)
+    sync(args.device)
     st = llm.prefix_stats()
     row.update({"requests": len(ttft), "prompt_tokens": prompt_tokens, "output_tokens": outs, "wall_s": wall,
                 "output_tokens_per_s": outs / wall if wall else 0.0,
@@ -199,9 +194,7 @@ def run_workload(model, args, workload: str, caching: bool) -> dict:
         row["bytes_per_cached_token"] = (lay.prefix_block_bytes / lay.block_size + lay.checkpoint_bytes / ps.interval
                                          + lay.attn_block_bytes / lay.block_size)
     del llm
-    gc.collect()
-    if str(args.device).startswith("cuda"):
-        torch.cuda.empty_cache()
+    free_memory(args.device)
     print(f"[bench e2e] {workload} caching {'on ' if caching else 'off'}: TTFT mean {row['ttft_mean_ms']:.1f} ms, "
           f"{row['output_tokens_per_s']:.0f} tok/s, hit rate {row['hit_rate']:.2f}", file=sys.stderr, flush=True)
     return row

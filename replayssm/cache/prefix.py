@@ -113,13 +113,22 @@ class PrefixTable:
     def chain_plan(self, blocks: list[int], length: int) -> PagedPlan:
         """A one-row :class:`~replayssm.cache.paged.PagedPlan` over store ``blocks`` (logical
         order) holding ``length`` entries: what the KV-only ops read (e.g. ``kv_fold``)."""
-        if length > len(blocks) * self.block_size:
-            raise ValueError(f"{length} entries do not fit {len(blocks)} blocks of {self.block_size}")
-        for b in blocks:
-            self.check_block(b)
-        table = torch.tensor([list(blocks) or [NULL_BLOCK]], dtype=torch.long, device=self.device)
-        one = torch.zeros(1, dtype=torch.long, device=self.device)
-        return PagedPlan(one, one + length, table, 1, self.block_size)
+        return self.chains_plan([(blocks, length)])
+
+    def chains_plan(self, chains: list[tuple[list[int], int]]) -> PagedPlan:
+        """A :class:`~replayssm.cache.paged.PagedPlan` with one row per ``(blocks, length)``:
+        row ``i`` holds ``length`` entries in store ``blocks`` (logical order); the block
+        table is padded with the null block."""
+        width = max([len(b) for b, _ in chains] + [1])
+        for blocks, length in chains:
+            if not 0 <= length <= len(blocks) * self.block_size:
+                raise ValueError(f"{length} entries do not fit {len(blocks)} blocks of {self.block_size}")
+            for b in blocks:
+                self.check_block(b)
+        table = torch.tensor([list(b) + [NULL_BLOCK] * (width - len(b)) for b, _ in chains], dtype=torch.long)
+        lengths = torch.tensor([n for _, n in chains], dtype=torch.long)
+        zero = torch.zeros(len(chains), dtype=torch.long)
+        return PagedPlan(zero.to(self.device), lengths.to(self.device), table.to(self.device), 1, self.block_size)
 
     def chain_rows(self, blocks: list[int], start: int, stop: int) -> Tensor:
         """Flat store rows of positions ``start .. stop-1`` of the chain ``blocks`` (block

@@ -101,9 +101,18 @@ class ShardedCache(_Proxy):
         self._call("prefix_checkpoint", int(row), None if slot is None else int(slot), [int(b) for b in chain],
                    int(start), int(stop), None if base is None else int(base))
 
+    def prefix_checkpoints(self, jobs: list[dict]) -> None:
+        self._call("prefix_checkpoints", [{k: (None if v is None else [int(b) for b in v] if k == "chain" else int(v))
+                                           for k, v in j.items()} for j in jobs])
+
     def load_prefix(self, slot: int, length: int, chain, attn=(), checkpoint=None) -> None:
         ck = None if checkpoint is None else (int(checkpoint[0]), int(checkpoint[1]))
         self._call("load_prefix", int(slot), int(length), [int(b) for b in chain], [int(b) for b in attn], ck)
+
+    def load_prefixes(self, requests) -> list:
+        reqs = [(int(slot), int(length), [int(b) for b in chain], [int(b) for b in attn],
+                 None if ck is None else (int(ck[0]), int(ck[1]))) for slot, length, chain, attn, ck in requests]
+        return self._call("load_prefixes", reqs)   # every rank validates the same requests alike
 
     def prefix_retain_attn(self, blocks) -> None:
         self._call("prefix_retain_attn", [int(b) for b in blocks])

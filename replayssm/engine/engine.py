@@ -37,7 +37,7 @@ from .outputs import RequestOutput, request_output
 from .prefix_cache import PrefixCache, plan_store
 from .sampler import Sampler, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence
 
 
 class LLMEngine:
@@ -436,6 +436,8 @@ class LLMEngine:
                 if not s.prefilling:
                     logits.append(row)
                     order.append(s)
+            if self.prefix_cache is not None:
+                self.prefix_cache.write_checkpoints()
         done = {id(s): i for i, s in enumerate(order)}
         forked = [s for s in waiting if id(s.group[0]) in done]
         if forked:
@@ -465,17 +467,19 @@ class LLMEngine:
         """Resume prefix-cache hits (before a sequence's first chunk) and mark the prompt
         blocks this step's chunks capture.  A hit that cannot be loaded (a pool ran dry)
         ends that request with an error; the others go on."""
+        hits = [s for s, _ in chunks if s.prefix is not None and s.prefix.load is not None]
+        failed = set()
+        for s, e in zip(hits, self.prefix_cache.load_many(hits)):   # one batched load for all hits
+            if e is not None:
+                s.error, s.finish_reason = f"prefix cache: resuming the cached prefix failed: {e}", "error"
+                failed.add(id(s))
+            else:
+                s.mode = self.cache.mode_of(s.slot)
         ok = []
         for s, n in chunks:
-            if s.prefix is not None and s.prefix.load is not None:
-                try:
-                    self.prefix_cache.load(s)
-                except (RuntimeError, ValueError) as e:
-                    s.error, s.finish_reason = f"prefix cache: resuming the cached prefix failed: {e}", "error"
-                    continue
-                s.mode = self.cache.mode_of(s.slot)
-            self.prefix_cache.before_prefill(s, n)
-            ok.append((s, n))
+            if id(s) not in failed:
+                self.prefix_cache.before_prefill(s, n)
+                ok.append((s, n))
         return ok
 
     def _decode(self, seqs: list[Sequence], reserve: bool = True) -> list[Step]:

@@ -284,6 +284,7 @@ class PrefixCache:
         self.has_attn = getattr(cache, "attn", None) is not None
         self.index = PrefixIndex(block_size, num_blocks, num_checkpoints, interval, on_evict=self._evicted)
         self.on_transfer = on_transfer
+        self._jobs: list[dict] = []       # checkpoints taken, written by write_checkpoints
         self.stats = stats if stats is not None else {}
         for k in self.COUNTERS:
             self.stats.setdefault(k, 0)
@@ -312,35 +313,54 @@ class PrefixCache:
             self.stats["prefix_blocks_saved"] += len(m.full)
 
     def load(self, seq) -> None:
-        """Resume ``seq``'s slot at its hit (before its first prefill chunk)."""
-        st: SeqPrefix = seq.prefix
-        m = st.load
-        if m is None:
-            return
+        """Resume ``seq``'s slot at its hit (before its first prefill chunk); raises what the
+        cache raised when it could not (the slot is left free)."""
+        err = self.load_many([seq])[0]
+        if err is not None:
+            raise err
+
+    def load_many(self, seqs) -> list[Exception | None]:
+        """Resume every sequence of ``seqs`` at its hit in one batched cache call (sequences
+        without a pending hit are skipped); per sequence ``None`` or the exception that kept
+        it from loading (its slot is left free, the others are loaded)."""
         bs = self.block_size
-        blocks = m.blocks
-        ckpt = None
-        for b in reversed(m.full):        # nearest checkpoint at or before the hit
-            if b.ckpt is not None:
-                ckpt = (b.end, b.ckpt)
-                break
-        attn = [b.attn for b in blocks] if self.has_attn else ()
+        todo, reqs = [], []
+        for seq in seqs:
+            m = seq.prefix.load
+            if m is None:
+                continue
+            ckpt = None
+            for b in reversed(m.full):        # nearest checkpoint at or before the hit
+                if b.ckpt is not None:
+                    ckpt = (b.end, b.ckpt)
+                    break
+            attn = [b.attn for b in m.blocks] if self.has_attn else ()
+            todo.append(seq)
+            reqs.append((seq.slot, m.length, [b.store for b in m.blocks], attn, ckpt))
+        errors = {}
         try:
-            self.cache.load_prefix(seq.slot, m.length, [b.store for b in blocks], attn=attn, checkpoint=ckpt)
-            k = len(m.full)
-            if m.partial is not None and (k + 1) * bs <= seq.num_prompt_tokens:
-                # the sequence captures its own copy of the partly matched block: copy the used part
-                dst = self.index.alloc_block()
-                if dst is None:
-                    st.stopped = True
-                else:
-                    self.cache.prefix_copy(m.partial.store, dst, m.length - k * bs)
-                    st.pending[k] = dst
-                    self.cache.prefix_assign(seq.slot, [(k, dst)])
+            for seq, err in zip(todo, self.cache.load_prefixes(reqs) if reqs else []):
+                errors[id(seq)] = err
+                if err is not None:
+                    continue
+                st: SeqPrefix = seq.prefix
+                m, k = st.load, len(st.load.full)
+                if m.partial is not None and (k + 1) * bs <= seq.num_prompt_tokens:
+                    # the sequence captures its own copy of the partly matched block: copy the used part
+                    dst = self.index.alloc_block()
+                    if dst is None:
+                        st.stopped = True
+                    else:
+                        self.cache.prefix_copy(m.partial.store, dst, m.length - k * bs)
+                        st.pending[k] = dst
+                        self.cache.prefix_assign(seq.slot, [(k, dst)])
         finally:
-            st.load = None
-            if m.partial is not None:     # read (and copied): no longer held
-                self.index.release([m.partial])
+            for seq in todo:
+                m = seq.prefix.load
+                seq.prefix.load = None
+                if m.partial is not None:     # read (and copied): no longer held
+                    self.index.release([m.partial])
+        return [errors.get(id(seq)) for seq in seqs]
 
     # -- capture -----------------------------------------------------------------------------
     def before_prefill(self, seq, n: int) -> None:
@@ -367,7 +387,8 @@ class PrefixCache:
 
     def after_prefill(self, seq) -> None:
         """Insert the blocks ``seq``'s prefill completed (in order), with their checkpoints
-        and (hybrids) attention blocks."""
+        (written for all sequences of the step by :meth:`write_checkpoints`) and (hybrids)
+        attention blocks."""
         st: SeqPrefix = seq.prefix
         if st is None:
             return
@@ -411,16 +432,23 @@ class PrefixCache:
             return
         q = b.end
         if seq.num_prefilled == q and self.cache.mode_of(seq.slot) in ("replay", "recurrent"):
-            self.cache.prefix_checkpoint(row, slot=seq.slot)
+            self._jobs.append(dict(row=row, slot=seq.slot))
         else:
             base, start = None, 0
             for prev in reversed(st.chain[:b.index]):
                 if prev.ckpt is not None:
                     base, start = prev.ckpt, prev.end
                     break
-            self.cache.prefix_checkpoint(row, chain=[x.store for x in st.chain[:b.index + 1]], start=start, stop=q,
-                                         base=base)
+            self._jobs.append(dict(row=row, chain=[x.store for x in st.chain[:b.index + 1]], start=start, stop=q,
+                                   base=base))
         b.ckpt = row
+
+    def write_checkpoints(self) -> None:
+        """Write the checkpoints this step's :meth:`after_prefill` calls took, in one batched
+        cache call (before the slots' states move on: right after the prefill)."""
+        if self._jobs:
+            jobs, self._jobs = self._jobs, []
+            self.cache.prefix_checkpoints(jobs)
 
     # -- end -------------------------------------------------------------------------------
     def finish(self, seq) -> None:

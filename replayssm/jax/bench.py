@@ -37,6 +37,7 @@ from types import SimpleNamespace
 import torch
 
 from ..bench import e2e
+from ..bench.common import free_memory
 from ..engine.config import SamplingParams
 from ..engine.llm import LLM
 from ..models import load_model
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                                   max_num_seqs=B, max_seq_len=ns.max_seq_len).generate(prompts, sp)
                         same = [sum(a == b for a, b in zip(o.token_ids, r.token_ids)) for o, r in zip(jax_out, ref)]
                         match = sum(same) / sum(len(r.token_ids) for r in ref)
-                        e2e._free(device)
+                        free_memory(device)
                     stats = []
                     for _ in range(args.repeats):
                         llm.generate(prompts, sp)
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                     out.add("prefill", {"preset": preset, "backend": "torch", "batch": B, "tokens": T, "chunk": 64,
                                         "s": _median(times), "tokens_per_s": B * T / _median(times)})
                     del cache
-                    e2e._free(device)
+                    free_memory(device)
                 for q in chunks:
                     if over_budget(f"jax prefill {preset} {B}x{T} chunk {q}"):
                         continue
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                     del cache
                     del fn
             del tmodel
-            e2e._free(device)
+            free_memory(device)
             del params
     res["elapsed_s"] = time.perf_counter() - t_start
     out.path.write_text(json.dumps(res, indent=1, default=str))

@@ -373,10 +373,21 @@ class ModelCache:
         ``start .. stop-1`` folded into checkpoint ``base`` (zeros when None)."""
         prefix_ops.checkpoint(self, row, slot=slot, chain=chain, start=start, stop=stop, base=base)
 
+    def prefix_checkpoints(self, jobs: list[dict]) -> None:
+        """Several :meth:`prefix_checkpoint` calls (dicts of its arguments), validated
+        together and written in batches per layer."""
+        prefix_ops.checkpoint_many(self, jobs)
+
     def load_prefix(self, slot: int, length: int, chain, attn=(), checkpoint=None) -> None:
         """Resume the free ``slot`` exactly at token ``length`` of a cached prefix (checkpoint
         + entries, conv inputs, shared attention blocks); a prefill continues from there."""
         prefix_ops.load(self, slot, length, chain, attn, checkpoint)
+
+    def load_prefixes(self, requests) -> list:
+        """:meth:`load_prefix` for several ``(slot, length, chain, attn, checkpoint)`` at once,
+        written in one batch per layer; returns per request ``None`` or the exception that
+        left its slot free (the others are loaded)."""
+        return prefix_ops.load_many(self, requests)
 
     def prefix_retain_attn(self, blocks) -> None:
         """The prefix index takes a reference on attention blocks it caches."""

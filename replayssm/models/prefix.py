@@ -71,46 +71,79 @@ def copy_block(cache, src: int, dst: int, count: int) -> None:
             t[dst * bs:dst * bs + count] = t[src * bs:src * bs + count]
 
 
-def _chain_state(cache, layer, chain: list[int], start: int, stop: int, base: Tensor | None) -> Tensor:
-    """State after entries ``start .. stop-1`` of the chain folded into ``base`` (zeros when
-    None): ``[1, *state]`` in the state dtype."""
-    table = cache.prefix
-    pools = cache.layers[layer.layer_id]["prefix"]
-    bs = table.block_size
-    if stop == start:
-        S = torch.zeros((1,) + tuple(pools.ckpt.shape[1:]), dtype=pools.ckpt.dtype, device=pools.ckpt.device) \
-            if base is None else base
-        return S.to(pools.ckpt.dtype)
-    plan = table.chain_plan(chain[start // bs:], stop - start)
-    return layer.fold(pools.entries, plan, base).to(pools.ckpt.dtype)
-
-
 def checkpoint(cache, row: int, *, slot: int | None = None, chain=(), start: int = 0, stop: int = 0,
                base: int | None = None) -> None:
     """Write checkpoint ``row`` of every SSM layer: the state of ``slot`` (a state-form slot
     whose prefill just ended at the checkpoint's position), or the fold of the chain's entries
     ``start .. stop-1`` into checkpoint ``base`` (zeros when None)."""
+    checkpoint_many(cache, [dict(row=row, slot=slot, chain=chain, start=start, stop=stop, base=base)])
+
+
+def checkpoint_many(cache, jobs: list[dict]) -> None:
+    """:func:`checkpoint` for several jobs (dicts of its keyword arguments plus ``row``), all
+    validated before any is written, then written per layer in batches: one copy for the
+    slot jobs and one fold over all rows for the fold jobs (a job whose ``base`` is written
+    by another job of the list waits for the batch that writes it)."""
     table = _need_store(cache)
-    table.check_checkpoint(row)
-    if base is not None:
-        table.check_checkpoint(base)
-    if slot is not None:
-        slot = int(slot)
-        if not 0 < slot < cache.P or cache.mode_of(slot) not in ("replay", "recurrent"):
-            raise ValueError(f"slot {slot} holds no state to checkpoint (form {cache.mode_of(slot)!r})")
-        if cache.mode_of(slot) == "replay" and int(cache.ring.length[slot]):
-            raise ValueError(f"slot {slot} has ring entries past its checkpoint; checkpoint right after a prefill")
-    else:
-        if start % table.block_size or not 0 <= start <= stop:
-            raise ValueError(f"fold range [{start}, {stop}) must start on a block boundary")
+    jobs = [dict(row=int(j["row"]), slot=None if j.get("slot") is None else int(j["slot"]),
+                 chain=[int(b) for b in j.get("chain", ())], start=int(j.get("start", 0)), stop=int(j.get("stop", 0)),
+                 base=None if j.get("base") is None else int(j["base"])) for j in jobs]
+    rows = [j["row"] for j in jobs]
+    if len(set(rows)) != len(rows):
+        raise ValueError(f"checkpoint rows written twice in one call: {rows}")
+    slots = [j["slot"] for j in jobs if j["slot"] is not None]
+    ring_len = cache.ring.length[torch.tensor(slots, dtype=torch.long, device=cache.device)].tolist() if slots else []
+    held = dict(zip(slots, ring_len))
+    for j in jobs:
+        table.check_checkpoint(j["row"])
+        if j["base"] is not None:
+            table.check_checkpoint(j["base"])
+        if j["slot"] is not None:
+            slot = j["slot"]
+            if not 0 < slot < cache.P or cache.mode_of(slot) not in ("replay", "recurrent"):
+                raise ValueError(f"slot {slot} holds no state to checkpoint (form {cache.mode_of(slot)!r})")
+            if cache.mode_of(slot) == "replay" and held[slot]:
+                raise ValueError(f"slot {slot} has ring entries past its checkpoint; checkpoint right after a prefill")
+        else:
+            if j["start"] % table.block_size or not 0 <= j["start"] <= j["stop"]:
+                raise ValueError(f"fold range [{j['start']}, {j['stop']}) must start on a block boundary")
+            need = -(-(j["stop"] - j["start"]) // table.block_size)
+            if len(j["chain"]) - j["start"] // table.block_size < need:
+                raise ValueError(f"fold range [{j['start']}, {j['stop']}) runs past a chain of {len(j['chain'])} blocks")
+            for blk in j["chain"]:
+                table.check_block(blk)
+    todo = list(jobs)
+    while todo:                                            # batches in the order bases are written
+        waiting = {j["row"] for j in todo}
+        wave = [j for j in todo if j["base"] is None or j["base"] not in waiting]
+        if not wave:
+            raise ValueError("checkpoint jobs wait on each other's bases in a cycle")
+        todo = [j for j in todo if j not in wave]
+        _checkpoint_wave(cache, wave)
+
+
+def _checkpoint_wave(cache, jobs: list[dict]) -> None:
+    dev = cache.device
+    sj = [j for j in jobs if j["slot"] is not None]
+    fj = [j for j in jobs if j["slot"] is None]
+    if sj:
+        s_rows = torch.tensor([j["row"] for j in sj], dtype=torch.long, device=dev)
+        s_slots = torch.tensor([j["slot"] for j in sj], dtype=torch.long, device=dev)
+    if fj:
+        bs = cache.prefix.block_size
+        f_rows = torch.tensor([j["row"] for j in fj], dtype=torch.long, device=dev)
+        plan = cache.prefix.chains_plan([(j["chain"][j["start"] // bs:], j["stop"] - j["start"]) for j in fj])
+        has_base = torch.tensor([j["base"] is not None for j in fj], device=dev)
+        bases = torch.tensor([j["base"] or 0 for j in fj], dtype=torch.long, device=dev)
     for layer in _ssm_layers(cache):
         store = cache.layers[layer.layer_id]
         pools = store["prefix"]
-        if slot is not None:
-            pools.ckpt[row] = store["buf"].state[slot].to(pools.ckpt.dtype)
-        else:
-            S0 = None if base is None else pools.ckpt[base:base + 1]
-            pools.ckpt[row] = _chain_state(cache, layer, list(chain), start, stop, S0)[0]
+        if sj:
+            pools.ckpt[s_rows] = store["buf"].state[s_slots].to(pools.ckpt.dtype)
+        if fj:
+            S0 = torch.where(has_base.view(-1, *[1] * (pools.ckpt.dim() - 1)), pools.ckpt[bases],
+                             torch.zeros((), dtype=pools.ckpt.dtype, device=dev))
+            pools.ckpt[f_rows] = layer.fold(pools.entries, plan, S0).to(pools.ckpt.dtype)
 
 
 def _window_rows(table, chain: list[int], length: int, width: int) -> tuple[Tensor, Tensor]:
@@ -134,12 +167,42 @@ def load(cache, slot: int, length: int, chain, attn=(), checkpoint=None) -> None
     Everything is validated before the cache changes; :class:`PoolExhausted` (no blocks for
     the copied attention block or the KV-only pages) leaves the slot free.
     """
-    table = _need_store(cache)
+    err = load_many(cache, [(slot, length, chain, attn, checkpoint)])[0]
+    if err is not None:
+        raise err
+
+
+def load_many(cache, requests) -> list[Exception | None]:
+    """:func:`load` for several requests ``(slot, length, chain, attn, checkpoint)`` at once:
+    each is validated and given its pool blocks alone (a failing one leaves its slot free and
+    gets its exception in the returned list, ``None`` for the others), then the state, ring,
+    KV-only pages and conv windows of all of them are written per layer in one batch (a
+    fold over all rows, one gather/scatter per tensor), not request by request."""
+    _need_store(cache)
     cache._check_idle()
+    plans, errors, taken = [], [], set()
+    for req in requests:
+        try:
+            plan = _prepare(cache, *req, taken=taken)
+        except (PoolExhausted, ValueError) as e:
+            errors.append(e)
+            continue
+        taken.add(plan["slot"])
+        plans.append(plan)
+        errors.append(None)
+    if plans:
+        _apply(cache, plans)
+    return errors
+
+
+def _prepare(cache, slot: int, length: int, chain, attn=(), checkpoint=None, *, taken=()) -> dict:
+    """Validate one request, share its attention blocks, reserve its pools and copy its
+    partly used attention block; returns what :func:`_apply` writes for it."""
+    table = cache.prefix
     slot, length = int(slot), int(length)
     chain, attn = [int(b) for b in chain], [int(b) for b in attn]
     bs = table.block_size
-    if not 0 < slot < cache.P or slot in cache._in_use:
+    if not 0 < slot < cache.P or slot in cache._in_use or slot in taken:
         raise ValueError(f"load_prefix needs a free slot in [1, {cache.P - 1}], got {slot}")
     if not 0 < length <= cache.max_seq_len:
         raise ValueError(f"prefix length must be in [1, {cache.max_seq_len}], got {length}")
@@ -173,38 +236,71 @@ def load(cache, slot: int, length: int, chain, attn=(), checkpoint=None) -> None
             for name in ("k", "v"):
                 pool = cache.layers[layer.layer_id][name]
                 pool[dst, :r] = pool[attn[full], :r]
-    L = cache.ring.capacity
-    h = min(length - c, L) if form == "replay" else 0
+    h = min(length - c, cache.ring.capacity) if form == "replay" else 0
+    return dict(slot=slot, length=length, chain=chain, c=c, row=row, h=h, form=form)
+
+
+def _apply(cache, plans: list[dict]) -> None:
+    """Write the SSM layers' part of every prepared request, batched over requests:
+
+    * KV-only rows: entries ``0 .. p-1`` gathered into their pages;
+    * state rows: ``S = fold(S_c, entries c .. p-h-1)`` for all rows in one fold
+      (``S_c = 0`` without a checkpoint), then ring entries ``p-h .. p-1``;
+    * every row: the conv window = conv inputs ``p-W+1 .. p-1`` (zeros before the start).
+    """
+    table, bs, dev = cache.prefix, cache.prefix.block_size, cache.device
+    kvs = [q for q in plans if q["form"] == "kv"]
+    sts = [q for q in plans if q["form"] != "kv"]
+    cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=dev)  # noqa: E731
+    # index work shared by every SSM layer, done once
+    if kvs:
+        kv_src = cat([table.chain_rows(q["chain"], 0, q["length"]) for q in kvs])
+        dst = []
+        for q in kvs:
+            blocks = torch.tensor(cache.pidx.blocks_of(q["slot"]), dtype=torch.long)
+            j = torch.arange(q["length"])
+            dst.append(blocks[j // bs] * bs + j % bs)
+        kv_dst = torch.cat(dst).to(dev)
+    if sts:
+        st_slots = torch.tensor([q["slot"] for q in sts], dtype=torch.long, device=dev)
+        fold = table.chains_plan([(q["chain"][q["c"] // bs:], q["length"] - q["h"] - q["c"]) for q in sts])
+        has_ckpt = torch.tensor([q["row"] is not None for q in sts], device=dev)
+        ckpt_rows = torch.tensor([0 if q["row"] is None else q["row"] for q in sts], dtype=torch.long, device=dev)
+        ringed = [q for q in sts if q["h"]]
+        ring_src = cat([table.chain_rows(q["chain"], q["length"] - q["h"], q["length"]) for q in ringed])
+        ring_slot = torch.tensor([q["slot"] for q in ringed for _ in range(q["h"])], dtype=torch.long).to(dev)
+        ring_pos = torch.tensor([j for q in ringed for j in range(q["h"])], dtype=torch.long).to(dev)
+    all_slots = torch.tensor([q["slot"] for q in plans], dtype=torch.long, device=dev)
+    windows = {}                                           # conv width - 1 -> (store rows, valid) [R, W-1]
     for layer in _ssm_layers(cache):
         store = cache.layers[layer.layer_id]
         pools = store["prefix"]
-        if form == "kv":                                   # every entry since the start, in its pages
-            src = table.chain_rows(chain, 0, length)
-            blocks = torch.tensor(cache.pidx.blocks_of(slot), dtype=torch.long)
-            j = torch.arange(length)
-            dst = (blocks[j // bs] * bs + j % bs).to(cache.device)
+        if kvs:
             for t_dst, t_src in zip(store["kv"].tensors(), pools.entries.tensors()):
-                t_dst[dst] = t_src[src]
-        else:                                              # checkpoint + entries folded (+ ring)
-            S0 = None if row is None else pools.ckpt[row:row + 1]
-            S = _chain_state(cache, layer, chain, c, length - h, S0)
+                t_dst[kv_dst] = t_src[kv_src]
+        if sts:
+            S0 = torch.where(has_ckpt.view(-1, *[1] * (pools.ckpt.dim() - 1)), pools.ckpt[ckpt_rows],
+                             torch.zeros((), dtype=pools.ckpt.dtype, device=dev))
             buf = store["buf"]
-            buf.state[slot] = S[0].to(buf.state.dtype)
-            if h:
-                src = table.chain_rows(chain, length - h, length)
+            buf.state[st_slots] = layer.fold(pools.entries, fold, S0).to(buf.state.dtype)
+            if ringed:
                 for t_ring, t_src in zip(buf.ring_tensors(), pools.entries.tensors()):
-                    t_ring[slot, :h] = t_src[src].to(t_ring.dtype)
+                    t_ring[ring_slot, ring_pos] = t_src[ring_src].to(t_ring.dtype)
         win = store["conv"].window
         W1 = win.shape[2]
         if W1:
-            rows, valid = _window_rows(table, chain, length, W1)
-            vals = pools.preconv[rows].to(win.dtype)        # [W-1, C]
-            vals = torch.where(valid[:, None], vals, torch.zeros((), dtype=win.dtype, device=win.device))
-            win[slot] = vals.T
-    t = torch.tensor([slot], dtype=torch.long, device=cache.device)
-    cache.ring.start[t] = 0
-    cache.ring.length[t] = h
-    if form == "kv":
-        cache.pidx.length[t] = length
-    cache.seq_len[t] = length
-    cache._in_use.add(slot)
+            if W1 not in windows:
+                rv = [_window_rows(table, q["chain"], q["length"], W1) for q in plans]
+                windows[W1] = (torch.stack([r for r, _ in rv]), torch.stack([v for _, v in rv]))
+            rows, valid = windows[W1]
+            vals = pools.preconv[rows].to(win.dtype)                         # [R, W-1, C]
+            vals = torch.where(valid[..., None], vals, torch.zeros((), dtype=win.dtype, device=win.device))
+            win[all_slots] = vals.transpose(1, 2)
+    cache.ring.start[all_slots] = 0
+    cache.ring.length[all_slots] = torch.tensor([q["h"] for q in plans], dtype=cache.ring.length.dtype, device=dev)
+    if kvs:
+        kv_slots = torch.tensor([q["slot"] for q in kvs], dtype=torch.long, device=dev)
+        cache.pidx.length[kv_slots] = torch.tensor([q["length"] for q in kvs], dtype=cache.pidx.length.dtype,
+                                                   device=dev)
+    cache.seq_len[all_slots] = torch.tensor([q["length"] for q in plans], dtype=cache.seq_len.dtype, device=dev)
+    cache._in_use.update(q["slot"] for q in plans)

@@ -228,8 +228,8 @@ def test_chunked_prefill_at_any_budget(loaded, expected, arch, budget):
     checkpoint); hits continue in chunks from any token."""
     llm = _llm(loaded[arch], "replay", max_num_batched_tokens=budget)
     calls = []
-    orig = llm.cache.prefix_checkpoint
-    llm.cache.prefix_checkpoint = lambda row, slot=None, **kw: (calls.append(slot), orig(row, slot=slot, **kw))
+    orig = llm.cache.prefix_checkpoints
+    llm.cache.prefix_checkpoints = lambda jobs: (calls.extend(j.get("slot") for j in jobs), orig(jobs))
     prompts = PROMPTS[:3] + PROMPTS[-2:]
     assert _one_by_one(llm, prompts) == [expected(arch, p) for p in prompts]
     assert calls and (budget == 3 or all(s is not None for s in calls))   # 7 never crosses a boundary mid-chunk

@@ -156,3 +156,56 @@ def test_layout_measures_the_prefix_store(ours):
     assert b.nbytes() - a.nbytes() == 2 * lay.prefix_block_bytes + 3 * lay.checkpoint_bytes
     assert lay.checkpoint_bytes == lay.state_bytes
     assert lay.prefix_block_bytes >= BS * lay.entry_bytes > 0
+
+
+@pytest.mark.parametrize("mode", ["replay", "kv", "recurrent"])
+@pytest.mark.parametrize("name", ["mamba2", "qwen3_next", "nemotron_h"])
+def test_batched_load_equals_one_by_one(ours, name, mode):
+    """``load_prefixes`` (one batched write per layer) leaves every tensor of the cache as
+    loading the same requests one by one does; a bad request among them (a slot already
+    taken by an earlier request of the batch) fails alone and changes nothing of its own."""
+    model = ours(name)
+    caches = [_store(model, mode, poison=False) for _ in range(2)]
+    loaded = []
+    for cache in caches:
+        prompt, attn = _cache_prompt(model, cache, mode, torch.Generator().manual_seed(5))
+        loaded.append(attn)
+    attn = loaded[0]
+    assert loaded[1] == attn
+    reqs = []
+    for slot, p in ((1, 23), (2, 9), (3, 3), (4, 16)):   # past checkpoint 2, after 1, before any, on 2
+        ck = (2 * C, 2) if p >= 2 * C else (C, 1) if p >= C else None
+        nblk = -(-p // BS)
+        reqs.append((slot, p, list(range(1, nblk + 1)), attn[:nblk], ck))
+    for r in reqs:
+        caches[0].load_prefix(*r)
+    errs = caches[1].load_prefixes(reqs[:2] + [(2, 5, [1, 2], attn[:2], None)] + reqs[2:])
+    assert [e is None for e in errs] == [True, True, False, True, True]
+    assert isinstance(errs[2], ValueError) and "free slot" in str(errs[2])
+    for a, b in zip(caches[0].tensors(), caches[1].tensors()):
+        assert torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+    assert caches[0].seq_len.tolist() == caches[1].seq_len.tolist()
+    assert caches[0].ring.length.tolist() == caches[1].ring.length.tolist()
+
+
+@pytest.mark.parametrize("name", ["mamba2", "qwen3_next"])
+def test_batched_checkpoints_equal_one_by_one(ours, name):
+    """``prefix_checkpoints`` writes jobs whose base another job of the call writes after
+    that one (batches in base order), and a bad job refuses the whole call unwritten."""
+    model = ours(name)
+    caches = [_store(model, "replay", poison=False) for _ in range(2)]
+    for cache in caches:
+        _cache_prompt(model, cache, "replay", torch.Generator().manual_seed(6))
+    chain = list(range(1, N // BS + 1))
+    jobs = [dict(row=4, chain=chain, start=C, stop=2 * C + BS, base=3),     # waits for row 3
+            dict(row=3, chain=chain, start=0, stop=C),
+            dict(row=1, chain=chain, start=0, stop=BS)]                      # no base
+    for j in (jobs[1], jobs[0], jobs[2]):
+        caches[0].prefix_checkpoint(**j)
+    before = _snapshot(caches[1])
+    with pytest.raises(ValueError):
+        caches[1].prefix_checkpoints(jobs + [dict(row=2, chain=chain, start=3, stop=8)])   # not on a block
+    _same(before, _snapshot(caches[1]))
+    caches[1].prefix_checkpoints(jobs)
+    for a, b in zip(caches[0].tensors(), caches[1].tensors()):
+        assert torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
