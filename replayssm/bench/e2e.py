@@ -302,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mixed-decoders", type=positive_int, default=16, help="prefill: requests decoding ...")
     g.add_argument("--mixed-max-tokens", type=positive_int, default=256, help="... this many tokens each ...")
     g.add_argument("--mixed-prompts", type=int, default=4, help="... when this many long prompts arrive (0: skip)")
-    g.add_argument("--mixed-len", type=positive_int, default=8192, help="... of this many tokens")
+    g.add_argument("--mixed-len", type=positive_int, default=32768,
+                   help="... of this many tokens (longer than the budget: chunked prefill splits them)")
     g.add_argument("--prefix-memory", action="store_true",
                    help="print memory per cached token, ours vs state-per-block, for --memory-presets")
     g.add_argument("--memory-presets", default="2.7b,nemotron-h-4b,qwen3-next-4b")
