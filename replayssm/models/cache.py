@@ -12,6 +12,10 @@ Shared bookkeeping: ``ring`` (``RingIndex``, replay form), ``pidx`` (``PagedInde
 form), ``seq_len [P]`` (committed tokens per slot, device), the per-slot form (host list,
 changed only between steps by :meth:`switch_to_state` / :meth:`release`) and the pending
 verify (a :class:`~replayssm.layers.context.StepContext` awaiting ``model.commit``).
+
+Optionally (:meth:`keep_hidden`, for a drafter that conditions on the model, e.g. MTP):
+``hidden [P, max_new, D]``, the final-normed hidden state (the LM head's input) of each token
+of every slot's latest call, written on the device inside the call.
 """
 
 from __future__ import annotations
@@ -137,11 +141,52 @@ class ModelCache:
                     t.fill_(float("nan"))
             self.layers[layer.layer_id] = store
         self.pending = None
+        self.hidden: Tensor | None = None                # keep_hidden(): [P, max_new, D]
+        self.prompt_hidden: dict[int, list[Tensor]] = {}  # slot -> prefilled hidden states
+
+    # ------------------------------------------------------------------ hidden states
+    def keep_hidden(self, width: int) -> None:
+        """From now on keep the final-normed hidden state ``hn`` (the LM head's input) of the
+        tokens each call processes, for a drafter that reads it (MTP):
+
+        * ``hidden [P, max_new, width]`` (static, so CUDA graphs write it in place): after a
+          ``decode`` / ``verify`` / ``verify_tree`` of ``T`` tokens, ``hidden[slot, i]`` is
+          token (node) ``i``'s; after a ``prefill``, ``hidden[slot, 0]`` is the last prompt
+          token's.  Written by the call on the device (no host round trip).
+        * ``prompt_hidden[slot]``: each prefill's ``[n, width]`` rows (every valid prompt
+          token), kept until :meth:`take_prompt_hidden` or :meth:`release`.
+        """
+        if self.hidden is None:
+            self.hidden = torch.zeros(self.P, self.max_new, int(width), dtype=self.dtype, device=self.device)
+
+    def record_hidden(self, slots: Tensor, hn: Tensor) -> None:
+        """``hidden[slots, :T] = hn [B, T, D]`` (no-op unless :meth:`keep_hidden`)."""
+        if self.hidden is not None:
+            self.hidden[slots, : hn.shape[1]] = hn.to(self.hidden.dtype)
+
+    def record_prompt_hidden(self, slots: Tensor, hn: Tensor, lengths: Tensor) -> None:
+        """After a prefill of ``hn [B, T, D]`` (``lengths`` valid per row): the last valid
+        row to ``hidden[slot, 0]``, every valid row appended to ``prompt_hidden[slot]``."""
+        B = hn.shape[0]
+        last = hn[torch.arange(B, device=hn.device), (lengths - 1).clamp(min=0)]
+        self.hidden[slots, 0] = last.to(self.hidden.dtype)
+        for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
+            if s:
+                self.prompt_hidden.setdefault(s, []).append(hn[b, :n])
+
+    def take_prompt_hidden(self, slot: int) -> Tensor | None:
+        """The prefilled hidden states of ``slot`` since the last take ``[n, D]`` (or None)."""
+        parts = self.prompt_hidden.pop(int(slot), None)
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
     # ------------------------------------------------------------------ memory
     def tensors(self) -> list[Tensor]:
         """Every tensor this cache holds (layer stores and the shared bookkeeping)."""
         out = [self.seq_len, self.kv_slot] + _owned(self.ring) + _owned(self.pidx)
+        if self.hidden is not None:
+            out.append(self.hidden)
         for store in self.layers.values():
             out += _owned(store)
         return out
@@ -210,6 +255,7 @@ class ModelCache:
         for s in ids:
             self._modes[s] = self.mode
             self._in_use.discard(s)
+            self.prompt_hidden.pop(s, None)
             if self.pidx is not None:
                 self.pidx.release(s)
                 if self._static_kv:
