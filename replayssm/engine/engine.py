@@ -28,6 +28,7 @@ from .config import EngineConfig, SamplingParams, SpeculativeConfig
 from .loading import is_model, load, parse_dtype
 from .memory import MemoryModel, default_auto_threshold, fmt_bytes, memory_model
 from .model_runner import ModelRunner
+from .mtp_drafter import MTPDrafter, mtp_head_of
 from .outputs import RequestOutput, request_output
 from .sampler import Sampler, accept_tree
 from .scheduler import ScheduledBatch, Scheduler
@@ -74,7 +75,8 @@ class LLMEngine:
             if isinstance(getattr(model, "dtype", None), torch.dtype):
                 self.dtype = model.dtype  # a loaded model keeps its own dtype
         else:
-            self.model, tok = load(model, self.device, self.dtype)
+            mtp = ec.speculative is not None and ec.speculative.method == "mtp"
+            self.model, tok = load(model, self.device, self.dtype, mtp=mtp)
             self.tokenizer = tokenizer if tokenizer is not None else tok
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -91,6 +93,9 @@ class LLMEngine:
                                  f"vocab_size {self.vocab_size}")
             draft_layout = self.draft_model.cache_layout(ec.draft_mode, ec.buffer_size, T, ec.max_seq_len,
                                                          ec.kv_block_size)
+        if sp is not None and sp.method == "mtp":  # the head's own cache, per slot like a draft model's
+            draft_layout = mtp_head_of(self.model).cache_layout(ec.draft_mode, ec.buffer_size, T, ec.max_seq_len,
+                                                                ec.kv_block_size)
         self.layout = self.model.cache_layout(ec.cache_mode, ec.buffer_size, T, ec.max_seq_len, ec.kv_block_size)
         self.auto_threshold = ec.auto_threshold or default_auto_threshold(self.layout, ec.buffer_size)
         self.memory: MemoryModel = memory_model(self.layout, ec.decode_mode, T, self.vocab_size,
@@ -157,6 +162,8 @@ class LLMEngine:
             return []
         if sp.method in ("ngram", "draft"):
             return [(sp.num_tokens + 1, False)]
+        if sp.method == "mtp":
+            return [(self.drafter.num_nodes, self.drafter.tree)]
         if self.draft_model is not None:
             return [(self.drafter.num_nodes, True)]
         return []
@@ -172,6 +179,11 @@ class LLMEngine:
             return spec.NgramTreeDrafter(sp.tree_width, sp.depth, sp.prompt_lookup_min, sp.prompt_lookup_max,
                                          self.device)
         ec = self.config
+        if sp.method == "mtp":
+            return MTPDrafter(self.model, self.cache, self.sampler, self.device, num_slots, sp.num_tokens,
+                              tree=sp.tree, cache_mode=ec.draft_mode, buffer_size=ec.buffer_size, max_new=T,
+                              max_seq_len=ec.max_seq_len, kv_block_size=ec.kv_block_size,
+                              cuda_graphs=self.runner.use_graphs, pad_batches=self.runner.pad_batches)
         dcache = self.draft_model.make_cache(num_slots + 1, mode=ec.draft_mode, buffer_size=ec.buffer_size,
                                              max_new=T, max_seq_len=ec.max_seq_len,
                                              kv_block_size=ec.kv_block_size, device=self.device)

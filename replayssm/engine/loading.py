@@ -30,8 +30,9 @@ def is_model(obj) -> bool:
     return isinstance(obj, CachedModel)
 
 
-def load(model, device: torch.device, dtype: torch.dtype):
-    """``(model, tokenizer | None)`` from a Hugging Face-layout directory."""
+def load(model, device: torch.device, dtype: torch.dtype, mtp: bool = False):
+    """``(model, tokenizer | None)`` from a Hugging Face-layout directory (``mtp``: with the
+    checkpoint's MTP head, ``model.mtp``)."""
     if not os.path.isdir(str(model)):
         raise ValueError(f"model directory not found: {model!r}")
-    return load_model(str(model), device=device, dtype=dtype), load_tokenizer(str(model))
+    return load_model(str(model), device=device, dtype=dtype, mtp=mtp), load_tokenizer(str(model))

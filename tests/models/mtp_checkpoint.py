@@ -132,3 +132,40 @@ def hf_hidden(model, ids: torch.Tensor) -> torch.Tensor:
     body = model.model if hasattr(model, "model") else model.backbone
     with H.Float32AsFloat64():
         return body(ids).last_hidden_state.to(torch.float64)
+
+
+_BRANCH_OUT = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "down_proj")
+
+
+def make_predictable(path: str, seed: int = 0, mtp_noise: float = 0.0, branch_scale: float = 0.01,
+                     hidden_scale: float = 0.5) -> None:
+    """Rewrite the weights in ``path`` so that greedy decoding mostly walks a fixed permutation
+    of the vocabulary and the MTP head mostly predicts it: unit-variance embeddings, ``lm_head``
+    the permuted embedding rows over ``sqrt(D)``, every residual branch's output projection
+    scaled by ``branch_scale`` (the residual stream keeps the current token's embedding), and the
+    MTP's fc reading the embedding half (plus ``mtp_noise``: wrong guesses for some tokens) and
+    a random ``hidden_scale`` part of the hidden half (so a wrong hidden state shows).
+    Speculation then accepts long runs, which exercises the multi-token accept paths."""
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(500 + seed)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    V, D = cfg["vocab_size"], cfg["hidden_size"]
+    for fn in sorted(os.listdir(path)):
+        if not fn.endswith(".safetensors"):
+            continue
+        full = os.path.join(path, fn)
+        sd = load_file(full)
+        for k in list(sd):
+            if k.endswith(_BRANCH_OUT):
+                sd[k] = sd[k] * branch_scale
+            elif k.endswith(("embeddings.weight", "embed_tokens.weight")):
+                emb = torch.randn(V, D, generator=g)
+                sd[k] = emb
+                sd["lm_head.weight"] = emb[torch.randperm(V, generator=g)] / D ** 0.5
+            elif k.endswith(("mtp.fc.weight", "eh_proj.weight")):
+                w = torch.zeros(D, 2 * D)
+                w[:, :D] = torch.eye(D) + mtp_noise * torch.randn(D, D, generator=g) / D ** 0.5
+                w[:, D:] = hidden_scale * torch.randn(D, D, generator=g) / D ** 0.5
+                sd[k] = w
+        save_file({k: v.contiguous() for k, v in sd.items()}, full)
