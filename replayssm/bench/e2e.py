@@ -167,7 +167,8 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     warm = prompts[:batch]
     refs = None
-    if spec is not None and args.spec_method == "oracle":  # known continuations, before the engine's cache
+    oracle = spec is not None and (args.spec_method == "oracle" or (args.spec_method == "mtp" and not args.model))
+    if oracle:  # known continuations, before the engine's cache
         ref = LLM(model, device=args.device, dtype=args.dtype, decode_mode="recurrent", max_num_seqs=batch,
                   max_seq_len=args.max_seq_len)
         refs = {tuple(p): o.token_ids for p, o in zip(prompts, ref.generate(prompts, params))}
@@ -183,7 +184,12 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
     llm = LLM(model, device=args.device, dtype=args.dtype, decode_mode=mode, buffer_size=args.buffer_size,
               speculative=spec, max_num_seqs=batch, cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len, **kw)
     if refs is not None:
-        llm.drafter = OracleDrafter(refs, spec.num_tokens, args.oracle_accept, vocab, llm.device)
+        oracle = OracleDrafter(refs, spec.num_tokens, args.oracle_accept, vocab, llm.device)
+        if args.spec_method == "mtp":  # random weights: the MTP head drafts, the oracle's tokens are verified
+            from .mtp import OracleTokens
+
+            oracle = OracleTokens(llm.drafter, oracle)
+        llm.drafter = oracle
     llm.generate(warm, SamplingParams(max_tokens=min(4, args.max_tokens), ignore_eos=True))
     for k in llm.stats:  # warm-up done (also captures CUDA graphs)
         llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
@@ -277,8 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,4,16,64,256,512")
     p.add_argument("--modes", default="recurrent,replay", help="decode modes for the throughput sweep")
     p.add_argument("--spec-batch-sizes", default="1,16,64")
-    p.add_argument("--spec-method", default=None, choices=["oracle", "ngram", "draft", "tree"],
-                   help="default: oracle for random weights (known continuation, --oracle-accept), else ngram")
+    p.add_argument("--spec-method", default=None, choices=["oracle", "ngram", "draft", "tree", "mtp"],
+                   help="default: oracle for random weights (known continuation, --oracle-accept), else ngram; "
+                        "mtp: the model's MTP head (random weights: a random head drafts, the oracle's tokens "
+                        "are verified)")
     p.add_argument("--oracle-accept", type=float, default=1.0, help="oracle: probability each draft is right")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--num-tokens", type=int, default=4)
@@ -335,7 +343,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(model, str):  # load once, share between engines
             from replayssm.models import load_model
 
-            model_obj = load_model(model, device=args.device, dtype=getattr(torch, args.dtype))
+            if args.spec_method == "mtp" and not args.model:
+                from .mtp import add_random_mtp
+
+                add_random_mtp(model)
+            model_obj = load_model(model, device=args.device, dtype=getattr(torch, args.dtype),
+                                   mtp=args.spec_method == "mtp")
         else:
             model_obj = model
         res = {"config": {**vars(args), "model_desc": desc, "spec_method": args.spec_method,

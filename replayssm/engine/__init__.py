@@ -16,6 +16,8 @@ Layout (nano-vllm style):
   (multi-step) speculative acceptance over chains and trees
 * ``speculative.py`` drafters: prompt lookup (chain, trie), draft model (chain, beam or static
   tree); draft caches roll back through the same verify/commit API as the target
+* ``mtp_drafter.py`` drafting with the target's own MTP head (chains, top-k trees; its own
+  cache, the target's kept hidden states; greedy steps as CUDA graphs)
 * ``outputs.py``   RequestOutput
 * ``engine.py``    LLMEngine: ``add_request`` / ``step`` / ``abort``; a step is schedule ->
   run (prefill, decode or draft-verify-accept-commit) -> postprocess (tokens, stop criteria,

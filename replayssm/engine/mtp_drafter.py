@@ -93,6 +93,13 @@ class MTPDrafter(Drafter):
         self.runner = MTPStepGraphs(self._greedy_body, self.device, max_batch, self.width,
                                     cuda_graphs, pad_batches)
         self._parent_t = torch.tensor(self.parent, dtype=torch.long, device=self.device)
+        # per tree level: the head's parent array over the nodes evaluated so far (made here:
+        # a host-to-device copy is not allowed while a CUDA graph captures)
+        self._level_parent = {}
+        if self.tree:
+            for lvl in range(1, max(self.depth)):
+                upto = max(i for i in range(self.num_nodes) if self.depth[i] == lvl) + 1
+                self._level_parent[lvl] = torch.tensor([p - 1 for p in self.parent[1:upto]], device=self.device)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> None:
@@ -206,10 +213,9 @@ class MTPDrafter(Drafter):
                     expand(i)
                 if lvl < D:                   # g of every node so far, as one tree (rolled back)
                     upto = new[-1] + 1
-                    dpar = torch.tensor([p - 1 for p in self.parent[1:upto]], device=slots.device)
                     hid = torch.stack([g[self.parent[i]] for i in range(1, upto)], 1)
                     out = self.head.verify_tree(self.cache, slots, torch.stack(tokens[1:upto], 1),
-                                                dpar.expand(B, -1).contiguous(), hid)
+                                                self._level_parent[lvl].expand(B, -1).contiguous(), hid)
                     self.head.commit(self.cache, zero)
                     for i in range(1, upto):
                         g[i] = out[:, i - 1]
