@@ -15,6 +15,7 @@ _COMMANDS = {
     "traffic": ("replayssm.bench.traffic", "print the per-step memory-traffic model (DESIGN §3)"),
     "bench kernels": ("replayssm.bench.kernels", "benchmark decode/verify kernels against peers"),
     "bench e2e": ("replayssm.bench.e2e", "end-to-end throughput benchmark"),
+    "bench mtp": ("replayssm.bench.mtp", "MTP drafting vs draft model vs n-gram: draft cost per step, tokens/s"),
 }
 
 _DEFAULT = "generate"

@@ -1,4 +1,4 @@
-"""``python -m replayssm.bench.mtp``: MTP drafting against the draft model and n-gram, on GPU.
+"""``replayssm bench mtp``: MTP drafting against the draft model and n-gram, on GPU.
 
 Random-weight models accept nothing real, so every speculative run here verifies the
 *oracle's* tokens (each request's known greedy continuation, each draft kept with probability
@@ -226,7 +226,7 @@ def _run(args, target, draft, method: str | None, batch: int, refs_cache: dict) 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m replayssm.bench.mtp", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="replayssm bench mtp", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-next-4b", help="a bench e2e preset (random weights)")
     p.add_argument("--model", default=None, help="a model directory instead of --preset (given an MTP head "
                                                   "when it has none)")
