@@ -50,6 +50,46 @@ def canonical_device(device) -> torch.device:
     return d
 
 
+#: device types the package runs on (the reference ops run anywhere torch does; these are
+#: the ones it is tested on)
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def check_device(device) -> torch.device:
+    """``device`` validated and in canonical form; ``ValueError`` naming it otherwise.
+
+    Accepts what ``torch.device`` accepts (a string, a ``torch.device``, an int ordinal)
+    for the types in :data:`SUPPORTED_DEVICE_TYPES`.  Rejected, before anything is
+    allocated: strings torch does not know (``"tpu"``), the data-less ``"meta"`` device,
+    other device types, CUDA when this torch build has no usable CUDA, and CUDA ordinals
+    past the visible devices.
+    """
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0' (or a torch.device), "
+                         f"got {device!r}")
+    if isinstance(device, int):
+        device = f"cuda:{device}"  # an accelerator ordinal, as torch.device reads it here
+    try:
+        d = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"device {device!r} is not a device torch knows; replayssm runs on "
+                         f"{' and '.join(SUPPORTED_DEVICE_TYPES)} (e.g. 'cpu', 'cuda', 'cuda:1')") from None
+    if d.type == "meta":
+        raise ValueError("device 'meta' holds no data and cannot run a model; use 'cpu' or 'cuda'")
+    if d.type not in SUPPORTED_DEVICE_TYPES:
+        raise ValueError(f"device {str(d)!r} is not supported: replayssm runs on "
+                         f"{' and '.join(SUPPORTED_DEVICE_TYPES)}")
+    if d.type == "cuda":
+        if not _cuda_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ValueError(f"device {str(d)!r} requested but CUDA is not available ({why}); use device='cpu'")
+        n = torch.cuda.device_count()
+        if d.index is not None and not 0 <= d.index < n:
+            raise ValueError(f"device {str(d)!r} does not exist: {n} CUDA device(s) visible "
+                             f"(cuda:0 .. cuda:{n - 1})")
+    return canonical_device(d)
+
+
 def same_device(a, b) -> bool:
     """Whether two devices (``torch.device``, strings, ints, or tensors) are the same device."""
     a = a.device if isinstance(a, Tensor) else a

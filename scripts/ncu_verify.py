@@ -1,8 +1,11 @@
-"""Launch the Mamba-2 decode and verify kernels once each (after a warm-up), for Nsight
-Compute to read their counters (GPU):
+"""Launch the decode and verify kernels once each (after a warm-up), for Nsight Compute to
+read their counters (GPU):
 
-    ncu --kernel-name regex:'_m2_' --launch-skip-before-match 0 ... \\
-        python3 scripts/ncu_verify.py --batch 256 --T 5
+    ncu --kernel-name regex:'_m2_|_gdn_' --metrics launch__registers_per_thread,... \\
+        python3 scripts/ncu_verify.py --fam mamba2 --batch 256 --T 5
+    python3 scripts/ncu_verify.py --fam gdn --variants rows:32:1,dot:64:4 --T 4
+
+Variants: Mamba-2 ``block_d:num_warps``; GDN ``impl:block_v:num_warps``.
 """
 
 from __future__ import annotations
@@ -11,33 +14,46 @@ import argparse
 
 import torch
 
-from replayssm.bench.kernels import _ring, _set_fill, m2_inputs, m2_setup
+from replayssm.bench.kernels import GDN_SHAPE, _ring, _set_fill, gdn_inputs, gdn_setup, m2_inputs, m2_setup
+from replayssm.kernels import gdn as kg
 from replayssm.kernels import mamba2 as km
 
 M2_27B = dict(H=80, d=64, n=128, G=1)
 
 
+def _verify_kwargs(fam: str, v: str) -> dict:
+    if fam == "mamba2":
+        bd, nw = v.split(":")
+        return dict(block_d=int(bd), num_warps=int(nw))
+    impl, bv, nw = v.split(":")
+    return dict(impl=impl, block_v=int(bv), num_warps=int(nw))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--fam", default="mamba2", choices=("mamba2", "gdn"))
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--T", type=int, default=5)
     ap.add_argument("--L", type=int, default=16)
-    ap.add_argument("--variants", default="64:2,32:2", help="block_d:num_warps,...")
+    ap.add_argument("--variants", default=None, help="mamba2: block_d:num_warps,...; gdn: impl:block_v:num_warps,...")
     ap.add_argument("--fill", type=int, default=0, help="committed entries per row (L - T: every row flushes)")
     args = ap.parse_args()
-    Bt, T, L, s = args.batch, args.T, args.L, M2_27B
+    Bt, T, L = args.batch, args.T, args.L
+    m2 = args.fam == "mamba2"
+    s, setup, inputs, mod = (M2_27B, m2_setup, m2_inputs, km) if m2 else (GDN_SHAPE, gdn_setup, gdn_inputs, kg)
+    variants = args.variants or ("64:2,32:2" if m2 else "rows:32:1,dot:64:4")
     slots = torch.arange(1, Bt + 1, device="cuda")
-    buf = m2_setup(Bt, L, s, "cuda", torch.bfloat16)
+    buf = setup(Bt, L, s, "cuda", torch.bfloat16)
     ring = _ring(Bt + 1, L, "cuda")
     _set_fill(ring, slots, args.fill)
-    dec = m2_inputs(Bt, s, "cuda", torch.bfloat16)
-    inp = m2_inputs(Bt, s, "cuda", torch.bfloat16, T)
+    dec = inputs(Bt, s, "cuda", torch.bfloat16)
+    inp = inputs(Bt, s, "cuda", torch.bfloat16, T)
+
     def launch(decode: bool) -> None:
         if decode:
-            km.replay_decode(buf, ring.plan_decode(slots), **dec)
-        for v in args.variants.split(","):
-            bd, nw = v.split(":")
-            km.replay_verify(buf, ring.plan_verify(slots, T, "verify"), **inp, block_d=int(bd), num_warps=int(nw))
+            mod.replay_decode(buf, ring.plan_decode(slots), **dec)
+        for v in variants.split(","):
+            mod.replay_verify(buf, ring.plan_verify(slots, T, "verify"), **inp, **_verify_kwargs(args.fam, v))
 
     for _ in range(2):  # warm-up: compile everything first
         launch(True)

@@ -18,11 +18,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from ..argtypes import int_list, positive_float, positive_int, probability
+from ..engine.config import SamplingParams, SpeculativeConfig
+from ..engine.llm import LLM
+from ..engine.loading import load
+from ..engine.speculative import Proposal, chain_parent
+# hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE)
+from .hybrid_presets import HYBRID_PRESETS, TINY_OF, random_hybrid_dir
+from .random_mtp import add_random_mtp
 
 PRESETS = {
     # name: Mamba2Config kwargs (random weights)
@@ -48,9 +60,8 @@ def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
     continuation (the oracle drafter's) goes stale after a few tokens.  The compute is
     the same either way: only the weight values differ.
     """
-    import torch
-    from safetensors.torch import save_file
-
+    if preset in HYBRID_PRESETS:
+        return random_hybrid_dir(preset, root, seed)
     cfg = dict(PRESETS[preset], model_type="mamba2", architectures=["Mamba2ForCausalLM"],
                eos_token_id=None, tie_word_embeddings=False, time_step_limit=[0.0, float("inf")],
                residual_in_fp32=True, use_bias=False, use_conv_bias=True, layer_norm_epsilon=1e-5,
@@ -87,7 +98,8 @@ def _load_model(args, tmp: str):
     """(model object or directory, description)."""
     if args.model:
         return args.model, f"model {args.model}"
-    return _random_model_dir(args.preset, tmp), f"random-weight Mamba-2 ({args.preset})"
+    kind = HYBRID_PRESETS[args.preset][0]["model_type"] if args.preset in HYBRID_PRESETS else "Mamba-2"
+    return _random_model_dir(args.preset, tmp), f"random-weight {kind} ({args.preset})"
 
 
 class OracleDrafter:
@@ -113,10 +125,6 @@ class OracleDrafter:
         pass
 
     def propose(self, seqs):
-        import torch
-
-        from replayssm.engine.speculative import Proposal, chain_parent
-
         B, N = len(seqs), self.k + 1
         rows = []  # host lists, one tensor: a tensor per row cost ~1.5 ms a step at B=256
         for s in seqs:
@@ -147,16 +155,12 @@ def _prompts(n: int, length: int, vocab: int, seed: int, repetitive: bool = True
 def _free(device):
     import gc
 
-    import torch
-
     gc.collect()
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()
 
 
 def _sync(device):
-    import torch
-
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -178,8 +182,6 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
         _free(args.device)
     cuda = str(args.device).startswith("cuda")
     if cuda:
-        import torch
-
         torch.cuda.reset_peak_memory_stats()
     llm = LLM(model, device=args.device, dtype=args.dtype, decode_mode=mode, buffer_size=args.buffer_size,
               speculative=spec, max_num_seqs=batch, cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len, **kw)
@@ -277,25 +279,27 @@ def _plots(res: dict, out: Path) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replayssm bench e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: random weights, --preset)")
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS) + sorted(HYBRID_PRESETS))
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--batch-sizes", default="1,4,16,64,256,512")
+    p.add_argument("--batch-sizes", type=int_list, default="1,4,16,64,256,512")
     p.add_argument("--modes", default="recurrent,replay", help="decode modes for the throughput sweep")
-    p.add_argument("--spec-batch-sizes", default="1,16,64")
+    p.add_argument("--spec-batch-sizes", type=int_list, default="1,16,64")
     p.add_argument("--spec-method", default=None, choices=["oracle", "ngram", "draft", "tree", "mtp"],
                    help="default: oracle for random weights (known continuation, --oracle-accept), else ngram; "
                         "mtp: the model's MTP head (random weights: a random head drafts, the oracle's tokens "
                         "are verified)")
-    p.add_argument("--oracle-accept", type=float, default=1.0, help="oracle: probability each draft is right")
+    p.add_argument("--oracle-accept", type=probability, default=1.0, help="oracle: probability each draft is right")
     p.add_argument("--draft-model", default=None)
-    p.add_argument("--num-tokens", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-seq-len", type=int, default=None, help="default: prompt + max tokens + margin")
-    p.add_argument("--buffer-size", type=int, default=16)
-    p.add_argument("--memory-budget", type=float, default=None, help="bytes (default: 64 replay sequences)")
+    p.add_argument("--num-tokens", type=positive_int, default=4)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--max-seq-len", type=positive_int, default=None, help="default: prompt + max tokens + margin")
+    p.add_argument("--buffer-size", type=positive_int, default=16)
+    p.add_argument("--memory-budget", type=positive_float, default=None, help="bytes (default: 64 replay sequences)")
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N GPUs (loaded once, shared by every run)")
     p.add_argument("--out", default="out/bench_e2e")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (< 30 s) for CI")
     p.add_argument("--no-plots", action="store_true")
@@ -304,15 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
-    from tqdm.auto import tqdm
-
-    from replayssm.engine.config import SamplingParams, SpeculativeConfig
-    from replayssm.engine.llm import LLM
-
     if args.smoke:
         args.device = args.device or "cpu"
-        args.preset = "tiny" if args.model is None else args.preset
+        args.preset = TINY_OF.get(args.preset, "tiny") if args.model is None else args.preset
         args.batch_sizes, args.spec_batch_sizes = "1,4", "4"
         args.max_tokens, args.prompt_len = 8, 16
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -341,14 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, desc = _load_model(args, tmp)
         if isinstance(model, str):  # load once, share between engines
-            from replayssm.models import load_model
-
             if args.spec_method == "mtp" and not args.model:
-                from .mtp import add_random_mtp
-
                 add_random_mtp(model)
-            model_obj = load_model(model, device=args.device, dtype=getattr(torch, args.dtype),
-                                   mtp=args.spec_method == "mtp")
+            model_obj = load(model, torch.device(args.device), getattr(torch, args.dtype),
+                             args.tensor_parallel_size, mtp=args.spec_method == "mtp")[0]
         else:
             model_obj = model
         res = {"config": {**vars(args), "model_desc": desc, "spec_method": args.spec_method,
@@ -392,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                 del llm
                 _free(args.device)
         bar.close()
+        if args.tensor_parallel_size > 1:
+            model_obj.close()   # stops the workers
     res["config"]["memory_budget"] = budget
     res["elapsed_s"] = time.perf_counter() - t_start
     # summary ratios
@@ -413,7 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         summ["concurrency_replay_spec_vs_snapshot"] = c.get("replay+spec", 0) / c["snapshot+spec"]
     res["summary"] = summ
     (out / "e2e.json").write_text(json.dumps(res, indent=1, default=str))
-    files = [] if args.no_plots else _plots(res, out)
+    files = []
+    if not args.no_plots:
+        try:
+            files = _plots(res, out)
+        except ImportError:
+            print("replayssm bench e2e: plots skipped: matplotlib is not installed "
+                  "(pip install 'replayssm[bench]')", file=sys.stderr)
     print(f"model: {desc}; device {res['config']['device_name']}; dtype {args.dtype}")
     print(f"{'kind':<12}{'mode':<11}{'batch':>6}{'tok/s':>11}{'decode tok/s':>14}{'acc len':>9}")
     for kind in ("throughput", "speculative"):

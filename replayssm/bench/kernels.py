@@ -33,8 +33,15 @@ import types
 
 import torch
 
+from ..argtypes import int_list
 from ..cache.buffers import GDNBuffers, Mamba2Buffers
 from ..cache.ring import RingIndex
+from ..kernels import _triton
+from ..kernels import gdn as gdn_kernels
+from ..kernels import mamba2 as mamba2_kernels
+from ..kernels.mamba2 import tree_bits
+from ..ops.gdn import naive as gdn_naive
+from ..ops.mamba2 import naive as mamba2_naive
 
 M2_SHAPE = dict(H=128, d=64, n=128, G=8)
 GDN_SHAPE = dict(HK=16, HV=32, K=128, V=128)
@@ -132,12 +139,20 @@ class Timer:
         return 1e6 * ts[len(ts) // 2]
 
 
-def copy_bandwidth(device: str, timer: Timer) -> float:
-    """Device copy bandwidth in bytes/s (read + write)."""
-    n = (1 << 28) if device == "cuda" else (1 << 20)
-    x = torch.randn(n, device=device)
+def copy_bandwidth(device: str, timer: Timer, nbytes: int | None = None) -> float:
+    """Device copy bandwidth in bytes/s (read + write) of ``y.copy_(x)`` over ``nbytes``
+    (default 1 GiB on CUDA), timed with ``triton.testing.do_bench``: a copy kernel, ~3.0 TB/s on
+    the H100.  Not inside a CUDA graph: there ``do_bench_cudagraph`` turns the copy into a
+    copy-engine memcpy node (~2.43 TB/s), which is not the ceiling a kernel can reach."""
+    nbytes = nbytes or ((1 << 30) if device == "cuda" else (1 << 22))
+    x = torch.randn(nbytes // 4, device=device)
     y = torch.empty_like(x)
-    t = timer(lambda: y.copy_(x))
+    if device == "cuda":
+        import triton.testing as tt
+
+        t = 1e3 * tt.do_bench(lambda: y.copy_(x), warmup=25, rep=100, return_mode="median")
+    else:
+        t = timer(lambda: y.copy_(x))
     return 2 * x.numel() * 4 / (t * 1e-6)
 
 
@@ -259,15 +274,9 @@ class Ops:
     def __init__(self, use_triton: bool):
         self.triton = use_triton
         if use_triton:
-            from ..kernels import gdn as kg
-            from ..kernels import mamba2 as km
-
-            self.m2, self.gdn = km, kg
+            self.m2, self.gdn = mamba2_kernels, gdn_kernels
         else:
-            from ..ops.gdn import naive as ng
-            from ..ops.mamba2 import naive as nm
-
-            self.m2, self.gdn = nm, ng
+            self.m2, self.gdn = mamba2_naive, gdn_naive
 
     def kw(self, **kw):
         return kw if self.triton else {}
@@ -296,11 +305,6 @@ def _relerr(a, b):
 
 def correctness(device, dtype, smoke) -> dict:
     """GPU (or interpreter) kernels vs the naive ops, realistic head shapes, small batch."""
-    from ..kernels import gdn as kg
-    from ..kernels import mamba2 as km
-    from ..ops.gdn import naive as ng
-    from ..ops.mamba2 import naive as nm
-
     res = {}
     Bt, L, T = (4, 8, 3) if smoke else (8, 16, 4)
     s = SMOKE_M2 if smoke else M2_SHAPE
@@ -312,65 +316,68 @@ def correctness(device, dtype, smoke) -> dict:
     def clone(buf):
         return type(buf)(*(t.clone() for t in buf.__dict__.values()))
 
-    for kind in ("decode", "verify", "tree"):
+    for kind in ("decode", "decode-scores", "verify", "tree"):
         buf = m2_setup(Bt, L, s, device, dtype)
         ring = _ring(Bt + 1, L, device)
         _set_fill(ring, slots, 0, stagger=True)
-        ring.length[slots[0]] = L - 1 if kind == "decode" else L - T
+        ring.length[slots[0]] = L - 1 if kind.startswith("decode") else L - T
         ref = clone(buf)
-        if kind == "decode":
+        if kind.startswith("decode"):
             plan = ring.plan_decode(slots)
             inp = m2_inputs(Bt, s, device, dtype)
-            a = nm.replay_decode(ref, plan, **inp, check=False)
-            b = km.replay_decode(buf, plan, **inp)
+            a = mamba2_naive.replay_decode(ref, plan, **inp, check=False)
+            b = mamba2_kernels.replay_decode(buf, plan, **inp, pre_scores=kind == "decode-scores")
         else:
             plan = ring.plan_verify(slots, T, kind)
             inp = m2_inputs(Bt, s, device, dtype, T)
             if kind == "verify":
-                a = nm.replay_verify(ref, plan, **inp, check=False)
-                b = km.replay_verify(buf, plan, **inp)
+                a = mamba2_naive.replay_verify(ref, plan, **inp, check=False)
+                b = mamba2_kernels.replay_verify(buf, plan, **inp)
             else:
                 parent = torch.tensor([-1, 0, 0, 1][:T] + [0] * max(0, T - 4), device=device)
-                a = nm.tree_verify(ref, plan, parent, **inp, check=False)
-                b = km.tree_verify(buf, plan, parent, **inp)
+                a = mamba2_naive.tree_verify(ref, plan, parent, **inp, check=False)
+                b = mamba2_kernels.tree_verify(buf, plan, parent, **inp)
         res[f"mamba2_{kind}_y"] = _relerr(a[real], b[real])
         res[f"mamba2_{kind}_state"] = _relerr(ref.state[1:], buf.state[1:])
     sg = SMOKE_GDN if smoke else GDN_SHAPE
-    for kind, route in (("decode", "state"), ("decode", "output"), ("verify", "state"), ("verify", "output"),
-                        ("tree", "state")):
+    for kind, route in (("decode", "state"), ("decode-split", "output"), ("decode-fused", "output"),
+                        ("decode-apart", "output"), ("verify-rows", "output"), ("verify-dot", "output"),
+                        ("tree-rows", "output"), ("tree-dot", "output")):
         buf = gdn_setup(Bt, L, sg, device, dtype)
         ring = _ring(Bt + 1, L, device)
         _set_fill(ring, slots, 0, stagger=True)
-        ring.length[slots[0]] = L - 1 if kind == "decode" else L - T
+        ring.length[slots[0]] = L - 1 if kind.startswith("decode") else L - T
         ref = clone(buf)
-        if kind == "decode":
+        if kind.startswith("decode"):
             plan = ring.plan_decode(slots)
             inp = gdn_inputs(Bt, sg, device, dtype)
-            a = ng.replay_decode(ref, plan, **inp, check=False)
-            b = kg.replay_decode(buf, plan, **inp, route=route)
+            a = gdn_naive.replay_decode(ref, plan, **inp, check=False)
+            mode = dict(flush_mode=kind[7:]) if route == "output" else {}
+            b = gdn_kernels.replay_decode(buf, plan, **inp, route=route, **mode)
         else:
-            plan = ring.plan_verify(slots, T, kind)
+            fam_kind, impl = kind.split("-")
+            plan = ring.plan_verify(slots, T, fam_kind)
             inp = gdn_inputs(Bt, sg, device, dtype, T)
-            if kind == "verify":
-                a = ng.replay_verify(ref, plan, **inp, check=False)
-                b = kg.replay_verify(buf, plan, **inp, route=route)
+            if fam_kind == "verify":
+                a = gdn_naive.replay_verify(ref, plan, **inp, check=False)
+                b = gdn_kernels.replay_verify(buf, plan, **inp, route=route, impl=impl)
             else:
                 parent = torch.tensor([-1, 0, 0, 1][:T] + [0] * max(0, T - 4), device=device)
-                a = ng.tree_verify(ref, plan, parent, **inp, check=False)
-                b = kg.tree_verify(buf, plan, parent, **inp, route=route)
+                a = gdn_naive.tree_verify(ref, plan, parent, **inp, check=False)
+                b = gdn_kernels.tree_verify(buf, plan, parent, **inp, route=route, impl=impl)
         res[f"gdn_{kind}_{route}_y"] = _relerr(a[real], b[real])
         res[f"gdn_{kind}_{route}_state"] = _relerr(ref.state[1:], buf.state[1:])
     # snapshot baselines
     inp = m2_inputs(Bt, s, device, dtype, T)
     pool = torch.randn(Bt + 1, s["H"], s["d"], s["n"], device=device)
-    a, sa = nm.snapshot_verify(pool, slots, **inp, check=False)
-    b, sb = km.snapshot_verify(pool, slots, **inp)
+    a, sa = mamba2_naive.snapshot_verify(pool, slots, **inp, check=False)
+    b, sb = mamba2_kernels.snapshot_verify(pool, slots, **inp)
     res["mamba2_snapshot_y"] = _relerr(a, b)
     res["mamba2_snapshot_states"] = _relerr(sa, sb)
     inp = gdn_inputs(Bt, sg, device, dtype, T)
     pool = torch.randn(Bt + 1, sg["HV"], sg["K"], sg["V"], device=device) * 0.05
-    a, sa = ng.snapshot_verify(pool, slots, **inp)
-    b, sb = kg.snapshot_verify(pool, slots, **inp)
+    a, sa = gdn_naive.snapshot_verify(pool, slots, **inp)
+    b, sb = gdn_kernels.snapshot_verify(pool, slots, **inp)
     res["gdn_snapshot_y"] = _relerr(a, b)
     res["gdn_snapshot_states"] = _relerr(sa, sb)
     return res
@@ -379,13 +386,13 @@ def correctness(device, dtype, smoke) -> dict:
 # ============================================================================== sweeps
 def run(args) -> dict:
     smoke = args.smoke
-    device = "cpu" if smoke or not torch.cuda.is_available() else "cuda"
-    from ..kernels import _triton
-
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     use_triton = device == "cuda" or (_triton.HAVE_TRITON and _triton.interpreting())
     ops = Ops(use_triton)
     timer = Timer(device, quick=smoke)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    # smoke: fp32 (the correctness check holds every kernel to 1e-4 of the naive ops) and tiny
+    # shapes, on the GPU when there is one (compiled kernels), else the interpreter or naive ops
+    dtype = torch.bfloat16 if device == "cuda" and not smoke else torch.float32
     s2 = SMOKE_M2 if smoke else M2_SHAPE
     sg = SMOKE_GDN if smoke else GDN_SHAPE
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 4] if smoke else [1, 64, 256])
@@ -399,14 +406,16 @@ def run(args) -> dict:
                torch=torch.__version__, triton=getattr(_triton.triton, "__version__", None),
                mode="triton" if use_triton else "naive", smoke=smoke,
                shapes=dict(mamba2=s2, gdn=sg), dtype=str(dtype))
-    peers = {} if device != "cuda" else load_peers(args.peers)
+    peers = {} if device != "cuda" or smoke else load_peers(args.peers)
     out["peers"] = {k: (v if isinstance(v, str) else "ok") for k, v in peers.items()}
     for name in ("mamba_ssm", "fla"):
         if name not in peers:
             print(f"{name}: peer not installed" + ("" if device == "cuda" else " (CPU run)"))
-    bw = copy_bandwidth(device, timer)
+    bw = copy_bandwidth(device, timer, (1 << 22) if smoke else None)
     out["copy_bandwidth_TBps"] = bw / 1e12
-    print(f"device {out['device_name']}  copy bandwidth {bw / 1e12:.3f} TB/s  mode {out['mode']}", flush=True)
+    out["copy_bandwidth_method"] = "triton.testing.do_bench, y.copy_(x), read + write" if device == "cuda" else "cpu"
+    print(f"device {out['device_name']}  copy bandwidth {bw / 1e12:.3f} TB/s (do_bench)  mode {out['mode']}",
+          flush=True)
     if use_triton:
         out["correctness"] = correctness(device, dtype, smoke)
         worst = max(v for v in out["correctness"].values() if v == v) if out["correctness"] else 0
@@ -416,26 +425,23 @@ def run(args) -> dict:
     # ---------------------------------------------------------------- Mamba-2 decode
     m2 = out["mamba2"] = dict(decode={}, variants={}, verify={})
     gd = out["gdn"] = dict(decode={}, variants={}, verify={})
-    cuda_t = use_triton and device == "cuda"
-    m2_variants = [dict(block_d=bd, pre_scores=ps, num_warps=nw) for bd in (16, 32, 64)
-                   for ps in (False, True) for nw in (4, 8)] if cuda_t else [{}]
+    cuda_t = use_triton and device == "cuda" and not smoke  # tune tiles and forms on a GPU run
+    m2_variants = [dict(block_d=bd, num_warps=nw, pre_scores=ps) for bd, nw in ((32, 2), (32, 4), (64, 2), (64, 4))
+                   for ps in (False, True)] if cuda_t else [{}]
+    gdn_variants = [dict(route="output", block_v=bv, num_warps=nw, pre_scores=ps, flush_mode=fm)
+                    for bv, nw in ((32, 1), (32, 2), (64, 2), (16, 1)) for ps in (False, True)
+                    for fm in ("fused", "apart", "split")] if cuda_t else [{}]
     if cuda_t:
-        m2_variants += [dict(block_d=bd, pre_scores=False, num_warps=4, precision=p)
-                        for bd in (32, 64) for p in ("tf32x3", "tf32")]
-    gdn_variants = [dict(route=r, block_v=bv, num_warps=nw) for r in ("state", "output")
-                    for bv in (16, 32, 64) for nw in (4, 8)] if cuda_t else [dict(route="state")]
-    if cuda_t:
-        gdn_variants += [dict(route="state", block_v=bv, num_warps=4, precision=p)
-                         for bv in (16, 32) for p in ("tf32x3", "tf32")]
-    if cuda_t and args.quick:
-        m2_variants = [dict(block_d=bd, pre_scores=True, num_warps=nw, precision="tf32x3")
-                       for bd, nw in ((32, 2), (64, 2), (64, 4), (16, 4))]
-        gdn_variants = [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3")
-                        for bv, nw in ((32, 1), (64, 2), (32, 2), (16, 1))]
+        gdn_variants += [dict(route="state", block_v=bv, num_warps=nw, flush_mode="split")
+                         for bv, nw in ((32, 1), (32, 2))]
+    if cuda_t and args.quick:  # the wrappers' defaults and their nearest neighbours
+        m2_variants = [{}, dict(block_d=32, num_warps=4, pre_scores=True), dict(block_d=64, num_warps=4, pre_scores=True)]
+        gdn_variants = [{}] + [dict(route="output", block_v=bv, num_warps=nw, pre_scores=True, flush_mode=fm)
+                               for fm, bv, nw in (("apart", 32, 1), ("split", 64, 2), ("fused", 64, 2))]
         Ts = [1, 2, 4, 6]
-    rec_m2_variants = [dict(block_d=b, num_warps=w) for b in (4, 8, 16) for w in (2, 4)] if device == "cuda" else [{}]
-    rec_gdn_variants = [dict(block_v=b, num_warps=w) for b in (8, 16, 32) for w in (1, 2, 4)] if device == "cuda" else [{}]
-    if device == "cuda" and args.quick:
+    rec_m2_variants = [dict(block_d=b, num_warps=w) for b in (4, 8, 16) for w in (2, 4)] if cuda_t else [{}]
+    rec_gdn_variants = [dict(block_v=b, num_warps=w) for b in (8, 16, 32) for w in (1, 2, 4)] if cuda_t else [{}]
+    if cuda_t and args.quick:
         rec_m2_variants = [dict(block_d=4, num_warps=4), dict(block_d=16, num_warps=4)]
         rec_gdn_variants = [dict(block_v=8, num_warps=1), dict(block_v=16, num_warps=4)]
 
@@ -447,7 +453,7 @@ def run(args) -> dict:
     def gdn_replay_fn(buf, ring, slots, inp, var):
         plan = ring.plan_decode(slots)
         v = dict(var)
-        route = v.pop("route", "state")
+        route = v.pop("route", "output")
         return lambda: ops.gdn.replay_decode(buf, plan, **inp, route=route, **ops.kw(**v)) if ops.triton else \
             ops.gdn.replay_decode(buf, plan, **inp, route=route, check=False)
 
@@ -474,21 +480,26 @@ def run(args) -> dict:
                 store["variants"][key] = dict(error=repr(exc)[:300])
                 print(f"{fam} variant {key} failed: {repr(exc)[:200]}", flush=True)
                 continue
-            store["variants"][key] = dict(staggered_us=t_st, flush_us=t_fl)
-            if best is None or t_st < best[0]:
-                best = (t_st, var)
+            # staggered fills stand for the non-flush steps: rank by the estimated cycle average
+            est = ((Lv - 1) * t_st + t_fl) / Lv
+            store["variants"][key] = dict(staggered_us=t_st, flush_us=t_fl, est_cycle_us=est)
+            if best is None or est < best[0]:
+                best = (est, var)
         store["best_variant"] = best[1]
-        print(f"{fam}: best replay variant {best[1]} ({best[0]:.1f} us staggered, B={Bmain}, L={Lv})", flush=True)
+        print(f"{fam}: best replay variant {best[1]} ({best[0]:.1f} us estimated cycle, B={Bmain}, L={Lv})",
+              flush=True)
         del buf
 
     for fam in ("mamba2", "gdn"):
         s = s2 if fam == "mamba2" else sg
         store = m2 if fam == "mamba2" else gd
-        var = store["best_variant"]
         bytes_fn = m2_bytes if fam == "mamba2" else gdn_bytes
         vb = 2 if dtype != torch.float32 else 4
         for Bt in batches:
             row = store["decode"][str(Bt)] = {}
+            # the sweep's winner at the main batch; elsewhere the wrappers' own choice by batch
+            var = store["best_variant"] if Bt == Bmain else {}
+            row["variant"] = var
             slots = torch.arange(1, Bt + 1, device=device)
             # peers
             if device == "cuda" and fam == "mamba2" and "mamba_ssm" in peers:
@@ -563,20 +574,12 @@ def run(args) -> dict:
         setup = m2_setup if fam == "mamba2" else gdn_setup
         inputs = m2_inputs if fam == "mamba2" else gdn_inputs
         mod = ops.m2 if fam == "mamba2" else ops.gdn
-        var = dict(store["best_variant"])
-        vkw = {}
-        prec = args.verify_precision
-        if fam == "mamba2":
-            vkw = ops.kw(block_d=var.get("block_d"), num_warps=var.get("num_warps", 4), precision=prec)
-        else:
-            route = args.gdn_verify_route or var.get("route", "state")
-            vkw = dict(route=route, **ops.kw(block_v=var.get("block_v"), num_warps=var.get("num_warps", 4),
-                                             precision=prec))
-            if not ops.triton:
-                vkw = dict(route=route, check=False)
-        if not ops.triton and fam == "mamba2":
-            vkw = dict(check=False)
-        if ops.triton and device == "cuda":
+        vkw = {} if ops.triton else dict(check=False)
+        if fam == "gdn":
+            vkw["route"] = args.gdn_verify_route or "output"
+        if ops.triton and args.verify_precision:
+            vkw["precision"] = args.verify_precision
+        if cuda_t:
             vkw = verify_sweep(fam, store, s, setup, inputs, mod, timer, device, dtype, Bmain, Lspec, vkw, args)
         store["verify_kwargs"] = {k: v for k, v in vkw.items() if k != "check"}
         std = store["decode"][str(Bt)]
@@ -585,9 +588,10 @@ def run(args) -> dict:
             if 2 * T > Lspec:
                 continue
             rec = store["verify"][str(T)] = {}
-            # the sweep tuned tiles at T=4; other T use the wrappers' own tile choice (GDN picks
-            # wider V tiles from T=5: the T=4 tile at T=6 measured 2-3x slower)
-            vkw_T = vkw if T == 4 else {k: v for k, v in vkw.items() if k not in ("block_d", "block_v", "num_warps")}
+            # the sweep tuned the kernel at T=4; other T use the wrappers' own choice by T (GDN:
+            # the kernel form and the V tile; the T=4 tile at T=6 measured 2-3x slower)
+            vkw_T = vkw if T == 4 else {k: v for k, v in vkw.items()
+                                        if k not in ("block_d", "block_v", "num_warps", "impl")}
             inp = inputs(Bt, s, device, dtype, T)
             if fam == "mamba2":
                 pool = torch.randn(Bt + 1, s["H"], s["d"], s["n"], device=device)
@@ -634,8 +638,6 @@ def run(args) -> dict:
             plan = ring.plan_verify(slots, T, "tree")
             parent = torch.tensor([-1, 0, 0, 1][:T], device=device)
             if ops.triton:
-                from ..kernels.mamba2 import tree_bits
-
                 bits = tree_bits(parent, Bt)
                 store["tree_T4_us"] = timer(lambda: mod.tree_verify(buf, plan, parent, **inp, bits=bits, **vkw))
             else:
@@ -665,11 +667,12 @@ def verify_sweep(fam, store, s, setup, inputs, mod, timer, device, dtype, Bt, L,
     buf = setup(Bt, L, s, device, dtype)
     ring = _ring(Bt + 1, L, device)
     if fam == "mamba2":
-        variants = [dict(block_d=bd, num_warps=nw, precision="tf32x3")
-                    for bd, nw in ((64, 2), (64, 4), (32, 2), (32, 4), (16, 4))]
+        tiles = ((64, 2),) if args.quick else ((64, 2), (32, 4), (64, 4), (64, 8))
+        variants = [dict(base_kw, block_d=bd, num_warps=nw) for bd, nw in tiles]
     else:
-        variants = [dict(route="output", block_v=bv, num_warps=nw, precision="tf32x3")
-                    for bv, nw in ((32, 1), (16, 1), (32, 2), (64, 2), (64, 4))]
+        tiles = (("rows", 32, 1), ("dot", 64, 4)) if args.quick else (
+            ("rows", 32, 1), ("rows", 32, 4), ("rows", 64, 8), ("dot", 64, 4), ("dot", 64, 8), ("dot", 32, 4))
+        variants = [dict(base_kw, impl=impl, block_v=bv, num_warps=nw) for impl, bv, nw in tiles]
     res = store["verify_variants"] = {}
     best = None
     for var in variants:
@@ -792,11 +795,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="replayssm bench kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run (CI): interpreter or naive ops")
     ap.add_argument("--out", default=None, help="output folder (default out/bench_kernels, or $OUT)")
-    ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
-    ap.add_argument("--buffers", default=None, help="comma-separated buffer sizes")
+    ap.add_argument("--batches", type=int_list, default=None, help="comma-separated batch sizes")
+    ap.add_argument("--buffers", type=int_list, default=None, help="comma-separated buffer sizes")
     ap.add_argument("--peers", default=None, help="folder holding mamba_ssm/ and fla/ (default .peers)")
-    ap.add_argument("--verify-precision", default="ieee", help="tl.dot precision in verify kernels")
-    ap.add_argument("--gdn-verify-route", default=None, help="state | output (default: decode's best)")
+    ap.add_argument("--verify-precision", default=None, help="tl.dot precision in verify kernels (default: the "
+                    "wrappers', tf32x3)")
+    ap.add_argument("--gdn-verify-route", default=None, help="state | output (default: output)")
     ap.add_argument("--quick", action="store_true", help="fewer tuning variants and T values")
     args = ap.parse_args(argv)
     outdir = args.out or (os.path.join(os.environ["OUT"], "bench_kernels") if os.environ.get("OUT")

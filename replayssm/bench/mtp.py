@@ -22,64 +22,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
 
-def add_random_mtp(model_dir: str, seed: int = 0) -> str:
-    """Give the HF model in ``model_dir`` a random MTP head in its checkpoint layout
-    (``mtp.safetensors`` + the config keys that declare it), in the checkpoint's dtype.
-    Names and shapes come from :class:`replayssm.models.mtp.MTPHead` on the ``meta`` device.
-    Nemotron-H gets one ``*E`` step when the target has MoE layers, else ``*-``."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from replayssm.layers.norms import GatedRMSNorm, RMSNorm
-    from replayssm.models.config import read_config
-    from replayssm.models.loader import _model_class
-    from replayssm.models.mtp import MTPHead
-
-    d = Path(model_dir)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["num_nextn_predict_layers"] = 1
-    if cfg["model_type"] == "nemotron_h":
-        moe = "E" in cfg.get("hybrid_override_pattern", "") or "moe" in cfg.get("layers_block_type", [])
-        cfg["mtp_hybrid_override_pattern"] = "*E" if moe else "*-"
-    (d / "config.json").write_text(json.dumps(cfg, indent=1))
-    files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors") and f != "mtp.safetensors")
-    with safe_open(str(d / files[0]), "pt") as f:
-        dtype = f.get_tensor(next(iter(f.keys()))).dtype
-    c = read_config(str(d))
-    with torch.device("meta"):
-        head = MTPHead(_model_class(c)(c, torch.float32, "cpu"), 1)
-    g = torch.Generator().manual_seed(seed)
-    L = max(1, len(head.blocks))
-    out = {}
-    for name, p in head.named_parameters():
-        mod_name, _, leaf = name.rpartition(".")
-        mod = head.get_submodule(mod_name)
-        shape = tuple(p.shape)
-        if isinstance(mod, RMSNorm):
-            t = torch.zeros(shape) if mod.zero_centered else torch.ones(shape)
-        elif isinstance(mod, GatedRMSNorm) or leaf == "D":
-            t = torch.ones(shape)
-        elif leaf == "A_log":
-            t = torch.log(torch.empty(shape).uniform_(1, 16, generator=g))
-        elif leaf == "dt_bias":
-            t = torch.log(torch.expm1(torch.empty(shape).uniform_(1e-3, 1e-1, generator=g)))
-        elif "conv1d" in name:
-            t = torch.randn(shape, generator=g) * (0.3 if leaf == "weight" else 0.1)
-        elif len(shape) == 1:
-            t = torch.zeros(shape)
-        else:
-            scale = 0.02 / L ** 0.5 if any(k in name for k in ("o_proj", "out_proj", "down_proj")) else 0.02
-            t = torch.randn(shape, generator=g) * scale
-        out["mtp." + name] = t.to(dtype).contiguous()
-    save_file(out, str(d / "mtp.safetensors"))
-    return str(d)
+from ..argtypes import int_list, positive_int, probability
+from ..engine.config import SamplingParams, SpeculativeConfig
+from ..engine.llm import LLM
+from ..models import load_model
+from . import e2e
+from .e2e import OracleDrafter, _free, _prompts, _sync
+from .hybrid_presets import TINY_OF
+from .random_mtp import add_random_mtp
 
 
 class OracleTokens:
@@ -118,8 +76,6 @@ class TimedDrafter:
         self.events, self.host_s, self.steps = [], 0.0, 0
 
     def _timed(self, fn, *a):
-        import torch
-
         e0 = e1 = None
         if self.cuda:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -147,8 +103,6 @@ class TimedDrafter:
 
     def per_step_ms(self) -> tuple[float, float]:
         """(device-inclusive ms, host ms) per step."""
-        import torch
-
         if self.cuda:
             torch.cuda.synchronize()
             dev = sum(a.elapsed_time(b) for a, b in self.events)
@@ -160,8 +114,6 @@ class TimedDrafter:
 
 def _draft_dir(vocab: int, root: str, hidden: int, layers: int) -> str:
     """A random Mamba-2 draft model with the target's vocabulary (e2e's recipe)."""
-    from . import e2e
-
     name = f"mtp-bench-draft-{vocab}-{hidden}x{layers}"
     e2e.PRESETS.setdefault(name, dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                                       num_heads=2 * hidden // 64, head_dim=64, state_size=128, n_groups=1,
@@ -170,13 +122,6 @@ def _draft_dir(vocab: int, root: str, hidden: int, layers: int) -> str:
 
 
 def _run(args, target, draft, method: str | None, batch: int, refs_cache: dict) -> dict:
-    import torch
-
-    from replayssm.engine.config import SamplingParams, SpeculativeConfig
-    from replayssm.engine.llm import LLM
-
-    from .e2e import OracleDrafter, _free, _prompts, _sync
-
     vocab = int(target.config.vocab_size)
     prompts = _prompts(batch, args.prompt_len, vocab, seed=batch)
     warm = [p[:-1] + [(p[-1] + 1) % vocab] for p in prompts]
@@ -233,28 +178,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--mode", default="replay")
-    p.add_argument("--batch-sizes", default="1,16,64,256")
+    p.add_argument("--batch-sizes", type=int_list, default="1,16,64,256")
     p.add_argument("--drafters", default="none,ngram,draft,mtp")
-    p.add_argument("--num-tokens", type=int, default=4)
-    p.add_argument("--oracle-accept", type=float, default=0.7)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--buffer-size", type=int, default=16)
-    p.add_argument("--draft-hidden", type=int, default=512)
-    p.add_argument("--draft-layers", type=int, default=8)
+    p.add_argument("--num-tokens", type=positive_int, default=4)
+    p.add_argument("--oracle-accept", type=probability, default=0.7)
+    p.add_argument("--max-tokens", type=positive_int, default=48)
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--buffer-size", type=positive_int, default=16)
+    p.add_argument("--draft-hidden", type=positive_int, default=512)
+    p.add_argument("--draft-layers", type=positive_int, default=8)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--out", default="out/bench_mtp")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run (the preset's tiny variant, B=1,2, "
+                                                         "eager) for CI")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
-
-    from replayssm.models import load_model
-
-    from . import e2e
-
+    if args.smoke:
+        args.device = args.device or "cpu"
+        args.preset = TINY_OF.get(args.preset, args.preset)
+        args.batch_sizes, args.max_tokens, args.prompt_len = "1,2", 8, 12
+        args.draft_hidden, args.draft_layers, args.cuda_graphs = 64, 2, False
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda":
         args.device = f"cuda:{torch.cuda.current_device()}"
@@ -271,8 +217,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.model:
             src = args.model
             if not os.path.isfile(os.path.join(src, "mtp.safetensors")):
-                import shutil
-
                 src = shutil.copytree(args.model, os.path.join(tmp, "model"))
                 add_random_mtp(src)
         else:

@@ -1,4 +1,4 @@
-"""Memory-traffic model of one SSM head per decode step (DESIGN §3).
+"""Memory-traffic model of one SSM head per decode step (``docs/MATH.md``, Traffic model).
 
 A decode step of an SSM layer is memory-bound: its time is the bytes it must move over
 the device's bandwidth.  Per head, with state ``S ∈ R^{d×n}`` stored in ``sb`` bytes
@@ -16,7 +16,8 @@ per element (fp32: 4) and vectors in ``vb`` bytes (bf16: 2):
 
 ``d`` is the value dimension (Mamba-2 head_dim, GDN V) and ``n`` the key dimension
 (Mamba-2 d_state, GDN K).  ``key_share`` divides the key bytes of the ring when a key
-is shared by several heads (Mamba-2 groups: ``nheads / ngroups``); 1 reproduces DESIGN §3.
+is shared by several heads (Mamba-2 groups: ``nheads / ngroups``); 1 gives the per-head
+table of ``docs/MATH.md``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import argparse
 import json
 import math
 from dataclasses import asdict, dataclass
+
+from ..argtypes import positive_int
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,8 @@ def replay_bytes(s: HeadShape, h: int, flush: bool = False) -> float:
 
 
 def replay_cycle_bytes(s: HeadShape, L: int) -> float:
-    """Replay bytes per step averaged over a flush cycle of ``L`` steps (Alg. 2 policy)."""
+    """Replay bytes per step averaged over a flush cycle of ``L`` steps (the decode flush: at
+    ``h = L - 1``)."""
     if L < 1:
         raise ValueError(f"buffer size must be >= 1, got {L}")
     return sum(replay_bytes(s, h, flush=(h == L - 1)) for h in range(L)) / L
@@ -204,18 +208,18 @@ DEFAULT_SHAPES = {
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="replayssm traffic", description=__doc__.split("\n\n")[0])
-    p.add_argument("--d", type=int, help="value dim (head_dim / V); with --n, report one custom shape")
-    p.add_argument("--n", type=int, help="key dim (d_state / K)")
-    p.add_argument("--state-bytes", type=int, default=4)
-    p.add_argument("--vec-bytes", type=int, default=2)
-    p.add_argument("--key-share", type=int, default=1)
-    p.add_argument("--buffer-size", type=int, default=None, help="L (default: best integer)")
+    p.add_argument("--d", type=positive_int, help="value dim (head_dim / V); with --n, report one custom shape")
+    p.add_argument("--n", type=positive_int, help="key dim (d_state / K)")
+    p.add_argument("--state-bytes", type=positive_int, default=4)
+    p.add_argument("--vec-bytes", type=positive_int, default=2)
+    p.add_argument("--key-share", type=positive_int, default=1)
+    p.add_argument("--buffer-size", type=positive_int, default=None, help="L (default: best integer)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     a = p.parse_args(argv)
     if (a.d is None) != (a.n is None):
         p.error("--d and --n go together")
     shapes = DEFAULT_SHAPES if a.d is None else {
-        f"custom": HeadShape(a.d, a.n, a.state_bytes, a.vec_bytes, a.key_share)}
+        "custom": HeadShape(a.d, a.n, a.state_bytes, a.vec_bytes, a.key_share)}
     reports = {name: report(s, a.buffer_size) for name, s in shapes.items()}
     if a.json:
         print(json.dumps(reports, indent=1))

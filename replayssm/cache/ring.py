@@ -13,9 +13,10 @@ step is committed once (:meth:`RingIndex.commit`).  All per-sequence decisions (
 flags, positions, accepted counts) are device tensors: no host synchronisation is
 needed, so a step can be captured in a CUDA graph.
 
-Flush policies (``h`` = committed entries before the step, ``T`` = new entries):
+Flush policies (``docs/MATH.md``, "Flush"; ``h`` = committed entries before the step,
+``T`` = new entries):
 
-* ``decode`` (one token, always accepted, Alg. 2): the new entry is appended at
+* ``decode`` (one token, always accepted): the new entry is appended at
   position ``h``; when the ring becomes full (``h + 1 == L``) the layer writes the
   state *including* the new entry, ``S_0 <- S_{h+1}``, and the ring is emptied.
 * ``verify`` / ``tree`` (T tentative entries): flush one window early, when
@@ -118,12 +119,12 @@ def write_new(buf: Tensor, plan: StepPlan, values: Tensor) -> None:
     buf[plan.slot[:, None], plan.new_positions()] = values.to(buf.dtype)
 
 
-def check_speculative_capacity(buffer_size: int, num_new: int, what: str = "new entries") -> None:
+def check_speculative_capacity(buffer_size: int, num_new: int, what: str = "new entries", hint: str = "") -> None:
     """Speculation needs a ring of ``L >= 2T``: a step flushes early (``h + 2T > L``) so the
     next one always has ``T`` free slots.  Raises ``ValueError`` naming both numbers."""
     if num_new > 1 and buffer_size < 2 * num_new:
-        raise ValueError(f"buffer_size {buffer_size} < 2 * {num_new} {what}: speculation needs a ring of "
-                         f"L >= 2T so every step has T free slots")
+        raise ValueError(f"buffer_size {buffer_size} < 2 * {what} = {2 * num_new}: speculation needs a ring "
+                         f"of L >= 2T so every step has T free slots{hint}")
 
 
 class RingIndex:
@@ -162,7 +163,7 @@ class RingIndex:
 
     # ------------------------------------------------------------------ plans
     def plan_decode(self, slots: Tensor) -> StepPlan:
-        """Plan one always-accepted token per row (Alg. 2 flush: when the ring fills)."""
+        """Plan one always-accepted token per row (the decode flush: when the ring fills)."""
         slots = self._check_slots(slots)
         start, hist = self.start[slots], self.length[slots]
         flush = (hist + 1) >= self.capacity
@@ -174,7 +175,7 @@ class RingIndex:
             raise ValueError(f"kind must be 'verify' or 'tree', got {kind!r}")
         if not isinstance(num_new, int) or num_new < 1:
             raise ValueError(f"number of new entries must be a positive int, got {num_new!r}")
-        check_speculative_capacity(self.capacity, num_new)
+        check_speculative_capacity(self.capacity, num_new, f"{num_new} new entries")
         slots = self._check_slots(slots)
         start, hist = self.start[slots], self.length[slots]
         flush = (hist + 2 * num_new) > self.capacity

@@ -12,10 +12,13 @@ Layout (nano-vllm style):
 * ``scheduler.py`` continuous batching: admission FCFS; rejects the impossible
 * ``model_runner.py`` prefill / decode / verify / verify_tree / commit on one cache;
   batch-size buckets with null-slot padding; optional CUDA graphs for decode
-* ``sampler.py``   temperature / top-k / top-p, per-request generators, greedy and lossless
-  (multi-step) speculative acceptance over chains and trees
+* ``sampler.py``   penalties (per-slot token statistics on the device; drafts counted at every
+  draft node), temperature / top-k / top-p / min-p, logprobs, per-request generators, greedy
+  and lossless (multi-step) speculative acceptance over chains and trees
 * ``speculative.py`` drafters: prompt lookup (chain, trie), draft model (chain, beam or static
   tree); draft caches roll back through the same verify/commit API as the target
+* ``detokenizer.py`` incremental detokenization (a window of recent tokens, whole UTF-8
+  characters only) and stop-string search on the new text
 * ``mtp_drafter.py`` drafting with the target's own MTP head (chains, top-k trees; its own
   cache, the target's kept hidden states; greedy steps as CUDA graphs)
 * ``outputs.py``   RequestOutput

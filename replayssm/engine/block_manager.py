@@ -1,15 +1,16 @@
-"""Slots, KV-only blocks and the memory budget: which sequence holds what, between steps.
+"""Slots, paged blocks and the memory budget: which sequence holds what, between steps.
 
 One :class:`BlockManager` owns every host-side allocation decision of the engine:
 
 * **slots** of the model cache (``1 .. num_slots``; 0 is the null slot), one per running
-  sequence;
-* the **memory budget**: each admitted sequence reserves ``need(tokens)`` bytes for its
-  whole life (:class:`~replayssm.engine.memory.MemoryModel`, from the caches' measured
-  layouts), for ``min(prompt + max_tokens + T, max_seq_len)`` tokens — or fewer, with a
-  token cap, when only that fits;
-* **KV-only blocks** of the cache's paged pool, reserved before each step for the entries
-  it appends (``cache.reserve``; a no-op for slots in a state form).
+  sequence; their fixed memory (states, rings, conv windows) is allocated up front;
+* the **memory budget**: what remains of it after the slots' fixed parts is the block pools'
+  (attention KV of hybrids, KV-only entries).  An admitted sequence reserves the block bytes
+  of ``min(prompt + max_tokens + T, max_seq_len)`` tokens for its whole life
+  (:class:`~replayssm.engine.memory.MemoryModel`, from the caches' measured layouts) — or of
+  fewer, with a token cap, when only that fits;
+* the **blocks** themselves, reserved before each step for the entries it appends
+  (``cache.reserve``; the cache picks the pools the slot uses).
 
 Everything here runs between model calls; a step itself reads only device data.
 """
@@ -46,27 +47,35 @@ class BlockManager:
         """Most tokens (prompt + generated) a sequence may hold: one verify window stays free."""
         return self.max_seq_len - self.memory.verify_tokens
 
+    @property
+    def pool_bytes(self) -> int | None:
+        """Budget left for the block pools once every slot's fixed part is allocated."""
+        return None if self.budget is None else self.budget - self.num_slots * self.memory.fixed
+
     def plan(self, seq: Sequence) -> Admission | str:
-        """What admitting ``seq`` takes, or why it can never fit (a message)."""
+        """What admitting ``seq`` takes (its block bytes), or why it can never fit (a message)."""
         n_prompt = seq.num_prompt_tokens
         T = self.memory.verify_tokens
         if n_prompt + 1 > self.token_limit:
             return (f"prompt of {n_prompt} tokens does not fit max_seq_len={self.max_seq_len} "
                     f"(needs {n_prompt + 1 + T} with one verify window)")
         want = min(n_prompt + seq.params.max_tokens, self.token_limit)
-        need = self.memory.need(want + T)
-        if self.budget is None or need <= self.budget:
+        need = self.memory.dynamic(want + T)
+        pool = self.pool_bytes
+        if pool is None or need <= pool:
             return Admission(need, want)
-        prompt_need = self.memory.need(n_prompt + 1 + T)
-        if prompt_need > self.budget:
-            return (f"prompt of {n_prompt} tokens needs {fmt_bytes(prompt_need)} of cache, more than "
-                    f"the whole memory budget of {fmt_bytes(self.budget)}")
-        per = max(self.memory.per_token, 1)
-        cap = n_prompt + 1 + (self.budget - prompt_need) // per
-        return Admission(self.memory.need(cap + T), int(min(cap, want)))
+        prompt_need = self.memory.dynamic(n_prompt + 1 + T)
+        if prompt_need > pool:
+            return (f"prompt of {n_prompt} tokens needs {fmt_bytes(prompt_need)} of KV blocks, more than the "
+                    f"{fmt_bytes(pool)} the memory budget of {fmt_bytes(self.budget)} leaves after "
+                    f"{self.num_slots} slots")
+        bs = self.memory.block_size
+        cap = pool // (bs * self.memory.per_token) * bs - T     # the most tokens whole blocks hold
+        return Admission(self.memory.dynamic(cap + T), int(min(cap, want)))
 
     def can_allocate(self, adm: Admission) -> bool:
-        return bool(self.free_slots) and (self.budget is None or self.reserved + adm.need <= self.budget)
+        pool = self.pool_bytes
+        return bool(self.free_slots) and (pool is None or self.reserved + adm.need <= pool)
 
     def allocate(self, seq: Sequence, adm: Admission) -> None:
         """Give ``seq`` a slot and reserve its bytes."""
@@ -86,22 +95,23 @@ class BlockManager:
 
     # -- KV-only blocks ------------------------------------------------------------------------
     def reserve_tokens(self, seqs: list[Sequence], extra: int) -> list[Sequence]:
-        """Reserve KV-only blocks for this step's entries (``extra=0``: the whole prompt of a
-        prefill, else ``extra`` more than the cached tokens).  The budget makes this succeed;
-        if the pool still runs dry, that request ends with an error and the others go on.
-        Returns the sequences that can run."""
+        """Reserve blocks for a step of ``extra`` entries past each sequence's cached tokens."""
+        return self.reserve([(s, s.num_cached + extra) for s in seqs])
+
+    def reserve(self, totals: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Reserve paged blocks so each sequence holds its given total of tokens (attention KV,
+        KV-only entries).  The budget makes this succeed; if a pool still runs dry, that
+        request ends with an error and the others go on.  Returns the sequences that can run."""
         if not self.uses_pages:
-            return seqs
+            return [s for s, _ in totals]
         ok = []
-        for s in seqs:
-            if self.cache.mode_of(s.slot) == "kv":
-                n = s.num_prompt_tokens if extra == 0 else s.num_cached + extra
-                try:
-                    self.cache.reserve(s.slot, min(n, self.max_seq_len))
-                except (RuntimeError, ValueError) as e:  # PoolExhausted is a ValueError
-                    s.error = f"KV-only block pool exhausted: {e}"
-                    s.finish_reason = "error"
-                    continue
+        for s, n in totals:
+            try:   # the cache reserves in the pools the slot uses (attention KV, KV-only entries)
+                self.cache.reserve(s.slot, min(n, self.max_seq_len))
+            except (RuntimeError, ValueError) as e:  # PoolExhausted is a ValueError
+                s.error = f"KV-only block pool exhausted: {e}"
+                s.finish_reason = "error"
+                continue
             ok.append(s)
         return ok
 

@@ -3,19 +3,37 @@
 Defaults to the small model shipped in the package (``replayssm/assets/tiny-mamba2``; with
 ``--speculative draft``/``tree`` the draft is ``replayssm/assets/tiny-mamba2-draft``; with
 ``--speculative mtp`` the model's own MTP head drafts).
-Throughput (tokens/s) and the mean accepted length go to stderr after the text.
+Throughput (tokens/s) and the mean accepted length go to stderr after the text.  The cache
+is sized for the request, within a context limit (``--max-seq-len``; default: the model's
+``max_position_embeddings``, else ``replayssm.engine.limits.DEFAULT_CONTEXT`` = 8192 tokens):
+``--max-tokens`` beyond what the limit leaves after the prompt is clipped, with a note on
+stderr.  A prompt of ``PROGRESS_MIN_TOKENS`` (512) tokens or more shows a prefill progress
+bar on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import sys
 import time
 from pathlib import Path
 
+from ..argtypes import positive_int
+from ..models import load_tokenizer, read_config
+from ..runtime import check_device
+from .config import SamplingParams, SpeculativeConfig
+from .detokenizer import Detokenizer
+from .inputs import check_text, encode_prompt, token_ids
+from .limits import DEFAULT_CONTEXT, context_limit
+from .llm import LLM
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_MODEL = ASSETS / "tiny-mamba2"
 DEFAULT_DRAFT = ASSETS / "tiny-mamba2-draft"
+#: prompts at least this long show a prefill progress bar on stderr
+PROGRESS_MIN_TOKENS = 512
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,10 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode form (default: replay)")
     p.add_argument("--speculative", default=None, choices=["ngram", "draft", "tree", "mtp"])
     p.add_argument("--draft-model", default=None, help=f"draft model directory (default: {DEFAULT_DRAFT})")
-    p.add_argument("--num-tokens", type=int, default=4, help="draft tokens per step (tree: depth)")
-    p.add_argument("--tree-width", type=int, default=2, help="beam width of a draft tree")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--buffer-size", type=int, default=None,
+    p.add_argument("--num-tokens", type=positive_int, default=4, help="draft tokens per step (tree: depth)")
+    p.add_argument("--tree-width", type=positive_int, default=2, help="beam width of a draft tree")
+    p.add_argument("--max-tokens", type=positive_int, default=64,
+                   help="tokens to generate (clipped to what the context limit leaves after the prompt)")
+    p.add_argument("--max-seq-len", type=positive_int, default=None,
+                   help="context limit in tokens (default: the model's max_position_embeddings, else "
+                        f"{DEFAULT_CONTEXT})")
+    p.add_argument("--buffer-size", type=positive_int, default=None,
                    help="replay ring capacity L (default: 16, or 2*(drafts+1) if larger)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -40,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--cuda-graphs", action="store_true", help="capture decode in CUDA graphs (CUDA only)")
+    p.add_argument("--backend", default="torch", choices=["torch", "jax"],
+                   help="torch: this engine; jax: the compiled JAX loop (replayssm.jax, needs jax)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N processes by heads (GPUs cuda:i..i+N-1, or CPU over gloo); "
+                        "under torchrun, the number of processes it started")
     return p
 
 
@@ -48,17 +75,70 @@ def _err(msg: str) -> int:
     return 2
 
 
+def _note(msg: str) -> None:
+    print(f"replayssm generate: {msg}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def prefill_progress(models, n_tokens: int):
+    """A progress bar on stderr for one long prefill: it advances as each layer of each
+    model (target, then draft) finishes its prefill call, and is removed afterwards."""
+    from tqdm import tqdm
+
+    blocks = [b for m in models if m is not None for b in getattr(m, "blocks", [])]
+    if not blocks:
+        yield
+        return
+    bar = tqdm(total=len(blocks), desc=f"prefill {n_tokens} tokens", unit="layer", file=sys.stderr, leave=False)
+
+    def done(module, args, output):
+        ctx = args[1] if len(args) > 1 else None
+        if getattr(ctx, "kind", None) == "prefill" and bar.n < bar.total:
+            bar.update(1)
+
+    hooks = [b.register_forward_hook(done) for b in blocks]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        bar.close()
+
+
+def _read_prompt(args, tok, vocab_size: int):
+    """``(text or None, ids)`` from PROMPT or --token-ids, validated."""
+    if args.token_ids is not None:
+        parts = [t for t in args.token_ids.replace(" ", "").split(",") if t]
+        try:
+            ids = [int(t) for t in parts]
+        except ValueError:
+            raise ValueError(f"--token-ids must be comma-separated integers, got {args.token_ids!r}") from None
+        return None, token_ids(ids, vocab_size, "--token-ids")
+    if tok is None:
+        raise ValueError(f"{args.model or DEFAULT_MODEL} has no tokenizer.json; pass --token-ids")
+    return encode_prompt(args.prompt, tok, vocab_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.prompt is None and args.token_ids is None:
         return _err("give a PROMPT (or --token-ids 1,2,3)")
+    try:
+        if args.prompt is not None:
+            check_text(args.prompt, "PROMPT")
+        device = check_device(args.device)
+    except ValueError as e:
+        return _err(str(e))
+    if args.cuda_graphs and device.type != "cuda":
+        _note(f"warning: --cuda-graphs needs a CUDA device; ignored on {device}")
+        args.cuda_graphs = False
     model_dir = Path(args.model) if args.model else DEFAULT_MODEL
     if not (model_dir / "config.json").is_file():
         hint = ("the shipped model is missing from this installation (expected at "
                 f"{DEFAULT_MODEL}); pass --model DIR") if args.model is None else "no config.json there"
         return _err(f"model directory {str(model_dir)!r} not found or incomplete: {hint}")
-    from .config import SamplingParams, SpeculativeConfig
-    from .llm import LLM
+    if args.backend == "jax":   # replayssm.cli routes --backend jax to replayssm.jax.cli
+        return _err("--backend jax runs through the `replayssm generate` command (replayssm.jax.cli)")
 
     try:
         spec = None
@@ -74,58 +154,53 @@ def main(argv: list[str] | None = None) -> int:
                                     "pass --draft-model DIR")
             spec = SpeculativeConfig(args.speculative, num_tokens=args.num_tokens,
                                      draft_model=str(draft) if draft else None, tree_width=args.tree_width)
-        buffer = args.buffer_size
-        if buffer is None:
-            buffer = max(16, 2 * spec.verify_tokens) if spec else 16
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
         t0 = time.perf_counter()
-        tok = None
-        try:
-            from ..models import load_tokenizer
-
-            tok = load_tokenizer(str(model_dir))
-        except ImportError:
-            pass
-        if args.token_ids is not None:
-            try:
-                prompt = [int(t) for t in args.token_ids.replace(" ", "").split(",") if t]
-            except ValueError:
-                return _err(f"--token-ids must be comma-separated integers, got {args.token_ids!r}")
-            n_prompt = len(prompt)
-        else:
-            prompt = args.prompt
-            if tok is None:
-                return _err(f"{model_dir} has no tokenizer.json; pass --token-ids")
-            n_prompt = len(tok.encode(prompt).ids)
-        # size the cache for this one request (KV-only buffers and attention scale with it)
-        need = n_prompt + args.max_tokens + 2 * (spec.verify_tokens if spec else 1) + 16
-        max_seq_len = -(-need // 64) * 64
-        llm = LLM(str(model_dir), device=args.device, dtype=args.dtype, decode_mode=args.mode,
-                  buffer_size=buffer, speculative=spec, max_num_seqs=1, cuda_graphs=args.cuda_graphs,
-                  tokenizer=tok, max_seq_len=max_seq_len)
+        cfg = read_config(str(model_dir))
+        tok = load_tokenizer(str(model_dir))
+        text, prompt = _read_prompt(args, tok, int(cfg.vocab_size))
+        n_prompt = len(prompt)
+        # size the cache for this one request (KV-only buffers and attention scale with it),
+        # within the context limit
+        T = spec.verify_tokens if spec else 1
+        limit, source = (args.max_seq_len, "--max-seq-len") if args.max_seq_len else context_limit(cfg)
+        max_seq_len = min(-(-(n_prompt + args.max_tokens + 2 * T + 16) // 64) * 64, limit)
+        room = max_seq_len - T - n_prompt  # tokens the engine can generate after the prompt
+        if room < 1:
+            return _err(f"the prompt has {n_prompt} tokens; with a verify window of {T} it does not fit the "
+                        f"context limit of {limit} tokens ({source}); pass a larger --max-seq-len")
+        if args.max_tokens > room:
+            _note(f"note: --max-tokens {args.max_tokens} clipped to {room}: the context limit is {limit} tokens "
+                  f"({source}) and the prompt has {n_prompt}; --max-seq-len changes the limit")
+        llm = LLM(str(model_dir), device=device, dtype=args.dtype, decode_mode=args.mode,
+                  buffer_size=args.buffer_size, speculative=spec, max_num_seqs=1, cuda_graphs=args.cuda_graphs,
+                  tokenizer=tok, max_seq_len=max_seq_len, tensor_parallel_size=args.tensor_parallel_size)
         t_load = time.perf_counter() - t0
-        if isinstance(prompt, str):
-            sys.stdout.write(prompt)
-        shown = ""
-        ids: list[int] = []
+        progress = (prefill_progress([llm.model, llm.draft_model], n_prompt) if n_prompt >= PROGRESS_MIN_TOKENS
+                    else contextlib.nullcontext())
+        detok = Detokenizer(tok, prompt) if tok is not None else None
         t1 = time.perf_counter()
-        for chunk in llm.stream(prompt, params):
-            ids.extend(chunk)
-            if tok is not None:
-                text = tok.decode(ids)
-                if text.startswith(shown) and not text.endswith("\ufffd"):
-                    sys.stdout.write(text[len(shown):])
-                    shown = text
+        stream = llm.stream(prompt, params)
+        with progress:
+            first = next(stream, None)
+        if text is not None and first is not None:
+            sys.stdout.write(text)
+        for chunk in itertools.chain([first] if first is not None else [], stream):
+            if detok is not None:   # incremental: whole characters only, no re-decoding
+                sys.stdout.write("".join(detok.push(t) for t in chunk))
             else:
                 sys.stdout.write(" ".join(str(t) for t in chunk) + " ")
             sys.stdout.flush()
         dt = time.perf_counter() - t1
         out = llm.last_output
-        if tok is not None and out.text != shown and out.text.startswith(shown):
-            sys.stdout.write(out.text[len(shown):])
+        if out.error:
+            return _err(out.error)
+        if detok is not None:
+            sys.stdout.write(detok.flush())
         sys.stdout.write("\n")
         sys.stdout.flush()
+        llm.close()
     except ValueError as e:
         return _err(str(e))
     n = len(out.token_ids)

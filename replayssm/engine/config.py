@@ -14,6 +14,13 @@ from ..cache.ring import check_speculative_capacity
 
 DECODE_MODES = ("recurrent", "replay", "kv", "auto")
 SPEC_METHODS = ("ngram", "draft", "tree", "mtp")
+MAX_LOGPROBS = 20   # top alternatives per token (OpenAI's limit for chat)
+#: most inputs one verify step may carry (the last accepted token + drafts): the verify cost,
+#: the replay buffer (``2 x`` this) and the per-step scratch all grow with it, and draft
+#: trees past a few dozen nodes accept no more tokens per step
+MAX_VERIFY_TOKENS = 128
+#: replay buffer capacity when none is given (raised to ``2 * verify_tokens`` under speculation)
+DEFAULT_BUFFER_SIZE = 16
 
 
 def _int(name: str, v, lo: int | None = 0) -> int:
@@ -42,7 +49,19 @@ class SamplingParams:
     of what else is in the batch); ``None`` draws from the engine's generator.  Generation
     stops at ``max_tokens`` generated tokens, at the model's EOS (unless ``ignore_eos``), at
     any of ``stop_token_ids`` (the stop token is kept in the output), or when the generated
-    text contains one of ``stop`` (the text is cut before it).
+    text contains one of ``stop`` (the text is cut before it, and tokens a speculative step
+    accepted past the one that completed it are dropped).
+
+    Penalties act on the model's logits before the temperature, in this order (as vLLM and
+    HF do): ``repetition_penalty`` ``r`` over every token of the prompt and the output so far
+    (a positive logit is divided by ``r``, a negative one multiplied), then
+    ``frequency_penalty * count + presence_penalty * (count > 0)`` subtracted, counting the
+    output tokens only.  Filters act on the tempered distribution: ``top_k``, ``top_p``,
+    ``min_p`` (drop tokens below ``min_p`` times the most likely one's probability).  Greedy
+    decoding takes the argmax after the penalties.  ``logprobs``: ``None`` for none, else
+    each generated token's log-probability under the model (log-softmax of the raw logits)
+    and the ``logprobs`` most likely alternatives.  ``n``: independent samples of the same
+    prompt (one shared prefill).
     """
 
     max_tokens: int = 64
@@ -53,6 +72,12 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self):
         _int("SamplingParams.max_tokens", self.max_tokens, 1)
@@ -78,10 +103,31 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.stop entries must be non-empty strings, got {s!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self.min_p = _float("SamplingParams.min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _float(f"SamplingParams.{name}", getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {v}")
+            setattr(self, name, v)
+        self.repetition_penalty = _float("SamplingParams.repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 100.0 or self.repetition_penalty == float("inf"):
+            raise ValueError(f"SamplingParams.repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if self.logprobs is not None:
+            _int("SamplingParams.logprobs", self.logprobs, 0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"SamplingParams.logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        _int("SamplingParams.n", self.n, 1)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass
@@ -107,7 +153,9 @@ class SpeculativeConfig:
     ``num_tokens`` is the chain length (linear methods) and, for trees without an explicit
     shape, the depth.  The verifier sees ``num_tokens + 1`` inputs per step (the last
     accepted token plus the drafts), so the replay buffer must hold
-    ``buffer_size >= 2 * (num_tokens + 1)`` (trees: ``2 * (nodes + 1)``).
+    ``buffer_size >= 2 * (num_tokens + 1)`` (trees: ``2 * (nodes + 1)``); left unset, the
+    engine picks that (or 16 if larger).  At most ``MAX_VERIFY_TOKENS - 1`` (127) draft
+    tokens per step: larger chains or trees (``tree_width x depth``) raise ``ValueError``.
     """
 
     method: str = "ngram"
@@ -159,6 +207,17 @@ class SpeculativeConfig:
                 if self.draft_model is None:
                     raise ValueError("SpeculativeConfig: a static tree (rank paths) needs draft_model to rank "
                                      "the candidates; without one, method='tree' builds an n-gram trie")
+        if self.verify_tokens > MAX_VERIFY_TOKENS:
+            raise ValueError(f"SpeculativeConfig: {self._size_str()} draft tokens per step; at most "
+                             f"{MAX_VERIFY_TOKENS - 1} fit one verify step (MAX_VERIFY_TOKENS = "
+                             f"{MAX_VERIFY_TOKENS} inputs, the last accepted token included)")
+
+    def _size_str(self) -> str:
+        if self.method != "tree":
+            return f"num_tokens = {self.num_tokens}"
+        if not isinstance(self.tree, str):
+            return f"a static tree of {len(self.tree)} nodes = {len(self.tree)}"
+        return f"tree_width {self.tree_width} x depth {self.depth} = {self.max_draft_nodes}"
 
     @property
     def depth(self) -> int:
@@ -220,10 +279,16 @@ def normalize_static_tree(tree) -> tuple[tuple[int, ...], ...]:
 
 @dataclass
 class EngineConfig:
-    """Engine-wide settings (built by :class:`~replayssm.engine.llm.LLM`)."""
+    """Engine-wide settings (built by :class:`~replayssm.engine.llm.LLM`).
+
+    ``buffer_size=None`` (the default) picks the replay buffer: ``DEFAULT_BUFFER_SIZE``
+    (16), raised to ``2 * verify_tokens`` when the speculation needs more (a draft tree of
+    width 2 and depth 4 verifies 9 inputs per step, so its default buffer is 18).  An
+    explicit ``buffer_size`` too small for the speculation is an error.
+    """
 
     decode_mode: str = "replay"
-    buffer_size: int = 16
+    buffer_size: int | None = None
     max_num_seqs: int = 16
     memory_budget: int | None = None
     max_seq_len: int = 2048
@@ -232,16 +297,20 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     cuda_graphs: bool = False
     seed: int = 0
-    max_prefill_tokens: int = 4096
+    max_num_batched_tokens: int = 8192   # tokens per step: decodes + prompt chunks (chunked prefill)
 
     def __post_init__(self):
         if self.decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
-        _int("buffer_size", self.buffer_size, 1)
+        if self.buffer_size is not None:
+            _int("buffer_size", self.buffer_size, 1)
         _int("max_num_seqs", self.max_num_seqs, 1)
         _int("max_seq_len", self.max_seq_len, 1)
         _int("kv_block_size", self.kv_block_size, 1)
-        _int("max_prefill_tokens", self.max_prefill_tokens, 1)
+        _int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _int("seed", self.seed, None)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if self.memory_budget is not None:
             _int("memory_budget", self.memory_budget, 1)
         if self.auto_threshold is not None:
@@ -251,9 +320,15 @@ class EngineConfig:
                 self.speculative = SpeculativeConfig(**self.speculative)
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
-            if self.decode_mode != "recurrent":
-                check_speculative_capacity(self.buffer_size, self.speculative.verify_tokens,
-                                           "(draft tokens + 1) verified per step")
+        need = 2 * self.max_new if self.speculative is not None else 1
+        if self.buffer_size is None:
+            self.buffer_size = max(DEFAULT_BUFFER_SIZE, need)
+        elif self.speculative is not None and self.decode_mode != "recurrent":
+            check_speculative_capacity(self.buffer_size, self.max_new, "(draft tokens + 1)",
+                                       f" (leave buffer_size unset to get {max(DEFAULT_BUFFER_SIZE, need)})")
+        if self.max_seq_len < self.max_new + 2:
+            raise ValueError(f"max_seq_len {self.max_seq_len} leaves no room for a prompt token, a generated "
+                             f"token and a verify window of {self.max_new} inputs (needs >= {self.max_new + 2})")
 
     @property
     def max_new(self) -> int:

@@ -15,22 +15,26 @@ memory budget.  ``decode_mode="auto"`` keeps a request KV-only until its context
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 
 import torch
+from torch import Tensor
 
-from ..cache.tree import path_to
-from ..runtime import canonical_device
+from ..runtime import check_device
 from . import speculative as spec
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
+from .detokenizer import Detokenizer, find_stop
+from .inputs import encode_prompt
+from .limits import cache_bytes, check_cache_fits
 from .loading import is_model, load, parse_dtype
-from .memory import MemoryModel, default_auto_threshold, fmt_bytes, memory_model
+from .memory import MemoryModel, auto_kv_blocks, default_auto_threshold, fmt_bytes, memory_model
 from .model_runner import ModelRunner
 from .mtp_drafter import MTPDrafter, mtp_head_of
 from .outputs import RequestOutput, request_output
-from .sampler import Sampler, accept_tree
+from .sampler import Sampler, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
 
@@ -45,38 +49,56 @@ class LLMEngine:
     ``auto_threshold`` tokens, then one flush into a state and replay; the default threshold
     is where KV-only stops reading fewer bytes than replay, from the cache's real sizes —
     :func:`replayssm.engine.memory.default_auto_threshold`).
-    ``memory_budget``: bytes of cache the scheduler may reserve (``None``: on CUDA,
+    ``memory_budget``: bytes of cache for the sequences (``None``: on CUDA,
     ``gpu_memory_utilization`` of the free device memory; on CPU only ``max_num_seqs``
-    limits concurrency).
+    limits concurrency): ``num_slots`` fixed parts (states, rings, conv windows, step scratch)
+    and block pools for what grows with the context (attention KV of hybrids, KV-only
+    entries) in the rest; the null slot and null blocks that padding rows write to come on
+    top.  Without a budget the pools are static (``max_seq_len`` per slot).
+    ``tensor_parallel_size``: split the model by heads over that many processes (rank ``r``
+    on ``cuda:<index + r>``, or CPU over gloo; :mod:`replayssm.distributed`); the engine
+    starts the workers and :meth:`close` stops them.  A model loaded with
+    ``TensorParallelGroup.load_model`` brings its own group.  Budgets are per rank.
 
     Not thread-safe: one thread (an event loop's engine task) calls ``add_request``,
     ``abort`` and ``step``.
     """
 
     def __init__(self, model, device="cpu", dtype="float32", decode_mode: str = "replay",
-                 buffer_size: int = 16, speculative: SpeculativeConfig | None = None,
+                 buffer_size: int | None = None, speculative: SpeculativeConfig | None = None,
                  max_num_seqs: int = 16, memory_budget: int | None = None, max_seq_len: int = 2048,
                  kv_block_size: int = 16, auto_threshold: int | None = None, cuda_graphs: bool = False,
                  seed: int = 0, tokenizer=None, pad_batches: bool = False,
-                 max_prefill_tokens: int = 4096, gpu_memory_utilization: float | None = 0.8):
+                 max_num_batched_tokens: int = 8192, gpu_memory_utilization: float | None = 0.8,
+                 tensor_parallel_size: int | None = None):
         self.config = ec = EngineConfig(
             decode_mode=decode_mode, buffer_size=buffer_size, max_num_seqs=max_num_seqs,
             memory_budget=memory_budget, max_seq_len=max_seq_len, kv_block_size=kv_block_size,
             auto_threshold=auto_threshold, speculative=speculative, cuda_graphs=cuda_graphs, seed=seed,
-            max_prefill_tokens=max_prefill_tokens)
-        self.device = torch.device(device)
+            max_num_batched_tokens=max_num_batched_tokens)
+        # validated, as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu")
+        self.device = check_device(device)
         self.dtype = parse_dtype(dtype)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' requested but CUDA is not available")
-        # as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu"): compare equal
-        self.device = canonical_device(self.device)
+        self._owns_model = not is_model(model)
+        tp = tensor_parallel_size
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        ranks = tp or (int(getattr(model, "tensor_parallel_size", 1)) if is_model(model) else 1)
+        if speculative is not None and speculative.method == "mtp" and ranks > 1:
+            raise ValueError(f"speculative method 'mtp' is not supported with tensor_parallel_size={ranks} "
+                             f"(the MTP head is not sharded over the workers); use tensor_parallel_size=1 "
+                             f"or method='ngram'/'draft'")
         if is_model(model):
+            have = int(getattr(model, "tensor_parallel_size", 1))
+            if tp is not None and tp != have:
+                raise ValueError(f"tensor_parallel_size={tp} but the model given is split over {have} rank(s) "
+                                 f"(load it with that many, or pass a model directory)")
             self.model, self.tokenizer = model, tokenizer
             if isinstance(getattr(model, "dtype", None), torch.dtype):
                 self.dtype = model.dtype  # a loaded model keeps its own dtype
-        else:
+        else:  # a directory (tensor_parallel_size > 1: workers started here, each reading its shard)
             mtp = ec.speculative is not None and ec.speculative.method == "mtp"
-            self.model, tok = load(model, self.device, self.dtype, mtp=mtp)
+            self.model, tok = load(model, self.device, self.dtype, tp or 1, mtp=mtp)
             self.tokenizer = tokenizer if tokenizer is not None else tok
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -99,20 +121,28 @@ class LLMEngine:
         self.layout = self.model.cache_layout(ec.cache_mode, ec.buffer_size, T, ec.max_seq_len, ec.kv_block_size)
         self.auto_threshold = ec.auto_threshold or default_auto_threshold(self.layout, ec.buffer_size)
         self.memory: MemoryModel = memory_model(self.layout, ec.decode_mode, T, self.vocab_size,
-                                                self.auto_threshold, draft_layout)
+                                                self.auto_threshold, draft_layout, ec.max_seq_len)
         if ec.memory_budget is None and self.device.type == "cuda" and gpu_memory_utilization:
             # like vLLM's gpu_memory_utilization: caches may take this share of the free memory
             free, _ = torch.cuda.mem_get_info(self.device)
             ec.memory_budget = int(free * gpu_memory_utilization)
         self.num_slots = self._plan_slots()
+        kv_blocks, attn_blocks = self._plan_pools()
+        check_cache_fits(cache_bytes(self.layout, draft_layout, self.num_slots, ec.max_seq_len, kv_blocks,
+                                     attn_blocks), self.device, self.num_slots, ec.max_seq_len)
         self.cache = self.model.make_cache(self.num_slots + 1, mode=ec.cache_mode, buffer_size=ec.buffer_size,
                                            max_new=T, max_seq_len=ec.max_seq_len, kv_block_size=ec.kv_block_size,
-                                           kv_num_blocks=self._plan_kv_blocks(), device=self.device)
-        self.runner = ModelRunner(self.model, self.cache, self.device, self.num_slots, cuda_graphs=cuda_graphs,
-                                  pad_batches=pad_batches)
-        self.sampler = Sampler(self.device, seed)
+                                           kv_num_blocks=kv_blocks, device=self.device, attn_num_blocks=attn_blocks)
+        make_runner = getattr(self.model, "make_runner", None)   # a tensor-parallel model runs every rank
+        if make_runner is not None:
+            self.runner = make_runner(self.cache, self.num_slots, cuda_graphs=cuda_graphs, pad_batches=pad_batches,
+                                      runner_cls=ModelRunner)
+        else:
+            self.runner = ModelRunner(self.model, self.cache, self.device, self.num_slots, cuda_graphs=cuda_graphs,
+                                      pad_batches=pad_batches)
+        self.sampler = Sampler(self.device, seed, num_slots=self.num_slots + 1, vocab_size=self.vocab_size)
         self.blocks = BlockManager(self.cache, self.memory, ec.memory_budget, self.num_slots, ec.max_seq_len)
-        self.scheduler = Scheduler(self.blocks, ec.max_prefill_tokens)
+        self.scheduler = Scheduler(self.blocks, ec.max_num_batched_tokens)
         self.drafter = self._make_drafter(sp, self.num_slots, T)
         self.stats = {"steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "generated": 0}
         self._requests: dict = {}            # unfinished requests by id (abort, outputs)
@@ -120,11 +150,28 @@ class LLMEngine:
         self.capture_s = 0.0
         if self.runner.use_graphs:  # every graph a step can need, before the first request
             t0 = time.perf_counter()
-            self.runner.capture(self._spec_shapes())
+            self.runner.capture(self._spec_shapes(), self._sampled_shapes())
             draft_runner = getattr(self.drafter, "runner", None)
             if draft_runner is not None:
                 draft_runner.capture()
             self.capture_s = time.perf_counter() - t0
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the engine's caches; stop tensor-parallel workers the engine started itself
+        (a model passed in stays usable).  The engine cannot step afterwards."""
+        for obj in (self.runner, self.cache):
+            release = getattr(obj, "close", None)
+            if release is not None:
+                release()
+        if self._owns_model and hasattr(self.model, "close"):
+            self.model.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     # -- construction helpers -----------------------------------------------------------
     def _plan_slots(self) -> int:
@@ -139,20 +186,24 @@ class LLMEngine:
                              f"({fmt_bytes(need)})")
         return int(min(ec.max_num_seqs, fit))
 
-    def _plan_kv_blocks(self) -> int | None:
-        """Blocks of the KV-only pool (``None``: a static pool, ``max_seq_len`` per slot)."""
-        ec, T = self.config, self.config.max_new
-        if ec.cache_mode != "kv":
-            return None
-        per_seq = ec.max_seq_len if ec.decode_mode == "kv" else self.auto_threshold + 2 * T + ec.kv_block_size
-        blocks_per_seq = -(-per_seq // ec.kv_block_size) + 1
-        blocks = blocks_per_seq * self.num_slots
-        if ec.memory_budget is not None and self.memory.kv_block_bytes:
-            # the scheduler keeps reservations within the budget; one spare block per slot
-            # absorbs rounding to whole blocks
-            budget_blocks = ec.memory_budget // self.memory.kv_block_bytes + self.num_slots
-            blocks = max(blocks_per_seq, min(blocks, budget_blocks))
-        return blocks
+    def _plan_pools(self) -> tuple[int | None, int | None]:
+        """Blocks of the KV-only pool and of the attention pool (``None``: a static pool,
+        ``max_seq_len`` per slot).  ``auto`` gives each slot KV-only room up to the switch
+        threshold; with a memory budget, what the slots' fixed parts leave is split over the
+        pools that grow with each token (one block of each per block of tokens)."""
+        ec, mem = self.config, self.memory
+        kv = attn = None
+        if ec.decode_mode == "auto":
+            kv = self.num_slots * auto_kv_blocks(self.auto_threshold, ec.max_new, ec.kv_block_size)
+        if ec.memory_budget is None:
+            return kv, None
+        per_block = (mem.kv_block_bytes if ec.decode_mode == "kv" else 0) + mem.attn_block_bytes
+        if per_block:
+            static = self.num_slots * -(-ec.max_seq_len // ec.kv_block_size)
+            n = int(max(1, min(static, (ec.memory_budget - self.num_slots * mem.fixed) // per_block)))
+            kv = n if ec.decode_mode == "kv" else kv
+            attn = n if mem.attn_block_bytes else None
+        return kv, attn
 
     def _spec_shapes(self) -> list[tuple[int, bool]]:
         """``(nodes, tree)`` of the verify steps the drafter proposes (fixed shapes only; an
@@ -167,6 +218,12 @@ class LLMEngine:
         if self.draft_model is not None:
             return [(self.drafter.num_nodes, True)]
         return []
+
+    def _sampled_shapes(self) -> list[tuple[int, bool, bool]]:
+        """``(nodes, tree, draft distributions)`` of sampled speculative steps (fixed shapes)."""
+        sp = self.config.speculative
+        has_q = self.draft_model is not None or (sp is not None and sp.method == "mtp")
+        return [(n, tree, has_q) for n, tree in self._spec_shapes()]
 
     def _make_drafter(self, sp: SpeculativeConfig | None, num_slots: int, T: int):
         if sp is None:
@@ -196,25 +253,8 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
     def encode(self, prompt) -> tuple[str | None, list[int]]:
-        """``(text | None, token ids)`` of a prompt (a string or a list of ids), validated."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer (tokenizer.json in the model directory); "
-                                 "pass token id lists instead")
-            ids = self.tokenizer.encode(prompt).ids
-            text = prompt
-        else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
-            text = None
-        if not ids:
-            raise ValueError("empty prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        return text, ids
+        """``(text or None, token ids)`` of a prompt, validated (:mod:`replayssm.engine.inputs`)."""
+        return encode_prompt(prompt, self.tokenizer, self.vocab_size)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None) -> Sequence:
         """Queue one request (validated first: a bad one raises ``ValueError`` and queues
@@ -225,28 +265,57 @@ class LLMEngine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id is not None and request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n > self.num_slots:
+            raise ValueError(f"SamplingParams.n={params.n} exceeds the engine's {self.num_slots} slots "
+                             f"(the samples of a request run together)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (tokenizer.json in the model directory)")
         text, ids = self.encode(prompt)
         seq = Sequence(ids, params, request_id=request_id)
-        seq.prompt_text = text
-        self.scheduler.add(seq)
+        for i in range(1, params.n):   # the other samples: own generators, one shared prefill
+            sp = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            sib = Sequence(ids, sp, request_id=(seq.request_id, i))
+            sib.group_id, sib.index, sib.group = seq.request_id, i, seq.group
+            seq.group.append(sib)
+        for s in seq.group:
+            s.prompt_text = text
+            if self.tokenizer is not None:
+                s.detok = Detokenizer(self.tokenizer, ids)
+            self.scheduler.add(s)
         self._requests[seq.request_id] = seq
         return seq
 
     def abort(self, request_id) -> bool:
         """Stop a request between steps: a waiting one leaves the queue, a running one frees
         its slot and cache at once.  Returns False when no unfinished request has that id."""
-        seq = self._requests.pop(request_id, None)
-        if seq is None or seq.is_finished:
+        head = self._requests.pop(request_id, None)
+        if head is None or all(s.is_finished for s in head.group):
             return False
-        seq.finish_reason = "abort"
-        self._finish(seq)
+        for seq in head.group:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self._finish(seq)
         return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def output(self, seq: Sequence) -> RequestOutput:
-        return request_output(seq, self.tokenizer)
+        return request_output(seq)
+
+    def occupancy(self) -> dict:
+        """Running / waiting requests, free and total slots, free KV-only blocks (-1: none)."""
+        pidx = getattr(self.cache, "pidx", None)
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "free_slots": len(self.blocks.free_slots), "total_slots": self.num_slots,
+                "free_kv_blocks": pidx.free_blocks if pidx is not None else -1}
+
+    def recover(self) -> None:
+        """After a step raised half-way: forget the verify that will never be committed
+        (target and draft caches), so that aborts and the next steps can run."""
+        self.cache.clear_pending()
+        if self.drafter is not None:
+            self.drafter.reset()
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -270,7 +339,7 @@ class LLMEngine:
         self.stats["decode_s"] += time.perf_counter() - t1
         return self._postprocess(batch, new)
 
-    def _run(self, batch: ScheduledBatch) -> tuple[list[tuple[Sequence, list[int]]], float]:
+    def _run(self, batch: ScheduledBatch) -> tuple[list[Step], float]:
         """Run the model for this step: prefill the admitted prompts, then one decode or
         speculative step for the running sequences.  Returns the new tokens per sequence and
         the time the prefill part ended."""
@@ -280,25 +349,27 @@ class LLMEngine:
             new += self._decode(batch.running) if self.drafter is None else self._speculate(batch.running)
         return new, t1
 
-    def _postprocess(self, batch: ScheduledBatch, new: list[tuple[Sequence, list[int]]]):
+    def _postprocess(self, batch: ScheduledBatch, new: list[Step]):
         """Append tokens (stop criteria), free finished sequences, switch KV-only ones that
         reached the threshold to a state."""
         advanced = []
-        for s, toks in new:
+        for s, toks, lps in new:
             if toks:
                 advanced.append(s)
-                self._append(s, toks)
+                self._append(s, toks, lps)
         finished = list(batch.rejected)
         to_switch = []
         for s in list(self.scheduler.running):
             if s.finish_reason is not None:
                 self._finish(s)
                 finished.append(s)
-            elif self.config.decode_mode == "auto" and s.mode == "kv" and s.num_cached >= self.auto_threshold:
+            elif self.config.decode_mode == "auto" and s.mode == "kv" and not s.prefilling \
+                    and s.num_cached >= self.auto_threshold:
                 to_switch.append(s)
         self.blocks.switch_to_state(to_switch)
         for s in finished:
-            self._requests.pop(s.request_id, None)
+            if all(m.is_finished for m in s.group):
+                self._requests.pop(s.group_id, None)
         return advanced, finished
 
     def _finish(self, s: Sequence) -> None:
@@ -307,60 +378,83 @@ class LLMEngine:
         self.scheduler.finish(s, s.finish_reason or "stop")
 
     # -- running the model --------------------------------------------------------------------
-    def _prefill(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+    def _prefill(self, items: list[tuple[Sequence, int]]) -> list[Step]:
+        """Prefill this step's prompt chunks (each continues its sequence; a chunk of 0 tokens
+        is a sample waiting for its first sample); sequences whose prompt is now complete
+        sample their first token — the waiting samples of a completed request copy its cache
+        (``cache.fork``) and sample from its logits."""
+        chunks = [(s, n) for s, n in items if n > 0]
+        waiting = [s for s, n in items if n == 0]
         if self.config.decode_mode == "auto":
             # prompts already past the threshold skip the KV-only form: an empty slot switched
-            # to a (zero) state prefills straight into it; prefill each form separately
-            long = [s for s in seqs if s.num_prompt_tokens >= self.auto_threshold]
-            short = [s for s in seqs if s.num_prompt_tokens < self.auto_threshold]
-            self.blocks.switch_to_state(long)
-            if short and long:
-                return self._prefill_groups(short) + self._prefill_groups(long)
-            seqs = short + long
-        return self._prefill_groups(seqs)
-
-    def _prefill_groups(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
-        """Prefill in groups of at most ``max_prefill_tokens`` padded tokens; sample each
-        sequence's first token."""
-        groups, group, width = [], [], 0
-        for s in seqs:
-            w = max(width, s.num_prompt_tokens)
-            if group and w * (len(group) + 1) > self.config.max_prefill_tokens:
-                groups.append(group)
-                group, w = [], s.num_prompt_tokens
-            group.append(s)
-            width = w
-        if group:
-            groups.append(group)
-        fits = set(id(s) for s in self.blocks.reserve_tokens([s for g in groups for s in g], 0))
-        groups = [g for g in ([s for s in g if id(s) in fits] for g in groups) if g]
-        if not groups:
-            return []
+            # to a (zero) state prefills straight into it; each form prefills in its own call
+            self.blocks.switch_to_state([s for s, _ in chunks
+                                         if s.num_prefilled == 0 and s.num_prompt_tokens >= self.auto_threshold])
+        fits = set(id(s) for s in self.blocks.reserve([(s, s.num_prefilled + n) for s, n in chunks]))
+        chunks = [(s, n) for s, n in chunks if id(s) in fits]
+        groups = [chunks]
+        if self.config.decode_mode == "auto":
+            groups = [[c for c in chunks if self.cache.mode_of(c[0].slot) == m] for m in ("kv", "replay")]
         logits, order = [], []
         for g in groups:
-            logits.append(self.runner.prefill([s.slot for s in g], [s.prompt_ids for s in g]))
-            order.extend(g)
+            if not g:
+                continue
+            lg = self.runner.prefill([s.slot for s, _ in g],
+                                     [s.prompt_ids[s.num_prefilled:s.num_prefilled + n] for s, n in g])
+            for (s, n), row in zip(g, lg):
+                s.num_prefilled += n
+                s.mode = self.cache.mode_of(s.slot)
+                if not s.prefilling:
+                    logits.append(row)
+                    order.append(s)
+        done = {id(s): i for i, s in enumerate(order)}
+        forked = [s for s in waiting if id(s.group[0]) in done]
+        if forked:
+            by_head: dict = {}
+            for s in forked:
+                by_head.setdefault(id(s.group[0]), (s.group[0], []))[1].append(s)
+            for head, sibs in by_head.values():
+                self.cache.fork(head.slot, [s.slot for s in sibs])
+            for s in forked:
+                s.num_prefilled, s.mode = s.num_prompt_tokens, self.cache.mode_of(s.slot)
+                logits.append(logits[done[id(s.group[0])]])
+            order = order + forked
+        if not order:
+            return []
+        logits = torch.stack(logits, 0)
         if self.drafter is not None:
             self.drafter.prefill(order)
-        toks = self.sampler.sample(torch.cat(logits, 0), order).tolist()
+        self.sampler.start(order)
+        sb = self.sampler.batch(order)
+        toks = self.sampler.sample(logits, order, sb)
+        lps = self._logprobs_host(logits, toks, sb)
         for s in order:
-            s.mode = self.cache.mode_of(s.slot)
             s.num_steps += 1
-        return [(s, [t]) for s, t in zip(order, toks)]
+        return [(s, [t], None if lps is None else [lps[b]]) for b, (s, t) in enumerate(zip(order, toks.tolist()))]
 
-    def _decode(self, seqs: list[Sequence], reserve: bool = True) -> list[tuple[Sequence, list[int]]]:
+    def _decode(self, seqs: list[Sequence], reserve: bool = True) -> list[Step]:
         if reserve:
             seqs = self.blocks.reserve_tokens(seqs, 1)
             if not seqs:
                 return []
         toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
         logits = self.runner.decode([s.slot for s in seqs], toks)
-        out = self.sampler.sample(logits, seqs).tolist()
+        sb = None if all(_plain(s.params) for s in seqs) else self.sampler.batch(seqs)  # plain: argmax
+        out = self.sampler.sample(logits, seqs, sb)
+        lps = self._logprobs_host(logits, out, sb)
         for s in seqs:
             s.num_steps += 1
-        return [(s, [t]) for s, t in zip(seqs, out)]
+        return [(s, [t], None if lps is None else [lps[b]]) for b, (s, t) in enumerate(zip(seqs, out.tolist()))]
 
-    def _speculate(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+    @staticmethod
+    def _logprobs_host(logits: Tensor, toks: Tensor, sb) -> list | None:
+        """Per row ``(logprob of the sampled token, [(id, logprob), ...] top alternatives)``."""
+        if sb is None or sb.logprobs < 0:
+            return None
+        chosen, vals, idx = token_logprobs(logits, toks, sb.logprobs)
+        return _lp_rows(chosen.tolist(), vals.tolist(), idx.tolist())
+
+    def _speculate(self, seqs: list[Sequence]) -> list[Step]:
         seqs = self.blocks.reserve_tokens(seqs, self.config.max_new)
         if not seqs:
             return []
@@ -371,11 +465,11 @@ class LLMEngine:
                 s.accepted_lengths.append(1)
             return out
         slots = [s.slot for s in seqs]
-        greedy = all(s.params.greedy for s in seqs)
+        greedy = all(_plain(s.params) for s in seqs)   # the fast greedy step
         if prop.tree and self._tree_needs_state:
             self.blocks.switch_to_state([s for s in seqs if s.mode == "kv"])
         try:
-            accepted, bonus, path = self._verify_accept_commit(seqs, slots, prop, greedy)
+            accepted, bonus, path, lps = self._verify_accept_commit(seqs, slots, prop, greedy)
         except NotImplementedError as e:
             # the model has no KV-only tree verify (it raises before touching the cache):
             # give these requests a state (exact: one flush) and verify in replay form
@@ -385,16 +479,20 @@ class LLMEngine:
             warnings.warn(f"tree speculation: KV-only slots switched to state form ({e})", stacklevel=2)
             self._tree_needs_state = True
             self.blocks.switch_to_state(kv)
-            accepted, bonus, path = self._verify_accept_commit(seqs, slots, prop, greedy)
+            accepted, bonus, path, lps = self._verify_accept_commit(seqs, slots, prop, greedy)
         # the step's one host sync: everything the host needs in one transfer
         N = prop.tokens.shape[1]
         parts = [accepted[:, None], bonus[:, None], prop.num_drafts[:, None], prop.tokens]
         if path is not None:
             parts.append(path)
         host = torch.cat([x.long() for x in parts], 1).tolist()
+        lp_rows = None
+        if lps is not None:
+            chosen, vals, idx = (x.tolist() for x in lps)
+            lp_rows = [_lp_rows(c, v, i) for c, v, i in zip(chosen, vals, idx)]
         self.drafter.accepted(seqs, [r[0] for r in host], path)
         out = []
-        for s, row in zip(seqs, host):
+        for b, (s, row) in enumerate(zip(seqs, host)):
             a, bonus_b, ndraft, toks = row[0], row[1], row[2], row[3:3 + N]
             nodes = row[3 + N:3 + N + a][1:] if path is not None else range(1, a)
             s.num_steps += 1
@@ -402,46 +500,60 @@ class LLMEngine:
             s.num_drafted += ndraft
             s.num_accepted_drafts += a - 1
             s.accepted_lengths.append(a)
-            out.append((s, [toks[i] for i in nodes] + [bonus_b]))
+            out.append((s, [toks[i] for i in nodes] + [bonus_b], None if lp_rows is None else lp_rows[b][:a]))
         return out
 
     def _verify_accept_commit(self, seqs, slots, prop, greedy: bool):
-        if greedy:  # one device-side step (a CUDA graph when enabled)
-            return self.runner.greedy_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree)
-        if prop.tree:
-            logits = self.runner.verify_tree(slots, prop.tokens, prop.parent)
-        else:
-            logits = self.runner.verify(slots, prop.tokens)
-        p = self.sampler.probs(logits, seqs)
+        """One device-side step (a CUDA graph when enabled): verify, accept, commit.
+        Returns ``(accepted, bonus, path, logprobs | None)``."""
+        if greedy:
+            return (*self.runner.greedy_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree), None)
+        sb = self.sampler.batch(seqs)
         u = self.sampler.uniforms(seqs, prop.tokens.shape[1] + 1)
-        accepted, leaf, bonus = accept_tree(p, prop.tokens, prop.parent, prop.valid, prop.q, u)
-        path = None
-        if prop.tree:
-            path, _ = path_to(prop.parent, leaf)
-            self.runner.commit(accepted, path)
-        else:
-            self.runner.commit(accepted)
-        return accepted, bonus, path
+        return self.runner.sampled_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree, prop.q, sb, u)
 
     # -- postprocessing ---------------------------------------------------------------------
-    def _append(self, s: Sequence, toks: list[int]) -> None:
-        """Append sampled tokens until a stop criterion (EOS, stop ids, length, stop text)."""
+    def _append(self, s: Sequence, toks: list[int], lps: list | None = None) -> None:
+        """Append accepted tokens until one ends the request (EOS, a stop token, the length
+        limit, or a stop string completed in the incrementally decoded text: the text is cut
+        before the stop string and later tokens of the step are dropped)."""
         p = s.params
         cap = s.token_cap if s.token_cap is not None else self.scheduler.token_limit
         eos = self.eos_token_id
+        kept = 0
         for t in toks:
-            s.output_ids.append(int(t))
+            t = int(t)
+            s.output_ids.append(t)
+            if s.logprobs is not None and lps is not None and kept < len(lps):
+                s.logprobs.append(lps[kept])
+            kept += 1
             self.stats["generated"] += 1
             is_eos = eos is not None and (t in eos if isinstance(eos, (list, tuple, set)) else t == eos)
             if t in p.stop_token_ids or (is_eos and not p.ignore_eos):
                 s.finish_reason = "stop"
-            elif len(s.output_ids) >= p.max_tokens or s.num_tokens >= cap:
+            elif s.detok is not None:
+                piece = s.detok.push(t)
+                cut = find_stop(s.detok.text, len(piece), p.stop)
+                if cut is not None:
+                    s.stop_text_cut = cut
+                    s.detok.text = s.detok.text[:cut]
+                    s.finish_reason = "stop"
+            if s.finish_reason is None and (len(s.output_ids) >= p.max_tokens or s.num_tokens >= cap):
                 s.finish_reason = "length"
             if s.finish_reason is not None:
                 break
-        if p.stop and self.tokenizer is not None and s.finish_reason in (None, "length"):
-            text = self.tokenizer.decode(s.output_ids)
-            hits = [text.find(x) for x in p.stop if x in text]
-            if hits:
-                s.stop_text_cut = min(hits)
-                s.finish_reason = "stop"
+        self.sampler.observe(s, toks[:kept])
+
+
+#: one sequence's result of a step: (sequence, new tokens, per-token logprobs or None)
+Step = tuple
+
+
+def _plain(p: SamplingParams) -> bool:
+    """Greedy with no penalties and no logprobs: the argmax fast path."""
+    return p.greedy and not p.penalized and p.logprobs is None
+
+
+def _lp_rows(chosen: list, vals: list, idx: list) -> list:
+    """Host lists -> ``[(logprob, [(token id, logprob), ...]), ...]``."""
+    return [(c, list(zip(i, v))) for c, v, i in zip(chosen, vals, idx)]

@@ -9,7 +9,9 @@ from tqdm.auto import tqdm
 
 from .config import SamplingParams
 from .engine import LLMEngine
+from .inputs import prompt_list
 from .outputs import RequestOutput
+from .sequence import Sequence
 
 __all__ = ["LLM", "RequestOutput"]
 
@@ -19,29 +21,42 @@ class LLM(LLMEngine):
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run ``prompts`` (a string, a list of ids, or a list of either) to completion; every
-        prompt is validated before any is queued."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Run ``prompts`` (one prompt or a list) to completion; one output per prompt, in order.
+        A prompt that fails validation gets an output with ``finish_reason="error"`` and the
+        message in ``error``, and the others run; bad arguments of the call itself raise."""
+        prompts = prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
-        for p in prompts:
-            self.encode(p)
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        for sp in params:
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
+        seqs = []
+        for p, sp in zip(prompts, params):
+            try:
+                seqs.append(self.add_request(p, sp))
+            except ValueError as e:  # this request fails alone
+                seqs.append(Sequence.failed(sp, str(e), p if isinstance(p, str) else None))
         bar = tqdm(total=len(seqs), desc="generate", unit="req") if use_tqdm else None
-        mine = {id(s) for s in seqs}
+        done = 0
         while self.has_unfinished():
-            _, finished = self._step()
+            self._step()
             if bar is not None:
-                bar.update(sum(id(s) in mine for s in finished))
+                n = sum(all(m.is_finished for m in s.group) for s in seqs)
+                bar.update(n - done)
+                done = n
         if bar is not None:
             bar.close()
-        return [self.output(s) for s in seqs]
+        outs = []
+        for s in seqs:
+            out = self.output(s)
+            if len(s.group) > 1:
+                out.samples = [self.output(m) for m in s.group]
+            outs.append(out)
+        return outs
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[list[int]]:
         """Generate one request, yielding lists of new token ids as they are accepted

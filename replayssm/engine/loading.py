@@ -1,4 +1,4 @@
-"""Turning user arguments into a model: dtype names, model directories or loaded models."""
+"""Turning user arguments into a model: model directories or loaded models (and dtype names)."""
 
 from __future__ import annotations
 
@@ -6,23 +6,10 @@ import os
 
 import torch
 
+from ..distributed import load_tensor_parallel
 from ..models import load_model, load_tokenizer
+from ..models.loader import parse_dtype  # noqa: F401  (the engine's dtype names)
 from .protocols import CachedModel
-
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
-
-
-def parse_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))} or a torch.dtype, got {dtype!r}")
 
 
 def is_model(obj) -> bool:
@@ -30,9 +17,21 @@ def is_model(obj) -> bool:
     return isinstance(obj, CachedModel)
 
 
-def load(model, device: torch.device, dtype: torch.dtype, mtp: bool = False):
+def load(model, device: torch.device, dtype: torch.dtype, tensor_parallel_size: int = 1,
+         mtp: bool = False):
     """``(model, tokenizer | None)`` from a Hugging Face-layout directory (``mtp``: with the
-    checkpoint's MTP head, ``model.mtp``)."""
+    checkpoint's MTP head, ``model.mtp``).
+
+    ``tensor_parallel_size > 1``: the model split over that many processes, each reading its
+    shard (:func:`replayssm.distributed.load_tensor_parallel`, the engine's entry into the
+    distributed layer below it); the returned model owns its workers (``close()``).  The MTP
+    head is not sharded: ``mtp`` with ``tensor_parallel_size > 1`` is refused."""
     if not os.path.isdir(str(model)):
         raise ValueError(f"model directory not found: {model!r}")
+    if tensor_parallel_size > 1:
+        if mtp:
+            raise ValueError("speculative method 'mtp' is not supported with tensor_parallel_size > 1 "
+                             "(the MTP head is not sharded over the workers); use tensor_parallel_size=1 "
+                             "or method='ngram'/'draft'")
+        return load_tensor_parallel(str(model), tensor_parallel_size, device, dtype), load_tokenizer(str(model))
     return load_model(str(model), device=device, dtype=dtype, mtp=mtp), load_tokenizer(str(model))

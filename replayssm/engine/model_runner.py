@@ -2,7 +2,8 @@
 
 Calls take Python slot lists and token tensors and return logits; the only host
 synchronisation in a step is the one the caller does after sampling.  On CUDA,
-``cuda_graphs=True`` captures ``decode`` (and the greedy verify-accept-commit step) once per
+``cuda_graphs=True`` captures ``decode`` and the whole speculative step — verify, acceptance
+(greedy, or sampled with penalties and filters at every node), commit — once per
 batch-size bucket and cache form (padding rows use the null slot 0) and replays it; any
 capture failure falls back to eager execution for that key with a warning.  :meth:`ModelRunner.capture`
 takes every fixed-shape graph before serving (``LLM`` calls it); keys first met mid-run are
@@ -26,9 +27,9 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..cache.tree import path_to
+from ..cache.tree import ancestor_mask, path_to
 from ..runtime import canonical_device
-from .sampler import accept_greedy
+from .sampler import accept_greedy, accept_tree, blank_batch, process, token_logprobs
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -201,6 +202,125 @@ class ModelRunner:
         acc, bonus, path = self._greedy_body(self._slots(slots, Bp), tokens, parent, valid, tree)
         return acc[:B], bonus[:B], (path[:B] if path is not None else None)
 
+    # -- a whole sampled speculative step ---------------------------------------------------
+    def _sampled_body(self, slots_t: Tensor, tokens: Tensor, parent: Tensor, valid: Tensor, u: Tensor,
+                      q: Tensor | None, sb, tree: bool):
+        """verify -> penalties and filters at every node -> lossless acceptance
+        (:func:`~replayssm.engine.sampler.accept_tree`, uniforms ``u [B, N+1]`` drawn before)
+        -> commit -> raw log-probabilities along the accepted path; device work only, so
+        the whole step is one graph-capturable body.  Returns ``(accepted, bonus, path,
+        logprobs)`` where ``logprobs`` is ``None`` or ``(chosen [B, N], top values, top ids
+        [B, N, k])`` for path positions ``0..accepted-1`` (the token after each path node)."""
+
+        if tree:
+            logits = self.model.verify_tree(self.cache, slots_t, tokens, parent)
+        else:
+            logits = self.model.verify(self.cache, slots_t, tokens)
+        anc = ancestor_mask(parent) if sb.use_penalties else None
+        p = process(logits, sb, tokens, anc, valid)
+        accepted, leaf, bonus = accept_tree(p, tokens, parent, valid, q, u)
+        B, N = tokens.shape
+        if tree:
+            path = path_to(parent, leaf)[0]
+            self.model.commit(self.cache, accepted, path)
+        else:
+            path = None
+            self.model.commit(self.cache, accepted)
+        lps = None
+        if sb.logprobs >= 0:
+            pos = torch.arange(N, device=tokens.device).expand(B, N)
+            pth = path if tree else pos
+            nxt = tokens.gather(1, torch.cat([pth[:, 1:], pth[:, -1:]], 1))
+            nxt = torch.where(pos == (accepted - 1)[:, None], bonus[:, None], nxt)
+            node_logits = logits.gather(1, pth[:, :, None].expand(B, N, logits.shape[-1]))
+            lps = token_logprobs(node_logits, nxt, sb.logprobs)
+        return accepted, bonus, path, lps
+
+    @torch.inference_mode()
+    def sampled_verify_step(self, slots: list[int], tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool,
+                            q: Tensor | None, sb, u: Tensor):
+        """The sampled counterpart of :meth:`greedy_verify_step` (any mix of greedy and
+        sampled rows, penalties, filters, logprobs): one graph per (batch bucket, nodes,
+        chain|tree, cache form, draft distributions or not, the batch's sampling switches).
+        ``sb``: the rows' :class:`~replayssm.engine.sampler.SamplingBatch`; ``u [B, N+1]``
+        uniforms from each request's generator.  Padding rows are greedy on slot 0."""
+        self.num_calls["tree" if tree else "verify"] += 1
+        B, N = tokens.shape
+        tokens, parent, valid, u = self._h2d(tokens), self._h2d(parent), self._h2d(valid), self._h2d(u)
+        Bp = self._bucket(B) if self.pad_batches else B
+        if Bp != B:
+            chain = torch.arange(-1, N - 1, device=self.device).expand(Bp - B, N)
+            parent = torch.cat([parent, chain], 0)
+            tokens = self._pad_rows(tokens, Bp)
+            valid = torch.cat([valid, torch.zeros(Bp - B, N, dtype=torch.bool, device=self.device)], 0)
+            u = self._pad_rows(u, Bp, 0.5)
+            q = self._pad_rows(q, Bp) if q is not None else None
+            sb = sb.pad(Bp)
+        key = ("sspec", Bp, N, tree, self._form(), q is not None, sb.key())
+        if self.use_graphs and key not in self._graph_failed:
+            g = self._graphs.get(key) or self._capture_sampled(key, Bp, N, tree, q is not None, sb)
+            if g is not None:
+                graph, ins, outs = g
+                src = [self._slots(slots, Bp), tokens, parent, valid, u] + ([q] if q is not None else []) + sb.tensors()
+                for dst, x in zip(ins, src):
+                    dst.copy_(x)
+                graph.replay()
+                return self._cut_sampled(outs, B)
+        outs = self._sampled_body(self._slots(slots, Bp), tokens, parent, valid, u, q, sb, tree)
+        return self._cut_sampled(outs, B)
+
+    @staticmethod
+    def _cut_sampled(outs, B: int):
+        acc, bonus, path, lps = outs
+        if lps is not None:
+            lps = tuple(x[:B] for x in lps)
+        return acc[:B], bonus[:B], (path[:B] if path is not None else None), lps
+
+    def _sampled_inputs(self, Bp: int, N: int, has_q: bool, sb):
+        """Static inputs of a sampled step: padding values (greedy rows on the null slot)."""
+        s_in, t_in, p_in, v_in = self._spec_inputs(Bp, N)
+        V = int(self.model.config.vocab_size)
+        u_in = torch.full((Bp, N + 1), 0.5, dtype=torch.float32, device=self.device)
+        # the [B, N, V] / [B, V] inputs are views of one buffer per shape shared by every batch
+        # bucket (graphs replay one at a time; each replay overwrites its rows)
+        q_in = self._shared("q", (N, V), torch.float32)[:Bp] if has_q else None
+        sb_in = sb.blank(Bp)
+        if sb_in.use_penalties:
+            sb_in.counts = self._shared("counts", (V,), torch.float32)[:Bp]
+            sb_in.seen = self._shared("seen", (V,), torch.bool)[:Bp]
+        ins = [s_in, t_in, p_in, v_in, u_in] + ([q_in] if has_q else []) + sb_in.tensors()
+        return ins, (s_in, t_in, p_in, v_in, u_in, q_in, sb_in)
+
+    def _shared(self, name: str, shape: tuple, dtype) -> Tensor:
+        """A zeroed ``[max bucket, *shape]`` static buffer, one per (name, shape, dtype)."""
+        cache = self.__dict__.setdefault("_static_bufs", {})
+        k = (name, shape, dtype)
+        if k not in cache:
+            cache[k] = torch.zeros((self.buckets[-1],) + tuple(shape), dtype=dtype, device=self.device)
+        return cache[k]
+
+    def _capture_sampled(self, key, Bp: int, N: int, tree: bool, has_q: bool, sb, warm: bool = True):
+        ins, args = self._sampled_inputs(Bp, N, has_q, sb)
+        s_in, t_in, p_in, v_in, u_in, q_in, sb_in = args
+        body = lambda: self._sampled_body(s_in, t_in, p_in, v_in, u_in, q_in, sb_in, tree)  # noqa: E731
+        try:
+            if warm:  # on the null slot only
+                self._warm(body)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                outs = body()
+            self._pool = graph.pool()
+        except NotImplementedError:
+            raise
+        except Exception as e:  # pragma: no cover - depends on the model's kernels
+            warnings.warn(f"CUDA graph capture of a sampled speculative step {key} failed, running eagerly: {e}")
+            self._graph_failed.add(key)
+            self._drop_pending()
+            return None
+        entry = (graph, ins, outs)
+        self._graphs[key] = entry
+        return entry
+
     def _spec_inputs(self, Bp: int, N: int):
         s_in = torch.zeros(Bp, dtype=torch.long, device=self.device)
         t_in = torch.zeros(Bp, N, dtype=torch.long, device=self.device)
@@ -212,7 +332,7 @@ class ModelRunner:
     def _drop_pending(self) -> None:
         """Forget a verify that failed half-way (its commit will never come)."""
         if getattr(self.cache, "pending", None) is not None:
-            self.cache.pending = None
+            self.cache.clear_pending()
 
     def _warm(self, fn, passes: int = 2) -> None:
         """Run ``fn`` eagerly on a side stream (compiles kernels, sets up cuBLAS) before capture."""
@@ -244,10 +364,12 @@ class ModelRunner:
         return entry
 
     # -- CUDA graphs -----------------------------------------------------------------------
-    def capture(self, spec_shapes=()) -> int:
+    def capture(self, spec_shapes=(), sampled_shapes=()) -> int:
         """Capture, ahead of serving, the decode graph of every batch bucket and the greedy
         speculative graph of every bucket for each ``(nodes, tree)`` in ``spec_shapes``, in the
-        cache's current form.  A graph first needed mid-run is captured then (warm-up passes
+        cache's current form; ``sampled_shapes`` ``(nodes, tree, draft distributions)`` add the
+        sampled speculative step with plain temperature sampling (no filters, penalties or
+        logprobs: other switches are captured when first used).  A graph first needed mid-run is captured then (warm-up passes
         plus capture: a stall of that step), so engines capture up front, as vLLM does.
 
         Memory: every key is first run eagerly once (kernels compile then, not during
@@ -263,6 +385,9 @@ class ModelRunner:
         for Bp in sorted(self.buckets, reverse=True):
             keys.append((("decode", Bp, form), Bp, None, None))
             keys += [(("spec", Bp, N, tree, form), Bp, N, tree) for N, tree in spec_shapes]
+            for N, tree, has_q in sampled_shapes:
+                sb = blank_batch(Bp, 0, self.device)
+                keys.append((("sspec", Bp, N, tree, form, has_q, sb.key()), Bp, N, (tree, has_q, sb)))
         keys = [k for k in keys if k[0] not in self._graphs and k[0] not in self._graph_failed]
         runnable = []
         for key, Bp, N, tree in keys:
@@ -270,6 +395,10 @@ class ModelRunner:
                 if N is None:
                     ins = self._decode_inputs(Bp)
                     self._warm(lambda: self.model.decode(self.cache, *ins), passes=1)
+                elif key[0] == "sspec":
+                    tr, has_q, sb = tree
+                    _, a = self._sampled_inputs(Bp, N, has_q, sb)
+                    self._warm(lambda: self._sampled_body(*a[:6], a[6], tr), passes=1)
                 else:
                     ins = self._spec_inputs(Bp, N)
                     self._warm(lambda: self._greedy_body(*ins, tree), passes=1)
@@ -285,6 +414,9 @@ class ModelRunner:
         for key, Bp, N, tree in runnable:
             if N is None:
                 n += self._capture_decode(key, Bp, warm=False) is not None
+            elif key[0] == "sspec":
+                tr, has_q, sb = tree
+                n += self._capture_sampled(key, Bp, N, tr, has_q, sb, warm=False) is not None
             else:
                 n += self._capture_spec(key, Bp, N, tree, warm=False) is not None
         return n

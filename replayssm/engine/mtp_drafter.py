@@ -142,6 +142,10 @@ class MTPDrafter(Drafter):
         if seq.slot is not None:
             self.cache.release([seq.slot])
 
+    def reset(self) -> None:
+        """Forget a draft step left half-way by a failed engine step (the head's pending verify)."""
+        self.cache.clear_pending()
+
     # ---- proposals ------------------------------------------------------------------------------
     def _catchup_inputs(self, seqs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(slots [B], tokens [B, K+1], nodes [B, K+1], count [B])`` of the pending pairs,

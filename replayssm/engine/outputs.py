@@ -22,6 +22,10 @@ class RequestOutput:
     num_accepted: int = 0            # accepted draft tokens
     mean_accepted_length: float = 1.0  # tokens produced per decode/verify step
     accepted_lengths: list = field(default_factory=list)
+    index: int = 0                   # sample index (SamplingParams.n > 1)
+    # per generated token (SamplingParams.logprobs): (logprob, [(token id, logprob), ...])
+    logprobs: list | None = None
+    samples: list = field(default_factory=list)   # generate() with n > 1: every sample's output
 
     @property
     def acceptance_rate(self) -> float:
@@ -32,16 +36,19 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-def request_output(seq: Sequence, tokenizer) -> RequestOutput:
-    """A snapshot of ``seq`` (cumulative tokens; text decoded when a tokenizer is known)."""
+def request_output(seq: Sequence) -> RequestOutput:
+    """A snapshot of ``seq`` (cumulative tokens; the incrementally decoded text when the
+    model has a tokenizer)."""
     text = ""
-    if tokenizer is not None and seq.output_ids:
-        text = tokenizer.decode(seq.output_ids)
-        if seq.stop_text_cut is not None:
-            text = text[: seq.stop_text_cut]
+    if seq.detok is not None:
+        if seq.is_finished and seq.stop_text_cut is None:
+            seq.detok.flush()   # the end: release trailing bytes of an incomplete character
+        text = seq.detok.text
     steps = seq.accepted_lengths
     return RequestOutput(
-        request_id=seq.request_id, prompt=seq.prompt_text, prompt_token_ids=seq.prompt_ids,
+        request_id=seq.group_id, index=seq.index,
+        logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+        prompt=seq.prompt_text, prompt_token_ids=seq.prompt_ids,
         text=text, token_ids=list(seq.output_ids), finish_reason=seq.finish_reason, error=seq.error,
         num_steps=seq.num_steps, num_verify_steps=seq.num_verify_steps, num_drafted=seq.num_drafted,
         num_accepted=seq.num_accepted_drafts,

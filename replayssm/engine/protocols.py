@@ -31,6 +31,8 @@ class ModelCacheLike(Protocol):
 
     def release(self, slots) -> None: ...
 
+    def clear_pending(self) -> None: ...
+
 
 @runtime_checkable
 class CachedModel(Protocol):
@@ -42,7 +44,7 @@ class CachedModel(Protocol):
 
     def make_cache(self, num_slots: int, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
                    max_seq_len: int = 2048, kv_block_size: int = 16, kv_num_blocks: int | None = None,
-                   device=None) -> ModelCacheLike: ...
+                   device=None, attn_num_blocks: int | None = None) -> ModelCacheLike: ...
 
     def cache_layout(self, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
                      max_seq_len: int = 2048, kv_block_size: int = 16) -> Any:

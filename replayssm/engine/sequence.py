@@ -39,7 +39,6 @@ class Sequence:
         self.error: str | None = None
         self.reserved_bytes = 0
         self.generator: torch.Generator | None = None
-        self.text_len = 0                   # chars of decoded text already checked for stops
         self.stop_text_cut: int | None = None
         # speculation statistics
         self.num_steps = 0                  # forward steps that produced tokens for this seq
@@ -51,6 +50,24 @@ class Sequence:
         self.token_cap: int | None = None   # total-token limit set at admission (budget)
         # draft-model drafters: tokens of all_ids already in the draft model's cache
         self.draft_cached = 0
+        self.num_prefilled = 0              # prompt tokens in the cache (chunked prefill)
+        # n samples of one request: the group shares a prompt (one prefill, then a cache fork)
+        self.group_id = self.request_id     # the request's id (samples: the first one's)
+        self.index = 0                      # sample index within the group
+        self.group: list[Sequence] = [self]
+        self.detok = None                   # engine.detokenizer.Detokenizer (string output)
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+
+    @classmethod
+    def failed(cls, params: SamplingParams, error: str, prompt_text: str | None = None) -> "Sequence":
+        """A request refused before it was queued (e.g. an invalid prompt): finished, with
+        ``finish_reason="error"`` and the reason in ``error``; it never holds a slot."""
+        seq = cls([], params)
+        seq.status = SequenceStatus.REJECTED
+        seq.finish_reason = "error"
+        seq.error = error
+        seq.prompt_text = prompt_text
+        return seq
 
     # -- token views ---------------------------------------------------------------------
     @property
@@ -68,6 +85,11 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is not in the cache yet (chunked prefill)."""
+        return self.num_prefilled < len(self.prompt_ids)
 
     @property
     def num_cached(self) -> int:

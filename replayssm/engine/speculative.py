@@ -65,6 +65,9 @@ class Drafter:
     def release(self, seq: Sequence) -> None:
         pass
 
+    def reset(self) -> None:
+        """Forget a draft step left half-way by a failed engine step."""
+
 
 # ---------------------------------------------------------------------------------------
 # prompt lookup
@@ -232,6 +235,10 @@ class _DraftModelBase(Drafter):
     def release(self, seq):
         if seq.slot is not None:
             self.cache.release([seq.slot])
+
+    def reset(self) -> None:
+        self.cache.clear_pending()
+        self._deferred = False
 
     def _catch_up(self, seqs) -> Tensor:
         """Feed every sequence's tokens up to and including its last token; returns the

@@ -8,13 +8,10 @@ tokens; the engine then compresses the entries into a state (one flush,
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..cache import paged
-from ..cache.ring import StepPlan
 from .base import DecodeForm, FormLayer
-from .replay import tree_bits
 
 
 def kv_only_threshold(state_bytes: int, entry_bytes: int, buffer_size: int) -> int:
@@ -43,32 +40,19 @@ class KVForm(DecodeForm):
     def _all(self, layer, a, ctx, store) -> Tensor:
         return layer.op("kv_verify", store["kv"], ctx.pplan, a=a)
 
-    prefill = decode = verify = _all
+    decode = verify = _all
+
+    def prefill(self, layer, a, ctx, store) -> Tensor:
+        """The packed rows, padded back to ``[B, T]`` (padding leaves no trace: ``Δ = 0`` /
+        ``g = β = 0``), appended to each slot's pages after its held entries."""
+        a = layer.mask_padding({k: ctx.unpack(v) for k, v in a.items()}, ctx.valid)
+        return ctx.pack(self._all(layer, a, ctx, store))
 
     def tree(self, layer, a, ctx, store) -> Tensor:
-        """Tree verify as replay with ``S0 = 0`` and every entry in the ring.
-
-        Each row's paged entries are copied into a temporary ring (capacity ``max_len + N``,
-        zero checkpoint, no flush), ``tree_verify`` runs there, and the N node entries are
-        written to the paged pool at ``length .. length+N-1``; :meth:`commit` moves the
-        accepted path to the front before the paged pointer moves.
-        """
-        kv, pplan, buf0 = store["kv"], ctx.pplan, store["buf"]
-        B, N = ctx.parent.shape
-        Lt = pplan.max_len + N
-        dev = pplan.slot.device
-        tmp = layer.alloc_ring(B, Lt, buf0.ring_tensors()[0].dtype, dev)
-        tmp.state.zero_()
-        for rt, pool in zip(tmp.ring_tensors(), kv.tensors()):
-            rt[1:, : pplan.max_len] = paged.gather_kv(pool, pplan)
-        rows = torch.arange(1, B + 1, device=dev)
-        zero = torch.zeros(B, dtype=torch.long, device=dev)
-        plan = StepPlan(rows, zero, pplan.length, torch.zeros(B, dtype=torch.bool, device=dev), N, "tree", Lt)
-        y = layer.op("tree_verify", tmp, plan, ctx.parent, a=a, **tree_bits(ctx))
-        pos = pplan.length[:, None] + torch.arange(N, device=dev)[None, :]
-        for rt, pool in zip(tmp.ring_tensors(), kv.tensors()):
-            paged.write_kv_new(pool, pplan, rt[rows[:, None], pos])
-        return y
+        """Each node's recurrence along its root path from the state the row's held entries
+        fold into; the N node entries land in the pool at ``length .. length+N-1`` and
+        :meth:`commit` moves the accepted path to the front before the paged pointer moves."""
+        return layer.op("kv_tree_verify", store["kv"], ctx.pplan, ctx.parent, a=a)
 
     def commit(self, layer, ctx, store, accepted, path) -> None:
         if ctx.kind == "tree":

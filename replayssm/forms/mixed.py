@@ -36,7 +36,7 @@ class MixedForm(DecodeForm):
     def run(self, layer, a, ctx, store) -> Tensor:
         y_state = self.state.run(layer, a, ctx, store)
         y_kv = self.kv.run(layer, a, ctx, store)
-        return torch.where(ctx.kv_rows.view(-1, *([1] * (y_kv.dim() - 1))), y_kv, y_state)
+        return torch.where(ctx.rows(ctx.kv_rows, y_kv), y_kv, y_state)
 
     def commit(self, layer, ctx, store, accepted, path) -> None:
         self.state.commit(layer, ctx, store, accepted, path)

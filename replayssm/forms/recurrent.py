@@ -21,12 +21,12 @@ class RecurrentForm(DecodeForm):
         return {"buf": layer.alloc_ring(num_slots - 1, 1, dtype, device)}
 
     def prefill(self, layer, a, ctx, store) -> Tensor:
-        buf, slots = store["buf"], ctx.state_slots
-        init = buf.state[slots]
-        init = torch.where(ctx.fresh.view(-1, 1, 1, 1), torch.zeros_like(init), init).to(buf.state.dtype)
-        y, S = layer.op("chunked_prefill", a=a, initial_state=init, chunk_size=layer.chunk_size)
-        buf.state[slots] = S.to(buf.state.dtype)
-        return y
+        """Packed chunked scan from each slot's state (zeros when fresh), final state written
+        back in place (the pool form of ``chunked_prefill_varlen``)."""
+        y, _ = layer.op("chunked_prefill_varlen", a=a, packed=True, cu_seqlens=ctx.cu_seqlens,
+                        state_pool=store["buf"].state, slots=ctx.state_slots, fresh=ctx.fresh,
+                        chunk_size=layer.chunk_size)
+        return y[None]
 
     def decode(self, layer, a, ctx, store) -> Tensor:
         return layer.op("recurrent_update", store["buf"].state, a=a, t0=True, slot=ctx.state_slots)[:, None]

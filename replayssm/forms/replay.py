@@ -28,12 +28,15 @@ class ReplayForm(DecodeForm):
         return {"buf": layer.alloc_ring(num_slots - 1, capacity, dtype, device)}
 
     def prefill(self, layer, a, ctx, store) -> Tensor:
+        """Packed chunked scan from each slot's state rebuilt from checkpoint and ring (zeros
+        when fresh); the final state becomes the checkpoint (the model empties the ring)."""
         buf = store["buf"]
         init = layer.rebuild_state(buf, ctx.plan)
         init = torch.where(ctx.fresh.view(-1, 1, 1, 1), torch.zeros_like(init), init).to(buf.state.dtype)
-        y, S = layer.op("chunked_prefill", a=a, initial_state=init, chunk_size=layer.chunk_size)
-        buf.state[ctx.state_slots] = S.to(buf.state.dtype)   # the model empties the ring
-        return y
+        y, S = layer.op("chunked_prefill_varlen", a=a, packed=True, cu_seqlens=ctx.cu_seqlens, initial_state=init,
+                        chunk_size=layer.chunk_size)
+        buf.state[ctx.state_slots] = S.to(buf.state.dtype)
+        return y[None]
 
     def decode(self, layer, a, ctx, store) -> Tensor:
         return layer.op("replay_decode", store["buf"], ctx.plan, a=a, t0=True)[:, None]

@@ -41,8 +41,78 @@ if HAVE_TRITON:
             e = slot * L + (start + jj) % L
         return slot, h, mj, e
 
+    @triton.jit
+    def tile_ids(N0, N1):
+        """``(i0, i1, i2)`` of this program on a flat grid of ``N0 × N1 × N2`` programs
+        (:func:`flat_grid`), ``i0`` fastest: the same launch order as a ``(N0, N1, N2)`` grid,
+        without CUDA's 65535 limit on grid axes 1 and 2."""
+        pid = tl.program_id(0)
+        rest = pid // N0
+        return pid % N0, rest % N1, rest // N1
+
+    @triton.jit
+    def count_flags(flag_ptr, Bt, BT: tl.constexpr):
+        """Number of non-zero entries of ``flag [Bt]`` (read in chunks of ``BT``)."""
+        n = tl.sum(tl.zeros([BT], dtype=tl.int32), 0)
+        for c0 in range(0, Bt, BT):
+            o = c0 + tl.arange(0, BT)
+            n += tl.sum((tl.load(flag_ptr + o, mask=o < Bt, other=0) != 0).to(tl.int32), 0)
+        return n
+
+    @triton.jit
+    def nth_flag(flag_ptr, Bt, i, BT: tl.constexpr):
+        """Index of the ``(i+1)``-th non-zero entry of ``flag [Bt]`` (``i`` < their count): the
+        number of positions whose running count of set flags is still ``<= i``.  A device-side
+        compaction without a host sync or a scratch list."""
+        r = tl.sum(tl.zeros([BT], dtype=tl.int32), 0)
+        seen = r
+        for c0 in range(0, Bt, BT):
+            o = c0 + tl.arange(0, BT)
+            f = (tl.load(flag_ptr + o, mask=o < Bt, other=0) != 0).to(tl.int32)
+            r += tl.sum(((tl.cumsum(f, 0) + seen) <= i).to(tl.int32), 0)
+            seen += tl.sum(f, 0)
+        return r
+
 else:  # pragma: no cover
-    history_entries = None
+    history_entries = tile_ids = count_flags = nth_flag = None
+
+#: CUDA's limit on grid axes 1 and 2; axis 0 takes up to 2**31 - 1 programs.
+GRID_YZ_MAX = 65535
+GRID_X_MAX = 2 ** 31 - 1
+
+
+def flat_grid(*counts: int) -> tuple[int]:
+    """A one-axis grid of ``prod(counts)`` programs (decode them with :func:`tile_ids`): no
+    count (rows, tokens × heads) can reach the 65535 limit of grid axes 1 and 2."""
+    total = 1
+    for c in counts:
+        total *= int(c)
+    if total > GRID_X_MAX:
+        raise ValueError(f"{total} programs ({' x '.join(map(str, counts))}) exceed the CUDA grid ({GRID_X_MAX})")
+    return (total,)
+
+
+def flag_chunk(Bt: int) -> int:
+    """Chunk width for :func:`count_flags` / :func:`nth_flag` over ``Bt`` rows."""
+    return max(16, min(1024, next_pow2(Bt)))
+
+
+_SMS: dict = {}
+
+
+def persistent_programs(device, work: int, per_sm: int) -> int:
+    """Programs of a persistent launch: ``per_sm`` per streaming multiprocessor (4 under the
+    interpreter), never more than the ``work`` items it loops over."""
+    if device.type != "cuda":
+        sms = 1
+    else:
+        idx = device.index if device.index is not None else 0
+        if idx not in _SMS:
+            import torch
+
+            _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        sms = _SMS[idx]
+    return max(1, min(int(work), sms * per_sm if device.type == "cuda" else 4))
 
 
 def interpreting() -> bool:

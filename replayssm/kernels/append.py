@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._triton import HAVE_TRITON, next_pow2, triton, tl
+from ._triton import HAVE_TRITON, flat_grid, next_pow2, triton, tl
 
 if HAVE_TRITON:
 
@@ -30,8 +30,9 @@ if HAVE_TRITON:
         T, L, W0, W1, W2, MAXB,
         B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, PAGED: tl.constexpr,
     ):
-        r = tl.program_id(0).to(tl.int64)
-        s = tl.program_id(1)
+        pid = tl.program_id(0)  # flat grid, a row's entries side by side: no limit on rows or T
+        r = (pid // T).to(tl.int64)
+        s = pid % T
         h = tl.load(hist_ptr + r).to(tl.int64)
         if PAGED:
             j = h + s
@@ -58,7 +59,7 @@ def append_entries(rings: tuple[Tensor, Tensor, Tensor], values: tuple[Tensor, T
     widths = [v[0, 0].numel() for v in vals]
     paged = block_table is not None
     bt = block_table.contiguous() if paged else slot
-    _append3_kernel[(Bt, T)](
+    _append3_kernel[flat_grid(T, Bt)](
         *rings, slot, start, hist, bt, *vals, T, L, *widths, bt.shape[1] if paged else 1,
         B0=min(2048, next_pow2(widths[0])), B1=min(2048, next_pow2(widths[1])),
         B2=min(1024, next_pow2(widths[2])), PAGED=paged, num_warps=4)

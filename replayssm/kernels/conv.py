@@ -17,7 +17,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import HAVE_TRITON, next_pow2, triton, tl
+from ..cache.conv import ConvWindow
+from ..ops.common import want_check
+from ..ops.conv.naive import _check_activation, _check_weight
+from ..ops.varlen import check_cu_seqlens, check_slots
+from ._triton import HAVE_TRITON, flat_grid, next_pow2, triton, tl
 
 __all__ = ["conv_decode", "conv_verify", "conv_commit"]
 
@@ -30,8 +34,9 @@ if HAVE_TRITON:
         WM1: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
         HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     ):
-        cb = tl.program_id(0)
-        r = tl.program_id(1)
+        pid = tl.program_id(0)  # flat grid, channel blocks fastest: no limit on rows
+        cb = pid % tl.cdiv(C, BC)
+        r = pid // tl.cdiv(C, BC)
         slot = tl.load(slot_ptr + r).to(tl.int64)
         offs_c = cb * BC + tl.arange(0, BC)
         mc = offs_c < C
@@ -61,8 +66,9 @@ if HAVE_TRITON:
         C, T, xs_b, xs_t,
         WM1: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     ):
-        cb = tl.program_id(0)
-        r = tl.program_id(1)
+        pid = tl.program_id(0)  # flat grid, channel blocks fastest: no limit on rows
+        cb = pid % tl.cdiv(C, BC)
+        r = pid // tl.cdiv(C, BC)
         r64 = r.to(tl.int64)
         slot = tl.load(slot_ptr + r).to(tl.int64)
         offs_c = cb * BC + tl.arange(0, BC)
@@ -88,8 +94,9 @@ if HAVE_TRITON:
         win_ptr, slot_ptr, x_ptr, acc_ptr, C, xs_b, xs_t,
         WM1: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
     ):
-        cb = tl.program_id(0)
-        r = tl.program_id(1)
+        pid = tl.program_id(0)  # flat grid, channel blocks fastest: no limit on rows
+        cb = pid % tl.cdiv(C, BC)
+        r = pid // tl.cdiv(C, BC)
         slot = tl.load(slot_ptr + r).to(tl.int64)
         a = tl.load(acc_ptr + r).to(tl.int32)
         offs_c = cb * BC + tl.arange(0, BC)
@@ -148,7 +155,7 @@ def conv_verify(win, slot: Tensor, x: Tensor, weight: Tensor, bias: Tensor | Non
     if W == 1:
         return _no_window(x, weight, bias, activation)
     BC = min(256, next_pow2(C))
-    _conv_verify_kernel[(triton.cdiv(C, BC), Bt)](
+    _conv_verify_kernel[flat_grid(triton.cdiv(C, BC), Bt)](
         win.window, slot, x, weight, bias if bias is not None else weight, y,
         C, T, x.stride(0), x.stride(1), WM1=W - 1, BC=BC, HAS_BIAS=bias is not None,
         SILU=activation in ("silu", "swish"), num_warps=4)
@@ -163,7 +170,7 @@ def conv_commit(win, slot: Tensor, x: Tensor, accepted: Tensor, check: bool | No
     if Bt == 0 or W == 1:
         return
     BC = min(128, next_pow2(C))
-    _conv_commit_kernel[(triton.cdiv(C, BC), Bt)](
+    _conv_commit_kernel[flat_grid(triton.cdiv(C, BC), Bt)](
         win.window, slot, x, accepted, C, x.stride(0), x.stride(1),
         WM1=W - 1, WP=max(2, next_pow2(W - 1)), BC=BC, num_warps=4)
 
@@ -180,8 +187,125 @@ def conv_decode(win, slot: Tensor, x: Tensor, weight: Tensor, bias: Tensor | Non
     if W == 1:
         return _no_window(x, weight, bias, activation)
     BC = min(256, next_pow2(C))
-    _conv_decode_kernel[(triton.cdiv(C, BC), Bt)](
+    _conv_decode_kernel[flat_grid(triton.cdiv(C, BC), Bt)](
         win.window, slot, x, weight, bias if bias is not None else weight, y,
         C, x.stride(0), WM1=W - 1, WP=next_pow2(W), BC=BC, HAS_BIAS=bias is not None,
         SILU=activation in ("silu", "swish"), num_warps=4)
+    return y
+
+
+# ---------------------------------------------------------------------------- packed prefill
+if HAVE_TRITON:
+
+    @triton.jit
+    def _conv_varlen_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr, cu_ptr, win_ptr, slot_ptr, fresh_ptr,
+        Nt, C, N, sx,
+        LOGN: tl.constexpr, WM1: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_FRESH: tl.constexpr,
+    ):
+        """Tokens ``[BT]`` × channels ``[BC]`` of a packed batch: each token's sequence by a
+        binary search of ``cu_seqlens``; taps before the sequence start read its window."""
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+        mt = t < Nt
+        mc = offs_c < C
+        lo = tl.zeros([BT], dtype=tl.int32)
+        hi = lo + N
+        for _ in tl.static_range(LOGN):  # largest i with cu[i] <= t
+            mid = (lo + hi) // 2
+            go = tl.load(cu_ptr + mid).to(tl.int64) <= t
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        s0 = tl.load(cu_ptr + lo).to(tl.int64)
+        slot = tl.load(slot_ptr + lo).to(tl.int64)
+        rd = mt
+        if HAS_FRESH:
+            rd = rd & (tl.load(fresh_ptr + lo).to(tl.int32) == 0)
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for k in tl.static_range(WM1 + 1):
+            p = t - WM1 + k
+            inx = p >= s0
+            xv = tl.load(x_ptr + p[:, None] * sx + offs_c[None, :], mask=(mt & inx)[:, None] & mc[None, :],
+                         other=0.0)
+            wv = tl.load(win_ptr + (slot[:, None] * C + offs_c[None, :]) * WM1 + (WM1 + p - s0)[:, None],
+                         mask=(rd & ~inx)[:, None] & mc[None, :], other=0.0)
+            tap = tl.load(w_ptr + offs_c * (WM1 + 1) + k, mask=mc, other=0.0).to(tl.float32)
+            acc += tap[None, :] * (xv.to(tl.float32) + wv.to(tl.float32))
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(y_ptr + t[:, None].to(tl.int64) * C + offs_c[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mt[:, None] & mc[None, :])
+
+    @triton.jit
+    def _conv_varlen_window_kernel(
+        x_ptr, cu_ptr, win_ptr, slot_ptr, fresh_ptr, C, sx,
+        WM1: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, HAS_FRESH: tl.constexpr,
+    ):
+        """Window of sequence ``i``'s slot := the last ``W-1`` of ``[window (zeros if fresh); x_i]``."""
+        i = tl.program_id(0)
+        offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+        mc = offs_c < C
+        s0 = tl.load(cu_ptr + i).to(tl.int64)
+        s1 = tl.load(cu_ptr + i + 1).to(tl.int64)
+        slot = tl.load(slot_ptr + i).to(tl.int64)
+        kk = tl.arange(0, WP)
+        src = (s1 - s0) - WM1 + kk  # < 0: old window entry WM1 + src, else token s0 + src
+        mk = mc[:, None] & (kk[None, :] < WM1)
+        rd = mk & (src[None, :] < 0)
+        if HAS_FRESH:
+            rd = rd & (tl.zeros([BC, WP], dtype=tl.int32) + tl.load(fresh_ptr + i).to(tl.int32) == 0)
+        base = (slot * C + offs_c[:, None]) * WM1
+        old = tl.load(win_ptr + base + WM1 + src[None, :], mask=rd, other=0.0)
+        xv = tl.load(x_ptr + (s0 + src[None, :]) * sx + offs_c[:, None], mask=mk & (src[None, :] >= 0), other=0.0)
+        new = tl.where(src[None, :] < 0, old, xv.to(old.dtype))
+        tl.debug_barrier()  # every lane has read the old window before any lane overwrites it
+        tl.store(win_ptr + base + kk[None, :], new, mask=mk)
+
+
+def conv_prefill_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor,
+                        window_pool, slots: Tensor, fresh: Tensor | None = None,
+                        activation: str | None = None, check: bool | None = None,
+                        block_t: int = 32, block_c: int = 128) -> Tensor:
+    """Kernel form of :func:`replayssm.ops.conv.naive.conv_prefill_varlen`: ``x [Nt, C]`` (last
+    axis contiguous; rows may be strided) -> ``out [Nt, C]`` (x dtype), each sequence after
+    its window (zeros if fresh); then each slot's window holds the last ``W-1`` inputs of
+    ``[window; x_i]``.  Two launches (conv over ``ceil(Nt/block_t) × ceil(C/block_c)``
+    programs, then the window update over ``N × ceil(C/block_c)``)."""
+    pool = window_pool.window if isinstance(window_pool, ConvWindow) else window_pool
+    if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor [Nt, C], got {tuple(getattr(x, 'shape', ()))}")
+    Nt, C = x.shape
+    _check_activation(activation)
+    if not isinstance(pool, Tensor) or pool.dim() != 3 or pool.shape[1] != C:
+        raise ValueError(f"window_pool must be [P, {C}, W-1], got {tuple(getattr(pool, 'shape', ()))}")
+    if not pool.is_contiguous() or pool.device != x.device:
+        raise ValueError("window_pool must be contiguous and on the inputs' device")
+    W = pool.shape[2] + 1
+    weight = _check_weight(weight, bias, C, W).contiguous()
+    check = want_check(check, x)
+    N = check_cu_seqlens(cu_seqlens, Nt, x.device, check)
+    sl, fr = check_slots(pool, slots, fresh, N, x.device, check)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(Nt, C, dtype=x.dtype, device=x.device)
+    if N == 0:
+        return y
+    if W == 1:
+        return _no_window(x, weight, bias, activation) if Nt else y
+    cu = cu_seqlens.contiguous()
+    fptr = fr.view(torch.uint8) if fr is not None else cu
+    sx = x.stride(0) if Nt > 1 else C
+    BC = min(next_pow2(block_c), next_pow2(C))
+    if Nt:
+        BT = min(next_pow2(block_t), next_pow2(Nt))
+        _conv_varlen_kernel[(triton.cdiv(Nt, BT), triton.cdiv(C, BC))](
+            x, weight, bias if bias is not None else weight, y, cu, pool, sl, fptr, Nt, C, N, sx,
+            LOGN=max(1, N.bit_length()), WM1=W - 1, BT=BT, BC=BC, HAS_BIAS=bias is not None,
+            SILU=activation in ("silu", "swish"), HAS_FRESH=fr is not None, num_warps=4)
+    _conv_varlen_window_kernel[(N, triton.cdiv(C, BC))](
+        x, cu, pool, sl, fptr, C, sx, WM1=W - 1, WP=max(2, next_pow2(W - 1)), BC=BC,
+        HAS_FRESH=fr is not None, num_warps=4)
     return y

@@ -1,6 +1,7 @@
 """One routing API from the layers to the ops: the Triton kernel or the reference op.
 
-``ops_for(family)`` (``"mamba2"``, ``"gdn"``, ``"conv"``) returns a :class:`KernelOps`: an
+``ops_for(family)`` (``"mamba2"``, ``"gdn"``, ``"conv"``, ``"attention"``, ``"moe"``) returns a
+:class:`KernelOps`: an
 object with one attribute per op of the family's reference module
 (``replayssm.ops.<family>.naive``).  Each op is declared in exactly one of two lists:
 
@@ -11,6 +12,9 @@ object with one attribute per op of the family's reference module
 * :data:`REFERENCE_ONLY` — no kernel yet: the attribute *is* the reference function, on
   every device.  ``tests/kernels/test_layer_dispatch.py`` lists these, so an op that runs
   the reference on CUDA is a decision someone wrote down, never a silent fallback.
+
+A kernel module may restrict which calls its kernel takes (``SUPPORTS[name](*args, **kw)``,
+e.g. the MoE kernel's activations); other calls run the reference.
 
 Any other name raises ``AttributeError``.  ``backend`` (``"auto"`` | ``"triton"`` |
 ``"naive"``) forces a backend; the environment variable ``REPLAYSSM_KERNELS``
@@ -24,38 +28,55 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 
 import torch
 from torch import Tensor
 
+from ..ops.attention import naive as attention_naive
 from ..ops.conv import naive as conv_naive
 from ..ops.gdn import naive as gdn_naive
 from ..ops.mamba2 import naive as mamba2_naive
+from ..ops.moe import naive as moe_naive
 from . import _triton
+from . import attention as attention_kernels
 from . import conv as conv_kernels
 from . import gdn as gdn_kernels
+from . import gdn_prefill
 from . import mamba2 as mamba2_kernels
+from . import mamba2_prefill
+from . import moe as moe_kernels
 
 BACKENDS = ("auto", "triton", "naive")
 KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "precision", "snapshots", "impl",
-               "fused_fold")
+               "fused_fold", "flush_mode", "fold_warps", "block_n", "block_t", "block_c", "num_stages", "wu_warps",
+               "inv_precision", "inv", "num_splits", "block_m", "block_k")
 
-_REFERENCE = {"mamba2": mamba2_naive, "gdn": gdn_naive, "conv": conv_naive}
-_KERNELS = {"mamba2": mamba2_kernels, "gdn": gdn_kernels, "conv": conv_kernels}
+_REFERENCE = {"mamba2": mamba2_naive, "gdn": gdn_naive, "conv": conv_naive, "attention": attention_naive,
+              "moe": moe_naive}
+#: where each family's kernels live (the first module defining an op's name has it)
+_KERNELS = {"mamba2": (mamba2_kernels, mamba2_prefill), "gdn": (gdn_kernels, gdn_prefill), "conv": (conv_kernels,),
+            "attention": (attention_kernels,), "moe": (moe_kernels,)}
 
 #: ops with a Triton kernel of the reference op's signature, per family
 ROUTED = {
     "mamba2": ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify",
-               "kv_verify", "snapshot_verify"),
+               "kv_verify", "snapshot_verify", "chunked_prefill_varlen"),
     "gdn": ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify",
-            "kv_verify", "snapshot_verify"),
-    "conv": ("conv_decode", "conv_verify", "conv_commit"),
+            "kv_verify", "snapshot_verify", "chunked_prefill_varlen"),
+    "conv": ("conv_decode", "conv_verify", "conv_commit", "conv_prefill_varlen"),
+    "attention": ("write_kv", "paged_attention"),
+    "moe": ("experts",),
 }
 #: ops (and helpers) that run the reference on every device, per family
 REFERENCE_ONLY = {
-    "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state"),
-    "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state"),
+    "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
+               "kv_tree_verify"),
+    "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
+            "kv_tree_verify"),
     "conv": ("conv_prefill", "conv_tree", "conv_commit_tree"),
+    "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
+    "moe": ("activation", "check_experts"),
 }
 
 
@@ -98,11 +119,12 @@ def _accepts(f, kw: str) -> bool:
     return kw in inspect.signature(f).parameters
 
 
-def _probe(args) -> list[Tensor]:
-    """The tensors that decide the backend of one call: tensor arguments, plus the state
-    (ring buffers), window (conv) or first pool tensor (paged pools) of cache objects."""
+def _probe(args, kwargs=None) -> list[Tensor]:
+    """The tensors that decide the backend of one call: tensor arguments (positional or
+    keyword), plus the state (ring buffers), window (conv) or first pool tensor (paged pools)
+    of cache objects."""
     out = []
-    for a in args:
+    for a in list(args) + list((kwargs or {}).values()):
         if isinstance(a, Tensor):
             out.append(a)
         elif isinstance(getattr(a, "state", None), Tensor):
@@ -113,6 +135,11 @@ def _probe(args) -> list[Tensor]:
             ts = [t for t in a.tensors() if isinstance(t, Tensor)]
             out += ts[:1]
     return out
+
+
+def kernel_for(family: str, name: str):
+    """The Triton wrapper of ``family``'s routed op ``name``."""
+    return next(getattr(m, name) for m in _KERNELS[family] if hasattr(m, name))
 
 
 class KernelOps:
@@ -130,7 +157,7 @@ class KernelOps:
         if backend not in BACKENDS:
             raise ValueError(f"bad backend {backend!r}: expected one of {BACKENDS}")
         self.family, self.backend = family, backend
-        self.naive, self.kernels = _REFERENCE[family], _KERNELS[family]
+        self.naive = _REFERENCE[family]
         for name in ROUTED[family]:
             setattr(self, name, self._router(name))
         for name in REFERENCE_ONLY[family]:
@@ -138,12 +165,13 @@ class KernelOps:
 
     def _router(self, name: str):
         naive_f = getattr(self.naive, name)
-
         @functools.wraps(naive_f)
         def op(*args, **kwargs):
-            probe = _probe(args)
-            if use_triton(*probe, backend=_fp64_naive(self.backend, probe)):
-                f = getattr(self.kernels, name)
+            probe = _probe(args, kwargs)
+            f = kernel_for(self.family, name)
+            supports = getattr(sys.modules[f.__module__], "SUPPORTS", {}).get(name)
+            if use_triton(*probe, backend=_fp64_naive(self.backend, probe)) and \
+                    (supports is None or supports(*args, **kwargs)):
                 if "check" in kwargs and not _accepts(f, "check"):
                     kwargs = {k: v for k, v in kwargs.items() if k != "check"}
                 return f(*args, **kwargs)

@@ -1,7 +1,7 @@
-"""Triton kernels for Gated DeltaNet decoding: recurrent baseline (Alg. 5), replay decode
-(Alg. 6; state route and output route), replay / tree / KV-only verify with the T×T
-unit-lower-triangular solve done in-kernel by forward substitution (Alg. 8), and the serial
-snapshot baseline (Alg. 7).
+"""Triton kernels for Gated DeltaNet decoding: recurrent baseline, replay decode (state route
+and output route), replay / tree / KV-only verify with the T×T unit-lower-triangular solve
+done in-kernel by forward substitution, and the serial snapshot baseline (the forms of
+``docs/MATH.md``).
 
 Same arguments and results as :mod:`replayssm.ops.gdn.naive`.  Layouts (contiguous): state
 ``[P,HV,K,V]`` (fla/HF layout, ``Sᵀ``) fp32; ring ``u [P,L,HV,V]``, ``k [P,L,H,K]``,
@@ -14,9 +14,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import HAVE_TRITON, check_ring, history_entries, next_pow2, pad16, tile, triton, tl
+from ._triton import (HAVE_TRITON, check_ring, count_flags, flag_chunk, flat_grid, history_entries, next_pow2,
+                      nth_flag, pad16, persistent_programs, tile, tile_ids, triton, tl)
 from ._triton import contiguous as _c
 from .append import append_entries
+from .mamba2 import tree_bits
 
 __all__ = [
     "recurrent_step",
@@ -51,11 +53,9 @@ if HAVE_TRITON:
         BK: tl.constexpr, BV: tl.constexpr, HAS_SLOT: tl.constexpr, L2: tl.constexpr,
         SNAP: tl.constexpr,
     ):
-        """Alg. 5 over T tokens: load S, T delta-rule updates, store S (SNAP: once per token
-        into ``snap [Bt,T,HV,K,V]``, the Alg. 7 baseline; else the final state into sout)."""
-        vb = tl.program_id(0)  # V-blocks of one (row, head) run side by side: they share DRAM pages
-        hv = tl.program_id(1)
-        r = tl.program_id(2)
+        """Recurrent form over T tokens: load S, T delta-rule updates, store S (SNAP: once per
+        token into ``snap [Bt,T,HV,K,V]``, the snapshot baseline; else the final state into sout)."""
+        vb, hv, r = tile_ids(tl.cdiv(V, BV), HV)  # V-blocks of one (row, head) side by side
         kh = hv // REP
         if HAS_SLOT:
             srow = tl.load(slot_ptr + r).to(tl.int64)
@@ -87,22 +87,60 @@ if HAVE_TRITON:
             tl.store(sout_ptr + (srow * HV + hv) * K * V + tile, S.to(sout_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
-    def _gdn_replay_decode_kernel(
-        state_ptr, ur_ptr, kr_ptr, gr_ptr,
-        slot_ptr, start_ptr, hist_ptr,
-        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr,
-        L, H, HV, K, V, REP, scale,
-        LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PREC: tl.constexpr,
+    def _gdn_scores_kernel(
+        kr_ptr, slot_ptr, start_ptr, hist_ptr, q_ptr, k_ptr, sc_ptr, qk_ptr,
+        L, H, K, scale,
+        LP: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr,
     ):
-        """Alg. 6: ``u = β(v − α S_h k)``, ``y = α S_h q + u (k·q)``; appends ``(u, k, g)``;
-        flush rows are folded afterwards by ``_gdn_fold_kernel``.  State route: rebuild the ``[K, BV]`` tile of
-        ``S_h`` (one small GEMM) and read it twice.  Output route: ``S_h k``/``S_h q`` from one
-        read of ``S0`` plus ``Σ_j w_j (k_j·x) u_j``; ``S_h`` only on flush rows."""
-        vb = tl.program_id(0)  # V-blocks of one (row, head) run side by side: they share DRAM pages
-        hv = tl.program_id(1)
-        r = tl.program_id(2)
+        """Decode precompute, once per (row, key head) instead of in every value head's
+        V-block programs: the normalised ``k`` and scaled ``q`` -> ``qk [Bt, H, 2, K]`` (fp32),
+        the history scores ``k_j·k``, ``k_j·q`` and ``k·q`` -> ``sc [Bt, H, 2, LP+1]``
+        (``[0, :LP]`` = ``k_j·k``, ``[0, LP]`` = ``k·q``, ``[1, :LP]`` = ``k_j·q``); appends the
+        normalised ``k`` to the ring at position h."""
+        pid = tl.program_id(0)
+        kh = pid % H
+        r = (pid // H).to(tl.int64)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        start = tl.load(start_ptr + r).to(tl.int64)
+        h = tl.load(hist_ptr + r).to(tl.int64)
+        jj = tl.arange(0, LP)
+        mj = jj < h
+        offs_k = tl.arange(0, BK)
+        mk = offs_k < K
+        e = slot * L + (start + jj) % L
+        Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
+                     other=0.0).to(tl.float32)
+        q = _l2n(tl.load(q_ptr + (r * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
+        k = _l2n(tl.load(k_ptr + (r * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2)
+        base = (r * H + kh) * 2 * (LP + 1)
+        tl.store(sc_ptr + base + jj, tl.sum(Kh * k[None, :], 1))
+        tl.store(sc_ptr + base + LP, tl.sum(k * q, 0))
+        tl.store(sc_ptr + base + LP + 1 + jj, tl.sum(Kh * q[None, :], 1))
+        qbase = (r * H + kh) * 2 * K
+        tl.store(qk_ptr + qbase + offs_k, k, mask=mk)
+        tl.store(qk_ptr + qbase + K + offs_k, q, mask=mk)
+        enew = slot * L + (start + h) % L
+        tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
+
+    @triton.jit
+    def _gdn_decode_tile(
+        state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
+        r, hv, vb, L, H, HV, K, V, REP, scale,
+        LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
+        OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """One ``(row, value head, V-block)`` tile of GDN replay: ``u = β(v − α S_h k)``,
+        ``y = α S_h q + u (k·q)``; appends ``u``, ``g`` (and the normalised ``k`` unless
+        ``PRE_SCORES``: the scores kernel did).  Output route: ``S_h k``/``S_h q`` from one read
+        of ``S0`` plus ``Σ_j w_j (k_j·x) u_j``; state route: rebuild the ``[K, BV]`` tile of
+        ``S_h`` (one small GEMM) and read it twice.  ``PRE_SCORES``: ``k``, ``q``, ``k_j·k``,
+        ``k_j·q`` from :func:`_gdn_scores_kernel`.  ``FOLD``: a flush row then stores
+        ``S_{h+1} = e^{tot'} S0 + Σ_{j≤h} e^{tot'-cum_j} k_j u_jᵀ`` with the new entry as the
+        ring stores it, ``K`` in chunks of ``BKC`` read again right after the first read (from
+        L2, not DRAM), so no register tile is held across the fold's ``tl.dot``."""
         kh = hv // REP
+        r64 = r.to(tl.int64)
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int64)
         h = tl.load(hist_ptr + r).to(tl.int64)
@@ -117,24 +155,38 @@ if HAVE_TRITON:
         soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
         S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
         gj = tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32)
-        Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
-                     other=0.0).to(tl.float32)
+        qbase = (r64 * H + kh) * 2 * K
+        # load order as measured: the ring keys right after the state in the form without scores
+        # (the 2026-11-22 kernel's order), the scores after the values in the other
+        if not PRE_SCORES:
+            Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
+                         other=0.0).to(tl.float32)
         Uh = tl.load(ur_ptr + (e[:, None] * HV + hv) * V + offs_v[None, :], mask=mj[:, None] & mv[None, :],
                      other=0.0).to(tl.float32)
-        q = _l2n(tl.load(q_ptr + (r * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
-        k = _l2n(tl.load(k_ptr + (r * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2)
-        v = tl.load(v_ptr + (r * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-        graw = tl.load(g_ptr + r * HV + hv)
-        gv = graw.to(tl.float32)
-        beta = tl.load(b_ptr + r * HV + hv).to(tl.float32)
+        if not PRE_SCORES:
+            q = _l2n(tl.load(q_ptr + (r64 * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
+            kraw = tl.load(k_ptr + (r64 * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+            k = _l2n(kraw, L2)
+        v = tl.load(v_ptr + (r64 * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+        gv = tl.load(g_ptr + r64 * HV + hv).to(tl.float32)
+        beta = tl.load(b_ptr + r64 * HV + hv).to(tl.float32)
+        if PRE_SCORES:
+            k = tl.load(qk_ptr + qbase + offs_k, mask=mk, other=0.0)
+            q = tl.load(qk_ptr + qbase + K + offs_k, mask=mk, other=0.0)
+            base = (r64 * H + kh) * 2 * (LP + 1)
+            sk = tl.load(sc_ptr + base + jj)
+            kq = tl.load(sc_ptr + base + LP)
+            sq = tl.load(sc_ptr + base + LP + 1 + jj)
+        else:
+            sk = tl.sum(Kh * k[None, :], 1)
+            sq = tl.sum(Kh * q[None, :], 1)
+            kq = tl.sum(k * q, 0)
         gj = tl.where(mj, gj, 0.0)
         cj = tl.cumsum(gj, 0)
         tot = tl.sum(gj, 0)
         wj = tl.where(mj, tl.exp(tot - cj), 0.0)  # e^{pre_h - pre_j}
         a0 = tl.exp(tot)
         if OUTPUT_ROUTE:
-            sk = tl.sum(Kh * k[None, :], 1)
-            sq = tl.sum(Kh * q[None, :], 1)
             hk = a0 * tl.sum(S0 * k[:, None], 0) + tl.sum((wj * sk)[:, None] * Uh, 0)
             hq = a0 * tl.sum(S0 * q[:, None], 0) + tl.sum((wj * sq)[:, None] * Uh, 0)
         else:
@@ -143,15 +195,76 @@ if HAVE_TRITON:
             hq = tl.sum(Sh * q[:, None], 0)
         alpha = tl.exp(gv)
         u = beta * (v - alpha * hk)
-        y = alpha * hq + u * tl.sum(k * q, 0)
-        tl.store(y_ptr + (r * HV + hv) * V + offs_v, y.to(y_ptr.dtype.element_ty), mask=mv)
+        y = alpha * hq + u * kq
+        tl.store(y_ptr + (r64 * HV + hv) * V + offs_v, y.to(y_ptr.dtype.element_ty), mask=mv)
         # ---- append (u, k, g) at ring position h (never a committed entry for decode)
         enew = slot * L + (start + h) % L
-        tl.store(ur_ptr + (enew * HV + hv) * V + offs_v, u.to(ur_ptr.dtype.element_ty), mask=mv)
+        us = u.to(ur_ptr.dtype.element_ty)
+        tl.store(ur_ptr + (enew * HV + hv) * V + offs_v, us, mask=mv)
+        gs = gv.to(gr_ptr.dtype.element_ty)
         if vb == 0:
-            tl.store(gr_ptr + enew * HV + hv, gv.to(gr_ptr.dtype.element_ty))
-            if hv % REP == 0:
-                tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
+            tl.store(gr_ptr + enew * HV + hv, gs)
+            if not PRE_SCORES:
+                if hv % REP == 0:
+                    tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
+        if FOLD:
+            if tl.load(flush_ptr + r) != 0:
+                newj = jj == h
+                tot1 = tot + gs.to(tl.float32)
+                wf = tl.where(newj, 1.0, tl.where(mj, tl.exp(tot1 - cj), 0.0))
+                Uf = tl.where(newj[:, None], us.to(tl.float32)[None, :], Uh)                 # [LP, BV]
+                if not PRE_SCORES:
+                    rk = 1.0
+                    if L2:  # the factor _l2n applied to the whole row
+                        rk = tl.rsqrt(tl.sum(kraw * kraw, 0) + 1e-6)
+                for k0 in tl.static_range(0, BK, BKC):
+                    offs_c = k0 + tl.arange(0, BKC)
+                    mc = offs_c < K
+                    Kc = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_c[None, :],
+                                 mask=mj[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [LP, BKC]
+                    if PRE_SCORES:
+                        kc = tl.load(qk_ptr + qbase + offs_c, mask=mc, other=0.0)
+                    else:
+                        kc = tl.load(k_ptr + (r64 * H + kh) * K + offs_c, mask=mc, other=0.0).to(tl.float32) * rk
+                    Kf = tl.where(newj[:, None], kc.to(kr_ptr.dtype.element_ty).to(tl.float32)[None, :], Kc)
+                    cptr = state_ptr + ((slot * HV + hv) * K + offs_c[:, None]) * V + offs_v[None, :]
+                    S0c = tl.load(cptr, mask=mc[:, None] & mv[None, :], other=0.0)            # [BKC, BV]
+                    Sn = tl.exp(tot1) * S0c + tl.dot(tl.trans(Kf * wf[:, None]), Uf, input_precision=PREC)
+                    tl.store(cptr, Sn.to(state_ptr.dtype.element_ty), mask=mc[:, None] & mv[None, :])
+
+    @triton.jit
+    def _gdn_replay_decode_kernel(
+        state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
+        Bt, NPROG, L, H, HV, K, V, REP, scale,
+        LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+        L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr,
+        PREC: tl.constexpr, SKIP_FLUSH: tl.constexpr, PERSIST: tl.constexpr,
+    ):
+        """Replay decode (:func:`_gdn_decode_tile`) over a flat grid of ``V-blocks × value
+        heads × rows`` (V-blocks of one (row, head) side by side: they share DRAM pages).
+        ``SKIP_FLUSH`` / ``PERSIST``: as in the Mamba-2 kernel (the ``apart`` form)."""
+        nv = tl.cdiv(V, BV)
+        if PERSIST:
+            ntile = nv * HV
+            work = count_flags(flush_ptr, Bt, BT) * ntile
+            for w in range(tl.program_id(0), work, NPROG):
+                r = nth_flag(flush_ptr, Bt, w // ntile, BT)
+                t = w % ntile
+                _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+                                 q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
+                                 r, t // nv, t % nv, L, H, HV, K, V, REP, scale,
+                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC)
+        else:
+            vb, hv, r = tile_ids(nv, HV)
+            go = True
+            if SKIP_FLUSH:
+                go = tl.load(flush_ptr + r) == 0
+            if go:
+                _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+                                 q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
+                                 r, hv, vb, L, H, HV, K, V, REP, scale,
+                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC)
 
     @triton.jit
     def _gdn_fold_kernel(
@@ -162,9 +275,7 @@ if HAVE_TRITON:
         """Flush rows only: fold the first ``h + EXTRA`` ring entries into the checkpoint,
         ``S ← e^{tot} S0 + Σ_j e^{tot-cum_j} k_j u_jᵀ`` (one ``tl.dot``), after the decode
         kernel appended the new entry (``EXTRA = 1``)."""
-        vb = tl.program_id(0)
-        hv = tl.program_id(1)
-        r = tl.program_id(2)
+        vb, hv, r = tile_ids(tl.cdiv(V, BV), HV)  # V-blocks of one (row, head) side by side
         flush = tl.load(flush_ptr + r) != 0
         if flush:
             kh = hv // REP
@@ -210,7 +321,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _solve_drafts(KK, QK, HK, Vn, Gs, bn, anc, ss, T):
-        """The T×T system of Alg. 8 over the drafts (chain or tree mask ``anc [s, s']``):
+        """The T×T system of speculative verify over the drafts (chain or tree mask ``anc [s, s']``):
         ``(I + A) U = β ∘ (V − e^{G} HK)`` with ``A[s, s'] = β_s e^{G_s−G_s'} (k_s·k_s')`` for
         strict ancestors ``s'``, by forward substitution.  Returns ``U``, the output mask
         ``Mq[s, s'] = e^{G_s−G_s'} (q_s·k_s')`` and ``e^{G}``."""
@@ -236,7 +347,7 @@ if HAVE_TRITON:
         TP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr,
     ):
-        """Alg. 8 (and STree, KV-only), output route, one draft at a time.
+        """Replay verify (chains, trees, KV-only), output route, one draft at a time.
 
         Per draft s (unrolled): ``S_h k_s = α0 S0 k_s + Σ_j w_j (k_j·k_s) u_j`` (same for q_s)
         and the rows ``k_s·k_{s'}``, ``q_s·k_{s'}`` of the T×T system ``(I + A) U = R``
@@ -245,9 +356,7 @@ if HAVE_TRITON:
         sums.  Register tiles only: the ``[BK, BV]`` checkpoint tile is read once.  Writes
         ``U`` and the normalised keys to scratch (appended by the wrapper).  PAGED: KV-only
         (``S0 = 0``).  Flush rows are folded by ``_gdn_fold_kernel`` after this kernel."""
-        vb = tl.program_id(0)  # V-blocks of one (row, head) run side by side: they share DRAM pages
-        hv = tl.program_id(1)
-        r = tl.program_id(2)
+        vb, hv, r = tile_ids(tl.cdiv(V, BV), HV)  # V-blocks of one (row, head) side by side
         kh = hv // REP
         r64 = r.to(tl.int64)
         offs_k = tl.arange(0, BK)
@@ -323,7 +432,7 @@ if HAVE_TRITON:
         L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
         FOLD: tl.constexpr,
     ):
-        """Alg. 8 as small matrix products over ``K`` in chunks of ``BKC`` (the Mamba-2
+        """Replay verify as small matrix products over ``K`` in chunks of ``BKC`` (the Mamba-2
         ``_m2_verify_dot_kernel`` treatment; the whole ``[BK, BV]`` checkpoint never sits in
         registers):
 
@@ -332,9 +441,7 @@ if HAVE_TRITON:
         ``(I + A) U = R`` by forward substitution, and ``Y = e^{G} HQ + (mask ∘ e^{G_s−G_s'} QK) U``.
         ``FOLD``: flush rows store ``S_h = α0 S0 + Σ_j w_j k_j u_jᵀ`` chunk by chunk in the same
         pass (no ``_gdn_fold_kernel``).  Arguments of ``_gdn_verify_rows_kernel`` plus ``flush_ptr``."""
-        vb = tl.program_id(0)
-        hv = tl.program_id(1)
-        r = tl.program_id(2)
+        vb, hv, r = tile_ids(tl.cdiv(V, BV), HV)  # V-blocks of one (row, head) side by side
         kh = hv // REP
         r64 = r.to(tl.int64)
         offs_v = vb * BV + tl.arange(0, BV)
@@ -450,7 +557,7 @@ def recurrent_update(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, 
     y = torch.empty_like(v)
     BV = next_pow2(block_v) if block_v else min(next_pow2(V), 16)
     if Bt:
-        _gdn_recurrent_kernel[(triton.cdiv(V, BV), HV, Bt)](
+        _gdn_recurrent_kernel[flat_grid(triton.cdiv(V, BV), HV, Bt)](
             state, out_state, slot if slot is not None else state, q, k, v, g, beta, y, y,
             1, H, HV, K, V, HV // H, _scale(scale, K),
             BK=next_pow2(K), BV=BV, HAS_SLOT=slot is not None, L2=bool(use_qk_l2norm), SNAP=False,
@@ -471,7 +578,7 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
                     scale: float | None = None, use_qk_l2norm: bool = True, check: bool | None = None,
                     block_v: int | None = None, num_warps: int = 4,
                     snapshots: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Baseline (Alg. 7): serial scan from ``state[slot]``, one state stored per draft."""
+    """Snapshot baseline: serial scan from ``state[slot]``, one state stored per draft."""
     Bt, T, H, HV, K, V = _dims(q, v, True)
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
     y = torch.empty_like(v)
@@ -479,7 +586,7 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
         snapshots = torch.empty(Bt, T, HV, K, V, dtype=state.dtype, device=state.device)
     BV = next_pow2(block_v) if block_v else min(next_pow2(V), 16)
     if Bt and T:
-        _gdn_recurrent_kernel[(triton.cdiv(V, BV), HV, Bt)](
+        _gdn_recurrent_kernel[flat_grid(triton.cdiv(V, BV), HV, Bt)](
             state, state, slot, q, k, v, g, beta, y, snapshots,
             T, H, HV, K, V, HV // H, _scale(scale, K),
             BK=next_pow2(K), BV=BV, HAS_SLOT=True, L2=bool(use_qk_l2norm), SNAP=True, num_warps=num_warps)
@@ -498,13 +605,41 @@ def _fold(buf, plan, extra: int, grid, BV: int, precision: str) -> None:
         L, H, HV, K, V, HV // H, extra, LP=pad16(L), BK=pad16(K), BV=BV, PREC=precision, num_warps=4)
 
 
+#: ``flush_mode`` of :func:`replay_decode` (see :func:`replayssm.kernels.mamba2.replay_decode`)
+FLUSH_MODES = ("split", "fused", "apart")
+
+#: up to this many (row, value head, 32-wide V-block) tiles a decode step is one launch
+SMALL_GRID = 2048
+
+
+def decode_defaults(Bt: int, HV: int, V: int) -> dict:
+    """Default form of :func:`replay_decode` for a batch (H100, 2026-11-23, KERNEL_NOTES.md):
+    small grids run as one launch (``fused``, 4 warps: its fold spills on fewer); larger ones
+    run the per-head scores kernel, the hot kernel on 64-wide V tiles and 2 warps, and the
+    flush rows apart."""
+    if Bt * HV * triton.cdiv(V, 32) <= SMALL_GRID:
+        return dict(pre_scores=False, flush_mode="fused", num_warps=4, block_v=32)
+    return dict(pre_scores=True, flush_mode="apart", num_warps=2, block_v=64)
+
+
 def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
-                  precision: str = "tf32x3") -> Tensor:
-    """Replay decode (Alg. 6): the decode kernel appends ``(u, k, g)``, then the fold kernel
-    updates the checkpoints of the rows that flush.  ``precision``: the ``tl.dot`` of the
-    state route and of the fold."""
+                  precision: str = "tf32x3", pre_scores: bool | None = None, flush_mode: str | None = None,
+                  fold_warps: int = 4) -> Tensor:
+    """Replay decode, appending ``(u, k, g)``.  ``flush_mode`` (default:
+    :func:`decode_defaults`) is how flush rows store ``S_{h+1}``:
+
+    * ``"fused"``: one kernel; flush rows fold the tile they read (the small-batch form).
+    * ``"apart"``: the hot kernel (no flush code) skips the flush rows; a persistent kernel of
+      ``fold_warps``-warp programs then runs decode + fold for them only, the rows found on
+      the device (large batches).
+    * ``"split"``: the hot kernel for every row, then the fold kernel re-reads the flush
+      rows' checkpoints (three state passes on a flush step; the state route's form).
+
+    ``pre_scores``: normalised ``q``/``k`` and the history scores once per (row, key head) in
+    a small kernel (output route only).  ``route="state"`` rebuilds ``S_h`` in the kernel.
+    ``precision``: the ``tl.dot`` of the state route and of the fold."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     if plan.kind != "decode":
@@ -512,17 +647,44 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     dims = _dims(q, v, False)
     Bt, _, H, HV, K, V = dims
     _check_ring(buf, plan, v, dims)
+    auto = decode_defaults(Bt, HV, V)
+    if route == "state":
+        auto = dict(pre_scores=False, flush_mode="split", num_warps=1, block_v=32)
+    flush_mode = flush_mode or auto["flush_mode"]
+    pre_scores = auto["pre_scores"] if pre_scores is None else bool(pre_scores)
+    num_warps = num_warps or auto["num_warps"]
+    if flush_mode not in FLUSH_MODES:
+        raise ValueError(f"bad flush_mode {flush_mode!r}: expected one of {FLUSH_MODES}")
+    if route == "state" and (pre_scores or flush_mode != "split"):
+        raise ValueError("route='state' runs with pre_scores=False and flush_mode='split' only")
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
     L = plan.capacity
-    BV = _bv(V, block_v)
+    BV, LP, BK = _bv(V, block_v or auto["block_v"]), pad16(L), pad16(K)
     y = torch.empty_like(v)
-    if Bt:
-        grid = (triton.cdiv(V, BV), HV, Bt)
-        _gdn_replay_decode_kernel[grid](
-            buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist,
-            q, k, v, g, beta, y, L, H, HV, K, V, HV // H, _scale(scale, K),
-            LP=pad16(L), BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), OUTPUT_ROUTE=route == "output",
-            PREC=precision, num_warps=num_warps)
+    if Bt == 0:
+        return y
+    sc = qk = y
+    if pre_scores:
+        sc = torch.empty(Bt, H, 2, LP + 1, dtype=torch.float32, device=v.device)
+        qk = torch.empty(Bt, H, 2, K, dtype=torch.float32, device=v.device)
+        _gdn_scores_kernel[(Bt * H,)](buf.k, plan.slot, plan.start, plan.hist, q, k, sc, qk,
+                                      L, H, K, _scale(scale, K), LP=LP, BK=BK, L2=bool(use_qk_l2norm),
+                                      num_warps=4)
+    nv = triton.cdiv(V, BV)
+    args = (buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
+            q, k, v, g, beta, y, sc, qk)
+    dims_args = (L, H, HV, K, V, HV // H, _scale(scale, K))
+    const = dict(LP=LP, BK=BK, BKC=min(BK, 32), BV=BV, BT=flag_chunk(Bt), L2=bool(use_qk_l2norm),
+                 OUTPUT_ROUTE=route == "output",
+                 PRE_SCORES=pre_scores, PREC=precision)
+    grid = flat_grid(nv, HV, Bt)
+    _gdn_replay_decode_kernel[grid](*args, Bt, 1, *dims_args, **const, FOLD=flush_mode == "fused",
+                                    SKIP_FLUSH=flush_mode == "apart", PERSIST=False, num_warps=num_warps)
+    if flush_mode == "apart":
+        nprog = persistent_programs(v.device, Bt * HV * nv, 32 // fold_warps)
+        _gdn_replay_decode_kernel[(nprog,)](*args, Bt, nprog, *dims_args, **const, FOLD=True, SKIP_FLUSH=False,
+                                            PERSIST=True, num_warps=fold_warps)
+    elif flush_mode == "split":
         _fold(buf, plan, 1, grid, BV, precision)
     return y
 
@@ -559,7 +721,7 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
     Kn = torch.empty(Bt, T, H, K, dtype=ring_dtype[1], device=v.device)
     if Bt == 0:
         return y, U, Kn
-    grid = (triton.cdiv(V, BV), HV, Bt)
+    grid = flat_grid(triton.cdiv(V, BV), HV, Bt)
     common = dict(BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), TREE=bits is not None, num_warps=num_warps,
                   **extra)
     if paged is None:
@@ -597,7 +759,7 @@ def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   precision: str = "tf32x3", impl: str = "rows", fused_fold: bool = True) -> Tensor:
-    """Replay verify of T drafts (Alg. 8): the verify kernel (output route; ``route`` is
+    """Replay verify of T drafts: the verify kernel (output route; ``route`` is
     accepted for API parity), the fold kernel (flush rows store ``S_h``), then one append
     kernel."""
     if plan.kind != "verify":
@@ -616,9 +778,7 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
                 check: bool | None = None, bits: Tensor | None = None, block_v: int | None = None,
                 num_warps: int | None = None, precision: str = "tf32x3", impl: str = "rows",
                 fused_fold: bool = True) -> Tensor:
-    """Tree verify (STree + Alg. 8): the solve restricted to the ancestor mask."""
-    from .mamba2 import tree_bits
-
+    """Tree verify: the triangular solve restricted to the ancestor mask."""
     if plan.kind != "tree":
         raise ValueError(f"tree_verify needs a 'tree' plan, got {plan.kind!r}")
     dims = _dims(q, v, True)
@@ -638,8 +798,6 @@ def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
               num_warps: int | None = None, precision: str = "tf32x3", impl: str = "rows") -> Tensor:
     """KV-only form (``S0 = 0``) over paged buffers (a draft tree when ``parent`` is given);
     appends ``(U, k, g)`` after the kernel."""
-    from .mamba2 import tree_bits
-
     bits = None if parent is None else tree_bits(parent, q.shape[0])
     y, U, Kn = _verify(None, None, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        paged=(kv, pplan), block_v=block_v, num_warps=num_warps,

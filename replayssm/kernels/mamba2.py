@@ -1,5 +1,5 @@
-"""Triton kernels for Mamba-2 decoding: recurrent baseline, replay decode (Alg. 2),
-replay / tree / KV-only verify (Alg. 4), snapshot verify baseline (Alg. 3).
+"""Triton kernels for Mamba-2 decoding: recurrent baseline, output-only replay decode,
+replay / tree / KV-only verify, snapshot verify baseline (the forms of ``docs/MATH.md``).
 
 Same arguments and results as :mod:`replayssm.ops.mamba2.naive`.  Layouts (contiguous):
 state ``[P,H,d,n]`` fp32, ring ``x [P,L,H,d]``, ``B [P,L,G,n]``, ``dt [P,L,H]``.
@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import HAVE_TRITON, check_ring, history_entries, next_pow2, pad16, tile, triton, tl
+from ..cache.tree import ancestor_bits, ancestor_mask
+from ._triton import HAVE_TRITON, check_ring, flat_grid, history_entries, next_pow2, pad16, tile, tile_ids, triton, tl
 from ._triton import contiguous as _c
 from .append import append_entries
 
@@ -45,10 +46,8 @@ if HAVE_TRITON:
         H, G, d, n, HPG,
         BD: tl.constexpr, BN: tl.constexpr, HAS_SLOT: tl.constexpr, HAS_D: tl.constexpr,
     ):
-        """Alg. 1: load S, update, read out, store S (like selective_state_update)."""
-        db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
-        hd = tl.program_id(1)
-        r = tl.program_id(2)
+        """Recurrent form: load S, update, read out, store S (like selective_state_update)."""
+        db, hd, r = tile_ids(tl.cdiv(d, BD), H)  # d-blocks of one (row, head) side by side
         g = hd // HPG
         if HAS_SLOT:
             srow = tl.load(slot_ptr + r).to(tl.int64)
@@ -79,10 +78,8 @@ if HAVE_TRITON:
         T, H, G, d, n, HPG,
         BD: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
     ):
-        """Alg. 3 baseline: serial scan over T drafts, one state snapshot stored per draft."""
-        db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
-        hd = tl.program_id(1)
-        r = tl.program_id(2)
+        """Snapshot baseline: serial scan over T drafts, one state snapshot stored per draft."""
+        db, hd, r = tile_ids(tl.cdiv(d, BD), H)  # d-blocks of one (row, head) side by side
         g = hd // HPG
         srow = tl.load(slot_ptr + r).to(tl.int64)
         offs_d = db * BD + tl.arange(0, BD)
@@ -115,8 +112,9 @@ if HAVE_TRITON:
         L, G, n,
         LP: tl.constexpr, BN: tl.constexpr,
     ):
-        """Decode precompute (paper §5.4): ``B_j·C`` once per (row, group) for the ring entries
-        and the new one -> scratch ``[Bt, G, LP+1]``; also appends the new ``B`` to the ring."""
+        """Decode precompute: the scores ``B_j·C`` (shared by a group's heads) once per (row, group)
+        for the ring entries and the new one -> scratch ``[Bt, G, LP+1]``; also appends the new
+        ``B`` to the ring."""
         r = tl.program_id(0)
         g = tl.program_id(1)
         slot = tl.load(slot_ptr + r).to(tl.int64)
@@ -140,47 +138,46 @@ if HAVE_TRITON:
         tl.store(Br_ptr + (enew * G + g) * n + offs_n, Braw, mask=mn)
 
     @triton.jit
-    def _m2_replay_decode_kernel(
-        state_ptr, xr_ptr, Br_ptr, dtr_ptr,
-        slot_ptr, start_ptr, hist_ptr,
+    def _m2_decode_tile(
+        state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
-        L, H, G, d, n, HPG,
-        LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr,
+        r, hd, db, L, H, G, d, n, HPG,
+        LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
+        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr,
     ):
-        """Alg. 2, output-only: ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + D x``;
-        appends ``(x, B, dt)`` at ring position h.  Flush rows are folded afterwards by
-        ``_m2_fold_kernel`` (a ``tl.dot`` tile here, even in a rare branch, costs every
-        program its occupancy)."""
-        db = tl.program_id(0)  # d-blocks of one (row, head) side by side: one contiguous stream
-        hd = tl.program_id(1)
-        r = tl.program_id(2)
+        """One ``(row, head, d-block)`` tile of output-only replay decode:
+        ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + Δ (B·C) x + D x``; appends
+        ``(x, dt)`` (and ``B`` unless ``PRE_SCORES``: the scores kernel did) at ring position h.
+        The whole ``[BD, n]`` checkpoint tile is read in one load.
+
+        A flush row then stores ``S_{h+1} = e^{pre} S0 + Σ_{j≤h} Δ_j e^{pre-pre_j} x_j B_jᵀ``
+        (the new entry included), ``n`` in chunks of ``BNC``: each chunk of ``S0`` is read again
+        right after the first read (from L2, not DRAM), so the register tile of the readout is
+        not held across the fold's ``tl.dot``.  One DRAM read and, on flush rows, one write: no
+        second pass over the state."""
         g = hd // HPG
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int64)
         h = tl.load(hist_ptr + r).to(tl.int64)
+        r64 = r.to(tl.int64)
         offs_d = db * BD + tl.arange(0, BD)
         offs_n = tl.arange(0, BN)
         md = offs_d < d
         mn = offs_n < n
-        m2 = md[:, None] & mn[None, :]
         jj = tl.arange(0, LP)
         mj = jj < h
         e = slot * L + (start + jj) % L  # ring entry of history position j
-        # ---- loads: checkpoint tile, ring, this token
-        soff = ((slot * H + hd) * d + offs_d[:, None]) * n + offs_n[None, :]
-        S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+        sbase = ((slot * H + hd) * d + offs_d[:, None]) * n
+        S0 = tl.load(state_ptr + sbase + offs_n[None, :], mask=md[:, None] & mn[None, :], other=0.0)  # [BD, BN]
         A = tl.load(A_ptr + hd).to(tl.float32)
         dtj = tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32)
         Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
-                     other=0.0).to(tl.float32)
-        xraw = tl.load(x_ptr + (r * H + hd) * d + offs_d, mask=md, other=0.0)
+                     other=0.0).to(tl.float32)                                              # [LP, BD]
+        xraw = tl.load(x_ptr + (r64 * H + hd) * d + offs_d, mask=md, other=0.0)
         xv = xraw.to(tl.float32)
-        dtraw = tl.load(dt_ptr + r * H + hd)
-        dtv = dtraw.to(tl.float32)
-        Cv = tl.load(C_ptr + (r * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
-        Braw = tl.load(B_ptr + (r * G + g) * n + offs_n, mask=mn, other=0.0)
-        Bv = Braw.to(tl.float32)
+        dtv = tl.load(dt_ptr + r64 * H + hd).to(tl.float32)
+        gbase = (r64 * G + g) * n
+        Cv = tl.load(C_ptr + gbase + offs_n, mask=mn, other=0.0).to(tl.float32)
         # ---- decays: pre_t - pre_j = (tot - cum_j) + l_new, all <= 0
         dtj = tl.where(mj, dtj, 0.0)
         lj = A * dtj
@@ -189,19 +186,19 @@ if HAVE_TRITON:
         lv = A * dtv
         wj = dtj * tl.exp(tot - cj + lv)  # 0 past h
         if PRE_SCORES:
-            base = (r.to(tl.int64) * G + g) * (LP + 1)
+            base = (r64 * G + g) * (LP + 1)
             sc = tl.load(sc_ptr + base + jj)
             scn = tl.load(sc_ptr + base + LP)
         else:
             Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
                          other=0.0).to(tl.float32)
             sc = tl.sum(Bh * Cv[None, :], 1)
-            scn = tl.sum(Bv * Cv, 0)
+            scn = tl.sum(tl.load(B_ptr + gbase + offs_n, mask=mn, other=0.0).to(tl.float32) * Cv, 0)
         coef = tl.where(mj, wj * sc, 0.0)
         y = tl.exp(tot + lv) * tl.sum(S0 * Cv[None, :], 1) + tl.sum(coef[:, None] * Xh, 0) + (dtv * scn) * xv
         if HAS_D:
             y += tl.load(D_ptr + hd).to(tl.float32) * xv
-        tl.store(y_ptr + (r * H + hd) * d + offs_d, y.to(y_ptr.dtype.element_ty), mask=md)
+        tl.store(y_ptr + (r64 * H + hd) * d + offs_d, y.to(y_ptr.dtype.element_ty), mask=md)
         # ---- append (x, B, dt) at ring position h (never a committed entry for decode)
         enew = slot * L + (start + h) % L
         tl.store(xr_ptr + (enew * H + hd) * d + offs_d, xraw, mask=md)
@@ -209,7 +206,37 @@ if HAVE_TRITON:
             tl.store(dtr_ptr + enew * H + hd, dtv.to(dtr_ptr.dtype.element_ty))
             if not PRE_SCORES:
                 if hd % HPG == 0:
-                    tl.store(Br_ptr + (enew * G + g) * n + offs_n, Braw, mask=mn)
+                    tl.store(Br_ptr + (enew * G + g) * n + offs_n, tl.load(B_ptr + gbase + offs_n, mask=mn), mask=mn)
+        if tl.load(flush_ptr + r) != 0:
+            newj = jj == h
+            # S_{h+1} weights: Δ_j e^{tot+l_new-cum_j} for j < h, Δ for the new entry (row h)
+            XW = tl.trans(tl.where(newj[:, None], xv[None, :], Xh) * tl.where(newj, dtv, wj)[:, None])  # [BD, LP]
+            a1 = tl.exp(tot + lv)
+            for k0 in tl.static_range(0, BN, BNC):
+                offs_k = k0 + tl.arange(0, BNC)
+                mk = offs_k < n
+                Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
+                             mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [LP, BNC]
+                bk = tl.load(B_ptr + gbase + offs_k, mask=mk, other=0.0).to(tl.float32)
+                S0c = tl.load(state_ptr + sbase + offs_k[None, :], mask=md[:, None] & mk[None, :], other=0.0)
+                Sn = a1 * S0c + tl.dot(XW, tl.where(newj[:, None], bk[None, :], Bk), input_precision=PREC)
+                tl.store(state_ptr + sbase + offs_k[None, :], Sn.to(state_ptr.dtype.element_ty),
+                         mask=md[:, None] & mk[None, :])
+
+    @triton.jit
+    def _m2_replay_decode_kernel(
+        state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
+        L, H, G, d, n, HPG,
+        LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
+        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """Replay decode (:func:`_m2_decode_tile`) over a flat grid of ``d-blocks × heads ×
+        rows`` (d-blocks of one (row, head) side by side: one contiguous stream)."""
+        db, hd, r = tile_ids(tl.cdiv(d, BD), H)
+        _m2_decode_tile(state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+                        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
+                        r, hd, db, L, H, G, d, n, HPG, LP, BD, BN, BNC, HAS_D, PRE_SCORES, PREC)
 
     @triton.jit
     def _m2_fold_kernel(
@@ -221,9 +248,7 @@ if HAVE_TRITON:
         ``S ← e^{tot} S0 + Σ_j Δ_j e^{tot-cum_j} x_j B_jᵀ`` (one ``tl.dot``).  Run after the
         decode kernel (which appended the new entry, ``EXTRA = 1``), so that kernel carries no
         shared-memory tile for its rare flush branch."""
-        db = tl.program_id(0)
-        hd = tl.program_id(1)
-        r = tl.program_id(2)
+        db, hd, r = tile_ids(tl.cdiv(d, BD), H)  # d-blocks of one (row, head) side by side
         flush = tl.load(flush_ptr + r) != 0
         if flush:
             g = hd // HPG
@@ -272,7 +297,7 @@ if HAVE_TRITON:
         HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
         FOLD: tl.constexpr,
     ):
-        """Alg. 4 as small matrix products (tensor cores), all queries at once:
+        """Replay verify as small matrix products (tensor cores), all queries at once:
 
         ``Y [T, BD] = (e^{tot+G} ∘ C S0ᵀ) + Whᵀ X_hist + Wnᵀ X_new + D X_new`` with
         ``Wh[j, m] = Δ_j e^{tot-cum_j+G_m} (B_j·C_m)`` over the committed history and
@@ -287,9 +312,7 @@ if HAVE_TRITON:
         ring form reads the history at ``(start + j) % L`` of the row's slot; ``PAGED``: from
         a block table, with ``S0 = 0`` (KV-only form); ``TREE``: ``bits_ptr`` holds each
         query's ancestor-or-self bitmask (:func:`tree_bits`), else the chain."""
-        db = tl.program_id(0)
-        hd = tl.program_id(1)
-        r = tl.program_id(2)
+        db, hd, r = tile_ids(tl.cdiv(d, BD), H)  # d-blocks of one (row, head) side by side
         g = hd // HPG
         r64 = r.to(tl.int64)
         offs_d = db * BD + tl.arange(0, BD)
@@ -386,14 +409,14 @@ def _check_ring(buf, plan, x: Tensor, dims) -> None:
 def recurrent_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                      D: Tensor | None = None, slot: Tensor | None = None, out_state: Tensor | None = None,
                      block_d: int | None = None, num_warps: int = 4) -> Tensor:
-    """Recurrent decode kernel (Alg. 1) on a state pool: ``state[slot]`` is read, updated and
+    """Recurrent decode kernel (the recurrent form) on a state pool: ``state[slot]`` is read, updated and
     written to ``out_state[slot]`` (default: in place).  Returns ``y [Bt,H,d]``."""
     Bt, _, H, d, G, n = _dims(x, B, False)
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
     out_state = state if out_state is None else out_state
     y = torch.empty_like(x)
     BD = next_pow2(block_d) if block_d else min(next_pow2(d), 16)
-    grid = (triton.cdiv(d, BD), H, Bt)
+    grid = flat_grid(triton.cdiv(d, BD), H, Bt)
     if Bt:
         _m2_recurrent_kernel[grid](
             state, out_state, slot if slot is not None else state, x, dt, A, B, C,
@@ -422,15 +445,29 @@ def _fold(buf, plan, A: Tensor, extra: int, grid, BD: int, precision: str) -> No
         L, H, G, d, n, H // G, extra, LP=pad16(L), BD=BD, BN=pad16(n), PREC=precision, num_warps=4)
 
 
+#: up to this many (row, head, d-block) tiles a decode step is one launch (no scores kernel)
+SMALL_GRID = 2048
+
+
+def decode_defaults(Bt: int, H: int, d: int, block_d: int | None) -> dict:
+    """Default form of :func:`replay_decode` for a batch (H100, 2026-11-23, KERNEL_NOTES.md):
+    small grids are launch-bound and run as one launch on 4 warps; larger ones compute the
+    per-group scores in a small kernel first and run the decode kernel on 2 warps."""
+    if Bt * H * triton.cdiv(d, _block_d(d, block_d)) <= SMALL_GRID:
+        return dict(pre_scores=False, num_warps=4)
+    return dict(pre_scores=True, num_warps=2)
+
+
 def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
-                  block_d: int | None = 32, num_warps: int = 2, pre_scores: bool = True,
-                  precision: str = "tf32x3") -> Tensor:
-    """Replay decode (Alg. 2): the decode kernel (+ the ``pre_scores`` kernel computing the
-    per-group ``B_j·C`` once), then the fold kernel for the rows that flush.
-
-    The output is always formed output-only (``route`` is accepted for API parity: both
-    routes give the same numbers).  ``precision`` is the fold's ``tl.dot`` precision.
+                  block_d: int | None = 32, num_warps: int | None = None, pre_scores: bool | None = None,
+                  precision: str = "tf32x3", block_n: int = 32) -> Tensor:
+    """Replay decode, output-only (``route`` is accepted for API parity: both routes
+    give the same numbers), in one pass over the checkpoints: flush rows store ``S_{h+1}`` in
+    the kernel that reads ``S0`` (``n`` in chunks of ``block_n``; ``precision`` is that
+    ``tl.dot``'s).  ``pre_scores``: a small kernel first computes the per-group ``B_j·C`` once
+    (and appends ``B``) instead of every head's programs.  ``pre_scores`` / ``num_warps``
+    default to :func:`decode_defaults`.
     """
     if route not in ("output", "state"):
         raise ValueError(f"bad route {route!r}: expected 'output' or 'state'")
@@ -439,6 +476,9 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
     dims = _dims(x, B, False)
     Bt, _, H, d, G, n = dims
     _check_ring(buf, plan, x, dims)
+    auto = decode_defaults(Bt, H, d, block_d)
+    pre_scores = auto["pre_scores"] if pre_scores is None else bool(pre_scores)
+    num_warps = num_warps or auto["num_warps"]
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
     L = plan.capacity
     LP, BN, BD = pad16(L), pad16(n), _block_d(d, block_d)
@@ -450,21 +490,18 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
         sc = torch.empty(Bt, G, LP + 1, dtype=torch.float32, device=x.device)
         _m2_scores_kernel[(Bt, G)](buf.B, plan.slot, plan.start, plan.hist, B, C, sc, L, G, n,
                                    LP=LP, BN=BN, num_warps=4)
-    grid = (triton.cdiv(d, BD), H, Bt)
-    _m2_replay_decode_kernel[grid](
-        buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist,
+    _m2_replay_decode_kernel[flat_grid(triton.cdiv(d, BD), H, Bt)](
+        buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush,
         x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
         L, H, G, d, n, H // G,
-        LP=LP, BD=BD, BN=BN, HAS_D=D is not None, PRE_SCORES=bool(pre_scores), num_warps=num_warps)
-    _fold(buf, plan, A, 1, grid, BD, precision)
+        LP=LP, BD=BD, BN=BN, BNC=min(BN, pad16(block_n)), HAS_D=D is not None, PRE_SCORES=pre_scores,
+        PREC=precision, num_warps=num_warps)
     return y
 
 
 def tree_bits(parent: Tensor, batch: int) -> Tensor:
     """Ancestor-or-self sets as int32 bitmasks ``[Bt, N]`` (bit s of node m: s is m or an
     ancestor of m).  Device tensor ops only (N small, N <= 31)."""
-    from ..cache.tree import ancestor_bits, ancestor_mask
-
     p = parent.long()
     if p.dim() == 1:
         p = p[None].expand(batch, -1)
@@ -487,7 +524,7 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     y = torch.empty_like(x)
     if Bt == 0:
         return y
-    grid = (triton.cdiv(d, BD), H, Bt)
+    grid = flat_grid(triton.cdiv(d, BD), H, Bt)
     if paged is None:
         L = plan.capacity
         _m2_verify_dot_kernel[grid](
@@ -525,7 +562,7 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = None, num_warps: int | None = None, precision: str = "tf32x3",
                   fused_fold: bool = True) -> Tensor:
-    """Replay verify of T drafts (Alg. 4): the verify kernel, whose flush rows also store
+    """Replay verify of T drafts: the verify kernel, whose flush rows also store
     ``S_h`` (``fused_fold``; else a separate fold kernel), then one append kernel writes the
     T entries."""
     if plan.kind != "verify":
@@ -573,7 +610,7 @@ def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
 def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                     D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
                     num_warps: int = 4, snapshots: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Baseline (Alg. 3): serial scan, one state stored per draft -> ``(y, snapshots)``."""
+    """Snapshot baseline: serial scan, one state stored per draft -> ``(y, snapshots)``."""
     Bt, T, H, d, G, n = _dims(x, B, True)
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
     BD = next_pow2(block_d) if block_d else min(next_pow2(d), 16)
@@ -581,7 +618,7 @@ def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tenso
     if snapshots is None:
         snapshots = torch.empty(Bt, T, H, d, n, dtype=state.dtype, device=state.device)
     if Bt and T:
-        _m2_snapshot_kernel[(triton.cdiv(d, BD), H, Bt)](
+        _m2_snapshot_kernel[flat_grid(triton.cdiv(d, BD), H, Bt)](
             state, slot, x, dt, A, B, C, D if D is not None else A, y, snapshots,
             T, H, G, d, n, H // G, BD=BD, BN=next_pow2(n), HAS_D=D is not None, num_warps=num_warps)
     return y, snapshots

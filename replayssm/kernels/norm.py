@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import HAVE_TRITON, next_pow2, triton, tl
+from ._triton import HAVE_TRITON, flat_grid, next_pow2, triton, tl
 
 __all__ = ["gated_rmsnorm"]
 
@@ -20,26 +20,29 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gated_rmsnorm_kernel(
-        x_ptr, z_ptr, w_ptr, y_ptr, GS, x_stride, z_stride, N, eps,
-        BG: tl.constexpr, GATE_FIRST: tl.constexpr,
+        x_ptr, z_ptr, w_ptr, y_ptr, R, NG, GS, x_stride, z_stride, N, eps,
+        BR: tl.constexpr, BG: tl.constexpr, GATE_FIRST: tl.constexpr,
     ):
-        grp = tl.program_id(0)
-        r = tl.program_id(1).to(tl.int64)
+        """One ``[BR rows, group]`` tile per program on a flat grid (groups fastest): the row
+        count (tokens × heads in a prefill) never meets a grid-axis limit."""
+        pid = tl.program_id(0)
+        grp = pid % NG
+        rows = (pid // NG).to(tl.int64) * BR + tl.arange(0, BR)
         j = tl.arange(0, BG)
-        m = j < GS
+        m = (rows < R)[:, None] & (j < GS)[None, :]
         offs = grp * GS + j
-        x = tl.load(x_ptr + r * x_stride + offs, mask=m, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + r * z_stride + offs, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * x_stride + offs[None, :], mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + rows[:, None] * z_stride + offs[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=j < GS, other=0.0).to(tl.float32)
         act = y_ptr.dtype.element_ty
         sz = z * tl.sigmoid(z)
         if GATE_FIRST:
             x = x * sz
-        xn = x * tl.rsqrt(tl.sum(x * x, 0) / GS + eps)
-        y = (xn.to(act).to(tl.float32) * w).to(act)
+        xn = x * tl.rsqrt(tl.sum(x * x, 1) / GS + eps)[:, None]
+        y = (xn.to(act).to(tl.float32) * w[None, :]).to(act)
         if not GATE_FIRST:
             y = (y.to(tl.float32) * sz).to(act)
-        tl.store(y_ptr + r * N + offs, y, mask=m)
+        tl.store(y_ptr + rows[:, None] * N + offs[None, :], y, mask=m)
 
 
 def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,
@@ -61,7 +64,9 @@ def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: 
     y = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R:
         BG = next_pow2(group_size)
-        _gated_rmsnorm_kernel[(N // group_size, R)](
-            x2, z2, weight, y, group_size, x2.stride(0), z2.stride(0), N, float(eps),
-            BG=BG, GATE_FIRST=bool(gate_first), num_warps=min(16, max(1, BG // 256)))
+        BR = min(next_pow2(R), max(1, 2048 // BG))  # ~2K elements per program for short groups
+        NG = N // group_size
+        _gated_rmsnorm_kernel[flat_grid(NG, triton.cdiv(R, BR))](
+            x2, z2, weight, y, R, NG, group_size, x2.stride(0), z2.stride(0), N, float(eps),
+            BR=BR, BG=BG, GATE_FIRST=bool(gate_first), num_warps=min(16, max(1, BR * BG // 256)))
     return y.reshape(shape)

@@ -1,15 +1,19 @@
-"""Grouped-query softmax attention with a per-slot KV cache.
+"""Grouped-query softmax attention over a paged KV cache.
 
 ``q = W_q x`` (optionally ``[q | gate]`` per head, Qwen3-Next), optional per-head q/k RMSNorm,
 optional (partial) RoPE, ``o = softmax(q kᵀ · Dh^-1/2 + mask) v`` with KV head
 ``h // (H // Hkv)`` for query head ``h``, optional output gate ``o · sigmoid(gate)``, then
 ``W_o``.  Scores and softmax run in at least fp32.
 
-Cache (per layer): ``k, v [P, S, Hkv, Dh]``; a row's committed tokens sit at
-``0 .. seq_len-1``.  Every call writes its new tokens at ``seq_len + i`` (``i`` = token or
-tree-node index) and attends to the committed prefix plus the allowed new tokens (causal
-chain, or the ancestor-or-self mask of a tree).  ``commit`` keeps accepted entries: chains
-need no move; trees copy node ``path[i]`` to ``seq_len + i``.
+Cache (per layer): ``k, v [num_blocks, block_size, Hkv, Dh]`` pools; a slot's key ``j`` sits
+in block ``cache.attn.block_table[slot, j // block_size]`` (the cache's attention
+:class:`~replayssm.cache.paged.PagedIndex`, shared by all attention layers; blocks are
+reserved as the context grows).  Every call writes its new tokens at positions
+``seq_len + i`` (``i`` = token or tree-node index) and attends to the committed prefix plus
+the allowed new tokens (causal chain, or the ancestor-or-self bits of a tree), through
+``ops_for("attention")`` (Triton kernels on CUDA, the blockwise reference elsewhere): its
+cost follows each sequence's real context.  ``commit`` keeps accepted entries: chains need
+no move; trees copy node ``path[i]`` to ``seq_len + i``.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..kernels.dispatch import ops_for
+from ..runtime import compute_dtype
 from .context import StepContext
 from .mlp import Linear
-from ..runtime import compute_dtype
 from .norms import RMSNorm
 from .rotary import Rotary
 
@@ -44,9 +49,11 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     # ------------------------------------------------------------------ cache
-    def allocate(self, P: int, S: int, dtype, device) -> dict:
+    def allocate(self, num_blocks: int, block_size: int, dtype, device) -> dict:
+        """This layer's KV pools (block 0 is the null block padding rows write to)."""
         z = dict(dtype=dtype, device=device)
-        return {"k": torch.zeros(P, S, self.Hkv, self.Dh, **z), "v": torch.zeros(P, S, self.Hkv, self.Dh, **z)}
+        shape = (num_blocks, block_size, self.Hkv, self.Dh)
+        return {"k": torch.zeros(shape, **z), "v": torch.zeros(shape, **z)}
 
     # ------------------------------------------------------------------ forward
     def _qkv(self, x: Tensor, positions: Tensor):
@@ -87,51 +94,58 @@ class Attention(nn.Module):
         q, k, v, gate = self._qkv(x, ctx.positions)
         if ctx.cache is None:
             t = torch.arange(T, device=x.device)
-            mask = (t[None, :] <= t[:, None]).expand(B, T, T)
-            o = self._attend(q, k, v, mask)
+            o = self._attend(q, k, v, (t[None, :] <= t[:, None]).expand(B, T, T))
         else:
-            store = ctx.cache.layers[self.layer_id]
-            Kc, Vc = store["k"], store["v"]
-            S = Kc.shape[1]
-            i = torch.arange(T, device=x.device)
-            wpos = ctx.seq_len[:, None] + i[None, :]              # [B, T] cache rows written
-            rows = ctx.slots[:, None].expand(B, T)
-            if ctx.valid is not None:  # prefill padding writes go to the null slot
-                rows = torch.where(ctx.valid, rows, torch.zeros_like(rows))
-                wpos_w = torch.where(ctx.valid, wpos, torch.zeros_like(wpos))
-            else:
-                wpos_w = wpos
-            Kc[rows, wpos_w] = k.to(Kc.dtype)
-            Vc[rows, wpos_w] = v.to(Vc.dtype)
-            j = torch.arange(S, device=x.device)
-            if ctx.kind == "tree":
-                rel = j[None, :] - ctx.seq_len[:, None]             # [B, S] node index of row j
-                committed = rel < 0
-                relc = rel.clamp(0, T - 1)
-                in_tree = (rel >= 0) & (rel < T)
-                anc = torch.gather(ctx.anc, 2, relc[:, None, :].expand(B, T, S))  # [B, T, S]
-                mask = committed[:, None, :] | (in_tree[:, None, :] & anc)
-            else:
-                mask = j[None, None, :] <= wpos[:, :, None]
-                if ctx.lengths is not None:  # prefill: padded queries read only written keys
-                    mask = mask & (j[None, :] < (ctx.seq_len + ctx.lengths)[:, None])[:, None, :]
-            o = self._attend(q, Kc[ctx.slots], Vc[ctx.slots], mask)
+            o = self._paged(q, k, v, ctx)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
 
+    def _paged(self, q: Tensor, k: Tensor, v: Tensor, ctx: StepContext) -> Tensor:
+        """Write the new keys/values into the slots' blocks, attend over each row's context.
+
+        Prefill runs packed (row ``b``'s ``lengths[b]`` tokens at ``cu_seqlens[b]:[b+1]`` of
+        one stream); decode / verify / tree steps run ``T`` queries per row, the last ``T``
+        positions of ``seq_len + T`` keys (a tree masks by its ancestor bits)."""
+        B, T = q.shape[:2]
+        ops = ops_for("attention")
+        store = ctx.cache.layers[self.layer_id]
+        Kc, Vc = store["k"], store["v"]
+        bs = Kc.shape[1]
+        table = ctx.attn_table
+        if ctx.kind == "prefill":   # packed: q/k/v are [1, Nt, ...], row b owns cu_seqlens[b]:[b+1]
+            cu = ctx.cu_seqlens
+            kv_lens = ctx.seq_len + ctx.lengths
+            qf, kf, vf = q[0], k[0], v[0]
+            bits = None
+        else:
+            cu = torch.arange(B + 1, device=q.device) * T
+            kv_lens = ctx.seq_len + T
+            qf, kf, vf = (t.reshape(B * T, *t.shape[2:]) for t in (q, k, v))
+            bits = None
+            if ctx.kind == "tree":
+                if ctx.tree_bits is None:
+                    raise ValueError(f"a draft tree of {T} nodes is too large for attention layers (at most 31)")
+                bits = ctx.tree_bits
+        ops.write_kv(Kc, Vc, kf, vf, ops.new_slots(table, cu, kv_lens, bs, qf.shape[0]))
+        of = ops.paged_attention(qf, Kc, Vc, table, cu, kv_lens, scale=self.Dh ** -0.5, tree_bits=bits)
+        return of.reshape(B, T, self.H * self.Dh)
+
     # ------------------------------------------------------------------ commit
     def commit(self, ctx: StepContext, accepted: Tensor, path: Tensor | None) -> None:
+        """After a tree verify, move the accepted path's keys/values to ``seq_len + i``
+        (read every source before writing: the moves may overlap)."""
         if ctx.kind != "tree" or path is None:
             return
         store = ctx.cache.layers[self.layer_id]
-        N = ctx.T
+        N, bs = ctx.T, store["k"].shape[1]
         i = torch.arange(N, device=accepted.device)
         src = torch.where(i[None, :] < accepted[:, None], path.long(), i[None, :])
-        dst = ctx.seq_len[:, None] + i[None, :]
-        srcp = ctx.seq_len[:, None] + src
-        rows = ctx.slots[:, None]
+
+        def flat(pos: Tensor) -> Tensor:            # [B, N] positions -> flat pool rows
+            return ctx.attn_table.gather(1, pos // bs) * bs + pos % bs
+
+        rows_src, rows_dst = flat(ctx.seq_len[:, None] + src), flat(ctx.seq_len[:, None] + i[None, :])
         for name in ("k", "v"):
-            buf = store[name]
-            vals = buf[rows, srcp]
-            buf[rows, dst] = vals
+            pool = store[name].view(-1, self.Hkv, self.Dh)
+            pool[rows_dst] = pool[rows_src]

@@ -28,7 +28,7 @@ from .ssm_base import SSMLayer
 
 #: ops whose q/k are l2-normalised inside (HF/fla ``use_qk_l2norm_in_kernel``)
 _QK_NORM_OPS = ("recurrent_step", "replay_decode", "replay_verify", "tree_verify", "snapshot_verify",
-                "kv_verify", "chunked_prefill")
+                "kv_verify", "kv_tree_verify", "chunked_prefill", "chunked_prefill_varlen")
 
 
 def reorder_qkvz(w: Tensor, H: int, HV: int, K: int, V: int) -> Tensor:
@@ -71,10 +71,8 @@ class GatedDeltaNet(SSMLayer):
         return None
 
     # ---- family hooks (forms call these) -------------------------------------------------
-    def op(self, name: str, *prefix, a: dict, t0: bool = False, **kw):
-        q, k, v, g, beta = a["q"], a["k"], a["v"], a["g"], a["beta"]
-        if t0:
-            q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
+    def op(self, name: str, *prefix, a: dict, t0: bool = False, packed: bool = False, **kw):
+        q, k, v, g, beta = self._args(a, ("q", "k", "v", "g", "beta"), t0, packed)
         if name in _QK_NORM_OPS:
             kw.setdefault("use_qk_l2norm", True)
         return getattr(self.ops(), name)(*prefix, q, k, v, g, beta, **kw)

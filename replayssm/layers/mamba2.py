@@ -49,10 +49,8 @@ class Mamba2Mixer(SSMLayer):
     def _A(self, dtype) -> Tensor:
         return -torch.exp(self.A_log.to(dtype))
 
-    def op(self, name: str, *prefix, a: dict, t0: bool = False, **kw):
-        x, dt, B, C = a["x"], a["dt"], a["B"], a["C"]
-        if t0:
-            x, dt, B, C = x[:, 0], dt[:, 0], B[:, 0], C[:, 0]
+    def op(self, name: str, *prefix, a: dict, t0: bool = False, packed: bool = False, **kw):
+        x, dt, B, C = self._args(a, ("x", "dt", "B", "C"), t0, packed)
         return getattr(self.ops(), name)(*prefix, x, dt, self._A(dt.dtype), B, C, self.D.to(dt.dtype), **kw)
 
     def mask_padding(self, a: dict, valid: Tensor) -> dict:

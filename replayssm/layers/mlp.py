@@ -11,6 +11,12 @@
   ``+1e-20`` when ``norm_topk_prob``) times ``routed_scaling_factor``; non-gated experts
   ``up_proj [E, I, D']``, ``down_proj [E, D', I]`` with optional latent projections; plus a
   shared MLP.
+
+Both MoE blocks route with plain tensor ops (``route``) and compute the routed experts
+through ``kernels.dispatch.ops_for("moe").experts``: on CUDA (below fp64) the fused
+kernels (tokens sorted by expert on the device, one grouped-GEMM launch per projection, no
+host sync), elsewhere the gather-based reference :func:`replayssm.ops.moe.naive.experts`
+(each chosen expert on exactly the tokens that chose it).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels.dispatch import ops_for
+from ..ops.moe.naive import activation
 from ..runtime import compute_dtype
 
 
@@ -38,24 +46,12 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def activation(name: str):
-    if name in ("silu", "swish"):
-        return F.silu
-    if name == "relu2":
-        return lambda x: torch.square(F.relu(x))
-    if name == "relu":
-        return F.relu
-    if name == "gelu":
-        return F.gelu
-    raise ValueError(f"unsupported activation {name!r}")
-
-
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
         super().__init__()
         self.gate_proj, self.up_proj = Linear(hidden, inter, bias), Linear(hidden, inter, bias)
         self.down_proj = Linear(inter, hidden, bias)
-        self.act = activation(act)
+        self.act, self.act_name = activation(act), act
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -65,30 +61,10 @@ class PlainMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, act: str = "relu2", bias: bool = False):
         super().__init__()
         self.up_proj, self.down_proj = Linear(hidden, inter, bias), Linear(inter, hidden, bias)
-        self.act = activation(act)
+        self.act, self.act_name = activation(act), act
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
-
-
-def _dispatch(x: Tensor, idx: Tensor, w: Tensor, E: int, expert, gathered=None) -> Tensor:
-    """``Σ_k w[t,k] · expert(e=idx[t,k], x[t])`` accumulated in ``w``'s dtype.
-
-    No host synchronisation either way (the route is chosen from shapes only):
-    few token-expert pairs (``N·k <= E``, e.g. decode): gather the chosen experts' weights
-    per pair (``gathered(x, idx) -> [N, k, D]``); otherwise dense over experts (every expert
-    sees every token, weighted by its routing weight, zero for unchosen).  ``x [N, D]``,
-    ``idx/w [N, k]``.
-    """
-    if gathered is not None and idx.numel() <= E:
-        y = gathered(x, idx)                                        # [N, k, D_out]
-        return (y.to(w.dtype) * w[..., None]).sum(1)
-    out = None
-    for e in range(E):
-        we = torch.where(idx == e, w, torch.zeros_like(w)).sum(-1)  # [N]
-        term = expert(e, x).to(w.dtype) * we[:, None]
-        out = term if out is None else out + term
-    return out
 
 
 class SoftmaxMoE(nn.Module):
@@ -102,27 +78,25 @@ class SoftmaxMoE(nn.Module):
         self.experts.down_proj = _param(num_experts, hidden, inter)
         self.shared_expert = GatedMLP(hidden, shared_inter, act) if shared_inter else None
         self.shared_expert_gate = Linear(hidden, 1) if shared_inter else None
-        self.act = activation(act)
+        activation(act)  # validates the name
+        self.act_name = act
 
-    def _expert(self, e: int, x: Tensor) -> Tensor:
-        g, u = F.linear(x, self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(self.act(g) * u, self.experts.down_proj[e])
-
-    def _gathered(self, x: Tensor, idx: Tensor) -> Tensor:
-        gu = self.experts.gate_up_proj[idx]                          # [N, k, 2I, D]
-        g, u = torch.einsum("nkod,nd->nko", gu, x).chunk(2, dim=-1)
-        return torch.einsum("nkdi,nki->nkd", self.experts.down_proj[idx], self.act(g) * u)
+    def route(self, xf: Tensor) -> tuple[Tensor, Tensor]:
+        """``(idx [N, k], w [N, k])``: top-k of the softmax router (fp32+), renormalised when
+        ``norm_topk_prob``, weights cast to the activation dtype (as transformers does)."""
+        logits = self.gate(xf)
+        probs = torch.softmax(logits.to(compute_dtype(xf.dtype)), -1)
+        w, idx = torch.topk(probs, self.k, dim=-1)
+        if self.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        return idx, w.to(xf.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         shp = x.shape
         xf = x.reshape(-1, shp[-1])
-        logits = self.gate(xf)
-        probs = torch.softmax(logits.to(compute_dtype(x.dtype)), -1)
-        w, idx = torch.topk(probs, self.k, dim=-1)
-        if self.norm_topk_prob:
-            w = w / w.sum(-1, keepdim=True)
-        w = w.to(x.dtype)  # transformers casts routing weights to the activation dtype
-        out = _dispatch(xf, idx, w, self.E, self._expert, self._gathered).to(x.dtype)
+        idx, w = self.route(xf)
+        out = ops_for("moe").experts(xf, idx, w, self.experts.gate_up_proj, self.experts.down_proj,
+                                   act=self.act_name, gated=True)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(xf)) * self.shared_expert(xf)
         return out.reshape(shp)
@@ -145,14 +119,8 @@ class SigmoidMoE(nn.Module):
         self.shared_experts = PlainMLP(hidden, shared_inter, act, bias)
         self.fc1_latent_proj = Linear(hidden, latent, bias) if latent else None
         self.fc2_latent_proj = Linear(latent, hidden, bias) if latent else None
-        self.act = activation(act)
-
-    def _expert(self, e: int, x: Tensor) -> Tensor:
-        return F.linear(self.act(F.linear(x, self.experts.up_proj[e])), self.experts.down_proj[e])
-
-    def _gathered(self, x: Tensor, idx: Tensor) -> Tensor:
-        h = self.act(torch.einsum("nkid,nd->nki", self.experts.up_proj[idx], x))
-        return torch.einsum("nkdi,nki->nkd", self.experts.down_proj[idx], h)
+        activation(act)  # validates the name
+        self.act_name = act
 
     def route(self, xf: Tensor) -> tuple[Tensor, Tensor]:
         cdt = compute_dtype(xf.dtype)
@@ -175,7 +143,8 @@ class SigmoidMoE(nn.Module):
         xf = x.reshape(-1, shp[-1])
         idx, w = self.route(xf)
         h = self.fc1_latent_proj(xf) if self.fc1_latent_proj is not None else xf
-        h = _dispatch(h, idx, w, self.E, self._expert, self._gathered).to(x.dtype)
+        h = ops_for("moe").experts(h, idx, w, self.experts.up_proj, self.experts.down_proj,
+                                 act=self.act_name, gated=False)
         if self.fc2_latent_proj is not None:
             h = self.fc2_latent_proj(h)
         return (h + self.shared_experts(xf)).reshape(shp)

@@ -36,10 +36,14 @@ class SSMLayer(nn.Module):
         """The family's ops: Triton kernels for CUDA tensors, the reference otherwise."""
         return ops_for(self.family)
 
-    def op(self, name: str, *prefix, a: dict, t0: bool = False, **kw):
+    def op(self, name: str, *prefix, a: dict, t0: bool = False, packed: bool = False, **kw):
         """Call ``ops().<name>(*prefix, <the family's arguments from a>, **kw)``; ``t0``
-        drops the time axis."""
+        drops the time axis, ``packed`` the batch axis of a packed ``[1, Nt, ...]`` stream."""
         raise NotImplementedError
+
+    @staticmethod
+    def _args(a: dict, names: tuple, t0: bool, packed: bool) -> list:
+        return [a[n][:, 0] if t0 else a[n][0] if packed else a[n] for n in names]
 
     def mask_padding(self, a: dict, valid: Tensor) -> dict:
         """Make padded tokens leave the state unchanged."""
@@ -80,12 +84,8 @@ class SSMLayer(nn.Module):
             return conv.conv_prefill(xc, w, b, None, self.activation)[0]
         win = ctx.cache.layers[self.layer_id]["conv"]
         slots = ctx.slots
-        if ctx.kind == "prefill":
-            init = win.window[slots]                                    # [B, C, W-1]
-            init = torch.where(ctx.fresh[:, None, None], torch.zeros_like(init), init)
-            out, final = conv.conv_prefill(xc, w, b, init, self.activation, lengths=ctx.lengths)
-            win.window[slots] = final.to(win.window.dtype)
-            return out
+        if ctx.kind == "prefill":   # packed rows, each after its window (zeros when fresh)
+            return conv.conv_prefill_varlen(xc[0], w, b, ctx.cu_seqlens, win, slots, ctx.fresh, self.activation)[None]
         if ctx.kind == "decode":  # one fused launch on the GPU
             return conv.conv_decode(win, slots, xc[:, 0], w, b, self.activation)[:, None]
         if ctx.kind == "tree":
@@ -100,8 +100,6 @@ class SSMLayer(nn.Module):
         """Run the recurrence on time-major args ``a`` (each ``[B, T, ...]``) -> ``y [B, T, ...]``."""
         if ctx.cache is None:
             return self.op("chunked_prefill", a=a, chunk_size=self.chunk_size)[0]
-        if ctx.kind == "prefill":
-            a = self.mask_padding(a, ctx.valid)
         return get_form(ctx.ssm_form).run(self, a, ctx, ctx.cache.layers[self.layer_id])
 
     # ---- commit -------------------------------------------------------------------------

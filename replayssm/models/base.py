@@ -134,7 +134,7 @@ class CausalLM(nn.Module):
 
     # ---- core ------------------------------------------------------------------------------
     def _embed(self, input_ids: Tensor) -> Tensor:
-        """The first block's input ``[B, T, D]`` (an MTP head also mixes in a hidden state)."""
+        """Token embeddings ``[..., hidden]`` (tensor parallelism overrides it: a vocabulary shard)."""
         return nn.functional.embedding(input_ids, self.embed_weight())
 
     def _trunk(self, input_ids: Tensor, ctx: StepContext) -> Tensor:
@@ -181,13 +181,15 @@ class CausalLM(nn.Module):
     # ---- cache API ------------------------------------------------------------------------------
     def make_cache(self, num_slots: int, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
                    max_seq_len: int = 2048, kv_block_size: int = 16, kv_num_blocks: int | None = None,
-                   device=None, poison: bool = False) -> ModelCache:
+                   device=None, poison: bool = False, attn_num_blocks: int | None = None) -> ModelCache:
         """Allocate per-slot caches for every layer (see :class:`ModelCache`).  ``poison``
-        (tests) fills every cache tensor with NaN instead of zeros."""
+        (tests) fills every cache tensor with NaN instead of zeros; ``kv_num_blocks`` /
+        ``attn_num_blocks`` size the KV-only and attention block pools (``None``: static,
+        ``max_seq_len`` per slot)."""
         if device is not None and canonical_device(device) != self._device:
             raise ValueError(f"cache device {device} differs from the model's {self._device}")
         return ModelCache(self, num_slots, mode, buffer_size, max_new, max_seq_len, kv_block_size,
-                          kv_num_blocks, device, poison)
+                          kv_num_blocks, device, poison, attn_num_blocks)
 
     def cache_layout(self, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
                      max_seq_len: int = 2048, kv_block_size: int = 16) -> CacheLayout:
@@ -228,6 +230,8 @@ class CausalLM(nn.Module):
         ctx = StepContext(kind=kind, T=T, positions=positions, cache=cache, slots=slots,
                           seq_len=cache.seq_len[slots], ssm_form=form, **kw)
         get_form(form).bind(ctx, cache)
+        if cache.attn is not None:
+            ctx.attn_table = cache.attn.block_table[slots]
         return ctx
 
     def _finish(self, ctx: StepContext, accepted: Tensor | None) -> None:
@@ -275,20 +279,30 @@ class CausalLM(nn.Module):
             if bool(bad.any()) or bool((lengths < 0).any()) or bool((lengths > T).any()):
                 raise ValueError(f"prefill lengths must be in [1, {T}] for real rows, got {lengths.tolist()}")
             self._check_room(cache, slots, lengths)
-            if cache.pidx is not None:
+            if cache.uses_pages:     # KV-only entries and attention KV: blocks for the prompt
                 for s, n, m in zip(slots.tolist(), cache.seq_len[slots].tolist(), lengths.tolist()):
-                    if s and cache._modes[s] == "kv":
+                    if s:
                         cache.reserve(s, n + m)   # no-op when already reserved
-        lengths = torch.where(slots == 0, lengths.clamp(0, T), lengths)
+        lengths = torch.where(slots == 0, torch.zeros_like(lengths), lengths)   # padding rows: no tokens
         cache._in_use.update(v for v in slots.tolist() if v)   # host mirror (prefill may sync)
         seq = cache.seq_len[slots]
         t = torch.arange(T, device=ids.device)
-        ctx = self._context(cache, "prefill", slots, T, seq[:, None] + t[None, :],
-                            valid=t[None, :] < lengths[:, None], lengths=lengths, fresh=seq == 0)
-        h = self._trunk(ids, ctx)
-        last = h[torch.arange(B, device=h.device), (lengths - 1).clamp(min=0)]
-        if cache.hidden is not None:
-            cache.record_prompt_hidden(slots, self.final_norm()(h), lengths)
+        valid = t[None, :] < lengths[:, None]
+        # packed: one stream of every row's valid tokens, no padding (finding them syncs)
+        cu = torch.zeros(B + 1, dtype=torch.long, device=ids.device)
+        cu[1:] = lengths.cumsum(0)
+        index = valid.reshape(-1).nonzero().flatten()
+        rows = torch.arange(B, device=ids.device)[:, None].expand(B, T).reshape(-1)[index]
+        positions = (seq[:, None] + t[None, :]).reshape(-1)[index][None]
+        ctx = self._context(cache, "prefill", slots, T, positions, valid=valid, lengths=lengths, fresh=seq == 0,
+                            cu_seqlens=cu, token_index=index, token_rows=rows)
+        if index.numel():
+            h = self._trunk(ids.reshape(-1)[index][None], ctx)             # [1, Nt, D]
+            last = h[0, (cu[1:] - 1).clamp(min=0)]
+            if cache.hidden is not None:
+                cache.record_prompt_hidden(slots, self.final_norm()(h[0]), cu)
+        else:   # only padding rows
+            last = self.embed_weight().new_zeros(B, self.config.hidden_size)
         self._finish(ctx, None)
         return self._head(last)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..cache.paged import PagedIndex
+from ..cache.paged import PagedIndex, PoolExhausted
 from ..cache.ring import RingIndex, check_speculative_capacity
 from ..forms import CACHE_FORMS, get_form
 from ..runtime import canonical_device  # noqa: F401  (re-exported: models code imports it here)
@@ -63,9 +63,10 @@ class CacheLayout:
     """Bytes a :class:`ModelCache` allocates, measured by running its own allocation on the
     ``meta`` device (no memory is touched), so admission budgets what the cache really holds.
 
-    ``slot_bytes``: one usable slot (checkpoint states, rings, conv windows, attention KV,
-    per-slot bookkeeping).  ``block_bytes``: one block of the KV-only pool over all SSM
-    layers (0 outside ``mode="kv"``), ``block_size`` entries each.  ``state_bytes`` /
+    ``slot_bytes``: one usable slot (checkpoint states, rings, conv windows, per-slot
+    bookkeeping).  ``block_bytes``: one block of the KV-only pool over all SSM layers (0
+    outside ``mode="kv"``), ``block_size`` entries each; ``attn_block_bytes``: one block of the
+    attention KV pool over all attention layers (0 without attention).  ``state_bytes`` /
     ``entry_bytes``: one slot's checkpoint states and one input entry (ring or KV-only) over
     all SSM layers: the two sizes that decide when the KV-only form stops paying
     (:func:`replayssm.forms.kv.kv_only_threshold`).
@@ -77,17 +78,24 @@ class CacheLayout:
     block_size: int
     state_bytes: int
     entry_bytes: int
+    attn_block_bytes: int = 0   # one block of the attention KV pool over all attention layers
 
     @property
     def kv_token_bytes(self) -> int:
         """Bytes of one KV-only token (its share of a block)."""
         return self.block_bytes // self.block_size
 
+    @property
+    def attn_token_bytes(self) -> int:
+        """Bytes of one token's attention keys and values (its share of a block)."""
+        return self.attn_block_bytes // self.block_size
+
 
 class ModelCache:
     def __init__(self, model, num_slots: int, mode: str = "replay", buffer_size: int = 16,
                  max_new: int = 1, max_seq_len: int = 2048, kv_block_size: int = 16,
-                 kv_num_blocks: int | None = None, device=None, poison: bool = False):
+                 kv_num_blocks: int | None = None, device=None, poison: bool = False,
+                 attn_num_blocks: int | None = None):
         if mode not in MODES:
             raise ValueError(f"cache mode must be one of {MODES}, got {mode!r}")
         for name, v, lo in (("num_slots", num_slots, 2), ("buffer_size", buffer_size, 1),
@@ -100,7 +108,7 @@ class ModelCache:
         uses_ring = any(f.uses_ring for f in forms)
         uses_pages = any(f.uses_pages for f in forms)
         if uses_ring:
-            check_speculative_capacity(buffer_size, max_new, "tokens verified per step (max_new)")
+            check_speculative_capacity(buffer_size, max_new, "max_new")
         self.model = model
         self.num_slots, self.mode, self.buffer_size = num_slots, mode, buffer_size
         self.max_new, self.max_seq_len, self.kv_block_size = max_new, max_seq_len, kv_block_size
@@ -114,28 +122,21 @@ class ModelCache:
         self.kv_slot = torch.zeros(P, dtype=torch.bool, device=self.device)
         cap = buffer_size if uses_ring else 1
         self.ring = RingIndex(P - 1, cap, self.device)
-        self.uses_pages = uses_pages
-        self.pidx = None
-        paged = None
-        if uses_pages:
-            max_blocks = -(-max_seq_len // kv_block_size)
-            self._static_kv = kv_num_blocks is None
-            if kv_num_blocks is None:
-                kv_num_blocks = (P - 1) * max_blocks
-            if not isinstance(kv_num_blocks, int) or kv_num_blocks < 1:
-                raise ValueError(f"kv_num_blocks must be a positive int, got {kv_num_blocks!r}")
-            self.pidx = PagedIndex(P - 1, kv_block_size, kv_num_blocks + 1, max_blocks, self.device)
-            paged = (kv_num_blocks + 1, kv_block_size)
+        has_attention = any(not hasattr(layer, "conv_dim") for layer in model.stateful_layers())
+        # KV-only SSM entries (kv mode) and attention KV (hybrids) live in paged pools whose
+        # blocks a slot draws as its context grows (None: a static pool, max_seq_len per slot)
+        self.pidx, self._static_kv = self._pool("kv_num_blocks", kv_num_blocks, uses_pages)
+        self.attn, self._static_attn = self._pool("attn_num_blocks", attn_num_blocks, has_attention)
+        self.uses_pages = self.pidx is not None or self.attn is not None
+        if self.pidx is not None:
             self.kv_slot[1:] = True
-            if self._static_kv:
-                for s in range(1, P):
-                    self.pidx.reserve(s, max_seq_len)
         self.layers: dict[int, dict] = {}
         for layer in model.stateful_layers():
             if hasattr(layer, "conv_dim"):
-                store = layer.allocate(P, cap, self.dtype, self.device, paged, mode=mode)
+                pages = (self.pidx.num_blocks, kv_block_size) if self.pidx is not None else None
+                store = layer.allocate(P, cap, self.dtype, self.device, pages, mode=mode)
             else:
-                store = layer.allocate(P, max_seq_len, self.dtype, self.device)
+                store = layer.allocate(self.attn.num_blocks, kv_block_size, self.dtype, self.device)
             if poison:  # tests: every byte a step may not read is NaN
                 for t in _tensors(store):
                     t.fill_(float("nan"))
@@ -164,15 +165,17 @@ class ModelCache:
         if self.hidden is not None:
             self.hidden[slots, : hn.shape[1]] = hn.to(self.hidden.dtype)
 
-    def record_prompt_hidden(self, slots: Tensor, hn: Tensor, lengths: Tensor) -> None:
-        """After a prefill of ``hn [B, T, D]`` (``lengths`` valid per row): the last valid
-        row to ``hidden[slot, 0]``, every valid row appended to ``prompt_hidden[slot]``."""
-        B = hn.shape[0]
-        last = hn[torch.arange(B, device=hn.device), (lengths - 1).clamp(min=0)]
+    def record_prompt_hidden(self, slots: Tensor, hn: Tensor, cu_seqlens: Tensor) -> None:
+        """After a packed prefill of ``hn [Nt, D]`` (row ``b``'s tokens at
+        ``cu_seqlens[b]:cu_seqlens[b + 1]``): each row's last token to ``hidden[slot, 0]``,
+        its tokens appended to ``prompt_hidden[slot]`` (a chunked prompt adds one part per
+        chunk)."""
+        last = hn[(cu_seqlens[1:] - 1).clamp(min=0)]
         self.hidden[slots, 0] = last.to(self.hidden.dtype)
-        for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
-            if s:
-                self.prompt_hidden.setdefault(s, []).append(hn[b, :n])
+        bounds = cu_seqlens.tolist()
+        for b, s in enumerate(slots.tolist()):
+            if s and bounds[b + 1] > bounds[b]:
+                self.prompt_hidden.setdefault(s, []).append(hn[bounds[b]:bounds[b + 1]])
 
     def take_prompt_hidden(self, slot: int) -> Tensor | None:
         """The prefilled hidden states of ``slot`` since the last take ``[n, D]`` (or None)."""
@@ -181,10 +184,28 @@ class ModelCache:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
+    def _pool(self, name: str, num_blocks: int | None, needed: bool) -> tuple[PagedIndex | None, bool]:
+        """A paged index of ``num_blocks`` usable blocks (plus the null block 0), or ``None``
+        when ``needed`` is False; ``num_blocks=None`` reserves ``max_seq_len`` per slot up
+        front (a static pool).  Returns ``(index, static)``."""
+        if not needed:
+            return None, False
+        max_blocks = -(-self.max_seq_len // self.kv_block_size)
+        static = num_blocks is None
+        if static:
+            num_blocks = (self.P - 1) * max_blocks
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"{name} must be a positive int, got {num_blocks!r}")
+        index = PagedIndex(self.P - 1, self.kv_block_size, num_blocks + 1, max_blocks, self.device)
+        if static:
+            for s in range(1, self.P):
+                index.reserve(s, self.max_seq_len)
+        return index, static
+
     # ------------------------------------------------------------------ memory
     def tensors(self) -> list[Tensor]:
         """Every tensor this cache holds (layer stores and the shared bookkeeping)."""
-        out = [self.seq_len, self.kv_slot] + _owned(self.ring) + _owned(self.pidx)
+        out = [self.seq_len, self.kv_slot] + _owned(self.ring) + _owned(self.pidx) + _owned(self.attn)
         if self.hidden is not None:
             out.append(self.hidden)
         for store in self.layers.values():
@@ -201,17 +222,18 @@ class ModelCache:
         by building it on the ``meta`` device with one and two slots (one and two blocks)."""
         meta = torch.device("meta")
 
-        def build(P: int, blocks: int) -> "ModelCache":
+        def build(P: int, kv_blocks: int = 1, attn_blocks: int = 1) -> "ModelCache":
             return cls(model, P, mode, buffer_size, max_new, max_seq_len, kv_block_size,
-                       blocks if mode == "kv" else None, device=meta)
+                       kv_blocks if mode == "kv" else None, device=meta, attn_num_blocks=attn_blocks)
 
-        one = build(2, 1)
-        slot = build(3, 1).nbytes() - one.nbytes()
-        block = build(2, 2).nbytes() - one.nbytes() if one.pidx is not None else 0
+        one = build(2)
+        slot = build(3).nbytes() - one.nbytes()
+        block = build(2, kv_blocks=2).nbytes() - one.nbytes() if one.pidx is not None else 0
+        attn_block = build(2, attn_blocks=2).nbytes() - one.nbytes() if one.attn is not None else 0
         bufs = [st["buf"] for st in one.layers.values() if "buf" in st]
         state = sum(b.state.nbytes for b in bufs) // one.P
         entry = sum(t.nbytes // (t.shape[0] * t.shape[1]) for b in bufs for t in b.ring_tensors())
-        return CacheLayout(mode, slot, block, kv_block_size, state, entry)
+        return CacheLayout(mode, slot, block, kv_block_size, state, entry, attn_block)
 
     # ------------------------------------------------------------------ queries
     def mode_of(self, slot: int) -> str:
@@ -228,16 +250,28 @@ class ModelCache:
         kinds = {self._modes[s] for s in self._in_use} or {self.mode}
         return "kv" if kinds == {"kv"} else ("mixed" if "kv" in kinds else "replay")
 
+    def clear_pending(self) -> None:
+        """Forget a verify whose commit will never come (a step that failed half-way)."""
+        self.pending = None
+
     def _check_idle(self):
         if self.pending is not None:
             raise RuntimeError("a verify is waiting for its commit (call model.commit first)")
 
     def reserve(self, slot: int, total_len: int) -> None:
-        """KV-only slots with a finite block pool: make room for ``total_len`` entries."""
+        """Make room for ``total_len`` tokens of ``slot`` in the paged pools it uses: its
+        attention KV (hybrids) and, in the KV-only form, its SSM entries (a no-op for pools
+        already holding that many, and for static pools).  :class:`PoolExhausted` or
+        ``ValueError`` leave everything unchanged."""
         if total_len > self.max_seq_len:
             raise ValueError(f"slot {slot}: {total_len} tokens > max_seq_len {self.max_seq_len}")
-        if self.pidx is not None and self._modes[int(slot)] == "kv":
-            self.pidx.reserve(int(slot), total_len)
+        slot = int(slot)
+        kv = self.pidx is not None and self._modes[slot] == "kv"
+        pools = [p for p in (self.attn, self.pidx if kv else None) if p is not None]
+        if len(pools) == 2 and not all(p.can_reserve(slot, total_len) for p in pools):
+            raise PoolExhausted(f"slot {slot}: no room for {total_len} tokens in the paged pools")
+        for p in pools:
+            p.reserve(slot, total_len)
 
     # ------------------------------------------------------------------ slot lifecycle
     def release(self, slots) -> None:
@@ -256,12 +290,82 @@ class ModelCache:
             self._modes[s] = self.mode
             self._in_use.discard(s)
             self.prompt_hidden.pop(s, None)
-            if self.pidx is not None:
-                self.pidx.release(s)
-                if self._static_kv:
-                    self.pidx.reserve(s, self.max_seq_len)
+            for pool, static in ((self.pidx, self._static_kv), (self.attn, self._static_attn)):
+                if pool is not None:
+                    pool.release(s)
+                    if static:
+                        pool.reserve(s, self.max_seq_len)
         if self.pidx is not None:
             self.kv_slot[t] = True
+
+    def fork(self, src: int, dst) -> None:
+        """Copy slot ``src``'s sequence into every slot of ``dst`` (``n`` samples of one
+        prompt share its prefill): every per-slot tensor — checkpoint states, rings, conv
+        windows, attention KV — the KV-only pages (``dst`` slots get blocks of their own),
+        ``seq_len``, ring pointers, paged lengths and the slot's form.  Between steps only;
+        ``dst`` slots must be free.  Validated before anything is written
+        (:class:`~replayssm.cache.paged.PoolExhausted` when the block pool is too small)."""
+        self._check_idle()
+        src = int(src)
+        dsts = _as_list(dst)
+        if not 0 < src < self.P or src not in self._in_use:
+            raise ValueError(f"fork source must be a slot in use in [1, {self.P - 1}], got {src}")
+        if len(set(dsts)) != len(dsts) or any(not 0 < d < self.P or d == src or d in self._in_use for d in dsts):
+            raise ValueError(f"fork targets must be distinct free slots in [1, {self.P - 1}] other than "
+                             f"{src}, got {dsts}")
+        if not dsts:
+            return
+        kv = self.pidx is not None and self._modes[src] == "kv"
+        pools = [p for p in (self.pidx if kv else None, self.attn) if p is not None]
+        extra = {id(p): sum(max(0, p.num_allocated(src) - p.num_allocated(d)) for d in dsts) for p in pools}
+        for p in pools:
+            if extra[id(p)] > p.free_blocks:
+                raise PoolExhausted(f"fork of slot {src}: {len(dsts)} copies of its {p.num_allocated(src)} blocks "
+                                    f"need {extra[id(p)]} more, only {p.free_blocks} are free")
+        kv_rows = self._copy_rows(self.pidx, src, dsts, int(self.pidx.length[src])) if kv else None
+        attn_rows = self._copy_rows(self.attn, src, dsts, int(self.seq_len[src])) if self.attn is not None else None
+        d_t = torch.tensor(dsts, dtype=torch.long, device=self.device)
+        for store in self.layers.values():
+            for key, v in store.items():
+                if v is None:
+                    continue
+                if isinstance(v, Tensor):          # attention k / v pools [blocks, block_size, ...]
+                    flat = v.view(-1, *v.shape[2:])
+                    flat[attn_rows[1]] = flat[attn_rows[0]]
+                    continue
+                for t in vars(v).values():
+                    if not isinstance(t, Tensor):
+                        continue
+                    if key == "kv":                # KV-only pools [blocks * block_size, ...]
+                        if kv:
+                            t[kv_rows[1]] = t[kv_rows[0]]
+                    else:                          # checkpoint state, ring, conv window [P, ...]
+                        t[d_t] = t[src].clone()
+        for t in (self.seq_len, self.ring.start, self.ring.length, self.kv_slot):
+            t[d_t] = t[src].clone()
+        if self.pidx is not None:
+            self.pidx.length[d_t] = self.pidx.length[src].clone() if kv else 0
+        if self.hidden is not None:                # kept hidden states (MTP) travel with the slot
+            self.hidden[d_t] = self.hidden[src].clone()
+            if src in self.prompt_hidden:
+                for d in dsts:
+                    self.prompt_hidden[d] = list(self.prompt_hidden[src])
+        for d in dsts:
+            self._modes[d] = self._modes[src]
+            self._in_use.add(d)
+
+    def _copy_rows(self, pool: PagedIndex, src: int, dsts: list[int], n: int) -> tuple[Tensor, Tensor]:
+        """Give every ``dst`` as many blocks as ``src`` holds; returns the flat pool rows
+        ``(from, to)`` that copy ``src``'s first ``n`` entries to each of them."""
+        held = pool.num_allocated(src)
+        for d in dsts:
+            pool.reserve(d, held * pool.block_size)
+        need, bs = pool.blocks_needed(n), pool.block_size
+        off = torch.arange(bs)
+        src_rows = (torch.tensor(pool.blocks_of(src)[:need], dtype=torch.long)[:, None] * bs + off).reshape(-1)
+        dst_rows = torch.cat([(torch.tensor(pool.blocks_of(d)[:need], dtype=torch.long)[:, None] * bs + off).reshape(-1)
+                              for d in dsts])
+        return src_rows.repeat(len(dsts)).to(self.device), dst_rows.to(self.device)
 
     def switch_to_state(self, slots) -> None:
         """KV-only slots -> replay form: compress each layer's KV entries into its checkpoint

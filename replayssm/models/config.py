@@ -67,10 +67,35 @@ def _pos_float(r: _Reader, name: str, v) -> float:
     return float(v)
 
 
-def _eos(v):
+#: more layers than any checkpoint holds: a config asking for more is refused while parsing
+#: (some configs expand the count into per-layer lists; :mod:`replayssm.models.header`
+#: checks the exact count against the weights)
+MAX_LAYERS = 1 << 16
+
+
+def _count(r: _Reader, name: str, v) -> int:
+    v = _pos_int(r, name, v)
+    if v > MAX_LAYERS:
+        r.fail(f"'{name}' = {v} is more than any checkpoint holds (at most {MAX_LAYERS})")
+    return v
+
+
+def _eos(r: _Reader, v, vocab_size: int):
+    """``eos_token_id``: None, an id or a list of ids, each in ``[0, vocab_size)``."""
     if v is None:
         return None
-    return list(v) if isinstance(v, (list, tuple)) else int(v)
+    ids = list(v) if isinstance(v, (list, tuple)) else [v]
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            r.fail(f"'eos_token_id' must be an int or a list of ints, got {v!r}")
+        if not 0 <= t < vocab_size:
+            r.fail(f"'eos_token_id' {t} is outside the vocabulary [0, {vocab_size}) (vocab_size = {vocab_size})")
+    return ids if isinstance(v, (list, tuple)) else ids[0]
+
+
+def _opt_pos_int(r: _Reader, name: str):
+    v = r.opt(name, None)
+    return None if v is None else _pos_int(r, name, v)
 
 
 def _num(r: _Reader, name: str, v) -> float:
@@ -125,6 +150,7 @@ class Mamba2Config:
     eos_token_id: int | list | None = 2
     bos_token_id: int | None = 0
     pad_token_id: int | None = 1
+    max_position_embeddings: int | None = None   # context the model was trained for, if stated
     num_nextn_predict_layers: int = 0   # MTP blocks (our layout: docs/ARCHITECTURE.md, "MTP heads")
     model_type: str = "mamba2"
 
@@ -143,10 +169,11 @@ class Mamba2Config:
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "Mamba2Config":
         r = _Reader(d, where)
+        V = _pos_int(r, "vocab_size", r.req("vocab_size"))
         c = cls(
-            vocab_size=_pos_int(r, "vocab_size", r.req("vocab_size")),
+            vocab_size=V,
             hidden_size=_pos_int(r, "hidden_size", r.req("hidden_size", "d_model")),
-            num_hidden_layers=_pos_int(r, "num_hidden_layers", r.req("num_hidden_layers", "n_layer")),
+            num_hidden_layers=_count(r, "num_hidden_layers", r.req("num_hidden_layers", "n_layer")),
             num_heads=_pos_int(r, "num_heads", r.req("num_heads")),
             head_dim=_pos_int(r, "head_dim", r.req("head_dim")),
             state_size=_pos_int(r, "state_size", r.req("state_size")),
@@ -161,7 +188,8 @@ class Mamba2Config:
             time_step_limit=_limit(r, "time_step_limit", r.opt("time_step_limit", (0.0, math.inf))),
             chunk_size=_pos_int(r, "chunk_size", r.opt("chunk_size", 256)),
             tie_word_embeddings=bool(r.opt("tie_word_embeddings", False)),
-            eos_token_id=_eos(d.get("eos_token_id", 2)),
+            eos_token_id=_eos(r, d.get("eos_token_id", 2), V),
+            max_position_embeddings=_opt_pos_int(r, "max_position_embeddings"),
             bos_token_id=d.get("bos_token_id", 0),
             pad_token_id=d.get("pad_token_id", 1),
             num_nextn_predict_layers=_pos_int(r, "num_nextn_predict_layers",
@@ -220,6 +248,7 @@ class NemotronHConfig:
     eos_token_id: int | list | None = 2
     bos_token_id: int | None = 1
     pad_token_id: int | None = 0
+    max_position_embeddings: int | None = None
     num_nextn_predict_layers: int = 0
     mtp_layer_types: tuple[str, ...] = ()  # the layers of one MTP step (``mtp_layers_block_type``)
     model_type: str = "nemotron_h"
@@ -285,8 +314,9 @@ class NemotronHConfig:
             return r.req(key, *aliases) if need else r.opt(key, default, *aliases)
 
         nh = maybe("num_attention_heads", need_attn, 32)
+        V = _pos_int(r, "vocab_size", r.req("vocab_size"))
         c = cls(
-            vocab_size=_pos_int(r, "vocab_size", r.req("vocab_size")),
+            vocab_size=V,
             hidden_size=_pos_int(r, "hidden_size", r.req("hidden_size")),
             layer_types=tuple(lt),
             num_attention_heads=_pos_int(r, "num_attention_heads", nh),
@@ -318,7 +348,8 @@ class NemotronHConfig:
             norm_topk_prob=bool(r.opt("norm_topk_prob", True)),
             routed_scaling_factor=_num(r, "routed_scaling_factor", r.opt("routed_scaling_factor", 1.0)),
             tie_word_embeddings=bool(r.opt("tie_word_embeddings", False)),
-            eos_token_id=_eos(d.get("eos_token_id", 2)),
+            eos_token_id=_eos(r, d.get("eos_token_id", 2), V),
+            max_position_embeddings=_opt_pos_int(r, "max_position_embeddings"),
             bos_token_id=d.get("bos_token_id", 1),
             pad_token_id=d.get("pad_token_id", 0),
             num_nextn_predict_layers=n_mtp,
@@ -382,6 +413,7 @@ class Qwen3NextConfig:
     eos_token_id: int | list | None = None
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    max_position_embeddings: int | None = None
     num_nextn_predict_layers: int = 0   # MTP layers (0: unknown; the checkpoint's mtp.* tensors decide)
     model_type: str = "qwen3_next"
 
@@ -400,7 +432,7 @@ class Qwen3NextConfig:
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "Qwen3NextConfig":
         r = _Reader(d, where)
-        L = _pos_int(r, "num_hidden_layers", r.req("num_hidden_layers"))
+        L = _count(r, "num_hidden_layers", r.req("num_hidden_layers"))
         lt = d.get("layer_types")
         if lt is None:
             interval = _pos_int(r, "full_attention_interval", r.opt("full_attention_interval", 4))
@@ -425,8 +457,9 @@ class Qwen3NextConfig:
         need_attn = "full_attention" in lt
         ne = _pos_int(r, "num_experts", r.opt("num_experts", 0), allow_zero=True)
         nh = r.req("num_attention_heads")
+        V = _pos_int(r, "vocab_size", r.req("vocab_size"))
         c = cls(
-            vocab_size=_pos_int(r, "vocab_size", r.req("vocab_size")),
+            vocab_size=V,
             hidden_size=_pos_int(r, "hidden_size", r.req("hidden_size")),
             num_hidden_layers=L,
             num_attention_heads=_pos_int(r, "num_attention_heads", nh),
@@ -452,7 +485,8 @@ class Qwen3NextConfig:
             decoder_sparse_step=_pos_int(r, "decoder_sparse_step", r.opt("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(r.opt("mlp_only_layers", [])),
             tie_word_embeddings=bool(r.opt("tie_word_embeddings", False)),
-            eos_token_id=_eos(d.get("eos_token_id")),
+            eos_token_id=_eos(r, d.get("eos_token_id"), V),
+            max_position_embeddings=_opt_pos_int(r, "max_position_embeddings"),
             bos_token_id=d.get("bos_token_id"),
             pad_token_id=d.get("pad_token_id"),
             num_nextn_predict_layers=_pos_int(r, "num_nextn_predict_layers", r.opt(

@@ -3,8 +3,10 @@
 The model skeleton is built on the ``meta`` device (no memory), then every parameter is
 read once with ``safetensors.safe_open`` (lazily, tensor by tensor), converted to the
 target dtype/device and installed, so peak memory is the model plus one tensor.  All
-checks (unknown model type, missing / unexpected / mis-shaped tensors, unreadable files)
-run before any tensor data is read; any error raises and no model is returned.
+checks (unknown model type, config sizes against the safetensors headers, missing /
+unexpected / mis-shaped tensors, unreadable files) run before any tensor data is read, and
+the config sizes before the skeleton is built (:mod:`replayssm.models.header`); any error
+raises and no model is returned.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import re
 import torch
 from torch import nn
 
-from ..runtime import compute_dtype
-from .cache import canonical_device
+from ..runtime import check_device, compute_dtype
 from .config import Mamba2Config, NemotronHConfig, Qwen3NextConfig, read_config
+from .header import check_sizes
 
 __all__ = ["load_model", "load_tokenizer", "WeightError", "parse_dtype"]
 
@@ -39,11 +41,12 @@ _IGNORED = (re.compile(r"^mtp\."), re.compile(r"rotary_emb\.inv_freq$"))
 
 
 def parse_dtype(dtype) -> torch.dtype:
+    """A torch dtype from a name (``float32``, ``bf16``, ``half``, ...) or a dtype."""
     if isinstance(dtype, torch.dtype):
         if dtype in _DTYPES.values():
             return dtype
-    elif isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
+    elif isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
     raise ValueError(f"dtype must be one of float64, float32, bfloat16, float16; got {dtype!r}")
 
 
@@ -145,17 +148,18 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False):
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: not a model directory")
     tdtype = parse_dtype(dtype)
-    device = canonical_device(device)
+    device = check_device(device)
     cfg = read_config(path)
-    cls = _model_class(cfg)
     key_file = _weight_files(path)
+    check_sizes(cfg, key_file, os.path.join(path, "config.json"))  # before any module is built
+    cls = _model_class(cfg)
     if cfg.tie_word_embeddings and "lm_head.weight" in key_file:
         # an explicit head wins (transformers does not tie Nemotron-H, for instance)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     with torch.device("meta"):
         model = cls(cfg, tdtype, device)
         if mtp:
-            from .mtp import attach_mtp
+            from .mtp import attach_mtp   # import cycle: mtp.py uses this module's WeightError
 
             attach_mtp(model, key_file)
     aliases = cls.key_aliases()

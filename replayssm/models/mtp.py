@@ -47,6 +47,9 @@ from ..layers.norms import RMSNorm
 from .base import CausalLM
 from .cache import ModelCache
 from .loader import WeightError
+from .mamba2 import mamba2_block
+from .nemotron_h import nemotron_h_block
+from .qwen3_next import qwen3_next_block
 
 _LAYER_KEY = re.compile(r"^mtp\.layers\.(\d+)\.")
 
@@ -75,8 +78,6 @@ class MTPHead(CausalLM):
             raise ValueError(f"an MTP head needs at least one layer, got {n}")
         mt = c.model_type
         if mt == "qwen3_next":
-            from .qwen3_next import qwen3_next_block
-
             if n != 1:
                 raise ValueError(f"qwen3_next: MTP heads of {n} layers are not supported (one layer per step, as "
                                  f"vLLM runs them, is; the public checkpoints have one)")
@@ -89,8 +90,6 @@ class MTPHead(CausalLM):
             self.norm = RMSNorm(D, eps, zero_centered=True)
             parts = (self.fc, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm)
         elif mt == "nemotron_h":
-            from .nemotron_h import nemotron_h_block
-
             kinds = c.mtp_layer_kinds
             if not kinds or c.num_nextn_predict_layers != 1:
                 raise WeightError(
@@ -108,8 +107,6 @@ class MTPHead(CausalLM):
             self.layers = nn.ModuleList(layers)
             parts = (first.eh_proj, first.enorm, first.hnorm, last.final_layernorm)
         elif mt == "mamba2":
-            from .mamba2 import mamba2_block
-
             eps = c.layer_norm_epsilon
             self.fc = Linear(2 * D, D)
             self.pre_fc_norm_embedding = RMSNorm(D, eps)
@@ -143,6 +140,11 @@ class MTPHead(CausalLM):
         e = n_e(nn.functional.embedding(input_ids, self.embed_weight()))
         h = n_h(self._hidden_in.to(e.dtype))
         return fc(torch.cat([e, h], -1))
+
+    def _trunk(self, input_ids: Tensor, ctx) -> Tensor:
+        if ctx.packed and self._hidden_in is not None:   # a packed prefill: pack the hidden stream alike
+            self._hidden_in = ctx.pack(self._hidden_in)
+        return super()._trunk(input_ids, ctx)
 
     def _logits(self, hn: Tensor) -> Tensor:
         return hn          # calls return g; logits() projects the rows a drafter needs

@@ -31,13 +31,6 @@ def shape_str(t) -> str:
     return str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
 
 
-def paged_module():
-    """The :mod:`replayssm.cache.paged` module (imported lazily)."""
-    from ..cache import paged as _paged
-
-    return _paged
-
-
 # ---------------------------------------------------------------------------- checks
 def check_state_dtype(state: Tensor, what: str) -> None:
     """States are fp32 or fp64."""

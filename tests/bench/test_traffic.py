@@ -1,4 +1,4 @@
-"""The traffic model reproduces DESIGN §3's formulas and its optimum."""
+"""The traffic model reproduces the formulas of docs/MATH.md (Traffic model) and its optimum."""
 
 import math
 

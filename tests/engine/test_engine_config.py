@@ -42,7 +42,7 @@ def test_bad_speculative_config(kwargs, match):
 
 
 def test_buffer_too_small_for_speculation():
-    with pytest.raises(ValueError, match=r"buffer_size 8 < 2 \* 5 \(draft tokens \+ 1\)"):
+    with pytest.raises(ValueError, match=r"buffer_size 8 < 2 \* \(draft tokens \+ 1\) = 10"):
         EngineConfig(buffer_size=8, speculative=SpeculativeConfig("ngram", num_tokens=4))
     EngineConfig(buffer_size=10, speculative=SpeculativeConfig("ngram", num_tokens=4))  # exactly enough
     # static tree: nodes + 1 verify inputs
@@ -66,13 +66,15 @@ def test_bad_llm_args(target, kwargs, match):
 
 
 def test_bad_prompts(target):
+    """add_request raises and queues nothing; in generate a bad prompt fails alone (its
+    output carries the error), and bad arguments of the call itself raise."""
     llm = LLM(target)
-    with pytest.raises(ValueError, match="empty prompt"):
-        llm.generate([[]])
-    with pytest.raises(ValueError, match="out of range"):
-        llm.generate([[1, 2, 999]])
-    with pytest.raises(ValueError, match="tokenizer"):
-        llm.generate(["hello"])
+    for prompt, match in (([], "empty prompt"), ([1, 2, 999], "out of range"), ("hello", "tokenizer")):
+        with pytest.raises(ValueError, match=match):
+            llm.add_request(prompt)
+        out = llm.generate([prompt, [1, 2]], SamplingParams(max_tokens=2))
+        assert out[0].finish_reason == "error" and match in out[0].error and out[0].token_ids == []
+        assert out[1].finish_reason == "length" and len(out[1].token_ids) == 2
     with pytest.raises(ValueError, match="sampling params"):
         llm.generate([[1, 2]], [SamplingParams(), SamplingParams()])
     assert not llm.has_unfinished()  # nothing was queued by the failed calls

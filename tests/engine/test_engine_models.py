@@ -152,3 +152,42 @@ def test_cli_generate_with_model_dir(model_dirs, capsys, expected):
     assert rc == 0, cap.err
     assert cap.out.split() == [str(t) for t in expected["mamba2"][0]]
     assert "tokens/s" in cap.err and "mean accepted length" in cap.err
+
+
+@pytest.mark.parametrize("mode", ["replay", "kv", "auto"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+def test_attention_kv_in_the_budget_grows_in_blocks(loaded, expected, arch, mode):
+    """Hybrids keep attention keys/values in a paged pool sized by the memory budget (not a
+    static max_seq_len per slot): the caches allocate no more than the budget, blocks are
+    drawn as contexts grow and all come back, and the output is the full forward's."""
+    m = loaded[arch]
+    probe = LLM(m, dtype="float64", decode_mode=mode, max_seq_len=256, kv_block_size=4, auto_threshold=6)
+    budget = 2 * probe.memory.need(len(PROMPTS[2]) + N + probe.memory.verify_tokens) + 1
+    llm = LLM(m, dtype="float64", decode_mode=mode, max_seq_len=256, kv_block_size=4, auto_threshold=6,
+              memory_budget=budget, max_num_seqs=8)
+    attn = llm.cache.attn
+    assert attn is not None and not llm.cache._static_attn
+    assert attn.num_blocks - 1 < llm.num_slots * 256 // 4            # far below a static pool
+    lay = llm.layout    # the budget covers the slots and blocks sequences hold; the padding
+    null = lay.slot_bytes + lay.block_bytes + lay.attn_block_bytes   # targets (null slot, null blocks) come on top
+    assert llm.cache.nbytes() <= budget + null
+    free = attn.free_blocks
+    seqs = [llm.add_request(p, SamplingParams(max_tokens=N)) for p in PROMPTS]
+    peak_used = 0
+    while llm.has_unfinished():
+        llm.step()
+        assert llm.scheduler.reserved <= llm.blocks.pool_bytes
+        peak_used = max(peak_used, free - attn.free_blocks)
+    assert [llm.output(s).token_ids for s in seqs] == expected[arch]
+    assert peak_used > 0 and attn.free_blocks == free and llm.scheduler.reserved == 0
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv", "auto"])
+def test_chunked_prefill_matches_full_forward(loaded, expected, arch, mode):
+    """Prompts split into chunks of a few tokens (each continuing from the state, conv window,
+    KV-only entries and attention KV the previous chunk left) give the full forward's tokens."""
+    llm = LLM(loaded[arch], dtype="float64", decode_mode=mode, auto_threshold=6, max_seq_len=MAXLEN,
+              max_num_batched_tokens=5)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected[arch]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import sys
 import warnings
 
@@ -79,6 +78,48 @@ def test_mtp_speculation_keeps_greedy_output(mtp_models, arch, mode, tree):
     assert [o.token_ids for o in outs] == expected
     acc = [o.mean_accepted_length for o in outs]
     assert max(acc) > 1.5 and min(acc) < 4.0, acc   # long accepts and rejections both happened
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_mtp_with_chunked_prefill_and_forked_samples(mtp_models, tree):
+    """Prompts prefilled in chunks of a few tokens (the head reads every chunk's hidden
+    states) and n greedy samples forked from one prefill (the kept hidden states and the
+    prompt's travel with the fork) keep the greedy output."""
+    m, expected, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=_spec(tree), max_seq_len=MAXLEN, max_num_batched_tokens=5)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    forked = LLM(m, dtype="float64", speculative=_spec(tree), max_seq_len=MAXLEN, max_num_seqs=4)
+    out = forked.generate([PROMPTS[3]], SamplingParams(max_tokens=N, n=3))[0]
+    assert [s.token_ids for s in out.samples] == [expected[3]] * 3
+    assert forked.runner.num_calls["prefill"] == 1
+    alone = forked.generate([PROMPTS[3]], SamplingParams(max_tokens=N))[0]   # the same drafts, accepted alike
+    assert [s.num_accepted for s in out.samples] == [alone.num_accepted] * 3
+
+
+def test_mtp_refused_with_tensor_parallelism(mtp_models):
+    """The head is not sharded: method 'mtp' with tensor_parallel_size > 1 is refused before
+    any worker starts."""
+    _, _, d = mtp_models["mamba2"]
+    with pytest.raises(ValueError, match="'mtp' is not supported with tensor_parallel_size=2"):
+        LLM(d, dtype="float64", speculative=_spec(None), tensor_parallel_size=2)
+
+
+def test_mtp_recover_forgets_a_half_done_draft_step(mtp_models):
+    """A step that fails after the head's tentative verify leaves nothing pending."""
+    m, expected, _ = mtp_models["mamba2"]
+    llm = LLM(m, dtype="float64", speculative=_spec(None), max_seq_len=MAXLEN)
+    drafter = llm.drafter
+    slots = torch.tensor([1])
+    drafter.cache._in_use.add(1)
+    drafter.head.verify(drafter.cache, slots, torch.tensor([[3, 4]]), torch.randn(1, 2, m.config.hidden_size,
+                                                                                 dtype=torch.float64))
+    assert drafter.cache.pending is not None
+    llm.recover()
+    assert drafter.cache.pending is None
+    drafter.cache._in_use.discard(1)
+    drafter.cache.release([1])
+    assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=N))] == expected
 
 
 # ---- every proposal against the head run without a cache ---------------------------------

@@ -16,7 +16,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7], [9] * 12, list(range(40))]
 def cuda_mtp_model(tmp_path_factory):
     models = pytest.importorskip("replayssm.models")
     from replayssm.bench.e2e import _random_model_dir
-    from replayssm.bench.mtp import add_random_mtp
+    from replayssm.bench.random_mtp import add_random_mtp
 
     d = add_random_mtp(_random_model_dir("tiny", str(tmp_path_factory.mktemp("gpu_mtp"))))
     m = models.load_model(d, device="cuda:0", dtype=torch.float32, mtp=True)

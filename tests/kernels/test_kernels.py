@@ -164,20 +164,27 @@ def test_mamba2_recurrent(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pre_scores", [False, True])
 def test_mamba2_replay_decode_cycle(device, pre_scores):
-    """Several decode steps in a row (fills, flushes, ring wrap), kernel vs naive each step."""
+    """Several decode steps in a row (fills, flushes of different rows on different steps,
+    ring wrap), kernel vs naive each step; flush rows fold in the decode kernel."""
     s = shapes(device)
+    if device == "cpu":  # two d-blocks and two d_state chunks, both partly masked
+        s = dict(s, d=20, n=19)
     ring, slots, buf = prep_m2(s, device, seed=2)
     ref = clone_m2(buf)
     steps = 3 if device == "cpu" else s["L"] + 2
+    flushed = set()
     for step in range(steps):
         x, dt, A, B, C, D = m2_inputs(s, device)
         plan = ring.plan_decode(slots)
         y_ref = N2.replay_decode(ref, plan, x, dt, A, B, C, D)
-        y = K2.replay_decode(buf, plan, x, dt, A, B, C, D, pre_scores=pre_scores)
+        y = K2.replay_decode(buf, plan, x, dt, A, B, C, D, pre_scores=pre_scores, block_n=16,
+                             block_d=16 if device == "cpu" else 32)
         real = slots != 0
         close(y_ref[real], y[real], s["dtype"], f"y step {step}")
         close_buffers(ref, buf, s["dtype"], M2_BUF)
+        flushed.add(tuple((plan.flush & real).nonzero().flatten().tolist()))
         ring.commit(plan)
+    assert len(flushed - {()}) >= 2, f"want flush rows on two different steps, got {flushed}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -325,21 +332,29 @@ def test_gdn_recurrent_and_snapshot(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("route", ["state", "output"])
-def test_gdn_replay_decode_cycle(device, route):
+@pytest.mark.parametrize("route,pre_scores,flush_mode", [("state", False, "split")] + [
+    ("output", p, m) for p in (False, True) for m in KG.FLUSH_MODES])
+def test_gdn_replay_decode_cycle(device, route, pre_scores, flush_mode):
+    """Decode steps in a row (flush rows on different steps), every route / flush form."""
     s = shapes(device)
+    if device == "cpu":  # two V-blocks, the second partly masked
+        s = dict(s, V=20)
     ring, slots, buf = prep_gdn(s, device, seed=7)
     ref = clone_gdn(buf)
-    steps = 2 if device == "cpu" else s["L"] + 2
+    steps = 3 if device == "cpu" else s["L"] + 2
+    flushed = set()
     for step in range(steps):
         q, k, v, g, beta = gdn_inputs(s, device)
         plan = ring.plan_decode(slots)
         y_ref = NG.replay_decode(ref, plan, q, k, v, g, beta)
-        y = KG.replay_decode(buf, plan, q, k, v, g, beta, route=route)
+        y = KG.replay_decode(buf, plan, q, k, v, g, beta, route=route, pre_scores=pre_scores,
+                             flush_mode=flush_mode, block_v=16 if device == "cpu" else None)
         real = slots != 0
         close(y_ref[real], y[real], s["dtype"], f"y step {step}")
         close_buffers(ref, buf, s["dtype"], GDN_BUF)
+        flushed.add(tuple((plan.flush & real).nonzero().flatten().tolist()))
         ring.commit(plan)
+    assert len(flushed - {()}) >= 2, f"want flush rows on two different steps, got {flushed}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -414,3 +429,29 @@ def test_dispatch_matches(device):
     y1 = dispatch.KernelOps("mamba2", backend="triton").replay_decode(buf, plan, x, dt, A, B, C, D)
     real = slots != 0
     close(y0[real], y1[real], s["dtype"], "y")
+
+
+# ============================================================================ device-side compaction
+if _triton.HAVE_TRITON:
+    tl = triton.language
+
+    @triton.jit
+    def _flags_probe(flag_ptr, out_ptr, Bt, BT: tl.constexpr):
+        n = _triton.count_flags(flag_ptr, Bt, BT)
+        tl.store(out_ptr, n)
+        for i in range(0, n):
+            tl.store(out_ptr + 1 + i, _triton.nth_flag(flag_ptr, Bt, i, BT))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("Bt,BT", [(37, 16), (5, 16), (64, 16)])
+def test_flush_row_compaction(device, Bt, BT):
+    """count_flags / nth_flag (the persistent flush kernels' row list) over several chunks."""
+    g = torch.Generator().manual_seed(Bt)
+    flags = (torch.rand(Bt, generator=g) < 0.3).to(device)
+    flags[-1] = True
+    out = torch.full((Bt + 1,), -1, dtype=torch.int32, device=device)
+    _flags_probe[(1,)](flags, out, Bt, BT=BT)
+    rows = flags.nonzero().flatten().to(torch.int32)
+    assert int(out[0]) == rows.numel()
+    assert torch.equal(out[1:1 + rows.numel()], rows)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 
 import pytest
 import torch
@@ -124,13 +125,11 @@ def run_scenario(model, mode: str):
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Count calls of each routed kernel wrapper (``{(family, op): n}``)."""
-    from replayssm.kernels import gdn as KG
-    from replayssm.kernels import mamba2 as K2
-
     calls: dict = {}
-    for fam, mod in (("mamba2", K2), ("gdn", KG)):
+    for fam in ("mamba2", "gdn"):
         for name in dispatch.ROUTED[fam]:
-            f = getattr(mod, name)
+            f = dispatch.kernel_for(fam, name)
+            mod = sys.modules[f.__module__]
 
             def spy(*a, _f=f, _key=(fam, name), **kw):
                 calls[_key] = calls.get(_key, 0) + 1
@@ -142,7 +141,7 @@ def kernel_calls(monkeypatch):
 
 EXPECTED = {  # kernels each mode must reach
     "replay": {"replay_decode", "replay_verify", "tree_verify"},
-    "kv": {"kv_verify", "tree_verify", "replay_decode", "replay_verify"},   # tree: temp ring; mixed rows
+    "kv": {"kv_verify", "replay_decode", "replay_verify"},   # mixed rows; KV trees: kv_tree_verify (reference)
     "recurrent": {"recurrent_step", "snapshot_verify"},
 }
 
@@ -196,7 +195,7 @@ def test_ops_for_exposes_naive_and_routes():
             # every keyword the naive op takes (what the layers pass) is accepted by the kernel,
             # and the positional arguments line up
             pn = inspect.signature(getattr(naive, name)).parameters
-            pk = inspect.signature(getattr(kern, name)).parameters
+            pk = inspect.signature(dispatch.kernel_for(fam, name)).parameters
             missing = [p for p in pn if p not in pk]
             assert not missing, f"{fam}.{name}: kernel lacks {missing}"
             assert list(pk)[: len(pn)] == list(pn), f"{fam}.{name}: argument order differs"
@@ -249,16 +248,23 @@ def test_auto_keeps_float64_on_the_naive_ops(monkeypatch):
 def test_every_op_is_routed_or_declared_reference_only():
     """No op reaches the reference silently on CUDA: each public op of a family's reference
     module is either routed to a kernel or listed as reference-only, and that list is this."""
+    from replayssm.ops.attention import naive as NA
     from replayssm.ops.conv import naive as NC
     from replayssm.ops.gdn import naive as NG
     from replayssm.ops.mamba2 import naive as N2
+    from replayssm.ops.moe import naive as NM
 
-    for fam, naive in (("mamba2", N2), ("gdn", NG), ("conv", NC)):
+    for fam, naive in (("mamba2", N2), ("gdn", NG), ("conv", NC), ("attention", NA), ("moe", NM)):
         routed, ref = set(dispatch.ROUTED[fam]), set(dispatch.REFERENCE_ONLY[fam])
+        ops = {n for n in naive.__all__ if callable(getattr(naive, n))}
         assert not routed & ref, fam
-        assert routed | ref == set(naive.__all__), f"{fam}: unclassified {set(naive.__all__) - routed - ref}"
+        assert routed | ref == ops, f"{fam}: unclassified {ops - routed - ref}"
     assert dispatch.REFERENCE_ONLY == {
-        "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state"),
-        "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state"),
+        "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
+                   "kv_tree_verify"),
+        "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
+                "kv_tree_verify"),
         "conv": ("conv_prefill", "conv_tree", "conv_commit_tree"),
+        "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
+        "moe": ("activation", "check_experts"),
     }

@@ -281,9 +281,10 @@ def test_layout_is_what_the_cache_allocates(ours, arch, mode):
     m = ours(arch)
     lay = m.cache_layout(mode, buffer_size=8, max_new=3, max_seq_len=48, kv_block_size=4)
     blocks = 9 if mode == "kv" else None
-    base = ModelCache(m, 2, mode, 8, 3, 48, 4, 1 if blocks else None).nbytes()
-    cache = m.make_cache(6, mode=mode, buffer_size=8, max_new=3, max_seq_len=48, kv_block_size=4,
-                         kv_num_blocks=blocks)
-    assert cache.nbytes() == base + 4 * lay.slot_bytes + (8 * lay.block_bytes if blocks else 0)
+    base = ModelCache(m, 2, mode, 8, 3, 48, 4, 1 if blocks else None, attn_num_blocks=1).nbytes()
+    cache = ModelCache(m, 6, mode, 8, 3, 48, 4, blocks, attn_num_blocks=7)
+    assert cache.nbytes() == base + 4 * lay.slot_bytes + (8 * lay.block_bytes if blocks else 0) \
+        + 6 * lay.attn_block_bytes
     assert lay.slot_bytes > 0 and lay.state_bytes > 0 and lay.entry_bytes > 0
     assert (lay.block_bytes > 0) == (mode == "kv")
+    assert (lay.attn_block_bytes > 0) == (arch != "mamba2")

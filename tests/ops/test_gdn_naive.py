@@ -205,7 +205,7 @@ dims_st = st.tuples(
 
 # ---------------------------------------------------------------------------- recurrence
 def test_recurrent_step_matches_design_formula_per_head():
-    """S ∈ R^{V×K} per value head (DESIGN layout) vs the [HV, K, V] state; GVA head map."""
+    """S ∈ R^{V×K} per value head (the layout of docs/MATH.md) vs the [HV, K, V] state; GVA head map."""
     Bt, H, HV, K, V = 2, 3, 6, 5, 7
     q, k, v, g, b = inputs(Bt, 1, H, HV, K, V, time=False, seed=3)
     St = rand_state(Bt, HV, K, V, 3)

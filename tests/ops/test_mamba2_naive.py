@@ -709,7 +709,7 @@ def test_kv_verify_random_lengths(lens, T, bs, dtype, seed):
     pidx = PagedIndex(num_slots=Bt + 1, block_size=bs, num_blocks=NB, max_blocks_per_seq=-(-(11 + T) // bs))
     kv = Mamba2PagedBuffers.allocate(NB, bs, H, D_, N_, G, dtype=dtype, state_dtype=dtype, poison=True)
     slots = (torch.randperm(Bt + 1, generator=g)[:Bt] + 1)
-    hist, S = [], []
+    S = []
     for i, s in enumerate(slots.tolist()):  # fill each row's history with a KV step of its own
         pidx.reserve(s, lens[i] + T)
         xh, dth, Bh, Ch = tokens((1, lens[i]), act=dtype, sdt=dtype, g=g)

@@ -24,8 +24,10 @@ from torch import Tensor
 from ...cache.conv import ConvWindow, check_slot as _check_slot
 from ...cache.tree import check_parents, check_path
 from ...runtime import compute_dtype, want_check
+from ..varlen import check_cu_seqlens, check_slots, seq_bounds
 
-__all__ = ["conv_prefill", "conv_decode", "conv_verify", "conv_commit", "conv_tree", "conv_commit_tree"]
+__all__ = ["conv_prefill", "conv_decode", "conv_verify", "conv_commit", "conv_tree", "conv_commit_tree",
+           "conv_prefill_varlen"]
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -251,3 +253,50 @@ def conv_commit_tree(win: ConvWindow, slot: Tensor, x_new: Tensor, path: Tensor,
             check_path(parent, path, accepted)
     xs = x_new.gather(1, path.long().clamp(0, N - 1)[:, :, None].expand(-1, -1, C))
     conv_commit(win, slot, xs, accepted, check=False)
+
+
+def conv_prefill_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor,
+                        window_pool, slots: Tensor, fresh: Tensor | None = None,
+                        activation: str | None = None, check: bool | None = None) -> Tensor:
+    """Causal depthwise conv of a packed batch ``x [Nt, C]`` of ``N`` sequences, in place on
+    the window pool.
+
+    Sequence ``i`` (tokens ``cu_seqlens[i]:cu_seqlens[i+1]``, may be empty) is convolved
+    after its starting window: zeros if ``fresh[i]``, else ``window_pool[slots[i]]`` (fresh
+    rows are never read).  Afterwards ``window_pool[slots[i]]`` holds the last ``W-1`` of
+    ``[start window; x_i]`` (old entries kept when the sequence is shorter than ``W-1``).
+    ``window_pool`` is ``[P, C, W-1]`` (a tensor or a :class:`ConvWindow`); ``fresh`` defaults
+    to all False.  Returns ``out [Nt, C]`` in x's dtype.
+    """
+    pool = window_pool.window if isinstance(window_pool, ConvWindow) else window_pool
+    if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor [Nt, C], got {tuple(getattr(x, 'shape', ()))}")
+    Nt, C = x.shape
+    _check_activation(activation)
+    if not isinstance(pool, Tensor) or pool.dim() != 3 or pool.shape[1] != C:
+        raise ValueError(f"window_pool must be [P, {C}, W-1], got {tuple(getattr(pool, 'shape', ()))}")
+    W = pool.shape[2] + 1
+    weight = _check_weight(weight, bias, C, W)
+    check = want_check(check, x)
+    N = check_cu_seqlens(cu_seqlens, Nt, x.device, check)
+    if not pool.is_floating_point() or pool.device != x.device:
+        raise ValueError(f"window_pool must be floating point on {x.device}, got {pool.dtype} on {pool.device}")
+    sl, fr = check_slots(pool, slots, fresh, N, x.device, check)
+    cdt = compute_dtype(x, weight, pool)
+    out = torch.empty(Nt, C, dtype=x.dtype, device=x.device)
+    finals = []
+    for i, (s, e) in enumerate(seq_bounds(cu_seqlens)):
+        if fr is not None and bool(fr[i]):
+            init = torch.zeros(C, W - 1, dtype=cdt, device=x.device)
+        else:
+            init = pool[sl[i]].to(cdt)
+        if e > s:
+            y, fin = conv_prefill(x[None, s:e].to(cdt), weight, bias, init[None], activation)
+            out[s:e] = y[0].to(x.dtype)
+            finals.append(fin[0])
+        else:
+            finals.append(init)
+    if N and W > 1:
+        pool[sl] = torch.stack(finals, 0).to(pool.dtype)
+    return out
+

@@ -1,6 +1,6 @@
 """Float64-capable pure-PyTorch reference ops for Gated DeltaNet (Qwen3-Next style).
 
-Notation (DESIGN.md §1-2, one value head): ``α = e^g`` with ``g <= 0``, ``β ∈ (0, 1)``,
+Notation (``docs/MATH.md``, Notation; one value head): ``α = e^g`` with ``g <= 0``, ``β ∈ (0, 1)``,
 ``u_t = β_t (v_t − α_t S_{t−1} k_t)``, ``S_t = α_t S_{t−1} + u_t k_tᵀ``, ``y_t = S_t q_t``.
 States are stored transposed, HF/fla layout ``St = Sᵀ ∈ [.., HV, K, V]``, so
 ``S x = Stᵀ x`` and ``u kᵀ`` becomes ``k ⊗ u``.  Value head ``hv`` uses key head
@@ -9,12 +9,13 @@ States are stored transposed, HF/fla layout ``St = Sᵀ ∈ [.., HV, K, V]``, so
 
 Every form below computes the same numbers as :func:`recurrent_scan` up to rounding:
 
-* ``recurrent_step`` / ``recurrent_scan``: the ground truth (Alg. 5).
+* ``recurrent_step`` / ``recurrent_scan``: the ground truth (the recurrent form).
 * ``chunked_prefill``: chunked WY/UT form; per chunk one unit-lower-triangular solve.
-* ``replay_decode``: Alg. 6 from a checkpoint ``S0`` and a ring of ``(u, k, g)``.
-* ``replay_verify`` / ``tree_verify``: Alg. 8, T drafts (or a tree of N nodes) in one solve.
+* ``replay_decode``: GDN replay from a checkpoint ``S0`` and a ring of ``(u, k, g)``.
+* ``replay_verify`` / ``tree_verify``: speculative verify, T drafts (or a tree of N nodes) in one solve.
 * ``snapshot_verify`` / ``snapshot_commit``: the serial one-state-per-draft baseline.
-* ``kv_verify`` / ``kv_to_state``: KV-only form (``S0 = 0``) over paged buffers.
+* ``kv_verify`` / ``kv_tree_verify`` / ``kv_to_state``: KV-only form (``S0 = 0``) over the
+  paged blocks a row holds (linear in the held context, see the KV-only section).
 
 Decays are always ``exp`` of segment sums of log-decays (never ratios of cumulative
 products).  Math runs in the state dtype (at least fp32); ``y`` is returned in ``v``'s
@@ -29,12 +30,15 @@ import math
 import torch
 from torch import Tensor
 
+from ...cache import paged
 from ...cache.buffers import GDNBuffers
 from ...cache.ring import StepPlan, gather_history, write_new
 from ...cache.tree import ancestor_mask
+from .. import kv_blocks  # a module reference: tests spy on kv_blocks.runs
 from ..common import (check_accepted, check_kv_lengths, check_plan, check_plan_fit, check_plan_rows,
                       check_route, check_slot, check_state_dtype, check_tensors, check_tree,
-                      compute_dtype, paged_module, shape_str, want_check, write_state_where)
+                      compute_dtype, shape_str, want_check, write_state_where)
+from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
 
 __all__ = [
     "l2norm",
@@ -49,7 +53,9 @@ __all__ = [
     "snapshot_commit",
     "tree_verify",
     "kv_verify",
+    "kv_tree_verify",
     "kv_to_state",
+    "chunked_prefill_varlen",
 ]
 
 _ROUTES = ("state", "output")
@@ -219,7 +225,7 @@ def _chain_mask(Bt: int, T: int, device) -> Tensor:
 # ---------------------------------------------------------------------------- recurrence
 def recurrent_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                    scale: float | None = None, use_qk_l2norm: bool = True) -> tuple[Tensor, Tensor]:
-    """One delta-rule step (Alg. 5).
+    """One delta-rule step (the recurrent form).
 
     state ``[Bt,HV,K,V]``, q/k ``[Bt,H,K]``, v ``[Bt,HV,V]``, g/beta ``[Bt,HV]``.
     ``St ← e^g St``; ``u = β (v − Stᵀ k)``; ``St ← St + k ⊗ u``; ``y = Stᵀ q``.
@@ -339,7 +345,7 @@ def chunked_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 # ---------------------------------------------------------------------------- replay
 def rebuild_state(buf: GDNBuffers, plan: StepPlan) -> Tensor:
     """``S_h = e^{pre_h} S0 + Σ_{j<h} e^{pre_h−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``
-    (Alg. 6 step 1), in the state dtype.  Reads only; any plan kind."""
+    (the first step of GDN replay), in the state dtype.  Reads only; any plan kind."""
     if not isinstance(buf, GDNBuffers) or not isinstance(plan, StepPlan):
         raise ValueError("rebuild_state needs GDNBuffers and a StepPlan")
     check_state_dtype(buf.state, "buf.state dtype")
@@ -366,7 +372,8 @@ def _readouts(buf, plan, cdt, x: Tensor, route: str):
 def replay_decode(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                   beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                   route: str = "state", check: bool | None = None) -> Tensor:
-    """Replay decode of one token per row (Alg. 6); ``plan.kind == "decode"``.
+    """Replay decode of one token per row (``docs/MATH.md``, "GDN replay" and "Flush");
+    ``plan.kind == "decode"``.
 
     q/k ``[Bt,H,K]``, v ``[Bt,HV,V]``, g/beta ``[Bt,HV]``.  With ``S_h`` rebuilt from the
     checkpoint and ring: ``u = β (v − e^g S_h k)``, ``y = e^g S_h q + u (k·q)``; appends
@@ -431,7 +438,8 @@ def _draft_verify(buf, plan, par, q, k, v, g, beta, scale, use_qk_l2norm, route,
 def replay_verify(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                   beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                   route: str = "state", check: bool | None = None) -> Tensor:
-    """Replay verify of T drafts per row in one triangular solve (Alg. 8); ``plan.kind == "verify"``.
+    """Replay verify of T drafts per row in one triangular solve (``docs/MATH.md``, "Speculative
+    verify"); ``plan.kind == "verify"``.
 
     q/k ``[Bt,T,H,K]``, v ``[Bt,T,HV,V]``, g/beta ``[Bt,T,HV]``.  ``G_s = Σ_{i≤s} g_i``;
     ``(I + A) U = R``, ``A_{s,s'} = β_s e^{G_s−G_{s'}} (k_s·k_{s'})`` (s' < s),
@@ -450,7 +458,8 @@ def replay_verify(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tens
 def tree_verify(buf: GDNBuffers, plan: StepPlan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor,
                 g: Tensor, beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                 route: str = "state", check: bool | None = None) -> Tensor:
-    """Replay verify of a draft tree of N nodes per row (STree + Alg. 8); ``plan.kind == "tree"``.
+    """Replay verify of a draft tree of N nodes per row (the triangular solve under the ancestor
+    mask, ``docs/MATH.md``, "Speculative verify"); ``plan.kind == "tree"``.
 
     parent ``[Bt,N]`` or ``[N]`` (topological, ``-1`` = child of the last committed entry);
     q/k ``[Bt,N,H,K]``, v ``[Bt,N,HV,V]``, g/beta ``[Bt,N,HV]``.  With ``M`` the
@@ -472,7 +481,7 @@ def tree_verify(buf: GDNBuffers, plan: StepPlan, parent: Tensor, q: Tensor, k: T
 def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                     beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
                     check: bool | None = None) -> tuple[Tensor, Tensor]:
-    """Baseline speculative verify (Alg. 7): serial scan from ``state[slot]``, one state per draft.
+    """Baseline speculative verify (snapshot verify): serial scan from ``state[slot]``, one state per draft.
 
     state ``[P,HV,K,V]`` (read only), slot ``[Bt]``, q/k ``[Bt,T,H,K]``, ...
     Returns ``(y [Bt,T,HV,V], snapshots [Bt,T,HV,K,V])`` with ``snapshots[:, s]`` the state
@@ -520,8 +529,19 @@ def snapshot_commit(state: Tensor, slot: Tensor, snapshots: Tensor, accepted: Te
 
 
 # ---------------------------------------------------------------------------- KV-only (paged)
+# The KV-only form keeps every entry since the start in paged blocks (``S0 = 0``).  The ops
+# walk the blocks a batch actually holds, a run of whole blocks at a time
+# (:mod:`replayssm.ops.kv_blocks`), so memory and time follow the held context:
+#
+# * up to ``KV_CHUNK`` new tokens (decode, verify, trees): the history readouts
+#   ``S_n k_t`` / ``S_n q_t`` are sums over the held entries, run by run, and the new
+#   tokens are one triangular solve under their chain / tree mask;
+# * more new tokens (a prefill): the history is folded into a state run by run and the new
+#   tokens run the chunked WY/UT scan from it, keeping each token's correction ``u``.
+KV_CHUNK = 64
+
+
 def _check_kv(kv, pplan, dims, device, check: bool):
-    paged = paged_module()
     Bt, T, H, HV, K, V = dims
     if not isinstance(kv, paged.GDNPagedBuffers):
         raise ValueError(f"kv must be GDNPagedBuffers, got {type(kv).__name__}")
@@ -547,21 +567,84 @@ def _check_kv(kv, pplan, dims, device, check: bool):
         check_kv_lengths(pplan, T)
 
 
-def _kv_history(kv, pplan, cdt):
-    """Committed paged entries, masked: ``u``, ``k``, weights ``w_j = e^{pre_n−pre_j}``, ``pre_n``."""
-    paged = paged_module()
-    u = paged.gather_kv(kv.u, pplan).to(cdt)
-    k = paged.gather_kv(kv.k, pplan).to(cdt)
-    g = paged.gather_kv(kv.g, pplan).to(cdt)
-    j = torch.arange(u.shape[1], device=u.device)
-    valid = j[None, :] < pplan.length[:, None]
-    zero = torch.zeros((), dtype=cdt, device=u.device)
-    u = torch.where(valid[:, :, None, None], u, zero)
-    k = torch.where(valid[:, :, None, None], k, zero)
-    g = torch.where(valid[:, :, None], g, zero)
-    tot = g.sum(1)
-    w = torch.where(valid[:, :, None], torch.exp(tot[:, None] - g.cumsum(1)), zero)
-    return u, k, w, tot
+def _kv_run(kv, pos: Tensor, valid: Tensor, cdt):
+    """One run of held entries, masked (zeros where not ``valid``): ``u [Bt,E,HV,V]``,
+    ``k [Bt,E,H,K]`` and the log-decays ``g [Bt,E,HV]``."""
+    zero = torch.zeros((), dtype=cdt, device=pos.device)
+    u = torch.where(valid[:, :, None, None], kv.u[pos].to(cdt), zero)
+    k = torch.where(valid[:, :, None, None], kv.k[pos].to(cdt), zero)
+    g = torch.where(valid[:, :, None], kv.g[pos].to(cdt), zero)
+    return u, k, g
+
+
+def _kv_fold(kv, pplan, cdt) -> Tensor:
+    """``S_n = Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``, run by run:
+    ``S ← e^{Σ_run g} S + Σ_{j∈run} e^{Σ_{v>j in run} g_v} k_j ⊗ u_j``."""
+    Bt = pplan.batch
+    HV, V = kv.u.shape[1:]
+    H, K = kv.k.shape[1:]
+    S = torch.zeros(Bt, HV, K, V, dtype=cdt, device=kv.u.device)
+    for pos, valid in kv_blocks.runs(pplan, Bt * (2 * HV * V + 2 * H * K + HV * K + 4 * HV)):
+        u, k, g = _kv_run(kv, pos, valid, cdt)
+        w = torch.where(valid[:, :, None], torch.exp(kv_blocks.suffix_after(g)),
+                        torch.zeros((), dtype=cdt, device=u.device))
+        S = torch.exp(g.sum(1))[..., None, None] * S + _sum_history_state(u, k, w)
+    return S
+
+
+def _kv_readout(kv, pplan, x: Tensor, cdt) -> Tensor:
+    """History readouts ``S_n x_m = Σ_{j<n} e^{pre_n−pre_j} (k_j·x_m) u_j`` for key-head
+    vectors ``x [Bt,M,H,K]`` -> ``[Bt,M,HV,V]``, run by run (newest first, carrying the
+    log-decay of the runs already seen), without forming ``S_n``."""
+    Bt, M, H, K = x.shape
+    HV, V = kv.u.shape[1:]
+    r = torch.zeros(Bt, M, HV, V, dtype=cdt, device=x.device)
+    later = torch.zeros(Bt, HV, dtype=cdt, device=x.device)
+    zero = torch.zeros((), dtype=cdt, device=x.device)
+    per_entry = Bt * (2 * HV * V + 2 * H * K + 3 * HV + M * (H + 2 * HV))
+    for pos, valid in kv_blocks.runs(pplan, per_entry, reverse=True):
+        u, k, g = _kv_run(kv, pos, valid, cdt)
+        w = torch.where(valid[:, :, None], torch.exp(kv_blocks.suffix_after(g) + later[:, None]), zero)
+        later = later + g.sum(1)
+        r = r + _history_readout(u, k, w, x)
+    return r
+
+
+def _kv_scan(St: Tensor, qn, kn, vc, gc, bc, chunk: int) -> tuple[Tensor, Tensor]:
+    """Chunked WY/UT scan of new tokens from state ``St`` (as :func:`chunked_prefill`),
+    keeping the corrections: returns ``U, y`` as ``[Bt,T,HV,V]``."""
+    Bt, T = qn.shape[:2]
+    Us, ys = [], []
+    for c0 in range(0, T, chunk):
+        sl = slice(c0, min(T, c0 + chunk))
+        qc, kc, vc_, gcc, bcc = qn[:, sl], kn[:, sl], vc[:, sl], gc[:, sl], bc[:, sl]
+        hk, hq = _state_readout(St, kc), _state_readout(St, qc)
+        U, y = _delta_block(hk, hq, qc, kc, vc_, gcc.cumsum(1), bcc, _chain_mask(Bt, qc.shape[1], qn.device))
+        Us.append(U)
+        ys.append(y)
+        w = torch.exp(kv_blocks.suffix_after(gcc))
+        St = torch.exp(gcc.sum(1))[..., None, None] * St + _sum_history_state(U, kc, w)
+    return torch.cat(Us, 1), torch.cat(ys, 1)
+
+
+def _kv_new(kv, pplan, par, q, k, v, g, beta, scale, use_qk_l2norm, dims):
+    """Shared body of :func:`kv_verify` / :func:`kv_tree_verify` (inputs validated;
+    ``par`` None for a chain).  Writes the new ``(u, k, g)``; returns ``y`` in ``v.dtype``."""
+    Bt, T = dims[:2]
+    cdt = compute_dtype(kv.g.dtype, kv.u.dtype, q.dtype, v.dtype)
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
+    if par is None and T > KV_CHUNK:
+        U, y = _kv_scan(_kv_fold(kv, pplan, cdt), qn, kn, vc, gc, bc, KV_CHUNK)
+    else:
+        M, G = _draft_mask(par, gc, Bt, T, q.device)
+        r = _kv_readout(kv, pplan, torch.cat([kn, qn], 1), cdt)
+        U, y = _delta_block(r[:, :T], r[:, T:], qn, kn, vc, G, bc, M)
+    # ---- writes (all validation done above)
+    paged.write_kv_new(kv.u, pplan, U)
+    paged.write_kv_new(kv.k, pplan, kn)
+    paged.write_kv_new(kv.g, pplan, gc)
+    return y.to(v.dtype)
 
 
 def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -574,41 +657,52 @@ def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     (n committed entries, then the T new; ``G`` = cumulative log-decay from the start):
     ``u_t = β_t (v_t − Σ_{j<t} e^{G_t−G_j} (k_j·k_t) u_j)``,
     ``y_t = Σ_{j≤t} e^{G_t−G_j} (k_j·q_t) u_j``.
-    History terms are buffer readouts; the T new tokens are one triangular solve.  Writes
+    Computed over the held blocks only (memory and time grow with the context held, not
+    with ``max_seq_len``): up to ``KV_CHUNK`` tokens, history readouts run by run and one
+    triangular solve; more, the history folded into a state and the chunked scan.  Writes
     ``(u, k, g)`` of the new tokens with ``write_kv_new``; advance with
-    ``pidx.commit(pplan, accepted)``.  Optional ``parent [Bt,T]`` / ``[T]`` makes the new
-    tokens a draft tree (ancestor mask, as :func:`tree_verify`; commit with
-    ``cache.paged.gather_path`` first).  Returns ``y [Bt,T,HV,V]``.
+    ``pidx.commit(pplan, accepted)``.  ``parent [Bt,T]`` / ``[T]`` makes the new tokens a
+    draft tree (as :func:`kv_tree_verify`).  Returns ``y [Bt,T,HV,V]``.
     Compute dtype: fp64 if the pools or the inputs are fp64, else fp32.
     """
     dims = _check_inputs(q, k, v, g, beta, True, scale)
     check = want_check(check, q)
     _check_kv(kv, pplan, dims, q.device, check)
-    Bt, T, H, HV, K, V = dims
-    par = None if parent is None else check_tree(parent, Bt, T, q.device, check)
-    paged = paged_module()
-    cdt = compute_dtype(kv.g.dtype, kv.u.dtype, q.dtype, v.dtype)
-    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
-    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
-    M, G = _draft_mask(par, gc, Bt, T, q.device)
-    u, kh, w, _ = _kv_history(kv, pplan, cdt)
-    r = _history_readout(u, kh, w, torch.cat([kn, qn], 1))
-    U, y = _delta_block(r[:, :T], r[:, T:], qn, kn, vc, G, bc, M)
-    paged.write_kv_new(kv.u, pplan, U)
-    paged.write_kv_new(kv.k, pplan, kn)
-    paged.write_kv_new(kv.g, pplan, gc)
-    return y.to(v.dtype)
+    par = None if parent is None else check_tree(parent, dims[0], dims[1], q.device, check)
+    return _kv_new(kv, pplan, par, q, k, v, g, beta, scale, use_qk_l2norm, dims)
+
+
+def kv_tree_verify(kv, pplan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
+                   beta: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+                   check: bool | None = None) -> Tensor:
+    """KV-only form of :func:`tree_verify`: a draft tree of N nodes per row over paged buffers.
+
+    parent ``[Bt,N]`` or ``[N]`` (topological, ``-1`` = child of the last committed entry);
+    q/k ``[Bt,N,H,K]``, v ``[Bt,N,HV,V]``, g/beta ``[Bt,N,HV]``.  With ``S_n`` the state the
+    row's n held entries fold into (never formed: readouts run block by block), ``M`` the
+    ancestor-or-self mask and ``G_i = Σ_{j∈M_i} g_j``: ``(I + A) U = R`` with
+    ``A_{i,j} = β_i e^{G_i−G_j} (k_i·k_j)`` for strict ancestors j of i,
+    ``R_i = β_i (v_i − e^{G_i} S_n k_i)``; ``y_i = e^{G_i} S_n q_i + Σ_{j∈M_i} e^{G_i−G_j}
+    (k_j·q_i) U_j`` — each node's output is the recurrence along its root path.  Writes
+    ``(U, k, g)`` at logical ``length .. length+N-1``; commit moves the accepted path to the
+    front (``cache.paged.gather_path``) before ``pidx.commit``.  Returns ``y [Bt,N,HV,V]``.
+    """
+    dims = _check_inputs(q, k, v, g, beta, True, scale)
+    check = want_check(check, q)
+    _check_kv(kv, pplan, dims, q.device, check)
+    par = check_tree(parent, dims[0], dims[1], q.device, check)
+    return _kv_new(kv, pplan, par, q, k, v, g, beta, scale, use_qk_l2norm, dims)
 
 
 def kv_to_state(kv, pplan, buf: GDNBuffers, slot: Tensor, check: bool | None = None) -> None:
     """Compress each row's committed KV entries into a checkpoint (one flush):
-    ``buf.state[slot] = Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` (``S0 = 0``).
+    ``buf.state[slot] = Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` (``S0 = 0``), folded run by run
+    over the held blocks.
 
     ``pplan`` (from ``pidx.plan(slots, T)``; only its committed lengths are used) and
     ``slot [Bt]`` (the rows' state slots in ``buf``).  Ring bookkeeping is the caller's
     (``ring.reset(slot)``); paged blocks may be released afterwards.
     """
-    paged = paged_module()
     if not isinstance(buf, GDNBuffers):
         raise ValueError(f"buf must be GDNBuffers, got {type(buf).__name__}")
     if not isinstance(kv, paged.GDNPagedBuffers):
@@ -627,7 +721,82 @@ def kv_to_state(kv, pplan, buf: GDNBuffers, slot: Tensor, check: bool | None = N
     sl = check_slot(slot, P, Bt, buf.state.device, check)
     if check and Bt and bool((pplan.length < 0).any()):
         raise ValueError("negative KV lengths in the paged plan")
-    cdt = buf.state.dtype
-    u, kh, w, _ = _kv_history(kv, pplan, cdt)
-    S = _sum_history_state(u, kh, w)
+    S = _kv_fold(kv, pplan, buf.state.dtype)
     buf.state[sl] = S.to(buf.state.dtype)
+
+
+# ---------------------------------------------------------------------------- packed prefill
+def _chunked_scan_u(qn, kn, v, g, beta, St, chunk_size: int):
+    """The chunk loop of :func:`chunked_prefill` on prepared inputs of one sequence
+    (``[1,T,..]``, compute dtype), also returning the corrected values
+    ``U [1,T,HV,V]`` (``u_t = β_t (v_t − α_t S_{t−1} k_t)``).  Returns ``(y, St, U)``."""
+    T = v.shape[1]
+    ys, us = [], []
+    for c0 in range(0, T, chunk_size):
+        sl = slice(c0, min(T, c0 + chunk_size))
+        qc, kc, vc, gc, bc = qn[:, sl], kn[:, sl], v[:, sl], g[:, sl], beta[:, sl]
+        G = gc.cumsum(1)
+        hk, hq = _state_readout(St, kc), _state_readout(St, qc)
+        U, y = _delta_block(hk, hq, qc, kc, vc, G, bc, _chain_mask(1, qc.shape[1], v.device))
+        ys.append(y)
+        us.append(U)
+        w = torch.exp(G[:, -1:] - G)  # [1,C,HV], exponents <= 0
+        St = torch.exp(G[:, -1])[..., None, None] * St + _sum_history_state(U, kc, w)
+    if not ys:
+        return v.new_zeros(v.shape), St, v.new_zeros(v.shape)
+    return torch.cat(ys, 1), St, torch.cat(us, 1)
+
+
+def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
+                           cu_seqlens: Tensor, initial_state: Tensor | None = None,
+                           scale: float | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
+                           return_u: bool = False, state_pool: Tensor | None = None,
+                           slots: Tensor | None = None, fresh: Tensor | None = None,
+                           check: bool | None = None):
+    """:func:`chunked_prefill` over a packed batch of ``N`` variable-length sequences.
+
+    q/k ``[Nt,H,K]``, v ``[Nt,HV,V]``, g/beta ``[Nt,HV]``; sequence ``i`` is tokens
+    ``cu_seqlens[i]:cu_seqlens[i+1]`` (may be empty), scanned on its own (chunks restart at
+    its first token) from ``initial_state[i] [HV,K,V]`` (zeros if None), or, in pool form
+    (:mod:`replayssm.ops.varlen`), from zeros if ``fresh[i]`` else ``state_pool[slots[i]]``,
+    its final state written back to ``state_pool[slots[i]]``.  Math in fp64 if any input or
+    the state source is fp64, else fp32.
+
+    Returns ``(y [Nt,HV,V] in v.dtype, final_state [N,HV,K,V])`` (pool form: ``None`` in
+    place of the final states), plus ``u [Nt,HV,V]`` (v.dtype) with ``return_u``:
+    ``u_t = β_t (v_t − α_t S_{t−1} k_t)``, the corrected values the replay ring and the
+    KV-only pages store for GDN.
+    """
+    for name, t, form in (("q", q, "[Nt, H, K]"), ("k", k, "[Nt, H, K]"), ("v", v, "[Nt, HV, V]"),
+                          ("g", g, "[Nt, HV]"), ("beta", beta, "[Nt, HV]")):
+        if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:
+            raise ValueError(f"{name} must be {form}, got {shape_str(t)}")
+    _, Nt, H, HV, K, V = _check_inputs(q[None], k[None], v[None], g[None], beta[None], True, scale)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check = want_check(check, q)
+    N = check_cu_seqlens(cu_seqlens, Nt, q.device, check)
+    shape = (HV, K, V)
+    sl, fr = check_state_source(initial_state, state_pool, slots, fresh, N, shape, q.device, check)
+    src = state_pool if state_pool is not None else initial_state
+    cdt = compute_dtype(q.dtype, v.dtype, g.dtype, beta.dtype, *(() if src is None else (src.dtype,)))
+    S0 = gather_initial(initial_state, state_pool, sl, fr, N, shape, cdt, q.device)
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
+    ys, us, finals = [], [], []
+    for i, (s, e) in enumerate(seq_bounds(cu_seqlens)):
+        y_i, S_i, u_i = _chunked_scan_u(qn[None, s:e], kn[None, s:e], vc[None, s:e], gc[None, s:e],
+                                        bc[None, s:e], S0[i:i + 1], chunk_size)
+        ys.append(y_i[0])
+        us.append(u_i[0])
+        finals.append(S_i[0])
+    y = torch.cat(ys, 0).to(v.dtype) if ys else v.new_zeros(v.shape)
+    final = torch.stack(finals, 0) if finals else S0
+    if state_pool is not None:
+        if N:
+            state_pool[sl] = final.to(state_pool.dtype)
+        final = None
+    if return_u:
+        u = torch.cat(us, 0).to(v.dtype) if us else v.new_zeros(v.shape)
+        return y, final, u
+    return y, final

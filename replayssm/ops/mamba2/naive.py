@@ -1,6 +1,6 @@
 """Float64-capable pure-PyTorch reference ops for Mamba-2 (every decoding form).
 
-Notation (DESIGN.md §1-2, one head ``h`` of group ``g = h // (H // G)``): state
+Notation (``docs/MATH.md``, Notation; one head ``h`` of group ``g = h // (H // G)``): state
 ``S ∈ R^{d×n}``, ``v = x [d]``, ``k = B [n]``, ``q = C [n]``, step size ``Δ = dt``
 (after softplus/bias/clamp, ``>= 0``), ``A < 0`` per head, log-decay ``l = A·Δ <= 0``:
 
@@ -9,15 +9,16 @@ Notation (DESIGN.md §1-2, one head ``h`` of group ``g = h // (H // G)``): state
 HF state layout ``[.., H, d, n]``.  Every form below computes the same numbers as
 :func:`recurrent_scan` up to rounding:
 
-* ``recurrent_step`` / ``recurrent_scan``: the ground truth (Alg. 1).
+* ``recurrent_step`` / ``recurrent_scan``: the ground truth (the recurrent form).
 * ``chunked_prefill``: SSD chunked form (intra-chunk masked GEMMs, chunk states,
   inter-chunk state passing, state read-out).
-* ``replay_decode``: Alg. 2 from a checkpoint ``S0`` and a ring of ``(x, B, Δ)``;
+* ``replay_decode``: replay from a checkpoint ``S0`` and a ring of ``(x, B, Δ)``;
   route ``"output"`` (output-only, ``B_j·C`` once per group) or ``"state"``.
-* ``replay_verify`` / ``tree_verify``: Alg. 4, T drafts (or a tree of N nodes) read the
+* ``replay_verify`` / ``tree_verify``: speculative verify, T drafts (or a tree of N nodes) read the
   same ``S0`` and ring under a causal (ancestor) mask.
 * ``snapshot_verify`` / ``snapshot_commit``: the serial one-state-per-draft baseline.
-* ``kv_verify`` / ``kv_to_state``: KV-only form (``S0 = 0``) over paged buffers.
+* ``kv_verify`` / ``kv_tree_verify`` / ``kv_to_state``: KV-only form (``S0 = 0``) over the
+  paged blocks a row holds (linear in the held context, see the KV-only section).
 
 With ``pre_j`` the cumulative log-decay from the checkpoint through entry ``j``, the
 replay output of a query ``t`` is
@@ -39,12 +40,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...cache import paged
 from ...cache.buffers import Mamba2Buffers
 from ...cache.ring import NULL_SLOT, StepPlan, gather_history, write_new
 from ...cache.tree import ancestor_mask
+from .. import kv_blocks  # a module reference: tests spy on kv_blocks.runs
 from ..common import (STATE_DTYPES, check_accepted, check_kv_lengths, check_plan, check_plan_fit,
                       check_plan_rows, check_route, check_slot, check_state_dtype, check_tensors,
-                      check_tree, compute_dtype, paged_module, shape_str, want_check, write_state_where)
+                      check_tree, compute_dtype, shape_str, want_check, write_state_where)
+from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
 
 __all__ = [
     "segsum",
@@ -59,7 +63,9 @@ __all__ = [
     "snapshot_commit",
     "tree_verify",
     "kv_verify",
+    "kv_tree_verify",
     "kv_to_state",
+    "chunked_prefill_varlen",
 ]
 
 _ROUTES = ("output", "state")
@@ -203,7 +209,7 @@ def _segment_logs(logs: Tensor, P: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _attend(S0: Tensor | None, xs, Bs, dts, logs, C, P, gidx) -> Tensor:
-    """Output-only replay (Alg. 2) for M queries over a masked window of W entries.
+    """Output-only replay (``docs/MATH.md``, "Replay, output only") for M queries over a masked window of W entries.
 
     S0 ``[Bt,H,d,n]`` or None (KV-only); xs ``[Bt,W,H,d]``, Bs ``[Bt,W,G,n]``,
     dts/logs ``[Bt,W,H]`` (finite; masked entries zeroed); C ``[Bt,M,G,n]``; P ``[Bt,M,W]``.
@@ -285,7 +291,7 @@ def _step(S: Tensor, x, dt, A, B, C, gidx):
 
 def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                    D: Tensor | None = None, check: bool | None = None) -> tuple[Tensor, Tensor]:
-    """One recurrent step (Alg. 1).
+    """One recurrent step (the recurrent form).
 
     state ``[Bt,H,d,n]`` (fp32/fp64), x ``[Bt,H,d]``, dt ``[Bt,H]``, A ``[H]``,
     B/C ``[Bt,G,n]``, D ``[H]`` or None.
@@ -442,7 +448,8 @@ def rebuild_state(buf: Mamba2Buffers, plan: StepPlan, A: Tensor) -> Tensor:
 def replay_decode(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
                   C: Tensor, D: Tensor | None = None, route: str = "output",
                   check: bool | None = None) -> Tensor:
-    """Replay decode of one token per row (Alg. 2); ``plan.kind == "decode"``.
+    """Replay decode of one token per row (``docs/MATH.md``, "Replay, output only" and "Flush");
+    ``plan.kind == "decode"``.
 
     x ``[Bt,H,d]``, dt ``[Bt,H]``, A ``[H]``, B/C ``[Bt,G,n]``, D ``[H]`` or None.
     With the new token as entry ``h`` (``t = h``):
@@ -506,7 +513,8 @@ def _draft_verify(buf, plan, mask, x, dt, A, B, C, D, route, dims):
 def replay_verify(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
                   C: Tensor, D: Tensor | None = None, route: str = "output",
                   check: bool | None = None) -> Tensor:
-    """Replay verify of T drafts per row (Alg. 4); ``plan.kind == "verify"``.
+    """Replay verify of T drafts per row (``docs/MATH.md``, "Speculative verify");
+    ``plan.kind == "verify"``.
 
     x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``, A ``[H]``, B/C ``[Bt,T,G,n]``, D ``[H]`` or None.
     Every draft reads the same ``S0`` and ring window under a causal mask, as GEMMs
@@ -545,7 +553,7 @@ def tree_verify(buf: Mamba2Buffers, plan: StepPlan, parent: Tensor, x: Tensor, d
 def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
                     C: Tensor, D: Tensor | None = None,
                     check: bool | None = None) -> tuple[Tensor, Tensor]:
-    """Baseline speculative verify (Alg. 3, what vLLM does): serial scan from ``state[slot]``,
+    """Baseline speculative verify (snapshot verify, what vLLM does): serial scan from ``state[slot]``,
     one stored state per draft.
 
     state ``[P,H,d,n]`` (read only), slot ``[Bt]``, x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``,
@@ -605,8 +613,19 @@ def snapshot_commit(state: Tensor, slot: Tensor, snapshots: Tensor, accepted: Te
 
 
 # ============================================================================ KV-only (paged)
+# The KV-only form keeps every entry since the start in paged blocks (``S0 = 0``).  The ops
+# walk the blocks a batch actually holds, a run of whole blocks at a time
+# (:mod:`replayssm.ops.kv_blocks`), so memory and time follow the held context:
+#
+# * up to ``KV_CHUNK`` new tokens (decode, verify, trees): every new token attends to the
+#   history run by run (newest first, carrying the log-decay of the runs already seen),
+#   then to the new tokens on its chain / tree path;
+# * more new tokens (a prefill): the history is folded into a state run by run and the new
+#   tokens run the SSD chunked scan from it (:func:`chunked_prefill`).
+KV_CHUNK = 64
+
+
 def _check_kv(kv, pplan, dims, x: Tensor | None, device, check: bool) -> None:
-    paged = paged_module()
     Bt, T, H, d, G, n = dims
     if not isinstance(kv, paged.Mamba2PagedBuffers):
         raise ValueError(f"kv must be Mamba2PagedBuffers, got {type(kv).__name__}")
@@ -619,25 +638,86 @@ def _check_kv(kv, pplan, dims, x: Tensor | None, device, check: bool) -> None:
     NBbs = kv.x.shape[0] if isinstance(kv.x, Tensor) else -1
     want = {"x": (kv.x, (NBbs, H, d)), "B": (kv.B, (NBbs, G, n)), "dt": (kv.dt, (NBbs, H))}
     check_tensors("kv", want, device)
+    if NBbs % pplan.block_size:
+        raise ValueError(f"KV pools have {NBbs} entries, not a multiple of block_size {pplan.block_size}")
     if x is not None and (kv.x.dtype != x.dtype or kv.B.dtype != x.dtype):
         raise ValueError(f"dtype mismatch: inputs x/B are {x.dtype}, pool stores x as {kv.x.dtype} "
                          f"and B as {kv.B.dtype}")
     if check and Bt:
+        nb = NBbs // pplan.block_size
+        if bool(((pplan.block_table < 0) | (pplan.block_table >= nb)).any()):
+            raise ValueError(f"block table entries must be in [0, {nb - 1}]")
         check_kv_lengths(pplan, T)
         _check_unique(pplan.slot.long())
 
 
-def _kv_history(kv, pplan, A: Tensor, cdt):
-    """Committed paged entries, oldest first and masked (zeros past each row's length)."""
-    paged = paged_module()
-    xs, Bs, dts = paged.gather_kv(kv.x, pplan), paged.gather_kv(kv.B, pplan), paged.gather_kv(kv.dt, pplan)
-    j = torch.arange(xs.shape[1], device=xs.device)
-    valid = j[None, :] < pplan.length[:, None]
-    zero = torch.zeros((), dtype=cdt, device=xs.device)
-    xs = torch.where(valid[:, :, None, None], xs.to(cdt), zero)
-    Bs = torch.where(valid[:, :, None, None], Bs.to(cdt), zero)
-    dts = torch.where(valid[:, :, None], dts.to(cdt), zero)
-    return xs, Bs, dts, A.to(cdt) * dts, valid
+def _kv_run(kv, pos: Tensor, valid: Tensor, A: Tensor, cdt):
+    """One run of held entries, masked (zeros where not ``valid``): ``xs [Bt,E,H,d]``,
+    ``Bs [Bt,E,G,n]``, ``dts``/``logs [Bt,E,H]``."""
+    zero = torch.zeros((), dtype=cdt, device=pos.device)
+    xs = torch.where(valid[:, :, None, None], kv.x[pos].to(cdt), zero)
+    Bs = torch.where(valid[:, :, None, None], kv.B[pos].to(cdt), zero)
+    dts = torch.where(valid[:, :, None], kv.dt[pos].to(cdt), zero)
+    return xs, Bs, dts, A.to(cdt) * dts
+
+
+def _kv_fold(kv, pplan, A: Tensor, gidx: Tensor, cdt) -> Tensor:
+    """``S_n = Σ_{j<n} Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` per row ``[Bt,H,d,n]``, run by run:
+    ``S ← e^{Σ_run l} S + Σ_{j∈run} e^{Σ_{v>j in run} l_v} Δ_j x_j B_jᵀ``."""
+    Bt = pplan.batch
+    H, d = kv.x.shape[1:]
+    n = kv.B.shape[2]
+    S = torch.zeros(Bt, H, d, n, dtype=cdt, device=kv.x.device)
+    for pos, valid in kv_blocks.runs(pplan, Bt * (2 * H * d + 2 * kv.B.shape[1] * n + H * n + 4 * H)):
+        xs, Bs, dts, logs = _kv_run(kv, pos, valid, A, cdt)
+        coef = torch.exp(kv_blocks.suffix_after(logs)) * dts  # 0 on invalid entries (dts = 0)
+        S = torch.exp(logs.sum(1))[..., None, None] * S + torch.einsum(
+            "beh,behd,behn->bhdn", coef, xs, Bs[:, :, gidx])
+    return S
+
+
+def _kv_attend(kv, pplan, A, xn, Bn, dn, ln, Cc, mask, gidx, cdt) -> Tensor:
+    """Outputs of ``N`` new entries per row that read the held history and their own
+    chain / tree (``mask [Bt,N,N]``, ancestor-or-self), without ``D·x``:
+
+    ``y_t = Σ_{j<n} e^{cum_t + Σ_{j<v<n} l_v} Δ_j (B_j·C_t) x_j
+          + Σ_{s: mask[t,s]} e^{Σ_{v∈(s,t]} l_v} Δ_s (B_s·C_t) x_s``
+
+    with ``cum_t`` the log-decay along t's path from the last committed entry.  New entries
+    ``xn [Bt,N,H,d]``, ``Bn``/``Cc [Bt,N,G,n]``, ``dn``/``ln [Bt,N,H]`` in ``cdt``.
+    """
+    Bt, N, H, d = xn.shape
+    G, n = Bn.shape[2:]
+    E, cum = kv_blocks.path_logs(mask, ln)
+    neg_inf = torch.full((), float("-inf"), dtype=cdt, device=xn.device)
+    decay = torch.exp(torch.where(mask[..., None], E, neg_inf))  # 0 off the path
+    scores = torch.einsum("bsgn,btgn->btsg", Bn, Cc)[..., gidx]
+    y = torch.einsum("btsh,bshd->bthd", decay * dn[:, None] * scores, xn)
+    later = torch.zeros(Bt, H, dtype=cdt, device=xn.device)  # log-decay of the runs after this one
+    per_entry = Bt * (H * d + G * n + 3 * H + N * (G + 3 * H))
+    for pos, valid in kv_blocks.runs(pplan, per_entry, reverse=True):
+        xs, Bs, dts, logs = _kv_run(kv, pos, valid, A, cdt)
+        to_end = kv_blocks.suffix_after(logs) + later[:, None]  # [Bt,E,H]: Σ_{j<v<n} l_v
+        later = later + logs.sum(1)
+        scores = torch.einsum("begn,btgn->bteg", Bs, Cc)[..., gidx]  # [Bt,N,E,H]
+        coef = torch.exp(cum[:, :, None] + to_end[:, None]) * dts[:, None] * scores
+        y = y + torch.einsum("bteh,behd->bthd", coef, xs)  # invalid entries: dts = xs = 0
+    return y
+
+
+def _kv_write(kv, pplan, x: Tensor, B: Tensor, dt: Tensor) -> None:
+    paged.write_kv_new(kv.x, pplan, x)
+    paged.write_kv_new(kv.B, pplan, B)
+    paged.write_kv_new(kv.dt, pplan, dt.to(kv.dt.dtype))
+
+
+def _check_kv_call(kv, pplan, x, dt, A, B, C, D, check):
+    """Validation shared by :func:`kv_verify` / :func:`kv_tree_verify`; returns ``(dims, check)``."""
+    dims = _check_inputs(x, dt, B, C, True)
+    check = want_check(check, x)
+    _check_params(A, D, dt, dims[2], x.device, check)
+    _check_kv(kv, pplan, dims, x, x.device, check)
+    return dims, check
 
 
 def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
@@ -647,41 +727,66 @@ def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     kv: ``Mamba2PagedBuffers``; pplan from ``pidx.plan(slots, T)`` (n committed entries
     per row); x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``, B/C ``[Bt,T,G,n]``.
     ``y_t = Σ_{j ≤ t} Δ_j e^{pre_t−pre_j} (B_j·C_t) x_j + D·x_t`` over the row's n entries
-    and the new tokens up to t (causal).  Writes the new ``(x, B, Δ)`` with
-    ``write_kv_new``; advance with ``pidx.commit(pplan, accepted)``.  Returns ``y [Bt,T,H,d]``.
+    and the new tokens up to t (causal).  Computed over the held blocks only: memory and
+    time grow with the context held, not with ``max_seq_len`` (up to ``KV_CHUNK`` tokens:
+    attention over the history run by run; more: fold the history into a state and run the
+    chunked scan).  Writes the new ``(x, B, Δ)`` with ``write_kv_new``; advance with
+    ``pidx.commit(pplan, accepted)``.  Returns ``y [Bt,T,H,d]``.
     Compute dtype: fp64 if the pool's dt or the inputs are fp64, else fp32.
     """
-    dims = _check_inputs(x, dt, B, C, True)
+    dims, check = _check_kv_call(kv, pplan, x, dt, A, B, C, D, check)
     Bt, T, H, d, G, n = dims
-    check = want_check(check, x)
-    _check_params(A, D, dt, H, x.device, check)
-    _check_kv(kv, pplan, dims, x, x.device, check)
-    paged = paged_module()
     cdt = compute_dtype(kv.dt.dtype, kv.x.dtype, x.dtype)
     gidx = _group_index(H, G, x.device)
-    hx, hB, hd, hl, valid = _kv_history(kv, pplan, A, cdt)
-    nx, nB, nd, nl = _new_entries(x, dt, B, A, cdt)
-    xs, Bs, dts, logs = (torch.cat(p, 1) for p in ((hx, nx), (hB, nB), (hd, nd), (hl, nl)))
-    causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(Bt, T, T)
-    P = torch.cat([valid[:, None, :].expand(Bt, T, valid.shape[1]), causal], 2)
-    y = _skip(_attend(None, xs, Bs, dts, logs, C.to(cdt), P, gidx), D, nx)
+    if T <= KV_CHUNK:
+        nx, nB, nd, nl = _new_entries(x, dt, B, A, cdt)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(Bt, T, T)
+        y = _skip(_kv_attend(kv, pplan, A, nx, nB, nd, nl, C.to(cdt), causal, gidx, cdt), D, nx)
+    else:
+        S = _kv_fold(kv, pplan, A, gidx, cdt)
+        y = chunked_prefill(x, dt, A, B, C, D, initial_state=S, chunk_size=KV_CHUNK, check=False)[0]
     # ---- writes (all validation done above)
-    paged.write_kv_new(kv.x, pplan, x)
-    paged.write_kv_new(kv.B, pplan, B)
-    paged.write_kv_new(kv.dt, pplan, dt.to(kv.dt.dtype))
+    _kv_write(kv, pplan, x, B, dt)
+    return y.to(x.dtype)
+
+
+def kv_tree_verify(kv, pplan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
+                   C: Tensor, D: Tensor | None = None, check: bool | None = None) -> Tensor:
+    """KV-only form of :func:`tree_verify`: a draft tree of N nodes per row over paged buffers.
+
+    parent ``[Bt,N]`` or ``[N]`` (topological: ``-1 <= parent[i] < i``, ``-1`` = child of
+    the last committed entry); x ``[Bt,N,H,d]``, dt ``[Bt,N,H]``, B/C ``[Bt,N,G,n]``.  With
+    ``M`` the ancestor-or-self mask and ``cum_i`` the log-decay along node i's path:
+    ``y_i = Σ_{j<n} e^{cum_i + pre_n − pre_j} Δ_j (B_j·C_i) x_j
+          + Σ_{j: M_ij} e^{cum_i−cum_j} Δ_j (B_j·C_i) x_j + D·x_i``
+    (the recurrence along the root path, from ``S0 = 0``), over the held blocks only.
+    Writes the N node entries ``(x, B, Δ)`` at logical ``length .. length+N-1``; commit moves
+    the accepted path to the front (``cache.paged.gather_path``) before ``pidx.commit``.
+    Returns ``y [Bt,N,H,d]``.
+    """
+    dims, check = _check_kv_call(kv, pplan, x, dt, A, B, C, D, check)
+    Bt, N, H, d, G, n = dims
+    par = check_tree(parent, Bt, N, x.device, check)
+    cdt = compute_dtype(kv.dt.dtype, kv.x.dtype, x.dtype)
+    gidx = _group_index(H, G, x.device)
+    nx, nB, nd, nl = _new_entries(x, dt, B, A, cdt)
+    y = _kv_attend(kv, pplan, A, nx, nB, nd, nl, C.to(cdt), ancestor_mask(par), gidx, cdt)
+    y = _skip(y, D, nx)
+    # ---- writes (all validation done above)
+    _kv_write(kv, pplan, x, B, dt)
     return y.to(x.dtype)
 
 
 def kv_to_state(kv, pplan, buf: Mamba2Buffers, slot: Tensor, A: Tensor,
                 check: bool | None = None) -> None:
     """Compress each row's committed KV entries into a checkpoint (one flush):
-    ``buf.state[slot] = Σ_{j<n} Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` (``S0 = 0``).
+    ``buf.state[slot] = Σ_{j<n} Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` (``S0 = 0``), folded run by
+    run over the held blocks.
 
     ``pplan`` (only its committed lengths are used), ``slot [Bt]`` (each row's state slot in
     ``buf``), ``A [H]`` (the pool stores Δ, so the decays need A).  Ring bookkeeping is the
     caller's (``ring.reset(slot)``); the row's blocks may be released afterwards.
     """
-    paged = paged_module()
     if not isinstance(buf, Mamba2Buffers):
         raise ValueError(f"buf must be Mamba2Buffers, got {type(buf).__name__}")
     if not isinstance(kv, paged.Mamba2PagedBuffers):
@@ -708,7 +813,58 @@ def kv_to_state(kv, pplan, buf: Mamba2Buffers, slot: Tensor, A: Tensor,
     sl = _check_slot(slot, P, Bt, device, check)
     if check and Bt and bool((pplan.length < 0).any()):
         raise ValueError(f"negative KV lengths in the paged plan: {pplan.length.tolist()}")
-    cdt = buf.state.dtype
-    xs, Bs, dts, logs, valid = _kv_history(kv, pplan, A, cdt)
-    S = _build_state(None, xs, Bs, dts, logs, valid, _group_index(H, G, device))
+    S = _kv_fold(kv, pplan, A, _group_index(H, G, device), buf.state.dtype)
     buf.state[sl] = S.to(buf.state.dtype)
+
+
+# ============================================================================ packed prefill
+def _check_varlen_inputs(x, dt, B, C):
+    """Validate packed activations ``x [Nt,H,d]``, ``dt [Nt,H]``, ``B/C [Nt,G,n]``; returns
+    ``(1, Nt, H, d, G, n)``."""
+    for name, t, form in (("x", x, "[Nt, H, d]"), ("dt", dt, "[Nt, H]"), ("B", B, "[Nt, G, n]"),
+                          ("C", C, "[Nt, G, n]")):
+        if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:
+            raise ValueError(f"{name} must be {form}, got {shape_str(t)}")
+    return _check_inputs(x[None], dt[None], B[None], C[None], True)
+
+
+def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+                           *, cu_seqlens: Tensor, initial_state: Tensor | None = None, chunk_size: int = 64,
+                           state_pool: Tensor | None = None, slots: Tensor | None = None,
+                           fresh: Tensor | None = None, check: bool | None = None):
+    """:func:`chunked_prefill` over a packed batch of ``N`` variable-length sequences.
+
+    x ``[Nt,H,d]``, dt ``[Nt,H]`` (Δ after softplus/bias/clamp), A ``[H]``, B/C ``[Nt,G,n]``,
+    D ``[H]`` or None; sequence ``i`` is tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` (may be
+    empty).  Each sequence is scanned on its own (chunks restart at its first token) from
+    ``initial_state[i]`` (zeros if None), or, in pool form (:mod:`replayssm.ops.varlen`),
+    from zeros if ``fresh[i]`` else ``state_pool[slots[i]]``, its final state written back
+    to ``state_pool[slots[i]]``.  Math in fp64 if x, dt or the state source is fp64, else fp32.
+
+    Returns ``(y [Nt,H,d] in x.dtype incl. D·x, final_state [N,H,d,n])``; in pool form
+    ``(y, None)`` (the final states are in the pool).
+    """
+    _, Nt, H, d, G, n = _check_varlen_inputs(x, dt, B, C)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check = want_check(check, x)
+    _check_params(A, D, dt, H, x.device, check)
+    N = check_cu_seqlens(cu_seqlens, Nt, x.device, check)
+    shape = (H, d, n)
+    sl, fr = check_state_source(initial_state, state_pool, slots, fresh, N, shape, x.device, check)
+    src = state_pool if state_pool is not None else initial_state
+    cdt = compute_dtype(x.dtype, dt.dtype, *(() if src is None else (src.dtype,)))
+    S0 = gather_initial(initial_state, state_pool, sl, fr, N, shape, cdt, x.device)
+    ys, finals = [], []
+    for i, (s, e) in enumerate(seq_bounds(cu_seqlens)):
+        y_i, S_i = chunked_prefill(x[None, s:e], dt[None, s:e], A, B[None, s:e], C[None, s:e], D,
+                                   initial_state=S0[i:i + 1], chunk_size=chunk_size, check=False)
+        ys.append(y_i[0])
+        finals.append(S_i[0])
+    y = torch.cat(ys, 0) if ys else x.new_zeros(x.shape)
+    final = torch.stack(finals, 0) if finals else S0
+    if state_pool is None:
+        return y, final
+    if N:
+        state_pool[sl] = final.to(state_pool.dtype)
+    return y, None

@@ -116,6 +116,21 @@ class RecomputeCache:
                 self._blocks[s] = 0
                 self.switched.append(s)
 
+    def fork(self, src: int, dst) -> None:
+        """Copy slot ``src``'s history into the free slots ``dst`` (n samples of one prompt)."""
+        self._check_idle()
+        src = int(src)
+        if not self._in_use[src]:
+            raise ValueError(f"fork source slot {src} holds no sequence")
+        for d in _as_list(dst):
+            if d == 0 or d == src or self._in_use[d]:
+                raise ValueError(f"fork target slot {d} must be free and not the null slot")
+        for d in _as_list(dst):
+            self.history[d] = list(self.history[src])
+            self._modes[d] = self._modes[src]
+            self._blocks[d] = self._blocks[src] if self._modes[src] == "kv" else 0
+            self._in_use[d] = True
+
     def release(self, slots) -> None:
         for s in _as_list(slots):
             if s == 0:
@@ -124,6 +139,9 @@ class RecomputeCache:
             self._blocks[s] = 0
             self._modes[s] = self.mode
             self._in_use[s] = False
+
+    def clear_pending(self) -> None:
+        self.pending = None
 
     def _check_idle(self):
         if self.pending is not None:
@@ -209,7 +227,7 @@ class RecomputeModel:
         return torch.stack(out)
 
     def make_cache(self, num_slots, mode="replay", buffer_size=16, max_new=1, max_seq_len=2048,
-                   kv_block_size=16, kv_num_blocks=None, device=None):
+                   kv_block_size=16, kv_num_blocks=None, device=None, attn_num_blocks=None):
         return RecomputeCache(num_slots, mode, buffer_size, max_new, max_seq_len, kv_block_size,
                               kv_num_blocks, device or self.device)
 

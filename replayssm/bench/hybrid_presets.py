@@ -1,0 +1,146 @@
+"""Random-weight hybrid models in HF layout for ``bench e2e --preset`` and the profilers.
+
+* ``nemotron-h-4b``: the public NVIDIA-Nemotron-3-Nano-4B shape (``nemotron_h``): d_model
+  3136, 42 layers ``M-M-M-MM-M-M*-M-M*-M-M-M*-M-M-MM*-MMM-M-M-`` (21 Mamba-2, 4 attention, 17
+  relu² MLP), Mamba-2 96 heads × 80, d_state 128, 8 groups; attention 40 heads, 8 KV heads ×
+  128, no RoPE; MLP 12544; vocab 131072 (3.97 B parameters).
+* ``qwen3-next-4b``: a Qwen3-Next-class model (``qwen3_next``) at ~4 B total: d_model 2048, 24
+  layers with gated attention every 4th (16 heads, 2 KV heads × 256, partial RoPE) and Gated
+  DeltaNet elsewhere (16 key heads, 32 value heads, 128 × 128 state); every layer a MoE of 64
+  SwiGLU experts (I=256, top-8) plus a 512-wide shared expert; vocab 151936.
+* ``*-tiny``: the same structure at toy size (CPU tests, ``--smoke``).
+
+Weights follow the 2.7B preset's recipe (see :func:`replayssm.bench.e2e._random_model_dir`):
+unit-variance embeddings, ``lm_head`` a permutation of the embedding rows over
+``sqrt(d_model)``, and every residual branch's output projection scaled by ``0.02 /
+sqrt(layers)``, so the residual stream keeps the current token's embedding and the greedy
+next token wins by a logit margin far above bf16 rounding (the oracle drafter's continuations
+stay valid).  Tensor names and shapes come from the model class itself (built on the
+``meta`` device), so the files always match what the loader expects.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..models.config import parse_config
+from ..models.loader import _model_class
+
+NEMOTRON_4B = dict(
+    model_type="nemotron_h", architectures=["NemotronHForCausalLM"], vocab_size=131072, hidden_size=3136,
+    hybrid_override_pattern="M-M-M-MM-M-M*-M-M*-M-M-M*-M-M-MM*-MMM-M-M-", mamba_num_heads=96, mamba_head_dim=80,
+    ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=256, num_attention_heads=40, num_key_value_heads=8,
+    head_dim=128, intermediate_size=12544, mlp_hidden_act="relu2", layer_norm_epsilon=1e-5, time_step_min=1e-3,
+    use_conv_bias=True, use_bias=False, mlp_bias=False, tie_word_embeddings=False, eos_token_id=None)
+
+QWEN3_NEXT_4B = dict(
+    model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=151936, hidden_size=2048,
+    num_hidden_layers=24, full_attention_interval=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    partial_rotary_factor=0.25, rope_theta=10000000.0, intermediate_size=5120, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256, shared_expert_intermediate_size=512,
+    decoder_sparse_step=1, norm_topk_prob=True, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False,
+    eos_token_id=None)
+
+HYBRID_PRESETS = {
+    # name: (config.json, checkpoint dtype)
+    "nemotron-h-4b": (NEMOTRON_4B, "bfloat16"),
+    "qwen3-next-4b": (QWEN3_NEXT_4B, "bfloat16"),
+    "nemotron-h-tiny": (dict(NEMOTRON_4B, vocab_size=256, hidden_size=64, hybrid_override_pattern="M-M*-EM*-",
+                             mamba_num_heads=8, mamba_head_dim=10, ssm_state_size=16, n_groups=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, intermediate_size=96, n_routed_experts=6,
+                             num_experts_per_tok=2, moe_intermediate_size=24, moe_shared_expert_intermediate_size=32,
+                             n_group=2, topk_group=1, routed_scaling_factor=1.5), "float32"),
+    "qwen3-next-tiny": (dict(QWEN3_NEXT_4B, vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, intermediate_size=96, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=12,
+                             num_experts_per_tok=3, moe_intermediate_size=16, shared_expert_intermediate_size=32),
+                        "float32"),
+}
+
+#: the tiny stand-in of each preset for ``--smoke`` runs
+TINY_OF = {"nemotron-h-4b": "nemotron-h-tiny", "qwen3-next-4b": "qwen3-next-tiny",
+           "nemotron-h-tiny": "nemotron-h-tiny", "qwen3-next-tiny": "qwen3-next-tiny"}
+
+
+def preset_config(preset: str, num_layers: int | None = None) -> dict:
+    """The preset's ``config.json`` dict; ``num_layers`` keeps the first layers only (profiling)."""
+    cfg = dict(HYBRID_PRESETS[preset][0])
+    if num_layers is not None:
+        if cfg["model_type"] == "nemotron_h":
+            cfg["hybrid_override_pattern"] = cfg["hybrid_override_pattern"][:num_layers]
+        else:
+            cfg["num_hidden_layers"] = num_layers
+    return cfg
+
+
+def _init(name: str, shape, module, L: int, gen, device):
+    """Random value of one parameter (see the module docstring for the recipe)."""
+    leaf = name.rpartition(".")[2]
+    rnd = lambda scale: torch.randn(*shape, generator=gen, device=device) * scale
+    uni = lambda lo, hi: torch.empty(*shape, device=device).uniform_(lo, hi, generator=gen)
+    if leaf == "weight" and "norm" in name.rpartition(".")[0].rpartition(".")[2]:
+        return torch.zeros(shape, device=device) if getattr(module, "zero_centered", False) else torch.ones(shape, device=device)
+    if leaf == "A_log":
+        return torch.log(uni(1.0, 16.0))
+    if leaf == "dt_bias":
+        return torch.log(torch.expm1(uni(1e-3, 1e-1)))
+    if leaf == "D":
+        return torch.ones(shape, device=device)
+    if leaf == "e_score_correction_bias":
+        return rnd(0.01)
+    if "conv1d" in name:
+        return rnd(0.3 if leaf == "weight" else 0.1)
+    if leaf == "bias":
+        return torch.zeros(shape, device=device)
+    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "down_proj", "fc2_latent_proj.weight")):
+        return rnd(0.02 / math.sqrt(L))
+    return rnd(0.02)
+
+
+def random_hybrid_dir(preset: str, root: str, seed: int = 0, num_layers: int | None = None,
+                      gen_device: str | None = None) -> str:
+    """Save a random-weight model of ``preset`` in HF layout under ``root``; returns its path.
+    Values are drawn on ``gen_device`` (default: CUDA when available, it is much faster for
+    4 B parameters) and saved in the preset's dtype."""
+    cfg = preset_config(preset, num_layers)
+    dtype = getattr(torch, HYBRID_PRESETS[preset][1])
+    parsed = parse_config(cfg, f"preset {preset}")
+    with torch.device("meta"):
+        model = _model_class(parsed)(parsed, dtype, "cpu")
+    dev = gen_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    L = parsed.num_hidden_layers
+    sd = {}
+    emb_name = next(n for n, _ in model.named_parameters() if n.endswith(("embeddings.weight", "embed_tokens.weight")))
+    for name, p in model.named_parameters():
+        if name == "lm_head.weight":
+            continue
+        module = model.get_submodule(name.rpartition(".")[0])
+        if name == emb_name:
+            t = torch.randn(*p.shape, generator=gen, device=dev)
+        else:
+            t = _init(name, tuple(p.shape), module, L, gen, dev)
+        keep32 = name.rpartition(".")[2] in ("A_log", "dt_bias", "D", "e_score_correction_bias")
+        sd[name] = t.to(torch.float32 if keep32 else dtype).cpu().contiguous()
+    emb = sd[emb_name].float()
+    perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed))
+    sd["lm_head.weight"] = (emb[perm] / math.sqrt(emb.shape[1])).to(dtype).contiguous()
+    d = Path(root) / f"random-{preset}" if num_layers is None else Path(root) / f"random-{preset}-{num_layers}l"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file(sd, str(d / "model.safetensors"))
+    return str(d)
+
+
+def parameter_count(preset: str) -> int:
+    """Parameters of the preset's model (from the meta-device skeleton, no memory)."""
+    parsed = parse_config(preset_config(preset), f"preset {preset}")
+    with torch.device("meta"):
+        model = _model_class(parsed)(parsed, torch.bfloat16, "cpu")
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,572 @@
+"""``replayssm bench serve``: a serving benchmark against the OpenAI-compatible server.
+
+Like ``vllm bench serve``: requests arrive as a Poisson process at each of
+``--request-rates`` (``inf``: all at once), each a streaming ``/v1/completions`` call with a
+fixed prompt and output length (``--prompt-len`` / ``--output-len``, or per request from a
+JSONL ``--dataset`` with ``prompt`` (text or token ids) and optionally ``output_len``).
+Per rate it reports request throughput, output tokens/s, TTFT, TPOT (time per output token
+after the first) and ITL (gap between two streamed chunks; a speculative step's several
+tokens arrive in one chunk) at p50/p90/p99, and the mean accepted length read from the
+server's ``/metrics``.
+
+It starts the server itself, once per configuration, and compares configurations in one
+run (``--configs``):
+
+* ``replay``      replay-buffer decoding
+* ``replay+spec`` replay decoding with speculation (``--spec-method``, default n-gram)
+* ``recurrent``   the recurrent form (standard decoding: state read and written per token)
+* ``snapshot``    recurrent form with speculation (one stored state per draft: what
+                  vLLM/SGLang do for SSM speculation)
+
+Without ``--model`` a random-weight model of ``--preset`` size is written first: a Mamba-2
+(the presets of ``bench e2e``) or a Nemotron-H hybrid (``hybrid-tiny``, ``hybrid-4b``).  Its
+greedy next token is a fixed permutation of the current one, so ``--prompt-kind walk`` (the
+default for presets) builds prompts ``A + A[:k]`` from greedy walks ``A`` of the model
+itself: prompt lookup then finds the continuation, as on repetitive real text, and both
+speculative configurations see the same drafts.
+``--prompt-kind random`` gives prompts where nothing is found (speculation overhead only).
+``--url`` benchmarks a server that is already running (one configuration).
+
+Writes ``serve.json`` and ``serve.png`` (TTFT / TPOT / output tokens/s against the rate) to
+``--out``.  ``--smoke`` is a small CPU run for CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..models.config import read_config
+from ..models.nemotron_h import NemotronHLM
+from ..server.cli import add_engine_args
+from .e2e import PRESETS, _random_model_dir
+
+# Random-weight hybrid presets (Nemotron-H layout: Mamba-2 'M', attention '*', relu2 MLP '-').
+# Nemotron-H-class dimensions, not a published checkpoint's: "hybrid-4b" has 27 Mamba-2, 4
+# attention and 25 MLP layers, hidden 3072 (about 4.3B parameters).
+HYBRID_PRESETS = {
+    "hybrid-tiny": dict(vocab_size=256, hidden_size=64, hybrid_override_pattern="M*M-M", num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, intermediate_size=128, mamba_num_heads=8,
+                        mamba_head_dim=16, ssm_state_size=16, n_groups=2),
+    "hybrid-4b": dict(vocab_size=131072, hidden_size=3072,
+                      hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=9216,
+                      mamba_num_heads=112, mamba_head_dim=64, ssm_state_size=128, n_groups=8),
+}
+
+CONFIGS = {
+    "replay": dict(mode="replay", spec=False),
+    "replay+spec": dict(mode="replay", spec=True),
+    "recurrent": dict(mode="recurrent", spec=False),
+    "snapshot": dict(mode="recurrent", spec=True),
+}
+
+
+# ---- random-weight hybrid checkpoints ---------------------------------------------------------------
+def hybrid_model_dir(preset: str, root: str, seed: int = 0) -> str:
+    """Save a random-weight Nemotron-H of ``preset`` size in HF layout under ``root``.
+
+    As ``bench e2e``'s Mamba-2 presets: unit-variance embeddings, ``lm_head`` a permutation of
+    them scaled by ``1/sqrt(hidden)``, and every mixer's output projection small, so the
+    residual stream keeps the current token's embedding and the greedy next token is its
+    image under the permutation by a wide margin (what the walk prompts rely on).  The
+    tensors are the ones our Nemotron-H model asks for (names and shapes from the model built
+    on the meta device), so the directory loads with :func:`replayssm.models.load_model`.
+    """
+    cfg = dict(HYBRID_PRESETS[preset], model_type="nemotron_h", architectures=["NemotronHForCausalLM"],
+               eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+               time_step_min=1e-3, chunk_size=128, use_conv_bias=True, use_bias=False, mlp_bias=False,
+               layer_norm_epsilon=1e-5)
+    d = Path(root) / f"random-{preset}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with torch.device("meta"):
+        model = NemotronHLM(read_config(str(d)), torch.bfloat16, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    D, V = cfg["hidden_size"], cfg["vocab_size"]
+    layers = len(cfg["hybrid_override_pattern"])
+    dt = torch.bfloat16 if D >= 1024 else torch.float32
+    emb = torch.randn(V, D, generator=g).to(dt)
+    sd = {}
+    for name, p in model.named_parameters():
+        shape, leaf = tuple(p.shape), name.rsplit(".", 1)[-1]
+        if name.endswith("embeddings.weight"):
+            t = emb
+        elif name == "lm_head.weight":
+            t = (emb.float()[torch.randperm(V, generator=g)] / D ** 0.5).to(dt)
+        elif "norm" in name:
+            t = torch.ones(shape)
+        elif leaf == "A_log":
+            t = torch.log(torch.empty(shape).uniform_(1, 16, generator=g))
+        elif leaf == "dt_bias":
+            t = torch.log(torch.expm1(torch.empty(shape).uniform_(1e-3, 1e-1, generator=g)))
+        elif leaf == "D":
+            t = torch.ones(shape)
+        elif leaf == "e_score_correction_bias":
+            t = torch.zeros(shape)
+        elif "conv1d" in name:
+            t = torch.randn(shape, generator=g) * (0.3 if leaf == "weight" else 0.1)
+        elif any(k in name for k in ("out_proj", "o_proj", "down_proj")):
+            t = (torch.randn(shape, generator=g) * (0.02 / layers ** 0.5)).to(dt)
+        else:
+            t = (torch.randn(shape, generator=g) * 0.02).to(dt)
+        sd[name] = t.contiguous()
+    save_file(sd, str(d / "model.safetensors"))
+    return str(d)
+
+
+# ---- the server process ------------------------------------------------------------------------
+class ServerProcess:
+    """``replayssm serve`` in a subprocess on 127.0.0.1, an ephemeral port."""
+
+    def __init__(self, model: str, flags: list[str], log_path: Path):
+        cmd = [sys.executable, "-m", "replayssm", "serve", model, "--port", "0", *flags]
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        root = str(Path(__file__).resolve().parents[2])    # this replayssm, whatever the cwd
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.url = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            if self.url is None and "listening on " in line:
+                self.url = line.split("listening on ", 1)[1].split()[0]
+                self._ready.set()
+        self._ready.set()
+
+    def wait(self, timeout: float) -> str:
+        if not self._ready.wait(timeout) or self.url is None:
+            self.stop()
+            tail = self.log_path.read_text()[-3000:]
+            raise RuntimeError(f"server did not start (log {self.log_path}):\n{tail}")
+        return self.url
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+def engine_flags(args, mode: str, spec: bool) -> list[str]:
+    """Server flags: every engine option given to the benchmark, plus the configuration's."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    out = ["--mode", mode, "--max-queue", str(100_000), "--log-level", "warning"]
+    for a in p._actions:
+        if a.dest in ("mode", "speculative", "help") or not a.option_strings:
+            continue
+        v = getattr(args, a.dest, a.default)
+        if v == a.default or v is None:
+            continue
+        flag = a.option_strings[0]
+        out += [flag] if isinstance(v, bool) else [flag, str(v)]
+    if spec:
+        out += ["--speculative", args.spec_method]
+    return out
+
+
+# ---- requests --------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    ok: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list = field(default_factory=list)
+    error: str = ""
+
+
+async def one_request(client, url: str, model: str, prompt, output_len: int, temperature: float) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": temperature,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    r = Result()
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    r.error = chunk["error"].get("message", "error")
+                    return r
+                if chunk.get("usage"):
+                    r.output_tokens = chunk["usage"]["completion_tokens"]
+                    r.prompt_len = chunk["usage"]["prompt_tokens"]
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    if last is None:
+                        r.ttft = now - t0
+                    else:
+                        r.itl.append(now - last)
+                    last = now
+        r.latency = time.perf_counter() - t0
+        r.ok = r.output_tokens > 0
+        if not r.ok:
+            r.error = "no tokens"
+    except Exception as e:  # a failed request is counted, not fatal
+        r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
+async def run_rate(url: str, model: str, requests: list, rate: float, temperature: float, seed: int,
+                   max_concurrency: int | None, desc: str) -> tuple[list[Result], float]:
+    """Send ``requests`` ``[(prompt, output_len)]`` with Poisson arrivals at ``rate`` per second."""
+    import httpx
+
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = _progress(len(requests), desc)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        async def send(p, n):
+            if sem is None:
+                res = await one_request(client, url, model, p, n, temperature)
+            else:
+                async with sem:
+                    res = await one_request(client, url, model, p, n, temperature)
+            bar.update(1)
+            return res
+
+        tasks = []
+        t0 = time.perf_counter()
+        for i, (p, n) in enumerate(requests):
+            tasks.append(asyncio.create_task(send(p, n)))
+            if math.isfinite(rate) and i + 1 < len(requests):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        dur = time.perf_counter() - t0
+    bar.close()
+    return results, dur
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
+
+
+def _pct(xs: list, q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(results: list[Result], dur: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    ttft = [r.ttft for r in ok]
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [x for r in ok for x in r.itl]
+    row = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": dur,
+           "request_throughput": len(ok) / dur, "output_tokens_per_s": out_tokens / dur,
+           "total_tokens_per_s": (out_tokens + sum(r.prompt_len for r in ok)) / dur,
+           "output_tokens": out_tokens, "errors": sorted({r.error for r in results if not r.ok})[:5]}
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", [r.latency for r in ok])):
+        row[f"mean_{name}_ms"] = 1000 * sum(xs) / len(xs) if xs else float("nan")
+        for q in (50, 90, 99):
+            row[f"p{q}_{name}_ms"] = 1000 * _pct(xs, q)
+    return row
+
+
+def scrape(url: str) -> dict:
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, val = line.rpartition(" ")
+            out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(val) if "finished_reason" in name \
+                else float(val)
+    return out
+
+
+def model_name(url: str) -> str:
+    import httpx
+
+    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+# ---- prompts ---------------------------------------------------------------------------------------
+def load_dataset(path: str, n: int, default_out: int) -> list:
+    reqs = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            reqs.append((d["prompt"], int(d.get("output_len", default_out))))
+            if len(reqs) == n:
+                break
+    if not reqs:
+        raise ValueError(f"{path}: no requests (JSONL lines with a 'prompt')")
+    while len(reqs) < n:
+        reqs += reqs[: n - len(reqs)]
+    return reqs
+
+
+def make_prompts(args, url: str, model: str, vocab: int) -> list:
+    """``[(prompt token ids, output_len)] * num_prompts`` for the chosen prompt kind."""
+    rng = random.Random(args.seed)
+    P, out_len, n = args.prompt_len, args.output_len, args.num_prompts
+    if args.prompt_kind == "random":
+        return [([rng.randrange(vocab) for _ in range(P)], out_len) for _ in range(n)]
+    if args.prompt_kind == "motif":
+        out = []
+        for _ in range(n):
+            motif = [rng.randrange(vocab) for _ in range(8)]
+            out.append(((motif * (P // 8 + 1))[:P], out_len))
+        return out
+    # walk: A + A[:k] with A a greedy walk of a tokens: the greedy continuation is A[k:], which
+    # prompt lookup finds in the first copy.  It covers the output when a - k >= output_len,
+    # i.e. a >= (P + output_len) / 2; k stays >= 1 (and >= P/4 when the output is short)
+    a = max(-(-(P + out_len) // 2), P - max(4, P // 4))
+    a = min(a, P - 1)
+    k = P - a
+    starts = [rng.randrange(vocab) for _ in range(n)]
+    ids = asyncio.run(_greedy_walk_ids(url, model, starts, a))
+    return [(w + w[:k], out_len) for w in ids]
+
+
+async def _greedy_walk_ids(url, model, starts, length):
+    """``[t] + greedy continuation`` (``length`` token ids) for each start token ``t``."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+        async def walk(t):
+            r = await client.post(url + "/v1/completions", json={
+                "model": model, "prompt": [t], "max_tokens": length - 1, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            r.raise_for_status()
+            ch = r.json()["choices"][0]
+            return [t] + list(ch["token_ids"])
+        return await asyncio.gather(*(walk(t) for t in starts))
+
+
+# ---- plots -------------------------------------------------------------------------------------------
+def plot(res: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    panels = [("p50_ttft_ms", "TTFT p50 (ms)"), ("p99_ttft_ms", "TTFT p99 (ms)"), ("p50_tpot_ms", "TPOT p50 (ms)"),
+              ("output_tokens_per_s", "output tokens/s")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    rates = sorted({r["rate"] for c in res["runs"] for r in res["runs"][c]}, key=lambda x: (x == "inf", x))
+    xs = {r: i for i, r in enumerate(rates)}
+    for name, rows in res["runs"].items():
+        for ax, (key, title) in zip(axes, panels):
+            ax.plot([xs[r["rate"]] for r in rows], [r[key] for r in rows], marker="o", label=name)
+    for ax, (_, title) in zip(axes, panels):
+        ax.set_xticks(range(len(rates)))
+        ax.set_xticklabels([str(r) for r in rates])
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(res["config"].get("model_desc", ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+# ---- main ------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="replayssm bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model directory (default: random weights of --preset)")
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS) + sorted(HYBRID_PRESETS),
+                   help="random-weight model: a Mamba-2 of bench e2e's sizes, or a Nemotron-H hybrid")
+    p.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
+    p.add_argument("--configs", default="replay,replay+spec,recurrent,snapshot",
+                   help=f"server configurations to compare: {','.join(CONFIGS)}")
+    p.add_argument("--spec-method", default="ngram", choices=["ngram", "draft", "tree"])
+    p.add_argument("--request-rates", default="1,4,16,inf", help="requests per second (inf: all at once)")
+    p.add_argument("--num-prompts", type=int, default=200, help="requests per rate")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dataset", default=None, help="JSONL: {'prompt': text or ids, 'output_len': n} per line")
+    p.add_argument("--prompt-kind", default=None, choices=["walk", "random", "motif"],
+                   help="synthetic prompts (default: walk for presets, motif for --model)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--warmup", type=int, default=4, help="requests before each configuration's runs")
+    p.add_argument("--server-timeout", type=float, default=1200.0, help="seconds to wait for a server to start")
+    p.add_argument("--out", default="out/bench_serve")
+    p.add_argument("--smoke", action="store_true", help="small CPU run (CI)")
+    p.add_argument("--no-plot", action="store_true")
+    add_engine_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        if args.model is None and args.preset not in ("tiny", "hybrid-tiny"):
+            args.preset = "hybrid-tiny" if args.preset in HYBRID_PRESETS else "tiny"
+        args.device = args.device or "cpu"
+        args.num_prompts = min(args.num_prompts, 8)
+        args.prompt_len, args.output_len = min(args.prompt_len, 24), min(args.output_len, 8)
+        args.request_rates = "8,inf" if args.request_rates == "1,4,16,inf" else args.request_rates
+        args.torch_threads = args.torch_threads or 1
+        args.warmup = min(args.warmup, 2)
+        args.num_tokens = min(args.num_tokens, 3)
+    try:
+        rates = [float(r) for r in args.request_rates.split(",") if r]
+    except ValueError:
+        print(f"replayssm bench serve: error: --request-rates must be numbers or inf, got {args.request_rates!r}",
+              file=sys.stderr)
+        return 2
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad and not args.url:
+        print(f"replayssm bench serve: error: unknown configs {bad}; choose from {list(CONFIGS)}", file=sys.stderr)
+        return 2
+    if any(CONFIGS[c]["spec"] for c in configs if c in CONFIGS) and args.spec_method == "draft" \
+            and not args.draft_model and not args.url:
+        print("replayssm bench serve: error: --spec-method draft needs --draft-model", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.max_seq_len == 2048 and not args.dataset:
+        args.max_seq_len = max(256, -(-(args.prompt_len + args.output_len + 64) // 64) * 64)
+    kind = args.prompt_kind or ("motif" if args.model else "walk")
+    args.prompt_kind = kind
+    res = {"config": {k: v for k, v in vars(args).items()}, "runs": {}, "accepted_length": {}}
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, desc = args.model, f"model {args.model}"
+        if args.url:
+            desc = f"server {args.url}"
+            configs = ["server"]
+        elif model_dir is None and args.preset in HYBRID_PRESETS:
+            print(f"[bench serve] writing a random-weight hybrid ({args.preset})", file=sys.stderr, flush=True)
+            model_dir = hybrid_model_dir(args.preset, tmp)
+            desc = f"random-weight Nemotron-H hybrid ({args.preset})"
+        elif model_dir is None:
+            print(f"[bench serve] writing a random-weight Mamba-2 ({args.preset})", file=sys.stderr, flush=True)
+            model_dir = _random_model_dir(args.preset, tmp)
+            desc = f"random-weight Mamba-2 ({args.preset})"
+        res["config"]["model_desc"] = desc
+        requests = None
+        for name in configs:
+            server = None
+            try:
+                if args.url:
+                    url = args.url
+                else:
+                    cfg = CONFIGS[name]
+                    flags = engine_flags(args, cfg["mode"], cfg["spec"])
+                    print(f"[bench serve] {name}: replayssm serve {model_dir} {' '.join(flags)}", file=sys.stderr,
+                          flush=True)
+                    t0 = time.perf_counter()
+                    server = ServerProcess(model_dir, flags, out / f"server_{name.replace('+', '_')}.log")
+                    url = server.wait(args.server_timeout)
+                    res.setdefault("startup_s", {})[name] = time.perf_counter() - t0
+                mname = model_name(url)
+                if requests is None:   # the same requests for every configuration
+                    if args.dataset:
+                        requests = load_dataset(args.dataset, args.num_prompts, args.output_len)
+                    else:
+                        vocab = _vocab(model_dir) if model_dir else 256
+                        requests = make_prompts(args, url, mname, vocab)
+                    res["config"]["num_requests"] = len(requests)
+                warm = requests[: args.warmup]
+                if warm:
+                    asyncio.run(run_rate(url, mname, warm, float("inf"), args.temperature, args.seed, None,
+                                         f"{name} warm-up"))
+                rows = []
+                for rate in rates:
+                    before = scrape(url)
+                    results, dur = asyncio.run(run_rate(url, mname, requests, rate, args.temperature, args.seed,
+                                                        args.max_concurrency, f"{name} @ {rate:g} req/s"))
+                    after = scrape(url)
+                    row = summarize(results, dur)
+                    steps = after.get("replayssm_spec_decode_steps_total", 0) - before.get(
+                        "replayssm_spec_decode_steps_total", 0)
+                    toks = after.get("replayssm_spec_decode_tokens_total", 0) - before.get(
+                        "replayssm_spec_decode_tokens_total", 0)
+                    row["mean_accepted_length"] = toks / steps if steps else float("nan")
+                    row["rate"] = "inf" if math.isinf(rate) else rate
+                    rows.append(row)
+                    print(f"[bench serve] {name} @ {row['rate']} req/s: {row['output_tokens_per_s']:.0f} out tok/s, "
+                          f"TTFT p50 {row['p50_ttft_ms']:.0f} ms, TPOT p50 {row['p50_tpot_ms']:.1f} ms, "
+                          f"acc {row['mean_accepted_length']:.2f}, failed {row['failed']}", file=sys.stderr,
+                          flush=True)
+                res["runs"][name] = rows
+            finally:
+                if server is not None:
+                    server.stop()
+    res["elapsed_s"] = time.perf_counter() - t_start
+    (out / "serve.json").write_text(json.dumps(res, indent=1, default=str))
+    png = None if args.no_plot else plot(res, out / "serve.png")
+    hdr = (f"{'config':<13}{'rate':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}"
+           f"{'p99':>8}{'ITL p50':>9}{'p99':>8}{'acc':>6}{'fail':>5}")
+    print(f"{desc}; {len(requests or [])} requests per rate, prompt {args.prompt_len} ({kind}), "
+          f"output {args.output_len}; times in ms")
+    print(hdr)
+    for name, rows in res["runs"].items():
+        for r in rows:
+            print(f"{name:<13}{str(r['rate']):>6}{r['request_throughput']:>8.2f}{r['output_tokens_per_s']:>11.1f}"
+                  f"{r['p50_ttft_ms']:>10.1f}{r['p99_ttft_ms']:>9.1f}{r['p50_tpot_ms']:>10.2f}{r['p99_tpot_ms']:>8.2f}"
+                  f"{r['p50_itl_ms']:>9.2f}{r['p99_itl_ms']:>8.2f}{r['mean_accepted_length']:>6.2f}"
+                  f"{r['failed']:>5}")
+    print(f"wrote {out / 'serve.json'}" + (f" and {png}" if png else "") + f" in {res['elapsed_s']:.1f}s")
+    failed = sum(r["failed"] for rows in res["runs"].values() for r in rows)
+    return 1 if failed else 0
+
+
+def _vocab(model_dir: str) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return int(json.load(f)["vocab_size"])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

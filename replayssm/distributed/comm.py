@@ -1,0 +1,116 @@
+"""The wire between rank 0 and the workers: one control message per call, plus its tensors.
+
+Two process groups over the same ranks:
+
+* the **data group** (the default group: NCCL on GPUs, gloo on CPU) carries the model's
+  collectives and the call's device tensors;
+* the **control group** (gloo, CPU) carries the call itself — a small picklable message
+  naming the object, the method and its host arguments — with an unbounded timeout, so a
+  worker may wait for the next call as long as the engine idles.
+
+A call's device tensors (draft tokens, parents, accepted counts, ...) travel as one packed
+broadcast per dtype family on the data group (integers and booleans as one int64 buffer),
+asynchronously on the stream: sending a call never waits for the device.  Host values
+(slot lists, prompt ids, CPU tensors when the device is a GPU) travel inside the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["Comm", "TensorArg", "Ref"]
+
+#: the control group never times out (a worker waits for the next call while the engine idles)
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """Placeholder for the ``index``-th tensor broadcast with a message."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Placeholder for an object a worker holds (a model, cache or runner) by handle."""
+
+    handle: int
+
+
+def _wire_dtype(dt: torch.dtype) -> torch.dtype:
+    return dt if (dt.is_floating_point or dt.is_complex) else torch.int64
+
+
+def fill(x, tensors: list[Tensor]):
+    """``x`` with every :class:`TensorArg` replaced by its tensor (lists, tuples, dicts, and
+    the fields of dataclass instances such as a step's ``SamplingBatch``)."""
+    if isinstance(x, TensorArg):
+        return tensors[x.index]
+    if isinstance(x, (list, tuple)):
+        return type(x)(fill(v, tensors) for v in x)
+    if isinstance(x, dict):
+        return {k: fill(v, tensors) for k, v in x.items()}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: fill(getattr(x, f.name), tensors) for f in dataclasses.fields(x)})
+    return x
+
+
+class Comm:
+    """One rank's end of the wire.  Rank 0 :meth:`send` s, the others :meth:`recv`."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, data_group=None, control_group=None):
+        self.rank, self.size, self.device = rank, size, device
+        self.data, self.control = data_group, control_group
+
+    def is_wire_tensor(self, x) -> bool:
+        """Tensors that travel on the data group: those on this rank's device."""
+        return isinstance(x, Tensor) and x.device.type == self.device.type
+
+    # -- rank 0 -----------------------------------------------------------------------------
+    def send(self, msg, tensors: list[Tensor]) -> None:
+        """Broadcast ``msg`` (picklable, :class:`TensorArg` placeholders for ``tensors``)
+        on the control group, then ``tensors`` on the data group."""
+        specs = [(tuple(t.shape), t.dtype) for t in tensors]
+        dist.broadcast_object_list([(msg, specs)], src=0, group=self.control)
+        for wire, idx in self._families(specs):
+            buf = torch.cat([tensors[i].reshape(-1).to(wire) for i in idx])
+            dist.broadcast(buf, src=0, group=self.data)
+
+    # -- workers ----------------------------------------------------------------------------
+    def recv(self):
+        """The next message from rank 0, placeholders filled with the received tensors."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        msg, specs = box[0]
+        tensors: list = [None] * len(specs)
+        for wire, idx in self._families(specs):
+            sizes = [_numel(specs[i][0]) for i in idx]
+            buf = torch.empty(sum(sizes), dtype=wire, device=self.device)
+            dist.broadcast(buf, src=0, group=self.data)
+            for i, part in zip(idx, buf.split(sizes)):
+                shape, dtype = specs[i]
+                tensors[i] = part.view(shape).to(dtype)
+        return fill(msg, tensors)
+
+    @staticmethod
+    def _families(specs):
+        """``[(wire dtype, tensor indices)]`` in a fixed order (one broadcast each)."""
+        fams: dict = {}
+        for i, (_, dt) in enumerate(specs):
+            fams.setdefault(_wire_dtype(dt), []).append(i)
+        return sorted(fams.items(), key=lambda kv: str(kv[0]))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

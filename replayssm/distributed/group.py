@@ -1,0 +1,392 @@
+"""A tensor-parallel group: rank 0 (this process, the driver) and its workers.
+
+``TensorParallelGroup(size, device)`` starts ``size - 1`` worker processes with
+``torch.multiprocessing``'s spawn context, rendezvous on a ``TCPStore`` bound to a free
+loopback port, and joins them in a ``torch.distributed`` default group (NCCL on GPUs, rank
+``r`` on ``cuda:<base + r>``; gloo on CPU) plus a gloo control group.
+``TensorParallelGroup.from_torchrun()`` joins the group ``torchrun`` set up instead
+(multi-node): ranks above 0 serve there and exit when rank 0 closes.
+
+Rank 0 drives: :meth:`call` sends one message (the object's handle, the method, its
+arguments) and then runs the same method on its own shard; the workers
+(:mod:`~replayssm.distributed.worker`) run it on theirs.  Objects the workers hold are
+named by handles; rank 0's proxies free them when garbage collected (the frees ride on the
+next message, so a collection never interleaves with a call).
+
+Failures: a worker that raises reports its traceback and exits; one that dies closes its
+sockets.  Rank 0's pending collective then fails (gloo), or — NCCL waits on the device —
+a monitor thread that watches the worker processes aborts the communicator.  Either way
+the call raises :class:`WorkerFailed` naming the rank, its exit code and traceback, and the
+group refuses further calls.  Workers are stopped by :meth:`close` (also a context manager
+and at interpreter exit); a worker whose driver dies finds its control socket closed and
+exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import atexit
+import datetime
+import os
+import threading
+import time
+import weakref
+from multiprocessing import connection
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..models.config import parse_config, read_config
+from ..runtime import canonical_device
+from .comm import CONTROL_TIMEOUT, Comm, Ref, TensorArg
+from .loading import load_shard, random_shard
+from .model import TensorParallelModel
+from .sharding import check_tensor_parallel
+from .worker import Worker, WorkerSpec, worker_main
+
+__all__ = ["TensorParallelGroup", "WorkerFailed", "join"]
+
+_READY = "replayssm/ready/{}"
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel worker died or raised; the group cannot run further calls."""
+
+
+def _init_groups(backend: str, store, rank: int, size: int, device: torch.device, timeout_s: float) -> Comm:
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return Comm(rank, size, device, None, control)
+
+
+def join(spec: WorkerSpec) -> Comm:
+    """A spawned worker joins the group described by ``spec``."""
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(spec.host, spec.port, spec.size, is_master=False,
+                          timeout=datetime.timedelta(seconds=spec.timeout_s))
+    store.set(_READY.format(spec.rank), "1")
+    return _init_groups(spec.backend, store, spec.rank, spec.size, device, spec.timeout_s)
+
+
+def _check_size(size) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
+    return size
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    return device if device.type == "cpu" else torch.device("cuda", device.index + rank)
+
+
+def check_devices(size: int, device) -> torch.device:
+    """The canonical device of rank 0; raises ``ValueError`` when ``size`` ranks do not fit."""
+    size = _check_size(size)
+    device = canonical_device(device)
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"tensor parallelism runs on cpu or cuda devices, got {device}")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' requested but CUDA is not available")
+    n = torch.cuda.device_count()
+    if device.index + size > n:
+        raise ValueError(f"tensor_parallel_size={size} puts rank r on cuda:{device.index}+r, up to "
+                         f"cuda:{device.index + size - 1}, but {n} GPU(s) are visible")
+    return device
+
+
+_LIVE: "weakref.WeakSet[TensorParallelGroup]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live() -> None:  # pragma: no cover - interpreter exit
+    for g in list(_LIVE):
+        g.close()
+
+
+class TensorParallelGroup:
+    """Rank 0's end of ``size`` processes that run one model step together.
+
+    ``device``: rank 0's device (``"cpu"``, or ``"cuda:i"``: rank ``r`` uses ``cuda:i+r``).
+    ``timeout_s``: the data group's collective timeout.  ``worker_threads``: intra-op
+    threads of each worker (default: this process's setting).  Use as a context manager or
+    call :meth:`close`; models are loaded with :meth:`load_model` (or :meth:`random_model`)
+    and passed to ``LLM``.
+    """
+
+    def __init__(self, size: int, device="cpu", *, timeout_s: float = 600.0, worker_threads: int | None = None,
+                 start_timeout_s: float = 300.0):
+        device = check_devices(size, device)
+        if dist.is_initialized():
+            raise ValueError("torch.distributed is already initialised in this process: one tensor-parallel "
+                             "group at a time (close the other first; under torchrun use "
+                             "TensorParallelGroup.from_torchrun())")
+        self.size, self.rank, self.device = size, 0, device
+        self._procs: list = []
+        self._init_state()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=start_timeout_s))
+        ctx = mp.get_context("spawn")
+        self._errors = ctx.SimpleQueue()
+        threads = worker_threads or torch.get_num_threads()
+        try:
+            for r in range(1, size):
+                spec = WorkerSpec(r, size, "127.0.0.1", store.port, backend, str(_rank_device(device, r)),
+                                  threads, timeout_s)
+                p = ctx.Process(target=worker_main, args=(spec, self._errors), daemon=True,
+                                name=f"replayssm-tp-rank{r}")
+                p.start()
+                self._procs.append(p)
+            self._wait_ready(store, start_timeout_s)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            self.comm = _init_groups(backend, store, 0, size, device, timeout_s)
+        except BaseException:
+            self._terminate()
+            raise
+        self._store = store
+        self._stop_r, self._stop_w = mp.Pipe(duplex=False)
+        self._monitor = threading.Thread(target=self._watch, name="replayssm-tp-monitor", daemon=True)
+        self._monitor.start()
+        _LIVE.add(self)
+
+    def _init_state(self) -> None:
+        self._next_handle = 0
+        self._frees: list[int] = []
+        self._frees_lock = threading.RLock()   # finalisers may run in any thread, even mid-send
+        self._failure: str | None = None
+        self._closing = self._closed = False
+        self._monitor = None
+        self._errors = None
+
+    @classmethod
+    def from_torchrun(cls, device_type: str | None = None, timeout_s: float = 600.0) -> "TensorParallelGroup":
+        """Join the group ``torchrun`` launched (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` ...).
+
+        On rank 0 returns the driver; on every other rank serves rank 0's calls and exits
+        the process (status 0) when rank 0 closes the group — this call does not return there.
+        """
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        kind = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda", local) if kind == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        comm = Comm(rank, size, device, None, control)
+        if rank != 0:
+            Worker(comm).serve()
+            dist.destroy_process_group()
+            raise SystemExit(0)
+        self = cls.__new__(cls)
+        self.size, self.rank, self.device = size, 0, device
+        self._procs = []
+        self._init_state()
+        self.comm = comm
+        _LIVE.add(self)
+        return self
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _wait_ready(self, store, timeout_s: float) -> None:
+        keys = [_READY.format(r) for r in range(1, self.size)]
+        t_end = time.monotonic() + timeout_s
+        while not store.check(keys):
+            dead = [p for p in self._procs if not p.is_alive()]
+            if dead:
+                raise WorkerFailed(f"tensor-parallel worker failed to start: {self._describe(dead)}")
+            if time.monotonic() > t_end:
+                raise WorkerFailed(f"tensor-parallel workers did not start within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def _watch(self) -> None:
+        """Monitor thread: a worker that exits while the group is open is a failure; on NCCL
+        the blocked device collectives are aborted so the driver's call can raise."""
+        waits = [p.sentinel for p in self._procs] + [self._stop_r]
+        ready = connection.wait(waits)
+        if self._stop_r in ready or self._closing:
+            return
+        time.sleep(0.2)  # let the error report arrive
+        self._failure = self._describe([p for p in self._procs if not p.is_alive()])
+        if self.device.type == "cuda":
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            try:
+                if abort is not None:
+                    abort()
+            except Exception:  # pragma: no cover - best effort
+                pass
+
+    def _describe(self, dead) -> str:
+        reports = {}
+        while self._errors is not None and not self._errors.empty():
+            r, tb = self._errors.get()
+            reports[r] = tb
+        parts = []
+        for p in dead:
+            r = int(p.name.rsplit("rank", 1)[1])
+            line = f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+            if r in reports:
+                line += f":\n{reports.pop(r)}"
+            parts.append(line)
+        parts += [f"rank {r} raised:\n{tb}" for r, tb in reports.items()]
+        return "; ".join(parts) or "a worker failed"
+
+    def _terminate(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(5)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the workers (they free everything) and leave the process group.  Idempotent."""
+        if self._closed:
+            return
+        self._closing = True
+        if self._failure is None:
+            try:
+                self._send("stop", ())
+            except Exception:
+                pass
+        for p in self._procs:
+            p.join(timeout_s)
+        self._terminate()
+        if self._monitor is not None:
+            self._stop_w.send(None)
+            self._monitor.join(5)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # pragma: no cover - after a failure
+                pass
+        self._closed = True
+        _LIVE.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return not (self._closed or self._failure)
+
+    # -- calls -------------------------------------------------------------------------------
+    def new_handle(self) -> int:
+        self._next_handle += 1
+        return self._next_handle
+
+    def release(self, handle: int) -> None:
+        """Free ``handle`` on the workers with the next message (safe from a finaliser)."""
+        with self._frees_lock:
+            self._frees.append(handle)
+
+    def _take_frees(self) -> list[int]:
+        with self._frees_lock:
+            frees, self._frees = self._frees, []
+        return frees
+
+    def _send(self, op: str, args, tensors=()) -> None:
+        self.comm.send((op, args, self._take_frees()), list(tensors))
+
+    def _encode(self, x, tensors: list):
+        """``(what the workers get, what rank 0 runs with)`` for one argument."""
+        handle = getattr(x, "_tp_handle", None)
+        if handle is not None:
+            return Ref(handle), x.local
+        if self.comm.is_wire_tensor(x):
+            tensors.append(x)
+            return TensorArg(len(tensors) - 1), x
+        if isinstance(x, (list, tuple)):
+            pairs = [self._encode(v, tensors) for v in x]
+            return type(x)(p for p, _ in pairs), type(x)(v for _, v in pairs)
+        if isinstance(x, dict):
+            pairs = {k: self._encode(v, tensors) for k, v in x.items()}
+            return {k: p for k, (p, _) in pairs.items()}, {k: v for k, (_, v) in pairs.items()}
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):   # e.g. a step's SamplingBatch
+            enc = {f.name: self._encode(getattr(x, f.name), tensors)[0] for f in dataclasses.fields(x)}
+            return dataclasses.replace(x, **enc), x
+        return x, x
+
+    def _check_open(self) -> None:
+        if self._failure:
+            raise WorkerFailed(f"the tensor-parallel group failed earlier: {self._failure}")
+        if self._closed:
+            raise RuntimeError("the tensor-parallel group is closed")
+
+    def run(self, op: str, args, local):
+        """Send ``op(*args)`` to the workers, then return ``local()`` (rank 0's share)."""
+        self._check_open()
+        try:
+            self._send(op, args)
+            return local()
+        except ValueError:
+            raise  # bad input: the workers' identical call raised it too, before any collective
+        except BaseException as e:
+            self._broken(e)
+
+    def call(self, target: int, method: str, local, args=(), kwargs=None, result: int | None = None):
+        """``local(*args, **kwargs)`` on rank 0 and ``objects[target].<method>(...)`` on
+        every worker (proxies and device tensors in the arguments are translated)."""
+        tensors: list = []
+        wire_args, local_args = self._encode(tuple(args), tensors)
+        wire_kw, local_kw = self._encode(dict(kwargs or {}), tensors)
+        self._check_open()
+        try:
+            self._send("call", (target, method, wire_args, wire_kw, result), tensors)
+            return local(*local_args, **local_kw)
+        except ValueError:
+            raise
+        except BaseException as e:
+            self._broken(e)
+
+    def _broken(self, exc: BaseException):
+        """A call failed on rank 0 outside validation: name the worker that failed, if one
+        did; the ranks are out of step either way, so the group is closed."""
+        failure = self._failure
+        t_end = time.monotonic() + 3.0
+        while failure is None and self._procs and time.monotonic() < t_end:
+            dead = [p for p in self._procs if not p.is_alive()]
+            if dead:
+                time.sleep(0.2)
+                failure = self._describe(dead)
+            else:
+                time.sleep(0.05)
+        self._failure = failure or f"rank 0 raised {type(exc).__name__}: {exc}"
+        self.close(timeout_s=1.0)
+        if failure is not None:
+            raise WorkerFailed(failure) from exc
+        raise exc
+
+    # -- models ------------------------------------------------------------------------------
+    def load_model(self, path, dtype="float32"):
+        """Every rank loads its shard of the checkpoint in ``path`` (reading only that shard);
+        returns rank 0's :class:`~replayssm.distributed.model.TensorParallelModel`."""
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path}: not a model directory")
+        cfg = read_config(path)
+        check_tensor_parallel(cfg, self.size)
+        h = self.new_handle()
+        local = self.run("load", (h, path, dtype),
+                         lambda: load_shard(path, 0, self.size, self.device, dtype, group=self.comm.data))
+        return TensorParallelModel(self, h, local)
+
+    def random_model(self, config: dict, dtype="bfloat16", seed: int = 0):
+        """Every rank builds its shard of a random-weight model (``config``: a ``config.json``
+        dict) directly on its device; returns rank 0's model handle."""
+        check_tensor_parallel(parse_config(dict(config), "config dict"), self.size)
+        h = self.new_handle()
+        local = self.run("random", (h, dict(config), dtype, seed),
+                         lambda: random_shard(config, 0, self.size, self.device, dtype, group=self.comm.data,
+                                              seed=seed))
+        return TensorParallelModel(self, h, local)

@@ -1,0 +1,161 @@
+"""One rank's model: the usual layers at local sizes, plus the collectives that join them.
+
+A rank's model is the model class itself built from :func:`~.sharding.local_config` (its
+share of heads and channels), with four additions:
+
+* every sub-block mixer (Mamba-2, GDN, attention, MLP, MoE) ends in a row-parallel
+  projection whose output is a partial sum: a forward hook all-reduces it, one all-reduce
+  per sub-block, before the residual add (``h = h + mixer(norm(h))`` stays the same code);
+* the embedding holds a vocabulary shard: ids outside it give exact zeros, and the
+  all-reduce of the rows assembles each token's embedding (one rank contributes it);
+* the LM head holds the same shard: the local logits ``[..., Vs]`` are all-gathered to
+  ``[..., N Vs]`` and cut to ``V``, so every rank holds the complete, identical logits (and
+  computes identical greedy acceptances from them);
+* a Mamba-2 gated RMSNorm whose groups span ranks (``n_groups`` < ranks) all-reduces its
+  per-group sums of squares (:class:`ShardedGatedRMSNorm`).
+
+After an all-reduce every rank holds the same residual stream, so replicated decisions
+(MoE routing, ring flushes, accepted counts) are computed identically everywhere.
+Collectives run inside CUDA graphs: each rank captures the same graphs for the same keys.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..layers.mamba2 import Mamba2Mixer
+from ..runtime import compute_dtype
+from .sharding import mamba_groups, vocab_shard
+
+__all__ = ["ShardInfo", "ShardedGatedRMSNorm", "TensorParallelLM", "build_local_model", "all_gather_last"]
+
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where a model shard sits: ``rank`` of ``size``, over process group ``group``
+    (``None``: the default group); the global ``config`` and the vocabulary shard rows
+    ``[vocab_start, vocab_start + vocab_rows)`` (``vocab_rows`` includes padding)."""
+
+    rank: int
+    size: int
+    group: object
+    config: object
+    vocab_start: int
+    vocab_rows: int
+
+
+def all_gather_last(x: Tensor, size: int, group=None) -> Tensor:
+    """``[..., C]`` on each of ``size`` ranks -> ``[..., size * C]``, rank ``r``'s block at
+    ``r C`` (the same tensor on every rank)."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = flat.new_empty(size * flat.shape[0], flat.shape[1])
+    _all_gather_into(out, flat, group=group)
+    return out.view(size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
+
+
+def _all_reduce_hook(group):
+    def hook(module, args, output: Tensor) -> Tensor:
+        dist.all_reduce(output, group=group)
+        return output
+
+    return hook
+
+
+class ShardedGatedRMSNorm(nn.Module):
+    """Mamba-2's gated RMSNorm ``y = w · rms_g(x · silu(z))`` when a norm group (``group_size``
+    channels) spans several ranks: the local channels all lie in group ``group_index`` of
+    ``num_groups``; their sum of squares is all-reduced in a ``[..., num_groups]`` vector
+    (each rank adds its partial to its group's column), then ``rms = sqrt(sum / group_size + eps)``."""
+
+    def __init__(self, dim: int, eps: float, group_size: int, group_index: int, num_groups: int, group=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps, self.group_size = eps, group_size
+        self.group_index, self.num_groups, self.group = group_index, num_groups, group
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        dt = x.dtype
+        xf = x.to(compute_dtype(dt)) * F.silu(z.to(compute_dtype(dt)))
+        part = xf.pow(2).sum(-1)                                              # [...]
+        sums = part.new_zeros(*part.shape, self.num_groups)
+        sums[..., self.group_index] = part
+        dist.all_reduce(sums, group=self.group)
+        var = sums[..., self.group_index:self.group_index + 1] / self.group_size
+        return self.weight * (xf * torch.rsqrt(var + self.eps)).to(dt)
+
+
+class TensorParallelLM:
+    """Mixed into a model class (``shard_class``): a vocabulary-parallel embedding and LM head."""
+
+    tp: ShardInfo
+
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        tp = self.tp
+        local = input_ids - tp.vocab_start
+        inside = (local >= 0) & (local < tp.vocab_rows)
+        h = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.embed_weight())
+        h = torch.where(inside[..., None], h, torch.zeros((), dtype=h.dtype, device=h.device))
+        dist.all_reduce(h, group=tp.group)
+        return h
+
+    def _head(self, h: Tensor) -> Tensor:
+        local = super()._head(h)                                              # [..., Vs]
+        full = all_gather_last(local, self.tp.size, self.tp.group)            # [..., N Vs]
+        return full[..., : self.tp.config.vocab_size]
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.tp.size
+
+
+@functools.lru_cache(maxsize=None)
+def shard_class(cls: type) -> type:
+    """``cls`` with :class:`TensorParallelLM` in front (one class per model class)."""
+    return type(f"TensorParallel{cls.__name__}", (TensorParallelLM, cls), {})
+
+
+def _holder_rows(holder: nn.Module, rows: int) -> None:
+    w = holder.weight
+    holder.weight = nn.Parameter(torch.empty(rows, w.shape[1], device="meta"), requires_grad=False)
+
+
+def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: int, size: int, group=None):
+    """Rank ``rank``'s model skeleton on the meta device (weights still to load): ``cls``
+    built from the local config ``lcfg``, with vocabulary-shard embedding/head, sharded
+    gated norms where a norm group spans ranks, and the all-reduce hooks."""
+    with torch.device("meta"):
+        model = shard_class(cls)(lcfg, dtype, device)
+    lo, _, Vs = vocab_shard(cfg.vocab_size, size, rank)
+    model.tp = ShardInfo(rank, size, group, cfg, lo, Vs)
+    root, embed, _ = model._names
+    _holder_rows(getattr(getattr(model, root), embed), Vs)
+    if not lcfg.tie_word_embeddings:
+        _holder_rows(model.lm_head, Vs)
+    for blk in model.blocks:
+        for _, mixer_name in blk.subs:
+            mixer = getattr(blk, mixer_name)
+            if isinstance(mixer, Mamba2Mixer):
+                _shard_norm(mixer, cfg, size, rank, group)
+            mixer.register_forward_hook(_all_reduce_hook(group))
+    return model
+
+
+def _shard_norm(mixer: Mamba2Mixer, cfg, size: int, rank: int, group) -> None:
+    """Replace the mixer's gated norm when its groups span ranks (``n_groups`` < ranks)."""
+    G = cfg.n_groups
+    H = cfg.num_heads if cfg.model_type == "mamba2" else cfg.mamba_num_heads
+    if G % size == 0:
+        return  # whole norm groups on every rank: the local norm is exact
+    old = mixer.norm
+    gsize = mixer.inter * size // G          # global channels / G
+    g0, _ = mamba_groups(H, G, size, rank)
+    with torch.device("meta"):
+        mixer.norm = ShardedGatedRMSNorm(mixer.inter, old.eps, gsize, g0, G, group)

@@ -1,0 +1,204 @@
+"""Load one rank's shard of a Hugging Face checkpoint, reading only that shard from disk.
+
+Each rank builds the global model and its own (local-size) model on the meta device, checks
+the checkpoint against the global model exactly as :func:`replayssm.models.load_model` does
+(missing, unexpected and mis-shaped tensors, from the headers only), then reads every
+parameter through ``safe_open(...).get_slice``: only the ranges in the rank's
+:class:`~.sharding.Shard` rule come off the disk (per segment for packed layouts such as
+Mamba-2's ``in_proj = [z | xBC | dt]``), so a model larger than one GPU loads with one
+shard per device and never whole anywhere.  The model's own load transforms (GDN's
+per-key-head row order) then run on the local block with the local head counts.
+
+:func:`random_shard` builds the same skeleton with random weights generated on the device
+(benchmarks of models that fit no disk): replicated parameters from a seed that depends
+only on their name, so every rank holds the same ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import torch
+
+from ..models.config import parse_config, read_config
+from ..models.loader import (_FP32_PARAMS, _IGNORED, WeightError, _install, _model_class, _resolve,
+                             _weight_files, parse_dtype)
+from ..runtime import canonical_device, compute_dtype
+from .layers import build_local_model
+from .sharding import ROOT_ONLY, Shard, local_config, shard_rules
+
+__all__ = ["load_shard", "random_shard"]
+
+
+def _read(handle, key: str, dim: int, ranges) -> torch.Tensor:
+    """The ranges ``[a, b)`` along ``dim`` of checkpoint tensor ``key``, concatenated."""
+    sl = handle.get_slice(key)
+    parts = [sl[(slice(None),) * dim + (slice(a, b),)] for a, b in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _read_source(handles, key_file, src, rule, gshape) -> torch.Tensor:
+    """One parameter's local tensor: a single key, or per-expert keys stacked on dim 0 (the
+    rule's dim then refers to the stacked tensor; ``gate_up_proj`` is two keys per expert)."""
+    def h(k):
+        return handles[key_file[k]]
+
+    if src.stack is None:
+        if rule is None:
+            return h(src.keys[0]).get_tensor(src.keys[0])
+        return _read(h(src.keys[0]), src.keys[0], rule.dim, rule.ranges)
+    E, per_part = gshape[0], gshape[1] // src.parts
+    experts = []
+    for e in range(E):
+        keys = src.keys[e * src.parts:(e + 1) * src.parts]
+        if rule is None:
+            experts.append(torch.cat([h(k).get_tensor(k) for k in keys], 0))
+            continue
+        if rule.dim == 1:   # rows of the stacked [E, parts * rows, cols]: each range lies in one part
+            pieces = []
+            for a, b in rule.ranges:
+                p = a // per_part
+                pieces.append(_read(h(keys[p]), keys[p], 0, [(a - p * per_part, b - p * per_part)]))
+            experts.append(torch.cat(pieces, 0))
+        else:
+            experts.append(torch.cat([_read(h(k), k, rule.dim - 1, rule.ranges) for k in keys], 0))
+    return torch.stack(experts, 0)
+
+
+def _pad(t: torch.Tensor, rule: Shard) -> torch.Tensor:
+    if rule.pad_to is None or t.shape[rule.dim] == rule.pad_to:
+        return t
+    shape = list(t.shape)
+    shape[rule.dim] = rule.pad_to - t.shape[rule.dim]
+    return torch.cat([t, t.new_zeros(shape)], rule.dim)
+
+
+def _skeletons(cfg, dtype, device, rank: int, size: int, group):
+    """``(global model, local model)`` on the meta device (no memory)."""
+    cls = _model_class(cfg)
+    with torch.device("meta"):
+        gmodel = cls(cfg, dtype, device)
+    lmodel = build_local_model(cls, cfg, local_config(cfg, size), dtype, device, rank, size, group)
+    return gmodel, lmodel
+
+
+def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    leaf = name.rpartition(".")[2]
+    return compute_dtype(dtype) if leaf in _FP32_PARAMS and dtype != torch.float64 else dtype
+
+
+def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", group=None):
+    """Rank ``rank``'s shard (of ``size``) of the model in ``path``, on ``device``.
+
+    Raises what :func:`replayssm.models.load_model` raises for a bad directory, plus
+    ``ValueError`` when the model cannot be split over ``size`` ranks.
+    """
+    import os
+
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: not a model directory")
+    tdtype = parse_dtype(dtype)
+    device = canonical_device(device)
+    cfg = read_config(path)
+    key_file = _weight_files(path)
+    if cfg.tie_word_embeddings and "lm_head.weight" in key_file:
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group)
+    gparams = dict(gmodel.named_parameters())
+    lparams = dict(model.named_parameters())
+    if set(gparams) != set(lparams):  # pragma: no cover - the local model mirrors the global one
+        raise WeightError(f"local model parameters differ from the global model's: {sorted(set(gparams) ^ set(lparams))[:4]}")
+    aliases = type(gmodel).key_aliases()
+    plan, missing = {}, []
+    for name, p in gparams.items():
+        src = _resolve(name, tuple(p.shape), key_file, aliases)
+        if src is None:
+            missing.append(name)
+        else:
+            plan[name] = src
+    if missing:
+        raise WeightError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: "
+                          + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
+    used = {k for s in plan.values() for k in s.keys}
+    extra = [k for k in key_file if k not in used and not any(r.search(k) for r in _IGNORED)]
+    if extra:
+        raise WeightError(f"{path}: {len(extra)} unexpected tensor(s) not used by a {cfg.model_type} model: "
+                          + ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else ""))
+    rules = shard_rules(gmodel, size, rank)
+    transforms = model.load_transforms()
+    handles = {}
+    try:
+        for fn in sorted(set(key_file.values())):
+            handles[fn] = safe_open(fn, framework="pt", device="cpu")
+        for name, src in plan.items():  # headers first: every shape against the global model
+            want = tuple(gparams[name].shape)
+            shapes = [tuple(handles[key_file[k]].get_slice(k).get_shape()) for k in src.keys]
+            got = shapes[0] if src.stack is None else (want[0], shapes[0][0] * src.parts, *shapes[0][1:])
+            if src.stack is not None and len(set(shapes)) > 1:
+                got = ("inconsistent per-expert shapes",)
+            if got != want:
+                raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} has shape {list(got)}, "
+                                  f"expected {list(want)} for {name}")
+        for name, src in plan.items():
+            rule = rules.get(name)
+            pdt = _param_dtype(name, tdtype)
+            try:
+                if rule == ROOT_ONLY and rank != 0:
+                    t = torch.zeros(gparams[name].shape, dtype=pdt)
+                else:
+                    shard = rule if isinstance(rule, Shard) else None
+                    t = _read_source(handles, key_file, src, shard, tuple(gparams[name].shape))
+                    if shard is not None:
+                        t = _pad(t, shard)
+            except Exception as e:
+                raise WeightError(f"{key_file[src.keys[0]]}: cannot read tensor {src.keys[0]!r} "
+                                  f"(corrupt or truncated file: {e})") from None
+            if name in transforms:
+                t = transforms[name](t)
+            if not t.is_floating_point():
+                raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} has dtype {t.dtype}, "
+                                  f"expected a floating point tensor")
+            if not torch.isfinite(t).all():
+                raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} holds NaN/Inf values")
+            if tuple(t.shape) != tuple(lparams[name].shape):  # pragma: no cover - a rule bug
+                raise WeightError(f"rank {rank}: shard of {name} has shape {list(t.shape)}, "
+                                  f"expected {list(lparams[name].shape)}")
+            _install(model, name, t.to(device=device, dtype=pdt))
+    finally:
+        handles.clear()
+    return model.eval()
+
+
+def random_shard(cfg_dict: dict, rank: int, size: int, device="cpu", dtype="bfloat16", group=None,
+                 seed: int = 0, scale: float = 0.02):
+    """Rank ``rank``'s shard of a random-weight model described by a ``config.json`` dict,
+    generated directly on ``device`` (no checkpoint).  Norm weights are 1, ``A_log`` and
+    ``dt_bias`` in the usual ranges, other weights ``N(0, scale²)``; replicated parameters
+    are identical on every rank (their seed depends only on their name)."""
+    tdtype = parse_dtype(dtype)
+    device = canonical_device(device)
+    cfg = parse_config(dict(cfg_dict), "config dict")
+    gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group)
+    rules = shard_rules(gmodel, size, rank)
+    for name, p in model.named_parameters():
+        leaf = name.rpartition(".")[2]
+        pdt = _param_dtype(name, tdtype)
+        sharded = isinstance(rules.get(name), Shard)
+        g = torch.Generator(device=device)
+        g.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) + (rank + 1) * 7919 * int(sharded))
+        if name.endswith("norm.weight") or leaf == "D":
+            t = torch.ones(p.shape, dtype=pdt, device=device)
+        elif leaf == "A_log":
+            t = torch.empty(p.shape, dtype=torch.float32, device=device).uniform_(0.0, 2.7, generator=g).to(pdt)
+        elif leaf == "dt_bias":
+            t = torch.empty(p.shape, dtype=torch.float32, device=device).uniform_(-6.0, -2.0, generator=g).to(pdt)
+        elif rules.get(name) == ROOT_ONLY or leaf == "bias":
+            t = torch.zeros(p.shape, dtype=pdt, device=device)
+        else:
+            t = (torch.randn(p.shape, dtype=torch.float32, device=device, generator=g) * scale).to(pdt)
+        _install(model, name, t)
+    return model.eval()

@@ -1,0 +1,467 @@
+"""``JaxLLM``: generation with the whole decode phase compiled as one ``lax.while_loop``.
+
+A ``generate`` call runs the batch of prompts in two compiled programs:
+
+1. *start* (``jax.jit``): chunked prefill of the right-padded prompts (target and draft
+   model), sampling of each row's first token, and the loop state (the carry);
+2. *loop* (``jax.jit`` of one ``lax.while_loop``): each iteration is one decode step
+   (replay or recurrent form) or one speculative step — propose ``k`` drafts (n-gram lookup
+   over the row's tokens, or ``k + 1`` draft-model steps), verify the chain in one target
+   call, accept (greedy or lossless speculative sampling), commit ring pointers / conv
+   windows / states, append the tokens, update stop flags.  It runs until every row has
+   stopped (EOS, stop ids, ``max_tokens``) or a step limit given as data, so streaming is
+   the same compiled loop called with ``limit = step + chunk``.
+
+Nothing in the loop syncs with the host (``tests/jax`` checks its jaxpr for callbacks):
+per-row decisions (fill levels, flushes, accepted counts, finished rows) are arrays.
+Finished rows keep running (static shapes) but commit nothing.
+
+Differences from the PyTorch engine: one static batch per call (no continuous batching), the
+``recurrent`` and ``replay`` forms only (no KV-only / auto), chain speculation only (n-gram or
+draft model; the draft runs the recurrent form and keeps one state snapshot per drafted
+token so that its rollback is a selection), and its own PRNG (sampled outputs follow the same
+distributions, not the same draws).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..engine.config import SamplingParams, SpeculativeConfig
+from ..engine.llm import RequestOutput
+from ..models import load_tokenizer
+from . import model as M
+from .params import MixerSpec, ModelSpec, load_params
+from .sampling import accept_chain, accept_greedy, ngram_propose, sample, transform
+
+__all__ = ["JaxLLM", "GenerateConfig"]
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Static settings of one compiled generation program (the jit cache key)."""
+
+    batch: int
+    prompt_len: int          # padded prompt length
+    max_seq_len: int         # cache rows per sequence (attention)
+    max_out: int             # output buffer per row
+    mode: str                # "recurrent" | "replay"
+    buffer_size: int
+    spec_method: str | None  # None | "ngram" | "draft"
+    num_tokens: int          # drafts per step (k)
+    greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    n_min: int = 1
+    n_max: int = 3
+    num_stop: int = 1
+
+
+def _ssm_part(cache: M.Cache):
+    """The per-row recurrent part of a cache (states and conv windows of every stage)."""
+    return [{k: v for k, v in c.items() if k in ("state", "win")} for c in cache.stages]
+
+
+def _select_step(snaps, before, accepted):
+    """Per row, the snapshot after node ``a - 1`` (``snaps`` stacked ``[k+1, Ly, B, ...]``),
+    or the pre-step value when ``a == 0``."""
+    def pick(s, b):
+        idx = jnp.clip(accepted - 1, 0, s.shape[0] - 1)
+        shaped = idx.reshape((1, 1, -1) + (1,) * (s.ndim - 3))
+        got = jnp.take_along_axis(s, shaped, axis=0)[0]
+        return jnp.where((accepted > 0).reshape((1, -1) + (1,) * (b.ndim - 2)), got, b)
+
+    return jax.tree_util.tree_map(pick, snaps, before)
+
+
+class _Program:
+    """The two compiled functions (start, loop) for one :class:`GenerateConfig`."""
+
+    def __init__(self, spec: ModelSpec, dspec: ModelSpec | None, cfg: GenerateConfig):
+        self.spec, self.dspec, self.cfg = spec, dspec, cfg
+        donate = () if jax.default_backend() == "cpu" else (2,)
+        self.start = jax.jit(self._start)
+        self.loop = jax.jit(self._loop, donate_argnums=donate)
+
+    # -- token bookkeeping ------------------------------------------------------------------
+    def _emit(self, c: dict, toks, count, rowp):
+        """Append ``toks[:, :count]`` to each active row, stopping at EOS / stop ids /
+        ``max_tokens``."""
+        B, m = toks.shape
+        j = jnp.arange(m)[None, :]
+        eos = jnp.asarray(self.spec.eos_token_ids or (-1,), jnp.int32)
+        is_eos = jnp.any(toks[:, :, None] == eos[None, None, :], -1) & ~rowp["ignore_eos"][:, None]
+        is_stop = is_eos | jnp.any(toks[:, :, None] == rowp["stop_ids"][:, None, :], -1)
+        before = (jnp.cumsum(is_stop.astype(jnp.int32), 1) - is_stop.astype(jnp.int32)) > 0
+        room = rowp["max_tokens"] - c["n"]
+        emit = (j < count[:, None]) & (j < room[:, None]) & ~c["done"][:, None] & ~before
+        num = emit.sum(1).astype(jnp.int32)
+        rows = jnp.arange(B)[:, None]
+        out_pos = jnp.where(emit, c["n"][:, None] + j, c["out"].shape[1])
+        out = c["out"].at[rows, out_pos].set(toks, mode="drop")
+        stopped = c["stopped"] | jnp.any(emit & is_stop, 1)
+        n = c["n"] + num
+        new = {**c, "out": out, "n": n, "stopped": stopped, "done": c["done"] | stopped | (n >= rowp["max_tokens"])}
+        if "hist" in c:
+            hpos = jnp.where(emit, c["hlen"][:, None] + j, c["hist"].shape[1])
+            new["hist"] = c["hist"].at[rows, hpos].set(toks, mode="drop")
+            new["hlen"] = c["hlen"] + num
+        return new
+
+    # -- start: prefill + first token -------------------------------------------------------
+    def _start(self, params, dparams, ids, lengths, rowp, key):
+        cfg, spec = self.cfg, self.spec
+        B = cfg.batch
+        cache = M.init_cache(spec, B, cfg.mode, cfg.buffer_size, cfg.max_seq_len)
+        logits, cache = M.prefill(spec, params, cache, ids, lengths)
+        key, sub = jax.random.split(key)
+        tok, _ = sample(logits, rowp, sub, cfg.greedy, cfg.use_top_k, cfg.use_top_p)
+        z = jnp.zeros((B,), jnp.int32)
+        c = {"cache": cache, "last": tok, "out": jnp.zeros((B, cfg.max_out), jnp.int32), "n": z,
+             "done": jnp.zeros((B,), bool), "stopped": jnp.zeros((B,), bool), "key": key,
+             "step": jnp.zeros((), jnp.int32), "steps": z, "acc_sum": z, "drafted": z}
+        if cfg.spec_method == "ngram":
+            S = cfg.max_seq_len
+            hist = jnp.zeros((B, S), jnp.int32).at[:, :ids.shape[1]].set(ids.astype(jnp.int32))
+            c["hist"], c["hlen"] = hist, lengths.astype(jnp.int32)
+        if cfg.spec_method == "draft":
+            dcache = M.init_cache(self.dspec, B, "recurrent", cfg.buffer_size, cfg.max_seq_len)
+            _, c["dcache"] = M.prefill(self.dspec, dparams, dcache, ids, lengths)
+        return self._emit(c, tok[:, None], jnp.ones((B,), jnp.int32), rowp)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _loop(self, params, dparams, c, rowp, limit):
+        """Steps until every row stopped or ``step == limit``.  Replay form: an inner loop runs
+        steps compiled without checkpoint writes while no row flushes; then one step that
+        scatters the flushing rows' checkpoints.  (No ``lax.cond``: XLA copies the arrays a
+        branch passes through or updates, which here is the whole cache.)"""
+        cfg = self.cfg
+
+        def running(c):
+            return jnp.any(~c["done"]) & (c["step"] < limit)
+
+        def step(flush: bool):
+            def body(c):
+                c = self._spec_step(params, dparams, c, rowp, flush) if cfg.spec_method else \
+                    self._decode_step(params, c, rowp, flush)
+                return {**c, "step": c["step"] + 1}
+            return body
+
+        if cfg.mode != "replay":
+            return lax.while_loop(running, step(True), c)
+        T = cfg.num_tokens + 1 if cfg.spec_method else 1
+        kind = "verify" if cfg.spec_method else "decode"
+
+        def no_flush(c):
+            return running(c) & ~jnp.any(M.ring_flush(c["cache"].ring_len, kind, T, cfg.buffer_size))
+
+        def outer(c):
+            return step(True)(lax.while_loop(no_flush, step(False), c))
+
+        return lax.while_loop(running, outer, c)
+
+    def _decode_step(self, params, c, rowp, flush: bool = True):
+        cfg = self.cfg
+        active = ~c["done"]
+        logits, cache = M.decode(self.spec, params, c["cache"], c["last"], active=active, flush=flush)
+        key, sub = jax.random.split(c["key"])
+        tok, _ = sample(logits, rowp, sub, cfg.greedy, cfg.use_top_k, cfg.use_top_p)
+        one = active.astype(jnp.int32)
+        c = {**c, "cache": cache, "key": key, "last": jnp.where(active, tok, c["last"]),
+             "steps": c["steps"] + one, "acc_sum": c["acc_sum"] + one}
+        return self._emit(c, tok[:, None], jnp.ones_like(one), rowp)
+
+    def _draft_chain(self, dparams, c, rowp, key):
+        """``k + 1`` draft-model steps on ``[last, d_1 .. d_k]`` (recurrent form), keeping the
+        draft's per-row states after each step; returns drafts ``[B, k]``, their proposal
+        distributions ``[B, k, V]`` (None when greedy) and the stacked snapshots."""
+        cfg, dspec = self.cfg, self.dspec
+
+        def body(carry, _):
+            dc, tok, key = carry
+            logits, dc = M.decode(dspec, dparams, dc, tok)
+            key, sub = jax.random.split(key)
+            nxt, q = sample(logits, rowp, sub, cfg.greedy, cfg.use_top_k, cfg.use_top_p)
+            return (dc, nxt, key), (nxt, q, _ssm_part(dc))
+
+        (dc, _, _), (toks, qs, snaps) = lax.scan(body, (c["dcache"], c["last"], key), None,
+                                                 length=cfg.num_tokens + 1)
+        drafts = jnp.swapaxes(toks[:cfg.num_tokens], 0, 1)
+        q = None if qs is None else jnp.swapaxes(qs[:cfg.num_tokens], 0, 1)
+        return drafts, q, dc, snaps
+
+    def _spec_step(self, params, dparams, c, rowp, flush: bool = True):
+        cfg, spec = self.cfg, self.spec
+        B, k = cfg.batch, cfg.num_tokens
+        active = ~c["done"]
+        key, kd, ku = jax.random.split(c["key"], 3)
+        q = None
+        if cfg.spec_method == "ngram":
+            limit = jnp.minimum(k, jnp.maximum(rowp["max_tokens"] - c["n"] - 1, 0))
+            drafts, dvalid = ngram_propose(c["hist"], c["hlen"], k, cfg.n_min, cfg.n_max, limit)
+        else:
+            d0 = c["dcache"]
+            drafts, qd, dc, snaps = self._draft_chain(dparams, c, rowp, kd)
+            dvalid = jnp.ones((B, k), bool)
+            if qd is not None:
+                q = jnp.concatenate([jnp.zeros_like(qd[:, :1]), qd], 1)
+        tokens = jnp.concatenate([c["last"][:, None], drafts], 1)          # [B, k + 1]
+        valid = jnp.concatenate([jnp.ones((B, 1), bool), dvalid], 1)
+        logits, cache, pend = M.verify(spec, params, c["cache"], tokens, flush=flush)
+        if cfg.greedy:
+            a, bonus = accept_greedy(logits, tokens, valid)
+        else:
+            p = transform(logits, rowp["temperature"], rowp["top_k"], rowp["top_p"], cfg.use_top_k, cfg.use_top_p)
+            u = jax.random.uniform(ku, (B, k + 2), dtype=p.dtype)
+            a, bonus = accept_chain(p, tokens, valid, q, u)
+        a_commit = jnp.where(active, a, 0)
+        cache = M.commit(spec, cache, pend, a_commit)
+        c = {**c, "cache": cache, "key": key}
+        if cfg.spec_method == "draft":
+            stages = [{**dst, **sel} for dst, sel in
+                      zip(dc.stages, _select_step(snaps, _ssm_part(d0), a_commit))]
+            c["dcache"] = dc.replace(stages=stages, seq_len=d0.seq_len + a_commit)
+        j = jnp.arange(k + 1)[None, :]
+        padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], 1)
+        toks = jnp.where(j < (a - 1)[:, None], padded, bonus[:, None])
+        one = active.astype(jnp.int32)
+        c = {**c, "last": jnp.where(active, bonus, c["last"]), "steps": c["steps"] + one,
+             "acc_sum": c["acc_sum"] + one * a, "drafted": c["drafted"] + one * dvalid.sum(1).astype(jnp.int32)}
+        return self._emit(c, toks, a, rowp)
+
+
+@dataclass
+class _Row:
+    prompt: str | None
+    ids: list
+    params: object
+
+
+class JaxLLM:
+    """Generate with the JAX backend (same checkpoints and settings as :class:`replayssm.LLM`).
+
+    ``model``: an HF-layout directory (or a ``(ModelSpec, params)`` pair from
+    :func:`replayssm.jax.params.load_params`).  ``decode_mode``: ``"replay"`` or
+    ``"recurrent"``.  ``speculative``: ``None`` or a
+    :class:`~replayssm.engine.config.SpeculativeConfig` with method ``"ngram"`` or
+    ``"draft"`` (chains).  ``dtype="float64"`` needs ``jax_enable_x64``.  Each
+    ``generate`` runs its prompts as one batch; compiled programs are cached per shape
+    (batch, padded prompt length, output length, sampling flags).
+    """
+
+    def __init__(self, model, dtype: str = "float32", decode_mode: str = "replay", buffer_size: int = 16,
+                 speculative=None, max_seq_len: int | None = None, chunk_size: int | None = None,
+                 seed: int = 0, tokenizer=None):
+        if decode_mode not in M.MODES:
+            raise ValueError(f"decode_mode must be one of {M.MODES} for the JAX backend, got {decode_mode!r} "
+                             "(kv / auto are PyTorch-engine forms)")
+        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
+            raise ValueError(f"buffer_size must be a positive int, got {buffer_size!r}")
+        if speculative is not None:
+            if not isinstance(speculative, SpeculativeConfig):
+                raise ValueError(f"speculative must be a SpeculativeConfig or None, got {speculative!r}")
+            if speculative.method not in ("ngram", "draft"):
+                raise ValueError(f"the JAX backend speculates with chains: method 'ngram' or 'draft', "
+                                 f"not {speculative.method!r}")
+            need = 2 * speculative.verify_tokens
+            if decode_mode == "replay" and buffer_size < need:
+                raise ValueError(f"buffer_size {buffer_size} < 2 * (draft tokens + 1) = {need}: the replay "
+                                 f"buffer must hold two verify windows")
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                        or max_seq_len < 1):
+            raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        if isinstance(model, tuple):
+            self.spec, self.params = model
+            path = None
+        else:
+            path = os.fspath(model)
+            if not os.path.isdir(path):
+                raise ValueError(f"model directory not found: {path!r}")
+            self.spec, self.params = load_params(path, dtype)
+        if chunk_size is not None:
+            self.spec = _with_chunk(self.spec, chunk_size)
+        self.decode_mode, self.buffer_size, self.speculative = decode_mode, buffer_size, speculative
+        self.max_seq_len = max_seq_len
+        self.key = jax.random.PRNGKey(seed)
+        self.dspec = self.dparams = None
+        if speculative is not None and speculative.method == "draft":
+            dm = speculative.draft_model
+            self.dspec, self.dparams = dm if isinstance(dm, tuple) else load_params(os.fspath(dm), self.spec.dtype)
+            if chunk_size is not None:
+                self.dspec = _with_chunk(self.dspec, chunk_size)
+            if self.dspec.vocab_size != self.spec.vocab_size:
+                raise ValueError(f"draft model vocab_size {self.dspec.vocab_size} != target vocab_size "
+                                 f"{self.spec.vocab_size}")
+        self.tokenizer = tokenizer
+        if tokenizer is None and path is not None:
+            self.tokenizer = load_tokenizer(path)
+        self._programs: dict = {}
+        self.last_stats: dict = {}
+
+    # -- requests -----------------------------------------------------------------------------
+    def _encode(self, prompt):
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer (tokenizer.json in the model directory); "
+                                 "pass token id lists instead")
+            return prompt, list(self.tokenizer.encode(prompt).ids)
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
+        return None, ids
+
+    def _rows(self, prompts, sampling_params):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts")
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        rows = []
+        V = self.spec.vocab_size
+        for p, sp in zip(prompts, params):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
+            if sp.stop:
+                raise ValueError("SamplingParams.stop (text stops) is not supported by the JAX backend; "
+                                 "use stop_token_ids")
+            text, ids = self._encode(p)
+            if not ids:
+                raise ValueError("empty prompt")
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+            rows.append(_Row(text, ids, sp))
+        return rows
+
+    def _program(self, rows) -> tuple[_Program, GenerateConfig]:
+        sp = self.speculative
+        k = sp.num_tokens if sp else 0
+        T = k + 1
+        Tp = _round_up(max(len(r.ids) for r in rows), 16)
+        max_out = _round_up(max(r.params.max_tokens for r in rows), 16)
+        S = self.max_seq_len or _round_up(Tp + max_out + 2 * T + 16, 64)
+        if Tp + max_out + 2 * T > S:
+            raise ValueError(f"max_seq_len {S} is too small for prompts of {Tp} tokens (padded) plus "
+                             f"{max_out} new tokens")
+        greedy = all(r.params.temperature == 0 for r in rows)
+        cfg = GenerateConfig(
+            batch=len(rows), prompt_len=Tp, max_seq_len=S, max_out=max_out, mode=self.decode_mode,
+            buffer_size=self.buffer_size, spec_method=sp.method if sp else None, num_tokens=k, greedy=greedy,
+            use_top_k=not greedy and any(r.params.top_k > 0 for r in rows),
+            use_top_p=not greedy and any(r.params.top_p < 1 for r in rows),
+            n_min=sp.prompt_lookup_min if sp else 1, n_max=sp.prompt_lookup_max if sp else 3,
+            num_stop=max([1] + [len(r.params.stop_token_ids) for r in rows]))
+        prog = self._programs.get(cfg)
+        if prog is None:
+            prog = self._programs[cfg] = _Program(self.spec, self.dspec, cfg)
+        return prog, cfg
+
+    def _inputs(self, rows, cfg: GenerateConfig):
+        B = cfg.batch
+        ids = np.zeros((B, cfg.prompt_len), np.int32)
+        for b, r in enumerate(rows):
+            ids[b, :len(r.ids)] = r.ids
+        stop = np.full((B, cfg.num_stop), -1, np.int32)
+        for b, r in enumerate(rows):
+            stop[b, :len(r.params.stop_token_ids)] = r.params.stop_token_ids
+        f32 = np.float32
+        rowp = {"temperature": jnp.asarray([r.params.temperature for r in rows], f32),
+                "top_k": jnp.asarray([r.params.top_k for r in rows], np.int32),
+                "top_p": jnp.asarray([r.params.top_p for r in rows], f32),
+                "max_tokens": jnp.asarray([r.params.max_tokens for r in rows], np.int32),
+                "ignore_eos": jnp.asarray([r.params.ignore_eos for r in rows], bool),
+                "stop_ids": jnp.asarray(stop)}
+        seeds = [r.params.seed for r in rows if r.params.seed is not None]
+        if seeds:  # a seeded batch is reproducible (one key for the batch)
+            key = jax.random.PRNGKey(seeds[0])
+        else:
+            self.key, key = jax.random.split(self.key)
+        return jnp.asarray(ids), jnp.asarray([len(r.ids) for r in rows], np.int32), rowp, key
+
+    def start(self, rows):
+        """Prefill and first tokens: ``(program, carry, rowp)`` (device arrays)."""
+        prog, cfg = self._program(rows)
+        ids, lengths, rowp, key = self._inputs(rows, cfg)
+        carry = prog.start(self.params, self.dparams, ids, lengths, rowp, key)
+        return prog, carry, rowp
+
+    def generate(self, prompts, sampling_params=None) -> list:
+        """Generate for every prompt (strings or token-id lists) in one batch; returns
+        :class:`~replayssm.engine.llm.RequestOutput` objects in order."""
+        rows = self._rows(prompts, sampling_params)
+        t0 = time.perf_counter()
+        prog, carry, rowp = self.start(rows)
+        jax.block_until_ready(carry["n"])
+        t1 = time.perf_counter()
+        carry = prog.loop(self.params, self.dparams, carry, rowp, jnp.asarray(np.iinfo(np.int32).max, jnp.int32))
+        host = jax.device_get({k: carry[k] for k in ("out", "n", "stopped", "steps", "acc_sum", "drafted", "step")})
+        t2 = time.perf_counter()
+        self.last_stats = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "loop_steps": int(host["step"]),
+                           "generated": int(host["n"].sum())}
+        return [self._output(b, r, host) for b, r in enumerate(rows)]
+
+    def stream(self, prompt, params=None, chunk_steps: int = 8) -> Iterator[list[int]]:
+        """One request; yields lists of new token ids every ``chunk_steps`` loop iterations
+        (the same compiled loop, stopped by a step limit given as data)."""
+        rows = self._rows([prompt], params)
+        prog, carry, rowp = self.start(rows)
+        shown = 0
+        while True:
+            n, done, step = jax.device_get((carry["n"], carry["done"], carry["step"]))
+            if int(n[0]) > shown:
+                yield [int(t) for t in np.asarray(jax.device_get(carry["out"][0, shown:int(n[0])]))]
+                shown = int(n[0])
+            if bool(done[0]):
+                break
+            carry = prog.loop(self.params, self.dparams, carry, rowp, jnp.asarray(int(step) + chunk_steps, jnp.int32))
+        host = jax.device_get({k: carry[k] for k in ("out", "n", "stopped", "steps", "acc_sum", "drafted")})
+        self.last_output = self._output(0, rows[0], host)
+
+    def _output(self, b: int, row: _Row, host: dict):
+        n = int(host["n"][b])
+        ids = [int(t) for t in host["out"][b, :n]]
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None and ids else ""
+        steps = int(host["steps"][b])
+        acc = int(host["acc_sum"][b])
+        drafted = int(host["drafted"][b])
+        return RequestOutput(
+            request_id=b, prompt=row.prompt, prompt_token_ids=list(row.ids), text=text, token_ids=ids,
+            finish_reason="stop" if bool(host["stopped"][b]) else "length", num_steps=steps + 1,
+            num_verify_steps=steps if self.speculative else 0, num_drafted=drafted,
+            num_accepted=(acc - steps) if self.speculative else 0,
+            mean_accepted_length=(acc / steps) if (steps and self.speculative) else 1.0)
+
+
+def _with_chunk(spec: ModelSpec, chunk: int) -> ModelSpec:
+    """``spec`` with every SSM stage's prefill chunk set to ``chunk``."""
+    import dataclasses
+
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk!r}")
+    stages = []
+    for sb, cnt in spec.stages:
+        m = sb.mixer
+        if m.kind in ("mamba", "gdn"):
+            m = MixerSpec(m.kind, tuple((k, chunk if k == "chunk" else v) for k, v in m.opts))
+            sb = dataclasses.replace(sb, mixer=m)
+        stages.append((sb, cnt))
+    return dataclasses.replace(spec, stages=tuple(stages))

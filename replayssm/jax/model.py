@@ -1,0 +1,251 @@
+"""The model-level cached API of the JAX backend (pure functions of ``(params, cache, ...)``).
+
+::
+
+    cache  = init_cache(spec, batch, mode="replay", buffer_size=16, max_seq_len=256)
+    logits = forward(spec, params, ids[B, T])                          # [B, T, V], no cache
+    logits, cache = prefill(spec, params, cache, ids[B, T], lengths[B])   # [B, V], fresh rows
+    logits, cache = decode(spec, params, cache, ids[B], active=None)      # [B, V], commits
+    logits, cache, pend = verify(spec, params, cache, ids[B, T])          # [B, T, V]
+    cache = commit(spec, cache, pend, accepted[B])                        # keep a[b] of T
+
+Every function is traceable (``jax.jit`` with ``spec`` static); all per-row decisions are
+arrays.  A cache is a pytree: ``seq_len [B]`` (committed tokens), the ring pointers
+``ring_start/ring_len [B]`` shared by every layer (as ``replayssm.cache.ring``: entry ``j``
+of a row lives at ``(start + j) % L``), and per stage of the spec the stacked per-layer arrays: Mamba-2
+``state [Ly,B,H,d,n]``, ``win [Ly,B,W-1,C]``, ring ``rx [Ly,B,L,H,d]``, ``rB [Ly,B,L,G,n]``,
+``rdt [Ly,B,L,H]``; GDN ``state [Ly,B,HV,K,V]``, ``win``, ring ``ru``, ``rk``, ``rg``;
+attention ``k, v [Ly,B,S,Hkv,Dh]``.  States and decays are fp32 (fp64 for a float64
+model); the rest is in the model dtype.  Flush rules: decode flushes when ``h + 1 == L``
+(``S0 ← S_{h+1}``), verify when ``h + 2T > L`` (``S0 ← S_h``, committed entries only).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import ops
+from .layers import MIXERS, Ctx, apply_updates, commit_conv, commit_snapshots
+from .params import ModelSpec, jnp_dtype
+
+__all__ = ["Cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit", "MODES"]
+
+MODES = ("recurrent", "replay")
+
+
+@jax.tree_util.register_pytree_node_class
+class Cache:
+    """Per-row caches of one batch: arrays are pytree leaves, ``mode`` and ``L`` (ring
+    capacity) are static (part of the compiled program)."""
+
+    _FIELDS = ("seq_len", "ring_start", "ring_len", "stages")
+
+    def __init__(self, seq_len, ring_start, ring_len, stages, mode: str, L: int):
+        self.seq_len, self.ring_start, self.ring_len, self.stages = seq_len, ring_start, ring_len, stages
+        self.mode, self.L = mode, L
+
+    def replace(self, **kw) -> "Cache":
+        d = {f: getattr(self, f) for f in self._FIELDS}
+        d.update(kw)
+        return Cache(**d, mode=self.mode, L=self.L)
+
+    def tree_flatten(self):
+        return tuple(getattr(self, f) for f in self._FIELDS), (self.mode, self.L)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+
+def _dtypes(spec: ModelSpec):
+    dt = jnp_dtype(spec.dtype)
+    return dt, ops.compute_dtype(dt)
+
+
+def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: int = 16,
+               max_seq_len: int = 256, fill=0.0) -> Cache:
+    """Zeroed caches for ``batch`` rows (``fill=nan`` poisons every float array: tests)."""
+    if mode not in MODES:
+        raise ValueError(f"decode_mode must be one of {MODES} for the JAX backend, got {mode!r}")
+    if not isinstance(buffer_size, int) or buffer_size < 1:
+        raise ValueError(f"buffer_size must be a positive int, got {buffer_size!r}")
+    dt, cdt = _dtypes(spec)
+    L, B = buffer_size, batch
+
+    def full(shape, dtype):
+        return jnp.full(shape, fill, dtype)
+
+    stages = []
+    for sb, cnt in spec.stages:
+        sp = sb.mixer
+        c = {}
+        if sp.kind == "mamba":
+            c = {"state": full((cnt, B, sp.H, sp.d, sp.n), cdt), "win": full((cnt, B, sp.W - 1, sp.conv_dim), dt)}
+            if mode == "replay":
+                c.update(rx=full((cnt, B, L, sp.H, sp.d), dt), rB=full((cnt, B, L, sp.G, sp.n), dt),
+                         rdt=full((cnt, B, L, sp.H), cdt))
+        elif sp.kind == "gdn":
+            c = {"state": full((cnt, B, sp.HV, sp.K, sp.V), cdt), "win": full((cnt, B, sp.W - 1, sp.conv_dim), dt)}
+            if mode == "replay":
+                c.update(ru=full((cnt, B, L, sp.HV, sp.V), dt), rk=full((cnt, B, L, sp.H, sp.K), dt),
+                         rg=full((cnt, B, L, sp.HV), cdt))
+        elif sp.kind == "attn":
+            c = {"k": full((cnt, B, max_seq_len, sp.Hkv, sp.Dh), dt), "v": full((cnt, B, max_seq_len, sp.Hkv, sp.Dh), dt)}
+        stages.append(c)
+    z = jnp.zeros((B,), jnp.int32)
+    return Cache(z, z, z, stages, mode, L)
+
+
+def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):
+    """All layers of one stage: ``h = res(h) + mixer(norm(h))``, scanned when ``cnt > 1``."""
+    dtype = p["norm"].dtype                      # the model dtype
+    mixer = MIXERS[sb.mixer.kind]
+    if sb.residual_fp32:
+        h = h.astype(ops.compute_dtype(dtype))
+
+    def body(carry, xs):
+        hh, cc = carry
+        pi, i = xs
+        x = ops.rms_norm(hh.astype(dtype), pi["norm"], sb.norm_eps, sb.norm_zero_centered)
+        out, cc, pend, upd = mixer(pi["mixer"], sb.mixer, x, ctx, cc, i)
+        return ((hh + out).astype(hh.dtype), cc), (pend, upd)
+
+    if cnt == 1:
+        (h, c), (pend, upd) = body((h, c), (jax.tree_util.tree_map(lambda a: a[0], p), 0))
+        pend, upd = jax.tree_util.tree_map(lambda a: a[None], (pend, upd))
+    else:
+        (h, c), (pend, upd) = lax.scan(body, (h, c), (p, jnp.arange(cnt)))
+    return h, c, pend, upd
+
+
+def _after(upd: dict, h) -> dict:
+    """``upd`` made data-dependent on ``h`` (adds ``0 · Σh``): every read of the old cache feeds
+    ``h``, so the writes of ``upd`` are ordered after all of them and XLA can update the cache
+    in place.  A stage of several layers gets that order from its ``lax.scan``; a single-layer
+    stage (hybrids) would otherwise get a copy of each cache array it writes, every step (XLA
+    drops ``optimization_barrier`` before it places copies)."""
+    zero = jnp.sum(h.astype(jnp.float32)) * 0.0
+    return {k: v + zero.astype(v.dtype) for k, v in upd.items()}
+
+
+def _trunk(spec: ModelSpec, params, stages_cache, ids, ctx: Ctx):
+    """Embedding and every stage; each stage's cache updates are written after its layer scan
+    (:func:`~replayssm.jax.layers.apply_updates`)."""
+    h = jnp.take(params["embed"], ids, axis=0)
+    new_cache, pends = [], []
+    for s, (sb, cnt) in enumerate(spec.stages):
+        c = stages_cache[s] if stages_cache is not None else {}
+        h, c, pend, upd = _run_stage(sb, params["stages"][s], c, cnt, h, ctx)
+        if upd and cnt == 1:
+            upd = _after(upd, h)
+        new_cache.append(apply_updates(c, upd, ctx))
+        pends.append(pend)
+    return h, new_cache, pends
+
+
+def _head(spec: ModelSpec, params, h):
+    dt, cdt = _dtypes(spec)
+    h = ops.rms_norm(h, params["final_norm"], spec.final_eps, spec.final_zero_centered)
+    w = params["embed"] if spec.tied else params["head"]
+    return ops.linear(h.astype(w.dtype), w).astype(cdt)
+
+
+def forward(spec: ModelSpec, params, ids):
+    """Full forward without a cache: ``ids [B, T] -> logits [B, T, V]`` (chunked forms)."""
+    B, T = ids.shape
+    ctx = Ctx(kind="full", mode="recurrent", T=T, positions=jnp.broadcast_to(jnp.arange(T), (B, T)))
+    h, _, _ = _trunk(spec, params, None, ids, ctx)
+    return _head(spec, params, h)
+
+
+def prefill(spec: ModelSpec, params, cache: Cache, ids, lengths):
+    """Fresh rows: right-padded prompts ``ids [B, T]`` with ``lengths [B]`` valid tokens
+    (chunked SSD / chunked delta rule from a zero state).  Every row's cache is overwritten
+    (state = final state, ring empty, conv window = last ``W-1`` inputs, KV at ``0..T-1``).
+    Returns the logits after each row's last valid token ``[B, V]`` and the cache."""
+    B, T = ids.shape
+    t = jnp.arange(T)
+    lengths = lengths.astype(jnp.int32)
+    ctx = Ctx(kind="prefill", mode=cache.mode, T=T, positions=jnp.broadcast_to(t, (B, T)),
+              valid=t[None, :] < lengths[:, None], lengths=lengths, L=cache.L)
+    h, stages, _ = _trunk(spec, params, cache.stages, ids, ctx)
+    last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    z = jnp.zeros((B,), jnp.int32)
+    return _head(spec, params, last), cache.replace(seq_len=lengths, ring_start=z, ring_len=z, stages=stages)
+
+
+def ring_flush(hist, kind: str, T: int, L: int):
+    """Rows whose layers write the checkpoint this step: decode when the ring fills
+    (``h + 1 == L``), verify one window early (``h + 2T > L``)."""
+    return (hist + 1 >= L) if kind == "decode" else (hist + 2 * T > L)
+
+
+def ring_commit(start, hist, flush, L: int, accepted=None):
+    """Ring pointers after a step: decode (``accepted=None``) keeps its entry (or empties the
+    ring after a flush); verify keeps ``accepted`` entries after the committed ones (after a
+    flush, the accepted entries are the whole ring).  Returns ``(start, length)``."""
+    if accepted is None:
+        return jnp.where(flush, (start + hist + 1) % L, start), jnp.where(flush, 0, hist + 1)
+    return jnp.where(flush, (start + hist) % L, start), jnp.where(flush, 0, hist) + accepted
+
+
+def _step_ctx(cache: Cache, kind: str, T: int, flush: bool = True) -> Ctx:
+    L = cache.L
+    seq = cache.seq_len
+    start, hist = cache.ring_start, cache.ring_len
+    write_flush, flush = flush, ring_flush(hist, kind, T, L)
+    return Ctx(kind=kind, mode=cache.mode, T=T, positions=seq[:, None] + jnp.arange(T)[None, :],
+               seq_len=seq, start=start, hist=hist, flush=flush, L=L, write_flush=write_flush)
+
+
+def decode(spec: ModelSpec, params, cache: Cache, ids, active=None, flush: bool = True):
+    """One always-accepted token per row: ``ids [B] -> logits [B, V]``; commits itself
+    (rows with ``active == False`` keep their ``seq_len``: finished rows of a batch).
+
+    ``flush=False`` (static) compiles a step that writes no checkpoint: only for callers that
+    know no row flushes (``ring_flush`` false for every row), like the generation loop's inner
+    loop; the default step scatters the checkpoints of the rows that flush."""
+    ctx = _step_ctx(cache, "decode", 1, flush)
+    h, stages, _ = _trunk(spec, params, cache.stages, ids[:, None], ctx)
+    L = cache.L
+    step = jnp.ones_like(ctx.seq_len) if active is None else active.astype(jnp.int32)
+    rs, rl = ring_commit(ctx.start, ctx.hist, ctx.flush, L)
+    new = cache.replace(stages=stages, seq_len=ctx.seq_len + step, ring_start=rs, ring_len=rl)
+    return _head(spec, params, h[:, 0]), new
+
+
+def verify(spec: ModelSpec, params, cache: Cache, ids, flush: bool = True):
+    """``T`` tentative tokens per row (a chain): ``ids [B, T] -> logits [B, T, V]``.  The
+    entries are written (ring, KV, flush checkpoints) but nothing is committed until
+    :func:`commit`; returns ``(logits, cache, pending)``.  ``flush=False``: as in
+    :func:`decode`."""
+    T = ids.shape[1]
+    if cache.mode == "replay" and cache.L < 2 * T:
+        raise ValueError(f"buffer_size {cache.L} < 2 * {T} verify tokens: speculation needs L >= 2T")
+    ctx = _step_ctx(cache, "verify", T, flush)
+    h, stages, pends = _trunk(spec, params, cache.stages, ids, ctx)
+    pending = {"stages": pends, "start": ctx.start, "hist": ctx.hist, "flush": ctx.flush}
+    return _head(spec, params, h), cache.replace(stages=stages), pending
+
+
+def commit(spec: ModelSpec, cache: Cache, pending: dict, accepted):
+    """Keep ``accepted[b]`` (in ``[0, T]``) entries of the pending verify per row: ring
+    pointers (replay), snapshot states (recurrent), conv windows, ``seq_len``."""
+    a = accepted.astype(jnp.int32)
+    L = cache.L
+    stages = []
+    for s, (sb, cnt) in enumerate(spec.stages):
+        c, pend = dict(cache.stages[s]), pending["stages"][s]
+        if "conv_x" in pend:
+            c["win"] = commit_conv(c["win"], pend["conv_x"], a)
+        if "snap" in pend:
+            c["state"] = commit_snapshots(c["state"], pend["snap"], a)
+        stages.append(c)
+    start, hist, flush = pending["start"], pending["hist"], pending["flush"]
+    new = cache.replace(stages=stages, seq_len=cache.seq_len + a)
+    if cache.mode == "replay":
+        rs, rl = ring_commit(start, hist, flush, L, a)
+        new = new.replace(ring_start=rs, ring_len=rl)
+    return new

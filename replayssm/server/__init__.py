@@ -1,0 +1,29 @@
+"""OpenAI-compatible HTTP serving: ``replayssm serve MODEL_DIR``.
+
+* ``app.py``         FastAPI routes (/v1/completions, /v1/chat/completions, /v1/models,
+                     /health, /metrics), OpenAI-style errors, API key check
+* ``engine_loop.py`` the async engine loop: one engine stepped on its own thread, requests
+                     joining and leaving between steps, outputs fed to per-request queues
+* ``protocol.py``    request bodies (pydantic, strict types) -> SamplingParams
+* ``chat.py``        chat templates from tokenizer_config.json (jinja2, sandboxed)
+* ``metrics.py``     Prometheus metrics
+* ``cli.py``         ``replayssm serve``
+
+Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client).  The exports load on first
+use, so ``replayssm serve`` can say so clearly when the extra is missing.
+"""
+
+import importlib
+
+_EXPORTS = {"ServerConfig": "app", "build_app": "app", "AsyncEngine": "engine_loop", "StepEngine": "engine_loop"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'replayssm.server' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,422 @@
+"""The FastAPI application: OpenAI-compatible routes over an :class:`AsyncEngine`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers
+server-sent events, one ``data: {chunk}`` per engine step that produced tokens, ending in
+``data: [DONE]``; the last chunk carries ``usage``, or with ``stream_options.include_usage``,
+as OpenAI does, one more chunk without choices does and the others have ``usage: null``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+
+Every refusal is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``:
+400 for invalid JSON, wrong types, values out of range, an unknown model name, a prompt
+longer than the context or ``max_tokens`` past it, a chat request to a model without a chat
+template; 401 for a missing or wrong key (with ``api_key``); 503 when the queue is full.
+A client that goes away is cancelled at the engine's next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .chat import ChatTemplate
+from .engine_loop import AsyncEngine, EngineError, QueueFull, RequestStream
+from .metrics import ServerMetrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+
+DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's default max_tokens for /v1/completions
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    model_dir: str = ""
+    api_key: str | None = None
+    max_queue: int = 64
+    max_model_len: int | None = None   # default: the engine's token limit
+    chat_template: str | None = None   # override (string or file)
+
+
+def context_limit(engine) -> int:
+    """Most tokens (prompt + generated) one sequence may hold."""
+    sch = getattr(engine, "scheduler", None)
+    if sch is not None and hasattr(sch, "token_limit"):
+        return int(sch.token_limit)
+    cfg = getattr(engine, "config", None)
+    return int(getattr(cfg, "max_seq_len", 2048))
+
+
+def build_app(engine, config: ServerConfig) -> FastAPI:
+    """The app serving ``engine`` (anything with the step-wise API, e.g. ``LLM``)."""
+    metrics = ServerMetrics(config.model_name)
+    slots = getattr(engine, "num_slots", None) or getattr(getattr(engine, "config", None), "max_num_seqs", 16)
+    loop = AsyncEngine(engine, max_running=slots, max_queue=config.max_queue, metrics=metrics)
+    tok = getattr(engine, "tokenizer", None)
+    chat = (ChatTemplate.from_model_dir(config.model_dir, config.chat_template) if config.model_dir
+            else ChatTemplate(config.chat_template))
+    limit = config.max_model_len or context_limit(engine)
+    vocab = int(getattr(engine, "vocab_size", 0) or 0)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        yield
+        loop.shutdown()
+
+    app = FastAPI(title="replayssm", lifespan=lifespan)
+    app.state.engine_loop, app.state.metrics, app.state.engine = loop, metrics, engine
+
+    # -- errors --------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        e = errs[0] if errs else {"msg": "invalid request", "loc": ()}
+        if e.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"invalid JSON body: {e.get('ctx', {}).get('error', e['msg'])}", code=400),
+                                status_code=400)
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        # the field's name (drop pydantic's union-branch tags such as 'str' or 'list[int]')
+        names = [x for x in loc if not x.isdigit() and x not in ("str", "int", "float", "bool")
+                 and "[" not in x and "function" not in x]
+        param = names[0] if names else (loc[0] if loc else None)
+        where = ".".join(loc) if loc else "body"
+        msg = f"{where}: {e['msg']}"
+        if "input" in e and e.get("type") != "missing":
+            msg += f" (got {json.dumps(e['input'], default=str)[:80]})"
+        return JSONResponse(error_body(msg, param=param, code=400), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind, code=exc.status_code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):  # pragma: no cover - a bug of ours
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error"),
+                            status_code=500)
+
+    async def check_key(request: Request):
+        if config.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           "authentication_error")
+
+    def check_model(name):
+        if name is not None and name != config.model_name:
+            raise APIError(400, f"model {name!r} is not served here (this server serves {config.model_name!r})",
+                           param="model")
+
+    # -- info routes -----------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return JSONResponse(error_body("engine loop is not running", "internal_error"), status_code=503)
+        return {"status": "ok", "in_flight": loop.in_flight, "steps": loop.steps}
+
+    @app.get("/metrics")
+    async def metrics_route():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        metrics.refresh(engine, loop)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "replayssm", "root": config.model_dir,
+                                            "max_model_len": limit}]}
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def encode(prompt, param: str, special: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if tok is None:
+                raise APIError(400, "this model has no tokenizer: send token ids", param=param)
+            try:
+                ids = tok.encode(prompt, add_special_tokens=special).ids
+            except TypeError:   # a tokenizer without the keyword
+                ids = tok.encode(prompt).ids
+        else:
+            ids = list(prompt)
+            if vocab and any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"token ids must be in [0, {vocab})", param=param)
+        if not ids:
+            raise APIError(400, f"{param} is empty", param=param)
+        if len(ids) + 1 > limit:
+            raise APIError(400, f"{param} has {len(ids)} tokens; this model's context is {limit} tokens "
+                                f"(prompt + generated)", param=param)
+        return ids
+
+    def max_tokens_for(n_prompt: int, requested: int | None, default: int | None) -> int:
+        """``requested`` if it fits the context (else 400), otherwise ``default`` capped to the room."""
+        room = limit - n_prompt
+        if requested is not None:
+            if n_prompt + requested > limit:
+                raise APIError(400, f"max_tokens={requested} with a prompt of {n_prompt} tokens exceeds this "
+                                    f"model's context of {limit} tokens", param="max_tokens")
+            return requested
+        return min(default, room) if default is not None else room
+
+    def submit(reqs) -> RequestStream:
+        n = reqs[0][2].n
+        if n > loop.max_running:
+            raise APIError(400, f"n={n} exceeds the {loop.max_running} sequences this server runs at once "
+                                f"(the samples of a request run together)", param="n")
+        seqs = sum(p.n for _, _, p in reqs)
+        if seqs > loop.max_running + loop.max_queue:
+            raise APIError(400, f"{len(reqs)} prompts x n={n} = {seqs} sequences can never fit this server "
+                                f"({loop.max_running} running + {loop.max_queue} queued)", param="prompt")
+        try:
+            return loop.submit(reqs)
+        except QueueFull as e:
+            raise APIError(503, str(e), "server_overloaded", headers={"Retry-After": "1"}) from None
+
+    # -- completions ---------------------------------------------------------------------------
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def completions(req: CompletionRequest, raw: Request):
+        check_model(req.model)
+        encoded = [encode(p, "prompt") for p in req.prompts()]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        reqs = []
+        for i, ids in enumerate(encoded):
+            mt = max_tokens_for(len(ids), req.max_tokens, DEFAULT_COMPLETION_TOKENS)
+            reqs.append((f"{rid}-{i}", ids, req.sampling_params(mt)))
+        return await respond(req, raw, reqs, rid, "text_completion", encoded)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        check_model(req.model)
+        msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+        try:
+            text = chat.render(msgs, req.add_generation_prompt)
+        except ValueError as e:   # NoChatTemplate, or the template raised / failed to render
+            raise APIError(400, str(e), param="messages") from None
+        ids = encode(text, "messages", special=False)
+        mt = max_tokens_for(len(ids), req.requested_max_tokens, None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await respond(req, raw, [(f"{rid}-0", ids, req.sampling_params(mt))], rid, "chat.completion", [ids])
+
+    async def respond(req, raw: Request, reqs, rid: str, kind: str, encoded):
+        stream = submit(reqs)
+        state = _Choices(reqs, req.n, tok, chat=kind == "chat.completion", token_ids=req.return_token_ids)
+        head = {"id": rid, "created": int(time.time()), "model": config.model_name}
+        n_prompt = sum(len(e) for e in encoded)
+        if req.stream:
+            gen = _sse(stream, state, head, kind, req.include_usage, n_prompt, loop)
+            return StreamingResponse(gen, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            await _collect(stream, state, raw, loop)
+        except EngineError as e:
+            raise APIError(500, str(e), "internal_error") from None
+        if stream.closed is False:   # the client went away: nothing to answer
+            return Response(status_code=499)
+        err = state.error()
+        if err is not None:
+            raise APIError(*err)
+        body = dict(head, object=kind, choices=state.final_choices(),
+                    usage=_usage(n_prompt, state.completion_tokens()))
+        return body
+
+    return app
+
+
+# ---- choice bookkeeping ----------------------------------------------------------------------
+@dataclass
+class _Choice:
+    index: int
+    stop_hold: int                  # chars held back while streaming (a stop string may start there)
+    text: str = ""
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    token_ids: list = field(default_factory=list)
+    sent_lp: int = 0
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    role_sent: bool = False
+
+
+class _Choices:
+    """Per (engine request, sample) choice state: what was sent, what is final."""
+
+    def __init__(self, reqs, n: int, tok, chat: bool, token_ids: bool = False):
+        self.tok, self.chat, self.token_ids = tok, chat, token_ids
+        self.by_key: dict = {}
+        for p, (rid, _, params) in enumerate(reqs):
+            hold = max((len(s) for s in params.stop), default=1) - 1
+            for j in range(n):
+                self.by_key[(rid, j)] = _Choice(index=p * n + j, stop_hold=hold)
+
+    def update(self, out) -> _Choice:
+        c = self.by_key[(out.request_id, getattr(out, "index", 0))]
+        c.text, c.token_ids = out.text, list(out.token_ids)
+        c.logprobs = out.logprobs
+        if out.finish_reason is not None:
+            c.finish_reason = out.finish_reason
+            c.error = getattr(out, "error", None)
+        return c
+
+    def delta(self, c: _Choice) -> tuple[str, list]:
+        """New text to send (holding back a possible stop-string start) and new logprobs."""
+        end = len(c.text) if c.finish_reason is not None else max(len(c.text) - c.stop_hold, c.sent_chars)
+        piece = c.text[c.sent_chars:end]
+        c.sent_chars = end
+        pairs = []
+        if c.logprobs is not None:
+            i0 = c.sent_lp
+            pairs = list(zip(c.token_ids[i0:], c.logprobs[i0:]))
+            c.sent_lp = i0 + len(pairs)
+        return piece, pairs
+
+    def error(self):
+        for c in self.by_key.values():
+            if c.finish_reason == "rejected":
+                return (400, c.error or "request rejected", "invalid_request_error", "prompt")
+            if c.finish_reason == "error":
+                return (500, c.error or "engine error", "internal_error")
+        return None
+
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.by_key.values())
+
+    def final_choices(self) -> list:
+        out = []
+        for c in sorted(self.by_key.values(), key=lambda c: c.index):
+            pairs = list(zip(c.token_ids, c.logprobs)) if c.logprobs is not None else None
+            lp = self.format_logprobs(pairs, 0) if pairs is not None else None
+            if self.chat:
+                ch = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                      "logprobs": lp, "finish_reason": _reason(c.finish_reason)}
+            else:
+                ch = {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)}
+            if self.token_ids:
+                ch["token_ids"] = list(c.token_ids)
+            out.append(ch)
+        return out
+
+    def token_str(self, t: int) -> str:
+        if self.tok is None:
+            return str(t)
+        try:
+            return self.tok.decode([t], skip_special_tokens=False)
+        except TypeError:
+            return self.tok.decode([t])
+
+    def format_logprobs(self, pairs, offset: int):
+        """OpenAI logprobs for ``[(token id, (logprob, [(id, logprob), ...])), ...]``."""
+        if self.chat:
+            content = []
+            for t, (lp, top) in pairs:
+                s = self.token_str(t)
+                content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                                "top_logprobs": [{"token": self.token_str(i), "logprob": v,
+                                                  "bytes": list(self.token_str(i).encode())} for i, v in top]})
+            return {"content": content}
+        tokens, lps, tops, offs = [], [], [], []
+        pos = offset
+        for t, (lp, top) in pairs:
+            s = self.token_str(t)
+            tokens.append(s)
+            lps.append(lp)
+            tops.append({self.token_str(i): v for i, v in top})
+            offs.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+
+def _reason(r):
+    return r if r in ("stop", "length") or r is None else ("abort" if r == "abort" else "error")
+
+
+def _usage(n_prompt: int, n_completion: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+
+
+async def _collect(stream: RequestStream, state: _Choices, raw: Request, loop: AsyncEngine) -> None:
+    """Drain ``stream``; if the client disconnects meanwhile, cancel the request."""
+    async def drain():
+        async for out in stream:
+            state.update(out)
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                task.result()
+                return
+            if await raw.is_disconnected():
+                loop.abort(stream)
+                task.cancel()
+                return
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _sse(stream: RequestStream, state: _Choices, head: dict, kind: str, include_usage: bool, n_prompt: int,
+               loop: AsyncEngine):
+    """Server-sent events for one request; aborts the engine requests if the client leaves."""
+    obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+
+    def chunk(choices, usage=None) -> str:
+        body = dict(head, object=obj, choices=choices)
+        if include_usage or usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    try:
+        if state.chat:   # the role first, as OpenAI does
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for c in sorted(state.by_key.values(), key=lambda c: c.index)])
+        try:
+            async for out in stream:
+                c = state.update(out)
+                if c.finish_reason in ("error", "rejected"):
+                    raise EngineError(c.error or "engine error")
+                new_ids = c.token_ids[c.sent_tokens:]
+                new_tokens = len(new_ids)
+                c.sent_tokens = len(c.token_ids)
+                piece, lps = state.delta(c)
+                done = c.finish_reason is not None
+                if not piece and not done and not new_tokens:
+                    continue   # (a chunk per step with new tokens, even if their text is held back)
+                lp = state.format_logprobs(lps, c.sent_chars - len(piece)) if c.logprobs is not None else None
+                reason = _reason(c.finish_reason) if done else None
+                if state.chat:
+                    ch = {"index": c.index, "delta": {"content": piece} if piece else {}, "logprobs": lp,
+                          "finish_reason": reason}
+                else:
+                    ch = {"index": c.index, "text": piece, "logprobs": lp, "finish_reason": reason}
+                if state.token_ids:
+                    ch["token_ids"] = new_ids
+                last = done and all(x.finish_reason is not None for x in state.by_key.values())
+                # usage: in the last chunk, or (include_usage, as OpenAI) in one more without choices
+                usage = _usage(n_prompt, state.completion_tokens()) if last and not include_usage else None
+                yield chunk([ch], usage)
+        except EngineError as e:
+            yield f"data: {json.dumps(error_body(str(e), 'internal_error', code=500))}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield chunk([], _usage(n_prompt, state.completion_tokens()))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not stream.closed:   # the client went away (or the response was cancelled)
+            loop.abort(stream)

@@ -1,0 +1,288 @@
+"""The async engine loop: one engine stepped on its own thread, fed by many HTTP requests.
+
+The engine's compute blocks, so it runs on a dedicated thread.  HTTP handlers (on the
+asyncio loop) never touch the engine: they put ``add`` and ``abort`` commands into an inbox
+that the engine thread drains *between* steps, so new requests join the running batch at the
+next step (continuous batching through the engine's own scheduler) and a cancelled request
+leaves it — its cache slot freed — before the next step runs.  Every step's outputs are
+handed back to the asyncio loop (``call_soon_threadsafe``) into the queue of the HTTP
+request they belong to.
+
+Failures stay local: a request the engine refuses (``add_request`` raising) or ends with an
+error gets that error on its own queue; if a whole step raises, the requests in flight end
+with the error, the engine is reset to an idle state, and the loop goes on serving.  The loop
+never exits on a request's account.
+
+The engine is anything with the step-wise API (:class:`StepEngine`), e.g.
+:class:`replayssm.LLM`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class StepEngine(Protocol):
+    """The engine API the server drives (what :class:`replayssm.LLM` provides)."""
+
+    tokenizer: Any
+
+    def add_request(self, prompt, params, request_id=None) -> Any: ...
+
+    def step(self) -> list: ...          # RequestOutputs (cumulative token_ids, text, finish_reason, error)
+
+    def abort(self, request_id) -> bool: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def occupancy(self) -> dict: ...     # running, waiting, free_slots, total_slots, free_kv_blocks
+
+    def recover(self) -> None: ...       # after a step raised half-way
+
+
+class QueueFull(Exception):
+    """More sequences in flight than ``max_num_seqs + max_queue``."""
+
+
+@dataclass
+class StreamEnd:
+    """Sentinel: every sequence of the request has finished (or the request failed)."""
+
+    error: Optional[str] = None
+
+
+@dataclass
+class RequestStream:
+    """One HTTP request's view of its engine requests: an asyncio queue of outputs."""
+
+    loop: asyncio.AbstractEventLoop
+    request_ids: list
+    num_seqs: int
+    arrival: float = field(default_factory=time.perf_counter)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: set = field(default_factory=set)        # (request_id, index) done
+    token_counts: dict = field(default_factory=dict)  # (request_id, index) -> tokens seen
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    closed: bool = False
+
+    def put(self, item) -> None:
+        """From the engine thread."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.closed:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, StreamEnd):
+            self.closed = True
+            if item.error is not None:
+                raise EngineError(item.error)
+            raise StopAsyncIteration
+        return item
+
+
+class EngineError(RuntimeError):
+    """The engine ended a request with an error."""
+
+
+class AsyncEngine:
+    """Steps ``engine`` on a thread; :meth:`submit` queues requests, :meth:`abort` cancels.
+
+    ``max_running``: sequences the engine runs at once (its slots); ``max_queue``: how many
+    more may wait.  A submit beyond ``max_running + max_queue`` sequences in flight raises
+    :class:`QueueFull` (the server answers 503).  ``metrics`` (optional) gets
+    ``on_step(engine, outputs, seconds)``, ``on_token(...)`` and ``on_finish(...)`` calls from
+    the engine thread.
+    """
+
+    def __init__(self, engine: StepEngine, max_running: int, max_queue: int, metrics=None, idle_wait: float = 0.05):
+        if not isinstance(engine, StepEngine):
+            raise TypeError(f"engine must provide add_request/step/abort/has_unfinished, got {type(engine).__name__}")
+        self.engine = engine
+        self.max_running, self.max_queue = int(max_running), int(max_queue)
+        self.metrics = metrics
+        self.idle_wait = idle_wait
+        self._inbox: deque = deque()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._streams: dict = {}          # engine request id -> RequestStream
+        self._in_flight = 0               # sequences submitted and not finished
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self._ids = itertools.count()
+        self.steps = 0
+        self.step_failures = 0
+        self.last_error: Optional[str] = None
+
+    # -- asyncio side ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="replayssm-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def submit(self, requests: list[tuple], loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Queue ``[(request_id, prompt_ids, SamplingParams), ...]`` (one HTTP request) and
+        return the stream of their outputs.  All or nothing: raises :class:`QueueFull`."""
+        loop = loop or asyncio.get_running_loop()
+        seqs = sum(p.n for _, _, p in requests)
+        with self._lock:
+            limit = self.max_running + self.max_queue
+            if self._in_flight + seqs > limit:
+                raise QueueFull(f"server is at capacity: {self._in_flight} sequences in flight, at most {limit} "
+                                f"(max_num_seqs {self.max_running} + max_queue {self.max_queue}); retry later")
+            self._in_flight += seqs
+            stream = RequestStream(loop, [r[0] for r in requests], seqs)
+            for rid, ids, params in requests:
+                self._streams[rid] = stream
+                self._inbox.append(("add", rid, ids, params))
+        self._wake.set()
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Cancel every unfinished request of ``stream`` (between the next two steps)."""
+        with self._lock:
+            for rid in stream.request_ids:
+                if rid in self._streams:
+                    self._inbox.append(("abort", rid))
+        self._wake.set()
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        dev = getattr(self.engine, "device", None)
+        if getattr(dev, "type", None) == "cuda":   # a new thread starts on device 0
+            import torch
+
+            torch.cuda.set_device(dev)
+        while not self._stop:
+            self._drain()
+            if not self.engine.has_unfinished():
+                self._wake.wait(self.idle_wait)
+                self._wake.clear()
+                continue
+            t0 = time.perf_counter()
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # the step failed as a whole: end what was in flight, go on
+                self._step_failed(e)
+                continue
+            dt = time.perf_counter() - t0
+            self.steps += 1
+            try:
+                for out in outs:
+                    self._deliver(out)
+                if self.metrics is not None:
+                    self.metrics.on_step(self.engine, outs, dt, self)
+            except Exception as e:  # never let bookkeeping kill the engine thread
+                self._step_failed(e)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._inbox:
+                    return
+                cmd = self._inbox.popleft()
+            if cmd[0] == "add":
+                _, rid, ids, params = cmd
+                try:
+                    self.engine.add_request(ids, params, request_id=rid)
+                except Exception as e:   # refused (validated by the server first: rare)
+                    self._end(rid, f"{type(e).__name__}: {e}")
+            else:
+                rid = cmd[1]
+                try:
+                    self.engine.abort(rid)
+                except Exception as e:  # pragma: no cover - a broken engine state
+                    self.last_error = f"abort {rid}: {e}"
+                self._end(rid, None, aborted=True)
+
+    def _deliver(self, out) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:   # aborted meanwhile
+            return
+        now = time.perf_counter()
+        k = (out.request_id, getattr(out, "index", 0))
+        new = len(out.token_ids) - stream.token_counts.get(k, 0)
+        if new > 0:
+            stream.token_counts[k] = len(out.token_ids)
+            if self.metrics is not None:
+                self.metrics.on_tokens(new)
+        if out.token_ids:
+            if stream.first_token is None:
+                stream.first_token = now
+                if self.metrics is not None:
+                    self.metrics.on_first_token(now - stream.arrival)
+            elif self.metrics is not None and stream.last_token is not None:
+                self.metrics.on_inter_token(now - stream.last_token)
+            stream.last_token = now
+        stream.put(out)
+        if out.finish_reason is not None:
+            stream.finished.add(k)
+            if self.metrics is not None:
+                self.metrics.on_finish(out, now - stream.arrival)
+            with self._lock:
+                self._in_flight -= 1
+            if len(stream.finished) == stream.num_seqs:
+                for rid in stream.request_ids:
+                    self._streams.pop(rid, None)
+                stream.put(StreamEnd())
+
+    def _end(self, rid, error: str | None, aborted: bool = False) -> None:
+        """Drop ``rid``'s stream: its unfinished sequences leave the in-flight count."""
+        with self._lock:
+            stream = self._streams.get(rid)
+            if stream is None:
+                return
+            left = stream.num_seqs - len(stream.finished)
+            for r in stream.request_ids:
+                self._streams.pop(r, None)
+            self._in_flight -= left
+        if self.metrics is not None:
+            self.metrics.on_end(left, "abort" if aborted else "error")
+        for r in stream.request_ids:     # the request's other engine requests leave too
+            if r != rid:
+                try:
+                    self.engine.abort(r)
+                except Exception:  # pragma: no cover
+                    pass
+        stream.put(StreamEnd(None if aborted else error))
+
+    def _step_failed(self, e: Exception) -> None:
+        self.step_failures += 1
+        self.last_error = "".join(traceback.format_exception_only(type(e), e)).strip()
+        self.engine.recover()
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            try:
+                self.engine.abort(rid)
+            except Exception:  # pragma: no cover - state beyond repair for this request
+                pass
+            self._end(rid, f"engine step failed: {self.last_error}")

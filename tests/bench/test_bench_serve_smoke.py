@@ -1,0 +1,43 @@
+"""`replayssm bench serve --smoke`: starts a server, drives Poisson load, writes JSON + PNG."""
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+
+def test_bench_serve_smoke(tmp_path, capsys):
+    from replayssm.bench.serve import main
+
+    rc = main(["--smoke", "--configs", "replay+spec", "--request-rates", "16,inf", "--num-prompts", "6",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "serve.json").read_text())
+    rows = res["runs"]["replay+spec"]
+    assert [r["rate"] for r in rows] == [16.0, "inf"]
+    for r in rows:
+        assert r["completed"] == 6 and r["failed"] == 0
+        assert r["output_tokens"] == 6 * 8
+        assert 0 < r["p50_ttft_ms"] <= r["p99_ttft_ms"] and r["p50_tpot_ms"] > 0
+        assert r["mean_accepted_length"] > 1.5       # walk prompts: prompt lookup finds the continuation
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    assert "replay+spec" in capsys.readouterr().out
+
+
+def test_hybrid_preset_loads_and_its_greedy_step_is_a_token_map(tmp_path):
+    """The random hybrid checkpoint loads, and its greedy next token depends on the current
+    token only (what the benchmark's walk prompts rely on)."""
+    import torch
+
+    from replayssm.bench.serve import hybrid_model_dir
+    from replayssm.models import load_model
+
+    model = load_model(hybrid_model_dir("hybrid-tiny", str(tmp_path)))
+    assert model.config.model_type == "nemotron_h"
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, 256, (8, 12), generator=g)
+    ctx[:, -1] = ctx[0, -1]                       # different contexts, the same last token
+    nxt = model(ctx)[:, -1].argmax(-1)
+    assert (nxt == nxt[0]).all()

@@ -1,0 +1,333 @@
+"""Tensor parallelism on CPU: two processes over gloo, greedy output identical to one.
+
+One worker group is spawned for the module and every model and engine below runs on it
+(spawning costs seconds on a loaded machine); the last tests start an engine-owned group
+and kill its worker.  Models: tiny random transformers checkpoints with odd per-rank head
+counts (6 Mamba-2 / attention / GDN value heads: 3 per rank), both group layouts (Mamba-2
+groups replicated with a cross-rank gated norm; groups split), KV heads split and
+replicated, MoE with a shared expert and a latent projection, row-parallel biases, tied
+embeddings and an odd vocabulary (61: a padded vocabulary shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+
+import hf_utils as H  # noqa: E402
+
+from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
+from replayssm.models import load_model  # noqa: E402
+from replayssm.models.config import read_config  # noqa: E402
+
+dist_mod = pytest.importorskip("replayssm.distributed")
+from replayssm.distributed import TensorParallelGroup, WorkerFailed, check_tensor_parallel  # noqa: E402
+
+N_NEW = 10
+MAXLEN = 64
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7], [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9]]
+
+SPECS = {
+    # Mamba-2, one group: B/C replicated on both ranks, the gated norm spans them; tied embeddings
+    "mamba2": (H.tiny_mamba2, dict(num_heads=6, head_dim=5, hidden_size=15, n_groups=1, num_hidden_layers=2,
+                                   tie_word_embeddings=True)),
+    # Nemotron-H: Mamba (2 groups: split) + attention (6 heads, 1 KV head: replicated) + relu2 MLP
+    # + sigmoid MoE with shared expert and latent projection; biases on every projection
+    "nemotron_h": (H.tiny_nemotron_h, dict(hybrid_override_pattern="M*-EM", mamba_num_heads=6, n_groups=2,
+                                           num_attention_heads=6, num_key_value_heads=1, intermediate_size=18,
+                                           moe_intermediate_size=10, moe_shared_expert_intermediate_size=6,
+                                           moe_latent_size=5, use_bias=True, mlp_bias=True)),
+    # Qwen3-Next: GDN (2 key heads, 6 value heads) + gated attention (6 heads, 2 KV heads: split,
+    # with biases) + a dense MLP layer and MoE layers with a gated shared expert
+    "qwen3_next": (H.tiny_qwen3_next, dict(linear_num_key_heads=2, linear_num_value_heads=6, num_attention_heads=6,
+                                           num_key_value_heads=2, moe_intermediate_size=10,
+                                           shared_expert_intermediate_size=6, intermediate_size=18,
+                                           mlp_only_layers=[0], attention_bias=True)),
+    # the draft model for draft-model speculation (unsharded, on rank 0)
+    "draft": (H.tiny_mamba2, dict(num_heads=4, head_dim=4, hidden_size=8, n_groups=1, num_hidden_layers=1)),
+}
+ARCHS = ["mamba2", "nemotron_h", "qwen3_next"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_models")
+    out = {}
+    for i, (name, (fn, over)) in enumerate(SPECS.items()):
+        m = fn(seed=11 + i, **over)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out[name] = H.save_tiny(m, str(root / name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def group():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    g = TensorParallelGroup(2, "cpu", worker_threads=1)
+    torch.set_num_threads(n)
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def models(paths, group):
+    """``models(name, dtype) -> (TP=1 model, TP=2 model)`` (cached)."""
+    cache = {}
+
+    def get(name, dtype="float64"):
+        if (name, dtype) not in cache:
+            cache[name, dtype] = (load_model(paths[name], dtype=dtype), group.load_model(paths[name], dtype=dtype))
+        return cache[name, dtype]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def expected(models):
+    """Greedy continuations of PROMPTS by full forwards of the TP=1 model (the ground truth)."""
+    cache = {}
+
+    def get(name, dtype="float64"):
+        if (name, dtype) not in cache:
+            m = models(name, dtype)[0]
+            rows = []
+            for p in PROMPTS:
+                ids, gen = torch.tensor([p]), []
+                for _ in range(N_NEW):
+                    t = int(m(ids)[0, -1].argmax())
+                    gen.append(t)
+                    ids = torch.cat([ids, torch.tensor([[t]])], 1)
+                rows.append(gen)
+            cache[name, dtype] = rows
+        return cache[name, dtype]
+
+    return get
+
+
+def _generate(model, params=None, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with LLM(model, max_seq_len=MAXLEN, **kw) as llm:
+            return [o.token_ids for o in llm.generate(PROMPTS, params or SamplingParams(max_tokens=N_NEW))]
+
+
+# ---------------------------------------------------------------------------------------
+# before any process: configuration checks
+# ---------------------------------------------------------------------------------------
+def test_bad_size_is_refused_before_any_process_starts(paths):
+    before = multiprocessing.active_children()
+    with pytest.raises(ValueError, match=r"num_heads \(6\)"):
+        LLM(paths["mamba2"], tensor_parallel_size=4)
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\)"):
+        LLM(paths["qwen3_next"], tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+        LLM(paths["mamba2"], tensor_parallel_size=0)
+    assert multiprocessing.active_children() == before
+    nem = read_config(paths["nemotron_h"])
+    with pytest.raises(ValueError, match=r"mamba_num_heads \(6\)"):
+        check_tensor_parallel(nem, 4)
+    with pytest.raises(ValueError, match=r"n_groups \(2\)"):
+        check_tensor_parallel(dataclasses.replace(read_config(paths["mamba2"]), n_groups=2), 3)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(7\)"):
+        check_tensor_parallel(dataclasses.replace(nem, moe_intermediate_size=7), 2)
+
+
+def test_each_rank_reads_only_its_shard(paths, monkeypatch):
+    """Rank 1's load never reads a sharded tensor whole: only its slices come off the file."""
+    import safetensors
+
+    from replayssm.distributed.loading import load_shard
+    from replayssm.distributed.sharding import Shard, shard_rules
+
+    real = safetensors.safe_open
+    read = {}   # key -> elements read
+
+    class Slice:
+        def __init__(self, sl, key):
+            self.sl, self.key = sl, key
+
+        def get_shape(self):
+            return self.sl.get_shape()
+
+        def __getitem__(self, idx):
+            t = self.sl[idx]
+            read[self.key] = read.get(self.key, 0) + t.numel()
+            return t
+
+    class Handle:
+        def __init__(self, *a, **kw):
+            self.h = real(*a, **kw)
+
+        def keys(self):
+            return self.h.keys()
+
+        def get_slice(self, key):
+            return Slice(self.h.get_slice(key), key)
+
+        def get_tensor(self, key):
+            t = self.h.get_tensor(key)
+            read[key] = read.get(key, 0) + t.numel()
+            return t
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return self.h.__exit__(*a)
+
+    monkeypatch.setattr(safetensors, "safe_open", Handle)
+    for name in ARCHS:
+        full = load_model(paths[name], dtype="float64")
+        read.clear()
+        local = load_shard(paths[name], rank=1, size=2, dtype="float64")
+        rules = shard_rules(full, 2, 1)
+        sharded = {n: r for n, r in rules.items() if isinstance(r, Shard)}
+        assert sharded
+        lp, fp = dict(local.named_parameters()), dict(full.named_parameters())
+        for n, rule in sharded.items():
+            key = n if n in read else None
+            if key is not None:  # single-key tensors: exactly the shard's elements were read
+                assert read[key] == lp[n].numel() * rule.size // lp[n].shape[rule.dim], n
+        # row-parallel biases: zeros on rank 1; replicated tensors equal the full model's
+        for n, p in lp.items():
+            if rules.get(n) == "root_only":
+                assert torch.count_nonzero(p) == 0, n
+            elif n not in rules:
+                assert torch.equal(p, fp[n]), n
+        # the vocabulary shard: rows [31, 61) of 61, one padding row of zeros
+        emb = local.embed_weight()
+        assert emb.shape[0] == 31 and torch.equal(emb[:30], full.embed_weight()[31:]) and not emb[30].any()
+
+
+# ---------------------------------------------------------------------------------------
+# two processes
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_forward_matches(models, arch):
+    ref, tp = models(arch)
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+    a, b = ref(ids), tp(ids)
+    assert b.shape == a.shape == (2, 9, 61)
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    assert tp.tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv", "auto"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_one_rank(models, expected, arch, mode, dtype):
+    """Every decode mode (replay also with padded batches, the CUDA-graph path's padding)."""
+    tp = models(arch, dtype)[1]
+    assert _generate(tp, decode_mode=mode, auto_threshold=6, pad_batches=mode == "replay") == expected(arch, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "ngram-tree", "draft-tree"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculation_keeps_greedy_output(models, expected, arch, method, dtype):
+    ref, tp = models(arch, dtype)
+    draft = models("draft", dtype)[0]
+    sp = {"ngram": SpeculativeConfig("ngram", num_tokens=3),
+          "draft": SpeculativeConfig("draft", num_tokens=3, draft_model=draft),
+          "ngram-tree": SpeculativeConfig("tree", num_tokens=3, tree_width=2),
+          "draft-tree": SpeculativeConfig("tree", draft_model=ref, tree_width=2, tree_depth=2)}[method]
+    mode = {"mamba2": "replay", "nemotron_h": "kv", "qwen3_next": "recurrent"}[arch] if method != "draft-tree" \
+        else "replay"
+    assert _generate(tp, decode_mode=mode, speculative=sp) == expected(arch, dtype)
+
+
+def test_sampled_speculation_matches_one_rank(models):
+    """Sampling: rank 0 samples and accepts; the commit of the accepted counts is broadcast."""
+    ref, tp = models("qwen3_next")
+    sp = SpeculativeConfig("draft", num_tokens=3, draft_model=models("draft")[0])
+    params = SamplingParams(max_tokens=N_NEW, temperature=0.9, seed=5)
+    assert _generate(tp, params, speculative=sp, decode_mode="auto", auto_threshold=6) == \
+        _generate(ref, params, speculative=sp, decode_mode="auto", auto_threshold=6)
+
+
+def test_model_api_and_bad_input_keep_the_group(models):
+    """The model API runs on every rank; bad input raises the same ValueError on rank 0 (the
+    workers drop it) and the group goes on."""
+    ref, tp = models("nemotron_h")
+    c1, c2 = ref.make_cache(3, max_seq_len=32), tp.make_cache(3, max_seq_len=32)
+    slots, ids, lens = torch.tensor([1, 2]), torch.tensor([[3, 4, 5], [6, 0, 0]]), torch.tensor([3, 1])
+    torch.testing.assert_close(tp.prefill(c2, slots, ids, lens), ref.prefill(c1, slots, ids, lens), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        tp.decode(c2, slots, torch.tensor([99, 1]))
+    torch.testing.assert_close(tp.decode(c2, slots, torch.tensor([7, 8])), ref.decode(c1, slots, torch.tensor([7, 8])),
+                               rtol=0, atol=1e-12)
+    assert tp.group.alive
+    tp.local.make_cache(2)  # rank 0's own shard is an ordinary model
+
+
+RANDOM_CFG = dict(model_type="nemotron_h", vocab_size=61, hidden_size=16, hybrid_override_pattern="M*E",
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=8, mamba_num_heads=4, mamba_head_dim=4,
+                  ssm_state_size=6, n_groups=2, conv_kernel=3, n_routed_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=6, moe_shared_expert_intermediate_size=4, eos_token_id=None)
+
+
+def test_random_shards_share_replicated_weights():
+    """Random weights built per rank on the device: replicated parameters agree across
+    ranks, sharded ones differ and have the local shapes (no process needed to build one)."""
+    from replayssm.distributed.loading import _skeletons, random_shard
+    from replayssm.distributed.sharding import Shard, shard_rules
+
+    r0, r1 = (random_shard(RANDOM_CFG, r, 2, dtype="float32") for r in (0, 1))
+    p0, p1 = dict(r0.named_parameters()), dict(r1.named_parameters())
+    rules = shard_rules(_skeletons(r0.tp.config, torch.float32, "cpu", 0, 2, None)[0], 2, 0)
+    for n, p in p0.items():
+        assert p.shape == p1[n].shape and torch.isfinite(p).all(), n
+        if not isinstance(rules.get(n), Shard):
+            assert torch.equal(p, p1[n]), n
+    w0, w1 = p0["backbone.layers.0.mixer.in_proj.weight"], p1["backbone.layers.0.mixer.in_proj.weight"]
+    assert w0.shape == (8 + 8 + 6 + 6 + 2, 16) and not torch.equal(w0, w1)   # [z | x | B | C | dt] of 2 heads
+
+
+def test_random_model_generates(group):
+    model = group.random_model(RANDOM_CFG, dtype="float32", seed=3)
+    out = _generate(model, decode_mode="replay")
+    assert [len(o) for o in out] == [N_NEW] * len(PROMPTS)
+    model.close()
+
+
+# ---------------------------------------------------------------------------------------
+# an engine that owns its group; a worker that dies
+# ---------------------------------------------------------------------------------------
+def test_engine_owned_group_and_worker_failure(paths, group, expected):
+    want = expected("mamba2")
+    group.close()   # one group per process: the module's is done
+    assert multiprocessing.active_children() == []
+    llm = LLM(paths["mamba2"], dtype="float64", tensor_parallel_size=2, max_seq_len=MAXLEN)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))] == want
+        (worker,) = multiprocessing.active_children()
+        os.kill(worker.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailed, match=r"rank 1 .* exited with code -9"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(WorkerFailed, match="failed earlier"):
+            llm.generate([[1]], SamplingParams(max_tokens=2))
+    finally:
+        llm.close()
+    assert multiprocessing.active_children() == []

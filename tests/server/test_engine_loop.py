@@ -1,0 +1,79 @@
+"""The async engine loop in-process: requests join between steps, a failing step ends only
+the requests in flight, aborts free slots, and the loop keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from replayssm import LLM, SamplingParams
+from recompute_model import tiny_pair
+from replayssm.server.engine_loop import AsyncEngine, EngineError, QueueFull, StepEngine
+
+
+class Flaky:
+    """An LLM whose ``fail_at``-th step raises after its verify ran (a half-done step)."""
+
+    def __init__(self, llm, fail_at):
+        self.llm, self.fail_at, self.calls = llm, fail_at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+    def step(self):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            self.llm.step()
+            self.llm.cache.pending = object()      # as if a verify never got its commit
+            raise RuntimeError("boom")
+        return self.llm.step()
+
+
+async def _run(loop, prompt, n=8):
+    stream = loop.submit([(loop.new_id("r"), prompt, SamplingParams(max_tokens=n))])
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+def test_llm_is_a_step_engine():
+    target, _ = tiny_pair(vocab_size=32)
+    assert isinstance(LLM(target), StepEngine)
+
+
+def test_failed_step_ends_its_requests_and_the_loop_goes_on():
+    torch.set_num_threads(1)
+    target, _ = tiny_pair(vocab_size=32)
+    want = LLM(target).generate([[1, 2, 3]], SamplingParams(max_tokens=8))[0].token_ids
+    eng = Flaky(LLM(target, max_num_seqs=4), fail_at=2)
+    loop = AsyncEngine(eng, max_running=4, max_queue=2)
+
+    async def main():
+        loop.start()
+        try:
+            res = await asyncio.gather(_run(loop, [1, 2, 3]), _run(loop, [5, 6]), return_exceptions=True)
+            assert all(isinstance(r, EngineError) and "boom" in str(r) for r in res), res
+            assert loop.in_flight == 0 and loop.step_failures == 1
+            out = await _run(loop, [1, 2, 3])                      # served normally afterwards
+            assert out.token_ids == want
+            with pytest.raises(QueueFull, match="capacity"):
+                loop.submit([(loop.new_id("r"), [1], SamplingParams(max_tokens=4, n=7))])
+            # an abort between steps frees the slot
+            s = loop.submit([(loop.new_id("r"), [1, 2], SamplingParams(max_tokens=500, ignore_eos=True))])
+            await s.__anext__()
+            loop.abort(s)
+            with pytest.raises(StopAsyncIteration):
+                while True:
+                    await s.__anext__()
+            for _ in range(100):
+                if len(eng.llm.scheduler.free_slots) == 4 and loop.in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(eng.llm.scheduler.free_slots) == 4 and loop.in_flight == 0
+        finally:
+            loop.shutdown()
+
+    asyncio.run(main())

@@ -1,0 +1,242 @@
+"""The OpenAI-compatible server, end to end: real processes, the `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import API_KEY
+
+from replayssm import SamplingParams
+
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Foo:\n    def", "for i in range(", "x = [1, 2,",
+           "# compute the", "return self.", "def __init__(self"]
+MAX = 8
+
+
+def client(server, key=API_KEY, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60, **kw)
+
+
+def offline_greedy(offline, prompt, n=MAX, ids=None):
+    out = offline.generate([ids if ids is not None else prompt], SamplingParams(max_tokens=n))[0]
+    return out
+
+
+def wait_idle(server, timeout=10.0) -> dict:
+    """Metrics once nothing runs or waits (slots all free)."""
+    deadline = time.time() + timeout
+    while True:
+        m = server.metrics()
+        if (m["replayssm_num_requests_running"] == 0 and m["replayssm_num_requests_in_flight"] == 0
+                and m["replayssm_free_slots"] == m["replayssm_total_slots"]):
+            return m
+        if time.time() > deadline:
+            raise AssertionError(f"server not idle: {m}")
+        time.sleep(0.05)
+
+
+# ---- plain server: completions, chat, parity ---------------------------------------------------
+def test_completions_greedy_match_offline(plain_server, offline):
+    c = client(plain_server)
+    assert [m.id for m in c.models.list().data] == ["tiny-chat"]
+    for prompt in PROMPTS[:2]:
+        ref = offline_greedy(offline, prompt)
+        r = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=MAX, temperature=0, logprobs=0)
+        ch = r.choices[0]
+        assert ch.text == ref.text and ch.finish_reason == "length"
+        assert ch.logprobs.tokens == [offline.tokenizer.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+        assert r.usage.completion_tokens == MAX and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        # streamed: the same text, in pieces, then usage in a last chunk without choices
+        chunks = list(c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=MAX, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}))
+        assert "".join(ch.text for k in chunks for ch in k.choices) == ref.text
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX
+        assert [ch.finish_reason for k in chunks for ch in k.choices][-1] == "length"
+        plain = list(c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=MAX, temperature=0,
+                                          stream=True))
+        assert plain[-1].usage.completion_tokens == MAX and plain[-1].choices[0].finish_reason == "length"
+        assert all(k.usage is None for k in plain[:-1])
+    # token-id prompts
+    ids = offline.tokenizer.encode(PROMPTS[2]).ids
+    r = c.completions.create(model="tiny-chat", prompt=ids, max_tokens=MAX, temperature=0)
+    assert r.choices[0].text == offline_greedy(offline, None, ids=ids).text
+
+
+def test_chat_greedy_matches_offline(plain_server, offline):
+    c = client(plain_server)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
+    ids = offline.tokenizer.encode(text, add_special_tokens=False).ids
+    ref = offline_greedy(offline, None, ids=ids)
+    r = c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=MAX, temperature=0)
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ids)
+    chunks = list(c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=MAX, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(k.usage is None for k in chunks[:-1])
+    assert "".join(ch.delta.content or "" for k in chunks for ch in k.choices) == ref.text
+    assert chunks[-1].usage.total_tokens == len(ids) + MAX
+
+
+def test_sampling_parameters_over_http(plain_server, offline):
+    c = client(plain_server)
+    ref = offline_greedy(offline, PROMPTS[0], 12)
+    stop = ref.text[4:6]
+    r = c.completions.create(model="tiny-chat", prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].text == ref.text[: ref.text.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.text for k in c.completions.create(model="tiny-chat", prompt=PROMPTS[0], max_tokens=12,
+                                                             temperature=0, stop=stop, stream=True)
+                       for ch in k.choices)
+    assert streamed == r.choices[0].text                        # nothing past the stop was streamed
+    kw = dict(model="tiny-chat", prompt=PROMPTS[1], max_tokens=6, temperature=0.8, top_p=0.9, seed=4, n=2,
+              presence_penalty=0.5, frequency_penalty=0.2,
+              extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1})
+    a = c.completions.create(**kw)
+    b = c.completions.create(**kw)
+    assert [x.index for x in a.choices] == [0, 1]
+    assert [x.text for x in a.choices] == [x.text for x in b.choices]       # seeded
+    r = c.completions.create(model="tiny-chat", prompt=PROMPTS[:2], max_tokens=MAX, temperature=0)
+    assert [(x.index, x.text) for x in r.choices] == [(i, offline_greedy(offline, p).text)
+                                                      for i, p in enumerate(PROMPTS[:2])]
+    r = c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                  logprobs=True, top_logprobs=2, temperature=0)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp)
+
+
+# ---- plain server: faults -------------------------------------------------------------------
+def test_errors_are_openai_style_and_name_the_field(plain_server):
+    url = plain_server.url + "/v1/completions"
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(url, content=b'{"prompt": "x", ', headers={**h, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    cases = [({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+             ({"prompt": "x", "temperature": "hot"}, "temperature"), ({"prompt": "x", "top_p": 2.0}, "top_p"),
+             ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "stop": 5}, "stop"), ({"max_tokens": 3}, "prompt"),
+             ({"prompt": "x", "model": "gpt-9"}, "model"), ({"prompt": "x" * 3000}, "prompt"),
+             ({"prompt": "x", "max_tokens": 2047}, "max_tokens"), ({"prompt": [1, 99999]}, "prompt"),
+             ({"prompt": "x", "presence_penalty": 5.0}, "presence_penalty"), ({"prompt": "x", "n": 3}, "n"),
+             ({"prompt": ["a", "b"], "n": 2}, "prompt"), ({"prompt": "x", "echo": True}, "echo")]
+    for body, field in cases:
+        r = httpx.post(url, json=body, headers=h)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and err["type"] == "invalid_request_error", (body, err)
+    c = client(plain_server)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        c.completions.create(model="tiny-chat", prompt="x", max_tokens=-1)
+
+
+def test_api_key(plain_server):
+    with pytest.raises(openai.AuthenticationError):
+        client(plain_server, key="wrong").completions.create(model="tiny-chat", prompt="x", max_tokens=1)
+    r = httpx.post(plain_server.url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(plain_server.url + "/health").status_code == 200        # open routes
+    assert httpx.get(plain_server.url + "/metrics").status_code == 200
+
+
+def _open_stream(server, max_tokens=1500):
+    """A long streaming request (raw HTTP), its headers received: it is queued or running."""
+    cl = httpx.Client(timeout=60)
+    cm = cl.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"prompt": "def f(x):", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                         "stream": True})
+    resp = cm.__enter__()
+    assert resp.status_code == 200
+    return cl, cm, resp
+
+
+def test_disconnect_mid_stream_frees_the_slot(plain_server, offline):
+    cl, cm, resp = _open_stream(plain_server)
+    lines = resp.iter_lines()
+    first = next(x for x in lines if x.startswith("data: "))
+    assert json.loads(first[6:])["choices"][0]["text"]
+    assert plain_server.metrics()["replayssm_num_requests_running"] == 1
+    cm.__exit__(None, None, None)                   # the client goes away mid-stream
+    cl.close()
+    m = wait_idle(plain_server, timeout=10)
+    assert m["replayssm_generation_tokens_total"] < 1500   # cancelled, not run to the end
+    assert m['replayssm_request_success_total{finished_reason="abort",model_name="tiny-chat"}'] >= 1
+    r = client(plain_server).completions.create(model="tiny-chat", prompt=PROMPTS[3], max_tokens=MAX, temperature=0)
+    assert r.choices[0].text == offline_greedy(offline, PROMPTS[3]).text
+
+
+def test_full_queue_answers_503_and_recovers(plain_server, offline):
+    held = [_open_stream(plain_server) for _ in range(3)]     # 2 running + 1 queued = capacity
+    try:
+        r = httpx.post(plain_server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and "capacity" in r.json()["error"]["message"]
+        assert r.headers.get("retry-after") == "1"
+        with pytest.raises(openai.InternalServerError):
+            client(plain_server).completions.create(model="tiny-chat", prompt="x", max_tokens=2)
+    finally:
+        for cl, cm, _ in held:
+            cm.__exit__(None, None, None)
+            cl.close()
+    wait_idle(plain_server, timeout=10)
+    r = client(plain_server).completions.create(model="tiny-chat", prompt=PROMPTS[4], max_tokens=MAX, temperature=0)
+    assert r.choices[0].text == offline_greedy(offline, PROMPTS[4]).text
+    assert httpx.get(plain_server.url + "/health").json()["status"] == "ok"
+
+
+# ---- speculative server: parity and load ----------------------------------------------------------
+def test_speculative_server_matches_offline_and_has_no_chat_template(spec_server, offline):
+    c = client(spec_server, key="unused")
+    for prompt in PROMPTS[:3]:
+        ref = offline_greedy(offline, prompt, 16)
+        r = c.completions.create(model="tiny-mamba2", prompt=prompt, max_tokens=16, temperature=0)
+        assert r.choices[0].text == ref.text
+        s = "".join(ch.text for k in c.completions.create(model="tiny-mamba2", prompt=prompt, max_tokens=16,
+                                                          temperature=0, stream=True) for ch in k.choices)
+        assert s == ref.text
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        c.chat.completions.create(model="tiny-mamba2", messages=[{"role": "user", "content": "hi"}])
+    m = spec_server.metrics()
+    assert m["replayssm_mean_accepted_length"] > 1.0
+
+
+def test_load_32_streaming_clients(spec_server, offline):
+    """32 concurrent streaming clients x 4 requests, speculation on: all complete, greedy text
+    equals offline, and afterwards no slot is held."""
+    want = {p: offline_greedy(offline, p).text for p in PROMPTS}
+    ac = openai.AsyncOpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one_client(k: int):
+        got = []
+        for j in range(4):
+            p = PROMPTS[(k + j) % len(PROMPTS)]
+            stream = await ac.completions.create(model="tiny-mamba2", prompt=p, max_tokens=MAX, temperature=0,
+                                                 stream=True)
+            text, reason = "", None
+            async for chunk in stream:
+                for ch in chunk.choices:
+                    text += ch.text
+                    reason = ch.finish_reason or reason
+            got.append((p, text, reason))
+        return got
+
+    async def run():
+        try:
+            return await asyncio.gather(*(one_client(k) for k in range(32)))
+        finally:
+            await ac.close()
+
+    before = spec_server.metrics()
+    t0 = time.perf_counter()
+    results = asyncio.run(run())
+    dt = time.perf_counter() - t0
+    flat = [r for rs in results for r in rs]
+    assert len(flat) == 128
+    assert all(reason == "length" for _, _, reason in flat)
+    assert all(text == want[p] for p, text, _ in flat)
+    m = wait_idle(spec_server, timeout=10)
+    assert m["replayssm_generation_tokens_total"] - before["replayssm_generation_tokens_total"] == 128 * MAX
+    assert m["replayssm_kv_free_blocks"] == -1 and m["replayssm_total_slots"] == 16
+    print(f"load test: 128 streamed requests in {dt:.1f}s")
