@@ -137,6 +137,30 @@ class OracleDrafter:
                         torch.ones(B, N, dtype=torch.bool, device=self.device))
 
 
+class OracleTokens:
+    """A drafter that does ``inner``'s work every step but proposes ``oracle``'s tokens."""
+
+    def __init__(self, inner, oracle):
+        self.inner, self.oracle = inner, oracle
+        self.method = getattr(inner, "method", "?")
+        self.runner = getattr(inner, "runner", None)
+
+    def prefill(self, seqs):
+        self.inner.prefill(seqs)
+
+    def propose(self, seqs):
+        self.inner.propose(seqs)
+        return self.oracle.propose(seqs)
+
+    def accepted(self, seqs, accepted, path):
+        self.inner.accepted(seqs, accepted, path)
+
+    def release(self, seq):
+        self.inner.release(seq)
+    def reset(self):
+        getattr(self.inner, "reset", lambda: None)()
+
+
 def _prompts(n: int, length: int, vocab: int, seed: int, repetitive: bool = True) -> list[list[int]]:
     import random
 
@@ -188,8 +212,6 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
     if refs is not None:
         oracle = OracleDrafter(refs, spec.num_tokens, args.oracle_accept, vocab, llm.device)
         if args.spec_method == "mtp":  # random weights: the MTP head drafts, the oracle's tokens are verified
-            from .mtp import OracleTokens
-
             oracle = OracleTokens(llm.drafter, oracle)
         llm.drafter = oracle
     llm.generate(warm, SamplingParams(max_tokens=min(4, args.max_tokens), ignore_eos=True))

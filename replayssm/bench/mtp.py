@@ -14,7 +14,9 @@ batch size, in one process, replay form with CUDA graphs:
 
 The MTP head gets random weights in the target's own MTP layout (:func:`add_random_mtp`);
 the draft model is a random Mamba-2 sharing the target's vocabulary (``--draft-*``).
-Writes ``mtp_bench.json`` (after every row) and prints a table.
+Writes ``mtp_bench.json`` (after every row) and prints a table.  ``--smoke`` runs the
+preset's tiny variant on the CPU (B=1,2 unless ``--batch-sizes`` is given, 8 tokens, eager):
+a check that every path runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -35,31 +37,9 @@ from ..engine.config import SamplingParams, SpeculativeConfig
 from ..engine.llm import LLM
 from ..models import load_model
 from . import e2e
-from .e2e import OracleDrafter, _free, _prompts, _sync
+from .e2e import OracleDrafter, OracleTokens, _free, _prompts, _sync
 from .hybrid_presets import TINY_OF
 from .random_mtp import add_random_mtp
-
-
-class OracleTokens:
-    """A drafter that does ``inner``'s work every step but proposes ``oracle``'s tokens."""
-
-    def __init__(self, inner, oracle):
-        self.inner, self.oracle = inner, oracle
-        self.method = getattr(inner, "method", "?")
-        self.runner = getattr(inner, "runner", None)
-
-    def prefill(self, seqs):
-        self.inner.prefill(seqs)
-
-    def propose(self, seqs):
-        self.inner.propose(seqs)
-        return self.oracle.propose(seqs)
-
-    def accepted(self, seqs, accepted, path):
-        self.inner.accepted(seqs, accepted, path)
-
-    def release(self, seq):
-        self.inner.release(seq)
 
 
 class TimedDrafter:
@@ -100,6 +80,8 @@ class TimedDrafter:
 
     def release(self, seq):
         self.inner.release(seq)
+    def reset(self):
+        getattr(self.inner, "reset", lambda: None)()
 
     def per_step_ms(self) -> tuple[float, float]:
         """(device-inclusive ms, host ms) per step."""
@@ -195,11 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.smoke:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.smoke:   # a tiny CPU run; --batch-sizes / --drafters given explicitly still apply
         args.device = args.device or "cpu"
         args.preset = TINY_OF.get(args.preset, args.preset)
-        args.batch_sizes, args.max_tokens, args.prompt_len = "1,2", 8, 12
+        if args.batch_sizes == parser.get_default("batch_sizes"):
+            args.batch_sizes = "1,2"
+        args.max_tokens, args.prompt_len = 8, 12
         args.draft_hidden, args.draft_layers, args.cuda_graphs = 64, 2, False
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda":
