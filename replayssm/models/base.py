@@ -153,10 +153,12 @@ class CausalLM(nn.Module):
 
     def _head_kept(self, cache: ModelCache, slots: Tensor, h: Tensor) -> Tensor:
         """:meth:`_head` of a cached step ``h [B, T, D]``, keeping the final-normed hidden
-        states in ``cache.hidden`` when the cache keeps them (``ModelCache.keep_hidden``)."""
-        hn = self.final_norm()(h)
-        cache.record_hidden(slots, hn)
-        return self._logits(hn)
+        states in ``cache.hidden`` when the cache keeps them (``ModelCache.keep_hidden``).
+        The logits go through :meth:`_head`, the one override point (tensor parallelism
+        gathers the vocabulary there)."""
+        if cache.hidden is not None:
+            cache.record_hidden(slots, self.final_norm()(h))
+        return self._head(h)
 
     def _check_ids(self, ids: Tensor, dims: int, what: str) -> Tensor:
         if not isinstance(ids, Tensor) or ids.dim() != dims or ids.dtype not in (torch.int32, torch.int64):
