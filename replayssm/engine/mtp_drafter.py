@@ -104,16 +104,18 @@ class MTPDrafter(Drafter):
     # ---- bookkeeping ---------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> None:
         """Run the head over each prompt's pairs ``(h_t, x_{t+1})``, ``t < L-1`` (the last
-        pair waits for the first sampled token: the first catch-up)."""
+        pair waits for the first sampled token: the first catch-up).  Where the target
+        computed only the last ``m < L`` prompt tokens (their hidden states are all it kept),
+        the head runs over the pairs of those: its drafts know less of the prompt, the output
+        is the same."""
         rows = []
         for s in seqs:
             ph = self.target_cache.take_prompt_hidden(s.slot)
             self._nodes[s.request_id] = [0]
             L = len(s.prompt_ids)
-            if L >= 2:
-                if ph is None or ph.shape[0] < L:
-                    raise RuntimeError(f"slot {s.slot}: the target kept no hidden states for its prompt")
-                rows.append((s.slot, s.prompt_ids[1:], ph[:L - 1]))
+            m = 0 if ph is None else min(L, int(ph.shape[0]))
+            if m >= 2:
+                rows.append((s.slot, s.prompt_ids[L - m + 1:], ph[ph.shape[0] - m:ph.shape[0] - 1]))
         budget = 8192
         while rows:
             group, width = [], 0

@@ -97,6 +97,16 @@ def test_mtp_with_chunked_prefill_and_forked_samples(mtp_models, tree):
     assert [s.num_accepted for s in out.samples] == [alone.num_accepted] * 3
 
 
+def test_mtp_head_over_the_computed_part_of_a_prompt(mtp_models):
+    """When the target computed only the last tokens of a prompt (a prefix it did not
+    recompute), the head runs over the pairs it has hidden states for: same output."""
+    m, expected, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=_spec(None), max_seq_len=MAXLEN)
+    take = llm.cache.take_prompt_hidden
+    llm.cache.take_prompt_hidden = lambda slot: (lambda ph: None if ph is None else ph[-3:])(take(slot))
+    assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=N))] == expected
+
+
 def test_mtp_refused_with_tensor_parallelism(mtp_models):
     """The head is not sharded: method 'mtp' with tensor_parallel_size > 1 is refused before
     any worker starts."""
