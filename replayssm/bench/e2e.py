@@ -157,6 +157,7 @@ class OracleTokens:
 
     def release(self, seq):
         self.inner.release(seq)
+
     def reset(self):
         getattr(self.inner, "reset", lambda: None)()
 

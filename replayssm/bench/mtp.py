@@ -52,7 +52,7 @@ class TimedDrafter:
         self.runner = getattr(inner, "runner", None)
         self.events, self.host_s, self.steps = [], 0.0, 0
 
-    def reset(self):
+    def clear_timings(self):
         self.events, self.host_s, self.steps = [], 0.0, 0
 
     def _timed(self, fn, *a):
@@ -80,7 +80,8 @@ class TimedDrafter:
 
     def release(self, seq):
         self.inner.release(seq)
-    def reset(self):
+
+    def reset(self):   # the engine's recover(): forget a half-done draft step
         getattr(self.inner, "reset", lambda: None)()
 
     def per_step_ms(self) -> tuple[float, float]:
@@ -132,7 +133,7 @@ def _run(args, target, draft, method: str | None, batch: int, refs_cache: dict) 
     for k in llm.stats:
         llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
     if timer is not None:
-        timer.reset()
+        timer.clear_timings()
     _sync(args.device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)

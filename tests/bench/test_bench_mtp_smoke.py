@@ -18,5 +18,6 @@ def test_bench_mtp_smoke(tmp_path, capsys):
     assert len({round(r["mean_accepted_length"], 6) for r in spec}) == 1
     assert spec[0]["mean_accepted_length"] > 1.0
     assert all(r["draft_steps"] > 0 and r["draft_ms_per_step"] > 0 for r in spec)
+    assert all(r["draft_steps"] <= r["steps"] for r in spec)     # warm-up steps are not timed
     assert rows[0]["mean_accepted_length"] == 1.0
     assert "mtp" in capsys.readouterr().out
