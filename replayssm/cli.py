@@ -16,6 +16,7 @@ _COMMANDS = {
     "traffic": ("replayssm.bench.traffic", "print the per-step memory-traffic model (docs/MATH.md)"),
     "bench kernels": ("replayssm.bench.kernels", "benchmark decode/verify kernels against peers"),
     "bench e2e": ("replayssm.bench.e2e", "end-to-end throughput benchmark"),
+    "bench mtp": ("replayssm.bench.mtp", "MTP drafting vs draft model vs n-gram: draft cost per step, tokens/s"),
     "bench serve": ("replayssm.bench.serve", "serving benchmark: Poisson load against the HTTP server"),
     "bench prefill": ("replayssm.bench.prefill", "benchmark packed prefill kernels against peers"),
 }

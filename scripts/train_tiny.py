@@ -5,6 +5,9 @@ Two models share one byte tokenizer (ids 0..255 are the bytes themselves, 256 is
 
 * ``target``: ~5.5M parameters (hidden 320, 8 layers, d_state 64, head_dim 64, 1 group)
 * ``draft``:  ~0.8M parameters (hidden 160, 4 layers, d_state 64, head_dim 32, 1 group)
+* the target's MTP head (``--stage mtp``): ~0.87M parameters (one Mamba-2 block shaped like the
+  target's, an fc over [norm(embedding); norm(hidden)] and an output norm), trained on the frozen
+  target by distillation (the target's own next-token distribution) on CPU
 
 The corpus is the Python standard library's own ``*.py`` files (every machine has one), in
 sorted path order, one ``<eos>`` between files; files whose path hashes to 0 mod 40 are held
@@ -23,6 +26,7 @@ Usage::
     python3 scripts/train_tiny.py --model target --corpus .corpus --device cuda \
         --steps 6000 --out runs/target                          # train one model
     python3 scripts/train_tiny.py --report replayssm/assets     # samples + draft agreement (CPU)
+    python3 scripts/train_tiny.py --stage mtp --time-budget 1500  # MTP head of tiny-mamba2 (CPU)
 
 See docs/TRAINING.md for the commands and results of the shipped run.
 """
@@ -566,6 +570,393 @@ def train(args) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# MTP head (stage "mtp"): trained on the frozen target, CPU
+# --------------------------------------------------------------------------------------------
+
+class MTPTrainHead(torch.nn.Module):
+    """Our ``mamba2`` MTP layout (replayssm.models.mtp; parameter names are the checkpoint's
+    without the ``mtp.`` prefix), trainable, holding transformers' Mamba-2 modules:
+    ``g = norm(block(fc([n_e(E x_{t+1}) ; n_h(h_t)])))``, logits ``lm_head(g)`` (shared).
+
+    :meth:`depth1` runs the block over the pairs ``t = 0..S-1`` (the quadratic SSD form of one
+    window, ``mamba_scan``); :meth:`depth2` runs, for every ``t`` at once, the *second* draft's
+    step exactly as the drafter does at inference: one more pair ``(g_t, x_{t+2})`` on top of
+    the block's state after pair ``t`` (``mamba_branch``)."""
+
+    def __init__(self, target):
+        from transformers.models.mamba2.modeling_mamba2 import Mamba2Block, Mamba2RMSNorm
+
+        super().__init__()
+        c = target.config
+        D, eps = c.hidden_size, c.layer_norm_epsilon
+        self.fc = torch.nn.Linear(2 * D, D, bias=False)
+        self.pre_fc_norm_embedding = Mamba2RMSNorm(D, eps=eps)
+        self.pre_fc_norm_hidden = Mamba2RMSNorm(D, eps=eps)
+        self.layers = torch.nn.ModuleList([Mamba2Block(c, layer_idx=0)])
+        self.norm = Mamba2RMSNorm(D, eps=eps)
+        with torch.no_grad():  # start from the target's last block and output norm; fc = [I, I]
+            last = target.backbone.layers[c.num_hidden_layers - 1]
+            self.layers[0].load_state_dict(last.state_dict())
+            self.norm.weight.copy_(target.backbone.norm_f.weight)
+            self.fc.weight.copy_(torch.cat([torch.eye(D), torch.eye(D)], 1))
+
+    def _u(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden.to(emb.dtype))], -1))
+
+    def depth1(self, emb_next: torch.Tensor, hidden: torch.Tensor):
+        """``g [B, S, D]`` of the pairs ``(h_t, x_{t+1})`` and what :meth:`depth2` needs."""
+        blk = self.layers[0]
+        u = self._u(emb_next, hidden)
+        y, aux = mamba_scan(blk.mixer, blk.norm(u))
+        return self.norm(u + y), aux
+
+    def depth2(self, emb2: torch.Tensor, g: torch.Tensor, aux) -> torch.Tensor:
+        """``g2 [B, S, D]``: row ``t`` is the output for the pair ``(g_t, x2_t)`` placed right
+        after pair ``t`` (``emb2``: the embedding of the second draft's input token)."""
+        blk = self.layers[0]
+        u2 = self._u(emb2, g)
+        return self.norm(u2 + mamba_branch(blk.mixer, blk.norm(u2), aux))
+
+    def forward(self, emb_next: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.depth1(emb_next, hidden)[0]
+
+
+def _mixer_in(mixer, hs: torch.Tensor):
+    """``(z, xBC, dt)`` of a transformers Mamba2Mixer's input projection."""
+    inter, conv = mixer.intermediate_size, mixer.conv_dim
+    z, xbc, dt = mixer.in_proj(hs).split([inter, conv, mixer.num_heads], -1)
+    dt = F.softplus(dt + mixer.dt_bias)
+    lo, hi = mixer.time_step_limit
+    return z, xbc, dt.clamp(min=lo, max=hi) if (lo > 0 or hi != float("inf")) else dt
+
+
+def _mixer_split(mixer, xc: torch.Tensor):
+    B_, S_ = xc.shape[:2]
+    G, n, H = mixer.n_groups, mixer.ssm_state_size, mixer.num_heads
+    x, Bm, Cm = xc.split([mixer.intermediate_size, G * n, G * n], -1)
+    return x.reshape(B_, S_, H, -1), Bm.reshape(B_, S_, G, n), Cm.reshape(B_, S_, G, n)
+
+
+def _readout(mixer, Cq, Bk, xk, dt, cum):
+    """``[B, S, H, P]``: query ``t`` reads the state after token ``t`` (keys ``s <= t``):
+    ``sum_s exp(cum_t - cum_s) dt_s (C_t . B_s) x_s`` (decays as exponentials of segment sums)."""
+    H, G = mixer.num_heads, mixer.n_groups
+    S_ = Cq.shape[1]
+    scores = torch.einsum("btgn,bsgn->bgts", Cq, Bk).repeat_interleave(H // G, 1)   # [B, H, t, s]
+    seg = cum.transpose(1, 2)[:, :, :, None] - cum.transpose(1, 2)[:, :, None, :]
+    causal = torch.ones(S_, S_, dtype=torch.bool, device=Cq.device).tril()
+    decay = torch.exp(torch.where(causal, seg, torch.full_like(seg, -torch.inf)))
+    M = scores * decay * dt.transpose(1, 2)[:, :, None, :]
+    return torch.einsum("bhts,bshp->bthp", M, xk)
+
+
+def mamba_scan(mixer, hs: torch.Tensor):
+    """A transformers Mamba2Mixer over ``hs [B, S, D]`` (from a zero state) in the quadratic
+    form; returns ``(out [B, S, D], aux)`` (aux: the per-token tensors of the state)."""
+    B_, S_, _ = hs.shape
+    z, xbc, dt = _mixer_in(mixer, hs)
+    W = mixer.conv_kernel_size
+    xc = F.silu(F.conv1d(xbc.transpose(1, 2), mixer.conv1d.weight, mixer.conv1d.bias, padding=W - 1,
+                         groups=mixer.conv_dim)[..., :S_].transpose(1, 2))
+    x, Bm, Cm = _mixer_split(mixer, xc)
+    A = -torch.exp(mixer.A_log.float())
+    cum = torch.cumsum(dt * A, 1)                                                   # [B, S, H]
+    y = _readout(mixer, Cm, Bm, x, dt, cum) + mixer.D[:, None] * x
+    out = mixer.out_proj(mixer.norm(y.reshape(B_, S_, -1), z))
+    return out, (xbc, x, Bm, dt, cum)
+
+
+def mamba_branch(mixer, hs2: torch.Tensor, aux) -> torch.Tensor:
+    """Row ``t``: the mixer's output for input ``hs2[:, t]`` placed right after token ``t`` of
+    the sequence ``aux`` describes (its conv window: tokens ``t-W+2..t``; its state: after
+    token ``t``): ``y = a (C . S_t) + dt (C . B) x + D x`` with ``a = exp(A dt)``."""
+    xbc1, x1, B1, dt1, cum1 = aux
+    S_ = hs2.shape[1]
+    z, xbc, dt = _mixer_in(mixer, hs2)
+    W = mixer.conv_kernel_size
+    w = mixer.conv1d.weight                                                         # [C, 1, W]
+    prefix = F.conv1d(xbc1.transpose(1, 2), w[..., :W - 1], None, padding=W - 2,
+                      groups=mixer.conv_dim)[..., :S_].transpose(1, 2)
+    bias = mixer.conv1d.bias if mixer.conv1d.bias is not None else 0.0
+    xc = F.silu(prefix + w[:, 0, W - 1] * xbc + bias)
+    x, Bm, Cm = _mixer_split(mixer, xc)
+    A = -torch.exp(mixer.A_log.float())
+    H, G = mixer.num_heads, mixer.n_groups
+    own = torch.einsum("btgn,btgn->btg", Cm, Bm).repeat_interleave(H // G, -1)        # [B, S, H]
+    y = (torch.exp(dt * A)[..., None] * _readout(mixer, Cm, B1, x1, dt1, cum1)
+         + (dt * own)[..., None] * x + mixer.D[:, None] * x)
+    return mixer.out_proj(mixer.norm(y.reshape(*hs2.shape[:2], -1), z))
+
+
+def check_mtp_forms(target) -> float:
+    """float64: :meth:`MTPTrainHead.depth1` equals transformers' Mamba2Block over the pairs,
+    and :meth:`MTPTrainHead.depth2` row ``t`` equals the block run over pairs ``0..t`` then
+    the branch pair (the drafter's second step); returns the largest relative error."""
+    import copy
+
+    head = MTPTrainHead(target).double()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        head.layers[0].mixer.A_log.copy_(torch.log(torch.rand_like(head.layers[0].mixer.A_log) * 4 + 0.5))
+    g = torch.Generator().manual_seed(0)
+    D = target.config.hidden_size
+    emb, hid, emb2 = (torch.randn(2, 19, D, generator=g, dtype=torch.float64) for _ in range(3))
+    errs = []
+    with torch.no_grad():
+        gd, aux = head.depth1(emb, hid)
+        blk = copy.deepcopy(head.layers[0])
+        u = head._u(emb, hid)
+        ref = head.norm(blk(u))
+        errs.append(float((gd - ref).norm() / ref.norm()))
+        g2 = head.depth2(emb2, gd, aux)
+        u2 = head._u(emb2, gd)
+        for t in (0, 1, 5, 18):
+            seq = torch.cat([u[:, :t + 1], u2[:, t:t + 1]], 1)
+            want = head.norm(blk(seq))[:, -1]
+            errs.append(float((g2[:, t] - want).norm() / want.norm()))
+    err = max(errs)   # transformers' RMSNorms compute in float32: ~1e-7 is the floor here
+    assert err < 1e-6, f"MTP training forms disagree with transformers' block: rel err {err:.3e}"
+    return err
+
+
+def target_hidden(target, w: torch.Tensor, batch: int = 16, dtype=torch.float32) -> torch.Tensor:
+    """The frozen target's final-normed hidden states (the LM head's input) of windows
+    ``w [N, S+1]`` -> ``[N, S+1, D]`` in ``dtype``."""
+    out = torch.empty(w.shape[0], w.shape[1], target.config.hidden_size, dtype=dtype)
+    with torch.no_grad():
+        for i in range(0, w.shape[0], batch):
+            out[i:i + batch] = target.backbone(w[i:i + batch].long(), use_cache=False).last_hidden_state.to(dtype)
+    return out
+
+
+def mtp_batch_losses(target, head, w: torch.Tensor, h: torch.Tensor, depth2: float = 0.0) -> dict:
+    """Losses of the head on windows ``w [B, S+1]`` (``x_0..x_S``) with the target's hidden
+    states ``h [B, S+1, D]``.  Depth 1: pair ``t`` = ``(h_t, x_{t+1})``, ``t < S``, scored
+    against the target's own distribution after ``x_{t+1}`` (soft cross-entropy = KL + the
+    target's entropy); also the data cross-entropy on the next-next bytes and the top-1
+    agreement with the target.  Depth 2 (weight ``depth2``): the second draft's step, pair
+    ``(g_t, x_{t+2})`` right after pair ``t``, against the target after ``x_{t+2}``."""
+    w, h = w.long(), h.float()
+    S = w.shape[1] - 1
+    with torch.no_grad():
+        p_t = torch.softmax(target.lm_head(h[:, 1:]).float(), -1)           # target after x_{t+1}
+        emb = target.backbone.embeddings(w[:, 1:])
+    g, aux = head.depth1(emb, h[:, :-1])
+    logq = torch.log_softmax(target.lm_head(g).float(), -1)                 # [B, S, V]
+    soft = -(p_t * logq).sum(-1).mean()
+    ent = -(p_t * torch.log(p_t.clamp(min=1e-30))).sum(-1).mean()
+    out = {"loss": soft, "kl": soft - ent,
+           "data_ce": F.cross_entropy(logq[:, :-1].reshape(-1, logq.shape[-1]), w[:, 2:].reshape(-1)),
+           "agree": (logq.argmax(-1) == p_t.argmax(-1)).float().mean()}
+    if depth2 > 0:
+        with torch.no_grad():
+            emb2 = F.pad(target.backbone.embeddings(w[:, 2:]), (0, 0, 0, 1))  # x_{t+2}; row S-1 unused
+        g2 = head.depth2(emb2, g, aux)[:, :S - 1]
+        logq2 = torch.log_softmax(target.lm_head(g2).float(), -1)
+        p2 = p_t[:, 1:]                                                      # target after x_{t+2}
+        soft2 = -(p2 * logq2).sum(-1).mean()
+        ent2 = -(p2 * torch.log(p2.clamp(min=1e-30))).sum(-1).mean()
+        out.update(loss=soft + depth2 * soft2, kl2=soft2 - ent2,
+                   agree2=(logq2.argmax(-1) == p2.argmax(-1)).float().mean())
+    return out
+
+
+@torch.no_grad()
+def mtp_evaluate(target, head, windows: torch.Tensor, hidden: torch.Tensor, batch_size: int) -> dict:
+    head.eval()
+    tot: dict = {}
+    for i in range(0, windows.shape[0], batch_size):
+        r = mtp_batch_losses(target, head, windows[i:i + batch_size], hidden[i:i + batch_size], depth2=1.0)
+        for k, v in r.items():
+            tot[k] = tot.get(k, 0.0) + float(v) * min(batch_size, windows.shape[0] - i)
+    head.train()
+    return {k: v / windows.shape[0] for k, v in tot.items()}
+
+
+def plot_mtp(log: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    tr, va = log["train"], log["val"]
+    ax.plot([r["step"] for r in tr], [r["kl"] for r in tr], lw=1, alpha=0.8, label="train KL to the target (running mean)")
+    ax.plot([r["step"] for r in va], [r["kl"] for r in va], "o-", ms=3, label="val KL (held-out files)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL(target || MTP) of byte t+2 (nats)")
+    ax2 = ax.twinx()
+    ax2.plot([r["step"] for r in va], [r["agree"] for r in va], "s--", ms=3, color="tab:green",
+             label="val top-1 agreement with the target (draft 1)")
+    if "agree2" in va[0]:
+        ax2.plot([r["step"] for r in va], [r["agree2"] for r in va], "^:", ms=3, color="tab:olive",
+                 label="val top-1 agreement, draft 2 (its own g as hidden)")
+    ax2.set_ylabel("top-1 agreement")
+    ax2.set_ylim(0, 1)
+    ax.set_title(f"MTP head of tiny-mamba2: {log['params'] / 1e6:.2f}M params, CPU ({log['threads']} threads)")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def train_mtp(args) -> dict:
+    """Train the MTP head of the model in ``--target`` (frozen) and write it into ``--out``
+    (default: the target directory): ``mtp.safetensors`` (``mtp.*`` tensors, ``--save-dtype``),
+    ``num_nextn_predict_layers`` in ``config.json``, ``mtp_train_log.json``, ``mtp_loss.png``."""
+    from safetensors.torch import save_file
+    from transformers import Mamba2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    t_start = time.time()
+    torch.manual_seed(args.seed)
+    install_fast_scan()
+    scan_err = check_fast_scan()
+    tdir = Path(args.target)
+    out = Path(args.out) if args.out != "runs/tiny" else tdir
+    out.mkdir(parents=True, exist_ok=True)
+    target = Mamba2ForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    corpus = load_corpus(Path(args.corpus) if args.corpus else None, args.stdlib)
+    man = corpus["manifest"]
+    train_tok = to_tokens(corpus["train"], [n for _, n in man["files"]["train"]])
+    val_tok = to_tokens(corpus["val"], [n for _, n in man["files"]["val"]])
+    S, B = args.seq_len, args.batch_size
+    val_windows = fixed_windows(val_tok, S, args.eval_windows)
+    forms_err = check_mtp_forms(target)
+    head = MTPTrainHead(target)
+    n_params = count_params(head)
+    print(f"[mtp] target {tdir}; head {n_params:,} parameters; corpus train {train_tok.numel():,} tokens, "
+          f"val {val_tok.numel():,}; fast-scan check {scan_err:.1e}, MTP forms check {forms_err:.1e}; "
+          f"{torch.get_num_threads()} threads", flush=True)
+    # the frozen target runs once per window: its hidden states are computed up front (float16)
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    starts = torch.randint(0, train_tok.numel() - (S + 1), (args.mtp_windows,), generator=gen)
+    train_windows = train_tok[starts[:, None] + torch.arange(S + 1)]
+    t_pre = time.time()
+    val_hidden = target_hidden(target, val_windows)
+    cache = Path(args.mtp_hidden_cache) if args.mtp_hidden_cache else None
+    key = {"target": hashlib.sha256((tdir / "model.safetensors").read_bytes()).hexdigest(),
+           "windows": args.mtp_windows, "seq_len": S, "seed": args.seed, "corpus": man["sha256"]["train"]}
+    if cache is not None and cache.exists() and torch.load(cache / "key.pt") == key:
+        train_hidden = torch.load(cache / "hidden.pt")
+    else:
+        train_hidden = target_hidden(target, train_windows, dtype=torch.float16)
+        if cache is not None:
+            cache.mkdir(parents=True, exist_ok=True)
+            torch.save(train_hidden, cache / "hidden.pt")
+            torch.save(key, cache / "key.pt")
+    pre_s = time.time() - t_pre
+    print(f"[mtp] target hidden states of {args.mtp_windows} training windows ({train_windows.numel():,} tokens) "
+          f"in {pre_s:.0f} s", flush=True)
+    decay = [p for n, p in head.named_parameters() if p.dim() >= 2 and "conv1d" not in n]
+    no_decay = [p for n, p in head.named_parameters() if not (p.dim() >= 2 and "conv1d" not in n)]
+    lr = args.lr or 1e-3
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    log = {"name": "mtp", "target": str(tdir), "params": n_params, "args": vars(args), "threads": torch.get_num_threads(),
+           "forms_check_rel_err": forms_err,
+           "torch": torch.__version__, "lr_peak": lr, "train": [], "val": [], "precompute_s": pre_s,
+           "train_windows": int(args.mtp_windows), "train_tokens": int(train_windows.numel()),
+           "corpus": {k: man[k] for k in ("python", "rule", "bytes", "sha256")}}
+    log["val"].append({"step": 0, **mtp_evaluate(target, head, val_windows, val_hidden, B), "time_s": 0.0})
+    print(f"[mtp] step 0 val KL {log['val'][-1]['kl']:.4f} agree {log['val'][-1]['agree']:.4f}", flush=True)
+    total, warmup = args.steps, min(args.warmup, max(1, args.steps // 10))
+    run: dict = {}
+    t0 = time.time()
+    step = 0
+    while step < total:
+        if args.time_budget and step == 5:
+            t_probe = time.time()
+        if args.time_budget and step == 25:     # fix the step count from the pace of steps 5..25
+            per = (time.time() - t_probe) / 20
+            evals = max(1, total // args.eval_every)
+            left = args.time_budget - (time.time() - t_start)
+            total = max(step + 1, min(args.steps, step + int(0.9 * left / per) - evals))
+            warmup = min(args.warmup, max(1, total // 10))
+            log["step_time_probe_s"] = per
+            print(f"[mtp] {per:.2f} s/step -> {total} steps (budget {args.time_budget:.0f} s)", flush=True)
+        cur = lr_at(step, total, lr, warmup)
+        for gp in opt.param_groups:
+            gp["lr"] = cur
+        idx = torch.randint(0, args.mtp_windows, (B,), generator=gen)
+        r = mtp_batch_losses(target, head, train_windows[idx], train_hidden[idx], args.mtp_depth2)
+        opt.zero_grad(set_to_none=True)
+        r["loss"].backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
+        opt.step()
+        step += 1
+        for k, v in r.items():
+            run[k] = run.get(k, 0.0) + float(v.detach())
+        run["n"] = run.get("n", 0) + 1
+        if step % args.log_every == 0 or step == total:
+            n = run.pop("n")
+            log["train"].append({"step": step, **{k: v / n for k, v in run.items()}, "lr": cur,
+                                 "grad_norm": float(gnorm), "time_s": time.time() - t0})
+            run = {}
+            if not math.isfinite(log["train"][-1]["loss"]):
+                raise RuntimeError(f"loss is {log['train'][-1]['loss']} at step {step}")
+        if step % args.eval_every == 0 or step == total:
+            log["val"].append({"step": step, **mtp_evaluate(target, head, val_windows, val_hidden, B),
+                               "time_s": time.time() - t0})
+            v = log["val"][-1]
+            print(f"[mtp] step {step}/{total} train KL {log['train'][-1]['kl']:.4f} val KL {v['kl']:.4f} "
+                  f"agree {v['agree']:.4f} (2nd draft: KL {v['kl2']:.4f} agree {v['agree2']:.4f}) "
+                  f"data CE {v['data_ce']:.4f} ({time.time() - t0:.0f} s)", flush=True)
+        if args.time_budget and time.time() - t_start > 1.15 * args.time_budget:
+            log["stopped_early"] = True
+            print(f"[mtp] hard stop at step {step}: over the time budget (a shared machine)", flush=True)
+            break
+    log.update(steps=step, train_time_s=time.time() - t0, tokens_seen=step * B * S)
+    # round to the shipped dtype and measure again on the rounded weights
+    if args.save_dtype == "bfloat16":
+        with torch.no_grad():
+            for p in head.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+    log["final"] = {**mtp_evaluate(target, head, val_windows, val_hidden, B), "eval_windows": int(val_windows.shape[0]),
+                    "seq_len": S, "weights": args.save_dtype}
+    sdt = torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32
+    save_file({f"mtp.{k}": v.detach().to(sdt).contiguous() for k, v in head.state_dict().items()},
+              str(out / "mtp.safetensors"), metadata={"format": "pt"})
+    cfg_path = out / "config.json"
+    if not cfg_path.exists():
+        import shutil
+        for fn in os.listdir(tdir):
+            if not (tdir / fn).is_dir() and not (out / fn).exists():
+                shutil.copy(tdir / fn, out / fn)
+    cfg = json.loads(cfg_path.read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    log["check_vs_replayssm"] = check_mtp_export(out, target, head, val_windows[:2].long())
+    log["wall_time_s"] = time.time() - t_start
+    (out / "mtp_train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    plot_mtp(log, Path(args.mtp_plot) if args.mtp_plot else out / "mtp_loss.png")
+    f = log["final"]
+    print(f"[mtp] done: {step} steps in {log['train_time_s']:.0f} s; val KL {f['kl']:.4f}, agreement "
+          f"{f['agree']:.4f}, data CE {f['data_ce']:.4f} -> {out}", flush=True)
+    return log
+
+
+@torch.no_grad()
+def check_mtp_export(out: Path, target, head, w: torch.Tensor) -> float:
+    """The exported head loaded by replayssm (``load_model(..., mtp=True)``) gives the trained
+    module's outputs (float32; returns the max abs difference of g)."""
+    from replayssm.models import load_model
+
+    ours = load_model(str(out), dtype="float32", mtp=True)
+    h = target.backbone(w, use_cache=False).last_hidden_state
+    want = head(target.backbone.embeddings(w[:, 1:]), h[:, :-1])
+    got = ours.mtp(w[:, 1:], h[:, :-1].contiguous())
+    err = float((got - want).abs().max())
+    assert err < 1e-3 * float(want.abs().max()), f"exported MTP head differs from the trained one: {err:.3e}"
+    return err
+
+
+# --------------------------------------------------------------------------------------------
 # report (CPU): samples and draft agreement
 # --------------------------------------------------------------------------------------------
 
@@ -627,6 +1018,56 @@ def report(args) -> dict:
     return res
 
 
+def acceptance_report(args) -> dict:
+    """Mean accepted length of greedy speculation (CPU, replayssm's engine, float32) with the
+    target's MTP head, the shipped draft model and prompt lookup, on held-out files: prompts
+    are ``--acc-prompts`` evenly spaced ``--acc-prompt-bytes``-byte snippets of the val split,
+    each continued for ``--acc-new-tokens`` bytes with ``--acc-drafts`` drafts per step."""
+    from replayssm import LLM, SamplingParams, SpeculativeConfig
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    assets = Path(args.acceptance)
+    tdir, ddir = assets / "tiny-mamba2", assets / "tiny-mamba2-draft"
+    corpus = load_corpus(Path(args.corpus) if args.corpus else None, args.stdlib)
+    val, n, m = corpus["val"], args.acc_prompt_bytes, args.acc_prompts
+    prompts = []
+    for i in range(m):
+        s0 = int(i * (len(val) - n) / max(1, m - 1))
+        s0 = val.rfind(b"\n", 0, s0) + 1          # start at a line
+        prompts.append([EOS_ID] + list(val[s0:s0 + n]))
+    k = args.acc_drafts
+    configs = {
+        "mtp": SpeculativeConfig("mtp", num_tokens=k),
+        "mtp-tree": SpeculativeConfig("mtp", num_tokens=k, tree="topk", tree_width=2),
+        "draft": SpeculativeConfig("draft", num_tokens=k, draft_model=str(ddir)),
+        "ngram": SpeculativeConfig("ngram", num_tokens=k),
+    }
+    params = SamplingParams(max_tokens=args.acc_new_tokens, ignore_eos=True)
+    res = {"prompts": m, "prompt_bytes": n, "new_tokens": args.acc_new_tokens, "drafts": k,
+           "source": "held-out stdlib files (val split), evenly spaced snippets", "rows": {}}
+    plain = LLM(str(tdir), device="cpu", dtype="float32", max_num_seqs=m).generate(prompts, params)
+    for name, sp in configs.items():
+        t0 = time.time()
+        llm = LLM(str(tdir), device="cpu", dtype="float32", max_num_seqs=m, speculative=sp,
+                  buffer_size=max(16, 2 * sp.verify_tokens))
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain], name
+        acc = sum(sum(o.accepted_lengths) for o in outs)       # tokens per verify step, summed
+        steps = sum(len(o.accepted_lengths) for o in outs)
+        lens = [a for o in outs for a in o.accepted_lengths]
+        res["rows"][name] = {"mean_accepted_length": acc / max(1, steps), "verify_steps": steps,
+                             "drafted": sum(o.num_drafted for o in outs), "seconds": time.time() - t0,
+                             "nodes_per_step": sp.verify_tokens,
+                             # share of steps whose drafts 1..j were all accepted
+                             "depth_accepted": [sum(a > j for a in lens) / max(1, steps) for j in range(1, k + 1)]}
+        print(f"{name:<9} mean accepted length {acc / max(1, steps):.3f} over {steps} steps "
+              f"({sp.verify_tokens} tokens verified per step; drafts 1..j accepted: "
+              f"{[round(x, 3) for x in res['rows'][name]['depth_accepted']]}; {time.time() - t0:.1f} s)", flush=True)
+    if args.report_json:
+        Path(args.report_json).write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODEL_PRESETS), default="target")
@@ -656,6 +1097,23 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--agree-bytes", type=int, default=1024)
     ap.add_argument("--agree-snippets", type=int, default=8)
+    ap.add_argument("--stage", choices=["model", "mtp"], default="model",
+                    help="model: train --model from scratch; mtp: train the MTP head of --target (frozen, CPU)")
+    ap.add_argument("--target", default=str(Path(__file__).resolve().parent.parent / "replayssm/assets/tiny-mamba2"),
+                    help="mtp stage: the target model directory (the head is written there unless --out)")
+    ap.add_argument("--mtp-plot", default=None, help="mtp stage: loss curve PNG (default: OUT/mtp_loss.png)")
+    ap.add_argument("--acceptance", default=None, metavar="ASSETS",
+                    help="mean accepted length of MTP vs draft vs n-gram speculation on held-out files (CPU)")
+    ap.add_argument("--acc-prompts", type=int, default=16)
+    ap.add_argument("--acc-prompt-bytes", type=int, default=256)
+    ap.add_argument("--acc-new-tokens", type=int, default=128)
+    ap.add_argument("--acc-drafts", type=int, default=4)
+    ap.add_argument("--mtp-windows", type=int, default=6000,
+                    help="mtp stage: training windows whose target hidden states are computed up front")
+    ap.add_argument("--mtp-depth2", type=float, default=0.5,
+                    help="mtp stage: weight of the second draft's loss (its step as the drafter runs it)")
+    ap.add_argument("--mtp-hidden-cache", default=None,
+                    help="mtp stage: folder to keep the target's hidden states in between runs")
     args = ap.parse_args(argv)
 
     if args.pack_corpus:
@@ -664,6 +1122,24 @@ def main(argv=None) -> int:
         return 0
     if args.report:
         report(args)
+        return 0
+    if args.acceptance:
+        acceptance_report(args)
+        return 0
+    if args.stage == "mtp":
+        # the mtp stage's own defaults for settings left at the model stage's
+        for name, model_default, mtp_default in (("seq_len", 512, 256), ("batch_size", 64, 16),
+                                                 ("eval_windows", 128, 48), ("eval_every", 500, 50),
+                                                 ("log_every", 25, 5), ("warmup", 200, 20)):
+            if getattr(args, name) == model_default:
+                setattr(args, name, mtp_default)
+        if args.smoke:
+            if args.out == "runs/tiny":
+                ap.error("--stage mtp --smoke needs --out (it must not overwrite the shipped head)")
+            args.steps, args.seq_len, args.batch_size = min(args.steps, 3), 32, 2
+            args.eval_every, args.eval_windows, args.log_every, args.warmup = 3, 2, 1, 1
+            args.mtp_windows = 4
+        train_mtp(args)
         return 0
     if args.smoke:
         args.model = "smoke"

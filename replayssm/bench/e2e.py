@@ -36,6 +36,7 @@ from . import prefix, ttft
 from .common import free_memory, sync
 # hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE)
 from .hybrid_presets import HYBRID_PRESETS, TINY_OF, preset_config, random_hybrid_dir
+from .random_mtp import add_random_mtp
 
 PRESETS = {
     # name: Mamba2Config kwargs (random weights)
@@ -143,6 +144,31 @@ class OracleDrafter:
                         torch.ones(B, N, dtype=torch.bool, device=self.device))
 
 
+class OracleTokens:
+    """A drafter that does ``inner``'s work every step but proposes ``oracle``'s tokens."""
+
+    def __init__(self, inner, oracle):
+        self.inner, self.oracle = inner, oracle
+        self.method = getattr(inner, "method", "?")
+        self.runner = getattr(inner, "runner", None)
+
+    def prefill(self, seqs):
+        self.inner.prefill(seqs)
+
+    def propose(self, seqs):
+        self.inner.propose(seqs)
+        return self.oracle.propose(seqs)
+
+    def accepted(self, seqs, accepted, path):
+        self.inner.accepted(seqs, accepted, path)
+
+    def release(self, seq):
+        self.inner.release(seq)
+
+    def reset(self):
+        getattr(self.inner, "reset", lambda: None)()
+
+
 def _prompts(n: int, length: int, vocab: int, seed: int, repetitive: bool = True) -> list[list[int]]:
     import random
 
@@ -164,7 +190,8 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     warm = prompts[:batch]
     refs = None
-    if spec is not None and args.spec_method == "oracle":  # known continuations, before the engine's cache
+    oracle = spec is not None and (args.spec_method == "oracle" or (args.spec_method == "mtp" and not args.model))
+    if oracle:  # known continuations, before the engine's cache
         ref = LLM(model, device=args.device, dtype=args.dtype, decode_mode="recurrent", max_num_seqs=batch,
                   max_seq_len=args.max_seq_len)
         refs = {tuple(p): o.token_ids for p, o in zip(prompts, ref.generate(prompts, params))}
@@ -178,7 +205,10 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
     llm = LLM(model, device=args.device, dtype=args.dtype, decode_mode=mode, buffer_size=args.buffer_size,
               speculative=spec, max_num_seqs=batch, cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len, **kw)
     if refs is not None:
-        llm.drafter = OracleDrafter(refs, spec.num_tokens, args.oracle_accept, vocab, llm.device)
+        oracle = OracleDrafter(refs, spec.num_tokens, args.oracle_accept, vocab, llm.device)
+        if args.spec_method == "mtp":  # random weights: the MTP head drafts, the oracle's tokens are verified
+            oracle = OracleTokens(llm.drafter, oracle)
+        llm.drafter = oracle
     llm.generate(warm, SamplingParams(max_tokens=min(4, args.max_tokens), ignore_eos=True))
     for k in llm.stats:  # warm-up done (also captures CUDA graphs)
         llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
@@ -274,8 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=int_list, default="1,4,16,64,256,512")
     p.add_argument("--modes", default="recurrent,replay", help="decode modes for the throughput sweep")
     p.add_argument("--spec-batch-sizes", type=int_list, default="1,16,64")
-    p.add_argument("--spec-method", default=None, choices=["oracle", "ngram", "draft", "tree"],
-                   help="default: oracle for random weights (known continuation, --oracle-accept), else ngram")
+    p.add_argument("--spec-method", default=None, choices=["oracle", "ngram", "draft", "tree", "mtp"],
+                   help="default: oracle for random weights (known continuation, --oracle-accept), else ngram; "
+                        "mtp: the model's MTP head (random weights: a random head drafts, the oracle's tokens "
+                        "are verified)")
     p.add_argument("--oracle-accept", type=probability, default=1.0, help="oracle: probability each draft is right")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--num-tokens", type=positive_int, default=4)
@@ -362,8 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, desc = _load_model(args, tmp)
         if isinstance(model, str):  # load once, share between engines
+            if args.spec_method == "mtp" and not args.model:
+                add_random_mtp(model)
             model_obj = load(model, torch.device(args.device), getattr(torch, args.dtype),
-                             args.tensor_parallel_size)[0]
+                             args.tensor_parallel_size, mtp=args.spec_method == "mtp")[0]
         else:
             model_obj = model
         res = {"config": {**vars(args), "model_desc": desc, "spec_method": args.spec_method,

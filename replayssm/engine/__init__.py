@@ -19,6 +19,8 @@ Layout (nano-vllm style):
   tree); draft caches roll back through the same verify/commit API as the target
 * ``detokenizer.py`` incremental detokenization (a window of recent tokens, whole UTF-8
   characters only) and stop-string search on the new text
+* ``mtp_drafter.py`` drafting with the target's own MTP head (chains, top-k trees; its own
+  cache, the target's kept hidden states; greedy steps as CUDA graphs)
 * ``outputs.py``   RequestOutput
 * ``engine.py``    LLMEngine: ``add_request`` / ``step`` / ``abort``; a step is schedule ->
   run (prefill, decode or draft-verify-accept-commit) -> postprocess (tokens, stop criteria,

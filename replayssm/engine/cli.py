@@ -1,7 +1,8 @@
 """``replayssm generate``: generate text with the engine, streaming it to stdout.
 
 Defaults to the small model shipped in the package (``replayssm/assets/tiny-mamba2``; with
-``--speculative draft``/``tree`` the draft is ``replayssm/assets/tiny-mamba2-draft``).
+``--speculative draft``/``tree`` the draft is ``replayssm/assets/tiny-mamba2-draft``; with
+``--speculative mtp`` the model's own MTP head drafts).
 Throughput (tokens/s) and the mean accepted length go to stderr after the text.  The cache
 is sized for the request, within a context limit (``--max-seq-len``; default: the model's
 ``max_position_embeddings``, else ``replayssm.engine.limits.DEFAULT_CONTEXT`` = 8192 tokens):
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help=f"model directory (default: {DEFAULT_MODEL})")
     p.add_argument("--mode", default="replay", choices=["recurrent", "replay", "kv", "auto"],
                    help="decode form (default: replay)")
-    p.add_argument("--speculative", default=None, choices=["ngram", "draft", "tree"])
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft", "tree", "mtp"])
     p.add_argument("--draft-model", default=None, help=f"draft model directory (default: {DEFAULT_DRAFT})")
     p.add_argument("--num-tokens", type=positive_int, default=4, help="draft tokens per step (tree: depth)")
     p.add_argument("--tree-width", type=positive_int, default=2, help="beam width of a draft tree")

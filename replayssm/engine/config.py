@@ -13,7 +13,7 @@ from typing import Sequence
 from ..cache.ring import check_speculative_capacity
 
 DECODE_MODES = ("recurrent", "replay", "kv", "auto")
-SPEC_METHODS = ("ngram", "draft", "tree")
+SPEC_METHODS = ("ngram", "draft", "tree", "mtp")
 MAX_LOGPROBS = 20   # top alternatives per token (OpenAI's limit for chat)
 #: most inputs one verify step may carry (the last accepted token + drafts): the verify cost,
 #: the replay buffer (``2 x`` this) and the per-step scratch all grow with it, and draft
@@ -145,6 +145,10 @@ class SpeculativeConfig:
       rank paths such as ``[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]`` (node = the
       ``rank``-th choice of its parent's draft distribution).  Without ``draft_model`` the
       tree is a trie of several prompt-lookup continuations.
+    * ``method="mtp"``: the target's own multi-token-prediction head (loaded from the
+      checkpoint's ``mtp.*`` tensors) drafts a chain of ``num_tokens`` tokens, or a token tree
+      with ``tree``: rank paths as above, or ``"topk"`` (the greedy chain of ``num_tokens``
+      plus, at every depth, the next ``tree_width - 1`` ranked alternatives).
 
     ``num_tokens`` is the chain length (linear methods) and, for trees without an explicit
     shape, the depth.  The verifier sees ``num_tokens + 1`` inputs per step (the last
@@ -179,8 +183,19 @@ class SpeculativeConfig:
                 f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.method == "draft" and self.draft_model is None:
             raise ValueError("SpeculativeConfig(method='draft') needs draft_model (a directory or model)")
-        if self.method != "tree" and self.tree is not None:
-            raise ValueError(f"SpeculativeConfig.tree is only used with method='tree', not {self.method!r}")
+        if self.method == "mtp":
+            if self.draft_model is not None:
+                raise ValueError("SpeculativeConfig(method='mtp') drafts with the target's own MTP head; "
+                                 "draft_model must be None")
+            if self.tree == "topk":
+                self.tree = topk_tree(self.tree_width, self.num_tokens)
+            elif self.tree is not None:
+                if isinstance(self.tree, str):
+                    raise ValueError(f"SpeculativeConfig.tree for method='mtp' must be 'topk' or a list of rank "
+                                     f"paths, got {self.tree!r}")
+                self.tree = normalize_static_tree(self.tree)
+        elif self.method != "tree" and self.tree is not None:
+            raise ValueError(f"SpeculativeConfig.tree is only used with method='tree' or 'mtp', not {self.method!r}")
         if self.method == "tree":
             if self.tree is None:
                 self.tree = "beam"
@@ -206,13 +221,15 @@ class SpeculativeConfig:
 
     @property
     def depth(self) -> int:
-        if self.method == "tree" and not isinstance(self.tree, str):
+        if self.method in ("tree", "mtp") and self.tree is not None and not isinstance(self.tree, str):
             return max(len(p) for p in self.tree)
         return self.tree_depth or self.num_tokens
 
     @property
     def max_draft_nodes(self) -> int:
         """Most draft tokens one verify step carries (excluding the last accepted token)."""
+        if self.method == "mtp" and self.tree is not None:
+            return len(self.tree)
         if self.method != "tree":
             return self.num_tokens
         if not isinstance(self.tree, str):
@@ -225,6 +242,13 @@ class SpeculativeConfig:
     def verify_tokens(self) -> int:
         """Inputs per verify step: the last accepted token + the drafts."""
         return self.max_draft_nodes + 1
+
+
+def topk_tree(width: int, depth: int) -> tuple[tuple[int, ...], ...]:
+    """Rank paths of the greedy chain of ``depth`` tokens plus, at every depth, the next
+    ``width - 1`` ranked alternatives (``width * depth`` nodes): for width 2, depth 2
+    ``(0,), (1,), (0, 0), (0, 1)``."""
+    return normalize_static_tree([(0,) * d + (r,) for d in range(depth) for r in range(width)])
 
 
 def normalize_static_tree(tree) -> tuple[tuple[int, ...], ...]:

@@ -33,6 +33,7 @@ from .limits import cache_bytes, check_cache_fits
 from .loading import is_model, load, parse_dtype
 from .memory import MemoryModel, auto_kv_blocks, default_auto_threshold, fmt_bytes, memory_model
 from .model_runner import ModelRunner
+from .mtp_drafter import MTPDrafter, mtp_head_of
 from .outputs import RequestOutput, request_output
 from .prefix_cache import PrefixCache, plan_store
 from .sampler import Sampler, token_logprobs
@@ -92,6 +93,11 @@ class LLMEngine:
         tp = tensor_parallel_size
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        ranks = tp or (int(getattr(model, "tensor_parallel_size", 1)) if is_model(model) else 1)
+        if speculative is not None and speculative.method == "mtp" and ranks > 1:
+            raise ValueError(f"speculative method 'mtp' is not supported with tensor_parallel_size={ranks} "
+                             f"(the MTP head is not sharded over the workers); use tensor_parallel_size=1 "
+                             f"or method='ngram'/'draft'")
         if is_model(model):
             have = int(getattr(model, "tensor_parallel_size", 1))
             if tp is not None and tp != have:
@@ -101,7 +107,8 @@ class LLMEngine:
             if isinstance(getattr(model, "dtype", None), torch.dtype):
                 self.dtype = model.dtype  # a loaded model keeps its own dtype
         else:  # a directory (tensor_parallel_size > 1: workers started here, each reading its shard)
-            self.model, tok = load(model, self.device, self.dtype, tp or 1)
+            mtp = ec.speculative is not None and ec.speculative.method == "mtp"
+            self.model, tok = load(model, self.device, self.dtype, tp or 1, mtp=mtp)
             self.tokenizer = tokenizer if tokenizer is not None else tok
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -118,6 +125,9 @@ class LLMEngine:
                                  f"vocab_size {self.vocab_size}")
             draft_layout = self.draft_model.cache_layout(ec.draft_mode, ec.buffer_size, T, ec.max_seq_len,
                                                          ec.kv_block_size)
+        if sp is not None and sp.method == "mtp":  # the head's own cache, per slot like a draft model's
+            draft_layout = mtp_head_of(self.model).cache_layout(ec.draft_mode, ec.buffer_size, T, ec.max_seq_len,
+                                                                ec.kv_block_size)
         self.layout = self.model.cache_layout(ec.cache_mode, ec.buffer_size, T, ec.max_seq_len, ec.kv_block_size)
         self.auto_threshold = ec.auto_threshold or default_auto_threshold(self.layout, ec.buffer_size)
         self.memory: MemoryModel = memory_model(self.layout, ec.decode_mode, T, self.vocab_size,
@@ -241,13 +251,16 @@ class LLMEngine:
             return []
         if sp.method in ("ngram", "draft"):
             return [(sp.num_tokens + 1, False)]
+        if sp.method == "mtp":
+            return [(self.drafter.num_nodes, self.drafter.tree)]
         if self.draft_model is not None:
             return [(self.drafter.num_nodes, True)]
         return []
 
     def _sampled_shapes(self) -> list[tuple[int, bool, bool]]:
         """``(nodes, tree, draft distributions)`` of sampled speculative steps (fixed shapes)."""
-        has_q = self.draft_model is not None
+        sp = self.config.speculative
+        has_q = self.draft_model is not None or (sp is not None and sp.method == "mtp")
         return [(n, tree, has_q) for n, tree in self._spec_shapes()]
 
     def _make_drafter(self, sp: SpeculativeConfig | None, num_slots: int, T: int):
@@ -261,6 +274,11 @@ class LLMEngine:
             return spec.NgramTreeDrafter(sp.tree_width, sp.depth, sp.prompt_lookup_min, sp.prompt_lookup_max,
                                          self.device)
         ec = self.config
+        if sp.method == "mtp":
+            return MTPDrafter(self.model, self.cache, self.sampler, self.device, num_slots, sp.num_tokens,
+                              tree=sp.tree, cache_mode=ec.draft_mode, buffer_size=ec.buffer_size, max_new=T,
+                              max_seq_len=ec.max_seq_len, kv_block_size=ec.kv_block_size,
+                              cuda_graphs=self.runner.use_graphs, pad_batches=self.runner.pad_batches)
         dcache = self.draft_model.make_cache(num_slots + 1, mode=ec.draft_mode, buffer_size=ec.buffer_size,
                                              max_new=T, max_seq_len=ec.max_seq_len,
                                              kv_block_size=ec.kv_block_size, device=self.device)

@@ -143,10 +143,22 @@ class CausalLM(nn.Module):
             h = blk(h, ctx, self._dtype)
         return h
 
-    def _head(self, h: Tensor) -> Tensor:
-        h = self.final_norm()(h)
+    def _logits(self, hn: Tensor) -> Tensor:
+        """LM head on final-normed hidden states ``hn [..., D]`` -> ``[..., V]``."""
         w = self.head_weight()
-        return nn.functional.linear(h.to(w.dtype), w).to(compute_dtype(self._dtype))
+        return nn.functional.linear(hn.to(w.dtype), w).to(compute_dtype(self._dtype))
+
+    def _head(self, h: Tensor) -> Tensor:
+        return self._logits(self.final_norm()(h))
+
+    def _head_kept(self, cache: ModelCache, slots: Tensor, h: Tensor) -> Tensor:
+        """:meth:`_head` of a cached step ``h [B, T, D]``, keeping the final-normed hidden
+        states in ``cache.hidden`` when the cache keeps them (``ModelCache.keep_hidden``).
+        The logits go through :meth:`_head`, the one override point (tensor parallelism
+        gathers the vocabulary there)."""
+        if cache.hidden is not None:
+            cache.record_hidden(slots, self.final_norm()(h))
+        return self._head(h)
 
     def _check_ids(self, ids: Tensor, dims: int, what: str) -> Tensor:
         if not isinstance(ids, Tensor) or ids.dim() != dims or ids.dtype not in (torch.int32, torch.int64):
@@ -293,6 +305,8 @@ class CausalLM(nn.Module):
         if index.numel():
             h = self._trunk(ids.reshape(-1)[index][None], ctx)             # [1, Nt, D]
             last = h[0, (cu[1:] - 1).clamp(min=0)]
+            if cache.hidden is not None:
+                cache.record_prompt_hidden(slots, self.final_norm()(h[0]), cu)
         else:   # only padding rows
             last = self.embed_weight().new_zeros(B, self.config.hidden_size)
         self._finish(ctx, None)
@@ -309,7 +323,7 @@ class CausalLM(nn.Module):
         ctx = self._context(cache, "decode", slots, 1, cache.seq_len[slots][:, None])
         h = self._trunk(ids[:, None], ctx)
         self._finish(ctx, None)
-        return self._head(h[:, 0])
+        return self._head_kept(cache, slots, h)[:, 0]
 
     @torch.no_grad()
     def verify(self, cache: ModelCache, slots: Tensor, input_ids: Tensor) -> Tensor:
@@ -326,7 +340,7 @@ class CausalLM(nn.Module):
         ctx = self._context(cache, "verify", slots, T, cache.seq_len[slots][:, None] + t[None, :])
         h = self._trunk(ids, ctx)
         cache.pending = ctx
-        return self._head(h)
+        return self._head_kept(cache, slots, h)
 
     @torch.no_grad()
     def verify_tree(self, cache: ModelCache, slots: Tensor, input_ids: Tensor, parent: Tensor) -> Tensor:
@@ -355,7 +369,7 @@ class CausalLM(nn.Module):
                             parent=parent, anc=anc, tree_bits=ancestor_bits(anc) if N <= 31 else None)
         h = self._trunk(ids, ctx)
         cache.pending = ctx
-        return self._head(h)
+        return self._head_kept(cache, slots, h)
 
     @torch.no_grad()
     def commit(self, cache: ModelCache, accepted: Tensor, path: Tensor | None = None) -> None:

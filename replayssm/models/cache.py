@@ -12,6 +12,10 @@ Shared bookkeeping: ``ring`` (``RingIndex``, replay form), ``pidx`` (``PagedInde
 form), ``seq_len [P]`` (committed tokens per slot, device), the per-slot form (host list,
 changed only between steps by :meth:`switch_to_state` / :meth:`release`) and the pending
 verify (a :class:`~replayssm.layers.context.StepContext` awaiting ``model.commit``).
+
+Optionally (:meth:`keep_hidden`, for a drafter that conditions on the model, e.g. MTP):
+``hidden [P, max_new, D]``, the final-normed hidden state (the LM head's input) of each token
+of every slot's latest call, written on the device inside the call.
 """
 
 from __future__ import annotations
@@ -154,6 +158,47 @@ class ModelCache:
                     t.fill_(float("nan"))
             self.layers[layer.layer_id] = store
         self.pending = None
+        self.hidden: Tensor | None = None                # keep_hidden(): [P, max_new, D]
+        self.prompt_hidden: dict[int, list[Tensor]] = {}  # slot -> prefilled hidden states
+
+    # ------------------------------------------------------------------ hidden states
+    def keep_hidden(self, width: int) -> None:
+        """From now on keep the final-normed hidden state ``hn`` (the LM head's input) of the
+        tokens each call processes, for a drafter that reads it (MTP):
+
+        * ``hidden [P, max_new, width]`` (static, so CUDA graphs write it in place): after a
+          ``decode`` / ``verify`` / ``verify_tree`` of ``T`` tokens, ``hidden[slot, i]`` is
+          token (node) ``i``'s; after a ``prefill``, ``hidden[slot, 0]`` is the last prompt
+          token's.  Written by the call on the device (no host round trip).
+        * ``prompt_hidden[slot]``: each prefill's ``[n, width]`` rows (every valid prompt
+          token), kept until :meth:`take_prompt_hidden` or :meth:`release`.
+        """
+        if self.hidden is None:
+            self.hidden = torch.zeros(self.P, self.max_new, int(width), dtype=self.dtype, device=self.device)
+
+    def record_hidden(self, slots: Tensor, hn: Tensor) -> None:
+        """``hidden[slots, :T] = hn [B, T, D]`` (no-op unless :meth:`keep_hidden`)."""
+        if self.hidden is not None:
+            self.hidden[slots, : hn.shape[1]] = hn.to(self.hidden.dtype)
+
+    def record_prompt_hidden(self, slots: Tensor, hn: Tensor, cu_seqlens: Tensor) -> None:
+        """After a packed prefill of ``hn [Nt, D]`` (row ``b``'s tokens at
+        ``cu_seqlens[b]:cu_seqlens[b + 1]``): each row's last token to ``hidden[slot, 0]``,
+        its tokens appended to ``prompt_hidden[slot]`` (a chunked prompt adds one part per
+        chunk)."""
+        last = hn[(cu_seqlens[1:] - 1).clamp(min=0)]
+        self.hidden[slots, 0] = last.to(self.hidden.dtype)
+        bounds = cu_seqlens.tolist()
+        for b, s in enumerate(slots.tolist()):
+            if s and bounds[b + 1] > bounds[b]:
+                self.prompt_hidden.setdefault(s, []).append(hn[bounds[b]:bounds[b + 1]])
+
+    def take_prompt_hidden(self, slot: int) -> Tensor | None:
+        """The prefilled hidden states of ``slot`` since the last take ``[n, D]`` (or None)."""
+        parts = self.prompt_hidden.pop(int(slot), None)
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
     def _pool(self, name: str, num_blocks: int | None, needed: bool) -> tuple[PagedIndex | None, bool]:
         """A paged index of ``num_blocks`` usable blocks (plus the null block 0), or ``None``
@@ -178,6 +223,8 @@ class ModelCache:
         """Every tensor this cache holds (layer stores and the shared bookkeeping)."""
         out = [self.seq_len, self.kv_slot] + _owned(self.ring) + _owned(self.pidx) + _owned(self.attn)
         out += _owned(self.prefix)
+        if self.hidden is not None:
+            out.append(self.hidden)
         for store in self.layers.values():
             out += _owned(store)
         return out
@@ -264,6 +311,7 @@ class ModelCache:
         for s in ids:
             self._modes[s] = self.mode
             self._in_use.discard(s)
+            self.prompt_hidden.pop(s, None)
             for pool, static in ((self.pidx, self._static_kv), (self.attn, self._static_attn)):
                 if pool is not None:
                     pool.release(s)
@@ -321,6 +369,11 @@ class ModelCache:
             t[d_t] = t[src].clone()
         if self.pidx is not None:
             self.pidx.length[d_t] = self.pidx.length[src].clone() if kv else 0
+        if self.hidden is not None:                # kept hidden states (MTP) travel with the slot
+            self.hidden[d_t] = self.hidden[src].clone()
+            if src in self.prompt_hidden:
+                for d in dsts:
+                    self.prompt_hidden[d] = list(self.prompt_hidden[src])
         for d in dsts:
             self._modes[d] = self._modes[src]
             self._in_use.add(d)

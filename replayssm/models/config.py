@@ -30,6 +30,7 @@ class ConfigError(ValueError):
 
 
 _ACTS = ("silu", "swish", "relu2", "gelu", "relu")
+_NEMOTRON_KIND = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
 
 
 class _Reader:
@@ -150,6 +151,7 @@ class Mamba2Config:
     bos_token_id: int | None = 0
     pad_token_id: int | None = 1
     max_position_embeddings: int | None = None   # context the model was trained for, if stated
+    num_nextn_predict_layers: int = 0   # MTP blocks (our layout: docs/ARCHITECTURE.md, "MTP heads")
     model_type: str = "mamba2"
 
     @property
@@ -190,6 +192,8 @@ class Mamba2Config:
             max_position_embeddings=_opt_pos_int(r, "max_position_embeddings"),
             bos_token_id=d.get("bos_token_id", 0),
             pad_token_id=d.get("pad_token_id", 1),
+            num_nextn_predict_layers=_pos_int(r, "num_nextn_predict_layers",
+                                              r.opt("num_nextn_predict_layers", 0), allow_zero=True),
         )
         if c.hidden_act not in ("silu", "swish"):
             r.fail(f"'hidden_act' {c.hidden_act!r} is not supported for the Mamba-2 conv (need 'silu')")
@@ -245,6 +249,8 @@ class NemotronHConfig:
     bos_token_id: int | None = 1
     pad_token_id: int | None = 0
     max_position_embeddings: int | None = None
+    num_nextn_predict_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ()  # the layers of one MTP step (``mtp_layers_block_type``)
     model_type: str = "nemotron_h"
 
     @property
@@ -257,8 +263,11 @@ class NemotronHConfig:
 
     @property
     def layer_kinds(self) -> list[str]:
-        m = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
-        return [m[t] for t in self.layer_types]
+        return [_NEMOTRON_KIND[t] for t in self.layer_types]
+
+    @property
+    def mtp_layer_kinds(self) -> list[str]:
+        return [_NEMOTRON_KIND[t] for t in self.mtp_layer_types]
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "NemotronHConfig":
@@ -279,7 +288,25 @@ class NemotronHConfig:
         bad = sorted({t for t in lt if t not in pat.values()})
         if bad:
             r.fail(f"'layers_block_type' has unknown layer types {bad} (expected {sorted(pat.values())})")
-        kinds = set(lt)
+        # MTP layers (vLLM: ``mtp_hybrid_override_pattern``; transformers: ``mtp_layers_block_type``)
+        n_mtp = _pos_int(r, "num_nextn_predict_layers", r.opt("num_nextn_predict_layers", 0), allow_zero=True)
+        mtp_lt: list = []
+        if n_mtp:
+            mtp_lt = d.get("mtp_layers_block_type") or []
+            p = d.get("mtp_hybrid_override_pattern")
+            if not mtp_lt and p is not None:
+                if not isinstance(p, str) or not p or any(ch not in pat for ch in p):
+                    r.fail(f"'mtp_hybrid_override_pattern' must be a non-empty string over 'M*-E', got {p!r}")
+                mtp_lt = [pat[ch] for ch in p]
+            if not mtp_lt:
+                mtp_lt = ["full_attention", "moe"]   # transformers' default
+            if not isinstance(mtp_lt, list):
+                r.fail(f"'mtp_layers_block_type' must be a list, got {mtp_lt!r}")
+            mtp_lt = [legacy.get(t, t) for t in mtp_lt]
+            bad = sorted({t for t in mtp_lt if t not in pat.values()})
+            if bad:
+                r.fail(f"'mtp_layers_block_type' has unknown layer types {bad} (expected {sorted(pat.values())})")
+        kinds = set(lt) | set(mtp_lt)
         need_attn, need_mamba = "full_attention" in kinds, "linear_attention" in kinds
         need_moe, need_mlp = "moe" in kinds, "mlp" in kinds
 
@@ -325,6 +352,8 @@ class NemotronHConfig:
             max_position_embeddings=_opt_pos_int(r, "max_position_embeddings"),
             bos_token_id=d.get("bos_token_id", 1),
             pad_token_id=d.get("pad_token_id", 0),
+            num_nextn_predict_layers=n_mtp,
+            mtp_layer_types=tuple(mtp_lt),
         )
         if c.mlp_hidden_act not in _ACTS:
             r.fail(f"'mlp_hidden_act' {c.mlp_hidden_act!r} is not supported (one of {_ACTS})")
@@ -344,8 +373,6 @@ class NemotronHConfig:
                        f"and topk_group {c.topk_group} <= n_group")
             if c.n_group > 1 and c.n_routed_experts // c.n_group < 2:
                 r.fail("grouped routing needs at least 2 experts per group")
-        if int(d.get("num_nextn_predict_layers", 0) or 0) > 0:
-            pass  # MTP layers are ignored at inference (their weights are skipped by the loader)
         return c
 
 
@@ -387,6 +414,7 @@ class Qwen3NextConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     max_position_embeddings: int | None = None
+    num_nextn_predict_layers: int = 0   # MTP layers (0: unknown; the checkpoint's mtp.* tensors decide)
     model_type: str = "qwen3_next"
 
     @property
@@ -461,6 +489,8 @@ class Qwen3NextConfig:
             max_position_embeddings=_opt_pos_int(r, "max_position_embeddings"),
             bos_token_id=d.get("bos_token_id"),
             pad_token_id=d.get("pad_token_id"),
+            num_nextn_predict_layers=_pos_int(r, "num_nextn_predict_layers", r.opt(
+                "num_nextn_predict_layers", 0, "mtp_num_hidden_layers"), allow_zero=True),
         )
         if c.hidden_act not in ("silu", "swish"):
             r.fail(f"'hidden_act' {c.hidden_act!r} is not supported (need 'silu')")

@@ -132,9 +132,11 @@ def _install(model: nn.Module, name: str, t: torch.Tensor) -> None:
     mod._parameters[leaf] = nn.Parameter(t, requires_grad=False)
 
 
-def load_model(path: str, device="cpu", dtype="float32"):
+def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False):
     """Build the model in ``path`` (HF layout) on ``device`` with parameters in ``dtype``.
 
+    ``mtp=True`` also loads the checkpoint's multi-token-prediction head (``mtp.*`` tensors,
+    :mod:`replayssm.models.mtp`) as ``model.mtp``; otherwise those tensors are skipped.
     Supported ``model_type``: ``mamba2``, ``nemotron_h``, ``qwen3_next``.  Raises
     ``ConfigError`` (config.json problems), ``WeightError`` (missing / unexpected /
     mis-shaped tensors, unreadable files) or ``FileNotFoundError``; never returns a
@@ -156,6 +158,10 @@ def load_model(path: str, device="cpu", dtype="float32"):
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     with torch.device("meta"):
         model = cls(cfg, tdtype, device)
+        if mtp:
+            from .mtp import attach_mtp   # import cycle: mtp.py uses this module's WeightError
+
+            attach_mtp(model, key_file)
     aliases = cls.key_aliases()
     params = dict(model.named_parameters())
     plan: dict[str, _Source] = {}
@@ -167,8 +173,10 @@ def load_model(path: str, device="cpu", dtype="float32"):
         else:
             plan[name] = src
     if missing:
+        hint = (" (the checkpoint has no MTP head, which speculative method 'mtp' needs)"
+                if all(n.startswith("mtp.") for n in missing) else "")
         raise WeightError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: "
-                          + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
+                          + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "") + hint)
     used = {k for s in plan.values() for k in s.keys}
     extra = [k for k in key_file if k not in used and not any(r.search(k) for r in _IGNORED)]
     if extra:

@@ -16,33 +16,37 @@ from .base import Block, CausalLM
 from .config import Qwen3NextConfig
 
 
+def qwen3_next_block(c: Qwen3NextConfig, kind: str, layer_id: int, rot: Rotary, moe: bool) -> Block:
+    """One ``model.layers.i``: ``h + mixer(N1(h))`` (GDN ``linear_attn`` or gated ``self_attn``),
+    then ``h + ffn(N2(h))`` (sparse MoE or dense MLP); also the MTP head's layer."""
+    blk = Block()
+    if kind == "gdn":
+        m = GatedDeltaNet(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
+                          c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim,
+                          eps=c.rms_norm_eps, layer_id=layer_id)
+        name = "linear_attn"
+    else:
+        m = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                      bias=c.attention_bias, qk_norm_eps=c.rms_norm_eps, output_gate=True,
+                      rotary=rot, layer_id=layer_id)
+        name = "self_attn"
+    blk.add("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centered=True), name, m)
+    if moe:
+        f = SoftmaxMoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
+                       c.norm_topk_prob, c.shared_expert_intermediate_size, c.hidden_act)
+    else:
+        f = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+    blk.add("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centered=True),
+            "mlp", f)
+    return blk
+
+
 class Qwen3NextLM(CausalLM):
     def __init__(self, config: Qwen3NextConfig, dtype: torch.dtype, device):
         super().__init__(config, dtype, device)
         c = config
-        rot = Rotary(c.head_dim, c.rotary_dim, c.rope_theta)
-        layers = []
-        for i, kind in enumerate(c.layer_kinds):
-            blk = Block()
-            if kind == "gdn":
-                m = GatedDeltaNet(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
-                                  c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim,
-                                  eps=c.rms_norm_eps, layer_id=i)
-                name = "linear_attn"
-            else:
-                m = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                              bias=c.attention_bias, qk_norm_eps=c.rms_norm_eps, output_gate=True,
-                              rotary=rot, layer_id=i)
-                name = "self_attn"
-            blk.add("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centered=True), name, m)
-            if c.is_moe_layer(i):
-                f = SoftmaxMoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
-                               c.norm_topk_prob, c.shared_expert_intermediate_size, c.hidden_act)
-            else:
-                f = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
-            blk.add("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centered=True),
-                    "mlp", f)
-            layers.append(blk)
+        self.rotary = rot = Rotary(c.head_dim, c.rotary_dim, c.rope_theta)
+        layers = [qwen3_next_block(c, kind, i, rot, c.is_moe_layer(i)) for i, kind in enumerate(c.layer_kinds)]
         self._assemble("model", "embed_tokens", layers, "norm",
                        RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centered=True))
 

@@ -28,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode form (default: replay)")
     g.add_argument("--buffer-size", type=int, default=None,
                    help="replay ring capacity L (default: 16, or 2*(verify tokens) if larger)")
-    g.add_argument("--speculative", default=None, choices=["ngram", "draft", "tree"], help="speculative method")
+    g.add_argument("--speculative", default=None, choices=["ngram", "draft", "tree", "mtp"],
+                   help="speculative method (mtp: the checkpoint's own MTP head)")
     g.add_argument("--draft-model", default=None, help="draft model directory (draft / tree)")
     g.add_argument("--num-tokens", type=int, default=4, help="draft tokens per step (tree: depth)")
     g.add_argument("--tree-width", type=int, default=2, help="beam width of a draft tree")

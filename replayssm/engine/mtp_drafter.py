@@ -1,0 +1,330 @@
+"""MTP drafting: the target's own multi-token-prediction head proposes chains or token trees.
+
+The head (:class:`replayssm.models.mtp.MTPHead`) is a small causal model over the pairs
+``(h_t, x_{t+1})`` (target hidden state after token ``t``, next token), pair ``t`` at
+position ``t``.  It keeps a cache of its own under the target's slot numbers; the target
+keeps its final-normed hidden states in ``cache.hidden`` (``ModelCache.keep_hidden``), which
+every target call writes on the device.
+
+Invariant: before a proposal, the head has committed the pairs of every target token but the
+last ``a``, where ``a`` is what the last target step accepted (its accepted nodes and the
+bonus token; ``a = 1`` after a prefill).  A proposal then runs, device-only:
+
+1. **catch-up**: the ``a`` pending pairs — the accepted nodes' hidden states gathered from
+   ``cache.hidden`` along the accepted path, with the tokens that followed them (the
+   accepted drafts, then the bonus token) — as one MTP ``verify`` of ``K+1`` pairs (padded),
+   committed ``a`` per row.  Its output at pair ``a-1`` is ``g_1``; ``lm_head(g_1)`` gives
+   draft 1.
+2. **drafts 2..k** (chain): an MTP ``verify`` of the tentative pairs ``(g_1, d_1) .. (g_r,
+   d_r)``, committed 0 (rolled back: the next catch-up replaces them with the target's
+   hidden states); output ``r`` gives ``g_{r+1}`` and draft ``r+1``.
+   **Trees** (static rank paths, each node's children the top-ranked tokens of its MTP
+   distribution): level ``l`` evaluates the nodes of levels ``< l`` as one ``verify_tree``
+   (committed 0), node ``i``'s hidden input being its parent's ``g``.
+
+Greedy steps are one CUDA graph per batch bucket (:class:`MTPStepGraphs`), replayed with no
+host sync: the host packs the catch-up tokens, node indices and counts into one small
+host-to-device copy, the graph gathers ``cache.hidden`` itself.  The draft step is a graph of
+its own, launched right before the target's verify graph (not fused into it).  Sampled rows
+draw from the MTP distribution (eager), so speculative sampling stays lossless.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from ..runtime import canonical_device
+from .model_runner import batch_buckets
+from .sampler import Sampler, sample_from
+from .sequence import Sequence
+from .speculative import Drafter, Proposal, chain_parent
+
+
+def mtp_head_of(model):
+    """The loaded MTP head of ``model``, or a ValueError saying how to get one."""
+    head = getattr(model, "mtp", None)
+    if head is None:
+        raise ValueError("speculative method 'mtp' needs the target's MTP head: pass a model directory whose "
+                         "checkpoint has one, or a model loaded with load_model(path, mtp=True)")
+    return head
+
+
+def static_tree(paths) -> tuple[list[int], list[int], list[int]]:
+    """``(parent, rank, depth)`` per node of a rank-path tree (node 0 = the root; node ``i``
+    = ``paths[i-1]``, sorted by depth, see ``normalize_static_tree``)."""
+    paths = list(paths)
+    parent = [-1] + [0 if len(p) == 1 else 1 + paths.index(p[:-1]) for p in paths]
+    return parent, [0] + [p[-1] for p in paths], [0] + [len(p) for p in paths]
+
+
+class MTPDrafter(Drafter):
+    """Chains (``tree=None``: ``num_tokens`` drafts) or static trees (rank paths) from the
+    target's MTP head.  ``target_cache`` is the target's cache (it starts keeping hidden
+    states here); the head's cache is made here with the same slots."""
+
+    method = "mtp"
+
+    def __init__(self, target, target_cache, sampler: Sampler, device, max_batch: int, num_tokens: int,
+                 tree=None, cache_mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
+                 max_seq_len: int = 2048, kv_block_size: int = 16, cuda_graphs: bool = False,
+                 pad_batches: bool = False):
+        self.head = mtp_head_of(target)
+        self.target_cache, self.sampler = target_cache, sampler
+        self.device = canonical_device(device)
+        self.cache = self.head.make_cache(max_batch + 1, mode=cache_mode, buffer_size=buffer_size,
+                                          max_new=max_new, max_seq_len=max_seq_len, kv_block_size=kv_block_size,
+                                          device=self.device)
+        target_cache.keep_hidden(target.config.hidden_size)
+        self.tree = tree is not None
+        if self.tree:
+            self.parent, self.rank, self.depth = static_tree(tree)
+            self.k = max(self.depth)
+        else:
+            self.k = int(num_tokens)
+            self.parent = list(range(-1, self.k))
+        self.num_nodes = len(self.parent)
+        self.width = self.k + 1            # catch-up pairs per step: at most depth + 1
+        if self.width > max_new or self.num_nodes > max_new:
+            raise ValueError(f"MTP drafting needs max_new >= {max(self.width, self.num_nodes)}, got {max_new}")
+        self._nodes: dict = {}             # request id -> target nodes of its pending catch-up pairs
+        self.runner = MTPStepGraphs(self._greedy_body, self.device, max_batch, self.width,
+                                    cuda_graphs, pad_batches)
+        self._parent_t = torch.tensor(self.parent, dtype=torch.long, device=self.device)
+        # per tree level: the head's parent array over the nodes evaluated so far (made here:
+        # a host-to-device copy is not allowed while a CUDA graph captures)
+        self._level_parent = {}
+        if self.tree:
+            for lvl in range(1, max(self.depth)):
+                upto = max(i for i in range(self.num_nodes) if self.depth[i] == lvl) + 1
+                self._level_parent[lvl] = torch.tensor([p - 1 for p in self.parent[1:upto]], device=self.device)
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Run the head over each prompt's pairs ``(h_t, x_{t+1})``, ``t < L-1`` (the last
+        pair waits for the first sampled token: the first catch-up).  Where the target
+        computed only the last ``m < L`` prompt tokens (their hidden states are all it kept),
+        the head runs over the pairs of those: its drafts know less of the prompt, the output
+        is the same."""
+        rows = []
+        for s in seqs:
+            ph = self.target_cache.take_prompt_hidden(s.slot)
+            self._nodes[s.request_id] = [0]
+            L = len(s.prompt_ids)
+            m = 0 if ph is None else min(L, int(ph.shape[0]))
+            if m >= 2:
+                rows.append((s.slot, s.prompt_ids[L - m + 1:], ph[ph.shape[0] - m:ph.shape[0] - 1]))
+        budget = 8192
+        while rows:
+            group, width = [], 0
+            while rows and (not group or max(width, len(rows[0][1])) * (len(group) + 1) <= budget):
+                width = max(width, len(rows[0][1]))
+                group.append(rows.pop(0))
+            B, D = len(group), self.head.config.hidden_size
+            ids = torch.zeros(B, width, dtype=torch.long)
+            hid = torch.zeros(B, width, D, dtype=group[0][2].dtype, device=self.device)
+            for b, (_, toks, ph) in enumerate(group):
+                ids[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+                hid[b, : len(toks)] = ph
+            slots = torch.tensor([g[0] for g in group], dtype=torch.long, device=self.device)
+            lengths = torch.tensor([len(g[1]) for g in group], dtype=torch.long, device=self.device)
+            with torch.inference_mode():
+                self.head.prefill(self.cache, slots, ids.to(self.device), lengths, hid)
+
+    def accepted(self, seqs, accepted, path) -> None:
+        """The accepted nodes become the next catch-up's pairs (tree: along ``path``)."""
+        rows = path.tolist() if (self.tree and path is not None) else None
+        for b, (s, a) in enumerate(zip(seqs, accepted)):
+            self._nodes[s.request_id] = rows[b][:a] if rows is not None else list(range(a))
+
+    def release(self, seq: Sequence) -> None:
+        self._nodes.pop(seq.request_id, None)
+        if seq.slot is not None:
+            self.cache.release([seq.slot])
+
+    def reset(self) -> None:
+        """Forget a draft step left half-way by a failed engine step (the head's pending verify)."""
+        self.cache.clear_pending()
+
+    # ---- proposals ------------------------------------------------------------------------------
+    def _catchup_inputs(self, seqs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(slots [B], tokens [B, K+1], nodes [B, K+1], count [B])`` of the pending pairs,
+        padded with copies of the last one; one host-to-device copy."""
+        K1, rows = self.width, []
+        for s in seqs:
+            nodes = self._nodes.get(s.request_id) or [0]
+            a = len(nodes)
+            toks = s.all_ids[-a:]
+            rows.append([s.slot, a] + toks + toks[-1:] * (K1 - a) + nodes + nodes[-1:] * (K1 - a))
+        t = torch.tensor(rows, dtype=torch.long)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        t = t.to(self.device, non_blocking=True)
+        return t[:, 0], t[:, 2:2 + K1], t[:, 2 + K1:], t[:, 1]
+
+    def propose(self, seqs: list[Sequence]) -> Proposal:
+        B = len(seqs)
+        slots, toks, nodes, count = self._catchup_inputs(seqs)
+        parent = (self._parent_t.expand(B, -1).contiguous() if self.tree
+                  else chain_parent(B, self.num_nodes, self.device))
+        valid = torch.ones(B, self.num_nodes, dtype=torch.bool, device=self.device)
+        if all(s.params.greedy for s in seqs):
+            tokens = self.runner.run(slots, toks, nodes, count)
+            return Proposal(tokens, parent, valid, None, tree=self.tree)
+        with torch.inference_mode():
+            tokens, q = self._body(slots, toks, nodes, count, self._sampled_picker(seqs))
+        return Proposal(tokens, parent, valid, q, tree=self.tree)
+
+    # ---- the draft step (device work only) ------------------------------------------------------
+    def _catch_up(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor) -> Tensor:
+        """Commit the pending pairs; returns ``g`` after each row's last one ``[B, D]``."""
+        hidden = self.target_cache.hidden[slots[:, None], nodes]              # [B, K+1, D]
+        g = self.head.verify(self.cache, slots, toks, hidden)
+        self.head.commit(self.cache, count)
+        return g[torch.arange(g.shape[0], device=g.device), count - 1]
+
+    def _body(self, slots, toks, nodes, count, pick):
+        """Tokens ``[B, N]`` (node 0 = the last token) and the draft distributions ``q [B, N, V]``
+        (or None) of one proposal; ``pick(logits [B, V], node, rank) -> (token [B], q [B, V] | None)``."""
+        B = slots.shape[0]
+        ar = torch.arange(B, device=slots.device)
+        last = toks[ar, count - 1]
+        zero = torch.zeros(B, dtype=torch.long, device=slots.device)
+        g = [self._catch_up(slots, toks, nodes, count)] + [None] * (self.num_nodes - 1)
+        tokens: list = [last] + [None] * (self.num_nodes - 1)
+        qs: list = [None] * self.num_nodes
+        logits: dict = {}
+
+        def expand(i: int) -> None:
+            p = self.parent[i]
+            if p not in logits:
+                logits[p] = self.head.logits(g[p])
+            tokens[i], qs[i] = pick(logits[p], i, self.rank[i] if self.tree else 0)
+
+        if not self.tree:
+            for r in range(1, self.num_nodes):
+                expand(r)
+                if r + 1 < self.num_nodes:   # g of draft r: re-run the tentative pairs, roll back
+                    out = self.head.verify(self.cache, slots, torch.stack(tokens[1:r + 1], 1),
+                                           torch.stack(g[:r], 1))
+                    self.head.commit(self.cache, zero)
+                    g[r] = out[:, -1]
+        else:
+            D = max(self.depth)
+            for lvl in range(1, D + 1):
+                new = [i for i in range(self.num_nodes) if self.depth[i] == lvl]
+                for i in new:
+                    expand(i)
+                if lvl < D:                   # g of every node so far, as one tree (rolled back)
+                    upto = new[-1] + 1
+                    hid = torch.stack([g[self.parent[i]] for i in range(1, upto)], 1)
+                    out = self.head.verify_tree(self.cache, slots, torch.stack(tokens[1:upto], 1),
+                                                self._level_parent[lvl].expand(B, -1).contiguous(), hid)
+                    self.head.commit(self.cache, zero)
+                    for i in range(1, upto):
+                        g[i] = out[:, i - 1]
+        tok = torch.stack(tokens, 1)
+        if qs[1] is None:
+            return tok, None
+        qs[0] = torch.zeros_like(qs[1])
+        return tok, torch.stack(qs, 1)
+
+    def _greedy_body(self, slots, toks, nodes, count) -> Tensor:
+        return self._body(slots, toks, nodes, count, _greedy_pick)[0]
+
+    def _sampled_picker(self, seqs):
+        """Greedy rows: the ``rank``-th top token (one-hot q); sampling rows: a draw from the
+        MTP distribution (i.i.d. among siblings, as lossless multi-draft sampling needs)."""
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=self.device)[:, None]
+        u = self.sampler.uniforms(seqs, self.num_nodes)
+
+        def pick(logits: Tensor, i: int, rank: int):
+            q = self.sampler.probs(logits, seqs)
+            top = logits.topk(rank + 1, -1).indices[:, rank]
+            tok = torch.where(greedy[:, 0], top, sample_from(q, u[:, i]))
+            onehot = torch.zeros_like(q).scatter(-1, tok[:, None], 1.0)
+            return tok, torch.where(greedy, onehot, q)
+
+        return pick
+
+
+def _greedy_pick(logits: Tensor, i: int, rank: int):
+    if rank == 0:
+        return logits.argmax(-1), None
+    return logits.topk(rank + 1, -1).indices[:, rank], None
+
+
+class MTPStepGraphs:
+    """The greedy MTP draft step, eager or as one CUDA graph per batch bucket.
+
+    ``body(slots [Bp], tokens [Bp, K+1], nodes [Bp, K+1], count [Bp]) -> tokens [Bp, N]`` is
+    device work only.  Rows past the batch use the null slot 0 with one pair.  ``capture()``
+    takes every bucket's graph before serving (largest first, one memory pool); a bucket whose
+    capture fails runs eagerly, with a warning."""
+
+    def __init__(self, body, device, max_batch: int, width: int, cuda_graphs: bool = False, pad: bool = False):
+        self.body, self.device, self.width = body, canonical_device(device), width
+        self.buckets = batch_buckets(max_batch)
+        self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.pad = pad or self.use_graphs
+        self._graphs: dict = {}
+        self._failed: set = set()
+        self._pool = None
+
+    def _bucket(self, B: int) -> int:
+        return next((b for b in self.buckets if b >= B), B)
+
+    def _inputs(self, Bp: int):
+        z = torch.zeros(Bp, dtype=torch.long, device=self.device)
+        zz = torch.zeros(Bp, self.width, dtype=torch.long, device=self.device)
+        return z, zz, zz.clone(), torch.ones(Bp, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def run(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor) -> Tensor:
+        B = slots.shape[0]
+        if not self.pad:
+            return self.body(slots, toks, nodes, count)
+        Bp = self._bucket(B)
+        ins = (slots, toks, nodes, count)
+        if Bp != B:
+            pad = self._inputs(Bp - B)
+            ins = tuple(torch.cat([x, p], 0) for x, p in zip(ins, pad))
+        if self.use_graphs and Bp not in self._failed:
+            g = self._graphs.get(Bp) or self._capture(Bp)
+            if g is not None:
+                graph, static_in, out = g
+                for dst, src in zip(static_in, ins):
+                    dst.copy_(src)
+                graph.replay()
+                return out[:B]
+        return self.body(*ins)[:B]
+
+    def capture(self) -> int:
+        """Capture every bucket's graph (largest first); returns how many were captured."""
+        if not self.use_graphs:
+            return 0
+        return sum(self._capture(Bp) is not None for Bp in sorted(self.buckets, reverse=True)
+                   if Bp not in self._graphs and Bp not in self._failed)
+
+    @torch.inference_mode()
+    def _capture(self, Bp: int):
+        ins = self._inputs(Bp)
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):   # warm-up on the null slot (kernels compile here)
+                for _ in range(2):
+                    self.body(*ins)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.body(*ins)
+            self._pool = graph.pool()
+        except Exception as e:  # pragma: no cover - depends on the model's kernels
+            warnings.warn(f"CUDA graph capture of the MTP draft step (batch {Bp}) failed, running eagerly: {e}")
+            self._failed.add(Bp)
+            return None
+        self._graphs[Bp] = (graph, ins, out)
+        return self._graphs[Bp]

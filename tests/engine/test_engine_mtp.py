@@ -1,0 +1,244 @@
+"""MTP speculation in the engine: greedy output equals plain decoding for the three model
+types in every decode form, chains and trees; every proposal equals the MTP head's drafts
+recomputed without a cache; speculative sampling stays lossless."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import warnings
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+
+import hf_utils as H  # noqa: E402
+import mtp_checkpoint as M  # noqa: E402
+from test_engine_sampling import chi2, chi2_critical  # noqa: E402
+
+from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
+from replayssm.layers.context import StepContext  # noqa: E402
+from replayssm.models import load_model  # noqa: E402
+
+N = 14
+MAXLEN = 64
+_rng = random.Random(0)
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7], [9] * 12, [_rng.randrange(61) for _ in range(20)]]
+# the fc's noise sets how often the head guesses wrong: acceptance in between, so catch-ups of
+# every length and rejected drafts both occur
+NOISE = {"mamba2": 0.8, "qwen3_next": 1.5, "nemotron_h": 1.5}
+ARCHS = list(NOISE)
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tmp_path_factory):
+    """``name -> (our float64 model with head, its greedy continuations of PROMPTS, dir)``."""
+    root = tmp_path_factory.mktemp("engine_mtp")
+    out = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    for name in ARCHS:
+        fn, over = H.SPECS[name]
+        d = str(root / name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fn(seed=1, **over).save_pretrained(d)
+        M.add_mtp(d, seed=3)
+        M.make_predictable(d, seed=1, mtp_noise=NOISE[name])
+        m = load_model(d, dtype="float64", mtp=True)
+        exp = []
+        for p in PROMPTS:
+            ids, gen = torch.tensor([p]), []
+            for _ in range(N):
+                t = int(m(ids)[0, -1].argmax())
+                gen.append(t)
+                ids = torch.cat([ids, torch.tensor([[t]])], 1)
+            exp.append(gen)
+        out[name] = (m, exp, d)
+    torch.set_num_threads(threads)
+    return out
+
+
+def _spec(tree):
+    return SpeculativeConfig("mtp", num_tokens=3, tree=tree, tree_width=2)
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv", "auto"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mtp_speculation_keeps_greedy_output(mtp_models, arch, mode, tree):
+    m, expected, _ = mtp_models[arch]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM(m, dtype="float64", decode_mode=mode, speculative=_spec(tree), auto_threshold=10,
+                  max_seq_len=MAXLEN, pad_batches=(mode == "replay"))
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    acc = [o.mean_accepted_length for o in outs]
+    assert max(acc) > 1.5 and min(acc) < 4.0, acc   # long accepts and rejections both happened
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_mtp_with_chunked_prefill_and_forked_samples(mtp_models, tree):
+    """Prompts prefilled in chunks of a few tokens (the head reads every chunk's hidden
+    states) and n greedy samples forked from one prefill (the kept hidden states and the
+    prompt's travel with the fork) keep the greedy output."""
+    m, expected, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=_spec(tree), max_seq_len=MAXLEN, max_num_batched_tokens=5)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    forked = LLM(m, dtype="float64", speculative=_spec(tree), max_seq_len=MAXLEN, max_num_seqs=4)
+    out = forked.generate([PROMPTS[3]], SamplingParams(max_tokens=N, n=3))[0]
+    assert [s.token_ids for s in out.samples] == [expected[3]] * 3
+    assert forked.runner.num_calls["prefill"] == 1
+    alone = forked.generate([PROMPTS[3]], SamplingParams(max_tokens=N))[0]   # the same drafts, accepted alike
+    assert [s.num_accepted for s in out.samples] == [alone.num_accepted] * 3
+
+
+def test_mtp_head_over_the_computed_part_of_a_prompt(mtp_models):
+    """When the target computed only the last tokens of a prompt (a prefix it did not
+    recompute), the head runs over the pairs it has hidden states for: same output."""
+    m, expected, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=_spec(None), max_seq_len=MAXLEN)
+    take = llm.cache.take_prompt_hidden
+    llm.cache.take_prompt_hidden = lambda slot: (lambda ph: None if ph is None else ph[-3:])(take(slot))
+    assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=N))] == expected
+
+
+def test_mtp_refused_with_tensor_parallelism(mtp_models):
+    """The head is not sharded: method 'mtp' with tensor_parallel_size > 1 is refused before
+    any worker starts."""
+    _, _, d = mtp_models["mamba2"]
+    with pytest.raises(ValueError, match="'mtp' is not supported with tensor_parallel_size=2"):
+        LLM(d, dtype="float64", speculative=_spec(None), tensor_parallel_size=2)
+
+
+def test_mtp_recover_forgets_a_half_done_draft_step(mtp_models):
+    """A step that fails after the head's tentative verify leaves nothing pending."""
+    m, expected, _ = mtp_models["mamba2"]
+    llm = LLM(m, dtype="float64", speculative=_spec(None), max_seq_len=MAXLEN)
+    drafter = llm.drafter
+    slots = torch.tensor([1])
+    drafter.cache._in_use.add(1)
+    drafter.head.verify(drafter.cache, slots, torch.tensor([[3, 4]]), torch.randn(1, 2, m.config.hidden_size,
+                                                                                 dtype=torch.float64))
+    assert drafter.cache.pending is not None
+    llm.recover()
+    assert drafter.cache.pending is None
+    drafter.cache._in_use.discard(1)
+    drafter.cache.release([1])
+    assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=N))] == expected
+
+
+# ---- every proposal against the head run without a cache ---------------------------------
+def _hidden(model, ids):
+    """The target's final-normed hidden states ``[1, T, D]`` (full forward)."""
+    T = ids.shape[1]
+    ctx = StepContext(kind="full", T=T, positions=torch.arange(T)[None])
+    return model.final_norm()(model._trunk(ids, ctx))
+
+
+def _reference(model, all_ids, parent, rank):
+    """Tokens of the proposal the head makes after ``all_ids`` (its last token not yet seen by
+    the target): node ``i``'s token is the ``rank[i]``-th choice after its parent, whose
+    ``g`` comes from the head over every committed pair and the pairs along its path."""
+    head = model.mtp
+    x = torch.tensor([all_ids])
+    h = _hidden(model, x[:, :-1])
+    toks, hid = [x[:, 1:]], [h]
+    g = {0: head(x[:, 1:], h)[:, -1]}
+    path = {0: ([], [])}                    # node -> (tokens, hidden inputs) of its path's pairs
+    out = [all_ids[-1]]
+    for i in range(1, len(parent)):
+        p = parent[i]
+        tok = head.logits(g[p]).topk(rank[i] + 1, -1).indices[:, rank[i]]
+        out.append(int(tok))
+        pt, ph = path[p]
+        path[i] = (pt + [tok[:, None]], ph + [g[p][:, None]])
+        if any(parent[j] == i for j in range(i + 1, len(parent))):
+            gi = head(torch.cat(toks + path[i][0], 1), torch.cat(hid + path[i][1], 1))
+            g[i] = gi[:, -1]
+    return out
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_proposals_equal_the_head_without_cache(mtp_models, arch, tree):
+    m, expected, _ = mtp_models[arch]
+    mode = {"mamba2": "replay", "qwen3_next": "auto", "nemotron_h": "recurrent"}[arch]
+    llm = LLM(m, dtype="float64", decode_mode=mode, speculative=_spec(tree), auto_threshold=10, max_seq_len=MAXLEN)
+    drafter, checked = llm.drafter, []
+    propose = drafter.propose
+
+    def checking(seqs):
+        prop = propose(seqs)
+        for b, s in enumerate(seqs):
+            rank = drafter.rank if drafter.tree else [0] * drafter.num_nodes
+            assert prop.tokens[b].tolist() == _reference(m, s.all_ids, drafter.parent, rank), (s.all_ids, b)
+            checked.append(len(s.output_ids))
+        return prop
+
+    drafter.propose = checking
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    assert len(checked) > len(PROMPTS) * 3
+
+
+# ---- sampling -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vocab4(tmp_path_factory):
+    """A tiny Mamba-2 over 4 tokens with a random MTP head (its guesses differ from the target)."""
+    d = str(tmp_path_factory.mktemp("mtp_v4") / "m")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        H.tiny_mamba2(seed=2, vocab_size=4, num_hidden_layers=2).save_pretrained(d)
+    M.add_mtp(d, seed=5)
+    return load_model(d, dtype="float64", mtp=True)
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_mtp_speculative_sampling_distribution(vocab4, tree):
+    """The first three sampled tokens (two of them from MTP speculative steps) follow the
+    model's own joint distribution (chi-square over the 64 cells)."""
+    target, prompt = vocab4, [1, 2]
+    with torch.no_grad():
+        p1 = torch.softmax(target(torch.tensor([prompt]))[0, -1], -1)
+        p2 = torch.softmax(target(torch.tensor([[*prompt, a] for a in range(4)]))[:, -1], -1)
+        p3 = torch.softmax(target(torch.tensor([[*prompt, a, b] for a in range(4) for b in range(4)]))[:, -1], -1)
+    expect = (p1[:, None, None] * p2[:, :, None] * p3.reshape(4, 4, 4)).reshape(-1)
+    sp = SpeculativeConfig("mtp", num_tokens=2, tree=tree, tree_width=2)
+    llm = LLM(target, dtype="float64", speculative=sp, max_num_seqs=256, seed=3, max_seq_len=16)
+    M_ = 4000
+    outs = llm.generate([prompt] * M_, SamplingParams(max_tokens=3, temperature=1.0))
+    counts = torch.zeros(64, dtype=torch.float64)
+    for o in outs:
+        a, b, c = o.token_ids
+        counts[a * 16 + b * 4 + c] += 1
+    stat, dof = chi2(counts, expect)
+    assert stat < chi2_critical(dof), (stat, dof)
+    assert 0 < sum(o.num_accepted for o in outs) < sum(o.num_drafted for o in outs)
+
+
+def test_seeded_mtp_sampling_is_reproducible_and_mixes_with_greedy(mtp_models):
+    m, expected, _ = mtp_models["qwen3_next"]
+    sp = SpeculativeConfig("mtp", num_tokens=3)
+    params = [SamplingParams(max_tokens=N, temperature=0.8, seed=7), SamplingParams(max_tokens=N),
+              SamplingParams(max_tokens=N, temperature=1.0, top_k=5, seed=9)]
+    runs = [[o.token_ids for o in LLM(m, dtype="float64", speculative=sp, max_seq_len=MAXLEN)
+             .generate(PROMPTS[:3], params)] for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert runs[0][1] == expected[1]             # the greedy request in a sampling batch
+
+
+def test_cli_generate_with_mtp(mtp_models, capsys):
+    from replayssm.engine import cli
+
+    _, expected, d = mtp_models["mamba2"]
+    rc = cli.main(["--model", d, "--token-ids", ",".join(map(str, PROMPTS[0])), "--max-tokens", str(N),
+                   "--dtype", "float64", "--speculative", "mtp", "--num-tokens", "3"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    assert cap.out.split() == [str(t) for t in expected[0]]
+    assert "speculative=mtp" in cap.err
