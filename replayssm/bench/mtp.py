@@ -37,7 +37,8 @@ from ..engine.config import SamplingParams, SpeculativeConfig
 from ..engine.llm import LLM
 from ..models import load_model
 from . import e2e
-from .e2e import OracleDrafter, OracleTokens, _free, _prompts, _sync
+from .common import free_memory, sync
+from .e2e import OracleDrafter, OracleTokens, _prompts
 from .hybrid_presets import TINY_OF
 from .random_mtp import add_random_mtp
 
@@ -115,7 +116,7 @@ def _run(args, target, draft, method: str | None, batch: int, refs_cache: dict) 
         refs = {tuple(p): o.token_ids for p, o in zip(prompts + warm, ref.generate(prompts + warm, params))}
         refs_cache[batch] = refs
         del ref
-        _free(args.device)
+        free_memory(args.device)
     spec = None
     if method is not None:
         spec = SpeculativeConfig(method, num_tokens=args.num_tokens,
@@ -134,10 +135,10 @@ def _run(args, target, draft, method: str | None, batch: int, refs_cache: dict) 
         llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
     if timer is not None:
         timer.clear_timings()
-    _sync(args.device)
+    sync(args.device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
-    _sync(args.device)
+    sync(args.device)
     wall = time.perf_counter() - t0
     gen = sum(len(o.token_ids) for o in outs)
     row = {"batch": batch, "drafter": method or "none", "tokens_per_s": gen / wall,
@@ -149,7 +150,7 @@ def _run(args, target, draft, method: str | None, batch: int, refs_cache: dict) 
         row["draft_ms_per_step"], row["draft_host_ms_per_step"] = timer.per_step_ms()
         row["draft_steps"] = timer.steps
     del llm
-    _free(args.device)
+    free_memory(args.device)
     return row
 
 

@@ -242,3 +242,23 @@ def test_cli_generate_with_mtp(mtp_models, capsys):
     assert rc == 0, cap.err
     assert cap.out.split() == [str(t) for t in expected[0]]
     assert "speculative=mtp" in cap.err
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h"])
+def test_mtp_with_prefix_caching_keeps_greedy_output(mtp_models, arch):
+    """A prefix-cache hit skips the cached tokens' prefill, so the target keeps no hidden
+    states for them: the head drafts from the computed part, and output stays greedy-exact
+    for hits (one request after another, sharing prompts and a prefix)."""
+    m, expected, _ = mtp_models[arch]
+    shared = PROMPTS[3]
+    prompts = [shared, shared, shared[:13] + [5, 6], PROMPTS[0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = LLM(m, dtype="float64", decode_mode="recurrent", max_seq_len=MAXLEN)
+        want = [o.token_ids for o in ref.generate(prompts, SamplingParams(max_tokens=N))]
+        llm = LLM(m, dtype="float64", decode_mode="replay", speculative=_spec(None), max_seq_len=MAXLEN,
+                  enable_prefix_caching=True, kv_block_size=4, prefix_checkpoint_interval=8)
+        got = [llm.generate([p], SamplingParams(max_tokens=N))[0].token_ids for p in prompts]
+    assert got == want
+    assert want[0] == expected[3]
+    assert llm.stats["prefix_hit_tokens"] > 0
