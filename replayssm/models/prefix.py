@@ -244,8 +244,9 @@ def _apply(cache, plans: list[dict]) -> None:
     """Write the SSM layers' part of every prepared request, batched over requests:
 
     * KV-only rows: entries ``0 .. p-1`` gathered into their pages;
-    * state rows: ``S = fold(S_c, entries c .. p-h-1)`` for all rows in one fold
-      (``S_c = 0`` without a checkpoint), then ring entries ``p-h .. p-1``;
+    * state rows: ``S = fold(S_c, entries c .. p-h-1)`` for all rows in one fold, once per
+      distinct (chain, checkpoint, end) (``S_c = 0`` without a checkpoint), then ring entries
+      ``p-h .. p-1``;
     * every row: the conv window = conv inputs ``p-W+1 .. p-1`` (zeros before the start).
     """
     table, bs, dev = cache.prefix, cache.prefix.block_size, cache.device
@@ -263,9 +264,17 @@ def _apply(cache, plans: list[dict]) -> None:
         kv_dst = torch.cat(dst).to(dev)
     if sts:
         st_slots = torch.tensor([q["slot"] for q in sts], dtype=torch.long, device=dev)
-        fold = table.chains_plan([(q["chain"][q["c"] // bs:], q["length"] - q["h"] - q["c"]) for q in sts])
-        has_ckpt = torch.tensor([q["row"] is not None for q in sts], device=dev)
-        ckpt_rows = torch.tensor([0 if q["row"] is None else q["row"] for q in sts], dtype=torch.long, device=dev)
+        # rows resuming at the same point of the same chain (a shared system prompt) fold once
+        folds, which = {}, []
+        for q in sts:
+            stop = q["length"] - q["h"]
+            key = (tuple(q["chain"][q["c"] // bs:-(-stop // bs)]), q["c"], q["row"], stop)
+            which.append(folds.setdefault(key, len(folds)))
+        keys = list(folds)
+        fold = table.chains_plan([(list(k[0]), k[3] - k[1]) for k in keys])
+        has_ckpt = torch.tensor([k[2] is not None for k in keys], device=dev)
+        ckpt_rows = torch.tensor([0 if k[2] is None else k[2] for k in keys], dtype=torch.long, device=dev)
+        which = torch.tensor(which, dtype=torch.long, device=dev)
         ringed = [q for q in sts if q["h"]]
         ring_src = cat([table.chain_rows(q["chain"], q["length"] - q["h"], q["length"]) for q in ringed])
         ring_slot = torch.tensor([q["slot"] for q in ringed for _ in range(q["h"])], dtype=torch.long).to(dev)
@@ -282,7 +291,7 @@ def _apply(cache, plans: list[dict]) -> None:
             S0 = torch.where(has_ckpt.view(-1, *[1] * (pools.ckpt.dim() - 1)), pools.ckpt[ckpt_rows],
                              torch.zeros((), dtype=pools.ckpt.dtype, device=dev))
             buf = store["buf"]
-            buf.state[st_slots] = layer.fold(pools.entries, fold, S0).to(buf.state.dtype)
+            buf.state[st_slots] = layer.fold(pools.entries, fold, S0).to(buf.state.dtype)[which]
             if ringed:
                 for t_ring, t_src in zip(buf.ring_tensors(), pools.entries.tensors()):
                     t_ring[ring_slot, ring_pos] = t_src[ring_src].to(t_ring.dtype)

@@ -161,8 +161,8 @@ def test_layout_measures_the_prefix_store(ours):
 @pytest.mark.parametrize("mode", ["replay", "kv", "recurrent"])
 @pytest.mark.parametrize("name", ["mamba2", "qwen3_next", "nemotron_h"])
 def test_batched_load_equals_one_by_one(ours, name, mode):
-    """``load_prefixes`` (one batched write per layer) leaves every tensor of the cache as
-    loading the same requests one by one does; a bad request among them (a slot already
+    """``load_prefixes`` (one batched write per layer, one fold per distinct resume point)
+    leaves every tensor of the cache as loading the same requests one by one does; a bad request among them (a slot already
     taken by an earlier request of the batch) fails alone and changes nothing of its own."""
     model = ours(name)
     caches = [_store(model, mode, poison=False) for _ in range(2)]
@@ -173,7 +173,7 @@ def test_batched_load_equals_one_by_one(ours, name, mode):
     attn = loaded[0]
     assert loaded[1] == attn
     reqs = []
-    for slot, p in ((1, 23), (2, 9), (3, 3), (4, 16)):   # past checkpoint 2, after 1, before any, on 2
+    for slot, p in ((1, 23), (2, 9), (3, 16), (4, 23)):   # past checkpoint 2, after 1, on 2, slot 1's again
         ck = (2 * C, 2) if p >= 2 * C else (C, 1) if p >= C else None
         nblk = -(-p // BS)
         reqs.append((slot, p, list(range(1, nblk + 1)), attn[:nblk], ck))
