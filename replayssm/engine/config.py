@@ -7,7 +7,7 @@ offending field, so impossible settings fail before any model or cache is touche
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from ..cache.ring import check_speculative_capacity

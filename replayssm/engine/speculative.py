@@ -202,7 +202,7 @@ class NgramTreeDrafter(_NgramBase):
         n = max(len(t) for t in tries)
         if n == 0:
             return None
-        B, N = len(seqs), n + 1
+        N = n + 1
         pad = [(0, 0)] * n
         tok_rows, par_rows = [], []
         for s, nodes in zip(seqs, tries):
