@@ -44,33 +44,13 @@ from .comm import CONTROL_TIMEOUT, Comm, Ref, TensorArg
 from .loading import load_shard, random_shard
 from .model import TensorParallelModel
 from .sharding import check_tensor_parallel
-from .worker import Worker, WorkerSpec, worker_main
+from .worker import READY_KEY, Worker, WorkerSpec, init_groups, worker_main
 
-__all__ = ["TensorParallelGroup", "WorkerFailed", "join"]
-
-_READY = "replayssm/ready/{}"
+__all__ = ["TensorParallelGroup", "WorkerFailed"]
 
 
 class WorkerFailed(RuntimeError):
     """A tensor-parallel worker died or raised; the group cannot run further calls."""
-
-
-def _init_groups(backend: str, store, rank: int, size: int, device: torch.device, timeout_s: float) -> Comm:
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return Comm(rank, size, device, None, control)
-
-
-def join(spec: WorkerSpec) -> Comm:
-    """A spawned worker joins the group described by ``spec``."""
-    device = torch.device(spec.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    store = dist.TCPStore(spec.host, spec.port, spec.size, is_master=False,
-                          timeout=datetime.timedelta(seconds=spec.timeout_s))
-    store.set(_READY.format(spec.rank), "1")
-    return _init_groups(spec.backend, store, spec.rank, spec.size, device, spec.timeout_s)
 
 
 def _check_size(size) -> int:
@@ -146,7 +126,7 @@ class TensorParallelGroup:
             self._wait_ready(store, start_timeout_s)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            self.comm = _init_groups(backend, store, 0, size, device, timeout_s)
+            self.comm = init_groups(backend, store, 0, size, device, timeout_s)
         except BaseException:
             self._terminate()
             raise
@@ -197,7 +177,7 @@ class TensorParallelGroup:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _wait_ready(self, store, timeout_s: float) -> None:
-        keys = [_READY.format(r) for r in range(1, self.size)]
+        keys = [READY_KEY.format(r) for r in range(1, self.size)]
         t_end = time.monotonic() + timeout_s
         while not store.check(keys):
             dead = [p for p in self._procs if not p.is_alive()]

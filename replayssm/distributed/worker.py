@@ -13,14 +13,16 @@ closes its connections, so rank 0's pending collective fails instead of waiting 
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import traceback
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from .comm import Comm, Ref
+from .comm import CONTROL_TIMEOUT, Comm, Ref
 from .loading import load_shard, random_shard
 
 __all__ = ["Worker", "WorkerSpec", "worker_main"]
@@ -89,17 +91,35 @@ class WorkerSpec:
     timeout_s: float
 
 
+READY_KEY = "replayssm/ready/{}"   # a worker sets its key in the rendezvous store once it is up
+
+
+def init_groups(backend: str, store, rank: int, size: int, device: torch.device, timeout_s: float) -> Comm:
+    """Join the process group (``backend``, over ``store``) and a gloo control group."""
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return Comm(rank, size, device, None, control)
+
+
+def join(spec: WorkerSpec) -> Comm:
+    """A spawned worker joins the group described by ``spec``."""
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(spec.host, spec.port, spec.size, is_master=False,
+                          timeout=datetime.timedelta(seconds=spec.timeout_s))
+    store.set(READY_KEY.format(spec.rank), "1")
+    return init_groups(spec.backend, store, spec.rank, spec.size, device, spec.timeout_s)
+
+
 def worker_main(spec: WorkerSpec, errors) -> None:  # pragma: no cover - runs in the spawned process
     """Entry point of a spawned worker process."""
     try:
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        from .group import join  # local: group.py imports this module (Worker, worker_main)
-
         comm = join(spec)
         Worker(comm).serve()
-        import torch.distributed as dist
-
         dist.destroy_process_group()
     except BaseException:
         try:

@@ -29,6 +29,10 @@ class ConfigError(ValueError):
     """A ``config.json`` that cannot describe a supported model."""
 
 
+class WeightError(ValueError):
+    """Checkpoint tensors that do not match the model described by config.json."""
+
+
 _ACTS = ("silu", "swish", "relu2", "gelu", "relu")
 _NEMOTRON_KIND = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
 

@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 from ..runtime import check_device, compute_dtype
-from .config import Mamba2Config, NemotronHConfig, Qwen3NextConfig, read_config
+from .config import Mamba2Config, NemotronHConfig, Qwen3NextConfig, WeightError, read_config
 from .header import check_sizes
+from .mamba2 import Mamba2LM
+from .mtp import attach_mtp
+from .nemotron_h import NemotronHLM
+from .qwen3_next import Qwen3NextLM
 
 __all__ = ["load_model", "load_tokenizer", "WeightError", "parse_dtype"]
-
-
-class WeightError(ValueError):
-    """Checkpoint tensors that do not match the model described by config.json."""
 
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -51,10 +51,6 @@ def parse_dtype(dtype) -> torch.dtype:
 
 
 def _model_class(cfg):
-    from .mamba2 import Mamba2LM
-    from .nemotron_h import NemotronHLM
-    from .qwen3_next import Qwen3NextLM
-
     return {Mamba2Config: Mamba2LM, NemotronHConfig: NemotronHLM, Qwen3NextConfig: Qwen3NextLM}[type(cfg)]
 
 
@@ -159,7 +155,6 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False):
     with torch.device("meta"):
         model = cls(cfg, tdtype, device)
         if mtp:
-            from .mtp import attach_mtp   # import cycle: mtp.py uses this module's WeightError
 
             attach_mtp(model, key_file)
     aliases = cls.key_aliases()

@@ -46,7 +46,7 @@ from ..layers.mlp import Linear
 from ..layers.norms import RMSNorm
 from .base import CausalLM
 from .cache import ModelCache
-from .loader import WeightError
+from .config import WeightError
 from .mamba2 import mamba2_block
 from .nemotron_h import nemotron_h_block
 from .qwen3_next import qwen3_next_block
