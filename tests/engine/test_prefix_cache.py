@@ -208,6 +208,33 @@ def test_greedy_output_is_the_full_forwards_with_hits_at_any_token(loaded, expec
     assert llm.scheduler.reserved == 0 and all(b.ref == 0 for b in idx._by_hash.values())
 
 
+@pytest.mark.parametrize("mode", ["auto", "recurrent"])
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h"])
+def test_many_hits_in_one_step_are_loaded_together(loaded, expected, arch, mode):
+    """All of a step's hits resume in one batched ``load_prefixes`` call (in auto mode short
+    prompts resume KV-only and long ones in a state form, in the same call; some share a
+    resume point, so they share a fold); output is the full forward's."""
+    llm = _llm(loaded[arch], mode, max_num_seqs=16)
+    _one_by_one(llm, [BASE])                                   # cache the base prompt
+    calls, forms = [], set()
+    orig = llm.cache.load_prefixes
+
+    def spy(reqs):
+        calls.append(len(reqs))
+        forms.update(llm.cache.mode_of(r[0]) for r in reqs)
+        return orig(reqs)
+
+    llm.cache.load_prefixes = spy
+    batch = PROMPTS[1:] + [BASE[:17] + _tail(17), BASE[:9] + _tail(9)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = llm.generate(batch, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == [expected(arch, p) for p in batch]
+    assert calls and max(calls) >= 8                        # resumed together, not one by one
+    assert forms == ({"kv", "replay"} if mode == "auto" else {"recurrent"})
+    assert all(b.ref == 0 for b in llm.prefix_cache.index._by_hash.values())
+
+
 @pytest.mark.parametrize("arch,method", [("mamba2", "ngram"), ("mamba2", "draft"), ("mamba2", "tree"),
                                          ("nemotron_h", "draft"), ("qwen3_next", "tree")])
 def test_speculation_with_prefix_caching(loaded, expected, arch, method):
