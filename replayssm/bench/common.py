@@ -1,8 +1,15 @@
-"""Small helpers the benchmarks share: waiting for the device, releasing its memory."""
+"""Small helpers the benchmarks share: waiting for the device, releasing its memory, and
+building (or reusing) random-weight models."""
 
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -18,3 +25,58 @@ def free_memory(device) -> None:
     gc.collect()
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+#: environment variable naming a folder where random-weight benchmark models are kept and
+#: reused (several benchmarks in one session build the same 2.7B/4B model once)
+RANDOM_MODEL_CACHE = "REPLAYSSM_RANDOM_MODEL_CACHE"
+#: bump when a random-weight recipe changes the values it draws for the same config and seed
+RANDOM_RECIPE = 1
+
+
+def random_model_dir(root, name: str, key: dict, build: Callable[[Path], None]) -> str:
+    """The directory of a random-weight model ``name``: ``build(dir)`` writes it under ``root``;
+    when ``$REPLAYSSM_RANDOM_MODEL_CACHE`` names a folder, it is built there once per ``key``
+    (config, seed, whatever sets the values; plus :data:`RANDOM_RECIPE`) and reused.
+
+    Users of a cached directory must not write into it (copy it first)."""
+    cache = os.environ.get(RANDOM_MODEL_CACHE)
+    if not cache:
+        d = Path(root) / name
+        d.mkdir(parents=True, exist_ok=True)
+        build(d)
+        return str(d)
+    digest = hashlib.sha256(json.dumps({**key, "recipe": RANDOM_RECIPE}, sort_keys=True,
+                                       default=str).encode()).hexdigest()[:12]
+    d = Path(cache) / f"{name}-{digest}"
+    if (d / ".complete").is_file():
+        return str(d)
+    tmp = Path(cache) / f".{d.name}.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    build(tmp)
+    (tmp / ".complete").touch()
+    try:
+        tmp.rename(d)
+    except OSError:          # another process finished it first, or a stale incomplete one
+        if (d / ".complete").is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            shutil.rmtree(d, ignore_errors=True)
+            tmp.rename(d)
+    return str(d)
+
+
+def private_copy(model_dir: str, dst) -> str:
+    """A copy of ``model_dir`` at ``dst`` that may be written: weight files hard-linked when
+    the filesystem allows (they must then be replaced, never written in place), the rest copied."""
+    def link_weights(src, target):
+        if src.endswith(".safetensors"):
+            try:
+                os.link(src, target)
+                return target
+            except OSError:
+                pass
+        return shutil.copy2(src, target)
+
+    return shutil.copytree(model_dir, dst, copy_function=link_weights)

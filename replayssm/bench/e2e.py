@@ -33,7 +33,7 @@ from ..engine.llm import LLM
 from ..engine.loading import load
 from ..engine.speculative import Proposal, chain_parent
 from . import prefix, ttft
-from .common import free_memory, sync
+from .common import free_memory, random_model_dir, sync
 # hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE)
 from .hybrid_presets import HYBRID_PRESETS, TINY_OF, preset_config, random_hybrid_dir
 from .random_mtp import add_random_mtp
@@ -73,6 +73,11 @@ def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
     if preset in HYBRID_PRESETS:
         return random_hybrid_dir(preset, root, seed)
     cfg = mamba2_preset_config(preset)
+    return random_model_dir(root, f"random-mamba2-{preset}", {"config": cfg, "seed": seed},
+                            lambda d: _write_random_mamba2(d, preset, cfg, seed))
+
+
+def _write_random_mamba2(d: Path, preset: str, cfg: dict, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     H, hd, n, G, D = cfg["num_heads"], cfg["head_dim"], cfg["state_size"], cfg["n_groups"], cfg["hidden_size"]
     inter = H * hd
@@ -94,11 +99,8 @@ def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
         sd[p + "mixer.D"] = torch.ones(H)
         sd[p + "mixer.norm.weight"] = torch.ones(inter)
         sd[p + "mixer.out_proj.weight"] = r(D, inter, scale=0.02 / (cfg["num_hidden_layers"] ** 0.5))
-    d = Path(root) / f"random-mamba2-{preset}"
-    d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"))
-    return str(d)
 
 
 def _load_model(args, tmp: str):

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from ..models.config import parse_config
 from ..models.loader import _model_class
+from .common import random_model_dir
 
 NEMOTRON_4B = dict(
     model_type="nemotron_h", architectures=["NemotronHForCausalLM"], vocab_size=131072, hidden_size=3136,
@@ -109,11 +110,17 @@ def random_hybrid_dir(preset: str, root: str, seed: int = 0, num_layers: int | N
     Values are drawn on ``gen_device`` (default: CUDA when available, it is much faster for
     4 B parameters) and saved in the preset's dtype."""
     cfg = preset_config(preset, num_layers)
+    dev = gen_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = f"random-{preset}" if num_layers is None else f"random-{preset}-{num_layers}l"
+    return random_model_dir(root, name, {"config": cfg, "seed": seed, "gen_device": dev},
+                            lambda d: _write_random_hybrid(d, preset, cfg, seed, dev))
+
+
+def _write_random_hybrid(d: Path, preset: str, cfg: dict, seed: int, dev: str) -> None:
     dtype = getattr(torch, HYBRID_PRESETS[preset][1])
     parsed = parse_config(cfg, f"preset {preset}")
     with torch.device("meta"):
         model = _model_class(parsed)(parsed, dtype, "cpu")
-    dev = gen_device or ("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=dev).manual_seed(seed)
     L = parsed.num_hidden_layers
     sd = {}
@@ -131,11 +138,8 @@ def random_hybrid_dir(preset: str, root: str, seed: int = 0, num_layers: int | N
     emb = sd[emb_name].float()
     perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed))
     sd["lm_head.weight"] = (emb[perm] / math.sqrt(emb.shape[1])).to(dtype).contiguous()
-    d = Path(root) / f"random-{preset}" if num_layers is None else Path(root) / f"random-{preset}-{num_layers}l"
-    d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))
     save_file(sd, str(d / "model.safetensors"))
-    return str(d)
 
 
 def parameter_count(preset: str) -> int:

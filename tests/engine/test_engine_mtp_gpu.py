@@ -15,10 +15,12 @@ PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7], [9] * 12, list(range(40))]
 @pytest.fixture(scope="module")
 def cuda_mtp_model(tmp_path_factory):
     models = pytest.importorskip("replayssm.models")
+    from replayssm.bench.common import private_copy
     from replayssm.bench.e2e import _random_model_dir
     from replayssm.bench.random_mtp import add_random_mtp
 
-    d = add_random_mtp(_random_model_dir("tiny", str(tmp_path_factory.mktemp("gpu_mtp"))))
+    root = tmp_path_factory.mktemp("gpu_mtp")
+    d = add_random_mtp(private_copy(_random_model_dir("tiny", str(root)), root / "with_mtp"))
     m = models.load_model(d, device="cuda:0", dtype=torch.float32, mtp=True)
     out = []
     for p in PROMPTS:
