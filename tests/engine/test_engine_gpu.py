@@ -1,5 +1,5 @@
 """The engine on CUDA: every mode and drafter keeps greedy output, with and without CUDA
-graphs (skipped without a GPU)."""
+graphs, for a Mamba-2 and the two hybrid families at small size (skipped without a GPU)."""
 
 import warnings
 
@@ -12,20 +12,25 @@ N = 16
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7], [9] * 12, list(range(40))]
 
 
-@pytest.fixture(scope="module")
-def cuda_model(tmp_path_factory):
+DEVICE = "cuda"
+
+
+@pytest.fixture(scope="module", params=["tiny", "nemotron-h-tiny", "qwen3-next-tiny"])
+def cuda_model(request, tmp_path_factory):
+    """A random fp32 model of the preset (Mamba-2, and the two hybrid families: attention,
+    MLP / MoE layers) on the GPU, and its greedy continuations of PROMPTS (full forwards)."""
     models = pytest.importorskip("replayssm.models")
     from replayssm.bench.e2e import _random_model_dir
 
-    d = _random_model_dir("tiny", str(tmp_path_factory.mktemp("gpu_model")))
-    m = models.load_model(d, device="cuda:0", dtype=torch.float32)
+    d = _random_model_dir(request.param, str(tmp_path_factory.mktemp("gpu_model")))
+    m = models.load_model(d, device=f"{DEVICE}:0" if DEVICE == "cuda" else DEVICE, dtype=torch.float32)
     out = []
     for p in PROMPTS:
-        ids, gen = torch.tensor([p], device="cuda"), []
+        ids, gen = torch.tensor([p], device=DEVICE), []
         for _ in range(N):
             t = int(m(ids)[0, -1].argmax())
             gen.append(t)
-            ids = torch.cat([ids, torch.tensor([[t]], device="cuda")], 1)
+            ids = torch.cat([ids, torch.tensor([[t]], device=DEVICE)], 1)
         out.append(gen)
     return m, out
 
@@ -38,7 +43,7 @@ def test_cuda_modes(cuda_model, mode, graphs):
     m, expected = cuda_model
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        llm = LLM(m, device="cuda", dtype="float32", decode_mode=mode, cuda_graphs=graphs, max_seq_len=128,
+        llm = LLM(m, device=DEVICE, dtype="float32", decode_mode=mode, cuda_graphs=graphs, max_seq_len=128,
                   auto_threshold=10)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
     assert [o.token_ids for o in outs] == expected  # graphs or their eager fallback: exact
@@ -130,7 +135,7 @@ def test_cuda_speculation(cuda_model, method, mode):
                            tree_depth=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        llm = LLM(m, device="cuda", dtype="float32", decode_mode=mode, speculative=sp, max_seq_len=128,
+        llm = LLM(m, device=DEVICE, dtype="float32", decode_mode=mode, speculative=sp, max_seq_len=128,
                   auto_threshold=10, cuda_graphs=True)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
     assert [o.token_ids for o in outs] == expected
