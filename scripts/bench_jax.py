@@ -1,6 +1,6 @@
 """JAX decode loop vs the PyTorch engine (CUDA graphs): see replayssm/jax/bench.py.
 
-    python scripts/bench_jax.py --out $OUT/bench_jax [--presets small,2.7b] [--batch-sizes 1,16,64]
+    python scripts/bench_jax.py --out $OUT/bench_jax [--presets 2.7b,small] [--batch-sizes 1,16,64]
 """
 
 import os

@@ -47,7 +47,8 @@ from .params import from_torch_model
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_jax", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="out/bench_jax")
-    p.add_argument("--presets", default="small,2.7b")
+    p.add_argument("--presets", default="2.7b,small",
+                   help="in this order (the time budget skips what is left): the large model first")
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--modes", default="replay,recurrent")
     p.add_argument("--max-tokens", type=int, default=64)
