@@ -8,18 +8,27 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["positive_int", "positive_float", "probability", "int_list"]
+__all__ = ["positive_int", "nonnegative_int", "positive_float", "probability", "int_list"]
 
 
-def positive_int(text: str) -> int:
-    """An int >= 1."""
+def _int_at_least(text: str, low: int, what: str) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {v}")
+    if v < low:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
     return v
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1."""
+    return _int_at_least(text, 1, "a positive int")
+
+
+def nonnegative_int(text: str) -> int:
+    """An int >= 0."""
+    return _int_at_least(text, 0, "an int >= 0")
 
 
 def positive_float(text: str) -> float:

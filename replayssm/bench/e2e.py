@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..argtypes import int_list, positive_float, positive_int, probability
+from ..argtypes import int_list, nonnegative_int, positive_float, positive_int, probability
 from ..engine.config import SamplingParams, SpeculativeConfig
 from ..engine.llm import LLM
 from ..engine.loading import load
@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ttft-batches", type=int_list, default="1,16", help="prefill: prompts submitted together")
     g.add_argument("--mixed-decoders", type=positive_int, default=16, help="prefill: requests decoding ...")
     g.add_argument("--mixed-max-tokens", type=positive_int, default=256, help="... this many tokens each ...")
-    g.add_argument("--mixed-prompts", type=int, default=4, help="... when this many long prompts arrive (0: skip)")
+    g.add_argument("--mixed-prompts", type=nonnegative_int, default=4, help="... when this many long prompts arrive (0: skip)")
     g.add_argument("--mixed-len", type=positive_int, default=32768,
                    help="... of this many tokens (longer than the budget: chunked prefill splits them)")
     g.add_argument("--prefix-memory", action="store_true",
