@@ -96,6 +96,9 @@ class ShardedCache(_Proxy):
     def prefix_copy(self, src: int, dst: int, count: int) -> None:
         self._call("prefix_copy", int(src), int(dst), int(count))
 
+    def prefix_copies(self, copies) -> None:
+        self._call("prefix_copies", [(int(a), int(b), int(c)) for a, b, c in copies])
+
     def prefix_checkpoint(self, row: int, slot: int | None = None, chain=(), start: int = 0, stop: int = 0,
                           base: int | None = None) -> None:
         self._call("prefix_checkpoint", int(row), None if slot is None else int(slot), [int(b) for b in chain],

@@ -337,7 +337,7 @@ class PrefixCache:
             attn = [b.attn for b in m.blocks] if self.has_attn else ()
             todo.append(seq)
             reqs.append((seq.slot, m.length, [b.store for b in m.blocks], attn, ckpt))
-        errors = {}
+        errors, copies = {}, []
         try:
             for seq, err in zip(todo, self.cache.load_prefixes(reqs) if reqs else []):
                 errors[id(seq)] = err
@@ -351,9 +351,11 @@ class PrefixCache:
                     if dst is None:
                         st.stopped = True
                     else:
-                        self.cache.prefix_copy(m.partial.store, dst, m.length - k * bs)
+                        copies.append((m.partial.store, dst, m.length - k * bs))
                         st.pending[k] = dst
                         self.cache.prefix_assign(seq.slot, [(k, dst)])
+            if copies:                        # before any partial block is released
+                self.cache.prefix_copies(copies)
         finally:
             for seq in todo:
                 m = seq.prefix.load

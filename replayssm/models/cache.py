@@ -420,6 +420,11 @@ class ModelCache:
         """Copy ``count`` tokens of prefix-store block ``src`` into ``dst`` (copy on write)."""
         prefix_ops.copy_block(self, src, dst, count)
 
+    def prefix_copies(self, copies) -> None:
+        """Several :meth:`prefix_copy` ``(src, dst, count)`` at once (one gather/scatter per
+        stored tensor per layer)."""
+        prefix_ops.copy_blocks(self, copies)
+
     def prefix_checkpoint(self, row: int, slot: int | None = None, chain=(), start: int = 0, stop: int = 0,
                           base: int | None = None) -> None:
         """Write prefix checkpoint ``row``: ``slot``'s state, or the chain's entries

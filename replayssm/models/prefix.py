@@ -60,15 +60,32 @@ def assign(cache, slot: int, pairs) -> None:
 def copy_block(cache, src: int, dst: int, count: int) -> None:
     """Copy the first ``count`` tokens' entries and conv inputs of store block ``src`` into
     store block ``dst`` (copy on write of a partly matched block)."""
+    copy_blocks(cache, [(src, dst, count)])
+
+
+def copy_blocks(cache, copies) -> None:
+    """:func:`copy_block` for several ``(src, dst, count)`` at once (all validated first; one
+    gather/scatter per stored tensor per layer)."""
     table = _need_store(cache)
-    table.check_block(src, "source block")
-    table.check_block(dst, "target block")
     bs = table.block_size
-    if not 0 <= count <= bs:
-        raise ValueError(f"count must be in [0, {bs}], got {count}")
+    rows_src, rows_dst = [], []
+    for src, dst, count in copies:
+        src, dst, count = int(src), int(dst), int(count)
+        table.check_block(src, "source block")
+        table.check_block(dst, "target block")
+        if not 0 <= count <= bs:
+            raise ValueError(f"count must be in [0, {bs}], got {count}")
+        rows_src += range(src * bs, src * bs + count)
+        rows_dst += range(dst * bs, dst * bs + count)
+    if len(set(rows_dst)) != len(rows_dst) or set(rows_dst) & set(rows_src):
+        raise ValueError("prefix block copies overlap (a target written twice, or read by another copy)")
+    if not rows_src:
+        return
+    src_t = torch.tensor(rows_src, dtype=torch.long, device=cache.device)
+    dst_t = torch.tensor(rows_dst, dtype=torch.long, device=cache.device)
     for layer in _ssm_layers(cache):
         for t in cache.layers[layer.layer_id]["prefix"].token_tensors():
-            t[dst * bs:dst * bs + count] = t[src * bs:src * bs + count]
+            t[dst_t] = t[src_t]
 
 
 def checkpoint(cache, row: int, *, slot: int | None = None, chain=(), start: int = 0, stop: int = 0,

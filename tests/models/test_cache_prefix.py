@@ -209,3 +209,23 @@ def test_batched_checkpoints_equal_one_by_one(ours, name):
     caches[1].prefix_checkpoints(jobs)
     for a, b in zip(caches[0].tensors(), caches[1].tensors()):
         assert torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+
+
+def test_batched_block_copies_equal_one_by_one(ours):
+    """``prefix_copies`` writes what the same ``prefix_copy`` calls write one by one (copy on
+    write of partly matched blocks, several requests reading one source); bad or overlapping
+    copies are refused before anything is written."""
+    model = ours("qwen3_next")
+    caches = [_store(model, "replay", poison=False) for _ in range(2)]
+    for cache in caches:
+        _cache_prompt(model, cache, "replay", torch.Generator().manual_seed(8))
+    copies = [(2, 8, 3), (2, 9, 1), (5, 10, 4), (1, 11, 0)]
+    for c in copies:
+        caches[0].prefix_copy(*c)
+    before = _snapshot(caches[1])
+    for bad in ([(2, 8, 5)], [(2, 8, 1), (3, 8, 1)], [(2, 8, 2), (8, 9, 1)], [(2, 99, 1)]):
+        with pytest.raises(ValueError):
+            caches[1].prefix_copies(bad)
+        _same(before, _snapshot(caches[1]))
+    caches[1].prefix_copies(copies)
+    _same(_snapshot(caches[0]), _snapshot(caches[1]))
