@@ -8,16 +8,35 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from ..engine.config import SamplingParams
 
 
 def sync(device) -> None:
     """Wait for ``device``'s queued work (no-op on CPU)."""
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def warm_then_time(llm, warm, prompts, params: SamplingParams, device, on_warm=None):
+    """Run ``warm`` prompts for a few tokens (kernels compile, graphs capture), zero the
+    engine's counters (and call ``on_warm``), then time ``llm.generate(prompts, params)``
+    between device syncs; returns ``(outputs, wall seconds)``."""
+    llm.generate(warm, SamplingParams(max_tokens=min(4, params.max_tokens), ignore_eos=True))
+    for k in llm.stats:
+        llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
+    if on_warm is not None:
+        on_warm()
+    sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(device)
+    return outs, time.perf_counter() - t0
 
 
 def free_memory(device) -> None:

@@ -33,7 +33,7 @@ from ..engine.llm import LLM
 from ..engine.loading import load
 from ..engine.speculative import Proposal, chain_parent
 from . import prefix, ttft
-from .common import free_memory, random_model_dir, sync
+from .common import free_memory, random_model_dir, warm_then_time
 # hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE)
 from .hybrid_presets import HYBRID_PRESETS, TINY_OF, preset_config, random_hybrid_dir
 from .random_mtp import add_random_mtp
@@ -211,14 +211,7 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
         if args.spec_method == "mtp":  # random weights: the MTP head drafts, the oracle's tokens are verified
             oracle = OracleTokens(llm.drafter, oracle)
         llm.drafter = oracle
-    llm.generate(warm, SamplingParams(max_tokens=min(4, args.max_tokens), ignore_eos=True))
-    for k in llm.stats:  # warm-up done (also captures CUDA graphs)
-        llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
-    sync(args.device)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync(args.device)
-    wall = time.perf_counter() - t0
+    outs, wall = warm_then_time(llm, warm, prompts, params, args.device)
     gen = sum(len(o.token_ids) for o in outs)
     decode_tokens = gen - len(outs)  # the first token of each comes from prefill
     acc = [o.mean_accepted_length for o in outs]

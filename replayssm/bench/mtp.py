@@ -37,7 +37,7 @@ from ..engine.config import SamplingParams, SpeculativeConfig
 from ..engine.llm import LLM
 from ..models import load_model
 from . import e2e
-from .common import free_memory, sync
+from .common import free_memory, private_copy, warm_then_time
 from .e2e import OracleDrafter, OracleTokens, _prompts
 from .hybrid_presets import TINY_OF
 from .random_mtp import add_random_mtp
@@ -130,16 +130,8 @@ def _run(args, target, draft, method: str | None, batch: int, refs_cache: dict) 
     if method is not None:
         oracle = OracleDrafter(refs_cache[batch], args.num_tokens, args.oracle_accept, vocab, llm.device)
         timer = llm.drafter = TimedDrafter(OracleTokens(llm.drafter, oracle), cuda)
-    llm.generate(warm, SamplingParams(max_tokens=min(4, args.max_tokens), ignore_eos=True))
-    for k in llm.stats:
-        llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
-    if timer is not None:
-        timer.clear_timings()
-    sync(args.device)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync(args.device)
-    wall = time.perf_counter() - t0
+    outs, wall = warm_then_time(llm, warm, prompts, params, args.device,
+                                on_warm=None if timer is None else timer.clear_timings)
     gen = sum(len(o.token_ids) for o in outs)
     row = {"batch": batch, "drafter": method or "none", "tokens_per_s": gen / wall,
            "decode_tokens_per_s": (gen - len(outs)) / max(llm.stats["decode_s"], 1e-9),
@@ -212,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             except KeyError:
                 print(f"unknown preset {args.preset!r}", file=sys.stderr)
                 return 2
+            src = private_copy(src, os.path.join(tmp, "target"))   # the head is written into it
             add_random_mtp(src)
         target = load_model(src, device=args.device, dtype=dt, mtp=True)
         draft = None

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
-from replayssm.bench import mtp
+from replayssm.bench import common, mtp
 
 
-def test_bench_mtp_smoke(tmp_path, capsys):
+def test_bench_mtp_smoke(tmp_path, capsys, monkeypatch):
+    cache = tmp_path / "models"   # the random models come from the cache; the head goes into a copy
+    monkeypatch.setenv(common.RANDOM_MODEL_CACHE, str(cache))
     rc = mtp.main(["--smoke", "--preset", "tiny", "--batch-sizes", "2", "--out", str(tmp_path)])
     assert rc == 0
     rows = json.loads((tmp_path / "mtp_bench.json").read_text())["rows"]
@@ -21,3 +23,5 @@ def test_bench_mtp_smoke(tmp_path, capsys):
     assert all(r["draft_steps"] <= r["steps"] for r in spec)     # warm-up steps are not timed
     assert rows[0]["mean_accepted_length"] == 1.0
     assert "mtp" in capsys.readouterr().out
+    cached = sorted(p.name for p in cache.iterdir())
+    assert cached and all(not (cache / d / "mtp.safetensors").exists() for d in cached)
