@@ -93,17 +93,22 @@ def _fla_prepare():
     sys.modules["fla"].__version__ = "0.6.0"
 
 
-def load_peers(root: str | None = None) -> dict:
-    """Import the peers if present: installed packages first, else files under ``root``
-    (default ``$REPLAYSSM_PEERS`` or ``.peers``), importing only the needed modules."""
+#: ``(name, packages, module, function, prepare)`` of the decode peers
+DECODE_PEERS = (
+    ("mamba_ssm", ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"],
+     "mamba_ssm.ops.triton.selective_state_update", "selective_state_update", _mamba_ssm_prepare),
+    ("fla", ["fla", "fla.ops", "fla.ops.gated_delta_rule"],
+     "fla.ops.gated_delta_rule.fused_recurrent", "fused_recurrent_gated_delta_rule", _fla_prepare),
+)
+
+
+def load_peers(root: str | None = None, which=DECODE_PEERS) -> dict:
+    """Import the peers ``which`` (default the decode peers) if present: installed packages
+    first, else files under ``root`` (default ``$REPLAYSSM_PEERS`` or ``.peers``), importing
+    only the needed modules.  ``{name: fn}`` plus ``name_error`` for peers that fail to import."""
     root = root or os.environ.get("REPLAYSSM_PEERS", ".peers")
     peers = {}
-    for name, packages, module, attr, prepare in (
-        ("mamba_ssm", ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"],
-         "mamba_ssm.ops.triton.selective_state_update", "selective_state_update", _mamba_ssm_prepare),
-        ("fla", ["fla", "fla.ops", "fla.ops.gated_delta_rule"],
-         "fla.ops.gated_delta_rule.fused_recurrent", "fused_recurrent_gated_delta_rule", _fla_prepare),
-    ):
+    for name, packages, module, attr, prepare in which:
         f = _peer(name, root, packages, module, attr, prepare)
         if isinstance(f, str):
             peers[name + "_error"] = f

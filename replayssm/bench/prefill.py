@@ -42,7 +42,7 @@ from ..kernels import _triton
 from ..kernels.dispatch import KernelOps
 from ..ops.gdn import naive as gdn_naive
 from ..ops.mamba2 import naive as mamba2_naive
-from .kernels import _fla_prepare, _mamba_ssm_prepare, _peer
+from .kernels import _fla_prepare, _mamba_ssm_prepare, load_peers
 
 FAMILIES = {
     "mamba2": dict(H=80, d=64, n=128, G=1),
@@ -66,6 +66,14 @@ PEER_CHUNK = 256  # mamba_ssm chunk size of the Mamba-2 checkpoints
 
 
 # ============================================================================== peers
+PREFILL_PEERS = (
+    ("mamba_ssm", ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"],
+     "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", _mamba_ssm_prepare),
+    ("fla", ["fla", "fla.ops", "fla.ops.gated_delta_rule"],
+     "fla.ops.gated_delta_rule.chunk", "chunk_gated_delta_rule", _fla_prepare),
+)
+
+
 def load_prefill_peers(root: str | None = None) -> dict:
     """The prefill peers, if present (installed, or source folders under ``root``, default
     ``$REPLAYSSM_PEERS`` or ``.peers``): ``{"mamba_ssm": fn, "fla": fn}`` plus ``*_error``
@@ -76,19 +84,7 @@ def load_prefill_peers(root: str | None = None) -> dict:
             import einops  # noqa: F401
         except ImportError:
             sys.path.insert(0, root)  # einops is pure Python: import it from the peers folder
-    peers = {}
-    for name, packages, module, attr, prepare in (
-        ("mamba_ssm", ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"],
-         "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", _mamba_ssm_prepare),
-        ("fla", ["fla", "fla.ops", "fla.ops.gated_delta_rule"],
-         "fla.ops.gated_delta_rule.chunk", "chunk_gated_delta_rule", _fla_prepare),
-    ):
-        f = _peer(name, root, packages, module, attr, prepare)
-        if isinstance(f, str):
-            peers[name + "_error"] = f
-        elif f is not None:
-            peers[name] = f
-    return peers
+    return load_peers(root, PREFILL_PEERS)
 
 
 # ============================================================================== inputs

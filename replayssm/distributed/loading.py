@@ -23,7 +23,7 @@ import torch
 
 from ..models.config import parse_config, read_config
 from ..models.loader import (_FP32_PARAMS, _IGNORED, WeightError, _install, _model_class, _resolve,
-                             _weight_files, parse_dtype)
+                             _transformed_checked, _weight_files, parse_dtype)
 from ..runtime import canonical_device, compute_dtype
 from .layers import build_local_model
 from .sharding import ROOT_ONLY, Shard, local_config, shard_rules
@@ -157,13 +157,7 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
             except Exception as e:
                 raise WeightError(f"{key_file[src.keys[0]]}: cannot read tensor {src.keys[0]!r} "
                                   f"(corrupt or truncated file: {e})") from None
-            if name in transforms:
-                t = transforms[name](t)
-            if not t.is_floating_point():
-                raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} has dtype {t.dtype}, "
-                                  f"expected a floating point tensor")
-            if not torch.isfinite(t).all():
-                raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} holds NaN/Inf values")
+            t = _transformed_checked(t, name, src, key_file, transforms)
             if tuple(t.shape) != tuple(lparams[name].shape):  # pragma: no cover - a rule bug
                 raise WeightError(f"rank {rank}: shard of {name} has shape {list(t.shape)}, "
                                   f"expected {list(lparams[name].shape)}")

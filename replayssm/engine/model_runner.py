@@ -303,6 +303,13 @@ class ModelRunner:
         ins, args = self._sampled_inputs(Bp, N, has_q, sb)
         s_in, t_in, p_in, v_in, u_in, q_in, sb_in = args
         body = lambda: self._sampled_body(s_in, t_in, p_in, v_in, u_in, q_in, sb_in, tree)  # noqa: E731
+        return self._capture_step(key, ins, body, warm, "a sampled speculative step")
+
+    def _capture_step(self, key, ins, body, warm: bool, what: str):
+        """Capture ``body()`` (a speculative step reading the static inputs ``ins``) into the
+        shared pool; returns ``(graph, ins, outputs)``, or None when capture fails (the key
+        then runs eagerly).  ``NotImplementedError`` (e.g. no KV-only tree op) propagates:
+        the caller switches forms and retries."""
         try:
             if warm:  # on the null slot only
                 self._warm(body)
@@ -313,7 +320,7 @@ class ModelRunner:
         except NotImplementedError:
             raise
         except Exception as e:  # pragma: no cover - depends on the model's kernels
-            warnings.warn(f"CUDA graph capture of a sampled speculative step {key} failed, running eagerly: {e}")
+            warnings.warn(f"CUDA graph capture of {what} {key} failed, running eagerly: {e}")
             self._graph_failed.add(key)
             self._drop_pending()
             return None
@@ -345,23 +352,7 @@ class ModelRunner:
 
     def _capture_spec(self, key, Bp: int, N: int, tree: bool, warm: bool = True):
         ins = self._spec_inputs(Bp, N)
-        try:
-            if warm:  # on the null slot only
-                self._warm(lambda: self._greedy_body(*ins, tree))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                outs = self._greedy_body(*ins, tree)
-            self._pool = graph.pool()
-        except NotImplementedError:
-            raise  # e.g. no KV-only tree op: the caller switches forms and retries
-        except Exception as e:  # pragma: no cover - depends on the model's kernels
-            warnings.warn(f"CUDA graph capture of a speculative step {key} failed, running eagerly: {e}")
-            self._graph_failed.add(key)
-            self._drop_pending()
-            return None
-        entry = (graph, ins, outs)
-        self._graphs[key] = entry
-        return entry
+        return self._capture_step(key, ins, lambda: self._greedy_body(*ins, tree), warm, "a speculative step")
 
     # -- CUDA graphs -----------------------------------------------------------------------
     def capture(self, spec_shapes=(), sampled_shapes=()) -> int:

@@ -17,10 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..cache.conv import ConvWindow
-from ..ops.common import want_check
-from ..ops.conv.naive import _check_activation, _check_weight
-from ..ops.varlen import check_cu_seqlens, check_slots
+from ..ops.conv.naive import check_varlen_args
+from ..ops.varlen import check_slots
 from ._triton import HAVE_TRITON, flat_grid, next_pow2, triton, tl
 
 __all__ = ["conv_decode", "conv_verify", "conv_commit"]
@@ -274,19 +272,10 @@ def conv_prefill_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqle
     its window (zeros if fresh); then each slot's window holds the last ``W-1`` inputs of
     ``[window; x_i]``.  Two launches (conv over ``ceil(Nt/block_t) × ceil(C/block_c)``
     programs, then the window update over ``N × ceil(C/block_c)``)."""
-    pool = window_pool.window if isinstance(window_pool, ConvWindow) else window_pool
-    if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"x must be a floating-point tensor [Nt, C], got {tuple(getattr(x, 'shape', ()))}")
-    Nt, C = x.shape
-    _check_activation(activation)
-    if not isinstance(pool, Tensor) or pool.dim() != 3 or pool.shape[1] != C:
-        raise ValueError(f"window_pool must be [P, {C}, W-1], got {tuple(getattr(pool, 'shape', ()))}")
+    pool, Nt, C, W, weight, N, check = check_varlen_args(x, weight, bias, cu_seqlens, window_pool, activation, check)
     if not pool.is_contiguous() or pool.device != x.device:
         raise ValueError("window_pool must be contiguous and on the inputs' device")
-    W = pool.shape[2] + 1
-    weight = _check_weight(weight, bias, C, W).contiguous()
-    check = want_check(check, x)
-    N = check_cu_seqlens(cu_seqlens, Nt, x.device, check)
+    weight = weight.contiguous()
     sl, fr = check_slots(pool, slots, fresh, N, x.device, check)
     if x.stride(-1) != 1:
         x = x.contiguous()

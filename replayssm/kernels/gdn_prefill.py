@@ -37,9 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops.common import shape_str, want_check
-from ..ops.gdn.naive import _check_inputs
-from ..ops.varlen import check_cu_seqlens, check_state_source
+from ..ops.gdn.naive import check_prefill_varlen
 from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
 
 __all__ = ["chunked_prefill_varlen", "DEFAULTS"]
@@ -267,16 +265,8 @@ def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     else ``precision``).  q/k/v/g/beta may be strided along the token axis (slices of a
     projection) as long as each token's block is contiguous.
     """
-    for name, t, form in (("q", q, "[Nt, H, K]"), ("k", k, "[Nt, H, K]"), ("v", v, "[Nt, HV, V]"),
-                          ("g", g, "[Nt, HV]"), ("beta", beta, "[Nt, HV]")):
-        if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:
-            raise ValueError(f"{name} must be {form}, got {shape_str(t)}")
-    _, Nt, H, HV, K, V = _check_inputs(q[None], k[None], v[None], g[None], beta[None], True, scale)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    check = want_check(check, q)
-    N = check_cu_seqlens(cu_seqlens, Nt, q.device, check)
-    sl, fr = check_state_source(initial_state, state_pool, slots, fresh, N, (HV, K, V), q.device, check)
+    Nt, H, HV, K, V, N, sl, fr, check = check_prefill_varlen(q, k, v, g, beta, scale, cu_seqlens, chunk_size,
+                                                              initial_state, state_pool, slots, fresh, check)
     src = state_pool if state_pool is not None else initial_state
     if src is not None and src.dtype != torch.float32:
         raise ValueError(f"the prefill kernels keep fp32 states, got {src.dtype} (fp64 runs the reference op)")

@@ -32,9 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops.common import want_check
-from ..ops.mamba2.naive import _check_params, _check_varlen_inputs
-from ..ops.varlen import check_cu_seqlens, check_state_source
+from ..ops.mamba2.naive import check_prefill_varlen
 from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
 
 __all__ = ["chunked_prefill_varlen", "DEFAULTS"]
@@ -189,13 +187,8 @@ def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
     Activations may be strided along the token axis (e.g. slices of a projection) as long
     as each token's ``[H, d]`` / ``[G, n]`` block is contiguous.
     """
-    _, Nt, H, d, G, n = _check_varlen_inputs(x, dt, B, C)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    check = want_check(check, x)
-    _check_params(A, D, dt, H, x.device, check)
-    N = check_cu_seqlens(cu_seqlens, Nt, x.device, check)
-    sl, fr = check_state_source(initial_state, state_pool, slots, fresh, N, (H, d, n), x.device, check)
+    Nt, H, d, G, n, N, sl, fr, check = check_prefill_varlen(x, dt, A, B, C, D, cu_seqlens, chunk_size,
+                                                            initial_state, state_pool, slots, fresh, check)
     src = state_pool if state_pool is not None else initial_state
     if src is not None and src.dtype != torch.float32:
         raise ValueError(f"the prefill kernel keeps fp32 states, got {src.dtype} (fp64 runs the reference op)")

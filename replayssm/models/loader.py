@@ -122,6 +122,19 @@ def _resolve(name: str, shape, avail: dict, aliases: dict) -> _Source | None:
     return None
 
 
+def _transformed_checked(t, name: str, src, key_file: dict, transforms: dict):
+    """A tensor read for parameter ``name`` (from ``src.keys``), after its transform if it has
+    one: floating point and finite, else a :class:`WeightError` naming the file and tensor."""
+    if name in transforms:
+        t = transforms[name](t)
+    if not t.is_floating_point():
+        raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} has dtype {t.dtype}, "
+                          f"expected a floating point tensor")
+    if not torch.isfinite(t).all():
+        raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} holds NaN/Inf values")
+    return t
+
+
 def _install(model: nn.Module, name: str, t: torch.Tensor) -> None:
     mod_name, _, leaf = name.rpartition(".")
     mod = model.get_submodule(mod_name) if mod_name else model
@@ -220,13 +233,7 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False):
             except Exception as e:
                 raise WeightError(f"{key_file[src.keys[0]]}: cannot read tensor {src.keys[0]!r} "
                                   f"(corrupt or truncated file: {e})") from None
-            if name in transforms:
-                t = transforms[name](t)
-            if not t.is_floating_point():
-                raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} has dtype {t.dtype}, "
-                                  f"expected a floating point tensor")
-            if not torch.isfinite(t).all():
-                raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} holds NaN/Inf values")
+            t = _transformed_checked(t, name, src, key_file, transforms)
             _install(model, name, t.to(device=device, dtype=pdt))
     finally:
         handles.clear()

@@ -255,6 +255,23 @@ def conv_commit_tree(win: ConvWindow, slot: Tensor, x_new: Tensor, path: Tensor,
     conv_commit(win, slot, xs, accepted, check=False)
 
 
+def check_varlen_args(x, weight, bias, cu_seqlens, window_pool, activation, check):
+    """The argument checks :func:`conv_prefill_varlen` and its kernel twin share: returns
+    ``(pool [P, C, W-1], Nt, C, W, weight, N, check)``."""
+    pool = window_pool.window if isinstance(window_pool, ConvWindow) else window_pool
+    if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor [Nt, C], got {tuple(getattr(x, 'shape', ()))}")
+    Nt, C = x.shape
+    _check_activation(activation)
+    if not isinstance(pool, Tensor) or pool.dim() != 3 or pool.shape[1] != C:
+        raise ValueError(f"window_pool must be [P, {C}, W-1], got {tuple(getattr(pool, 'shape', ()))}")
+    W = pool.shape[2] + 1
+    weight = _check_weight(weight, bias, C, W)
+    check = want_check(check, x)
+    N = check_cu_seqlens(cu_seqlens, Nt, x.device, check)
+    return pool, Nt, C, W, weight, N, check
+
+
 def conv_prefill_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor,
                         window_pool, slots: Tensor, fresh: Tensor | None = None,
                         activation: str | None = None, check: bool | None = None) -> Tensor:
@@ -268,17 +285,7 @@ def conv_prefill_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqle
     ``window_pool`` is ``[P, C, W-1]`` (a tensor or a :class:`ConvWindow`); ``fresh`` defaults
     to all False.  Returns ``out [Nt, C]`` in x's dtype.
     """
-    pool = window_pool.window if isinstance(window_pool, ConvWindow) else window_pool
-    if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"x must be a floating-point tensor [Nt, C], got {tuple(getattr(x, 'shape', ()))}")
-    Nt, C = x.shape
-    _check_activation(activation)
-    if not isinstance(pool, Tensor) or pool.dim() != 3 or pool.shape[1] != C:
-        raise ValueError(f"window_pool must be [P, {C}, W-1], got {tuple(getattr(pool, 'shape', ()))}")
-    W = pool.shape[2] + 1
-    weight = _check_weight(weight, bias, C, W)
-    check = want_check(check, x)
-    N = check_cu_seqlens(cu_seqlens, Nt, x.device, check)
+    pool, Nt, C, W, weight, N, check = check_varlen_args(x, weight, bias, cu_seqlens, window_pool, activation, check)
     if not pool.is_floating_point() or pool.device != x.device:
         raise ValueError(f"window_pool must be floating point on {x.device}, got {pool.dtype} on {pool.device}")
     sl, fr = check_slots(pool, slots, fresh, N, x.device, check)

@@ -781,6 +781,23 @@ def _chunked_scan_u(qn, kn, v, g, beta, St, chunk_size: int):
     return torch.cat(ys, 1), St, torch.cat(us, 1)
 
 
+def check_prefill_varlen(q, k, v, g, beta, scale, cu_seqlens, chunk_size, initial_state, state_pool, slots,
+                         fresh, check):
+    """The argument checks of :func:`chunked_prefill_varlen` (its kernel twin runs the same):
+    returns ``(Nt, H, HV, K, V, N, slots, fresh, check)``."""
+    for name, t, form in (("q", q, "[Nt, H, K]"), ("k", k, "[Nt, H, K]"), ("v", v, "[Nt, HV, V]"),
+                          ("g", g, "[Nt, HV]"), ("beta", beta, "[Nt, HV]")):
+        if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:
+            raise ValueError(f"{name} must be {form}, got {shape_str(t)}")
+    _, Nt, H, HV, K, V = _check_inputs(q[None], k[None], v[None], g[None], beta[None], True, scale)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check = want_check(check, q)
+    N = check_cu_seqlens(cu_seqlens, Nt, q.device, check)
+    sl, fr = check_state_source(initial_state, state_pool, slots, fresh, N, (HV, K, V), q.device, check)
+    return Nt, H, HV, K, V, N, sl, fr, check
+
+
 def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
                            cu_seqlens: Tensor, initial_state: Tensor | None = None,
                            scale: float | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
@@ -801,17 +818,9 @@ def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     ``u_t = β_t (v_t − α_t S_{t−1} k_t)``, the corrected values the replay ring and the
     KV-only pages store for GDN.
     """
-    for name, t, form in (("q", q, "[Nt, H, K]"), ("k", k, "[Nt, H, K]"), ("v", v, "[Nt, HV, V]"),
-                          ("g", g, "[Nt, HV]"), ("beta", beta, "[Nt, HV]")):
-        if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:
-            raise ValueError(f"{name} must be {form}, got {shape_str(t)}")
-    _, Nt, H, HV, K, V = _check_inputs(q[None], k[None], v[None], g[None], beta[None], True, scale)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    check = want_check(check, q)
-    N = check_cu_seqlens(cu_seqlens, Nt, q.device, check)
+    Nt, H, HV, K, V, N, sl, fr, check = check_prefill_varlen(q, k, v, g, beta, scale, cu_seqlens, chunk_size,
+                                                              initial_state, state_pool, slots, fresh, check)
     shape = (HV, K, V)
-    sl, fr = check_state_source(initial_state, state_pool, slots, fresh, N, shape, q.device, check)
     src = state_pool if state_pool is not None else initial_state
     cdt = compute_dtype(q.dtype, v.dtype, g.dtype, beta.dtype, *(() if src is None else (src.dtype,)))
     S0 = gather_initial(initial_state, state_pool, sl, fr, N, shape, cdt, q.device)

@@ -865,6 +865,20 @@ def _check_varlen_inputs(x, dt, B, C):
     return _check_inputs(x[None], dt[None], B[None], C[None], True)
 
 
+def check_prefill_varlen(x, dt, A, B, C, D, cu_seqlens, chunk_size, initial_state, state_pool, slots, fresh,
+                         check):
+    """The argument checks of :func:`chunked_prefill_varlen` (its kernel twin runs the same):
+    returns ``(Nt, H, d, G, n, N, slots, fresh, check)``."""
+    _, Nt, H, d, G, n = _check_varlen_inputs(x, dt, B, C)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check = want_check(check, x)
+    _check_params(A, D, dt, H, x.device, check)
+    N = check_cu_seqlens(cu_seqlens, Nt, x.device, check)
+    sl, fr = check_state_source(initial_state, state_pool, slots, fresh, N, (H, d, n), x.device, check)
+    return Nt, H, d, G, n, N, sl, fr, check
+
+
 def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
                            *, cu_seqlens: Tensor, initial_state: Tensor | None = None, chunk_size: int = 64,
                            state_pool: Tensor | None = None, slots: Tensor | None = None,
@@ -881,14 +895,9 @@ def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
     Returns ``(y [Nt,H,d] in x.dtype incl. D·x, final_state [N,H,d,n])``; in pool form
     ``(y, None)`` (the final states are in the pool).
     """
-    _, Nt, H, d, G, n = _check_varlen_inputs(x, dt, B, C)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    check = want_check(check, x)
-    _check_params(A, D, dt, H, x.device, check)
-    N = check_cu_seqlens(cu_seqlens, Nt, x.device, check)
+    Nt, H, d, G, n, N, sl, fr, check = check_prefill_varlen(x, dt, A, B, C, D, cu_seqlens, chunk_size,
+                                                            initial_state, state_pool, slots, fresh, check)
     shape = (H, d, n)
-    sl, fr = check_state_source(initial_state, state_pool, slots, fresh, N, shape, x.device, check)
     src = state_pool if state_pool is not None else initial_state
     cdt = compute_dtype(x.dtype, dt.dtype, *(() if src is None else (src.dtype,)))
     S0 = gather_initial(initial_state, state_pool, sl, fr, N, shape, cdt, x.device)
