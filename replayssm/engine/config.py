@@ -130,6 +130,21 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
+def sampling_params_list(sampling_params, n: int) -> list[SamplingParams]:
+    """``generate``'s ``sampling_params`` for ``n`` prompts: one for all (None: the defaults)
+    or a list of one per prompt; each must be a :class:`SamplingParams`."""
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
+        params = list(sampling_params)
+    else:
+        params = [sampling_params or SamplingParams()] * n
+    for sp in params:
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
+    return params
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding.

@@ -7,7 +7,7 @@ from typing import Iterator
 
 from tqdm.auto import tqdm
 
-from .config import SamplingParams
+from .config import SamplingParams, sampling_params_list
 from .engine import LLMEngine
 from .inputs import prompt_list
 from .outputs import RequestOutput
@@ -25,15 +25,7 @@ class LLM(LLMEngine):
         A prompt that fails validation gets an output with ``finish_reason="error"`` and the
         message in ``error``, and the others run; bad arguments of the call itself raise."""
         prompts = prompt_list(prompts)
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-            params = list(sampling_params)
-        else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        for sp in params:
-            if not isinstance(sp, SamplingParams):
-                raise ValueError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
+        params = sampling_params_list(sampling_params, len(prompts))
         seqs = []
         for p, sp in zip(prompts, params):
             try:

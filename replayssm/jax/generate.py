@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..engine.config import SamplingParams, SpeculativeConfig
+from ..engine.config import SpeculativeConfig, sampling_params_list
 from ..engine.llm import RequestOutput
 from ..models import load_tokenizer
 from . import model as M
@@ -329,17 +329,10 @@ class JaxLLM:
         prompts = list(prompts)
         if not prompts:
             raise ValueError("no prompts")
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-            params = list(sampling_params)
-        else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+        params = sampling_params_list(sampling_params, len(prompts))
         rows = []
         V = self.spec.vocab_size
         for p, sp in zip(prompts, params):
-            if not isinstance(sp, SamplingParams):
-                raise ValueError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
             if sp.stop:
                 raise ValueError("SamplingParams.stop (text stops) is not supported by the JAX backend; "
                                  "use stop_token_ids")
