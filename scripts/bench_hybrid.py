@@ -217,6 +217,15 @@ def _sdpa(q, K, V, be):
         return F.scaled_dot_product_attention(q, K, V, enable_gqa=True)
 
 
+def dense_kv(c, Hkv: int, Dh: int, ctx: int | None = None):
+    """The paged case's keys and values gathered contiguous per sequence: ``K, V [B, Hkv, ctx, Dh]``
+    (the first ``ctx`` positions of each row's blocks; all of them when None)."""
+    rows_idx = (c["block_table"].long()[:, :, None] * 16 + torch.arange(16, device=DEV)).flatten(1)[:, :ctx]
+    K = c["k_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
+    V = c["v_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
+    return K, V
+
+
 def time_attention(res, contexts=(1024, 8192, 32768), batches=(16, 64)):
     rows = []
     for name, s in ATTN_SHAPES.items():
@@ -230,9 +239,7 @@ def time_attention(res, contexts=(1024, 8192, 32768), batches=(16, 64)):
                 wide["block_table"][:, :c["block_table"].shape[1]] = c["block_table"]
                 t_wide = bench(lambda: KA.paged_attention(**wide, scale=scale))
                 # dense: the same keys, contiguous per sequence
-                rows_idx = (c["block_table"].long()[:, :, None] * 16 + torch.arange(16, device=DEV)).flatten(1)[:, :ctx]
-                K = c["k_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()     # [B, Hkv, ctx, Dh]
-                V = c["v_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
+                K, V = dense_kv(c, Hkv, Dh, ctx)     # [B, Hkv, ctx, Dh]
                 q4 = c["q"].view(B, H, 1, Dh)
                 be, fn = sdpa_decode(q4, K, V)
                 t_dense = bench(fn)
@@ -271,9 +278,7 @@ def time_attention_graph(res, contexts=(1024, 8192, 32768), batches=(16, 64)):
                 c = paged_case(B, [ctx] * B, [1] * B, H, Hkv, Dh, poison=False, seed=B + ctx)
                 out = torch.empty_like(c["q"])
                 t_paged = graph_ms(lambda: KA.paged_attention(**c, scale=scale, out=out))
-                rows_idx = (c["block_table"].long()[:, :, None] * 16 + torch.arange(16, device=DEV)).flatten(1)[:, :ctx]
-                K = c["k_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
-                V = c["v_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
+                K, V = dense_kv(c, Hkv, Dh, ctx)     # [B, Hkv, ctx, Dh]
                 be, fn = sdpa_decode(c["q"].view(B, H, 1, Dh), K, V)
                 t_dense = graph_ms(fn)
                 byts = 2 * B * ctx * Hkv * Dh * 2
@@ -299,9 +304,7 @@ def time_attention_graph(res, contexts=(1024, 8192, 32768), batches=(16, 64)):
         t = graph_ms(lambda: KA.paged_attention(**c, scale=scale))
         from torch.nn.attention import SDPBackend, sdpa_kernel
         q = c["q"].view(4, 2048, H, Dh).transpose(1, 2)
-        rows_idx = (c["block_table"].long()[:, :, None] * 16 + torch.arange(16, device=DEV)).flatten(1)
-        K = c["k_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
-        V = c["v_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
+        K, V = dense_kv(c, Hkv, Dh)     # [B, Hkv, ctx, Dh]
 
         def flash():
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
@@ -351,9 +354,7 @@ def tune_attention(res):
                 rows.append(dict(shape=name, kind="prefill", B=4, context=2048, block_m=bm, num_warps=nw, ms=t))
         from torch.nn.attention import SDPBackend, sdpa_kernel
         q = c["q"].view(4, 2048, H, Dh).transpose(1, 2)
-        rows_idx = (c["block_table"].long()[:, :, None] * 16 + torch.arange(16, device=DEV)).flatten(1)
-        K = c["k_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
-        V = c["v_cache"].view(-1, Hkv, Dh)[rows_idx].transpose(1, 2).contiguous()
+        K, V = dense_kv(c, Hkv, Dh)     # [B, Hkv, ctx, Dh]
         try:
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                 t = bench(lambda: F.scaled_dot_product_attention(q, K, V, is_causal=True, enable_gqa=True), rep=25)
