@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 import hf_utils as H  # noqa: E402
 import mtp_checkpoint as M  # noqa: E402
-from test_engine_sampling import chi2, chi2_critical  # noqa: E402
+from test_engine_sampling import assert_first_three_follow, joint3  # noqa: E402
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from replayssm.layers.context import StepContext  # noqa: E402
@@ -203,21 +203,12 @@ def test_mtp_speculative_sampling_distribution(vocab4, tree):
     """The first three sampled tokens (two of them from MTP speculative steps) follow the
     model's own joint distribution (chi-square over the 64 cells)."""
     target, prompt = vocab4, [1, 2]
-    with torch.no_grad():
-        p1 = torch.softmax(target(torch.tensor([prompt]))[0, -1], -1)
-        p2 = torch.softmax(target(torch.tensor([[*prompt, a] for a in range(4)]))[:, -1], -1)
-        p3 = torch.softmax(target(torch.tensor([[*prompt, a, b] for a in range(4) for b in range(4)]))[:, -1], -1)
-    expect = (p1[:, None, None] * p2[:, :, None] * p3.reshape(4, 4, 4)).reshape(-1)
+    expect = joint3(target, prompt)
     sp = SpeculativeConfig("mtp", num_tokens=2, tree=tree, tree_width=2)
     llm = LLM(target, dtype="float64", speculative=sp, max_num_seqs=256, seed=3, max_seq_len=16)
     M_ = 4000
     outs = llm.generate([prompt] * M_, SamplingParams(max_tokens=3, temperature=1.0))
-    counts = torch.zeros(64, dtype=torch.float64)
-    for o in outs:
-        a, b, c = o.token_ids
-        counts[a * 16 + b * 4 + c] += 1
-    stat, dof = chi2(counts, expect)
-    assert stat < chi2_critical(dof), (stat, dof)
+    assert_first_three_follow(outs, expect)
     assert 0 < sum(o.num_accepted for o in outs) < sum(o.num_drafted for o in outs)
 
 

@@ -24,6 +24,27 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return stat, int(keep.sum()) - 1
 
 
+def joint3(target, prompt) -> torch.Tensor:
+    """The exact distribution of ``target``'s first three sampled tokens (temperature 1) after
+    ``prompt``, over a 4-token vocabulary: ``[64]``, index ``a*16 + b*4 + c``."""
+    with torch.no_grad():
+        p1 = torch.softmax(target(torch.tensor([prompt]))[0, -1], -1)
+        p2 = torch.softmax(target(torch.tensor([[*prompt, a] for a in range(4)]))[:, -1], -1)
+        p3 = torch.softmax(target(torch.tensor([[*prompt, a, b] for a in range(4) for b in range(4)]))[:, -1], -1)
+    return (p1[:, None, None] * p2[:, :, None] * p3.reshape(4, 4, 4)).reshape(-1)
+
+
+def assert_first_three_follow(outs, expect: torch.Tensor) -> None:
+    """The outputs' first three tokens (4-token vocabulary) pass a chi-square test against
+    ``expect [64]``."""
+    counts = torch.zeros(64, dtype=torch.float64)
+    for o in outs:
+        a, b, c = o.token_ids
+        counts[a * 16 + b * 4 + c] += 1
+    stat, dof = chi2(counts, expect)
+    assert stat < chi2_critical(dof), (stat, dof)
+
+
 def test_transform_filters():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]]).repeat(4, 1)
     temp = torch.tensor([0.0, 1.0, 1.0, 2.0])
@@ -187,20 +208,11 @@ def test_engine_speculative_sampling_distribution(method):
         sp = SpeculativeConfig("tree", num_tokens=2, tree_width=3, prompt_lookup_max=2)
     else:
         sp = SpeculativeConfig(method, num_tokens=3, draft_model=draft, tree_width=2, tree_depth=2)
-    with torch.no_grad():  # exact joint distribution of the first three tokens
-        p1 = torch.softmax(target(torch.tensor([prompt]))[0, -1], -1)
-        p2 = torch.softmax(target(torch.tensor([[*prompt, a] for a in range(4)]))[:, -1], -1)
-        p3 = torch.softmax(target(torch.tensor([[*prompt, a, b] for a in range(4) for b in range(4)]))[:, -1], -1)
-    expect = (p1[:, None, None] * p2[:, :, None] * p3.reshape(4, 4, 4)).reshape(-1)
+    expect = joint3(target, prompt)   # exact joint distribution of the first three tokens
     llm = LLM(target, speculative=sp, max_num_seqs=256, seed=3)
     M = 4000
     outs = llm.generate([prompt] * M, SamplingParams(max_tokens=3, temperature=1.0))
-    counts = torch.zeros(64, dtype=torch.float64)
-    for o in outs:
-        a, b, c = o.token_ids
-        counts[a * 16 + b * 4 + c] += 1
-    stat, dof = chi2(counts, expect)
-    assert stat < chi2_critical(dof), (stat, dof)
+    assert_first_three_follow(outs, expect)
     assert sum(o.num_accepted for o in outs) > 0
 
 
