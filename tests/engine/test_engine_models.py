@@ -9,6 +9,8 @@ import torch
 models = pytest.importorskip("replayssm.models")
 transformers = pytest.importorskip("transformers")
 
+from engine_helpers import reference_greedy  # noqa: E402
+
 from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 
 N = 12
@@ -57,22 +59,8 @@ def loaded(model_dirs):
 
 @pytest.fixture(scope="session")
 def expected(loaded):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    out = {}
-    for name in ("mamba2", "qwen3_next", "nemotron_h"):
-        m = loaded[name]
-        rows = []
-        for p in PROMPTS:
-            ids, gen = torch.tensor([p]), []
-            for _ in range(N):
-                t = int(m(ids)[0, -1].argmax())
-                gen.append(t)
-                ids = torch.cat([ids, torch.tensor([[t]])], 1)
-            rows.append(gen)
-        out[name] = rows
-    torch.set_num_threads(threads)
-    return out
+    return {name: [reference_greedy(loaded[name], p, N) for p in PROMPTS]
+            for name in ("mamba2", "qwen3_next", "nemotron_h")}
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "qwen3_next", "nemotron_h"])

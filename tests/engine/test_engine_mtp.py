@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 import hf_utils as H  # noqa: E402
+from engine_helpers import reference_greedy  # noqa: E402
 import mtp_checkpoint as M  # noqa: E402
 from test_engine_sampling import assert_first_three_follow, joint3  # noqa: E402
 
@@ -48,15 +49,7 @@ def mtp_models(tmp_path_factory):
         M.add_mtp(d, seed=3)
         M.make_predictable(d, seed=1, mtp_noise=NOISE[name])
         m = load_model(d, dtype="float64", mtp=True)
-        exp = []
-        for p in PROMPTS:
-            ids, gen = torch.tensor([p]), []
-            for _ in range(N):
-                t = int(m(ids)[0, -1].argmax())
-                gen.append(t)
-                ids = torch.cat([ids, torch.tensor([[t]])], 1)
-            exp.append(gen)
-        out[name] = (m, exp, d)
+        out[name] = (m, [reference_greedy(m, p, N) for p in PROMPTS], d)
     torch.set_num_threads(threads)
     return out
 

@@ -14,6 +14,8 @@ import warnings
 import pytest
 import torch
 
+from engine_helpers import reference_greedy
+
 from replayssm import LLM, SamplingParams, SpeculativeConfig
 from replayssm.engine.prefix_cache import PrefixIndex, block_hash
 
@@ -166,12 +168,7 @@ def expected(loaded):
     def get(arch, prompt):
         key = (arch, tuple(prompt))
         if key not in cache:
-            m, ids, gen = loaded[arch], torch.tensor([prompt]), []
-            for _ in range(N):
-                t = int(m(ids)[0, -1].argmax())
-                gen.append(t)
-                ids = torch.cat([ids, torch.tensor([[t]])], 1)
-            cache[key] = gen
+            cache[key] = reference_greedy(loaded[arch], prompt, N)
         return cache[key]
 
     return get
