@@ -165,12 +165,11 @@ def _checkpoint_wave(cache, jobs: list[dict]) -> None:
 
 def _window_rows(table, chain: list[int], length: int, width: int) -> tuple[Tensor, Tensor]:
     """Store rows of the conv inputs ``length-width .. length-1`` and which exist (``>= 0``)."""
-    pos = torch.arange(length - width, length, dtype=torch.long)
-    valid = pos >= 0
-    rows = table.chain_rows(chain, 0, length)
-    safe = rows[pos.clamp(min=0).to(rows.device)] if length else torch.zeros(width, dtype=torch.long,
-                                                                            device=table.device)
-    return safe, valid.to(table.device)
+    start = max(0, length - width)
+    rows = table.chain_rows(chain, start, length)            # only the positions the window needs
+    pad = torch.zeros(width - (length - start), dtype=torch.long, device=rows.device)   # the null block's row
+    valid = torch.arange(length - width, length, dtype=torch.long) >= 0
+    return torch.cat([pad, rows]), valid.to(table.device)
 
 
 def load(cache, slot: int, length: int, chain, attn=(), checkpoint=None) -> None:
