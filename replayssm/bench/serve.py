@@ -18,8 +18,8 @@ run (``--configs``):
 * ``snapshot``    recurrent form with speculation (one stored state per draft: what
                   vLLM/SGLang do for SSM speculation)
 
-Without ``--model`` a random-weight model of ``--preset`` size is written first: a Mamba-2
-(the presets of ``bench e2e``) or a Nemotron-H hybrid (``hybrid-tiny``, ``hybrid-4b``).  Its
+Without ``--model`` a random-weight model of ``--preset`` size is written first (the presets
+of ``bench e2e``: Mamba-2 sizes, ``nemotron-h-4b``, ``qwen3-next-4b`` and their tiny twins).  Its
 greedy next token is a fixed permutation of the current one, so ``--prompt-kind walk`` (the
 default for presets) builds prompts ``A + A[:k]`` from greedy walks ``A`` of the model
 itself: prompt lookup then finds the continuation, as on repetitive real text, and both
@@ -47,26 +47,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
-from ..models.config import read_config
-from ..models.nemotron_h import NemotronHLM
 from ..server.cli import add_engine_args
 from .e2e import PRESETS, _random_model_dir
-
-# Random-weight hybrid presets (Nemotron-H layout: Mamba-2 'M', attention '*', relu2 MLP '-').
-# Nemotron-H-class dimensions, not a published checkpoint's: "hybrid-4b" has 27 Mamba-2, 4
-# attention and 25 MLP layers, hidden 3072 (about 4.3B parameters).
-HYBRID_PRESETS = {
-    "hybrid-tiny": dict(vocab_size=256, hidden_size=64, hybrid_override_pattern="M*M-M", num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, intermediate_size=128, mamba_num_heads=8,
-                        mamba_head_dim=16, ssm_state_size=16, n_groups=2),
-    "hybrid-4b": dict(vocab_size=131072, hidden_size=3072,
-                      hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=9216,
-                      mamba_num_heads=112, mamba_head_dim=64, ssm_state_size=128, n_groups=8),
-}
+from .hybrid_presets import HYBRID_PRESETS, TINY_OF
 
 CONFIGS = {
     "replay": dict(mode="replay", spec=False),
@@ -74,59 +57,6 @@ CONFIGS = {
     "recurrent": dict(mode="recurrent", spec=False),
     "snapshot": dict(mode="recurrent", spec=True),
 }
-
-
-# ---- random-weight hybrid checkpoints ---------------------------------------------------------------
-def hybrid_model_dir(preset: str, root: str, seed: int = 0) -> str:
-    """Save a random-weight Nemotron-H of ``preset`` size in HF layout under ``root``.
-
-    As ``bench e2e``'s Mamba-2 presets: unit-variance embeddings, ``lm_head`` a permutation of
-    them scaled by ``1/sqrt(hidden)``, and every mixer's output projection small, so the
-    residual stream keeps the current token's embedding and the greedy next token is its
-    image under the permutation by a wide margin (what the walk prompts rely on).  The
-    tensors are the ones our Nemotron-H model asks for (names and shapes from the model built
-    on the meta device), so the directory loads with :func:`replayssm.models.load_model`.
-    """
-    cfg = dict(HYBRID_PRESETS[preset], model_type="nemotron_h", architectures=["NemotronHForCausalLM"],
-               eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
-               time_step_min=1e-3, chunk_size=128, use_conv_bias=True, use_bias=False, mlp_bias=False,
-               layer_norm_epsilon=1e-5)
-    d = Path(root) / f"random-{preset}"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(cfg))
-    with torch.device("meta"):
-        model = NemotronHLM(read_config(str(d)), torch.bfloat16, "cpu")
-    g = torch.Generator().manual_seed(seed)
-    D, V = cfg["hidden_size"], cfg["vocab_size"]
-    layers = len(cfg["hybrid_override_pattern"])
-    dt = torch.bfloat16 if D >= 1024 else torch.float32
-    emb = torch.randn(V, D, generator=g).to(dt)
-    sd = {}
-    for name, p in model.named_parameters():
-        shape, leaf = tuple(p.shape), name.rsplit(".", 1)[-1]
-        if name.endswith("embeddings.weight"):
-            t = emb
-        elif name == "lm_head.weight":
-            t = (emb.float()[torch.randperm(V, generator=g)] / D ** 0.5).to(dt)
-        elif "norm" in name:
-            t = torch.ones(shape)
-        elif leaf == "A_log":
-            t = torch.log(torch.empty(shape).uniform_(1, 16, generator=g))
-        elif leaf == "dt_bias":
-            t = torch.log(torch.expm1(torch.empty(shape).uniform_(1e-3, 1e-1, generator=g)))
-        elif leaf == "D":
-            t = torch.ones(shape)
-        elif leaf == "e_score_correction_bias":
-            t = torch.zeros(shape)
-        elif "conv1d" in name:
-            t = torch.randn(shape, generator=g) * (0.3 if leaf == "weight" else 0.1)
-        elif any(k in name for k in ("out_proj", "o_proj", "down_proj")):
-            t = (torch.randn(shape, generator=g) * (0.02 / layers ** 0.5)).to(dt)
-        else:
-            t = (torch.randn(shape, generator=g) * 0.02).to(dt)
-        sd[name] = t.contiguous()
-    save_file(sd, str(d / "model.safetensors"))
-    return str(d)
 
 
 # ---- the server process ------------------------------------------------------------------------
@@ -449,8 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
-        if args.model is None and args.preset not in ("tiny", "hybrid-tiny"):
-            args.preset = "hybrid-tiny" if args.preset in HYBRID_PRESETS else "tiny"
+        if args.model is None:
+            args.preset = TINY_OF.get(args.preset, "tiny")
         args.device = args.device or "cpu"
         args.num_prompts = min(args.num_prompts, 8)
         args.prompt_len, args.output_len = min(args.prompt_len, 24), min(args.output_len, 8)
@@ -486,14 +416,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.url:
             desc = f"server {args.url}"
             configs = ["server"]
-        elif model_dir is None and args.preset in HYBRID_PRESETS:
-            print(f"[bench serve] writing a random-weight hybrid ({args.preset})", file=sys.stderr, flush=True)
-            model_dir = hybrid_model_dir(args.preset, tmp)
-            desc = f"random-weight Nemotron-H hybrid ({args.preset})"
         elif model_dir is None:
-            print(f"[bench serve] writing a random-weight Mamba-2 ({args.preset})", file=sys.stderr, flush=True)
+            family = HYBRID_PRESETS[args.preset][0]["model_type"] if args.preset in HYBRID_PRESETS else "mamba2"
+            print(f"[bench serve] writing a random-weight {family} ({args.preset})", file=sys.stderr, flush=True)
             model_dir = _random_model_dir(args.preset, tmp)
-            desc = f"random-weight Mamba-2 ({args.preset})"
+            desc = f"random-weight {family} ({args.preset})"
         res["config"]["model_desc"] = desc
         requests = None
         for name in configs:

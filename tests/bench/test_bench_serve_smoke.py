@@ -26,16 +26,17 @@ def test_bench_serve_smoke(tmp_path, capsys):
     assert "replay+spec" in capsys.readouterr().out
 
 
-def test_hybrid_preset_loads_and_its_greedy_step_is_a_token_map(tmp_path):
-    """The random hybrid checkpoint loads, and its greedy next token depends on the current
-    token only (what the benchmark's walk prompts rely on)."""
+@pytest.mark.parametrize("preset,model_type", [("nemotron-h-tiny", "nemotron_h"), ("qwen3-next-tiny", "qwen3_next")])
+def test_hybrid_preset_loads_and_its_greedy_step_is_a_token_map(tmp_path, preset, model_type):
+    """The random hybrid checkpoint bench serve writes loads, and its greedy next token depends
+    on the current token only (what the benchmark's walk prompts rely on)."""
     import torch
 
-    from replayssm.bench.serve import hybrid_model_dir
+    from replayssm.bench.e2e import _random_model_dir
     from replayssm.models import load_model
 
-    model = load_model(hybrid_model_dir("hybrid-tiny", str(tmp_path)))
-    assert model.config.model_type == "nemotron_h"
+    model = load_model(_random_model_dir(preset, str(tmp_path)))
+    assert model.config.model_type == model_type
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, 256, (8, 12), generator=g)
     ctx[:, -1] = ctx[0, -1]                       # different contexts, the same last token
