@@ -124,6 +124,26 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def search_steps(n: int) -> int:
+    """Unrolled binary-search steps over ``n`` sequences' boundaries, bucketed (7 up to 127
+    sequences, then the bit length) so a serving engine's prefill batches of every size share
+    one compiled kernel; extra steps are no-ops once the search has converged."""
+    return max(7, int(n).bit_length())
+
+
+#: the packed-batch kernels' counts (sequences, tokens, rows) change every step: Triton
+#: must not specialise on them (``== 1``, ``% 16 == 0``), or each new count compiles a variant
+COUNT_ARGS = ("N", "Nt", "R", "P", "NtH", "steps")
+
+
+def count_args(*names: str) -> dict:
+    """``triton.jit`` keywords that keep the count arguments ``names`` unspecialised."""
+    bad = [n for n in names if n not in COUNT_ARGS]
+    if bad:
+        raise ValueError(f"not a count argument: {bad}")
+    return dict(do_not_specialize=list(names))
+
+
 def pad16(x: int) -> int:
     """Power of two >= max(x, 16): the smallest tile ``tl.dot`` accepts on every target."""
     return max(16, next_pow2(x))

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..ops.attention.naive import check_paged, check_write
-from ._triton import HAVE_TRITON, next_pow2, triton, tl
+from ._triton import HAVE_TRITON, count_args, next_pow2, triton, tl
 
 __all__ = ["write_kv", "paged_attention", "default_splits"]
 
@@ -63,7 +63,7 @@ if HAVE_TRITON:
         before = tl.sum(tl.where(offs < b, tiles, 0), 0)
         return b, pid - before
 
-    @triton.jit
+    @triton.jit(**count_args("N", "Nt"))
     def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, len_ptr, bits_ptr, o_ptr, part_ptr, ml_ptr,
         N, MB, H, DH, Nt, S, qk_scale,
@@ -140,7 +140,7 @@ if HAVE_TRITON:
                 tl.store(o_ptr + orow[:, None] * DH + dd[None, :], o.to(o_ptr.dtype.element_ty),
                          mask=row_ok[:, None] & dm[None, :])
 
-    @triton.jit
+    @triton.jit(**count_args("NtH"))
     def _combine_kernel(part_ptr, ml_ptr, o_ptr, NtH, DH, S, SP: tl.constexpr, DP: tl.constexpr):
         """``o = Σ_s 2^{m_s - M} acc_s / Σ_s 2^{m_s - M} l_s`` over the splits of one row."""
         r = tl.program_id(0).to(tl.int64)
@@ -242,7 +242,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, bits, o, part, ml,
         N, MB, H, Dh, Nt, S, scale * _LOG2E,
         HKV=Hkv, R=R, BS=BS, T_TREE=max(T, 1), QT=QT, BLOCK_M=BM, BLOCK_N=BN, DP=DP,
-        NP=next_pow2(N + 1), TREE=tree_bits is not None, SPLIT=S > 1, PREC=prec, num_warps=warps)
+        NP=max(64, next_pow2(N + 1)), TREE=tree_bits is not None, SPLIT=S > 1, PREC=prec, num_warps=warps)
     if S > 1:
         _combine_kernel[(Nt * H,)](part, ml, o, Nt * H, Dh, S, SP=next_pow2(S), DP=DP, num_warps=4)
     return o

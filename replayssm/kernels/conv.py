@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..ops.conv.naive import check_varlen_args
 from ..ops.varlen import check_slots
-from ._triton import HAVE_TRITON, flat_grid, next_pow2, triton, tl
+from ._triton import HAVE_TRITON, count_args, flat_grid, next_pow2, search_steps, triton, tl
 
 __all__ = ["conv_decode", "conv_verify", "conv_commit"]
 
@@ -195,7 +195,7 @@ def conv_decode(win, slot: Tensor, x: Tensor, weight: Tensor, bias: Tensor | Non
 # ---------------------------------------------------------------------------- packed prefill
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(**count_args("Nt", "N"))
     def _conv_varlen_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, cu_ptr, win_ptr, slot_ptr, fresh_ptr,
         Nt, C, N, sx,
@@ -289,10 +289,10 @@ def conv_prefill_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqle
     sx = x.stride(0) if Nt > 1 else C
     BC = min(next_pow2(block_c), next_pow2(C))
     if Nt:
-        BT = min(next_pow2(block_t), next_pow2(Nt))
+        BT = 16 if Nt <= 16 else next_pow2(block_t)  # two compiled variants for any token count
         _conv_varlen_kernel[(triton.cdiv(Nt, BT), triton.cdiv(C, BC))](
             x, weight, bias if bias is not None else weight, y, cu, pool, sl, fptr, Nt, C, N, sx,
-            LOGN=max(1, N.bit_length()), WM1=W - 1, BT=BT, BC=BC, HAS_BIAS=bias is not None,
+            LOGN=search_steps(N), WM1=W - 1, BT=BT, BC=BC, HAS_BIAS=bias is not None,
             SILU=activation in ("silu", "swish"), HAS_FRESH=fr is not None, num_warps=4)
     _conv_varlen_window_kernel[(N, triton.cdiv(C, BC))](
         x, cu, pool, sl, fptr, C, sx, WM1=W - 1, WP=max(2, next_pow2(W - 1)), BC=BC,

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from ..ops.gdn.naive import check_prefill_varlen
-from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
+from ._triton import HAVE_TRITON, count_args, next_pow2, pad16, search_steps, triton, tl
 
 __all__ = ["chunked_prefill_varlen", "DEFAULTS"]
 
@@ -108,7 +108,7 @@ if HAVE_TRITON:
         X4 = tl.where(b1 == b2, tl.broadcast_to(X3[:, :, None, :], [NB, 16, NB, 16]), 0.0)
         return tl.reshape(X4, [Q, Q])
 
-    @triton.jit
+    @triton.jit(**count_args("N"))
     def _gdn_wu_kernel(
         k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, w_ptr, u_ptr,
         N, H, HV, K, V, RATIO, sk, sv, sg, sb,
@@ -321,6 +321,6 @@ def wu_pass(k: Tensor, sk: int, v: Tensor, sv: int, g: Tensor, sg: int, beta: Te
     if Nt:
         _gdn_wu_kernel[((Nt // _Q + N) * HV,)](
             k, v, g, beta, cu, w, up, N, H, HV, K, V, HV // H, sk, sv, sg, sb,
-            LOGN=max(1, N.bit_length()), Q=_Q, BK=pad16(K), BV=pad16(V), L2=bool(use_qk_l2norm),
+            LOGN=search_steps(N), Q=_Q, BK=pad16(K), BV=pad16(V), L2=bool(use_qk_l2norm),
             PREC=precision, IPREC=inv_precision, INV=inv, num_warps=num_warps)
     return w, up

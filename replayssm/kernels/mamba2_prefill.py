@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..ops.mamba2.naive import check_prefill_varlen
-from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
+from ._triton import HAVE_TRITON, count_args, next_pow2, pad16, search_steps, triton, tl
 
 __all__ = ["chunked_prefill_varlen", "DEFAULTS"]
 
@@ -55,7 +55,7 @@ def pick_tiles(N: int, H: int, d: int, device) -> tuple[int, int]:
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(**count_args("N"))
     def _m2_cb_kernel(
         B_ptr, C_ptr, cu_ptr, cb_ptr, N, G, n, sb, sc,
         LOGN: tl.constexpr, Q: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
@@ -218,7 +218,7 @@ def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
     cb = y
     if pre and Nt:
         cb = torch.empty((Nt // Q + N) * G, Q, Q, dtype=torch.float32, device=x.device)
-        _m2_cb_kernel[((Nt // Q + N) * G,)](Br, Cr, cu, cb, N, G, n, sb, sc, LOGN=max(1, N.bit_length()), Q=Q,
+        _m2_cb_kernel[((Nt // Q + N) * G,)](Br, Cr, cu, cb, N, G, n, sb, sc, LOGN=search_steps(N), Q=Q,
                                            BN=BN, PREC=precision, num_warps=4)
     _m2_prefill_kernel[(N * H * ND,)](
         xr, dtr, A.contiguous(), Br, Cr, D.contiguous() if D is not None else A, y, cb,

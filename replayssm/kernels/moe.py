@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..ops.moe.naive import check_experts
-from ._triton import HAVE_TRITON, next_pow2, triton, tl
+from ._triton import HAVE_TRITON, count_args, next_pow2, triton, tl
 
 __all__ = ["experts", "SUPPORTED_ACTS"]
 
@@ -48,7 +48,7 @@ if HAVE_TRITON:
             hi = tl.where(active & ~below, mid, hi)
         return lo
 
-    @triton.jit
+    @triton.jit(**count_args("P", "steps"))
     def _moe_plan_kernel(sorted_ptr, start_ptr, tend_ptr, P, E, steps, BLOCK_M: tl.constexpr, EP: tl.constexpr):
         """``start[e]`` (e = 0..E) and ``tile_end[e]`` from the sorted expert ids."""
         ee = tl.arange(0, EP)

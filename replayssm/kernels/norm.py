@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import HAVE_TRITON, flat_grid, next_pow2, triton, tl
+from ._triton import HAVE_TRITON, count_args, flat_grid, next_pow2, triton, tl
 
 __all__ = ["gated_rmsnorm"]
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(**count_args("R"))
     def _gated_rmsnorm_kernel(
         x_ptr, z_ptr, w_ptr, y_ptr, R, NG, GS, x_stride, z_stride, N, eps,
         BR: tl.constexpr, BG: tl.constexpr, GATE_FIRST: tl.constexpr,
