@@ -244,5 +244,5 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         HKV=Hkv, R=R, BS=BS, T_TREE=max(T, 1), QT=QT, BLOCK_M=BM, BLOCK_N=BN, DP=DP,
         NP=max(64, next_pow2(N + 1)), TREE=tree_bits is not None, SPLIT=S > 1, PREC=prec, num_warps=warps)
     if S > 1:
-        _combine_kernel[(Nt * H,)](part, ml, o, Nt * H, Dh, S, SP=next_pow2(S), DP=DP, num_warps=4)
+        _combine_kernel[(Nt * H,)](part, ml, o, Nt * H, Dh, S, SP=max(16, next_pow2(S)), DP=DP, num_warps=4)
     return o
