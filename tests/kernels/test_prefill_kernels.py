@@ -263,3 +263,14 @@ def test_mamba2_prefill_cb_variants(pre):
     yr, Sr = N2.chunked_prefill_varlen(x, dt, A, B, C, D, cu_seqlens=cu)
     torch.testing.assert_close(y, yr, **tol(F32))
     torch.testing.assert_close(S, Sr, **tol(F32))
+
+
+def test_gdn_prefill_inverse_precision_rule():
+    """TF32 block inverse only where it was checked exact on the H100 (16-bit, K >= 128);
+    small heads, where Triton 3.6 produced a wrong TF32 inverse, take IEEE."""
+    rule = KG._inverse_precision
+    assert rule(torch.bfloat16, 128, "ieee") == "tf32"
+    assert rule(torch.float16, 256, "ieee") == "tf32"
+    for K in (6, 16, 32, 64):
+        assert rule(torch.bfloat16, K, "ieee") == "ieee"
+    assert rule(F32, 128, "ieee") == "ieee"
