@@ -338,6 +338,44 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def warm_up(self, max_prompt_len: int | None = None) -> float:
+        """Run every kind of step once before serving, so no request waits for a compile.
+
+        Triton compiles a kernel variant when a shape bucket is first met (seconds each on
+        a GPU): without this, the first requests of each bucket stall for everyone in flight.
+        Three waves of greedy requests through the normal scheduler, two tokens each (prefill
+        then a decode or speculative step): one 8-token prompt (the small-prompt tiles), a
+        full batch of ``max_num_seqs`` 64-token prompts (many sequences per prefill) and one
+        prompt of ``max_prompt_len`` (default: the step's token budget, at most the context
+        less two tokens; long-prompt tiles and chunking).  Afterwards no slot is held, the prefix cache is
+        emptied and the engine's counters are zero.  Only for an idle engine; returns seconds.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("warm_up() needs an idle engine (requests are in flight)")
+        ec, V = self.config, self.vocab_size
+        long = min(ec.max_num_batched_tokens, ec.max_seq_len - 2) if max_prompt_len is None else max_prompt_len
+        if not 1 <= long <= ec.max_seq_len - 2:
+            raise ValueError(f"max_prompt_len must be in [1, max_seq_len - 2 = {ec.max_seq_len - 2}], got {long}")
+        ids = lambda i, n: [(7919 * i + 104729 * j + 1) % V for j in range(n)]
+        waves = [[ids(0, min(8, long))], [ids(1 + i, min(64, long)) for i in range(self.num_slots)], [ids(0, long)]]
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        for w, prompts in enumerate(waves):
+            for i, p in enumerate(prompts):
+                self.add_request(p, params, request_id=("warm-up", w, i))
+            while self.has_unfinished():
+                self.step()
+        if self.prefix_cache is not None:
+            while self.prefix_cache.index.evict_one():
+                pass
+            self.prefix_cache.index.evictions = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for k, v in self.stats.items():
+            if isinstance(v, (int, float)):
+                self.stats[k] = type(v)(0)
+        return time.perf_counter() - t0
+
     def output(self, seq: Sequence) -> RequestOutput:
         return request_output(seq)
 

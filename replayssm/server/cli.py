@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences that may wait beyond --max-num-seqs; more get 503 (default: 256)")
     p.add_argument("--chat-template", default=None, help="a chat template (string or file) overriding the model's")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--warm-up", default="auto", choices=["auto", "on", "off"],
+                   help="run every kind of step once before listening, so no request waits for a kernel "
+                        "compile (auto: on for CUDA)")
     add_engine_args(p)
     return p
 
@@ -122,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"replayssm serve: error: {e}", file=sys.stderr)
         return 2
+    if args.warm_up == "on" or (args.warm_up == "auto" and engine.device.type == "cuda"):
+        secs = engine.warm_up()
+        print(f"replayssm serve: warmed up in {secs:.1f} s", file=sys.stderr, flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(engine, ServerConfig(model_name=name, model_dir=args.model, api_key=args.api_key,
                                          max_queue=args.max_queue, chat_template=args.chat_template))

@@ -62,3 +62,38 @@ def test_duplicate_request_id_rejected_before_queueing(target):
     with pytest.raises(ValueError, match="request_id 7"):
         llm.add_request(PROMPTS[1], SamplingParams(max_tokens=2), request_id=7)
     assert len(llm.scheduler.waiting) == 1
+
+
+@pytest.mark.parametrize("mode,spec,prefix", [("replay", None, False), ("replay", "ngram", True),
+                                              ("recurrent", None, True), ("auto", None, False)])
+def test_warm_up_leaves_an_idle_clean_engine(mode, spec, prefix):
+    """``warm_up`` (what ``replayssm serve`` runs before listening on a GPU) holds no slot, no
+    cached prefix and no counter afterwards, and the requests that follow are exact."""
+    import os
+
+    import replayssm
+
+    shipped = os.path.join(os.path.dirname(replayssm.__file__), "assets", "tiny-mamba2")
+    model = pytest.importorskip("replayssm.models").load_model(shipped)
+    expected = [reference_greedy(model, p, N) for p in PROMPTS]
+    sp = SpeculativeConfig("ngram", num_tokens=3) if spec else None
+    llm = LLM(model, decode_mode=mode, speculative=sp, max_num_seqs=3, max_seq_len=96,
+              max_num_batched_tokens=48, enable_prefix_caching=prefix, auto_threshold=8)
+    assert llm.warm_up() > 0
+    assert not llm.has_unfinished()
+    assert len(llm.scheduler.free_slots) == llm.num_slots
+    assert all(v == 0 for v in llm.stats.values() if isinstance(v, (int, float)))
+    if prefix:
+        snap = llm.prefix_stats()
+        assert snap["prefix_evictions"] == 0 and len(llm.prefix_cache.index) == 0
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        llm.warm_up(max_prompt_len=95)
+
+
+def test_warm_up_refuses_a_busy_engine(target):
+    llm = LLM(target, max_num_seqs=2)
+    llm.add_request(PROMPTS[0], SamplingParams(max_tokens=N))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        llm.warm_up()

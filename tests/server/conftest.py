@@ -33,7 +33,7 @@ def _servers(chat_model_dir):
     plain = Server(chat_model_dir, "--api-key", API_KEY, "--max-num-seqs", "2", "--max-queue", "1",
                    "--served-model-name", "tiny-chat", "--enable-prefix-caching")
     spec = Server(MODEL, "--speculative", "draft", "--draft-model", str(DRAFT), "--num-tokens", "3",
-                  "--max-num-seqs", "16", "--max-queue", "256", "--max-seq-len", "512")
+                  "--max-num-seqs", "16", "--max-queue", "256", "--max-seq-len", "512", "--warm-up", "on")
     yield {"plain": plain, "spec": spec}
     plain.stop()
     spec.stop()
@@ -48,7 +48,8 @@ def plain_server(_servers) -> Server:
 
 @pytest.fixture(scope="session")
 def spec_server(_servers) -> Server:
-    """Draft-model speculation, 16 slots, the shipped model (no chat template), context 512."""
+    """Draft-model speculation, 16 slots, the shipped model (no chat template), context 512,
+    warmed up before listening (as on a GPU)."""
     return _servers["spec"].wait()
 
 
