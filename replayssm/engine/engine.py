@@ -427,8 +427,16 @@ class LLMEngine:
         new = self._prefill(batch.prefill) if batch.prefill else []
         t1 = time.perf_counter()
         if batch.running:
-            new += self._decode(batch.running) if self.drafter is None else self._speculate(batch.running)
+            new += self._speculate(batch.running) if self._speculates(len(batch.running)) \
+                else self._decode(batch.running)
         return new, t1
+
+    def _speculates(self, batch: int) -> bool:
+        """Whether a step of ``batch`` running sequences speculates (``disable_by_batch_size``)."""
+        if self.drafter is None:
+            return False
+        limit = self.config.speculative.disable_by_batch_size
+        return limit is None or batch <= limit
 
     def _postprocess(self, batch: ScheduledBatch, new: list[Step]):
         """Append tokens (stop criteria), free finished sequences, switch KV-only ones that

@@ -36,6 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-depth", type=int, default=None, help="depth of a draft tree (default: --num-tokens)")
     g.add_argument("--prompt-lookup-min", type=int, default=1)
     g.add_argument("--prompt-lookup-max", type=int, default=3)
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="steps with more than N running sequences decode without speculation")
     g.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     g.add_argument("--cuda-graphs", action="store_true", help="capture decode and speculative steps (CUDA)")
@@ -74,7 +76,8 @@ def build_engine(model_dir: str, args):
             raise ValueError("--speculative draft needs --draft-model DIR")
         spec = SpeculativeConfig(args.speculative, num_tokens=args.num_tokens, draft_model=draft,
                                  tree_width=args.tree_width, tree_depth=args.tree_depth,
-                                 prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+                                 prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+                                 disable_by_batch_size=args.speculative_disable_by_batch_size)
     return LLM(model_dir, device=device, dtype=dtype, decode_mode=args.mode, buffer_size=args.buffer_size,
                speculative=spec, tensor_parallel_size=args.tensor_parallel_size,
                max_num_seqs=args.max_num_seqs, memory_budget=int(args.memory_budget) if args.memory_budget else None,

@@ -170,3 +170,29 @@ def test_stream(target, expected):
     chunks = list(llm.stream(PROMPTS[3], SamplingParams(max_tokens=N)))
     assert [t for c in chunks for t in c] == expected[3]
     assert llm.last_output.token_ids == expected[3]
+
+
+@pytest.mark.parametrize("name", ["ngram", "ngram-tree", "draft", "tree-beam"])
+@pytest.mark.parametrize("mode", ["replay", "recurrent"])
+def test_speculation_off_above_a_batch_size_keeps_greedy_output(target, draft, expected, name, mode):
+    """``disable_by_batch_size=2``: the first steps (5 running) decode plainly, the last ones
+    (requests of different lengths finish, 2 or 1 left) speculate; the drafters catch up on
+    the plain steps' tokens and the output is unchanged."""
+    import dataclasses
+
+    sp = dataclasses.replace(_specs(draft)[name], disable_by_batch_size=2)
+    lens = [N, N - 3, N - 7, 9, 5]
+    llm = LLM(target, decode_mode=mode, speculative=sp, buffer_size=16, max_num_seqs=5)
+    seqs = [llm.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS, lens)]
+    while llm.has_unfinished():
+        llm.step()
+    assert [s.output_ids for s in seqs] == [e[:n] for e, n in zip(expected, lens)]
+    assert all(s.num_verify_steps < s.num_steps for s in seqs)   # plain steps while 5 ran
+    assert seqs[0].num_verify_steps > 0                            # it speculated once alone
+
+
+def test_disable_by_batch_size_is_validated():
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig("ngram", disable_by_batch_size=0)
+    with pytest.raises(ValueError, match="not supported with method='mtp'"):
+        SpeculativeConfig("mtp", disable_by_batch_size=8)

@@ -77,3 +77,20 @@ def test_failed_step_ends_its_requests_and_the_loop_goes_on():
             loop.shutdown()
 
     asyncio.run(main())
+
+
+def test_serve_flags_reach_the_speculative_config():
+    """``replayssm serve --speculative ngram --speculative-disable-by-batch-size 8`` builds that
+    engine (and ``--warm-up`` parses); bad values are the config's clear errors."""
+    from pathlib import Path
+
+    from replayssm.server.cli import build_engine, build_parser
+
+    model = str(Path(__file__).resolve().parents[2] / "replayssm" / "assets" / "tiny-mamba2")
+    args = build_parser().parse_args([model, "--speculative", "ngram", "--speculative-disable-by-batch-size", "8",
+                                      "--warm-up", "off", "--device", "cpu", "--max-num-seqs", "2"])
+    llm = build_engine(model, args)
+    assert llm.config.speculative.disable_by_batch_size == 8 and args.warm_up == "off"
+    bad = build_parser().parse_args([model, "--speculative", "mtp", "--speculative-disable-by-batch-size", "8"])
+    with pytest.raises(ValueError, match="not supported with method='mtp'"):
+        build_engine(model, bad)
