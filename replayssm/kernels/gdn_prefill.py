@@ -45,12 +45,7 @@ __all__ = ["chunked_prefill_varlen", "DEFAULTS"]
 #: default tiles (tuned on the H100 for HV=32, H=16, K=V=128; see docs/BENCHMARKS.md): the
 #: nilpotent-product inverse (``inv=2``) made the w/u kernel 1.7× faster than the loop (``inv=0``)
 #: ``block_v=None`` follows :func:`pick_block_v`.
-DEFAULTS = dict(block_v=None, num_warps=4, num_stages=2, wu_warps=4, inv=2, min_tile=16)
-
-
-def _kt(x: int) -> int:
-    """K / V tile width of the kernels' ``tl.dot`` s: a power of two >= ``DEFAULTS["min_tile"]``."""
-    return max(DEFAULTS["min_tile"], pad16(x))
+DEFAULTS = dict(block_v=None, num_warps=4, num_stages=2, wu_warps=4, inv=2)
 
 
 def _inverse_precision(dtype: torch.dtype, K: int, precision: str) -> str:
@@ -58,7 +53,7 @@ def _inverse_precision(dtype: torch.dtype, K: int, precision: str) -> str:
     (the models' head size, checked on the H100), else ``precision``.  On the H100 (Triton
     3.6, 4 warps) the TF32 inverse came out wrong for K = 6, 16 and 32 (errors ~1 against
     the reference, 2026-11-23), while IEEE or 8 warps were exact: small heads take IEEE."""
-    return "tf32" if dtype != torch.float32 and _kt(K) >= 128 else precision
+    return "tf32" if dtype != torch.float32 and pad16(K) >= 128 else precision
 
 
 def pick_block_v(N: int, HV: int, V: int, device) -> int:
@@ -308,14 +303,14 @@ def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     w, up = wu_pass(kr, sk, vr, sv, gr, sg, br, sb, cu, N, H, use_qk_l2norm, precision, iprec,
                     wu_warps or DEFAULTS["wu_warps"], DEFAULTS["inv"] if inv is None else inv)
     sc = K ** -0.5 if scale is None else float(scale)
-    BV = max(DEFAULTS["min_tile"], min(next_pow2(block_v or DEFAULTS["block_v"] or pick_block_v(N, HV, V, dev)), _kt(V)))
+    BV = max(16, min(next_pow2(block_v or DEFAULTS["block_v"] or pick_block_v(N, HV, V, dev)), pad16(V)))
     NVB = triton.cdiv(V, BV)
     sin = src.contiguous() if src is not None else final
     _gdn_scan_kernel[(N * HV * NVB,)](
         qr, kr, w, up, gr, y, u_out if return_u else y,
         cu, sin, final, sl if pool_form else cu, fr.view(torch.uint8) if fr is not None else cu,
         H, HV, K, V, HV // H, NVB, sq, sk, sg, sc,
-        Q=_Q, BK=_kt(K), BV=BV, L2=bool(use_qk_l2norm), HAS_INIT=src is not None, HAS_SLOT=pool_form,
+        Q=_Q, BK=pad16(K), BV=BV, L2=bool(use_qk_l2norm), HAS_INIT=src is not None, HAS_SLOT=pool_form,
         HAS_FRESH=fr is not None, RET_U=bool(return_u), PREC=precision,
         num_warps=num_warps or DEFAULTS["num_warps"], num_stages=num_stages or DEFAULTS["num_stages"])
     return out
@@ -334,6 +329,6 @@ def wu_pass(k: Tensor, sk: int, v: Tensor, sv: int, g: Tensor, sg: int, beta: Te
     if Nt:
         _gdn_wu_kernel[((Nt // _Q + N) * HV,)](
             k, v, g, beta, cu, w, up, N, H, HV, K, V, HV // H, sk, sv, sg, sb,
-            LOGN=search_steps(N), Q=_Q, BK=_kt(K), BV=_kt(V), L2=bool(use_qk_l2norm),
+            LOGN=search_steps(N), Q=_Q, BK=pad16(K), BV=pad16(V), L2=bool(use_qk_l2norm),
             PREC=precision, IPREC=inv_precision, INV=inv, num_warps=num_warps)
     return w, up
