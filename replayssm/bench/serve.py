@@ -431,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     cfg = CONFIGS[name]
                     flags = engine_flags(args, cfg["mode"], cfg["spec"])
+                    if args.model is None:   # not the random-model cache's directory name
+                        flags += ["--served-model-name", f"random-{args.preset}"]
                     print(f"[bench serve] {name}: replayssm serve {model_dir} {' '.join(flags)}", file=sys.stderr,
                           flush=True)
                     t0 = time.perf_counter()
