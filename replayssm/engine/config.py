@@ -175,8 +175,8 @@ class SpeculativeConfig:
     ``disable_by_batch_size``: a step with more running sequences than this decodes without
     speculation (output unchanged).  At large batches a verify step costs several decode
     steps on models whose dense or MoE layers dominate (H100, Qwen3-Next-class 4B at B=256:
-    speculation 0.78x plain decoding), so speculation pays only below some batch.  Not with
-    ``method="mtp"`` (the head's catch-up needs every step's hidden states).
+    speculation 0.78x plain decoding), so speculation pays only below some batch.  Drafters
+    catch up on the plain steps' tokens (the MTP head commits its pending pairs before each).
     """
 
     method: str = "ngram"
@@ -205,9 +205,6 @@ class SpeculativeConfig:
                 f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.disable_by_batch_size is not None:
             _int("SpeculativeConfig.disable_by_batch_size", self.disable_by_batch_size, 1)
-            if self.method == "mtp":
-                raise ValueError("SpeculativeConfig.disable_by_batch_size is not supported with method='mtp' "
-                                 "(the MTP head catches up from every target step's hidden states)")
         if self.method == "draft" and self.draft_model is None:
             raise ValueError("SpeculativeConfig(method='draft') needs draft_model (a directory or model)")
         if self.method == "mtp":

@@ -554,6 +554,8 @@ class LLMEngine:
             seqs = self.blocks.reserve_tokens(seqs, 1)
             if not seqs:
                 return []
+            if self.drafter is not None:   # speculation is off for this step (disable_by_batch_size)
+                self.drafter.plain_step(seqs)
         toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
         logits = self.runner.decode([s.slot for s in seqs], toks)
         sb = None if all(_plain(s.params) for s in seqs) else self.sampler.batch(seqs)  # plain: argmax

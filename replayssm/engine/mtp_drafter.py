@@ -139,6 +139,16 @@ class MTPDrafter(Drafter):
         for b, (s, a) in enumerate(zip(seqs, accepted)):
             self._nodes[s.request_id] = rows[b][:a] if rows is not None else list(range(a))
 
+    def plain_step(self, seqs: list[Sequence]) -> None:
+        """Before a step without speculation: commit the pending pairs while ``cache.hidden``
+        still holds them (the plain step overwrites it); afterwards the plain step's own
+        pair, its hidden state at node 0 with the token it produced, is the one pending."""
+        slots, toks, nodes, count = self._catchup_inputs(seqs)
+        with torch.inference_mode():
+            self._catch_up(slots, toks, nodes, count)
+        for s in seqs:
+            self._nodes[s.request_id] = [0]
+
     def release(self, seq: Sequence) -> None:
         self._nodes.pop(seq.request_id, None)
         if seq.slot is not None:

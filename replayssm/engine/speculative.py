@@ -65,6 +65,11 @@ class Drafter:
     def release(self, seq: Sequence) -> None:
         pass
 
+    def plain_step(self, seqs: list[Sequence]) -> None:
+        """``seqs`` are about to decode one token without speculation (the engine's
+        ``disable_by_batch_size``).  Drafters that catch up lazily from the token ids need
+        nothing; the MTP head commits its pending pairs here."""
+
     def reset(self) -> None:
         """Forget a draft step left half-way by a failed engine step."""
 

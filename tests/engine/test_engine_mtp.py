@@ -246,3 +246,49 @@ def test_mtp_with_prefix_caching_keeps_greedy_output(mtp_models, arch):
     assert got == want
     assert want[0] == expected[3]
     assert llm.stats["prefix_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+@pytest.mark.parametrize("mode", ["replay", "recurrent"])
+def test_mtp_head_stays_exact_across_steps_without_speculation(mtp_models, mode, tree):
+    """``disable_by_batch_size=2``: while 3-4 requests run, steps decode plainly (the head
+    commits its pending pairs before each); once 2 are left they speculate.  Greedy output is
+    unchanged, and the head's first-draft logits equal those of an always-speculating run at
+    the same position of the same request (its cache holds the same pairs either way)."""
+    import dataclasses
+
+    m, expected, _ = mtp_models["qwen3_next"]
+    lens = [N, N - 2, 6, 4]
+
+    def run(limit):
+        sp = dataclasses.replace(_spec(tree), disable_by_batch_size=limit)
+        llm = LLM(m, dtype="float64", decode_mode=mode, speculative=sp, max_seq_len=MAXLEN, max_num_seqs=4)
+        first, order, cur = {}, {}, {"keys": None}
+        propose, head_logits = llm.drafter.propose, llm.drafter.head.logits
+
+        def recording(batch):     # (request, tokens generated so far) of each row
+            cur["keys"] = [(order[id(s)], len(s.output_ids)) for s in batch]
+            return propose(batch)
+
+        def logits(g):            # the first call of a proposal: draft 1's distribution
+            out = head_logits(g)
+            if cur["keys"] is not None:
+                first.update({k: row.clone() for k, row in zip(cur["keys"], out)})
+                cur["keys"] = None
+            return out
+
+        llm.drafter.propose, llm.drafter.head.logits = recording, logits
+        seqs = [llm.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS, lens)]
+        order.update({id(s): i for i, s in enumerate(seqs)})
+        while llm.has_unfinished():
+            llm.step()
+        assert [s.output_ids for s in seqs] == [e[:n] for e, n in zip(expected, lens)]
+        return first, seqs
+
+    always, _ = run(None)
+    limited, seqs = run(2)
+    assert all(s.num_verify_steps < s.num_steps for s in seqs[:2])   # plain steps happened
+    common = sorted(set(always) & set(limited))
+    assert common, "no position was drafted in both runs"
+    for k in common:
+        torch.testing.assert_close(limited[k], always[k], rtol=1e-9, atol=1e-9, msg=f"request, position {k}")

@@ -91,6 +91,6 @@ def test_serve_flags_reach_the_speculative_config():
                                       "--warm-up", "off", "--device", "cpu", "--max-num-seqs", "2"])
     llm = build_engine(model, args)
     assert llm.config.speculative.disable_by_batch_size == 8 and args.warm_up == "off"
-    bad = build_parser().parse_args([model, "--speculative", "mtp", "--speculative-disable-by-batch-size", "8"])
-    with pytest.raises(ValueError, match="not supported with method='mtp'"):
+    bad = build_parser().parse_args([model, "--speculative", "ngram", "--speculative-disable-by-batch-size", "0"])
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
         build_engine(model, bad)
