@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, runtime_checkable
+
+log = logging.getLogger("replayssm.server")
 
 
 @runtime_checkable
@@ -107,13 +110,15 @@ class AsyncEngine:
     the engine thread.
     """
 
-    def __init__(self, engine: StepEngine, max_running: int, max_queue: int, metrics=None, idle_wait: float = 0.05):
+    def __init__(self, engine: StepEngine, max_running: int, max_queue: int, metrics=None, idle_wait: float = 0.05,
+                 slow_step_s: float = 1.0):
         if not isinstance(engine, StepEngine):
             raise TypeError(f"engine must provide add_request/step/abort/has_unfinished, got {type(engine).__name__}")
         self.engine = engine
         self.max_running, self.max_queue = int(max_running), int(max_queue)
         self.metrics = metrics
         self.idle_wait = idle_wait
+        self.slow_step_s = slow_step_s    # steps longer than this are logged (a warning)
         self._inbox: deque = deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -187,6 +192,7 @@ class AsyncEngine:
                 self._wake.wait(self.idle_wait)
                 self._wake.clear()
                 continue
+            stats = dict(getattr(self.engine, "stats", {}))
             t0 = time.perf_counter()
             try:
                 outs = self.engine.step()
@@ -195,6 +201,8 @@ class AsyncEngine:
                 continue
             dt = time.perf_counter() - t0
             self.steps += 1
+            if dt > self.slow_step_s:
+                self._log_slow_step(dt, stats, len(outs))
             try:
                 for out in outs:
                     self._deliver(out)
@@ -202,6 +210,16 @@ class AsyncEngine:
                     self.metrics.on_step(self.engine, outs, dt, self)
             except Exception as e:  # never let bookkeeping kill the engine thread
                 self._step_failed(e)
+
+    def _log_slow_step(self, dt: float, before: dict, outputs: int) -> None:
+        """A warning naming where a slow step's time went (the engine's prefill / decode
+        counters) and what the engine held, for stalls seen from the clients."""
+        after = getattr(self.engine, "stats", {})
+        split = ", ".join(f"{k[:-2]} {after[k] - before.get(k, 0):.2f} s" for k in ("prefill_s", "decode_s")
+                          if isinstance(after.get(k), float))
+        occ = self.engine.occupancy() if hasattr(self.engine, "occupancy") else {}
+        log.warning("slow engine step %d: %.2f s (%s); %d outputs, %s running, %s waiting", self.steps, dt,
+                    split or "no split", outputs, occ.get("running", "?"), occ.get("waiting", "?"))
 
     def _drain(self) -> None:
         while True:

@@ -94,3 +94,26 @@ def test_serve_flags_reach_the_speculative_config():
     bad = build_parser().parse_args([model, "--speculative", "ngram", "--speculative-disable-by-batch-size", "0"])
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         build_engine(model, bad)
+
+
+def test_slow_steps_are_logged_with_where_their_time_went(caplog):
+    """A step longer than ``slow_step_s`` is a warning naming its prefill / decode split and
+    the engine's occupancy (here every step counts as slow)."""
+    import logging
+
+    torch.set_num_threads(1)
+    target, _ = tiny_pair(vocab_size=32)
+    loop = AsyncEngine(LLM(target, max_num_seqs=2), max_running=2, max_queue=2, slow_step_s=0.0)
+
+    async def main():
+        loop.start()
+        try:
+            await _run(loop, [1, 2, 3], n=3)
+        finally:
+            loop.shutdown()
+
+    with caplog.at_level(logging.WARNING, logger="replayssm.server"):
+        asyncio.run(main())
+    msgs = [r.getMessage() for r in caplog.records if r.name == "replayssm.server"]
+    assert msgs and all("slow engine step" in m and "prefill" in m and "decode" in m and "running" in m
+                        for m in msgs), msgs
