@@ -50,12 +50,13 @@ def _meta_model(preset: str, cfg: dict, dtype):
 
 def _analytic(model, act: int) -> dict:
     """Per-token / per-sequence bytes from the layers' shapes (``act`` bytes per activation,
-    fp32 states and step sizes)."""
+    fp32 states and step sizes).  ``entry``: the stored part of a ring entry (Mamba-2: ``Δ``
+    only, ``x`` and ``B`` are rebuilt from the conv inputs; GDN: ``u, k, g``)."""
     entry = conv_in = state = conv_state = attn = 0
     for layer in model.stateful_layers():
         if hasattr(layer, "conv_dim"):
             if layer.family == "mamba2":
-                entry += act * (layer.H * layer.d + layer.G * layer.n) + 4 * layer.H
+                entry += 4 * layer.H
                 state += 4 * layer.H * layer.d * layer.n
             else:
                 entry += act * (layer.HV * layer.V + layer.H * layer.K) + 4 * layer.HV

@@ -6,10 +6,13 @@ the checkpoint folded with its ring entries).  So per SSM layer the store keeps,
 ``block_size`` tokens (flat over ``blocks × block_size`` like the KV-only pools, block 0 the
 null block that unassigned tokens are written to):
 
-* ``entries``: every token's ring entry — Mamba-2 ``(x, B, Δ)``, GDN ``(u, k, g)`` — in the
-  KV-only pool layout (:class:`~replayssm.cache.paged.Mamba2PagedBuffers` /
-  :class:`~replayssm.cache.paged.GDNPagedBuffers`), so the KV-only ops (``kv_fold``) read
-  the store directly;
+* ``entries``: what the conv inputs do not give of every token's ring entry.  GDN: the
+  whole entry ``(u, k, g)`` in the KV-only pool layout
+  (:class:`~replayssm.cache.paged.GDNPagedBuffers`; ``u`` depends on the state), which the
+  KV-only ops (``kv_fold``) read directly.  Mamba-2: only ``Δ``
+  (:class:`Mamba2StoredEntries`); ``x`` and ``B`` are ``silu(conv(...))`` of the conv
+  inputs and are rebuilt when a resume or a checkpoint reads them, which halves the
+  store (``SSMLayer.prefix_entries``);
 * ``preconv``: every token's input to the short conv ``[NB*bs, C]`` (the conv window at any
   position ``p`` is the ``W-1`` inputs before it);
 * ``ckpt``: checkpoint states ``[NC, *state]`` (row 0 the null checkpoint), one per
@@ -36,10 +39,21 @@ from .paged import NULL_BLOCK, PagedPlan
 
 
 @dataclass
+class Mamba2StoredEntries:
+    """The stored part of Mamba-2 ring entries: ``dt [NB*bs, H]`` (state dtype); ``x`` and
+    ``B`` are rebuilt from the conv inputs."""
+
+    dt: Tensor
+
+    def tensors(self) -> list[Tensor]:
+        return [self.dt]
+
+
+@dataclass
 class PrefixPools:
     """One SSM layer's part of the prefix store (see the module docstring)."""
 
-    entries: object      # Mamba2PagedBuffers | GDNPagedBuffers, [NB*bs, ...]
+    entries: object      # GDNPagedBuffers | Mamba2StoredEntries, [NB*bs, ...]
     preconv: Tensor      # [NB*bs, C] pre-conv inputs
     ckpt: Tensor         # [NC, *state] checkpoint states (state dtype)
 
@@ -129,6 +143,20 @@ class PrefixTable:
         lengths = torch.tensor([n for _, n in chains], dtype=torch.long)
         zero = torch.zeros(len(chains), dtype=torch.long)
         return PagedPlan(zero.to(self.device), lengths.to(self.device), table.to(self.device), 1, self.block_size)
+
+    def window_rows(self, blocks: list[int], start: int, stop: int, width: int) -> tuple[Tensor, Tensor]:
+        """Store rows of the ``width`` tokens ending at each position ``start .. stop-1`` of
+        the chain ``blocks`` (``[stop - start, width]``, the last column the position itself)
+        and which of them exist (``>= 0``; the others point at the null block's row 0)."""
+        bs = self.block_size
+        if not 0 <= start <= stop <= len(blocks) * bs:
+            raise ValueError(f"positions [{start}, {stop}) outside a chain of {len(blocks)} blocks of {bs}")
+        j = torch.arange(start, stop, dtype=torch.long)[:, None] + torch.arange(1 - width, 1, dtype=torch.long)
+        valid = j >= 0
+        jj = j.clamp(min=0)
+        b = torch.tensor(list(blocks) or [NULL_BLOCK], dtype=torch.long)
+        rows = torch.where(valid, b[jj // bs] * bs + jj % bs, torch.zeros_like(jj))
+        return rows.to(self.device), valid.to(self.device)
 
     def chain_rows(self, blocks: list[int], start: int, stop: int) -> Tensor:
         """Flat store rows of positions ``start .. stop-1`` of the chain ``blocks`` (block

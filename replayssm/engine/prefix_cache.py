@@ -492,12 +492,14 @@ class PrefixCache:
 
 
 def default_checkpoint_interval(layout, max_seq_len: int) -> int:
-    """Checkpoint interval ``C`` (tokens, a multiple of the block size) at which checkpoints
-    add about a quarter to a cached token's bytes: ``S / C ≈ E / 4`` with ``S`` one checkpoint
-    and ``E`` one token's entries and conv inputs over all SSM layers (``C ≈ 4 S / E``).
-    Loading a hit folds fewer than ``C`` entries per layer."""
+    """Checkpoint interval ``C`` (tokens, a multiple of the block size): ``S / C ≈ E / 4``
+    with ``S`` one checkpoint and ``E`` one token's whole ring entries and conv inputs over
+    all SSM layers (``C ≈ 4 S / E``; what a resume reads per folded token, and what the store
+    kept per token before Mamba-2 entries were rebuilt from the conv inputs, so the interval
+    and a hit's fold length stay where they were measured).  Loading a hit folds fewer than
+    ``C`` entries per layer."""
     bs = layout.block_size
-    per_token = max(1, layout.prefix_block_bytes // bs)
+    per_token = max(1, layout.fold_token_bytes or layout.prefix_block_bytes // bs)
     blocks = max(1, round(4 * layout.checkpoint_bytes / (per_token * bs)))
     return min(blocks, max(1, -(-max_seq_len // bs))) * bs
 

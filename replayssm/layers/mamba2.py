@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from ..cache.buffers import Mamba2Buffers
 from ..cache.paged import Mamba2PagedBuffers
+from ..cache.prefix import Mamba2StoredEntries
 from .context import StepContext
 from .mlp import Linear, _param
 from ..runtime import compute_dtype
@@ -80,6 +81,27 @@ class Mamba2Mixer(SSMLayer):
 
     def prefill_entries(self, a: dict, out: tuple) -> list[Tensor]:
         return [a["x"][0], a["B"][0], a["dt"][0]]
+
+    # ---- prefix store: Δ stored, x and B rebuilt from the conv inputs -------------------------
+    stores_entries = False
+
+    def alloc_prefix_entries(self, num_blocks: int, block_size: int, dtype, device) -> Mamba2StoredEntries:
+        return Mamba2StoredEntries(torch.zeros(num_blocks * block_size, self.H, dtype=compute_dtype(dtype),
+                                               device=device))
+
+    def stored_entries(self, entries: list[Tensor]) -> list[Tensor]:
+        return [entries[2]]
+
+    def prefix_entries(self, pools, rows: Tensor, valid: Tensor) -> list[Tensor]:
+        """``x, B = split(silu(conv(conv inputs)))`` at each position (its ``W`` inputs, zeros
+        before the sequence start), ``Δ`` from the store."""
+        pre = pools.preconv[rows]
+        pre = torch.where(valid[..., None], pre, torch.zeros((), dtype=pre.dtype, device=pre.device))
+        xb = self._conv_rows(pre)
+        R = rows.shape[0]
+        x = xb[:, : self.inter].reshape(R, self.H, self.d)
+        B = xb[:, self.inter: self.inter + self.G * self.n].reshape(R, self.G, self.n)
+        return [x, B, pools.entries.dt[rows[:, -1]]]
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, h: Tensor, ctx: StepContext) -> Tensor:

@@ -82,24 +82,48 @@ class SSMLayer(nn.Module):
         """Extra ``chunked_prefill_varlen`` arguments :meth:`prefill_entries` needs."""
         return {}
 
+    #: whether the prefix store keeps whole ring entries (else :meth:`prefix_entries` rebuilds
+    #: them from the conv inputs, and folds read a rebuilt copy)
+    stores_entries = True
+
     def alloc_prefix(self, num_blocks: int, block_size: int, num_checkpoints: int, dtype, device) -> PrefixPools:
-        """This layer's part of the prefix store: entries and pre-conv inputs of
-        ``num_blocks`` blocks, ``num_checkpoints`` checkpoint states."""
+        """This layer's part of the prefix store: entries (or their stored part) and pre-conv
+        inputs of ``num_blocks`` blocks, ``num_checkpoints`` checkpoint states."""
         state = torch.zeros((num_checkpoints,) + tuple(self.state_shape()), dtype=compute_dtype(dtype), device=device)
-        return PrefixPools(self.alloc_pages(num_blocks, block_size, dtype, device),
+        return PrefixPools(self.alloc_prefix_entries(num_blocks, block_size, dtype, device),
                            torch.zeros(num_blocks * block_size, self.conv_dim, dtype=dtype, device=device), state)
 
+    def alloc_prefix_entries(self, num_blocks: int, block_size: int, dtype, device):
+        """The stored part of the entries (default: whole entries, the KV-only layout)."""
+        return self.alloc_pages(num_blocks, block_size, dtype, device)
+
+    def stored_entries(self, entries: list[Tensor]) -> list[Tensor]:
+        """The part of ring entries the prefix store keeps (default: all of them)."""
+        return entries
+
+    def prefix_entries(self, pools: PrefixPools, rows: Tensor, valid: Tensor) -> list[Tensor]:
+        """Whole ring entries (the :meth:`alloc_pages` layout, ``[R, ...]`` each) of ``R``
+        cached positions; ``rows [R, W]`` / ``valid [R, W]``: the store rows of the ``W``
+        tokens ending at each position and which exist (``PrefixTable.window_rows``)."""
+        return [t[rows[:, -1]] for t in pools.entries.tensors()]
+
     def capture(self, ctx: StepContext, entries: list[Tensor], form_slots: Tensor) -> None:
-        """Store a packed prefill's ring entries (``[Nt, ...]`` each) in the prefix store at
-        the rows the capture table gives (``ctx.prefix_rows``); tokens of rows this form does
-        not run (``form_slots`` 0) go to the null block."""
+        """Store a packed prefill's ring entries (``[Nt, ...]`` each; their stored part) in
+        the prefix store at the rows the capture table gives (``ctx.prefix_rows``); tokens of
+        rows this form does not run (``form_slots`` 0) go to the null block."""
         if ctx.prefix_rows is None:
             return
         pools = ctx.cache.layers[self.layer_id]["prefix"]
         rows = ctx.prefix_rows
         rows = torch.where(form_slots[ctx.token_rows] != 0, rows, torch.zeros_like(rows))
-        for t, v in zip(pools.entries.tensors(), entries):
+        for t, v in zip(pools.entries.tensors(), self.stored_entries(entries)):
             t[rows] = v.to(t.dtype)
+
+    def _conv_rows(self, pre: Tensor) -> Tensor:
+        """``silu(conv)`` output at the last of ``W`` conv inputs ``pre [R, W, C]`` -> ``[R, C]``
+        (the prefill's arithmetic: :func:`ops.conv.conv_prefill`)."""
+        w, b = self._conv_weight()
+        return ops_for("conv").conv_prefill(pre, w, b, None, self.activation)[0][:, -1]
 
     def allocate(self, P: int, capacity: int, dtype, device, paged=None, mode: str = "replay") -> dict:
         """Per-layer cache for ``P`` slots (null slot included): the conv window plus what the

@@ -86,6 +86,8 @@ class CacheLayout:
     prefix_block_bytes: int = 0  # one prefix-store block over all SSM layers (entries + conv inputs)
     checkpoint_bytes: int = 0    # one prefix-store checkpoint over all SSM layers
     prefix_slot_bytes: int = 0   # the prefix store's per-slot bookkeeping (capture table row)
+    fold_token_bytes: int = 0    # one token's whole ring entry and conv input over all SSM layers
+                                 # (what a resume reads per folded token)
 
     @property
     def kv_token_bytes(self) -> int:
@@ -255,7 +257,10 @@ class ModelCache:
         pre_block = build(2, prefix=(2, 1)).nbytes() - pre
         ckpt = build(2, prefix=(1, 2)).nbytes() - pre
         pre_slot = build(3, prefix=(1, 1)).nbytes() - pre - slot
-        return CacheLayout(mode, slot, block, kv_block_size, state, entry, attn_block, pre_block, ckpt, pre_slot)
+        wins = [st["conv"].window for st in one.layers.values() if "conv" in st]
+        conv_in = sum(w.nbytes // (w.shape[0] * w.shape[2]) for w in wins if w.shape[2])
+        return CacheLayout(mode, slot, block, kv_block_size, state, entry, attn_block, pre_block, ckpt, pre_slot,
+                           entry + conv_in)
 
     # ------------------------------------------------------------------ queries
     def mode_of(self, slot: int) -> str:

@@ -1,8 +1,10 @@
 """Prefix caching on a :class:`~replayssm.models.cache.ModelCache`: fill the prefix store, and
 resume a slot exactly at any token of a cached prefix.
 
-The store (:mod:`replayssm.cache.prefix`) keeps per SSM layer every token's ring entry and
-conv input plus checkpoint states at fixed positions; attention layers share their key /
+The store (:mod:`replayssm.cache.prefix`) keeps per SSM layer every token's conv input and
+the rest of its ring entry (GDN: the whole entry; Mamba-2: ``Δ``, its ``x`` and ``B`` being
+rebuilt from the conv inputs where a resume or checkpoint reads them) plus checkpoint states
+at fixed positions; attention layers share their key /
 value blocks through the attention pool's reference counts.  Which store block and
 checkpoint row belong to which cached prefix is the engine's business
 (:mod:`replayssm.engine.prefix_cache`); the functions here take those ids as plain ints, so
@@ -30,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..cache.paged import PoolExhausted
+from ..cache.paged import PagedPlan, PoolExhausted
 
 
 def _ssm_layers(cache):
@@ -147,11 +149,11 @@ def _checkpoint_wave(cache, jobs: list[dict]) -> None:
         s_rows = torch.tensor([j["row"] for j in sj], dtype=torch.long, device=dev)
         s_slots = torch.tensor([j["slot"] for j in sj], dtype=torch.long, device=dev)
     if fj:
-        bs = cache.prefix.block_size
         f_rows = torch.tensor([j["row"] for j in fj], dtype=torch.long, device=dev)
-        plan = cache.prefix.chains_plan([(j["chain"][j["start"] // bs:], j["stop"] - j["start"]) for j in fj])
+        spans = [(j["chain"], j["start"], j["stop"]) for j in fj]
         has_base = torch.tensor([j["base"] is not None for j in fj], device=dev)
         bases = torch.tensor([j["base"] or 0 for j in fj], dtype=torch.long, device=dev)
+    memo: dict = {}
     for layer in _ssm_layers(cache):
         store = cache.layers[layer.layer_id]
         pools = store["prefix"]
@@ -160,7 +162,43 @@ def _checkpoint_wave(cache, jobs: list[dict]) -> None:
         if fj:
             S0 = torch.where(has_base.view(-1, *[1] * (pools.ckpt.dim() - 1)), pools.ckpt[bases],
                              torch.zeros((), dtype=pools.ckpt.dtype, device=dev))
-            pools.ckpt[f_rows] = layer.fold(pools.entries, plan, S0).to(pools.ckpt.dtype)
+            entries, plan = _fold_source(cache.prefix, layer, pools, spans, memo)
+            pools.ckpt[f_rows] = layer.fold(entries, plan, S0).to(pools.ckpt.dtype)
+
+
+def _windows(table, spans, width: int, memo: dict, name: str) -> tuple[Tensor, Tensor]:
+    """``PrefixTable.window_rows`` of every ``(chain, start, stop)`` span, concatenated;
+    computed once per span list ``name`` and conv width (``memo``)."""
+    key = (name, width)
+    if key not in memo:
+        parts = [table.window_rows(chain, start, stop, width) for chain, start, stop in spans]
+        dev = table.device
+        memo[key] = (torch.cat([r for r, _ in parts]) if parts else torch.zeros(0, width, dtype=torch.long, device=dev),
+                     torch.cat([v for _, v in parts]) if parts else torch.zeros(0, width, dtype=torch.bool, device=dev))
+    return memo[key]
+
+
+def _fold_source(table, layer, pools, spans, memo: dict):
+    """``(entries, plan)`` that ``layer.fold`` reads for ``spans`` of ``(chain, start, stop)``
+    (positions ``start .. stop-1``, ``start`` a block boundary), one plan row per span: the
+    store itself where the layer keeps whole entries, else the entries rebuilt from the conv
+    inputs (``layer.prefix_entries``) into a scratch pool of the same layout."""
+    bs, dev = table.block_size, table.device
+    if layer.stores_entries:
+        return pools.entries, table.chains_plan([(chain[start // bs:], stop - start) for chain, start, stop in spans])
+    rows, valid = _windows(table, spans, layer.conv_kernel, memo, "fold")
+    nb = [-(-(stop - start) // bs) for _, start, stop in spans]
+    scratch = layer.alloc_pages(1 + sum(nb), bs, pools.preconv.dtype, dev)   # block 0: the null block
+    firsts = [1 + sum(nb[:i]) for i in range(len(nb))]
+    dst = torch.cat([torch.arange(stop - start, dtype=torch.long) + f * bs for (_, start, stop), f in zip(spans, firsts)]
+                    + [torch.zeros(0, dtype=torch.long)]).to(dev)
+    for t, v in zip(scratch.tensors(), layer.prefix_entries(pools, rows, valid)):
+        t[dst] = v.to(t.dtype)
+    width = max(nb + [1])
+    blocks = torch.tensor([list(range(f, f + n)) + [0] * (width - n) for f, n in zip(firsts, nb)], dtype=torch.long)
+    lengths = torch.tensor([stop - start for _, start, stop in spans], dtype=torch.long)
+    return scratch, PagedPlan(torch.zeros(len(spans), dtype=torch.long, device=dev), lengths.to(dev),
+                              blocks.to(dev), 1, bs)
 
 
 def _window_rows(table, chain: list[int], length: int, width: int) -> tuple[Tensor, Tensor]:
@@ -268,10 +306,9 @@ def _apply(cache, plans: list[dict]) -> None:
     table, bs, dev = cache.prefix, cache.prefix.block_size, cache.device
     kvs = [q for q in plans if q["form"] == "kv"]
     sts = [q for q in plans if q["form"] != "kv"]
-    cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=dev)  # noqa: E731
     # index work shared by every SSM layer, done once
     if kvs:
-        kv_src = cat([table.chain_rows(q["chain"], 0, q["length"]) for q in kvs])
+        kv_spans = [(q["chain"], 0, q["length"]) for q in kvs]
         dst = []
         for q in kvs:
             blocks = torch.tensor(cache.pidx.blocks_of(q["slot"]), dtype=torch.long)
@@ -284,33 +321,38 @@ def _apply(cache, plans: list[dict]) -> None:
         folds, which = {}, []
         for q in sts:
             stop = q["length"] - q["h"]
-            key = (tuple(q["chain"][q["c"] // bs:-(-stop // bs)]), q["c"], q["row"], stop)
+            key = (tuple(q["chain"][:-(-stop // bs)]), q["c"], q["row"], stop)
             which.append(folds.setdefault(key, len(folds)))
         keys = list(folds)
-        fold = table.chains_plan([(list(k[0]), k[3] - k[1]) for k in keys])
+        fold_spans = [(list(k[0]), k[1], k[3]) for k in keys]
         has_ckpt = torch.tensor([k[2] is not None for k in keys], device=dev)
         ckpt_rows = torch.tensor([0 if k[2] is None else k[2] for k in keys], dtype=torch.long, device=dev)
         which = torch.tensor(which, dtype=torch.long, device=dev)
         ringed = [q for q in sts if q["h"]]
-        ring_src = cat([table.chain_rows(q["chain"], q["length"] - q["h"], q["length"]) for q in ringed])
+        ring_spans = [(q["chain"], q["length"] - q["h"], q["length"]) for q in ringed]
         ring_slot = torch.tensor([q["slot"] for q in ringed for _ in range(q["h"])], dtype=torch.long).to(dev)
         ring_pos = torch.tensor([j for q in ringed for j in range(q["h"])], dtype=torch.long).to(dev)
     all_slots = torch.tensor([q["slot"] for q in plans], dtype=torch.long, device=dev)
     windows = {}                                           # conv width - 1 -> (store rows, valid) [R, W-1]
+    memo: dict = {}                                        # (spans, conv width) -> window rows
     for layer in _ssm_layers(cache):
         store = cache.layers[layer.layer_id]
         pools = store["prefix"]
+        W = layer.conv_kernel
         if kvs:
-            for t_dst, t_src in zip(store["kv"].tensors(), pools.entries.tensors()):
-                t_dst[kv_dst] = t_src[kv_src]
+            rows, valid = _windows(table, kv_spans, W, memo, "kv")
+            for t_dst, v in zip(store["kv"].tensors(), layer.prefix_entries(pools, rows, valid)):
+                t_dst[kv_dst] = v.to(t_dst.dtype)
         if sts:
             S0 = torch.where(has_ckpt.view(-1, *[1] * (pools.ckpt.dim() - 1)), pools.ckpt[ckpt_rows],
                              torch.zeros((), dtype=pools.ckpt.dtype, device=dev))
             buf = store["buf"]
-            buf.state[st_slots] = layer.fold(pools.entries, fold, S0).to(buf.state.dtype)[which]
+            entries, fold = _fold_source(table, layer, pools, fold_spans, memo)
+            buf.state[st_slots] = layer.fold(entries, fold, S0).to(buf.state.dtype)[which]
             if ringed:
-                for t_ring, t_src in zip(buf.ring_tensors(), pools.entries.tensors()):
-                    t_ring[ring_slot, ring_pos] = t_src[ring_src].to(t_ring.dtype)
+                rows, valid = _windows(table, ring_spans, W, memo, "ring")
+                for t_ring, v in zip(buf.ring_tensors(), layer.prefix_entries(pools, rows, valid)):
+                    t_ring[ring_slot, ring_pos] = v.to(t_ring.dtype)
         win = store["conv"].window
         W1 = win.shape[2]
         if W1:
