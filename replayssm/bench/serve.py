@@ -244,15 +244,30 @@ def summarize(results: list[Result], dur: float) -> dict:
 
 
 def scrape(url: str) -> dict:
+    """The server's metrics by name (labels dropped, finish reasons summed); histogram
+    buckets as ``name{le=X}``."""
     import httpx
 
     out = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line and not line.startswith("#"):
             name, _, val = line.rpartition(" ")
-            out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(val) if "finished_reason" in name \
-                else float(val)
+            base = name.split("{")[0]
+            if 'le="' in name:
+                base += "{le=" + name.split('le="')[1].split('"')[0] + "}"
+            out[base] = out.get(base, 0.0) + float(val) if "finished_reason" in name else float(val)
     return out
+
+
+SLOW_STEP_S = 0.5   # a step longer than this stalls every stream in flight (bench serve reports them)
+
+
+def step_counts(before: dict, after: dict) -> tuple[int, int]:
+    """``(engine steps, steps longer than SLOW_STEP_S)`` between two scrapes."""
+    name = "replayssm_engine_step_seconds"
+    d = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
+    steps = d(name + "_count")
+    return int(steps), int(steps - d(f"{name}_bucket{{le={SLOW_STEP_S}}}"))
 
 
 def model_name(url: str) -> str:
@@ -463,11 +478,13 @@ def main(argv: list[str] | None = None) -> int:
                     toks = after.get("replayssm_spec_decode_tokens_total", 0) - before.get(
                         "replayssm_spec_decode_tokens_total", 0)
                     row["mean_accepted_length"] = toks / steps if steps else float("nan")
+                    row["engine_steps"], row["slow_steps"] = step_counts(before, after)
                     row["rate"] = "inf" if math.isinf(rate) else rate
                     rows.append(row)
                     print(f"[bench serve] {name} @ {row['rate']} req/s: {row['output_tokens_per_s']:.0f} out tok/s, "
                           f"TTFT p50 {row['p50_ttft_ms']:.0f} ms, TPOT p50 {row['p50_tpot_ms']:.1f} ms, "
-                          f"acc {row['mean_accepted_length']:.2f}, failed {row['failed']}", file=sys.stderr,
+                          f"acc {row['mean_accepted_length']:.2f}, failed {row['failed']}, "
+                          f"{row['slow_steps']} of {row['engine_steps']} steps over {SLOW_STEP_S} s", file=sys.stderr,
                           flush=True)
                 res["runs"][name] = rows
             finally:

@@ -22,8 +22,18 @@ def test_bench_serve_smoke(tmp_path, capsys):
         assert r["output_tokens"] == 6 * 8
         assert 0 < r["p50_ttft_ms"] <= r["p99_ttft_ms"] and r["p50_tpot_ms"] > 0
         assert r["mean_accepted_length"] > 1.5       # walk prompts: prompt lookup finds the continuation
+        assert r["engine_steps"] >= 8 / 5 and 0 <= r["slow_steps"] <= r["engine_steps"]   # from the step histogram
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "replay+spec" in capsys.readouterr().out
+
+
+def test_step_counts_read_the_step_histogram():
+    from replayssm.bench.serve import SLOW_STEP_S, step_counts
+
+    name = "replayssm_engine_step_seconds"
+    before = {f"{name}_count": 10.0, f"{name}_bucket{{le={SLOW_STEP_S}}}": 9.0}
+    after = {f"{name}_count": 30.0, f"{name}_bucket{{le={SLOW_STEP_S}}}": 26.0}
+    assert step_counts(before, after) == (20, 3)
 
 
 @pytest.mark.parametrize("preset,model_type", [("nemotron-h-tiny", "nemotron_h"), ("qwen3-next-tiny", "qwen3_next")])
