@@ -107,13 +107,27 @@ class NgramIndex:
         self.n_min, self.n_max = n_min, n_max
         self.maps: dict[int, dict[tuple, list[int]]] = {n: {} for n in range(n_min, n_max + 1)}
         self.indexed = 0
+        self.tokens: list[int] = []   # :meth:`sync`'s copy of the sequence's tokens
+
+    def sync(self, prompt: list[int], output: list[int]) -> list[int]:
+        """The index's own copy of an append-only sequence (``prompt + output``), extended by
+        the tokens it lacks: a lookup costs the new tokens, not a copy of the whole context
+        (``Sequence.all_ids`` concatenates, 32 K tokens x 256 rows per step)."""
+        ids, P = self.tokens, len(prompt)
+        if len(ids) < P:
+            ids.extend(prompt[len(ids):])
+        ids.extend(output[len(ids) - P:])
+        return ids
 
     def update(self, ids: list[int]) -> None:
         L, first = len(ids), self.indexed
+        if L <= first:
+            return
         for n, m in self.maps.items():
+            get = m.get
             for start in range(max(0, first - n + 1), L - n + 1):
                 key = tuple(ids[start:start + n])
-                lst = m.get(key)
+                lst = get(key)
                 if lst is None:
                     m[key] = [start]
                 else:
@@ -144,9 +158,10 @@ class _NgramBase(Drafter):
 
     def _lookup(self, s: Sequence, length: int, count: int) -> list[list[int]]:
         idx = self._index.get(s.request_id)
-        if idx is None:
+        if idx is None or idx.owner is not s:   # a request id used again after its release
             idx = self._index[s.request_id] = NgramIndex(self.n_min, self.n_max)
-        return idx.continuations(s.all_ids, length, count) if length > 0 else []
+            idx.owner = s
+        return idx.continuations(idx.sync(s.prompt_ids, s.output_ids), length, count) if length > 0 else []
 
     def release(self, seq):
         self._index.pop(seq.request_id, None)

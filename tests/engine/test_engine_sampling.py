@@ -234,3 +234,24 @@ def test_ngram_index_matches_brute_force():
             if rng.random() < 0.5:
                 length, count = rng.randint(1, 5), rng.randint(1, 4)
                 assert idx.continuations(ids, length, count) == ngram_continuations(ids, n_min, n_max, length, count)
+
+
+def test_ngram_drafter_keeps_its_own_copy_of_each_sequence():
+    """The drafter's lookups (``NgramIndex.sync``: the new tokens only, no concatenation of
+    the whole context per step) equal a full scan of ``prompt + output`` as outputs grow,
+    and a request id used again by a new sequence gets a fresh index."""
+    import random
+
+    from replayssm import SamplingParams
+    from replayssm.engine.sequence import Sequence
+    from replayssm.engine.speculative import NgramTreeDrafter, ngram_continuations
+
+    rng = random.Random(1)
+    drafter = NgramTreeDrafter(3, 3, 1, 3, "cpu")
+    for trial in range(6):
+        s = Sequence([rng.randrange(4) for _ in range(rng.randint(1, 30))], SamplingParams(max_tokens=64),
+                     request_id="same-id")      # every trial reuses the id (the last one was not released)
+        for _ in range(12):
+            s.output_ids.extend(rng.randrange(4) for _ in range(rng.randint(1, 4)))
+            got = drafter._lookup(s, 4, 3)
+            assert got == ngram_continuations(s.prompt_ids + s.output_ids, 1, 3, 4, 3)
