@@ -166,7 +166,7 @@ class MTPDrafter(Drafter):
         for s in seqs:
             nodes = self._nodes.get(s.request_id) or [0]
             a = len(nodes)
-            toks = s.all_ids[-a:]
+            toks = s.last_ids(a)
             rows.append([s.slot, a] + toks + toks[-1:] * (K1 - a) + nodes + nodes[-1:] * (K1 - a))
         t = torch.tensor(rows, dtype=torch.long)
         if self.device.type == "cuda":

@@ -73,7 +73,19 @@ class Sequence:
     # -- token views ---------------------------------------------------------------------
     @property
     def all_ids(self) -> list[int]:
+        """``prompt_ids + output_ids`` (a new list: per-step code uses :meth:`token_at` /
+        :meth:`last_ids`, which do not copy the context)."""
         return self.prompt_ids + self.output_ids
+
+    def token_at(self, i: int) -> int:
+        """Token ``i`` of ``all_ids`` (``0 <= i < num_tokens``) without building it."""
+        P = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < P else self.output_ids[i - P]
+
+    def last_ids(self, k: int) -> list[int]:
+        """The last ``k >= 1`` tokens of ``all_ids`` without building it."""
+        out = self.output_ids[-k:]
+        return self.prompt_ids[len(self.prompt_ids) - (k - len(out)):] + out if len(out) < k else out
 
     @property
     def num_tokens(self) -> int:

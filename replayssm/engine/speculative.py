@@ -267,7 +267,7 @@ class _DraftModelBase(Drafter):
             behind = [s for s in seqs if s.num_tokens - s.draft_cached > 1]
             if not behind:
                 break
-            toks = torch.tensor([s.all_ids[s.draft_cached] for s in behind], dtype=torch.long)
+            toks = torch.tensor([s.token_at(s.draft_cached) for s in behind], dtype=torch.long)
             self.runner.decode([s.slot for s in behind], toks)
             for s in behind:
                 s.draft_cached += 1

@@ -109,3 +109,20 @@ def test_kv_pool_running_dry_ends_requests_with_an_error(target, expected):
         assert o.token_ids == e[: len(o.token_ids)]
     assert any(o.finish_reason == "length" for o in outs) or len(errs) == 3
     assert not llm.has_unfinished() and llm.scheduler.reserved == 0
+
+
+def test_sequence_token_views_equal_all_ids():
+    """``token_at`` / ``last_ids`` (the per-step views the drafters use) equal indexing
+    ``all_ids``, which copies the whole context."""
+    import random
+
+    from replayssm import SamplingParams
+    from replayssm.engine.sequence import Sequence
+
+    rng = random.Random(0)
+    for _ in range(200):
+        s = Sequence([rng.randrange(9) for _ in range(rng.randint(1, 6))], SamplingParams(max_tokens=30))
+        s.output_ids.extend(rng.randrange(9) for _ in range(rng.randint(0, 6)))
+        a = s.all_ids
+        assert [s.token_at(i) for i in range(len(a))] == a
+        assert all(s.last_ids(k) == a[-k:] for k in range(1, len(a) + 1))
