@@ -106,7 +106,7 @@ def engine_flags(args, mode: str, spec: bool) -> list[str]:
     add_engine_args(p)
     out = ["--mode", mode, "--max-queue", str(100_000), "--log-level", "warning"]
     for a in p._actions:
-        if a.dest in ("mode", "speculative", "help") or not a.option_strings:
+        if a.dest in ("mode", "speculative", "speculative_config", "help") or not a.option_strings:
             continue
         v = getattr(args, a.dest, a.default)
         if v == a.default or v is None:

@@ -9,6 +9,7 @@ picks a free port and prints it).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -38,11 +39,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-lookup-max", type=int, default=3)
     g.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                    help="steps with more than N running sequences decode without speculation")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's form of the speculation flags, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4}' (instead of --speculative ...)")
     g.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     g.add_argument("--cuda-graphs", action="store_true", help="capture decode and speculative steps (CUDA)")
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (cache slots)")
-    g.add_argument("--max-seq-len", type=int, default=2048, help="context length (prompt + generated)")
+    g.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=2048,
+                   help="context length (prompt + generated)")
     g.add_argument("--memory-budget", type=float, default=None, help="bytes of cache the scheduler may reserve")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="share of free GPU memory for caches when --memory-budget is not given")
@@ -63,6 +68,44 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (CPU)")
 
 
+#: ``--speculative-config`` keys (vLLM's names) -> SpeculativeConfig fields
+_VLLM_SPEC_KEYS = {"method": None, "model": "draft_model", "num_speculative_tokens": "num_tokens",
+                   "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max",
+                   "disable_by_batch_size": "disable_by_batch_size"}
+
+
+def speculative_from_json(text: str) -> SpeculativeConfig:
+    """A :class:`SpeculativeConfig` from vLLM's ``--speculative-config`` JSON: ``method``
+    ``ngram``, ``draft_model`` (or a ``model`` without a method), ``mtp`` / ``*_mtp`` (the
+    checkpoint's own MTP head), plus ``num_speculative_tokens``, ``prompt_lookup_min/max``,
+    ``disable_by_batch_size``.  Anything else is refused by name."""
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {type(cfg).__name__}")
+    unknown = sorted(set(cfg) - set(_VLLM_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: unsupported keys {unknown}; supported: {sorted(_VLLM_SPEC_KEYS)}")
+    method = cfg.get("method")
+    if method is None or method == "draft_model":
+        if cfg.get("model") is None:
+            raise ValueError("--speculative-config needs a 'method' (ngram, draft_model, mtp) or a draft 'model'")
+        ours = "draft"
+    elif method == "ngram":
+        ours = "ngram"
+    elif method == "mtp" or (isinstance(method, str) and method.endswith("_mtp")):
+        ours = "mtp"
+    else:
+        raise ValueError(f"--speculative-config: method {method!r} is not supported here; use ngram, "
+                         f"draft_model (with 'model') or mtp")
+    kw = {_VLLM_SPEC_KEYS[k]: v for k, v in cfg.items() if k != "method"}
+    if ours != "draft" and kw.get("draft_model") is not None:
+        raise ValueError(f"--speculative-config: method {method!r} takes no 'model'")
+    return SpeculativeConfig(ours, **kw)
+
+
 def build_engine(model_dir: str, args):
     """An ``LLM`` from :func:`add_engine_args` flags."""
     if args.torch_threads:
@@ -70,7 +113,11 @@ def build_engine(model_dir: str, args):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     spec = None
-    if args.speculative:
+    if getattr(args, "speculative_config", None):
+        if args.speculative:
+            raise ValueError("give either --speculative or --speculative-config, not both")
+        spec = speculative_from_json(args.speculative_config)
+    elif args.speculative:
         draft = args.draft_model
         if args.speculative == "draft" and draft is None:
             raise ValueError("--speculative draft needs --draft-model DIR")

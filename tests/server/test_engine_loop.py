@@ -117,3 +117,33 @@ def test_slow_steps_are_logged_with_where_their_time_went(caplog):
     msgs = [r.getMessage() for r in caplog.records if r.name == "replayssm.server"]
     assert msgs and all("slow engine step" in m and "prefill" in m and "decode" in m and "running" in m
                         for m in msgs), msgs
+
+
+def test_vllm_flags_are_understood():
+    """vLLM's ``--speculative-config`` JSON and ``--max-model-len`` work as they do there; what
+    we do not support is refused by name, before any engine is built."""
+    from pathlib import Path
+
+    from replayssm.server.cli import build_engine, build_parser, speculative_from_json
+
+    sp = speculative_from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,'
+                               ' "disable_by_batch_size": 8}')
+    assert (sp.method, sp.num_tokens, sp.prompt_lookup_max, sp.disable_by_batch_size) == ("ngram", 3, 4, 8)
+    assets = Path(__file__).resolve().parents[2] / "replayssm" / "assets"
+    sp = speculative_from_json(f'{{"model": "{assets / "tiny-mamba2-draft"}", "num_speculative_tokens": 2}}')
+    assert sp.method == "draft" and sp.num_tokens == 2
+    assert speculative_from_json('{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}').method == "mtp"
+    for bad, msg in (('{"method": "eagle3", "model": "x"}', "not supported"), ('[1]', "JSON object"),
+                     ('{"method": "ngram", "acceptance": 1}', "unsupported keys"), ("{nope", "not valid JSON"),
+                     ('{"num_speculative_tokens": 2}', "needs a 'method'"),
+                     ('{"method": "ngram", "model": "x"}', "takes no 'model'")):
+        with pytest.raises(ValueError, match=msg):
+            speculative_from_json(bad)
+    model = str(assets / "tiny-mamba2")
+    args = build_parser().parse_args([model, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                                      "--max-model-len", "300", "--device", "cpu", "--max-num-seqs", "2"])
+    llm = build_engine(model, args)
+    assert llm.config.speculative.num_tokens == 2 and llm.config.max_seq_len == 300
+    both = build_parser().parse_args([model, "--speculative", "ngram", "--speculative-config", '{"method": "ngram"}'])
+    with pytest.raises(ValueError, match="not both"):
+        build_engine(model, both)
