@@ -43,7 +43,7 @@ def test_cuda_modes(cuda_model, mode, graphs):
     m, expected = cuda_model
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        llm = LLM(m, device=DEVICE, dtype="float32", decode_mode=mode, cuda_graphs=graphs, max_seq_len=128,
+        llm = LLM(m, device=DEVICE, dtype="float32", decode_mode=mode, cuda_graphs=graphs, max_seq_len=128, max_num_seqs=len(PROMPTS),
                   auto_threshold=10)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
     assert [o.token_ids for o in outs] == expected  # graphs or their eager fallback: exact
@@ -135,7 +135,7 @@ def test_cuda_speculation(cuda_model, method, mode):
                            tree_depth=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        llm = LLM(m, device=DEVICE, dtype="float32", decode_mode=mode, speculative=sp, max_seq_len=128,
+        llm = LLM(m, device=DEVICE, dtype="float32", decode_mode=mode, speculative=sp, max_seq_len=128, max_num_seqs=len(PROMPTS),
                   auto_threshold=10, cuda_graphs=True)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
     assert [o.token_ids for o in outs] == expected

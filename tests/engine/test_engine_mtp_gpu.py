@@ -43,7 +43,7 @@ def test_cuda_mtp(cuda_mtp_model, mode, graphs, tree):
     sp = SpeculativeConfig("mtp", num_tokens=3, tree=tree, tree_width=2)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        llm = LLM(m, device="cuda", dtype="float32", decode_mode=mode, cuda_graphs=graphs, max_seq_len=128,
+        llm = LLM(m, device="cuda", dtype="float32", decode_mode=mode, cuda_graphs=graphs, max_seq_len=128, max_num_seqs=len(PROMPTS),
                   auto_threshold=10, speculative=sp, buffer_size=16)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
     assert [o.token_ids for o in outs] == expected
