@@ -22,8 +22,8 @@ import zlib
 import torch
 
 from ..models.config import parse_config, read_config
-from ..models.loader import (_FP32_PARAMS, _IGNORED, WeightError, _install, _model_class, _resolve,
-                             _transformed_checked, _weight_files, parse_dtype)
+from ..models.loader import (_FP32_PARAMS, WeightError, _install, _model_class, _transformed_checked,
+                             _weight_files, parse_dtype, source_plan)
 from ..runtime import canonical_device, compute_dtype
 from .layers import build_local_model
 from .sharding import ROOT_ONLY, Shard, local_config, shard_rules
@@ -112,22 +112,7 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
     lparams = dict(model.named_parameters())
     if set(gparams) != set(lparams):  # pragma: no cover - the local model mirrors the global one
         raise WeightError(f"local model parameters differ from the global model's: {sorted(set(gparams) ^ set(lparams))[:4]}")
-    aliases = type(gmodel).key_aliases()
-    plan, missing = {}, []
-    for name, p in gparams.items():
-        src = _resolve(name, tuple(p.shape), key_file, aliases)
-        if src is None:
-            missing.append(name)
-        else:
-            plan[name] = src
-    if missing:
-        raise WeightError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: "
-                          + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
-    used = {k for s in plan.values() for k in s.keys}
-    extra = [k for k in key_file if k not in used and not any(r.search(k) for r in _IGNORED)]
-    if extra:
-        raise WeightError(f"{path}: {len(extra)} unexpected tensor(s) not used by a {cfg.model_type} model: "
-                          + ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else ""))
+    plan = source_plan(path, cfg, gparams, key_file, type(gmodel).key_aliases())
     rules = shard_rules(gmodel, size, rank)
     transforms = model.load_transforms()
     handles = {}

@@ -141,6 +141,32 @@ def _install(model: nn.Module, name: str, t: torch.Tensor) -> None:
     mod._parameters[leaf] = nn.Parameter(t, requires_grad=False)
 
 
+def source_plan(path: str, cfg, params: dict, key_file: dict, aliases) -> dict[str, _Source]:
+    """Each parameter's checkpoint source (``params``: name -> parameter of the model being
+    built); ``WeightError`` naming the tensors the checkpoint lacks or holds beyond the
+    model's (ignored keys aside).  Shared by :func:`load_model` and the tensor-parallel loader."""
+    plan: dict[str, _Source] = {}
+    missing = []
+    for name, p in params.items():
+        src = _resolve(name, tuple(p.shape), key_file, aliases)
+        if src is None:
+            missing.append(name)
+        else:
+            plan[name] = src
+    if missing:
+        hint = (" (the checkpoint has no MTP head, which speculative method 'mtp' needs)"
+                if all(n.startswith("mtp.") for n in missing) else "")
+        raise WeightError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: "
+                          + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "") + hint)
+    used = {k for s in plan.values() for k in s.keys}
+    extra = [k for k in key_file if k not in used and not any(r.search(k) for r in _IGNORED)]
+    if extra:
+        raise WeightError(f"{path}: {len(extra)} unexpected tensor(s) not used by a {cfg.model_type} model: "
+                          + ", ".join(f"{k} (in {os.path.basename(key_file[k])})" for k in extra[:8])
+                          + (" ..." if len(extra) > 8 else ""))
+    return plan
+
+
 def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False):
     """Build the model in ``path`` (HF layout) on ``device`` with parameters in ``dtype``.
 
@@ -170,27 +196,8 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False):
         if mtp:
 
             attach_mtp(model, key_file)
-    aliases = cls.key_aliases()
     params = dict(model.named_parameters())
-    plan: dict[str, _Source] = {}
-    missing = []
-    for name, p in params.items():
-        src = _resolve(name, tuple(p.shape), key_file, aliases)
-        if src is None:
-            missing.append(name)
-        else:
-            plan[name] = src
-    if missing:
-        hint = (" (the checkpoint has no MTP head, which speculative method 'mtp' needs)"
-                if all(n.startswith("mtp.") for n in missing) else "")
-        raise WeightError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: "
-                          + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "") + hint)
-    used = {k for s in plan.values() for k in s.keys}
-    extra = [k for k in key_file if k not in used and not any(r.search(k) for r in _IGNORED)]
-    if extra:
-        raise WeightError(f"{path}: {len(extra)} unexpected tensor(s) not used by a {cfg.model_type} model: "
-                          + ", ".join(f"{k} (in {os.path.basename(key_file[k])})" for k in extra[:8])
-                          + (" ..." if len(extra) > 8 else ""))
+    plan = source_plan(path, cfg, params, key_file, cls.key_aliases())
     handles = {}
     try:
         for fn in sorted(set(key_file.values())):
