@@ -10,6 +10,7 @@ import torch
 
 from replayssm import LLM, SamplingParams
 from recompute_model import tiny_pair
+from server_helpers import DRAFT, MODEL
 from replayssm.server.engine_loop import AsyncEngine, EngineError, QueueFull, StepEngine
 
 
@@ -82,11 +83,9 @@ def test_failed_step_ends_its_requests_and_the_loop_goes_on():
 def test_serve_flags_reach_the_speculative_config():
     """``replayssm serve --speculative ngram --speculative-disable-by-batch-size 8`` builds that
     engine (and ``--warm-up`` parses); bad values are the config's clear errors."""
-    from pathlib import Path
-
     from replayssm.server.cli import build_engine, build_parser
 
-    model = str(Path(__file__).resolve().parents[2] / "replayssm" / "assets" / "tiny-mamba2")
+    model = str(MODEL)
     args = build_parser().parse_args([model, "--speculative", "ngram", "--speculative-disable-by-batch-size", "8",
                                       "--warm-up", "off", "--device", "cpu", "--max-num-seqs", "2"])
     llm = build_engine(model, args)
@@ -122,15 +121,12 @@ def test_slow_steps_are_logged_with_where_their_time_went(caplog):
 def test_vllm_flags_are_understood():
     """vLLM's ``--speculative-config`` JSON and ``--max-model-len`` work as they do there; what
     we do not support is refused by name, before any engine is built."""
-    from pathlib import Path
-
     from replayssm.server.cli import build_engine, build_parser, speculative_from_json
 
     sp = speculative_from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,'
                                ' "disable_by_batch_size": 8}')
     assert (sp.method, sp.num_tokens, sp.prompt_lookup_max, sp.disable_by_batch_size) == ("ngram", 3, 4, 8)
-    assets = Path(__file__).resolve().parents[2] / "replayssm" / "assets"
-    sp = speculative_from_json(f'{{"model": "{assets / "tiny-mamba2-draft"}", "num_speculative_tokens": 2}}')
+    sp = speculative_from_json(f'{{"model": "{DRAFT}", "num_speculative_tokens": 2}}')
     assert sp.method == "draft" and sp.num_tokens == 2
     assert speculative_from_json('{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}').method == "mtp"
     for bad, msg in (('{"method": "eagle3", "model": "x"}', "not supported"), ('[1]', "JSON object"),
@@ -139,7 +135,7 @@ def test_vllm_flags_are_understood():
                      ('{"method": "ngram", "model": "x"}', "takes no 'model'")):
         with pytest.raises(ValueError, match=msg):
             speculative_from_json(bad)
-    model = str(assets / "tiny-mamba2")
+    model = str(MODEL)
     args = build_parser().parse_args([model, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
                                       "--max-model-len", "300", "--device", "cpu", "--max-num-seqs", "2"])
     llm = build_engine(model, args)
