@@ -31,6 +31,13 @@ from ..cache.tree import ancestor_mask, path_to
 from ..runtime import canonical_device
 from .sampler import accept_greedy, accept_tree, blank_batch, process, token_logprobs
 
+#: CUDA graph capture checks only the capturing thread's CUDA calls.  In the default
+#: ("global") mode any thread of the process that calls a capture-unsafe CUDA API while a
+#: graph is captured invalidates the capture and fails its own call: a JAX runtime in the
+#: same process (``replayssm.jax.bench``) did exactly that on the H100 -- torch fell back to
+#: eager decode and JAX's stream was left in an error state.
+CAPTURE_ERROR_MODE = "thread_local"
+
 
 def batch_buckets(max_batch: int) -> list[int]:
     out, b = [], 1
@@ -314,7 +321,7 @@ class ModelRunner:
             if warm:  # on the null slot only
                 self._warm(body)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE):
                 outs = body()
             self._pool = graph.pool()
         except NotImplementedError:
@@ -422,7 +429,7 @@ class ModelRunner:
             if warm:  # on the null slot only
                 self._warm(lambda: self.model.decode(self.cache, s_in, t_in))
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE):
                 out = self.model.decode(self.cache, s_in, t_in)
             self._pool = graph.pool()
             entry = (graph, s_in, t_in, out)

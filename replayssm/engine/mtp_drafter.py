@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ..runtime import canonical_device
-from .model_runner import batch_buckets
+from .model_runner import CAPTURE_ERROR_MODE, batch_buckets
 from .sampler import Sampler, sample_from
 from .sequence import Sequence
 from .speculative import Drafter, Proposal, chain_parent
@@ -329,7 +329,7 @@ class MTPStepGraphs:
                     self.body(*ins)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE):
                 out = self.body(*ins)
             self._pool = graph.pool()
         except Exception as e:  # pragma: no cover - depends on the model's kernels
