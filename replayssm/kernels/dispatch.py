@@ -74,7 +74,7 @@ REFERENCE_ONLY = {
                "kv_tree_verify", "kv_fold"),
     "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
             "kv_tree_verify", "kv_fold"),
-    "conv": ("conv_prefill", "conv_tree", "conv_commit_tree"),
+    "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
     "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
     "moe": ("activation", "check_experts"),
 }

@@ -95,9 +95,7 @@ class Mamba2Mixer(SSMLayer):
     def prefix_entries(self, pools, rows: Tensor, valid: Tensor) -> list[Tensor]:
         """``x, B = split(silu(conv(conv inputs)))`` at each position (its ``W`` inputs, zeros
         before the sequence start), ``Δ`` from the store."""
-        pre = pools.preconv[rows]
-        pre = torch.where(valid[..., None], pre, torch.zeros((), dtype=pre.dtype, device=pre.device))
-        xb = self._conv_rows(pre)
+        xb = self._conv_rows(pools.preconv[rows], valid)
         R = rows.shape[0]
         x = xb[:, : self.inter].reshape(R, self.H, self.d)
         B = xb[:, self.inter: self.inter + self.G * self.n].reshape(R, self.G, self.n)

@@ -119,11 +119,12 @@ class SSMLayer(nn.Module):
         for t, v in zip(pools.entries.tensors(), self.stored_entries(entries)):
             t[rows] = v.to(t.dtype)
 
-    def _conv_rows(self, pre: Tensor) -> Tensor:
-        """``silu(conv)`` output at the last of ``W`` conv inputs ``pre [R, W, C]`` -> ``[R, C]``
-        (the prefill's arithmetic: :func:`ops.conv.conv_prefill`)."""
+    def _conv_rows(self, pre: Tensor, valid: Tensor | None = None) -> Tensor:
+        """``silu(conv)`` output at the last of ``W`` conv inputs ``pre [R, W, C]`` (``valid
+        [R, W]``: False reads as zero) -> ``[R, C]`` (the prefill's arithmetic, bit for bit:
+        :func:`ops.conv.conv_window_out`)."""
         w, b = self._conv_weight()
-        return ops_for("conv").conv_prefill(pre, w, b, None, self.activation)[0][:, -1]
+        return ops_for("conv").conv_window_out(pre, w, b, self.activation, valid)
 
     def allocate(self, P: int, capacity: int, dtype, device, paged=None, mode: str = "replay") -> dict:
         """Per-layer cache for ``P`` slots (null slot included): the conv window plus what the

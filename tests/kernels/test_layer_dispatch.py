@@ -264,7 +264,7 @@ def test_every_op_is_routed_or_declared_reference_only():
                    "kv_tree_verify", "kv_fold"),
         "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
                 "kv_tree_verify", "kv_fold"),
-        "conv": ("conv_prefill", "conv_tree", "conv_commit_tree"),
+        "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
         "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
         "moe": ("activation", "check_experts"),
     }

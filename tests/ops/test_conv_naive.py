@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from replayssm.cache.conv import ConvWindow
 from replayssm.ops.conv.naive import (conv_commit, conv_commit_tree, conv_decode, conv_prefill, conv_tree,
-                                      conv_verify)
+                                      conv_verify, conv_window_out)
 from replayssm.cache.tree import path_to
 
 f64 = torch.float64
@@ -225,3 +225,32 @@ def test_window_helpers_and_width_one():
     torch.testing.assert_close(out, x * w[:, 0])
     conv_commit(w1, torch.tensor([1, 2]), x, torch.tensor([2, 4]))
     assert w1.window.shape == (3, 3, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("W", [1, 2, 4])
+def test_window_out_is_the_prefills_last_output_bit_for_bit(dtype, W):
+    """``conv_window_out`` (prefix-store rebuilds) equals ``conv_prefill(pre)[0][:, -1]``
+    exactly, masked inputs reading as zeros, with and without bias / activation."""
+    g = torch.Generator().manual_seed(W)
+    R, C = 37, 13
+    pre = torch.randn(R, W, C, generator=g).to(dtype)
+    weight = torch.randn(C, W, generator=g).to(dtype)
+    bias = torch.randn(C, generator=g).to(dtype)
+    valid = torch.rand(R, W, generator=g) > 0.3
+    masked = torch.where(valid[..., None], pre, torch.zeros((), dtype=dtype))
+    for b, act in ((bias, "silu"), (None, None)):
+        want = conv_prefill(masked, weight, b, None, act)[0][:, -1]
+        got = conv_window_out(pre, weight, b, act, valid)
+        assert got.dtype == dtype and torch.equal(got, want)
+        assert torch.equal(conv_window_out(masked, weight, b, act), want)
+
+
+def test_window_out_rejects_bad_shapes():
+    pre = torch.zeros(3, 4, 5)
+    with pytest.raises(ValueError, match="pre must be"):
+        conv_window_out(pre[0], torch.zeros(5, 4))
+    with pytest.raises(ValueError, match="width 3"):
+        conv_window_out(pre, torch.zeros(5, 3))
+    with pytest.raises(ValueError, match="valid must be"):
+        conv_window_out(pre, torch.zeros(5, 4), valid=torch.ones(3, 3, dtype=torch.bool))

@@ -27,7 +27,7 @@ from ...runtime import compute_dtype, want_check
 from ..varlen import check_cu_seqlens, check_slots, seq_bounds
 
 __all__ = ["conv_prefill", "conv_decode", "conv_verify", "conv_commit", "conv_tree", "conv_commit_tree",
-           "conv_prefill_varlen"]
+           "conv_prefill_varlen", "conv_window_out"]
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -130,6 +130,41 @@ def conv_prefill(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         lengths = _check_counts(lengths, Bt, T, "lengths", want_check(None, lengths))
         final = _last_window(xp, lengths, W - 1)
     return out, final.to(x.dtype if window_init is None else window_init.dtype)
+
+
+def conv_window_out(pre: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None,
+                    valid: Tensor | None = None) -> Tensor:
+    """The causal conv's output at the last of each row's ``W`` inputs:
+    ``y_r = act(Σ_k w[:, k] · pre[r, k, :] + b)`` for ``pre [R, W, C]`` (``valid [R, W]``: inputs
+    where False read as zeros) -> ``[R, C]`` in ``pre.dtype``.
+
+    The same products summed in the same order as :func:`conv_prefill`'s last position (last
+    tap first, then taps ``0 .. W-2``), so equal to ``conv_prefill(pre)[0][:, -1]`` bit for bit,
+    without computing the other ``W - 1`` outputs (prefix-store rebuilds of ``x, B``).
+    """
+    if not isinstance(pre, Tensor) or pre.dim() != 3:
+        raise ValueError(f"pre must be [R, W, C], got {tuple(getattr(pre, 'shape', ()))}")
+    R, W, C = pre.shape
+    _check_x(pre, C, "pre")
+    _check_activation(activation)
+    weight = _check_weight(weight, bias, C, W)
+    if valid is not None and (not isinstance(valid, Tensor) or valid.dtype != torch.bool
+                              or tuple(valid.shape) != (R, W)):
+        raise ValueError(f"valid must be a bool tensor of shape [{R}, {W}]")
+    cdt = compute_dtype(pre, weight)
+    w = weight.to(cdt)
+    zero = torch.zeros((), dtype=cdt, device=pre.device)
+
+    def tap(k):
+        v = pre[:, k].to(cdt)
+        return v if valid is None else torch.where(valid[:, k, None], v, zero)
+
+    y = tap(W - 1) * w[None, :, W - 1]
+    for k in range(W - 1):
+        y = y + tap(k) * w[None, :, k]
+    if bias is not None:
+        y = y + bias.to(cdt)[None, :]
+    return _act(y, activation).to(pre.dtype)
 
 
 def _check_step(win: ConvWindow, slot, x_new, weight, bias, activation, check):
