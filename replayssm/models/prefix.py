@@ -182,23 +182,35 @@ def _fold_source(table, layer, pools, spans, memo: dict):
     """``(entries, plan)`` that ``layer.fold`` reads for ``spans`` of ``(chain, start, stop)``
     (positions ``start .. stop-1``, ``start`` a block boundary), one plan row per span: the
     store itself where the layer keeps whole entries, else the entries rebuilt from the conv
-    inputs (``layer.prefix_entries``) into a scratch pool of the same layout."""
+    inputs (``layer.prefix_entries``) into a scratch pool of the same layout.
+
+    ``memo`` (one per batch of folds over the same spans) keeps what every layer shares: the
+    window rows, the scratch layout's rows and plan, and the scratch pool itself per entry
+    layout (layers are folded one after another, so one pool serves them all)."""
     bs, dev = table.block_size, table.device
     if layer.stores_entries:
-        return pools.entries, table.chains_plan([(chain[start // bs:], stop - start) for chain, start, stop in spans])
+        if "chains_plan" not in memo:
+            memo["chains_plan"] = table.chains_plan([(chain[start // bs:], stop - start) for chain, start, stop in spans])
+        return pools.entries, memo["chains_plan"]
     rows, valid = _windows(table, spans, layer.conv_kernel, memo, "fold")
-    nb = [-(-(stop - start) // bs) for _, start, stop in spans]
-    scratch = layer.alloc_pages(1 + sum(nb), bs, pools.preconv.dtype, dev)   # block 0: the null block
-    firsts = [1 + sum(nb[:i]) for i in range(len(nb))]
-    dst = torch.cat([torch.arange(stop - start, dtype=torch.long) + f * bs for (_, start, stop), f in zip(spans, firsts)]
-                    + [torch.zeros(0, dtype=torch.long)]).to(dev)
+    if "scratch_plan" not in memo:
+        nb = [-(-(stop - start) // bs) for _, start, stop in spans]
+        firsts = [1 + sum(nb[:i]) for i in range(len(nb))]           # block 0: the null block
+        dst = torch.cat([torch.arange(stop - start, dtype=torch.long) + f * bs for (_, start, stop), f in zip(spans, firsts)]
+                        + [torch.zeros(0, dtype=torch.long)]).to(dev)
+        width = max(nb + [1])
+        blocks = torch.tensor([list(range(f, f + n)) + [0] * (width - n) for f, n in zip(firsts, nb)], dtype=torch.long)
+        lengths = torch.tensor([stop - start for _, start, stop in spans], dtype=torch.long)
+        memo["scratch_plan"] = (1 + sum(nb), dst, PagedPlan(torch.zeros(len(spans), dtype=torch.long, device=dev),
+                                                            lengths.to(dev), blocks.to(dev), 1, bs))
+    num_blocks, dst, plan = memo["scratch_plan"]
+    key = ("scratch", type(layer), layer.state_shape(), getattr(layer, "G", None), pools.preconv.dtype)
+    if key not in memo:
+        memo[key] = layer.alloc_pages(num_blocks, bs, pools.preconv.dtype, dev)
+    scratch = memo[key]
     for t, v in zip(scratch.tensors(), layer.prefix_entries(pools, rows, valid)):
         t[dst] = v.to(t.dtype)
-    width = max(nb + [1])
-    blocks = torch.tensor([list(range(f, f + n)) + [0] * (width - n) for f, n in zip(firsts, nb)], dtype=torch.long)
-    lengths = torch.tensor([stop - start for _, start, stop in spans], dtype=torch.long)
-    return scratch, PagedPlan(torch.zeros(len(spans), dtype=torch.long, device=dev), lengths.to(dev),
-                              blocks.to(dev), 1, bs)
+    return scratch, plan
 
 
 def _window_rows(table, chain: list[int], length: int, width: int) -> tuple[Tensor, Tensor]:

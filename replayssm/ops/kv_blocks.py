@@ -23,6 +23,12 @@ from ..runtime import capturing
 
 #: elements of scratch one run of blocks may use (about 32 MiB of float64)
 RUN_BUDGET = 1 << 22
+#: the same for ``kv_fold`` (prefix-store checkpoints and resumes: eager, never inside a CUDA
+#: graph, one call per layer over up to a checkpoint interval of tokens for many rows).  Its
+#: runs are sequential, each a dozen launches and a few full passes over its scratch, so at
+#: ``RUN_BUDGET`` a 16-row, 416-token fold of a Nemotron-H layer took 26 runs (H100,
+#: 2026-11-23: the fold and its rebuild were most of a 1–1.6 s prefix checkpoint step)
+FOLD_BUDGET = 1 << 26
 
 
 def held_blocks(pplan) -> int:

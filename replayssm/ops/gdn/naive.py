@@ -578,7 +578,7 @@ def _kv_run(kv, pos: Tensor, valid: Tensor, cdt):
     return u, k, g
 
 
-def _kv_fold(kv, pplan, cdt, S0: Tensor | None = None) -> Tensor:
+def _kv_fold(kv, pplan, cdt, S0: Tensor | None = None, budget: int = kv_blocks.RUN_BUDGET) -> Tensor:
     """``S_n = e^{pre_n} S0 + Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``
     (``S0 = 0`` when None), run by run:
     ``S ← e^{Σ_run g} S + Σ_{j∈run} e^{Σ_{v>j in run} g_v} k_j ⊗ u_j``."""
@@ -586,7 +586,7 @@ def _kv_fold(kv, pplan, cdt, S0: Tensor | None = None) -> Tensor:
     HV, V = kv.u.shape[1:]
     H, K = kv.k.shape[1:]
     S = torch.zeros(Bt, HV, K, V, dtype=cdt, device=kv.u.device) if S0 is None else S0.to(cdt)
-    for pos, valid in kv_blocks.runs(pplan, Bt * (2 * HV * V + 2 * H * K + HV * K + 4 * HV)):
+    for pos, valid in kv_blocks.runs(pplan, Bt * (2 * HV * V + 2 * H * K + HV * K + 4 * HV), budget=budget):
         u, k, g = _kv_run(kv, pos, valid, cdt)
         w = torch.where(valid[:, :, None], torch.exp(kv_blocks.suffix_after(g)),
                         torch.zeros((), dtype=cdt, device=u.device))
@@ -725,7 +725,7 @@ def kv_fold(kv, pplan, initial_state: Tensor | None = None, check: bool | None =
     if want_check(check, kv.u) and Bt and bool((pplan.length < 0).any()):
         raise ValueError("negative KV lengths in the paged plan")
     cdt = compute_dtype(kv.g.dtype, *(() if initial_state is None else (initial_state.dtype,)))
-    return _kv_fold(kv, pplan, cdt, initial_state)
+    return _kv_fold(kv, pplan, cdt, initial_state, kv_blocks.FOLD_BUDGET)
 
 
 def kv_to_state(kv, pplan, buf: GDNBuffers, slot: Tensor, check: bool | None = None) -> None:

@@ -662,7 +662,8 @@ def _kv_run(kv, pos: Tensor, valid: Tensor, A: Tensor, cdt):
     return xs, Bs, dts, A.to(cdt) * dts
 
 
-def _kv_fold(kv, pplan, A: Tensor, gidx: Tensor, cdt, S0: Tensor | None = None) -> Tensor:
+def _kv_fold(kv, pplan, A: Tensor, gidx: Tensor, cdt, S0: Tensor | None = None,
+             budget: int = kv_blocks.RUN_BUDGET) -> Tensor:
     """``S_n = e^{pre_n} S0 + Σ_{j<n} Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` per row ``[Bt,H,d,n]``
     (``S0 = 0`` when None), run by run:
     ``S ← e^{Σ_run l} S + Σ_{j∈run} e^{Σ_{v>j in run} l_v} Δ_j x_j B_jᵀ``."""
@@ -670,7 +671,7 @@ def _kv_fold(kv, pplan, A: Tensor, gidx: Tensor, cdt, S0: Tensor | None = None) 
     H, d = kv.x.shape[1:]
     n = kv.B.shape[2]
     S = torch.zeros(Bt, H, d, n, dtype=cdt, device=kv.x.device) if S0 is None else S0.to(cdt)
-    for pos, valid in kv_blocks.runs(pplan, Bt * (2 * H * d + 2 * kv.B.shape[1] * n + H * n + 4 * H)):
+    for pos, valid in kv_blocks.runs(pplan, Bt * (2 * H * d + 2 * kv.B.shape[1] * n + H * n + 4 * H), budget=budget):
         xs, Bs, dts, logs = _kv_run(kv, pos, valid, A, cdt)
         coef = torch.exp(kv_blocks.suffix_after(logs)) * dts  # 0 on invalid entries (dts = 0)
         S = torch.exp(logs.sum(1))[..., None, None] * S + torch.einsum(
@@ -811,7 +812,7 @@ def kv_fold(kv, pplan, A: Tensor, initial_state: Tensor | None = None, check: bo
     if want_check(check, kv.x) and Bt and bool((pplan.length < 0).any()):
         raise ValueError(f"negative KV lengths in the paged plan: {pplan.length.tolist()}")
     cdt = compute_dtype(kv.dt.dtype, *(() if initial_state is None else (initial_state.dtype,)))
-    return _kv_fold(kv, pplan, A, _group_index(H, G, device), cdt, initial_state)
+    return _kv_fold(kv, pplan, A, _group_index(H, G, device), cdt, initial_state, kv_blocks.FOLD_BUDGET)
 
 
 def kv_to_state(kv, pplan, buf: Mamba2Buffers, slot: Tensor, A: Tensor,
