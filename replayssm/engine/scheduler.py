@@ -107,8 +107,8 @@ class Scheduler:
         return batch
 
     def _chunk(self, seq: Sequence, left: int) -> int:
-        """Prompt tokens of ``seq`` to prefill this step (with prefix caching, a chunk the
-        budget cuts short ends on a checkpoint boundary: ``PrefixCache.align``)."""
+        """Prompt tokens of ``seq`` to prefill this step (with prefix caching, a chunk that
+        crosses a checkpoint boundary may end on it: ``PrefixCache.align``)."""
         n = min(seq.num_prompt_tokens - seq.num_prefilled, left)
         prefix = self.blocks.prefix
         return prefix.align(seq, n) if prefix is not None and n > 0 else n
