@@ -148,9 +148,7 @@ def run_workload(model, args, workload: str, caching: bool) -> dict:
     if args.memory_budget:
         kw["memory_budget"] = int(args.memory_budget)
     llm = LLM(model, **kw)
-    llm.generate([_rng_tokens(rng, 16, vocab) for _ in range(2)], SamplingParams(max_tokens=2, ignore_eos=True))
-    for k in llm.stats:   # warm-up done
-        llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
+    llm.warm_up()         # every step kind once (kernel compiles), as a server does; zeroes the counters
     sync(args.device)
     row = {"workload": workload, "caching": caching, "mode": kw["decode_mode"]}
     ttft, wall, outs, prompt_tokens, tokens = [], 0.0, 0, 0, []
