@@ -22,6 +22,7 @@ import zlib
 import torch
 
 from ..models.config import parse_config, read_config
+from ..models.header import check_sizes
 from ..models.loader import (_FP32_PARAMS, WeightError, _install, _model_class, _transformed_checked,
                              _weight_files, parse_dtype, source_plan)
 from ..runtime import canonical_device, compute_dtype
@@ -105,6 +106,7 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
     device = canonical_device(device)
     cfg = read_config(path)
     key_file = _weight_files(path)
+    check_sizes(cfg, key_file, os.path.join(path, "config.json"))  # before any skeleton is built
     if cfg.tie_word_embeddings and "lm_head.weight" in key_file:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group)

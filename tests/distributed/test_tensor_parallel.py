@@ -152,6 +152,26 @@ def test_bad_size_is_refused_before_any_process_starts(paths):
         check_tensor_parallel(dataclasses.replace(nem, moe_intermediate_size=7), 2)
 
 
+def test_a_config_that_contradicts_the_checkpoint_is_named_before_a_shard_is_built(paths, tmp_path, monkeypatch):
+    """The tensor-parallel loader runs the single-GPU loader's header check first: a config
+    field that the tensors contradict is a ConfigError naming it, before any skeleton."""
+    import json
+    import shutil
+
+    from replayssm.distributed import loading
+    from replayssm.models import ConfigError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(paths["mamba2"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["state_size"] = 2 * cfg["state_size"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(loading, "_skeletons", lambda *a, **k: pytest.fail("a shard skeleton was built"))
+    with pytest.raises(ConfigError, match="state_size") as e:
+        loading.load_shard(str(bad), 0, 2)
+    assert "config.json" in str(e.value)
+
+
 def test_each_rank_reads_only_its_shard(paths, monkeypatch):
     """Rank 1's load never reads a sharded tensor whole: only its slices come off the file."""
     import safetensors
