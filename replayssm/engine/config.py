@@ -34,17 +34,29 @@ def _int(name: str, v, lo: int | None = 0) -> int:
 def _float(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"{name} must be a number, got {v!r}")
-    v = float(v)
+    try:
+        v = float(v)
+    except OverflowError:
+        raise ValueError(f"{name} is too large for a float: {v!r}") from None
     if v != v:
         raise ValueError(f"{name} must not be NaN")
     return v
+
+
+#: temperatures below this sample greedily (see :class:`SamplingParams`)
+GREEDY_BELOW = 1e-5
+#: largest top_k (it is carried in a float64 row of the step's sampling tensor)
+MAX_TOP_K = 2 ** 31 - 1
+#: smallest repetition penalty (a positive logit is divided by it: smaller ones overflow fp32)
+MIN_REPETITION_PENALTY = 1e-2
 
 
 @dataclass
 class SamplingParams:
     """How one request is sampled.
 
-    ``temperature == 0`` is greedy (argmax).  ``top_k == 0`` and ``top_p == 1`` disable those
+    ``temperature == 0`` is greedy (argmax); so is any temperature below
+    :data:`GREEDY_BELOW` (the limit as ``T -> 0``; dividing fp32 logits by a smaller one overflows).  ``top_k == 0`` and ``top_p == 1`` disable those
     filters.  ``seed`` gives the request its own ``torch.Generator`` (reproducible regardless
     of what else is in the batch); ``None`` draws from the engine's generator.  Generation
     stops at ``max_tokens`` generated tokens, at the model's EOS (unless ``ignore_eos``), at
@@ -82,14 +94,26 @@ class SamplingParams:
     def __post_init__(self):
         _int("SamplingParams.max_tokens", self.max_tokens, 1)
         self.temperature = _float("SamplingParams.temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         _int("SamplingParams.top_k", self.top_k, 0)
+        if self.top_k > MAX_TOP_K:   # any k >= the vocabulary keeps every token; this bounds the tensor it fills
+            raise ValueError(f"SamplingParams.top_k must be <= {MAX_TOP_K} (0 disables it), got {self.top_k}")
         self.top_p = _float("SamplingParams.top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
             _int("SamplingParams.seed", self.seed, None)
+        if self.stop_token_ids is None:       # OpenAI-style callers send null for "none"
+            self.stop_token_ids = ()
+        if self.stop is None:
+            self.stop = ()
+        for name, one in (("stop_token_ids", int), ("stop", str)):
+            v = getattr(self, name)
+            if not isinstance(v, (one, list, tuple)):
+                raise ValueError(f"SamplingParams.{name} must be a list, got {type(v).__name__}")
         if isinstance(self.stop_token_ids, int):
             self.stop_token_ids = (self.stop_token_ids,)
         self.stop_token_ids = tuple(self.stop_token_ids)
@@ -112,8 +136,9 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {v}")
             setattr(self, name, v)
         self.repetition_penalty = _float("SamplingParams.repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty <= 100.0 or self.repetition_penalty == float("inf"):
-            raise ValueError(f"SamplingParams.repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 100], "
+                             f"got {self.repetition_penalty}")
         if self.logprobs is not None:
             _int("SamplingParams.logprobs", self.logprobs, 0)
             if self.logprobs > MAX_LOGPROBS:
@@ -138,7 +163,7 @@ def sampling_params_list(sampling_params, n: int) -> list[SamplingParams]:
             raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
         params = list(sampling_params)
     else:
-        params = [sampling_params or SamplingParams()] * n
+        params = [SamplingParams() if sampling_params is None else sampling_params] * n
     for sp in params:
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(sp).__name__}")

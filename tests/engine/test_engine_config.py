@@ -14,6 +14,12 @@ from replayssm.engine.config import EngineConfig
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(stop=[""]), "stop"),
     (dict(max_tokens=2.5), "max_tokens"),
+    (dict(temperature=float("inf")), "temperature must be finite"),
+    (dict(temperature=10 ** 400), "temperature is too large"),
+    (dict(top_k=10 ** 400), "top_k must be <="),
+    (dict(repetition_penalty=1e-300), "repetition_penalty must be in"),
+    (dict(stop=5), "stop must be a list"),
+    (dict(stop_token_ids={1: 2}), "stop_token_ids must be a list"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -98,3 +104,30 @@ def test_lazy_package_import():
             "from replayssm import LLM, SamplingParams, SpeculativeConfig; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_sampling_params_edge_values_that_mean_something():
+    """Below 1e-5 a temperature is greedy (dividing fp32 logits by less overflows them);
+    ``None`` stop lists mean none, as OpenAI-style callers send them."""
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=1e-40).temperature == 0.0
+    assert not SamplingParams(temperature=1e-5).greedy
+    sp = SamplingParams(stop=None, stop_token_ids=None)
+    assert sp.stop == () and sp.stop_token_ids == ()
+
+
+def test_tiny_temperature_is_greedy_output(target):
+    llm = LLM(target)
+    prompt = [256, 100, 101, 102]
+    want = llm.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids
+    assert llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1e-40, seed=1))[0].token_ids == want
+
+
+def test_engine_arguments_checked_or_clamped(target):
+    with pytest.raises(ValueError, match="tokenizer must have encode"):
+        LLM(target, tokenizer=5)
+    llm = LLM(target, speculative={"method": "ngram", "num_tokens": 2})      # a dict, as EngineConfig takes
+    assert llm.config.speculative.method == "ngram"
+    small = LLM(target, decode_mode="auto", max_seq_len=64, max_num_seqs=2)
+    huge = LLM(target, decode_mode="auto", max_seq_len=64, max_num_seqs=2, auto_threshold=100_000)
+    assert huge.auto_threshold == 64
+    assert huge.memory.need(64) <= 2 * small.memory.need(64)
