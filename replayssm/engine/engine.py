@@ -38,7 +38,7 @@ from .outputs import RequestOutput, request_output
 from .prefix_cache import PrefixCache, plan_store
 from .sampler import Sampler, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, fresh_request_id
 
 
 class LLMEngine:
@@ -94,7 +94,11 @@ class LLMEngine:
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
         ranks = tp or (int(getattr(model, "tensor_parallel_size", 1)) if is_model(model) else 1)
-        if speculative is not None and speculative.method == "mtp" and ranks > 1:
+        if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
+                                          and callable(getattr(tokenizer, "decode", None))):
+            raise ValueError(f"tokenizer must have encode() and decode() (a tokenizers.Tokenizer or a "
+                             f"transformers tokenizer), got {type(tokenizer).__name__}")
+        if ec.speculative is not None and ec.speculative.method == "mtp" and ranks > 1:
             raise ValueError(f"speculative method 'mtp' is not supported with tensor_parallel_size={ranks} "
                              f"(the MTP head is not sharded over the workers); use tensor_parallel_size=1 "
                              f"or method='ngram'/'draft'")
@@ -129,7 +133,10 @@ class LLMEngine:
             draft_layout = mtp_head_of(self.model).cache_layout(ec.draft_mode, ec.buffer_size, T, ec.max_seq_len,
                                                                 ec.kv_block_size)
         self.layout = self.model.cache_layout(ec.cache_mode, ec.buffer_size, T, ec.max_seq_len, ec.kv_block_size)
-        self.auto_threshold = ec.auto_threshold or default_auto_threshold(self.layout, ec.buffer_size)
+        # a context never reaches a threshold past max_seq_len: clamped, so the KV-only blocks
+        # reserved per slot never exceed what one sequence can hold
+        self.auto_threshold = min(ec.auto_threshold or default_auto_threshold(self.layout, ec.buffer_size),
+                                  ec.max_seq_len)
         self.memory: MemoryModel = memory_model(self.layout, ec.decode_mode, T, self.vocab_size,
                                                 self.auto_threshold, draft_layout, ec.max_seq_len)
         if ec.memory_budget is None and self.device.type == "cuda" and gpu_memory_utilization:
@@ -298,10 +305,16 @@ class LLMEngine:
         """Queue one request (validated first: a bad one raises ``ValueError`` and queues
         nothing).  ``request_id`` (any hashable, default a fresh int) names it for
         :meth:`abort` and in :meth:`step`'s outputs; returns its :class:`Sequence`."""
-        params = params or SamplingParams()
+        if params is None:
+            params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if request_id is not None and request_id in self._requests:
+        # the request's own copy, validated again: the caller may change (or have changed)
+        # the object it passed, which would otherwise reach the sampler unchecked mid-step
+        params = dataclasses.replace(params)
+        if request_id is None:
+            request_id = fresh_request_id(self._requests)
+        elif request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.n > self.num_slots:
             raise ValueError(f"SamplingParams.n={params.n} exceeds the engine's {self.num_slots} slots "

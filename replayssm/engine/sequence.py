@@ -20,6 +20,15 @@ class SequenceStatus(enum.Enum):
 _ids = itertools.count()
 
 
+def fresh_request_id(in_use) -> int:
+    """The next automatic request id that is not in ``in_use`` (a caller may have named a
+    request with an int the counter has not reached yet)."""
+    while True:
+        i = next(_ids)
+        if i not in in_use:
+            return i
+
+
 class Sequence:
     """A request moving through the engine.
 

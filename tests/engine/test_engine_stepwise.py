@@ -64,6 +64,45 @@ def test_duplicate_request_id_rejected_before_queueing(target):
     assert len(llm.scheduler.waiting) == 1
 
 
+def test_auto_ids_skip_ids_the_caller_chose(target):
+    """An int id a caller picks ahead of the automatic counter is never handed out again."""
+    from replayssm.engine import sequence
+
+    llm = LLM(target)
+    ahead = next(sequence._ids) + 1
+    a = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=2), request_id=ahead)
+    b = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=2))
+    assert b.request_id != ahead and a.request_id == ahead
+    assert llm.abort(ahead) and a.finish_reason == "abort" and b.finish_reason is None
+
+
+def test_params_changed_after_queueing_cannot_reach_the_step(target, expected):
+    """add_request keeps its own validated copy: the caller's later edits to the object it
+    passed change nothing, and a bad one passed in is refused before anything is queued."""
+    llm = LLM(target, max_num_seqs=4)
+    good = [llm.add_request(p, SamplingParams(max_tokens=N)) for p in PROMPTS[:3]]
+    sp = SamplingParams(max_tokens=N)
+    bad = llm.add_request(PROMPTS[0], sp)
+    sp.logprobs, sp.temperature, sp.max_tokens = 1000, "hot", None      # after queueing
+    while llm.has_unfinished():
+        llm.step()
+    assert [llm.output(g).token_ids for g in good] == expected[:3]
+    assert llm.output(bad).token_ids == expected[0]
+    with pytest.raises(ValueError, match="SamplingParams.max_tokens"):
+        llm.add_request(PROMPTS[0], sp)                                  # edited, then passed
+    assert not llm.has_unfinished()
+
+
+def test_falsy_non_params_are_refused_not_defaulted(target):
+    llm = LLM(target)
+    for bad in (0, "", []):
+        with pytest.raises(ValueError, match="SamplingParams"):
+            llm.add_request(PROMPTS[0], bad)
+        with pytest.raises(ValueError, match="SamplingParams"):
+            llm.generate([PROMPTS[0]], bad if bad != [] else [0])
+    assert not llm.has_unfinished()
+
+
 @pytest.mark.parametrize("mode,spec,prefix", [("replay", None, False), ("replay", "ngram", True),
                                               ("recurrent", None, True), ("auto", None, False)])
 def test_warm_up_leaves_an_idle_clean_engine(mode, spec, prefix):
