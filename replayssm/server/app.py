@@ -55,6 +55,21 @@ def context_limit(engine) -> int:
     return int(getattr(cfg, "max_seq_len", 2048))
 
 
+def max_token_chars(tok) -> int:
+    """The most characters one token of ``tok`` stands for (the longest vocabulary entry;
+    byte-level entries are at least as long as the text they decode to), so a text of more
+    than ``limit * max_token_chars`` characters has more than ``limit`` tokens.  The server
+    refuses such prompts before tokenizing them, with a factor 2 to spare normalizers that
+    drop characters.  1 without a tokenizer (token-id prompts are counted directly)."""
+    vocab = getattr(tok, "get_vocab", None)
+    if vocab is None:
+        return 1
+    try:
+        return max([len(k) for k in vocab(with_added_tokens=True)] or [1])
+    except TypeError:   # a tokenizer without the keyword
+        return max([len(k) for k in vocab()] or [1])
+
+
 def build_app(engine, config: ServerConfig) -> FastAPI:
     """The app serving ``engine`` (anything with the step-wise API, e.g. ``LLM``)."""
     metrics = ServerMetrics(config.model_name)
@@ -65,6 +80,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
             else ChatTemplate(config.chat_template))
     limit = config.max_model_len or context_limit(engine)
     vocab = int(getattr(engine, "vocab_size", 0) or 0)
+    chars_limit = 2 * limit * max_token_chars(tok)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -147,6 +163,14 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         if isinstance(prompt, str):
             if tok is None:
                 raise APIError(400, "this model has no tokenizer: send token ids", param=param)
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"{param} is not valid Unicode (a lone surrogate at character {e.start})",
+                               param=param) from None
+            if len(prompt) > chars_limit:   # cannot fit: refused before tokenizing (seconds per MB, holding the GIL)
+                raise APIError(400, f"{param} has {len(prompt)} characters, more than this model's context of "
+                                    f"{limit} tokens can hold", param=param)
             try:
                 ids = tok.encode(prompt, add_special_tokens=special).ids
             except TypeError:   # a tokenizer without the keyword

@@ -295,6 +295,7 @@ class AsyncEngine:
     def _step_failed(self, e: Exception) -> None:
         self.step_failures += 1
         self.last_error = "".join(traceback.format_exception_only(type(e), e)).strip()
+        log.error("engine step failed; ending the %d requests in flight", len(self._streams), exc_info=e)
         self.engine.recover()
         with self._lock:
             rids = list(self._streams)

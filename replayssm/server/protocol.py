@@ -39,6 +39,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+#: per request (OpenAI allows 4 stop strings; vLLM does not limit them)
+MAX_STOP = 64
+MAX_STOP_TOKEN_IDS = 1024
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -76,6 +81,11 @@ class SamplingFields(BaseModel):
         if top_k == -1:   # vLLM's "no top-k"
             top_k = 0
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP:   # every stop string is searched in every step's new text
+            raise APIError(400, f"at most {MAX_STOP} stop strings, got {len(stop)}", param="stop")
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise APIError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
+                           param="stop_token_ids")
         kw = dict(max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                   top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k,
                   min_p=self.min_p or 0.0, seed=self.seed, stop=tuple(stop),
@@ -153,6 +163,20 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # read only to refuse them: answering in plain text instead would be silently wrong
+    tools: Optional[list] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    response_format: Optional[dict] = None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        if self.tools:
+            raise APIError(400, "tools (function calling) are not supported", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice is not supported (no tools)", param="tool_choice")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported "
+                                f"(only 'text')", param="response_format")
+        return super().sampling_params(max_tokens)
 
     def _logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

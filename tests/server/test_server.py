@@ -132,6 +132,36 @@ def test_errors_are_openai_style_and_name_the_field(plain_server):
         c.completions.create(model="tiny-chat", prompt="x", max_tokens=-1)
 
 
+def test_hostile_inputs_are_400s_before_the_engine(plain_server, offline):
+    """Values that used to reach the engine step (a top_k too large for its tensor failed the
+    whole step, every request in flight with it), lone surrogates (500 from the tokenizer),
+    a multi-megabyte prompt (tokenized for seconds, the server frozen meanwhile), unbounded
+    stop lists and tool / JSON-mode requests: each a 400 naming its field, fast; the server
+    then answers as before."""
+    url = plain_server.url
+    h = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    raw = [(b'{"prompt": "x", "top_k": 1' + b"0" * 400 + b"}", "/v1/completions", "top_k"),
+           (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "/v1/completions", "prompt"),
+           (b'{"messages": [{"role": "user", "content": "hi \\udc80"}]}',
+            "/v1/chat/completions", "messages")]
+    for body, route, field in raw:
+        r = httpx.post(url + route, content=body, headers=h)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x" * (8 << 20), "max_tokens": 2}, headers=h, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "characters" in r.json()["error"]["message"]
+    assert time.perf_counter() - t0 < 5.0
+    chat = [({"stop": [f"s{i}" for i in range(65)]}, "stop"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+            ({"response_format": {"type": "json_object"}}, "response_format"), ({"tool_choice": "required"}, "tool_choice")]
+    for extra, field in chat:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers=h)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (extra, r.text)
+    ok = client(plain_server).completions.create(model="tiny-chat", prompt=PROMPTS[0], max_tokens=MAX, temperature=0)
+    assert ok.choices[0].text == offline_greedy(offline, PROMPTS[0]).text
+    wait_idle(plain_server)
+
+
 def test_prefix_cache_hits_over_http(plain_server, offline):
     """A long shared prefix sent twice with different endings: the second request resumes from
     the cached prefix (exactly the tokens the first one's whole blocks cover, up to where the
