@@ -7,6 +7,7 @@ offending field, so impossible settings fail before any model or cache is touche
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -302,10 +303,17 @@ def topk_tree(width: int, depth: int) -> tuple[tuple[int, ...], ...]:
 
 def normalize_static_tree(tree) -> tuple[tuple[int, ...], ...]:
     """Validate a static tree given as rank paths; returns them sorted by depth (topological)."""
-    try:
-        paths = [tuple(int(r) for r in p) for p in tree]
-    except TypeError:
-        raise ValueError("SpeculativeConfig.tree must be 'beam' or a list of rank paths like [(0,), (0, 0)]") from None
+    shape = "SpeculativeConfig.tree must be 'beam' or a list of rank paths like [(0,), (0, 0)]"
+    if isinstance(tree, (str, bytes, dict)) or not hasattr(tree, "__iter__"):
+        raise ValueError(shape)
+    paths = []
+    for p in tree:
+        if isinstance(p, (str, bytes, dict)) or not hasattr(p, "__iter__"):
+            raise ValueError(f"{shape}; got the path {p!r}")
+        p = tuple(p)
+        if not all(isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in p):
+            raise ValueError(f"SpeculativeConfig.tree: ranks must be ints, got the path {p!r}")
+        paths.append(tuple(int(r) for r in p))
     if not paths:
         raise ValueError("SpeculativeConfig.tree must have at least one node")
     seen = set()
