@@ -34,6 +34,13 @@ from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's default max_tokens for /v1/completions
+#: what a union-typed field accepts, for the 400 when a value matches none of its forms
+UNION_SHAPES = {
+    "prompt": "must be a string, a list of token ids (ints), a list of strings or a list of token-id lists",
+    "content": "message content must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...}); "
+               "image and audio parts are not supported",
+    "stop": "must be a string or a list of strings",
+}
 
 
 @dataclass
@@ -110,6 +117,11 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         param = names[0] if names else (loc[0] if loc else None)
         where = ".".join(loc) if loc else "body"
         msg = f"{where}: {e['msg']}"
+        shape = None
+        if len(errs) > 1:
+            shape = UNION_SHAPES["content"] if "content" in loc else UNION_SHAPES.get(param)
+        if shape is not None:   # a value no branch of a union accepts: say what the field takes
+            msg = f"{where.split('.str')[0].split('.list')[0]}: {shape}"
         if "input" in e and e.get("type") != "missing":
             msg += f" (got {json.dumps(e['input'], default=str)[:80]})"
         return JSONResponse(error_body(msg, param=param, code=400), status_code=400)
@@ -157,6 +169,14 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "replayssm", "root": config.model_dir,
                                             "max_model_len": limit}]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_key)])
+    async def model_card(model_id: str):
+        if model_id != config.model_name:
+            raise APIError(404, f"model {model_id!r} is not served here (this server serves {config.model_name!r})",
+                           type="not_found_error", param="model")
+        return {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "replayssm",
+                "root": config.model_dir, "max_model_len": limit}
 
     # -- helpers -----------------------------------------------------------------------------------
     def encode(prompt, param: str, special: bool = True) -> list[int]:

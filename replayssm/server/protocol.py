@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.config import SamplingParams
 
@@ -69,6 +69,12 @@ class SamplingFields(BaseModel):
     user: Optional[str] = None
     logit_bias: Optional[dict] = None
 
+    @field_validator("n", "stream", "ignore_eos", "return_token_ids", mode="before")
+    @classmethod
+    def _null_is_default(cls, v, info):
+        """``null`` means the default, as the OpenAI API allows for these fields."""
+        return cls.model_fields[info.field_name].default if v is None else v
+
     def _logprobs(self) -> int | None:
         raise NotImplementedError
 
@@ -117,6 +123,11 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_echo(cls, v):
+        return False if v is None else v
+
     def _logprobs(self) -> int | None:
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo")
@@ -163,6 +174,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+
+    @field_validator("logprobs", "add_generation_prompt", mode="before")
+    @classmethod
+    def _null_is_default_chat(cls, v, info):
+        return cls.model_fields[info.field_name].default if v is None else v
     # read only to refuse them: answering in plain text instead would be silently wrong
     tools: Optional[list] = None
     tool_choice: Optional[Union[str, dict]] = None

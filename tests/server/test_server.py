@@ -162,6 +162,27 @@ def test_hostile_inputs_are_400s_before_the_engine(plain_server, offline):
     wait_idle(plain_server)
 
 
+def test_openai_shapes_nulls_and_model_cards(plain_server, offline):
+    """Messages say what a union field takes; ``null`` means the default where the OpenAI API
+    allows it; ``GET /v1/models/{id}`` (the client's ``models.retrieve``) answers."""
+    url = plain_server.url
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    for prompt in ([1.5], [True], ["a", 1]):
+        err = httpx.post(url + "/v1/completions", json={"prompt": prompt}, headers=h).json()["error"]
+        assert err["param"] == "prompt" and "list of token ids" in err["message"], err
+    image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    err = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": image}]},
+                     headers=h).json()["error"]
+    assert err["param"] == "messages" and "image and audio parts are not supported" in err["message"], err
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": MAX, "temperature": 0, "n": None,
+                                                 "stream": None, "echo": None}, headers=h)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline_greedy(offline, PROMPTS[1]).text
+    c = client(plain_server)
+    assert c.models.retrieve("tiny-chat").id == "tiny-chat"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-9")
+
+
 def test_prefix_cache_hits_over_http(plain_server, offline):
     """A long shared prefix sent twice with different endings: the second request resumes from
     the cached prefix (exactly the tokens the first one's whole blocks cover, up to where the
