@@ -34,6 +34,8 @@ from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's default max_tokens for /v1/completions
+#: a text prompt longer than this many characters per context token has its head counted first
+HEAD_CHARS_PER_TOKEN = 8
 #: what a union-typed field accepts, for the 400 when a value matches none of its forms
 UNION_SHAPES = {
     "prompt": "must be a string, a list of token ids (ints), a list of strings or a list of token-id lists",
@@ -191,10 +193,23 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
             if len(prompt) > chars_limit:   # cannot fit: refused before tokenizing (seconds per MB, holding the GIL)
                 raise APIError(400, f"{param} has {len(prompt)} characters, more than this model's context of "
                                     f"{limit} tokens can hold", param=param)
-            try:
-                ids = tok.encode(prompt, add_special_tokens=special).ids
-            except TypeError:   # a tokenizer without the keyword
-                ids = tok.encode(prompt).ids
+
+            def ids_of(text):
+                try:
+                    return tok.encode(text, add_special_tokens=special).ids
+                except TypeError:   # a tokenizer without the keyword
+                    return tok.encode(text).ids
+
+            head = HEAD_CHARS_PER_TOKEN * limit
+            if len(prompt) > head:
+                # a long text: count the tokens of a head cut at whitespace first (the words before
+                # the cut tokenize as in the whole text), so an oversized prompt costs a bounded
+                # tokenization, not one proportional to its size
+                cut = max(prompt.rfind(c, 0, head) for c in " \n\t")
+                if cut > 0 and len(ids_of(prompt[:cut])) > limit + 1:
+                    raise APIError(400, f"{param} has more than {limit} tokens in its first {cut} characters; "
+                                        f"this model's context is {limit} tokens (prompt + generated)", param=param)
+            ids = ids_of(prompt)
         else:
             ids = list(prompt)
             if vocab and any(not 0 <= t < vocab for t in ids):

@@ -151,6 +151,9 @@ def test_hostile_inputs_are_400s_before_the_engine(plain_server, offline):
     r = httpx.post(url + "/v1/completions", json={"prompt": "x" * (8 << 20), "max_tokens": 2}, headers=h, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "characters" in r.json()["error"]["message"]
     assert time.perf_counter() - t0 < 5.0
+    words = "ab " * 6_000           # between the head (8 chars per context token) and the bound (2 x 5 here)
+    err = httpx.post(url + "/v1/completions", json={"prompt": words, "max_tokens": 2}, headers=h).json()["error"]
+    assert err["param"] == "prompt" and "in its first" in err["message"], err
     chat = [({"stop": [f"s{i}" for i in range(65)]}, "stop"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
             ({"response_format": {"type": "json_object"}}, "response_format"), ({"tool_choice": "required"}, "tool_choice")]
     for extra, field in chat:
