@@ -233,6 +233,9 @@ class SpeculativeConfig:
             _int("SpeculativeConfig.disable_by_batch_size", self.disable_by_batch_size, 1)
         if self.method == "draft" and self.draft_model is None:
             raise ValueError("SpeculativeConfig(method='draft') needs draft_model (a directory or model)")
+        if self.method == "ngram" and self.draft_model is not None:
+            raise ValueError("SpeculativeConfig(method='ngram') drafts from the context; draft_model is not used "
+                             "(method='draft' drafts with it)")
         if self.method == "mtp":
             if self.draft_model is not None:
                 raise ValueError("SpeculativeConfig(method='mtp') drafts with the target's own MTP head; "
@@ -389,6 +392,8 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_fraction must be in (0, 1), got {self.prefix_cache_fraction}")
         if self.prefix_cache_blocks is not None:
             _int("prefix_cache_blocks", self.prefix_cache_blocks, 1)
+            if not self.enable_prefix_caching:
+                raise ValueError("prefix_cache_blocks sizes the prefix store: it needs enable_prefix_caching=True")
         if self.speculative is not None:
             if isinstance(self.speculative, dict):
                 self.speculative = SpeculativeConfig(**self.speculative)

@@ -90,6 +90,12 @@ class LLMEngine:
         self.device = check_device(device)
         self.dtype = parse_dtype(dtype)
         self._owns_model = not is_model(model)
+        if gpu_memory_utilization is not None and not (
+                isinstance(gpu_memory_utilization, (int, float)) and not isinstance(gpu_memory_utilization, bool)
+                and 0.0 < gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1] or None, got {gpu_memory_utilization!r}")
+        if not isinstance(pad_batches, bool):
+            raise ValueError(f"pad_batches must be a bool, got {pad_batches!r}")
         tp = tensor_parallel_size
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")

@@ -134,3 +134,14 @@ def test_engine_arguments_checked_or_clamped(target):
     huge = LLM(target, decode_mode="auto", max_seq_len=64, max_num_seqs=2, auto_threshold=100_000)
     assert huge.auto_threshold == 64
     assert huge.memory.need(64) <= 2 * small.memory.need(64)
+
+
+def test_options_that_would_be_ignored_are_refused(target):
+    for kw, match in ((dict(gpu_memory_utilization=-3), "gpu_memory_utilization"),
+                      (dict(gpu_memory_utilization="x"), "gpu_memory_utilization"),
+                      (dict(pad_batches="yes"), "pad_batches"),
+                      (dict(prefix_cache_blocks=8), "enable_prefix_caching")):
+        with pytest.raises(ValueError, match=match):
+            LLM(target, **kw)
+    with pytest.raises(ValueError, match="draft_model is not used"):
+        SpeculativeConfig("ngram", draft_model=target)
