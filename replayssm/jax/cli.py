@@ -38,6 +38,11 @@ def generate_main(args, model_dir: Path, default_draft: Path, err) -> int:
         return err(f"--backend jax speculates with chains (ngram, draft), not {args.speculative!r}")
     if args.cuda_graphs:
         return err("--cuda-graphs is a torch-backend option (the JAX loop is compiled as a whole)")
+    if args.device != "cpu":   # the parser's default: JAX places arrays on its default backend
+        return err(f"--device is a torch-backend option; the JAX backend runs on jax's default device "
+                   f"(set JAX_PLATFORMS), not {args.device!r}")
+    if args.tensor_parallel_size != 1:
+        return err("--tensor-parallel-size is a torch-backend option (the JAX backend runs on one device)")
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     from .generate import JaxLLM  # imports jax (an optional extra): only once it is known to be there
@@ -59,7 +64,7 @@ def generate_main(args, model_dir: Path, default_draft: Path, err) -> int:
                                 top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
         t0 = time.perf_counter()
         llm = JaxLLM(str(model_dir), dtype=args.dtype, decode_mode=args.mode, buffer_size=buffer,
-                     speculative=spec, seed=args.seed or 0)
+                     speculative=spec, seed=args.seed or 0, max_seq_len=args.max_seq_len)
         tok = llm.tokenizer
         if args.token_ids is not None:
             try:

@@ -25,6 +25,7 @@ distributions, not the same draws).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from ..engine.config import SpeculativeConfig, sampling_params_list
+from ..engine.inputs import encode_prompt
 from ..engine.llm import RequestOutput
 from ..models import load_tokenizer
 from . import model as M
@@ -249,6 +251,27 @@ class _Row:
     params: object
 
 
+#: context when ``max_seq_len`` is not given (the PyTorch engine's default)
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+def _check_supported(sp, batch: int) -> None:
+    """Refuse, by name, what the compiled loop does not do (rather than ignore it)."""
+    if sp.stop:
+        raise ValueError("SamplingParams.stop (text stops) is not supported by the JAX backend; use stop_token_ids")
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                      ("min_p", 0.0)):
+        if getattr(sp, name) != off:
+            raise ValueError(f"SamplingParams.{name} is not supported by the JAX backend (use the PyTorch engine)")
+    if sp.n != 1:
+        raise ValueError("SamplingParams.n > 1 is not supported by the JAX backend (send the prompt n times)")
+    if sp.logprobs is not None:
+        raise ValueError("SamplingParams.logprobs is not supported by the JAX backend")
+    if sp.seed is not None and batch > 1:
+        raise ValueError("SamplingParams.seed in a batch of several prompts is not supported by the JAX backend "
+                         "(the loop draws from one key per batch, so a row's draws would depend on the others)")
+
+
 class JaxLLM:
     """Generate with the JAX backend (same checkpoints and settings as :class:`replayssm.LLM`).
 
@@ -312,16 +335,10 @@ class JaxLLM:
 
     # -- requests -----------------------------------------------------------------------------
     def _encode(self, prompt):
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer (tokenizer.json in the model directory); "
-                                 "pass token id lists instead")
-            return prompt, list(self.tokenizer.encode(prompt).ids)
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
-        return None, ids
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("string prompts need a tokenizer (tokenizer.json in the model directory); "
+                             "pass token id lists instead")
+        return encode_prompt(prompt, self.tokenizer, self.spec.vocab_size)   # the PyTorch engine's checks
 
     def _rows(self, prompts, sampling_params):
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
@@ -332,16 +349,22 @@ class JaxLLM:
         params = sampling_params_list(sampling_params, len(prompts))
         rows = []
         V = self.spec.vocab_size
+        limit = self.max_seq_len or DEFAULT_MAX_SEQ_LEN
+        T = (self.speculative.num_tokens if self.speculative else 0) + 1
         for p, sp in zip(prompts, params):
-            if sp.stop:
-                raise ValueError("SamplingParams.stop (text stops) is not supported by the JAX backend; "
-                                 "use stop_token_ids")
+            _check_supported(sp, len(prompts))
             text, ids = self._encode(p)
             if not ids:
                 raise ValueError("empty prompt")
             bad = [t for t in ids if not 0 <= t < V]
             if bad:
                 raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+            room = limit - len(ids) - T    # as the PyTorch engine: generation stops at the context ("length")
+            if room < 1:
+                raise ValueError(f"a prompt of {len(ids)} tokens leaves no room in max_seq_len {limit}"
+                                 f"{' (default)' if self.max_seq_len is None else ''}")
+            if sp.max_tokens > room:
+                sp = dataclasses.replace(sp, max_tokens=room)
             rows.append(_Row(text, ids, sp))
         return rows
 
@@ -351,10 +374,8 @@ class JaxLLM:
         T = k + 1
         Tp = _round_up(max(len(r.ids) for r in rows), 16)
         max_out = _round_up(max(r.params.max_tokens for r in rows), 16)
-        S = self.max_seq_len or _round_up(Tp + max_out + 2 * T + 16, 64)
-        if Tp + max_out + 2 * T > S:
-            raise ValueError(f"max_seq_len {S} is too small for prompts of {Tp} tokens (padded) plus "
-                             f"{max_out} new tokens")
+        # rows: the padded sizes (lengths were checked against max_seq_len in _rows)
+        S = max(self.max_seq_len or 0, _round_up(Tp + max_out + 2 * T + 16, 64))
         greedy = all(r.params.temperature == 0 for r in rows)
         cfg = GenerateConfig(
             batch=len(rows), prompt_len=Tp, max_seq_len=S, max_out=max_out, mode=self.decode_mode,
@@ -415,6 +436,8 @@ class JaxLLM:
     def stream(self, prompt, params=None, chunk_steps: int = 8) -> Iterator[list[int]]:
         """One request; yields lists of new token ids every ``chunk_steps`` loop iterations
         (the same compiled loop, stopped by a step limit given as data)."""
+        if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
+            raise ValueError(f"chunk_steps must be a positive int, got {chunk_steps!r}")
         rows = self._rows([prompt], params)
         prog, carry, rowp = self.start(rows)
         shown = 0

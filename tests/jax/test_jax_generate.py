@@ -6,6 +6,7 @@ compiled decode loop never calls back to the host."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -46,7 +47,7 @@ def _torch_ref(path, dtype, prompts=PROMPTS, params=None):
 def _spec(method, draft=None, k=3):
     if method is None:
         return None
-    return SpeculativeConfig(method, num_tokens=k, draft_model=draft)
+    return SpeculativeConfig(method, num_tokens=k, draft_model=draft if method == "draft" else None)
 
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(DRAFT, "config.json")), reason="shipped models not present")
@@ -103,21 +104,48 @@ def test_forward_logits_match_torch(hf_model_dir, name, dtype):
 
 
 def test_sampling_rows_and_stops(hf_model_dir):
-    """One sampled batch: a greedy row and a top-k=1 row give the greedy tokens; a
-    temperature/top-p row is reproducible with its seed; a stop id ends a row (kept)."""
+    """One sampled batch: a greedy row and a top-k=1 row give the greedy tokens; a stop id
+    ends a row (kept); a temperature/top-p row samples valid tokens.  A seeded request alone
+    is reproducible; seeds in a batch of several are refused by name (the loop draws from
+    one key per batch, so a row's draws would depend on the others)."""
     path = hf_model_dir("mamba2")
     ref = _torch_ref(path, "float64")
     stop = ref[1][4]
+    sampled = SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, top_k=20, ignore_eos=True)
     params = [SamplingParams(max_tokens=14, ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=0.7, top_k=1, ignore_eos=True, stop_token_ids=[stop]),
-              SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, top_k=20, seed=123, ignore_eos=True)]
+              SamplingParams(max_tokens=20, temperature=0.7, top_k=1, ignore_eos=True, stop_token_ids=[stop]), sampled]
     llm = JaxLLM(path, dtype="float64", decode_mode="replay", buffer_size=8, speculative=_spec("ngram"))
-    a, b = llm.generate(PROMPTS, params), llm.generate(PROMPTS, params)
+    a = llm.generate(PROMPTS, params)
     assert a[0].token_ids == ref[0]
     cut = ref[1].index(stop) + 1
     assert a[1].token_ids == ref[1][:cut] and a[1].finish_reason == "stop"
-    assert a[2].token_ids == b[2].token_ids and len(a[2].token_ids) == 9
-    assert a[2].finish_reason == "length" and all(0 <= t < 61 for t in a[2].token_ids)
+    assert len(a[2].token_ids) == 9 and a[2].finish_reason == "length" and all(0 <= t < 61 for t in a[2].token_ids)
+    seeded = dataclasses.replace(sampled, seed=123)
+    one, two = llm.generate(PROMPTS[2], seeded), llm.generate(PROMPTS[2], seeded)
+    assert one[0].token_ids == two[0].token_ids and len(one[0].token_ids) == 9
+    with pytest.raises(ValueError, match="SamplingParams.seed in a batch"):
+        llm.generate(PROMPTS, params[:2] + [seeded])
+
+
+def test_unsupported_settings_are_refused_by_name(hf_model_dir):
+    """What the compiled loop does not do is a ValueError naming it, never ignored; the
+    PyTorch engine's prompt checks apply; max_tokens is clipped to the context as there."""
+    path = hf_model_dir("mamba2")
+    llm = JaxLLM(path, dtype="float32", max_seq_len=64)
+    for kw, name in ((dict(repetition_penalty=2.0), "repetition_penalty"), (dict(presence_penalty=1.0), "presence_penalty"),
+                     (dict(frequency_penalty=1.0), "frequency_penalty"), (dict(min_p=0.5, temperature=1.0), "min_p"),
+                     (dict(n=2, temperature=1.0), "n > 1"), (dict(logprobs=2), "logprobs")):
+        with pytest.raises(ValueError, match=name):
+            llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, **kw))
+    for bad in ([1, 2.7, 3], [True, 2]):
+        with pytest.raises(ValueError, match="token ids must be ints"):
+            llm.generate([bad], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="chunk_steps"):
+        next(llm.stream(PROMPTS[0], SamplingParams(max_tokens=4), chunk_steps=0))
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1000, ignore_eos=True))[0]
+    assert len(out.token_ids) == 64 - len(PROMPTS[0]) - 1 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="leaves no room in max_seq_len 64"):
+        llm.generate([[1] * 64], SamplingParams(max_tokens=4))
 
 
 def _primitives(jaxpr, out):
