@@ -23,7 +23,7 @@ import torch
 
 from ..models.config import parse_config, read_config
 from ..models.header import check_sizes
-from ..models.loader import (_FP32_PARAMS, WeightError, _install, _model_class, _transformed_checked,
+from ..models.loader import (_FP32_PARAMS, WeightError, _cast_checked, _install, _model_class, _transformed_checked,
                              _weight_files, parse_dtype, source_plan)
 from ..runtime import canonical_device, compute_dtype
 from .layers import build_local_model
@@ -148,7 +148,7 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
             if tuple(t.shape) != tuple(lparams[name].shape):  # pragma: no cover - a rule bug
                 raise WeightError(f"rank {rank}: shard of {name} has shape {list(t.shape)}, "
                                   f"expected {list(lparams[name].shape)}")
-            _install(model, name, t.to(device=device, dtype=pdt))
+            _install(model, name, _cast_checked(t, src.keys[0], key_file, device, pdt))
     finally:
         handles.clear()
     return model.eval()

@@ -55,6 +55,14 @@ class _Reader:
                 return self.d[k]
         return default
 
+    def flag(self, key: str, default: bool, *aliases: str) -> bool:
+        """A boolean field: JSON true / false (or 0 / 1); a string is refused (``bool("false")``
+        would be True)."""
+        v = self.opt(key, default, *aliases)
+        if isinstance(v, int) and v in (0, 1):
+            return bool(v)
+        self.fail(f"'{key}' must be true or false, got {v!r}")
+
     def fail(self, msg: str):
         raise ConfigError(f"{self.where}: {msg}")
 
@@ -184,14 +192,14 @@ class Mamba2Config:
             n_groups=_pos_int(r, "n_groups", r.opt("n_groups", 8)),
             expand=_pos_int(r, "expand", r.opt("expand", 2)),
             conv_kernel=_pos_int(r, "conv_kernel", r.opt("conv_kernel", 4)),
-            use_bias=bool(r.opt("use_bias", False)),
-            use_conv_bias=bool(r.opt("use_conv_bias", True)),
+            use_bias=r.flag("use_bias", False),
+            use_conv_bias=r.flag("use_conv_bias", True),
             hidden_act=r.opt("hidden_act", "silu"),
             layer_norm_epsilon=_pos_float(r, "layer_norm_epsilon", r.opt("layer_norm_epsilon", 1e-5)),
-            residual_in_fp32=bool(r.opt("residual_in_fp32", True)),
+            residual_in_fp32=r.flag("residual_in_fp32", True),
             time_step_limit=_limit(r, "time_step_limit", r.opt("time_step_limit", (0.0, math.inf))),
             chunk_size=_pos_int(r, "chunk_size", r.opt("chunk_size", 256)),
-            tie_word_embeddings=bool(r.opt("tie_word_embeddings", False)),
+            tie_word_embeddings=r.flag("tie_word_embeddings", False),
             eos_token_id=_eos(r, d.get("eos_token_id", 2), V),
             max_position_embeddings=_opt_pos_int(r, "max_position_embeddings"),
             bos_token_id=d.get("bos_token_id", 0),
@@ -332,9 +340,9 @@ class NemotronHConfig:
             ssm_state_size=_pos_int(r, "ssm_state_size", maybe("ssm_state_size", need_mamba, 128)),
             n_groups=_pos_int(r, "n_groups", r.opt("n_groups", 8, "mamba_n_groups")),
             conv_kernel=_pos_int(r, "conv_kernel", r.opt("conv_kernel", 4, "mamba_d_conv")),
-            use_conv_bias=bool(r.opt("use_conv_bias", True, "mamba_conv_bias")),
-            use_bias=bool(r.opt("use_bias", False, "mamba_proj_bias")),
-            mlp_bias=bool(r.opt("mlp_bias", False)),
+            use_conv_bias=r.flag("use_conv_bias", True, "mamba_conv_bias"),
+            use_bias=r.flag("use_bias", False, "mamba_proj_bias"),
+            mlp_bias=r.flag("mlp_bias", False),
             mlp_hidden_act=r.opt("mlp_hidden_act", "relu2"),
             mamba_hidden_act=r.opt("mamba_hidden_act", "silu"),
             layer_norm_epsilon=_pos_float(r, "layer_norm_epsilon", r.opt("layer_norm_epsilon", 1e-5)),
@@ -349,9 +357,9 @@ class NemotronHConfig:
             moe_latent_size=r.opt("moe_latent_size", None),
             n_group=_pos_int(r, "n_group", r.opt("n_group", 1)),
             topk_group=_pos_int(r, "topk_group", r.opt("topk_group", 1)),
-            norm_topk_prob=bool(r.opt("norm_topk_prob", True)),
+            norm_topk_prob=r.flag("norm_topk_prob", True),
             routed_scaling_factor=_num(r, "routed_scaling_factor", r.opt("routed_scaling_factor", 1.0)),
-            tie_word_embeddings=bool(r.opt("tie_word_embeddings", False)),
+            tie_word_embeddings=r.flag("tie_word_embeddings", False),
             eos_token_id=_eos(r, d.get("eos_token_id", 2), V),
             max_position_embeddings=_opt_pos_int(r, "max_position_embeddings"),
             bos_token_id=d.get("bos_token_id", 1),
@@ -478,17 +486,17 @@ class Qwen3NextConfig:
             linear_conv_kernel_dim=_pos_int(r, "linear_conv_kernel_dim", r.opt("linear_conv_kernel_dim", 4)),
             hidden_act=r.opt("hidden_act", "silu"),
             rms_norm_eps=_pos_float(r, "rms_norm_eps", r.opt("rms_norm_eps", 1e-6)),
-            attention_bias=bool(r.opt("attention_bias", False)),
+            attention_bias=r.flag("attention_bias", False),
             rope_theta=_pos_float(r, "rope_theta", theta),
             partial_rotary_factor=float(prf),
             num_experts=ne,
             num_experts_per_tok=_pos_int(r, "num_experts_per_tok", r.req("num_experts_per_tok") if ne else r.opt("num_experts_per_tok", 10)),
             moe_intermediate_size=_pos_int(r, "moe_intermediate_size", r.req("moe_intermediate_size") if ne else r.opt("moe_intermediate_size", 512)),
             shared_expert_intermediate_size=_pos_int(r, "shared_expert_intermediate_size", r.opt("shared_expert_intermediate_size", 512), allow_zero=True),
-            norm_topk_prob=bool(r.opt("norm_topk_prob", True)),
+            norm_topk_prob=r.flag("norm_topk_prob", True),
             decoder_sparse_step=_pos_int(r, "decoder_sparse_step", r.opt("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(r.opt("mlp_only_layers", [])),
-            tie_word_embeddings=bool(r.opt("tie_word_embeddings", False)),
+            tie_word_embeddings=r.flag("tie_word_embeddings", False),
             eos_token_id=_eos(r, d.get("eos_token_id"), V),
             max_position_embeddings=_opt_pos_int(r, "max_position_embeddings"),
             bos_token_id=d.get("bos_token_id"),
@@ -534,8 +542,12 @@ def read_config(path: str):
     if not os.path.isfile(fn):
         raise FileNotFoundError(f"{fn}: no such file (a model directory needs config.json)")
     try:
-        with open(fn) as f:
+        with open(fn, encoding="utf-8") as f:
             d = json.load(f)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{fn}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{fn}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{fn}: cannot be read ({e.strerror})") from None
     return parse_config(d, fn)

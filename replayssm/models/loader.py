@@ -61,10 +61,12 @@ def _weight_files(path: str) -> dict[str, str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
-            with open(index) as f:
+            with open(index, encoding="utf-8") as f:
                 wm = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, OSError) as e:   # JSON, UTF-8, layout, permissions
             raise WeightError(f"{index}: not a valid safetensors index ({e!r})") from None
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+            raise WeightError(f"{index}: weight_map must map tensor names to shard file names (strings)")
         files = sorted(set(wm.values()))
         for fn in files:
             if not os.path.isfile(os.path.join(path, fn)):
@@ -127,12 +129,31 @@ def _transformed_checked(t, name: str, src, key_file: dict, transforms: dict):
     one: floating point and finite, else a :class:`WeightError` naming the file and tensor."""
     if name in transforms:
         t = transforms[name](t)
-    if not t.is_floating_point():
-        raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} has dtype {t.dtype}, "
-                          f"expected a floating point tensor")
-    if not torch.isfinite(t).all():
-        raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} holds NaN/Inf values")
+    _check_values(t, src.keys[0], key_file)
     return t
+
+
+#: dtypes a checkpoint tensor may be stored in (fp8 / int8 need a dequantization we do not do)
+STORED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_values(t, key: str, key_file: dict) -> None:
+    """``t`` (read from tensor ``key``) is stored in a float dtype we load and finite."""
+    if t.dtype not in STORED_DTYPES:
+        raise WeightError(f"{key_file[key]}: tensor {key!r} has dtype {t.dtype}, expected one of "
+                          f"float16, bfloat16, float32, float64 (quantized checkpoints are not supported)")
+    if not torch.isfinite(t).all():
+        raise WeightError(f"{key_file[key]}: tensor {key!r} holds NaN/Inf values")
+
+
+def _cast_checked(t, key: str, key_file: dict, device, dtype):
+    """``t`` on ``device`` in ``dtype``; a WeightError when the cast overflows (a float32 value
+    past float16's 65504 becomes inf)."""
+    out = t.to(device=device, dtype=dtype)
+    if dtype == torch.float16 and t.dtype != torch.float16 and not torch.isfinite(out).all():
+        raise WeightError(f"{key_file[key]}: tensor {key!r} holds values beyond float16's range; "
+                          f"load it in bfloat16 or float32")
+    return out
 
 
 def _install(model: nn.Module, name: str, t: torch.Tensor) -> None:
@@ -179,6 +200,8 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False):
     """
     from safetensors import safe_open
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"a model path must be a str or os.PathLike, got {type(path).__name__}")
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: not a model directory")
@@ -234,14 +257,16 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False):
                     for e in range(E):
                         ks = src.keys[e * src.parts:(e + 1) * src.parts]
                         parts = [handles[key_file[k]].get_tensor(k) for k in ks]
-                        t[e] = torch.cat(parts, 0).to(pdt)
+                        for k, part in zip(ks, parts):   # each expert's own tensor, before any cast
+                            _check_values(part, k, key_file)
+                        t[e] = _cast_checked(torch.cat(parts, 0), ks[0], key_file, device, pdt)
             except WeightError:
                 raise
             except Exception as e:
                 raise WeightError(f"{key_file[src.keys[0]]}: cannot read tensor {src.keys[0]!r} "
                                   f"(corrupt or truncated file: {e})") from None
             t = _transformed_checked(t, name, src, key_file, transforms)
-            _install(model, name, t.to(device=device, dtype=pdt))
+            _install(model, name, _cast_checked(t, src.keys[0], key_file, device, pdt))
     finally:
         handles.clear()
     left = [n for n, p in model.named_parameters() if p.is_meta]

@@ -212,3 +212,37 @@ def test_corrupt_truncated_and_missing_files(tiny, tmp_path):
         load_model(p)
     with pytest.raises(FileNotFoundError):
         load_model(str(tmp_path / "does_not_exist"))
+
+
+def test_values_a_cast_would_hide_and_loose_config_types(tiny, tmp_path):
+    """What used to load as a wrong model: int8 expert weights (cast to float), a float32
+    value past float16's range (inf after the cast), string booleans (``bool("false")``);
+    and raw Python errors: a weight_map that is not a name -> file map, a config that is not
+    UTF-8, a path that is not a path."""
+    _, path = tiny("qwen3_next")
+    p = _copy(path, tmp_path / "q1")
+    key = "model.layers.0.mlp.experts.2.up_proj.weight"
+    _edit_tensors(p, lambda t: t.update({key: (t[key] * 100).to(torch.int8)}))
+    with pytest.raises(WeightError, match=r"experts\.2\.up_proj\.weight' has dtype torch\.int8"):
+        load_model(p)
+    _, mpath = tiny("mamba2")
+    p = _copy(mpath, tmp_path / "m1")
+    _edit_tensors(p, lambda t: t.update({"backbone.norm_f.weight": torch.full_like(t["backbone.norm_f.weight"], 1e6)}))
+    with pytest.raises(WeightError, match="beyond float16's range"):
+        load_model(p, dtype="float16")
+    assert load_model(p, dtype="float32") is not None
+    p = _copy(mpath, tmp_path / "m2")
+    _edit_config(p, lambda d: d.update(residual_in_fp32="false"))
+    with pytest.raises(ConfigError, match="'residual_in_fp32' must be true or false"):
+        load_model(p)
+    p = _copy(mpath, tmp_path / "m3")
+    open(os.path.join(p, "config.json"), "wb").write(b"\xff\xfe{}")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_model(p)
+    p = _copy(mpath, tmp_path / "m4")
+    json.dump({"weight_map": ["a"]}, open(os.path.join(p, "model.safetensors.index.json"), "w"))
+    with pytest.raises(WeightError, match="weight_map must map tensor names"):
+        load_model(p)
+    for bad in (None, 5):
+        with pytest.raises(ValueError, match="model path must be"):
+            load_model(bad)
