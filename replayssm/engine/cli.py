@@ -119,10 +119,22 @@ def _read_prompt(args, tok, vocab_size: int):
     return encode_prompt(args.prompt, tok, vocab_size)
 
 
+def conflicting_flags(args) -> str | None:
+    """A message for flags that would be silently ignored together, else None."""
+    if args.prompt is not None and args.token_ids is not None:
+        return "give a PROMPT or --token-ids, not both"
+    if args.draft_model is not None and args.speculative not in ("draft", "tree"):
+        return "--draft-model is used by --speculative draft or tree only"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.prompt is None and args.token_ids is None:
         return _err("give a PROMPT (or --token-ids 1,2,3)")
+    conflict = conflicting_flags(args)
+    if conflict:
+        return _err(conflict)
     try:
         if args.prompt is not None:
             check_text(args.prompt, "PROMPT")

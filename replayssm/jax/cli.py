@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..engine.cli import DEFAULT_DRAFT, DEFAULT_MODEL, _err, build_parser
+from ..engine.cli import DEFAULT_DRAFT, DEFAULT_MODEL, _err, build_parser, conflicting_flags
 from ..engine.config import SamplingParams, SpeculativeConfig
 
 
@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.prompt is None and args.token_ids is None:
         return _err("give a PROMPT (or --token-ids 1,2,3)")
+    conflict = conflicting_flags(args)
+    if conflict:
+        return _err(conflict)
     model_dir = Path(args.model) if args.model else DEFAULT_MODEL
     if not (model_dir / "config.json").is_file():
         return _err(f"model directory {str(model_dir)!r} not found or incomplete; pass --model DIR")

@@ -48,7 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (cache slots)")
     g.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=2048,
                    help="context length (prompt + generated)")
-    g.add_argument("--memory-budget", type=float, default=None, help="bytes of cache the scheduler may reserve")
+    g.add_argument("--memory-budget", type=_bytes, default=None, help="bytes of cache the scheduler may reserve "
+                   "(1e9 or 1000000000)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="share of free GPU memory for caches when --memory-budget is not given")
     g.add_argument("--kv-block-size", type=int, default=16)
@@ -65,7 +66,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share of the memory budget the prefix cache may hold")
     g.add_argument("--seed", type=int, default=0, help="the engine's generator (unseeded requests)")
     g.add_argument("--pad-batches", action="store_true", help="pad batches to graph buckets without graphs")
-    g.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    g.add_argument("--torch-threads", type=_positive, default=None, help="torch intra-op threads (CPU)")
 
 
 #: ``--speculative-config`` keys (vLLM's names) -> SpeculativeConfig fields
@@ -116,6 +117,8 @@ def build_engine(model_dir: str, args):
     if getattr(args, "speculative_config", None):
         if args.speculative:
             raise ValueError("give either --speculative or --speculative-config, not both")
+        if args.draft_model is not None:
+            raise ValueError("--draft-model is ignored with --speculative-config: give the draft as its 'model'")
         spec = speculative_from_json(args.speculative_config)
     elif args.speculative:
         draft = args.draft_model
@@ -141,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replayssm serve", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="model directory (Hugging Face layout)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
+    p.add_argument("--port", type=_port, default=8000, help="port (0: any free port, printed at start)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
     p.add_argument("--max-queue", type=int, default=256,
@@ -153,6 +156,36 @@ def build_parser() -> argparse.ArgumentParser:
                         "compile (auto: on for CUDA)")
     add_engine_args(p)
     return p
+
+
+def _port(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port is an integer in [0, 65535], got {v!r}") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is an integer in [0, 65535], got {n}")
+    return n
+
+
+def _positive(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v!r}")
+    return n
+
+
+def _bytes(v: str) -> int:
+    try:
+        x = float(v)
+    except ValueError:
+        x = float("nan")
+    if not (x >= 1 and x != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of bytes >= 1 (e.g. 8e9), got {v!r}")
+    return int(x)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,9 +203,20 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"replayssm serve: error: {e}; install the serve extra: pip install 'replayssm[serve]'", file=sys.stderr)
         return 2
+    # the port first: a taken one is reported before the model loads and the caches fill memory
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        sock.close()
+        print(f"replayssm serve: error: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
     try:
         engine = build_engine(args.model, args)
     except ValueError as e:
+        sock.close()
         print(f"replayssm serve: error: {e}", file=sys.stderr)
         return 2
     if args.warm_up == "on" or (args.warm_up == "auto" and engine.device.type == "cuda"):
@@ -181,14 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(engine, ServerConfig(model_name=name, model_dir=args.model, api_key=args.api_key,
                                          max_queue=args.max_queue, chat_template=args.chat_template))
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as e:
-        print(f"replayssm serve: error: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
-        return 2
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=2))
 

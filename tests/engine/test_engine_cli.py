@@ -22,6 +22,11 @@ def test_bad_arguments(tmp_path, capsys):
     assert "PROMPT" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["hi", "--mode", "fast"])
+    # flags that one would silently drop are refused together
+    assert cli.main(["hi", "--token-ids", "1,2"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert cli.main(["hi", "--draft-model", str(tmp_path)]) == 2
+    assert "--speculative draft or tree only" in capsys.readouterr().err
 
 
 def test_router_reaches_generate(monkeypatch, tmp_path, capsys):

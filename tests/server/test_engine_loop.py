@@ -95,6 +95,38 @@ def test_serve_flags_reach_the_speculative_config():
         build_engine(model, bad)
 
 
+def test_serve_flag_values_and_conflicts_are_named(tmp_path):
+    """Bad ports, byte counts and thread counts are argparse errors (exit 2, the flag named),
+    not tracebacks; a draft beside --speculative-config is refused, not ignored; a taken port
+    is reported before the model loads."""
+    import socket
+    import subprocess
+    import sys
+
+    from replayssm.server.cli import build_engine, build_parser
+
+    model = str(MODEL)
+    for flags in (["--port", "-1"], ["--port", "70000"], ["--memory-budget", "inf"], ["--memory-budget", "nan"],
+                  ["--memory-budget", "0.5"], ["--torch-threads", "0"], ["--torch-threads", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([model, *flags])
+        assert e.value.code == 2
+    assert build_parser().parse_args([model, "--memory-budget", "8e9"]).memory_budget == 8_000_000_000
+    args = build_parser().parse_args([model, "--speculative-config", '{"method": "ngram"}', "--draft-model", model])
+    with pytest.raises(ValueError, match="--draft-model is ignored with --speculative-config"):
+        build_engine(model, args)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "replayssm", "serve", model, "--port", str(port), "--host",
+                            "127.0.0.1"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "cannot bind" in r.stderr
+    finally:
+        taken.close()
+
+
 def test_slow_steps_are_logged_with_where_their_time_went(caplog):
     """A step longer than ``slow_step_s`` is a warning naming its prefill / decode split and
     the engine's occupancy (here every step counts as slow)."""
