@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["positive_int", "nonnegative_int", "positive_float", "probability", "int_list"]
+__all__ = ["positive_int", "nonnegative_int", "positive_float", "probability", "int_list", "port", "byte_count"]
 
 
 def _int_at_least(text: str, low: int, what: str) -> int:
@@ -61,3 +61,19 @@ def int_list(text: str) -> str:
     for t in parts:
         positive_int(t)
     return ",".join(parts)
+
+
+def port(text: str) -> int:
+    """A TCP port, ``0 .. 65535`` (0: any free port)."""
+    v = _int_at_least(text, 0, "a port in [0, 65535]")
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {v}")
+    return v
+
+
+def byte_count(text: str) -> int:
+    """A number of bytes >= 1, written as an int or a float (``8e9``)."""
+    v = positive_float(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
+    return int(v)

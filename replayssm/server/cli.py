@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from ..argtypes import byte_count, port, positive_int
 from ..engine.config import SpeculativeConfig
 from ..engine.llm import LLM
 
@@ -48,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (cache slots)")
     g.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=2048,
                    help="context length (prompt + generated)")
-    g.add_argument("--memory-budget", type=_bytes, default=None, help="bytes of cache the scheduler may reserve "
+    g.add_argument("--memory-budget", type=byte_count, default=None, help="bytes of cache the scheduler may reserve "
                    "(1e9 or 1000000000)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="share of free GPU memory for caches when --memory-budget is not given")
@@ -66,7 +67,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share of the memory budget the prefix cache may hold")
     g.add_argument("--seed", type=int, default=0, help="the engine's generator (unseeded requests)")
     g.add_argument("--pad-batches", action="store_true", help="pad batches to graph buckets without graphs")
-    g.add_argument("--torch-threads", type=_positive, default=None, help="torch intra-op threads (CPU)")
+    g.add_argument("--torch-threads", type=positive_int, default=None, help="torch intra-op threads (CPU)")
 
 
 #: ``--speculative-config`` keys (vLLM's names) -> SpeculativeConfig fields
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replayssm serve", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="model directory (Hugging Face layout)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=_port, default=8000, help="port (0: any free port, printed at start)")
+    p.add_argument("--port", type=port, default=8000, help="port (0: any free port, printed at start)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
     p.add_argument("--max-queue", type=int, default=256,
@@ -156,36 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "compile (auto: on for CUDA)")
     add_engine_args(p)
     return p
-
-
-def _port(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a port is an integer in [0, 65535], got {v!r}") from None
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is an integer in [0, 65535], got {n}")
-    return n
-
-
-def _positive(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v!r}")
-    return n
-
-
-def _bytes(v: str) -> int:
-    try:
-        x = float(v)
-    except ValueError:
-        x = float("nan")
-    if not (x >= 1 and x != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a number of bytes >= 1 (e.g. 8e9), got {v!r}")
-    return int(x)
 
 
 def main(argv: list[str] | None = None) -> int:
