@@ -24,7 +24,7 @@ import torch
 from ..models.config import parse_config, read_config
 from ..models.header import check_sizes
 from ..models.loader import (_FP32_PARAMS, WeightError, _cast_checked, _install, _model_class, _transformed_checked,
-                             _weight_files, parse_dtype, source_plan)
+                             _weight_files, check_source_shapes, parse_dtype, source_plan)
 from ..runtime import canonical_device, compute_dtype
 from .layers import build_local_model
 from .sharding import ROOT_ONLY, Shard, local_config, shard_rules
@@ -122,14 +122,7 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
         for fn in sorted(set(key_file.values())):
             handles[fn] = safe_open(fn, framework="pt", device="cpu")
         for name, src in plan.items():  # headers first: every shape against the global model
-            want = tuple(gparams[name].shape)
-            shapes = [tuple(handles[key_file[k]].get_slice(k).get_shape()) for k in src.keys]
-            got = shapes[0] if src.stack is None else (want[0], shapes[0][0] * src.parts, *shapes[0][1:])
-            if src.stack is not None and len(set(shapes)) > 1:
-                got = ("inconsistent per-expert shapes",)
-            if got != want:
-                raise WeightError(f"{key_file[src.keys[0]]}: tensor {src.keys[0]!r} has shape {list(got)}, "
-                                  f"expected {list(want)} for {name}")
+            check_source_shapes(name, src, tuple(gparams[name].shape), handles, key_file)
         for name, src in plan.items():
             rule = rules.get(name)
             pdt = _param_dtype(name, tdtype)

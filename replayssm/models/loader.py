@@ -156,6 +156,24 @@ def _cast_checked(t, key: str, key_file: dict, device, dtype):
     return out
 
 
+def check_source_shapes(name: str, src, want: tuple, handles: dict, key_file: dict) -> None:
+    """Header shapes of ``src``'s tensors against parameter ``name`` of shape ``want``
+    (stacked experts: every expert's part on its own, so the error names the tensor that is
+    wrong); a :class:`WeightError` naming the file and tensor.  No data is read."""
+    shapes = [tuple(handles[key_file[k]].get_slice(k).get_shape()) for k in src.keys]
+    if src.stack is None:
+        if shapes[0] != want:
+            k = src.keys[0]
+            raise WeightError(f"{key_file[k]}: tensor {k!r} has shape {list(shapes[0])}, "
+                              f"expected {list(want)} for {name}")
+        return
+    per = (want[1] // src.parts, *want[2:])
+    for k, sh in zip(src.keys, shapes):
+        if sh != per:
+            raise WeightError(f"{key_file[k]}: tensor {k!r} has shape {list(sh)}, expected {list(per)} "
+                              f"(one expert's part of {name}, {list(want)})")
+
+
 def _install(model: nn.Module, name: str, t: torch.Tensor) -> None:
     mod_name, _, leaf = name.rpartition(".")
     mod = model.get_submodule(mod_name) if mod_name else model
@@ -227,22 +245,7 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False):
             handles[fn] = safe_open(fn, framework="pt", device="cpu")
         # shape checks first (header only), then data
         for name, src in plan.items():
-            want = tuple(params[name].shape)
-            shapes = [tuple(handles[key_file[k]].get_slice(k).get_shape()) for k in src.keys]
-            if src.stack is None:
-                got = shapes[0]
-            else:
-                E = want[0]
-                if any(s != shapes[0] for s in shapes[: src.parts]) or len(shapes[0]) != 2:
-                    got = shapes[0]
-                else:
-                    got = (E, shapes[0][0] * src.parts, shapes[0][1])
-                if len(set(shapes[i] for i in range(0, len(shapes), 1) if i % src.parts == 0)) > 1:
-                    got = ("inconsistent per-expert shapes",)
-            if got != want:
-                k = src.keys[0]
-                raise WeightError(f"{key_file[k]}: tensor {k!r} has shape {list(got)}, "
-                                  f"expected {list(want)} for {name}")
+            check_source_shapes(name, src, tuple(params[name].shape), handles, key_file)
         transforms = model.load_transforms()
         for name, src in plan.items():
             leaf = name.rpartition(".")[2]

@@ -225,6 +225,14 @@ def test_values_a_cast_would_hide_and_loose_config_types(tiny, tmp_path):
     _edit_tensors(p, lambda t: t.update({key: (t[key] * 100).to(torch.int8)}))
     with pytest.raises(WeightError, match=r"experts\.2\.up_proj\.weight' has dtype torch\.int8"):
         load_model(p)
+    p = _copy(path, tmp_path / "q2")
+    _edit_tensors(p, lambda t: t.update({key: t[key][:-1].clone()}))
+    with pytest.raises(WeightError, match=r"experts\.2\.up_proj\.weight' has shape .*one expert's part"):
+        load_model(p)
+    p = _copy(path, tmp_path / "q3")
+    _edit_tensors(p, lambda t: t[key].view(-1).__setitem__(0, float("nan")))
+    with pytest.raises(WeightError, match=r"experts\.2\.up_proj\.weight' holds NaN"):
+        load_model(p)
     _, mpath = tiny("mamba2")
     p = _copy(mpath, tmp_path / "m1")
     _edit_tensors(p, lambda t: t.update({"backbone.norm_f.weight": torch.full_like(t["backbone.norm_f.weight"], 1e6)}))
