@@ -123,6 +123,11 @@ class LLMEngine:
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.eos_token_id = getattr(cfg, "eos_token_id", None)  # an id, a list of ids, or None
+        tok_size = getattr(self.tokenizer, "get_vocab_size", None)
+        if callable(tok_size) and tok_size(with_added_tokens=True) > self.vocab_size:
+            warnings.warn(f"the tokenizer has {tok_size(with_added_tokens=True)} tokens, more than the model's "
+                          f"vocab_size {self.vocab_size}: text that tokenizes to the extra ids will be refused "
+                          f"(is this the model's own tokenizer?)", stacklevel=2)
         T = ec.max_new
         sp = ec.speculative
         self.draft_model = None

@@ -145,3 +145,12 @@ def test_options_that_would_be_ignored_are_refused(target):
             LLM(target, **kw)
     with pytest.raises(ValueError, match="draft_model is not used"):
         SpeculativeConfig("ngram", draft_model=target)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_named_at_load(target):
+    """Every text request would fail later: the mismatch is a warning when the engine is built."""
+    from tokenizers import Tokenizer, models
+
+    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1000)}, unk_token="w0"))
+    with pytest.warns(UserWarning, match="more than the model's vocab_size"):
+        LLM(target, tokenizer=big)
