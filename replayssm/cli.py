@@ -86,7 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     if name == "generate" and _backend(rest) == "jax":
         target = "replayssm.jax.cli"   # the same command on the JAX backend (a wing above the engine)
     module = importlib.import_module(target)
-    return int(module.main(rest) or 0)
+    if not name.startswith("bench "):
+        return int(module.main(rest) or 0)
+    try:   # a benchmark's bad setting (a mode, a preset, a file) is its message, not a traceback
+        return int(module.main(rest) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"replayssm {name}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _backend(argv: list[str]) -> str | None:

@@ -310,7 +310,15 @@ def run_case(fam: str, Bt: int, T: int, s: dict, device: str, peers: dict, args,
 def run(args, save=None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"  # smoke on a GPU machine: the compiled kernels
     fams = args.families.split(",") if args.families else list(SMOKE_FAMILIES if args.smoke else FAMILIES)
-    shapes = SMOKE_SHAPES if args.smoke else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    unknown = [f for f in fams if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"--families: unknown {unknown}; choose from {', '.join(FAMILIES)}")
+    try:
+        shapes = SMOKE_SHAPES if args.smoke else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    except ValueError:
+        raise ValueError(f"--shapes must be BxT pairs like 16x2048,4x32768, got {args.shapes!r}") from None
+    if any(len(sh) != 2 or min(sh) < 1 for sh in shapes):
+        raise ValueError(f"--shapes must be positive BxT pairs, got {args.shapes!r}")
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "date": _dt.date.today().isoformat(), "torch": torch.__version__, "tol": TOL, "families": {},
            "dtype": "float32" if args.smoke else "bfloat16"}

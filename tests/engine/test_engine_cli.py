@@ -115,3 +115,10 @@ def test_bench_random_model_has_a_clear_greedy_margin(tmp_path):
     top = logits.topk(2, -1).values
     margin = (top[..., 0] - top[..., 1]) / logits.std(-1)
     assert float(margin.min()) > 0.5  # bf16 rounding moves logits by ~1e-2 std
+
+
+def test_a_benchmarks_bad_setting_is_a_message(tmp_path, capsys):
+    """``replayssm bench ...`` with a value only the benchmark can check: exit 2 and one line."""
+    assert top.main(["bench", "prefill", "--families", "bogus", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "replayssm bench prefill: error: --families: unknown ['bogus']" in err and "Traceback" not in err
