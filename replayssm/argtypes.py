@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["positive_int", "nonnegative_int", "positive_float", "probability", "int_list", "port", "byte_count"]
+__all__ = ["positive_int", "nonnegative_int", "positive_float", "probability", "int_list", "port", "byte_count", "nonnegative_float"]
 
 
 def _int_at_least(text: str, low: int, what: str) -> int:
@@ -77,3 +77,14 @@ def byte_count(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
     return int(v)
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not (v >= 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v

@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 from ..server.cli import add_engine_args
 from .e2e import PRESETS, _random_model_dir
 from .hybrid_presets import HYBRID_PRESETS, TINY_OF
@@ -374,16 +375,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"server configurations to compare: {','.join(CONFIGS)}")
     p.add_argument("--spec-method", default="ngram", choices=["ngram", "draft", "tree"])
     p.add_argument("--request-rates", default="1,4,16,inf", help="requests per second (inf: all at once)")
-    p.add_argument("--num-prompts", type=int, default=200, help="requests per rate")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=positive_int, default=200, help="requests per rate")
+    p.add_argument("--prompt-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--dataset", default=None, help="JSONL: {'prompt': text or ids, 'output_len': n} per line")
     p.add_argument("--prompt-kind", default=None, choices=["walk", "random", "motif"],
                    help="synthetic prompts (default: walk for presets, motif for --model)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    p.add_argument("--warmup", type=int, default=4, help="requests before each configuration's runs")
-    p.add_argument("--server-timeout", type=float, default=1200.0, help="seconds to wait for a server to start")
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0)
+    p.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
+    p.add_argument("--warmup", type=nonnegative_int, default=4, help="requests before each configuration's runs")
+    p.add_argument("--server-timeout", type=positive_float, default=1200.0, help="seconds to wait for a server to start")
     p.add_argument("--out", default="out/bench_serve")
     p.add_argument("--smoke", action="store_true", help="small CPU run (CI)")
     p.add_argument("--no-plot", action="store_true")
@@ -406,8 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rates = [float(r) for r in args.request_rates.split(",") if r]
     except ValueError:
-        print(f"replayssm bench serve: error: --request-rates must be numbers or inf, got {args.request_rates!r}",
-              file=sys.stderr)
+        rates = []
+    if not rates or not all(r > 0 for r in rates):   # also refuses nan
+        print(f"replayssm bench serve: error: --request-rates must be positive numbers or inf, got "
+              f"{args.request_rates!r}", file=sys.stderr)
         return 2
     configs = [c for c in args.configs.split(",") if c]
     bad = [c for c in configs if c not in CONFIGS]
