@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["positive_int", "nonnegative_int", "positive_float", "probability", "int_list", "port", "byte_count", "nonnegative_float"]
+__all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "probability", "int_list",
+           "port", "byte_count"]
 
 
 def _int_at_least(text: str, low: int, what: str) -> int:
@@ -31,12 +32,16 @@ def nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0, "an int >= 0")
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
+def _number(text: str) -> float:
     try:
-        v = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    v = _number(text)
     if not (v > 0 and v != float("inf")):
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
     return v
@@ -44,10 +49,7 @@ def positive_float(text: str) -> float:
 
 def probability(text: str) -> float:
     """A number in ``[0, 1]``."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    v = _number(text)
     if not 0.0 <= v <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return v
@@ -81,10 +83,7 @@ def byte_count(text: str) -> int:
 
 def nonnegative_float(text: str) -> float:
     """A finite number >= 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    v = _number(text)
     if not (v >= 0 and v != float("inf")):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return v

@@ -148,8 +148,7 @@ def run_workload(model, args, workload: str, caching: bool) -> dict:
     if args.memory_budget:
         kw["memory_budget"] = int(args.memory_budget)
     llm = LLM(model, **kw)
-    llm.warm_up()         # every step kind once (kernel compiles), as a server does; zeroes the counters
-    sync(args.device)
+    llm.warm_up()         # every step kind once (kernel compiles), as a server does; zeroes the counters, syncs
     row = {"workload": workload, "caching": caching, "mode": kw["decode_mode"]}
     ttft, wall, outs, prompt_tokens, tokens = [], 0.0, 0, 0, []
     if workload == "shared-prefix":

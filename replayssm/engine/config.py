@@ -56,9 +56,9 @@ MIN_REPETITION_PENALTY = 1e-2
 class SamplingParams:
     """How one request is sampled.
 
-    ``temperature == 0`` is greedy (argmax); so is any temperature below
-    :data:`GREEDY_BELOW` (the limit as ``T -> 0``; dividing fp32 logits by a smaller one overflows).  ``top_k == 0`` and ``top_p == 1`` disable those
-    filters.  ``seed`` gives the request its own ``torch.Generator`` (reproducible regardless
+    ``temperature == 0`` is greedy (argmax); so is any temperature below :data:`GREEDY_BELOW`
+    (the limit as ``T -> 0``; dividing fp32 logits by a smaller one overflows).  ``top_k == 0``
+    and ``top_p == 1`` disable those filters.  ``seed`` gives the request its own ``torch.Generator`` (reproducible regardless
     of what else is in the batch); ``None`` draws from the engine's generator.  Generation
     stops at ``max_tokens`` generated tokens, at the model's EOS (unless ``ignore_eos``), at
     any of ``stop_token_ids`` (the stop token is kept in the output), or when the generated

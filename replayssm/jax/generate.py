@@ -334,11 +334,6 @@ class JaxLLM:
         self.last_stats: dict = {}
 
     # -- requests -----------------------------------------------------------------------------
-    def _encode(self, prompt):
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise ValueError("string prompts need a tokenizer (tokenizer.json in the model directory); "
-                             "pass token id lists instead")
-        return encode_prompt(prompt, self.tokenizer, self.spec.vocab_size)   # the PyTorch engine's checks
 
     def _rows(self, prompts, sampling_params):
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
@@ -348,17 +343,12 @@ class JaxLLM:
             raise ValueError("no prompts")
         params = sampling_params_list(sampling_params, len(prompts))
         rows = []
-        V = self.spec.vocab_size
         limit = self.max_seq_len or DEFAULT_MAX_SEQ_LEN
         T = (self.speculative.num_tokens if self.speculative else 0) + 1
         for p, sp in zip(prompts, params):
             _check_supported(sp, len(prompts))
-            text, ids = self._encode(p)
-            if not ids:
-                raise ValueError("empty prompt")
-            bad = [t for t in ids if not 0 <= t < V]
-            if bad:
-                raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+            # the PyTorch engine's checks: text, a tokenizer for it, ints, non-empty, in the vocabulary
+            text, ids = encode_prompt(p, self.tokenizer, self.spec.vocab_size)
             room = limit - len(ids) - T    # as the PyTorch engine: generation stops at the context ("length")
             if room < 1:
                 raise ValueError(f"a prompt of {len(ids)} tokens leaves no room in max_seq_len {limit}"

@@ -268,7 +268,8 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False):
             except Exception as e:
                 raise WeightError(f"{key_file[src.keys[0]]}: cannot read tensor {src.keys[0]!r} "
                                   f"(corrupt or truncated file: {e})") from None
-            t = _transformed_checked(t, name, src, key_file, transforms)
+            if src.stack is None or name in transforms:   # stacked experts: checked part by part above
+                t = _transformed_checked(t, name, src, key_file, transforms)
             _install(model, name, _cast_checked(t, src.keys[0], key_file, device, pdt))
     finally:
         handles.clear()

@@ -166,19 +166,20 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         metrics.refresh(engine, loop)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "replayssm",
+                "root": config.model_dir, "max_model_len": limit}
+
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "replayssm", "root": config.model_dir,
-                                            "max_model_len": limit}]}
+        return {"object": "list", "data": [card()]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_key)])
     async def model_card(model_id: str):
         if model_id != config.model_name:
             raise APIError(404, f"model {model_id!r} is not served here (this server serves {config.model_name!r})",
                            type="not_found_error", param="model")
-        return {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "replayssm",
-                "root": config.model_dir, "max_model_len": limit}
+        return card()
 
     # -- helpers -----------------------------------------------------------------------------------
     def encode(prompt, param: str, special: bool = True) -> list[int]:

@@ -69,10 +69,12 @@ class SamplingFields(BaseModel):
     user: Optional[str] = None
     logit_bias: Optional[dict] = None
 
-    @field_validator("n", "stream", "ignore_eos", "return_token_ids", mode="before")
+    @field_validator("n", "stream", "ignore_eos", "return_token_ids", "echo", "logprobs", "add_generation_prompt",
+                     mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, v, info):
-        """``null`` means the default, as the OpenAI API allows for these fields."""
+        """``null`` means the default, as the OpenAI API allows for these fields (the last
+        three are a subclass's: completions' ``echo`` / ``logprobs``, chat's)."""
         return cls.model_fields[info.field_name].default if v is None else v
 
     def _logprobs(self) -> int | None:
@@ -123,11 +125,6 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
-    @field_validator("echo", mode="before")
-    @classmethod
-    def _null_echo(cls, v):
-        return False if v is None else v
-
     def _logprobs(self) -> int | None:
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo")
@@ -174,11 +171,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
-
-    @field_validator("logprobs", "add_generation_prompt", mode="before")
-    @classmethod
-    def _null_is_default_chat(cls, v, info):
-        return cls.model_fields[info.field_name].default if v is None else v
     # read only to refuse them: answering in plain text instead would be silently wrong
     tools: Optional[list] = None
     tool_choice: Optional[Union[str, dict]] = None
