@@ -367,12 +367,13 @@ class LLMEngine:
 
         Triton compiles a kernel variant when a shape bucket is first met (seconds each on
         a GPU): without this, the first requests of each bucket stall for everyone in flight.
-        Three waves of greedy requests through the normal scheduler, two tokens each (prefill
+        Waves of greedy requests through the normal scheduler, two tokens each (prefill
         then a decode or speculative step): one 8-token prompt (the small-prompt tiles); a
         full batch of ``max_num_seqs`` prompts sharing the step's token budget (up to 256
         tokens each: a burst of arrivals, many sequences in one prefill, the allocator's
         largest activations); one prompt of ``max_prompt_len`` (default: the token budget, at
-        most the context less two tokens; long-prompt tiles and chunking).  Afterwards no slot
+        most the context less two tokens; long-prompt tiles and chunking); with prefix caching,
+        that prompt again with its last token changed (a resume from a checkpoint).  Afterwards no slot
         is held, the prefix cache is emptied and the engine's counters are zero.  Only for an
         idle engine; returns seconds.
         """
@@ -385,6 +386,9 @@ class LLMEngine:
         ids = lambda i, n: [(7919 * i + 104729 * j + 1) % V for j in range(n)]
         burst = min(ec.max_seq_len - 2, 256, max(8, ec.max_num_batched_tokens // self.num_slots))
         waves = [[ids(0, min(8, long))], [ids(1 + i, burst) for i in range(self.num_slots)], [ids(0, long)]]
+        if self.prefix_cache is not None and long >= 2:
+            # a hit on the long prompt but its last token: a resume from its last checkpoint
+            waves.append([ids(0, long)[:-1] + [(ids(0, long)[-1] + 1) % V]])
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
         for w, prompts in enumerate(waves):

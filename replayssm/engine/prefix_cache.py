@@ -481,18 +481,16 @@ class PrefixCache:
 
     # -- scheduling ------------------------------------------------------------------------
     def align(self, seq, n: int) -> int:
-        """A chunk of ``n`` prompt tokens that crosses a checkpoint boundary ends on the last
-        boundary it crosses, so that the state the prefill leaves there is that checkpoint
-        (a copy; no fold of the chain's entries).  A chunk that stops short of the prompt's
-        end (the step's token budget) does so always; one that reaches the end does so when
-        the slot holds a state (replay / recurrent form): the rest of the prompt then takes
-        one more step, which costs far less than the fold (measured on the H100, 2026-11-23:
-        a chat turn's checkpoint fold and rebuild took 0.4–1 s, a prefill step ~20 ms).
-        KV-only slots hold no state to copy and keep the whole chunk."""
+        """A chunk of ``n`` prompt tokens that stops short of the prompt's end (the step's
+        token budget) and crosses a checkpoint boundary ends on the last boundary it crosses,
+        so that the state the prefill leaves there is that checkpoint (a copy) in a state
+        form.  A chunk that reaches the prompt's end keeps its length: its checkpoints are
+        folds of the chain's entries, one kernel launch per layer, far cheaper than the extra
+        prefill step ending it on the boundary would cost (H100, 2026-11-25: a 2.7B prefill
+        step of 16 chat turns ~150 ms).  KV-only slots hold no state to copy: every chunk keeps
+        its length."""
         s0, C = seq.num_prefilled, self.interval
-        if seq.prefix is None or seq.prefix.stopped:
-            return n
-        if s0 + n >= seq.num_prompt_tokens and self.cache.mode_of(seq.slot) not in ("replay", "recurrent"):
+        if seq.prefix is None or seq.prefix.stopped or s0 + n >= seq.num_prompt_tokens:
             return n
         end = min(s0 + n, seq.num_prompt_tokens // self.block_size * self.block_size) // C * C
         return end - s0 if s0 < end < s0 + n else n

@@ -61,19 +61,19 @@ _KERNELS = {"mamba2": (mamba2_kernels, mamba2_prefill), "gdn": (gdn_kernels, gdn
 #: ops with a Triton kernel of the reference op's signature, per family
 ROUTED = {
     "mamba2": ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify",
-               "kv_verify", "snapshot_verify", "chunked_prefill_varlen"),
+               "kv_verify", "snapshot_verify", "chunked_prefill_varlen", "kv_fold", "rebuild_state", "conv_fold"),
     "gdn": ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify",
-            "kv_verify", "snapshot_verify", "chunked_prefill_varlen"),
+            "kv_verify", "snapshot_verify", "chunked_prefill_varlen", "kv_fold", "rebuild_state"),
     "conv": ("conv_decode", "conv_verify", "conv_commit", "conv_prefill_varlen"),
     "attention": ("write_kv", "paged_attention"),
     "moe": ("experts",),
 }
 #: ops (and helpers) that run the reference on every device, per family
 REFERENCE_ONLY = {
-    "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
-               "kv_tree_verify", "kv_fold"),
-    "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
-            "kv_tree_verify", "kv_fold"),
+    "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "snapshot_commit", "kv_to_state",
+               "kv_tree_verify"),
+    "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "snapshot_commit", "kv_to_state",
+            "kv_tree_verify"),
     "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
     "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
     "moe": ("activation", "check_experts"),

@@ -17,7 +17,11 @@ from torch import Tensor
 from ._triton import (HAVE_TRITON, check_ring, count_flags, flag_chunk, flat_grid, history_entries, next_pow2,
                       nth_flag, pad16, persistent_programs, tile, tile_ids, triton, tl)
 from ._triton import contiguous as _c
+from ..cache.buffers import GDNBuffers
+from ..cache.ring import StepPlan
+from ..ops.gdn.naive import check_kv_fold
 from .append import append_entries
+from .fold import paged_fold, ring_fold
 from .mamba2 import tree_bits
 
 __all__ = [
@@ -28,6 +32,8 @@ __all__ = [
     "tree_verify",
     "kv_verify",
     "snapshot_verify",
+    "kv_fold",
+    "rebuild_state",
 ]
 
 _EPS = 1e-6
@@ -805,3 +811,26 @@ def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     _append_entries(kv.u, kv.k, kv.g, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
                     U, Kn, g, pplan.block_size, True)
     return y
+
+
+def kv_fold(kv, pplan, initial_state: Tensor | None = None, check: bool | None = None,
+            block_t: int | None = None, block_v: int | None = None, num_warps: int | None = None,
+            precision: str = "ieee") -> Tensor:
+    """Kernel form of :func:`replayssm.ops.gdn.naive.kv_fold` (same arguments, fp32 result):
+    ``S = e^{pre_n} S0 + Σ_j e^{pre_n−pre_j} k_j ⊗ u_j`` in one launch (:mod:`.fold`;
+    ``block_v`` is the block of the state's key rows a program holds)."""
+    HV = check_kv_fold(kv, pplan, initial_state, check)[2]
+    return paged_fold(kv.k, kv.u, kv.g, pplan, scale=None, weighted=False, initial_state=initial_state,
+                      num_state_heads=HV, block_t=block_t, block_r=block_v, num_warps=num_warps, precision=precision)
+
+
+def rebuild_state(buf, plan, block_t: int | None = None, block_v: int | None = None, num_warps: int | None = None,
+                  precision: str = "ieee") -> Tensor:
+    """Kernel form of :func:`replayssm.ops.gdn.naive.rebuild_state`: ``S_h`` of every row from
+    its checkpoint and committed ring entries, one launch (:func:`.fold.ring_fold`); returned
+    in the state dtype."""
+    if not isinstance(buf, GDNBuffers) or not isinstance(plan, StepPlan):
+        raise ValueError("rebuild_state needs GDNBuffers and a StepPlan")
+    S = ring_fold(buf.state, buf.k, buf.u, buf.g, plan, scale=None, weighted=False, block_t=block_t,
+                  block_r=block_v, num_warps=num_warps, precision=precision)
+    return S.to(buf.state.dtype)

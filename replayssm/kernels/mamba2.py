@@ -21,9 +21,14 @@ import torch
 from torch import Tensor
 
 from ..cache.tree import ancestor_bits, ancestor_mask
+from ..cache.buffers import Mamba2Buffers
+from ..cache.ring import StepPlan
+from ..ops.mamba2.naive import check_conv_fold, check_kv_fold
 from ._triton import HAVE_TRITON, check_ring, flat_grid, history_entries, next_pow2, pad16, tile, tile_ids, triton, tl
 from ._triton import contiguous as _c
 from .append import append_entries
+from .fold import conv_fold as _conv_fold
+from .fold import paged_fold, ring_fold
 
 __all__ = [
     "recurrent_step",
@@ -33,6 +38,9 @@ __all__ = [
     "tree_verify",
     "kv_verify",
     "snapshot_verify",
+    "kv_fold",
+    "conv_fold",
+    "rebuild_state",
     "tree_bits",
 ]
 
@@ -622,3 +630,42 @@ def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tenso
             state, slot, x, dt, A, B, C, D if D is not None else A, y, snapshots,
             T, H, G, d, n, H // G, BD=BD, BN=next_pow2(n), HAS_D=D is not None, num_warps=num_warps)
     return y, snapshots
+
+
+def kv_fold(kv, pplan, A: Tensor, initial_state: Tensor | None = None, check: bool | None = None,
+            block_t: int | None = None, block_d: int | None = None, num_warps: int | None = None,
+            precision: str = "ieee") -> Tensor:
+    """Kernel form of :func:`replayssm.ops.mamba2.naive.kv_fold` (same arguments, fp32 result):
+    ``S = e^{pre_n} S0 + Σ_j Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` in one launch (:mod:`.fold`)."""
+    H = check_kv_fold(kv, pplan, A, initial_state, check)[1]
+    return paged_fold(kv.x, kv.B, kv.dt, pplan, scale=A, weighted=True, initial_state=initial_state,
+                      num_state_heads=H, block_t=block_t, block_r=block_d, num_warps=num_warps, precision=precision)
+
+
+def rebuild_state(buf, plan, A: Tensor, block_t: int | None = None, block_d: int | None = None,
+                  num_warps: int | None = None, precision: str = "ieee") -> Tensor:
+    """Kernel form of :func:`replayssm.ops.mamba2.naive.rebuild_state`: ``S_h`` of every row
+    from its checkpoint and committed ring entries, one launch (:func:`.fold.ring_fold`);
+    returned in the state dtype."""
+    if not isinstance(buf, Mamba2Buffers) or not isinstance(plan, StepPlan):
+        raise ValueError("rebuild_state needs Mamba2Buffers and a StepPlan")
+    H = buf.state.shape[1]
+    if not isinstance(A, Tensor) or tuple(A.shape) != (H,):
+        raise ValueError(f"A must be a tensor of shape ({H},), got {tuple(getattr(A, 'shape', ()))}")
+    S = ring_fold(buf.state, buf.x, buf.B, buf.dt, plan, scale=A, weighted=True, block_t=block_t, block_r=block_d,
+                  num_warps=num_warps, precision=precision)
+    return S.to(buf.state.dtype)
+
+
+def conv_fold(preconv: Tensor, dt: Tensor, pplan, start: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
+              A: Tensor, initial_state: Tensor | None = None, *, head_dim: int, ngroups: int, d_state: int,
+              check: bool | None = None, block_t: int | None = None, block_d: int | None = None,
+              num_warps: int | None = None, precision: str = "ieee") -> Tensor:
+    """Kernel form of :func:`replayssm.ops.mamba2.naive.conv_fold` (same arguments, fp32
+    result): the conv of each entry's inputs computed inside the fold, one launch
+    (:func:`.fold.conv_fold`), nothing materialised."""
+    check_conv_fold(preconv, dt, pplan, start, conv_weight, conv_bias, A, initial_state, head_dim, ngroups, d_state,
+                    check)
+    return _conv_fold(preconv, dt, pplan, start, conv_weight, conv_bias, A, initial_state, head_dim=head_dim,
+                      ngroups=ngroups, d_state=d_state, block_t=block_t, block_r=block_d, num_warps=num_warps,
+                      precision=precision)

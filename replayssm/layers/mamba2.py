@@ -92,6 +92,14 @@ class Mamba2Mixer(SSMLayer):
     def stored_entries(self, entries: list[Tensor]) -> list[Tensor]:
         return [entries[2]]
 
+    def fold_stored(self, pools, pplan, start: Tensor, initial_state):
+        """``ops.conv_fold``: the fold of stored positions ``start ..`` of each chain, ``x, B``
+        from the conv inputs (see :meth:`SSMLayer.fold_stored`)."""
+        w, b = self._conv_weight()
+        return self.ops().conv_fold(pools.preconv, pools.entries.dt, pplan, start, w, b,
+                                    self._A(pools.entries.dt.dtype), initial_state, head_dim=self.d, ngroups=self.G,
+                                    d_state=self.n)
+
     def prefix_entries(self, pools, rows: Tensor, valid: Tensor) -> list[Tensor]:
         """``x, B = split(silu(conv(conv inputs)))`` at each position (its ``W`` inputs, zeros
         before the sequence start), ``Δ`` from the store."""

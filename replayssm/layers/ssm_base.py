@@ -73,6 +73,12 @@ class SSMLayer(nn.Module):
         (``ops.kv_fold``): ``[Bt, *state]``."""
         raise NotImplementedError
 
+    def fold_stored(self, pools: PrefixPools, pplan, start: Tensor, initial_state: Tensor | None) -> Tensor:
+        """:meth:`fold` for a layer whose store keeps only part of each entry
+        (``stores_entries`` False): positions ``start_b ..`` (``pplan.length`` of them) of
+        each row's chain, ``pplan``'s block table from position 0; ``[Bt, *state]``."""
+        raise NotImplementedError
+
     def prefill_entries(self, a: dict, out: tuple) -> list[Tensor]:
         """Every token's ring entry ``[Nt, ...]`` (the paged pools' order) of a packed prefill
         from its inputs ``a`` and the ``chunked_prefill_varlen`` result ``out``."""

@@ -13,9 +13,10 @@ every tensor-parallel rank runs them on the same arguments.
 **Resume at token p** (:func:`load`) with the nearest checkpoint ``S_c`` at ``c <= p``
 (``c = 0``, ``S_0 = 0`` when none): per SSM layer and the slot's form
 
-* replay: ``h = min(p - c, L)`` entries stay in the ring (``p-h .. p-1``), the ones before are
-  folded into the checkpoint, ``S = fold(S_c, entries c .. p-h-1)`` (``ops.kv_fold``);
-* recurrent: ``S_p = fold(S_c, entries c .. p-1)``;
+* replay and recurrent: ``S_p = fold(S_c, entries c .. p-1)`` (``ops.kv_fold``: one kernel
+  launch per layer on the GPU), the ring empty (a prefill follows a resume, and a replay
+  prefill starts from the state rebuilt from checkpoint and ring: folding every entry here
+  leaves it nothing to rebuild);
 * KV-only: entries ``0 .. p-1`` copied into the slot's pages (no state);
 
 the conv window is the conv inputs ``p-W+1 .. p-1`` (zeros before the sequence start), and
@@ -162,8 +163,7 @@ def _checkpoint_wave(cache, jobs: list[dict]) -> None:
         if fj:
             S0 = torch.where(has_base.view(-1, *[1] * (pools.ckpt.dim() - 1)), pools.ckpt[bases],
                              torch.zeros((), dtype=pools.ckpt.dtype, device=dev))
-            entries, plan = _fold_source(cache.prefix, layer, pools, spans, memo)
-            pools.ckpt[f_rows] = layer.fold(entries, plan, S0).to(pools.ckpt.dtype)
+            pools.ckpt[f_rows] = _fold(cache.prefix, layer, pools, spans, memo, S0).to(pools.ckpt.dtype)
 
 
 def _windows(table, spans, width: int, memo: dict, name: str) -> tuple[Tensor, Tensor]:
@@ -178,39 +178,23 @@ def _windows(table, spans, width: int, memo: dict, name: str) -> tuple[Tensor, T
     return memo[key]
 
 
-def _fold_source(table, layer, pools, spans, memo: dict):
-    """``(entries, plan)`` that ``layer.fold`` reads for ``spans`` of ``(chain, start, stop)``
-    (positions ``start .. stop-1``, ``start`` a block boundary), one plan row per span: the
-    store itself where the layer keeps whole entries, else the entries rebuilt from the conv
-    inputs (``layer.prefix_entries``) into a scratch pool of the same layout.
-
-    ``memo`` (one per batch of folds over the same spans) keeps what every layer shares: the
-    window rows, the scratch layout's rows and plan, and the scratch pool itself per entry
-    layout (layers are folded one after another, so one pool serves them all)."""
-    bs, dev = table.block_size, table.device
+def _fold(table, layer, pools, spans, memo: dict, S0: Tensor) -> Tensor:
+    """``S0`` folded with the entries of ``spans`` of ``(chain, start, stop)`` (positions
+    ``start .. stop-1`` of the chain, ``start`` a block boundary), one row per span, in one
+    op per layer: ``layer.fold`` over the stored entries where the layer keeps whole ones,
+    else ``layer.fold_stored`` (Mamba-2: ``x, B`` computed from the conv inputs inside the
+    fold).  ``memo`` (one per batch of folds over the same spans) keeps the plans every layer
+    shares."""
+    bs = table.block_size
     if layer.stores_entries:
         if "chains_plan" not in memo:
             memo["chains_plan"] = table.chains_plan([(chain[start // bs:], stop - start) for chain, start, stop in spans])
-        return pools.entries, memo["chains_plan"]
-    rows, valid = _windows(table, spans, layer.conv_kernel, memo, "fold")
-    if "scratch_plan" not in memo:
-        nb = [-(-(stop - start) // bs) for _, start, stop in spans]
-        firsts = [1 + sum(nb[:i]) for i in range(len(nb))]           # block 0: the null block
-        dst = torch.cat([torch.arange(stop - start, dtype=torch.long) + f * bs for (_, start, stop), f in zip(spans, firsts)]
-                        + [torch.zeros(0, dtype=torch.long)]).to(dev)
-        width = max(nb + [1])
-        blocks = torch.tensor([list(range(f, f + n)) + [0] * (width - n) for f, n in zip(firsts, nb)], dtype=torch.long)
-        lengths = torch.tensor([stop - start for _, start, stop in spans], dtype=torch.long)
-        memo["scratch_plan"] = (1 + sum(nb), dst, PagedPlan(torch.zeros(len(spans), dtype=torch.long, device=dev),
-                                                            lengths.to(dev), blocks.to(dev), 1, bs))
-    num_blocks, dst, plan = memo["scratch_plan"]
-    key = ("scratch", type(layer), layer.state_shape(), getattr(layer, "G", None), pools.preconv.dtype)
-    if key not in memo:
-        memo[key] = layer.alloc_pages(num_blocks, bs, pools.preconv.dtype, dev)
-    scratch = memo[key]
-    for t, v in zip(scratch.tensors(), layer.prefix_entries(pools, rows, valid)):
-        t[dst] = v.to(t.dtype)
-    return scratch, plan
+        return layer.fold(pools.entries, memo["chains_plan"], S0)
+    if "stored_plan" not in memo:
+        memo["stored_plan"] = (table.chains_plan([(chain, stop - start) for chain, start, stop in spans]),
+                               torch.tensor([start for _, start, _ in spans], dtype=torch.long, device=table.device))
+    plan, starts = memo["stored_plan"]
+    return layer.fold_stored(pools, plan, starts, S0)
 
 
 def _window_rows(table, chain: list[int], length: int, width: int) -> tuple[Tensor, Tensor]:
@@ -302,17 +286,15 @@ def _prepare(cache, slot: int, length: int, chain, attn=(), checkpoint=None, *, 
             for name in ("k", "v"):
                 pool = cache.layers[layer.layer_id][name]
                 pool[dst, :r] = pool[attn[full], :r]
-    h = min(length - c, cache.ring.capacity) if form == "replay" else 0
-    return dict(slot=slot, length=length, chain=chain, c=c, row=row, h=h, form=form)
+    return dict(slot=slot, length=length, chain=chain, c=c, row=row, form=form)
 
 
 def _apply(cache, plans: list[dict]) -> None:
     """Write the SSM layers' part of every prepared request, batched over requests:
 
     * KV-only rows: entries ``0 .. p-1`` gathered into their pages;
-    * state rows: ``S = fold(S_c, entries c .. p-h-1)`` for all rows in one fold, once per
-      distinct (chain, checkpoint, end) (``S_c = 0`` without a checkpoint), then ring entries
-      ``p-h .. p-1``;
+    * state rows: ``S = fold(S_c, entries c .. p-1)`` for all rows in one fold, once per
+      distinct (chain, checkpoint, end) (``S_c = 0`` without a checkpoint), ring empty;
     * every row: the conv window = conv inputs ``p-W+1 .. p-1`` (zeros before the start).
     """
     table, bs, dev = cache.prefix, cache.prefix.block_size, cache.device
@@ -332,7 +314,7 @@ def _apply(cache, plans: list[dict]) -> None:
         # rows resuming at the same point of the same chain (a shared system prompt) fold once
         folds, which = {}, []
         for q in sts:
-            stop = q["length"] - q["h"]
+            stop = q["length"]
             key = (tuple(q["chain"][:-(-stop // bs)]), q["c"], q["row"], stop)
             which.append(folds.setdefault(key, len(folds)))
         keys = list(folds)
@@ -340,10 +322,6 @@ def _apply(cache, plans: list[dict]) -> None:
         has_ckpt = torch.tensor([k[2] is not None for k in keys], device=dev)
         ckpt_rows = torch.tensor([0 if k[2] is None else k[2] for k in keys], dtype=torch.long, device=dev)
         which = torch.tensor(which, dtype=torch.long, device=dev)
-        ringed = [q for q in sts if q["h"]]
-        ring_spans = [(q["chain"], q["length"] - q["h"], q["length"]) for q in ringed]
-        ring_slot = torch.tensor([q["slot"] for q in ringed for _ in range(q["h"])], dtype=torch.long).to(dev)
-        ring_pos = torch.tensor([j for q in ringed for j in range(q["h"])], dtype=torch.long).to(dev)
     all_slots = torch.tensor([q["slot"] for q in plans], dtype=torch.long, device=dev)
     windows = {}                                           # conv width - 1 -> (store rows, valid) [R, W-1]
     memo: dict = {}                                        # (spans, conv width) -> window rows
@@ -359,12 +337,7 @@ def _apply(cache, plans: list[dict]) -> None:
             S0 = torch.where(has_ckpt.view(-1, *[1] * (pools.ckpt.dim() - 1)), pools.ckpt[ckpt_rows],
                              torch.zeros((), dtype=pools.ckpt.dtype, device=dev))
             buf = store["buf"]
-            entries, fold = _fold_source(table, layer, pools, fold_spans, memo)
-            buf.state[st_slots] = layer.fold(entries, fold, S0).to(buf.state.dtype)[which]
-            if ringed:
-                rows, valid = _windows(table, ring_spans, W, memo, "ring")
-                for t_ring, v in zip(buf.ring_tensors(), layer.prefix_entries(pools, rows, valid)):
-                    t_ring[ring_slot, ring_pos] = v.to(t_ring.dtype)
+            buf.state[st_slots] = _fold(table, layer, pools, fold_spans, memo, S0).to(buf.state.dtype)[which]
         win = store["conv"].window
         W1 = win.shape[2]
         if W1:
@@ -376,7 +349,7 @@ def _apply(cache, plans: list[dict]) -> None:
             vals = torch.where(valid[..., None], vals, torch.zeros((), dtype=win.dtype, device=win.device))
             win[all_slots] = vals.transpose(1, 2)
     cache.ring.start[all_slots] = 0
-    cache.ring.length[all_slots] = torch.tensor([q["h"] for q in plans], dtype=cache.ring.length.dtype, device=dev)
+    cache.ring.length[all_slots] = 0
     if kvs:
         kv_slots = torch.tensor([q["slot"] for q in kvs], dtype=torch.long, device=dev)
         cache.pidx.length[kv_slots] = torch.tensor([q["length"] for q in kvs], dtype=cache.pidx.length.dtype,

@@ -143,6 +143,37 @@ def test_cuda_speculation(cuda_model, method, mode):
         assert min(o.mean_accepted_length for o in outs) > 2
 
 
+@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv", "auto"])
+def test_cuda_prefix_caching(cuda_model, mode):
+    """Prefix caching on the GPU (the fold kernel resumes and checkpoints): prompts sharing
+    0, 1, a block, a checkpoint interval and more of a cached prompt, one by one and then all
+    at once, give the full forwards' greedy output (fp32)."""
+    from replayssm import LLM, SamplingParams
+
+    m, expected = cuda_model
+    base = PROMPTS[3]                                       # 40 tokens
+    llm = LLM(m, device=DEVICE, dtype="float32", decode_mode=mode, cuda_graphs=True, max_seq_len=128,
+              max_num_seqs=len(PROMPTS), auto_threshold=10, enable_prefix_caching=True, kv_block_size=4,
+              prefix_checkpoint_interval=8, buffer_size=6)
+    params = SamplingParams(max_tokens=N)
+    assert llm.generate([base], params)[0].token_ids == expected[3]
+    for p, want in zip(PROMPTS, expected):
+        assert llm.generate([p], params)[0].token_ids == want
+    prompts = [base[:k] + [3, 1, 4] for k in (1, 4, 8, 9, 13, 14, 15, 17, 23, 33)]
+    want = []
+    for p in prompts:                                       # the full forwards, caching off
+        ids, gen = torch.tensor([p], device=DEVICE), []
+        for _ in range(N):
+            t = int(m(ids)[0, -1].argmax())
+            gen.append(t)
+            ids = torch.cat([ids, torch.tensor([[t]], device=DEVICE)], 1)
+        want.append(gen)
+    for p, w in zip(prompts, want):
+        assert llm.generate([p], params)[0].token_ids == w
+    assert [o.token_ids for o in llm.generate(prompts[:4], params)] == want[:4]
+    assert llm.prefix_stats()["prefix_hits"] >= len(prompts)
+
+
 def test_runner_speculative_step_graphs_match_eager():
     from replayssm.engine.model_runner import ModelRunner
     from replayssm.engine.speculative import chain_parent

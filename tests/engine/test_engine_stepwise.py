@@ -117,8 +117,15 @@ def test_warm_up_leaves_an_idle_clean_engine(mode, spec, prefix):
     expected = [reference_greedy(model, p, N) for p in PROMPTS]
     sp = SpeculativeConfig("ngram", num_tokens=3) if spec else None
     llm = LLM(model, decode_mode=mode, speculative=sp, max_num_seqs=3, max_seq_len=96,
-              max_num_batched_tokens=48, enable_prefix_caching=prefix, auto_threshold=8)
+              max_num_batched_tokens=48, enable_prefix_caching=prefix, auto_threshold=8,
+              prefix_checkpoint_interval=16 if prefix else None)
+    loads = []
+    if prefix:                                             # the resume kernels are warmed up too
+        real = llm.cache.load_prefixes
+        llm.cache.load_prefixes = lambda reqs: loads.extend(reqs) or real(reqs)
     assert llm.warm_up() > 0
+    if prefix:
+        assert [(r[1], r[4][0]) for r in loads] == [(47, 32)]   # hit at 47 tokens, checkpoint at 32
     assert not llm.has_unfinished()
     assert len(llm.scheduler.free_slots) == llm.num_slots
     assert all(v == 0 for v in llm.stats.values() if isinstance(v, (int, float)))

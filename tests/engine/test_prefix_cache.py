@@ -262,23 +262,26 @@ def test_chunked_prefill_at_any_budget(loaded, expected, arch, budget):
 @pytest.mark.parametrize("mode", ["replay", "recurrent", "kv"])
 @pytest.mark.parametrize("arch", ["mamba2", "nemotron_h"])
 def test_a_chunk_ends_on_the_last_checkpoint_it_crosses(loaded, expected, arch, mode):
-    """With an unlimited budget a 37-token prompt's chunk crosses the boundaries 8..32: in a
-    state form it ends on 32 (that checkpoint is the slot's state, a copy) and 32..37 takes one
-    more step; 8, 16, 24 fold.  KV-only slots hold no state: one chunk, every checkpoint
-    folded.  Output is the full forward's either way."""
-    llm = _llm(loaded[arch], mode)
-    jobs, chunks = [], []
-    orig_ck, orig_align = llm.cache.prefix_checkpoints, llm.prefix_cache.align
-    llm.cache.prefix_checkpoints = lambda js: (jobs.extend(js), orig_ck(js))
-    llm.prefix_cache.align = lambda seq, n: chunks.append(orig_align(seq, n)) or chunks[-1]
+    """A 37-token prompt with an unlimited budget is one chunk in every form: its checkpoints
+    8..32 are folds.  With a budget of 20 tokens a chunk that stops short of the prompt's end
+    ends on the last boundary it crosses (16, then 32: in a state form those checkpoints are
+    the slot's state, copies; 8 and 24 fold); KV-only slots keep the budget's chunks and fold
+    every checkpoint.  Output is the full forward's either way."""
     prompt = BASE[:37]
-    assert _one_by_one(llm, [prompt]) == [expected(arch, prompt)]
-    from_slot = [j["row"] for j in jobs if j.get("slot") is not None]
-    folded = sorted(j["stop"] for j in jobs if j.get("slot") is None)
-    if mode == "kv":
-        assert chunks[0] == 37 and from_slot == [] and folded == [8, 16, 24, 32]
-    else:
-        assert chunks[:2] == [32, 5] and len(from_slot) == 1 and folded == [8, 16, 24]
+    for budget, want_chunks, want_copies in ((None, [37], 0), (20, [16, 16, 5], 2)):
+        llm = _llm(loaded[arch], mode, **({} if budget is None else {"max_num_batched_tokens": budget}))
+        jobs, chunks = [], []
+        orig_ck, orig_align = llm.cache.prefix_checkpoints, llm.prefix_cache.align
+        llm.cache.prefix_checkpoints = lambda js: (jobs.extend(js), orig_ck(js))
+        llm.prefix_cache.align = lambda seq, n: chunks.append(orig_align(seq, n)) or chunks[-1]
+        assert _one_by_one(llm, [prompt]) == [expected(arch, prompt)]
+        from_slot = [j["row"] for j in jobs if j.get("slot") is not None]
+        folded = sorted(j["stop"] for j in jobs if j.get("slot") is None)
+        if mode == "kv":
+            assert from_slot == [] and folded == [8, 16, 24, 32]
+        else:
+            assert chunks == want_chunks, budget
+            assert len(from_slot) == want_copies and len(folded) == 4 - want_copies
 
 
 def test_concurrent_requests_n_samples_and_joining_mid_flight(loaded, expected):

@@ -189,7 +189,7 @@ def test_ops_for_exposes_naive_and_routes():
     for fam, naive, kern in (("mamba2", N2, K2), ("gdn", NG, KG)):
         ops = dispatch.ops_for(fam)
         assert ops is dispatch.ops_for(fam)
-        for name in ("chunked_prefill", "rebuild_state", "kv_to_state", "snapshot_commit", "recurrent_scan"):
+        for name in ("chunked_prefill", "kv_to_state", "snapshot_commit", "recurrent_scan"):
             assert getattr(ops, name) is getattr(naive, name)
         for name in dispatch.ROUTED[fam]:
             # every keyword the naive op takes (what the layers pass) is accepted by the kernel,
@@ -260,10 +260,10 @@ def test_every_op_is_routed_or_declared_reference_only():
         assert not routed & ref, fam
         assert routed | ref == ops, f"{fam}: unclassified {ops - routed - ref}"
     assert dispatch.REFERENCE_ONLY == {
-        "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
-                   "kv_tree_verify", "kv_fold"),
-        "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "rebuild_state", "snapshot_commit", "kv_to_state",
-                "kv_tree_verify", "kv_fold"),
+        "mamba2": ("segsum", "recurrent_scan", "chunked_prefill", "snapshot_commit", "kv_to_state",
+                   "kv_tree_verify"),
+        "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "snapshot_commit", "kv_to_state",
+                "kv_tree_verify"),
         "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
         "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
         "moe": ("activation", "check_experts"),

@@ -121,6 +121,7 @@ def test_bad_loads_are_refused_before_the_cache_changes(ours):
     cache = _store(model, "replay")
     prompt, attn = _cache_prompt(model, cache, "replay", torch.Generator().manual_seed(1))
     cache.load_prefix(4, 5, [1, 2], attn=attn[:2], checkpoint=None)      # slot 4 in use
+    cache.ring.length[4] = 1                                 # as after a decode: an entry past its state
     before = _snapshot(cache)
     bad = [
         dict(slot=4, length=5, chain=[1, 2], attn=attn[:2]),                       # slot in use

@@ -696,15 +696,8 @@ def kv_tree_verify(kv, pplan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g
     return _kv_new(kv, pplan, par, q, k, v, g, beta, scale, use_qk_l2norm, dims)
 
 
-def kv_fold(kv, pplan, initial_state: Tensor | None = None, check: bool | None = None) -> Tensor:
-    """The state each row's committed paged entries fold into, from ``initial_state``:
-    ``S_n = e^{pre_n} S0 + Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` (``S0 = 0`` when None).
-
-    kv: ``GDNPagedBuffers`` (a slot's KV-only pages, or the prefix store's blocks);
-    ``pplan``: its block tables and lengths ``n`` per row (only those are read);
-    ``initial_state [Bt,HV,K,V]``.  Folded run by run over the held blocks.  Returns
-    ``[Bt,HV,K,V]`` in fp64 if the pool's g or ``initial_state`` is fp64, else fp32.  Reads only.
-    """
+def check_kv_fold(kv, pplan, initial_state: Tensor | None, check: bool | None):
+    """Validate a :func:`kv_fold` call (shared with its kernel); returns ``(Bt, H, HV, K, V)``."""
     if not isinstance(kv, paged.GDNPagedBuffers):
         raise ValueError(f"kv must be GDNPagedBuffers, got {type(kv).__name__}")
     if not isinstance(pplan, paged.PagedPlan):
@@ -724,6 +717,19 @@ def kv_fold(kv, pplan, initial_state: Tensor | None = None, check: bool | None =
         raise ValueError(f"initial_state must be [{Bt}, {HV}, {K}, {V}] on {device}, got {_shape_of(initial_state)}")
     if want_check(check, kv.u) and Bt and bool((pplan.length < 0).any()):
         raise ValueError("negative KV lengths in the paged plan")
+    return Bt, H, HV, K, V
+
+
+def kv_fold(kv, pplan, initial_state: Tensor | None = None, check: bool | None = None) -> Tensor:
+    """The state each row's committed paged entries fold into, from ``initial_state``:
+    ``S_n = e^{pre_n} S0 + Σ_{j<n} e^{pre_n−pre_j} k_j ⊗ u_j`` (``S0 = 0`` when None).
+
+    kv: ``GDNPagedBuffers`` (a slot's KV-only pages, or the prefix store's blocks);
+    ``pplan``: its block tables and lengths ``n`` per row (only those are read);
+    ``initial_state [Bt,HV,K,V]``.  Folded run by run over the held blocks.  Returns
+    ``[Bt,HV,K,V]`` in fp64 if the pool's g or ``initial_state`` is fp64, else fp32.  Reads only.
+    """
+    check_kv_fold(kv, pplan, initial_state, check)
     cdt = compute_dtype(kv.g.dtype, *(() if initial_state is None else (initial_state.dtype,)))
     return _kv_fold(kv, pplan, cdt, initial_state, kv_blocks.FOLD_BUDGET)
 

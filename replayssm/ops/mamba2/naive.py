@@ -62,6 +62,7 @@ __all__ = [
     "snapshot_verify",
     "snapshot_commit",
     "kv_fold",
+    "conv_fold",
     "tree_verify",
     "kv_verify",
     "kv_tree_verify",
@@ -780,16 +781,8 @@ def kv_tree_verify(kv, pplan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, 
     return y.to(x.dtype)
 
 
-def kv_fold(kv, pplan, A: Tensor, initial_state: Tensor | None = None, check: bool | None = None) -> Tensor:
-    """The state each row's committed paged entries fold into, from ``initial_state``:
-    ``S_n = e^{pre_n} S0 + Σ_{j<n} Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` (``S0 = 0`` when None).
-
-    kv: ``Mamba2PagedBuffers`` (any pool in that layout: a slot's KV-only pages, or the
-    prefix store's blocks); ``pplan``: its block tables and lengths ``n`` per row (only
-    those are read); ``A [H]``; ``initial_state [Bt,H,d,n]``.  Folded run by run over the
-    held blocks (:mod:`replayssm.ops.kv_blocks`).  Returns ``[Bt,H,d,n]`` in fp64 if the
-    pool's Δ or ``initial_state`` is fp64, else fp32.  Reads only.
-    """
+def check_kv_fold(kv, pplan, A: Tensor, initial_state: Tensor | None, check: bool | None):
+    """Validate a :func:`kv_fold` call (shared with its kernel); returns ``(Bt, H, d, G, n)``."""
     if not isinstance(kv, paged.Mamba2PagedBuffers):
         raise ValueError(f"kv must be Mamba2PagedBuffers, got {type(kv).__name__}")
     if not isinstance(pplan, paged.PagedPlan):
@@ -811,8 +804,107 @@ def kv_fold(kv, pplan, A: Tensor, initial_state: Tensor | None = None, check: bo
         raise ValueError(f"initial_state must be [{Bt}, {H}, {d}, {n}] on {device}, got {shape_str(initial_state)}")
     if want_check(check, kv.x) and Bt and bool((pplan.length < 0).any()):
         raise ValueError(f"negative KV lengths in the paged plan: {pplan.length.tolist()}")
+    return Bt, H, d, G, n
+
+
+def kv_fold(kv, pplan, A: Tensor, initial_state: Tensor | None = None, check: bool | None = None) -> Tensor:
+    """The state each row's committed paged entries fold into, from ``initial_state``:
+    ``S_n = e^{pre_n} S0 + Σ_{j<n} Δ_j e^{pre_n−pre_j} x_j B_jᵀ`` (``S0 = 0`` when None).
+
+    kv: ``Mamba2PagedBuffers`` (any pool in that layout: a slot's KV-only pages, or the
+    prefix store's blocks); ``pplan``: its block tables and lengths ``n`` per row (only
+    those are read); ``A [H]``; ``initial_state [Bt,H,d,n]``.  Folded run by run over the
+    held blocks (:mod:`replayssm.ops.kv_blocks`).  Returns ``[Bt,H,d,n]`` in fp64 if the
+    pool's Δ or ``initial_state`` is fp64, else fp32.  Reads only.
+    """
+    Bt, H, d, G, n = check_kv_fold(kv, pplan, A, initial_state, check)
     cdt = compute_dtype(kv.dt.dtype, *(() if initial_state is None else (initial_state.dtype,)))
-    return _kv_fold(kv, pplan, A, _group_index(H, G, device), cdt, initial_state, kv_blocks.FOLD_BUDGET)
+    return _kv_fold(kv, pplan, A, _group_index(H, G, kv.x.device), cdt, initial_state, kv_blocks.FOLD_BUDGET)
+
+
+def check_conv_fold(preconv, dt, pplan, start, conv_weight, conv_bias, A, initial_state, head_dim: int,
+                    ngroups: int, d_state: int, check: bool | None) -> tuple[int, int]:
+    """Validate a :func:`conv_fold` call (shared with its kernel); returns ``(Bt, H)``."""
+    if not isinstance(pplan, paged.PagedPlan):
+        raise ValueError(f"pplan must be a PagedPlan, got {type(pplan).__name__}")
+    if not isinstance(preconv, Tensor) or preconv.dim() != 2 or not isinstance(dt, Tensor) or dt.dim() != 2 \
+            or dt.shape[0] != preconv.shape[0]:
+        raise ValueError(f"preconv must be [rows, C] and dt [rows, H] with the same rows, got {shape_str(preconv)}, "
+                         f"{shape_str(dt)}")
+    NR, Cch = preconv.shape
+    H = dt.shape[1]
+    d, G, n = int(head_dim), int(ngroups), int(d_state)
+    if min(d, G, n) < 1 or H % G or H * d + 2 * G * n > Cch:
+        raise ValueError(f"{H} heads of {d} and {G} groups of {n} do not fit {Cch} conv channels (x | B | C)")
+    if NR % pplan.block_size:
+        raise ValueError(f"the store has {NR} rows, not a multiple of block_size {pplan.block_size}")
+    if not isinstance(conv_weight, Tensor) or conv_weight.dim() != 2 or conv_weight.shape[0] != Cch:
+        raise ValueError(f"conv_weight must be [{Cch}, W], got {shape_str(conv_weight)}")
+    if conv_bias is not None and (not isinstance(conv_bias, Tensor) or tuple(conv_bias.shape) != (Cch,)):
+        raise ValueError(f"conv_bias must be [{Cch}] or None, got {shape_str(conv_bias)}")
+    if not isinstance(A, Tensor) or tuple(A.shape) != (H,):
+        raise ValueError(f"A must be a tensor of shape ({H},), got {shape_str(A)}")
+    Bt = pplan.slot.shape[0] if isinstance(pplan.slot, Tensor) else -1
+    if not isinstance(start, Tensor) or tuple(start.shape) != (Bt,) or start.is_floating_point():
+        raise ValueError(f"start must be an integer tensor of shape ({Bt},), got {shape_str(start)}")
+    if initial_state is not None and (not isinstance(initial_state, Tensor)
+                                      or tuple(initial_state.shape) != (Bt, H, d, n)):
+        raise ValueError(f"initial_state must be [{Bt}, {H}, {d}, {n}], got {shape_str(initial_state)}")
+    for name, t in (("dt", dt), ("A", A), ("start", start), ("block_table", pplan.block_table),
+                    ("length", pplan.length), ("initial_state", initial_state)):
+        if t is not None and t.device != preconv.device:
+            raise ValueError(f"{name} is on {t.device}, preconv on {preconv.device}")
+    if want_check(check, preconv) and Bt:
+        nb = NR // pplan.block_size
+        if bool(((pplan.block_table < 0) | (pplan.block_table >= nb)).any()):
+            raise ValueError(f"block table entries must be in [0, {nb - 1}]")
+        if bool((start < 0).any() | (pplan.length < 0).any()) or \
+                bool((start + pplan.length > pplan.max_len).any()):
+            raise ValueError("fold positions must lie inside each row's block table")
+    return Bt, H
+
+
+def conv_fold(preconv: Tensor, dt: Tensor, pplan, start: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
+              A: Tensor, initial_state: Tensor | None = None, *, head_dim: int, ngroups: int, d_state: int,
+              check: bool | None = None) -> Tensor:
+    """:func:`kv_fold` over entries the prefix store keeps as conv inputs: for row ``b``,
+    positions ``start_b .. start_b + n_b - 1`` of its chain (``pplan``'s block table from
+    position 0, ``n_b = pplan.length``) with ``x, B = split(silu(conv(preconv)))`` at each
+    position (the ``W`` conv inputs ending there, zeros before position 0; in the inputs'
+    dtype, bit for bit the prefill's, :func:`..conv.naive.conv_window_out`) and ``Δ`` from
+    ``dt``: ``S = e^{pre} S0 + Σ_j Δ_j e^{pre−pre_j} x_j B_jᵀ``.
+
+    ``preconv [rows, C]`` (channels ``x | B | C``), ``dt [rows, H]``, ``conv_weight [C, W]``,
+    ``conv_bias [C]`` or None, ``A [H]``, ``start [Bt]``, ``initial_state [Bt,H,d,n]``.
+    Returns ``[Bt,H,d,n]`` (fp64 if ``dt`` or ``initial_state`` is, else fp32).  Reads only.
+    """
+    from ..conv.naive import conv_window_out
+
+    Bt, H = check_conv_fold(preconv, dt, pplan, start, conv_weight, conv_bias, A, initial_state, head_dim, ngroups,
+                            d_state, check)
+    d, G, n, W, bs = int(head_dim), int(ngroups), int(d_state), conv_weight.shape[1], pplan.block_size
+    dev = preconv.device
+    lengths, starts = pplan.length.tolist(), start.tolist()
+    offs = [sum(lengths[:i]) for i in range(Bt)]
+    R = sum(lengths)
+    j = torch.cat([torch.arange(s, s + m, dtype=torch.long) for s, m in zip(starts, lengths)]
+                  + [torch.zeros(0, dtype=torch.long)])
+    row_of = torch.cat([torch.full((m,), b, dtype=torch.long) for b, m in enumerate(lengths)]
+                       + [torch.zeros(0, dtype=torch.long)])
+    q = j[:, None] + torch.arange(1 - W, 1, dtype=torch.long)                # [R, W] window positions
+    valid = q >= 0
+    qc = q.clamp(min=0)
+    table = pplan.block_table.cpu()
+    rows = torch.where(valid, table[row_of[:, None], qc // bs] * bs + qc % bs, torch.zeros_like(qc)).to(dev)
+    xb = conv_window_out(preconv[rows], conv_weight, conv_bias, "silu", valid.to(dev))   # [R, C]
+    entries = paged.Mamba2PagedBuffers(x=xb[:, :H * d].reshape(R, H, d),
+                                       B=xb[:, H * d:H * d + G * n].reshape(R, G, n), dt=dt[rows[:, -1]])
+    width = max(lengths + [1])
+    scratch = torch.tensor([[o + i if i < m else 0 for i in range(width)] for o, m in zip(offs, lengths)],
+                           dtype=torch.long, device=dev).reshape(Bt, width)
+    plan = paged.PagedPlan(pplan.slot, pplan.length, scratch, 1, 1)
+    cdt = compute_dtype(dt.dtype, *(() if initial_state is None else (initial_state.dtype,)))
+    return _kv_fold(entries, plan, A, _group_index(H, G, dev), cdt, initial_state, kv_blocks.FOLD_BUDGET)
 
 
 def kv_to_state(kv, pplan, buf: Mamba2Buffers, slot: Tensor, A: Tensor,
