@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import glob
+import os
 import random
 import tempfile
 import time
@@ -90,6 +92,16 @@ def _drive(llm, prompts, params, device: str, secs: dict) -> tuple[list, float, 
     return seqs, sum(ttft) / len(ttft), max(ttft), steps, upto
 
 
+def _compiled_since(t0: float) -> list[str]:
+    """Names of the Triton kernels whose cache entries appeared since ``t0`` (wall clock)."""
+    root = os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache"))
+    names = []
+    for f in glob.glob(os.path.join(root, "*", "*.json")):
+        if os.path.getmtime(f) >= t0 and not os.path.basename(f).startswith("__grp__"):
+            names.append(os.path.basename(f)[:-5])
+    return sorted(names)
+
+
 def _engine_timers(llm, device: str, secs: dict, calls: dict) -> None:
     """Synced timers around the engine's parts of a step (instance attributes)."""
     parts = [(llm, "_prefix_before"), (llm.runner, "prefill"), (llm, "_decode"), (llm.scheduler, "schedule"),
@@ -123,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-turn", type=int, default=None, help="profile this turn of the second pass")
     ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--no-caching", action="store_true", help="prefix caching off (the baseline's steps)")
+    ap.add_argument("--compiles", action="store_true",
+                    help="print the Triton kernels compiled during each turn (read from $TRITON_CACHE_DIR, "
+                         "which should start empty)")
     args = ap.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     secs, calls = _timers(args.device)
@@ -154,7 +169,7 @@ def main(argv=None) -> int:
                         acts.append(torch.profiler.ProfilerActivity.CUDA)
                     prof = torch.profiler.profile(activities=acts)
                     prof.__enter__()
-                t = time.perf_counter()
+                t, t_wall = time.perf_counter(), time.time()
                 seqs, mean, last, steps, upto = _drive(llm, prompts, params, args.device, secs)
                 wall = time.perf_counter() - t
                 if prof is not None:
@@ -163,6 +178,8 @@ def main(argv=None) -> int:
                 print(f"pass {rep} turn {turn} (prompt {len(prompts[0])}): TTFT mean {1e3 * mean:.0f} ms, "
                       f"last {1e3 * last:.0f} ms in {steps} steps [{parts or 'untimed'}]; turn {1e3 * wall:.0f} ms",
                       flush=True)
+                if args.compiles:
+                    print("  compiled:", _compiled_since(t_wall) or "nothing")
                 hist = [p + list(s.output_ids) for p, s in zip(prompts, seqs)]
                 if prof is not None:
                     dev_key = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"

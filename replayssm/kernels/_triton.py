@@ -131,9 +131,10 @@ def search_steps(n: int) -> int:
     return max(7, int(n).bit_length())
 
 
-#: the packed-batch kernels' counts (sequences, tokens, rows) change every step: Triton
-#: must not specialise on them (``== 1``, ``% 16 == 0``), or each new count compiles a variant
-COUNT_ARGS = ("N", "Nt", "R", "P", "NtH", "steps")
+#: the packed-batch kernels' counts (sequences, tokens, rows; a block table's width and row
+#: stride) change every step: Triton must not specialise on them (``== 1``, ``% 16 == 0``),
+#: or each new count compiles a variant
+COUNT_ARGS = ("N", "Nt", "R", "P", "NtH", "steps", "MAXB", "sbt")
 
 
 def count_args(*names: str) -> dict:

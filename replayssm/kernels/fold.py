@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..cache.paged import PagedPlan
-from ._triton import HAVE_TRITON, next_pow2, pad16, triton, tl
+from ._triton import HAVE_TRITON, count_args, next_pow2, pad16, triton, tl
 
 __all__ = ["paged_fold", "ring_fold", "conv_fold", "DEFAULTS"]
 
@@ -61,7 +61,7 @@ if HAVE_TRITON:
             acc += tl.load(bias_ptr + ch, mask=mch, other=0.0).to(tl.float32)[None, :]
         return acc / (1.0 + tl.exp(-acc))
 
-    @triton.jit
+    @triton.jit(**count_args("MAXB", "sbt"))      # the block table's width changes with every chain
     def _paged_fold_kernel(
         L_ptr, R_ptr, a_ptr, scale_ptr, s0_ptr, out_ptr, len_ptr, bt_ptr, start_ptr, w_ptr, bias_ptr,
         NH, R, C, ND, HPL, HPR, sl0, sl1, sr0, sr1, loff, roff, sa0, MAXB, sbt,
