@@ -225,5 +225,38 @@ def run(model, args, out: Path, desc: str) -> int:
               f"{r['prefill_tokens_computed']:>10}{(f'{bpt:.0f}' if bpt else '-'):>10}")
     for k, v in summ.items():
         print(f"{k}: {v:.2f}" + ("" if k.endswith("_frac") else "x"))
-    print(f"wrote {out / 'prefix.json'}")
+    plot = ""
+    if not args.no_plots and any(r.get("ttft_per_turn_ms") for r in res["runs"]):
+        try:
+            plot = " and " + plot_chat([res], out / "prefix_chat_ttft.png")
+        except ImportError:
+            print("replayssm bench e2e: plot skipped: matplotlib is not installed", file=sys.stderr)
+    print(f"wrote {out / 'prefix.json'}{plot}")
     return 0
+
+
+def plot_chat(results: list[dict], path) -> str:
+    """Chat TTFT per turn with prefix caching off and on, one panel per ``prefix.json``
+    result (its model in the title); returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
+    for ax, res in zip(axes[0], results):
+        for r in res["runs"]:
+            if r.get("ttft_per_turn_ms"):
+                turns = range(1, len(r["ttft_per_turn_ms"]) + 1)
+                ax.plot(turns, r["ttft_per_turn_ms"], marker="o", label=f"caching {'on' if r['caching'] else 'off'}")
+        cfg = res["config"]
+        ax.set_title(f"{cfg.get('preset') or cfg.get('model')}", fontsize=10)
+        ax.set_xlabel(f"turn ({cfg['conversations']} chats, +{cfg['turn_len']} tokens each)")
+        ax.set_ylabel("mean TTFT (ms)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)

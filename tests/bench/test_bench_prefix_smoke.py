@@ -9,9 +9,11 @@ import pytest
 def test_bench_prefix_smoke(tmp_path, capsys):
     from replayssm.bench.e2e import main
 
+    pytest.importorskip("matplotlib")
     rc = main(["--smoke", "--workload", "shared-prefix,chat", "--prefix-memory", "--memory-presets",
-               "2.7b,nemotron-h-4b", "--no-plots", "--out", str(tmp_path)])
+               "2.7b,nemotron-h-4b", "--out", str(tmp_path)])
     assert rc == 0
+    assert (tmp_path / "prefix_chat_ttft.png").stat().st_size > 1000     # chat TTFT per turn, off vs on
     res = json.loads((tmp_path / "prefix.json").read_text())
     runs = {(r["workload"], r["caching"]): r for r in res["runs"]}
     assert set(runs) == {(w, c) for w in ("shared-prefix", "chat") for c in (False, True)}
