@@ -46,27 +46,27 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _timed(f, name: str, device: str, secs: dict, calls: dict):
+    """``f`` with a device sync before and after each call, its seconds and calls counted
+    under ``name``."""
+    def timed(*a, **k):
+        _sync(device)
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            _sync(device)
+            secs[name] += time.perf_counter() - t
+            calls[name] += 1
+    return timed
+
+
 def _timers(device: str) -> tuple[dict, dict]:
     """Wrap the prefix-store functions (module attributes, looked up at call time) in synced
     timers; returns (seconds, calls) per name, cleared by the caller."""
     secs, calls = collections.defaultdict(float), collections.Counter()
-
-    def wrap(name):
-        f = getattr(prefix_ops, name)
-
-        def timed(*a, **k):
-            _sync(device)
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                _sync(device)
-                secs[name] += time.perf_counter() - t
-                calls[name] += 1
-        setattr(prefix_ops, name, timed)
-
     for name in TIMED:
-        wrap(name)
+        setattr(prefix_ops, name, _timed(getattr(prefix_ops, name), name, device, secs, calls))
     return secs, calls
 
 
@@ -107,18 +107,7 @@ def _engine_timers(llm, device: str, secs: dict, calls: dict) -> None:
     parts = [(llm, "_prefix_before"), (llm.runner, "prefill"), (llm, "_decode"), (llm.scheduler, "schedule"),
              (llm, "_postprocess"), (llm.prefix_cache, "after_prefill"), (llm.prefix_cache, "write_checkpoints")]
     for obj, name in parts:
-        f = getattr(obj, name)
-
-        def timed(*a, _f=f, _n=name, **k):
-            _sync(device)
-            t = time.perf_counter()
-            try:
-                return _f(*a, **k)
-            finally:
-                _sync(device)
-                secs[_n] += time.perf_counter() - t
-                calls[_n] += 1
-        setattr(obj, name, timed)
+        setattr(obj, name, _timed(getattr(obj, name), name, device, secs, calls))
 
 
 def main(argv=None) -> int:

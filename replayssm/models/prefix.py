@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..cache.paged import PagedPlan, PoolExhausted
+from ..cache.paged import PoolExhausted
 
 
 def _ssm_layers(cache):

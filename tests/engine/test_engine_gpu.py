@@ -24,15 +24,17 @@ def cuda_model(request, tmp_path_factory):
 
     d = _random_model_dir(request.param, str(tmp_path_factory.mktemp("gpu_model")))
     m = models.load_model(d, device=f"{DEVICE}:0" if DEVICE == "cuda" else DEVICE, dtype=torch.float32)
-    out = []
-    for p in PROMPTS:
-        ids, gen = torch.tensor([p], device=DEVICE), []
-        for _ in range(N):
-            t = int(m(ids)[0, -1].argmax())
-            gen.append(t)
-            ids = torch.cat([ids, torch.tensor([[t]], device=DEVICE)], 1)
-        out.append(gen)
-    return m, out
+    return m, [_full_forward_greedy(m, p) for p in PROMPTS]
+
+
+def _full_forward_greedy(m, prompt):
+    """``N`` greedy tokens by full forwards over the whole sequence (the ground truth)."""
+    ids, gen = torch.tensor([prompt], device=DEVICE), []
+    for _ in range(N):
+        t = int(m(ids)[0, -1].argmax())
+        gen.append(t)
+        ids = torch.cat([ids, torch.tensor([[t]], device=DEVICE)], 1)
+    return gen
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -160,14 +162,7 @@ def test_cuda_prefix_caching(cuda_model, mode):
     for p, want in zip(PROMPTS, expected):
         assert llm.generate([p], params)[0].token_ids == want
     prompts = [base[:k] + [3, 1, 4] for k in (1, 4, 8, 9, 13, 14, 15, 17, 23, 33)]
-    want = []
-    for p in prompts:                                       # the full forwards, caching off
-        ids, gen = torch.tensor([p], device=DEVICE), []
-        for _ in range(N):
-            t = int(m(ids)[0, -1].argmax())
-            gen.append(t)
-            ids = torch.cat([ids, torch.tensor([[t]], device=DEVICE)], 1)
-        want.append(gen)
+    want = [_full_forward_greedy(m, p) for p in prompts]
     for p, w in zip(prompts, want):
         assert llm.generate([p], params)[0].token_ids == w
     assert [o.token_ids for o in llm.generate(prompts[:4], params)] == want[:4]

@@ -37,17 +37,6 @@ DEVICE = kernel_device()
 LENGTHS = [0, 1, 3, 4, 31, 33, 70, 5]                   # bs = 4; kernel chunk 32 in most cases
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    real = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
 def plan_of(g, lengths, bs, width_extra=3):
     """A plan whose rows own random distinct blocks (block 0 = null, never owned)."""
     need = [-(-n // bs) for n in lengths]

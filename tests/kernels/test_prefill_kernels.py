@@ -40,18 +40,6 @@ def tol(dtype):
     return dict(atol=2e-5, rtol=2e-4) if dtype == F32 else dict(atol=2e-2, rtol=2e-2)
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """Every ``torch.empty`` inside the test returns NaN-filled memory."""
-    real = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
 def pool_case(g, N, shape, P):
     """Random distinct slots (random order), fresh flags mixed, NaN everywhere except the
     cached rows; returns ``(pool, slots, fresh, cached, untouched rows)``."""
