@@ -60,11 +60,8 @@ ARCHS = ["mamba2", "nemotron_h", "qwen3_next"]
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """One intra-op thread (tiny models in several processes; ``tests/conftest.py``)."""
 
 
 @pytest.fixture(scope="module")

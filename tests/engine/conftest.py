@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from recompute_model import tiny_pair
 
@@ -22,9 +21,5 @@ def draft(pair):
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny models are dispatch-bound: intra-op threads only add contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """One intra-op thread (the tiny models; ``tests/conftest.py``)."""

@@ -70,9 +70,5 @@ def ours(tiny):
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is ~1000x faster than two on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """One intra-op thread (tiny matmuls; ``tests/conftest.py``)."""

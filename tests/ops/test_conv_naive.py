@@ -15,14 +15,9 @@ from replayssm.cache.tree import path_to
 f64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny grouped conv1d calls (the reference) are very slow with several OpenMP threads
-    # on a loaded machine; restore the setting afterwards
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """One intra-op thread (tiny grouped conv1d calls (the reference); ``tests/conftest.py``)."""
 
 
 def _ref(stream, weight, bias, act):
