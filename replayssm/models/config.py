@@ -122,6 +122,15 @@ def _num(r: _Reader, name: str, v) -> float:
         r.fail(f"'{name}' must be a number, got {v!r}")
 
 
+def _dt_floor(r: _Reader, name: str, v) -> float:
+    """A finite number >= 0 (the clamp ``dt >= floor`` of every step: NaN or inf would turn
+    every ``dt`` into NaN / inf)."""
+    v = _num(r, name, v)
+    if not 0.0 <= v < math.inf:
+        r.fail(f"'{name}' must be a finite number >= 0, got {v!r}")
+    return v
+
+
 def _limit(r: _Reader, name: str, v) -> tuple[float, float]:
     if not isinstance(v, (list, tuple)) or len(v) != 2:
         r.fail(f"'{name}' must be a pair [min, max], got {v!r}")
@@ -346,7 +355,7 @@ class NemotronHConfig:
             mlp_hidden_act=r.opt("mlp_hidden_act", "relu2"),
             mamba_hidden_act=r.opt("mamba_hidden_act", "silu"),
             layer_norm_epsilon=_pos_float(r, "layer_norm_epsilon", r.opt("layer_norm_epsilon", 1e-5)),
-            time_step_min=_num(r, "time_step_min", r.opt("time_step_min", 1e-3, "mamba_dt_min")),
+            time_step_min=_dt_floor(r, "time_step_min", r.opt("time_step_min", 1e-3, "mamba_dt_min")),
             chunk_size=_pos_int(r, "chunk_size", r.opt("chunk_size", 128, "mamba_chunk_size")),
             n_routed_experts=_pos_int(r, "n_routed_experts", maybe("n_routed_experts", need_moe, 8)),
             num_experts_per_tok=_pos_int(r, "num_experts_per_tok", maybe("num_experts_per_tok", need_moe, 2)),
@@ -354,7 +363,7 @@ class NemotronHConfig:
             moe_shared_expert_intermediate_size=_pos_int(
                 r, "moe_shared_expert_intermediate_size",
                 maybe("moe_shared_expert_intermediate_size", need_moe, 7688)),
-            moe_latent_size=r.opt("moe_latent_size", None),
+            moe_latent_size=_opt_pos_int(r, "moe_latent_size"),
             n_group=_pos_int(r, "n_group", r.opt("n_group", 1)),
             topk_group=_pos_int(r, "topk_group", r.opt("topk_group", 1)),
             norm_topk_prob=r.flag("norm_topk_prob", True),

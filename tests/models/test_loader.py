@@ -165,6 +165,15 @@ def test_config_errors(tiny, tmp_path):
     with pytest.raises(ConfigError, match="hybrid_override_pattern"):
         parse_config({"model_type": "nemotron_h", "vocab_size": 5, "hidden_size": 4,
                       "hybrid_override_pattern": "MX"})
+    _, npath = tiny("nemotron_h")
+    for key, bad, msg in (("time_step_min", float("nan"), "finite number >= 0"),
+                          ("time_step_min", {"__float__": "Infinity"}, "finite number >= 0"),
+                          ("time_step_min", -0.5, "finite number >= 0"),
+                          ("moe_latent_size", "8", "positive integer"), ("moe_latent_size", 0, "positive integer")):
+        p = _copy(npath, tmp_path / f"n-{key}-{bad!s:.8}")
+        _edit_config(p, lambda d: d.update({key: bad}))
+        with pytest.raises(ConfigError, match=f"'{key}' must be a {msg}"):
+            load_model(p)
     with pytest.raises(ConfigError, match="linear_num_value_heads"):
         parse_config({"model_type": "qwen3_next", "vocab_size": 5, "hidden_size": 4, "num_hidden_layers": 1,
                       "num_attention_heads": 2, "head_dim": 2, "intermediate_size": 4,
