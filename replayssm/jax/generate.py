@@ -42,7 +42,8 @@ from ..engine.llm import RequestOutput
 from ..models import load_tokenizer
 from . import model as M
 from .params import MixerSpec, ModelSpec, load_params
-from .sampling import accept_chain, accept_greedy, ngram_propose, sample, transform
+from .sampling import (accept_chain, accept_greedy, ngram_propose, row_keys, sample, split_rows, transform,
+                       uniform_rows)
 
 __all__ = ["JaxLLM", "GenerateConfig"]
 
@@ -128,7 +129,7 @@ class _Program:
         B = cfg.batch
         cache = M.init_cache(spec, B, cfg.mode, cfg.buffer_size, cfg.max_seq_len)
         logits, cache = M.prefill(spec, params, cache, ids, lengths)
-        key, sub = jax.random.split(key)
+        key, sub = split_rows(key)
         tok, _ = sample(logits, rowp, sub, cfg.greedy, cfg.use_top_k, cfg.use_top_p)
         z = jnp.zeros((B,), jnp.int32)
         c = {"cache": cache, "last": tok, "out": jnp.zeros((B, cfg.max_out), jnp.int32), "n": z,
@@ -178,7 +179,7 @@ class _Program:
         cfg = self.cfg
         active = ~c["done"]
         logits, cache = M.decode(self.spec, params, c["cache"], c["last"], active=active, flush=flush)
-        key, sub = jax.random.split(c["key"])
+        key, sub = split_rows(c["key"])
         tok, _ = sample(logits, rowp, sub, cfg.greedy, cfg.use_top_k, cfg.use_top_p)
         one = active.astype(jnp.int32)
         c = {**c, "cache": cache, "key": key, "last": jnp.where(active, tok, c["last"]),
@@ -194,7 +195,7 @@ class _Program:
         def body(carry, _):
             dc, tok, key = carry
             logits, dc = M.decode(dspec, dparams, dc, tok)
-            key, sub = jax.random.split(key)
+            key, sub = split_rows(key)
             nxt, q = sample(logits, rowp, sub, cfg.greedy, cfg.use_top_k, cfg.use_top_p)
             return (dc, nxt, key), (nxt, q, _ssm_part(dc))
 
@@ -208,7 +209,7 @@ class _Program:
         cfg, spec = self.cfg, self.spec
         B, k = cfg.batch, cfg.num_tokens
         active = ~c["done"]
-        key, kd, ku = jax.random.split(c["key"], 3)
+        key, kd, ku = split_rows(c["key"], 3)
         q = None
         if cfg.spec_method == "ngram":
             limit = jnp.minimum(k, jnp.maximum(rowp["max_tokens"] - c["n"] - 1, 0))
@@ -226,7 +227,7 @@ class _Program:
             a, bonus = accept_greedy(logits, tokens, valid)
         else:
             p = transform(logits, rowp["temperature"], rowp["top_k"], rowp["top_p"], cfg.use_top_k, cfg.use_top_p)
-            u = jax.random.uniform(ku, (B, k + 2), dtype=p.dtype)
+            u = uniform_rows(ku, (k + 2,), p.dtype)
             a, bonus = accept_chain(p, tokens, valid, q, u)
         a_commit = jnp.where(active, a, 0)
         cache = M.commit(spec, cache, pend, a_commit)
@@ -255,7 +256,7 @@ class _Row:
 DEFAULT_MAX_SEQ_LEN = 2048
 
 
-def _check_supported(sp, batch: int) -> None:
+def _check_supported(sp) -> None:
     """Refuse, by name, what the compiled loop does not do (rather than ignore it)."""
     if sp.stop:
         raise ValueError("SamplingParams.stop (text stops) is not supported by the JAX backend; use stop_token_ids")
@@ -267,9 +268,6 @@ def _check_supported(sp, batch: int) -> None:
         raise ValueError("SamplingParams.n > 1 is not supported by the JAX backend (send the prompt n times)")
     if sp.logprobs is not None:
         raise ValueError("SamplingParams.logprobs is not supported by the JAX backend")
-    if sp.seed is not None and batch > 1:
-        raise ValueError("SamplingParams.seed in a batch of several prompts is not supported by the JAX backend "
-                         "(the loop draws from one key per batch, so a row's draws would depend on the others)")
 
 
 class JaxLLM:
@@ -346,7 +344,7 @@ class JaxLLM:
         limit = self.max_seq_len or DEFAULT_MAX_SEQ_LEN
         T = (self.speculative.num_tokens if self.speculative else 0) + 1
         for p, sp in zip(prompts, params):
-            _check_supported(sp, len(prompts))
+            _check_supported(sp)
             # the PyTorch engine's checks: text, a tokenizer for it, ints, non-empty, in the vocabulary
             text, ids = encode_prompt(p, self.tokenizer, self.spec.vocab_size)
             room = limit - len(ids) - T    # as the PyTorch engine: generation stops at the context ("length")
@@ -394,11 +392,11 @@ class JaxLLM:
                 "max_tokens": jnp.asarray([r.params.max_tokens for r in rows], np.int32),
                 "ignore_eos": jnp.asarray([r.params.ignore_eos for r in rows], bool),
                 "stop_ids": jnp.asarray(stop)}
-        seeds = [r.params.seed for r in rows if r.params.seed is not None]
-        if seeds:  # a seeded batch is reproducible (one key for the batch)
-            key = jax.random.PRNGKey(seeds[0])
-        else:
-            self.key, key = jax.random.split(self.key)
+        def fresh():                   # unseeded rows: keys from the engine's own stream
+            while True:
+                self.key, k = jax.random.split(self.key)
+                yield k
+        key = row_keys([r.params.seed for r in rows], fresh())
         return jnp.asarray(ids), jnp.asarray([len(r.ids) for r in rows], np.int32), rowp, key
 
     def start(self, rows):

@@ -1,8 +1,9 @@
 """On-device sampling, speculative acceptance and the n-gram drafter of the JAX backend.
 
 Everything is array math with static shapes: per-row parameters (temperature, top-k,
-top-p) are arrays; randomness comes from a ``jax.random`` key carried by the generation
-loop.  Greedy rows (``temperature == 0``) get a one-hot distribution, which reduces
+top-p) are arrays; randomness comes from one ``jax.random`` key per row (``[B, 2]``),
+carried by the generation loop and split per row, so a row's draws depend on its own key
+alone (a seeded request gives the same tokens in any batch).  Greedy rows (``temperature == 0``) get a one-hot distribution, which reduces
 speculative sampling to "accept while the draft equals the argmax".  The math is that of
 :mod:`replayssm.engine.sampler` (inverse-CDF sampling; lossless speculative sampling along a
 chain, point-mass proposals for deterministic drafts).
@@ -13,7 +14,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["transform", "sample_from", "sample", "accept_greedy", "accept_chain", "ngram_propose"]
+__all__ = ["row_keys", "split_rows", "uniform_rows", "transform", "sample_from", "sample", "accept_greedy",
+           "accept_chain", "ngram_propose"]
+
+
+def row_keys(seeds, fresh):
+    """Per-row keys ``[B, 2]``: ``PRNGKey(seed)`` for rows with a seed (an int), the next key
+    of ``fresh`` (an iterator of keys) for the others."""
+    return jnp.stack([jax.random.PRNGKey(s) if s is not None else next(fresh) for s in seeds])
+
+
+def split_rows(keys, num: int = 2):
+    """``jax.random.split`` of every row's key: ``num`` arrays of keys ``[B, 2]``."""
+    parts = jax.vmap(lambda k: jax.random.split(k, num))(keys)          # [B, num, 2]
+    return tuple(parts[:, i] for i in range(num))
+
+
+def uniform_rows(keys, shape=(), dtype=jnp.float32):
+    """Uniforms ``[B, *shape]``, row ``b`` drawn from ``keys[b]``."""
+    return jax.vmap(lambda k: jax.random.uniform(k, shape, dtype=dtype))(keys)
 
 
 def transform(logits, temp, top_k, top_p, use_top_k: bool, use_top_p: bool):
@@ -54,12 +73,13 @@ def sample_from(p, u):
     return jnp.minimum(idx, last_pos).astype(jnp.int32)
 
 
-def sample(logits, rowp: dict, key, greedy: bool, use_top_k: bool, use_top_p: bool):
-    """One token per row from ``logits [B, V]``; returns ``(tokens [B], probs or None)``."""
+def sample(logits, rowp: dict, keys, greedy: bool, use_top_k: bool, use_top_p: bool):
+    """One token per row from ``logits [B, V]`` (row ``b`` draws with ``keys[b]``); returns
+    ``(tokens [B], probs or None)``."""
     if greedy:
         return jnp.argmax(logits, -1).astype(jnp.int32), None
     p = transform(logits, rowp["temperature"], rowp["top_k"], rowp["top_p"], use_top_k, use_top_p)
-    return sample_from(p, jax.random.uniform(key, (logits.shape[0],), dtype=p.dtype)), p
+    return sample_from(p, uniform_rows(keys, (), p.dtype)), p
 
 
 def accept_greedy(logits, tokens, valid):

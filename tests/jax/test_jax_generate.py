@@ -106,8 +106,8 @@ def test_forward_logits_match_torch(hf_model_dir, name, dtype):
 def test_sampling_rows_and_stops(hf_model_dir):
     """One sampled batch: a greedy row and a top-k=1 row give the greedy tokens; a stop id
     ends a row (kept); a temperature/top-p row samples valid tokens.  A seeded request alone
-    is reproducible; seeds in a batch of several are refused by name (the loop draws from
-    one key per batch, so a row's draws would depend on the others)."""
+    is reproducible, and gives the same tokens inside a batch of others (each row draws
+    from its own key); two unseeded sampled rows draw differently."""
     path = hf_model_dir("mamba2")
     ref = _torch_ref(path, "float64")
     stop = ref[1][4]
@@ -123,8 +123,12 @@ def test_sampling_rows_and_stops(hf_model_dir):
     seeded = dataclasses.replace(sampled, seed=123)
     one, two = llm.generate(PROMPTS[2], seeded), llm.generate(PROMPTS[2], seeded)
     assert one[0].token_ids == two[0].token_ids and len(one[0].token_ids) == 9
-    with pytest.raises(ValueError, match="SamplingParams.seed in a batch"):
-        llm.generate(PROMPTS, params[:2] + [seeded])
+    batch = llm.generate(PROMPTS, params[:2] + [seeded])
+    assert batch[2].token_ids == one[0].token_ids
+    assert [o.token_ids for o in batch[:2]] == [a[0].token_ids, a[1].token_ids]
+    free = dataclasses.replace(sampled, max_tokens=30)
+    x, y = llm.generate([PROMPTS[2], PROMPTS[2]], [free, free])
+    assert x.token_ids != y.token_ids
 
 
 def test_unsupported_settings_are_refused_by_name(hf_model_dir):
