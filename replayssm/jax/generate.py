@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 
 from ..engine.config import SpeculativeConfig, sampling_params_list
-from ..engine.inputs import encode_prompt
+from ..engine.inputs import encode_prompt, prompt_list
 from ..engine.llm import RequestOutput
 from ..models import load_tokenizer
 from . import model as M
@@ -334,9 +334,7 @@ class JaxLLM:
     # -- requests -----------------------------------------------------------------------------
 
     def _rows(self, prompts, sampling_params):
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = prompt_list(prompts)          # the PyTorch engine's reading of the argument
         if not prompts:
             raise ValueError("no prompts")
         params = sampling_params_list(sampling_params, len(prompts))

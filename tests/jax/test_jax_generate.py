@@ -148,6 +148,12 @@ def test_unsupported_settings_are_refused_by_name(hf_model_dir):
         next(llm.stream(PROMPTS[0], SamplingParams(max_tokens=4), chunk_steps=0))
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1000, ignore_eos=True))[0]
     assert len(out.token_ids) == 64 - len(PROMPTS[0]) - 1 and out.finish_reason == "length"
+    # prompts read as the PyTorch engine reads them: one id sequence (list, tuple, 1-D array) or a list of them
+    short = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = llm.generate([PROMPTS[0]], short)[0].token_ids
+    for one in (tuple(PROMPTS[0]), np.asarray(PROMPTS[0]), [np.asarray(PROMPTS[0])]):
+        got = llm.generate(one, short)
+        assert len(got) == 1 and got[0].token_ids == want
     with pytest.raises(ValueError, match="leaves no room in max_seq_len 64"):
         llm.generate([[1] * 64], SamplingParams(max_tokens=4))
 
