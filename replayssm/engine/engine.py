@@ -388,7 +388,8 @@ class LLMEngine:
         waves = [[ids(0, min(8, long))], [ids(1 + i, burst) for i in range(self.num_slots)], [ids(0, long)]]
         if self.prefix_cache is not None and long >= 2:
             # a hit on the long prompt but its last token: a resume from its last checkpoint
-            waves.append([ids(0, long)[:-1] + [(ids(0, long)[-1] + 1) % V]])
+            p = waves[2][0]
+            waves.append([p[:-1] + [(p[-1] + 1) % V]])
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
         for w, prompts in enumerate(waves):

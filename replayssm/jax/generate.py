@@ -42,8 +42,7 @@ from ..engine.llm import RequestOutput
 from ..models import load_tokenizer
 from . import model as M
 from .params import MixerSpec, ModelSpec, load_params
-from .sampling import (accept_chain, accept_greedy, ngram_propose, row_keys, sample, split_rows, transform,
-                       uniform_rows)
+from .sampling import accept_chain, accept_greedy, ngram_propose, sample, split_rows, transform, uniform_rows
 
 __all__ = ["JaxLLM", "GenerateConfig"]
 
@@ -390,11 +389,14 @@ class JaxLLM:
                 "max_tokens": jnp.asarray([r.params.max_tokens for r in rows], np.int32),
                 "ignore_eos": jnp.asarray([r.params.ignore_eos for r in rows], bool),
                 "stop_ids": jnp.asarray(stop)}
-        def fresh():                   # unseeded rows: keys from the engine's own stream
-            while True:
+        keys = []                      # one per row: its seed's, else the next of the engine's stream
+        for r in rows:
+            if r.params.seed is not None:
+                keys.append(jax.random.PRNGKey(r.params.seed))
+            else:
                 self.key, k = jax.random.split(self.key)
-                yield k
-        key = row_keys([r.params.seed for r in rows], fresh())
+                keys.append(k)
+        key = jnp.stack(keys)
         return jnp.asarray(ids), jnp.asarray([len(r.ids) for r in rows], np.int32), rowp, key
 
     def start(self, rows):

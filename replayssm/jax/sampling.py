@@ -14,14 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["row_keys", "split_rows", "uniform_rows", "transform", "sample_from", "sample", "accept_greedy",
+__all__ = ["split_rows", "uniform_rows", "transform", "sample_from", "sample", "accept_greedy",
            "accept_chain", "ngram_propose"]
-
-
-def row_keys(seeds, fresh):
-    """Per-row keys ``[B, 2]``: ``PRNGKey(seed)`` for rows with a seed (an int), the next key
-    of ``fresh`` (an iterator of keys) for the others."""
-    return jnp.stack([jax.random.PRNGKey(s) if s is not None else next(fresh) for s in seeds])
 
 
 def split_rows(keys, num: int = 2):

@@ -17,9 +17,7 @@ from torch import Tensor
 from ._triton import (HAVE_TRITON, check_ring, count_flags, flag_chunk, flat_grid, history_entries, next_pow2,
                       nth_flag, pad16, persistent_programs, tile, tile_ids, triton, tl)
 from ._triton import contiguous as _c
-from ..cache.buffers import GDNBuffers
-from ..cache.ring import StepPlan
-from ..ops.gdn.naive import check_kv_fold
+from ..ops.gdn.naive import check_kv_fold, check_rebuild_state
 from .append import append_entries
 from .fold import paged_fold, ring_fold
 from .mamba2 import tree_bits
@@ -829,8 +827,7 @@ def rebuild_state(buf, plan, block_t: int | None = None, block_v: int | None = N
     """Kernel form of :func:`replayssm.ops.gdn.naive.rebuild_state`: ``S_h`` of every row from
     its checkpoint and committed ring entries, one launch (:func:`.fold.ring_fold`); returned
     in the state dtype."""
-    if not isinstance(buf, GDNBuffers) or not isinstance(plan, StepPlan):
-        raise ValueError("rebuild_state needs GDNBuffers and a StepPlan")
+    check_rebuild_state(buf, plan)
     S = ring_fold(buf.state, buf.k, buf.u, buf.g, plan, scale=None, weighted=False, block_t=block_t,
                   block_r=block_v, num_warps=num_warps, precision=precision)
     return S.to(buf.state.dtype)

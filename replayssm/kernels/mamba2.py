@@ -21,9 +21,7 @@ import torch
 from torch import Tensor
 
 from ..cache.tree import ancestor_bits, ancestor_mask
-from ..cache.buffers import Mamba2Buffers
-from ..cache.ring import StepPlan
-from ..ops.mamba2.naive import check_conv_fold, check_kv_fold
+from ..ops.mamba2.naive import check_conv_fold, check_kv_fold, check_rebuild_state
 from ._triton import HAVE_TRITON, check_ring, flat_grid, history_entries, next_pow2, pad16, tile, tile_ids, triton, tl
 from ._triton import contiguous as _c
 from .append import append_entries
@@ -647,11 +645,7 @@ def rebuild_state(buf, plan, A: Tensor, block_t: int | None = None, block_d: int
     """Kernel form of :func:`replayssm.ops.mamba2.naive.rebuild_state`: ``S_h`` of every row
     from its checkpoint and committed ring entries, one launch (:func:`.fold.ring_fold`);
     returned in the state dtype."""
-    if not isinstance(buf, Mamba2Buffers) or not isinstance(plan, StepPlan):
-        raise ValueError("rebuild_state needs Mamba2Buffers and a StepPlan")
-    H = buf.state.shape[1]
-    if not isinstance(A, Tensor) or tuple(A.shape) != (H,):
-        raise ValueError(f"A must be a tensor of shape ({H},), got {tuple(getattr(A, 'shape', ()))}")
+    check_rebuild_state(buf, plan, A)
     S = ring_fold(buf.state, buf.x, buf.B, buf.dt, plan, scale=A, weighted=True, block_t=block_t, block_r=block_d,
                   num_warps=num_warps, precision=precision)
     return S.to(buf.state.dtype)

@@ -76,9 +76,6 @@ class Mamba2Mixer(SSMLayer):
     def state_shape(self) -> tuple[int, ...]:
         return (self.H, self.d, self.n)
 
-    def fold(self, entries, pplan, initial_state):
-        return self.ops().kv_fold(entries, pplan, self._A(entries.dt.dtype), initial_state)
-
     def prefill_entries(self, a: dict, out: tuple) -> list[Tensor]:
         return [a["x"][0], a["B"][0], a["dt"][0]]
 

@@ -70,7 +70,7 @@ class SSMLayer(nn.Module):
 
     def fold(self, entries, pplan, initial_state: Tensor | None) -> Tensor:
         """The state ``initial_state`` becomes after the paged ``entries`` of ``pplan``'s rows
-        (``ops.kv_fold``): ``[Bt, *state]``."""
+        (``ops.kv_fold``; layers whose store keeps whole entries): ``[Bt, *state]``."""
         raise NotImplementedError
 
     def fold_stored(self, pools: PrefixPools, pplan, start: Tensor, initial_state: Tensor | None) -> Tensor:

@@ -344,12 +344,17 @@ def chunked_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
 
 # ---------------------------------------------------------------------------- replay
-def rebuild_state(buf: GDNBuffers, plan: StepPlan) -> Tensor:
-    """``S_h = e^{pre_h} S0 + Σ_{j<h} e^{pre_h−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``
-    (the first step of GDN replay), in the state dtype.  Reads only; any plan kind."""
+def check_rebuild_state(buf, plan) -> None:
+    """Validate a :func:`rebuild_state` call (shared with its kernel)."""
     if not isinstance(buf, GDNBuffers) or not isinstance(plan, StepPlan):
         raise ValueError("rebuild_state needs GDNBuffers and a StepPlan")
     check_state_dtype(buf.state, "buf.state dtype")
+
+
+def rebuild_state(buf: GDNBuffers, plan: StepPlan) -> Tensor:
+    """``S_h = e^{pre_h} S0 + Σ_{j<h} e^{pre_h−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``
+    (the first step of GDN replay), in the state dtype.  Reads only; any plan kind."""
+    check_rebuild_state(buf, plan)
     return _readouts(buf, plan, buf.state.dtype, None, "state")[1]
 
 

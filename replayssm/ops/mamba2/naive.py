@@ -45,6 +45,7 @@ from ...cache.buffers import Mamba2Buffers
 from ...cache.ring import NULL_SLOT, StepPlan, gather_history, write_new
 from ...cache.tree import ancestor_mask
 from .. import kv_blocks  # a module reference: tests spy on kv_blocks.runs
+from ..conv.naive import conv_window_out
 from ..common import (STATE_DTYPES, check_accepted, check_kv_lengths, check_plan, check_plan_fit,
                       check_plan_rows, check_route, check_slot, check_state_dtype, check_tensors,
                       check_tree, compute_dtype, shape_str, want_check, write_state_where)
@@ -430,17 +431,22 @@ def chunked_prefill(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: T
 
 
 # ============================================================================ replay
+def check_rebuild_state(buf, plan, A) -> None:
+    """Validate a :func:`rebuild_state` call (shared with its kernel)."""
+    if not isinstance(buf, Mamba2Buffers) or not isinstance(plan, StepPlan):
+        raise ValueError("rebuild_state needs Mamba2Buffers and a StepPlan")
+    check_state_dtype(buf.state, "buf.state dtype")
+    H = buf.state.shape[1]
+    if not isinstance(A, Tensor) or tuple(A.shape) != (H,):
+        raise ValueError(f"A must be a tensor of shape ({H},), got {shape_str(A)}")
+
+
 def rebuild_state(buf: Mamba2Buffers, plan: StepPlan, A: Tensor) -> Tensor:
     """``S_h = e^{pre_h} S0 + Σ_{j<h} Δ_j e^{pre_h−pre_j} x_j B_jᵀ`` per row ``[Bt,H,d,n]``
     from each row's checkpoint and committed ring entries (state dtype).  Reads only;
     any plan kind (``ring.plan_decode(slots)`` is a side-effect-free way to get one)."""
-    if not isinstance(buf, Mamba2Buffers) or not isinstance(plan, StepPlan):
-        raise ValueError("rebuild_state needs Mamba2Buffers and a StepPlan")
-    check_state_dtype(buf.state, "buf.state dtype")
-    P, H, d, n = buf.state.shape
-    G = buf.B.shape[2]
-    if not isinstance(A, Tensor) or tuple(A.shape) != (H,):
-        raise ValueError(f"A must be a tensor of shape ({H},), got {shape_str(A)}")
+    check_rebuild_state(buf, plan, A)
+    H, G = buf.state.shape[1], buf.B.shape[2]
     cdt = buf.state.dtype
     xs, Bs, dts, logs, valid = _history(buf, plan, A, cdt)
     return _build_state(buf.state[plan.slot].to(cdt), xs, Bs, dts, logs, valid,
@@ -878,31 +884,23 @@ def conv_fold(preconv: Tensor, dt: Tensor, pplan, start: Tensor, conv_weight: Te
     ``conv_bias [C]`` or None, ``A [H]``, ``start [Bt]``, ``initial_state [Bt,H,d,n]``.
     Returns ``[Bt,H,d,n]`` (fp64 if ``dt`` or ``initial_state`` is, else fp32).  Reads only.
     """
-    from ..conv.naive import conv_window_out
-
     Bt, H = check_conv_fold(preconv, dt, pplan, start, conv_weight, conv_bias, A, initial_state, head_dim, ngroups,
                             d_state, check)
-    d, G, n, W, bs = int(head_dim), int(ngroups), int(d_state), conv_weight.shape[1], pplan.block_size
+    d, G, n, W = int(head_dim), int(ngroups), int(d_state), conv_weight.shape[1]
     dev = preconv.device
-    lengths, starts = pplan.length.tolist(), start.tolist()
-    offs = [sum(lengths[:i]) for i in range(Bt)]
-    R = sum(lengths)
-    j = torch.cat([torch.arange(s, s + m, dtype=torch.long) for s, m in zip(starts, lengths)]
-                  + [torch.zeros(0, dtype=torch.long)])
-    row_of = torch.cat([torch.full((m,), b, dtype=torch.long) for b, m in enumerate(lengths)]
-                       + [torch.zeros(0, dtype=torch.long)])
-    q = j[:, None] + torch.arange(1 - W, 1, dtype=torch.long)                # [R, W] window positions
-    valid = q >= 0
-    qc = q.clamp(min=0)
-    table = pplan.block_table.cpu()
-    rows = torch.where(valid, table[row_of[:, None], qc // bs] * bs + qc % bs, torch.zeros_like(qc)).to(dev)
-    xb = conv_window_out(preconv[rows], conv_weight, conv_bias, "silu", valid.to(dev))   # [R, C]
+    width = int(pplan.length.max()) if Bt else 0
+    j = torch.arange(width, device=dev)
+    held = j[None, :] < pplan.length[:, None]                               # [Bt, width] positions folded
+    q = (start[:, None] + j[None, :])[..., None] + torch.arange(1 - W, 1, device=dev)   # [Bt, width, W] windows
+    rows = pplan.positions(q.clamp(min=0).reshape(Bt, width * W)).reshape(q.shape)[held]   # [R, W]
+    valid = (q >= 0)[held]
+    xb = conv_window_out(preconv[rows], conv_weight, conv_bias, "silu", valid)   # [R, C]
+    R = rows.shape[0]
     entries = paged.Mamba2PagedBuffers(x=xb[:, :H * d].reshape(R, H, d),
                                        B=xb[:, H * d:H * d + G * n].reshape(R, G, n), dt=dt[rows[:, -1]])
-    width = max(lengths + [1])
-    scratch = torch.tensor([[o + i if i < m else 0 for i in range(width)] for o, m in zip(offs, lengths)],
-                           dtype=torch.long, device=dev).reshape(Bt, width)
-    plan = paged.PagedPlan(pplan.slot, pplan.length, scratch, 1, 1)
+    # the rebuilt entries, row after row, as pages of one entry
+    offs = torch.cumsum(pplan.length, 0) - pplan.length
+    plan = paged.PagedPlan(pplan.slot, pplan.length, torch.where(held, offs[:, None] + j, 0), 1, 1)
     cdt = compute_dtype(dt.dtype, *(() if initial_state is None else (initial_state.dtype,)))
     return _kv_fold(entries, plan, A, _group_index(H, G, dev), cdt, initial_state, kv_blocks.FOLD_BUDGET)
 
