@@ -120,7 +120,7 @@ def profile_model(model, batch: int, context: int, T: int, modes, steps: int = 8
     results = []
     for mode in modes:
         cache = model.make_cache(B + 1, mode=mode, buffer_size=16, max_new=T,
-                                 max_seq_len=context + (steps + 8) * (T + 1) + 64)
+                                 max_seq_len=context + (steps + 40) * (T + 1) + 64)
         # in chunks: the gated-norm kernel's grid (rows = B * T * heads) must stay <= 65535
         chunk = max(1, min(context, prefill_chunk or context))
         for c0 in range(0, context, chunk):
@@ -154,11 +154,12 @@ def profile_model(model, batch: int, context: int, T: int, modes, steps: int = 8
             if rows:
                 print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows,
                                                 max_name_column_width=70))
-        try:
-            row["decode_graph_ms"] = graph_step_ms(decode)
-        except Exception as e:  # report, don't hide
-            row["decode_graph_ms"] = None
-            print(f"{mode}: graph capture failed: {e!r}"[:400])
+        for kind, fn in (("decode", decode), ("verify", verify)):
+            try:
+                row[kind + "_graph_ms"] = graph_step_ms(fn)
+            except Exception as e:  # report, don't hide
+                row[kind + "_graph_ms"] = None
+                print(f"{mode}: {kind} graph capture failed: {e!r}"[:400])
         results.append(row)
         cache = decode = verify = None
         torch.cuda.empty_cache()
@@ -172,7 +173,7 @@ def print_table(results: list[dict], title: str) -> None:
     print(f"{'mode':>10} {'step':>7} " + " ".join(f"{c:>9}" for c in cols) + f" {'graph':>8}")
     for r in results:
         for s in ("decode", "verify"):
-            gms = r.get("decode_graph_ms") if s == "decode" else None
+            gms = r.get(s + "_graph_ms")
             print(f"{r['mode']:>10} {s + ('' if s == 'decode' else str(r['T'])):>7} "
                   + " ".join(f"{r[s].get(c, 0.0):9.3f}" for c in cols)
                   + (f" {gms:8.3f}" if gms else f" {'':>8}"))
@@ -187,6 +188,7 @@ def main() -> None:
     ap.add_argument("--T", type=int, default=5, help="verify tokens")
     ap.add_argument("--modes", default="recurrent,replay")
     ap.add_argument("--rows", type=int, default=0, help="also print the top kernels table (rows)")
+    ap.add_argument("--top", type=int, default=0, help="keep the top kernels per step in the JSON")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill the context in chunks of this many tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -194,7 +196,7 @@ def main() -> None:
         model = build(args.preset, args.layers, tmp)
     label_layers(model)
     res = profile_model(model, args.batch, args.context, args.T, args.modes.split(","), rows=args.rows,
-                        prefill_chunk=args.prefill_chunk)
+                        prefill_chunk=args.prefill_chunk, top=args.top)
     print_table(res, f"{args.preset} ({model.config.num_hidden_layers} layers), B={args.batch}, "
                      f"context {args.context}")
     if args.json:

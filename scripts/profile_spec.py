@@ -1,7 +1,7 @@
 """Where an engine step's wall time goes, plain decode vs greedy speculative verify (GPU).
 
-Runs the engine (``LLM``, CUDA graphs) on a random-weight Mamba-2 of a bench preset's
-width (fewer layers), with the bench's oracle drafter (known continuation, each draft
+Runs the engine (``LLM``, CUDA graphs) on a random-weight model of a bench preset (a Mamba-2
+preset's width at fewer layers, or a whole hybrid preset), with the bench's oracle drafter (known continuation, each draft
 right with probability ``--accept``), and reports per engine step:
 
 * wall time of the step, unsynchronised (what the benchmark sees);
@@ -12,6 +12,7 @@ right with probability ``--accept``), and reports per engine step:
 Usage (GPU)::
 
     PYTHONPATH=. python3 scripts/profile_spec.py --preset 2.7b --layers 16 --batch 16 --dtype float32
+    PYTHONPATH=. python3 scripts/profile_spec.py --preset nemotron-h-4b --batch 256 --dtype bfloat16 --modes replay
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from replayssm.bench.e2e import PRESETS, OracleDrafter, _prompts, _random_model_dir
+from replayssm.bench.hybrid_presets import HYBRID_PRESETS, random_hybrid_dir
 from replayssm.engine.config import SamplingParams, SpeculativeConfig
 from replayssm.engine.llm import LLM
 from replayssm.models import load_model
@@ -113,7 +115,7 @@ def run(model, args, mode: str, spec: bool, refs: dict, prompts) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="2.7b")
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=None, help="default: 16 for Mamba-2 presets, all for hybrids")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-tokens", type=int, default=4)
@@ -128,9 +130,14 @@ def main() -> None:
     global DEV
     DEV = args.device
     args.max_seq_len = 256
-    PRESETS["_prof"] = dict(PRESETS[args.preset], num_hidden_layers=args.layers)
     with tempfile.TemporaryDirectory() as tmp:
-        model = load_model(_random_model_dir("_prof", tmp), device=DEV, dtype=getattr(torch, args.dtype))
+        if args.preset in HYBRID_PRESETS:
+            mdir = random_hybrid_dir(args.preset, tmp, num_layers=args.layers)
+        else:
+            PRESETS["_prof"] = dict(PRESETS[args.preset], num_hidden_layers=args.layers or 16)
+            mdir = _random_model_dir("_prof", tmp)
+        model = load_model(mdir, device=DEV, dtype=getattr(torch, args.dtype))
+    args.layers = model.config.num_hidden_layers
     prompts = _prompts(args.batch, 32, int(model.config.vocab_size), seed=1)
     ref = LLM(model, device=DEV, dtype=args.dtype, decode_mode="recurrent", max_num_seqs=args.batch,
               max_seq_len=args.max_seq_len)

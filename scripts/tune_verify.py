@@ -19,14 +19,17 @@ from replayssm.kernels import gdn as kg
 from replayssm.kernels import mamba2 as km
 
 M2_27B = dict(H=80, d=64, n=128, G=1)
-M2_VARIANTS = [dict(block_d=bd, num_warps=nw, fused_fold=f) for bd in (32, 64) for nw in (2, 4) for f in (True, False)]
-GDN_VARIANTS = ([dict(impl="rows", block_v=bv, num_warps=nw) for bv, nw in ((32, 1), (64, 2))]
-                + [dict(impl="dot", block_v=bv, num_warps=nw, fused_fold=f)
-                   for bv in (32, 64) for nw in (2, 4) for f in (True, False)])
+M2_SHAPES = {"2.7b": M2_27B, "nemotron-h-4b": dict(H=96, d=80, n=128, G=8)}
+#: the forms before 2026-11-25 (tf32x3 outputs; Mamba-2 on 64-wide d-blocks at large batch; GDN: the
+#: rows kernel), and variants of today's defaults
+M2_VARIANTS = ([dict(precision="tf32x3", block_d=64), dict(block_d=64, num_warps=4), dict(fold_precision="tf32"),
+                dict(block_d=16)])
+GDN_VARIANTS = ([dict(impl="rows", precision="tf32x3"), dict(impl="dot", fold_precision="tf32"),
+                 dict(impl="dot", block_v=64, num_warps=4), dict(impl="dot", block_v=128, num_warps=8)])
 
 
 def _scaled(s: dict, k: int) -> dict:
-    return {key: (max(1, v // k) if key in ("H", "HK", "HV") else v) for key, v in s.items()}
+    return {key: (max(1, v // k) if key in ("H", "HK", "HV", "G") else v) for key, v in s.items()}
 
 
 def main() -> None:
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--T", default="5")
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--fams", default="mamba2,gdn")
+    ap.add_argument("--m2-shape", default="2.7b", choices=sorted(M2_SHAPES), help="the Mamba-2 layer's shape")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1")
     ap.add_argument("--shape-scale", type=int, default=1, help="divide head counts (dry runs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -44,7 +48,7 @@ def main() -> None:
     L = args.L
     res = []
     for fam, s, setup, inputs, mod, variants in (
-            ("mamba2", _scaled(M2_27B, args.shape_scale), m2_setup, m2_inputs, km, M2_VARIANTS),
+            ("mamba2", _scaled(M2_SHAPES[args.m2_shape], args.shape_scale), m2_setup, m2_inputs, km, M2_VARIANTS),
             ("gdn", _scaled(GDN_SHAPE, args.shape_scale), gdn_setup, gdn_inputs, kg, GDN_VARIANTS)):
         if fam not in args.fams.split(","):
             continue

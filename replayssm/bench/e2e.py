@@ -299,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=int_list, default="1,4,16,64,256,512")
     p.add_argument("--modes", default="recurrent,replay", help="decode modes for the throughput sweep")
     p.add_argument("--spec-batch-sizes", type=int_list, default="1,16,64")
+    p.add_argument("--spec-modes", default="recurrent,replay",
+                   help="modes of the speculative runs (recurrent: the snapshot baseline)")
     p.add_argument("--spec-method", default=None, choices=["oracle", "ngram", "draft", "tree", "mtp"],
                    help="default: oracle for random weights (known continuation, --oracle-accept), else ngram; "
                         "mtp: the model's MTP head (random weights: a random head drafts, the oracle's tokens "
@@ -399,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                           "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"},
                "throughput": [], "speculative": [], "concurrency": []}
         jobs = [("throughput", m, b) for m in modes for b in batches]
-        jobs += [("speculative", m, b) for b in spec_batches for m in ("recurrent", "replay")]
+        spec_modes = [m for m in args.spec_modes.split(",") if m]
+        jobs += [("speculative", m, b) for b in spec_batches for m in spec_modes]
         conc_modes = [("recurrent", None), ("replay", None), ("recurrent", spec), ("replay", spec), ("kv", None)]
         jobs += [] if args.skip_concurrency else [("concurrency", m, s) for m, s in conc_modes]
         bar = tqdm(jobs, desc="bench e2e", unit="run", file=sys.stderr)

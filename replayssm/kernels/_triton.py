@@ -183,6 +183,9 @@ def usable(*tensors) -> bool:
     return devs == {"cpu"} and interpreting()
 
 
-def dot_precision(dtype) -> str:
-    """``tl.dot`` precision for fp32 operands: full fp32 (``ieee``)."""
-    return "ieee"
+def verify_precision(dtype, precision: str | None = None) -> str:
+    """The ``tl.dot`` precision of a verify kernel's fp32 output products: ``precision`` when
+    given; else ``tf32`` for 16-bit activations (a tf32 operand, 10-bit mantissa, errs below
+    the bf16 rounding of the output itself) and ``tf32x3`` (fp32-level) for fp32 ones.
+    Folds into a stored state keep their own precision (tf32x3 by default)."""
+    return precision or ("tf32" if dtype.itemsize == 2 else "tf32x3")

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._triton import (HAVE_TRITON, check_ring, count_flags, flag_chunk, flat_grid, history_entries, next_pow2,
-                      nth_flag, pad16, persistent_programs, tile, tile_ids, triton, tl)
+                      nth_flag, pad16, persistent_programs, tile, tile_ids, triton, tl, verify_precision)
 from ._triton import contiguous as _c
 from ..ops.gdn.naive import check_kv_fold, check_rebuild_state
 from .append import append_entries
@@ -434,7 +434,7 @@ if HAVE_TRITON:
         T, L, H, HV, K, V, REP, MAXB, scale,
         TP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
         L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
-        FOLD: tl.constexpr,
+        FOLD: tl.constexpr, FOLD_PREC: tl.constexpr,
     ):
         """Replay verify as small matrix products over ``K`` in chunks of ``BKC`` (the Mamba-2
         ``_m2_verify_dot_kernel`` treatment; the whole ``[BK, BV]`` checkpoint never sits in
@@ -444,7 +444,9 @@ if HAVE_TRITON:
         ``QK = Qn Knᵀ`` (drafts padded to ``TP ≥ 16`` rows); then the T×T system
         ``(I + A) U = R`` by forward substitution, and ``Y = e^{G} HQ + (mask ∘ e^{G_s−G_s'} QK) U``.
         ``FOLD``: flush rows store ``S_h = α0 S0 + Σ_j w_j k_j u_jᵀ`` chunk by chunk in the same
-        pass (no ``_gdn_fold_kernel``).  Arguments of ``_gdn_verify_rows_kernel`` plus ``flush_ptr``."""
+        pass (no ``_gdn_fold_kernel``), its product at ``FOLD_PREC`` (the stored state keeps
+        fp32-level sums even where the outputs use ``PREC = tf32``).  Arguments of
+        ``_gdn_verify_rows_kernel`` plus ``flush_ptr``."""
         vb, hv, r = tile_ids(tl.cdiv(V, BV), HV)  # V-blocks of one (row, head) side by side
         kh = hv // REP
         r64 = r.to(tl.int64)
@@ -511,7 +513,7 @@ if HAVE_TRITON:
                 HQ += tl.dot(qc, S0, input_precision=PREC)
                 if FOLD:
                     if flush:
-                        Sh = a0 * S0 + tl.dot(tl.trans(khc * wj[:, None]), Uh, input_precision=PREC)
+                        Sh = a0 * S0 + tl.dot(tl.trans(khc * wj[:, None]), Uh, input_precision=FOLD_PREC)
                         tl.store(sptr, Sh.to(state_ptr.dtype.element_ty), mask=mk[:, None] & mv[None, :])
         HK = a0 * HK + tl.dot(SK * wj[None, :], Uh, input_precision=PREC)
         HQ = a0 * HQ + tl.dot(SQ * wj[None, :], Uh, input_precision=PREC)
@@ -696,18 +698,31 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 VERIFY_IMPLS = ("rows", "dot")
 
 
+def verify_form(dtype: torch.dtype, impl: str | None, precision: str | None) -> tuple[str, str]:
+    """``(impl, precision)`` of a verify call: for 16-bit activations the ``dot`` kernel with
+    tf32 output products (H100 sweep 2026-11-25, B = 1..256, T = 5: whole 128-wide V tiles
+    on 4 warps ran 1.5-2.2x the rows kernel; at tf32x3 that tile spilled and lost), for fp32
+    the ``rows`` kernel (FMA outputs, fp32-level)."""
+    precision = verify_precision(dtype, precision)
+    if impl is None:
+        impl = "dot" if precision == "tf32" else "rows"
+    return impl, precision
+
+
 def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, paged=None,
-            block_v=None, num_warps=None, ring_dtype=None, precision="ieee", impl="rows", fused_fold=True):
+            block_v=None, num_warps=None, ring_dtype=None, precision=None, impl=None, fused_fold=True,
+            fold_precision="tf32x3"):
     """The verify kernel (output route: both routes give the same numbers up to rounding).
-    ``impl="rows"`` (default): one draft at a time on register tiles, then the fold kernel
-    for the rows that flush.  ``impl="dot"``: small tensor-core products over K chunks, the
-    flush rows folded in the same pass when ``fused_fold`` (checked against the naive ops by
-    the tests; not yet timed on the GPU, so not the default)."""
+    ``impl="rows"``: one draft at a time on register tiles, then the fold kernel for the rows
+    that flush.  ``impl="dot"``: small tensor-core products over K chunks, the flush rows
+    folded in the same pass when ``fused_fold``.  ``impl=None`` / ``precision=None``:
+    :func:`verify_form`.  Folds (fused or not) run at ``fold_precision``."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
+    Bt, T, H, HV, K, V = _dims(q, v, True)
+    impl, precision = verify_form(q.dtype, impl, precision)
     if impl not in VERIFY_IMPLS:
         raise ValueError(f"bad verify impl {impl!r}: expected one of {VERIFY_IMPLS}")
-    Bt, T, H, HV, K, V = _dims(q, v, True)
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
     flush = ()
     if impl == "rows":
@@ -716,10 +731,12 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
         num_warps = num_warps or (2 if wide else 1)
         kernel, extra = _gdn_verify_rows_kernel, dict(TP=max(2, next_pow2(T)))
     else:
-        BV = _bv(V, block_v or 64)
+        tf32 = precision == "tf32"
+        BV = _bv(V, block_v or (128 if tf32 else 64))
         num_warps = num_warps or 4
         kernel = _gdn_verify_dot_kernel
-        extra = dict(TP=max(16, next_pow2(T)), BKC=min(32, pad16(K)), PREC=precision, FOLD=fused_fold)
+        extra = dict(TP=max(16, next_pow2(T)), BKC=min(32, pad16(K)), PREC=precision, FOLD=fused_fold,
+                     FOLD_PREC=fold_precision)
     y = torch.empty_like(v)
     U = torch.empty(Bt, T, HV, V, dtype=ring_dtype[0], device=v.device)
     Kn = torch.empty(Bt, T, H, K, dtype=ring_dtype[1], device=v.device)
@@ -737,7 +754,7 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
             T, plan.capacity, H, HV, K, V, HV // H, 1, _scale(scale, K),
             LP=pad16(plan.capacity), PAGED=False, **common)
         if not (impl == "dot" and fused_fold):  # S_h (committed entries), after every draft read S0
-            _fold(buf, plan, 0, grid, BV, precision)
+            _fold(buf, plan, 0, grid, BV, fold_precision)
     else:
         kv, pplan = paged
         bt = pplan.block_table.contiguous()
@@ -762,17 +779,18 @@ def _append(buf, plan, U, Kn, g) -> None:
 def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
-                  precision: str = "tf32x3", impl: str = "rows", fused_fold: bool = True) -> Tensor:
+                  precision: str | None = None, impl: str | None = None, fused_fold: bool = True,
+                  fold_precision: str = "tf32x3") -> Tensor:
     """Replay verify of T drafts: the verify kernel (output route; ``route`` is
-    accepted for API parity), the fold kernel (flush rows store ``S_h``), then one append
-    kernel."""
+    accepted for API parity; ``impl`` / ``precision`` default to :func:`verify_form`), the
+    fold (flush rows store ``S_h``, at ``fold_precision``), then one append kernel."""
     if plan.kind != "verify":
         raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
     dims = _dims(q, v, True)
     _check_ring(buf, plan, v, dims)
     y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, None,
                        block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
-                       precision=precision, impl=impl, fused_fold=fused_fold)
+                       precision=precision, impl=impl, fused_fold=fused_fold, fold_precision=fold_precision)
     _append(buf, plan, U, Kn, g)
     return y
 
@@ -780,8 +798,8 @@ def replay_verify(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                 scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                 check: bool | None = None, bits: Tensor | None = None, block_v: int | None = None,
-                num_warps: int | None = None, precision: str = "tf32x3", impl: str = "rows",
-                fused_fold: bool = True) -> Tensor:
+                num_warps: int | None = None, precision: str | None = None, impl: str | None = None,
+                fused_fold: bool = True, fold_precision: str = "tf32x3") -> Tensor:
     """Tree verify: the triangular solve restricted to the ancestor mask."""
     if plan.kind != "tree":
         raise ValueError(f"tree_verify needs a 'tree' plan, got {plan.kind!r}")
@@ -791,7 +809,7 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
         bits = tree_bits(parent, dims[0])
     y, U, Kn = _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits,
                        block_v=block_v, num_warps=num_warps, ring_dtype=(buf.u.dtype, buf.k.dtype),
-                       precision=precision, impl=impl, fused_fold=fused_fold)
+                       precision=precision, impl=impl, fused_fold=fused_fold, fold_precision=fold_precision)
     _append(buf, plan, U, Kn, g)
     return y
 

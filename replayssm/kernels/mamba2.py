@@ -22,7 +22,8 @@ from torch import Tensor
 
 from ..cache.tree import ancestor_bits, ancestor_mask
 from ..ops.mamba2.naive import check_conv_fold, check_kv_fold, check_rebuild_state
-from ._triton import HAVE_TRITON, check_ring, flat_grid, history_entries, next_pow2, pad16, tile, tile_ids, triton, tl
+from ._triton import (HAVE_TRITON, check_ring, flat_grid, history_entries, next_pow2, pad16, tile, tile_ids,
+                      triton, tl, verify_precision)
 from ._triton import contiguous as _c
 from .append import append_entries
 from .fold import conv_fold as _conv_fold
@@ -301,7 +302,7 @@ if HAVE_TRITON:
         T, L, H, G, d, n, HPG, MAXB,
         TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
         HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
-        FOLD: tl.constexpr,
+        FOLD: tl.constexpr, FOLD_PREC: tl.constexpr,
     ):
         """Replay verify as small matrix products (tensor cores), all queries at once:
 
@@ -314,7 +315,8 @@ if HAVE_TRITON:
         operands stay in their storage dtype for the score products; fp32 ones use ``PREC``.
         ``FOLD``: flush rows also store ``S_h = e^{tot} S0 + Σ_j Δ_j e^{tot-cum_j} x_j B_jᵀ``
         (committed entries) chunk by chunk, right after the chunk's last read, instead of a
-        separate ``_m2_fold_kernel`` pass over the state.  Grid ``(d-blocks, heads, rows)``;
+        separate ``_m2_fold_kernel`` pass over the state; its product runs at ``FOLD_PREC``
+        (the stored state keeps fp32-level sums even where the outputs use ``PREC = tf32``).  Grid ``(d-blocks, heads, rows)``;
         ring form reads the history at ``(start + j) % L`` of the row's slot; ``PAGED``: from
         a block table, with ``S0 = 0`` (KV-only form); ``TREE``: ``bits_ptr`` holds each
         query's ancestor-or-self bitmask (:func:`tree_bits`), else the chain."""
@@ -378,7 +380,7 @@ if HAVE_TRITON:
                     if flush:
                         Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
                                      mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [LP, BNC]
-                        Sh = tl.exp(tot) * S0 + tl.dot(XW, Bk, input_precision=PREC)
+                        Sh = tl.exp(tot) * S0 + tl.dot(XW, Bk, input_precision=FOLD_PREC)
                         tl.store(sptr, Sh.to(state_ptr.dtype.element_ty), mask=md[:, None] & mk[None, :])
             Y += tl.exp(tot + Gm)[:, None] * SC
         if HAS_D:
@@ -514,18 +516,23 @@ def tree_bits(parent: Tensor, batch: int) -> Tensor:
     return ancestor_bits(ancestor_mask(p))
 
 
-def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=None, precision="ieee",
-            fused_fold=True):
+def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=None, precision=None,
+            fused_fold=True, fold_precision="tf32x3"):
     """All draft queries as small tensor-core products (``_m2_verify_dot_kernel``); flush
-    rows fold ``S_h`` in the same pass (``fused_fold``), else in the fold kernel after it.
-    Tiles from the H100 sweep (scripts/tune_verify.py, T = 5)."""
+    rows fold ``S_h`` in the same pass (``fused_fold``; its product at ``fold_precision``),
+    else in the fold kernel after it.  ``precision``: the output products' (default
+    :func:`~replayssm.kernels._triton.verify_precision`).  Tiles from the H100 sweeps
+    (scripts/tune_verify.py, T = 5)."""
     dims = _dims(x, B, True)
     Bt, T, H, d, G, n = dims
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
-    block_d = block_d or (64 if Bt * H >= 4096 else 32)
+    precision = verify_precision(x.dtype, precision)
+    # H100 sweep 2026-11-25 (Nemotron-H layer, B = 1..256, T = 5): 32-wide d-blocks on 2 warps
+    # at every batch once the outputs run at tf32 (1.4x the tf32x3 form at B = 16..256)
+    block_d = block_d or 32
     num_warps = num_warps or 2
     TP = max(16, next_pow2(T))
-    extra = dict(PREC=precision, BNC=min(32, pad16(n)), FOLD=fused_fold)
+    extra = dict(PREC=precision, BNC=min(32, pad16(n)), FOLD=fused_fold, FOLD_PREC=fold_precision)
     BD, BN = _block_d(d, block_d), pad16(n)
     y = torch.empty_like(x)
     if Bt == 0:
@@ -541,7 +548,7 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
             TP=TP, LP=pad16(L), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None, PAGED=False,
             num_warps=num_warps, **extra)
         if not fused_fold:  # S_h (committed entries), after every query read S0
-            _fold(buf, plan, A, 0, grid, BD, precision)
+            _fold(buf, plan, A, 0, grid, BD, fold_precision)
     else:
         kv, pplan = paged
         bt = pplan.block_table.contiguous()
@@ -566,17 +573,18 @@ def _write_entries(buf, plan, x, B, dt) -> None:
 
 def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
-                  block_d: int | None = None, num_warps: int | None = None, precision: str = "tf32x3",
-                  fused_fold: bool = True) -> Tensor:
+                  block_d: int | None = None, num_warps: int | None = None, precision: str | None = None,
+                  fused_fold: bool = True, fold_precision: str = "tf32x3") -> Tensor:
     """Replay verify of T drafts: the verify kernel, whose flush rows also store
     ``S_h`` (``fused_fold``; else a separate fold kernel), then one append kernel writes the
-    T entries."""
+    T entries.  ``precision``: the output products' (default :func:`~replayssm.kernels._triton.verify_precision`);
+    ``fold_precision``: the state fold's."""
     if plan.kind != "verify":
         raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
     dims = _dims(x, B, True)
     _check_ring(buf, plan, x, dims)
     y = _verify(buf, plan, x, dt, A, B, C, D, None, block_d=block_d, num_warps=num_warps,
-                precision=precision, fused_fold=fused_fold)
+                precision=precision, fused_fold=fused_fold, fold_precision=fold_precision)
     _write_entries(buf, plan, x, B, dt)
     return y
 
@@ -584,7 +592,7 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
 def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                 D: Tensor | None = None, route: str = "output", check: bool | None = None,
                 bits: Tensor | None = None, block_d: int | None = None, num_warps: int | None = None,
-                precision: str = "tf32x3", fused_fold: bool = True) -> Tensor:
+                precision: str | None = None, fused_fold: bool = True, fold_precision: str = "tf32x3") -> Tensor:
     """Tree verify (STree) under the ancestor mask; ``bits`` (from :func:`tree_bits`) may be
     passed precomputed once per step for all layers."""
     if plan.kind != "tree":
@@ -594,14 +602,14 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
     if bits is None:
         bits = tree_bits(parent, dims[0])
     y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision,
-                fused_fold=fused_fold)
+                fused_fold=fused_fold, fold_precision=fold_precision)
     _write_entries(buf, plan, x, B, dt)
     return y
 
 
 def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
               D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
-              num_warps: int | None = None, precision: str = "tf32x3", parent: Tensor | None = None) -> Tensor:
+              num_warps: int | None = None, precision: str | None = None, parent: Tensor | None = None) -> Tensor:
     """KV-only form (no state) over paged buffers; appends the new entries after the kernel."""
     if kv.x.dtype != x.dtype or kv.B.dtype != x.dtype:
         raise ValueError(f"dtype mismatch: inputs are {x.dtype}, pool holds {kv.x.dtype}/{kv.B.dtype}")
