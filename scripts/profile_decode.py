@@ -7,7 +7,12 @@ one decode step and one verify+commit step of ``--T`` tokens, and times the deco
 replayed from a CUDA graph.  Every mixer and feed-forward module is wrapped in a
 ``record_function`` named after its type; a type's time is the GPU kernel time launched inside
 its modules (``forward`` and ``commit``), and *glue* is the rest of the step's kernel time
-(embedding, block norms, residual adds, LM head, step bookkeeping).  Usage (GPU):
+(embedding, block norms, residual adds, LM head, step bookkeeping).
+
+Caveat (H100, torch 2.11, 2026-11-25): the profiler does not link Triton launches to the
+enclosing ranges, so every Triton kernel (the SSM, attention, MoE, conv and norm kernels) is
+counted in *glue*, not in its layer type.  Read the per-kernel table (``--rows``, or
+``--top`` into the JSON) for where a step goes.  Usage (GPU):
 
     python3 scripts/profile_decode.py --preset 2.7b --layers 8 --batch 256
     python3 scripts/profile_decode.py --preset qwen3-next-4b --batch 64 --context 1024 --json out.json

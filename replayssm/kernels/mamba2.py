@@ -527,9 +527,11 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     Bt, T, H, d, G, n = dims
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
     precision = verify_precision(x.dtype, precision)
-    # H100 sweep 2026-11-25 (Nemotron-H layer, B = 1..256, T = 5): 32-wide d-blocks on 2 warps
-    # at every batch once the outputs run at tf32 (1.4x the tf32x3 form at B = 16..256)
-    block_d = block_d or 32
+    # 64-wide d-blocks for large grids where they tile d exactly (the 2.7B's d = 64: the tile
+    # of the 2026-11-23 sweep), else 32 wide: at Nemotron-H's d = 80 a 64-wide tile idles 3/8
+    # of its second block, and 32-wide blocks on 2 warps ran 1.4x the previous form at
+    # B = 16..256 (H100 sweep 2026-11-25, T = 5)
+    block_d = block_d or (64 if Bt * H >= 4096 and d % 64 == 0 else 32)
     num_warps = num_warps or 2
     TP = max(16, next_pow2(T))
     extra = dict(PREC=precision, BNC=min(32, pad16(n)), FOLD=fused_fold, FOLD_PREC=fold_precision)

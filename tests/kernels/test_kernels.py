@@ -459,13 +459,14 @@ def test_flush_row_compaction(device, Bt, BT):
 
 def test_verify_forms():
     """The verify kernels' default forms: tf32 output products for 16-bit activations only
-    (fp32 keeps fp32-level products), the GDN dot kernel for 16-bit activations, and
+    (fp32 keeps fp32-level products), the GDN dot kernel for 16-bit activations from T = 5, and
     explicit arguments win."""
     from replayssm.kernels._triton import verify_precision
 
     assert verify_precision(torch.bfloat16) == verify_precision(torch.float16) == "tf32"
     assert verify_precision(torch.float32) == "tf32x3"
     assert verify_precision(torch.bfloat16, "ieee") == "ieee"
-    assert KG.verify_form(torch.bfloat16, None, None) == ("dot", "tf32")
-    assert KG.verify_form(torch.float32, None, None) == ("rows", "tf32x3")
-    assert KG.verify_form(torch.bfloat16, "rows", "tf32x3") == ("rows", "tf32x3")
+    assert KG.verify_form(torch.bfloat16, 5, None, None) == ("dot", "tf32")
+    assert KG.verify_form(torch.bfloat16, 4, None, None) == ("rows", "tf32")
+    assert KG.verify_form(torch.float32, 5, None, None) == ("rows", "tf32x3")
+    assert KG.verify_form(torch.bfloat16, 5, "rows", "tf32x3") == ("rows", "tf32x3")
