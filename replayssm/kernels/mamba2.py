@@ -316,10 +316,11 @@ if HAVE_TRITON:
         ``FOLD``: flush rows also store ``S_h = e^{tot} S0 + Σ_j Δ_j e^{tot-cum_j} x_j B_jᵀ``
         (committed entries) chunk by chunk, right after the chunk's last read, instead of a
         separate ``_m2_fold_kernel`` pass over the state; its product runs at ``FOLD_PREC``
-        (the stored state keeps fp32-level sums even where the outputs use ``PREC = tf32``).  Grid ``(d-blocks, heads, rows)``;
-        ring form reads the history at ``(start + j) % L`` of the row's slot; ``PAGED``: from
-        a block table, with ``S0 = 0`` (KV-only form); ``TREE``: ``bits_ptr`` holds each
-        query's ancestor-or-self bitmask (:func:`tree_bits`), else the chain."""
+        (the stored state keeps fp32-level sums even where the outputs use ``PREC = tf32``).
+        Grid ``(d-blocks, heads, rows)``; ring form reads the history at ``(start + j) % L``
+        of the row's slot; ``PAGED``: from a block table, with ``S0 = 0`` (KV-only form);
+        ``TREE``: ``bits_ptr`` holds each query's ancestor-or-self bitmask
+        (:func:`tree_bits`), else the chain."""
         db, hd, r = tile_ids(tl.cdiv(d, BD), H)  # d-blocks of one (row, head) side by side
         g = hd // HPG
         r64 = r.to(tl.int64)
@@ -579,8 +580,8 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
                   fused_fold: bool = True, fold_precision: str = "tf32x3") -> Tensor:
     """Replay verify of T drafts: the verify kernel, whose flush rows also store
     ``S_h`` (``fused_fold``; else a separate fold kernel), then one append kernel writes the
-    T entries.  ``precision``: the output products' (default :func:`~replayssm.kernels._triton.verify_precision`);
-    ``fold_precision``: the state fold's."""
+    T entries.  ``precision``: the output products' (default
+    :func:`~replayssm.kernels._triton.verify_precision`); ``fold_precision``: the state fold's."""
     if plan.kind != "verify":
         raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
     dims = _dims(x, B, True)
