@@ -183,9 +183,16 @@ def usable(*tensors) -> bool:
     return devs == {"cpu"} and interpreting()
 
 
-def verify_precision(dtype, precision: str | None = None) -> str:
+#: ``tl.dot`` input precisions for fp32 operands
+DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
+
+
+def verify_precision(dtype, precision: str | None = None, fold_precision: str = "tf32x3") -> str:
     """The ``tl.dot`` precision of a verify kernel's fp32 output products: ``precision`` when
     given; else ``tf32`` for 16-bit activations (a tf32 operand, 10-bit mantissa, errs below
     the bf16 rounding of the output itself) and ``tf32x3`` (fp32-level) for fp32 ones.
-    Folds into a stored state keep their own precision (tf32x3 by default)."""
+    Folds into a stored state keep their own ``fold_precision`` (checked here too)."""
+    for name, p in (("precision", precision), ("fold_precision", fold_precision)):
+        if p is not None and p not in DOT_PRECISIONS:
+            raise ValueError(f"bad {name} {p!r}: expected one of {DOT_PRECISIONS}")
     return precision or ("tf32" if dtype.itemsize == 2 else "tf32x3")

@@ -698,13 +698,14 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 VERIFY_IMPLS = ("rows", "dot")
 
 
-def verify_form(dtype: torch.dtype, T: int, impl: str | None, precision: str | None) -> tuple[str, str]:
+def verify_form(dtype: torch.dtype, T: int, impl: str | None, precision: str | None,
+                fold_precision: str = "tf32x3") -> tuple[str, str]:
     """``(impl, precision)`` of a verify call of ``T`` queries: for 16-bit activations the
     ``dot`` kernel with tf32 output products from T = 5 (H100 sweep 2026-11-25, B = 1..256,
     T = 5: whole 128-wide V tiles on 4 warps ran 1.5-2.2x the rows kernel; at tf32x3 that
     tile spilled and lost; its 16-row padding makes small T its worst case, not measured);
     else the ``rows`` kernel (FMA outputs, fp32-level)."""
-    precision = verify_precision(dtype, precision)
+    precision = verify_precision(dtype, precision, fold_precision)
     if impl is None:
         impl = "dot" if precision == "tf32" and T >= 5 else "rows"
     return impl, precision
@@ -721,7 +722,7 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     Bt, T, H, HV, K, V = _dims(q, v, True)
-    impl, precision = verify_form(q.dtype, T, impl, precision)
+    impl, precision = verify_form(q.dtype, T, impl, precision, fold_precision)
     if impl not in VERIFY_IMPLS:
         raise ValueError(f"bad verify impl {impl!r}: expected one of {VERIFY_IMPLS}")
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))

@@ -527,7 +527,7 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     dims = _dims(x, B, True)
     Bt, T, H, d, G, n = dims
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
-    precision = verify_precision(x.dtype, precision)
+    precision = verify_precision(x.dtype, precision, fold_precision)
     # 64-wide d-blocks for large grids where they tile d exactly (the 2.7B's d = 64: the tile
     # of the 2026-11-23 sweep), else 32 wide: at Nemotron-H's d = 80 a 64-wide tile idles 3/8
     # of its second block, and 32-wide blocks on 2 warps ran 1.4x the previous form at

@@ -470,3 +470,6 @@ def test_verify_forms():
     assert KG.verify_form(torch.bfloat16, 4, None, None) == ("rows", "tf32")
     assert KG.verify_form(torch.float32, 5, None, None) == ("rows", "tf32x3")
     assert KG.verify_form(torch.bfloat16, 5, "rows", "tf32x3") == ("rows", "tf32x3")
+    for bad in (dict(precision="fp64"), dict(fold_precision="tf16")):
+        with pytest.raises(ValueError, match="precision"):
+            verify_precision(torch.bfloat16, **bad)
