@@ -20,12 +20,12 @@ from replayssm.kernels import mamba2 as km
 
 M2_27B = dict(H=80, d=64, n=128, G=1)
 M2_SHAPES = {"2.7b": M2_27B, "nemotron-h-4b": dict(H=96, d=80, n=128, G=8)}
-#: the forms before 2026-11-25 (tf32x3 outputs; Mamba-2 on 64-wide d-blocks at large batch; GDN: the
-#: rows kernel), and variants of today's defaults
-M2_VARIANTS = ([dict(precision="tf32x3", block_d=64), dict(block_d=64, num_warps=4), dict(fold_precision="tf32"),
-                dict(block_d=16)])
-GDN_VARIANTS = ([dict(impl="rows", precision="tf32x3"), dict(impl="dot", fold_precision="tf32"),
-                 dict(impl="dot", block_v=64, num_warps=4), dict(impl="dot", block_v=128, num_warps=8)])
+#: the forms before 2026-11-25 evening (Mamba-2: scores in every program, ``C S0ᵀ``, 2 warps;
+#: GDN: whole 128-wide V tiles on 4 warps), and neighbours of today's defaults
+M2_VARIANTS = ([dict(pre_scores=False, state_left=False, num_warps=2), dict(state_left=False),
+                dict(pre_scores=False), dict(num_warps=2), dict(state_left=True),
+                dict(block_d=32, num_warps=1, pre_scores=True, state_left=True)])
+GDN_VARIANTS = ([dict(impl="dot", block_v=128, num_warps=4), dict(impl="dot", block_v=64, num_warps=4)])
 
 
 def _scaled(s: dict, k: int) -> dict:

@@ -733,9 +733,12 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
         num_warps = num_warps or (2 if wide else 1)
         kernel, extra = _gdn_verify_rows_kernel, dict(TP=max(2, next_pow2(T)))
     else:
-        tf32 = precision == "tf32"
-        BV = _bv(V, block_v or (128 if tf32 else 64))
-        num_warps = num_warps or 4
+        # tf32 outputs: whole 128-wide V tiles on 4 warps; from 2048 (row, value-head) pairs
+        # 64-wide tiles on 2 warps (H200 sweep 2026-11-25, T = 5: 1.03x at B = 64 and 256 on
+        # 32 value heads, level at B = 16)
+        tf32, big = precision == "tf32", Bt * HV >= 2048
+        BV = _bv(V, block_v or (64 if big or not tf32 else 128))
+        num_warps = num_warps or (2 if tf32 and big else 4)
         kernel = _gdn_verify_dot_kernel
         extra = dict(TP=max(16, next_pow2(T)), BKC=min(32, pad16(K)), PREC=precision, FOLD=fused_fold,
                      FOLD_PREC=fold_precision)

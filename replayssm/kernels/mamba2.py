@@ -295,6 +295,38 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
+    def _m2_verify_scores_kernel(
+        Br_ptr, slot_ptr, start_ptr, hist_ptr, bt_ptr, B_ptr, C_ptr, sc_ptr,
+        T, L, G, n, MAXB,
+        TP: tl.constexpr, LP: tl.constexpr, BN: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """Verify precompute, once per (row, group) instead of once per (head, d-block) of the
+        group: ``HC = B_hist Cᵀ [LP, TP]`` over the committed entries and ``NC = B_new Cᵀ
+        [TP, TP]`` over the drafts -> scratch ``[Bt, G, LP + TP, TP]`` fp32 (every entry
+        written; rows past ``h`` / ``T`` hold zeros)."""
+        r = tl.program_id(0)
+        g = tl.program_id(1)
+        r64 = r.to(tl.int64)
+        slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, bt_ptr, r, L, MAXB, LP, PAGED)
+        offs_n = tl.arange(0, BN)
+        mn = offs_n < n
+        ss = tl.arange(0, TP)
+        ms = ss < T
+        tok = r64 * T + ss
+        Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
+                     other=0.0)                                                             # [LP, BN]
+        Bn = tl.load(B_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+                     other=0.0)                                                             # [TP, BN]
+        Cn = tl.load(C_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+                     other=0.0)                                                             # [TP, BN]
+        HC = _mm(Bh.to(Cn.dtype), tl.trans(Cn), PREC)
+        NC = _mm(Bn, tl.trans(Cn), PREC)
+        base = sc_ptr + (r64 * G + g) * (LP + TP) * TP
+        jj = tl.arange(0, LP)
+        tl.store(base + jj[:, None] * TP + ss[None, :], HC)
+        tl.store(base + (LP + ss[:, None]) * TP + ss[None, :], NC)
+
+    @triton.jit
     def _m2_verify_dot_kernel(
         state_ptr, xr_ptr, Br_ptr, dtr_ptr,
         slot_ptr, start_ptr, hist_ptr, bt_ptr,
@@ -302,7 +334,8 @@ if HAVE_TRITON:
         T, L, H, G, d, n, HPG, MAXB,
         TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
         HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
-        FOLD: tl.constexpr, FOLD_PREC: tl.constexpr,
+        FOLD: tl.constexpr, FOLD_PREC: tl.constexpr, sc_ptr=None, PRE: tl.constexpr = False,
+        LEFT: tl.constexpr = False,
     ):
         """Replay verify as small matrix products (tensor cores), all queries at once:
 
@@ -337,12 +370,19 @@ if HAVE_TRITON:
         ss = tl.arange(0, TP)
         ms = ss < T
         tok = r64 * T + ss
-        Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
-                     other=0.0)                                                             # [LP, BN]
-        Bn = tl.load(B_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
-                     other=0.0)                                                             # [TP, BN]
-        Cn = tl.load(C_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
-                     other=0.0)                                                             # [TP, BN]
+        if PRE:  # HC, NC from the (row, group) scratch of _m2_verify_scores_kernel
+            sbase = sc_ptr + (r64 * G + g) * (LP + TP) * TP
+            HC = tl.load(sbase + tl.arange(0, LP)[:, None] * TP + ss[None, :])                 # [LP, TP]
+            NC = tl.load(sbase + (LP + ss[:, None]) * TP + ss[None, :])                       # [TP, TP]
+        else:
+            Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
+                         other=0.0)                                                         # [LP, BN]
+            Bn = tl.load(B_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+                         other=0.0)                                                         # [TP, BN]
+            Cn = tl.load(C_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+                         other=0.0)                                                         # [TP, BN]
+            HC = _mm(Bh.to(Cn.dtype), tl.trans(Cn), PREC)                                   # [LP, TP]
+            NC = _mm(Bn, tl.trans(Cn), PREC)                                                # [TP(s), TP(m)]
         dtn = tl.where(ms, tl.load(dt_ptr + tok * H + hd, mask=ms, other=0.0).to(tl.float32), 0.0)
         ln = A * dtn
         if TREE:
@@ -353,10 +393,8 @@ if HAVE_TRITON:
         ancT = (((bits[None, :] >> ss[:, None]) & 1) != 0) & ms[:, None] & ms[None, :]
         Gm = tl.sum(tl.where(ancT, ln[:, None], 0.0), 0)                                   # [TP] by m
         Gs = tl.sum(tl.where(ss[:, None] == ss[None, :], Gm[None, :], 0.0), 1)              # same, by s
-        HC = _mm(Bh.to(Cn.dtype), tl.trans(Cn), PREC)                                       # [LP, TP]
         Wh = tl.where(mj[:, None] & ms[None, :],
                       dtj[:, None] * tl.exp(tot - cj[:, None] + Gm[None, :]) * HC, 0.0)
-        NC = _mm(Bn, tl.trans(Cn), PREC)                                                    # [TP(s), TP(m)]
         Wn = tl.where(ancT, dtn[:, None] * tl.exp(Gm[None, :] - Gs[:, None]) * NC, 0.0)
         Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
                      other=0.0).to(tl.float32)                                              # [LP, BD]
@@ -366,6 +404,7 @@ if HAVE_TRITON:
         Y += tl.dot(tl.trans(Wn), Xn, input_precision=PREC)
         if not PAGED:
             SC = tl.zeros([TP, BD], dtype=tl.float32)
+            SCT = tl.zeros([BD, TP], dtype=tl.float32)
             if FOLD:
                 flush = tl.load(flush_ptr + r) != 0
                 XW = tl.trans(Xh * tl.where(mj, dtj * tl.exp(tot - cj), 0.0)[:, None])    # [BD, LP]
@@ -376,13 +415,18 @@ if HAVE_TRITON:
                 S0 = tl.load(sptr, mask=md[:, None] & mk[None, :], other=0.0)               # [BD, BNC]
                 Ck = tl.load(C_ptr + (tok[:, None] * G + g) * n + offs_k[None, :], mask=ms[:, None] & mk[None, :],
                              other=0.0).to(tl.float32)                                      # [TP, BNC]
-                SC += tl.dot(Ck, tl.trans(S0), input_precision=PREC)
+                if LEFT:
+                    SCT += tl.dot(S0, tl.trans(Ck), input_precision=PREC)
+                else:
+                    SC += tl.dot(Ck, tl.trans(S0), input_precision=PREC)
                 if FOLD:
                     if flush:
                         Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
                                      mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [LP, BNC]
                         Sh = tl.exp(tot) * S0 + tl.dot(XW, Bk, input_precision=FOLD_PREC)
                         tl.store(sptr, Sh.to(state_ptr.dtype.element_ty), mask=md[:, None] & mk[None, :])
+            if LEFT:
+                SC = tl.trans(SCT)
             Y += tl.exp(tot + Gm)[:, None] * SC
         if HAS_D:
             Y += tl.load(D_ptr + hd).to(tl.float32) * Xn
@@ -518,24 +562,34 @@ def tree_bits(parent: Tensor, batch: int) -> Tensor:
 
 
 def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=None, precision=None,
-            fused_fold=True, fold_precision="tf32x3"):
+            fused_fold=True, fold_precision="tf32x3", pre_scores=None, state_left=None):
     """All draft queries as small tensor-core products (``_m2_verify_dot_kernel``); flush
     rows fold ``S_h`` in the same pass (``fused_fold``; its product at ``fold_precision``),
     else in the fold kernel after it.  ``precision``: the output products' (default
-    :func:`~replayssm.kernels._triton.verify_precision`).  Tiles from the H100 sweeps
-    (scripts/tune_verify.py, T = 5)."""
+    :func:`~replayssm.kernels._triton.verify_precision`).  ``pre_scores``: the score
+    products once per (row, group) in ``_m2_verify_scores_kernel`` instead of in every
+    (head, d-block) program; ``state_left``: the readout as ``S0 Cᵀ`` (checkpoint tile as the
+    left operand) instead of ``C S0ᵀ``.  Tiles from the sweeps of ``scripts/tune_verify.py``
+    (T = 5); ``None`` picks them."""
     dims = _dims(x, B, True)
     Bt, T, H, d, G, n = dims
     x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
     precision = verify_precision(x.dtype, precision, fold_precision)
-    # 64-wide d-blocks for large grids where they tile d exactly (the 2.7B's d = 64: the tile
-    # of the 2026-11-23 sweep), else 32 wide: at Nemotron-H's d = 80 a 64-wide tile idles 3/8
-    # of its second block, and 32-wide blocks on 2 warps ran 1.4x the previous form at
-    # B = 16..256 (H100 sweep 2026-11-25, T = 5)
-    block_d = block_d or (64 if Bt * H >= 4096 and d % 64 == 0 else 32)
-    num_warps = num_warps or 2
+    # Large grids: 64-wide d-blocks on 2 warps where they tile d exactly (the 2.7B's d = 64:
+    # the tile of the 2026-11-23 sweep); elsewhere (Nemotron-H's d = 80, where a 64-wide tile
+    # idles 3/8 of its second block) 32-wide blocks on 1 warp with the scores precomputed and
+    # the state as the left operand: 1.15x the 2-warp form at B = 64 and 256 (H200 sweep
+    # 2026-11-25).  Small grids keep 32-wide blocks on 2 warps, all in one kernel (B = 1: the
+    # extra launch costs more than it saves).
+    big = Bt * H >= 4096
+    wide = big and d % 64 == 0
+    lean = big and not wide and block_d in (None, 32) and paged is None  # KV-only: not swept
+    block_d = block_d or (64 if wide else 32)
+    num_warps = num_warps or (1 if lean else 2)
+    pre_scores = lean if pre_scores is None else pre_scores
+    state_left = lean if state_left is None else state_left
     TP = max(16, next_pow2(T))
-    extra = dict(PREC=precision, BNC=min(32, pad16(n)), FOLD=fused_fold, FOLD_PREC=fold_precision)
+    extra = dict(PREC=precision, BNC=min(32, pad16(n)), FOLD=fused_fold, FOLD_PREC=fold_precision, LEFT=state_left)
     BD, BN = _block_d(d, block_d), pad16(n)
     y = torch.empty_like(x)
     if Bt == 0:
@@ -543,6 +597,12 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     grid = flat_grid(triton.cdiv(d, BD), H, Bt)
     if paged is None:
         L = plan.capacity
+        if pre_scores:
+            sc = torch.empty(Bt, G, pad16(L) + TP, TP, dtype=torch.float32, device=x.device)
+            _m2_verify_scores_kernel[(Bt, G)](buf.B, plan.slot, plan.start, plan.hist, plan.slot, B, C, sc,
+                                              T, L, G, n, 1, TP=TP, LP=pad16(L), BN=BN, PAGED=False,
+                                              PREC=precision, num_warps=4)
+            extra.update(sc_ptr=sc, PRE=True)
         _m2_verify_dot_kernel[grid](
             buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.slot,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,
@@ -555,6 +615,13 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     else:
         kv, pplan = paged
         bt = pplan.block_table.contiguous()
+        if pre_scores:
+            LPp = pad16(pplan.max_len)
+            sc = torch.empty(Bt, G, LPp + TP, TP, dtype=torch.float32, device=x.device)
+            _m2_verify_scores_kernel[(Bt, G)](kv.B, pplan.slot, pplan.length, pplan.length, bt, B, C, sc,
+                                              T, pplan.block_size, G, n, bt.shape[1], TP=TP, LP=LPp, BN=BN,
+                                              PAGED=True, PREC=precision, num_warps=4)
+            extra.update(sc_ptr=sc, PRE=True)
         _m2_verify_dot_kernel[grid](
             x, kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, bt,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else pplan.slot, y,
@@ -577,17 +644,19 @@ def _write_entries(buf, plan, x, B, dt) -> None:
 def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = None, num_warps: int | None = None, precision: str | None = None,
-                  fused_fold: bool = True, fold_precision: str = "tf32x3") -> Tensor:
+                  fused_fold: bool = True, fold_precision: str = "tf32x3", pre_scores: bool | None = None,
+                  state_left: bool | None = None) -> Tensor:
     """Replay verify of T drafts: the verify kernel, whose flush rows also store
     ``S_h`` (``fused_fold``; else a separate fold kernel), then one append kernel writes the
     T entries.  ``precision``: the output products' (default
-    :func:`~replayssm.kernels._triton.verify_precision`); ``fold_precision``: the state fold's."""
+    :func:`~replayssm.kernels._triton.verify_precision`); ``fold_precision``: the state fold's;
+    ``pre_scores`` / ``state_left``: kernel forms (see :func:`_verify`; ``None`` picks)."""
     if plan.kind != "verify":
         raise ValueError(f"replay_verify needs a 'verify' plan, got {plan.kind!r}")
     dims = _dims(x, B, True)
     _check_ring(buf, plan, x, dims)
     y = _verify(buf, plan, x, dt, A, B, C, D, None, block_d=block_d, num_warps=num_warps,
-                precision=precision, fused_fold=fused_fold, fold_precision=fold_precision)
+                precision=precision, fused_fold=fused_fold, fold_precision=fold_precision, pre_scores=pre_scores, state_left=state_left)
     _write_entries(buf, plan, x, B, dt)
     return y
 
@@ -595,7 +664,8 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
 def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                 D: Tensor | None = None, route: str = "output", check: bool | None = None,
                 bits: Tensor | None = None, block_d: int | None = None, num_warps: int | None = None,
-                precision: str | None = None, fused_fold: bool = True, fold_precision: str = "tf32x3") -> Tensor:
+                precision: str | None = None, fused_fold: bool = True, fold_precision: str = "tf32x3",
+                pre_scores: bool | None = None, state_left: bool | None = None) -> Tensor:
     """Tree verify (STree) under the ancestor mask; ``bits`` (from :func:`tree_bits`) may be
     passed precomputed once per step for all layers."""
     if plan.kind != "tree":
@@ -605,20 +675,21 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
     if bits is None:
         bits = tree_bits(parent, dims[0])
     y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision,
-                fused_fold=fused_fold, fold_precision=fold_precision)
+                fused_fold=fused_fold, fold_precision=fold_precision, pre_scores=pre_scores, state_left=state_left)
     _write_entries(buf, plan, x, B, dt)
     return y
 
 
 def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
               D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
-              num_warps: int | None = None, precision: str | None = None, parent: Tensor | None = None) -> Tensor:
+              num_warps: int | None = None, precision: str | None = None, parent: Tensor | None = None,
+              pre_scores: bool | None = None) -> Tensor:
     """KV-only form (no state) over paged buffers; appends the new entries after the kernel."""
     if kv.x.dtype != x.dtype or kv.B.dtype != x.dtype:
         raise ValueError(f"dtype mismatch: inputs are {x.dtype}, pool holds {kv.x.dtype}/{kv.B.dtype}")
     bits = None if parent is None else tree_bits(parent, x.shape[0])
     y = _verify(None, None, x, dt, A, B, C, D, bits, paged=(kv, pplan), block_d=block_d,
-                num_warps=num_warps, precision=precision)
+                num_warps=num_warps, precision=precision, pre_scores=pre_scores)
     _append(kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, pplan.block_table.contiguous(),
             x, B, dt, pplan.block_size, True)
     return y

@@ -187,15 +187,24 @@ def test_mamba2_replay_decode_cycle(device, pre_scores):
     assert len(flushed - {()}) >= 2, f"want flush rows on two different steps, got {flushed}"
 
 
+#: the verify kernel's forms: the defaults (small grids: scores in every program), the
+#: large-grid form (scores precomputed per (row, group), the state as the left operand, 1 warp)
+M2_VERIFY_FORMS = {"default": {}, "lean": dict(pre_scores=True, state_left=True, num_warps=1)}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["verify", "tree"])
 @pytest.mark.parametrize("T", [3, 4])
 @pytest.mark.parametrize("fused_fold", [True, False])
-def test_mamba2_verify(device, kind, T, fused_fold):
-    """The verify kernel with the flush rows' fold fused or separate: outputs and every
-    buffer (state after the fold, ring entries) against the naive op."""
-    kw = dict(fused_fold=fused_fold)
+@pytest.mark.parametrize("form", sorted(M2_VERIFY_FORMS))
+def test_mamba2_verify(device, kind, T, fused_fold, form):
+    """The verify kernel with the flush rows' fold fused or separate, in each form: outputs
+    and every buffer (state after the fold, ring entries) against the naive op.  On CPU
+    ``d_state`` spans three 32-wide chunks (the last one partial)."""
+    kw = dict(fused_fold=fused_fold, **M2_VERIFY_FORMS[form])
     s = shapes(device)
+    if device == "cpu":
+        s.update(n=70)
     ring, slots, buf = prep_m2(s, device, seed=3, T=T, kind=kind)
     ref = clone_m2(buf)
     plan = ring.plan_verify(slots, T, kind)
@@ -265,7 +274,8 @@ def _paged(device, s, family, T, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_mamba2_kv_verify(device):
+@pytest.mark.parametrize("pre_scores", [False, True])
+def test_mamba2_kv_verify(device, pre_scores):
     s = shapes(device)
     T = 2
     pidx, kv, slots = _paged(device, s, "mamba2", T, seed=5)
@@ -275,7 +285,7 @@ def test_mamba2_kv_verify(device):
     pplan = pidx.plan(slots, T)
     x, dt, A, B, C, D = m2_inputs(s, device, T)
     y_ref = N2.kv_verify(kv_ref, pplan, x, dt, A, B, C, D)
-    y = K2.kv_verify(kv, pplan, x, dt, A, B, C, D)
+    y = K2.kv_verify(kv, pplan, x, dt, A, B, C, D, pre_scores=pre_scores)
     real = slots != 0
     close(y_ref[real], y[real], s["dtype"], "y")
     for name in ("x", "B", "dt"):
