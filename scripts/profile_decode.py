@@ -117,7 +117,7 @@ def build(preset: str, layers: int | None, tmp: str):
 
 
 def profile_model(model, batch: int, context: int, T: int, modes, steps: int = 8, rows: int = 0,
-                  prefill_chunk: int | None = None, top: int = 0) -> list[dict]:
+                  prefill_chunk: int | None = None, top: int = 0, ops: int = 0) -> list[dict]:
     """Per-type GPU time of a decode step and a verify+commit step for each mode."""
     B, V = batch, int(model.config.vocab_size)
     slots = torch.arange(1, B + 1, device="cuda")
@@ -148,7 +148,7 @@ def profile_model(model, batch: int, context: int, T: int, modes, steps: int = 8
             for _ in range(2):
                 fn()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=bool(ops)) as prof:
                 for _ in range(steps):
                     fn()
                 torch.cuda.synchronize()
@@ -159,6 +159,13 @@ def profile_model(model, batch: int, context: int, T: int, modes, steps: int = 8
             if rows:
                 print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows,
                                                 max_name_column_width=70))
+            if ops:  # the torch operators (glue) behind the kernels, by input shapes
+                print(f"{mode} {kind}: torch ops by GPU time (ms per step), with input shapes")
+                ka = [e for e in prof.key_averages(group_by_input_shape=True)
+                      if e.key.startswith("aten::") and e.self_device_time_total > 0]
+                for e in sorted(ka, key=lambda e: -e.self_device_time_total)[:ops]:
+                    print(f"  {e.self_device_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<4} {e.key:<28}"
+                          f" {str(e.input_shapes)[:110]}")
         for kind, fn in (("decode", decode), ("verify", verify)):
             try:
                 row[kind + "_graph_ms"] = graph_step_ms(fn)
@@ -194,6 +201,7 @@ def main() -> None:
     ap.add_argument("--modes", default="recurrent,replay")
     ap.add_argument("--rows", type=int, default=0, help="also print the top kernels table (rows)")
     ap.add_argument("--top", type=int, default=0, help="keep the top kernels per step in the JSON")
+    ap.add_argument("--ops", type=int, default=0, help="print the top torch operators (with input shapes) per step")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill the context in chunks of this many tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -201,7 +209,7 @@ def main() -> None:
         model = build(args.preset, args.layers, tmp)
     label_layers(model)
     res = profile_model(model, args.batch, args.context, args.T, args.modes.split(","), rows=args.rows,
-                        prefill_chunk=args.prefill_chunk, top=args.top)
+                        prefill_chunk=args.prefill_chunk, top=args.top, ops=args.ops)
     print_table(res, f"{args.preset} ({model.config.num_hidden_layers} layers), B={args.batch}, "
                      f"context {args.context}")
     if args.json:

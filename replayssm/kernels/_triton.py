@@ -161,6 +161,26 @@ def contiguous(t):
     return None if t is None else t.contiguous()
 
 
+def token_rows(t: Tensor, lead: int) -> tuple[Tensor, int]:
+    """``(t, token stride)`` for ``t [*lead dims, *inner]`` read as token rows: kept as it is
+    (a strided view, e.g. a slice of a projection's output) when each token's inner block is
+    contiguous and the ``lead`` dims flatten to one stride, else a contiguous copy."""
+    inner = t.shape[lead:]
+    ok, expect = True, 1
+    for size, st in zip(reversed(inner), reversed(t.stride()[lead:])):
+        ok &= size == 1 or st == expect
+        expect *= size
+    dims = [i for i in range(lead) if t.shape[i] != 1]
+    for a, b in zip(dims, dims[1:]):
+        span = 1
+        for i in range(a + 1, b + 1):
+            span *= t.shape[i]
+        ok &= t.stride(a) == t.stride(b) * span
+    if not ok or t.numel() == 0:
+        return t.contiguous(), max(1, expect)
+    return t, (t.stride(dims[-1]) if dims else max(1, expect))
+
+
 def check_ring(named: tuple, plan, Bt: int, T: int) -> None:
     """Each ``(name, tensor, expected shape)`` of a layer's buffers has that shape and is
     contiguous, and ``plan`` matches ``Bt`` rows of ``T`` new tokens."""

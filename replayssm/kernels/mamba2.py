@@ -23,7 +23,7 @@ from torch import Tensor
 from ..cache.tree import ancestor_bits, ancestor_mask
 from ..ops.mamba2.naive import check_conv_fold, check_kv_fold, check_rebuild_state
 from ._triton import (HAVE_TRITON, check_ring, flat_grid, history_entries, next_pow2, pad16, tile, tile_ids,
-                      triton, tl, verify_precision)
+                      token_rows, triton, tl, verify_precision)
 from ._triton import contiguous as _c
 from .append import append_entries
 from .fold import conv_fold as _conv_fold
@@ -297,7 +297,7 @@ if HAVE_TRITON:
     @triton.jit
     def _m2_verify_scores_kernel(
         Br_ptr, slot_ptr, start_ptr, hist_ptr, bt_ptr, B_ptr, C_ptr, sc_ptr,
-        T, L, G, n, MAXB,
+        T, L, G, n, MAXB, BS, CS,
         TP: tl.constexpr, LP: tl.constexpr, BN: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
     ):
         """Verify precompute, once per (row, group) instead of once per (head, d-block) of the
@@ -315,9 +315,9 @@ if HAVE_TRITON:
         tok = r64 * T + ss
         Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
                      other=0.0)                                                             # [LP, BN]
-        Bn = tl.load(B_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+        Bn = tl.load(B_ptr + tok[:, None] * BS + g * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
                      other=0.0)                                                             # [TP, BN]
-        Cn = tl.load(C_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+        Cn = tl.load(C_ptr + tok[:, None] * CS + g * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
                      other=0.0)                                                             # [TP, BN]
         HC = _mm(Bh.to(Cn.dtype), tl.trans(Cn), PREC)
         NC = _mm(Bn, tl.trans(Cn), PREC)
@@ -331,7 +331,7 @@ if HAVE_TRITON:
         state_ptr, xr_ptr, Br_ptr, dtr_ptr,
         slot_ptr, start_ptr, hist_ptr, bt_ptr,
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bits_ptr, y_ptr, flush_ptr,
-        T, L, H, G, d, n, HPG, MAXB,
+        T, L, H, G, d, n, HPG, MAXB, XS, BS, CS,
         TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
         HAS_D: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
         FOLD: tl.constexpr, FOLD_PREC: tl.constexpr, sc_ptr=None, PRE: tl.constexpr = False,
@@ -350,6 +350,8 @@ if HAVE_TRITON:
         (committed entries) chunk by chunk, right after the chunk's last read, instead of a
         separate ``_m2_fold_kernel`` pass over the state; its product runs at ``FOLD_PREC``
         (the stored state keeps fp32-level sums even where the outputs use ``PREC = tf32``).
+        ``x``, ``B``, ``C`` are read as token rows ``XS`` / ``BS`` / ``CS`` apart (views of the
+        projection's output, no copies).
         Grid ``(d-blocks, heads, rows)``; ring form reads the history at ``(start + j) % L``
         of the row's slot; ``PAGED``: from a block table, with ``S0 = 0`` (KV-only form);
         ``TREE``: ``bits_ptr`` holds each query's ancestor-or-self bitmask
@@ -377,9 +379,9 @@ if HAVE_TRITON:
         else:
             Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
                          other=0.0)                                                         # [LP, BN]
-            Bn = tl.load(B_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+            Bn = tl.load(B_ptr + tok[:, None] * BS + g * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
                          other=0.0)                                                         # [TP, BN]
-            Cn = tl.load(C_ptr + (tok[:, None] * G + g) * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+            Cn = tl.load(C_ptr + tok[:, None] * CS + g * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
                          other=0.0)                                                         # [TP, BN]
             HC = _mm(Bh.to(Cn.dtype), tl.trans(Cn), PREC)                                   # [LP, TP]
             NC = _mm(Bn, tl.trans(Cn), PREC)                                                # [TP(s), TP(m)]
@@ -398,7 +400,7 @@ if HAVE_TRITON:
         Wn = tl.where(ancT, dtn[:, None] * tl.exp(Gm[None, :] - Gs[:, None]) * NC, 0.0)
         Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
                      other=0.0).to(tl.float32)                                              # [LP, BD]
-        Xn = tl.load(x_ptr + (tok[:, None] * H + hd) * d + offs_d[None, :], mask=ms[:, None] & md[None, :],
+        Xn = tl.load(x_ptr + tok[:, None] * XS + hd * d + offs_d[None, :], mask=ms[:, None] & md[None, :],
                      other=0.0).to(tl.float32)                                              # [TP, BD]
         Y = tl.dot(tl.trans(Wh), Xh, input_precision=PREC)                                  # [TP, BD]
         Y += tl.dot(tl.trans(Wn), Xn, input_precision=PREC)
@@ -413,7 +415,7 @@ if HAVE_TRITON:
                 mk = offs_k < n
                 sptr = state_ptr + ((slot * H + hd) * d + offs_d[:, None]) * n + offs_k[None, :]
                 S0 = tl.load(sptr, mask=md[:, None] & mk[None, :], other=0.0)               # [BD, BNC]
-                Ck = tl.load(C_ptr + (tok[:, None] * G + g) * n + offs_k[None, :], mask=ms[:, None] & mk[None, :],
+                Ck = tl.load(C_ptr + tok[:, None] * CS + g * n + offs_k[None, :], mask=ms[:, None] & mk[None, :],
                              other=0.0).to(tl.float32)                                      # [TP, BNC]
                 if LEFT:
                     SCT += tl.dot(S0, tl.trans(Ck), input_precision=PREC)
@@ -573,7 +575,7 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     (T = 5); ``None`` picks them."""
     dims = _dims(x, B, True)
     Bt, T, H, d, G, n = dims
-    x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
+    (x, XS), (B, BS), (C, CS), dt = token_rows(x, 2), token_rows(B, 2), token_rows(C, 2), _c(dt)
     precision = verify_precision(x.dtype, precision, fold_precision)
     # Large grids: 64-wide d-blocks on 2 warps where they tile d exactly (the 2.7B's d = 64:
     # the tile of the 2026-11-23 sweep); elsewhere (Nemotron-H's d = 80, where a 64-wide tile
@@ -591,7 +593,7 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     TP = max(16, next_pow2(T))
     extra = dict(PREC=precision, BNC=min(32, pad16(n)), FOLD=fused_fold, FOLD_PREC=fold_precision, LEFT=state_left)
     BD, BN = _block_d(d, block_d), pad16(n)
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if Bt == 0:
         return y
     grid = flat_grid(triton.cdiv(d, BD), H, Bt)
@@ -600,14 +602,14 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
         if pre_scores:
             sc = torch.empty(Bt, G, pad16(L) + TP, TP, dtype=torch.float32, device=x.device)
             _m2_verify_scores_kernel[(Bt, G)](buf.B, plan.slot, plan.start, plan.hist, plan.slot, B, C, sc,
-                                              T, L, G, n, 1, TP=TP, LP=pad16(L), BN=BN, PAGED=False,
+                                              T, L, G, n, 1, BS, CS, TP=TP, LP=pad16(L), BN=BN, PAGED=False,
                                               PREC=precision, num_warps=4)
             extra.update(sc_ptr=sc, PRE=True)
         _m2_verify_dot_kernel[grid](
             buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.slot,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,
             plan.flush,
-            T, L, H, G, d, n, H // G, 1,
+            T, L, H, G, d, n, H // G, 1, XS, BS, CS,
             TP=TP, LP=pad16(L), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None, PAGED=False,
             num_warps=num_warps, **extra)
         if not fused_fold:  # S_h (committed entries), after every query read S0
@@ -619,14 +621,14 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
             LPp = pad16(pplan.max_len)
             sc = torch.empty(Bt, G, LPp + TP, TP, dtype=torch.float32, device=x.device)
             _m2_verify_scores_kernel[(Bt, G)](kv.B, pplan.slot, pplan.length, pplan.length, bt, B, C, sc,
-                                              T, pplan.block_size, G, n, bt.shape[1], TP=TP, LP=LPp, BN=BN,
+                                              T, pplan.block_size, G, n, bt.shape[1], BS, CS, TP=TP, LP=LPp, BN=BN,
                                               PAGED=True, PREC=precision, num_warps=4)
             extra.update(sc_ptr=sc, PRE=True)
         _m2_verify_dot_kernel[grid](
             x, kv.x, kv.B, kv.dt, pplan.slot, pplan.length, pplan.length, bt,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else pplan.slot, y,
             pplan.slot,
-            T, pplan.block_size, H, G, d, n, H // G, bt.shape[1],
+            T, pplan.block_size, H, G, d, n, H // G, bt.shape[1], XS, BS, CS,
             TP=TP, LP=pad16(pplan.max_len), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None,
             PAGED=True, num_warps=num_warps, **extra)
     return y

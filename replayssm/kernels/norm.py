@@ -1,10 +1,12 @@
-"""Triton kernel for the gated RMSNorm of the SSM layers (one launch instead of ~6).
+"""Triton kernels for the RMS norms (one launch each instead of ~6-8 PyTorch operators).
 
-Same numbers as :class:`replayssm.layers.norms.GatedRMSNorm` up to fp32 rounding, including
-its intermediate roundings to the activation dtype:
+Same numbers as :mod:`replayssm.layers.norms` up to fp32 rounding, including its
+intermediate roundings to the activation dtype:
 
-* ``gate_first`` (Mamba-2): ``y = w · rms_g(x · silu(z))``;
-* otherwise (Qwen3-Next GDN): ``y = (w · rms(x)) · silu(z)``.
+* :func:`gated_rmsnorm`, the SSM layers' gated norm: ``gate_first`` (Mamba-2):
+  ``y = w · rms_g(x · silu(z))``; otherwise (Qwen3-Next GDN): ``y = (w · rms(x)) · silu(z)``;
+* :func:`rmsnorm`, the blocks' norm, ``y = w · rms(x)`` or zero-centred ``y = (1 + w) ·
+  rms(x)``, optionally with the residual add before it: ``s = h + r``, ``y = norm(s)``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from torch import Tensor
 
 from ._triton import HAVE_TRITON, count_args, flat_grid, next_pow2, triton, tl
 
-__all__ = ["gated_rmsnorm"]
+__all__ = ["gated_rmsnorm", "rmsnorm"]
 
 if HAVE_TRITON:
 
@@ -43,6 +45,67 @@ if HAVE_TRITON:
         if not GATE_FIRST:
             y = (y.to(tl.float32) * sz).to(act)
         tl.store(y_ptr + rows[:, None] * N + offs[None, :], y, mask=m)
+
+
+    @triton.jit
+    def _rmsnorm_kernel(
+        h_ptr, r_ptr, w_ptr, y_ptr, s_ptr, N, h_stride, r_stride, eps,
+        BN: tl.constexpr, ADD: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    ):
+        """One row per program: ``s = h + r`` (rounded to ``s``'s dtype, stored) when ``ADD``;
+        the norm's input is ``s`` (else ``h``) rounded to the activation dtype (``y``'s);
+        ``y = w · rms(x)`` (``rms`` rounded to the activation dtype before the product) or
+        ``y = (1 + w) · rms(x)``."""
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, BN)
+        m = j < N
+        act = y_ptr.dtype.element_ty
+        x = tl.load(h_ptr + row * h_stride + j, mask=m, other=0.0).to(tl.float32)
+        if ADD:
+            x += tl.load(r_ptr + row * r_stride + j, mask=m, other=0.0).to(tl.float32)
+            s = x.to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * N + j, s, mask=m)
+            x = s.to(tl.float32)
+        x = x.to(act).to(tl.float32)
+        xn = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+        w = tl.load(w_ptr + j, mask=m, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            y = xn * (1.0 + w)
+        else:
+            y = xn.to(act).to(tl.float32) * w
+        tl.store(y_ptr + row * N + j, y.to(act), mask=m)
+
+
+def rmsnorm(h: Tensor, weight: Tensor, eps: float, zero_centered: bool, residual: Tensor | None = None,
+            sum_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
+    """``h [..., N]`` (rows may be strided; any float dtype), ``weight [N]`` in the
+    activation dtype -> ``(y, s)``: ``y [..., N]`` in ``weight``'s dtype, the norm of ``s = h +
+    residual`` (stored in ``sum_dtype``, default ``h``'s) when ``residual`` is given, else of
+    ``h`` (``s`` is then None)."""
+    N = h.shape[-1]
+    if weight.shape != (N,):
+        raise ValueError(f"norm weight {tuple(weight.shape)} does not match the last axis of {tuple(h.shape)}")
+    if residual is not None and residual.shape != h.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} and input {tuple(h.shape)} differ")
+    shape = h.shape
+    h2 = h.reshape(-1, N)
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    R = h2.shape[0]
+    y = torch.empty(R, N, dtype=weight.dtype, device=h.device)
+    s = r2 = None
+    if residual is not None:
+        r2 = residual.reshape(-1, N)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        s = torch.empty(R, N, dtype=sum_dtype or h.dtype, device=h.device)
+    if R:
+        BN = next_pow2(N)
+        _rmsnorm_kernel[(R,)](
+            h2, r2 if r2 is not None else h2, weight, y, s if s is not None else y, N, h2.stride(0),
+            r2.stride(0) if r2 is not None else 0, float(eps), BN=BN, ADD=residual is not None,
+            ZERO_CENTERED=bool(zero_centered), num_warps=min(16, max(1, BN // 512)))
+    return y.reshape(shape), (s.reshape(shape) if s is not None else None)
 
 
 def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,

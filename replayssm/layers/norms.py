@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import _triton, dispatch
-from ..kernels.norm import gated_rmsnorm
+from ..kernels.norm import gated_rmsnorm, rmsnorm
 from ..runtime import compute_dtype
 
 
@@ -19,7 +19,7 @@ def _rms(x: Tensor, eps: float) -> Tensor:
 
 
 def _fused_ok(x: Tensor, z: Tensor, w: Tensor) -> bool:
-    """The Triton gated norm runs for CUDA tensors below fp64 of one dtype, unless
+    """The Triton norms run for CUDA tensors below fp64 of one dtype, unless
     ``REPLAYSSM_KERNELS=naive``."""
     if x.device.type != "cuda" or x.dtype == torch.float64 or not (x.dtype == z.dtype == w.dtype):
         return False
@@ -36,6 +36,21 @@ class RMSNorm(nn.Module):
         self.eps, self.zero_centered = eps, zero_centered
 
     def forward(self, x: Tensor) -> Tensor:
+        if _fused_ok(x, x, self.weight):
+            return rmsnorm(x, self.weight, self.eps, self.zero_centered)[0]
+        return self.reference(x)
+
+    def add_forward(self, h: Tensor, r: Tensor, dtype: torch.dtype, sum_dtype: torch.dtype | None = None):
+        """The residual add and this norm in one pass: ``s = h + r`` in ``sum_dtype``
+        (default: ``h``'s and ``r``'s promoted), ``y = norm(s.to(dtype))``; returns ``(y, s)``."""
+        sdt = sum_dtype or torch.promote_types(h.dtype, r.dtype)
+        if _fused_ok(r, r, self.weight) and r.dtype == dtype and h.dtype != torch.float64 and sdt != torch.float64:
+            return rmsnorm(h, self.weight, self.eps, self.zero_centered, residual=r, sum_dtype=sdt)
+        s = h.to(sdt) + r
+        return self(s.to(dtype)), s
+
+    def reference(self, x: Tensor) -> Tensor:
+        """The plain PyTorch form (CPU, float64, and the kernel's test reference)."""
         cdt = compute_dtype(x.dtype)
         xn = _rms(x.to(cdt), self.eps)
         if self.zero_centered:

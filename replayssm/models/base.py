@@ -39,7 +39,10 @@ from .cache import CacheLayout, ModelCache, canonical_device
 
 
 class Block(nn.Module):
-    """Residual sub-blocks ``h = h + mixer(norm(h))`` (one HF decoder layer)."""
+    """Residual sub-blocks ``h = h + mixer(norm(h))`` (one HF decoder layer).  The residual
+    add of each sub-block's output is deferred into the next norm (one fused pass, see
+    :meth:`~replayssm.layers.norms.RMSNorm.add_forward`), across blocks too: :meth:`forward`
+    takes and returns the output not yet added, :meth:`finish` adds the last one."""
 
     def __init__(self):
         super().__init__()
@@ -51,14 +54,27 @@ class Block(nn.Module):
         setattr(self, mixer_name, mixer)
         self.subs.append((norm_name, mixer_name))
 
-    def forward(self, h: Tensor, ctx: StepContext, dtype: torch.dtype) -> Tensor:
+    def forward(self, h: Tensor, ctx: StepContext, dtype: torch.dtype,
+                pending: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(h, pending) -> (h', pending')`` where the residual stream is ``h + pending``."""
         for norm_name, mixer_name in self.subs:
-            mixer = getattr(self, mixer_name)
-            x = getattr(self, norm_name)(h.to(dtype))
-            out = mixer(x, ctx) if isinstance(mixer, (SSMLayer, Attention)) else mixer(x)
-            res = h.to(compute_dtype(dtype)) if self.residual_fp32 else h
-            h = res + out
-        return h
+            mixer, norm = getattr(self, mixer_name), getattr(self, norm_name)
+            if pending is None:
+                x = norm(h.to(dtype))
+            else:
+                x, h = norm.add_forward(h, pending, dtype, self._sum_dtype(h, pending, dtype))
+            pending = mixer(x, ctx) if isinstance(mixer, (SSMLayer, Attention)) else mixer(x)
+        return h, pending
+
+    def _sum_dtype(self, h: Tensor, out: Tensor, dtype: torch.dtype) -> torch.dtype:
+        """The residual stream's dtype: fp32 (or fp64) with ``residual_fp32``, else the sum's."""
+        return compute_dtype(dtype) if self.residual_fp32 else torch.promote_types(h.dtype, out.dtype)
+
+    def finish(self, h: Tensor, pending: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """The residual stream after the last block: ``h + pending``."""
+        if pending is None:
+            return h
+        return h.to(self._sum_dtype(h, pending, dtype)) + pending
 
 
 def _holder(*shape: int) -> nn.Module:
@@ -138,10 +154,10 @@ class CausalLM(nn.Module):
         return nn.functional.embedding(input_ids, self.embed_weight())
 
     def _trunk(self, input_ids: Tensor, ctx: StepContext) -> Tensor:
-        h = self._embed(input_ids)
+        h, pending = self._embed(input_ids), None
         for blk in self.blocks:
-            h = blk(h, ctx, self._dtype)
-        return h
+            h, pending = blk(h, ctx, self._dtype, pending)
+        return self.blocks[-1].finish(h, pending, self._dtype) if len(self.blocks) else h
 
     def _logits(self, hn: Tensor) -> Tensor:
         """LM head on final-normed hidden states ``hn [..., D]`` -> ``[..., V]``."""

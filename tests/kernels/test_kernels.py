@@ -192,6 +192,20 @@ def test_mamba2_replay_decode_cycle(device, pre_scores):
 M2_VERIFY_FORMS = {"default": {}, "lean": dict(pre_scores=True, state_left=True, num_warps=1)}
 
 
+def packed_views(*ts):
+    """``ts`` (each ``[Bt, T, ...]``) as strided views of one ``[Bt, T, width + 3]`` tensor, as
+    the layers pass the split of a projection's output (the kernels read them in place)."""
+    Bt, T = ts[0].shape[:2]
+    widths = [t[0, 0].numel() for t in ts]
+    buf = torch.full((Bt, T, sum(widths) + 3), float("nan"), dtype=ts[0].dtype, device=ts[0].device)
+    out, o = [], 1
+    for t, w in zip(ts, widths):
+        buf[:, :, o:o + w] = t.reshape(Bt, T, w)
+        out.append(buf[:, :, o:o + w].view(t.shape))
+        o += w
+    return out
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["verify", "tree"])
 @pytest.mark.parametrize("T", [3, 4])
@@ -209,6 +223,8 @@ def test_mamba2_verify(device, kind, T, fused_fold, form):
     ref = clone_m2(buf)
     plan = ring.plan_verify(slots, T, kind)
     x, dt, A, B, C, D = m2_inputs(s, device, T)
+    if form == "lean":   # x, B, C read in place from one packed tensor
+        x, B, C = packed_views(x, B, C)
     if kind == "verify":
         y_ref = N2.replay_verify(ref, plan, x, dt, A, B, C, D)
         y = K2.replay_verify(buf, plan, x, dt, A, B, C, D, **kw)
@@ -284,6 +300,8 @@ def test_mamba2_kv_verify(device, pre_scores):
     kv_ref = copy.deepcopy(kv)
     pplan = pidx.plan(slots, T)
     x, dt, A, B, C, D = m2_inputs(s, device, T)
+    if pre_scores:
+        x, B, C = packed_views(x, B, C)
     y_ref = N2.kv_verify(kv_ref, pplan, x, dt, A, B, C, D)
     y = K2.kv_verify(kv, pplan, x, dt, A, B, C, D, pre_scores=pre_scores)
     real = slots != 0

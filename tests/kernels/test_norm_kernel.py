@@ -1,4 +1,5 @@
-"""The fused gated RMSNorm kernel against the layer's PyTorch form."""
+"""The fused RMS norm kernels (gated; plain / zero-centred with the residual add) against the
+layers' PyTorch forms."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ triton = pytest.importorskip("triton")
 
 from kernel_device import kernel_device  # noqa: E402
 
-from replayssm.kernels.norm import gated_rmsnorm  # noqa: E402
-from replayssm.layers.norms import GatedRMSNorm  # noqa: E402
+from replayssm.kernels.norm import gated_rmsnorm, rmsnorm  # noqa: E402
+from replayssm.layers.norms import GatedRMSNorm, RMSNorm  # noqa: E402
 
 DEVICE = kernel_device()
 
@@ -36,3 +37,40 @@ def test_gated_rmsnorm_kernel_rejects_bad_groups():
     x = torch.zeros(2, 10, device=DEVICE)
     with pytest.raises(ValueError, match="group size"):
         gated_rmsnorm(x, x, torch.ones(10, device=DEVICE), 1e-5, 3, True)
+
+
+@pytest.mark.parametrize("N,zero_centered,dtype,sum_dtype", [
+    (24, False, torch.float32, None), (33, True, torch.float32, None), (96, False, torch.bfloat16, None),
+    (80, True, torch.bfloat16, None), (96, False, torch.bfloat16, torch.float32),
+    (3136 // 16, True, torch.bfloat16, torch.float32)])
+def test_rmsnorm_kernel_matches_reference(N, zero_centered, dtype, sum_dtype):
+    """``y = norm(h)`` and ``(y, s) = (norm(s), h + r)`` against the PyTorch form, in the
+    activation dtype or with an fp32 residual stream (``residual_in_fp32``); strided rows."""
+    g = torch.Generator().manual_seed(N)
+    norm = RMSNorm(N, 1e-5, zero_centered=zero_centered)
+    norm.weight.data = ((0.3 if zero_centered else 1.0) + 0.3 * torch.randn(N, generator=g)).to(dtype).to(DEVICE)
+    hdt = sum_dtype or dtype
+    hfull = (3 * torch.randn(5, 3, N + 5, generator=g)).to(hdt).to(DEVICE)
+    h = hfull[..., 2:2 + N]   # strided rows
+    r = torch.randn(5, 3, N, generator=g).to(dtype).to(DEVICE)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    y, s = rmsnorm(h.to(dtype), norm.weight, norm.eps, zero_centered)
+    y_ref = norm.reference(h.to(dtype))
+    assert s is None and y.dtype == y_ref.dtype == dtype and y.shape == y_ref.shape
+    torch.testing.assert_close(y.float(), y_ref.float(), **tol)
+    # the residual add fused in front
+    y, s = rmsnorm(h, norm.weight, norm.eps, zero_centered, residual=r, sum_dtype=hdt)
+    s_ref = h + r
+    y_ref = norm.reference(s_ref.to(dtype))
+    assert s.dtype == s_ref.dtype == hdt and y.dtype == dtype
+    # exact in fp32; within one bf16 unit otherwise (the CPU interpreter rounds to bf16 its own way)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0 if hdt == torch.float32 else 2 ** -7)
+    torch.testing.assert_close(y.float(), y_ref.float(), **tol)
+
+
+def test_rmsnorm_kernel_rejects_bad_shapes():
+    x = torch.zeros(2, 10, device=DEVICE)
+    with pytest.raises(ValueError, match="norm weight"):
+        rmsnorm(x, torch.ones(9, device=DEVICE), 1e-5, False)
+    with pytest.raises(ValueError, match="residual"):
+        rmsnorm(x, torch.ones(10, device=DEVICE), 1e-5, False, residual=torch.zeros(2, 9, device=DEVICE))
