@@ -24,7 +24,10 @@ M2_SHAPES = {"2.7b": M2_27B, "nemotron-h-4b": dict(H=96, d=80, n=128, G=8)}
 #: GDN: whole 128-wide V tiles on 4 warps), and neighbours of today's defaults
 M2_VARIANTS = ([dict(pre_scores=False, state_left=False, num_warps=2), dict(state_left=False),
                 dict(pre_scores=False), dict(num_warps=2), dict(state_left=True),
-                dict(block_d=32, num_warps=1, pre_scores=True, state_left=True)])
+                dict(block_d=32, num_warps=1, pre_scores=True, state_left=True),
+                dict(block_d=16, num_warps=1, pre_scores=True, state_left=True),
+                dict(block_d=64, num_warps=2, pre_scores=True, state_left=True),
+                dict(block_d=64, num_warps=4, pre_scores=True, state_left=True)])
 GDN_VARIANTS = ([dict(impl="dot", block_v=128, num_warps=4), dict(impl="dot", block_v=64, num_warps=4)])
 
 

@@ -147,7 +147,10 @@ class RecomputeCache:
         if self.pending is not None:
             raise RuntimeError("a verify is waiting for its commit")
 
-    def reserve(self, slot: int, total_len: int) -> None:
+    def write_pending(self) -> None:
+        """Nothing is deferred here (``reserve`` writes at once)."""
+
+    def reserve(self, slot: int, total_len: int, defer: bool = False) -> None:
         """KV-only slots with a finite pool: make room for ``total_len`` entries (between steps)."""
         self._check_idle()
         if total_len > self.max_seq_len:

@@ -194,6 +194,7 @@ class PagedIndex:
         self._free: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))
         self._blocks: list[list[int]] = [[] for _ in range(P)]
         self._ref: list[int] = [0] * num_blocks     # holders of each block (slots + retains)
+        self._pending: list[tuple[int, int, list[int]]] = []   # deferred table writes (slot, start, blocks)
 
     # ------------------------------------------------------------------ host bookkeeping
     @property
@@ -240,12 +241,15 @@ class PagedIndex:
         have = len(self._blocks[slot])
         return need <= self.max_blocks and need - have <= len(self._free)
 
-    def reserve(self, slot: int, total_len: int) -> None:
+    def reserve(self, slot: int, total_len: int, defer: bool = False) -> None:
         """Make ``slot`` hold at least ``total_len`` entries (allocates blocks; never shrinks).
 
         Raises :class:`PoolExhausted` when the pool has too few free blocks and
         ``ValueError`` when ``total_len`` exceeds ``max_blocks_per_seq * block_size``; in
         both cases nothing changes.  Call between steps (it writes ``block_table``).
+        ``defer``: the host bookkeeping happens now, the ``block_table`` write waits for
+        :meth:`write_pending` (a step's reservations in one transfer and one scatter instead of
+        one small copy per sequence).
         """
         slot = self._check_slot(slot)
         if slot == NULL_SLOT:
@@ -271,12 +275,32 @@ class PagedIndex:
         for b in new:
             self._ref[b] = 1
         self._blocks[slot].extend(new)
-        self.block_table[slot, have:need] = torch.tensor(new, dtype=torch.long,
-                                                         device=self.device)
+        if defer:
+            self._pending.append((slot, have, new))
+        else:
+            self.write_pending()
+            self.block_table[slot, have:need] = torch.tensor(new, dtype=torch.long, device=self.device)
+
+    def write_pending(self) -> None:
+        """Write the deferred reservations into ``block_table``: one host-to-device copy of
+        ``[3, n]`` (row, column, block) triples and one scatter."""
+        if not self._pending:
+            return
+        rows, cols, vals = [], [], []
+        for slot, start, blocks in self._pending:
+            rows += [slot] * len(blocks)
+            cols += range(start, start + len(blocks))
+            vals += blocks
+        self._pending = []
+        idx = torch.tensor([rows, cols, vals], dtype=torch.long)
+        if self.device.type == "cuda":
+            idx = idx.pin_memory().to(self.device, non_blocking=True)
+        self.block_table[idx[0], idx[1]] = idx[2]
 
     def release(self, slot: int) -> None:
         """Drop ``slot``'s references to its blocks and empty it (length 0, table -> null
         block); blocks nobody else holds return to the pool."""
+        self.write_pending()
         slot = self._check_slot(slot)
         if slot == NULL_SLOT:
             return
@@ -313,6 +337,7 @@ class PagedIndex:
         """Start the empty ``slot`` with ``blocks`` (held elsewhere) as its first logical
         blocks: one more reference each; nothing is copied.  A shared block must not be
         written while others hold it (the caller copies a block it will write into)."""
+        self.write_pending()
         slot = self._check_slot(slot)
         if slot == NULL_SLOT:
             raise ValueError("cannot share blocks into the null slot 0")
@@ -354,6 +379,7 @@ class PagedIndex:
         on the host that slot ids are in range, non-null slots are distinct, and every
         non-null row has blocks for ``length + num_new`` entries (reserve them first).
         """
+        self.write_pending()
         if not isinstance(num_new, int) or isinstance(num_new, bool) or num_new < 1:
             raise ValueError(f"number of new entries must be a positive int, got {num_new!r}")
         if num_new > self.max_len:

@@ -130,14 +130,17 @@ class BlockManager:
         if not self.uses_pages:
             return [s for s, _ in totals]
         ok = []
-        for s, n in totals:
-            try:   # the cache reserves in the pools the slot uses (attention KV, KV-only entries)
-                self.cache.reserve(s.slot, min(n, self.max_seq_len))
-            except (RuntimeError, ValueError) as e:  # PoolExhausted is a ValueError
-                s.error = f"KV-only block pool exhausted: {e}"
-                s.finish_reason = "error"
-                continue
-            ok.append(s)
+        try:
+            for s, n in totals:
+                try:   # the cache reserves in the pools the slot uses (attention KV, KV-only entries)
+                    self.cache.reserve(s.slot, min(n, self.max_seq_len), defer=True)
+                except (RuntimeError, ValueError) as e:  # PoolExhausted is a ValueError
+                    s.error = f"KV-only block pool exhausted: {e}"
+                    s.finish_reason = "error"
+                    continue
+                ok.append(s)
+        finally:   # the step's new blocks in one block-table write per pool
+            self.cache.write_pending()
         return ok
 
     def switch_to_state(self, seqs: list[Sequence]) -> None:

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels import _triton, dispatch
+from ..kernels.activation import relu2_
 from ..kernels.dispatch import ops_for
 from ..ops.moe.naive import activation
 from ..runtime import compute_dtype
@@ -64,7 +66,17 @@ class PlainMLP(nn.Module):
         self.act, self.act_name = activation(act), act
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+        u = self.up_proj(x)
+        if self.act_name == "relu2" and _kernel_ok(u):
+            return self.down_proj(relu2_(u))   # one pass, in place on the projection's output
+        return self.down_proj(self.act(u))
+
+
+def _kernel_ok(u: Tensor) -> bool:
+    """The Triton activation runs on contiguous CUDA tensors below fp64, unless
+    ``REPLAYSSM_KERNELS=naive``."""
+    return (u.device.type == "cuda" and u.dtype != torch.float64 and u.is_contiguous() and _triton.HAVE_TRITON
+            and dispatch.env_backend() != "naive")
 
 
 class SoftmaxMoE(nn.Module):

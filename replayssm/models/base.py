@@ -251,6 +251,7 @@ class CausalLM(nn.Module):
                           seq_len=cache.seq_len[slots], ssm_form=form, **kw)
         get_form(form).bind(ctx, cache)
         if cache.attn is not None:
+            cache.attn.write_pending()   # a no-op unless a deferred reservation was not written
             ctx.attn_table = cache.attn.block_table[slots]
         return ctx
 

@@ -285,7 +285,7 @@ class ModelCache:
         if self.pending is not None:
             raise RuntimeError("a verify is waiting for its commit (call model.commit first)")
 
-    def reserve(self, slot: int, total_len: int) -> None:
+    def reserve(self, slot: int, total_len: int, defer: bool = False) -> None:
         """Make room for ``total_len`` tokens of ``slot`` in the paged pools it uses: its
         attention KV (hybrids) and, in the KV-only form, its SSM entries (a no-op for pools
         already holding that many, and for static pools).  :class:`PoolExhausted` or
@@ -298,7 +298,14 @@ class ModelCache:
         if len(pools) == 2 and not all(p.can_reserve(slot, total_len) for p in pools):
             raise PoolExhausted(f"slot {slot}: no room for {total_len} tokens in the paged pools")
         for p in pools:
-            p.reserve(slot, total_len)
+            p.reserve(slot, total_len, defer=defer)
+
+    def write_pending(self) -> None:
+        """Write the block tables of deferred reservations (``reserve(..., defer=True)``):
+        one transfer per paged pool for a whole step."""
+        for p in (self.attn, self.pidx):
+            if p is not None:
+                p.write_pending()
 
     # ------------------------------------------------------------------ slot lifecycle
     def release(self, slots) -> None:

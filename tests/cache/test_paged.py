@@ -301,3 +301,32 @@ def test_shared_blocks_are_reference_counted():
     idx.reserve(1, 4)
     with pytest.raises(ValueError, match="empty slot"):
         idx.share(1, idx.blocks_of(1))
+
+
+def test_deferred_reservations_write_one_table_update():
+    """``reserve(defer=True)`` books blocks on the host at once and writes the block table
+    only in :meth:`write_pending` (one scatter for the step); the result equals immediate
+    reservations, and a release (or a plan) writes what is pending first."""
+    now = PagedIndex(num_slots=5, block_size=4, num_blocks=40, max_blocks_per_seq=6)
+    later = PagedIndex(num_slots=5, block_size=4, num_blocks=40, max_blocks_per_seq=6)
+    steps = [[(1, 3), (2, 9), (4, 1)], [(1, 8), (2, 9), (3, 17), (4, 5)], [(1, 13), (3, 24)]]
+    for step in steps:
+        before = later.block_table.clone()
+        for slot, n in step:
+            now.reserve(slot, n)
+            later.reserve(slot, n, defer=True)
+        assert [later.blocks_of(s) for s in range(6)] == [now.blocks_of(s) for s in range(6)]
+        if any(now.blocks_needed(n) > len(before[s][before[s] != 0]) for s, n in step):
+            assert not torch.equal(later.block_table, now.block_table)   # not written yet
+            assert torch.equal(later.block_table, before)
+        later.write_pending()
+        assert torch.equal(later.block_table, now.block_table)
+    later.reserve(2, 20, defer=True)
+    now.reserve(2, 20)
+    later.release(2)
+    now.release(2)
+    assert torch.equal(later.block_table, now.block_table) and later.free_blocks == now.free_blocks
+    later.reserve(5, 6, defer=True)
+    now.reserve(5, 6)
+    later.plan(torch.tensor([5]), 1)
+    assert torch.equal(later.block_table, now.block_table)

@@ -181,9 +181,9 @@ def test_max_tokens_is_clipped_to_the_context_in_every_mode(target, mode, monkey
     if hasattr(llm.cache, "reserve"):
         real = llm.cache.reserve
 
-        def spy(slot, total_len):
+        def spy(slot, total_len, **kw):
             asked.append(total_len)
-            return real(slot, total_len)
+            return real(slot, total_len, **kw)
 
         monkeypatch.setattr(llm.cache, "reserve", spy)
     out = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10 ** 9, ignore_eos=True))[0]
