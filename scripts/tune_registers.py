@@ -68,7 +68,9 @@ def _compile(fn: JITFunction, args, kwargs, tag: str) -> None:
     names = fn.arg_names
     bound = dict(zip(names, args))
     bound.update(kwargs)
-    const_names = [p.name for p in fn.params if p.is_constexpr]
+    const_names = [p.name for p in fn.params if p.is_constexpr or bound.get(p.name, p.default) is None]
+    for p in fn.params:   # defaulted arguments not passed (None pointers are constexpr)
+        bound.setdefault(p.name, p.default)
     sig = {n: ("constexpr" if n in const_names else _sig(bound[n])) for n in names}
     consts = {(names.index(n),): bound[n] for n in const_names}
     key = (fn.__name__, tuple(sorted((k, str(v)) for k, v in consts.items())), tuple(sorted(opts.items())))

@@ -74,8 +74,11 @@ class ShardedCache(_Proxy):
 
     _READS = frozenset({"mode_of", "ssm_form", "nbytes", "tensors", "layout"})
 
-    def reserve(self, slot: int, total_len: int) -> None:
-        self._call("reserve", int(slot), int(total_len))
+    def reserve(self, slot: int, total_len: int, defer: bool = False) -> None:
+        self._call("reserve", int(slot), int(total_len), bool(defer))
+
+    def write_pending(self) -> None:
+        self._call("write_pending")
 
     def release(self, slots) -> None:
         self._call("release", _slot_list(slots))

@@ -295,6 +295,22 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
+    def _m2_score_tiles(Br_ptr, B_ptr, C_ptr, e, mj, tok, ms, g, G, n, BS, CS,
+                        BN: tl.constexpr, PREC: tl.constexpr):
+        """``(HC [LP, TP], NC [TP, TP])``: ``B_hist Cᵀ`` over the history entries ``e`` (ring or
+        pool rows, valid where ``mj``) and ``B_new Cᵀ`` over the drafts ``tok`` (valid where
+        ``ms``); ring operands in their storage dtype, fp32 ones at ``PREC``."""
+        offs_n = tl.arange(0, BN)
+        mn = offs_n < n
+        Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
+                     other=0.0)                                                             # [LP, BN]
+        Bn = tl.load(B_ptr + tok[:, None] * BS + g * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+                     other=0.0)                                                             # [TP, BN]
+        Cn = tl.load(C_ptr + tok[:, None] * CS + g * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
+                     other=0.0)                                                             # [TP, BN]
+        return _mm(Bh.to(Cn.dtype), tl.trans(Cn), PREC), _mm(Bn, tl.trans(Cn), PREC)
+
+    @triton.jit
     def _m2_verify_scores_kernel(
         Br_ptr, slot_ptr, start_ptr, hist_ptr, bt_ptr, B_ptr, C_ptr, sc_ptr,
         T, L, G, n, MAXB, BS, CS,
@@ -308,19 +324,10 @@ if HAVE_TRITON:
         g = tl.program_id(1)
         r64 = r.to(tl.int64)
         slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, bt_ptr, r, L, MAXB, LP, PAGED)
-        offs_n = tl.arange(0, BN)
-        mn = offs_n < n
         ss = tl.arange(0, TP)
         ms = ss < T
         tok = r64 * T + ss
-        Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
-                     other=0.0)                                                             # [LP, BN]
-        Bn = tl.load(B_ptr + tok[:, None] * BS + g * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
-                     other=0.0)                                                             # [TP, BN]
-        Cn = tl.load(C_ptr + tok[:, None] * CS + g * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
-                     other=0.0)                                                             # [TP, BN]
-        HC = _mm(Bh.to(Cn.dtype), tl.trans(Cn), PREC)
-        NC = _mm(Bn, tl.trans(Cn), PREC)
+        HC, NC = _m2_score_tiles(Br_ptr, B_ptr, C_ptr, e, mj, tok, ms, g, G, n, BS, CS, BN, PREC)
         base = sc_ptr + (r64 * G + g) * (LP + TP) * TP
         jj = tl.arange(0, LP)
         tl.store(base + jj[:, None] * TP + ss[None, :], HC)
@@ -360,9 +367,7 @@ if HAVE_TRITON:
         g = hd // HPG
         r64 = r.to(tl.int64)
         offs_d = db * BD + tl.arange(0, BD)
-        offs_n = tl.arange(0, BN)
         md = offs_d < d
-        mn = offs_n < n
         slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, bt_ptr, r, L, MAXB, LP, PAGED)
         A = tl.load(A_ptr + hd).to(tl.float32)
         dtj = tl.where(mj, tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32), 0.0)
@@ -377,14 +382,7 @@ if HAVE_TRITON:
             HC = tl.load(sbase + tl.arange(0, LP)[:, None] * TP + ss[None, :])                 # [LP, TP]
             NC = tl.load(sbase + (LP + ss[:, None]) * TP + ss[None, :])                       # [TP, TP]
         else:
-            Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
-                         other=0.0)                                                         # [LP, BN]
-            Bn = tl.load(B_ptr + tok[:, None] * BS + g * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
-                         other=0.0)                                                         # [TP, BN]
-            Cn = tl.load(C_ptr + tok[:, None] * CS + g * n + offs_n[None, :], mask=ms[:, None] & mn[None, :],
-                         other=0.0)                                                         # [TP, BN]
-            HC = _mm(Bh.to(Cn.dtype), tl.trans(Cn), PREC)                                   # [LP, TP]
-            NC = _mm(Bn, tl.trans(Cn), PREC)                                                # [TP(s), TP(m)]
+            HC, NC = _m2_score_tiles(Br_ptr, B_ptr, C_ptr, e, mj, tok, ms, g, G, n, BS, CS, BN, PREC)
         dtn = tl.where(ms, tl.load(dt_ptr + tok * H + hd, mask=ms, other=0.0).to(tl.float32), 0.0)
         ln = A * dtn
         if TREE:
