@@ -95,6 +95,14 @@ def _fp64_naive(backend: str, tensors) -> str:
     return backend
 
 
+def fused_ok(x: Tensor, *others: Tensor) -> bool:
+    """Whether a layer's fused Triton kernel (norms, activations) runs: ``x`` on CUDA below
+    fp64, ``others`` of ``x``'s dtype, unless ``REPLAYSSM_KERNELS=naive``."""
+    if x.device.type != "cuda" or x.dtype == torch.float64 or any(t.dtype != x.dtype for t in others):
+        return False
+    return _triton.HAVE_TRITON and env_backend() != "naive"
+
+
 def use_triton(*tensors: Tensor | None, backend: str = "auto") -> bool:
     """Whether the Triton kernel runs for these tensors under ``backend``."""
     if backend not in BACKENDS:

@@ -76,6 +76,12 @@ if HAVE_TRITON:
         tl.store(y_ptr + row * N + j, y.to(act), mask=m)
 
 
+def _rows(t: Tensor, N: int) -> Tensor:
+    """``t [..., N]`` as ``[rows, N]`` with unit stride along ``N`` (rows may stay strided)."""
+    t2 = t.reshape(-1, N)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 def rmsnorm(h: Tensor, weight: Tensor, eps: float, zero_centered: bool, residual: Tensor | None = None,
             sum_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
     """``h [..., N]`` (rows may be strided; any float dtype), ``weight [N]`` in the
@@ -88,16 +94,12 @@ def rmsnorm(h: Tensor, weight: Tensor, eps: float, zero_centered: bool, residual
     if residual is not None and residual.shape != h.shape:
         raise ValueError(f"residual {tuple(residual.shape)} and input {tuple(h.shape)} differ")
     shape = h.shape
-    h2 = h.reshape(-1, N)
-    if h2.stride(-1) != 1:
-        h2 = h2.contiguous()
+    h2 = _rows(h, N)
     R = h2.shape[0]
     y = torch.empty(R, N, dtype=weight.dtype, device=h.device)
     s = r2 = None
     if residual is not None:
-        r2 = residual.reshape(-1, N)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
+        r2 = _rows(residual, N)
         s = torch.empty(R, N, dtype=sum_dtype or h.dtype, device=h.device)
     if R:
         BN = next_pow2(N)
@@ -118,11 +120,7 @@ def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: 
     if N % group_size:
         raise ValueError(f"norm dim {N} is not a multiple of group size {group_size}")
     shape = x.shape
-    x2, z2 = x.reshape(-1, N), z.reshape(-1, N)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if z2.stride(-1) != 1:
-        z2 = z2.contiguous()
+    x2, z2 = _rows(x, N), _rows(z, N)
     R = x2.shape[0]
     y = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R:

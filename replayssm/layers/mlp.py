@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..kernels import _triton, dispatch
 from ..kernels.activation import relu2_
-from ..kernels.dispatch import ops_for
+from ..kernels.dispatch import fused_ok, ops_for
 from ..ops.moe.naive import activation
 from ..runtime import compute_dtype
 
@@ -67,16 +66,10 @@ class PlainMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         u = self.up_proj(x)
-        if self.act_name == "relu2" and _kernel_ok(u):
+        if self.act_name == "relu2" and fused_ok(u) and u.is_contiguous():
             return self.down_proj(relu2_(u))   # one pass, in place on the projection's output
         return self.down_proj(self.act(u))
 
-
-def _kernel_ok(u: Tensor) -> bool:
-    """The Triton activation runs on contiguous CUDA tensors below fp64, unless
-    ``REPLAYSSM_KERNELS=naive``."""
-    return (u.device.type == "cuda" and u.dtype != torch.float64 and u.is_contiguous() and _triton.HAVE_TRITON
-            and dispatch.env_backend() != "naive")
 
 
 class SoftmaxMoE(nn.Module):

@@ -9,21 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..kernels import _triton, dispatch
+from ..kernels.dispatch import fused_ok
 from ..kernels.norm import gated_rmsnorm, rmsnorm
 from ..runtime import compute_dtype
 
 
 def _rms(x: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _fused_ok(x: Tensor, z: Tensor, w: Tensor) -> bool:
-    """The Triton norms run for CUDA tensors below fp64 of one dtype, unless
-    ``REPLAYSSM_KERNELS=naive``."""
-    if x.device.type != "cuda" or x.dtype == torch.float64 or not (x.dtype == z.dtype == w.dtype):
-        return False
-    return _triton.HAVE_TRITON and dispatch.env_backend() != "naive"
 
 
 class RMSNorm(nn.Module):
@@ -36,7 +28,7 @@ class RMSNorm(nn.Module):
         self.eps, self.zero_centered = eps, zero_centered
 
     def forward(self, x: Tensor) -> Tensor:
-        if _fused_ok(x, x, self.weight):
+        if fused_ok(x, self.weight):
             return rmsnorm(x, self.weight, self.eps, self.zero_centered)[0]
         return self.reference(x)
 
@@ -44,7 +36,7 @@ class RMSNorm(nn.Module):
         """The residual add and this norm in one pass: ``s = h + r`` in ``sum_dtype``
         (default: ``h``'s and ``r``'s promoted), ``y = norm(s.to(dtype))``; returns ``(y, s)``."""
         sdt = sum_dtype or torch.promote_types(h.dtype, r.dtype)
-        if _fused_ok(r, r, self.weight) and r.dtype == dtype and h.dtype != torch.float64 and sdt != torch.float64:
+        if fused_ok(r, self.weight) and r.dtype == dtype and h.dtype != torch.float64 and sdt != torch.float64:
             return rmsnorm(h, self.weight, self.eps, self.zero_centered, residual=r, sum_dtype=sdt)
         s = h.to(sdt) + r
         return self(s.to(dtype)), s
@@ -75,7 +67,7 @@ class GatedRMSNorm(nn.Module):
             raise ValueError(f"norm dim {dim} is not a multiple of group size {self.group_size}")
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
-        if _fused_ok(x, z, self.weight):
+        if fused_ok(x, z, self.weight):
             return gated_rmsnorm(x, z, self.weight, self.eps, self.group_size, self.gate_first)
         return self.reference(x, z)
 
