@@ -27,7 +27,8 @@ M2_VARIANTS = ([dict(pre_scores=False, state_left=False, num_warps=2), dict(stat
                 dict(block_d=32, num_warps=1, pre_scores=True, state_left=True),
                 dict(block_d=16, num_warps=1, pre_scores=True, state_left=True),
                 dict(block_d=64, num_warps=2, pre_scores=True, state_left=True),
-                dict(block_d=64, num_warps=4, pre_scores=True, state_left=True)])
+                dict(block_d=64, num_warps=4, pre_scores=True, state_left=True),
+                dict(split=True, pre_scores=True, num_warps=1), dict(split=True, readout=dict(fma=True, block_d=16))])
 GDN_VARIANTS = ([dict(impl="dot", block_v=128, num_warps=4), dict(impl="dot", block_v=64, num_warps=4)])
 
 
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--fams", default="mamba2,gdn")
     ap.add_argument("--m2-shape", default="2.7b", choices=sorted(M2_SHAPES), help="the Mamba-2 layer's shape")
+    ap.add_argument("--variants", default=None, help="JSON list of Mamba-2 variants instead of the built-in list")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1")
     ap.add_argument("--shape-scale", type=int, default=1, help="divide head counts (dry runs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -51,7 +53,8 @@ def main() -> None:
     L = args.L
     res = []
     for fam, s, setup, inputs, mod, variants in (
-            ("mamba2", _scaled(M2_SHAPES[args.m2_shape], args.shape_scale), m2_setup, m2_inputs, km, M2_VARIANTS),
+            ("mamba2", _scaled(M2_SHAPES[args.m2_shape], args.shape_scale), m2_setup, m2_inputs, km,
+             json.loads(args.variants) if args.variants else M2_VARIANTS),
             ("gdn", _scaled(GDN_SHAPE, args.shape_scale), gdn_setup, gdn_inputs, kg, GDN_VARIANTS)):
         if fam not in args.fams.split(","):
             continue

@@ -334,6 +334,171 @@ if HAVE_TRITON:
         tl.store(base + (LP + ss[:, None]) * TP + ss[None, :], NC)
 
     @triton.jit
+    def _m2_query_weights(dt_ptr, bits_ptr, A, dtj, cj, tot, mj, tok, ms, hd, H, HC, NC,
+                          TP: tl.constexpr, TREE: tl.constexpr):
+        """The verify products' weights ``(Wh [LP, TP], Wn [TP, TP], G [TP])``:
+        ``Wh[j, m] = Δ_j e^{tot-cum_j+G_m} (B_j·C_m)`` over the committed history and
+        ``Wn[s, m] = [s ⪯ m] Δ_s e^{G_m-G_s} (B_s·C_m)`` over the drafts, with ``G_m`` the
+        log-decay of the drafts on the path to query ``m`` (chain, or the tree's
+        ancestor-or-self bits in ``bits_ptr``)."""
+        ss = tl.arange(0, TP)
+        dtn = tl.where(ms, tl.load(dt_ptr + tok * H + hd, mask=ms, other=0.0).to(tl.float32), 0.0)
+        ln = A * dtn
+        if TREE:
+            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
+        else:
+            bits = (2 << ss) - 1
+        # ancT[s, m]: draft s is on the path to query m (m included)
+        ancT = (((bits[None, :] >> ss[:, None]) & 1) != 0) & ms[:, None] & ms[None, :]
+        Gm = tl.sum(tl.where(ancT, ln[:, None], 0.0), 0)                                   # [TP] by m
+        Gs = tl.sum(tl.where(ss[:, None] == ss[None, :], Gm[None, :], 0.0), 1)              # same, by s
+        Wh = tl.where(mj[:, None] & ms[None, :],
+                      dtj[:, None] * tl.exp(tot - cj[:, None] + Gm[None, :]) * HC, 0.0)
+        Wn = tl.where(ancT, dtn[:, None] * tl.exp(Gm[None, :] - Gs[:, None]) * NC, 0.0)
+        return Wh, Wn, Gm
+
+    @triton.jit
+    def _m2_verify_combine_kernel(
+        xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr,
+        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bits_ptr, y_ptr, sc_ptr, ro_ptr,
+        T, L, H, G, d, n, HPG, XS, BS, CS,
+        TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+        HAS_D: tl.constexpr, TREE: tl.constexpr, PRE: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """Split verify, part 2, one program per (row, head), never touching the state:
+        ``Y [T, d] = e^{tot+G} ∘ R + Whᵀ X_hist + Wnᵀ X_new + D X_new`` with ``R = C S0ᵀ`` from
+        :func:`_m2_verify_readout_kernel`'s scratch ``ro [Bt·T, H, d]`` and the weights of
+        :func:`_m2_query_weights` computed once for all of ``d`` (in blocks of ``BD``)."""
+        _, hd, r = tile_ids(1, H)  # the heads of one row side by side
+        g = hd // HPG
+        r64 = r.to(tl.int64)
+        slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, slot_ptr, r, L, 1, LP, False)
+        A = tl.load(A_ptr + hd).to(tl.float32)
+        dtj = tl.where(mj, tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32), 0.0)
+        lj = A * dtj
+        cj = tl.cumsum(lj, 0)
+        tot = tl.sum(lj, 0)
+        ss = tl.arange(0, TP)
+        ms = ss < T
+        tok = r64 * T + ss
+        if PRE:  # HC, NC from the (row, group) scratch of _m2_verify_scores_kernel
+            sbase = sc_ptr + (r64 * G + g) * (LP + TP) * TP
+            HC = tl.load(sbase + tl.arange(0, LP)[:, None] * TP + ss[None, :])                 # [LP, TP]
+            NC = tl.load(sbase + (LP + ss[:, None]) * TP + ss[None, :])                       # [TP, TP]
+        else:
+            HC, NC = _m2_score_tiles(Br_ptr, B_ptr, C_ptr, e, mj, tok, ms, g, G, n, BS, CS, BN, PREC)
+        Wh, Wn, Gm = _m2_query_weights(dt_ptr, bits_ptr, A, dtj, cj, tot, mj, tok, ms, hd, H, HC, NC, TP, TREE)
+        WhT = tl.trans(Wh)
+        WnT = tl.trans(Wn)
+        decay = tl.exp(tot + Gm)
+        if HAS_D:
+            Dh = tl.load(D_ptr + hd).to(tl.float32)
+        for d0 in range(0, d, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            md = offs_d < d
+            Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
+                         other=0.0).to(tl.float32)                                          # [LP, BD]
+            Xn = tl.load(x_ptr + tok[:, None] * XS + hd * d + offs_d[None, :], mask=ms[:, None] & md[None, :],
+                         other=0.0).to(tl.float32)                                          # [TP, BD]
+            R = tl.load(ro_ptr + (tok[:, None] * H + hd) * d + offs_d[None, :], mask=ms[:, None] & md[None, :],
+                        other=0.0)
+            Y = tl.dot(WhT, Xh, input_precision=PREC) + tl.dot(WnT, Xn, input_precision=PREC) + decay[:, None] * R
+            if HAS_D:
+                Y += Dh * Xn
+            tl.store(y_ptr + (tok[:, None] * H + hd) * d + offs_d[None, :], Y.to(y_ptr.dtype.element_ty),
+                     mask=ms[:, None] & md[None, :])
+
+    @triton.jit
+    def _m2_fold_weights(xr_ptr, dtr_ptr, start_ptr, hist_ptr, A_ptr, slot, r, hd, offs_d, md, flush, L, H, d,
+                         LP: tl.constexpr):
+        """A flush row's fold operands: ``(XW [BD, LP], e^{tot}, e, mj)`` with
+        ``XW[i, j] = Δ_j e^{tot-cum_j} x_j[i]`` over the committed entries (all masked off, no
+        loads, where ``flush`` is false)."""
+        start = tl.load(start_ptr + r).to(tl.int64)
+        h = tl.where(flush, tl.load(hist_ptr + r).to(tl.int64), 0)
+        jj = tl.arange(0, LP)
+        mj = jj < h
+        e = slot * L + (start + jj) % L
+        A = tl.load(A_ptr + hd).to(tl.float32)
+        dtj = tl.where(mj, tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32), 0.0)
+        lj = A * dtj
+        cj = tl.cumsum(lj, 0)
+        tot = tl.sum(lj, 0)
+        Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :],
+                     mask=mj[:, None] & md[None, :], other=0.0).to(tl.float32)                  # [LP, BD]
+        XW = tl.trans(Xh * tl.where(mj, dtj * tl.exp(tot - cj), 0.0)[:, None])               # [BD, LP]
+        return XW, tl.exp(tot), e, mj
+
+    @triton.jit
+    def _m2_verify_readout_kernel(
+        state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr, A_ptr, C_ptr, ro_ptr,
+        T, L, H, G, d, n, HPG, CS,
+        TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
+        FMA: tl.constexpr, FOLD: tl.constexpr, INLINE: tl.constexpr, PREC: tl.constexpr,
+        FOLD_PREC: tl.constexpr,
+    ):
+        """Split verify, part 1, shaped like a decode step: the checkpoint readout
+        ``R[s, i] = Σ_k S0[i, k] C_s[k]`` of every query -> scratch ``ro [Bt·T, H, d]`` fp32 (the
+        decays are applied by the combine), one DRAM read of ``S0``.  ``FMA``: the whole
+        ``[BD, n]`` tile in one load and one reduction per query; else ``S0 Cᵀ`` on tensor cores
+        over ``n`` in chunks of ``BNC``.  ``FOLD``: flush rows also store
+        ``S_h = e^{tot} S0 + Σ_j Δ_j e^{tot-cum_j} x_j B_jᵀ`` (committed entries): ``INLINE``
+        (tensor-core readout only) chunk by chunk from the chunk just read, else after the
+        readout, each chunk of ``S0`` re-read from L2 (this program's tile only)."""
+        db, hd, r = tile_ids(tl.cdiv(d, BD), H)
+        g = hd // HPG
+        r64 = r.to(tl.int64)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        offs_d = db * BD + tl.arange(0, BD)
+        md = offs_d < d
+        sbase = state_ptr + ((slot * H + hd) * d + offs_d[:, None]) * n
+        flush = tl.load(flush_ptr + r) != 0
+        if FMA:
+            offs_n = tl.arange(0, BN)
+            mn = offs_n < n
+            S0 = tl.load(sbase + offs_n[None, :], mask=md[:, None] & mn[None, :], other=0.0)    # [BD, BN]
+            for s in range(T):
+                tk = r64 * T + s
+                Cs = tl.load(C_ptr + tk * CS + g * n + offs_n, mask=mn, other=0.0).to(tl.float32)
+                tl.store(ro_ptr + (tk * H + hd) * d + offs_d, tl.sum(S0 * Cs[None, :], 1), mask=md)
+        else:
+            ss = tl.arange(0, TP)
+            ms = ss < T
+            tok = r64 * T + ss
+            if FOLD and INLINE:
+                XW, a1, e, mj = _m2_fold_weights(xr_ptr, dtr_ptr, start_ptr, hist_ptr, A_ptr, slot, r, hd, offs_d,
+                                                 md, flush, L, H, d, LP)
+            SCT = tl.zeros([BD, TP], dtype=tl.float32)
+            for k0 in tl.static_range(0, BN, BNC):
+                offs_k = k0 + tl.arange(0, BNC)
+                mk = offs_k < n
+                S0c = tl.load(sbase + offs_k[None, :], mask=md[:, None] & mk[None, :], other=0.0)   # [BD, BNC]
+                Ck = tl.load(C_ptr + tok[:, None] * CS + g * n + offs_k[None, :], mask=ms[:, None] & mk[None, :],
+                             other=0.0).to(tl.float32)                                          # [TP, BNC]
+                SCT += tl.dot(S0c, tl.trans(Ck), input_precision=PREC)
+                if FOLD and INLINE:
+                    if flush:
+                        Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
+                                     mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [LP, BNC]
+                        Sh = a1 * S0c + tl.dot(XW, Bk, input_precision=FOLD_PREC)
+                        tl.store(sbase + offs_k[None, :], Sh.to(state_ptr.dtype.element_ty),
+                                 mask=md[:, None] & mk[None, :])
+            tl.store(ro_ptr + (tok[None, :] * H + hd) * d + offs_d[:, None], SCT, mask=md[:, None] & ms[None, :])
+        if FOLD and (FMA or not INLINE):
+            if flush:
+                XW, a1, e, mj = _m2_fold_weights(xr_ptr, dtr_ptr, start_ptr, hist_ptr, A_ptr, slot, r, hd, offs_d,
+                                                 md, flush, L, H, d, LP)
+                for k0 in tl.static_range(0, BN, BNC):
+                    offs_k = k0 + tl.arange(0, BNC)
+                    mk = offs_k < n
+                    Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
+                                 mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)      # [LP, BNC]
+                    S0c = tl.load(sbase + offs_k[None, :], mask=md[:, None] & mk[None, :], other=0.0)
+                    Sh = a1 * S0c + tl.dot(XW, Bk, input_precision=FOLD_PREC)
+                    tl.store(sbase + offs_k[None, :], Sh.to(state_ptr.dtype.element_ty),
+                             mask=md[:, None] & mk[None, :])
+
+    @triton.jit
     def _m2_verify_dot_kernel(
         state_ptr, xr_ptr, Br_ptr, dtr_ptr,
         slot_ptr, start_ptr, hist_ptr, bt_ptr,
@@ -383,19 +548,7 @@ if HAVE_TRITON:
             NC = tl.load(sbase + (LP + ss[:, None]) * TP + ss[None, :])                       # [TP, TP]
         else:
             HC, NC = _m2_score_tiles(Br_ptr, B_ptr, C_ptr, e, mj, tok, ms, g, G, n, BS, CS, BN, PREC)
-        dtn = tl.where(ms, tl.load(dt_ptr + tok * H + hd, mask=ms, other=0.0).to(tl.float32), 0.0)
-        ln = A * dtn
-        if TREE:
-            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
-        else:
-            bits = (2 << ss) - 1
-        # ancT[s, m]: draft s is on the path to query m (m included)
-        ancT = (((bits[None, :] >> ss[:, None]) & 1) != 0) & ms[:, None] & ms[None, :]
-        Gm = tl.sum(tl.where(ancT, ln[:, None], 0.0), 0)                                   # [TP] by m
-        Gs = tl.sum(tl.where(ss[:, None] == ss[None, :], Gm[None, :], 0.0), 1)              # same, by s
-        Wh = tl.where(mj[:, None] & ms[None, :],
-                      dtj[:, None] * tl.exp(tot - cj[:, None] + Gm[None, :]) * HC, 0.0)
-        Wn = tl.where(ancT, dtn[:, None] * tl.exp(Gm[None, :] - Gs[:, None]) * NC, 0.0)
+        Wh, Wn, Gm = _m2_query_weights(dt_ptr, bits_ptr, A, dtj, cj, tot, mj, tok, ms, hd, H, HC, NC, TP, TREE)
         Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
                      other=0.0).to(tl.float32)                                              # [LP, BD]
         Xn = tl.load(x_ptr + tok[:, None] * XS + hd * d + offs_d[None, :], mask=ms[:, None] & md[None, :],
@@ -562,15 +715,20 @@ def tree_bits(parent: Tensor, batch: int) -> Tensor:
 
 
 def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=None, precision=None,
-            fused_fold=True, fold_precision="tf32x3", pre_scores=None, state_left=None):
+            fused_fold=True, fold_precision="tf32x3", pre_scores=None, state_left=None, split=None, readout=None):
     """All draft queries as small tensor-core products (``_m2_verify_dot_kernel``); flush
     rows fold ``S_h`` in the same pass (``fused_fold``; its product at ``fold_precision``),
     else in the fold kernel after it.  ``precision``: the output products' (default
     :func:`~replayssm.kernels._triton.verify_precision`).  ``pre_scores``: the score
     products once per (row, group) in ``_m2_verify_scores_kernel`` instead of in every
     (head, d-block) program; ``state_left``: the readout as ``S0 Cᵀ`` (checkpoint tile as the
-    left operand) instead of ``C S0ᵀ``.  Tiles from the sweeps of ``scripts/tune_verify.py``
-    (T = 5); ``None`` picks them."""
+    left operand) instead of ``C S0ᵀ``.  ``split`` (ring forms): the checkpoint readout and
+    the flush rows' fold in a decode-shaped kernel of their own
+    (:func:`_m2_verify_readout_kernel`, tile ``readout = dict(block_d, num_warps, block_n,
+    fma, inline)``), then the history / draft products and the combine in
+    :func:`_m2_verify_combine_kernel` (one program per (row, head), ``block_d`` /
+    ``num_warps`` its tile), which never reads the state.  Tiles from the sweeps of
+    ``scripts/tune_verify.py`` (T = 5); ``None`` picks them."""
     dims = _dims(x, B, True)
     Bt, T, H, d, G, n = dims
     (x, XS), (B, BS), (C, CS), dt = token_rows(x, 2), token_rows(B, 2), token_rows(C, 2), _c(dt)
@@ -580,7 +738,8 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     # idles 3/8 of its second block) 32-wide blocks on 1 warp with the scores precomputed and
     # the state as the left operand: 1.15x the 2-warp form at B = 64 and 256 (H200 sweep
     # 2026-11-25).  Small grids keep 32-wide blocks on 2 warps, all in one kernel (B = 1: the
-    # extra launch costs more than it saves).
+    # extra launch costs more than it saves).  Those large grids split the readout from the
+    # rest: 1.13-1.15x at B = 64 / 256 (H100, 2026-11-26); on the 2.7B's d = 64 the split lost.
     big = Bt * H >= 4096
     wide = big and d % 64 == 0
     lean = big and not wide and block_d in (None, 32) and paged is None  # KV-only: not swept
@@ -588,6 +747,7 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     num_warps = num_warps or (1 if lean else 2)
     pre_scores = lean if pre_scores is None else pre_scores
     state_left = lean if state_left is None else state_left
+    split = (lean if split is None else bool(split)) and paged is None
     TP = max(16, next_pow2(T))
     extra = dict(PREC=precision, BNC=min(32, pad16(n)), FOLD=fused_fold, FOLD_PREC=fold_precision, LEFT=state_left)
     BD, BN = _block_d(d, block_d), pad16(n)
@@ -603,6 +763,28 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
                                               T, L, G, n, 1, BS, CS, TP=TP, LP=pad16(L), BN=BN, PAGED=False,
                                               PREC=precision, num_warps=4)
             extra.update(sc_ptr=sc, PRE=True)
+        if split:
+            ro = dict(block_d=32, num_warps=1, block_n=32, fma=False, inline=False)
+            if set(readout or {}) - set(ro):
+                raise ValueError(f"readout tile keys {sorted(set(readout) - set(ro))} unknown: expected {sorted(ro)}")
+            ro.update(readout or {})
+            RBD = _block_d(d, ro["block_d"])
+            rbuf = torch.empty(Bt * T, H, d, dtype=torch.float32, device=x.device)
+            _m2_verify_readout_kernel[flat_grid(triton.cdiv(d, RBD), H, Bt)](
+                buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush, A, C, rbuf,
+                T, L, H, G, d, n, H // G, CS, TP=TP, LP=pad16(L), BD=RBD, BN=BN, BNC=min(BN, pad16(ro["block_n"])),
+                FMA=bool(ro["fma"]), FOLD=fused_fold, INLINE=bool(ro["inline"]), PREC=precision,
+                FOLD_PREC=fold_precision,
+                num_warps=ro["num_warps"])
+            _m2_verify_combine_kernel[flat_grid(H, Bt)](
+                buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist,
+                x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,
+                extra.get("sc_ptr", y), rbuf, T, L, H, G, d, n, H // G, XS, BS, CS,
+                TP=TP, LP=pad16(L), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None,
+                PRE=bool(pre_scores), PREC=precision, num_warps=num_warps)
+            if not fused_fold:
+                _fold(buf, plan, A, 0, grid, BD, fold_precision)
+            return y
         _m2_verify_dot_kernel[grid](
             buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.slot,
             x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,
@@ -645,7 +827,7 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = None, num_warps: int | None = None, precision: str | None = None,
                   fused_fold: bool = True, fold_precision: str = "tf32x3", pre_scores: bool | None = None,
-                  state_left: bool | None = None) -> Tensor:
+                  state_left: bool | None = None, split: bool | None = None, readout: dict | None = None) -> Tensor:
     """Replay verify of T drafts: the verify kernel, whose flush rows also store
     ``S_h`` (``fused_fold``; else a separate fold kernel), then one append kernel writes the
     T entries.  ``precision``: the output products' (default
@@ -656,7 +838,8 @@ def replay_verify(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
     dims = _dims(x, B, True)
     _check_ring(buf, plan, x, dims)
     y = _verify(buf, plan, x, dt, A, B, C, D, None, block_d=block_d, num_warps=num_warps,
-                precision=precision, fused_fold=fused_fold, fold_precision=fold_precision, pre_scores=pre_scores, state_left=state_left)
+                precision=precision, fused_fold=fused_fold, fold_precision=fold_precision, pre_scores=pre_scores,
+                state_left=state_left, split=split, readout=readout)
     _write_entries(buf, plan, x, B, dt)
     return y
 
@@ -665,7 +848,8 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
                 D: Tensor | None = None, route: str = "output", check: bool | None = None,
                 bits: Tensor | None = None, block_d: int | None = None, num_warps: int | None = None,
                 precision: str | None = None, fused_fold: bool = True, fold_precision: str = "tf32x3",
-                pre_scores: bool | None = None, state_left: bool | None = None) -> Tensor:
+                pre_scores: bool | None = None, state_left: bool | None = None, split: bool | None = None,
+                readout: dict | None = None) -> Tensor:
     """Tree verify (STree) under the ancestor mask; ``bits`` (from :func:`tree_bits`) may be
     passed precomputed once per step for all layers."""
     if plan.kind != "tree":
@@ -675,7 +859,8 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
     if bits is None:
         bits = tree_bits(parent, dims[0])
     y = _verify(buf, plan, x, dt, A, B, C, D, bits, block_d=block_d, num_warps=num_warps, precision=precision,
-                fused_fold=fused_fold, fold_precision=fold_precision, pre_scores=pre_scores, state_left=state_left)
+                fused_fold=fused_fold, fold_precision=fold_precision, pre_scores=pre_scores, state_left=state_left,
+                split=split, readout=readout)
     _write_entries(buf, plan, x, B, dt)
     return y
 

@@ -189,7 +189,12 @@ def test_mamba2_replay_decode_cycle(device, pre_scores):
 
 #: the verify kernel's forms: the defaults (small grids: scores in every program), the
 #: large-grid form (scores precomputed per (row, group), the state as the left operand, 1 warp)
-M2_VERIFY_FORMS = {"default": {}, "lean": dict(pre_scores=True, state_left=True, num_warps=1)}
+#: and the split forms (checkpoint readout and fold in a kernel of their own,
+#: on tensor cores or as one FMA reduction per query)
+M2_VERIFY_FORMS = {"default": {}, "lean": dict(pre_scores=True, state_left=True, num_warps=1, split=False),
+                   "split": dict(pre_scores=True, split=True, num_warps=1, block_d=16, readout=dict(block_n=32)),
+                   "split_fma": dict(split=True, pre_scores=False, readout=dict(fma=True, block_d=16, num_warps=1)),
+                   "split_inline": dict(split=True, pre_scores=True, readout=dict(inline=True, block_n=32))}
 
 
 def packed_views(*ts):
@@ -214,16 +219,17 @@ def packed_views(*ts):
 def test_mamba2_verify(device, kind, T, fused_fold, form):
     """The verify kernel with the flush rows' fold fused or separate, in each form: outputs
     and every buffer (state after the fold, ring entries) against the naive op.  On CPU
-    ``d_state`` spans three 32-wide chunks (the last one partial)."""
+    ``d_state`` spans three 32-wide chunks and ``d`` three 16-wide blocks (the last ones
+    partial)."""
     kw = dict(fused_fold=fused_fold, **M2_VERIFY_FORMS[form])
     s = shapes(device)
     if device == "cpu":
-        s.update(n=70)
+        s.update(n=70, d=37)
     ring, slots, buf = prep_m2(s, device, seed=3, T=T, kind=kind)
     ref = clone_m2(buf)
     plan = ring.plan_verify(slots, T, kind)
     x, dt, A, B, C, D = m2_inputs(s, device, T)
-    if form == "lean":   # x, B, C read in place from one packed tensor
+    if form != "default":   # x, B, C read in place from one packed tensor
         x, B, C = packed_views(x, B, C)
     if kind == "verify":
         y_ref = N2.replay_verify(ref, plan, x, dt, A, B, C, D)
