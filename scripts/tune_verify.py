@@ -1,5 +1,6 @@
 """Verify-kernel tiles vs batch size (GPU): times replay verify of ``T`` queries for each
-(tile, warps) variant at a non-flush fill (h = 0) and a flush fill (h = L - T), beside the
+(tile, warps) variant at a non-flush fill (h = 0), a flush fill (h = L - T) and a mixed one
+(h = 0 … L-1 across the rows: those with h + T > L flush, as in a running batch), beside the
 replay decode step at the same batch, and checks every variant's outputs against the
 default's.  Shapes: Mamba-2 of the 2.7B model (H=80, d=64, n=128, G=1) and the bench's GDN.
 
@@ -21,14 +22,16 @@ from replayssm.kernels import mamba2 as km
 M2_27B = dict(H=80, d=64, n=128, G=1)
 M2_SHAPES = {"2.7b": M2_27B, "nemotron-h-4b": dict(H=96, d=80, n=128, G=8)}
 #: the forms before 2026-11-25 evening (Mamba-2: scores in every program, ``C S0ᵀ``, 2 warps;
-#: GDN: whole 128-wide V tiles on 4 warps), and neighbours of today's defaults
+#: GDN: whole 128-wide V tiles on 4 warps), the unsplit large-grid form of 2026-11-26 and
+#: neighbours of today's defaults
 M2_VARIANTS = ([dict(pre_scores=False, state_left=False, num_warps=2), dict(state_left=False),
                 dict(pre_scores=False), dict(num_warps=2), dict(state_left=True),
                 dict(block_d=32, num_warps=1, pre_scores=True, state_left=True),
                 dict(block_d=16, num_warps=1, pre_scores=True, state_left=True),
                 dict(block_d=64, num_warps=2, pre_scores=True, state_left=True),
                 dict(block_d=64, num_warps=4, pre_scores=True, state_left=True),
-                dict(split=True, pre_scores=True, num_warps=1), dict(split=True, readout=dict(fma=True, block_d=16))])
+                dict(split=False), dict(readout=dict(inline=False, block_n=32)),
+                dict(readout=dict(fma=True, block_d=16))])
 GDN_VARIANTS = ([dict(impl="dot", block_v=128, num_warps=4), dict(impl="dot", block_v=64, num_warps=4)])
 
 
@@ -65,19 +68,27 @@ def main() -> None:
             dec_in = inputs(Bt, s, dev, dt)
             _set_fill(ring, slots, 0)
             plan = ring.plan_decode(slots) if hasattr(ring, "plan_decode") else ring.plan_verify(slots, 1, "decode")
-            state0 = buf.state.clone()
+            saved = {k: t.clone() for k, t in vars(buf).items() if isinstance(t, torch.Tensor)}  # state and ring
+
+            def restore():
+                for k, t in saved.items():
+                    getattr(buf, k).copy_(t)
             dec = timer(lambda: mod.replay_decode(buf, plan, **dec_in))
-            buf.state.copy_(state0)
+            _set_fill(ring, slots, L - 1)  # every row flushes
+            plan = ring.plan_decode(slots) if hasattr(ring, "plan_decode") else ring.plan_verify(slots, 1, "decode")
+            dec_flush = timer(lambda: mod.replay_decode(buf, plan, **dec_in))
+            print(f"{fam:>6} B={Bt:<4} decode {dec:8.1f} us, every row flushing {dec_flush:8.1f} us", flush=True)
+            restore()
             for T in [int(t) for t in args.T.split(",")]:
                 inp = inputs(Bt, s, dev, dt, T)
                 ref = {}
                 for var in [{}] + variants:
                     ts, err = [], 0.0
                     try:
-                        for h in (0, L - T):
-                            _set_fill(ring, slots, h)
+                        for h in (0, L - T, "mixed"):
+                            _set_fill(ring, slots, 0 if h == "mixed" else h, stagger=h == "mixed")
                             plan = ring.plan_verify(slots, T, "verify")
-                            buf.state.copy_(state0)
+                            restore()
                             y = mod.replay_verify(buf, plan, **inp, **var)
                             if not var:
                                 ref[h] = y.float()
@@ -88,9 +99,10 @@ def main() -> None:
                         print(f"{fam} B={Bt} T={T} {var}: failed {repr(e)[:160]}", flush=True)
                         continue
                     row = dict(fam=fam, B=Bt, T=T, var=var or "default", nonflush_us=ts[0], flush_us=ts[1],
-                               decode_us=dec, rel_err=err)
+                               mixed_us=ts[2], decode_us=dec, decode_flush_us=dec_flush, rel_err=err)
                     res.append(row)
-                    print(f"{fam:>6} B={Bt:<4} T={T} {json.dumps(var or 'default'):<34} {ts[0]:8.1f} {ts[1]:8.1f} us"
+                    print(f"{fam:>6} B={Bt:<4} T={T} {json.dumps(var or 'default'):<34} {ts[0]:8.1f} {ts[1]:8.1f}"
+                          f" {ts[2]:8.1f} us"
                           f"  (decode {dec:7.1f} us, x{(ts[0] + ts[1]) / 2 / dec:4.2f}) err {err:.1e}", flush=True)
             del buf
             if dev == "cuda":

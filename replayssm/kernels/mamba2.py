@@ -311,6 +311,16 @@ if HAVE_TRITON:
         return _mm(Bh.to(Cn.dtype), tl.trans(Cn), PREC), _mm(Bn, tl.trans(Cn), PREC)
 
     @triton.jit
+    def _m2_saved_scores(sc_ptr, r64, g, G, mj, ms, LP: tl.constexpr, TP: tl.constexpr):
+        """``(HC [LP, TP], NC [TP, TP])`` of (row, group) from :func:`_m2_verify_scores_kernel`'s
+        scratch; only the committed rows and real queries are read (zeros elsewhere)."""
+        ss = tl.arange(0, TP)
+        base = sc_ptr + (r64 * G + g) * (LP + TP) * TP
+        HC = tl.load(base + tl.arange(0, LP)[:, None] * TP + ss[None, :], mask=mj[:, None] & ms[None, :], other=0.0)
+        NC = tl.load(base + (LP + ss[:, None]) * TP + ss[None, :], mask=ms[:, None] & ms[None, :], other=0.0)
+        return HC, NC
+
+    @triton.jit
     def _m2_verify_scores_kernel(
         Br_ptr, slot_ptr, start_ptr, hist_ptr, bt_ptr, B_ptr, C_ptr, sc_ptr,
         T, L, G, n, MAXB, BS, CS,
@@ -382,9 +392,7 @@ if HAVE_TRITON:
         ms = ss < T
         tok = r64 * T + ss
         if PRE:  # HC, NC from the (row, group) scratch of _m2_verify_scores_kernel
-            sbase = sc_ptr + (r64 * G + g) * (LP + TP) * TP
-            HC = tl.load(sbase + tl.arange(0, LP)[:, None] * TP + ss[None, :])                 # [LP, TP]
-            NC = tl.load(sbase + (LP + ss[:, None]) * TP + ss[None, :])                       # [TP, TP]
+            HC, NC = _m2_saved_scores(sc_ptr, r64, g, G, mj, ms, LP, TP)
         else:
             HC, NC = _m2_score_tiles(Br_ptr, B_ptr, C_ptr, e, mj, tok, ms, g, G, n, BS, CS, BN, PREC)
         Wh, Wn, Gm = _m2_query_weights(dt_ptr, bits_ptr, A, dtj, cj, tot, mj, tok, ms, hd, H, HC, NC, TP, TREE)
@@ -430,6 +438,28 @@ if HAVE_TRITON:
         return XW, tl.exp(tot), e, mj
 
     @triton.jit
+    def _m2_readout_chunks(state_ptr, sbase, C_ptr, Br_ptr, tok, ms, md, g, G, n, CS, XW, a1, e, mj,
+                           BD: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
+                           FOLD: tl.constexpr, PREC: tl.constexpr, FOLD_PREC: tl.constexpr):
+        """``S0 Cᵀ [BD, TP]`` over ``n`` in chunks of ``BNC`` (the checkpoint tile at ``sbase``);
+        ``FOLD``: each chunk is then overwritten by ``a1 S0 + XW B_histᵀ`` (a flush row's
+        ``S_h``) right after it is read."""
+        SCT = tl.zeros([BD, TP], dtype=tl.float32)
+        for k0 in tl.static_range(0, BN, BNC):
+            offs_k = k0 + tl.arange(0, BNC)
+            mk = offs_k < n
+            S0c = tl.load(sbase + offs_k[None, :], mask=md[:, None] & mk[None, :], other=0.0)       # [BD, BNC]
+            Ck = tl.load(C_ptr + tok[:, None] * CS + g * n + offs_k[None, :], mask=ms[:, None] & mk[None, :],
+                         other=0.0).to(tl.float32)                                              # [TP, BNC]
+            SCT += tl.dot(S0c, tl.trans(Ck), input_precision=PREC)
+            if FOLD:
+                Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
+                             mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)          # [LP, BNC]
+                Sh = a1 * S0c + tl.dot(XW, Bk, input_precision=FOLD_PREC)
+                tl.store(sbase + offs_k[None, :], Sh.to(state_ptr.dtype.element_ty), mask=md[:, None] & mk[None, :])
+        return SCT
+
+    @triton.jit
     def _m2_verify_readout_kernel(
         state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr, A_ptr, C_ptr, ro_ptr,
         T, L, H, G, d, n, HPG, CS,
@@ -443,8 +473,9 @@ if HAVE_TRITON:
         ``[BD, n]`` tile in one load and one reduction per query; else ``S0 Cᵀ`` on tensor cores
         over ``n`` in chunks of ``BNC``.  ``FOLD``: flush rows also store
         ``S_h = e^{tot} S0 + Σ_j Δ_j e^{tot-cum_j} x_j B_jᵀ`` (committed entries): ``INLINE``
-        (tensor-core readout only) chunk by chunk from the chunk just read, else after the
-        readout, each chunk of ``S0`` re-read from L2 (this program's tile only)."""
+        (tensor-core readout only) in a branch of their own, chunk by chunk from the chunk just
+        read; else after the readout, each chunk of ``S0`` re-read from L2 (this program's tile
+        only)."""
         db, hd, r = tile_ids(tl.cdiv(d, BD), H)
         g = hd // HPG
         r64 = r.to(tl.int64)
@@ -465,24 +496,18 @@ if HAVE_TRITON:
             ss = tl.arange(0, TP)
             ms = ss < T
             tok = r64 * T + ss
-            if FOLD and INLINE:
-                XW, a1, e, mj = _m2_fold_weights(xr_ptr, dtr_ptr, start_ptr, hist_ptr, A_ptr, slot, r, hd, offs_d,
-                                                 md, flush, L, H, d, LP)
-            SCT = tl.zeros([BD, TP], dtype=tl.float32)
-            for k0 in tl.static_range(0, BN, BNC):
-                offs_k = k0 + tl.arange(0, BNC)
-                mk = offs_k < n
-                S0c = tl.load(sbase + offs_k[None, :], mask=md[:, None] & mk[None, :], other=0.0)   # [BD, BNC]
-                Ck = tl.load(C_ptr + tok[:, None] * CS + g * n + offs_k[None, :], mask=ms[:, None] & mk[None, :],
-                             other=0.0).to(tl.float32)                                          # [TP, BNC]
-                SCT += tl.dot(S0c, tl.trans(Ck), input_precision=PREC)
-                if FOLD and INLINE:
-                    if flush:
-                        Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
-                                     mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [LP, BNC]
-                        Sh = a1 * S0c + tl.dot(XW, Bk, input_precision=FOLD_PREC)
-                        tl.store(sbase + offs_k[None, :], Sh.to(state_ptr.dtype.element_ty),
-                                 mask=md[:, None] & mk[None, :])
+            if FOLD and INLINE:  # flush rows: the fold from each chunk just read (one pass)
+                if flush:
+                    XW, a1, e, mj = _m2_fold_weights(xr_ptr, dtr_ptr, start_ptr, hist_ptr, A_ptr, slot, r, hd,
+                                                     offs_d, md, flush, L, H, d, LP)
+                    SCT = _m2_readout_chunks(state_ptr, sbase, C_ptr, Br_ptr, tok, ms, md, g, G, n, CS, XW, a1, e, mj,
+                                             BD, TP, BN, BNC, True, PREC, FOLD_PREC)
+                else:
+                    SCT = _m2_readout_chunks(state_ptr, sbase, C_ptr, Br_ptr, tok, ms, md, g, G, n, CS, 0, 0, 0, 0,
+                                             BD, TP, BN, BNC, False, PREC, FOLD_PREC)
+            else:
+                SCT = _m2_readout_chunks(state_ptr, sbase, C_ptr, Br_ptr, tok, ms, md, g, G, n, CS, 0, 0, 0, 0,
+                                         BD, TP, BN, BNC, False, PREC, FOLD_PREC)
             tl.store(ro_ptr + (tok[None, :] * H + hd) * d + offs_d[:, None], SCT, mask=md[:, None] & ms[None, :])
         if FOLD and (FMA or not INLINE):
             if flush:
@@ -543,9 +568,7 @@ if HAVE_TRITON:
         ms = ss < T
         tok = r64 * T + ss
         if PRE:  # HC, NC from the (row, group) scratch of _m2_verify_scores_kernel
-            sbase = sc_ptr + (r64 * G + g) * (LP + TP) * TP
-            HC = tl.load(sbase + tl.arange(0, LP)[:, None] * TP + ss[None, :])                 # [LP, TP]
-            NC = tl.load(sbase + (LP + ss[:, None]) * TP + ss[None, :])                       # [TP, TP]
+            HC, NC = _m2_saved_scores(sc_ptr, r64, g, G, mj, ms, LP, TP)
         else:
             HC, NC = _m2_score_tiles(Br_ptr, B_ptr, C_ptr, e, mj, tok, ms, g, G, n, BS, CS, BN, PREC)
         Wh, Wn, Gm = _m2_query_weights(dt_ptr, bits_ptr, A, dtj, cj, tot, mj, tok, ms, hd, H, HC, NC, TP, TREE)
@@ -714,6 +737,10 @@ def tree_bits(parent: Tensor, batch: int) -> Tensor:
     return ancestor_bits(ancestor_mask(p))
 
 
+#: from this many (row, head) pairs the verify kernel takes its large-grid forms (see :func:`_verify`)
+LARGE_GRID = 4096
+
+
 def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_warps=None, precision=None,
             fused_fold=True, fold_precision="tf32x3", pre_scores=None, state_left=None, split=None, readout=None):
     """All draft queries as small tensor-core products (``_m2_verify_dot_kernel``); flush
@@ -739,8 +766,10 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     # the state as the left operand: 1.15x the 2-warp form at B = 64 and 256 (H200 sweep
     # 2026-11-25).  Small grids keep 32-wide blocks on 2 warps, all in one kernel (B = 1: the
     # extra launch costs more than it saves).  Those large grids split the readout from the
-    # rest: 1.13-1.15x at B = 64 / 256 (H100, 2026-11-26); on the 2.7B's d = 64 the split lost.
-    big = Bt * H >= 4096
+    # rest (readout on 1 warp, 64-wide n chunks, flush rows folding inline in a branch of their
+    # own): 1.22x at B = 256 on a running batch's mixed fill (H100, 2026-11-26); on the 2.7B's
+    # d = 64 the split lost.
+    big = Bt * H >= LARGE_GRID
     wide = big and d % 64 == 0
     lean = big and not wide and block_d in (None, 32) and paged is None  # KV-only: not swept
     block_d = block_d or (64 if wide else 32)
@@ -764,7 +793,7 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
                                               PREC=precision, num_warps=4)
             extra.update(sc_ptr=sc, PRE=True)
         if split:
-            ro = dict(block_d=32, num_warps=1, block_n=32, fma=False, inline=False)
+            ro = dict(block_d=32, num_warps=1, block_n=64, fma=False, inline=True)
             if set(readout or {}) - set(ro):
                 raise ValueError(f"readout tile keys {sorted(set(readout) - set(ro))} unknown: expected {sorted(ro)}")
             ro.update(readout or {})

@@ -145,6 +145,24 @@ def test_cuda_speculation(cuda_model, method, mode):
         assert min(o.mean_accepted_length for o in outs) > 2
 
 
+@pytest.mark.parametrize("method", ["draft", "tree"])
+def test_cuda_speculation_large_grid_forms(cuda_model, method, monkeypatch):
+    """The verify kernels' large-batch forms (Mamba-2: the split readout / combine kernels),
+    forced at this small batch: greedy output still exact."""
+    from replayssm import LLM, SamplingParams, SpeculativeConfig
+    from replayssm.kernels import mamba2 as km
+
+    monkeypatch.setattr(km, "LARGE_GRID", 1)
+    m, expected = cuda_model
+    sp = SpeculativeConfig(method, num_tokens=3, draft_model=m, tree_width=2, tree_depth=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM(m, device=DEVICE, dtype="float32", decode_mode="replay", speculative=sp, max_seq_len=128,
+                  max_num_seqs=len(PROMPTS), cuda_graphs=True)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+
+
 @pytest.mark.parametrize("mode", ["recurrent", "replay", "kv", "auto"])
 def test_cuda_prefix_caching(cuda_model, mode):
     """Prefix caching on the GPU (the fold kernel resumes and checkpoints): prompts sharing

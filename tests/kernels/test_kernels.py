@@ -192,9 +192,9 @@ def test_mamba2_replay_decode_cycle(device, pre_scores):
 #: and the split forms (checkpoint readout and fold in a kernel of their own,
 #: on tensor cores or as one FMA reduction per query)
 M2_VERIFY_FORMS = {"default": {}, "lean": dict(pre_scores=True, state_left=True, num_warps=1, split=False),
-                   "split": dict(pre_scores=True, split=True, num_warps=1, block_d=16, readout=dict(block_n=32)),
+                   "split": dict(pre_scores=True, split=True, num_warps=1, block_d=16),
                    "split_fma": dict(split=True, pre_scores=False, readout=dict(fma=True, block_d=16, num_warps=1)),
-                   "split_inline": dict(split=True, pre_scores=True, readout=dict(inline=True, block_n=32))}
+                   "split_after": dict(split=True, pre_scores=True, readout=dict(inline=False, block_n=32))}
 
 
 def packed_views(*ts):
