@@ -271,10 +271,7 @@ if HAVE_TRITON:
             mj = jj < cnt
             e = slot * L + (start + jj) % L
             A = tl.load(A_ptr + hd).to(tl.float32)
-            dtj = tl.where(mj, tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32), 0.0)
-            lj = A * dtj
-            cj = tl.cumsum(lj, 0)
-            tot = tl.sum(lj, 0)
+            dtj, cj, tot = _m2_history_decays(dtr_ptr, e, mj, A, hd, H)
             wj = tl.where(mj, dtj * tl.exp(tot - cj), 0.0)
             Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
                          other=0.0).to(tl.float32)
@@ -344,14 +341,36 @@ if HAVE_TRITON:
         tl.store(base + (LP + ss[:, None]) * TP + ss[None, :], NC)
 
     @triton.jit
-    def _m2_query_weights(dt_ptr, bits_ptr, A, dtj, cj, tot, mj, tok, ms, hd, H, HC, NC,
-                          TP: tl.constexpr, TREE: tl.constexpr):
-        """The verify products' weights ``(Wh [LP, TP], Wn [TP, TP], G [TP])``:
+    def _m2_history_decays(dtr_ptr, e, mj, A, hd, H):
+        """``(Δ_j, cum_j, tot)`` of head ``hd`` over the history entries ``e`` (valid where
+        ``mj``; zeros past them): ``cum_j = Σ_{i≤j} A Δ_i``, ``tot`` the sum over all."""
+        dtj = tl.where(mj, tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32), 0.0)
+        lj = A * dtj
+        return dtj, tl.cumsum(lj, 0), tl.sum(lj, 0)
+
+    @triton.jit
+    def _m2_verify_weights(slot_ptr, start_ptr, hist_ptr, bt_ptr, dtr_ptr, dt_ptr, bits_ptr, A_ptr, Br_ptr, B_ptr,
+                           C_ptr, sc_ptr, r, hd, g, G, H, L, MAXB, n, T, BS, CS,
+                           LP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr, PAGED: tl.constexpr,
+                           PRE: tl.constexpr, TREE: tl.constexpr, PREC: tl.constexpr):
+        """Everything of a verify (row ``r``, head ``hd``) but ``x``:
+        ``(slot, e, mj, Δ_j, cum_j, tot, tok, ms, Wh [LP, TP], Wn [TP, TP], G [TP])`` with
         ``Wh[j, m] = Δ_j e^{tot-cum_j+G_m} (B_j·C_m)`` over the committed history and
-        ``Wn[s, m] = [s ⪯ m] Δ_s e^{G_m-G_s} (B_s·C_m)`` over the drafts, with ``G_m`` the
+        ``Wn[s, m] = [s ⪯ m] Δ_s e^{G_m-G_s} (B_s·C_m)`` over the drafts, ``G_m`` the
         log-decay of the drafts on the path to query ``m`` (chain, or the tree's
-        ancestor-or-self bits in ``bits_ptr``)."""
+        ancestor-or-self bits in ``bits_ptr``).  The score products come from the scores
+        kernel's scratch (``PRE``) or are computed here."""
+        r64 = r.to(tl.int64)
+        slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, bt_ptr, r, L, MAXB, LP, PAGED)
+        A = tl.load(A_ptr + hd).to(tl.float32)
+        dtj, cj, tot = _m2_history_decays(dtr_ptr, e, mj, A, hd, H)
         ss = tl.arange(0, TP)
+        ms = ss < T
+        tok = r64 * T + ss
+        if PRE:  # HC, NC from the (row, group) scratch of _m2_verify_scores_kernel
+            HC, NC = _m2_saved_scores(sc_ptr, r64, g, G, mj, ms, LP, TP)
+        else:
+            HC, NC = _m2_score_tiles(Br_ptr, B_ptr, C_ptr, e, mj, tok, ms, g, G, n, BS, CS, BN, PREC)
         dtn = tl.where(ms, tl.load(dt_ptr + tok * H + hd, mask=ms, other=0.0).to(tl.float32), 0.0)
         ln = A * dtn
         if TREE:
@@ -365,7 +384,7 @@ if HAVE_TRITON:
         Wh = tl.where(mj[:, None] & ms[None, :],
                       dtj[:, None] * tl.exp(tot - cj[:, None] + Gm[None, :]) * HC, 0.0)
         Wn = tl.where(ancT, dtn[:, None] * tl.exp(Gm[None, :] - Gs[:, None]) * NC, 0.0)
-        return Wh, Wn, Gm
+        return slot, e, mj, dtj, cj, tot, tok, ms, Wh, Wn, Gm
 
     @triton.jit
     def _m2_verify_combine_kernel(
@@ -378,24 +397,12 @@ if HAVE_TRITON:
         """Split verify, part 2, one program per (row, head), never touching the state:
         ``Y [T, d] = e^{tot+G} ∘ R + Whᵀ X_hist + Wnᵀ X_new + D X_new`` with ``R = C S0ᵀ`` from
         :func:`_m2_verify_readout_kernel`'s scratch ``ro [Bt·T, H, d]`` and the weights of
-        :func:`_m2_query_weights` computed once for all of ``d`` (in blocks of ``BD``)."""
+        :func:`_m2_verify_weights` computed once for all of ``d`` (in blocks of ``BD``)."""
         _, hd, r = tile_ids(1, H)  # the heads of one row side by side
         g = hd // HPG
-        r64 = r.to(tl.int64)
-        slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, slot_ptr, r, L, 1, LP, False)
-        A = tl.load(A_ptr + hd).to(tl.float32)
-        dtj = tl.where(mj, tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32), 0.0)
-        lj = A * dtj
-        cj = tl.cumsum(lj, 0)
-        tot = tl.sum(lj, 0)
-        ss = tl.arange(0, TP)
-        ms = ss < T
-        tok = r64 * T + ss
-        if PRE:  # HC, NC from the (row, group) scratch of _m2_verify_scores_kernel
-            HC, NC = _m2_saved_scores(sc_ptr, r64, g, G, mj, ms, LP, TP)
-        else:
-            HC, NC = _m2_score_tiles(Br_ptr, B_ptr, C_ptr, e, mj, tok, ms, g, G, n, BS, CS, BN, PREC)
-        Wh, Wn, Gm = _m2_query_weights(dt_ptr, bits_ptr, A, dtj, cj, tot, mj, tok, ms, hd, H, HC, NC, TP, TREE)
+        slot, e, mj, dtj, cj, tot, tok, ms, Wh, Wn, Gm = _m2_verify_weights(
+            slot_ptr, start_ptr, hist_ptr, slot_ptr, dtr_ptr, dt_ptr, bits_ptr, A_ptr, Br_ptr, B_ptr, C_ptr, sc_ptr,
+            r, hd, g, G, H, L, 1, n, T, BS, CS, LP, TP, BN, False, PRE, TREE, PREC)
         WhT = tl.trans(Wh)
         WnT = tl.trans(Wn)
         decay = tl.exp(tot + Gm)
@@ -428,10 +435,7 @@ if HAVE_TRITON:
         mj = jj < h
         e = slot * L + (start + jj) % L
         A = tl.load(A_ptr + hd).to(tl.float32)
-        dtj = tl.where(mj, tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32), 0.0)
-        lj = A * dtj
-        cj = tl.cumsum(lj, 0)
-        tot = tl.sum(lj, 0)
+        dtj, cj, tot = _m2_history_decays(dtr_ptr, e, mj, A, hd, H)
         Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :],
                      mask=mj[:, None] & md[None, :], other=0.0).to(tl.float32)                  # [LP, BD]
         XW = tl.trans(Xh * tl.where(mj, dtj * tl.exp(tot - cj), 0.0)[:, None])               # [BD, LP]
@@ -555,23 +559,11 @@ if HAVE_TRITON:
         (:func:`tree_bits`), else the chain."""
         db, hd, r = tile_ids(tl.cdiv(d, BD), H)  # d-blocks of one (row, head) side by side
         g = hd // HPG
-        r64 = r.to(tl.int64)
         offs_d = db * BD + tl.arange(0, BD)
         md = offs_d < d
-        slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, bt_ptr, r, L, MAXB, LP, PAGED)
-        A = tl.load(A_ptr + hd).to(tl.float32)
-        dtj = tl.where(mj, tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32), 0.0)
-        lj = A * dtj
-        cj = tl.cumsum(lj, 0)
-        tot = tl.sum(lj, 0)
-        ss = tl.arange(0, TP)
-        ms = ss < T
-        tok = r64 * T + ss
-        if PRE:  # HC, NC from the (row, group) scratch of _m2_verify_scores_kernel
-            HC, NC = _m2_saved_scores(sc_ptr, r64, g, G, mj, ms, LP, TP)
-        else:
-            HC, NC = _m2_score_tiles(Br_ptr, B_ptr, C_ptr, e, mj, tok, ms, g, G, n, BS, CS, BN, PREC)
-        Wh, Wn, Gm = _m2_query_weights(dt_ptr, bits_ptr, A, dtj, cj, tot, mj, tok, ms, hd, H, HC, NC, TP, TREE)
+        slot, e, mj, dtj, cj, tot, tok, ms, Wh, Wn, Gm = _m2_verify_weights(
+            slot_ptr, start_ptr, hist_ptr, bt_ptr, dtr_ptr, dt_ptr, bits_ptr, A_ptr, Br_ptr, B_ptr, C_ptr, sc_ptr,
+            r, hd, g, G, H, L, MAXB, n, T, BS, CS, LP, TP, BN, PAGED, PRE, TREE, PREC)
         Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
                      other=0.0).to(tl.float32)                                              # [LP, BD]
         Xn = tl.load(x_ptr + tok[:, None] * XS + hd * d + offs_d[None, :], mask=ms[:, None] & md[None, :],
