@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--fams", default="mamba2,gdn")
     ap.add_argument("--m2-shape", default="2.7b", choices=sorted(M2_SHAPES), help="the Mamba-2 layer's shape")
     ap.add_argument("--variants", default=None, help="JSON list of Mamba-2 variants instead of the built-in list")
+    ap.add_argument("--gdn-variants", default=None, help="JSON list of GDN variants instead of the built-in list")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1")
     ap.add_argument("--shape-scale", type=int, default=1, help="divide head counts (dry runs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -58,7 +59,8 @@ def main() -> None:
     for fam, s, setup, inputs, mod, variants in (
             ("mamba2", _scaled(M2_SHAPES[args.m2_shape], args.shape_scale), m2_setup, m2_inputs, km,
              json.loads(args.variants) if args.variants else M2_VARIANTS),
-            ("gdn", _scaled(GDN_SHAPE, args.shape_scale), gdn_setup, gdn_inputs, kg, GDN_VARIANTS)):
+            ("gdn", _scaled(GDN_SHAPE, args.shape_scale), gdn_setup, gdn_inputs, kg,
+             json.loads(args.gdn_variants) if args.gdn_variants else GDN_VARIANTS)):
         if fam not in args.fams.split(","):
             continue
         for Bt in [int(b) for b in args.batches.split(",")]:
