@@ -50,7 +50,7 @@ if HAVE_TRITON:
     @triton.jit
     def _m2_recurrent_kernel(
         sin_ptr, sout_ptr, slot_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr,
-        H, G, d, n, HPG,
+        H, G, d, n, HPG, XS, BS, CS,
         BD: tl.constexpr, BN: tl.constexpr, HAS_SLOT: tl.constexpr, HAS_D: tl.constexpr,
     ):
         """Recurrent form: load S, update, read out, store S (like selective_state_update)."""
@@ -67,11 +67,11 @@ if HAVE_TRITON:
         m2 = md[:, None] & mn[None, :]
         soff = ((srow * H + hd) * d + offs_d[:, None]) * n + offs_n[None, :]
         S = tl.load(sin_ptr + soff, mask=m2, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + (r * H + hd) * d + offs_d, mask=md, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + r.to(tl.int64) * XS + hd * d + offs_d, mask=md, other=0.0).to(tl.float32)
         dt = tl.load(dt_ptr + r * H + hd).to(tl.float32)
         A = tl.load(A_ptr + hd).to(tl.float32)
-        Bv = tl.load(B_ptr + (r * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
-        Cv = tl.load(C_ptr + (r * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
+        Bv = tl.load(B_ptr + r.to(tl.int64) * BS + g * n + offs_n, mask=mn, other=0.0).to(tl.float32)
+        Cv = tl.load(C_ptr + r.to(tl.int64) * CS + g * n + offs_n, mask=mn, other=0.0).to(tl.float32)
         S = tl.exp(A * dt) * S + (dt * x)[:, None] * Bv[None, :]
         y = tl.sum(S * Cv[None, :], 1)
         if HAS_D:
@@ -116,7 +116,7 @@ if HAVE_TRITON:
     @triton.jit
     def _m2_scores_kernel(
         Br_ptr, slot_ptr, start_ptr, hist_ptr, B_ptr, C_ptr, sc_ptr,
-        L, G, n,
+        L, G, n, BS, CS,
         LP: tl.constexpr, BN: tl.constexpr,
     ):
         """Decode precompute: the scores ``B_j·C`` (shared by a group's heads) once per (row, group)
@@ -134,9 +134,9 @@ if HAVE_TRITON:
         e = slot * L + (start + jj) % L
         Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
                      other=0.0).to(tl.float32)
-        Braw = tl.load(B_ptr + (r * G + g) * n + offs_n, mask=mn, other=0.0)
+        Braw = tl.load(B_ptr + r.to(tl.int64) * BS + g * n + offs_n, mask=mn, other=0.0)
         Bv = Braw.to(tl.float32)
-        Cv = tl.load(C_ptr + (r * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
+        Cv = tl.load(C_ptr + r.to(tl.int64) * CS + g * n + offs_n, mask=mn, other=0.0).to(tl.float32)
         sc = tl.sum(Bh * Cv[None, :], 1)
         base = (r.to(tl.int64) * G + g) * (LP + 1)
         tl.store(sc_ptr + base + jj, sc)
@@ -148,7 +148,7 @@ if HAVE_TRITON:
     def _m2_decode_tile(
         state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
-        r, hd, db, L, H, G, d, n, HPG,
+        r, hd, db, L, H, G, d, n, HPG, XS, BS, CS,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
         HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr,
     ):
@@ -180,11 +180,11 @@ if HAVE_TRITON:
         dtj = tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32)
         Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
                      other=0.0).to(tl.float32)                                              # [LP, BD]
-        xraw = tl.load(x_ptr + (r64 * H + hd) * d + offs_d, mask=md, other=0.0)
+        xraw = tl.load(x_ptr + r64 * XS + hd * d + offs_d, mask=md, other=0.0)
         xv = xraw.to(tl.float32)
         dtv = tl.load(dt_ptr + r64 * H + hd).to(tl.float32)
-        gbase = (r64 * G + g) * n
-        Cv = tl.load(C_ptr + gbase + offs_n, mask=mn, other=0.0).to(tl.float32)
+        bbase = r64 * BS + g * n
+        Cv = tl.load(C_ptr + r64 * CS + g * n + offs_n, mask=mn, other=0.0).to(tl.float32)
         # ---- decays: pre_t - pre_j = (tot - cum_j) + l_new, all <= 0
         dtj = tl.where(mj, dtj, 0.0)
         lj = A * dtj
@@ -200,7 +200,7 @@ if HAVE_TRITON:
             Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
                          other=0.0).to(tl.float32)
             sc = tl.sum(Bh * Cv[None, :], 1)
-            scn = tl.sum(tl.load(B_ptr + gbase + offs_n, mask=mn, other=0.0).to(tl.float32) * Cv, 0)
+            scn = tl.sum(tl.load(B_ptr + bbase + offs_n, mask=mn, other=0.0).to(tl.float32) * Cv, 0)
         coef = tl.where(mj, wj * sc, 0.0)
         y = tl.exp(tot + lv) * tl.sum(S0 * Cv[None, :], 1) + tl.sum(coef[:, None] * Xh, 0) + (dtv * scn) * xv
         if HAS_D:
@@ -213,7 +213,7 @@ if HAVE_TRITON:
             tl.store(dtr_ptr + enew * H + hd, dtv.to(dtr_ptr.dtype.element_ty))
             if not PRE_SCORES:
                 if hd % HPG == 0:
-                    tl.store(Br_ptr + (enew * G + g) * n + offs_n, tl.load(B_ptr + gbase + offs_n, mask=mn), mask=mn)
+                    tl.store(Br_ptr + (enew * G + g) * n + offs_n, tl.load(B_ptr + bbase + offs_n, mask=mn), mask=mn)
         if tl.load(flush_ptr + r) != 0:
             newj = jj == h
             # S_{h+1} weights: Δ_j e^{tot+l_new-cum_j} for j < h, Δ for the new entry (row h)
@@ -224,7 +224,7 @@ if HAVE_TRITON:
                 mk = offs_k < n
                 Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
                              mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [LP, BNC]
-                bk = tl.load(B_ptr + gbase + offs_k, mask=mk, other=0.0).to(tl.float32)
+                bk = tl.load(B_ptr + bbase + offs_k, mask=mk, other=0.0).to(tl.float32)
                 S0c = tl.load(state_ptr + sbase + offs_k[None, :], mask=md[:, None] & mk[None, :], other=0.0)
                 Sn = a1 * S0c + tl.dot(XW, tl.where(newj[:, None], bk[None, :], Bk), input_precision=PREC)
                 tl.store(state_ptr + sbase + offs_k[None, :], Sn.to(state_ptr.dtype.element_ty),
@@ -234,7 +234,7 @@ if HAVE_TRITON:
     def _m2_replay_decode_kernel(
         state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
-        L, H, G, d, n, HPG,
+        L, H, G, d, n, HPG, XS, BS, CS,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
         HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr,
     ):
@@ -243,7 +243,7 @@ if HAVE_TRITON:
         db, hd, r = tile_ids(tl.cdiv(d, BD), H)
         _m2_decode_tile(state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
                         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
-                        r, hd, db, L, H, G, d, n, HPG, LP, BD, BN, BNC, HAS_D, PRE_SCORES, PREC)
+                        r, hd, db, L, H, G, d, n, HPG, XS, BS, CS, LP, BD, BN, BNC, HAS_D, PRE_SCORES, PREC)
 
     @triton.jit
     def _m2_fold_kernel(
@@ -633,15 +633,15 @@ def recurrent_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
     """Recurrent decode kernel (the recurrent form) on a state pool: ``state[slot]`` is read, updated and
     written to ``out_state[slot]`` (default: in place).  Returns ``y [Bt,H,d]``."""
     Bt, _, H, d, G, n = _dims(x, B, False)
-    x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
+    (x, XS), (B, BS), (C, CS), dt = token_rows(x, 1), token_rows(B, 1), token_rows(C, 1), _c(dt)
     out_state = state if out_state is None else out_state
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     BD = next_pow2(block_d) if block_d else min(next_pow2(d), 16)
     grid = flat_grid(triton.cdiv(d, BD), H, Bt)
     if Bt:
         _m2_recurrent_kernel[grid](
             state, out_state, slot if slot is not None else state, x, dt, A, B, C,
-            D if D is not None else A, y, H, G, d, n, H // G,
+            D if D is not None else A, y, H, G, d, n, H // G, XS, BS, CS,
             BD=BD, BN=next_pow2(n), HAS_SLOT=slot is not None, HAS_D=D is not None, num_warps=num_warps)
     return y
 
@@ -700,21 +700,21 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
     auto = decode_defaults(Bt, H, d, block_d)
     pre_scores = auto["pre_scores"] if pre_scores is None else bool(pre_scores)
     num_warps = num_warps or auto["num_warps"]
-    x, dt, B, C = _c(x), _c(dt), _c(B), _c(C)
+    (x, XS), (B, BS), (C, CS), dt = token_rows(x, 1), token_rows(B, 1), token_rows(C, 1), _c(dt)
     L = plan.capacity
     LP, BN, BD = pad16(L), pad16(n), _block_d(d, block_d)
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if Bt == 0:
         return y
     sc = None
     if pre_scores:
         sc = torch.empty(Bt, G, LP + 1, dtype=torch.float32, device=x.device)
-        _m2_scores_kernel[(Bt, G)](buf.B, plan.slot, plan.start, plan.hist, B, C, sc, L, G, n,
+        _m2_scores_kernel[(Bt, G)](buf.B, plan.slot, plan.start, plan.hist, B, C, sc, L, G, n, BS, CS,
                                    LP=LP, BN=BN, num_warps=4)
     _m2_replay_decode_kernel[flat_grid(triton.cdiv(d, BD), H, Bt)](
         buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush,
         x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
-        L, H, G, d, n, H // G,
+        L, H, G, d, n, H // G, XS, BS, CS,
         LP=LP, BD=BD, BN=BN, BNC=min(BN, pad16(block_n)), HAS_D=D is not None, PRE_SCORES=pre_scores,
         PREC=precision, num_warps=num_warps)
     return y

@@ -151,7 +151,8 @@ def test_mamba2_recurrent(device):
     y1, S1 = K2.recurrent_step(state, x, dt, A, B, C, D)
     close(y0, y1, s["dtype"], "y")
     close(S0, S1, torch.float32, "state")
-    # in-place on a pool with slot indirection
+    # in-place on a pool with slot indirection; x, B, C as views of one packed tensor (read in place)
+    x, B, C = (t[:, 0] for t in packed_views(x[:, None], B[:, None], C[:, None]))
     pool = torch.randn(s["P"], s["H"], s["d"], s["n"], device=device)
     slot = torch.randperm(s["P"] - 1)[: s["Bt"]].to(device) + 1
     ref = pool.clone()
@@ -165,7 +166,8 @@ def test_mamba2_recurrent(device):
 @pytest.mark.parametrize("pre_scores", [False, True])
 def test_mamba2_replay_decode_cycle(device, pre_scores):
     """Several decode steps in a row (fills, flushes of different rows on different steps,
-    ring wrap), kernel vs naive each step; flush rows fold in the decode kernel."""
+    ring wrap), kernel vs naive each step; flush rows fold in the decode kernel.  With the
+    scores kernel, ``x``, ``B``, ``C`` come as views of one packed tensor (read in place)."""
     s = shapes(device)
     if device == "cpu":  # two d-blocks and two d_state chunks, both partly masked
         s = dict(s, d=20, n=19)
@@ -175,6 +177,8 @@ def test_mamba2_replay_decode_cycle(device, pre_scores):
     flushed = set()
     for step in range(steps):
         x, dt, A, B, C, D = m2_inputs(s, device)
+        if pre_scores:
+            x, B, C = (t[:, 0] for t in packed_views(x[:, None], B[:, None], C[:, None]))
         plan = ring.plan_decode(slots)
         y_ref = N2.replay_decode(ref, plan, x, dt, A, B, C, D)
         y = K2.replay_decode(buf, plan, x, dt, A, B, C, D, pre_scores=pre_scores, block_n=16,
