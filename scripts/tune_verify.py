@@ -30,8 +30,7 @@ M2_VARIANTS = ([dict(pre_scores=False, state_left=False, num_warps=2), dict(stat
                 dict(block_d=16, num_warps=1, pre_scores=True, state_left=True),
                 dict(block_d=64, num_warps=2, pre_scores=True, state_left=True),
                 dict(block_d=64, num_warps=4, pre_scores=True, state_left=True),
-                dict(split=False), dict(readout=dict(inline=False, block_n=32)),
-                dict(readout=dict(fma=True, block_d=16))])
+                dict(split=False), dict(readout=dict(block_n=32)), dict(readout=dict(block_d=16))])
 GDN_VARIANTS = ([dict(impl="dot", block_v=128, num_warps=4), dict(impl="dot", block_v=64, num_warps=4)])
 
 

@@ -424,16 +424,12 @@ if HAVE_TRITON:
                      mask=ms[:, None] & md[None, :])
 
     @triton.jit
-    def _m2_fold_weights(xr_ptr, dtr_ptr, start_ptr, hist_ptr, A_ptr, slot, r, hd, offs_d, md, flush, L, H, d,
+    def _m2_fold_weights(slot_ptr, start_ptr, hist_ptr, xr_ptr, dtr_ptr, A_ptr, r, hd, offs_d, md, L, H, d,
                          LP: tl.constexpr):
         """A flush row's fold operands: ``(XW [BD, LP], e^{tot}, e, mj)`` with
-        ``XW[i, j] = Δ_j e^{tot-cum_j} x_j[i]`` over the committed entries (all masked off, no
-        loads, where ``flush`` is false)."""
-        start = tl.load(start_ptr + r).to(tl.int64)
-        h = tl.where(flush, tl.load(hist_ptr + r).to(tl.int64), 0)
-        jj = tl.arange(0, LP)
-        mj = jj < h
-        e = slot * L + (start + jj) % L
+        ``XW[i, j] = Δ_j e^{tot-cum_j} x_j[i]`` over the committed entries ``e`` (valid where
+        ``mj``)."""
+        slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, slot_ptr, r, L, 1, LP, False)
         A = tl.load(A_ptr + hd).to(tl.float32)
         dtj, cj, tot = _m2_history_decays(dtr_ptr, e, mj, A, hd, H)
         Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :],
@@ -468,18 +464,14 @@ if HAVE_TRITON:
         state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr, A_ptr, C_ptr, ro_ptr,
         T, L, H, G, d, n, HPG, CS,
         TP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
-        FMA: tl.constexpr, FOLD: tl.constexpr, INLINE: tl.constexpr, PREC: tl.constexpr,
-        FOLD_PREC: tl.constexpr,
+        FOLD: tl.constexpr, PREC: tl.constexpr, FOLD_PREC: tl.constexpr,
     ):
         """Split verify, part 1, shaped like a decode step: the checkpoint readout
         ``R[s, i] = Σ_k S0[i, k] C_s[k]`` of every query -> scratch ``ro [Bt·T, H, d]`` fp32 (the
-        decays are applied by the combine), one DRAM read of ``S0``.  ``FMA``: the whole
-        ``[BD, n]`` tile in one load and one reduction per query; else ``S0 Cᵀ`` on tensor cores
-        over ``n`` in chunks of ``BNC``.  ``FOLD``: flush rows also store
-        ``S_h = e^{tot} S0 + Σ_j Δ_j e^{tot-cum_j} x_j B_jᵀ`` (committed entries): ``INLINE``
-        (tensor-core readout only) in a branch of their own, chunk by chunk from the chunk just
-        read; else after the readout, each chunk of ``S0`` re-read from L2 (this program's tile
-        only)."""
+        decays are applied by the combine), ``S0 Cᵀ`` on tensor cores over ``n`` in chunks of
+        ``BNC``: one DRAM read of ``S0``.  ``FOLD``: flush rows, in a branch of their own, also
+        store ``S_h = e^{tot} S0 + Σ_j Δ_j e^{tot-cum_j} x_j B_jᵀ`` (committed entries) from each
+        chunk just read."""
         db, hd, r = tile_ids(tl.cdiv(d, BD), H)
         g = hd // HPG
         r64 = r.to(tl.int64)
@@ -487,45 +479,22 @@ if HAVE_TRITON:
         offs_d = db * BD + tl.arange(0, BD)
         md = offs_d < d
         sbase = state_ptr + ((slot * H + hd) * d + offs_d[:, None]) * n
-        flush = tl.load(flush_ptr + r) != 0
-        if FMA:
-            offs_n = tl.arange(0, BN)
-            mn = offs_n < n
-            S0 = tl.load(sbase + offs_n[None, :], mask=md[:, None] & mn[None, :], other=0.0)    # [BD, BN]
-            for s in range(T):
-                tk = r64 * T + s
-                Cs = tl.load(C_ptr + tk * CS + g * n + offs_n, mask=mn, other=0.0).to(tl.float32)
-                tl.store(ro_ptr + (tk * H + hd) * d + offs_d, tl.sum(S0 * Cs[None, :], 1), mask=md)
-        else:
-            ss = tl.arange(0, TP)
-            ms = ss < T
-            tok = r64 * T + ss
-            if FOLD and INLINE:  # flush rows: the fold from each chunk just read (one pass)
-                if flush:
-                    XW, a1, e, mj = _m2_fold_weights(xr_ptr, dtr_ptr, start_ptr, hist_ptr, A_ptr, slot, r, hd,
-                                                     offs_d, md, flush, L, H, d, LP)
-                    SCT = _m2_readout_chunks(state_ptr, sbase, C_ptr, Br_ptr, tok, ms, md, g, G, n, CS, XW, a1, e, mj,
-                                             BD, TP, BN, BNC, True, PREC, FOLD_PREC)
-                else:
-                    SCT = _m2_readout_chunks(state_ptr, sbase, C_ptr, Br_ptr, tok, ms, md, g, G, n, CS, 0, 0, 0, 0,
-                                             BD, TP, BN, BNC, False, PREC, FOLD_PREC)
+        ss = tl.arange(0, TP)
+        ms = ss < T
+        tok = r64 * T + ss
+        if FOLD:
+            if tl.load(flush_ptr + r) != 0:
+                XW, a1, e, mj = _m2_fold_weights(slot_ptr, start_ptr, hist_ptr, xr_ptr, dtr_ptr, A_ptr, r, hd, offs_d,
+                                                 md, L, H, d, LP)
+                SCT = _m2_readout_chunks(state_ptr, sbase, C_ptr, Br_ptr, tok, ms, md, g, G, n, CS, XW, a1, e, mj,
+                                         BD, TP, BN, BNC, True, PREC, FOLD_PREC)
             else:
                 SCT = _m2_readout_chunks(state_ptr, sbase, C_ptr, Br_ptr, tok, ms, md, g, G, n, CS, 0, 0, 0, 0,
                                          BD, TP, BN, BNC, False, PREC, FOLD_PREC)
-            tl.store(ro_ptr + (tok[None, :] * H + hd) * d + offs_d[:, None], SCT, mask=md[:, None] & ms[None, :])
-        if FOLD and (FMA or not INLINE):
-            if flush:
-                XW, a1, e, mj = _m2_fold_weights(xr_ptr, dtr_ptr, start_ptr, hist_ptr, A_ptr, slot, r, hd, offs_d,
-                                                 md, flush, L, H, d, LP)
-                for k0 in tl.static_range(0, BN, BNC):
-                    offs_k = k0 + tl.arange(0, BNC)
-                    mk = offs_k < n
-                    Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
-                                 mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)      # [LP, BNC]
-                    S0c = tl.load(sbase + offs_k[None, :], mask=md[:, None] & mk[None, :], other=0.0)
-                    Sh = a1 * S0c + tl.dot(XW, Bk, input_precision=FOLD_PREC)
-                    tl.store(sbase + offs_k[None, :], Sh.to(state_ptr.dtype.element_ty),
-                             mask=md[:, None] & mk[None, :])
+        else:
+            SCT = _m2_readout_chunks(state_ptr, sbase, C_ptr, Br_ptr, tok, ms, md, g, G, n, CS, 0, 0, 0, 0,
+                                     BD, TP, BN, BNC, False, PREC, FOLD_PREC)
+        tl.store(ro_ptr + (tok[None, :] * H + hd) * d + offs_d[:, None], SCT, mask=md[:, None] & ms[None, :])
 
     @triton.jit
     def _m2_verify_dot_kernel(
@@ -743,8 +712,8 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
     (head, d-block) program; ``state_left``: the readout as ``S0 Cᵀ`` (checkpoint tile as the
     left operand) instead of ``C S0ᵀ``.  ``split`` (ring forms): the checkpoint readout and
     the flush rows' fold in a decode-shaped kernel of their own
-    (:func:`_m2_verify_readout_kernel`, tile ``readout = dict(block_d, num_warps, block_n,
-    fma, inline)``), then the history / draft products and the combine in
+    (:func:`_m2_verify_readout_kernel`, tile ``readout = dict(block_d, num_warps,
+    block_n)``), then the history / draft products and the combine in
     :func:`_m2_verify_combine_kernel` (one program per (row, head), ``block_d`` /
     ``num_warps`` its tile), which never reads the state.  Tiles from the sweeps of
     ``scripts/tune_verify.py`` (T = 5); ``None`` picks them."""
@@ -785,7 +754,7 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
                                               PREC=precision, num_warps=4)
             extra.update(sc_ptr=sc, PRE=True)
         if split:
-            ro = dict(block_d=32, num_warps=1, block_n=64, fma=False, inline=True)
+            ro = dict(block_d=32, num_warps=1, block_n=64)
             if set(readout or {}) - set(ro):
                 raise ValueError(f"readout tile keys {sorted(set(readout) - set(ro))} unknown: expected {sorted(ro)}")
             ro.update(readout or {})
@@ -794,9 +763,7 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
             _m2_verify_readout_kernel[flat_grid(triton.cdiv(d, RBD), H, Bt)](
                 buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush, A, C, rbuf,
                 T, L, H, G, d, n, H // G, CS, TP=TP, LP=pad16(L), BD=RBD, BN=BN, BNC=min(BN, pad16(ro["block_n"])),
-                FMA=bool(ro["fma"]), FOLD=fused_fold, INLINE=bool(ro["inline"]), PREC=precision,
-                FOLD_PREC=fold_precision,
-                num_warps=ro["num_warps"])
+                FOLD=fused_fold, PREC=precision, FOLD_PREC=fold_precision, num_warps=ro["num_warps"])
             _m2_verify_combine_kernel[flat_grid(H, Bt)](
                 buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist,
                 x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,

@@ -193,12 +193,12 @@ def test_mamba2_replay_decode_cycle(device, pre_scores):
 
 #: the verify kernel's forms: the defaults (small grids: scores in every program), the
 #: large-grid form (scores precomputed per (row, group), the state as the left operand, 1 warp)
-#: and the split forms (checkpoint readout and fold in a kernel of their own,
-#: on tensor cores or as one FMA reduction per query)
+#: and the split forms (checkpoint readout and fold in a kernel of their own, then the
+#: combine), with the scores saved or computed in the combine, and two chunk / tile sizes
 M2_VERIFY_FORMS = {"default": {}, "lean": dict(pre_scores=True, state_left=True, num_warps=1, split=False),
                    "split": dict(pre_scores=True, split=True, num_warps=1, block_d=16),
-                   "split_fma": dict(split=True, pre_scores=False, readout=dict(fma=True, block_d=16, num_warps=1)),
-                   "split_after": dict(split=True, pre_scores=True, readout=dict(inline=False, block_n=32))}
+                   "split_own_scores": dict(split=True, pre_scores=False,
+                                            readout=dict(block_d=16, num_warps=1, block_n=32))}
 
 
 def packed_views(*ts):
