@@ -770,16 +770,14 @@ def _verify(buf, plan, x, dt, A, B, C, D, bits, paged=None, block_d=None, num_wa
                 extra.get("sc_ptr", y), rbuf, T, L, H, G, d, n, H // G, XS, BS, CS,
                 TP=TP, LP=pad16(L), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None,
                 PRE=bool(pre_scores), PREC=precision, num_warps=num_warps)
-            if not fused_fold:
-                _fold(buf, plan, A, 0, grid, BD, fold_precision)
-            return y
-        _m2_verify_dot_kernel[grid](
-            buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.slot,
-            x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,
-            plan.flush,
-            T, L, H, G, d, n, H // G, 1, XS, BS, CS,
-            TP=TP, LP=pad16(L), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None, PAGED=False,
-            num_warps=num_warps, **extra)
+        else:
+            _m2_verify_dot_kernel[grid](
+                buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.slot,
+                x, dt, A, B, C, D if D is not None else A, bits if bits is not None else plan.slot, y,
+                plan.flush,
+                T, L, H, G, d, n, H // G, 1, XS, BS, CS,
+                TP=TP, LP=pad16(L), BD=BD, BN=BN, HAS_D=D is not None, TREE=bits is not None, PAGED=False,
+                num_warps=num_warps, **extra)
         if not fused_fold:  # S_h (committed entries), after every query read S0
             _fold(buf, plan, A, 0, grid, BD, fold_precision)
     else:
