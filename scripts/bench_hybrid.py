@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import profile_decode as P  # noqa: E402  (scripts/, on the path above)
 from replayssm.kernels import attention as KA  # noqa: E402
+from replayssm.kernels import dispatch  # noqa: E402
 from replayssm.kernels import moe as KM  # noqa: E402
 from replayssm.layers.mlp import SoftmaxMoE  # noqa: E402
 from replayssm.ops.attention import naive as A  # noqa: E402
@@ -184,8 +185,10 @@ def check_moe(res):
         x.normal_()
         g.replay()
         os.environ["REPLAYSSM_KERNELS"] = "naive"
+        dispatch.reset()   # the backend is resolved once: re-read the variable
         ref = moe(x.float().bfloat16())
         os.environ.pop("REPLAYSSM_KERNELS")
+        dispatch.reset()
         errs.append(maxerr(y, ref) / float(ref.abs().max()))
     rows.append(dict(shape="SoftmaxMoE layer graph", N=64, rel_err=max(errs)))
     res["check_moe"] = rows

@@ -6,21 +6,30 @@ object with one attribute per op of the family's reference module
 (``replayssm.ops.<family>.naive``).  Each op is declared in exactly one of two lists:
 
 * :data:`ROUTED` — it has a Triton kernel with the reference op's signature
-  (``replayssm.kernels.<family>``); the backend is picked per call from the call's tensors:
-  the kernel for CUDA tensors below float64 when Triton is importable, the reference op
-  otherwise (float64 is the exactness reference, so ``"auto"`` keeps it on the reference);
+  (``replayssm.kernels.<family>``); the backend is picked from the call's lead tensor (see
+  below): the kernel for CUDA tensors below float64 when Triton is importable, the
+  reference op otherwise (float64 is the exactness reference, so ``"auto"`` keeps it on the
+  reference);
 * :data:`REFERENCE_ONLY` — no kernel yet: the attribute *is* the reference function, on
   every device.  ``tests/kernels/test_layer_dispatch.py`` lists these, so an op that runs
-  the reference on CUDA is a decision someone wrote down, never a silent fallback.
+  the reference on CUDA is a decision someone wrote down, never a silent fallback: an op
+  routed to the kernels whose kernel module lacks it raises, naming it.
+
+Resolved once, not per call: a routed op keeps a table ``(device, dtype) -> function`` of
+its lead tensor (the first tensor argument, positional then keyword, or a cache object's
+``state`` / ``window`` / first pool tensor), filled on the first call with that key; a call
+is then that dict lookup plus the call of the kernel (with ``check=`` dropped when it does
+not take it) or of the reference op (with :data:`KERNEL_ONLY` keywords dropped).
 
 A kernel module may restrict which calls its kernel takes (``SUPPORTS[name](*args, **kw)``,
-e.g. the MoE kernel's activations); other calls run the reference.
+e.g. the MoE kernel's activations); other calls run the reference (checked per call).
 
 Any other name raises ``AttributeError``.  ``backend`` (``"auto"`` | ``"triton"`` |
 ``"naive"``) forces a backend; the environment variable ``REPLAYSSM_KERNELS``
 (``triton`` / ``naive``) overrides ``"auto"`` (``triton`` on CPU tensors needs
-``TRITON_INTERPRET=1`` set before triton is imported).  Kernel-only tuning keywords
-(:data:`KERNEL_ONLY`) are dropped when the reference op runs.
+``TRITON_INTERPRET=1`` set before triton is imported).  The environment is read when a
+choice is first resolved; :func:`reset` forgets every resolved choice (tests that change
+``REPLAYSSM_KERNELS`` or patch a kernel module call it).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import sys
+import weakref
 
 import torch
 from torch import Tensor
@@ -51,6 +60,7 @@ BACKENDS = ("auto", "triton", "naive")
 KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "precision", "snapshots", "impl",
                "fused_fold", "flush_mode", "fold_warps", "block_n", "block_t", "block_c", "num_stages", "wu_warps",
                "inv_precision", "inv", "num_splits", "block_m", "block_k")
+_KERNEL_ONLY = frozenset(KERNEL_ONLY)
 
 _REFERENCE = {"mamba2": mamba2_naive, "gdn": gdn_naive, "conv": conv_naive, "attention": attention_naive,
               "moe": moe_naive}
@@ -80,10 +90,28 @@ REFERENCE_ONLY = {
 }
 
 
+_UNREAD = object()
+_env = _UNREAD                      # REPLAYSSM_KERNELS as read by env_backend (until reset)
+_live: weakref.WeakSet = weakref.WeakSet()   # every KernelOps (their tables are cleared by reset)
+
+
 def env_backend() -> str | None:
-    """``REPLAYSSM_KERNELS`` when it names a backend (``"triton"`` / ``"naive"``), else None."""
-    env = os.environ.get("REPLAYSSM_KERNELS", "").strip().lower()
-    return env if env in ("triton", "naive") else None
+    """``REPLAYSSM_KERNELS`` when it names a backend (``"triton"`` / ``"naive"``), else None;
+    read once (until :func:`reset`)."""
+    global _env
+    if _env is _UNREAD:
+        env = os.environ.get("REPLAYSSM_KERNELS", "").strip().lower()
+        _env = env if env in ("triton", "naive") else None
+    return _env
+
+
+def reset() -> None:
+    """Forget every resolved choice: the next call of each op (and :func:`env_backend`)
+    reads ``REPLAYSSM_KERNELS`` / ``TRITON_INTERPRET`` and looks its kernel up again."""
+    global _env
+    _env = _UNREAD
+    for ops in list(_live):
+        ops.clear()
 
 
 def _fp64_naive(backend: str, tensors) -> str:
@@ -122,41 +150,63 @@ def use_triton(*tensors: Tensor | None, backend: str = "auto") -> bool:
     return _triton.HAVE_TRITON and bool(ts) and all(t.device.type == "cuda" for t in ts)
 
 
-@functools.lru_cache(maxsize=None)
 def _accepts(f, kw: str) -> bool:
     return kw in inspect.signature(f).parameters
 
 
-def _probe(args, kwargs=None) -> list[Tensor]:
-    """The tensors that decide the backend of one call: tensor arguments (positional or
-    keyword), plus the state (ring buffers), window (conv) or first pool tensor (paged pools)
-    of cache objects."""
-    out = []
-    for a in list(args) + list((kwargs or {}).values()):
-        if isinstance(a, Tensor):
-            out.append(a)
-        elif isinstance(getattr(a, "state", None), Tensor):
-            out.append(a.state)
-        elif isinstance(getattr(a, "window", None), Tensor):
-            out.append(a.window)
-        elif hasattr(a, "tensors") and callable(a.tensors):
-            ts = [t for t in a.tensors() if isinstance(t, Tensor)]
-            out += ts[:1]
-    return out
+def _lead(args, kwargs) -> Tensor | None:
+    """The tensor that decides the backend of one call: the first tensor argument
+    (positional, then keyword), where a cache object stands for its state (ring buffers),
+    window (conv) or first pool tensor (paged pools); None when the call has none."""
+    for a in args:
+        t = a if isinstance(a, Tensor) else _held(a)
+        if t is not None:
+            return t
+    for a in kwargs.values():
+        t = a if isinstance(a, Tensor) else _held(a)
+        if t is not None:
+            return t
+    return None
+
+
+def _held(a) -> Tensor | None:
+    """The tensor standing for cache object ``a`` in :func:`_lead` (None if ``a`` is none)."""
+    t = getattr(a, "state", None)
+    if isinstance(t, Tensor):
+        return t
+    t = getattr(a, "window", None)
+    if isinstance(t, Tensor):
+        return t
+    if hasattr(a, "tensors") and callable(a.tensors):
+        for t in a.tensors():
+            if isinstance(t, Tensor):
+                return t
+    return None
+
+
+def kernel_module(family: str, name: str):
+    """The module of ``family``'s kernels that defines routed op ``name`` (the first of
+    ``_KERNELS[family]`` that does); raises ``NotImplementedError`` naming the op if none does."""
+    for m in _KERNELS[family]:
+        if hasattr(m, name):
+            return m
+    raise NotImplementedError(
+        f"{family}.{name} is routed to the Triton kernels but none of "
+        f"{[m.__name__ for m in _KERNELS[family]]} defines it: write the kernel, or move "
+        f"{name!r} to REFERENCE_ONLY[{family!r}] (no silent fallback to the reference)")
 
 
 def kernel_for(family: str, name: str):
     """The Triton wrapper of ``family``'s routed op ``name``."""
-    return next(getattr(m, name) for m in _KERNELS[family] if hasattr(m, name))
+    return getattr(kernel_module(family, name), name)
 
 
 class KernelOps:
-    """The ops of one family, each routed per call (see the module docstring).
+    """The ops of one family (see the module docstring).
 
-    ``ops.<name>(...)`` for a name in ``ROUTED[family]`` runs the Triton kernel when
-    :func:`use_triton` says so for the call's tensors (``check=`` is dropped for kernels
-    that do not take it), else the reference op with :data:`KERNEL_ONLY` keywords dropped.
-    A name in ``REFERENCE_ONLY[family]`` is the reference function itself.
+    ``ops.<name>(...)`` for a name in ``ROUTED[family]`` runs the function its table holds
+    for the call's lead tensor's ``(device, dtype)``; a missing entry is resolved first
+    (:meth:`resolve`).  A name in ``REFERENCE_ONLY[family]`` is the reference function itself.
     """
 
     def __init__(self, family: str, backend: str = "auto"):
@@ -166,33 +216,76 @@ class KernelOps:
             raise ValueError(f"bad backend {backend!r}: expected one of {BACKENDS}")
         self.family, self.backend = family, backend
         self.naive = _REFERENCE[family]
+        self.tables: dict[str, dict] = {}
         for name in ROUTED[family]:
             setattr(self, name, self._router(name))
         for name in REFERENCE_ONLY[family]:
             setattr(self, name, getattr(self.naive, name))
+        _live.add(self)
 
     def _router(self, name: str):
-        naive_f = getattr(self.naive, name)
-        @functools.wraps(naive_f)
+        table = self.tables[name] = {}
+        resolve = self.resolve
+
+        @functools.wraps(getattr(self.naive, name))
         def op(*args, **kwargs):
-            probe = _probe(args, kwargs)
-            f = kernel_for(self.family, name)
-            supports = getattr(sys.modules[f.__module__], "SUPPORTS", {}).get(name)
-            if use_triton(*probe, backend=_fp64_naive(self.backend, probe)) and \
-                    (supports is None or supports(*args, **kwargs)):
-                if "check" in kwargs and not _accepts(f, "check"):
-                    kwargs = {k: v for k, v in kwargs.items() if k != "check"}
-                return f(*args, **kwargs)
-            kwargs = {k: v for k, v in kwargs.items() if k not in KERNEL_ONLY}
-            return naive_f(*args, **kwargs)
+            t = args[0] if args and isinstance(args[0], Tensor) else _lead(args, kwargs)
+            key = None if t is None else (t.device, t.dtype)
+            f = table.get(key)
+            if f is None:
+                f = table[key] = resolve(name, t)
+            return f(*args, **kwargs)
 
         return op
+
+    def resolve(self, name: str, lead: Tensor | None):
+        """The function routed op ``name`` runs for calls led by a tensor of ``lead``'s
+        device and dtype (``lead`` None: calls without tensors): the kernel when
+        :func:`use_triton` says so for ``lead`` (and, where its module declares
+        ``SUPPORTS[name]``, for the calls that predicate accepts, checked per call), else
+        the reference op dropping :data:`KERNEL_ONLY` keywords."""
+        probe = [] if lead is None else [lead]
+        if not use_triton(*probe, backend=_fp64_naive(self.backend, probe)):
+            return self._reference(name)
+        module = kernel_module(self.family, name)
+        f = getattr(module, name)
+        supports = getattr(module, "SUPPORTS", {}).get(name)
+        kernel = f if _accepts(f, "check") else functools.partial(_without_check, f)
+        if supports is None:
+            return kernel
+        reference = self._reference(name)
+
+        def supported(*args, **kwargs):
+            return (kernel if supports(*args, **kwargs) else reference)(*args, **kwargs)
+
+        return supported
+
+    def _reference(self, name: str):
+        f = getattr(self.naive, name)
+
+        def reference(*args, **kwargs):
+            if kwargs and not _KERNEL_ONLY.isdisjoint(kwargs):
+                kwargs = {k: v for k, v in kwargs.items() if k not in _KERNEL_ONLY}
+            return f(*args, **kwargs)
+
+        return reference
+
+    def clear(self) -> None:
+        """Forget the resolved functions (:func:`reset` does it for every ``KernelOps``)."""
+        for table in self.tables.values():
+            table.clear()
 
     def __repr__(self) -> str:
         return f"KernelOps({self.family!r}, backend={self.backend!r})"
 
 
+def _without_check(f, *args, **kwargs):
+    """``f(*args, **kwargs)`` without ``check=`` (a kernel that does not take it)."""
+    kwargs.pop("check", None)
+    return f(*args, **kwargs)
+
+
 @functools.lru_cache(maxsize=None)
 def ops_for(family: str, backend: str = "auto") -> KernelOps:
-    """The (cached) :class:`KernelOps` of ``family`` (``"mamba2"``, ``"gdn"`` or ``"conv"``)."""
+    """The (cached) :class:`KernelOps` of ``family`` (one of :data:`ROUTED`'s keys)."""
     return KernelOps(family, backend)

@@ -140,9 +140,9 @@ def test_fold_kernel_refuses_what_the_reference_refuses():
         KM.kv_fold(kv, to(plan, DEVICE), A, torch.zeros(2, 2, 8, 16, dtype=torch.float64, device=DEVICE))
 
 
-def test_dispatch_routes_kv_fold_to_the_kernel(monkeypatch):
+def test_dispatch_routes_kv_fold_to_the_kernel(monkeypatch, kernels_env):
     """``ops_for(...).kv_fold`` runs the kernel where kernels run, and agrees with the reference."""
-    monkeypatch.setenv("REPLAYSSM_KERNELS", "triton")
+    kernels_env("triton")
     g = torch.Generator().manual_seed(1)
     NB, plan = plan_of(g, [9, 0, 17], 4)
     kv = GDNPagedBuffers.allocate(NB, 4, 1, 2, 16, 16, dtype=torch.float32, device=DEVICE)

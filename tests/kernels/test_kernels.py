@@ -445,12 +445,12 @@ def test_gdn_kv_verify(device, impl):
 
 
 # ============================================================================ dispatch
-def test_dispatch_backend_choice(monkeypatch):
+def test_dispatch_backend_choice(kernels_env):
     x = torch.zeros(2)
     assert dispatch.use_triton(x, backend="naive") is False
     if not _triton.interpreting():
         assert dispatch.use_triton(x) is False  # CPU tensors -> naive by default
-    monkeypatch.setenv("REPLAYSSM_KERNELS", "naive")
+    kernels_env("naive")
     assert dispatch.use_triton(x) is False
     with pytest.raises(ValueError):
         dispatch.use_triton(x, backend="bogus")

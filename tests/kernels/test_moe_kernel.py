@@ -58,7 +58,7 @@ def _fill(mod, seed):
         p.data = torch.randn(p.shape, generator=g) * 0.3
 
 
-def test_moe_layers_kernel_path_equals_reference(monkeypatch):
+def test_moe_layers_kernel_path_equals_reference(kernels_env):
     """The layers' fused path (``REPLAYSSM_KERNELS=triton``) gives the reference path's output
     from the same routing, including tied router scores."""
     for i, moe in enumerate((SoftmaxMoE(24, 10, 7, 3, True, 4), SigmoidMoE(24, 10, 8, 2, 2, 1, True, 1.7, 4, 16))):
@@ -67,8 +67,8 @@ def test_moe_layers_kernel_path_equals_reference(monkeypatch):
         moe.gate.weight.data[5] = moe.gate.weight.data[1]                # exact ties in the router
         moe.to(DEVICE)
         x = torch.randn(2, 5, 24, generator=torch.Generator().manual_seed(9)).to(DEVICE)
-        monkeypatch.setenv("REPLAYSSM_KERNELS", "naive")
+        kernels_env("naive")
         ref = moe(x)
-        monkeypatch.setenv("REPLAYSSM_KERNELS", "triton")
+        kernels_env("triton")
         got = moe(x)
         assert (got - ref).abs().max().item() < 1e-5
