@@ -2,46 +2,34 @@
 
 ``get_form(name)`` returns the registered form (``"recurrent"``, ``"replay"``, ``"kv"``,
 ``"mixed"``); :data:`CACHE_FORMS` says which forms a model cache of each mode allocates
-(a KV-only cache also holds the replay form its slots switch to).  A new form is one module
-defining a :class:`~replayssm.forms.base.DecodeForm` subclass plus one
+(a KV-only cache also holds the replay form its slots switch to).  What each form decides per
+step kind (the op that runs, the stores it reads / writes / flushes, what its commit does) is
+one table, :mod:`replayssm.forms.table` (``STEPS``, ``KINDS``, ``step``), which the forms and
+the JAX backend both read.  A new form is one module defining a
+:class:`~replayssm.forms.base.DecodeForm` subclass, its rows in the table and one
 :func:`register_form` call (and, for a new cache mode, an entry in :data:`CACHE_FORMS`).
+
+The table is torch-free and imported eagerly; the forms themselves (PyTorch) load on first
+use of a name below, so ``replayssm.forms.table`` imports no torch.
 """
 
 from __future__ import annotations
 
-from .base import STEP_KINDS, DecodeForm, FormLayer
-from .kv import KVForm
-from .mixed import MixedForm
-from .recurrent import RecurrentForm
-from .replay import ReplayForm
+from .table import KINDS, STEP_KINDS, STEPS, Kind, Step, step
 
-_FORMS: dict[str, DecodeForm] = {}
+_LAZY = {"CACHE_FORMS": "registry", "get_form": "registry", "register_form": "registry",
+         "DecodeForm": "base", "FormLayer": "base", "KVForm": "kv", "MixedForm": "mixed",
+         "RecurrentForm": "recurrent", "ReplayForm": "replay"}
 
-#: forms whose memory a model cache of each mode allocates (first: the mode's own form)
-CACHE_FORMS: dict[str, tuple[str, ...]] = {
-    "recurrent": ("recurrent",),
-    "replay": ("replay",),
-    "kv": ("kv", "replay"),
-}
+__all__ = ["STEP_KINDS", "KINDS", "STEPS", "Kind", "Step", "step", *_LAZY]
 
 
-def register_form(form: DecodeForm) -> DecodeForm:
-    """Make ``form`` available as ``get_form(form.name)``."""
-    if not isinstance(form, DecodeForm) or not form.name:
-        raise ValueError(f"a form must be a named DecodeForm, got {form!r}")
-    _FORMS[form.name] = form
-    return form
+def __getattr__(name):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'replayssm.forms' has no attribute {name!r}")
+    import importlib
 
-
-def get_form(name: str) -> DecodeForm:
-    try:
-        return _FORMS[name]
-    except KeyError:
-        raise ValueError(f"unknown decode form {name!r}: registered {sorted(_FORMS)}") from None
-
-
-for _f in (RecurrentForm(), ReplayForm(), KVForm(), MixedForm()):
-    register_form(_f)
-
-__all__ = ["STEP_KINDS", "CACHE_FORMS", "DecodeForm", "FormLayer", "KVForm", "MixedForm", "RecurrentForm",
-           "ReplayForm", "get_form", "register_form"]
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value

@@ -12,6 +12,11 @@ stateless object.  For one layer it owns
 * which shared bookkeeping its steps read: a ring plan (``uses_ring``) and/or a paged plan
   (``uses_pages``), built once per model call.
 
+What a form decides per step kind (the op entry, the stores read / written / flushed, what
+the step keeps and what its commit runs) is its rows of :mod:`replayssm.forms.table`, shared
+with the JAX backend: :meth:`DecodeForm.step` reads them, the step methods call the op the
+table names and :meth:`DecodeForm.commit` runs the table's commit entry.
+
 The layer family (Mamba-2, Gated DeltaNet) is reached through :class:`FormLayer`: the forms
 never know which family they run, so a new form is one new module plus a registration in
 :mod:`replayssm.forms`, and a new family implements :class:`FormLayer` once.
@@ -23,21 +28,23 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-#: step kinds a form implements (``StepContext.kind`` of a cached call)
-STEP_KINDS = ("prefill", "decode", "verify", "tree")
+from .table import KINDS, STEP_KINDS, Step, form_stores, step
+
+__all__ = ["STEP_KINDS", "DecodeForm", "FormLayer", "ring_plan", "paged_plan"]
 
 
 def ring_plan(ring, kind: str, slots: Tensor, T: int):
-    """The ring plan of a step: one new entry (prefill and decode) or ``T`` tentative ones."""
-    if kind in ("prefill", "decode"):
-        return ring.plan_decode(slots)
-    return ring.plan_verify(slots, T, kind)
+    """The ring plan of a step: ``T`` tentative entries (verify, tree: flush a window early)
+    or one new entry (prefill and decode)."""
+    if KINDS[kind].tentative:
+        return ring.plan_verify(slots, T, kind)
+    return ring.plan_decode(slots)
 
 
 def paged_plan(pidx, kind: str, slots: Tensor, T: int):
-    """The paged plan of a step (a prefill's padded tail past a row's reserved blocks lands
-    in the null block, so its length check is off)."""
-    return pidx.plan(slots, T, check=False if kind == "prefill" else None)
+    """The paged plan of a step (a padded step's tail past a row's reserved blocks lands in
+    the null block, so its length check is off)."""
+    return pidx.plan(slots, T, check=False if KINDS[kind].padded else None)
 
 
 class FormLayer(Protocol):
@@ -71,8 +78,24 @@ class DecodeForm:
     """Base of the decode forms (see the module docstring)."""
 
     name = ""
-    uses_ring = False     # steps read a ring plan (``ctx.plan``)
-    uses_pages = False    # steps read a paged plan (``ctx.pplan``)
+
+    @property
+    def uses_ring(self) -> bool:
+        """Steps read a ring plan (``ctx.plan``): some row of the table uses the ring."""
+        return "ring" in form_stores(self.name)
+
+    @property
+    def uses_pages(self) -> bool:
+        """Steps read a paged plan (``ctx.pplan``): some row of the table uses the pages."""
+        return "pages" in form_stores(self.name)
+
+    def step(self, kind: str) -> Step:
+        """This form's row of the table for ``kind``."""
+        return step(self.name, kind)
+
+    def op(self, kind: str) -> str:
+        """The op family entry a step of ``kind`` runs."""
+        return step(self.name, kind).op
 
     def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device,
                  pages: tuple[int, int] | None = None) -> dict:
@@ -109,8 +132,12 @@ class DecodeForm:
         raise NotImplementedError
 
     def commit(self, layer: FormLayer, ctx, store: dict, accepted: Tensor, path: Tensor | None) -> None:
-        """Keep ``accepted`` entries of the pending step (the shared ring / paged pointers
-        move in the model, once for all layers); default: nothing form-specific to do."""
+        """Keep ``accepted`` entries of the pending step: the method named by the table's
+        commit entry of the pending kind (the shared ring / paged pointers move in the model,
+        once for all layers; none: nothing form-specific to do)."""
+        name = self.step(ctx.kind).commit
+        if name:
+            getattr(self, name)(layer, ctx, store, accepted, path)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

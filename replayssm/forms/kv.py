@@ -38,7 +38,7 @@ class KVForm(DecodeForm):
         return {"kv": layer.alloc_pages(pages[0], pages[1], dtype, device)}
 
     def _all(self, layer, a, ctx, store) -> Tensor:
-        return layer.op("kv_verify", store["kv"], ctx.pplan, a=a)
+        return layer.op(self.op(ctx.kind), store["kv"], ctx.pplan, a=a)
 
     decode = verify = _all
 
@@ -56,8 +56,9 @@ class KVForm(DecodeForm):
         """Each node's recurrence along its root path from the state the row's held entries
         fold into; the N node entries land in the pool at ``length .. length+N-1`` and
         :meth:`commit` moves the accepted path to the front before the paged pointer moves."""
-        return layer.op("kv_tree_verify", store["kv"], ctx.pplan, ctx.parent, a=a)
+        return layer.op(self.op(ctx.kind), store["kv"], ctx.pplan, ctx.parent, a=a)
 
-    def commit(self, layer, ctx, store, accepted, path) -> None:
-        if ctx.kind == "tree":
-            paged.gather_path(store["kv"].tensors(), ctx.pplan, path, accepted)
+    def gather_path(self, layer, ctx, store, accepted, path) -> None:
+        """A tree's commit (table entry ``gather_path``): the accepted path's entries move to
+        the front of the new ones (then the paged pointer moves)."""
+        paged.gather_path(store["kv"].tensors(), ctx.pplan, path, accepted)

@@ -14,11 +14,17 @@ from .replay import ReplayForm
 
 class MixedForm(DecodeForm):
     name = "mixed"
-    uses_ring = True
-    uses_pages = True
 
     def __init__(self, kv: DecodeForm | None = None, state: DecodeForm | None = None):
         self.kv, self.state = kv or KVForm(), state or ReplayForm()
+
+    @property
+    def uses_ring(self) -> bool:
+        return self.kv.uses_ring or self.state.uses_ring
+
+    @property
+    def uses_pages(self) -> bool:
+        return self.kv.uses_pages or self.state.uses_pages
 
     def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None) -> dict:
         return {**self.state.allocate(layer, num_slots, capacity, dtype, device, pages),

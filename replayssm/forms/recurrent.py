@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .base import DecodeForm, FormLayer
+from .table import KINDS
 
 
 class RecurrentForm(DecodeForm):
@@ -24,7 +25,7 @@ class RecurrentForm(DecodeForm):
         """Packed chunked scan from each slot's state (zeros when fresh), final state written
         back in place (the pool form of ``chunked_prefill_varlen``)."""
         kw = layer.entry_kwargs() if ctx.prefix_rows is not None else {}
-        out = layer.op("chunked_prefill_varlen", a=a, packed=True, cu_seqlens=ctx.cu_seqlens,
+        out = layer.op(self.op(ctx.kind), a=a, packed=True, cu_seqlens=ctx.cu_seqlens,
                        state_pool=store["buf"].state, slots=ctx.state_slots, fresh=ctx.fresh,
                        chunk_size=layer.chunk_size, **kw)
         if ctx.prefix_rows is not None:   # prefix caching: every token's ring entry
@@ -32,11 +33,11 @@ class RecurrentForm(DecodeForm):
         return out[0][None]
 
     def decode(self, layer, a, ctx, store) -> Tensor:
-        return layer.op("recurrent_update", store["buf"].state, a=a, t0=True, slot=ctx.state_slots)[:, None]
+        return layer.op(self.op(ctx.kind), store["buf"].state, a=a, t0=True, slot=ctx.state_slots)[:, None]
 
     def verify(self, layer, a, ctx, store) -> Tensor:
-        y, snaps = layer.op("snapshot_verify", store["buf"].state, ctx.state_slots, a=a)
-        ctx.pending[(layer.layer_id, "snap")] = snaps
+        y, snaps = layer.op(self.op(ctx.kind), store["buf"].state, ctx.state_slots, a=a)
+        ctx.pending[(layer.layer_id, self.step(ctx.kind).pending)] = snaps
         return y
 
     def tree(self, layer, a, ctx, store) -> Tensor:
@@ -51,18 +52,17 @@ class RecurrentForm(DecodeForm):
             base = S0 if i == 0 else torch.where(
                 (p < 0).view(-1, 1, 1, 1), S0, nodes[rows, p.clamp(min=0)])
             ai = {k: v[:, i:i + 1] for k, v in a.items()}
-            y, S = layer.op("recurrent_step", base, a=ai, t0=True)
+            y, S = layer.op(self.op(ctx.kind), base, a=ai, t0=True)
             nodes[:, i] = S.to(nodes.dtype)
             ys.append(y)
-        ctx.pending[(layer.layer_id, "nodes")] = nodes
+        ctx.pending[(layer.layer_id, self.step(ctx.kind).pending)] = nodes
         return torch.stack(ys, 1)
 
-    def commit(self, layer, ctx, store, accepted, path) -> None:
-        state = store["buf"].state
-        if ctx.kind == "tree":
-            nodes = ctx.pending.pop((layer.layer_id, "nodes"))
-            rows = torch.arange(nodes.shape[0], device=nodes.device)
-            snaps = nodes[rows[:, None], path.long()]                   # [B, N, ...] along the path
-        else:
-            snaps = ctx.pending.pop((layer.layer_id, "snap"))
-        layer.ops().snapshot_commit(state, ctx.state_slots, snaps, accepted)
+    def snapshot_commit(self, layer, ctx, store, accepted, path) -> None:
+        """The commit (table entry ``snapshot_commit``): the state after the last accepted
+        draft, from the kept snapshots (a tree's: the node states along the accepted path)."""
+        snaps = ctx.pending.pop((layer.layer_id, self.step(ctx.kind).pending))
+        if KINDS[ctx.kind].tree:
+            rows = torch.arange(snaps.shape[0], device=snaps.device)
+            snaps = snaps[rows[:, None], path.long()]                   # [B, N, ...] along the path
+        layer.ops().snapshot_commit(store["buf"].state, ctx.state_slots, snaps, accepted)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..cache.tree import gather_path
+from ..cache.tree import gather_path as gather_ring_path
 from .base import DecodeForm, FormLayer
 
 
@@ -34,7 +34,7 @@ class ReplayForm(DecodeForm):
         init = layer.rebuild_state(buf, ctx.plan)
         init = torch.where(ctx.fresh.view(-1, 1, 1, 1), torch.zeros_like(init), init).to(buf.state.dtype)
         kw = layer.entry_kwargs() if ctx.prefix_rows is not None else {}
-        out = layer.op("chunked_prefill_varlen", a=a, packed=True, cu_seqlens=ctx.cu_seqlens, initial_state=init,
+        out = layer.op(self.op(ctx.kind), a=a, packed=True, cu_seqlens=ctx.cu_seqlens, initial_state=init,
                        chunk_size=layer.chunk_size, **kw)
         buf.state[ctx.state_slots] = out[1].to(buf.state.dtype)
         if ctx.prefix_rows is not None:   # prefix caching: every token's ring entry
@@ -42,14 +42,15 @@ class ReplayForm(DecodeForm):
         return out[0][None]
 
     def decode(self, layer, a, ctx, store) -> Tensor:
-        return layer.op("replay_decode", store["buf"], ctx.plan, a=a, t0=True)[:, None]
+        return layer.op(self.op(ctx.kind), store["buf"], ctx.plan, a=a, t0=True)[:, None]
 
     def verify(self, layer, a, ctx, store) -> Tensor:
-        return layer.op("replay_verify", store["buf"], ctx.plan, a=a)
+        return layer.op(self.op(ctx.kind), store["buf"], ctx.plan, a=a)
 
     def tree(self, layer, a, ctx, store) -> Tensor:
-        return layer.op("tree_verify", store["buf"], ctx.plan, ctx.parent, a=a, **tree_bits(ctx))
+        return layer.op(self.op(ctx.kind), store["buf"], ctx.plan, ctx.parent, a=a, **tree_bits(ctx))
 
-    def commit(self, layer, ctx, store, accepted, path) -> None:
-        if ctx.kind == "tree":
-            gather_path(store["buf"].ring_tensors(), ctx.plan, path, accepted)
+    def gather_path(self, layer, ctx, store, accepted, path) -> None:
+        """A tree's commit (table entry ``gather_path``): the accepted root-to-leaf path's ring
+        entries move to the front of the new entries (then the ring pointer moves)."""
+        gather_ring_path(store["buf"].ring_tensors(), ctx.plan, path, accepted)

@@ -161,7 +161,7 @@ class _Program:
                 return {**c, "step": c["step"] + 1}
             return body
 
-        if cfg.mode != "replay":
+        if not M.uses_ring(cfg.mode):
             return lax.while_loop(running, step(True), c)
         T = cfg.num_tokens + 1 if cfg.spec_method else 1
         kind = "verify" if cfg.spec_method else "decode"
@@ -296,7 +296,7 @@ class JaxLLM:
                 raise ValueError(f"the JAX backend speculates with chains: method 'ngram' or 'draft', "
                                  f"not {speculative.method!r}")
             need = 2 * speculative.verify_tokens
-            if decode_mode == "replay" and buffer_size < need:
+            if M.uses_ring(decode_mode) and buffer_size < need:
                 raise ValueError(f"buffer_size {buffer_size} < 2 * (draft tokens + 1) = {need}: the replay "
                                  f"buffer must hold two verify windows")
         if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)

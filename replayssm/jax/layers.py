@@ -11,7 +11,16 @@ XLA copy the whole stacked cache every layer.  The recurrent form's state is the
 read and rewritten slice by slice, in place.  ``pending`` holds what a verify step keeps until
 the commit (pre-conv inputs, the snapshot baseline's states).
 
-Step kinds (``ctx.kind``) and cache forms (``ctx.mode``):
+Step kinds (``ctx.kind``) and cache forms (``ctx.mode``) are those of the PyTorch forms, and
+so are their decisions: one table, :mod:`replayssm.forms.table` (``KINDS``: what a kind does
+to the conv window and the KV entries, whether its rows are padded, its entries tentative;
+``STEPS``: per form and kind, the op entry that runs and what it does to the state and the
+ring).  Each SSM family maps the op entries it implements to one function here, and its
+per-``(form, kind)`` dispatch dict (:data:`M2_STEPS`, :data:`GDN_STEPS`) is built from the
+table with each row's decisions bound; the functions read those decisions, never the kind's
+name.  Of the table this backend runs the kinds ``full`` / ``prefill`` / ``decode`` /
+``verify`` of the ``recurrent`` and ``replay`` forms (:data:`FORMS`); its prefill takes fresh
+rows only (every row's cache is overwritten), so a prefill reads no state, ring or KV.
 
 ==========  ===========================  ======================================
 kind        recurrent                    replay
@@ -32,26 +41,31 @@ loop runs steps compiled without it (no state write at all) while no row flushes
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..forms.table import KINDS, STEPS, Kind, Step
 from . import ops
 from .ops import compute_dtype, ein, linear
 
-__all__ = ["Ctx", "MIXERS"]
+__all__ = ["Ctx", "MIXERS", "FORMS", "KINDS_RUN", "M2_STEPS", "GDN_STEPS"]
+
+#: the step kinds this backend runs (``tree`` and the KV-only form are PyTorch-engine only)
+KINDS_RUN = ("full", "prefill", "decode", "verify")
 
 
 @dataclass
 class Ctx:
     """What every layer of one model call reads (static ``kind``/``mode``/``T``, arrays else)."""
 
-    kind: str                      # "full" | "prefill" | "decode" | "verify"
-    mode: str                      # "recurrent" | "replay"
+    kind: str                      # a step kind of :data:`KINDS_RUN`
+    mode: str                      # a form of :data:`FORMS` ("full": any)
     T: int
     positions: Any                 # [Bt, T] int
     seq_len: Any = None            # [Bt] committed tokens before this call
@@ -76,27 +90,64 @@ def _rows(Bt: int):
     return jnp.arange(Bt)[:, None]
 
 
+def _fresh(kd: Kind) -> bool:
+    """A step of this kind reads no past: no cache (``full``) or a prefill (padded rows; this
+    backend's prefill takes fresh rows only)."""
+    return not kd.cached or kd.padded
+
+
+def _build_steps(impls: dict[str, Callable]) -> dict[tuple[str, str], Callable]:
+    """``(form, kind) -> function`` for every row of the forms' table whose op entry ``impls``
+    implements, the row's :class:`~replayssm.forms.table.Step` bound as the first argument."""
+    return {key: functools.partial(impls[s.op], s) for key, s in STEPS.items() if s.op in impls}
+
+
+def _form_step(steps: dict, ctx: "Ctx", family: str) -> Callable:
+    try:
+        return steps[(ctx.mode, ctx.kind)]
+    except KeyError:
+        raise ValueError(f"the JAX backend has no {family} step ({ctx.mode!r}, {ctx.kind!r}): "
+                         f"it runs the forms {FORMS} and the kinds {KINDS_RUN}") from None
+
+
 # ------------------------------------------------------------------------------ conv
 def _conv(p, sp, xc, ctx: Ctx, c: dict, i, upd: dict):
-    """Causal conv + silu of the pre-conv inputs ``xc [Bt, T, C]`` for this step kind; the new
-    window (prefill, decode) goes to ``upd["win"]``."""
+    """Causal conv + silu of the pre-conv inputs ``xc [Bt, T, C]`` for this step kind (its
+    conv op entry in :data:`~replayssm.forms.table.KINDS`); the new window (a kind that
+    keeps it: prefill, decode) goes to ``upd["win"]``, a tentative kind's inputs to the
+    pending ``conv_x`` (for :func:`commit_conv`)."""
+    kd = KINDS[ctx.kind]
     w, b = p["conv_w"], _get(p, "conv_b")
-    Wm1 = sp.W - 1
     cdt = jnp.promote_types(compute_dtype(xc.dtype), w.dtype)
+    return _CONV[kd.conv](kd, w, b, sp.W - 1, cdt, xc, ctx, c, i, upd)
+
+
+def _conv_fresh(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: dict):
+    """From a zero window (no cache, or fresh prefill rows); a padded kind keeps each row's
+    last ``W-1`` valid inputs as its window."""
     Bt = xc.shape[0]
-    if ctx.kind in ("full", "prefill"):
-        xp = jnp.concatenate([jnp.zeros((Bt, Wm1, xc.shape[2]), cdt), xc.astype(cdt)], 1)
-        out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
-        if ctx.kind == "prefill":
-            upd["win"] = ops.last_window(xp, ctx.lengths, Wm1).astype(c["win"].dtype)
-        return out, {}
+    xp = jnp.concatenate([jnp.zeros((Bt, Wm1, xc.shape[2]), cdt), xc.astype(cdt)], 1)
+    out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
+    if kd.keeps_window:
+        upd["win"] = ops.last_window(xp, ctx.lengths, Wm1).astype(c["win"].dtype)
+    return out, {}
+
+
+def _conv_window(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: dict):
+    """After the row's cached window: the new window (a kind that keeps it), or the inputs
+    pending until the commit (a tentative kind)."""
     win = c["win"][i]
     xp = jnp.concatenate([win.astype(cdt), xc.astype(cdt)], 1)
     out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
-    if ctx.kind == "decode":
+    if kd.keeps_window:
         upd["win"] = xp[:, xp.shape[1] - Wm1:].astype(win.dtype)
         return out, {}
     return out, {"conv_x": xc.astype(win.dtype)}
+
+
+#: conv op entries (``KINDS[kind].conv``) -> this backend's function
+_CONV = {"conv_prefill": _conv_fresh, "conv_prefill_varlen": _conv_fresh,
+         "conv_decode": _conv_window, "conv_verify": _conv_window}
 
 
 def commit_conv(win, conv_x, accepted):
@@ -133,7 +184,7 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
             drop = jnp.where(ctx.flush, jnp.arange(Bt), Bt)
             c["state"] = c["state"].at[:, drop].set(v.astype(c["state"].dtype), mode="drop")
         elif name in ("k", "v"):
-            if ctx.kind == "prefill":
+            if _fresh(KINDS[ctx.kind]):                    # fresh rows: tokens 0 .. T-1
                 c[name] = c[name].at[:, :, :T].set(v.astype(c[name].dtype))
             else:
                 pos = jnp.minimum(ctx.seq_len[:, None] + jnp.arange(T)[None, :], c[name].shape[2] - 1)
@@ -164,12 +215,13 @@ def _rewrite_state(c: dict, i, S, y) -> dict:
     return _set(c, "state", c["state"].at[i].set(S.astype(c["state"].dtype)))
 
 
-def _flush_state(upd: dict, ctx: Ctx, make_state) -> None:
+def _flush_state(upd: dict, ctx: Ctx, st: Step, with_new, committed) -> None:
     """The new checkpoint of flushing rows (``upd["flush_state"]``, written by
-    :func:`apply_updates` for those rows only).  Not traced at all in steps compiled for no
-    flush (``ctx.write_flush`` False)."""
-    if ctx.write_flush:
-        upd["flush_state"] = make_state()
+    :func:`apply_updates` for those rows only): ``with_new()`` (``S_{h+1}``, the step's entry
+    included) or ``committed()`` (``S_h``), as the table's flush of ``st`` says.  Not traced
+    at all in steps compiled for no flush (``ctx.write_flush`` False)."""
+    if st.state.flush and ctx.write_flush:
+        upd["flush_state"] = (with_new if st.state.with_new else committed)()
 
 
 def _causal(T: int):
@@ -203,26 +255,47 @@ def mamba(p, sp, h, ctx: Ctx, c: dict, i):
 
 
 def _mamba_ssm(sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
+    """The Mamba-2 recurrence of this step: :data:`M2_STEPS` of ``(ctx.mode, ctx.kind)``."""
+    return _form_step(M2_STEPS, ctx, "Mamba-2")(sp, x, dt, A, B, C, ctx, c, i, cdt, upd)
+
+
+def _m2_chunked(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
+    """``chunked_prefill`` / ``_varlen``: chunked SSD from a zero state (no cache or fresh
+    rows); the final state is stored when the step writes the state."""
     Bt, T, H, d = x.shape
     xc, Bc, Cc = x.astype(cdt), B.astype(cdt), C.astype(cdt)
-    if ctx.kind == "full":
-        return ops.m2_chunked(xc, dt, A, Bc, Cc, jnp.zeros((Bt, H, d, sp.n), cdt), sp.chunk)[0], c, {}
-    if ctx.kind == "prefill":
+    if st.info.padded:
         dt = jnp.where(ctx.valid[..., None], dt, jnp.zeros((), cdt))   # padding leaves S unchanged
-        y, S = ops.m2_chunked(xc, dt, A, Bc, Cc, jnp.zeros((Bt, H, d, sp.n), cdt), sp.chunk)
+    y, S = ops.m2_chunked(xc, dt, A, Bc, Cc, jnp.zeros((Bt, H, d, sp.n), cdt), sp.chunk)
+    if st.state.write:
         upd["state"] = S
-        return y, c, {}
+    return y, c, {}
+
+
+def _m2_serial(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
+    """``recurrent_update`` / ``snapshot_verify``: the recurrence token by token from the
+    state; the last state rewrites it (a step that writes the state) or every state is kept
+    for the commit (``pending``)."""
+    Bt, T, H, d = x.shape
+    xc, Bc, Cc = x.astype(cdt), B.astype(cdt), C.astype(cdt)
     S0 = c["state"][i].astype(cdt)
-    if ctx.mode == "recurrent":
-        ys, snaps, S = [], [], S0
-        for t in range(T):
-            y, S = ops.m2_step(S, xc[:, t], dt[:, t], A, Bc[:, t], Cc[:, t])
-            ys.append(y)
-            snaps.append(S)
-        y = jnp.stack(ys, 1)
-        if ctx.kind == "decode":
-            return y, _rewrite_state(c, i, S, y), {}
-        return y, c, {"snap": jnp.stack(snaps, 1)}
+    ys, snaps, S = [], [], S0
+    for t in range(T):
+        y, S = ops.m2_step(S, xc[:, t], dt[:, t], A, Bc[:, t], Cc[:, t])
+        ys.append(y)
+        snaps.append(S)
+    y = jnp.stack(ys, 1)
+    if st.state.write:
+        return y, _rewrite_state(c, i, S, y), {}
+    return y, c, {st.pending: jnp.stack(snaps, 1)}
+
+
+def _m2_replay(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
+    """``replay_decode`` / ``replay_verify``: every token reads S0 and the committed ring under
+    a causal mask; flushing rows write the checkpoint, the new inputs go to the ring."""
+    Bt, T, H, d = x.shape
+    xc, Bc, Cc = x.astype(cdt), B.astype(cdt), C.astype(cdt)
+    S0 = c["state"][i].astype(cdt)
     (hx, hB, hdt), valid = _history(c, ("rx", "rB", "rdt"), i, ctx, cdt)
     hl = A * hdt
     nl = A * dt
@@ -231,13 +304,17 @@ def _mamba_ssm(sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
     P = jnp.concatenate([jnp.broadcast_to(valid[:, None, :], (Bt, T, ctx.L)),
                          jnp.broadcast_to(_causal(T), (Bt, T, T))], 2)          # [Bt, T, L+T]
     y = ops.m2_attend(S0, xs, Bs, dts, logs, Cc, P)
-    if ctx.kind == "decode":   # flush rows store S_{h+1} (the new entry included)
-        make = lambda: ops.m2_build_state(S0, xs, Bs, dts, logs, P[:, 0])
-    else:                      # flush rows store S_h (committed entries only)
-        make = lambda: ops.m2_build_state(S0, hx, hB, hdt, hl, valid)
-    _flush_state(upd, ctx, make)
-    upd.update(rx=x, rB=B, rdt=dt)
+    _flush_state(upd, ctx, st, lambda: ops.m2_build_state(S0, xs, Bs, dts, logs, P[:, 0]),
+                 lambda: ops.m2_build_state(S0, hx, hB, hdt, hl, valid))
+    if st.ring.write:
+        upd.update(rx=x, rB=B, rdt=dt)
     return y, c, {}
+
+
+#: ``(form, kind) -> Mamba-2 step`` from the forms' table (the op entries implemented here)
+M2_STEPS = _build_steps({"chunked_prefill": _m2_chunked, "chunked_prefill_varlen": _m2_chunked,
+                         "recurrent_update": _m2_serial, "snapshot_verify": _m2_serial,
+                         "replay_decode": _m2_replay, "replay_verify": _m2_replay})
 
 
 # ------------------------------------------------------------------------------ Gated DeltaNet
@@ -267,47 +344,81 @@ def gdn(p, sp, h, ctx: Ctx, c: dict, i):
 
 
 def _gdn_ssm(sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
-    Bt, T = q.shape[:2]
-    HV, K, V = sp.HV, sp.K, sp.V
+    """The delta-rule recurrence of this step: :data:`GDN_STEPS` of ``(ctx.mode, ctx.kind)``."""
+    return _form_step(GDN_STEPS, ctx, "Gated DeltaNet")(sp, q, k, v, g, beta, ctx, c, i, cdt, upd)
+
+
+def _gdn_args(q, k, v, g, beta, cdt):
     qn, kn = ops.gdn_prep_qk(q, k, cdt)
-    vc, gc, bc = v.astype(cdt), g.astype(cdt), beta.astype(cdt)
-    out_dtype = v.dtype
-    if ctx.kind in ("full", "prefill"):
-        if ctx.kind == "prefill":   # padding: g = β = 0 leaves the state unchanged
-            m = ctx.valid[..., None]
-            gc, bc = jnp.where(m, gc, jnp.zeros((), cdt)), jnp.where(m, bc, jnp.zeros((), cdt))
-        y, S = ops.gdn_chunked(qn, kn, vc, gc, bc, jnp.zeros((Bt, HV, K, V), cdt), sp.chunk)
-        if ctx.kind == "prefill":
-            upd["state"] = S
-        return y.astype(out_dtype), c, {}
+    return qn, kn, v.astype(cdt), g.astype(cdt), beta.astype(cdt)
+
+
+def _gdn_chunked(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
+    """``chunked_prefill`` / ``_varlen``: the chunked delta rule from a zero state (no cache or
+    fresh rows); the final state is stored when the step writes the state."""
+    Bt = q.shape[0]
+    qn, kn, vc, gc, bc = _gdn_args(q, k, v, g, beta, cdt)
+    if st.info.padded:   # padding: g = β = 0 leaves the state unchanged
+        m = ctx.valid[..., None]
+        gc, bc = jnp.where(m, gc, jnp.zeros((), cdt)), jnp.where(m, bc, jnp.zeros((), cdt))
+    y, S = ops.gdn_chunked(qn, kn, vc, gc, bc, jnp.zeros((Bt, sp.HV, sp.K, sp.V), cdt), sp.chunk)
+    if st.state.write:
+        upd["state"] = S
+    return y.astype(v.dtype), c, {}
+
+
+def _gdn_serial(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
+    """``recurrent_update`` / ``snapshot_verify``: the delta rule token by token from the state
+    (as :func:`_m2_serial`)."""
+    T = q.shape[1]
+    qn, kn, vc, gc, bc = _gdn_args(q, k, v, g, beta, cdt)
     S0 = c["state"][i].astype(cdt)
-    if ctx.mode == "recurrent":
-        ys, snaps, S = [], [], S0
-        for t in range(T):
-            y, S = ops.gdn_step(S, qn[:, t], kn[:, t], vc[:, t], gc[:, t], bc[:, t])
-            ys.append(y)
-            snaps.append(S)
-        y = jnp.stack(ys, 1).astype(out_dtype)
-        if ctx.kind == "decode":
-            return y, _rewrite_state(c, i, S, y), {}
-        return y, c, {"snap": jnp.stack(snaps, 1)}
+    ys, snaps, S = [], [], S0
+    for t in range(T):
+        y, S = ops.gdn_step(S, qn[:, t], kn[:, t], vc[:, t], gc[:, t], bc[:, t])
+        ys.append(y)
+        snaps.append(S)
+    y = jnp.stack(ys, 1).astype(v.dtype)
+    if st.state.write:
+        return y, _rewrite_state(c, i, S, y), {}
+    return y, c, {st.pending: jnp.stack(snaps, 1)}
+
+
+def _gdn_replay(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
+    """``replay_decode`` / ``replay_verify``: readouts of S0 and the committed ring, then the
+    block of new tokens under a causal mask; flushing rows write the checkpoint, the new
+    (``u``, ``k``, ``g``) go to the ring."""
+    T = q.shape[1]
+    HV = sp.HV
+    qn, kn, vc, gc, bc = _gdn_args(q, k, v, g, beta, cdt)
+    S0 = c["state"][i].astype(cdt)
     (hu, hk, hg), valid = _history(c, ("ru", "rk", "rg"), i, ctx, cdt)
     w, tot = ops.gdn_hist_weights(hg, valid)
     r = ops.gdn_readout(S0, hu, hk, w, tot, jnp.concatenate([kn, qn], 1))   # S_h k_s, S_h q_s
     G = jnp.cumsum(gc, 1)
     U, y = ops.gdn_block(r[:, :T], r[:, T:], qn, kn, vc, G, bc, _causal(T))
     ring_dt = c["ru"].dtype
-    if ctx.kind == "decode":   # flush rows store S_{h+1} = e^g S_h + k ⊗ u (u as the ring keeps it)
-        def make():
-            Sh = ops.gdn_build_state(S0, hu, hk, w, tot)
-            u_s = U[:, 0].astype(ring_dt).astype(cdt)
-            k_s = jnp.repeat(kn[:, 0].astype(c["rk"].dtype).astype(cdt), HV // sp.H, axis=1)
-            return jnp.exp(gc[:, 0])[..., None, None] * Sh + k_s[..., :, None] * u_s[..., None, :]
-    else:
-        make = lambda: ops.gdn_build_state(S0, hu, hk, w, tot)
-    _flush_state(upd, ctx, make)
-    upd.update(ru=U, rk=kn, rg=gc)
-    return y.astype(out_dtype), c, {}
+
+    def with_new():   # S_{h+1} = e^g S_h + k ⊗ u (u as the ring keeps it)
+        Sh = ops.gdn_build_state(S0, hu, hk, w, tot)
+        u_s = U[:, 0].astype(ring_dt).astype(cdt)
+        k_s = jnp.repeat(kn[:, 0].astype(c["rk"].dtype).astype(cdt), HV // sp.H, axis=1)
+        return jnp.exp(gc[:, 0])[..., None, None] * Sh + k_s[..., :, None] * u_s[..., None, :]
+
+    _flush_state(upd, ctx, st, with_new, lambda: ops.gdn_build_state(S0, hu, hk, w, tot))
+    if st.ring.write:
+        upd.update(ru=U, rk=kn, rg=gc)
+    return y.astype(v.dtype), c, {}
+
+
+#: ``(form, kind) -> Gated DeltaNet step`` from the forms' table (the op entries implemented here)
+GDN_STEPS = _build_steps({"chunked_prefill": _gdn_chunked, "chunked_prefill_varlen": _gdn_chunked,
+                          "recurrent_update": _gdn_serial, "snapshot_verify": _gdn_serial,
+                          "replay_decode": _gdn_replay, "replay_verify": _gdn_replay})
+
+#: forms this backend runs: those with a Mamba-2 and a Gated DeltaNet step for every kind it runs
+FORMS = tuple(f for f in dict.fromkeys(f for f, _ in STEPS)
+              if all((f, k) in M2_STEPS and (f, k) in GDN_STEPS for k in KINDS_RUN))
 
 
 def commit_snapshots(state, snap, accepted):
@@ -376,17 +487,16 @@ def attention(p, sp, x, ctx: Ctx, c: dict, i):
         k = _rope(k, ctx.positions, sp.inv_freq, sp.rotary_dim)
     t = jnp.arange(T)
     causal = jnp.broadcast_to(t[None, :] <= t[:, None], (Bt, T, T))
-    upd: dict = {}
-    if ctx.kind in ("full", "prefill"):
-        if ctx.kind == "prefill":   # fresh rows: padded keys are never read
+    kd = KINDS[ctx.kind]
+    if _fresh(kd):   # no past: the step's own keys only
+        if kd.padded:   # padded keys are never read
             causal = causal & (t[None, None, :] < ctx.lengths[:, None, None])
-            upd = {"k": k, "v": v}
         o = _attend(q, [(k, v)], causal, Hkv)
     else:
         S = c["k"].shape[2]
         committed = jnp.broadcast_to(jnp.arange(S)[None, None, :] < ctx.seq_len[:, None, None], (Bt, T, S))
         o = _attend(q, [(c["k"][i], c["v"][i]), (k, v)], jnp.concatenate([committed, causal], 2), Hkv)
-        upd = {"k": k, "v": v}
+    upd = {"k": k, "v": v} if kd.cached else {}
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)
     return linear(o, p["o_proj_w"], _get(p, "o_proj_b")), c, {}, upd

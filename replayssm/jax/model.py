@@ -26,13 +26,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..forms import table
 from . import ops
-from .layers import MIXERS, Ctx, apply_updates, commit_conv, commit_snapshots
+from .layers import FORMS, MIXERS, Ctx, apply_updates, commit_conv, commit_snapshots
 from .params import ModelSpec, jnp_dtype
 
-__all__ = ["Cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit", "MODES"]
+__all__ = ["Cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
+           "MODES", "uses_ring"]
 
-MODES = ("recurrent", "replay")
+#: cache modes (forms) of this backend, from the forms' table: ``("recurrent", "replay")``
+MODES = FORMS
+
+
+def uses_ring(mode: str) -> bool:
+    """The form keeps a ring of inputs (ring pointers move, steps flush its checkpoints)."""
+    return "ring" in table.form_stores(mode)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -73,6 +81,7 @@ def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: i
         raise ValueError(f"buffer_size must be a positive int, got {buffer_size!r}")
     dt, cdt = _dtypes(spec)
     L, B = buffer_size, batch
+    ring = uses_ring(mode)
 
     def full(shape, dtype):
         return jnp.full(shape, fill, dtype)
@@ -83,12 +92,12 @@ def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: i
         c = {}
         if sp.kind == "mamba":
             c = {"state": full((cnt, B, sp.H, sp.d, sp.n), cdt), "win": full((cnt, B, sp.W - 1, sp.conv_dim), dt)}
-            if mode == "replay":
+            if ring:
                 c.update(rx=full((cnt, B, L, sp.H, sp.d), dt), rB=full((cnt, B, L, sp.G, sp.n), dt),
                          rdt=full((cnt, B, L, sp.H), cdt))
         elif sp.kind == "gdn":
             c = {"state": full((cnt, B, sp.HV, sp.K, sp.V), cdt), "win": full((cnt, B, sp.W - 1, sp.conv_dim), dt)}
-            if mode == "replay":
+            if ring:
                 c.update(ru=full((cnt, B, L, sp.HV, sp.V), dt), rk=full((cnt, B, L, sp.H, sp.K), dt),
                          rg=full((cnt, B, L, sp.HV), cdt))
         elif sp.kind == "attn":
@@ -178,8 +187,9 @@ def prefill(spec: ModelSpec, params, cache: Cache, ids, lengths):
 
 def ring_flush(hist, kind: str, T: int, L: int):
     """Rows whose layers write the checkpoint this step: decode when the ring fills
-    (``h + 1 == L``), verify one window early (``h + 2T > L``)."""
-    return (hist + 1 >= L) if kind == "decode" else (hist + 2 * T > L)
+    (``h + 1 == L``), verify one window early (``h + 2T > L``); the forms' rule,
+    :func:`replayssm.forms.table.ring_flush`."""
+    return table.ring_flush(hist, kind, T, L)
 
 
 def ring_commit(start, hist, flush, L: int, accepted=None):
@@ -222,7 +232,7 @@ def verify(spec: ModelSpec, params, cache: Cache, ids, flush: bool = True):
     :func:`commit`; returns ``(logits, cache, pending)``.  ``flush=False``: as in
     :func:`decode`."""
     T = ids.shape[1]
-    if cache.mode == "replay" and cache.L < 2 * T:
+    if uses_ring(cache.mode) and cache.L < 2 * T:
         raise ValueError(f"buffer_size {cache.L} < 2 * {T} verify tokens: speculation needs L >= 2T")
     ctx = _step_ctx(cache, "verify", T, flush)
     h, stages, pends = _trunk(spec, params, cache.stages, ids, ctx)
@@ -235,17 +245,18 @@ def commit(spec: ModelSpec, cache: Cache, pending: dict, accepted):
     pointers (replay), snapshot states (recurrent), conv windows, ``seq_len``."""
     a = accepted.astype(jnp.int32)
     L = cache.L
+    st = table.step(cache.mode, "verify")
     stages = []
     for s, (sb, cnt) in enumerate(spec.stages):
         c, pend = dict(cache.stages[s]), pending["stages"][s]
         if "conv_x" in pend:
             c["win"] = commit_conv(c["win"], pend["conv_x"], a)
-        if "snap" in pend:
-            c["state"] = commit_snapshots(c["state"], pend["snap"], a)
+        if st.state.at_commit and st.pending in pend:   # the snapshot baseline (recurrent form)
+            c["state"] = commit_snapshots(c["state"], pend[st.pending], a)
         stages.append(c)
     start, hist, flush = pending["start"], pending["hist"], pending["flush"]
     new = cache.replace(stages=stages, seq_len=cache.seq_len + a)
-    if cache.mode == "replay":
+    if st.ring.write:
         rs, rl = ring_commit(start, hist, flush, L, a)
         new = new.replace(ring_start=rs, ring_len=rl)
     return new
