@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from replayssm.cache.spec import CacheSpec
 from replayssm.models.cache import CacheLayout
 from replayssm.runtime import canonical_device
 
-MODES = ("recurrent", "replay", "kv")
 
 
 @dataclass
@@ -68,29 +68,27 @@ class TinyLM(torch.nn.Module):
 
 
 class RecomputeCache:
-    def __init__(self, num_slots, mode="replay", buffer_size=16, max_new=1, max_seq_len=2048,
-                 kv_block_size=16, kv_num_blocks=None, device=None):
-        if mode not in MODES:
-            raise ValueError(f"cache mode must be one of {MODES}, got {mode!r}")
+    def __init__(self, num_slots, spec: CacheSpec, device=None):
         if num_slots < 2:
             raise ValueError("num_slots must be >= 2 (slot 0 is the null slot)")
-        if max_new < 1:
-            raise ValueError(f"max_new must be >= 1, got {max_new}")
-        if mode == "replay" and buffer_size < 2 * max_new and max_new > 1:
-            raise ValueError(f"buffer_size {buffer_size} < 2 * max_new = {2 * max_new}")
-        self.num_slots, self.mode, self.buffer_size = num_slots, mode, buffer_size
-        self.max_new, self.max_seq_len, self.kv_block_size = max_new, max_seq_len, kv_block_size
+        mode, max_new, max_seq_len = spec.initial_form, spec.max_new, spec.max_seq_len
+        if mode == "replay" and spec.buffer_size < 2 * max_new and max_new > 1:
+            raise ValueError(f"buffer_size {spec.buffer_size} < 2 * max_new = {2 * max_new}")
+        self.spec, self.num_slots, self.mode = spec, num_slots, mode
+        self.max_new, self.max_seq_len, self.kv_block_size = max_new, max_seq_len, spec.block_size
+        kv_num_blocks = spec.kv_num_blocks
         self.device = canonical_device(device or "cpu")
         self.history: list[list[int]] = [[] for _ in range(num_slots)]
         self._modes = [mode] * num_slots
         self._in_use = [False] * num_slots
         self._static_kv = kv_num_blocks is None
         if kv_num_blocks is None:
-            kv_num_blocks = (num_slots - 1) * -(-max_seq_len // kv_block_size)
+            kv_num_blocks = (num_slots - 1) * spec.max_blocks
         self.kv_num_blocks = kv_num_blocks
         self._blocks = [0] * num_slots
         self.uses_pages = mode == "kv"
         self.pending = None           # (kind, slots, ids, parent) of an uncommitted verify
+        self.pidx = self.attn = None  # no paged pools are modelled (free_blocks counts blocks)
         self.calls: list[tuple] = []  # (kind, batch, T) log for tests
         self.switched: list[int] = []
 
@@ -229,12 +227,10 @@ class RecomputeModel:
                 out[i] = lg[j]
         return torch.stack(out)
 
-    def make_cache(self, num_slots, mode="replay", buffer_size=16, max_new=1, max_seq_len=2048,
-                   kv_block_size=16, kv_num_blocks=None, device=None, attn_num_blocks=None):
-        return RecomputeCache(num_slots, mode, buffer_size, max_new, max_seq_len, kv_block_size,
-                              kv_num_blocks, device or self.device)
+    def make_cache(self, num_slots, spec: CacheSpec | None = None, *, device=None, **fields):
+        return RecomputeCache(num_slots, CacheSpec.of(spec, **fields), device or self.device)
 
-    def cache_layout(self, mode="replay", buffer_size=16, max_new=1, max_seq_len=2048, kv_block_size=16):
+    def cache_layout(self, spec: CacheSpec | None = None, **fields):
         """Nominal sizes: what one Mamba-2 layer of 8 heads x 64, ``n = 128``, one group and a
         width-4 conv would allocate in this dtype (the recomputation itself keeps only token
         lists), so memory budgets in tests behave like a small real model's."""
@@ -242,10 +238,11 @@ class RecomputeModel:
         sb = max(4, ab)
         H, d, n, G, W = 8, 64, 128, 1, 4
         state, entry = sb * H * d * n, ab * (H * d + G * n) + sb * H
-        ring = buffer_size if mode != "recurrent" else 1
+        spec = CacheSpec.of(spec, **fields)
+        ring = spec.buffer_size if spec.mode != "recurrent" else 1
         slot = state + ring * entry + ab * (H * d + 2 * G * n) * (W - 1)
-        block = kv_block_size * entry if mode == "kv" else 0
-        return CacheLayout(mode, slot, block, kv_block_size, state, entry)
+        block = spec.block_size * entry if spec.paged else 0
+        return CacheLayout(spec.mode, slot, block, spec.block_size, state, entry)
 
     def _null_logits(self, n):
         return torch.zeros(n, self.config.vocab_size, dtype=self.dtype, device=self.device)

@@ -70,7 +70,7 @@ class PrefixTable:
 
     Args:
         num_slots: slots of the model cache, null slot 0 included (``P``).
-        block_size: tokens per block (the cache's ``kv_block_size``).
+        block_size: tokens per block (the cache spec's ``block_size``).
         num_blocks: store blocks *including* the null block 0.
         num_checkpoints: checkpoint rows *including* the null row 0.
         max_blocks: logical blocks per slot (``ceil(max_seq_len / block_size)``).
@@ -123,11 +123,6 @@ class PrefixTable:
         bs = self.block_size
         col = (positions // bs).clamp(max=self.max_blocks - 1)
         return self.table[slots, col] * bs + positions % bs
-
-    def chain_plan(self, blocks: list[int], length: int) -> PagedPlan:
-        """A one-row :class:`~replayssm.cache.paged.PagedPlan` over store ``blocks`` (logical
-        order) holding ``length`` entries: what the KV-only ops read (e.g. ``kv_fold``)."""
-        return self.chains_plan([(blocks, length)])
 
     def chains_plan(self, chains: list[tuple[list[int], int]]) -> PagedPlan:
         """A :class:`~replayssm.cache.paged.PagedPlan` with one row per ``(blocks, length)``:

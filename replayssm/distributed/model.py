@@ -2,12 +2,14 @@
 
 :class:`TensorParallelModel` implements the engine's model protocol
 (:class:`replayssm.engine.protocols.CachedModel`); its caches (:class:`ShardedCache`) and
-runners (:class:`ShardedRunner`) mirror ``ModelCache`` and ``ModelRunner``.  Each holds
-rank 0's own shard (``.local``); a call that changes state — a model step, a cache's
-``reserve`` / ``release`` / ``switch_to_state``, a runner's ``decode``, ``greedy_verify_step``
-or ``capture`` — is sent to the workers (one message) and then run on ``.local``.  Reads
-(``mode_of``, ``ssm_form``, ``use_graphs`` ...) are answered by ``.local``: every rank's
-bookkeeping is identical because every rank ran the same calls on the same data.
+runners (:class:`ShardedRunner`) stand for ``ModelCache`` and ``ModelRunner``.  Each holds
+rank 0's own shard (``.local``); a call that changes state — a model step, a cache change
+(every ``@every_rank`` method of :class:`~replayssm.models.protocols.ModelCacheLike`:
+``reserve``, ``release``, ``switch_to_state``, the prefix store's ...), a runner's
+``decode``, ``greedy_verify_step`` or ``capture`` — is sent to the workers (one message) and
+then run on ``.local``.  Reads (the protocol's others: ``mode_of``, ``ssm_form``; a runner's
+``use_graphs`` ...) are answered by ``.local``: every rank's bookkeeping is identical because
+every rank ran the same calls on the same data.
 
 The engine's hot path goes through the runner: one message per step carries the slot list
 and host tokens, the draft tensors follow in one broadcast, and each rank runs its own
@@ -19,22 +21,18 @@ one host message, and rank 0 syncs once to read the accepted tokens, as on one G
 
 from __future__ import annotations
 
+import functools
+import numbers
 import weakref
 
 import torch
 from torch import Tensor
 
+from ..cache.spec import CacheSpec
+from ..models.protocols import ModelCacheLike, changes, reads
 from ..runtime import canonical_device
 
 __all__ = ["TensorParallelModel", "ShardedCache", "ShardedRunner"]
-
-
-def _slot_list(slots) -> list[int]:
-    if isinstance(slots, Tensor):
-        return [int(v) for v in slots.reshape(-1).tolist()]
-    if isinstance(slots, int):
-        return [slots]
-    return [int(v) for v in slots]
 
 
 class _Proxy:
@@ -48,7 +46,7 @@ class _Proxy:
         return self._group.call(self._tp_handle, method, getattr(self.local, method), args, kwargs)
 
     #: methods of ``local`` that only read (answered by rank 0's shard); a call of any other
-    #: method must be forwarded explicitly, or the ranks' states would drift apart
+    #: method must be forwarded, or the ranks' states would drift apart
     _READS: frozenset = frozenset()
 
     def __getattr__(self, name):
@@ -57,7 +55,8 @@ class _Proxy:
         value = getattr(self.local, name)
         if callable(value) and not isinstance(value, type) and name not in self._READS:
             raise AttributeError(f"{type(self).__name__}.{name}: not forwarded to the tensor-parallel workers "
-                                 f"(add it to replayssm/distributed/model.py)")
+                                 f"(a cache's: add it to ModelCacheLike in replayssm/models/protocols.py; "
+                                 f"else to replayssm/distributed/model.py)")
         return value
 
     @property
@@ -69,69 +68,51 @@ class _Proxy:
         self._group.release(self._tp_handle)
 
 
+def _plain(x):
+    """``x`` as plain host values (tensors as lists or ints, integers as ``int``), so rank 0
+    and the workers run a cache call on the same arguments."""
+    if isinstance(x, Tensor):
+        return x.tolist()
+    if isinstance(x, bool) or x is None:
+        return x
+    if isinstance(x, numbers.Integral):
+        return int(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
+def _forwarding(protocol):
+    """Class decorator: a method running ``name`` on every rank for each change of
+    ``protocol`` (:func:`~replayssm.models.protocols.changes`); its reads go to ``.local``."""
+
+    def forward(name: str):
+        @functools.wraps(getattr(protocol, name))
+        def method(self, *args, **kwargs):
+            return self._call(name, *_plain(args), **_plain(kwargs))
+        return method
+
+    def wrap(cls):
+        for name in sorted(changes(protocol)):
+            setattr(cls, name, forward(name))
+        cls._READS = reads(protocol)
+        return cls
+
+    return wrap
+
+
+@_forwarding(ModelCacheLike)
 class ShardedCache(_Proxy):
-    """A ``ModelCache`` over all ranks (each holds its heads' states, rings, blocks, windows)."""
-
-    _READS = frozenset({"mode_of", "ssm_form", "nbytes", "tensors", "layout"})
-
-    def reserve(self, slot: int, total_len: int, defer: bool = False) -> None:
-        self._call("reserve", int(slot), int(total_len), bool(defer))
-
-    def write_pending(self) -> None:
-        self._call("write_pending")
-
-    def release(self, slots) -> None:
-        self._call("release", _slot_list(slots))
-
-    def switch_to_state(self, slots) -> None:
-        self._call("switch_to_state", _slot_list(slots))
-
-    def clear_pending(self) -> None:
-        self._call("clear_pending")
-
-    def fork(self, src: int, dst) -> None:
-        self._call("fork", int(src), _slot_list(dst))
-
-    # prefix caching (replayssm.models.prefix): ids come from rank 0's prefix index
-    def prefix_assign(self, slot: int, pairs) -> None:
-        self._call("prefix_assign", int(slot), [(int(k), int(b)) for k, b in pairs])
-
-    def prefix_copy(self, src: int, dst: int, count: int) -> None:
-        self._call("prefix_copy", int(src), int(dst), int(count))
-
-    def prefix_copies(self, copies) -> None:
-        self._call("prefix_copies", [(int(a), int(b), int(c)) for a, b, c in copies])
-
-    def prefix_checkpoint(self, row: int, slot: int | None = None, chain=(), start: int = 0, stop: int = 0,
-                          base: int | None = None) -> None:
-        self._call("prefix_checkpoint", int(row), None if slot is None else int(slot), [int(b) for b in chain],
-                   int(start), int(stop), None if base is None else int(base))
-
-    def prefix_checkpoints(self, jobs: list[dict]) -> None:
-        self._call("prefix_checkpoints", [{k: (None if v is None else [int(b) for b in v] if k == "chain" else int(v))
-                                           for k, v in j.items()} for j in jobs])
-
-    def load_prefix(self, slot: int, length: int, chain, attn=(), checkpoint=None) -> None:
-        ck = None if checkpoint is None else (int(checkpoint[0]), int(checkpoint[1]))
-        self._call("load_prefix", int(slot), int(length), [int(b) for b in chain], [int(b) for b in attn], ck)
-
-    def load_prefixes(self, requests) -> list:
-        reqs = [(int(slot), int(length), [int(b) for b in chain], [int(b) for b in attn],
-                 None if ck is None else (int(ck[0]), int(ck[1]))) for slot, length, chain, attn, ck in requests]
-        return self._call("load_prefixes", reqs)   # every rank validates the same requests alike
-
-    def prefix_retain_attn(self, blocks) -> None:
-        self._call("prefix_retain_attn", [int(b) for b in blocks])
-
-    def prefix_drop_attn(self, blocks) -> None:
-        self._call("prefix_drop_attn", [int(b) for b in blocks])
+    """A ``ModelCache`` over all ranks (each holds its heads' states, rings, blocks, windows):
+    every change of :class:`~replayssm.models.protocols.ModelCacheLike` runs on every rank
+    (prefix-store ids come from rank 0's prefix index), its reads on rank 0's shard."""
 
 
 class ShardedRunner(_Proxy):
     """A ``ModelRunner`` over all ranks; each rank's runner captures and replays its own
     CUDA graphs under the same keys."""
-
-    _READS = frozenset({"_bucket"})
 
     def prefill(self, slots, prompts):
         return self._call("prefill", list(slots), [list(p) for p in prompts])
@@ -190,22 +171,20 @@ class TensorParallelModel(_Proxy):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def cache_layout(self, *args, **kwargs):
-        return self.local.cache_layout(*args, **kwargs)
+    def cache_layout(self, spec: CacheSpec | None = None, **fields):
+        return self.local.cache_layout(CacheSpec.of(spec, **fields))
 
     # -- objects on every rank ------------------------------------------------------------------
-    def make_cache(self, num_slots: int, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
-                   max_seq_len: int = 2048, kv_block_size: int = 16, kv_num_blocks: int | None = None,
-                   device=None, poison: bool = False, attn_num_blocks: int | None = None,
-                   prefix_blocks: int | None = None, prefix_checkpoints: int | None = None) -> ShardedCache:
+    def make_cache(self, num_slots: int, spec: CacheSpec | None = None, *, device=None, poison: bool = False,
+                   **fields) -> ShardedCache:
+        """``make_cache`` on every rank with one :class:`CacheSpec` (``CacheSpec.of(spec,
+        **fields)``, validated here first)."""
         if device is not None and canonical_device(device) != self.device:
             raise ValueError(f"cache device {device} differs from rank 0's {self.device}")
+        spec = CacheSpec.of(spec, **fields)
         h = self._group.new_handle()
-        kw = dict(mode=mode, buffer_size=buffer_size, max_new=max_new, max_seq_len=max_seq_len,
-                  kv_block_size=kv_block_size, kv_num_blocks=kv_num_blocks, poison=poison,
-                  attn_num_blocks=attn_num_blocks, prefix_blocks=prefix_blocks,
-                  prefix_checkpoints=prefix_checkpoints)
-        local = self._group.call(self._tp_handle, "make_cache", self.local.make_cache, (num_slots,), kw, result=h)
+        local = self._group.call(self._tp_handle, "make_cache", self.local.make_cache, (num_slots, spec),
+                                 dict(poison=poison), result=h)
         return ShardedCache(self._group, h, local)
 
     def make_runner(self, cache: ShardedCache, max_batch: int, cuda_graphs: bool = False,

@@ -1,5 +1,6 @@
-"""What the engine needs from a model and its cache (structural types: any object with these
-methods works, e.g. :class:`replayssm.models.CausalLM` or a test double).
+"""What the engine needs from a model (a structural type: any object with these methods
+works, e.g. :class:`replayssm.models.CausalLM` or a test double); what it needs from the
+model's cache is :class:`replayssm.models.protocols.ModelCacheLike`.
 
 The full contract — shapes, slot 0 as the null slot, pending verifies, no host sync inside
 ``decode``/``verify``/``verify_tree``/``commit`` on CUDA — is in ``docs/ARCHITECTURE.md``
@@ -13,27 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-
-@runtime_checkable
-class ModelCacheLike(Protocol):
-    """Per-slot memory of one model (``model.make_cache``)."""
-
-    device: torch.device
-    mode: str                 # "recurrent" | "replay" | "kv"
-    uses_pages: bool          # slots may hold KV-only paged entries (``reserve`` matters)
-    pending: Any              # the verify awaiting its commit, or None
-
-    def mode_of(self, slot: int) -> str: ...
-
-    def reserve(self, slot: int, total_len: int, defer: bool = False) -> None: ...
-
-    def write_pending(self) -> None: ...   # the block-table writes of ``reserve(..., defer=True)``
-
-    def switch_to_state(self, slots) -> None: ...
-
-    def release(self, slots) -> None: ...
-
-    def clear_pending(self) -> None: ...
+from ..cache.spec import CacheSpec
+from ..models.protocols import ModelCacheLike
 
 
 @runtime_checkable
@@ -44,14 +26,13 @@ class CachedModel(Protocol):
     dtype: torch.dtype
     device: torch.device
 
-    def make_cache(self, num_slots: int, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
-                   max_seq_len: int = 2048, kv_block_size: int = 16, kv_num_blocks: int | None = None,
-                   device=None, attn_num_blocks: int | None = None) -> ModelCacheLike: ...
+    def make_cache(self, num_slots: int, spec: CacheSpec | None = None, *, device=None, poison: bool = False,
+                   **fields) -> ModelCacheLike:
+        """A cache of ``CacheSpec.of(spec, **fields)`` for ``num_slots`` slots (slot 0 null)."""
 
-    def cache_layout(self, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
-                     max_seq_len: int = 2048, kv_block_size: int = 16) -> Any:
-        """Bytes ``make_cache`` allocates per slot and per KV-only block
-        (:class:`replayssm.models.cache.CacheLayout`)."""
+    def cache_layout(self, spec: CacheSpec | None = None, **fields) -> Any:
+        """Bytes ``make_cache`` allocates per slot and per block for
+        ``CacheSpec.of(spec, **fields)`` (:class:`replayssm.models.cache.CacheLayout`)."""
 
     def prefill(self, cache, slots: Tensor, input_ids: Tensor, lengths: Tensor) -> Tensor: ...
 

@@ -7,8 +7,8 @@ MLP / MoE mixers are stateless.
 
 API (the engine codes against exactly this)::
 
-    cache = model.make_cache(num_slots, mode="replay", buffer_size=16, max_new=1,
-                             max_seq_len=2048, kv_block_size=16, kv_num_blocks=None, device=None)
+    cache = model.make_cache(num_slots, spec=None, *, device=None, poison=False, **fields)
+    layout = model.cache_layout(spec=None, **fields)                # bytes per slot / block
     logits = model(input_ids[B, T])                                  # [B, T, V], no cache
     logits = model.prefill(cache, slots[B], input_ids[B, T], lengths[B])   # [B, V]
     logits = model.decode(cache, slots[B], input_ids[B])                   # [B, V], commits
@@ -16,6 +16,9 @@ API (the engine codes against exactly this)::
     logits = model.verify_tree(cache, slots[B], input_ids[B, N], parent)   # [B, N, V]
     model.commit(cache, accepted[B], path=None)     # after verify / verify_tree
 
+``spec`` is a :class:`~replayssm.cache.spec.CacheSpec` (``mode``, ``buffer_size``,
+``max_new``, ``max_seq_len``, ``block_size``, pools, prefix store); ``fields`` replace its
+fields (``CacheSpec.of(spec, **fields)``: ``make_cache(4, mode="kv", max_seq_len=64)``).
 ``num_slots`` counts the null slot 0 (usable slots ``1 .. num_slots-1``).  ``prefill``
 appends to a slot's committed tokens (a released / new slot starts at position 0).
 Between steps: ``cache.reserve(slot, n)``, ``cache.switch_to_state(slots)``,
@@ -29,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..cache.spec import CacheSpec
 from ..cache.tree import ancestor_bits, ancestor_mask, check_parents, check_path
 from ..forms import get_form
 from ..layers.attention import Attention
@@ -197,25 +201,22 @@ class CausalLM(nn.Module):
         return self._head(self._trunk(ids, ctx))
 
     # ---- cache API ------------------------------------------------------------------------------
-    def make_cache(self, num_slots: int, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
-                   max_seq_len: int = 2048, kv_block_size: int = 16, kv_num_blocks: int | None = None,
-                   device=None, poison: bool = False, attn_num_blocks: int | None = None,
-                   prefix_blocks: int | None = None, prefix_checkpoints: int | None = None) -> ModelCache:
-        """Allocate per-slot caches for every layer (see :class:`ModelCache`).  ``poison``
-        (tests) fills every cache tensor with NaN instead of zeros; ``kv_num_blocks`` /
-        ``attn_num_blocks`` size the KV-only and attention block pools (``None``: static,
-        ``max_seq_len`` per slot); ``prefix_blocks`` / ``prefix_checkpoints`` size a prefix
-        store (prefix caching, :mod:`replayssm.models.prefix`; ``None``: none)."""
+    def make_cache(self, num_slots: int, spec: CacheSpec | None = None, *, device=None, poison: bool = False,
+                   **fields) -> ModelCache:
+        """Allocate per-slot caches for every layer (see :class:`ModelCache`) as
+        ``CacheSpec.of(spec, **fields)`` describes them (pool sizes ``None``: static,
+        ``max_seq_len`` per slot; ``prefix_blocks=None``: no prefix store, see
+        :mod:`replayssm.models.prefix`).  ``poison`` (tests) fills every cache tensor with NaN
+        instead of zeros."""
         if device is not None and canonical_device(device) != self._device:
             raise ValueError(f"cache device {device} differs from the model's {self._device}")
-        return ModelCache(self, num_slots, mode, buffer_size, max_new, max_seq_len, kv_block_size,
-                          kv_num_blocks, device, poison, attn_num_blocks, prefix_blocks, prefix_checkpoints)
+        return ModelCache(self, num_slots, CacheSpec.of(spec, **fields), device, poison)
 
-    def cache_layout(self, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
-                     max_seq_len: int = 2048, kv_block_size: int = 16) -> CacheLayout:
-        """Bytes :meth:`make_cache` allocates per slot and per KV-only block (measured on the
-        ``meta`` device: :meth:`ModelCache.layout`)."""
-        return ModelCache.layout(self, mode, buffer_size, max_new, max_seq_len, kv_block_size)
+    def cache_layout(self, spec: CacheSpec | None = None, **fields) -> CacheLayout:
+        """Bytes :meth:`make_cache` allocates per slot and per block for
+        ``CacheSpec.of(spec, **fields)`` (measured on the ``meta`` device:
+        :meth:`ModelCache.layout`)."""
+        return ModelCache.layout(self, CacheSpec.of(spec, **fields))
 
     def _check_slots(self, cache: ModelCache, slots: Tensor, B: int) -> Tensor:
         if not isinstance(cache, ModelCache):
@@ -239,10 +240,10 @@ class CausalLM(nn.Module):
             return
         tot = cache.seq_len[slots] + add
         tot = torch.where(slots == 0, torch.zeros_like(tot), tot)
-        if slots.numel() and int(tot.max()) > cache.max_seq_len:
+        if slots.numel() and int(tot.max()) > cache.spec.max_seq_len:
             b = int(tot.argmax())
             raise ValueError(f"slot {int(slots[b])}: {int(tot[b])} tokens exceed max_seq_len "
-                             f"{cache.max_seq_len}")
+                             f"{cache.spec.max_seq_len}")
 
     def _context(self, cache: ModelCache, kind: str, slots: Tensor, T: int, positions: Tensor,
                  **kw) -> StepContext:
@@ -350,8 +351,8 @@ class CausalLM(nn.Module):
         ids = self._check_ids(input_ids, 2, "input_ids")
         B, T = ids.shape
         slots = self._check_slots(cache, slots, B)
-        if T < 1 or T > cache.max_new:
-            raise ValueError(f"verify takes 1..max_new={cache.max_new} tokens per row, got {T}")
+        if T < 1 or T > cache.spec.max_new:
+            raise ValueError(f"verify takes 1..max_new={cache.spec.max_new} tokens per row, got {T}")
         self._check_room(cache, slots, T)
         t = torch.arange(T, device=ids.device)
         ctx = self._context(cache, "verify", slots, T, cache.seq_len[slots][:, None] + t[None, :])
@@ -367,8 +368,8 @@ class CausalLM(nn.Module):
         ids = self._check_ids(input_ids, 2, "input_ids")
         B, N = ids.shape
         slots = self._check_slots(cache, slots, B)
-        if N < 1 or N > cache.max_new:
-            raise ValueError(f"verify_tree takes 1..max_new={cache.max_new} nodes per row, got {N}")
+        if N < 1 or N > cache.spec.max_new:
+            raise ValueError(f"verify_tree takes 1..max_new={cache.spec.max_new} nodes per row, got {N}")
         if not isinstance(parent, Tensor) or parent.device != cache.device:
             raise ValueError(f"parent must be an integer tensor on {cache.device}")
         if parent.device.type == "cpu":

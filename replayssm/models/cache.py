@@ -5,9 +5,10 @@ holds garbage).  Per layer (``layers[layer_id]``):
 
 * Mamba-2 / GDN: ``buf`` (checkpoint state + input ring, ``cache.buffers``), ``conv``
   (``cache.conv.ConvWindow``), ``kv`` (paged KV-only pools, ``cache.paged``; only in
-  ``mode="kv"``).
+  modes ``kv`` and ``auto``).
 * attention: ``k``, ``v`` ``[P, max_seq_len, Hkv, Dh]``.
 
+What the cache holds is one :class:`~replayssm.cache.spec.CacheSpec` (``cache.spec``).
 Shared bookkeeping: ``ring`` (``RingIndex``, replay form), ``pidx`` (``PagedIndex``, KV-only
 form), ``seq_len [P]`` (committed tokens per slot, device), the per-slot form (host list,
 changed only between steps by :meth:`switch_to_state` / :meth:`release`) and the pending
@@ -28,11 +29,10 @@ from torch import Tensor
 from ..cache.paged import PagedIndex, PoolExhausted
 from ..cache.prefix import PrefixPools, PrefixTable
 from ..cache.ring import RingIndex, check_speculative_capacity
+from ..cache.spec import CacheSpec
 from ..forms import CACHE_FORMS, get_form
 from . import prefix as prefix_ops
 from ..runtime import canonical_device  # noqa: F401  (re-exported: models code imports it here)
-
-MODES = ("recurrent", "replay", "kv")
 
 
 def _as_list(slots) -> list[int]:
@@ -67,10 +67,11 @@ class CacheLayout:
     """Bytes a :class:`ModelCache` allocates, measured by running its own allocation on the
     ``meta`` device (no memory is touched), so admission budgets what the cache really holds.
 
+    ``mode``: the spec's decode mode it was measured for (``auto`` measures as ``kv``).
     ``slot_bytes``: one usable slot (checkpoint states, rings, conv windows, per-slot
     bookkeeping).  ``block_bytes``: one block of the KV-only pool over all SSM layers (0
-    outside ``mode="kv"``), ``block_size`` entries each; ``attn_block_bytes``: one block of the
-    attention KV pool over all attention layers (0 without attention).  ``state_bytes`` /
+    outside modes ``kv`` / ``auto``), ``block_size`` entries each; ``attn_block_bytes``: one
+    block of the attention KV pool over all attention layers (0 without attention).  ``state_bytes`` /
     ``entry_bytes``: one slot's checkpoint states and one input entry (ring or KV-only) over
     all SSM layers: the two sizes that decide when the KV-only form stops paying
     (:func:`replayssm.forms.kv.kv_only_threshold`).
@@ -101,27 +102,24 @@ class CacheLayout:
 
 
 class ModelCache:
-    def __init__(self, model, num_slots: int, mode: str = "replay", buffer_size: int = 16,
-                 max_new: int = 1, max_seq_len: int = 2048, kv_block_size: int = 16,
-                 kv_num_blocks: int | None = None, device=None, poison: bool = False,
-                 attn_num_blocks: int | None = None, prefix_blocks: int | None = None,
-                 prefix_checkpoints: int | None = None):
-        if mode not in MODES:
-            raise ValueError(f"cache mode must be one of {MODES}, got {mode!r}")
-        for name, v, lo in (("num_slots", num_slots, 2), ("buffer_size", buffer_size, 1),
-                            ("max_new", max_new, 1), ("max_seq_len", max_seq_len, 1),
-                            ("kv_block_size", kv_block_size, 1)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}"
-                                 + (" (slot 0 is the null slot)" if name == "num_slots" else ""))
+    """The per-slot memory of ``model`` for ``num_slots`` slots (slot 0 the null slot), laid
+    out by ``spec`` (validated by :class:`CacheSpec`): a fresh slot starts in
+    ``spec.initial_form`` (``auto`` starts KV-only, as ``kv`` does).  ``poison`` (tests)
+    fills every tensor with NaN instead of zeros."""
+
+    def __init__(self, model, num_slots: int, spec: CacheSpec, device=None, poison: bool = False):
+        if not isinstance(spec, CacheSpec):
+            raise ValueError(f"spec must be a CacheSpec, got {type(spec).__name__}")
+        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 2:
+            raise ValueError(f"num_slots must be an int >= 2, got {num_slots!r} (slot 0 is the null slot)")
+        mode = spec.initial_form
         forms = [get_form(f) for f in CACHE_FORMS[mode]]
         uses_ring = any(f.uses_ring for f in forms)
         uses_pages = any(f.uses_pages for f in forms)
         if uses_ring:
-            check_speculative_capacity(buffer_size, max_new, "max_new")
-        self.model = model
-        self.num_slots, self.mode, self.buffer_size = num_slots, mode, buffer_size
-        self.max_new, self.max_seq_len, self.kv_block_size = max_new, max_seq_len, kv_block_size
+            check_speculative_capacity(spec.buffer_size, spec.max_new, "max_new")
+        self.model, self.spec = model, spec
+        self.num_slots, self.mode = num_slots, mode   # mode: the form a fresh slot starts in
         self.device = canonical_device(device) if device is not None else model.device
         self.dtype = model.dtype
         P = num_slots
@@ -130,31 +128,32 @@ class ModelCache:
         self._modes = ["none"] + [mode] * (P - 1)
         self._in_use: set[int] = set()      # slots holding a sequence (host mirror)
         self.kv_slot = torch.zeros(P, dtype=torch.bool, device=self.device)
-        cap = buffer_size if uses_ring else 1
+        cap = spec.buffer_size if uses_ring else 1
         self.ring = RingIndex(P - 1, cap, self.device)
         has_attention = any(not hasattr(layer, "conv_dim") for layer in model.stateful_layers())
-        # KV-only SSM entries (kv mode) and attention KV (hybrids) live in paged pools whose
+        # KV-only SSM entries (kv / auto) and attention KV (hybrids) live in paged pools whose
         # blocks a slot draws as its context grows (None: a static pool, max_seq_len per slot)
-        self.pidx, self._static_kv = self._pool("kv_num_blocks", kv_num_blocks, uses_pages)
-        self.attn, self._static_attn = self._pool("attn_num_blocks", attn_num_blocks, has_attention)
+        self.pidx, self._static_kv = self._pool(spec.kv_num_blocks, uses_pages)
+        self.attn, self._static_attn = self._pool(spec.attn_num_blocks, has_attention)
         self.uses_pages = self.pidx is not None or self.attn is not None
         if self.pidx is not None:
             self.kv_slot[1:] = True
         # prefix caching (replayssm.models.prefix): a store of token blocks and checkpoints
+        bs = spec.block_size
         self.prefix = None
-        if prefix_blocks is not None:
-            self.prefix = PrefixTable(P, kv_block_size, prefix_blocks + 1, (prefix_checkpoints or 0) + 1,
-                                      -(-max_seq_len // kv_block_size), self.device)
+        if spec.prefix_blocks is not None:
+            self.prefix = PrefixTable(P, bs, spec.prefix_blocks + 1, (spec.prefix_checkpoints or 0) + 1,
+                                      spec.max_blocks, self.device)
         self.layers: dict[int, dict] = {}
         for layer in model.stateful_layers():
             if hasattr(layer, "conv_dim"):
-                pages = (self.pidx.num_blocks, kv_block_size) if self.pidx is not None else None
+                pages = (self.pidx.num_blocks, bs) if self.pidx is not None else None
                 store = layer.allocate(P, cap, self.dtype, self.device, pages, mode=mode)
                 if self.prefix is not None:
-                    store["prefix"] = layer.alloc_prefix(self.prefix.num_blocks, kv_block_size,
+                    store["prefix"] = layer.alloc_prefix(self.prefix.num_blocks, bs,
                                                          self.prefix.num_checkpoints, self.dtype, self.device)
             else:
-                store = layer.allocate(self.attn.num_blocks, kv_block_size, self.dtype, self.device)
+                store = layer.allocate(self.attn.num_blocks, bs, self.dtype, self.device)
             if poison:  # tests: every byte a step may not read is NaN
                 for t in _tensors(store):
                     t.fill_(float("nan"))
@@ -176,7 +175,7 @@ class ModelCache:
           token), kept until :meth:`take_prompt_hidden` or :meth:`release`.
         """
         if self.hidden is None:
-            self.hidden = torch.zeros(self.P, self.max_new, int(width), dtype=self.dtype, device=self.device)
+            self.hidden = torch.zeros(self.P, self.spec.max_new, int(width), dtype=self.dtype, device=self.device)
 
     def record_hidden(self, slots: Tensor, hn: Tensor) -> None:
         """``hidden[slots, :T] = hn [B, T, D]`` (no-op unless :meth:`keep_hidden`)."""
@@ -202,22 +201,20 @@ class ModelCache:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
-    def _pool(self, name: str, num_blocks: int | None, needed: bool) -> tuple[PagedIndex | None, bool]:
+    def _pool(self, num_blocks: int | None, needed: bool) -> tuple[PagedIndex | None, bool]:
         """A paged index of ``num_blocks`` usable blocks (plus the null block 0), or ``None``
         when ``needed`` is False; ``num_blocks=None`` reserves ``max_seq_len`` per slot up
         front (a static pool).  Returns ``(index, static)``."""
         if not needed:
             return None, False
-        max_blocks = -(-self.max_seq_len // self.kv_block_size)
+        spec = self.spec
         static = num_blocks is None
         if static:
-            num_blocks = (self.P - 1) * max_blocks
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise ValueError(f"{name} must be a positive int, got {num_blocks!r}")
-        index = PagedIndex(self.P - 1, self.kv_block_size, num_blocks + 1, max_blocks, self.device)
+            num_blocks = (self.P - 1) * spec.max_blocks
+        index = PagedIndex(self.P - 1, spec.block_size, num_blocks + 1, spec.max_blocks, self.device)
         if static:
             for s in range(1, self.P):
-                index.reserve(s, self.max_seq_len)
+                index.reserve(s, spec.max_seq_len)
         return index, static
 
     # ------------------------------------------------------------------ memory
@@ -235,16 +232,17 @@ class ModelCache:
         return sum(t.nbytes for t in self.tensors())
 
     @classmethod
-    def layout(cls, model, mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
-               max_seq_len: int = 2048, kv_block_size: int = 16) -> CacheLayout:
-        """What a cache of these settings allocates per slot and per KV-only block, measured
-        by building it on the ``meta`` device with one and two slots (one and two blocks)."""
+    def layout(cls, model, spec: CacheSpec) -> CacheLayout:
+        """What a cache of ``spec``'s sizing (:meth:`CacheSpec.sizing`: pools and prefix store
+        are measured, not taken from the spec) allocates per slot and per block, measured by
+        building it on the ``meta`` device with one and two slots (one and two blocks)."""
         meta = torch.device("meta")
+        spec = spec.sizing()
 
         def build(P: int, kv_blocks: int = 1, attn_blocks: int = 1, prefix=(None, None)) -> "ModelCache":
-            return cls(model, P, mode, buffer_size, max_new, max_seq_len, kv_block_size,
-                       kv_blocks if mode == "kv" else None, device=meta, attn_num_blocks=attn_blocks,
-                       prefix_blocks=prefix[0], prefix_checkpoints=prefix[1])
+            return cls(model, P, CacheSpec.of(spec, kv_num_blocks=kv_blocks if spec.paged else None,
+                                              attn_num_blocks=attn_blocks, prefix_blocks=prefix[0],
+                                              prefix_checkpoints=prefix[1]), device=meta)
 
         one = build(2)
         slot = build(3).nbytes() - one.nbytes()
@@ -259,19 +257,20 @@ class ModelCache:
         pre_slot = build(3, prefix=(1, 1)).nbytes() - pre - slot
         wins = [st["conv"].window for st in one.layers.values() if "conv" in st]
         conv_in = sum(w.nbytes // (w.shape[0] * w.shape[2]) for w in wins if w.shape[2])
-        return CacheLayout(mode, slot, block, kv_block_size, state, entry, attn_block, pre_block, ckpt, pre_slot,
-                           entry + conv_in)
+        return CacheLayout(spec.mode, slot, block, spec.block_size, state, entry, attn_block, pre_block, ckpt,
+                           pre_slot, entry + conv_in)
 
     # ------------------------------------------------------------------ queries
     def mode_of(self, slot: int) -> str:
-        """Form of ``slot``'s recurrent layers: ``"recurrent"``, ``"replay"`` or ``"kv"``."""
+        """Form of ``slot``'s recurrent layers: ``"recurrent"``, ``"replay"`` or ``"kv"`` (slot 0:
+        the form a fresh slot starts in)."""
         slot = int(slot)
         if not 0 <= slot < self.P:
             raise ValueError(f"slot must be in [0, {self.P - 1}], got {slot}")
         return self._modes[slot] if slot else self.mode
 
     def ssm_form(self) -> str:
-        """Form a step runs in: the cache mode, or ``"mixed"`` when KV and replay slots coexist."""
+        """Form a step runs in: the slots' form, or ``"mixed"`` when KV and replay slots coexist."""
         if self.mode != "kv":
             return self.mode
         kinds = {self._modes[s] for s in self._in_use} or {self.mode}
@@ -290,8 +289,8 @@ class ModelCache:
         attention KV (hybrids) and, in the KV-only form, its SSM entries (a no-op for pools
         already holding that many, and for static pools).  :class:`PoolExhausted` or
         ``ValueError`` leave everything unchanged."""
-        if total_len > self.max_seq_len:
-            raise ValueError(f"slot {slot}: {total_len} tokens > max_seq_len {self.max_seq_len}")
+        if total_len > self.spec.max_seq_len:
+            raise ValueError(f"slot {slot}: {total_len} tokens > max_seq_len {self.spec.max_seq_len}")
         slot = int(slot)
         kv = self.pidx is not None and self._modes[slot] == "kv"
         pools = [p for p in (self.attn, self.pidx if kv else None) if p is not None]
@@ -309,7 +308,7 @@ class ModelCache:
 
     # ------------------------------------------------------------------ slot lifecycle
     def release(self, slots) -> None:
-        """Free ``slots`` (their next prefill starts a new sequence in the cache's mode)."""
+        """Free ``slots`` (their next prefill starts a new sequence in :attr:`mode`)."""
         self._check_idle()
         ids = [s for s in _as_list(slots) if s != 0]
         for s in ids:
@@ -328,7 +327,7 @@ class ModelCache:
                 if pool is not None:
                     pool.release(s)
                     if static:
-                        pool.reserve(s, self.max_seq_len)
+                        pool.reserve(s, self.spec.max_seq_len)
         if self.pidx is not None:
             self.kv_slot[t] = True
         if self.prefix is not None:

@@ -254,8 +254,8 @@ def _prepare(cache, slot: int, length: int, chain, attn=(), checkpoint=None, *, 
     bs = table.block_size
     if not 0 < slot < cache.P or slot in cache._in_use or slot in taken:
         raise ValueError(f"load_prefix needs a free slot in [1, {cache.P - 1}], got {slot}")
-    if not 0 < length <= cache.max_seq_len:
-        raise ValueError(f"prefix length must be in [1, {cache.max_seq_len}], got {length}")
+    if not 0 < length <= cache.spec.max_seq_len:
+        raise ValueError(f"prefix length must be in [1, {cache.spec.max_seq_len}], got {length}")
     nblk = -(-length // bs)
     if len(chain) != nblk:
         raise ValueError(f"a prefix of {length} tokens spans {nblk} blocks of {bs}, got {len(chain)} store blocks")

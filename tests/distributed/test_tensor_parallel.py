@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 import hf_utils as H  # noqa: E402
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
+from replayssm.cache.spec import CacheSpec  # noqa: E402
 from replayssm.models import load_model  # noqa: E402
 from replayssm.models.config import read_config  # noqa: E402
 
@@ -311,9 +312,15 @@ def test_model_api_and_bad_input_keep_the_group(models):
     """The model API runs on every rank; bad input raises the same ValueError on rank 0 (the
     workers drop it) and the group goes on."""
     ref, tp = models("nemotron_h")
-    c1, c2 = ref.make_cache(3, max_seq_len=32), tp.make_cache(3, max_seq_len=32)
+    spec = CacheSpec(max_seq_len=32)
+    c1, c2 = ref.make_cache(3, spec), tp.make_cache(3, spec)
+    assert c2.spec == spec and tp.make_cache(3, max_seq_len=32).spec == spec
     slots, ids, lens = torch.tensor([1, 2]), torch.tensor([[3, 4, 5], [6, 0, 0]]), torch.tensor([3, 1])
     torch.testing.assert_close(tp.prefill(c2, slots, ids, lens), ref.prefill(c1, slots, ids, lens), rtol=0, atol=1e-12)
+    for c in (c1, c2):   # a cache change runs on every rank: slot 2 restarts
+        c.release(torch.tensor([2]))
+    one = (slots[1:], ids[1:], lens[1:])
+    torch.testing.assert_close(tp.prefill(c2, *one), ref.prefill(c1, *one), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="token ids must be in"):
         tp.decode(c2, slots, torch.tensor([99, 1]))
     torch.testing.assert_close(tp.decode(c2, slots, torch.tensor([7, 8])), ref.decode(c1, slots, torch.tensor([7, 8])),

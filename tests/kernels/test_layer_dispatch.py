@@ -46,11 +46,11 @@ CONFIGS = {
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_model(name: str):
-    """A random-weight float32 model built in memory (no checkpoint round trip)."""
+def tiny_model(name: str, dtype: torch.dtype = torch.float32):
+    """A random-weight model built in memory (no checkpoint round trip)."""
     cls, d = CONFIGS[name]
     with torch.device("meta"):
-        m = cls(parse_config(d), torch.float32, DEVICE)
+        m = cls(parse_config(d), dtype, DEVICE)
     g = torch.Generator().manual_seed(1)
     for pname, p in list(m.named_parameters()):
         mod_name, _, leaf = pname.rpartition(".")
@@ -61,7 +61,7 @@ def tiny_model(name: str):
             t = torch.empty(p.shape).uniform_(-2.0, 0.0, generator=g)
         elif pname.endswith("norm.weight") or pname.endswith("norm_f.weight"):
             t = 0.1 * torch.randn(p.shape, generator=g) + (1.0 if cls is Mamba2LM else 0.0)
-        m.get_submodule(mod_name)._parameters[leaf] = nn.Parameter(t.to(DEVICE), requires_grad=False)
+        m.get_submodule(mod_name)._parameters[leaf] = nn.Parameter(t.to(DEVICE, dtype), requires_grad=False)
     return m.eval()
 
 
@@ -80,7 +80,7 @@ def cache_tensors(cache) -> dict:
                     if isinstance(t, torch.Tensor):
                         key = f"{lid}.{k}.{n}"
                         out[key] = t
-                        skip[key] = cache.kv_block_size if k == "kv" else 1
+                        skip[key] = cache.spec.block_size if k == "kv" else 1
     return {k: v[skip[k]:].clone() for k, v in out.items()}
 
 
@@ -90,7 +90,7 @@ def run_scenario(model, mode: str):
     Returns (logits per step, cache tensors after each phase)."""
     g = torch.Generator().manual_seed(0)
     V = model.vocab_size
-    cache = model.make_cache(4, mode=mode, buffer_size=4, max_new=2, max_seq_len=24, kv_block_size=4)
+    cache = model.make_cache(4, mode=mode, buffer_size=4, max_new=2, max_seq_len=24, block_size=4)
     dev = cache.device
     slots = torch.tensor([1, 0, 2], device=dev)                 # row 1 pads (null slot)
 
@@ -148,12 +148,12 @@ EXPECTED = {  # kernels each mode must reach
 
 @pytest.mark.parametrize("mode", ["replay", "kv", "recurrent"])
 @pytest.mark.parametrize("name", ["mamba2", "qwen3_next"])
-def test_layers_kernels_match_naive(name, mode, monkeypatch, kernel_calls):
+def test_layers_kernels_match_naive(name, mode, kernels_env, kernel_calls):
     model = tiny_model(name)
     fam = "mamba2" if name == "mamba2" else "gdn"
     res = {}
     for backend in ("naive", "triton"):
-        monkeypatch.setenv("REPLAYSSM_KERNELS", backend)
+        kernels_env(backend)
         kernel_calls.clear()
         res[backend] = run_scenario(model, mode)
         used = {op for (f, op) in kernel_calls if f == fam}
@@ -208,11 +208,11 @@ def test_ops_for_exposes_naive_and_routes():
     assert q.blocks[0].linear_attn.ops() is dispatch.ops_for("gdn")
 
 
-def test_naive_path_drops_kernel_only_keywords(monkeypatch):
+def test_naive_path_drops_kernel_only_keywords(kernels_env):
     from replayssm.cache.buffers import Mamba2Buffers
     from replayssm.cache.ring import RingIndex
 
-    monkeypatch.setenv("REPLAYSSM_KERNELS", "naive")
+    kernels_env("naive")
     ring = RingIndex(2, 4, "cpu")
     buf = Mamba2Buffers.allocate(2, 4, 2, 3, 4, 1)
     plan = ring.plan_decode(torch.tensor([1, 2]))
@@ -223,8 +223,9 @@ def test_naive_path_drops_kernel_only_keywords(monkeypatch):
     assert y.shape == (2, 2, 3)
 
 
-def test_auto_keeps_float64_on_the_naive_ops(monkeypatch):
-    """``backend="auto"``: fp64 calls never pick the (fp32) kernels; the env override still wins."""
+def test_auto_keeps_float64_on_the_naive_ops(monkeypatch, kernels_env):
+    """``backend="auto"``: fp64 calls never pick the (fp32) kernels; the env override still
+    wins.  The choice is made once per (device, dtype) of the lead tensor, not per call."""
     seen = []
 
     def spy(*tensors, backend="auto"):
@@ -232,7 +233,7 @@ def test_auto_keeps_float64_on_the_naive_ops(monkeypatch):
         return False
 
     monkeypatch.setattr(dispatch, "use_triton", spy)
-    monkeypatch.delenv("REPLAYSSM_KERNELS", raising=False)
+    kernels_env(None)
     ops = dispatch.KernelOps("mamba2")
     st32, st64 = torch.zeros(2, 1, 1, 1), torch.zeros(2, 1, 1, 1, dtype=torch.float64)
     x32, x64 = torch.randn(2, 1, 1), torch.randn(2, 1, 1, dtype=torch.float64)
@@ -240,7 +241,13 @@ def test_auto_keeps_float64_on_the_naive_ops(monkeypatch):
                       torch.randn(2, 1, 1, dtype=x.dtype))
     ops.recurrent_step(st32, x32, *args(x32))
     ops.recurrent_step(st64, x64, *args(x64))
+    ops.recurrent_step(st32, x32, *args(x32))                     # resolved: no new choice
+    ops.recurrent_step(st64, x64, *args(x64))
+    assert seen == ["auto", "naive"]
     monkeypatch.setenv("REPLAYSSM_KERNELS", "triton")
+    ops.recurrent_step(st64, x64, *args(x64))
+    assert seen == ["auto", "naive"], "the environment is read once per resolution"
+    kernels_env("triton")                                         # reset: read again
     ops.recurrent_step(st64, x64, *args(x64))
     assert seen == ["auto", "naive", "auto"]
 
@@ -268,3 +275,68 @@ def test_every_op_is_routed_or_declared_reference_only():
         "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
         "moe": ("activation", "check_experts"),
     }
+
+
+def test_routed_op_without_kernel_raises_naming_it(monkeypatch):
+    """An op routed to the kernels whose kernel is missing raises (naming it) rather than
+    running the reference: only ``REFERENCE_ONLY`` ops run the reference where kernels run."""
+    from replayssm.kernels import mamba2 as K2
+
+    monkeypatch.delattr(K2, "recurrent_step")
+    st, x = torch.zeros(2, 1, 1, 1, device=DEVICE), torch.randn(2, 1, 1, device=DEVICE)
+    args = (torch.full((2, 1), 0.5, device=DEVICE), -torch.ones(1, device=DEVICE), torch.randn(2, 1, 1, device=DEVICE),
+            torch.randn(2, 1, 1, device=DEVICE))
+    with pytest.raises(NotImplementedError, match=r"mamba2\.recurrent_step"):
+        dispatch.KernelOps("mamba2", backend="triton").recurrent_step(st, x, *args)
+    dispatch.KernelOps("mamba2", backend="naive").recurrent_step(st, x, *args)   # the reference needs none
+
+
+def _probe(args, kwargs) -> list:
+    """Every tensor of a call that could decide its backend: tensor arguments, and the state
+    (ring buffers), window (conv) or first pool tensor (paged pools) of cache objects."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(getattr(a, "state", None), torch.Tensor):
+            out.append(a.state)
+        elif isinstance(getattr(a, "window", None), torch.Tensor):
+            out.append(a.window)
+        elif hasattr(a, "tensors") and callable(a.tensors):
+            out += [t for t in a.tensors() if isinstance(t, torch.Tensor)][:1]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["mamba2", "qwen3_next"])
+def test_lead_tensor_decides_like_every_tensor(name, dtype, monkeypatch, kernels_env):
+    """The table key is the lead tensor's (device, dtype): in every routed call the layers make
+    (each form, prefill to commit), all the call's tensors share the lead's device type, and
+    one of them is float64 exactly when the lead is, so the lead decides as all of them would."""
+    from replayssm.ops.attention import naive as NA
+    from replayssm.ops.conv import naive as NC
+    from replayssm.ops.gdn import naive as NG
+    from replayssm.ops.mamba2 import naive as N2
+    from replayssm.ops.moe import naive as NM
+
+    kernels_env(None)
+    seen = set()
+    for fam, naive in (("mamba2", N2), ("gdn", NG), ("conv", NC), ("attention", NA), ("moe", NM)):
+        for op in dispatch.ROUTED[fam]:
+            for mod in {naive, dispatch.kernel_module(fam, op)}:
+                f = getattr(mod, op)
+
+                def spy(*a, _f=f, _key=(fam, op), **kw):
+                    ts = _probe(a, kw)
+                    lead = ts[0]
+                    assert {t.device.type for t in ts} == {lead.device.type}, f"{_key}: mixed devices"
+                    assert any(t.dtype == torch.float64 for t in ts) == (lead.dtype == torch.float64), \
+                        f"{_key}: float64 beside a {lead.dtype} lead"
+                    seen.add(_key)
+                    return _f(*a, **kw)
+
+                monkeypatch.setattr(mod, op, functools.wraps(f)(spy))
+    model = tiny_model(name, dtype)
+    for mode in ("replay", "kv", "recurrent"):
+        run_scenario(model, mode)
+    assert {("mamba2" if name == "mamba2" else "gdn", "replay_decode"), ("conv", "conv_decode")} <= seen

@@ -31,7 +31,7 @@ def _slot_tensors(cache, slot):
                     continue
                 if key == "kv":
                     n = int(cache.pidx.length[slot])
-                    bs = cache.kv_block_size
+                    bs = cache.spec.block_size
                     rows = [b * bs + o for b in cache.pidx.blocks_of(slot) for o in range(bs)][:n]
                     out.append(t[torch.tensor(rows, dtype=torch.long)])
                 else:
@@ -43,7 +43,7 @@ def _slot_tensors(cache, slot):
 @pytest.mark.parametrize("name", ["mamba2", "nemotron_h", "qwen3_next"])
 def test_fork_copies_every_slot_tensor_and_continues_exactly(name, mode, blocks, ours):
     model = ours(name)
-    cache = model.make_cache(6, mode=mode, buffer_size=6, max_new=3, max_seq_len=64, kv_block_size=4,
+    cache = model.make_cache(6, mode=mode, buffer_size=6, max_new=3, max_seq_len=64, block_size=4,
                              kv_num_blocks=blocks, poison=True)
     st = Stream(model, cache, [1, 0, 3], seed=5)
     st.prefill([5, 1, 3])
@@ -71,7 +71,7 @@ def test_fork_copies_every_slot_tensor_and_continues_exactly(name, mode, blocks,
 
 def test_fork_validates_before_writing(ours):
     model = ours("mamba2")
-    cache = model.make_cache(5, mode="kv", max_new=1, max_seq_len=32, kv_block_size=4, kv_num_blocks=6)
+    cache = model.make_cache(5, mode="kv", max_new=1, max_seq_len=32, block_size=4, kv_num_blocks=6)
     Stream(model, cache, [1], seed=1).prefill([9])           # 3 blocks of 6
     before = [t.clone() for t in _slot_tensors(cache, 2)]
     free = cache.pidx.free_blocks

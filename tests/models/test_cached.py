@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from replayssm.cache.spec import CacheSpec
 from replayssm.cache.tree import path_to
 
 TOL = 1e-9
@@ -99,7 +100,7 @@ class Stream:
 @pytest.mark.parametrize("name", MODELS)
 def test_modes_match_full_forward(name, mode, ours):
     model = ours(name)
-    cache = model.make_cache(5, mode=mode, buffer_size=6, max_new=3, max_seq_len=48, kv_block_size=4,
+    cache = model.make_cache(5, mode=mode, buffer_size=6, max_new=3, max_seq_len=48, block_size=4,
                              poison=True)
     st = Stream(model, cache, [3, 0, 1], seed=sum(map(ord, name + mode)))
     st.prefill([5, 2, 7])
@@ -125,10 +126,10 @@ def test_modes_match_full_forward(name, mode, ours):
     assert st.err < TOL, st.err
 
 
-@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv"])
+@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv", "auto"])
 def test_prefill_continues_a_sequence_and_release_resets(mode, ours):
     model = ours("qwen3_next")
-    cache = model.make_cache(3, mode=mode, buffer_size=4, max_new=2, max_seq_len=40, kv_block_size=3,
+    cache = model.make_cache(3, mode=mode, buffer_size=4, max_new=2, max_seq_len=40, block_size=3,
                              poison=True)
     st = Stream(model, cache, [2, 1], seed=7)
     st.prefill([4, 3])
@@ -137,7 +138,7 @@ def test_prefill_continues_a_sequence_and_release_resets(mode, ours):
     st.prefill([3, 5])          # appended to each slot's sequence
     st.decode()
     cache.release([2])
-    assert int(cache.seq_len[2]) == 0 and cache.mode_of(2) == mode
+    assert int(cache.seq_len[2]) == 0 and cache.mode_of(2) == CacheSpec(mode=mode).initial_form
     st.seqs[2] = []
     st.prefill([2, 1])          # slot 2 restarts at position 0, slot 1 continues
     st.decode()
@@ -178,6 +179,10 @@ def test_cache_api_errors_leave_cache_untouched(ours):
         model.make_cache(3, mode="replay", buffer_size=3, max_new=2)
     with pytest.raises(ValueError, match="num_slots"):
         model.make_cache(1)
+    with pytest.raises(ValueError, match="unknown cache spec field"):
+        model.make_cache(3, kv_block_size=4)
+    with pytest.raises(ValueError, match="kv_num_blocks"):
+        model.make_cache(3, mode="kv", kv_num_blocks=0)
     cache = model.make_cache(3, mode="replay", buffer_size=4, max_new=2, max_seq_len=10)
     s = torch.tensor([1, 2])
     model.prefill(cache, s, torch.ones(2, 3, dtype=torch.long), torch.tensor([3, 2]))
@@ -245,7 +250,7 @@ _OPS = hs.lists(hs.sampled_from(["decode", "verify1", "verify2", "verify3", "tre
 def test_random_schedules_match_full_forward(ours, name, mode, buffer, ops, seed):
     model = ours(name)
     cache = model.make_cache(4, mode=mode, buffer_size=buffer, max_new=3, max_seq_len=64,
-                             kv_block_size=5, poison=True)
+                             block_size=5, poison=True)
     st = Stream(model, cache, [2, 0, 3], seed=seed)
     st.prefill([st.rng.randint(1, 5), 1, st.rng.randint(1, 5)])
     for op in ops:
@@ -271,7 +276,7 @@ def test_random_schedules_match_full_forward(ours, name, mode, buffer, ops, seed
     assert st.err < TOL, (st.err, ops)
 
 
-@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv"])
+@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv", "auto"])
 @pytest.mark.parametrize("arch", ["mamba2", "nemotron_h", "qwen3_next"])
 def test_layout_is_what_the_cache_allocates(ours, arch, mode):
     """One source of truth for memory: the layout the engine budgets (measured on the meta
@@ -279,12 +284,13 @@ def test_layout_is_what_the_cache_allocates(ours, arch, mode):
     from replayssm.models.cache import ModelCache
 
     m = ours(arch)
-    lay = m.cache_layout(mode, buffer_size=8, max_new=3, max_seq_len=48, kv_block_size=4)
-    blocks = 9 if mode == "kv" else None
-    base = ModelCache(m, 2, mode, 8, 3, 48, 4, 1 if blocks else None, attn_num_blocks=1).nbytes()
-    cache = ModelCache(m, 6, mode, 8, 3, 48, 4, blocks, attn_num_blocks=7)
+    spec = CacheSpec(mode=mode, buffer_size=8, max_new=3, max_seq_len=48, block_size=4)
+    lay = m.cache_layout(spec)
+    blocks = 9 if spec.paged else None
+    base = ModelCache(m, 2, CacheSpec.of(spec, kv_num_blocks=1 if blocks else None, attn_num_blocks=1)).nbytes()
+    cache = ModelCache(m, 6, CacheSpec.of(spec, kv_num_blocks=blocks, attn_num_blocks=7))
     assert cache.nbytes() == base + 4 * lay.slot_bytes + (8 * lay.block_bytes if blocks else 0) \
         + 6 * lay.attn_block_bytes
     assert lay.slot_bytes > 0 and lay.state_bytes > 0 and lay.entry_bytes > 0
-    assert (lay.block_bytes > 0) == (mode == "kv")
+    assert (lay.block_bytes > 0) == spec.paged and lay.mode == mode
     assert (lay.attn_block_bytes > 0) == (arch != "mamba2")
