@@ -12,9 +12,10 @@ captured then.
 A captured step bakes in every host-side decision of the model call: the batch bucket, the
 draft count, chain or tree, and the cache's SSM form (``cache.ssm_form()``: "replay", "kv",
 "mixed", ... — it changes between steps in ``decode_mode="auto"`` as requests switch from
-KV-only to state form), so the form is part of every graph key.  Everything else a step
-reads (slots, lengths, ring pointers, block tables, the KV/state row mask) is device data
-updated in place between replays.
+KV-only to state form), so the form is part of every graph key (:class:`GraphKey`).
+Everything else a step reads (slots, lengths, ring pointers, block tables, the KV/state row
+mask) is device data updated in place between replays.  Buckets and padding rows come from
+:mod:`replayssm.engine.batching`.
 
 ``pad_batches=True`` pads eagerly to the same buckets, which lets the CPU tests exercise the
 padding path that the graphs use.
@@ -23,12 +24,14 @@ padding path that the graphs use.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..cache.tree import ancestor_mask, path_to
 from ..runtime import canonical_device
+from .batching import batch_buckets, bucket_for, pad_chain_parent, pad_rows
 from .sampler import accept_greedy, accept_tree, blank_batch, process, token_logprobs
 
 #: CUDA graph capture checks only the capturing thread's CUDA calls.  In the default
@@ -39,17 +42,24 @@ from .sampler import accept_greedy, accept_tree, blank_batch, process, token_log
 CAPTURE_ERROR_MODE = "thread_local"
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-    out, b = [], 1
-    while b < min(max_batch, 16):
-        out.append(b)
-        b *= 2
-    b = 16
-    while b < max_batch:
-        out.append(b)
-        b += 16 if b < 128 else 32
-    out.append(max_batch)
-    return sorted(set(out))
+@dataclass(frozen=True)
+class GraphKey:
+    """What one captured graph bakes in (the key of :attr:`ModelRunner._graphs`).
+
+    ``kind``: ``"decode"``, ``"spec"`` (a greedy verify step) or ``"sspec"`` (a sampled
+    verify step); ``batch``: the batch bucket ``Bp``; ``form``: the cache's SSM form
+    (``cache.ssm_form()``, None for caches without one).  Verify steps add ``nodes`` (``N``
+    inputs per row) and ``tree`` (verify_tree, else a chain); sampled steps add ``has_q``
+    (draft distributions ``q [Bp, N, V]`` given) and ``sampling``
+    (:meth:`SamplingBatch.key`: the host-side switches)."""
+
+    kind: str
+    batch: int
+    form: str | None = None
+    nodes: int = 0
+    tree: bool = False
+    has_q: bool = False
+    sampling: tuple = ()
 
 
 class ModelRunner:
@@ -63,8 +73,8 @@ class ModelRunner:
         if cuda_graphs and not self.use_graphs:
             warnings.warn("cuda_graphs=True ignored: the device is not CUDA", stacklevel=2)
         self.pad_batches = pad_batches or self.use_graphs
-        self._graphs: dict = {}          # key -> captured graph and its static tensors
-        self._graph_failed: set = set()  # keys whose capture failed (run eagerly)
+        self._graphs: dict[GraphKey, tuple] = {}   # captured graph and its static tensors
+        self._graph_failed: set[GraphKey] = set()  # keys whose capture failed (run eagerly)
         self._pool = None
         self.num_calls = {"prefill": 0, "decode": 0, "verify": 0, "tree": 0}
 
@@ -86,18 +96,16 @@ class ModelRunner:
         f = getattr(self.cache, "ssm_form", None)
         return f() if callable(f) else None
 
-    def _bucket(self, B: int) -> int:
-        for b in self.buckets:
-            if b >= B:
-                return b
-        return B
+    def _padded(self, B: int) -> int:
+        """Rows a batch of ``B`` runs as: its bucket when batches are padded, else ``B``."""
+        return bucket_for(self.buckets, B) if self.pad_batches else B
 
-    @staticmethod
-    def _pad_rows(x: Tensor, n: int, value=0) -> Tensor:
-        if x.shape[0] == n:
-            return x
-        pad = torch.full((n - x.shape[0],) + tuple(x.shape[1:]), value, dtype=x.dtype, device=x.device)
-        return torch.cat([x, pad], 0)
+    def _pad_step(self, Bp: int, tokens: Tensor, parent: Tensor, valid: Tensor):
+        """A verify step's ``tokens, parent, valid [B, N]`` padded to ``Bp`` rows: padding
+        rows carry only their root (a chain, no valid drafts) on the null slot."""
+        if tokens.shape[0] == Bp:
+            return tokens, parent, valid
+        return pad_rows(tokens, Bp), pad_chain_parent(parent, Bp), pad_rows(valid, Bp, False)
 
     # -- calls -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -117,8 +125,8 @@ class ModelRunner:
         tokens = self._h2d(tokens)
         if not self.pad_batches:
             return self.model.decode(self.cache, self._slots(slots), tokens)
-        Bp = self._bucket(B)
-        key = ("decode", Bp, self._form())
+        Bp = bucket_for(self.buckets, B)
+        key = GraphKey("decode", Bp, self._form())
         if self.use_graphs and key not in self._graph_failed:
             g = self._graphs.get(key)
             if g is None:
@@ -126,10 +134,10 @@ class ModelRunner:
             if g is not None:
                 graph, s_in, t_in, out = g
                 s_in.copy_(self._slots(slots, Bp))
-                t_in.copy_(self._pad_rows(tokens, Bp))
+                t_in.copy_(pad_rows(tokens, Bp))
                 graph.replay()
                 return out[:B]
-        out = self.model.decode(self.cache, self._slots(slots, Bp), self._pad_rows(tokens, Bp))
+        out = self.model.decode(self.cache, self._slots(slots, Bp), pad_rows(tokens, Bp))
         return out[:B]
 
     @torch.inference_mode()
@@ -137,8 +145,8 @@ class ModelRunner:
         self.num_calls["verify"] += 1
         B = len(slots)
         tokens = self._h2d(tokens)
-        Bp = self._bucket(B) if self.pad_batches else B
-        out = self.model.verify(self.cache, self._slots(slots, Bp), self._pad_rows(tokens, Bp))
+        Bp = self._padded(B)
+        out = self.model.verify(self.cache, self._slots(slots, Bp), pad_rows(tokens, Bp))
         self._rows = (B, Bp)
         return out[:B]
 
@@ -147,21 +155,18 @@ class ModelRunner:
         self.num_calls["tree"] += 1
         B = len(slots)
         tokens, parent = self._h2d(tokens), self._h2d(parent)
-        Bp = self._bucket(B) if self.pad_batches else B
-        if Bp != B:  # padding rows: a chain (any valid tree will do for the null slot)
-            N = tokens.shape[1]
-            chain = torch.arange(-1, N - 1, device=self.device).expand(Bp - B, N)
-            parent = torch.cat([parent, chain], 0)
-        out = self.model.verify_tree(self.cache, self._slots(slots, Bp), self._pad_rows(tokens, Bp), parent)
+        Bp = self._padded(B)
+        out = self.model.verify_tree(self.cache, self._slots(slots, Bp), pad_rows(tokens, Bp),
+                                     pad_chain_parent(parent, Bp))
         self._rows = (B, Bp)
         return out[:B]
 
     @torch.inference_mode()
     def commit(self, accepted: Tensor, path: Tensor | None = None) -> None:
         B, Bp = getattr(self, "_rows", (accepted.shape[0], accepted.shape[0]))
-        accepted = self._pad_rows(accepted.to(self.device), Bp)
+        accepted = pad_rows(accepted.to(self.device), Bp)
         if path is not None:
-            path = self._pad_rows(path.to(self.device), Bp)
+            path = pad_rows(path.to(self.device), Bp)
             self.model.commit(self.cache, accepted, path)
         else:
             self.model.commit(self.cache, accepted)
@@ -190,13 +195,9 @@ class ModelRunner:
         self.num_calls["tree" if tree else "verify"] += 1
         B, N = tokens.shape
         tokens, parent, valid = self._h2d(tokens), self._h2d(parent), self._h2d(valid)
-        Bp = self._bucket(B) if self.pad_batches else B
-        if Bp != B:
-            chain = torch.arange(-1, N - 1, device=self.device).expand(Bp - B, N)
-            parent = torch.cat([parent, chain], 0)
-            tokens = self._pad_rows(tokens, Bp)
-            valid = torch.cat([valid, torch.zeros(Bp - B, N, dtype=torch.bool, device=self.device)], 0)
-        key = ("spec", Bp, N, tree, self._form())
+        Bp = self._padded(B)
+        tokens, parent, valid = self._pad_step(Bp, tokens, parent, valid)
+        key = GraphKey("spec", Bp, self._form(), N, tree)
         if self.use_graphs and key not in self._graph_failed:
             g = self._graphs.get(key) or self._capture_spec(key, Bp, N, tree)
             if g is not None:
@@ -254,16 +255,13 @@ class ModelRunner:
         self.num_calls["tree" if tree else "verify"] += 1
         B, N = tokens.shape
         tokens, parent, valid, u = self._h2d(tokens), self._h2d(parent), self._h2d(valid), self._h2d(u)
-        Bp = self._bucket(B) if self.pad_batches else B
+        Bp = self._padded(B)
         if Bp != B:
-            chain = torch.arange(-1, N - 1, device=self.device).expand(Bp - B, N)
-            parent = torch.cat([parent, chain], 0)
-            tokens = self._pad_rows(tokens, Bp)
-            valid = torch.cat([valid, torch.zeros(Bp - B, N, dtype=torch.bool, device=self.device)], 0)
-            u = self._pad_rows(u, Bp, 0.5)
-            q = self._pad_rows(q, Bp) if q is not None else None
+            tokens, parent, valid = self._pad_step(Bp, tokens, parent, valid)
+            u = pad_rows(u, Bp, 0.5)
+            q = pad_rows(q, Bp) if q is not None else None
             sb = sb.pad(Bp)
-        key = ("sspec", Bp, N, tree, self._form(), q is not None, sb.key())
+        key = GraphKey("sspec", Bp, self._form(), N, tree, q is not None, sb.key())
         if self.use_graphs and key not in self._graph_failed:
             g = self._graphs.get(key) or self._capture_sampled(key, Bp, N, tree, q is not None, sb)
             if g is not None:
@@ -379,28 +377,28 @@ class ModelRunner:
         if not self.use_graphs:
             return 0
         form, n = self._form(), 0
-        keys = []
+        keys: list[tuple[GraphKey, object]] = []   # (key, the sampled step's SamplingBatch | None)
         for Bp in sorted(self.buckets, reverse=True):
-            keys.append((("decode", Bp, form), Bp, None, None))
-            keys += [(("spec", Bp, N, tree, form), Bp, N, tree) for N, tree in spec_shapes]
+            keys.append((GraphKey("decode", Bp, form), None))
+            keys += [(GraphKey("spec", Bp, form, N, tree), None) for N, tree in spec_shapes]
             for N, tree, has_q in sampled_shapes:
                 sb = blank_batch(Bp, 0, self.device)
-                keys.append((("sspec", Bp, N, tree, form, has_q, sb.key()), Bp, N, (tree, has_q, sb)))
-        keys = [k for k in keys if k[0] not in self._graphs and k[0] not in self._graph_failed]
+                keys.append((GraphKey("sspec", Bp, form, N, tree, has_q, sb.key()), sb))
+        keys = [(k, sb) for k, sb in keys if k not in self._graphs and k not in self._graph_failed]
         runnable = []
-        for key, Bp, N, tree in keys:
+        for key, sb in keys:
+            Bp, N = key.batch, key.nodes
             try:
-                if N is None:
+                if key.kind == "decode":
                     ins = self._decode_inputs(Bp)
                     self._warm(lambda: self.model.decode(self.cache, *ins), passes=1)
-                elif key[0] == "sspec":
-                    tr, has_q, sb = tree
-                    _, a = self._sampled_inputs(Bp, N, has_q, sb)
-                    self._warm(lambda: self._sampled_body(*a[:6], a[6], tr), passes=1)
+                elif key.kind == "sspec":
+                    _, a = self._sampled_inputs(Bp, N, key.has_q, sb)
+                    self._warm(lambda: self._sampled_body(*a[:6], a[6], key.tree), passes=1)
                 else:
                     ins = self._spec_inputs(Bp, N)
-                    self._warm(lambda: self._greedy_body(*ins, tree), passes=1)
-                runnable.append((key, Bp, N, tree))
+                    self._warm(lambda: self._greedy_body(*ins, key.tree), passes=1)
+                runnable.append((key, sb))
             except NotImplementedError:  # e.g. no KV-only tree verify: captured after the switch
                 self._drop_pending()
             except Exception as e:  # pragma: no cover - depends on the model's kernels
@@ -409,14 +407,14 @@ class ModelRunner:
                 self._drop_pending()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        for key, Bp, N, tree in runnable:
-            if N is None:
+        for key, sb in runnable:
+            Bp, N = key.batch, key.nodes
+            if key.kind == "decode":
                 n += self._capture_decode(key, Bp, warm=False) is not None
-            elif key[0] == "sspec":
-                tr, has_q, sb = tree
-                n += self._capture_sampled(key, Bp, N, tr, has_q, sb, warm=False) is not None
+            elif key.kind == "sspec":
+                n += self._capture_sampled(key, Bp, N, key.tree, key.has_q, sb, warm=False) is not None
             else:
-                n += self._capture_spec(key, Bp, N, tree, warm=False) is not None
+                n += self._capture_spec(key, Bp, N, key.tree, warm=False) is not None
         return n
 
     def _decode_inputs(self, Bp: int):

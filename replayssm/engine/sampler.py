@@ -69,9 +69,6 @@ class SamplingBatch:
         """Per-row tensors in a fixed order (CUDA graphs copy them into static inputs)."""
         return [getattr(self, n) for n in self._names()]
 
-    def with_tensors(self, ts: list[Tensor]) -> "SamplingBatch":
-        return replace(self, **dict(zip(self._names(), ts)))
-
     def blank(self, B: int) -> "SamplingBatch":
         """``B`` padding rows with this batch's switches (static inputs of a CUDA graph)."""
         return blank_batch(B, self.counts.shape[-1] if self.use_penalties else 0, self.temp.device, *self.key())

@@ -1,4 +1,4 @@
-"""MTP drafting: the target's own multi-token-prediction head proposes chains or token trees.
+"""MTP drafting (``method="mtp"``): the target's own multi-token-prediction head proposes chains or token trees.
 
 The head (:class:`replayssm.models.mtp.MTPHead`) is a small causal model over the pairs
 ``(h_t, x_{t+1})`` (target hidden state after token ``t``, next token), pair ``t`` at
@@ -36,11 +36,12 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..runtime import canonical_device
-from .model_runner import CAPTURE_ERROR_MODE, batch_buckets
-from .sampler import Sampler, sample_from
-from .sequence import Sequence
-from .speculative import Drafter, Proposal, chain_parent
+from ...runtime import canonical_device
+from ..batching import batch_buckets, bucket_for, pad_rows
+from ..model_runner import CAPTURE_ERROR_MODE
+from ..sampler import Sampler, sample_from
+from ..sequence import Sequence
+from .base import Drafter, Proposal, chain_parent, static_tree
 
 
 def mtp_head_of(model):
@@ -52,31 +53,22 @@ def mtp_head_of(model):
     return head
 
 
-def static_tree(paths) -> tuple[list[int], list[int], list[int]]:
-    """``(parent, rank, depth)`` per node of a rank-path tree (node 0 = the root; node ``i``
-    = ``paths[i-1]``, sorted by depth, see ``normalize_static_tree``)."""
-    paths = list(paths)
-    parent = [-1] + [0 if len(p) == 1 else 1 + paths.index(p[:-1]) for p in paths]
-    return parent, [0] + [p[-1] for p in paths], [0] + [len(p) for p in paths]
-
-
 class MTPDrafter(Drafter):
     """Chains (``tree=None``: ``num_tokens`` drafts) or static trees (rank paths) from the
     target's MTP head.  ``target_cache`` is the target's cache (it starts keeping hidden
-    states here); the head's cache is made here with the same slots."""
+    states here); the head's cache is made here with the same slots, from ``spec`` (the
+    target's :class:`~replayssm.cache.spec.CacheSpec`) via ``spec.for_draft()``."""
 
     method = "mtp"
+    uses_mtp_head = True
+    samples_q = True
 
-    def __init__(self, target, target_cache, sampler: Sampler, device, max_batch: int, num_tokens: int,
-                 tree=None, cache_mode: str = "replay", buffer_size: int = 16, max_new: int = 1,
-                 max_seq_len: int = 2048, kv_block_size: int = 16, cuda_graphs: bool = False,
-                 pad_batches: bool = False):
+    def __init__(self, target, target_cache, sampler: Sampler, device, max_batch: int, spec, num_tokens: int,
+                 tree=None, cuda_graphs: bool = False, pad_batches: bool = False):
         self.head = mtp_head_of(target)
         self.target_cache, self.sampler = target_cache, sampler
         self.device = canonical_device(device)
-        self.cache = self.head.make_cache(max_batch + 1, mode=cache_mode, buffer_size=buffer_size,
-                                          max_new=max_new, max_seq_len=max_seq_len, kv_block_size=kv_block_size,
-                                          device=self.device)
+        self.cache = self.head.make_cache(max_batch + 1, spec.for_draft(), device=self.device)
         target_cache.keep_hidden(target.config.hidden_size)
         self.tree = tree is not None
         if self.tree:
@@ -87,8 +79,8 @@ class MTPDrafter(Drafter):
             self.parent = list(range(-1, self.k))
         self.num_nodes = len(self.parent)
         self.width = self.k + 1            # catch-up pairs per step: at most depth + 1
-        if self.width > max_new or self.num_nodes > max_new:
-            raise ValueError(f"MTP drafting needs max_new >= {max(self.width, self.num_nodes)}, got {max_new}")
+        if self.width > spec.max_new or self.num_nodes > spec.max_new:
+            raise ValueError(f"MTP drafting needs max_new >= {max(self.width, self.num_nodes)}, got {spec.max_new}")
         self._nodes: dict = {}             # request id -> target nodes of its pending catch-up pairs
         self.runner = MTPStepGraphs(self._greedy_body, self.device, max_batch, self.width,
                                     cuda_graphs, pad_batches)
@@ -100,6 +92,22 @@ class MTPDrafter(Drafter):
             for lvl in range(1, max(self.depth)):
                 upto = max(i for i in range(self.num_nodes) if self.depth[i] == lvl) + 1
                 self._level_parent[lvl] = torch.tensor([p - 1 for p in self.parent[1:upto]], device=self.device)
+
+    @classmethod
+    def own_layout(cls, setup):
+        return mtp_head_of(setup.target).cache_layout(setup.spec.for_draft())
+
+    @classmethod
+    def create(cls, setup, *, target, cache, sampler, runner, num_slots):
+        sp = setup.config
+        return cls(target, cache, sampler, setup.device, num_slots, setup.spec, sp.num_tokens, tree=sp.tree,
+                   cuda_graphs=runner.use_graphs, pad_batches=runner.pad_batches)
+
+    def graph_shapes(self):
+        return [(self.num_nodes, self.tree)]
+
+    def capture(self) -> int:
+        return self.runner.capture()
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> None:
@@ -283,24 +291,20 @@ class MTPStepGraphs:
         self._failed: set = set()
         self._pool = None
 
-    def _bucket(self, B: int) -> int:
-        return next((b for b in self.buckets if b >= B), B)
-
     def _inputs(self, Bp: int):
+        """Static inputs of ``Bp`` padding rows: the null slot 0 with one pair (node 0, token 0)."""
         z = torch.zeros(Bp, dtype=torch.long, device=self.device)
         zz = torch.zeros(Bp, self.width, dtype=torch.long, device=self.device)
         return z, zz, zz.clone(), torch.ones(Bp, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def run(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor) -> Tensor:
+        """Proposal tokens ``[B, N]`` of the greedy step (replayed graph, or eager)."""
         B = slots.shape[0]
         if not self.pad:
             return self.body(slots, toks, nodes, count)
-        Bp = self._bucket(B)
-        ins = (slots, toks, nodes, count)
-        if Bp != B:
-            pad = self._inputs(Bp - B)
-            ins = tuple(torch.cat([x, p], 0) for x, p in zip(ins, pad))
+        Bp = bucket_for(self.buckets, B)
+        ins = (pad_rows(slots, Bp), pad_rows(toks, Bp), pad_rows(nodes, Bp), pad_rows(count, Bp, 1))
         if self.use_graphs and Bp not in self._failed:
             g = self._graphs.get(Bp) or self._capture(Bp)
             if g is not None:

@@ -1,0 +1,114 @@
+"""What every drafter shares: :class:`Proposal`, :func:`chain_parent` and the :class:`Drafter` base.
+
+A :class:`Proposal` packs, per row, ``N`` nodes where node 0 is the row's last accepted
+token (not yet in the target cache) and nodes ``1..N-1`` are drafts, with ``parent [B, N]``
+(``parent[:, 0] = -1``; a chain has ``parent[i] = i - 1``), ``valid [B, N]`` (padding
+nodes are never accepted) and optional draft distributions ``q [B, N, V]`` for sampled
+drafts (``None``: every draft is a deterministic choice).
+
+A drafter also declares what the engine must prepare for it: the verify shapes to capture
+as CUDA graphs up front (:meth:`Drafter.graph_shapes`, :meth:`Drafter.sampled_shapes`), its
+own graphs (:meth:`Drafter.capture`), the per-slot layout of its own cache for memory
+planning (:meth:`Drafter.own_layout`) and how it is built from the engine's parts
+(:meth:`Drafter.create`); :mod:`replayssm.engine.spec` picks the class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    tokens: Tensor          # [B, N] long
+    parent: Tensor          # [B, N] long
+    valid: Tensor           # [B, N] bool
+    q: Tensor | None = None  # [B, N, V] draft distributions of sampled drafts
+    tree: bool = False      # verify with verify_tree (else a chain: verify)
+
+    @property
+    def num_drafts(self) -> Tensor:
+        """Valid drafts per row ``[B]`` (the root excluded)."""
+        return self.valid[:, 1:].sum(-1)
+
+
+def chain_parent(B: int, N: int, device) -> Tensor:
+    """The parent array ``[B, N]`` of ``B`` chains of ``N`` nodes (``-1, 0, 1, ..., N-2``)."""
+    return torch.arange(-1, N - 1, device=device).expand(B, N).contiguous()
+
+
+def static_tree(paths) -> tuple[list[int], list[int], list[int]]:
+    """``(parent, rank, depth)`` per node of a rank-path tree (node 0 = the root; node ``i``
+    = ``paths[i-1]``, sorted by depth, see ``normalize_static_tree``)."""
+    paths = list(paths)
+    parent = [-1] + [0 if len(p) == 1 else 1 + paths.index(p[:-1]) for p in paths]
+    return parent, [0] + [p[-1] for p in paths], [0] + [len(p) for p in paths]
+
+
+class Drafter:
+    """Proposes drafts for the running sequences and follows what the target accepted.
+
+    Class attributes the registry reads: ``method`` (the ``SpeculativeConfig.method`` it
+    serves), ``uses_draft_model`` (``SpeculativeConfig.draft_model`` is loaded for it),
+    ``uses_mtp_head`` (the target must be loaded with its MTP head), ``samples_q`` (its
+    sampled proposals carry draft distributions ``q``)."""
+
+    method = "none"
+    uses_draft_model = False
+    uses_mtp_head = False
+    samples_q = False
+
+    # -- construction (the registry's setup calls these) ------------------------------------------
+    @classmethod
+    def own_layout(cls, setup):
+        """Per-slot layout of the drafter's own cache (memory planning), or None when it
+        keeps none.  ``setup``: the :class:`~replayssm.engine.spec.DrafterSetup`."""
+        return None
+
+    @classmethod
+    def create(cls, setup, *, target, cache, sampler, runner, num_slots: int) -> "Drafter":
+        """The drafter for ``setup`` on the engine's parts: ``target`` (the model), ``cache``
+        (its cache), ``sampler``, ``runner`` (the target's runner: ``use_graphs``,
+        ``pad_batches``), ``num_slots`` (sequences; caches hold ``num_slots + 1`` slots)."""
+        raise NotImplementedError
+
+    # -- what the engine prepares ---------------------------------------------------------------
+    def graph_shapes(self) -> list[tuple[int, bool]]:
+        """``(nodes, tree)`` of the greedy verify steps to capture up front ([] when the
+        proposal's size varies per step: such graphs are captured when first met)."""
+        return []
+
+    def sampled_shapes(self) -> list[tuple[int, bool, bool]]:
+        """``(nodes, tree, has_q)`` of the sampled verify steps to capture up front."""
+        return [(n, tree, self.samples_q) for n, tree in self.graph_shapes()]
+
+    def capture(self) -> int:
+        """Capture the drafter's own CUDA graphs (a draft model's runner, MTP's step) before
+        serving; returns how many were captured."""
+        return 0
+
+    # -- per step -------------------------------------------------------------------------------
+    def prefill(self, seqs: list[Sequence]) -> None:
+        pass
+
+    def propose(self, seqs: list[Sequence]) -> Proposal | None:
+        raise NotImplementedError
+
+    def accepted(self, seqs: list[Sequence], accepted: list[int], path: Tensor | None) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def plain_step(self, seqs: list[Sequence]) -> None:
+        """``seqs`` are about to decode one token without speculation (the engine's
+        ``disable_by_batch_size``).  Drafters that catch up lazily from the token ids need
+        nothing; the MTP head commits its pending pairs here."""
+
+    def reset(self) -> None:
+        """Forget a draft step left half-way by a failed engine step."""

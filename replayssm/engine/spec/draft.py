@@ -1,0 +1,138 @@
+"""Draft-model chains (``method="draft"``): a second, smaller model proposes ``num_tokens`` drafts.
+
+The draft model keeps its own cache under the target's slot numbers (its
+:meth:`~replayssm.cache.spec.CacheSpec.for_draft` spec).  Invariant: the draft cache holds
+``seq.all_ids[:seq.draft_cached]``; the rest is fed at the next proposal.  Tentative draft
+tokens are evaluated with ``verify``/``verify_tree`` and rolled back with ``commit`` (0
+entries, or the accepted ones after the target has verified), so the draft never recomputes
+accepted tokens.  Greedy rows take the argmax; sampling rows draw from the (transformed)
+draft distribution and hand it to the verifier as ``q``.  The draft model runs through a
+:class:`~replayssm.engine.model_runner.ModelRunner` of its own (CUDA graphs for its decode
+when the target uses them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...runtime import canonical_device
+from ..model_runner import ModelRunner
+from ..sampler import Sampler, sample_from
+from .base import Drafter, Proposal, chain_parent
+
+
+class DraftModelBase(Drafter):
+    """What the draft-model drafters share: the draft model, its cache and runner, catch-up."""
+
+    uses_draft_model = True
+    samples_q = True
+
+    def __init__(self, model, cache, sampler: Sampler, device, max_batch: int, cuda_graphs: bool = False):
+        self.model, self.cache, self.sampler = model, cache, sampler
+        self.device = canonical_device(device)
+        self.runner = ModelRunner(model, cache, device, max_batch, cuda_graphs=cuda_graphs)
+        self._deferred = False  # a draft verify waits for the target's verdict
+
+    @classmethod
+    def own_layout(cls, setup):
+        return setup.draft_model.cache_layout(setup.spec.for_draft())
+
+    @staticmethod
+    def draft_cache(setup, num_slots: int):
+        """The draft model's cache: ``num_slots + 1`` slots (the null slot 0 included)."""
+        return setup.draft_model.make_cache(num_slots + 1, setup.spec.for_draft(), device=setup.device)
+
+    def capture(self) -> int:
+        return self.runner.capture()
+
+    def prefill(self, seqs):
+        logits = self.runner.prefill([s.slot for s in seqs], [s.prompt_ids for s in seqs])
+        del logits
+        for s in seqs:
+            s.draft_cached = len(s.prompt_ids)
+
+    def release(self, seq):
+        if seq.slot is not None:
+            self.cache.release([seq.slot])
+
+    def reset(self) -> None:
+        self.cache.clear_pending()
+        self._deferred = False
+
+    def _catch_up(self, seqs) -> Tensor:
+        """Feed every sequence's tokens up to and including its last token; returns the
+        draft logits after the last token ``[B, V]``."""
+        while True:
+            behind = [s for s in seqs if s.num_tokens - s.draft_cached > 1]
+            if not behind:
+                break
+            toks = torch.tensor([s.token_at(s.draft_cached) for s in behind], dtype=torch.long)
+            self.runner.decode([s.slot for s in behind], toks)
+            for s in behind:
+                s.draft_cached += 1
+        toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
+        logits = self.runner.decode([s.slot for s in seqs], toks)
+        for s in seqs:
+            s.draft_cached += 1
+        return logits
+
+    def _any_sampling(self, seqs) -> bool:
+        return any(not s.params.greedy for s in seqs)
+
+
+class DraftModelDrafter(DraftModelBase):
+    """A chain of ``num_tokens`` drafts, drawn from the (transformed) draft distribution."""
+
+    method = "draft"
+
+    def __init__(self, model, cache, sampler, device, max_batch, num_tokens: int, cuda_graphs: bool = False):
+        super().__init__(model, cache, sampler, device, max_batch, cuda_graphs)
+        self.k = num_tokens
+
+    @classmethod
+    def create(cls, setup, *, target, cache, sampler, runner, num_slots):
+        return cls(setup.draft_model, cls.draft_cache(setup, num_slots), sampler, setup.device, num_slots,
+                   setup.config.num_tokens, cuda_graphs=runner.use_graphs)
+
+    def graph_shapes(self):
+        return [(self.k + 1, False)]
+
+    def propose(self, seqs):
+        B, k = len(seqs), self.k
+        slots = [s.slot for s in seqs]
+        sampling = self._any_sampling(seqs)
+        logits = self._catch_up(seqs)
+        drafts, qs = [], []
+        u = self.sampler.uniforms(seqs, k) if sampling else None
+        for j in range(k):
+            if sampling:
+                q = self.sampler.probs(logits, seqs)
+                d = sample_from(q, u[:, j])
+                qs.append(q)
+            else:
+                d = logits.argmax(-1)
+            drafts.append(d)
+            if j + 1 < k:
+                lg = self.runner.verify(slots, torch.stack(drafts, 1))
+                logits = lg[:, -1]
+                if j + 2 < k:
+                    self.runner.commit(torch.zeros(B, dtype=torch.long, device=self.device))
+        self._deferred = k > 1
+        last = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=self.device)
+        tokens = torch.cat([last[:, None], torch.stack(drafts, 1)], 1)
+        valid = torch.ones(B, k + 1, dtype=torch.bool, device=self.device)
+        q = None
+        if sampling:
+            qz = torch.zeros_like(qs[0])
+            q = torch.stack([qz] + qs, 1)
+        return Proposal(tokens, chain_parent(B, k + 1, self.device), valid, q)
+
+    def accepted(self, seqs, accepted, path):
+        if not self._deferred:
+            return
+        keep = [min(a - 1, self.k - 1) for a in accepted]
+        self.runner.commit(torch.tensor(keep, dtype=torch.long, device=self.device))
+        for s, n in zip(seqs, keep):
+            s.draft_cached += n
+        self._deferred = False
