@@ -99,10 +99,6 @@ class PagedPlan:
         j = torch.arange(self.max_len, device=self.slot.device)
         return j[None, :] < self.length[:, None]
 
-    def valid_mask(self) -> Tensor:
-        """``[Bt, max_len]`` bool: ``j < length + T`` (valid after :func:`write_kv_new`)."""
-        j = torch.arange(self.max_len, device=self.slot.device)
-        return j[None, :] < (self.length + self.num_new)[:, None]
 
 
 def _check_pool(pool: Tensor, pplan: PagedPlan) -> None:

@@ -98,17 +98,6 @@ def gather_history(buf: Tensor, plan: StepPlan) -> Tensor:
     return buf[plan.slot[:, None], plan.hist_positions()]
 
 
-def gather_window(buf: Tensor, plan: StepPlan) -> Tensor:
-    """Committed entries followed by this step's new ones, ``[B, L, ...]``.
-
-    Same as :func:`gather_history` (the new entries sit at ``j = h .. h+T-1``
-    counted from ``start``); valid length is ``h + T``.  Call after :func:`write_new`.
-    Only meaningful when ``h + T <= L``; otherwise (a flushing step after decode steps)
-    the new entries have overwritten the oldest committed ones.
-    """
-    return gather_history(buf, plan)
-
-
 def write_new(buf: Tensor, plan: StepPlan, values: Tensor) -> None:
     """Write this step's entries ``values [B, T, ...]`` at ``plan.new_positions()``."""
     if values.shape[:2] != (plan.batch, plan.num_new) or values.shape[2:] != buf.shape[2:]:

@@ -65,11 +65,6 @@ def ancestor_bits(mask: Tensor) -> Tensor:
     return (mask.long() * w).sum(-1).to(torch.int32).contiguous()
 
 
-def node_depth(parent: Tensor) -> Tensor:
-    """Depth ``[B, N]`` of each node counting itself (a root has depth 1)."""
-    return ancestor_mask(parent).sum(-1)
-
-
 def path_to(parent: Tensor, leaf: Tensor) -> tuple[Tensor, Tensor]:
     """Root-to-``leaf`` node indices per row.
 

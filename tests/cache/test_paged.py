@@ -187,7 +187,8 @@ def test_positions_and_masks():
                                               [0, 1], [b2[0] * 3, b2[0] * 3 + 1]]
     assert pplan.max_len == 9
     assert pplan.hist_mask().sum(1).tolist() == [4, 0, 0]
-    assert pplan.valid_mask().sum(1).tolist() == [6, 2, 2]
+    j = torch.arange(pplan.max_len)
+    assert (j[None, :] < (pplan.length + pplan.num_new)[:, None]).sum(1).tolist() == [6, 2, 2]
     allpos = pplan.all_positions()
     assert allpos[0].tolist() == [b * 3 + o for b in b1 for o in range(3)]
     assert allpos[1].tolist() == [0, 1, 2] * 3     # null slot: null block

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from replayssm.cache.ring import NULL_SLOT, RingIndex, gather_history, gather_window, write_new
+from replayssm.cache.ring import NULL_SLOT, RingIndex, gather_history, write_new
 from replayssm.cache.tree import gather_path, path_to
 
 
@@ -81,7 +81,7 @@ def _run_schedule(seed, L, num_slots, steps, kinds, Ts, strict_invariant):
         new = torch.tensor([model.ids(T) for _ in rows], dtype=torch.float64)
         write_new(buf, plan, new)
         if kind != "decode" and strict_invariant:  # new entries sit right after the history
-            win = gather_window(buf, plan)
+            win = gather_history(buf, plan)
             for b in range(len(rows)):
                 h = int(plan.hist[b])
                 if rows[b] != NULL_SLOT:
