@@ -104,7 +104,7 @@ def _compiled_since(t0: float) -> list[str]:
 
 def _engine_timers(llm, device: str, secs: dict, calls: dict) -> None:
     """Synced timers around the engine's parts of a step (instance attributes)."""
-    parts = [(llm, "_prefix_before"), (llm.runner, "prefill"), (llm, "_decode"), (llm.scheduler, "schedule"),
+    parts = [(llm.prefix_cache, "resume"), (llm.runner, "prefill"), (llm.executor, "decode"), (llm.scheduler, "schedule"),
              (llm, "_postprocess"), (llm.prefix_cache, "after_prefill"), (llm.prefix_cache, "write_checkpoints")]
     for obj, name in parts:
         setattr(obj, name, _timed(getattr(obj, name), name, device, secs, calls))
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         if not args.no_caching:
             _engine_timers(llm, args.device, secs, calls)
         llm.warm_up()
-        interval = llm.prefix_store.interval if llm.prefix_store is not None else None
+        interval = llm.plan.prefix_store.interval if llm.plan.prefix_store is not None else None
         print(f"{args.preset} on {args.device} ({dtype}); checkpoint interval {interval}")
         rng = random.Random(0)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)

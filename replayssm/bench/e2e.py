@@ -31,7 +31,7 @@ from ..argtypes import int_list, nonnegative_int, positive_float, positive_int, 
 from ..engine.config import SamplingParams, SpeculativeConfig
 from ..engine.llm import LLM
 from ..engine.loading import load
-from ..engine.speculative import Proposal, chain_parent
+from ..engine.spec import Proposal, chain_parent
 from . import prefix, ttft
 from .common import free_memory, random_model_dir, warm_then_time
 # hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE)
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                             buffer_size=args.buffer_size, max_num_seqs=1, max_seq_len=args.max_seq_len)
                 per_seq_tokens = args.prompt_len + args.max_tokens
                 if budget is None:
-                    budget = (8 if args.smoke else 64) * probe.memory.need(per_seq_tokens)
+                    budget = (8 if args.smoke else 64) * probe.plan.memory.need(per_seq_tokens)
                     res["config"]["memory_budget"] = budget
                 del probe
                 free_memory(args.device)
@@ -427,10 +427,10 @@ def main(argv: list[str] | None = None) -> int:
                           max_seq_len=args.max_seq_len)
                 fit = llm.num_slots
                 if mode == "kv":
-                    fit = min(fit, int(budget // llm.memory.need(per_seq_tokens + llm.memory.verify_tokens)))
+                    fit = min(fit, int(budget // llm.plan.memory.need(per_seq_tokens + llm.plan.memory.verify_tokens)))
                 row = {"label": f"{'snapshot' if mode == 'recurrent' and arg else mode}{'+spec' if arg else ''}",
                        "mode": mode, "speculative": arg is not None, "max_sequences": int(fit),
-                       "bytes_per_sequence": llm.memory.need(per_seq_tokens)}
+                       "bytes_per_sequence": llm.plan.memory.need(per_seq_tokens)}
                 if mode != "kv" and fit <= 64:  # check by running 2x that many short requests
                     n = min(2 * fit, 128)
                     llm.generate(_prompts(n, 8, llm.vocab_size, 0), SamplingParams(max_tokens=2, ignore_eos=True))

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
+from ..cache.spec import CacheSpec
 from ..engine.config import SamplingParams
 from ..engine.llm import LLM
-from ..engine.prefix_cache import default_checkpoint_interval
+from ..engine.prefix import default_checkpoint_interval
 from ..models.cache import ModelCache
 from ..models.config import parse_config
 from ..models.loader import _model_class
@@ -74,11 +75,12 @@ def memory_per_token(preset: str, cfg: dict, dtype: str = "bfloat16", block_size
     docstring) for the model of ``cfg`` (``config.json`` of preset ``preset``)."""
     dt = getattr(torch, dtype)
     model = _meta_model(preset, cfg, dt)
-    lay = model.cache_layout("replay", 16, 1, max_seq_len, block_size)
+    spec = CacheSpec(mode="replay", buffer_size=16, max_new=1, max_seq_len=max_seq_len, block_size=block_size)
+    lay = model.cache_layout(spec)
     C = interval or default_checkpoint_interval(lay, max_seq_len)
     a = _analytic(model, torch.empty((), dtype=dt).element_size())
     # measured: the store's block and checkpoint bytes, the conv windows of one slot
-    one = ModelCache(model, 2, "replay", 16, 1, max_seq_len, block_size, device=torch.device("meta"))
+    one = ModelCache(model, 2, spec, device=torch.device("meta"))
     conv_state = sum(st["conv"].window.nbytes for st in one.layers.values() if "conv" in st) // one.P
     ours_a = a["entry"] + a["conv_in"] + a["state"] / C + a["attn"]
     ours_m = lay.prefix_block_bytes / block_size + lay.checkpoint_bytes / C + lay.attn_block_bytes / block_size
@@ -186,7 +188,7 @@ def run_workload(model, args, workload: str, caching: bool) -> dict:
                 "cached_blocks": st.get("prefix_cached_blocks", 0), "evictions": st.get("prefix_evictions", 0),
                 "output_ids": tokens})
     if caching:   # what a cached token costs in this engine (measured from its cache's layout)
-        lay, ps = llm.layout, llm.prefix_store
+        lay, ps = llm.plan.layout, llm.plan.prefix_store
         row["checkpoint_interval"] = ps.interval
         row["store_bytes"] = ps.bytes
         row["bytes_per_cached_token"] = (lay.prefix_block_bytes / lay.block_size + lay.checkpoint_bytes / ps.interval

@@ -1,32 +1,31 @@
 """The inference engine: LLM API, continuous batching scheduler, model runner, sampler and
 speculative drafters (n-gram, draft model, token trees).
 
-Layout (nano-vllm style):
+Layout (nano-vllm style): a small core and one room per concern.
 
-* ``config.py``    SamplingParams, SpeculativeConfig, EngineConfig (validated dataclasses)
-* ``sequence.py``  Sequence: prompt/output ids, status, slot, cache form, acceptance stats
-* ``protocols.py`` what the engine needs from a model and its cache (typing.Protocol)
-* ``loading.py``   dtype names, model directories or loaded models
-* ``memory.py``    per-sequence bytes from the caches' measured layouts (states, rings, KV, scratch)
-* ``block_manager.py`` slots, KV-only blocks and the memory budget (one owner)
-* ``scheduler.py`` continuous batching: admission FCFS; rejects the impossible
-* ``model_runner.py`` prefill / decode / verify / verify_tree / commit on one cache;
-  batch-size buckets with null-slot padding; optional CUDA graphs for decode
-* ``sampler.py``   penalties (per-slot token statistics on the device; drafts counted at every
-  draft node), temperature / top-k / top-p / min-p, logprobs, per-request generators, greedy
-  and lossless (multi-step) speculative acceptance over chains and trees
-* ``speculative.py`` drafters: prompt lookup (chain, trie), draft model (chain, beam or static
-  tree); draft caches roll back through the same verify/commit API as the target
-* ``detokenizer.py`` incremental detokenization (a window of recent tokens, whole UTF-8
-  characters only) and stop-string search on the new text
-* ``mtp_drafter.py`` drafting with the target's own MTP head (chains, top-k trees; its own
-  cache, the target's kept hidden states; greedy steps as CUDA graphs)
-* ``outputs.py``   RequestOutput
+* ``config.py``    SamplingParams, SpeculativeConfig, EngineConfig (validated dataclasses;
+  ``EngineConfig.cache_spec()`` is the one :class:`~replayssm.cache.spec.CacheSpec`)
 * ``engine.py``    LLMEngine: ``add_request`` / ``step`` / ``abort``; a step is schedule ->
-  run (prefill, decode or draft-verify-accept-commit) -> postprocess (tokens, stop criteria,
-  freeing, form switches)
+  run -> postprocess, each delegated to the rooms below
 * ``llm.py``       LLM: ``generate``, ``stream`` (offline loops over the steps)
-* ``cli.py``       ``replayssm generate``
+* ``loading.py``   dtype names, model directories or loaded models, checked against the settings
+* ``cache_plan.py`` memory: what a sequence costs (MemoryModel), how many slots and blocks
+  fit (CachePlan), whether the caches fit the device; the context limit
+* ``block_manager.py`` slots, paged blocks and the memory budget (one owner)
+* ``scheduler.py`` continuous batching: FCFS admission, chunked prefill; rejects the impossible
+* ``prefix/``      prefix caching: the index, the policy (resume, capture, checkpoints), the store's size
+* ``mode_policy.py`` which form requests run in: a fixed decode mode, or ``auto`` (KV-only, then a state)
+* ``executor.py``  the "run" of a step: prefill, decode, or draft-verify-accept-commit
+* ``model_runner.py`` model calls on one cache; batch buckets with null-slot padding
+  (``batching.py``); CUDA graphs keyed by ``GraphKey``
+* ``sampler.py``   penalties, temperature / top-k / top-p / min-p, logprobs, per-request
+  generators, greedy and lossless speculative acceptance over chains and trees
+* ``spec/``        speculation: one module per drafter (n-gram, draft model, draft tree, MTP)
+  and a registry (``prepare_drafter``); each drafter declares its graph shapes
+* ``output_processor.py`` stop criteria, stop strings, finish reasons; ``detokenizer.py``
+  incremental detokenization; ``outputs.py`` RequestOutput
+* ``warmup.py``    one step of every kind before serving
+* ``sequence.py``, ``inputs.py``, ``protocols.py``, ``cli.py``
 
 One step: admit waiting requests, prefill them, then one decode step (or one speculative
 step: draft, verify, accept, commit) for every running request; finished requests release

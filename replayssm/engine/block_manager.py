@@ -7,7 +7,7 @@ One :class:`BlockManager` owns every host-side allocation decision of the engine
 * the **memory budget**: what remains of it after the slots' fixed parts is the block pools'
   (attention KV of hybrids, KV-only entries).  An admitted sequence reserves the block bytes
   of ``min(prompt + max_tokens + T, max_seq_len)`` tokens for its whole life
-  (:class:`~replayssm.engine.memory.MemoryModel`, from the caches' measured layouts) — or of
+  (:class:`~replayssm.engine.cache_plan.MemoryModel`, from the caches' measured layouts) — or of
   fewer, with a token cap, when only that fits;
 * the **blocks** themselves, reserved before each step for the entries it appends
   (``cache.reserve``; the cache picks the pools the slot uses);
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .memory import MemoryModel, fmt_bytes
+from .cache_plan import CachePlan, fmt_bytes
 from .sequence import Sequence
 
 
@@ -40,11 +40,14 @@ class Admission:
 
 
 class BlockManager:
-    def __init__(self, cache, memory: MemoryModel, budget: int | None, num_slots: int, max_seq_len: int,
-                 prefix=None, prefix_bytes: int = 0):
-        self.cache, self.memory, self.budget = cache, memory, budget
-        self.num_slots, self.max_seq_len = num_slots, max_seq_len
-        self.free_slots = list(range(num_slots, 0, -1))   # slots 1..num_slots (0 is null)
+    """Slots, blocks and bytes of one model ``cache`` sized by ``plan``; ``prefix``: the
+    prefix cache (or None), whose store holds ``plan.store_bytes`` of the budget."""
+
+    def __init__(self, cache, plan: CachePlan, prefix=None):
+        self.cache, self.memory, self.budget = cache, plan.memory, plan.budget
+        self.num_slots, self.max_seq_len = plan.num_slots, plan.spec.max_seq_len
+        prefix_bytes = plan.store_bytes
+        self.free_slots = list(range(self.num_slots, 0, -1))   # slots 1..num_slots (0 is null)
         self.reserved = 0
         self.uses_pages = cache.uses_pages
         self.prefix, self.prefix_bytes = prefix, prefix_bytes

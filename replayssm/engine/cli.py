@@ -5,7 +5,7 @@ Defaults to the small model shipped in the package (``replayssm/assets/tiny-mamb
 ``--speculative mtp`` the model's own MTP head drafts).
 Throughput (tokens/s) and the mean accepted length go to stderr after the text.  The cache
 is sized for the request, within a context limit (``--max-seq-len``; default: the model's
-``max_position_embeddings``, else ``replayssm.engine.limits.DEFAULT_CONTEXT`` = 8192 tokens):
+``max_position_embeddings``, else ``replayssm.engine.cache_plan.DEFAULT_CONTEXT`` = 8192 tokens):
 ``--max-tokens`` beyond what the limit leaves after the prompt is clipped, with a note on
 stderr.  A prompt of ``PROGRESS_MIN_TOKENS`` (512) tokens or more shows a prefill progress
 bar on stderr.
@@ -26,7 +26,7 @@ from ..runtime import check_device
 from .config import SamplingParams, SpeculativeConfig
 from .detokenizer import Detokenizer
 from .inputs import check_text, encode_prompt, token_ids
-from .limits import DEFAULT_CONTEXT, context_limit
+from .cache_plan import DEFAULT_CONTEXT, context_limit
 from .llm import LLM
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -128,19 +128,16 @@ def conflicting_flags(args) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _check_args(args):
+    """``(device, model directory)`` once the flags make sense; raises ``ValueError``."""
     if args.prompt is None and args.token_ids is None:
-        return _err("give a PROMPT (or --token-ids 1,2,3)")
+        raise ValueError("give a PROMPT (or --token-ids 1,2,3)")
     conflict = conflicting_flags(args)
     if conflict:
-        return _err(conflict)
-    try:
-        if args.prompt is not None:
-            check_text(args.prompt, "PROMPT")
-        device = check_device(args.device)
-    except ValueError as e:
-        return _err(str(e))
+        raise ValueError(conflict)
+    if args.prompt is not None:
+        check_text(args.prompt, "PROMPT")
+    device = check_device(args.device)
     if args.cuda_graphs and device.type != "cuda":
         _note(f"warning: --cuda-graphs needs a CUDA device; ignored on {device}")
         args.cuda_graphs = False
@@ -148,73 +145,95 @@ def main(argv: list[str] | None = None) -> int:
     if not (model_dir / "config.json").is_file():
         hint = ("the shipped model is missing from this installation (expected at "
                 f"{DEFAULT_MODEL}); pass --model DIR") if args.model is None else "no config.json there"
-        return _err(f"model directory {str(model_dir)!r} not found or incomplete: {hint}")
+        raise ValueError(f"model directory {str(model_dir)!r} not found or incomplete: {hint}")
     if args.backend == "jax":   # replayssm.cli routes --backend jax to replayssm.jax.cli
-        return _err("--backend jax runs through the `replayssm generate` command (replayssm.jax.cli)")
+        raise ValueError("--backend jax runs through the `replayssm generate` command (replayssm.jax.cli)")
+    return device, model_dir
 
+
+def _speculative(args) -> SpeculativeConfig | None:
+    """The ``--speculative`` config (the shipped draft model unless ``--draft-model``; a tree
+    with no shipped draft is an n-gram tree)."""
+    if not args.speculative:
+        return None
+    draft = None
+    if args.speculative == "draft" or (args.speculative == "tree" and args.draft_model != "none"):
+        draft = Path(args.draft_model) if args.draft_model else DEFAULT_DRAFT
+        if not (draft / "config.json").is_file():
+            if args.speculative == "tree" and args.draft_model is None:
+                draft = None  # no shipped draft: an n-gram tree
+            else:
+                raise ValueError(f"draft model directory {str(draft)!r} not found or incomplete; "
+                                 "pass --draft-model DIR")
+    return SpeculativeConfig(args.speculative, num_tokens=args.num_tokens,
+                             draft_model=str(draft) if draft else None, tree_width=args.tree_width)
+
+
+def _context(args, cfg, n_prompt: int, T: int) -> int:
+    """``max_seq_len`` for this one request (KV-only buffers and attention scale with it),
+    within the context limit; refuses a prompt that does not fit, notes a clipped
+    ``--max-tokens``."""
+    limit, source = (args.max_seq_len, "--max-seq-len") if args.max_seq_len else context_limit(cfg)
+    max_seq_len = min(-(-(n_prompt + args.max_tokens + 2 * T + 16) // 64) * 64, limit)
+    room = max_seq_len - T - n_prompt  # tokens the engine can generate after the prompt
+    if room < 1:
+        raise ValueError(f"the prompt has {n_prompt} tokens; with a verify window of {T} it does not fit the "
+                         f"context limit of {limit} tokens ({source}); pass a larger --max-seq-len")
+    if args.max_tokens > room:
+        _note(f"note: --max-tokens {args.max_tokens} clipped to {room}: the context limit is {limit} tokens "
+              f"({source}) and the prompt has {n_prompt}; --max-seq-len changes the limit")
+    return max_seq_len
+
+
+def _stream(llm, prompt: list[int], text: str | None, params, tok) -> float:
+    """Generate, writing the text (or token ids) to stdout as it comes; returns seconds."""
+    n_prompt = len(prompt)
+    progress = (prefill_progress([llm.model, llm.draft_model], n_prompt) if n_prompt >= PROGRESS_MIN_TOKENS
+                else contextlib.nullcontext())
+    detok = Detokenizer(tok, prompt) if tok is not None else None
+    t1 = time.perf_counter()
+    stream = llm.stream(prompt, params)
+    with progress:
+        first = next(stream, None)
+    if text is not None and first is not None:
+        sys.stdout.write(text)
+    for chunk in itertools.chain([first] if first is not None else [], stream):
+        if detok is not None:   # incremental: whole characters only, no re-decoding
+            sys.stdout.write("".join(detok.push(t) for t in chunk))
+        else:
+            sys.stdout.write(" ".join(str(t) for t in chunk) + " ")
+        sys.stdout.flush()
+    dt = time.perf_counter() - t1
+    if llm.last_output.error:
+        raise ValueError(llm.last_output.error)
+    if detok is not None:
+        sys.stdout.write(detok.flush())
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return dt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        spec = None
-        if args.speculative:
-            draft = None
-            if args.speculative == "draft" or (args.speculative == "tree" and args.draft_model != "none"):
-                draft = Path(args.draft_model) if args.draft_model else DEFAULT_DRAFT
-                if not (draft / "config.json").is_file():
-                    if args.speculative == "tree" and args.draft_model is None:
-                        draft = None  # no shipped draft: an n-gram tree
-                    else:
-                        return _err(f"draft model directory {str(draft)!r} not found or incomplete; "
-                                    "pass --draft-model DIR")
-            spec = SpeculativeConfig(args.speculative, num_tokens=args.num_tokens,
-                                     draft_model=str(draft) if draft else None, tree_width=args.tree_width)
+        device, model_dir = _check_args(args)
+        spec = _speculative(args)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
         t0 = time.perf_counter()
         cfg = read_config(str(model_dir))
         tok = load_tokenizer(str(model_dir))
         text, prompt = _read_prompt(args, tok, int(cfg.vocab_size))
-        n_prompt = len(prompt)
-        # size the cache for this one request (KV-only buffers and attention scale with it),
-        # within the context limit
-        T = spec.verify_tokens if spec else 1
-        limit, source = (args.max_seq_len, "--max-seq-len") if args.max_seq_len else context_limit(cfg)
-        max_seq_len = min(-(-(n_prompt + args.max_tokens + 2 * T + 16) // 64) * 64, limit)
-        room = max_seq_len - T - n_prompt  # tokens the engine can generate after the prompt
-        if room < 1:
-            return _err(f"the prompt has {n_prompt} tokens; with a verify window of {T} it does not fit the "
-                        f"context limit of {limit} tokens ({source}); pass a larger --max-seq-len")
-        if args.max_tokens > room:
-            _note(f"note: --max-tokens {args.max_tokens} clipped to {room}: the context limit is {limit} tokens "
-                  f"({source}) and the prompt has {n_prompt}; --max-seq-len changes the limit")
+        max_seq_len = _context(args, cfg, len(prompt), spec.verify_tokens if spec else 1)
         llm = LLM(str(model_dir), device=device, dtype=args.dtype, decode_mode=args.mode,
                   buffer_size=args.buffer_size, speculative=spec, max_num_seqs=1, cuda_graphs=args.cuda_graphs,
                   tokenizer=tok, max_seq_len=max_seq_len, tensor_parallel_size=args.tensor_parallel_size)
         t_load = time.perf_counter() - t0
-        progress = (prefill_progress([llm.model, llm.draft_model], n_prompt) if n_prompt >= PROGRESS_MIN_TOKENS
-                    else contextlib.nullcontext())
-        detok = Detokenizer(tok, prompt) if tok is not None else None
-        t1 = time.perf_counter()
-        stream = llm.stream(prompt, params)
-        with progress:
-            first = next(stream, None)
-        if text is not None and first is not None:
-            sys.stdout.write(text)
-        for chunk in itertools.chain([first] if first is not None else [], stream):
-            if detok is not None:   # incremental: whole characters only, no re-decoding
-                sys.stdout.write("".join(detok.push(t) for t in chunk))
-            else:
-                sys.stdout.write(" ".join(str(t) for t in chunk) + " ")
-            sys.stdout.flush()
-        dt = time.perf_counter() - t1
-        out = llm.last_output
-        if out.error:
-            return _err(out.error)
-        if detok is not None:
-            sys.stdout.write(detok.flush())
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        dt = _stream(llm, prompt, text, params, tok)
         llm.close()
     except ValueError as e:
         return _err(str(e))
+    out = llm.last_output
     n = len(out.token_ids)
     line = (f"[{n} tokens in {dt:.2f}s: {n / max(dt, 1e-9):.1f} tokens/s; mode={args.mode}"
             f"{'; speculative=' + args.speculative if args.speculative else ''}; "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..cache.ring import check_speculative_capacity
+from ..cache.spec import CacheSpec
 
 DECODE_MODES = ("recurrent", "replay", "kv", "auto")
 SPEC_METHODS = ("ngram", "draft", "tree", "mtp")
@@ -339,7 +340,27 @@ def normalize_static_tree(tree) -> tuple[tuple[int, ...], ...]:
 
 @dataclass
 class EngineConfig:
-    """Engine-wide settings (built by :class:`~replayssm.engine.llm.LLM`).
+    """Engine-wide settings (built by :class:`~replayssm.engine.llm.LLM` from its arguments).
+
+    ``decode_mode``: ``"recurrent"`` (state read+written every token; with speculation the
+    snapshot baseline), ``"replay"`` (checkpoint + ring buffer), ``"kv"`` (KV-only, no
+    state) or ``"auto"`` (KV-only while a request's context is shorter than
+    ``auto_threshold`` tokens, then one flush into a state and replay; the default threshold
+    is where KV-only stops reading fewer bytes than replay, from the cache's real sizes —
+    :func:`replayssm.engine.cache_plan.default_auto_threshold`).
+    ``memory_budget``: bytes of cache for the sequences (``None``: on CUDA,
+    ``gpu_memory_utilization`` of the free device memory; on CPU only ``max_num_seqs``
+    limits concurrency): ``num_slots`` fixed parts (states, rings, conv windows, step scratch)
+    and block pools for what grows with the context (attention KV of hybrids, KV-only
+    entries) in the rest (:class:`~replayssm.engine.cache_plan.CachePlan`).
+    ``tensor_parallel_size``: split the model by heads over that many processes (rank ``r``
+    on ``cuda:<index + r>``, or CPU over gloo; :mod:`replayssm.distributed`); the engine
+    starts the workers and closes them.  A model loaded with
+    ``TensorParallelGroup.load_model`` brings its own group.  Budgets are per rank.
+    ``enable_prefix_caching``: reuse cached prompt prefixes, resumed exactly at any token
+    (:mod:`replayssm.engine.prefix`): checkpoints every ``prefix_checkpoint_interval``
+    tokens (default from the cache's sizes), a store of ``prefix_cache_blocks`` blocks or
+    ``prefix_cache_fraction`` of the memory budget.
 
     ``buffer_size=None`` (the default) picks the replay buffer: ``DEFAULT_BUFFER_SIZE``
     (16), raised to ``2 * verify_tokens`` when the speculation needs more (a draft tree of
@@ -363,6 +384,9 @@ class EngineConfig:
     prefix_checkpoint_interval: int | None = None   # tokens between checkpoints (multiple of kv_block_size)
     prefix_cache_fraction: float = 0.25             # share of memory_budget for the prefix store
     prefix_cache_blocks: int | None = None          # store blocks (overrides the fraction)
+    gpu_memory_utilization: float | None = 0.8       # share of free CUDA memory for caches (no budget given)
+    pad_batches: bool = False                        # pad every batch to its bucket (CUDA graphs do anyway)
+    tensor_parallel_size: int | None = None          # None: one rank (or the loaded model's own group)
 
     def __post_init__(self):
         if self.decode_mode not in DECODE_MODES:
@@ -374,14 +398,19 @@ class EngineConfig:
         _int("kv_block_size", self.kv_block_size, 1)
         _int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _int("seed", self.seed, None)
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "pad_batches", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        g = self.gpu_memory_utilization
+        if g is not None and not (isinstance(g, (int, float)) and not isinstance(g, bool) and 0.0 < g <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1] or None, got {g!r}")
+        tp = self.tensor_parallel_size
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
         if self.memory_budget is not None:
             _int("memory_budget", self.memory_budget, 1)
         if self.auto_threshold is not None:
             _int("auto_threshold", self.auto_threshold, 1)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.prefix_checkpoint_interval is not None:
             _int("prefix_checkpoint_interval", self.prefix_checkpoint_interval, 1)
             if self.prefix_checkpoint_interval % self.kv_block_size:
@@ -413,12 +442,8 @@ class EngineConfig:
     def max_new(self) -> int:
         return 1 if self.speculative is None else self.speculative.verify_tokens
 
-    @property
-    def cache_mode(self) -> str:
-        """The target cache's mode: KV-only slots (``kv``, ``auto``) need a paged cache."""
-        return "kv" if self.decode_mode in ("kv", "auto") else self.decode_mode
-
-    @property
-    def draft_mode(self) -> str:
-        """A draft model's cache mode: the snapshot baseline drafts in the recurrent form too."""
-        return "recurrent" if self.decode_mode == "recurrent" else "replay"
+    def cache_spec(self) -> CacheSpec:
+        """The target cache's spec (pools and prefix store are sized by the engine's
+        :class:`~replayssm.engine.cache_plan.CachePlan`)."""
+        return CacheSpec(mode=self.decode_mode, buffer_size=self.buffer_size, max_new=self.max_new,
+                         max_seq_len=self.max_seq_len, block_size=self.kv_block_size)

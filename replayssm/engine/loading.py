@@ -1,12 +1,14 @@
-"""Turning user arguments into a model: model directories or loaded models (and dtype names)."""
+"""Turning user arguments into a model: model directories or loaded models (and dtype names),
+checked against the engine's settings."""
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
-from ..distributed import load_tensor_parallel
+from ..distributed import TensorParallelModel, load_tensor_parallel
 from ..models import load_model, load_tokenizer
 from ..models.loader import parse_dtype  # noqa: F401  (the engine's dtype names)
 from .protocols import CachedModel
@@ -35,3 +37,38 @@ def load(model, device: torch.device, dtype: torch.dtype, tensor_parallel_size: 
                              "or method='ngram'/'draft'")
         return load_tensor_parallel(str(model), tensor_parallel_size, device, dtype), load_tokenizer(str(model))
     return load_model(str(model), device=device, dtype=dtype, mtp=mtp), load_tokenizer(str(model))
+
+
+def load_target(model, device: torch.device, dtype: torch.dtype, config, tokenizer=None):
+    """``(model, tokenizer, dtype, owns_model)`` for an engine: a directory is loaded (split
+    over ``config.tensor_parallel_size`` processes when > 1; with the MTP head when the
+    speculative method is ``mtp``), a loaded model is checked against the settings and keeps
+    its own dtype.  ``owns_model``: the engine loaded it and closes it."""
+    if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
+                                      and callable(getattr(tokenizer, "decode", None))):
+        raise ValueError(f"tokenizer must have encode() and decode() (a tokenizers.Tokenizer or a "
+                         f"transformers tokenizer), got {type(tokenizer).__name__}")
+    tp, sp = config.tensor_parallel_size, config.speculative
+    have = model.tensor_parallel_size if isinstance(model, TensorParallelModel) else 1
+    mtp = sp is not None and sp.method == "mtp"
+    if mtp and (tp or have) > 1:
+        raise ValueError(f"speculative method 'mtp' is not supported with tensor_parallel_size={tp or have} "
+                         f"(the MTP head is not sharded over the workers); use tensor_parallel_size=1 "
+                         f"or method='ngram'/'draft'")
+    if not is_model(model):
+        loaded, tok = load(model, device, dtype, tp or 1, mtp=mtp)
+        return loaded, tokenizer if tokenizer is not None else tok, dtype, True
+    if tp is not None and tp != have:
+        raise ValueError(f"tensor_parallel_size={tp} but the model given is split over {have} rank(s) "
+                         f"(load it with that many, or pass a model directory)")
+    own = model.dtype if isinstance(getattr(model, "dtype", None), torch.dtype) else dtype
+    return model, tokenizer, own, False
+
+
+def check_tokenizer_vocab(tokenizer, vocab_size: int) -> None:
+    """Warn when a ``tokenizers.Tokenizer`` knows more ids than the model's vocabulary."""
+    size = getattr(tokenizer, "get_vocab_size", None)
+    if callable(size) and size(with_added_tokens=True) > vocab_size:
+        warnings.warn(f"the tokenizer has {size(with_added_tokens=True)} tokens, more than the model's "
+                      f"vocab_size {vocab_size}: text that tokenizes to the extra ids will be refused "
+                      f"(is this the model's own tokenizer?)", stacklevel=3)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 import itertools
 
@@ -60,13 +62,30 @@ class Sequence:
         # draft-model drafters: tokens of all_ids already in the draft model's cache
         self.draft_cached = 0
         self.num_prefilled = 0              # prompt tokens in the cache (chunked prefill)
-        self.prefix = None                  # its part in the prefix cache (engine.prefix_cache.SeqPrefix)
+        self.prefix = None                  # its part in the prefix cache (engine.prefix.SeqPrefix)
         # n samples of one request: the group shares a prompt (one prefill, then a cache fork)
         self.group_id = self.request_id     # the request's id (samples: the first one's)
         self.index = 0                      # sample index within the group
         self.group: list[Sequence] = [self]
         self.detok = None                   # engine.detokenizer.Detokenizer (string output)
         self.logprobs: list | None = [] if params.logprobs is not None else None
+
+    @classmethod
+    def request(cls, prompt_ids: list[int], params: SamplingParams, request_id, text: str | None = None,
+                detok=None) -> "Sequence":
+        """A request's sequences: the first sample and its ``params.n - 1`` siblings (own
+        generators — seeds ``seed + i`` — one shared prefill), each with the prompt ``text``
+        and a fresh incremental detokenizer from ``detok(prompt_ids)`` (None: no text)."""
+        seq = cls(prompt_ids, params, request_id=request_id)
+        for i in range(1, params.n):
+            sp = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            sib = cls(prompt_ids, sp, request_id=(seq.request_id, i))
+            sib.group_id, sib.index, sib.group = seq.request_id, i, seq.group
+            seq.group.append(sib)
+        for s in seq.group:
+            s.prompt_text = text
+            s.detok = detok(prompt_ids) if detok is not None else None
+        return seq
 
     @classmethod
     def failed(cls, params: SamplingParams, error: str, prompt_text: str | None = None) -> "Sequence":

@@ -201,9 +201,9 @@ class AsyncEngine:
                 continue
             dt = time.perf_counter() - t0
             self.steps += 1
-            if dt > self.slow_step_s:
-                self._log_slow_step(dt, stats, len(outs))
             try:
+                if dt > self.slow_step_s:
+                    self._log_slow_step(dt, stats, len(outs))
                 for out in outs:
                     self._deliver(out)
                 if self.metrics is not None:

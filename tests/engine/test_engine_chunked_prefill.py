@@ -63,10 +63,10 @@ def test_scheduled_tokens_stay_within_the_budget(target):
         llm.add_request(p, SamplingParams(max_tokens=4))
     while llm.has_unfinished():
         batch = llm.scheduler.schedule()
-        decode = len(batch.running) * llm.memory.verify_tokens
+        decode = len(batch.running) * llm.plan.memory.verify_tokens
         chunk = sum(n for _, n in batch.prefill)
         assert chunk <= max(budget - decode, budget // 4, 1)
-        new, _ = llm._run(batch)
+        new, _ = llm.executor.run(batch)
         llm._postprocess(batch, new)
 
 

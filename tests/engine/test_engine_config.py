@@ -132,8 +132,8 @@ def test_engine_arguments_checked_or_clamped(target):
     assert llm.config.speculative.method == "ngram"
     small = LLM(target, decode_mode="auto", max_seq_len=64, max_num_seqs=2)
     huge = LLM(target, decode_mode="auto", max_seq_len=64, max_num_seqs=2, auto_threshold=100_000)
-    assert huge.auto_threshold == 64
-    assert huge.memory.need(64) <= 2 * small.memory.need(64)
+    assert huge.plan.auto_threshold == 64
+    assert huge.plan.memory.need(64) <= 2 * small.plan.memory.need(64)
 
 
 def test_options_that_would_be_ignored_are_refused(target):

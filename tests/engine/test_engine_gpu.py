@@ -69,7 +69,7 @@ class _GraphableModel:
 
         self.config = C()
 
-    def make_cache(self, num_slots, mode="replay", **kw):
+    def make_cache(self, num_slots, spec=None, **fields):
         return {"state": torch.zeros(num_slots, self.emb.shape[1], device=self.emb.device)}
 
     def prefill(self, cache, slots, ids, lengths):
@@ -189,7 +189,7 @@ def test_cuda_prefix_caching(cuda_model, mode):
 
 def test_runner_speculative_step_graphs_match_eager():
     from replayssm.engine.model_runner import ModelRunner
-    from replayssm.engine.speculative import chain_parent
+    from replayssm.engine.spec import chain_parent
 
     m = _GraphableModel()
     results = {}
@@ -218,7 +218,7 @@ def test_runner_speculative_step_graphs_match_eager():
             outs.append((st.argmax(-1).clone(),))
         results[graphs] = (outs, cache["state"][1:6].clone())
         if graphs:
-            assert any(k[0] == "spec" for k in r._graphs) and not r._graph_failed
+            assert any(k.kind == "spec" for k in r._graphs) and not r._graph_failed
     for a, b in zip(results[False][0], results[True][0]):
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y)

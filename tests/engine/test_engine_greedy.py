@@ -117,12 +117,12 @@ def test_eos_and_stop_tokens(target, expected):
     e = expected[1]
     eos = e[5]
     llm = LLM(target)
-    llm.eos_token_id = eos
+    llm.outputs.eos_token_id = eos
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=N))[0]
     assert out.token_ids == e[: e.index(eos) + 1] and out.finish_reason == "stop"
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=N, ignore_eos=True))[0]
     assert out.token_ids == e
-    llm.eos_token_id = None
+    llm.outputs.eos_token_id = None
     stop = e[8]
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=N, stop_token_ids=[stop]))[0]
     assert out.token_ids == e[: e.index(stop) + 1] and out.finish_reason == "stop"

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig
-from replayssm.engine import limits
 from replayssm.engine.config import MAX_VERIFY_TOKENS, EngineConfig
 from replayssm.engine.inputs import encode_prompt, prompt_list
 
@@ -137,8 +136,7 @@ def test_cache_estimate_is_what_make_cache_allocates():
     model = load_model(DEFAULT_MODEL)
     for mode in ("recurrent", "replay", "kv", "auto"):
         llm = LLM(model, decode_mode=mode, max_num_seqs=3, max_seq_len=512)
-        kv = llm.cache.pidx.num_blocks - 1 if llm.cache.pidx is not None else None
-        est = limits.cache_bytes(llm.layout, None, llm.num_slots, 512, kv)
+        est = llm.plan.cache_bytes()
         assert est == llm.cache.nbytes(), (mode, llm.cache.nbytes(), est)
 
 

@@ -150,13 +150,13 @@ def test_attention_kv_in_the_budget_grows_in_blocks(loaded, expected, arch, mode
     drawn as contexts grow and all come back, and the output is the full forward's."""
     m = loaded[arch]
     probe = LLM(m, dtype="float64", decode_mode=mode, max_seq_len=256, kv_block_size=4, auto_threshold=6)
-    budget = 2 * probe.memory.need(len(PROMPTS[2]) + N + probe.memory.verify_tokens) + 1
+    budget = 2 * probe.plan.memory.need(len(PROMPTS[2]) + N + probe.plan.memory.verify_tokens) + 1
     llm = LLM(m, dtype="float64", decode_mode=mode, max_seq_len=256, kv_block_size=4, auto_threshold=6,
               memory_budget=budget, max_num_seqs=8)
     attn = llm.cache.attn
     assert attn is not None and not llm.cache._static_attn
     assert attn.num_blocks - 1 < llm.num_slots * 256 // 4            # far below a static pool
-    lay = llm.layout    # the budget covers the slots and blocks sequences hold; the padding
+    lay = llm.plan.layout    # the budget covers the slots and blocks sequences hold; the padding
     null = lay.slot_bytes + lay.block_bytes + lay.attn_block_bytes   # targets (null slot, null blocks) come on top
     assert llm.cache.nbytes() <= budget + null
     free = attn.free_blocks

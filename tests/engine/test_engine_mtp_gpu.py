@@ -51,4 +51,4 @@ def test_cuda_mtp(cuda_mtp_model, mode, graphs, tree):
         failed = [str(x.message) for x in w if "CUDA graph" in str(x.message)]
         assert not failed, failed[0][:500]
         assert llm.drafter.runner._graphs, "no MTP draft-step graph was captured"
-        assert any(k[0] == "spec" for k in llm.runner._graphs), "no verify graph was captured"
+        assert any(k.kind == "spec" for k in llm.runner._graphs), "no verify graph was captured"

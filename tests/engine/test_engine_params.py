@@ -11,6 +11,7 @@ import torch
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig
 from replayssm.engine.detokenizer import Detokenizer, find_stop
+from replayssm.engine.model_runner import GraphKey
 from replayssm.engine.sampler import apply_penalties, blank_batch
 
 from engine_helpers import PROMPTS
@@ -313,7 +314,7 @@ def test_sampled_step_through_static_inputs_equals_eager(target, draft, method):
 
     r._capture_sampled = capture
     r.use_graphs = True
-    r._graph_failed.update({("decode", b, r._form()) for b in r.buckets})
+    r._graph_failed.update({GraphKey("decode", b, r._form()) for b in r.buckets})
     r._capture_spec = lambda *a, **k: None
     got = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, p)]
     assert captured and got == want

@@ -220,7 +220,7 @@ def test_ngram_index_matches_brute_force():
     """The incremental n-gram index proposes exactly what a full scan finds."""
     import random
 
-    from replayssm.engine.speculative import NgramIndex, ngram_continuations
+    from replayssm.engine.spec import NgramIndex, ngram_continuations
 
     rng = random.Random(0)
     for trial in range(40):
@@ -244,7 +244,7 @@ def test_ngram_drafter_keeps_its_own_copy_of_each_sequence():
 
     from replayssm import SamplingParams
     from replayssm.engine.sequence import Sequence
-    from replayssm.engine.speculative import NgramTreeDrafter, ngram_continuations
+    from replayssm.engine.spec import NgramTreeDrafter, ngram_continuations
 
     rng = random.Random(1)
     drafter = NgramTreeDrafter(3, 3, 1, 3, "cpu")

@@ -3,7 +3,7 @@
 import pytest
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig
-from replayssm.engine.memory import memory_model
+from replayssm.engine.cache_plan import memory_model
 
 from engine_helpers import PROMPTS, reference_greedy
 
@@ -17,7 +17,7 @@ def expected(target):
 
 def test_over_budget_prompt_rejected_while_others_finish(target, expected):
     probe = LLM(target, decode_mode="kv")
-    budget = probe.memory.need(120)  # room for one sequence of ~120 tokens
+    budget = probe.plan.memory.need(120)  # room for one sequence of ~120 tokens
     llm = LLM(target, decode_mode="kv", memory_budget=budget)
     long_prompt = [3] * 400
     outs = llm.generate([PROMPTS[0], long_prompt, PROMPTS[1]], SamplingParams(max_tokens=N))
@@ -40,7 +40,7 @@ def test_queue_when_budget_full(target, draft):
     exp = [reference_greedy(target, p, N) for p in prompts]
     for sp in (None, SpeculativeConfig("draft", num_tokens=2, draft_model=draft)):
         probe = LLM(target, decode_mode="kv", speculative=sp)
-        per_seq = probe.memory.need(10 + N + probe.memory.verify_tokens)
+        per_seq = probe.plan.memory.need(10 + N + probe.plan.memory.verify_tokens)
         budget = 2 * per_seq + 1
         llm = LLM(target, decode_mode="kv", speculative=sp, memory_budget=budget, max_num_seqs=8)
         seqs = [llm.add_request(p, SamplingParams(max_tokens=N)) for p in prompts]
@@ -55,7 +55,7 @@ def test_queue_when_budget_full(target, draft):
 def test_capped_generation_when_only_the_prompt_fits(target, expected):
     probe = LLM(target, decode_mode="kv")
     n_prompt = len(PROMPTS[4])
-    budget = probe.memory.need(n_prompt + 1 + probe.memory.verify_tokens + 5)
+    budget = probe.plan.memory.need(n_prompt + 1 + probe.plan.memory.verify_tokens + 5)
     llm = LLM(target, decode_mode="kv", memory_budget=budget)
     out = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=N))[0]
     assert out.finish_reason == "length" and 1 <= len(out.token_ids) < N
@@ -71,7 +71,7 @@ def test_slots_limit_concurrency(target, expected):
 
 def test_replay_fits_more_speculating_sequences_than_snapshots(target):
     sp = SpeculativeConfig("ngram", num_tokens=4)
-    one = memory_model(target.cache_layout("replay", 16, 5), "replay", 5, target.config.vocab_size).need(64)
+    one = memory_model(target.cache_layout(mode="replay", buffer_size=16, max_new=5), "replay", 5, target.config.vocab_size).need(64)
     budget = 40 * one
     replay = LLM(target, decode_mode="replay", speculative=sp, memory_budget=budget, max_num_seqs=1000)
     snap = LLM(target, decode_mode="recurrent", speculative=sp, memory_budget=budget, max_num_seqs=1000)
@@ -93,7 +93,7 @@ def test_auto_mode_switches_at_threshold(target, expected):
         for n, m in hist:
             assert m == ("kv" if n < 10 else "replay"), hist
     # the default threshold comes from the traffic model (about n or d tokens)
-    assert 16 <= LLM(target, decode_mode="auto").auto_threshold <= 256
+    assert 16 <= LLM(target, decode_mode="auto").plan.auto_threshold <= 256
 
 
 def test_kv_pool_running_dry_ends_requests_with_an_error(target, expected):

@@ -17,7 +17,7 @@ import torch
 from engine_helpers import reference_greedy
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig
-from replayssm.engine.prefix_cache import PrefixIndex, block_hash
+from replayssm.engine.prefix import PrefixIndex, block_hash
 
 models = pytest.importorskip("replayssm.models")
 transformers = pytest.importorskip("transformers")
@@ -83,7 +83,7 @@ def test_hash_chain_and_token_granular_lookup():
 
 
 def test_hash_collision_is_a_miss_never_a_wrong_hit(monkeypatch):
-    import replayssm.engine.prefix_cache as pc
+    import replayssm.engine.prefix.index as pc
 
     ix = _index()
     monkeypatch.setattr(pc, "block_hash", lambda parent, tokens: 7)   # every block collides
@@ -360,7 +360,7 @@ def _poison_frees(llm):
     (what a read of a block in use after its eviction would see)."""
     cache, ix = llm.cache, llm.prefix_cache.index
     ssm = [st for st in cache.layers.values() if "prefix" in st]
-    bs = cache.kv_block_size
+    bs = cache.spec.block_size
 
     def poison_store(b):
         for st in ssm:
@@ -405,10 +405,10 @@ def test_tight_budget_evicts_only_unused_blocks(loaded, expected, mode):
     arch = "nemotron_h"
     m = loaded[arch]
     probe = _llm(m, mode, prefix_cache_blocks=12)
-    budget = probe.prefix_store.bytes + 3 * probe.memory.need(50 + N + 1)
+    budget = probe.plan.prefix_store.bytes + 3 * probe.plan.memory.need(50 + N + 1)
     llm = _llm(m, mode, prefix_cache_blocks=12, memory_budget=budget, max_num_seqs=8)
     _poison_frees(llm)
-    lay = llm.layout
+    lay = llm.plan.layout
     null = lay.slot_bytes + lay.block_bytes + lay.attn_block_bytes
     assert llm.cache.nbytes() <= budget + null
     prompts = PROMPTS[:9]

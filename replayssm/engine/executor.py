@@ -1,0 +1,207 @@
+"""The "run" of a step: prefill the admitted prompt chunks, then one decode step or one
+speculative step (draft, verify, accept, commit) for the running sequences.
+
+Per-sequence decisions inside a model call — fill levels, flushes, accepted counts — are
+device data; the host syncs once per step to read the sampled tokens (and, speculating,
+the accepted counts and drafts in the same transfer).  Returns, per sequence, the tokens it
+produced: ``(sequence, new tokens, per-token logprobs or None)``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+from torch import Tensor
+
+from .config import SamplingParams
+from .output_processor import logprob_rows
+from .sampler import token_logprobs
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+#: one sequence's result of a step: (sequence, new tokens, per-token logprobs or None)
+Step = tuple
+
+
+def _plain(p: SamplingParams) -> bool:
+    """Greedy with no penalties and no logprobs: the argmax fast path."""
+    return p.greedy and not p.penalized and p.logprobs is None
+
+
+class StepExecutor:
+    """Runs the model for a scheduled batch over the engine's parts: ``runner`` (model
+    calls, CUDA graphs), ``sampler``, ``blocks`` (slots and paged blocks), ``cache`` (the
+    model cache: forms of slots, forks), ``policy`` (decode-mode switches), ``drafter``
+    (None without speculation; ``disable_by_batch_size`` from the speculative config) and
+    ``prefix`` (the prefix cache or None)."""
+
+    def __init__(self, runner, sampler, blocks, cache, policy, drafter=None, spec_config=None, prefix=None):
+        self.runner, self.sampler, self.blocks, self.cache = runner, sampler, blocks, cache
+        self.policy, self.drafter, self.prefix = policy, drafter, prefix
+        self.max_new = 1 if spec_config is None else spec_config.verify_tokens
+        self.spec_limit = None if spec_config is None else spec_config.disable_by_batch_size
+        self._tree_needs_state = False
+
+    def capture(self) -> None:
+        """Capture every CUDA graph a step can need (the drafter's shapes and its own graphs)."""
+        d = self.drafter
+        self.runner.capture(d.graph_shapes() if d else [], d.sampled_shapes() if d else [])
+        if d is not None:
+            d.capture()
+
+    def run(self, batch: ScheduledBatch) -> tuple[list[Step], float]:
+        """Prefill this step's prompt chunks, then one decode or speculative step.  Returns
+        the new tokens per sequence and the time (``perf_counter``) the prefill part ended."""
+        new = self.prefill(batch.prefill) if batch.prefill else []
+        t1 = time.perf_counter()
+        if batch.running:
+            new += self.speculate(batch.running) if self.speculates(len(batch.running)) \
+                else self.decode(batch.running)
+        return new, t1
+
+    def speculates(self, batch: int) -> bool:
+        """Whether a step of ``batch`` running sequences speculates (``disable_by_batch_size``)."""
+        return self.drafter is not None and (self.spec_limit is None or batch <= self.spec_limit)
+
+    # -- prefill -----------------------------------------------------------------------------
+    def prefill(self, items: list[tuple[Sequence, int]]) -> list[Step]:
+        """Prefill this step's prompt chunks (each continues its sequence; a chunk of 0 tokens
+        is a sample waiting for its first sample); sequences whose prompt is now complete
+        sample their first token."""
+        chunks = [(s, n) for s, n in items if n > 0]
+        self.blocks.switch_to_state(self.policy.before_prefill(chunks))
+        if self.prefix is not None:
+            chunks = self.prefix.resume(chunks)
+        fits = set(id(s) for s in self.blocks.reserve([(s, s.num_prefilled + n) for s, n in chunks]))
+        chunks = [(s, n) for s, n in chunks if id(s) in fits]
+        order, logits = [], []
+        for g in self.policy.prefill_groups(chunks, self.cache):
+            if g:
+                self._prefill_group(g, order, logits)
+        self._fork_waiting([s for s, n in items if n == 0], order, logits)
+        if not order:
+            return []
+        return self._first_tokens(order, torch.stack(logits, 0))
+
+    def _prefill_group(self, g: list[tuple[Sequence, int]], order: list, logits: list) -> None:
+        """One prefill call for chunks of one form; completed prompts join ``order``."""
+        lg = self.runner.prefill([s.slot for s, _ in g], [s.prompt_ids[s.num_prefilled:s.num_prefilled + n]
+                                                          for s, n in g])
+        for (s, n), row in zip(g, lg):
+            s.num_prefilled += n
+            s.mode = self.cache.mode_of(s.slot)
+            if self.prefix is not None:
+                self.prefix.after_prefill(s)
+            if not s.prefilling:
+                logits.append(row)
+                order.append(s)
+        if self.prefix is not None:
+            self.prefix.write_checkpoints()
+
+    def _fork_waiting(self, waiting: list[Sequence], order: list, logits: list) -> None:
+        """The other samples of requests whose prompt completed this step copy its cache
+        (``cache.fork``) and sample from its logits."""
+        done = {id(s): i for i, s in enumerate(order)}
+        forked = [s for s in waiting if id(s.group[0]) in done]
+        by_head: dict = {}
+        for s in forked:
+            by_head.setdefault(id(s.group[0]), (s.group[0], []))[1].append(s)
+        for head, sibs in by_head.values():
+            self.cache.fork(head.slot, [s.slot for s in sibs])
+        for s in forked:
+            s.num_prefilled, s.mode = s.num_prompt_tokens, self.cache.mode_of(s.slot)
+            logits.append(logits[done[id(s.group[0])]])
+            order.append(s)
+
+    def _first_tokens(self, order: list[Sequence], logits: Tensor) -> list[Step]:
+        if self.drafter is not None:
+            self.drafter.prefill(order)
+        self.sampler.start(order)
+        sb = self.sampler.batch(order)
+        return self._sampled(order, logits, self.sampler.sample(logits, order, sb), sb)
+
+    def _sampled(self, seqs: list[Sequence], logits: Tensor, toks: Tensor, sb) -> list[Step]:
+        """One new token per sequence (and its logprobs when asked)."""
+        lps = None
+        if sb is not None and sb.logprobs >= 0:
+            chosen, vals, idx = token_logprobs(logits, toks, sb.logprobs)
+            lps = logprob_rows(chosen.tolist(), vals.tolist(), idx.tolist())
+        for s in seqs:
+            s.num_steps += 1
+        return [(s, [t], None if lps is None else [lps[b]]) for b, (s, t) in enumerate(zip(seqs, toks.tolist()))]
+
+    # -- decode ------------------------------------------------------------------------------
+    def decode(self, seqs: list[Sequence], reserve: bool = True) -> list[Step]:
+        """One plain decode step (``reserve``: reserve its blocks first)."""
+        if reserve:
+            seqs = self.blocks.reserve_tokens(seqs, 1)
+            if not seqs:
+                return []
+            if self.drafter is not None:   # speculation is off for this step (disable_by_batch_size)
+                self.drafter.plain_step(seqs)
+        toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
+        logits = self.runner.decode([s.slot for s in seqs], toks)
+        sb = None if all(_plain(s.params) for s in seqs) else self.sampler.batch(seqs)  # plain: argmax
+        return self._sampled(seqs, logits, self.sampler.sample(logits, seqs, sb), sb)
+
+    # -- speculation -------------------------------------------------------------------------
+    def speculate(self, seqs: list[Sequence]) -> list[Step]:
+        """Draft, verify, accept, commit: one device step, one host sync."""
+        seqs = self.blocks.reserve_tokens(seqs, self.max_new)
+        if not seqs:
+            return []
+        prop = self.drafter.propose(seqs)
+        if prop is None:  # nothing to draft anywhere: a plain decode step
+            out = self.decode(seqs, reserve=False)
+            for s in seqs:
+                s.accepted_lengths.append(1)
+            return out
+        accepted, bonus, path, lps = self._verify(seqs, prop)
+        N = prop.tokens.shape[1]
+        parts = [accepted[:, None], bonus[:, None], prop.num_drafts[:, None], prop.tokens]
+        if path is not None:
+            parts.append(path)
+        host = torch.cat([x.long() for x in parts], 1).tolist()   # the step's one host sync
+        lp_rows = None
+        if lps is not None:
+            lp_rows = [logprob_rows(c, v, i) for c, v, i in zip(*(x.tolist() for x in lps))]
+        self.drafter.accepted(seqs, [r[0] for r in host], path)
+        out = []
+        for b, (s, row) in enumerate(zip(seqs, host)):
+            a, bonus_b, ndraft, toks = row[0], row[1], row[2], row[3:3 + N]
+            nodes = row[3 + N:3 + N + a][1:] if path is not None else range(1, a)
+            s.num_steps += 1
+            s.num_verify_steps += 1
+            s.num_drafted += ndraft
+            s.num_accepted_drafts += a - 1
+            s.accepted_lengths.append(a)
+            out.append((s, [toks[i] for i in nodes] + [bonus_b], None if lp_rows is None else lp_rows[b][:a]))
+        return out
+
+    def _verify(self, seqs: list[Sequence], prop):
+        """Verify, accept and commit ``prop`` (KV-only slots get a state first when the model
+        has no KV-only tree verify: it raises before touching the cache)."""
+        if prop.tree and self._tree_needs_state:
+            self.blocks.switch_to_state([s for s in seqs if s.mode == "kv"])
+        try:
+            return self._verify_accept_commit(seqs, prop)
+        except NotImplementedError as e:
+            kv = [s for s in seqs if s.mode == "kv"]
+            if not (prop.tree and kv):
+                raise
+            warnings.warn(f"tree speculation: KV-only slots switched to state form ({e})", stacklevel=3)
+            self._tree_needs_state = True
+            self.blocks.switch_to_state(kv)
+            return self._verify_accept_commit(seqs, prop)
+
+    def _verify_accept_commit(self, seqs: list[Sequence], prop):
+        """One device-side step (a CUDA graph when enabled): verify, accept, commit.
+        Returns ``(accepted, bonus, path, logprobs | None)``."""
+        slots = [s.slot for s in seqs]
+        if all(_plain(s.params) for s in seqs):   # the fast greedy step
+            return (*self.runner.greedy_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree), None)
+        sb = self.sampler.batch(seqs)
+        u = self.sampler.uniforms(seqs, prop.tokens.shape[1] + 1)
+        return self.runner.sampled_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree, prop.q, sb, u)

@@ -1,0 +1,55 @@
+"""Run every kind of step once before serving, so no request waits for a compile.
+
+Triton compiles a kernel variant when a shape bucket is first met (seconds each on a GPU):
+without a warm-up, the first requests of each bucket stall for everyone in flight.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .config import SamplingParams
+
+
+def warm_up(engine, max_prompt_len: int | None = None) -> float:
+    """Waves of greedy requests through ``engine``'s normal scheduler, two tokens each
+    (prefill then a decode or speculative step): one 8-token prompt (the small-prompt
+    tiles); a full batch of ``max_num_seqs`` prompts sharing the step's token budget (up to
+    256 tokens each: a burst of arrivals, many sequences in one prefill, the allocator's
+    largest activations); one prompt of ``max_prompt_len`` (default: the token budget, at
+    most the context less two tokens; long-prompt tiles and chunking); with prefix caching,
+    that prompt again with its last token changed (a resume from a checkpoint).  Afterwards
+    no slot is held, the prefix cache is emptied and the engine's counters are zero.  Only
+    for an idle engine; returns seconds."""
+    if engine.has_unfinished():
+        raise RuntimeError("warm_up() needs an idle engine (requests are in flight)")
+    ec, V = engine.config, engine.vocab_size
+    long = min(ec.max_num_batched_tokens, ec.max_seq_len - 2) if max_prompt_len is None else max_prompt_len
+    if not 1 <= long <= ec.max_seq_len - 2:
+        raise ValueError(f"max_prompt_len must be in [1, max_seq_len - 2 = {ec.max_seq_len - 2}], got {long}")
+
+    def ids(i, n):
+        return [(7919 * i + 104729 * j + 1) % V for j in range(n)]
+
+    burst = min(ec.max_seq_len - 2, 256, max(8, ec.max_num_batched_tokens // engine.num_slots))
+    waves = [[ids(0, min(8, long))], [ids(1 + i, burst) for i in range(engine.num_slots)], [ids(0, long)]]
+    if engine.prefix_cache is not None and long >= 2:
+        p = waves[2][0]   # a hit on the long prompt but its last token: a resume from its last checkpoint
+        waves.append([p[:-1] + [(p[-1] + 1) % V]])
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for w, prompts in enumerate(waves):
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, request_id=("warm-up", w, i))
+        while engine.has_unfinished():
+            engine.step()
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    for k, v in engine.stats.items():
+        if isinstance(v, (int, float)):
+            engine.stats[k] = type(v)(0)
+    return time.perf_counter() - t0
