@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..runtime import canonical_device
 
+from .batching import pad_rows
 from .sequence import Sequence
 
 _PARAM_NAMES = ("temp", "top_k", "top_p", "min_p", "presence", "frequency", "repetition")
@@ -75,15 +76,9 @@ class SamplingBatch:
 
     def pad(self, Bp: int) -> "SamplingBatch":
         """Append ``Bp - B`` padding rows: greedy, no filters, no penalties."""
-        B = self.batch
-        if Bp == B:
+        if Bp == self.batch:
             return self
-        new = {}
-        for n in self._names():
-            t = getattr(self, n)
-            pad = torch.full((Bp - B,) + tuple(t.shape[1:]), _PAD_VALUES[n], dtype=t.dtype, device=t.device)
-            new[n] = torch.cat([t, pad], 0)
-        return replace(self, **new)
+        return replace(self, **{n: pad_rows(getattr(self, n), Bp, _PAD_VALUES[n]) for n in self._names()})
 
 
 def blank_batch(B: int, vocab_size: int, device, use_top_k: bool = False, use_top_p: bool = False,
