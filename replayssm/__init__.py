@@ -1,6 +1,18 @@
 """replayssm: exact replay-buffer decoding for Mamba-2 and Gated DeltaNet models."""
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed package's version (pyproject.toml's, the one source of truth); a
+    source tree run without installing reports ``0+unknown``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("replayssm")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
 
 # The engine's public names load on first use, so `import replayssm` stays cheap and works
 # even where the engine's dependencies are missing.

@@ -30,7 +30,7 @@ def _usage() -> str:
     for name, (_, help_) in _COMMANDS.items():
         lines.append(f"  {name:<14} {help_}")
     lines.append("")
-    lines.append("`replayssm <command> --help` shows a command's options.")
+    lines.append("`replayssm <command> --help` shows a command's options; `replayssm --version` the version.")
     return "\n".join(lines)
 
 
@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help", "help"):
         print(_usage())
+        return 0
+    if argv and argv[0] in ("--version", "-V"):
+        from . import __version__
+
+        print(f"replayssm {__version__}")
         return 0
     name = None
     if len(argv) >= 2 and f"{argv[0]} {argv[1]}" in _COMMANDS:

@@ -265,7 +265,7 @@ SLOW_STEP_S = 0.5   # a step longer than this stalls every stream in flight (ben
 
 def step_counts(before: dict, after: dict) -> tuple[int, int]:
     """``(engine steps, steps longer than SLOW_STEP_S)`` between two scrapes."""
-    name = "replayssm_engine_step_seconds"
+    name = "replayssm:engine_step_seconds"
     d = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
     steps = d(name + "_count")
     return int(steps), int(steps - d(f"{name}_bucket{{le={SLOW_STEP_S}}}"))
@@ -476,10 +476,10 @@ def main(argv: list[str] | None = None) -> int:
                                                         args.max_concurrency, f"{name} @ {rate:g} req/s"))
                     after = scrape(url)
                     row = summarize(results, dur)
-                    steps = after.get("replayssm_spec_decode_steps_total", 0) - before.get(
-                        "replayssm_spec_decode_steps_total", 0)
-                    toks = after.get("replayssm_spec_decode_tokens_total", 0) - before.get(
-                        "replayssm_spec_decode_tokens_total", 0)
+                    steps = after.get("replayssm:spec_decode_steps_total", 0) - before.get(
+                        "replayssm:spec_decode_steps_total", 0)
+                    toks = after.get("replayssm:spec_decode_tokens_total", 0) - before.get(
+                        "replayssm:spec_decode_tokens_total", 0)
                     row["mean_accepted_length"] = toks / steps if steps else float("nan")
                     row["engine_steps"], row["slow_steps"] = step_counts(before, after)
                     row["rate"] = "inf" if math.isinf(rate) else rate

@@ -1,13 +1,15 @@
 """OpenAI-compatible HTTP serving: ``replayssm serve MODEL_DIR``.
 
 * ``app.py``         FastAPI routes (/v1/completions, /v1/chat/completions, /v1/models,
-                     /health, /metrics), OpenAI-style errors, API key check
+                     /tokenize, /detokenize, /health, /metrics, /version), OpenAI-style
+                     errors, API key check, request logging
 * ``engine_loop.py`` the async engine loop: one engine stepped on its own thread, requests
                      joining and leaving between steps, outputs fed to per-request queues
 * ``protocol.py``    request bodies (pydantic, strict types) -> SamplingParams
 * ``chat.py``        chat templates from tokenizer_config.json (jinja2, sandboxed)
-* ``metrics.py``     Prometheus metrics
-* ``cli.py``         ``replayssm serve``
+* ``metrics.py``     Prometheus metrics (vLLM's names, prefix ``replayssm:``)
+* ``stats_log.py``   the periodic stats line
+* ``cli.py``         ``replayssm serve`` (``--config`` YAML, startup summary, graceful shutdown)
 
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client).  The exports load on first
 use, so ``replayssm serve`` can say so clearly when the extra is missing.

@@ -4,12 +4,14 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`
 server-sent events, one ``data: {chunk}`` per engine step that produced tokens, ending in
 ``data: [DONE]``; the last chunk carries ``usage``, or with ``stream_options.include_usage``,
 as OpenAI does, one more chunk without choices does and the others have ``usage: null``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+``GET /v1/models``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /health``,
+``GET /metrics`` (Prometheus), ``GET /version``.
 
 Every refusal is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``:
 400 for invalid JSON, wrong types, values out of range, an unknown model name, a prompt
 longer than the context or ``max_tokens`` past it, a chat request to a model without a chat
-template; 401 for a missing or wrong key (with ``api_key``); 503 when the queue is full.
+template; 401 for a missing or wrong key (with ``api_key``); 503 when the queue is full
+or the server is shutting down (:meth:`AsyncEngine.drain`: ``/health`` answers 503 too).
 A client that goes away is cancelled at the engine's next step boundary.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -29,9 +32,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat import ChatTemplate
-from .engine_loop import AsyncEngine, EngineError, QueueFull, RequestStream
+from .engine_loop import AsyncEngine, EngineError, QueueFull, RequestStream, ShuttingDown
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       error_body)
+from .stats_log import StatsLogger
+
+log = logging.getLogger("replayssm.server")
 
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's default max_tokens for /v1/completions
 #: a text prompt longer than this many characters per context token has its head counted first
@@ -53,6 +60,8 @@ class ServerConfig:
     max_queue: int = 64
     max_model_len: int | None = None   # default: the engine's token limit
     chat_template: str | None = None   # override (string or file)
+    log_requests: bool = False         # an info line per request at arrival and at finish
+    log_stats_interval: float | None = 10.0   # seconds between stats lines (None: off)
 
 
 def context_limit(engine) -> int:
@@ -94,7 +103,12 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         loop.start()
+        stats = None
+        if config.log_stats_interval:
+            stats = asyncio.ensure_future(StatsLogger(metrics, loop, config.log_stats_interval).run())
         yield
+        if stats is not None:
+            stats.cancel()
         loop.shutdown()
 
     app = FastAPI(title="replayssm", lifespan=lifespan)
@@ -157,7 +171,16 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async def health():
         if not loop.alive:
             return JSONResponse(error_body("engine loop is not running", "internal_error"), status_code=503)
+        if loop.draining:
+            return JSONResponse(error_body("server is shutting down", "service_unavailable", code=503),
+                                status_code=503)
         return {"status": "ok", "in_flight": loop.in_flight, "steps": loop.steps}
+
+    @app.get("/version")
+    async def version():
+        from .. import __version__
+
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics_route():
@@ -182,7 +205,9 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         return card()
 
     # -- helpers -----------------------------------------------------------------------------------
-    def encode(prompt, param: str, special: bool = True) -> list[int]:
+    def encode(prompt, param: str, special: bool = True, fit: bool = True) -> list[int]:
+        """Token ids of a prompt (a string, or ids checked against the vocabulary); with
+        ``fit`` (generation) also refused when empty or too long for the context."""
         if isinstance(prompt, str):
             if tok is None:
                 raise APIError(400, "this model has no tokenizer: send token ids", param=param)
@@ -202,7 +227,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
                     return tok.encode(text).ids
 
             head = HEAD_CHARS_PER_TOKEN * limit
-            if len(prompt) > head:
+            if fit and len(prompt) > head:
                 # a long text: count the tokens of a head cut at whitespace first (the words before
                 # the cut tokenize as in the whole text), so an oversized prompt costs a bounded
                 # tokenization, not one proportional to its size
@@ -213,14 +238,22 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
             ids = ids_of(prompt)
         else:
             ids = list(prompt)
-            if vocab and any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"token ids must be in [0, {vocab})", param=param)
+            check_ids(ids, param)
+        if not fit:
+            return ids
         if not ids:
             raise APIError(400, f"{param} is empty", param=param)
         if len(ids) + 1 > limit:
             raise APIError(400, f"{param} has {len(ids)} tokens; this model's context is {limit} tokens "
                                 f"(prompt + generated)", param=param)
         return ids
+
+    def check_ids(ids: list, param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < vocab] if vocab else []
+        if bad:
+            shown = ", ".join(map(str, bad[:8])) + (f", ... ({len(bad)} in all)" if len(bad) > 8 else "")
+            raise APIError(400, f"{param}: token ids out of this model's vocabulary [0, {vocab}): {shown}",
+                           param=param)
 
     def max_tokens_for(n_prompt: int, requested: int | None, default: int | None) -> int:
         """``requested`` if it fits the context (else 400), otherwise ``default`` capped to the room."""
@@ -245,6 +278,47 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
             return loop.submit(reqs)
         except QueueFull as e:
             raise APIError(503, str(e), "server_overloaded", headers={"Retry-After": "1"}) from None
+        except ShuttingDown as e:
+            raise APIError(503, str(e), "service_unavailable", headers={"Connection": "close"}) from None
+
+    # -- tokenizer routes (vLLM's) -------------------------------------------------------------
+    def need_tokenizer(param: str):
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer (no tokenizer.json)", param=param)
+
+    @app.post("/tokenize", dependencies=[Depends(check_key)])
+    async def tokenize(req: TokenizeRequest):
+        check_model(req.model)
+        if req.chat():
+            need_tokenizer("messages")
+            msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+            try:
+                text = chat.render(msgs, req.add_generation_prompt)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+            ids = encode(text, "messages", special=bool(req.add_special_tokens), fit=False)
+        else:
+            need_tokenizer("prompt")
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = encode(req.prompt, "prompt", special=special, fit=False) if req.prompt else []
+        body = {"tokens": ids, "count": len(ids), "max_model_len": limit}
+        if req.return_token_strs:
+            body["token_strs"] = [tok.id_to_token(t) for t in ids]
+        return body
+
+    @app.post("/detokenize", dependencies=[Depends(check_key)])
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        need_tokenizer("tokens")
+        check_ids(req.tokens, "tokens")
+        try:
+            text = tok.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)
+        except TypeError:   # a tokenizer without the keyword
+            text = tok.decode(req.tokens)
+        except Exception as e:   # an id the tokenizer has no entry for
+            raise APIError(400, f"tokens: cannot decode: {e}", param="tokens") from None
+        return {"prompt": text}
 
     # -- completions ---------------------------------------------------------------------------
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
@@ -256,7 +330,8 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         for i, ids in enumerate(encoded):
             mt = max_tokens_for(len(ids), req.max_tokens, DEFAULT_COMPLETION_TOKENS)
             reqs.append((f"{rid}-{i}", ids, req.sampling_params(mt)))
-        return await respond(req, raw, reqs, rid, "text_completion", encoded)
+        first = req.prompts()[0]
+        return await respond(req, raw, reqs, rid, "text_completion", encoded, first if isinstance(first, str) else None)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
@@ -269,23 +344,38 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         ids = encode(text, "messages", special=False)
         mt = max_tokens_for(len(ids), req.requested_max_tokens, None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await respond(req, raw, [(f"{rid}-0", ids, req.sampling_params(mt))], rid, "chat.completion", [ids])
+        return await respond(req, raw, [(f"{rid}-0", ids, req.sampling_params(mt))], rid, "chat.completion", [ids],
+                             text)
 
-    async def respond(req, raw: Request, reqs, rid: str, kind: str, encoded):
+    async def respond(req, raw: Request, reqs, rid: str, kind: str, encoded, preview: str | None = None):
         stream = submit(reqs)
         state = _Choices(reqs, req.n, tok, chat=kind == "chat.completion", token_ids=req.return_token_ids)
         head = {"id": rid, "created": int(time.time()), "model": config.model_name}
         n_prompt = sum(len(e) for e in encoded)
+        done = None
+        if config.log_requests:
+            log.info("request %s: %s", rid, _arrival_summary(reqs, encoded, preview, req.stream))
+            t0 = time.perf_counter()
+
+            def done(note: str = ""):
+                log.info("request %s finished: %s", rid, _finish_summary(state, n_prompt, stream,
+                                                                          time.perf_counter() - t0, note))
         if req.stream:
-            gen = _sse(stream, state, head, kind, req.include_usage, n_prompt, loop)
+            gen = _sse(stream, state, head, kind, req.include_usage, n_prompt, loop, done)
             return StreamingResponse(gen, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             await _collect(stream, state, raw, loop)
         except EngineError as e:
+            if done is not None:
+                done(f"engine error: {e}")
             raise APIError(500, str(e), "internal_error") from None
         if stream.closed is False:   # the client went away: nothing to answer
+            if done is not None:
+                done("client gone")
             return Response(status_code=499)
+        if done is not None:
+            done()
         err = state.error()
         if err is not None:
             raise APIError(*err)
@@ -431,8 +521,9 @@ async def _collect(stream: RequestStream, state: _Choices, raw: Request, loop: A
 
 
 async def _sse(stream: RequestStream, state: _Choices, head: dict, kind: str, include_usage: bool, n_prompt: int,
-               loop: AsyncEngine):
-    """Server-sent events for one request; aborts the engine requests if the client leaves."""
+               loop: AsyncEngine, on_done=None):
+    """Server-sent events for one request; aborts the engine requests if the client leaves.
+    ``on_done(note)``: called once at the end (request logging)."""
     obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
 
     def chunk(choices, usage=None) -> str:
@@ -478,5 +569,45 @@ async def _sse(stream: RequestStream, state: _Choices, head: dict, kind: str, in
             yield chunk([], _usage(n_prompt, state.completion_tokens()))
         yield "data: [DONE]\n\n"
     finally:
-        if not stream.closed:   # the client went away (or the response was cancelled)
+        gone = not stream.closed
+        if gone:   # the client went away (or the response was cancelled)
             loop.abort(stream)
+        if on_done is not None:
+            on_done("client gone" if gone else "")
+
+
+#: characters of a prompt a request log line shows (escaped)
+LOG_PROMPT_CHARS = 40
+
+
+def _arrival_summary(reqs, encoded, preview: str | None, stream: bool) -> str:
+    """One request's log line at arrival: sizes, a short escaped prompt prefix, its sampling."""
+    p = reqs[0][2]
+    if preview is not None:
+        shown = ascii(preview[:LOG_PROMPT_CHARS]) + ("..." if len(preview) > LOG_PROMPT_CHARS else "")
+    else:
+        ids = encoded[0]
+        shown = f"ids {ids[:8]}" + ("..." if len(ids) > 8 else "")
+    sampling = [f"max_tokens={p.max_tokens}", f"temperature={p.temperature:g}"]
+    if p.top_p < 1.0:
+        sampling.append(f"top_p={p.top_p:g}")
+    if p.top_k:
+        sampling.append(f"top_k={p.top_k}")
+    if p.n > 1:
+        sampling.append(f"n={p.n}")
+    if p.seed is not None:
+        sampling.append(f"seed={p.seed}")
+    if p.stop or p.stop_token_ids:
+        sampling.append(f"stops={len(p.stop) + len(p.stop_token_ids)}")
+    if p.logprobs is not None:
+        sampling.append(f"logprobs={p.logprobs}")
+    lens = [len(e) for e in encoded]
+    return (f"{len(reqs)} prompt(s) of {lens if len(lens) > 1 else lens[0]} tokens, prompt {shown}, "
+            f"{' '.join(sampling)}{', stream' if stream else ''}")
+
+
+def _finish_summary(state: _Choices, n_prompt: int, stream: RequestStream, seconds: float, note: str) -> str:
+    reasons = sorted({str(c.finish_reason) for c in state.by_key.values()})
+    ttft = "" if stream.first_token is None else f", first token after {stream.first_token - stream.arrival:.3f} s"
+    return (f"finish {'/'.join(reasons)}{' (' + note + ')' if note else ''}, {n_prompt} prompt + "
+            f"{state.completion_tokens()} completion tokens, {seconds:.3f} s{ttft}")

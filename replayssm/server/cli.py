@@ -1,16 +1,24 @@
 """``replayssm serve MODEL_DIR``: the OpenAI-compatible server (uvicorn, loopback by default).
 
 Every option of the ``LLM`` constructor is a flag (decode mode, buffer size, speculation,
-dtype, device, CUDA graphs, context length, memory budget, ...).  The server prints
-``replayssm serve: listening on http://HOST:PORT`` once it accepts connections (``--port 0``
-picks a free port and prints it).
+dtype, device, context length, memory budget, ...); on CUDA, graphs and the warm-up are on
+unless ``--enforce-eager`` / ``--warm-up off``.  ``--config FILE.yaml`` gives any flag from a
+file (keys are flag names; the command line wins).  The server logs a one-line summary of
+what it built, prints ``replayssm serve: listening on http://HOST:PORT`` once it accepts
+connections (``--port 0`` picks a free port and prints it), logs throughput every
+``--log-stats-interval`` seconds of traffic, and on SIGTERM / SIGINT stops admitting (503),
+lets the requests in flight finish for up to ``--shutdown-timeout`` seconds, ends the rest
+with ``finish_reason: "abort"`` and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
 import os
+import signal
 import socket
 import sys
 
@@ -45,10 +53,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "\"num_speculative_tokens\": 4}' (instead of --speculative ...)")
     g.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    g.add_argument("--cuda-graphs", action="store_true", help="capture decode and speculative steps (CUDA)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (by default decode and speculative steps are captured on CUDA)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="accepted for old command lines and ignored: graphs are on by default on CUDA")
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (cache slots)")
-    g.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=2048,
-                   help="context length (prompt + generated)")
+    g.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=None,
+                   help="context length, prompt + generated (default: the model's max_position_embeddings, "
+                        "bounded by memory)")
     g.add_argument("--memory-budget", type=byte_count, default=None, help="bytes of cache the scheduler may reserve "
                    "(1e9 or 1000000000)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8,
@@ -133,7 +145,8 @@ def build_engine(model_dir: str, args):
                speculative=spec, tensor_parallel_size=args.tensor_parallel_size,
                max_num_seqs=args.max_num_seqs, memory_budget=int(args.memory_budget) if args.memory_budget else None,
                max_seq_len=args.max_seq_len, kv_block_size=args.kv_block_size, auto_threshold=args.auto_threshold,
-               cuda_graphs=args.cuda_graphs, seed=args.seed, pad_batches=args.pad_batches,
+               cuda_graphs=device.startswith("cuda") and not getattr(args, "enforce_eager", False),
+               seed=args.seed, pad_batches=args.pad_batches,
                max_num_batched_tokens=args.max_num_batched_tokens,
                gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=args.enable_prefix_caching,
@@ -142,8 +155,14 @@ def build_engine(model_dir: str, args):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     p = argparse.ArgumentParser(prog="replayssm serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("model", help="model directory (Hugging Face layout)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model directory (Hugging Face layout; may come from --config as 'model')")
+    p.add_argument("--version", action="version", version=f"replayssm {__version__}")
+    p.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="flags from a YAML file: {flag name ('-' or '_'): value}; command-line flags override it")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=port, default=8000, help="port (0: any free port, printed at start)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -151,7 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256,
                    help="sequences that may wait beyond --max-num-seqs; more get 503 (default: 256)")
     p.add_argument("--chat-template", default=None, help="a chat template (string or file) overriding the model's")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    levels = ["critical", "error", "warning", "info", "debug"]
+    p.add_argument("--log-level", default="info", choices=levels,
+                   help="level of the server's own log (startup summary, stats, requests, slow steps)")
+    p.add_argument("--uvicorn-log-level", default="warning", choices=levels,
+                   help="level of uvicorn's log (info: one access line per HTTP request)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between stats lines (throughput, queue, cache), logged when there was traffic")
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="an info line per request at arrival (sizes, sampling, a short prompt prefix) and finish")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM / SIGINT, how long requests in flight may run on before they are aborted")
     p.add_argument("--warm-up", default="auto", choices=["auto", "on", "off"],
                    help="run every kind of step once before listening, so no request waits for a kernel "
                         "compile (auto: on for CUDA)")
@@ -159,8 +189,145 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def config_argv(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The flags of a ``--config`` YAML file as command-line words (put before the real ones,
+    which then win).  Keys are flag names with '-' or '_' (``max-num-seqs``, ``max_num_seqs``);
+    ``model`` is the model directory; unknown keys are refused by name."""
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError("--config needs pyyaml: pip install pyyaml (in the serve extra)") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path} is not valid YAML: {e}") from None
+    if cfg is None:
+        return []
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--config {path} must be a mapping of flag names to values, got {type(cfg).__name__}")
+    flags = {}
+    for a in parser._actions:
+        for o in a.option_strings:
+            if o.startswith("--"):
+                flags[o[2:]] = a
+    out, unknown = [], []
+    for key, value in cfg.items():
+        name = str(key).replace("_", "-")
+        if name == "model":
+            out = [str(value)] + out if value is not None else out
+            continue
+        a = flags.get(name)
+        if a is None or name in ("config", "help", "version"):
+            unknown.append(str(key))
+            continue
+        if value is None:   # the default
+            continue
+        flag = "--" + name
+        if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {path}: {key!r} is a switch: give true or false, got {value!r}")
+            if value == isinstance(a, argparse._StoreTrueAction):
+                out.append(flag)
+            continue
+        if isinstance(value, bool):   # YAML reads on/off/yes/no as booleans
+            word = ("on" if value else "off") if a.choices and "on" in a.choices else str(value).lower()
+            out += [flag, word]
+        elif isinstance(value, (dict, list)):
+            if a.dest != "speculative_config":
+                raise ValueError(f"--config {path}: {key!r} takes one value, got {type(value).__name__}")
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    if unknown:
+        raise ValueError(f"--config {path}: unknown keys {sorted(unknown)} (not flags of replayssm serve; "
+                         f"see replayssm serve --help)")
+    return out
+
+
+def parse_args(argv: list[str] | None):
+    """Command-line flags over ``--config``'s; exits 2 (argparse) on bad ones."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        try:
+            from_file = config_argv(parser, known.config)
+        except ValueError as e:
+            parser.error(str(e))
+        # a model positional only from the file when the command line names none
+        file_model = from_file[:1] if from_file and not from_file[0].startswith("--") else []
+        args = parser.parse_args(from_file[len(file_model):] + argv)
+        if args.model is None and file_model:
+            args.model = file_model[0]
+    else:
+        args = parser.parse_args(argv)
+    if args.model is None:
+        parser.error("the following arguments are required: model (or 'model' in --config)")
+    for name in ("log_stats_interval", "shutdown_timeout"):
+        v = getattr(args, name)
+        if not v >= 0 or v == float("inf"):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number of seconds >= 0, got {v}")
+    return args
+
+
+def _bytes(n) -> str:
+    return "none" if n is None else f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def startup_summary(engine, name: str, model_dir: str, warm_up_s: float | None = None) -> str:
+    """One line: what the server built (model, dtype, device, decode mode, speculation, slots,
+    context, memory plan, CUDA graphs)."""
+    from .. import __version__
+
+    cfg = getattr(engine, "config", None)
+    plan = getattr(engine, "plan", None)
+    spec = getattr(cfg, "speculative", None)
+    if spec is None:
+        speculation = "off"
+    else:
+        speculation = f"{spec.method} ({spec.num_tokens} tokens/step)"
+    parts = [f"model {name!r} ({model_dir})", f"dtype {str(getattr(engine, 'dtype', '?')).replace('torch.', '')}",
+             f"device {getattr(engine, 'device', '?')}", f"decode mode {getattr(cfg, 'decode_mode', '?')}",
+             f"speculation {speculation}"]
+    if plan is not None:
+        mem = plan.memory
+        limit = getattr(getattr(engine, "scheduler", None), "token_limit", plan.spec.max_seq_len)
+        source = getattr(cfg, "max_seq_len_source", None)
+        parts += [f"slots {plan.num_slots}", f"context {limit} tokens" + (f" ({source})" if source else ""),
+                  f"memory plan: budget {_bytes(plan.budget)}, {_bytes(mem.fixed)} + {mem.per_token} B/token per "
+                  f"sequence, prefix store {_bytes(plan.store_bytes) if plan.prefix_store is not None else 'off'}"]
+        pools = [f"{k} {v} blocks" for k, v in (("KV-only pool", plan.spec.kv_num_blocks),
+                                                ("attention pool", plan.spec.attn_num_blocks)) if v]
+        if pools:
+            parts.append(", ".join(pools))
+    runner = getattr(engine, "runner", None)
+    parts.append(f"CUDA graphs {'on' if getattr(runner, 'use_graphs', False) else 'off'}")
+    if warm_up_s is not None:
+        parts.append(f"warmed up in {warm_up_s:.1f} s")
+    return f"replayssm {__version__} serve: " + "; ".join(parts)
+
+
+def _setup_logging(level: str) -> logging.Logger:
+    """The ``replayssm`` logger to stderr at ``level`` (uvicorn configures only its own)."""
+    root = logging.getLogger("replayssm")
+    root.setLevel(level.upper())
+    if not any(getattr(h, "_replayssm_serve", False) for h in root.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        h._replayssm_serve = True
+        root.addHandler(h)
+        root.propagate = False
+    return logging.getLogger("replayssm.server")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
+    log = _setup_logging(args.log_level)
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"replayssm serve: error: {args.model!r} is not a model directory (no config.json)", file=sys.stderr)
         return 2
@@ -190,25 +357,92 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"replayssm serve: error: {e}", file=sys.stderr)
         return 2
+    warm = None
     if args.warm_up == "on" or (args.warm_up == "auto" and engine.device.type == "cuda"):
-        secs = engine.warm_up()
-        print(f"replayssm serve: warmed up in {secs:.1f} s", file=sys.stderr, flush=True)
+        warm = engine.warm_up()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    summary = startup_summary(engine, name, args.model, warm)
+    if log.isEnabledFor(logging.INFO):
+        log.info(summary)
+    else:   # shown once whatever the level
+        print(summary, file=sys.stderr, flush=True)
+    stats_every = None if args.disable_log_stats or not args.log_stats_interval else args.log_stats_interval
     app = build_app(engine, ServerConfig(model_name=name, model_dir=args.model, api_key=args.api_key,
-                                         max_queue=args.max_queue, chat_template=args.chat_template))
+                                         max_queue=args.max_queue, chat_template=args.chat_template,
+                                         log_requests=args.enable_log_requests, log_stats_interval=stats_every))
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=2))
+    server = draining_server_class()(uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=3,
+                                           access_log=args.uvicorn_log_level in ("info", "debug")),
+                            app.state.engine_loop, args.shutdown_timeout)
 
     startup = server.startup
 
     async def announce(sockets=None):   # after the app started and the socket listens
         await startup(sockets=sockets)
+        server.loop = asyncio.get_running_loop()
         url = f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}"
         print(f"replayssm serve: listening on {url} (model {name!r})", flush=True)
 
     server.startup = announce
     server.run(sockets=[sock])
     return 0
+
+
+def draining_server_class():
+    """:class:`uvicorn.Server` with a graceful stop (built here: uvicorn is the serve extra's)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server with a graceful stop: the first SIGTERM / SIGINT starts
+        :meth:`AsyncEngine.drain` (new requests 503, those in flight finish for up to
+        ``timeout`` seconds, the rest abort) and the server exits once it is done; a second
+        signal aborts at once, a third exits without waiting.  The signal is not raised
+        again afterwards (uvicorn's habit), so the process exits 0."""
+
+        def __init__(self, config, engine_loop, timeout: float):
+            super().__init__(config)
+            self.engine_loop, self.timeout = engine_loop, timeout
+            self.loop = None
+            self._signals = 0
+            self._task = None
+
+        def handle_exit(self, sig, frame) -> None:
+            self._signals += 1
+            log = logging.getLogger("replayssm.server")
+            if self.loop is None:   # not serving yet: nothing to drain
+                self.should_exit = True
+                return
+            if self._signals == 1:
+                log.warning("%s: draining (no new requests; up to %g s for the %d sequences in flight)",
+                            signal.Signals(sig).name, self.timeout, self.engine_loop.in_flight)
+                self.loop.call_soon_threadsafe(self._start_drain)
+            elif self._signals == 2:
+                log.warning("%s again: aborting the requests in flight now", signal.Signals(sig).name)
+                self.loop.call_soon_threadsafe(self._start_drain, 0.0)
+            else:
+                self.should_exit = self.force_exit = True
+
+        def _start_drain(self, timeout: float | None = None) -> None:
+            if self._task is not None and timeout is None:
+                return
+            if self._task is not None:
+                self._task.cancel()
+            self._task = asyncio.ensure_future(self._drain(self.timeout if timeout is None else timeout))
+
+        async def _drain(self, timeout: float) -> None:
+            log = logging.getLogger("replayssm.server")
+            try:
+                left = await self.engine_loop.drain(timeout)
+                if left:
+                    log.warning("shutdown: aborted %d sequences still running after %g s", left, timeout)
+                await asyncio.sleep(0.1)   # the last chunks leave before the connections close
+            except asyncio.CancelledError:   # superseded by a second signal's immediate drain
+                raise
+            except Exception as e:  # pragma: no cover - still exit
+                log.error("shutdown drain failed: %s: %s", type(e).__name__, e)
+            self.should_exit = True
+
+    return DrainingServer
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,6 +8,11 @@ leaves it — its cache slot freed — before the next step runs.  Every step's 
 handed back to the asyncio loop (``call_soon_threadsafe``) into the queue of the HTTP
 request they belong to.
 
+Shutting down (:meth:`AsyncEngine.drain`): new submits are refused
+(:class:`ShuttingDown`), the requests in flight run on until they finish or a timeout
+passes, and the rest end with ``finish_reason="abort"`` -- a final output like any other,
+so streams close normally.
+
 Failures stay local: a request the engine refuses (``add_request`` raising) or ends with an
 error gets that error on its own queue; if a whole step raises, the requests in flight end
 with the error, the engine is reset to an idle state, and the loop goes on serving.  The loop
@@ -55,6 +60,24 @@ class QueueFull(Exception):
     """More sequences in flight than ``max_num_seqs + max_queue``."""
 
 
+class ShuttingDown(Exception):
+    """The server is draining for shutdown: no new requests."""
+
+
+@dataclass
+class AbortedOutput:
+    """The final output of a sequence ended by shutdown: what it had so far, ``abort``."""
+
+    request_id: Any
+    index: int
+    prompt_token_ids: list
+    token_ids: list
+    text: str
+    logprobs: Optional[list] = None
+    finish_reason: str = "abort"
+    error: Optional[str] = None
+
+
 @dataclass
 class StreamEnd:
     """Sentinel: every sequence of the request has finished (or the request failed)."""
@@ -76,6 +99,10 @@ class RequestStream:
     first_token: Optional[float] = None
     last_token: Optional[float] = None
     closed: bool = False
+    first_at: dict = field(default_factory=dict)      # (request_id, index) -> time of its first token
+    last_out: dict = field(default_factory=dict)      # (request_id, index) -> its latest output
+    prompts: dict = field(default_factory=dict)       # request_id -> prompt token ids
+    samples: int = 1                                  # sequences per engine request (n)
 
     def put(self, item) -> None:
         """From the engine thread."""
@@ -125,6 +152,8 @@ class AsyncEngine:
         self._streams: dict = {}          # engine request id -> RequestStream
         self._in_flight = 0               # sequences submitted and not finished
         self._stop = False
+        self.draining = False             # shutting down: submits refused
+        self._queued: dict = {}           # engine request id -> (its Sequence, arrival): not admitted yet
         self._thread: Optional[threading.Thread] = None
         self._ids = itertools.count()
         self.steps = 0
@@ -158,18 +187,44 @@ class AsyncEngine:
         return the stream of their outputs.  All or nothing: raises :class:`QueueFull`."""
         loop = loop or asyncio.get_running_loop()
         seqs = sum(p.n for _, _, p in requests)
+        if self.draining:
+            raise ShuttingDown("server is shutting down: not accepting new requests")
         with self._lock:
             limit = self.max_running + self.max_queue
             if self._in_flight + seqs > limit:
                 raise QueueFull(f"server is at capacity: {self._in_flight} sequences in flight, at most {limit} "
                                 f"(max_num_seqs {self.max_running} + max_queue {self.max_queue}); retry later")
             self._in_flight += seqs
-            stream = RequestStream(loop, [r[0] for r in requests], seqs)
+            stream = RequestStream(loop, [r[0] for r in requests], seqs, samples=requests[0][2].n)
             for rid, ids, params in requests:
                 self._streams[rid] = stream
+                stream.prompts[rid] = list(ids)
                 self._inbox.append(("add", rid, ids, params))
         self._wake.set()
         return stream
+
+    def abort_all(self) -> None:
+        """End every request in flight with ``finish_reason="abort"`` (between the next two
+        steps); their streams get a final output and close normally."""
+        with self._lock:
+            self._inbox.append(("abort_all",))
+        self._wake.set()
+
+    async def drain(self, timeout: float, grace: float = 5.0) -> int:
+        """Refuse new requests, let those in flight finish for up to ``timeout`` seconds, then
+        abort the rest (:meth:`abort_all`) and wait up to ``grace`` seconds more for their
+        final outputs.  Returns how many sequences were still in flight at the timeout."""
+        self.draining = True
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while self._in_flight > 0 and time.monotonic() < deadline and self.alive:
+            await asyncio.sleep(0.05)
+        left = self._in_flight
+        if left > 0:
+            self.abort_all()
+            end = time.monotonic() + grace
+            while self._in_flight > 0 and time.monotonic() < end and self.alive:
+                await asyncio.sleep(0.02)
+        return left
 
     def abort(self, stream: RequestStream) -> None:
         """Cancel every unfinished request of ``stream`` (between the next two steps)."""
@@ -202,6 +257,8 @@ class AsyncEngine:
             dt = time.perf_counter() - t0
             self.steps += 1
             try:
+                if self._queued:
+                    self._note_admitted(t0)
                 if dt > self.slow_step_s:
                     self._log_slow_step(dt, stats, len(outs))
                 for out in outs:
@@ -221,6 +278,15 @@ class AsyncEngine:
         log.warning("slow engine step %d: %.2f s (%s); %d outputs, %s running, %s waiting", self.steps, dt,
                     split or "no split", outputs, occ.get("running", "?"), occ.get("waiting", "?"))
 
+    def _note_admitted(self, step_start: float) -> None:
+        """Queue times of the requests the last step admitted (no longer waiting)."""
+        for rid, (seq, arrival) in list(self._queued.items()):
+            status = getattr(getattr(seq, "status", None), "name", "WAITING")
+            if status != "WAITING":
+                del self._queued[rid]
+                if self.metrics is not None and status != "REJECTED":
+                    self.metrics.on_queued(max(step_start - arrival, 0.0))
+
     def _drain(self) -> None:
         while True:
             with self._lock:
@@ -230,16 +296,44 @@ class AsyncEngine:
             if cmd[0] == "add":
                 _, rid, ids, params = cmd
                 try:
-                    self.engine.add_request(ids, params, request_id=rid)
+                    seq = self.engine.add_request(ids, params, request_id=rid)
                 except Exception as e:   # refused (validated by the server first: rare)
                     self._end(rid, f"{type(e).__name__}: {e}")
+                    continue
+                stream = self._streams.get(rid)
+                if seq is not None and hasattr(seq, "status") and stream is not None:
+                    self._queued[rid] = (seq, stream.arrival)
+            elif cmd[0] == "abort_all":
+                self._abort_everything()
             else:
                 rid = cmd[1]
                 try:
                     self.engine.abort(rid)
                 except Exception as e:  # pragma: no cover - a broken engine state
                     self.last_error = f"abort {rid}: {e}"
+                self._queued.pop(rid, None)
                 self._end(rid, None, aborted=True)
+
+    def _abort_everything(self) -> None:
+        """Shutdown's abort: every unfinished sequence gets a final ``abort`` output."""
+        with self._lock:
+            streams = {id(s): s for s in self._streams.values()}
+        for stream in streams.values():
+            for rid in stream.request_ids:
+                self._queued.pop(rid, None)
+                try:
+                    self.engine.abort(rid)
+                except Exception as e:  # pragma: no cover - a broken engine state
+                    self.last_error = f"abort {rid}: {e}"
+            for rid in stream.request_ids:
+                for i in range(stream.samples):
+                    k = (rid, i)
+                    if k in stream.finished or self._streams.get(rid) is not stream:
+                        continue
+                    last = stream.last_out.get(k)
+                    self._deliver(AbortedOutput(
+                        rid, i, stream.prompts.get(rid, []), list(getattr(last, "token_ids", []) or []),
+                        getattr(last, "text", "") or "", getattr(last, "logprobs", None)))
 
     def _deliver(self, out) -> None:
         stream = self._streams.get(out.request_id)
@@ -252,7 +346,11 @@ class AsyncEngine:
             stream.token_counts[k] = len(out.token_ids)
             if self.metrics is not None:
                 self.metrics.on_tokens(new)
-        if out.token_ids:
+        stream.last_out[k] = out
+        if out.token_ids and k not in stream.first_at:
+            stream.first_at[k] = now
+            if k[1] == 0 and self.metrics is not None:   # its prompt was prefilled (counted once per request)
+                self.metrics.on_prompt(len(getattr(out, "prompt_token_ids", ()) or ()))
             if stream.first_token is None:
                 stream.first_token = now
                 if self.metrics is not None:
@@ -264,7 +362,8 @@ class AsyncEngine:
         if out.finish_reason is not None:
             stream.finished.add(k)
             if self.metrics is not None:
-                self.metrics.on_finish(out, now - stream.arrival)
+                first = stream.first_at.get(k)
+                self.metrics.on_finish(out, now - stream.arrival, None if first is None else first - stream.arrival)
             with self._lock:
                 self._in_flight -= 1
             if len(stream.finished) == stream.num_seqs:
@@ -281,6 +380,7 @@ class AsyncEngine:
             left = stream.num_seqs - len(stream.finished)
             for r in stream.request_ids:
                 self._streams.pop(r, None)
+                self._queued.pop(r, None)
             self._in_flight -= left
         if self.metrics is not None:
             self.metrics.on_end(left, "abort" if aborted else "error")

@@ -194,3 +194,33 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` string, or chat ``messages`` rendered with
+    the chat template first.  ``add_special_tokens`` defaults to true for a prompt and false
+    for messages (the template writes them), as vLLM does."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def chat(self) -> bool:
+        """True for messages; refuses both or neither."""
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either 'prompt' (a string) or 'messages' (a chat), not both or neither",
+                           param="prompt" if self.prompt is not None else "messages")
+        return self.messages is not None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: Optional[str] = None
+    tokens: list[int]
+    skip_special_tokens: bool = False

@@ -30,7 +30,7 @@ def test_bench_serve_smoke(tmp_path, capsys):
 def test_step_counts_read_the_step_histogram():
     from replayssm.bench.serve import SLOW_STEP_S, step_counts
 
-    name = "replayssm_engine_step_seconds"
+    name = "replayssm:engine_step_seconds"
     before = {f"{name}_count": 10.0, f"{name}_bucket{{le={SLOW_STEP_S}}}": 9.0}
     after = {f"{name}_count": 30.0, f"{name}_bucket{{le={SLOW_STEP_S}}}": 26.0}
     assert step_counts(before, after) == (20, 3)

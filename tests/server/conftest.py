@@ -31,12 +31,17 @@ def chat_model_dir(tmp_path_factory) -> Path:
 def _servers(chat_model_dir):
     """Both servers start together (their start-up overlaps); each is waited for on use."""
     plain = Server(chat_model_dir, "--api-key", API_KEY, "--max-num-seqs", "2", "--max-queue", "1",
-                   "--served-model-name", "tiny-chat", "--enable-prefix-caching")
+                   "--served-model-name", "tiny-chat", "--enable-prefix-caching", "--enable-log-requests",
+                   "--max-model-len", "2048",
+                   "--log-stats-interval", "0.5")
     spec = Server(MODEL, "--speculative", "draft", "--draft-model", str(DRAFT), "--num-tokens", "3",
-                  "--max-num-seqs", "16", "--max-queue", "256", "--max-seq-len", "512", "--warm-up", "on")
-    yield {"plain": plain, "spec": spec}
+                  "--max-num-seqs", "16", "--max-queue", "256", "--max-seq-len", "512", "--warm-up", "on",
+                  "--log-level", "warning")
+    drain = Server(MODEL, "--max-num-seqs", "4", "--shutdown-timeout", "3", "--max-seq-len", "4096")
+    yield {"plain": plain, "spec": spec, "drain": drain}
     plain.stop()
     spec.stop()
+    drain.stop()
 
 
 @pytest.fixture(scope="session")
@@ -49,8 +54,14 @@ def plain_server(_servers) -> Server:
 @pytest.fixture(scope="session")
 def spec_server(_servers) -> Server:
     """Draft-model speculation, 16 slots, the shipped model (no chat template), context 512,
-    warmed up before listening (as on a GPU)."""
+    warmed up before listening (as on a GPU), log level warning."""
     return _servers["spec"].wait()
+
+
+@pytest.fixture(scope="session")
+def drain_server(_servers) -> Server:
+    """4 slots, context 4096, --shutdown-timeout 3: the graceful-shutdown test stops it."""
+    return _servers["drain"].wait()
 
 
 @pytest.fixture(scope="session")

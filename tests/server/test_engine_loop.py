@@ -11,7 +11,7 @@ import torch
 from replayssm import LLM, SamplingParams
 from recompute_model import tiny_pair
 from server_helpers import DRAFT, MODEL
-from replayssm.server.engine_loop import AsyncEngine, EngineError, QueueFull, StepEngine
+from replayssm.server.engine_loop import AsyncEngine, EngineError, QueueFull, ShuttingDown, StepEngine
 
 
 class Flaky:
@@ -175,3 +175,54 @@ def test_vllm_flags_are_understood():
     both = build_parser().parse_args([model, "--speculative", "ngram", "--speculative-config", '{"method": "ngram"}'])
     with pytest.raises(ValueError, match="not both"):
         build_engine(model, both)
+
+
+def test_drain_lets_short_requests_finish_and_aborts_the_rest_with_a_final_output():
+    """``drain``: a short request finishes on its own; long ones (two samples of one, one that
+    took the short one's slot, one still waiting for a slot) each get a final ``abort`` output
+    with the tokens they had;
+    submits are refused meanwhile and after; every slot is free at the end."""
+    pytest.importorskip("prometheus_client")
+    from replayssm.server.metrics import ServerMetrics
+
+    torch.set_num_threads(1)
+    target, _ = tiny_pair(vocab_size=32)
+    llm = LLM(target, max_num_seqs=3)
+    metrics = ServerMetrics("t")
+    loop = AsyncEngine(llm, max_running=3, max_queue=4, metrics=metrics)
+    long = SamplingParams(max_tokens=1000, ignore_eos=True)
+
+    async def collect(stream):
+        last = {}
+        async for out in stream:
+            last[(out.request_id, out.index)] = out
+        return last
+
+    async def main():
+        loop.start()
+        try:
+            short = loop.submit([("short", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))])
+            pair = loop.submit([("pair", [3, 4], SamplingParams(max_tokens=long.max_tokens, ignore_eos=True, n=2))])
+            solo = loop.submit([("solo", [6, 7], long)])              # 3 slots: short + pair's two
+            waiting = loop.submit([("waiting", [5], long)])
+            tasks = [asyncio.ensure_future(collect(s)) for s in (short, pair, solo, waiting)]
+            await asyncio.sleep(0.2)
+            left = await loop.drain(timeout=0.3)
+            with pytest.raises(ShuttingDown, match="shutting down"):
+                loop.submit([("late", [1], SamplingParams(max_tokens=2))])
+            got_short, got_pair, got_solo, got_waiting = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            assert left == 4
+            assert [o.finish_reason for o in got_short.values()] == ["length"]
+            assert sorted(got_pair) == [("pair", 0), ("pair", 1)]
+            assert all(o.finish_reason == "abort" and 0 < len(o.token_ids) < long.max_tokens
+                       for o in [*got_pair.values(), *got_solo.values()])
+            (w,) = got_waiting.values()
+            assert w.finish_reason == "abort" and w.token_ids == [] and w.prompt_token_ids == [5]
+            assert loop.in_flight == 0 and len(llm.scheduler.free_slots) == 3 and not llm.has_unfinished()
+            get = metrics.registry.get_sample_value
+            assert get("replayssm:request_success_total", {"model_name": "t", "finished_reason": "abort"}) == 4
+            assert get("replayssm:request_queue_time_seconds_count", {"model_name": "t"}) == 3   # not "waiting"
+        finally:
+            loop.shutdown()
+
+    asyncio.run(main())

@@ -32,8 +32,8 @@ def wait_idle(server, timeout=10.0) -> dict:
     deadline = time.time() + timeout
     while True:
         m = server.metrics()
-        if (m["replayssm_num_requests_running"] == 0 and m["replayssm_num_requests_in_flight"] == 0
-                and m["replayssm_free_slots"] == m["replayssm_total_slots"]):
+        if (m["replayssm:num_requests_running"] == 0 and m["replayssm:num_requests_in_flight"] == 0
+                and m["replayssm:free_slots"] == m["replayssm:total_slots"]):
             return m
         if time.time() > deadline:
             raise AssertionError(f"server not idle: {m}")
@@ -204,13 +204,13 @@ def test_prefix_cache_hits_over_http(plain_server, offline):
         r = c.completions.create(model="tiny-chat", prompt=p, max_tokens=MAX, temperature=0)
         assert r.choices[0].text == ref.text
         seen.append(wait_idle(plain_server))
-    delta = [{k: m1[k] - m0[k] for k in ("replayssm_prefix_cache_queries_total", "replayssm_prefix_cache_hits_total")}
+    delta = [{k: m1[k] - m0[k] for k in ("replayssm:prefix_cache_queries_total", "replayssm:prefix_cache_hits_total")}
              for m0, m1 in zip(seen, seen[1:])]
-    assert [d["replayssm_prefix_cache_queries_total"] for d in delta] == [len(a), len(b)]
-    assert delta[1]["replayssm_prefix_cache_hits_total"] == want
+    assert [d["replayssm:prefix_cache_queries_total"] for d in delta] == [len(a), len(b)]
+    assert delta[1]["replayssm:prefix_cache_hits_total"] == want
     m = seen[-1]
-    assert m["replayssm_prefix_cache_blocks"] >= len(a) // bs
-    assert 0 < m["replayssm_prefix_cache_hit_rate"] <= 1
+    assert m["replayssm:prefix_cache_blocks"] >= len(a) // bs
+    assert 0 < m["replayssm:prefix_cache_hit_rate"] <= 1
 
 
 def test_api_key(plain_server):
@@ -238,12 +238,12 @@ def test_disconnect_mid_stream_frees_the_slot(plain_server, offline):
     lines = resp.iter_lines()
     first = next(x for x in lines if x.startswith("data: "))
     assert json.loads(first[6:])["choices"][0]["text"]
-    assert plain_server.metrics()["replayssm_num_requests_running"] == 1
+    assert plain_server.metrics()["replayssm:num_requests_running"] == 1
     cm.__exit__(None, None, None)                   # the client goes away mid-stream
     cl.close()
     m = wait_idle(plain_server, timeout=10)
-    assert m["replayssm_generation_tokens_total"] < 1500   # cancelled, not run to the end
-    assert m['replayssm_request_success_total{finished_reason="abort",model_name="tiny-chat"}'] >= 1
+    assert m["replayssm:generation_tokens_total"] < 1500   # cancelled, not run to the end
+    assert m['replayssm:request_success_total{finished_reason="abort",model_name="tiny-chat"}'] >= 1
     r = client(plain_server).completions.create(model="tiny-chat", prompt=PROMPTS[3], max_tokens=MAX, temperature=0)
     assert r.choices[0].text == offline_greedy(offline, PROMPTS[3]).text
 
@@ -280,7 +280,7 @@ def test_speculative_server_matches_offline_and_has_no_chat_template(spec_server
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         c.chat.completions.create(model="tiny-mamba2", messages=[{"role": "user", "content": "hi"}])
     m = spec_server.metrics()
-    assert m["replayssm_mean_accepted_length"] > 1.0
+    assert m["replayssm:mean_accepted_length"] > 1.0
 
 
 def test_load_32_streaming_clients(spec_server, offline):
@@ -318,6 +318,6 @@ def test_load_32_streaming_clients(spec_server, offline):
     assert all(reason == "length" for _, _, reason in flat)
     assert all(text == want[p] for p, text, _ in flat)
     m = wait_idle(spec_server, timeout=10)
-    assert m["replayssm_generation_tokens_total"] - before["replayssm_generation_tokens_total"] == 128 * MAX
-    assert m["replayssm_kv_free_blocks"] == -1 and m["replayssm_total_slots"] == 16
+    assert m["replayssm:generation_tokens_total"] - before["replayssm:generation_tokens_total"] == 128 * MAX
+    assert m["replayssm:kv_free_blocks"] == -1 and m["replayssm:total_slots"] == 16
     print(f"load test: 128 streamed requests in {dt:.1f}s")
