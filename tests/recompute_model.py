@@ -91,6 +91,7 @@ class RecomputeCache:
         self.pidx = self.attn = None  # no paged pools are modelled (free_blocks counts blocks)
         self.calls: list[tuple] = []  # (kind, batch, T) log for tests
         self.switched: list[int] = []
+        self._swapped: dict = {}      # swap_out key -> (history, form, blocks)
 
     # -- bookkeeping ------------------------------------------------------------------
     @property
@@ -137,6 +138,35 @@ class RecomputeCache:
             self._blocks[s] = 0
             self._modes[s] = self.mode
             self._in_use[s] = False
+
+    def swap_out(self, slot: int, key) -> None:
+        """Keep ``slot``'s history, form and blocks under ``key`` and free the slot (preemption)."""
+        self._check_idle()
+        slot = int(slot)
+        if not 0 < slot < self.num_slots or not self._in_use[slot]:
+            raise ValueError(f"swap_out: slot {slot} holds no sequence")
+        if key in self._swapped:
+            raise ValueError(f"swap_out: key {key!r} already holds a swapped-out slot")
+        self._swapped[key] = (list(self.history[slot]), self._modes[slot], self._blocks[slot])
+        self.release([slot])
+
+    def swap_in(self, slot: int, key) -> None:
+        """Restore what :meth:`swap_out` kept under ``key`` into the free ``slot``."""
+        self._check_idle()
+        slot = int(slot)
+        if key not in self._swapped:
+            raise ValueError(f"swap_in: no swapped-out slot under key {key!r}")
+        if not 0 < slot < self.num_slots or self._in_use[slot]:
+            raise ValueError(f"swap_in: slot {slot} must be free and not the null slot")
+        history, mode, blocks = self._swapped[key]
+        if mode == "kv" and not self._static_kv and blocks > self.free_blocks:
+            raise RuntimeError(f"KV block pool exhausted (swap_in needs {blocks}, {self.free_blocks} free)")
+        del self._swapped[key]
+        self.history[slot], self._modes[slot], self._in_use[slot] = list(history), mode, True
+        self._blocks[slot] = blocks if mode == "kv" else 0
+
+    def drop_swapped(self, key) -> None:
+        self._swapped.pop(key, None)
 
     def clear_pending(self) -> None:
         self.pending = None

@@ -7,9 +7,14 @@ already partly in the cache, then newly admitted requests.  A long prompt theref
 neither blocks decoding for everyone nor needs activations for all its tokens at once; each
 chunk continues from the state the previous one left.
 
-Admission is first-come first-served under the limits the
+Admission is in priority order (``SamplingParams.priority``, lower first), first-come
+first-served within a priority, under the limits the
 :class:`~replayssm.engine.block_manager.BlockManager` checks: a free slot and the memory
-budget.  A request that can never fit (its prompt alone exceeds ``max_seq_len`` or the
+budget.  With ``preemption_mode="swap"`` a request is admitted on its prompt's blocks and
+its reservation grows before each step; when the growth of the running sequences does not
+fit, the scheduler preempts (lowest priority first, then the latest arrival, as vLLM): the
+victim's cache goes to host memory and it waits at the front of its priority in the queue,
+to be swapped back into any free slot when its blocks fit again — and continue exactly.  A request that can never fit (its prompt alone exceeds ``max_seq_len`` or the
 budget) is rejected with an error on its output; the others carry on.  One that fits only
 with fewer new tokens is admitted with a token cap (finish reason ``"length"``).  The ``n``
 samples of a request are admitted together; they wait for the first sample's prefill and
@@ -18,6 +23,7 @@ then copy its cache.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,12 +43,18 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int = 8192):
+    """What runs in each step (see the module docstring).  ``stats``: the engine's counters
+    (``"preemptions"``: sequences swapped out)."""
+
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int = 8192, stats: dict | None = None):
         self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.peak_running = 0
+        self.stats = stats if stats is not None else {}
+        self.stats.setdefault("preemptions", 0)
+        self._arrivals = itertools.count()
 
     # views of the block manager's bookkeeping (what tests and metrics read)
     @property
@@ -57,19 +69,74 @@ class Scheduler:
     def token_limit(self) -> int:
         return self.blocks.token_limit
 
+    @staticmethod
+    def _order(seq: Sequence) -> tuple:
+        """Scheduling order: priority, then arrival (the samples of a request share their
+        first sample's arrival and follow it)."""
+        return seq.priority, seq.arrival, seq.index
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        seq.arrival = seq.group[0].arrival if seq.index > 0 else next(self._arrivals)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into the waiting queue, kept in :meth:`_order` (a preempted sequence goes before
+        every later arrival of its priority)."""
+        key = self._order(seq)
+        i = len(self.waiting)
+        while i > 0 and self._order(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def preempt(self, seq: Sequence) -> None:
+        """Swap the running ``seq`` out (between steps: its cache to host memory, its slot and
+        blocks freed) and queue it again; it continues exactly when swapped back in.  Only
+        with ``preemption_mode="swap"``, for a sequence past its prompt (else ``ValueError``,
+        nothing changed)."""
+        if seq not in self.running:
+            raise ValueError(f"only a running sequence can be preempted, got {seq!r}")
+        self.blocks.swap_out(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(seq)
+        self.stats["preemptions"] += 1
+
+    def _make_room(self) -> None:
+        """Grow the reservations of the sequences about to decode by this step's tokens
+        (one verify window), highest priority first; where the pools run dry, preempt the
+        lowest-priority, latest sequences (possibly the one growing)."""
+        T = self.blocks.memory.verify_tokens
+        cands = sorted((s for s in self.running if not s.is_finished and not s.prefilling), key=self._order)
+        i = 0
+        while i < len(cands):
+            s = cands[i]
+            need = self.blocks.grow_need(s, s.num_cached + T)
+            gone = False
+            while need and self.blocks.free_bytes is not None and need > self.blocks.free_bytes:
+                victim = cands.pop()
+                self.preempt(victim)
+                if victim is s:
+                    gone = True
+                    break
+            if not gone:
+                if need:
+                    self.blocks.grow(s, need)
+                i += 1
+
     def schedule(self) -> ScheduledBatch:
-        """Decode every running sequence, then spend the rest of the token budget on prompt
-        chunks: continuing ones first, then newly admitted sequences (FCFS)."""
+        """Make room for the running sequences' next step (preempting where the budget runs
+        dry), decode every running sequence, then spend the rest of the token budget on
+        prompt chunks: continuing ones first, then newly admitted (or swapped back in)
+        sequences in priority order."""
+        self._make_room()
         batch = ScheduledBatch(running=[s for s in self.running if not s.is_finished and not s.prefilling])
         budget = self.max_num_batched_tokens
-        left = max(budget - len(batch.running) * self.blocks.memory.verify_tokens, budget // 4, 1)
+        T = self.blocks.memory.verify_tokens
+        left = max(budget - len(batch.running) * T, budget // 4, 1)
         for s in self.running:
             if s.is_finished or not s.prefilling:
                 continue
@@ -90,7 +157,17 @@ class Scheduler:
                 batch.rejected.append(seq)
                 continue
             if not self.blocks.can_allocate(adm):
-                break  # wait for running sequences to finish (FCFS: no overtaking)
+                break  # wait for running sequences to finish (no overtaking)
+            if seq.swapped:   # back into a free slot; it decodes in this step
+                if left < T and batch.running:
+                    break
+                self.waiting.popleft()
+                self.blocks.allocate(seq, adm)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                batch.running.append(seq)
+                left -= T
+                continue
             if seq.index == 0 and len(seq.group) > len(self.free_slots):
                 break  # the n samples of a request start together (one shared prefill)
             shared = seq.index > 0   # admitted right after its first sample: copies its prefill

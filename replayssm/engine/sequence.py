@@ -48,7 +48,14 @@ class Sequence:
         self.mode: str | None = None        # cache form of the slot: recurrent | replay | kv
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.reserved_bytes = 0
+        self.reserved_bytes = 0             # block bytes of the budget it holds now
+        self.shared_bytes = 0               # its attention blocks the prefix store holds (not reserved)
+        # scheduling: arrival order (FCFS within a priority) and preemption (swapped out to host)
+        self.arrival = 0
+        self.swapped = False                # its cache is in host memory under swap_key
+        self.swap_key: int | None = None
+        self.swap_need = 0                  # block bytes it takes to swap it back in
+        self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         self.stop_text_cut: int | None = None
         # speculation statistics
@@ -140,6 +147,11 @@ class Sequence:
     @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def priority(self) -> int:
+        """Scheduling priority (lower runs first; :attr:`SamplingParams.priority`)."""
+        return self.params.priority
 
     @property
     def is_finished(self) -> bool:

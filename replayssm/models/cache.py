@@ -161,6 +161,7 @@ class ModelCache:
         self.pending = None
         self.hidden: Tensor | None = None                # keep_hidden(): [P, max_new, D]
         self.prompt_hidden: dict[int, list[Tensor]] = {}  # slot -> prefilled hidden states
+        self._swapped: dict = {}                         # swap_out key -> the slot's host copy
 
     # ------------------------------------------------------------------ hidden states
     def keep_hidden(self, width: int) -> None:
@@ -401,6 +402,109 @@ class ModelCache:
         dst_rows = torch.cat([(torch.tensor(pool.blocks_of(d)[:need], dtype=torch.long)[:, None] * bs + off).reshape(-1)
                               for d in dsts])
         return src_rows.repeat(len(dsts)).to(self.device), dst_rows.to(self.device)
+
+    def _slot_rows(self, pool: PagedIndex, slot: int, n: int) -> Tensor:
+        """Flat pool rows of ``slot``'s first ``n`` entries (device)."""
+        bs = pool.block_size
+        blocks = torch.tensor(pool.blocks_of(slot)[:pool.blocks_needed(n)], dtype=torch.long)
+        return (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[:n].to(self.device)
+
+    def swap_out(self, slot: int, key) -> None:
+        """Copy everything ``slot`` holds to host memory under ``key`` — checkpoint states,
+        rings and their pointers, conv windows, ``seq_len``, the form, its KV-only entries
+        and attention keys/values (the blocks' contents), kept hidden states — then free the
+        slot and its blocks (:meth:`release`).  :meth:`swap_in` restores it into any free
+        slot.  Between steps only; ``key`` (hashable) must not hold a copy already."""
+        self._check_idle()
+        slot = int(slot)
+        if not 0 < slot < self.P or slot not in self._in_use:
+            raise ValueError(f"swap_out: slot must be a slot in use in [1, {self.P - 1}], got {slot}")
+        if key in self._swapped:
+            raise ValueError(f"swap_out: key {key!r} already holds a swapped-out slot")
+        host = torch.device("cpu")
+        kv = self.pidx is not None and self._modes[slot] == "kv"
+        n_kv = int(self.pidx.length[slot]) if kv else 0
+        n_attn = int(self.seq_len[slot]) if self.attn is not None else 0
+        kv_rows = self._slot_rows(self.pidx, slot, n_kv) if kv else None
+        attn_rows = self._slot_rows(self.attn, slot, n_attn) if self.attn is not None else None
+        layers = {}
+        for lid, store in self.layers.items():
+            out = {}
+            for name, v in store.items():
+                if v is None or name == "prefix":   # the prefix store belongs to no slot
+                    continue
+                if isinstance(v, Tensor):           # attention k / v pools [blocks, block_size, ...]
+                    out[name] = v.view(-1, *v.shape[2:])[attn_rows].to(host, copy=True)
+                    continue
+                for a, t in vars(v).items():
+                    if not isinstance(t, Tensor):
+                        continue
+                    if name == "kv":                # KV-only pools [blocks * block_size, ...]
+                        if kv:
+                            out[(name, a)] = t[kv_rows].to(host, copy=True)
+                    else:                           # checkpoint state, ring, conv window [P, ...]
+                        out[(name, a)] = t[slot].to(host, copy=True)
+            layers[lid] = out
+        rec = dict(mode=self._modes[slot], n_kv=n_kv, n_attn=n_attn, layers=layers,
+                   index=[int(t[slot]) for t in (self.seq_len, self.ring.start, self.ring.length, self.kv_slot)],
+                   hidden=None if self.hidden is None else self.hidden[slot].to(host, copy=True),
+                   prompt_hidden=[h.to(host, copy=True) for h in self.prompt_hidden.get(slot, [])])
+        self._swapped[key] = rec
+        self.release([slot])
+
+    def swap_in(self, slot: int, key) -> None:
+        """Restore the sequence :meth:`swap_out` kept under ``key`` into the free ``slot``
+        (any slot: its blocks are drawn anew) exactly as it was; the host copy is dropped.
+        Validated before anything is written (:class:`~replayssm.cache.paged.PoolExhausted`
+        when the block pools are too small)."""
+        self._check_idle()
+        slot = int(slot)
+        rec = self._swapped.get(key)
+        if rec is None:
+            raise ValueError(f"swap_in: no swapped-out slot under key {key!r}")
+        if not 0 < slot < self.P or slot in self._in_use:
+            raise ValueError(f"swap_in: slot must be a free slot in [1, {self.P - 1}], got {slot}")
+        kv = rec["mode"] == "kv"
+        need = [(p, n) for p, n in ((self.pidx if kv else None, rec["n_kv"]), (self.attn, rec["n_attn"]))
+                if p is not None]
+        for p, n in need:
+            if not p.can_reserve(slot, n):
+                raise PoolExhausted(f"swap_in into slot {slot}: {n} entries need "
+                                    f"{p.blocks_needed(n) - p.num_allocated(slot)} blocks, only {p.free_blocks} free")
+        for p, n in need:
+            p.reserve(slot, n)
+        kv_rows = self._slot_rows(self.pidx, slot, rec["n_kv"]) if kv else None
+        attn_rows = self._slot_rows(self.attn, slot, rec["n_attn"]) if self.attn is not None else None
+        for lid, store in self.layers.items():
+            saved = rec["layers"][lid]
+            for name, v in store.items():
+                if v is None or name == "prefix":
+                    continue
+                if isinstance(v, Tensor):
+                    v.view(-1, *v.shape[2:])[attn_rows] = saved[name].to(self.device)
+                    continue
+                for a, t in vars(v).items():
+                    if not isinstance(t, Tensor) or (name, a) not in saved:
+                        continue
+                    if name == "kv":
+                        t[kv_rows] = saved[(name, a)].to(self.device)
+                    else:
+                        t[slot] = saved[(name, a)].to(self.device)
+        for t, val in zip((self.seq_len, self.ring.start, self.ring.length, self.kv_slot), rec["index"]):
+            t[slot] = val
+        if self.pidx is not None:
+            self.pidx.length[slot] = rec["n_kv"]
+        if self.hidden is not None and rec["hidden"] is not None:
+            self.hidden[slot] = rec["hidden"].to(self.device)
+        if rec["prompt_hidden"]:
+            self.prompt_hidden[slot] = [h.to(self.device) for h in rec["prompt_hidden"]]
+        self._modes[slot] = rec["mode"]
+        self._in_use.add(slot)
+        del self._swapped[key]
+
+    def drop_swapped(self, key) -> None:
+        """Forget the host copy kept under ``key`` (a swapped-out request that was aborted)."""
+        self._swapped.pop(key, None)
 
     def switch_to_state(self, slots) -> None:
         """KV-only slots -> replay form: compress each layer's KV entries into its checkpoint

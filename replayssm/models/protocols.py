@@ -90,6 +90,19 @@ class ModelCacheLike(Protocol):
     def fork(self, src: int, dst) -> None:
         """Copy slot ``src``'s sequence into the free slots ``dst``."""
 
+    @every_rank
+    def swap_out(self, slot: int, key) -> None:
+        """Copy ``slot``'s whole sequence to host memory under ``key`` and free the slot
+        (preemption; every rank keeps its own shard's copy)."""
+
+    @every_rank
+    def swap_in(self, slot: int, key) -> None:
+        """Restore the sequence kept under ``key`` into the free ``slot`` (any slot)."""
+
+    @every_rank
+    def drop_swapped(self, key) -> None:
+        """Forget the host copy kept under ``key`` (its request was aborted)."""
+
     # -- prefix store (``spec.prefix_blocks``) ------------------------------------------------
     @every_rank
     def prefix_assign(self, slot: int, pairs) -> None:

@@ -16,9 +16,9 @@ def expected(target):
 
 
 def test_over_budget_prompt_rejected_while_others_finish(target, expected):
-    probe = LLM(target, decode_mode="kv")
+    probe = LLM(target, decode_mode="kv", max_seq_len=2048)
     budget = probe.plan.memory.need(120)  # room for one sequence of ~120 tokens
-    llm = LLM(target, decode_mode="kv", memory_budget=budget)
+    llm = LLM(target, decode_mode="kv", memory_budget=budget, max_seq_len=2048)
     long_prompt = [3] * 400
     outs = llm.generate([PROMPTS[0], long_prompt, PROMPTS[1]], SamplingParams(max_tokens=N))
     assert outs[1].finish_reason == "rejected" and outs[1].token_ids == []
@@ -32,7 +32,7 @@ def test_prompt_longer_than_max_seq_len_rejected(target, expected):
     llm = LLM(target, max_seq_len=64)
     outs = llm.generate([PROMPTS[2], [1] * 80], SamplingParams(max_tokens=N))
     assert outs[0].token_ids == expected[2]
-    assert outs[1].finish_reason == "rejected" and "max_seq_len=64" in outs[1].error
+    assert outs[1].finish_reason == "error" and outs[1].token_ids == [] and "max_seq_len=64" in outs[1].error
 
 
 def test_queue_when_budget_full(target, draft):
@@ -53,10 +53,10 @@ def test_queue_when_budget_full(target, draft):
 
 
 def test_capped_generation_when_only_the_prompt_fits(target, expected):
-    probe = LLM(target, decode_mode="kv")
+    probe = LLM(target, decode_mode="kv", max_seq_len=2048)
     n_prompt = len(PROMPTS[4])
     budget = probe.plan.memory.need(n_prompt + 1 + probe.plan.memory.verify_tokens + 5)
-    llm = LLM(target, decode_mode="kv", memory_budget=budget)
+    llm = LLM(target, decode_mode="kv", memory_budget=budget, max_seq_len=2048)
     out = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=N))[0]
     assert out.finish_reason == "length" and 1 <= len(out.token_ids) < N
     assert out.token_ids == expected[4][: len(out.token_ids)]

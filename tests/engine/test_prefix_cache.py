@@ -478,11 +478,11 @@ def test_stats_reach_the_server_metrics(loaded):
     metrics.refresh(llm, Loop())
     metrics.refresh(llm, Loop())                      # counters count each token once
     get = lambda name: metrics.registry.get_sample_value(name, {"model_name": "tiny"})  # noqa: E731
-    assert get("replayssm_prefix_cache_hits_total") == 17
-    assert get("replayssm_prefix_cache_queries_total") == occ["prefix_query_tokens"]
-    assert get("replayssm_prefix_cache_hit_rate") == pytest.approx(occ["prefix_hit_rate"])
-    assert get("replayssm_prefix_cache_blocks_saved_total") == 4
-    assert get("replayssm_prefix_cache_blocks") == occ["prefix_cached_blocks"] > 0
+    assert get("replayssm:prefix_cache_hits_total") == 17
+    assert get("replayssm:prefix_cache_queries_total") == occ["prefix_query_tokens"]
+    assert get("replayssm:prefix_cache_hit_rate") == pytest.approx(occ["prefix_hit_rate"])
+    assert get("replayssm:prefix_cache_blocks_saved_total") == 4
+    assert get("replayssm:prefix_cache_blocks") == occ["prefix_cached_blocks"] > 0
 
 
 def test_serve_flag_builds_a_caching_engine():

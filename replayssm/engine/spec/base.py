@@ -105,6 +105,18 @@ class Drafter:
     def release(self, seq: Sequence) -> None:
         pass
 
+    def swap_out(self, seq: Sequence) -> None:
+        """``seq`` is preempted (between steps, its slot still held): copy what the drafter
+        keeps in that slot to host memory under ``seq.swap_key`` and free the slot.  Drafters
+        without a cache of their own (n-gram) keep their per-request state as it is."""
+
+    def swap_in(self, seq: Sequence) -> None:
+        """``seq`` resumes in the (possibly different) slot ``seq.slot``: restore what
+        :meth:`swap_out` kept."""
+
+    def drop_swapped(self, seq: Sequence) -> None:
+        """``seq`` was aborted while swapped out: forget its host copy."""
+
     def plain_step(self, seqs: list[Sequence]) -> None:
         """``seqs`` are about to decode one token without speculation (the engine's
         ``disable_by_batch_size``).  Drafters that catch up lazily from the token ids need

@@ -56,6 +56,15 @@ class DraftModelBase(Drafter):
         if seq.slot is not None:
             self.cache.release([seq.slot])
 
+    def swap_out(self, seq):
+        self.cache.swap_out(seq.slot, seq.swap_key)
+
+    def swap_in(self, seq):
+        self.cache.swap_in(seq.slot, seq.swap_key)
+
+    def drop_swapped(self, seq):
+        self.cache.drop_swapped(seq.swap_key)
+
     def reset(self) -> None:
         self.cache.clear_pending()
         self._deferred = False

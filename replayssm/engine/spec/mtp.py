@@ -162,6 +162,18 @@ class MTPDrafter(Drafter):
         if seq.slot is not None:
             self.cache.release([seq.slot])
 
+    def swap_out(self, seq: Sequence) -> None:
+        """The head's cache slot goes to host memory; the pending catch-up nodes stay (their
+        hidden states travel with the target's slot, ``ModelCache.swap_out``)."""
+        self.cache.swap_out(seq.slot, seq.swap_key)
+
+    def swap_in(self, seq: Sequence) -> None:
+        self.cache.swap_in(seq.slot, seq.swap_key)
+
+    def drop_swapped(self, seq: Sequence) -> None:
+        self._nodes.pop(seq.request_id, None)
+        self.cache.drop_swapped(seq.swap_key)
+
     def reset(self) -> None:
         """Forget a draft step left half-way by a failed engine step (the head's pending verify)."""
         self.cache.clear_pending()
