@@ -32,21 +32,31 @@ def no_llm(monkeypatch):
 # ---------------------------------------------------------------------------- limits
 @needs_model
 @pytest.mark.parametrize("mode", ["kv", "auto", "replay"])
-def test_huge_max_tokens_is_clipped_to_the_context_limit(no_llm, capsys, mode):
+def test_huge_max_tokens_leaves_the_context_to_the_engine(no_llm, mode):
+    """A request larger than any context builds the engine at ``max_seq_len=None``: the
+    model's context, lowered to what memory holds (the engine's one rule)."""
     assert cli.main(["def f():", "--max-tokens", "1000000000", "--mode", mode]) == 2
-    err = capsys.readouterr().err
-    assert no_llm["max_seq_len"] <= 8192
-    assert "--max-tokens 1000000000 clipped to" in err and "the context limit is 8192 tokens" in err
-    assert "default context limit" in err
+    assert no_llm["max_seq_len"] is None
 
 
 @needs_model
 def test_max_seq_len_option_sets_the_limit(no_llm, capsys):
+    assert cli.main(["def f():", "--max-tokens", "50", "--max-seq-len", "100"]) == 2
+    assert no_llm["max_seq_len"] == 64          # the request sized: prompt + max tokens, to 64s
     assert cli.main(["def f():", "--max-tokens", "500", "--max-seq-len", "100"]) == 2
     assert no_llm["max_seq_len"] == 100
-    assert "clipped to 90: the context limit is 100 tokens (--max-seq-len)" in capsys.readouterr().err
     assert cli.main(["x" * 200, "--max-seq-len", "100"]) == 2
     assert "does not fit the context limit of 100 tokens" in capsys.readouterr().err
+
+
+@needs_model
+def test_max_tokens_clipped_to_the_engines_context(capsys):
+    """The limit counts prompt + generated tokens (9 + 91 = 100), the note says where it
+    came from."""
+    assert cli.main(["def f():", "--max-tokens", "500", "--max-seq-len", "100"]) == 0
+    err = capsys.readouterr().err
+    assert "--max-tokens 500 clipped to 91: the context limit is 100 tokens" in err
+    assert "91 tokens in" in err
 
 
 @needs_model

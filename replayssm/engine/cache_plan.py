@@ -32,8 +32,12 @@ from ..cache.spec import CacheSpec
 from ..forms.kv import kv_only_threshold
 from .prefix import StorePlan, plan_store
 
-#: context (tokens) the command line sizes its cache for when the config states none
+#: context (tokens) when neither the caller nor the model's config states one
 DEFAULT_CONTEXT = 8192
+#: slots (``max_num_seqs``) when none is given and no memory budget sizes them (CPU)
+DEFAULT_MAX_NUM_SEQS = 16
+#: most slots ``max_num_seqs=None`` sizes from the memory budget
+MAX_AUTO_SLOTS = 256
 
 
 @dataclass
@@ -127,7 +131,10 @@ class CachePlan:
     ``num_slots`` usable slots (``make_cache(num_slots + 1, spec)``: slot 0 is the null
     slot), the target's ``layout``, the drafter's ``draft_layout`` (or None), what a
     sequence costs (``memory``), the ``auto`` switch threshold, the prefix store (or None)
-    and the ``budget`` (bytes, None without one) with ``store_bytes`` of it the store's."""
+    and the ``budget`` (bytes, None without one) with ``store_bytes`` of it the store's.
+    ``max_seq_len``: the tokens (prompt + generated) one sequence may hold (the spec's
+    ``max_seq_len`` less the verify window, which the cache holds on top);
+    ``context_source``: where that number came from (:func:`plan_caches`)."""
 
     spec: CacheSpec
     num_slots: int
@@ -138,6 +145,12 @@ class CachePlan:
     prefix_store: StorePlan | None
     budget: int | None
     store_bytes: int
+    context_source: str = ""
+
+    @property
+    def max_seq_len(self) -> int:
+        """Most tokens (prompt + generated) a sequence holds: the block manager's token limit."""
+        return self.spec.max_seq_len - self.spec.max_new
 
     @classmethod
     def build(cls, spec: CacheSpec, req: PlanRequest, layout, vocab_size: int,
@@ -146,7 +159,8 @@ class CachePlan:
         target's measured ``layout`` (``model.cache_layout(spec)``)."""
         # a context never reaches a threshold past max_seq_len: clamped, so the KV-only blocks
         # reserved per slot never exceed what one sequence can hold
-        threshold = min(req.auto_threshold or default_auto_threshold(layout, spec.buffer_size), spec.max_seq_len)
+        threshold = min(req.auto_threshold or default_auto_threshold(layout, spec.buffer_size),
+                        spec.max_seq_len - spec.max_new)
         memory = memory_model(layout, spec.mode, spec.max_new, vocab_size, threshold, draft_layout,
                               spec.max_seq_len)
         store = _plan_prefix_store(spec, req, layout, memory)
@@ -184,7 +198,7 @@ class CachePlan:
         need, free = self.cache_bytes(), available_memory(device)
         if free is not None and need > free:
             raise ValueError(
-                f"max_seq_len = {self.spec.max_seq_len} with max_num_seqs = {self.num_slots} needs about "
+                f"max_seq_len = {self.max_seq_len} with max_num_seqs = {self.num_slots} needs about "
                 f"{fmt_bytes(need)} of cache, more than the {fmt_bytes(free)} free on {device}; lower "
                 f"max_seq_len or max_num_seqs (or pass memory_budget)")
 
@@ -236,6 +250,110 @@ def _plan_pools(spec: CacheSpec, mem: MemoryModel, budget: int | None, num_slots
         # blocks the prefix store may hold
         attn = (static if attn is None else attn) + store.blocks
     return kv, attn
+
+
+def plan_caches(config, device, model_config, vocab_size: int, layout_of, draft_layout_of=None) -> CachePlan:
+    """The engine's :class:`CachePlan` under one context rule (``config``: an
+    :class:`~replayssm.engine.config.EngineConfig`; ``layout_of(spec)`` / ``draft_layout_of(spec)``:
+    the target's / drafter's measured layouts for a spec).
+
+    * ``max_num_seqs``: the config's; ``None``: as many slots as the budget holds sequences
+      of the full context (``memory.need(spec.max_seq_len)`` each, at most
+      :data:`MAX_AUTO_SLOTS`), or :data:`DEFAULT_MAX_NUM_SEQS` without a budget.
+    * ``max_seq_len`` given: kept; the caches must fit the device (:meth:`CachePlan.check_fits`).
+    * ``max_seq_len=None``: the model's context (:func:`context_limit`) when the caches of
+      the slots at that context fit the memory, else the largest multiple of
+      ``kv_block_size`` below it that fits; ``plan.context_source`` says which.  Fitting:
+      with a budget (``memory_budget``, or on CUDA ``gpu_memory_utilization`` of the free
+      memory) the slots are planned as always (``max_num_seqs`` at most, fewer when their
+      fixed parts fill the budget; admission then shares the block pools) and the pools left
+      must hold one sequence of the full context — with ``max_num_seqs=None`` every slot
+      holds one; and the caches must fit the device's free memory (on CPU the available RAM:
+      ``max_num_seqs`` slots of static pools, a full context each).
+
+    The cache spec holds ``max_seq_len + verify window`` tokens (``config.cache_spec``), so
+    ``plan.max_seq_len`` — prompt + generated tokens — is the same with or without
+    speculation.  Raises ``ValueError`` with the figures when nothing fits."""
+    req = PlanRequest.of(config, device)
+
+    def build(L: int, slots: int) -> CachePlan:
+        spec = config.cache_spec(L)
+        return CachePlan.build(spec, dataclasses.replace(req, max_num_seqs=slots), layout_of(spec), vocab_size,
+                               None if draft_layout_of is None else draft_layout_of(spec))
+
+    def slots_at(L: int) -> int:
+        if config.max_num_seqs is not None:
+            return config.max_num_seqs
+        return _auto_slots(build(L, MAX_AUTO_SLOTS))
+
+    if config.max_seq_len is not None:
+        L = config.max_seq_len
+        plan = build(L, max(1, slots_at(L)))
+        plan.check_fits(device)
+        return dataclasses.replace(plan, context_source="max_seq_len (given)")
+    return _fit_context(config, req, device, model_config, build, slots_at)
+
+
+def _fit_context(config, req: PlanRequest, device, model_config, build, slots_at) -> CachePlan:
+    """``max_seq_len=None``: the plan at the model's context, or at the largest multiple of
+    the block size below it whose caches fit (binary search; :func:`plan_caches`)."""
+    limit, source = context_limit(model_config)
+    free = available_memory(device)
+
+    def fitting(L: int) -> CachePlan | None:
+        slots = slots_at(L)
+        if slots < 1:
+            return None
+        try:
+            plan = build(L, slots)
+        except ValueError:   # the budget holds not even one slot's fixed part
+            return None
+        if plan.budget is not None:   # one full-length sequence beside every slot's fixed part
+            pool = plan.budget - plan.store_bytes - plan.num_slots * plan.memory.fixed
+            if pool < plan.memory.dynamic(plan.spec.max_seq_len):
+                return None
+        if free is not None and plan.cache_bytes() > free:
+            return None
+        return plan
+
+    plan = fitting(limit)
+    if plan is not None:
+        return dataclasses.replace(plan, context_source=f"{source} ({limit})")
+    bs = config.kv_block_size
+    lo, hi = -(-2 // bs), (limit - 1) // bs          # contexts lo*bs .. hi*bs, all below the limit
+    best = fitting(lo * bs) if lo <= hi else None
+    if best is None:
+        slots = config.max_num_seqs or 1
+        raise ValueError(f"the caches of {slots} slot(s) (max_num_seqs) do not fit {_memory_str(config, req, device, free)} even at "
+                         f"max_seq_len = {max(2, lo * bs)} ({source} is {limit}); lower max_num_seqs or give "
+                         f"more memory (memory_budget / gpu_memory_utilization)")
+    while lo < hi:   # the largest multiple of bs that fits: fitting(lo * bs) holds, hi is the bound
+        mid = (lo + hi + 1) // 2
+        p = fitting(mid * bs)
+        if p is not None:
+            lo, best = mid, p
+        else:
+            hi = mid - 1
+    return dataclasses.replace(best, context_source=(
+        f"{source} ({limit}), lowered to what {best.num_slots} slot(s) fit in "
+        f"{_memory_str(config, req, device, free)}"))
+
+
+def _auto_slots(plan: CachePlan) -> int:
+    """Slots a budget holds at ``plan``'s full context (None budget: the default count)."""
+    if plan.budget is None:
+        return DEFAULT_MAX_NUM_SEQS
+    room = plan.budget - plan.store_bytes
+    return int(min(MAX_AUTO_SLOTS, room // max(1, plan.memory.need(plan.spec.max_seq_len))))
+
+
+def _memory_str(config, req: PlanRequest, device, free: int | None) -> str:
+    if config.memory_budget is not None:
+        return f"memory_budget {fmt_bytes(config.memory_budget)}"
+    if req.memory_budget is not None:
+        return (f"gpu_memory_utilization={config.gpu_memory_utilization} of the free memory on {device} "
+                f"({fmt_bytes(req.memory_budget)})")
+    return f"the {fmt_bytes(free)} free on {device}" if free is not None else f"the memory of {device}"
 
 
 def context_limit(cfg) -> tuple[int, str]:

@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import math
+import os
 import sys
 import time
 from pathlib import Path
 
 from ..argtypes import positive_int
-from ..models import load_tokenizer, read_config
+from ..models import is_hub_id, load_tokenizer, read_config, resolve_model_dir
 from ..runtime import check_device
 from .config import SamplingParams, SpeculativeConfig
 from .detokenizer import Detokenizer
@@ -40,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replayssm generate", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt", nargs="?", default=None, help="prompt text (needs the model's tokenizer.json)")
     p.add_argument("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
-    p.add_argument("--model", default=None, help=f"model directory (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None,
+                   help=f"model directory, or a Hugging Face Hub id org/name (downloaded when no such local path "
+                        f"exists; HF_TOKEN, HF_HOME, HF_HUB_OFFLINE apply) (default: {DEFAULT_MODEL})")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of a --model hub id")
     p.add_argument("--mode", default="replay", choices=["recurrent", "replay", "kv", "auto"],
                    help="decode form (default: replay)")
     p.add_argument("--speculative", default=None, choices=["ngram", "draft", "tree", "mtp"])
@@ -61,13 +66,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--cuda-graphs", action="store_true", help="capture decode in CUDA graphs (CUDA only)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture decode in CUDA graphs (default: on for a CUDA device, off elsewhere)")
+    p.add_argument("--torch-threads", type=positive_int, default=None,
+                   help="torch intra-op threads (CPU work); default: min(physical cores, cores not busy), from "
+                        "this process's CPU affinity and the 1-minute load average, at least 1 (so a busy "
+                        "machine is not oversubscribed)")
     p.add_argument("--backend", default="torch", choices=["torch", "jax"],
                    help="torch: this engine; jax: the compiled JAX loop (replayssm.jax, needs jax)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes by heads (GPUs cuda:i..i+N-1, or CPU over gloo); "
                         "under torchrun, the number of processes it started")
     return p
+
+
+def default_torch_threads() -> int:
+    """Threads that do not oversubscribe the machine: the physical cores among the CPUs this
+    process may run on (``os.sched_getaffinity``; hyper-threads of one core count once),
+    less the cores already busy (the 1-minute load average, rounded up), at least 1."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:   # pragma: no cover - not Linux
+        cpus = list(range(os.cpu_count() or 1))
+    cores = set()
+    for c in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(c))
+    try:
+        busy = math.ceil(os.getloadavg()[0])
+    except (AttributeError, OSError):   # pragma: no cover - no load average
+        busy = 0
+    return max(1, min(len(cores), len(cpus) - busy))
 
 
 def _err(msg: str) -> int:
@@ -138,10 +170,17 @@ def _check_args(args):
     if args.prompt is not None:
         check_text(args.prompt, "PROMPT")
     device = check_device(args.device)
-    if args.cuda_graphs and device.type != "cuda":
+    if args.cuda_graphs and device.type != "cuda":   # None: the engine decides (on for CUDA)
         _note(f"warning: --cuda-graphs needs a CUDA device; ignored on {device}")
         args.cuda_graphs = False
-    model_dir = Path(args.model) if args.model else DEFAULT_MODEL
+    if args.revision is not None and args.model is None:
+        raise ValueError("--revision picks a Hub snapshot of --model org/name; give --model")
+    if args.model is None:
+        model_dir = DEFAULT_MODEL
+    elif is_hub_id(args.model) and not Path(args.model).exists():   # a local path always wins
+        model_dir = Path(resolve_model_dir(args.model, args.revision))   # HubError (a ValueError) says why
+    else:
+        model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         hint = ("the shipped model is missing from this installation (expected at "
                 f"{DEFAULT_MODEL}); pass --model DIR") if args.model is None else "no config.json there"
@@ -169,20 +208,29 @@ def _speculative(args) -> SpeculativeConfig | None:
                              draft_model=str(draft) if draft else None, tree_width=args.tree_width)
 
 
-def _context(args, cfg, n_prompt: int, T: int) -> int:
-    """``max_seq_len`` for this one request (KV-only buffers and attention scale with it),
-    within the context limit; refuses a prompt that does not fit, notes a clipped
-    ``--max-tokens``."""
+def _context(args, cfg, n_prompt: int) -> int | None:
+    """``max_seq_len`` to build the engine with: the request sized (prompt + ``--max-tokens``,
+    rounded up to 64; KV-only buffers and attention scale with it) when that is below the
+    context limit, else ``None`` or ``--max-seq-len``: the engine's one rule (the model's
+    context, lowered to what memory holds; :func:`replayssm.engine.cache_plan.plan_caches`).
+    The limit counts prompt + generated tokens, with or without speculation.  Refuses a
+    prompt that cannot fit a limit it knows here (the engine refuses the others)."""
     limit, source = (args.max_seq_len, "--max-seq-len") if args.max_seq_len else context_limit(cfg)
-    max_seq_len = min(-(-(n_prompt + args.max_tokens + 2 * T + 16) // 64) * 64, limit)
-    room = max_seq_len - T - n_prompt  # tokens the engine can generate after the prompt
-    if room < 1:
-        raise ValueError(f"the prompt has {n_prompt} tokens; with a verify window of {T} it does not fit the "
-                         f"context limit of {limit} tokens ({source}); pass a larger --max-seq-len")
+    if n_prompt + 1 > limit:
+        raise ValueError(f"the prompt has {n_prompt} tokens; it does not fit the context limit of {limit} tokens "
+                         f"({source}: prompt + generated tokens); pass a larger --max-seq-len")
+    want = -(-(n_prompt + args.max_tokens) // 64) * 64
+    if want < limit:
+        return want
+    return args.max_seq_len   # None: the engine resolves the model's context within memory
+
+
+def _clip_note(args, llm, n_prompt: int) -> None:
+    """A note on stderr when ``--max-tokens`` is more than the engine's context leaves."""
+    limit, room = llm.config.max_seq_len, llm.config.max_seq_len - n_prompt
     if args.max_tokens > room:
         _note(f"note: --max-tokens {args.max_tokens} clipped to {room}: the context limit is {limit} tokens "
-              f"({source}) and the prompt has {n_prompt}; --max-seq-len changes the limit")
-    return max_seq_len
+              f"({llm.config.max_seq_len_source}) and the prompt has {n_prompt}; --max-seq-len changes the limit")
 
 
 def _stream(llm, prompt: list[int], text: str | None, params, tok) -> float:
@@ -215,6 +263,17 @@ def _stream(llm, prompt: list[int], text: str | None, params, tok) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.torch_threads or default_torch_threads())
+    try:
+        return _generate(args)
+    finally:   # called in-process (tests, scripts): the caller's setting comes back
+        torch.set_num_threads(threads)
+
+
+def _generate(args) -> int:
     try:
         device, model_dir = _check_args(args)
         spec = _speculative(args)
@@ -224,10 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = read_config(str(model_dir))
         tok = load_tokenizer(str(model_dir))
         text, prompt = _read_prompt(args, tok, int(cfg.vocab_size))
-        max_seq_len = _context(args, cfg, len(prompt), spec.verify_tokens if spec else 1)
+        max_seq_len = _context(args, cfg, len(prompt))
         llm = LLM(str(model_dir), device=device, dtype=args.dtype, decode_mode=args.mode,
                   buffer_size=args.buffer_size, speculative=spec, max_num_seqs=1, cuda_graphs=args.cuda_graphs,
                   tokenizer=tok, max_seq_len=max_seq_len, tensor_parallel_size=args.tensor_parallel_size)
+        _clip_note(args, llm, len(prompt))
         t_load = time.perf_counter() - t0
         dt = _stream(llm, prompt, text, params, tok)
         llm.close()

@@ -8,13 +8,14 @@ offending field, so impossible settings fail before any model or cache is touche
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..cache.ring import check_speculative_capacity
 from ..cache.spec import CacheSpec
 
 DECODE_MODES = ("recurrent", "replay", "kv", "auto")
+PREEMPTION_MODES = ("swap", "off")
 SPEC_METHODS = ("ngram", "draft", "tree", "mtp")
 MAX_LOGPROBS = 20   # top alternatives per token (OpenAI's limit for chat)
 #: most inputs one verify step may carry (the last accepted token + drafts): the verify cost,
@@ -75,7 +76,8 @@ class SamplingParams:
     decoding takes the argmax after the penalties.  ``logprobs``: ``None`` for none, else
     each generated token's log-probability under the model (log-softmax of the raw logits)
     and the ``logprobs`` most likely alternatives.  ``n``: independent samples of the same
-    prompt (one shared prefill).
+    prompt (one shared prefill).  ``priority``: lower values are admitted first and preempted
+    last (first-come first-served among equal priorities), as vLLM's.
     """
 
     max_tokens: int = 64
@@ -92,9 +94,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     n: int = 1
+    priority: int = 0
 
     def __post_init__(self):
         _int("SamplingParams.max_tokens", self.max_tokens, 1)
+        _int("SamplingParams.priority", self.priority, None)
         self.temperature = _float("SamplingParams.temperature", self.temperature)
         if not 0 <= self.temperature < float("inf"):
             raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature}")
@@ -353,6 +357,20 @@ class EngineConfig:
     limits concurrency): ``num_slots`` fixed parts (states, rings, conv windows, step scratch)
     and block pools for what grows with the context (attention KV of hybrids, KV-only
     entries) in the rest (:class:`~replayssm.engine.cache_plan.CachePlan`).
+    ``max_seq_len``: the most tokens (prompt + generated) one sequence holds, the same with
+    or without speculation (the cache keeps room for the verify window on top).  ``None``
+    (the default): the model's ``max_position_embeddings`` (else
+    :data:`~replayssm.engine.cache_plan.DEFAULT_CONTEXT`), lowered to a multiple of
+    ``kv_block_size`` when the caches of ``max_num_seqs`` slots at that context do not fit
+    the memory (the budget; without one, the device's free memory); the engine records the
+    effective value here and its origin in ``max_seq_len_source``
+    (:func:`~replayssm.engine.cache_plan.plan_caches`).  An explicit value is kept, and
+    refused when it does not fit.  ``max_num_seqs=None`` (the default): as many slots as
+    the budget holds at that context (at most
+    :data:`~replayssm.engine.cache_plan.MAX_AUTO_SLOTS`), or
+    :data:`~replayssm.engine.cache_plan.DEFAULT_MAX_NUM_SEQS` without a budget (CPU).
+    ``cuda_graphs=None`` (the default): on for CUDA devices, off elsewhere; ``True`` on a
+    non-CUDA device warns and runs without graphs.
     ``tensor_parallel_size``: split the model by heads over that many processes (rank ``r``
     on ``cuda:<index + r>``, or CPU over gloo; :mod:`replayssm.distributed`); the engine
     starts the workers and closes them.  A model loaded with
@@ -370,13 +388,13 @@ class EngineConfig:
 
     decode_mode: str = "replay"
     buffer_size: int | None = None
-    max_num_seqs: int = 16
+    max_num_seqs: int | None = None
     memory_budget: int | None = None
-    max_seq_len: int = 2048
+    max_seq_len: int | None = None
     kv_block_size: int = 16
     auto_threshold: int | None = None
     speculative: SpeculativeConfig | None = None
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     seed: int = 0
     max_num_batched_tokens: int = 8192   # tokens per step: decodes + prompt chunks (chunked prefill)
     # prefix caching (replayssm.engine.prefix_cache): token-granular, exact
@@ -387,18 +405,32 @@ class EngineConfig:
     gpu_memory_utilization: float | None = 0.8       # share of free CUDA memory for caches (no budget given)
     pad_batches: bool = False                        # pad every batch to its bucket (CUDA graphs do anyway)
     tensor_parallel_size: int | None = None          # None: one rank (or the loaded model's own group)
+    # "swap": admit on the prompt's blocks, grow per step, preempt (swap to host) when a pool
+    # runs dry; "off": reserve every request's whole-life worst case at admission
+    preemption_mode: str = "swap"
+    #: where the effective ``max_seq_len`` came from (set by the engine once it is resolved)
+    max_seq_len_source: str | None = field(default=None, init=False, compare=False)
 
     def __post_init__(self):
         if self.decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.buffer_size is not None:
             _int("buffer_size", self.buffer_size, 1)
-        _int("max_num_seqs", self.max_num_seqs, 1)
-        _int("max_seq_len", self.max_seq_len, 1)
+        if self.max_num_seqs is not None:
+            _int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_seq_len is not None:
+            _int("max_seq_len", self.max_seq_len, 1)
+            if self.max_seq_len < 2:
+                raise ValueError(f"max_seq_len {self.max_seq_len} leaves no room for a prompt token and a generated "
+                                 f"token (needs >= 2)")
         _int("kv_block_size", self.kv_block_size, 1)
         _int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _int("seed", self.seed, None)
-        for name in ("cuda_graphs", "pad_batches", "enable_prefix_caching"):
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool or None, got {self.cuda_graphs!r}")
+        for name in ("pad_batches", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         g = self.gpu_memory_utilization
@@ -434,16 +466,20 @@ class EngineConfig:
         elif self.speculative is not None and self.decode_mode != "recurrent":
             check_speculative_capacity(self.buffer_size, self.max_new, "(draft tokens + 1)",
                                        f" (leave buffer_size unset to get {max(DEFAULT_BUFFER_SIZE, need)})")
-        if self.max_seq_len < self.max_new + 2:
-            raise ValueError(f"max_seq_len {self.max_seq_len} leaves no room for a prompt token, a generated "
-                             f"token and a verify window of {self.max_new} inputs (needs >= {self.max_new + 2})")
 
     @property
     def max_new(self) -> int:
         return 1 if self.speculative is None else self.speculative.verify_tokens
 
-    def cache_spec(self) -> CacheSpec:
-        """The target cache's spec (pools and prefix store are sized by the engine's
-        :class:`~replayssm.engine.cache_plan.CachePlan`)."""
+    def cache_spec(self, max_seq_len: int | None = None) -> CacheSpec:
+        """The target cache's spec for a usable context of ``max_seq_len`` tokens (default:
+        this config's; pools and prefix store are sized by the engine's
+        :class:`~replayssm.engine.cache_plan.CachePlan`).  The cache holds
+        ``max_seq_len + max_new`` tokens: the verify window a step appends past the last
+        token is the engine's cost, so a sequence holds exactly ``max_seq_len`` tokens
+        (prompt + generated) with or without speculation."""
+        L = self.max_seq_len if max_seq_len is None else max_seq_len
+        if L is None:
+            raise ValueError("max_seq_len is not resolved yet (None: the engine picks it from the model and memory)")
         return CacheSpec(mode=self.decode_mode, buffer_size=self.buffer_size, max_new=self.max_new,
-                         max_seq_len=self.max_seq_len, block_size=self.kv_block_size)
+                         max_seq_len=L + self.max_new, block_size=self.kv_block_size)

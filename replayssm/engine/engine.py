@@ -20,7 +20,7 @@ import time
 from ..distributed import TensorParallelModel
 from ..runtime import check_device
 from .block_manager import BlockManager
-from .cache_plan import CachePlan, PlanRequest
+from .cache_plan import context_limit, plan_caches
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
 from .detokenizer import Detokenizer
 from .executor import StepExecutor
@@ -41,7 +41,9 @@ from .warmup import warm_up
 class LLMEngine:
     """Continuous-batching engine over one model (and an optional drafter).
 
-    ``model``: a Hugging Face-layout directory or an already loaded model object; the other
+    ``model``: a Hugging Face-layout directory, a Hub id (``org/name``, fetched at ``revision``
+    when no such local path exists: :func:`replayssm.models.resolve_model_dir`) or an already
+    loaded model object; the other
     arguments are :class:`~replayssm.engine.config.EngineConfig`'s (decode mode, memory
     budget, speculation, tensor parallelism, prefix caching: documented there).  Not
     thread-safe: one thread (an event loop's engine task) calls ``add_request``, ``abort``
@@ -50,13 +52,15 @@ class LLMEngine:
 
     def __init__(self, model, device="cpu", dtype="float32", decode_mode: str = "replay",
                  buffer_size: int | None = None, speculative: SpeculativeConfig | None = None,
-                 max_num_seqs: int = 16, memory_budget: int | None = None, max_seq_len: int = 2048,
-                 kv_block_size: int = 16, auto_threshold: int | None = None, cuda_graphs: bool = False,
+                 max_num_seqs: int | None = None, memory_budget: int | None = None,
+                 max_seq_len: int | None = None, kv_block_size: int = 16, auto_threshold: int | None = None,
+                 cuda_graphs: bool | None = None,
                  seed: int = 0, tokenizer=None, pad_batches: bool = False,
                  max_num_batched_tokens: int = 8192, gpu_memory_utilization: float | None = 0.8,
                  tensor_parallel_size: int | None = None, enable_prefix_caching: bool = False,
                  prefix_checkpoint_interval: int | None = None, prefix_cache_fraction: float = 0.25,
-                 prefix_cache_blocks: int | None = None):
+                 prefix_cache_blocks: int | None = None, preemption_mode: str = "swap",
+                 revision: str | None = None):
         self.config = ec = EngineConfig(
             decode_mode=decode_mode, buffer_size=buffer_size, max_num_seqs=max_num_seqs,
             memory_budget=memory_budget, max_seq_len=max_seq_len, kv_block_size=kv_block_size,
@@ -64,19 +68,29 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             prefix_checkpoint_interval=prefix_checkpoint_interval, prefix_cache_fraction=prefix_cache_fraction,
             prefix_cache_blocks=prefix_cache_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            pad_batches=pad_batches, tensor_parallel_size=tensor_parallel_size)
+            pad_batches=pad_batches, tensor_parallel_size=tensor_parallel_size, preemption_mode=preemption_mode)
         # validated, as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu")
         self.device = check_device(device)
+        if ec.cuda_graphs is None:   # the fast default: graphs wherever they can run
+            ec.cuda_graphs = self.device.type == "cuda"
         self.model, self.tokenizer, self.dtype, self._owns_model = load_target(
-            model, self.device, parse_dtype(dtype), ec, tokenizer)
+            model, self.device, parse_dtype(dtype), ec, tokenizer, revision)
         self.vocab_size = int(self.model.config.vocab_size)
         check_tokenizer_vocab(self.tokenizer, self.vocab_size)
-        spec = ec.cache_spec()
-        draft = prepare_drafter(ec.speculative, self.model, spec, self.device, self.dtype)
+        # the drafter is loaded at the model's context; the plan then settles max_seq_len
+        draft = prepare_drafter(ec.speculative, self.model,
+                                ec.cache_spec(ec.max_seq_len or context_limit(self.model.config)[0]),
+                                self.device, self.dtype)
         self.draft_model = draft.draft_model if draft is not None else None
-        self.plan = plan = CachePlan.build(spec, PlanRequest.of(ec, self.device), self.model.cache_layout(spec),
-                                           self.vocab_size, draft.layout if draft is not None else None)
-        plan.check_fits(self.device)
+        self.plan = plan = plan_caches(
+            ec, self.device, self.model.config, self.vocab_size, self.model.cache_layout,
+            None if draft is None else lambda s: draft.cls.own_layout(dataclasses.replace(draft, spec=s)))
+        ec.max_seq_len, ec.max_seq_len_source = plan.max_seq_len, plan.context_source
+        if ec.max_num_seqs is None:
+            ec.max_num_seqs = plan.num_slots
+        spec = ec.cache_spec()
+        if draft is not None:
+            draft.spec, draft.layout = spec, plan.draft_layout
         self.num_slots = plan.num_slots
         self.cache = self.model.make_cache(plan.num_slots + 1, plan.spec, device=self.device)
         self.runner = self._make_runner()
@@ -85,8 +99,9 @@ class LLMEngine:
         ps = plan.prefix_store
         self.prefix_cache = None if ps is None else PrefixCache(
             self.cache, spec.block_size, ps.blocks, ps.checkpoints, ps.interval, stats=self.stats)
-        self.blocks = BlockManager(self.cache, plan, prefix=self.prefix_cache)
-        self.scheduler = Scheduler(self.blocks, ec.max_num_batched_tokens)
+        self.blocks = BlockManager(self.cache, plan, prefix=self.prefix_cache, preemption_mode=ec.preemption_mode)
+        self.blocks.drafter_of, self.blocks.sampler = (lambda: self.drafter), self.sampler   # swap hooks
+        self.scheduler = Scheduler(self.blocks, ec.max_num_batched_tokens, stats=self.stats)
         self.policy = decode_policy(ec.decode_mode, plan.auto_threshold)
         self.outputs = OutputProcessor(getattr(self.model.config, "eos_token_id", None),  # an id, ids, or None
                                        self.scheduler.token_limit, self.sampler, self.stats)
@@ -141,7 +156,8 @@ class LLMEngine:
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None) -> Sequence:
         """Queue one request (validated first: a bad one raises ``ValueError`` and queues
-        nothing).  ``request_id`` (any hashable, default a fresh int) names it for
+        nothing; so does a prompt that can never fit, ``len(prompt) >= max_seq_len``, with both
+        numbers).  ``request_id`` (any hashable, default a fresh int) names it for
         :meth:`abort` and in :meth:`step`'s outputs; returns its :class:`Sequence`."""
         if params is None:
             params = SamplingParams()
@@ -160,6 +176,12 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (tokenizer.json in the model directory)")
         text, ids = self.encode(prompt)
+        limit = self.scheduler.token_limit   # = max_seq_len: prompt + generated, with or without speculation
+        if len(ids) + 1 > limit:
+            src = self.config.max_seq_len_source or ""
+            src = "" if src.startswith("max_seq_len") else f" ({src})"
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_seq_len={limit}{src}: a sequence holds "
+                             f"at most {limit} tokens (prompt + generated), so a prompt may have at most {limit - 1}")
         tok = self.tokenizer
         seq = Sequence.request(ids, params, request_id, text, None if tok is None else lambda p: Detokenizer(tok, p))
         for s in seq.group:
@@ -251,6 +273,6 @@ class LLMEngine:
         return advanced, finished
 
     def _finish(self, s: Sequence) -> None:
-        if self.drafter is not None and s.slot is not None:
+        if self.drafter is not None:   # (a swapped-out one holds no slot: its per-request state goes)
             self.drafter.release(s)
         self.scheduler.finish(s, s.finish_reason or "stop")

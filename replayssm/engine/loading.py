@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from ..distributed import TensorParallelModel, load_tensor_parallel
-from ..models import load_model, load_tokenizer
+from ..models import load_model, load_tokenizer, resolve_model_dir
 from ..models.loader import parse_dtype  # noqa: F401  (the engine's dtype names)
 from .protocols import CachedModel
 
@@ -20,16 +20,22 @@ def is_model(obj) -> bool:
 
 
 def load(model, device: torch.device, dtype: torch.dtype, tensor_parallel_size: int = 1,
-         mtp: bool = False):
-    """``(model, tokenizer | None)`` from a Hugging Face-layout directory (``mtp``: with the
-    checkpoint's MTP head, ``model.mtp``).
+         mtp: bool = False, revision: str | None = None):
+    """``(model, tokenizer | None)`` from a Hugging Face-layout directory, or a Hub id
+    (``org/name`` at ``revision``) when no such local path exists
+    (:func:`replayssm.models.resolve_model_dir`; ``mtp``: with the checkpoint's MTP head,
+    ``model.mtp``).
 
     ``tensor_parallel_size > 1``: the model split over that many processes, each reading its
     shard (:func:`replayssm.distributed.load_tensor_parallel`, the engine's entry into the
     distributed layer below it); the returned model owns its workers (``close()``).  The MTP
     head is not sharded: ``mtp`` with ``tensor_parallel_size > 1`` is refused."""
-    if not os.path.isdir(str(model)):
-        raise ValueError(f"model directory not found: {model!r}")
+    try:
+        model = resolve_model_dir(model, revision)
+    except FileNotFoundError:
+        raise ValueError(f"model directory not found: {str(model)!r}") from None
+    if not os.path.isdir(model):
+        raise ValueError(f"model directory not found: {model!r} (it is a file)")
     if tensor_parallel_size > 1:
         if mtp:
             raise ValueError("speculative method 'mtp' is not supported with tensor_parallel_size > 1 "
@@ -39,7 +45,8 @@ def load(model, device: torch.device, dtype: torch.dtype, tensor_parallel_size: 
     return load_model(str(model), device=device, dtype=dtype, mtp=mtp), load_tokenizer(str(model))
 
 
-def load_target(model, device: torch.device, dtype: torch.dtype, config, tokenizer=None):
+def load_target(model, device: torch.device, dtype: torch.dtype, config, tokenizer=None,
+                revision: str | None = None):
     """``(model, tokenizer, dtype, owns_model)`` for an engine: a directory is loaded (split
     over ``config.tensor_parallel_size`` processes when > 1; with the MTP head when the
     speculative method is ``mtp``), a loaded model is checked against the settings and keeps
@@ -56,8 +63,10 @@ def load_target(model, device: torch.device, dtype: torch.dtype, config, tokeniz
                          f"(the MTP head is not sharded over the workers); use tensor_parallel_size=1 "
                          f"or method='ngram'/'draft'")
     if not is_model(model):
-        loaded, tok = load(model, device, dtype, tp or 1, mtp=mtp)
+        loaded, tok = load(model, device, dtype, tp or 1, mtp=mtp, revision=revision)
         return loaded, tokenizer if tokenizer is not None else tok, dtype, True
+    if revision is not None:
+        raise ValueError(f"revision={revision!r} picks a Hub snapshot to load; the model given is already loaded")
     if tp is not None and tp != have:
         raise ValueError(f"tensor_parallel_size={tp} but the model given is split over {have} rank(s) "
                          f"(load it with that many, or pass a model directory)")

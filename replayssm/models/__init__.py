@@ -3,7 +3,7 @@
 from .base import CausalLM
 from .cache import ModelCache
 from .config import ConfigError, Mamba2Config, NemotronHConfig, Qwen3NextConfig, parse_config, read_config
-from .loader import WeightError, load_model, load_tokenizer
+from .loader import HubError, WeightError, is_hub_id, load_model, load_tokenizer, resolve_model_dir
 
-__all__ = ["load_model", "load_tokenizer", "CausalLM", "ModelCache", "ConfigError", "WeightError",
+__all__ = ["load_model", "load_tokenizer", "resolve_model_dir", "is_hub_id", "HubError", "CausalLM", "ModelCache", "ConfigError", "WeightError",
            "Mamba2Config", "NemotronHConfig", "Qwen3NextConfig", "parse_config", "read_config"]

@@ -28,7 +28,76 @@ from .mtp import attach_mtp
 from .nemotron_h import NemotronHLM
 from .qwen3_next import Qwen3NextLM
 
-__all__ = ["load_model", "load_tokenizer", "WeightError", "parse_dtype"]
+__all__ = ["load_model", "load_tokenizer", "resolve_model_dir", "is_hub_id", "HubError", "WeightError",
+           "parse_dtype"]
+
+#: what a hub download fetches: weights, configs (model, tokenizer, weight index), tokenizer
+#: files and chat templates — never other formats' weights (``*.bin``, ``*.gguf``, ...)
+HUB_FILES = ["*.safetensors", "*.json", "*.jinja", "tokenizer.model", "*.txt", "*.tiktoken"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class HubError(ValueError):
+    """A Hugging Face Hub id that could not be fetched (the message says why)."""
+
+
+def is_hub_id(name) -> bool:
+    """Whether ``name`` has the shape of a Hub repository id (``org/name``)."""
+    return isinstance(name, str) and bool(_HUB_ID.match(name)) and ".." not in name
+
+
+def resolve_model_dir(name, revision: str | None = None) -> str:
+    """A local model directory for ``name``: a path that exists locally always wins;
+    otherwise an ``org/name`` Hub id is downloaded (or found in the Hub cache) with
+    ``huggingface_hub.snapshot_download`` — only safetensors, config, tokenizer and template
+    files (:data:`HUB_FILES`), at ``revision`` (default: the main branch), with the token
+    and cache from the environment (``HF_TOKEN``, ``HF_HOME``, ``HF_HUB_OFFLINE``).  A hub
+    id that cannot be fetched raises :class:`HubError` saying why (offline mode, no network,
+    not found, gated); anything else that does not exist raises ``FileNotFoundError``."""
+    if not isinstance(name, (str, os.PathLike)):
+        raise ValueError(f"a model path must be a str or os.PathLike, got {type(name).__name__}")
+    path = os.fspath(name)
+    if os.path.exists(path):
+        return path
+    if not is_hub_id(path):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} is for Hugging Face Hub ids (org/name); {path!r} is neither "
+                             f"that nor an existing directory")
+        raise FileNotFoundError(f"{path}: not a model directory (nor a Hugging Face Hub id, org/name)")
+    if revision is not None and (not isinstance(revision, str) or not revision):
+        raise ValueError(f"revision must be a non-empty string (branch, tag or commit), got {revision!r}")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:   # pragma: no cover - a runtime dependency
+        raise HubError(f"{path!r} is not a local directory, so it was taken as a Hugging Face Hub id, but "
+                       f"huggingface_hub is not installed (pip install huggingface_hub)") from None
+    try:
+        return snapshot_download(path, revision=revision, allow_patterns=HUB_FILES)
+    except Exception as e:   # every failure of the download becomes one clear message
+        raise HubError(_hub_failure(path, revision, e)) from e
+
+
+def _hub_failure(repo: str, revision: str | None, e: Exception) -> str:
+    """Why ``repo`` could not be fetched, in words, from the exception's class."""
+    from huggingface_hub import constants
+
+    what = f"{repo!r} is not a local directory, so it was taken as a Hugging Face Hub id"
+    at = f" at revision {revision!r}" if revision else ""
+    kinds = {k.__name__ for k in type(e).__mro__}
+    cache = getattr(constants, "HF_HUB_CACHE", None) or "the Hugging Face cache"
+    if "RevisionNotFoundError" in kinds:
+        why = f"revision {revision!r} not found on the Hub"
+    elif "GatedRepoError" in kinds:
+        why = "the repository is gated: accept its terms on the Hub and set HF_TOKEN"
+    elif "RepositoryNotFoundError" in kinds:
+        why = "no such repository on the Hub (or it is private: set HF_TOKEN)"
+    elif getattr(constants, "HF_HUB_OFFLINE", False) or "OfflineModeIsEnabled" in kinds:
+        why = f"HF_HUB_OFFLINE=1 is set and it is not in the cache ({cache}); unset HF_HUB_OFFLINE or download it first"
+    elif "LocalEntryNotFoundError" in kinds or isinstance(e, (ConnectionError, TimeoutError, OSError)):
+        why = f"the Hub could not be reached (no network?) and it is not in the cache ({cache}): {e}"
+    else:
+        why = f"{type(e).__name__}: {e}"
+    return f"{what}, and it could not be fetched{at}: {why}"
 
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -206,8 +275,10 @@ def source_plan(path: str, cfg, params: dict, key_file: dict, aliases) -> dict[s
     return plan
 
 
-def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False):
+def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False, revision: str | None = None):
     """Build the model in ``path`` (HF layout) on ``device`` with parameters in ``dtype``.
+    ``path``: a local directory, or a Hugging Face Hub id (``org/name``, at ``revision``)
+    fetched by :func:`resolve_model_dir` when no such local path exists.
 
     ``mtp=True`` also loads the checkpoint's multi-token-prediction head (``mtp.*`` tensors,
     :mod:`replayssm.models.mtp`) as ``model.mtp``; otherwise those tensors are skipped.
@@ -218,9 +289,7 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False):
     """
     from safetensors import safe_open
 
-    if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"a model path must be a str or os.PathLike, got {type(path).__name__}")
-    path = os.fspath(path)
+    path = resolve_model_dir(path, revision)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: not a model directory")
     tdtype = parse_dtype(dtype)

@@ -1,6 +1,7 @@
 """`replayssm generate` and `replayssm bench e2e --smoke`."""
 
 import json
+import os
 
 import pytest
 
@@ -122,3 +123,41 @@ def test_a_benchmarks_bad_setting_is_a_message(tmp_path, capsys):
     assert top.main(["bench", "prefill", "--families", "bogus", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "replayssm bench prefill: error: --families: unknown ['bogus']" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not (cli.DEFAULT_MODEL / "config.json").is_file(), reason="shipped model not present")
+@pytest.mark.parametrize("extra", [[], ["--speculative", "ngram", "--num-tokens", "4"]])
+def test_generate_and_llm_agree_on_the_context(capsys, extra):
+    """--max-seq-len counts prompt + generated tokens with or without speculation, exactly as
+    LLM(max_seq_len=...) does: a prompt of max_seq_len - 1 tokens gets one token, one more is refused."""
+    from replayssm import LLM, SamplingParams, SpeculativeConfig
+
+    L = 48
+    ids = ",".join(str(5 + j % 50) for j in range(L - 1))
+    assert cli.main(["--token-ids", ids, "--max-seq-len", str(L), "--max-tokens", "8", "--ignore-eos", *extra]) == 0
+    cap = capsys.readouterr()
+    assert len(cap.out.split()) == 1 and "clipped to 1" in cap.err and "finish=length" in cap.err
+    assert cli.main(["--token-ids", ids + ",7", "--max-seq-len", str(L), *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"the prompt has {L} tokens" in err and f"context limit of {L} tokens" in err
+    sp = SpeculativeConfig("ngram", num_tokens=4) if extra else None
+    llm = LLM(str(cli.DEFAULT_MODEL), max_seq_len=L, speculative=sp, max_num_seqs=1)
+    prompt = [5 + j % 50 for j in range(L - 1)]
+    out = llm.generate([prompt, prompt + [7]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(out[0].token_ids) == 1 and out[1].finish_reason == "error" and f"max_seq_len={L}" in out[1].error
+
+
+def test_torch_threads_flag_and_default(monkeypatch, tmp_path, capsys):
+    import torch
+
+    n = cli.default_torch_threads()
+    assert 1 <= n <= len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (1000.0, 0.0, 0.0))   # a saturated machine: one thread
+    assert cli.default_torch_threads() == 1
+    assert "--torch-threads" in cli.build_parser().format_help()
+    seen = []
+    monkeypatch.setattr(cli, "_generate", lambda args: seen.append(torch.get_num_threads()) or 0)
+    before = torch.get_num_threads()
+    assert cli.main(["hi", "--torch-threads", "3"]) == 0 and seen == [3]
+    assert cli.main(["hi"]) == 0 and seen[-1] == 1                       # the default, under that load
+    assert torch.get_num_threads() == before                            # restored for an in-process caller

@@ -154,3 +154,20 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_named_at_load(target):
     big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1000)}, unk_token="w0"))
     with pytest.warns(UserWarning, match="more than the model's vocab_size"):
         LLM(target, tokenizer=big)
+
+
+def test_fast_defaults_and_the_internal_spec(target):
+    """max_seq_len / max_num_seqs / cuda_graphs default to None (resolved by the engine); the
+    cache spec holds the verify window on top of max_seq_len."""
+    from replayssm.engine.config import EngineConfig
+
+    ec = EngineConfig()
+    assert ec.max_seq_len is None and ec.max_num_seqs is None and ec.cuda_graphs is None
+    with pytest.raises(ValueError, match="max_seq_len is not resolved yet"):
+        ec.cache_spec()
+    sp = EngineConfig(max_seq_len=100, speculative=SpeculativeConfig("ngram", num_tokens=4))
+    assert sp.cache_spec().max_seq_len == 105 and EngineConfig(max_seq_len=100).cache_spec().max_seq_len == 101
+    with pytest.warns(UserWarning, match="cuda_graphs=True ignored"):   # an explicit bool is kept
+        llm = LLM(target, cuda_graphs=True, max_seq_len=64)
+    assert llm.config.cuda_graphs is True and not llm.runner.use_graphs
+    assert LLM(target, max_seq_len=64).config.cuda_graphs is False       # None: off on CPU

@@ -110,7 +110,10 @@ def no_cache(target, monkeypatch):
     (dict(cuda_graphs="yes"), "cuda_graphs must be a bool"),
     (dict(buffer_size=10, speculative=SpeculativeConfig("ngram", num_tokens=8)),
      r"buffer_size 10 < 2 \* \(draft tokens \+ 1\) = 18"),
-    (dict(max_seq_len=5, speculative=SpeculativeConfig("ngram", num_tokens=4)), "max_seq_len 5 leaves no room"),
+    (dict(max_seq_len=1, speculative=SpeculativeConfig("ngram", num_tokens=4)),
+     r"max_seq_len 1 leaves no room for a prompt token and a generated token \(needs >= 2\)"),
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
+    (dict(max_seq_len=2.5), "max_seq_len must be an int, got 2.5"),
     (dict(max_seq_len=10 ** 13, decode_mode="kv"), r"max_seq_len = 10000000000000 with max_num_seqs = 16 needs"),
 ])
 def test_bad_settings_fail_before_any_cache(target, no_cache, kwargs, match):
@@ -171,8 +174,9 @@ def test_draft_tree_with_default_buffer_runs(target, draft, expected):
 # ---------------------------------------------------------------------------- max_tokens
 @pytest.mark.parametrize("mode", ["recurrent", "replay", "kv", "auto"])
 def test_max_tokens_is_clipped_to_the_context_in_every_mode(target, mode, monkeypatch):
-    """max_tokens far past the context: the request stops at max_seq_len with finish
-    "length", and no reservation ever asks for more than max_seq_len tokens."""
+    """max_tokens far past the context: the request stops at exactly max_seq_len tokens with
+    finish "length", and no reservation ever asks for more than max_seq_len tokens plus the
+    verify window (the cache's own room)."""
     llm = LLM(target, decode_mode=mode, max_seq_len=40, auto_threshold=8,
               speculative=SpeculativeConfig("ngram", num_tokens=3))
     asked = []
@@ -186,5 +190,92 @@ def test_max_tokens_is_clipped_to_the_context_in_every_mode(target, mode, monkey
         monkeypatch.setattr(llm.cache, "reserve", spy)
     out = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10 ** 9, ignore_eos=True))[0]
     assert out.finish_reason == "length" and out.error is None
-    assert len(out.prompt_token_ids) + len(out.token_ids) <= 40
-    assert all(n <= 40 for n in asked)
+    assert len(out.prompt_token_ids) + len(out.token_ids) == 40
+    assert llm.plan.spec.max_seq_len == 40 + 4
+    assert all(n <= 40 + 4 for n in asked)
+
+
+# ---------------------------------------------------------------------------- the context rule
+SPECS = [None, SpeculativeConfig("ngram", num_tokens=4), "draft"]
+
+
+@pytest.mark.parametrize("mode", ["replay", "kv"])
+@pytest.mark.parametrize("sp", SPECS, ids=["plain", "ngram", "draft"])
+def test_max_seq_len_is_exact_with_or_without_speculation(target, draft, mode, sp):
+    """max_seq_len counts prompt + generated tokens and is the same usable length with any
+    speculation: a prompt of max_seq_len - 1 tokens gets its one token, one more token is
+    refused at add_request with both numbers (and queues nothing)."""
+    if sp == "draft":
+        sp = SpeculativeConfig("draft", num_tokens=3, draft_model=draft)
+    L = 40
+    llm = LLM(target, decode_mode=mode, max_seq_len=L, speculative=sp, max_num_seqs=2)
+    T = 1 if sp is None else sp.verify_tokens
+    assert llm.scheduler.token_limit == llm.config.max_seq_len == llm.plan.max_seq_len == L
+    assert llm.plan.spec.max_seq_len == L + T
+    assert llm.config.max_seq_len_source == "max_seq_len (given)"
+    prompt = [(5 * j + 1) % 32 for j in range(L - 1)]
+    out = llm.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert out.error is None and len(out.token_ids) == 1 and out.finish_reason == "length"
+    want = reference_greedy(target, prompt, 1)
+    assert out.token_ids == want
+    with pytest.raises(ValueError, match=rf"prompt of {L} tokens does not fit max_seq_len={L}.* at most {L - 1}"):
+        llm.add_request(prompt + [1], SamplingParams(max_tokens=1))
+    assert not llm.has_unfinished()
+    # in a batch: that prompt alone fails, with the message, and the other runs
+    outs = llm.generate([prompt + [1], prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert outs[0].finish_reason == "error" and outs[0].token_ids == [] and f"max_seq_len={L}" in outs[0].error
+    assert outs[1].token_ids == want
+
+
+def test_default_context_is_the_models_and_is_lowered_to_fit_the_budget(target):
+    """max_seq_len=None: the model's max_position_embeddings (DEFAULT_CONTEXT when it states
+    none); lowered to a multiple of the block size when the slots' caches do not fit."""
+    from replayssm.engine.cache_plan import DEFAULT_CONTEXT, DEFAULT_MAX_NUM_SEQS
+
+    llm = LLM(target, decode_mode="kv")
+    assert llm.config.max_seq_len == llm.scheduler.token_limit == DEFAULT_CONTEXT
+    assert "DEFAULT_CONTEXT" in llm.config.max_seq_len_source
+    assert llm.num_slots == llm.config.max_num_seqs == DEFAULT_MAX_NUM_SEQS   # CPU, no budget
+    assert llm.config.cuda_graphs is False and llm.runner.use_graphs is False
+
+    target.config.max_position_embeddings = 1000
+    try:
+        llm = LLM(target, decode_mode="kv", max_num_seqs=2)
+        assert llm.config.max_seq_len == 1000 and "max_position_embeddings (1000)" in llm.config.max_seq_len_source
+        mem, T = llm.plan.memory, llm.plan.memory.verify_tokens
+        # a budget for 2 slots and one sequence of ~300 tokens: the context comes down to
+        # what fits, in whole blocks (the budget still decides how many run at once)
+        budget = 2 * mem.fixed + mem.dynamic(300 + T)
+        small = LLM(target, decode_mode="kv", max_num_seqs=2, memory_budget=budget)
+        L = small.config.max_seq_len
+        assert L % 16 == 0 and 256 <= L <= 300 and small.num_slots == 2
+        assert "lowered" in small.config.max_seq_len_source and "memory_budget" in small.config.max_seq_len_source
+        assert small.plan.memory.dynamic(L + T) <= budget - 2 * mem.fixed < small.plan.memory.dynamic(L + 16 + T)
+        # max_num_seqs=None sizes the slots from the budget at the model's context: each a full one
+        auto = LLM(target, decode_mode="kv", memory_budget=3 * mem.need(1000 + T) + 100)
+        assert auto.config.max_seq_len == 1000 and auto.num_slots == auto.config.max_num_seqs == 3
+        one = LLM(target, decode_mode="kv", memory_budget=mem.need(500 + T))
+        assert one.num_slots == 1 and 480 <= one.config.max_seq_len <= 500
+        # an explicit max_seq_len is kept (and the budget caps what each request gets)
+        kept = LLM(target, decode_mode="kv", max_num_seqs=2, memory_budget=budget, max_seq_len=1000)
+        assert kept.config.max_seq_len == 1000
+    finally:
+        del target.config.max_position_embeddings
+
+
+def test_default_context_is_lowered_to_the_free_memory(target, monkeypatch):
+    """Without a budget on CPU, the caches must fit the available RAM: the context is lowered
+    to what does, and an explicit max_seq_len that does not fit is refused."""
+    from replayssm.engine import cache_plan
+
+    probe = LLM(target, decode_mode="kv", max_num_seqs=4, max_seq_len=512)
+    free = probe.plan.cache_bytes()
+    monkeypatch.setattr(cache_plan, "available_memory", lambda device: free)
+    llm = LLM(target, decode_mode="kv", max_num_seqs=4)
+    assert llm.config.max_seq_len == 512 and llm.plan.cache_bytes() <= free
+    assert "free on cpu" in llm.config.max_seq_len_source
+    with pytest.raises(ValueError, match=r"max_seq_len = 1024 with max_num_seqs = 4 needs"):
+        LLM(target, decode_mode="kv", max_num_seqs=4, max_seq_len=1024)
+    monkeypatch.setattr(cache_plan, "available_memory", lambda device: 1000)
+    with pytest.raises(ValueError, match=r"caches of 4 slot\(s\) \(max_num_seqs\) do not fit the 1000 B free on cpu"):
+        LLM(target, decode_mode="kv", max_num_seqs=4)

@@ -90,9 +90,11 @@ def test_ngram_drafters_pad_with_the_runners_graphs_and_declare_shapes(graphs):
 
 
 def test_draft_model_vocab_must_match_the_target(shipped):
-    other = SimpleNamespace(config=SimpleNamespace(vocab_size=int(shipped.config.vocab_size) + 1))
-    sp = SpeculativeConfig("draft", draft_model=DRAFT)
-    sp.draft_model = other   # a "loaded" model of another vocabulary
+    import dataclasses
+
+    other = load_model(DRAFT, dtype="float64")   # a loaded model of another vocabulary
+    other.config = dataclasses.replace(other.config, vocab_size=int(shipped.config.vocab_size) + 1)
+    sp = SpeculativeConfig("draft", draft_model=other)
     with pytest.raises(ValueError, match="vocab_size"):
         prepare_drafter(sp, shipped, _spec(sp), "cpu", DT)
 
