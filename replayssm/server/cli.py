@@ -27,6 +27,7 @@ import torch
 from ..argtypes import byte_count, port, positive_int
 from ..engine.config import SpeculativeConfig
 from ..engine.llm import LLM
+from ..models import is_hub_id, resolve_model_dir
 
 DECODE_MODES = ("recurrent", "replay", "kv", "auto")
 
@@ -58,6 +59,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graphs", action="store_true",
                    help="accepted for old command lines and ignored: graphs are on by default on CUDA")
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (cache slots)")
+    g.add_argument("--preemption-mode", default="swap", choices=["swap", "off"],
+                   help="swap: admit when the prompt fits and swap sequences to host memory when the block "
+                        "pools run dry (restored exactly); off: reserve each request's whole-life worst case")
+    g.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of a model given as org/name")
     g.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=None,
                    help="context length, prompt + generated (default: the model's max_position_embeddings, "
                         "bounded by memory)")
@@ -146,7 +151,7 @@ def build_engine(model_dir: str, args):
                max_num_seqs=args.max_num_seqs, memory_budget=int(args.memory_budget) if args.memory_budget else None,
                max_seq_len=args.max_seq_len, kv_block_size=args.kv_block_size, auto_threshold=args.auto_threshold,
                cuda_graphs=device.startswith("cuda") and not getattr(args, "enforce_eager", False),
-               seed=args.seed, pad_batches=args.pad_batches,
+               seed=args.seed, pad_batches=args.pad_batches, preemption_mode=args.preemption_mode,
                max_num_batched_tokens=args.max_num_batched_tokens,
                gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=args.enable_prefix_caching,
@@ -328,6 +333,13 @@ def _setup_logging(level: str) -> logging.Logger:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = _setup_logging(args.log_level)
+    if args.served_model_name is None and is_hub_id(args.model) and not os.path.exists(args.model):
+        args.served_model_name = args.model   # the API names a Hub model by its id, as vLLM does
+    try:   # a local directory, or a Hub id org/name (downloaded; a clear error offline)
+        args.model = resolve_model_dir(args.model, args.revision)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"replayssm serve: error: {e}", file=sys.stderr)
+        return 2
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"replayssm serve: error: {args.model!r} is not a model directory (no config.json)", file=sys.stderr)
         return 2

@@ -68,6 +68,7 @@ class SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     logit_bias: Optional[dict] = None
+    priority: int = 0                  # vLLM's: lower runs first (admission order, last to be preempted)
 
     @field_validator("n", "stream", "ignore_eos", "return_token_ids", "echo", "logprobs", "add_generation_prompt",
                      mode="before", check_fields=False)
@@ -100,14 +101,14 @@ class SamplingFields(BaseModel):
                   stop_token_ids=tuple(self.stop_token_ids or ()), n=self.n,
                   presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                   repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                  ignore_eos=self.ignore_eos, logprobs=self._logprobs())
+                  ignore_eos=self.ignore_eos, logprobs=self._logprobs(), priority=self.priority)
         try:
             return SamplingParams(**kw)
         except ValueError as e:
             msg = str(e)
             field = msg.split(" ", 1)[0].removeprefix("SamplingParams.").split("[")[0]
             names = {"presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
-                     "min_p", "seed", "stop", "stop_token_ids", "n", "max_tokens", "logprobs"}
+                     "min_p", "seed", "stop", "stop_token_ids", "n", "max_tokens", "logprobs", "priority"}
             raise APIError(400, msg.replace("SamplingParams.", ""), param=field if field in names else None) from None
 
     @property

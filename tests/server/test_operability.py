@@ -229,6 +229,35 @@ def test_cuda_graphs_by_default_on_cuda_and_enforce_eager(monkeypatch):
     assert p.parse_args(["M"]).warm_up == "auto"                       # auto: on for CUDA
 
 
+def test_preemption_mode_priority_and_hub_ids_reach_the_engine(monkeypatch, plain_server, tmp_path):
+    """``--preemption-mode`` is the engine's; a request's ``priority`` (vLLM's field) reaches its
+    SamplingParams; a Hub id that cannot be fetched offline is refused before anything loads."""
+    import os
+    import subprocess
+    import sys
+
+    from replayssm.server.protocol import CompletionRequest
+
+    seen = {}
+    monkeypatch.setattr(serve_cli, "LLM", lambda model, **kw: seen.update(kw) or kw)
+    p = serve_cli.build_parser()
+    serve_cli.build_engine("M", p.parse_args(["M", "--device", "cpu"]))
+    assert seen["preemption_mode"] == "swap"
+    serve_cli.build_engine("M", p.parse_args(["M", "--device", "cpu", "--preemption-mode", "off"]))
+    assert seen["preemption_mode"] == "off"
+    req = CompletionRequest(prompt="x", priority=-3)
+    assert req.sampling_params(4).priority == -3
+    with pytest.raises(Exception, match="priority"):
+        CompletionRequest(prompt="x", priority="high")
+    r = client(plain_server).completions.create(model="tiny-chat", prompt="def f():", max_tokens=3,
+                                                temperature=0, extra_body={"priority": 5})
+    assert r.choices[0].finish_reason == "length"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "replayssm", "serve", "no-such-org/no-such-model", "--port", "0"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "no-such-org/no-such-model" in out.stderr and "HF_HUB_OFFLINE" in out.stderr
+
+
 # ---- graceful shutdown -------------------------------------------------------------------------------
 def test_sigterm_drains_streams_refuses_new_requests_and_exits_0(drain_server):
     """SIGTERM with 4 requests in flight: a short stream ends naturally ("length"), two long
