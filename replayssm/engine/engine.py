@@ -213,11 +213,13 @@ class LLMEngine:
         return request_output(seq)
 
     def occupancy(self) -> dict:
-        """Running / waiting requests, free and total slots, free KV-only blocks (-1: none)."""
-        pidx = self.cache.pidx
+        """Running / waiting requests, free and total slots, and the paged pools' free and
+        total blocks (KV-only entries and hybrids' attention KV together; -1 / 0: no pool)."""
+        pools = [p for p in (self.cache.pidx, self.cache.attn) if p is not None]
         occ = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                "free_slots": len(self.blocks.free_slots), "total_slots": self.num_slots,
-               "free_kv_blocks": pidx.free_blocks if pidx is not None else -1}
+               "free_kv_blocks": sum(p.free_blocks for p in pools) if pools else -1,
+               "total_kv_blocks": sum(p.num_blocks - 1 for p in pools)}   # block 0: the null block
         return {**occ, **self.prefix_stats()}
 
     def prefix_stats(self) -> dict:

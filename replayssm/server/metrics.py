@@ -36,15 +36,12 @@ VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_pe
 
 
 def kv_blocks(engine, occ: dict) -> tuple[int, int]:
-    """``(free, total)`` blocks of the engine's paged KV pool; ``(0, 0)`` without one."""
+    """``(free, total)`` blocks of the engine's paged pools (KV-only entries and attention
+    KV, :meth:`LLMEngine.occupancy`); ``(0, 0)`` without one."""
     free = int(occ.get("free_kv_blocks", -1))
     if free < 0:
         return 0, 0
-    total = occ.get("total_kv_blocks")
-    if total is None:
-        pidx = getattr(getattr(engine, "cache", None), "pidx", None)
-        total = getattr(pidx, "num_blocks", 1) - 1    # block 0 is the null block
-    return free, max(int(total), free)
+    return free, max(int(occ.get("total_kv_blocks", free)), free)
 
 
 class ServerMetrics:
@@ -66,10 +63,10 @@ class ServerMetrics:
         # -- vLLM's names -------------------------------------------------------------------
         self.running = gauge("num_requests_running", "Sequences holding a cache slot")
         self.waiting = gauge("num_requests_waiting", "Sequences queued for a slot")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Used share of the paged KV block pool (0 to 1; 0 without "
-                                                     "paged pools)")
-        self.preemptions = counter("num_preemptions", "Sequences the engine preempted (their cache freed, "
-                                                      "to be recomputed)")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Used share of the paged block pools (KV-only entries and "
+                                                     "attention KV; 0 to 1, 0 without paged pools)")
+        self.preemptions = counter("num_preemptions", "Sequences the engine preempted (their cache swapped "
+                                                      "to host memory, restored exactly later)")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted at a request's first output)")
         self.tokens = counter("generation_tokens", "Generated tokens")
         self.requests = Counter(PREFIX + "request_success", "Finished sequences by finish reason",
@@ -98,8 +95,8 @@ class ServerMetrics:
         self.in_flight = gauge("num_requests_in_flight", "Sequences accepted by the server and not finished")
         self.free_slots = gauge("free_slots", "Free cache slots of the engine")
         self.total_slots = gauge("total_slots", "Cache slots of the engine")
-        self.free_blocks = gauge("kv_free_blocks", "Free blocks of the paged KV pool (-1: no paged pool)")
-        self.total_blocks = gauge("kv_total_blocks", "Blocks of the paged KV pool (0: no paged pool)")
+        self.free_blocks = gauge("kv_free_blocks", "Free blocks of the paged pools (-1: no paged pool)")
+        self.total_blocks = gauge("kv_total_blocks", "Blocks of the paged pools (0: no paged pool)")
         self.steps = counter("engine_steps", "Engine steps")
         self.step_failures = counter("engine_step_failures", "Engine steps that raised (their requests ended "
                                                              "with an error)")
