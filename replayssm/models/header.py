@@ -18,9 +18,10 @@ from typing import Callable
 
 from .config import ConfigError
 
-_LAYER = re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.")
+# (multimodal checkpoints, e.g. Qwen3.5's, nest the language model under model.language_model.)
+_LAYER = re.compile(r"^(?:backbone|model)\.(?:language_model\.)?layers\.(\d+)\.")
 _EMBED = ("backbone.embeddings.weight", "backbone.embedding.weight", "model.embeddings.weight",
-          "model.embed_tokens.weight")
+          "model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 
 
 def header_shapes(key_file: dict[str, str]) -> Callable[[str], tuple[int, ...] | None]:

@@ -45,7 +45,7 @@ class Qwen3NextLM(CausalLM):
     def __init__(self, config: Qwen3NextConfig, dtype: torch.dtype, device):
         super().__init__(config, dtype, device)
         c = config
-        self.rotary = rot = Rotary(c.head_dim, c.rotary_dim, c.rope_theta)
+        self.rotary = rot = Rotary(c.head_dim, c.rotary_dim, c.rope_theta, c.rope_scaling_dict)
         layers = [qwen3_next_block(c, kind, i, rot, c.is_moe_layer(i)) for i, kind in enumerate(c.layer_kinds)]
         self._assemble("model", "embed_tokens", layers, "norm",
                        RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centered=True))
