@@ -48,7 +48,22 @@ QWEN3_NEXT_4B = dict(
     decoder_sparse_step=1, norm_topk_prob=True, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False,
     eos_token_id=None)
 
+#: Granite-4.0-H-Tiny's published shape (``granitemoehybrid``): d_model 1536, 40 layers, attention
+#: (12 heads, 4 KV heads x 128, no RoPE) at layers 5/15/25/35, Mamba-2 elsewhere (48 heads x 64,
+#: d_state 128, 1 group); every layer a 64-expert top-6 SwiGLU MoE (I=512) plus a 1024-wide shared
+#: MLP; Granite's multipliers; tied embeddings, vocab 100352
+GRANITE_4_H_TINY = dict(
+    model_type="granitemoehybrid", architectures=["GraniteMoeHybridForCausalLM"], vocab_size=100352,
+    hidden_size=1536, num_hidden_layers=40,
+    layer_types=["full_attention" if i % 10 == 5 else "linear_attention" for i in range(40)],
+    num_attention_heads=12, num_key_value_heads=4, intermediate_size=512, shared_intermediate_size=1024,
+    num_local_experts=64, num_experts_per_tok=6, mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128,
+    mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, position_embedding_type="nope",
+    embedding_multiplier=12.0, logits_scaling=6.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+    rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True, eos_token_id=None)
+
 HYBRID_PRESETS = {
+    "granite-4.0-h-tiny": (GRANITE_4_H_TINY, "bfloat16"),
     # name: (config.json, checkpoint dtype)
     "nemotron-h-4b": (NEMOTRON_4B, "bfloat16"),
     "qwen3-next-4b": (QWEN3_NEXT_4B, "bfloat16"),
@@ -99,7 +114,8 @@ def _init(name: str, shape, module, L: int, gen, device):
         return rnd(0.3 if leaf == "weight" else 0.1)
     if leaf == "bias":
         return torch.zeros(shape, device=device)
-    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "down_proj", "fc2_latent_proj.weight")):
+    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "down_proj", "fc2_latent_proj.weight",
+                           "output_linear.weight")):
         return rnd(0.02 / math.sqrt(L))
     return rnd(0.02)
 
