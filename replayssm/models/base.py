@@ -92,6 +92,10 @@ class CausalLM(nn.Module):
     """Shared skeleton; subclasses build ``embed``, ``blocks``, ``final_norm``, ``lm_head``."""
 
     config = None
+    #: Granite-style scales (1.0: none): the token embeddings are multiplied by
+    #: ``embedding_multiplier``, the logits divided by ``logits_scaling``
+    embedding_multiplier = 1.0
+    logits_scaling = 1.0
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -159,6 +163,8 @@ class CausalLM(nn.Module):
 
     def _trunk(self, input_ids: Tensor, ctx: StepContext) -> Tensor:
         h, pending = self._embed(input_ids), None
+        if self.embedding_multiplier != 1.0:
+            h = h * self.embedding_multiplier
         for blk in self.blocks:
             h, pending = blk(h, ctx, self._dtype, pending)
         return self.blocks[-1].finish(h, pending, self._dtype) if len(self.blocks) else h
@@ -166,7 +172,8 @@ class CausalLM(nn.Module):
     def _logits(self, hn: Tensor) -> Tensor:
         """LM head on final-normed hidden states ``hn [..., D]`` -> ``[..., V]``."""
         w = self.head_weight()
-        return nn.functional.linear(hn.to(w.dtype), w).to(compute_dtype(self._dtype))
+        out = nn.functional.linear(hn.to(w.dtype), w).to(compute_dtype(self._dtype))
+        return out / self.logits_scaling if self.logits_scaling != 1.0 else out
 
     def _head(self, h: Tensor) -> Tensor:
         return self._logits(self.final_norm()(h))

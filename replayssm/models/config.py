@@ -397,6 +397,54 @@ class NemotronHConfig:
         return c
 
 
+#: keys of ``rope_parameters`` that are not part of a scaling: the base, the partial factor and
+#: Qwen3.5's multimodal rope sections (text positions are equal on the t/h/w axes, so mrope
+#: reduces to plain rope for text)
+_ROPE_BASE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section",
+                   "mrope_interleaved")
+#: per rope type: (required keys, optional keys) we implement (``replayssm.layers.rotary``)
+_ROPE_KEYS = {"linear": (("factor",), ()),
+              "yarn": (("factor", "original_max_position_embeddings"),
+                       ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"))}
+
+
+def rope_scaling(r: _Reader, rp: dict, max_pos) -> tuple:
+    """The rope scaling of ``rope_parameters`` / ``rope_scaling`` dict ``rp`` as sorted
+    ``(key, value)`` pairs (``()`` for the default rope): ``linear`` and ``yarn`` (YaRN's
+    ``original_max_position_embeddings`` defaults to ``max_position_embeddings``, as
+    transformers standardises it); any other type (``dynamic``, ``longrope``, ``llama3`` ...)
+    or an unknown / malformed key raises ``ConfigError`` naming it."""
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind == "default":
+        return ()
+    if kind not in _ROPE_KEYS:
+        why = (" (dynamic NTK rescales the frequencies with the running sequence length, which cached keys "
+               "cannot follow)" if kind == "dynamic" else "")
+        r.fail(f"rope_type {kind!r} in 'rope_parameters' is not supported{why}; supported: "
+               f"'default', {', '.join(repr(k) for k in _ROPE_KEYS)}")
+    need, optional = _ROPE_KEYS[kind]
+    s = {k: v for k, v in rp.items() if k not in _ROPE_BASE_KEYS}
+    if kind == "yarn" and s.get("original_max_position_embeddings") is None and max_pos is not None:
+        s["original_max_position_embeddings"] = max_pos
+    for k in need:
+        if s.get(k) is None:
+            r.fail(f"rope_type {kind!r} needs 'rope_parameters.{k}'")
+    bad = sorted(k for k in s if k not in need + optional)
+    if bad:
+        r.fail(f"'rope_parameters' has key(s) {bad} that rope_type {kind!r} does not take")
+    s["factor"] = _num(r, "rope_parameters.factor", s["factor"])
+    if not s["factor"] >= 1.0:
+        r.fail(f"'rope_parameters.factor' must be >= 1, got {s['factor']!r}")
+    for k in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if s.get(k) is not None:
+            s[k] = _num(r, f"rope_parameters.{k}", s[k])
+    if "original_max_position_embeddings" in s:
+        _pos_int(r, "rope_parameters.original_max_position_embeddings", s["original_max_position_embeddings"])
+    if "truncate" in s and s["truncate"] not in (True, False):
+        r.fail(f"'rope_parameters.truncate' must be true or false, got {s['truncate']!r}")
+    return (("rope_type", kind),) + tuple(sorted(s.items()))
+
+
 @dataclass(frozen=True)
 class Qwen3NextConfig:
     """``Qwen3NextForCausalLM``: per layer ``x + mixer(N1(x))`` then ``x + ffn(N2(x))`` with
@@ -423,6 +471,7 @@ class Qwen3NextConfig:
     attention_bias: bool = False
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 0.25
+    rope_scaling: tuple = ()   # sorted (key, value) pairs of a non-default rope type (:func:`rope_scaling`)
     num_experts: int = 0
     num_experts_per_tok: int = 10
     moe_intermediate_size: int = 512
@@ -450,6 +499,11 @@ class Qwen3NextConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        """The rope scaling for :class:`~replayssm.layers.rotary.Rotary` (None: default rope)."""
+        return dict(self.rope_scaling) or None
+
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "Qwen3NextConfig":
         r = _Reader(d, where)
@@ -470,9 +524,7 @@ class Qwen3NextConfig:
         rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if not isinstance(rp, dict):
             r.fail(f"'rope_parameters' must be a dict, got {rp!r}")
-        rope_type = rp.get("rope_type", rp.get("type", "default"))
-        if rope_type != "default":
-            r.fail(f"rope_type {rope_type!r} is not supported (only 'default')")
+        scaling = rope_scaling(r, rp, d.get("max_position_embeddings"))
         theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
         prf = rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
         need_attn = "full_attention" in lt
@@ -498,6 +550,7 @@ class Qwen3NextConfig:
             attention_bias=r.flag("attention_bias", False),
             rope_theta=_pos_float(r, "rope_theta", theta),
             partial_rotary_factor=float(prf),
+            rope_scaling=scaling,
             num_experts=ne,
             num_experts_per_tok=_pos_int(r, "num_experts_per_tok", r.req("num_experts_per_tok") if ne else r.opt("num_experts_per_tok", 10)),
             moe_intermediate_size=_pos_int(r, "moe_intermediate_size", r.req("moe_intermediate_size") if ne else r.opt("moe_intermediate_size", 512)),
@@ -529,7 +582,13 @@ class Qwen3NextConfig:
         return c
 
 
-_CONFIGS = {"mamba2": Mamba2Config, "nemotron_h": NemotronHConfig, "qwen3_next": Qwen3NextConfig}
+from .qwen3_5 import QWEN3_5_TYPES, Qwen3_5Config  # noqa: E402  (subclasses Qwen3NextConfig, defined above)
+from .falcon_h1 import FalconH1Config  # noqa: E402  (imports the helpers above)
+from .granite_hybrid import GraniteMoeHybridConfig  # noqa: E402  (imports the helpers above)
+from .bamba import BambaConfig  # noqa: E402  (imports the helpers above)
+_CONFIGS = {"mamba2": Mamba2Config, "nemotron_h": NemotronHConfig, "qwen3_next": Qwen3NextConfig,
+            **dict.fromkeys(QWEN3_5_TYPES, Qwen3_5Config), "falcon_h1": FalconH1Config,
+            "granitemoehybrid": GraniteMoeHybridConfig, "bamba": BambaConfig}
 SUPPORTED_MODEL_TYPES = tuple(_CONFIGS)
 
 

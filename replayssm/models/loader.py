@@ -27,6 +27,10 @@ from .mamba2 import Mamba2LM
 from .mtp import attach_mtp
 from .nemotron_h import NemotronHLM
 from .qwen3_next import Qwen3NextLM
+from .qwen3_5 import QWEN3_5_TYPES, Qwen3_5LM
+from .falcon_h1 import FalconH1LM
+from .granite_hybrid import GraniteMoeHybridLM
+from .bamba import BambaLM
 
 __all__ = ["load_model", "load_tokenizer", "resolve_model_dir", "is_hub_id", "HubError", "WeightError",
            "parse_dtype"]
@@ -106,7 +110,9 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch
            "float": torch.float32, "half": torch.float16}
 # parameters kept in at least fp32 (they feed exponentials / routing decisions)
 _FP32_PARAMS = ("A_log", "dt_bias", "D", "e_score_correction_bias")
-_IGNORED = (re.compile(r"^mtp\."), re.compile(r"rotary_emb\.inv_freq$"))
+# the MTP head (loaded on request), rotary caches, and a multimodal checkpoint's vision tower
+# (text generation reads the language model only)
+_IGNORED = (re.compile(r"^mtp\."), re.compile(r"rotary_emb\.inv_freq$"), re.compile(r"^model\.visual\."))
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -125,6 +131,10 @@ MODEL_CLASSES = {
     "mamba2": Mamba2LM,
     "nemotron_h": NemotronHLM,
     "qwen3_next": Qwen3NextLM,
+    **dict.fromkeys(QWEN3_5_TYPES, Qwen3_5LM),
+    "falcon_h1": FalconH1LM,
+    "granitemoehybrid": GraniteMoeHybridLM,
+    "bamba": BambaLM,
 }
 
 
@@ -182,11 +192,20 @@ class _Source:
 
 
 def _resolve(name: str, shape, avail: dict, aliases: dict) -> _Source | None:
-    if name in avail:
-        return _Source([name])
-    for a in aliases.get(name, []):
-        if a in avail:
-            return _Source([a])
+    """Where parameter ``name`` is stored: under its name or an alias, as one tensor or as
+    per-expert tensors to stack."""
+    for key in (name, *aliases.get(name, [])):
+        if key in avail:
+            return _Source([key])
+        src = _experts(key, shape, avail)
+        if src is not None:
+            return src
+    return None
+
+
+def _experts(name: str, shape, avail: dict) -> _Source | None:
+    """Packed experts ``<...>.experts.{gate_up_proj, up_proj, down_proj}`` stored one tensor
+    per expert (``<...>.experts.<e>.<proj>.weight``)."""
     m = re.match(r"^(.*\.experts)\.(gate_up_proj|up_proj|down_proj)$", name)
     if m:
         pre, which = m.groups()
