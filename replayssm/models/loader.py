@@ -310,7 +310,7 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False, revi
 
     ``mtp=True`` also loads the checkpoint's multi-token-prediction head (``mtp.*`` tensors,
     :mod:`replayssm.models.mtp`) as ``model.mtp``; otherwise those tensors are skipped.
-    Supported ``model_type``: ``mamba2``, ``nemotron_h``, ``qwen3_next``.  Raises
+    Supported ``model_type``: :data:`~replayssm.models.config.SUPPORTED_MODEL_TYPES`.  Raises
     ``ConfigError`` (config.json problems), ``WeightError`` (missing / unexpected /
     mis-shaped tensors, unreadable files) or ``FileNotFoundError``; never returns a
     partially loaded model.
