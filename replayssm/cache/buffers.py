@@ -87,3 +87,37 @@ class GDNBuffers:
 
     def ring_tensors(self) -> list[Tensor]:
         return [self.u, self.k, self.g]
+
+
+@dataclass
+class KDABuffers:
+    """Checkpoint states and ring of ``(u, k, g)`` entries of one KDA (Kimi Delta Attention)
+    layer: :class:`GDNBuffers` with a log-decay per key channel (``docs/MATH.md``, "KDA").
+
+    state: ``[P, HV, K, V]`` (HF/fla layout, i.e. ``Sᵀ``; fp32 or fp64)
+    u:     ``[P, L, HV, V]`` corrected values ``u = β(v − S (α ⊙ k))``
+    k:     ``[P, L, H, K]``  keys after l2-norm
+    g:     ``[P, L, HV, K]`` per-channel log-decays ``g <= 0`` (state dtype)
+    """
+
+    state: Tensor
+    u: Tensor
+    k: Tensor
+    g: Tensor
+
+    @classmethod
+    def allocate(cls, num_slots: int, capacity: int, num_k_heads: int, num_v_heads: int,
+                 head_k_dim: int, head_v_dim: int, dtype=torch.float32,
+                 state_dtype=torch.float32, device="cpu", poison: bool = False) -> "KDABuffers":
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
+        P, L = num_slots + 1, capacity
+        return cls(
+            state=_empty((P, num_v_heads, head_k_dim, head_v_dim), state_dtype, device, poison),
+            u=_empty((P, L, num_v_heads, head_v_dim), dtype, device, poison),
+            k=_empty((P, L, num_k_heads, head_k_dim), dtype, device, poison),
+            g=_empty((P, L, num_v_heads, head_k_dim), state_dtype, device, poison),
+        )
+
+    def ring_tensors(self) -> list[Tensor]:
+        return [self.u, self.k, self.g]

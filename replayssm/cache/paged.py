@@ -498,3 +498,34 @@ class GDNPagedBuffers:
 
     def tensors(self) -> list[Tensor]:
         return [self.u, self.k, self.g]
+
+
+@dataclass
+class KDAPagedBuffers:
+    """Paged pools of one KDA layer's entries (KV-only form, no state): :class:`GDNPagedBuffers`
+    with a log-decay per key channel.
+
+    u: ``[NB*bs, HV, V]`` corrected values
+    k: ``[NB*bs, H, K]``  keys after l2-norm
+    g: ``[NB*bs, HV, K]`` per-channel log-decays (state dtype)
+    """
+
+    u: Tensor
+    k: Tensor
+    g: Tensor
+
+    @classmethod
+    def allocate(cls, num_blocks: int, block_size: int, num_k_heads: int, num_v_heads: int,
+                 head_k_dim: int, head_v_dim: int, dtype=torch.float32,
+                 state_dtype=torch.float32, device="cpu", poison: bool = False) -> "KDAPagedBuffers":
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
+        R = num_blocks * block_size
+        return cls(
+            u=_empty((R, num_v_heads, head_v_dim), dtype, device, poison),
+            k=_empty((R, num_k_heads, head_k_dim), dtype, device, poison),
+            g=_empty((R, num_v_heads, head_k_dim), state_dtype, device, poison),
+        )
+
+    def tensors(self) -> list[Tensor]:
+        return [self.u, self.k, self.g]
