@@ -24,7 +24,8 @@ import torch
 from ..models.config import parse_config, read_config
 from ..models.header import check_sizes
 from ..models.loader import (_FP32_PARAMS, WeightError, _cast_checked, _install, _model_class, _transformed_checked,
-                             _weight_files, check_source_shapes, parse_dtype, source_plan)
+                             _weight_files, check_source_shapes, check_tied_copies, parse_dtype,
+                             source_plan)
 from ..runtime import canonical_device, compute_dtype
 from .layers import build_local_model
 from .sharding import ROOT_ONLY, Shard, local_config, shard_rules
@@ -114,7 +115,8 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
     lparams = dict(model.named_parameters())
     if set(gparams) != set(lparams):  # pragma: no cover - the local model mirrors the global one
         raise WeightError(f"local model parameters differ from the global model's: {sorted(set(gparams) ^ set(lparams))[:4]}")
-    plan = source_plan(path, cfg, gparams, key_file, type(gmodel).key_aliases())
+    plan = source_plan(path, cfg, gparams, key_file, type(gmodel).key_aliases(), type(gmodel).tied_copy)
+    check_tied_copies(cfg, key_file, type(gmodel).tied_copy)
     rules = shard_rules(gmodel, size, rank)
     transforms = model.load_transforms()
     handles = {}

@@ -134,6 +134,13 @@ class CausalLM(nn.Module):
         """``{param name: fn(tensor) -> tensor}`` applied to checkpoint tensors at load time."""
         return {}
 
+    @staticmethod
+    def tied_copy(config, key: str) -> str | None:
+        """For weights the model shares but a checkpoint may store once per use: the key whose
+        tensor checkpoint ``key`` copies (the loader reads that one and checks the copy is
+        equal), or None."""
+        return None
+
     # ---- properties ------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:

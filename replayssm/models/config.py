@@ -586,9 +586,11 @@ from .qwen3_5 import QWEN3_5_TYPES, Qwen3_5Config  # noqa: E402  (subclasses Qwe
 from .falcon_h1 import FalconH1Config  # noqa: E402  (imports the helpers above)
 from .granite_hybrid import GraniteMoeHybridConfig  # noqa: E402  (imports the helpers above)
 from .bamba import BambaConfig  # noqa: E402  (imports the helpers above)
+from .zamba2 import Zamba2Config  # noqa: E402  (imports the helpers above)
 _CONFIGS = {"mamba2": Mamba2Config, "nemotron_h": NemotronHConfig, "qwen3_next": Qwen3NextConfig,
             **dict.fromkeys(QWEN3_5_TYPES, Qwen3_5Config), "falcon_h1": FalconH1Config,
-            "granitemoehybrid": GraniteMoeHybridConfig, "bamba": BambaConfig}
+            "granitemoehybrid": GraniteMoeHybridConfig, "bamba": BambaConfig,
+            "zamba2": Zamba2Config}
 SUPPORTED_MODEL_TYPES = tuple(_CONFIGS)
 
 

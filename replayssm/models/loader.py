@@ -31,6 +31,7 @@ from .qwen3_5 import QWEN3_5_TYPES, Qwen3_5LM
 from .falcon_h1 import FalconH1LM
 from .granite_hybrid import GraniteMoeHybridLM
 from .bamba import BambaLM
+from .zamba2 import Zamba2LM
 
 __all__ = ["load_model", "load_tokenizer", "resolve_model_dir", "is_hub_id", "HubError", "WeightError",
            "parse_dtype"]
@@ -135,6 +136,7 @@ MODEL_CLASSES = {
     "falcon_h1": FalconH1LM,
     "granitemoehybrid": GraniteMoeHybridLM,
     "bamba": BambaLM,
+    "zamba2": Zamba2LM,
 }
 
 
@@ -277,10 +279,12 @@ def _install(model: nn.Module, name: str, t: torch.Tensor) -> None:
     mod._parameters[leaf] = nn.Parameter(t, requires_grad=False)
 
 
-def source_plan(path: str, cfg, params: dict, key_file: dict, aliases) -> dict[str, _Source]:
+def source_plan(path: str, cfg, params: dict, key_file: dict, aliases, tied_copy=None) -> dict[str, _Source]:
     """Each parameter's checkpoint source (``params``: name -> parameter of the model being
     built); ``WeightError`` naming the tensors the checkpoint lacks or holds beyond the
-    model's (ignored keys aside).  Shared by :func:`load_model` and the tensor-parallel loader."""
+    model's (ignored keys aside, and copies of a read tensor that ``tied_copy(cfg, key)``
+    names: :func:`check_tied_copies` compares them).  Shared by :func:`load_model` and the
+    tensor-parallel loader."""
     plan: dict[str, _Source] = {}
     missing = []
     for name, p in params.items():
@@ -295,12 +299,32 @@ def source_plan(path: str, cfg, params: dict, key_file: dict, aliases) -> dict[s
         raise WeightError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: "
                           + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "") + hint)
     used = {k for s in plan.values() for k in s.keys}
-    extra = [k for k in key_file if k not in used and not any(r.search(k) for r in _IGNORED)]
+    extra = [k for k in key_file if k not in used and not any(r.search(k) for r in _IGNORED)
+             and not (tied_copy is not None and tied_copy(cfg, k) in used)]
     if extra:
         raise WeightError(f"{path}: {len(extra)} unexpected tensor(s) not used by a {cfg.model_type} model: "
                           + ", ".join(f"{k} (in {os.path.basename(key_file[k])})" for k in extra[:8])
                           + (" ..." if len(extra) > 8 else ""))
     return plan
+
+
+def check_tied_copies(cfg, key_file: dict, tied_copy) -> None:
+    """Every copy a checkpoint stores of a shared weight (``tied_copy(cfg, key)`` names the
+    tensor it copies) holds the same values; else a :class:`WeightError` naming both (a
+    checkpoint whose shared weights were trained apart is a different model)."""
+    from safetensors import safe_open
+
+    pairs = [(k, c) for k in key_file if (c := tied_copy(cfg, k)) is not None and c in key_file]
+    handles = {}
+    try:
+        for k, c in pairs:
+            a, b = (handles.setdefault(key_file[x], safe_open(key_file[x], framework="pt", device="cpu")).get_tensor(x)
+                    for x in (k, c))
+            if a.shape != b.shape or not torch.equal(a, b):
+                raise WeightError(f"{key_file[k]}: tensor {k!r} should copy the shared weight {c!r} but differs "
+                                  f"from it (shared weights trained apart are not supported)")
+    finally:
+        handles.clear()
 
 
 def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False, revision: str | None = None):
@@ -335,7 +359,8 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False, revi
 
             attach_mtp(model, key_file)
     params = dict(model.named_parameters())
-    plan = source_plan(path, cfg, params, key_file, cls.key_aliases())
+    plan = source_plan(path, cfg, params, key_file, cls.key_aliases(), cls.tied_copy)
+    check_tied_copies(cfg, key_file, cls.tied_copy)
     handles = {}
     try:
         for fn in sorted(set(key_file.values())):
