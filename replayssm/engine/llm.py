@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
 from tqdm.auto import tqdm
 
 from .config import SamplingParams, sampling_params_list
 from .engine import LLMEngine
-from .inputs import prompt_list
+from .inputs import check_text, prompt_list
 from .outputs import RequestOutput
 from .sequence import Sequence
 
@@ -18,6 +19,13 @@ __all__ = ["LLM", "RequestOutput"]
 
 class LLM(LLMEngine):
     """Generate with a Mamba-2 / Gated DeltaNet model (constructor: :class:`LLMEngine`)."""
+
+    def __init__(self, model, *args, **kwargs):
+        super().__init__(model, *args, **kwargs)
+        # where chat() finds the model's chat template (a directory or Hub id; None: a loaded model)
+        self._chat_source = (os.fspath(model), kwargs.get("revision")) if isinstance(model, (str, os.PathLike)) \
+            else None
+        self._chat_templates = None
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -60,3 +68,57 @@ class LLM(LLMEngine):
             if len(seq.output_ids) > before:
                 yield seq.output_ids[before:]
         self.last_output = self.output(seq)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None, tools: list | None = None,
+             add_generation_prompt: bool = True, documents: list | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content", ...}`` dicts) or
+        a list of conversations, as vLLM's ``LLM.chat``: each is rendered with the model's chat
+        template as transformers' ``apply_chat_template`` renders it
+        (:mod:`replayssm.engine.chat_template`), tokenized without added special tokens (the
+        template writes them) and run by :meth:`generate`; one output per conversation, its
+        ``prompt`` the rendered text.
+
+        ``chat_template``: template text, a file, or the name of one of the model's named
+        templates, instead of the model's own.  ``chat_template_kwargs``: extra template
+        variables (``{"enable_thinking": False}``).  ``tools``: JSON schemas as the OpenAI API
+        sends them (``{"type": "function", "function": {...}}``); ``documents``: a list of
+        dicts.  A conversation the template refuses (``raise_exception``) or that cannot be
+        tokenized raises ``ValueError`` before anything runs.  Needs jinja2."""
+        from .chat_template import ChatTemplate, ChatTemplateError
+
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, (list, tuple)) for m in messages):
+            conversations = list(messages)
+        elif isinstance(messages, (list, tuple)) and messages:
+            conversations = [messages]
+        else:
+            raise ValueError("messages must be a conversation (a non-empty list of message dicts) "
+                             "or a list of conversations")
+        if self._chat_templates is None:
+            if self._chat_source is not None:
+                from ..models import resolve_model_dir
+
+                self._chat_templates = ChatTemplate.from_model_dir(resolve_model_dir(*self._chat_source))
+            else:   # a loaded model: no directory to read a template from
+                self._chat_templates = ChatTemplate(None)
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (tokenizer.json in the model directory)")
+        prompts, texts = [], []
+        for i, conv in enumerate(conversations):
+            try:
+                text = self._chat_templates.render(conv, add_generation_prompt=add_generation_prompt, tools=tools,
+                                                   documents=documents, chat_template=chat_template,
+                                                   chat_template_kwargs=chat_template_kwargs)
+            except ChatTemplateError as e:
+                raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
+            check_text(text, "the rendered chat")
+            enc = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append(list(getattr(enc, "ids", enc)))
+            texts.append(text)
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+            for s in out.samples:
+                s.prompt = text
+        return outs

@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .chat import ChatTemplate
+from .chat import load_server_template
 from .engine_loop import AsyncEngine, EngineError, QueueFull, RequestStream, ShuttingDown
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -94,8 +94,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     slots = getattr(engine, "num_slots", None) or getattr(getattr(engine, "config", None), "max_num_seqs", 16)
     loop = AsyncEngine(engine, max_running=slots, max_queue=config.max_queue, metrics=metrics)
     tok = getattr(engine, "tokenizer", None)
-    chat = (ChatTemplate.from_model_dir(config.model_dir, config.chat_template) if config.model_dir
-            else ChatTemplate(config.chat_template))
+    chat = load_server_template(config.model_dir, config.chat_template)   # a missing file raises
     limit = config.max_model_len or context_limit(engine)
     vocab = int(getattr(engine, "vocab_size", 0) or 0)
     chars_limit = 2 * limit * max_token_chars(tok)

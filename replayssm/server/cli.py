@@ -174,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="sequences that may wait beyond --max-num-seqs; more get 503 (default: 256)")
-    p.add_argument("--chat-template", default=None, help="a chat template (string or file) overriding the model's")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="the chat template instead of the model's: a file, the name of one of the model's "
+                        "templates, or inline jinja text (a missing file is an error at startup)")
     levels = ["critical", "error", "warning", "info", "debug"]
     p.add_argument("--log-level", default="info", choices=levels,
                    help="level of the server's own log (startup summary, stats, requests, slow steps)")
@@ -352,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
         from .app import ServerConfig, build_app  # fastapi (the serve extra): reported below if missing
     except ImportError as e:
         print(f"replayssm serve: error: {e}; install the serve extra: pip install 'replayssm[serve]'", file=sys.stderr)
+        return 2
+    from .chat import check_chat_template
+
+    problem = check_chat_template(args.model, args.chat_template)   # before the model loads
+    if problem:
+        print(f"replayssm serve: error: {problem}", file=sys.stderr)
         return 2
     # the port first: a taken one is reported before the model loads and the caches fill memory
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
