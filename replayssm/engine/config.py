@@ -7,6 +7,7 @@ offending field, so impossible settings fail before any model or cache is touche
 
 from __future__ import annotations
 
+import json
 import numbers
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -78,6 +79,18 @@ class SamplingParams:
     and the ``logprobs`` most likely alternatives.  ``n``: independent samples of the same
     prompt (one shared prefill).  ``priority``: lower values are admitted first and preempted
     last (first-come first-served among equal priorities), as vLLM's.
+
+    Constraints (applied to the logits before any penalty, greedy and sampled alike):
+    ``structured_outputs`` holds exactly one of ``{"json": schema}`` (a JSON-schema dict or
+    its JSON text), ``{"json_object": True}`` (any JSON object), ``{"regex": str}``,
+    ``{"choice": [str, ...]}`` or ``{"grammar": str}`` (a Lark grammar in llguidance's
+    syntax, which may embed ``%json {...}``); the request ends (``"stop"``) once the
+    constraint is complete.  ``min_tokens``: EOS and ``stop_token_ids`` are masked until that
+    many tokens were generated.  ``bad_words``: strings whose token sequences must not be
+    generated (vLLM: each word is tokenized with and without a leading space; the last token
+    of a sequence is banned where the tokens before it were just generated).  ``logit_bias``:
+    ``{token id: bias in [-100, 100]}`` added to the logits (ids checked against the
+    vocabulary in ``add_request``).
     """
 
     max_tokens: int = 64
@@ -95,6 +108,10 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     priority: int = 0
+    structured_outputs: dict | None = None
+    min_tokens: int = 0
+    bad_words: Sequence[str] = ()
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         _int("SamplingParams.max_tokens", self.max_tokens, 1)
@@ -150,6 +167,40 @@ class SamplingParams:
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"SamplingParams.logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
         _int("SamplingParams.n", self.n, 1)
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
+        _int("SamplingParams.min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        if self.bad_words is None:
+            self.bad_words = ()
+        if isinstance(self.bad_words, str):
+            self.bad_words = (self.bad_words,)
+        if not isinstance(self.bad_words, (list, tuple)):
+            raise ValueError(f"SamplingParams.bad_words must be a list of strings, got {type(self.bad_words).__name__}")
+        self.bad_words = tuple(self.bad_words)
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w:
+                raise ValueError(f"SamplingParams.bad_words entries must be non-empty strings, got {w!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"SamplingParams.logit_bias must be a dict of token id -> bias, "
+                                 f"got {type(self.logit_bias).__name__}")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                if isinstance(k, str) and k.strip().isdigit():   # JSON object keys are strings
+                    k = int(k)
+                _int("SamplingParams.logit_bias key", k, 0)
+                v = _float(f"SamplingParams.logit_bias[{k}]", v)
+                if not -100.0 <= v <= 100.0:
+                    raise ValueError(f"SamplingParams.logit_bias[{k}] must be in [-100, 100], got {v}")
+                bias[k] = v
+            self.logit_bias = bias or None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether anything masks or biases this request's logits (structured outputs,
+        ``min_tokens``, ``bad_words``, ``logit_bias``)."""
+        return bool(self.structured_outputs is not None or self.min_tokens or self.bad_words or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -159,6 +210,45 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether any penalty changes the logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+#: the kinds of :attr:`SamplingParams.structured_outputs`
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _structured_outputs(so) -> dict | None:
+    """``SamplingParams.structured_outputs`` checked and normalised (a JSON schema given as
+    text is parsed; the grammar itself is compiled in ``add_request``)."""
+    name = "SamplingParams.structured_outputs"
+    if so is None:
+        return None
+    if not isinstance(so, dict):
+        raise ValueError(f"{name} must be a dict with one of {STRUCTURED_KINDS}, got {type(so).__name__}")
+    keys = [k for k, v in so.items() if v is not None]   # {"json": None, "regex": ...}: unset fields
+    if len(keys) != 1 or keys[0] not in STRUCTURED_KINDS:
+        raise ValueError(f"{name} must have exactly one of {STRUCTURED_KINDS}, got keys {sorted(map(str, so))}")
+    kind = keys[0]
+    v = so[kind]
+    if kind == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"{name}['json'] is not valid JSON: {e}") from None
+        if not isinstance(v, (dict, bool)):
+            raise ValueError(f"{name}['json'] must be a JSON schema (an object), got {type(v).__name__}")
+    elif kind == "json_object":
+        if v is not True:
+            raise ValueError(f"{name}['json_object'] must be True, got {v!r}")
+    elif kind == "choice":
+        if not isinstance(v, (list, tuple)) or not v:
+            raise ValueError(f"{name}['choice'] must be a non-empty list of strings, got {v!r}")
+        if not all(isinstance(c, str) and c for c in v):
+            raise ValueError(f"{name}['choice'] entries must be non-empty strings, got {v!r}")
+        v = list(v)
+    elif not isinstance(v, str) or not v:
+        raise ValueError(f"{name}['{kind}'] must be a non-empty string, got {v!r}")
+    return {kind: v}
 
 
 def sampling_params_list(sampling_params, n: int) -> list[SamplingParams]:

@@ -35,6 +35,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence, fresh_request_id
 from .spec import prepare_drafter
+from .structured import ConstraintFactory
 from .warmup import warm_up
 
 
@@ -111,6 +112,8 @@ class LLMEngine:
                 target=self.model, cache=self.cache, sampler=self.sampler, runner=self.runner,
                 num_slots=self.num_slots))
         self._requests: dict = {}            # unfinished requests by id (abort, outputs)
+        self.constraints = ConstraintFactory(self.tokenizer, self.vocab_size,
+                                             getattr(self.model.config, "eos_token_id", None))
         t0 = time.perf_counter()
         if self.runner.use_graphs:   # every graph a step can need, before the first request
             self.executor.capture()
@@ -182,8 +185,11 @@ class LLMEngine:
             src = "" if src.startswith("max_seq_len") else f" ({src})"
             raise ValueError(f"prompt of {len(ids)} tokens does not fit max_seq_len={limit}{src}: a sequence holds "
                              f"at most {limit} tokens (prompt + generated), so a prompt may have at most {limit - 1}")
+        constraints = self.constraints.build(params, params.n)   # validated (grammar compiled) first
         tok = self.tokenizer
         seq = Sequence.request(ids, params, request_id, text, None if tok is None else lambda p: Detokenizer(tok, p))
+        for s, c in zip(seq.group, constraints):
+            s.constraint = c
         for s in seq.group:
             self.scheduler.add(s)
         self._requests[seq.request_id] = seq

@@ -20,6 +20,7 @@ from .output_processor import logprob_rows
 from .sampler import token_logprobs
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+from .structured import LogitsMasker
 
 #: one sequence's result of a step: (sequence, new tokens, per-token logprobs or None)
 Step = tuple
@@ -43,6 +44,7 @@ class StepExecutor:
         self.max_new = 1 if spec_config is None else spec_config.verify_tokens
         self.spec_limit = None if spec_config is None else spec_config.disable_by_batch_size
         self._tree_needs_state = False
+        self.masker = LogitsMasker(sampler.device)   # constrained rows' masks and biases
 
     def capture(self) -> None:
         """Capture every CUDA graph a step can need (the drafter's shapes and its own graphs)."""
@@ -57,8 +59,16 @@ class StepExecutor:
         new = self.prefill(batch.prefill) if batch.prefill else []
         t1 = time.perf_counter()
         if batch.running:
-            new += self.speculate(batch.running) if self.speculates(len(batch.running)) \
-                else self.decode(batch.running)
+            run = batch.running
+            if not self.speculates(len(run)):
+                new += self.decode(run)
+            else:   # constrained rows decode plainly (engine.structured: speculation policy)
+                cons = [s for s in run if s.constraint is not None]
+                if cons:
+                    new += self.decode(cons)
+                    run = [s for s in run if s.constraint is None]
+                if run:
+                    new += self.speculate(run)
         return new, t1
 
     def speculates(self, batch: int) -> bool:
@@ -120,7 +130,8 @@ class StepExecutor:
             self.drafter.prefill(order)
         self.sampler.start(order)
         sb = self.sampler.batch(order)
-        return self._sampled(order, logits, self.sampler.sample(logits, order, sb), sb)
+        masked = self.masker.apply(logits, order)   # constrained rows (the raw logits give logprobs)
+        return self._sampled(order, logits, self.sampler.sample(masked, order, sb), sb)
 
     def _sampled(self, seqs: list[Sequence], logits: Tensor, toks: Tensor, sb) -> list[Step]:
         """One new token per sequence (and its logprobs when asked)."""
@@ -143,8 +154,9 @@ class StepExecutor:
                 self.drafter.plain_step(seqs)
         toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
         logits = self.runner.decode([s.slot for s in seqs], toks)
+        masked = self.masker.apply(logits, seqs)   # host masks while the device runs the forward
         sb = None if all(_plain(s.params) for s in seqs) else self.sampler.batch(seqs)  # plain: argmax
-        return self._sampled(seqs, logits, self.sampler.sample(logits, seqs, sb), sb)
+        return self._sampled(seqs, logits, self.sampler.sample(masked, seqs, sb), sb)
 
     # -- speculation -------------------------------------------------------------------------
     def speculate(self, seqs: list[Sequence]) -> list[Step]:

@@ -66,11 +66,15 @@ class OutputProcessor:
             return "stop"
         if s.detok is not None:
             piece = s.detok.push(t)
-            cut = find_stop(s.detok.text, len(piece), p.stop)
+            # stop strings count once more than min_tokens tokens were generated (vLLM)
+            cut = find_stop(s.detok.text, len(piece), p.stop) if len(s.output_ids) > p.min_tokens else None
             if cut is not None:
                 s.stop_text_cut = cut
                 s.detok.text = s.detok.text[:cut]
                 return "stop"
+        c = s.constraint
+        if c is not None and c.advance(t):   # the grammar is complete: only EOS could follow
+            return "stop"
         if len(s.output_ids) >= p.max_tokens or s.num_tokens >= cap:
             return "length"
         return None

@@ -76,6 +76,8 @@ class Sequence:
         self.group: list[Sequence] = [self]
         self.detok = None                   # engine.detokenizer.Detokenizer (string output)
         self.logprobs: list | None = [] if params.logprobs is not None else None
+        # structured outputs / min_tokens / bad_words / logit_bias (engine.structured), or None
+        self.constraint = None
 
     @classmethod
     def request(cls, prompt_ids: list[int], params: SamplingParams, request_id, text: str | None = None,
