@@ -36,7 +36,9 @@ from .engine_loop import AsyncEngine, EngineError, QueueFull, RequestStream, Shu
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        error_body)
+from .reasoning import ReasoningStreamer
 from .stats_log import StatsLogger
+from .tools import ToolStreamer, make_tool_parser, tool_call_grammar
 
 log = logging.getLogger("replayssm.server")
 
@@ -62,6 +64,9 @@ class ServerConfig:
     chat_template: str | None = None   # override (string or file)
     log_requests: bool = False         # an info line per request at arrival and at finish
     log_stats_interval: float | None = 10.0   # seconds between stats lines (None: off)
+    tool_call_parser: str | None = None       # hermes / qwen3 / nemotron (tools.py)
+    enable_auto_tool_choice: bool = False     # parse calls out of the text with tool_choice "auto"
+    reasoning_parser: str | None = None       # qwen3 / deepseek_r1 (reasoning.py)
 
 
 def context_limit(engine) -> int:
@@ -122,6 +127,12 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async def _validation(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         e = errs[0] if errs else {"msg": "invalid request", "loc": ()}
+        if e.get("type") == "extra_forbidden":   # never dropped silently: named
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            where = ".".join(loc)
+            top = loc[-1] if len(loc) == 1 else loc[0]
+            return JSONResponse(error_body(f"unknown field {where!r}: not a field of this API (nothing is ignored "
+                                           f"silently)", param=top, code=400), status_code=400)
         if e.get("type") == "json_invalid":
             return JSONResponse(error_body(f"invalid JSON body: {e.get('ctx', {}).get('error', e['msg'])}", code=400),
                                 status_code=400)
@@ -290,8 +301,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         check_model(req.model)
         if req.chat():
             need_tokenizer("messages")
-            msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+            msgs = [m.for_template(i) for i, m in enumerate(req.messages)]
             try:
                 text = chat.render(msgs, req.add_generation_prompt)
             except ValueError as e:
@@ -323,32 +333,106 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
-        encoded = [encode(p, "prompt") for p in req.prompts()]
+        req.check_refused()
+        encoded = [truncate(encode(p, "prompt", special=req.add_special_tokens, fit=req.truncate_prompt_tokens is None),
+                            req.truncate_prompt_tokens) for p in req.prompts()]
         rid = f"cmpl-{uuid.uuid4().hex}"
         reqs = []
+        structured = req.structured()
         for i, ids in enumerate(encoded):
             mt = max_tokens_for(len(ids), req.max_tokens, DEFAULT_COMPLETION_TOKENS)
-            reqs.append((f"{rid}-{i}", ids, req.sampling_params(mt)))
+            reqs.append((f"{rid}-{i}", ids, req.sampling_params(mt, structured)))
         first = req.prompts()[0]
-        return await respond(req, raw, reqs, rid, "text_completion", encoded, first if isinstance(first, str) else None)
+        echo = None
+        if req.echo:   # the prompt's text before each choice's (token-id prompts decoded)
+            echo = [p if isinstance(p, str) else decode(ids, req.skip_special_tokens)
+                    for p, ids in zip(req.prompts(), encoded)]
+        return await respond(req, raw, reqs, rid, "text_completion", encoded, first if isinstance(first, str) else None,
+                             echo=echo)
+
+    def decode(ids, skip: bool = True) -> str:
+        if tok is None:
+            raise APIError(400, "echo needs a tokenizer to show token-id prompts as text", param="echo")
+        try:
+            return tok.decode(list(ids), skip_special_tokens=skip)
+        except TypeError:   # a tokenizer without the keyword
+            return tok.decode(list(ids))
+
+    def truncate(ids: list, keep: int | None) -> list:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (then checked
+        against the context as any prompt)."""
+        if keep is None:
+            return ids
+        ids = ids[-keep:]
+        if not ids:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if len(ids) + 1 > limit:
+            raise APIError(400, f"truncate_prompt_tokens={keep} leaves {len(ids)} tokens; this model's context is "
+                                f"{limit} tokens (prompt + generated)", param="truncate_prompt_tokens")
+        return ids
+
+    def tool_plan(req: ChatCompletionRequest):
+        """``(tool parser or None, structured-output constraint or None)`` of a chat request."""
+        choice = req.effective_tool_choice()
+        if choice == "none" or not req.tools:
+            return None, None
+        if config.tool_call_parser is None:
+            raise APIError(400, f"tools (tool_choice {choice!r}) need the server started with --tool-call-parser "
+                                f"(and --enable-auto-tool-choice for 'auto')",
+                           param="tools" if req.tool_choice is None else "tool_choice")
+        parser = make_tool_parser(config.tool_call_parser)
+        if choice == "auto":
+            if not config.enable_auto_tool_choice:
+                raise APIError(400, "tool_choice 'auto' needs the server started with --enable-auto-tool-choice "
+                                    "and --tool-call-parser", param="tool_choice")
+            return parser, None
+        # "required" or a named function: only a grammar makes the model call one
+        from .protocol import engine_has
+
+        if not engine_has("structured_outputs"):
+            raise APIError(400, f"tool_choice {choice!r} needs constrained decoding (a grammar of the tool calls), "
+                                f"which this engine does not have yet: use 'auto' or 'none'", param="tool_choice")
+        if req.structured() is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with another "
+                                "structured-output constraint", param="tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools
+                 if choice == "required" or t.function.name == choice]
+        grammar = tool_call_grammar(parser, tools, parallel=choice == "required" and req.parallel_tool_calls is not False)
+        return parser, {"grammar": grammar}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
-        msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+        req.check_refused()
+        parser, structured = tool_plan(req)
+        msgs = req.template_messages()
         try:
-            text = chat.render(msgs, req.add_generation_prompt)
+            text = chat.render(msgs, req.add_generation_prompt, tools=req.template_tools(), documents=req.documents,
+                               chat_template_kwargs=req.chat_template_kwargs)
         except ValueError as e:   # NoChatTemplate, or the template raised / failed to render
-            raise APIError(400, str(e), param="messages") from None
-        ids = encode(text, "messages", special=False)
+            msg = str(e)
+            param = next((f for f in ("chat_template_kwargs", "documents", "tools") if f in msg), "messages")
+            raise APIError(400, msg, param=param) from None
+        ids = truncate(encode(text, "messages", special=req.add_special_tokens,
+                              fit=req.truncate_prompt_tokens is None), req.truncate_prompt_tokens)
         mt = max_tokens_for(len(ids), req.requested_max_tokens, None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await respond(req, raw, [(f"{rid}-0", ids, req.sampling_params(mt))], rid, "chat.completion", [ids],
-                             text)
+        params = req.sampling_params(mt, structured)
 
-    async def respond(req, raw: Request, reqs, rid: str, kind: str, encoded, preview: str | None = None):
+        def pipe():
+            if parser is None and config.reasoning_parser is None:
+                return None
+            return _ChatPipe(ReasoningStreamer(config.reasoning_parser, text) if config.reasoning_parser else None,
+                             ToolStreamer(parser) if parser is not None else None)
+
+        return await respond(req, raw, [(f"{rid}-0", ids, params)], rid, "chat.completion", [ids], text, pipe=pipe)
+
+    async def respond(req, raw: Request, reqs, rid: str, kind: str, encoded, preview: str | None = None,
+                      echo: list | None = None, pipe=None):
         stream = submit(reqs)
-        state = _Choices(reqs, req.n, tok, chat=kind == "chat.completion", token_ids=req.return_token_ids)
+        state = _Choices(reqs, req.n, tok, chat=kind == "chat.completion", token_ids=req.return_token_ids,
+                         skip_special=req.skip_special_tokens, include_stop=req.include_stop_str_in_output,
+                         echo=echo, pipe=pipe)
         head = {"id": rid, "created": int(time.time()), "model": config.model_name}
         n_prompt = sum(len(e) for e in encoded)
         done = None
@@ -399,22 +483,70 @@ class _Choice:
     finish_reason: str | None = None
     error: str | None = None
     role_sent: bool = False
+    stops: tuple = ()
+    prefix: str = ""                # echo: the prompt's text
+    pipe: object = None             # _ChatPipe: reasoning / tool calls split out of the text
+
+
+class _ChatPipe:
+    """A chat choice's text through the reasoning parser, then the tool-call parser (on the
+    content only): ``feed(piece, final) -> (reasoning, content, tool-call deltas)``."""
+
+    def __init__(self, reasoning: ReasoningStreamer | None, tools: ToolStreamer | None):
+        self.reasoning, self.tools = reasoning, tools
+
+    def feed(self, piece: str, final: bool = False) -> tuple[str, str, list]:
+        reasoning, content = self.reasoning.feed(piece, final) if self.reasoning is not None else ("", piece)
+        deltas = []
+        if self.tools is not None:
+            content, deltas = self.tools.feed(content, final)
+        return reasoning, content, deltas
+
+    @property
+    def calls(self) -> list:
+        return self.tools.calls if self.tools is not None else []
 
 
 class _Choices:
     """Per (engine request, sample) choice state: what was sent, what is final."""
 
-    def __init__(self, reqs, n: int, tok, chat: bool, token_ids: bool = False):
+    def __init__(self, reqs, n: int, tok, chat: bool, token_ids: bool = False, skip_special: bool = True,
+                 include_stop: bool = False, echo: list | None = None, pipe=None):
         self.tok, self.chat, self.token_ids = tok, chat, token_ids
+        self.skip_special, self.include_stop = skip_special, include_stop
         self.by_key: dict = {}
         for p, (rid, _, params) in enumerate(reqs):
             hold = max((len(s) for s in params.stop), default=1) - 1
             for j in range(n):
-                self.by_key[(rid, j)] = _Choice(index=p * n + j, stop_hold=hold)
+                self.by_key[(rid, j)] = _Choice(index=p * n + j, stop_hold=hold, stops=tuple(params.stop),
+                                                prefix=echo[p] if echo else "", pipe=pipe() if pipe else None)
+
+    def _decode(self, ids, skip: bool) -> str:
+        try:
+            return self.tok.decode(list(ids), skip_special_tokens=skip)
+        except TypeError:
+            return self.tok.decode(list(ids))
+
+    def _text(self, c: _Choice, out) -> str:
+        """The choice's text as asked: special tokens kept (``skip_special_tokens=false``,
+        still cut at a stop string), the matched stop string kept (``include_stop_str_in_output``),
+        after the prompt (``echo``)."""
+        text = out.text
+        if self.tok is not None and (not self.skip_special or self.include_stop):
+            if not self.skip_special:
+                full = self._decode(out.token_ids, False)
+                cut = min((i for i in (full.find(s) for s in c.stops) if i >= 0), default=-1)
+                text = full[:cut] if cut >= 0 and out.finish_reason == "stop" else full
+            if self.include_stop and out.finish_reason == "stop" and c.stops:
+                full = self._decode(out.token_ids, self.skip_special)
+                hit = next((s for s in c.stops if full.startswith(s, len(text))), None)
+                if hit is not None:
+                    text += hit
+        return c.prefix + text
 
     def update(self, out) -> _Choice:
         c = self.by_key[(out.request_id, getattr(out, "index", 0))]
-        c.text, c.token_ids = out.text, list(out.token_ids)
+        c.text, c.token_ids = self._text(c, out), list(out.token_ids)
         c.logprobs = out.logprobs
         if out.finish_reason is not None:
             c.finish_reason = out.finish_reason
@@ -450,8 +582,17 @@ class _Choices:
             pairs = list(zip(c.token_ids, c.logprobs)) if c.logprobs is not None else None
             lp = self.format_logprobs(pairs, 0) if pairs is not None else None
             if self.chat:
-                ch = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                      "logprobs": lp, "finish_reason": _reason(c.finish_reason)}
+                msg = {"role": "assistant", "content": c.text}
+                reason = _reason(c.finish_reason)
+                if c.pipe is not None:
+                    reasoning, content, _ = c.pipe.feed(c.text, final=True)
+                    msg["content"] = content if content.strip() else None
+                    if c.pipe.reasoning is not None:
+                        msg["reasoning_content"] = reasoning or None
+                    if c.pipe.calls:
+                        msg["tool_calls"] = c.pipe.calls
+                        reason = "tool_calls"
+                ch = {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": reason}
             else:
                 ch = {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)}
             if self.token_ids:
@@ -490,7 +631,7 @@ class _Choices:
 
 
 def _reason(r):
-    return r if r in ("stop", "length") or r is None else ("abort" if r == "abort" else "error")
+    return r if r in ("stop", "length", "tool_calls") or r is None else ("abort" if r == "abort" else "error")
 
 
 def _usage(n_prompt: int, n_completion: int) -> dict:
@@ -549,7 +690,22 @@ async def _sse(stream: RequestStream, state: _Choices, head: dict, kind: str, in
                     continue   # (a chunk per step with new tokens, even if their text is held back)
                 lp = state.format_logprobs(lps, c.sent_chars - len(piece)) if c.logprobs is not None else None
                 reason = _reason(c.finish_reason) if done else None
-                if state.chat:
+                extra = []   # tool-call deltas after the first: one chunk each, as OpenAI streams them
+                if state.chat and c.pipe is not None:
+                    reasoning, content, calls = c.pipe.feed(piece, done)
+                    delta = {}
+                    if reasoning:
+                        delta["reasoning_content"] = reasoning
+                    if content:
+                        delta["content"] = content
+                    if calls:
+                        delta["tool_calls"] = calls[:1]
+                        extra = calls[1:]
+                    if done and c.pipe.calls and reason is not None:
+                        reason = "tool_calls"
+                    ch = {"index": c.index, "delta": delta, "logprobs": lp,
+                          "finish_reason": None if extra else reason}
+                elif state.chat:
                     ch = {"index": c.index, "delta": {"content": piece} if piece else {}, "logprobs": lp,
                           "finish_reason": reason}
                 else:
@@ -559,6 +715,10 @@ async def _sse(stream: RequestStream, state: _Choices, head: dict, kind: str, in
                 last = done and all(x.finish_reason is not None for x in state.by_key.values())
                 # usage: in the last chunk, or (include_usage, as OpenAI) in one more without choices
                 usage = _usage(n_prompt, state.completion_tokens()) if last and not include_usage else None
+                for k, d in enumerate(extra):
+                    yield chunk([ch], None)
+                    ch = {"index": c.index, "delta": {"tool_calls": [d]}, "logprobs": None,
+                          "finish_reason": reason if k == len(extra) - 1 else None}
                 yield chunk([ch], usage)
         except EngineError as e:
             yield f"data: {json.dumps(error_body(str(e), 'internal_error', code=500))}\n\n"

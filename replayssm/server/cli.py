@@ -169,6 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, metavar="FILE.yaml",
                    help="flags from a YAML file: {flag name ('-' or '_'): value}; command-line flags override it")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    from .reasoning import REASONING_PARSERS
+    from .tools import TOOL_PARSERS
+
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                   help="the format the model writes tool calls in (hermes/qwen3: <tool_call>{...}</tool_call>, "
+                        "nemotron: <TOOLCALL>[...]</TOOLCALL>)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="with tool_choice 'auto', parse the model's tool calls out of its text (needs "
+                        "--tool-call-parser)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1)")
     p.add_argument("--port", type=port, default=8000, help="port (0: any free port, printed at start)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
@@ -275,6 +286,8 @@ def parse_args(argv: list[str] | None):
         args = parser.parse_args(argv)
     if args.model is None:
         parser.error("the following arguments are required: model (or 'model' in --config)")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
     for name in ("log_stats_interval", "shutdown_timeout"):
         v = getattr(args, name)
         if not v >= 0 or v == float("inf"):
@@ -389,7 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     stats_every = None if args.disable_log_stats or not args.log_stats_interval else args.log_stats_interval
     app = build_app(engine, ServerConfig(model_name=name, model_dir=args.model, api_key=args.api_key,
                                          max_queue=args.max_queue, chat_template=args.chat_template,
-                                         log_requests=args.enable_log_requests, log_stats_interval=stats_every))
+                                         log_requests=args.enable_log_requests, log_stats_interval=stats_every,
+                                         tool_call_parser=args.tool_call_parser,
+                                         enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                         reasoning_parser=args.reasoning_parser))
     host, port = sock.getsockname()[:2]
     server = draining_server_class()(uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=3,
                                            access_log=args.uvicorn_log_level in ("info", "debug")),

@@ -122,7 +122,7 @@ def test_errors_are_openai_style_and_name_the_field(plain_server):
              ({"prompt": "x", "model": "gpt-9"}, "model"), ({"prompt": "x" * 3000}, "prompt"),
              ({"prompt": "x", "max_tokens": 2047}, "max_tokens"), ({"prompt": [1, 99999]}, "prompt"),
              ({"prompt": "x", "presence_penalty": 5.0}, "presence_penalty"), ({"prompt": "x", "n": 3}, "n"),
-             ({"prompt": ["a", "b"], "n": 2}, "prompt"), ({"prompt": "x", "echo": True}, "echo")]
+             ({"prompt": ["a", "b"], "n": 2}, "prompt"), ({"prompt": "x", "echo": True, "logprobs": 1}, "echo")]
     for body, field in cases:
         r = httpx.post(url, json=body, headers=h)
         err = r.json()["error"]
@@ -155,7 +155,7 @@ def test_hostile_inputs_are_400s_before_the_engine(plain_server, offline):
     err = httpx.post(url + "/v1/completions", json={"prompt": words, "max_tokens": 2}, headers=h).json()["error"]
     assert err["param"] == "prompt" and "in its first" in err["message"], err
     chat = [({"stop": [f"s{i}" for i in range(65)]}, "stop"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-            ({"response_format": {"type": "json_object"}}, "response_format"), ({"tool_choice": "required"}, "tool_choice")]
+            ({"response_format": {"type": "yaml"}}, "response_format"), ({"tool_choice": "required"}, "tool_choice")]
     for extra, field in chat:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
         r = httpx.post(url + "/v1/chat/completions", json=body, headers=h)
