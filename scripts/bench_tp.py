@@ -29,7 +29,7 @@ from replayssm.bench import e2e
 from replayssm.bench.common import free_memory
 from replayssm.distributed import TensorParallelGroup
 from replayssm.engine.loading import load
-from replayssm.models.config import parse_config
+from replayssm.models.registry import parse_config
 from replayssm.models.nemotron_h import NemotronHLM
 
 _NEMOTRON_UNIT = "M-M-M-M*-M-M-M-M-"   # Mamba-2/MLP pairs, one attention layer per unit

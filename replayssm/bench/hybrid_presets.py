@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..models.config import parse_config
-from ..models.loader import _model_class
+from ..models.registry import parse_config
+from ..models.registry import model_class
 from .common import random_model_dir
 
 NEMOTRON_4B = dict(
@@ -136,7 +136,7 @@ def _write_random_hybrid(d: Path, preset: str, cfg: dict, seed: int, dev: str) -
     dtype = getattr(torch, HYBRID_PRESETS[preset][1])
     parsed = parse_config(cfg, f"preset {preset}")
     with torch.device("meta"):
-        model = _model_class(parsed)(parsed, dtype, "cpu")
+        model = model_class(parsed)(parsed, dtype, "cpu")
     gen = torch.Generator(device=dev).manual_seed(seed)
     L = parsed.num_hidden_layers
     sd = {}
@@ -162,5 +162,5 @@ def parameter_count(preset: str) -> int:
     """Parameters of the preset's model (from the meta-device skeleton, no memory)."""
     parsed = parse_config(preset_config(preset), f"preset {preset}")
     with torch.device("meta"):
-        model = _model_class(parsed)(parsed, torch.bfloat16, "cpu")
+        model = model_class(parsed)(parsed, torch.bfloat16, "cpu")
     return sum(p.numel() for p in model.parameters())

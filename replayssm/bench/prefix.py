@@ -34,8 +34,8 @@ from ..engine.config import SamplingParams
 from ..engine.llm import LLM
 from ..engine.prefix import default_checkpoint_interval
 from ..models.cache import ModelCache
-from ..models.config import parse_config
-from ..models.loader import _model_class
+from ..models.registry import parse_config
+from ..models.registry import model_class
 from .common import free_memory, sync
 
 #: block sizes of the state-per-block comparison (hit granularity of that scheme)
@@ -46,7 +46,7 @@ def _meta_model(preset: str, cfg: dict, dtype):
     """The model skeleton of ``cfg`` (a ``config.json`` dict) on the ``meta`` device (shapes only)."""
     parsed = parse_config(cfg, f"preset {preset}")
     with torch.device("meta"):
-        return _model_class(parsed)(parsed, dtype, "cpu")
+        return model_class(parsed)(parsed, dtype, "cpu")
 
 
 def _analytic(model, act: int) -> dict:

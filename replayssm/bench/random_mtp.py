@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..layers.norms import GatedRMSNorm, RMSNorm
-from ..models.config import read_config
-from ..models.loader import _model_class
+from ..models.registry import read_config
+from ..models.registry import model_class
 from ..models.mtp import MTPHead
 
 
@@ -34,7 +34,7 @@ def add_random_mtp(model_dir: str, seed: int = 0) -> str:
         dtype = f.get_tensor(next(iter(f.keys()))).dtype
     c = read_config(str(d))
     with torch.device("meta"):
-        head = MTPHead(_model_class(c)(c, torch.float32, "cpu"), 1)
+        head = MTPHead(model_class(c)(c, torch.float32, "cpu"), 1)
     g = torch.Generator().manual_seed(seed)
     L = max(1, len(head.blocks))
     out = {}

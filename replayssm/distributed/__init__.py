@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 
-from ..models.config import read_config
+from ..models.registry import read_config
 from .group import TensorParallelGroup, WorkerFailed, check_devices
 from .model import ShardedCache, ShardedRunner, TensorParallelModel
 from .sharding import check_tensor_parallel, local_config

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..models.config import parse_config, read_config
+from ..models.registry import parse_config, read_config
 from ..runtime import canonical_device
 from .comm import CONTROL_TIMEOUT, Comm, Ref, TensorArg
 from .loading import load_shard, random_shard

@@ -21,9 +21,9 @@ import zlib
 
 import torch
 
-from ..models.config import parse_config, read_config
+from ..models.registry import model_class, parse_config, read_config
 from ..models.header import check_sizes
-from ..models.loader import (_FP32_PARAMS, WeightError, _cast_checked, _install, _model_class, _transformed_checked,
+from ..models.loader import (_FP32_PARAMS, WeightError, _cast_checked, _install, _transformed_checked,
                              _weight_files, check_source_shapes, check_tied_copies, parse_dtype,
                              source_plan)
 from ..runtime import canonical_device, compute_dtype
@@ -78,7 +78,7 @@ def _pad(t: torch.Tensor, rule: Shard) -> torch.Tensor:
 
 def _skeletons(cfg, dtype, device, rank: int, size: int, group):
     """``(global model, local model)`` on the meta device (no memory)."""
-    cls = _model_class(cfg)
+    cls = model_class(cfg)
     with torch.device("meta"):
         gmodel = cls(cfg, dtype, device)
     lmodel = build_local_model(cls, cfg, local_config(cfg, size), dtype, device, rank, size, group)

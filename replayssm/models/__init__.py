@@ -3,8 +3,8 @@ Granite-4.0-H, Bamba and Falcon-H1 (``SUPPORTED_MODEL_TYPES`` lists their ``mode
 
 from .base import CausalLM
 from .cache import ModelCache
-from .config import (SUPPORTED_MODEL_TYPES, ConfigError, Mamba2Config, NemotronHConfig, Qwen3NextConfig, parse_config,
-                     read_config)
+from .config import ConfigError, Mamba2Config, NemotronHConfig, Qwen3NextConfig
+from .registry import SUPPORTED_MODEL_TYPES, parse_config, read_config
 from .loader import HubError, WeightError, is_hub_id, load_model, load_tokenizer, resolve_model_dir
 
 __all__ = ["load_model", "load_tokenizer", "resolve_model_dir", "is_hub_id", "HubError", "CausalLM", "ModelCache",

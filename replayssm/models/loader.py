@@ -21,17 +21,10 @@ import torch
 from torch import nn
 
 from ..runtime import check_device, compute_dtype
-from .config import WeightError, read_config
+from .config import WeightError
 from .header import check_sizes
-from .mamba2 import Mamba2LM
 from .mtp import attach_mtp
-from .nemotron_h import NemotronHLM
-from .qwen3_next import Qwen3NextLM
-from .qwen3_5 import QWEN3_5_TYPES, Qwen3_5LM
-from .falcon_h1 import FalconH1LM
-from .granite_hybrid import GraniteMoeHybridLM
-from .bamba import BambaLM
-from .zamba2 import Zamba2LM
+from .registry import model_class, read_config
 
 __all__ = ["load_model", "load_tokenizer", "resolve_model_dir", "is_hub_id", "HubError", "WeightError",
            "parse_dtype"]
@@ -124,24 +117,6 @@ def parse_dtype(dtype) -> torch.dtype:
     elif isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
     raise ValueError(f"dtype must be one of float64, float32, bfloat16, float16; got {dtype!r}")
-
-
-#: model class per ``model_type`` (its config class: ``config._CONFIGS``); a new family is one
-#: module plus one line here and one in ``config._CONFIGS``
-MODEL_CLASSES = {
-    "mamba2": Mamba2LM,
-    "nemotron_h": NemotronHLM,
-    "qwen3_next": Qwen3NextLM,
-    **dict.fromkeys(QWEN3_5_TYPES, Qwen3_5LM),
-    "falcon_h1": FalconH1LM,
-    "granitemoehybrid": GraniteMoeHybridLM,
-    "bamba": BambaLM,
-    "zamba2": Zamba2LM,
-}
-
-
-def _model_class(cfg):
-    return MODEL_CLASSES[cfg.model_type]
 
 
 def _weight_files(path: str) -> dict[str, str]:
@@ -349,7 +324,7 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False, revi
     cfg = read_config(path)
     key_file = _weight_files(path)
     check_sizes(cfg, key_file, os.path.join(path, "config.json"))  # before any module is built
-    cls = _model_class(cfg)
+    cls = model_class(cfg)
     if cfg.tie_word_embeddings and "lm_head.weight" in key_file:
         # an explicit head wins (transformers does not tie Nemotron-H, for instance)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)

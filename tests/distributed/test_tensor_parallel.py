@@ -29,7 +29,7 @@ import hf_utils as H  # noqa: E402
 from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from replayssm.cache.spec import CacheSpec  # noqa: E402
 from replayssm.models import load_model  # noqa: E402
-from replayssm.models.config import read_config  # noqa: E402
+from replayssm.models.registry import read_config  # noqa: E402
 
 dist_mod = pytest.importorskip("replayssm.distributed")
 from replayssm.distributed import TensorParallelGroup, WorkerFailed, check_tensor_parallel  # noqa: E402

@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 from kernel_device import kernel_device  # noqa: E402
 
 from replayssm.kernels import dispatch  # noqa: E402
-from replayssm.models.config import parse_config  # noqa: E402
+from replayssm.models.registry import parse_config  # noqa: E402
 from replayssm.models.mamba2 import Mamba2LM  # noqa: E402
 from replayssm.models.qwen3_next import Qwen3NextLM  # noqa: E402
 

@@ -14,7 +14,7 @@ import torch
 
 import hf_utils as H
 from replayssm.models import ConfigError, load_model
-from replayssm.models.config import parse_config
+from replayssm.models.registry import parse_config
 
 GRANITE = dict(vocab_size=61, hidden_size=24, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=7, shared_intermediate_size=9, num_local_experts=5, num_experts_per_tok=2,

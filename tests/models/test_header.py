@@ -34,7 +34,7 @@ def no_build(monkeypatch):
     def refuse(cfg):
         raise AssertionError(f"a {type(cfg).__name__} model was about to be built")
 
-    monkeypatch.setattr(loader, "_model_class", refuse)
+    monkeypatch.setattr(loader, "model_class", refuse)
 
 
 @pytest.mark.parametrize("name, changes, field", [
@@ -66,7 +66,7 @@ def test_config_sizes_against_the_checkpoint_header(tiny, tmp_path, no_build, na
 
 
 def test_good_checkpoints_pass_the_header_check(tiny):
-    from replayssm.models.config import read_config
+    from replayssm.models.registry import read_config
     from replayssm.models.header import check_sizes
 
     for name in ("mamba2", "nemotron_h", "qwen3_next"):
