@@ -17,14 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import Attention
-from ..layers.mamba2 import Mamba2Mixer
 from ..layers.mlp import GatedMLP
 from ..layers.norms import RMSNorm
 from ..layers.rotary import Rotary
 from .base import Block, CausalLM
 from .config import _Reader, _count, _eos, _opt_pos_int, _pos_float, _pos_int
-from .granite_hybrid import read_attention, read_mamba, read_rope
+from .granite_hybrid import hybrid_mixer, read_attention, read_mamba, read_rope
 
 
 @dataclass(frozen=True)
@@ -112,17 +110,7 @@ class BambaConfig:
 
 def bamba_block(c: BambaConfig, kind: str, layer_id: int, rot: Rotary | None) -> Block:
     blk = Block()
-    if kind == "mamba":
-        m = Mamba2Mixer(c.hidden_size, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state, c.mamba_n_groups,
-                        c.mamba_d_conv, norm_group_size=c.mamba_intermediate // c.mamba_n_groups,
-                        eps=c.rms_norm_eps, use_bias=c.mamba_proj_bias, use_conv_bias=c.mamba_conv_bias,
-                        time_step_limit=c.time_step_limit, chunk_size=min(c.mamba_chunk_size, 64),
-                        layer_id=layer_id)
-        name = "mamba"
-    else:
-        m = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                      bias=c.attention_bias, rotary=rot, layer_id=layer_id)
-        name = "self_attn"
+    name, m = hybrid_mixer(c, kind, layer_id, rot)
     blk.add("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps), name, m)
     blk.add("pre_ff_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps), "feed_forward",
             GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias))

@@ -279,19 +279,23 @@ class GraniteMoE(nn.Module):
         return out.reshape(shp)
 
 
+def hybrid_mixer(c, kind: str, layer_id: int, rot: Rotary | None) -> tuple[str, torch.nn.Module]:
+    """``(checkpoint name, module)`` of a Granite-4.0-H / Bamba layer's mixer: Mamba-2
+    (``mamba``) or attention (``self_attn``), from the ``mamba_*`` / attention fields both
+    configs share."""
+    if kind == "mamba":
+        return "mamba", Mamba2Mixer(
+            c.hidden_size, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state, c.mamba_n_groups, c.mamba_d_conv,
+            norm_group_size=c.mamba_intermediate // c.mamba_n_groups, eps=c.rms_norm_eps,
+            use_bias=c.mamba_proj_bias, use_conv_bias=c.mamba_conv_bias, time_step_limit=c.time_step_limit,
+            chunk_size=min(c.mamba_chunk_size, 64), layer_id=layer_id)
+    return "self_attn", Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                  bias=c.attention_bias, rotary=rot, layer_id=layer_id)
+
+
 def granite_block(c: GraniteMoeHybridConfig, kind: str, layer_id: int, rot: Rotary | None) -> Block:
     blk = Block()
-    if kind == "mamba":
-        m = Mamba2Mixer(c.hidden_size, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state, c.mamba_n_groups,
-                        c.mamba_d_conv, norm_group_size=c.mamba_intermediate // c.mamba_n_groups,
-                        eps=c.rms_norm_eps, use_bias=c.mamba_proj_bias, use_conv_bias=c.mamba_conv_bias,
-                        time_step_limit=c.time_step_limit, chunk_size=min(c.mamba_chunk_size, 64),
-                        layer_id=layer_id)
-        name = "mamba"
-    else:
-        m = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                      bias=c.attention_bias, rotary=rot, layer_id=layer_id)
-        name = "self_attn"
+    name, m = hybrid_mixer(c, kind, layer_id, rot)
     blk.add("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps), name, m)
     moe = None
     if c.num_local_experts:
