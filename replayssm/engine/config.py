@@ -167,6 +167,11 @@ class SamplingParams:
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"SamplingParams.logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
         _int("SamplingParams.n", self.n, 1)
+        self._check_constraints()
+
+    def _check_constraints(self) -> None:
+        """``structured_outputs``, ``min_tokens``, ``bad_words``, ``logit_bias`` (normalised:
+        one bad word becomes a tuple, JSON's string keys of ``logit_bias`` become ints)."""
         self.structured_outputs = _structured_outputs(self.structured_outputs)
         _int("SamplingParams.min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:

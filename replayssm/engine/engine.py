@@ -78,21 +78,8 @@ class LLMEngine:
             model, self.device, parse_dtype(dtype), ec, tokenizer, revision)
         self.vocab_size = int(self.model.config.vocab_size)
         check_tokenizer_vocab(self.tokenizer, self.vocab_size)
-        # the drafter is loaded at the model's context; the plan then settles max_seq_len
-        draft = prepare_drafter(ec.speculative, self.model,
-                                ec.cache_spec(ec.max_seq_len or context_limit(self.model.config)[0]),
-                                self.device, self.dtype)
-        self.draft_model = draft.draft_model if draft is not None else None
-        self.plan = plan = plan_caches(
-            ec, self.device, self.model.config, self.vocab_size, self.model.cache_layout,
-            None if draft is None else lambda s: draft.cls.own_layout(dataclasses.replace(draft, spec=s)))
-        ec.max_seq_len, ec.max_seq_len_source = plan.max_seq_len, plan.context_source
-        if ec.max_num_seqs is None:
-            ec.max_num_seqs = plan.num_slots
-        spec = ec.cache_spec()
-        if draft is not None:
-            draft.spec, draft.layout = spec, plan.draft_layout
-        self.num_slots = plan.num_slots
+        draft = self._plan_caches()
+        plan, spec = self.plan, self.plan.spec
         self.cache = self.model.make_cache(plan.num_slots + 1, plan.spec, device=self.device)
         self.runner = self._make_runner()
         self.sampler = Sampler(self.device, seed, num_slots=self.num_slots + 1, vocab_size=self.vocab_size)
@@ -118,6 +105,26 @@ class LLMEngine:
         if self.runner.use_graphs:   # every graph a step can need, before the first request
             self.executor.capture()
         self.capture_s = time.perf_counter() - t0 if self.runner.use_graphs else 0.0
+
+    def _plan_caches(self):
+        """Load the drafter (at the model's context) and plan the caches (``self.plan``: the
+        context, slots and pools settled; the config records them); returns the drafter's
+        setup or None."""
+        ec = self.config
+        draft = prepare_drafter(ec.speculative, self.model,
+                                ec.cache_spec(ec.max_seq_len or context_limit(self.model.config)[0]),
+                                self.device, self.dtype)
+        self.draft_model = draft.draft_model if draft is not None else None
+        self.plan = plan = plan_caches(
+            ec, self.device, self.model.config, self.vocab_size, self.model.cache_layout,
+            None if draft is None else lambda s: draft.cls.own_layout(dataclasses.replace(draft, spec=s)))
+        ec.max_seq_len, ec.max_seq_len_source = plan.max_seq_len, plan.context_source
+        if ec.max_num_seqs is None:
+            ec.max_num_seqs = plan.num_slots
+        if draft is not None:
+            draft.spec, draft.layout = ec.cache_spec(), plan.draft_layout
+        self.num_slots = plan.num_slots
+        return draft
 
     def _make_runner(self):
         ec = self.config
