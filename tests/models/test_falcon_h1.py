@@ -138,11 +138,14 @@ def test_greedy_matches_transformers_generate(greedy, mode):
 
 
 @pytest.mark.parametrize("mode,spec", [("replay", "ngram"), ("kv", "ngram"), ("auto", "ngram"),
-                                       ("replay", "ngram-tree"), ("recurrent", "ngram-chunked")])
+                                       ("replay", "ngram-tree"), ("recurrent", "ngram-chunked"),
+                                       ("replay", "draft"), ("kv", "draft-tree")])
 def test_speculation_and_chunked_prefill_keep_greedy_output(greedy, mode, spec):
     model, ref = greedy
-    sp = (SpeculativeConfig("tree", num_tokens=3, tree_width=2) if spec == "ngram-tree"
-          else SpeculativeConfig("ngram", num_tokens=3))
+    sp = {"ngram-tree": SpeculativeConfig("tree", num_tokens=3, tree_width=2),
+          "draft": SpeculativeConfig("draft", num_tokens=3, draft_model=model),     # the model drafting for itself
+          "draft-tree": SpeculativeConfig("tree", draft_model=model, tree_width=2, tree_depth=2)}.get(
+        spec, SpeculativeConfig("ngram", num_tokens=3))
     kw = dict(max_num_batched_tokens=5) if spec.endswith("chunked") else {}
     llm = LLM(model, dtype="float64", decode_mode=mode, speculative=sp, auto_threshold=6, max_seq_len=64, **kw)
     with warnings.catch_warnings():

@@ -134,7 +134,9 @@ def test_generation_matches_transformers_in_every_mode(built, name):
     ref = [_hf_greedy(hf, p, N) for p in PROMPTS]
     runs = [dict(decode_mode=m) for m in ("recurrent", "replay", "kv", "auto")]
     runs += [dict(decode_mode=m, speculative=SpeculativeConfig("ngram", num_tokens=3)) for m in ("replay", "kv")]
-    for kw in runs:
+    runs += [dict(decode_mode="replay", speculative=SpeculativeConfig("draft", num_tokens=3, draft_model=ours)),
+             dict(decode_mode="kv", speculative=SpeculativeConfig("tree", draft_model=ours, tree_width=2, tree_depth=2))]
+    for kw in runs:   # (the model drafting for itself: draft-model chains and trees through its own cache)
         llm = LLM(ours, dtype="float64", auto_threshold=6, max_seq_len=64, **kw)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

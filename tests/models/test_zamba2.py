@@ -134,11 +134,14 @@ def test_greedy_matches_transformers_generate(greedy, mode):
     assert [o.token_ids for o in outs] == ref
 
 
-@pytest.mark.parametrize("mode", ["replay", "kv", "auto"])
-def test_ngram_speculation_keeps_greedy_output(greedy, mode):
+@pytest.mark.parametrize("mode,spec", [("replay", "ngram"), ("kv", "ngram"), ("auto", "ngram"), ("replay", "draft"),
+                                       ("kv", "draft-tree")])
+def test_speculation_keeps_greedy_output(greedy, mode, spec):
     model, ref = greedy
-    llm = LLM(model, dtype="float64", decode_mode=mode, speculative=SpeculativeConfig("ngram", num_tokens=3),
-              auto_threshold=6, max_seq_len=64)
+    sp = {"draft": SpeculativeConfig("draft", num_tokens=3, draft_model=model),     # the model drafting for itself
+          "draft-tree": SpeculativeConfig("tree", draft_model=model, tree_width=2, tree_depth=2)}.get(
+        spec, SpeculativeConfig("ngram", num_tokens=3))
+    llm = LLM(model, dtype="float64", decode_mode=mode, speculative=sp, auto_threshold=6, max_seq_len=64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
