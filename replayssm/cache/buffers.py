@@ -9,6 +9,7 @@ bookkeeping (which ring entries are committed) lives in one shared
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -57,14 +58,12 @@ class Mamba2Buffers:
 
 
 @dataclass
-class GDNBuffers:
-    """Checkpoint states and ring of ``(u, k, g)`` entries of one Gated DeltaNet layer.
+class _DeltaRuleBuffers:
+    """Checkpoint states ``[P, HV, K, V]`` and a ring of ``(u, k, g)`` entries of one delta-rule
+    layer; ``g`` holds one log-decay per value head (GDN) or per value head and key channel
+    (KDA: ``per_channel_decay``)."""
 
-    state: ``[P, HV, K, V]`` (HF/fla layout, i.e. ``Sᵀ``; fp32 or fp64)
-    u:     ``[P, L, HV, V]`` corrected values ``u = β(v − α S k)``
-    k:     ``[P, L, H, K]``  keys after l2-norm
-    g:     ``[P, L, HV]``    log-decays ``g <= 0`` (state dtype)
-    """
+    per_channel_decay: ClassVar[bool] = False
 
     state: Tensor
     u: Tensor
@@ -74,15 +73,16 @@ class GDNBuffers:
     @classmethod
     def allocate(cls, num_slots: int, capacity: int, num_k_heads: int, num_v_heads: int,
                  head_k_dim: int, head_v_dim: int, dtype=torch.float32,
-                 state_dtype=torch.float32, device="cpu", poison: bool = False) -> "GDNBuffers":
+                 state_dtype=torch.float32, device="cpu", poison: bool = False):
         if num_v_heads % num_k_heads:
             raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
         P, L = num_slots + 1, capacity
+        g_shape = (P, L, num_v_heads) + ((head_k_dim,) if cls.per_channel_decay else ())
         return cls(
             state=_empty((P, num_v_heads, head_k_dim, head_v_dim), state_dtype, device, poison),
             u=_empty((P, L, num_v_heads, head_v_dim), dtype, device, poison),
             k=_empty((P, L, num_k_heads, head_k_dim), dtype, device, poison),
-            g=_empty((P, L, num_v_heads), state_dtype, device, poison),
+            g=_empty(g_shape, state_dtype, device, poison),
         )
 
     def ring_tensors(self) -> list[Tensor]:
@@ -90,7 +90,18 @@ class GDNBuffers:
 
 
 @dataclass
-class KDABuffers:
+class GDNBuffers(_DeltaRuleBuffers):
+    """Checkpoint states and ring of ``(u, k, g)`` entries of one Gated DeltaNet layer.
+
+    state: ``[P, HV, K, V]`` (HF/fla layout, i.e. ``Sᵀ``; fp32 or fp64)
+    u:     ``[P, L, HV, V]`` corrected values ``u = β(v − α S k)``
+    k:     ``[P, L, H, K]``  keys after l2-norm
+    g:     ``[P, L, HV]``    log-decays ``g <= 0`` (state dtype)
+    """
+
+
+@dataclass
+class KDABuffers(_DeltaRuleBuffers):
     """Checkpoint states and ring of ``(u, k, g)`` entries of one KDA (Kimi Delta Attention)
     layer: :class:`GDNBuffers` with a log-decay per key channel (``docs/MATH.md``, "KDA").
 
@@ -100,24 +111,4 @@ class KDABuffers:
     g:     ``[P, L, HV, K]`` per-channel log-decays ``g <= 0`` (state dtype)
     """
 
-    state: Tensor
-    u: Tensor
-    k: Tensor
-    g: Tensor
-
-    @classmethod
-    def allocate(cls, num_slots: int, capacity: int, num_k_heads: int, num_v_heads: int,
-                 head_k_dim: int, head_v_dim: int, dtype=torch.float32,
-                 state_dtype=torch.float32, device="cpu", poison: bool = False) -> "KDABuffers":
-        if num_v_heads % num_k_heads:
-            raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
-        P, L = num_slots + 1, capacity
-        return cls(
-            state=_empty((P, num_v_heads, head_k_dim, head_v_dim), state_dtype, device, poison),
-            u=_empty((P, L, num_v_heads, head_v_dim), dtype, device, poison),
-            k=_empty((P, L, num_k_heads, head_k_dim), dtype, device, poison),
-            g=_empty((P, L, num_v_heads, head_k_dim), state_dtype, device, poison),
-        )
-
-    def ring_tensors(self) -> list[Tensor]:
-        return [self.u, self.k, self.g]
+    per_channel_decay: ClassVar[bool] = True

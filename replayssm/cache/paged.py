@@ -24,6 +24,7 @@ entry ``j`` of a slot sits at pool index ``block_table[slot, j // bs] * bs + j %
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -471,13 +472,12 @@ class Mamba2PagedBuffers:
 
 
 @dataclass
-class GDNPagedBuffers:
-    """Paged pools of one Gated DeltaNet layer's entries (KV-only form, no state).
+class _DeltaRulePagedBuffers:
+    """Paged pools ``[NB*bs, ...]`` of one delta-rule layer's ``(u, k, g)`` entries (KV-only
+    form, no state); ``g`` per value head (GDN) or per value head and key channel (KDA:
+    ``per_channel_decay``)."""
 
-    u: ``[NB*bs, HV, V]`` corrected values
-    k: ``[NB*bs, H, K]``  keys after l2-norm
-    g: ``[NB*bs, HV]``    log-decays (state dtype)
-    """
+    per_channel_decay: ClassVar[bool] = False
 
     u: Tensor
     k: Tensor
@@ -486,14 +486,15 @@ class GDNPagedBuffers:
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_k_heads: int, num_v_heads: int,
                  head_k_dim: int, head_v_dim: int, dtype=torch.float32,
-                 state_dtype=torch.float32, device="cpu", poison: bool = False) -> "GDNPagedBuffers":
+                 state_dtype=torch.float32, device="cpu", poison: bool = False):
         if num_v_heads % num_k_heads:
             raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
         R = num_blocks * block_size
         return cls(
             u=_empty((R, num_v_heads, head_v_dim), dtype, device, poison),
             k=_empty((R, num_k_heads, head_k_dim), dtype, device, poison),
-            g=_empty((R, num_v_heads), state_dtype, device, poison),
+            g=_empty((R, num_v_heads) + ((head_k_dim,) if cls.per_channel_decay else ()), state_dtype, device,
+                     poison),
         )
 
     def tensors(self) -> list[Tensor]:
@@ -501,7 +502,17 @@ class GDNPagedBuffers:
 
 
 @dataclass
-class KDAPagedBuffers:
+class GDNPagedBuffers(_DeltaRulePagedBuffers):
+    """Paged pools of one Gated DeltaNet layer's entries (KV-only form, no state).
+
+    u: ``[NB*bs, HV, V]`` corrected values
+    k: ``[NB*bs, H, K]``  keys after l2-norm
+    g: ``[NB*bs, HV]``    log-decays (state dtype)
+    """
+
+
+@dataclass
+class KDAPagedBuffers(_DeltaRulePagedBuffers):
     """Paged pools of one KDA layer's entries (KV-only form, no state): :class:`GDNPagedBuffers`
     with a log-decay per key channel.
 
@@ -510,22 +521,4 @@ class KDAPagedBuffers:
     g: ``[NB*bs, HV, K]`` per-channel log-decays (state dtype)
     """
 
-    u: Tensor
-    k: Tensor
-    g: Tensor
-
-    @classmethod
-    def allocate(cls, num_blocks: int, block_size: int, num_k_heads: int, num_v_heads: int,
-                 head_k_dim: int, head_v_dim: int, dtype=torch.float32,
-                 state_dtype=torch.float32, device="cpu", poison: bool = False) -> "KDAPagedBuffers":
-        if num_v_heads % num_k_heads:
-            raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
-        R = num_blocks * block_size
-        return cls(
-            u=_empty((R, num_v_heads, head_v_dim), dtype, device, poison),
-            k=_empty((R, num_k_heads, head_k_dim), dtype, device, poison),
-            g=_empty((R, num_v_heads, head_k_dim), state_dtype, device, poison),
-        )
-
-    def tensors(self) -> list[Tensor]:
-        return [self.u, self.k, self.g]
+    per_channel_decay: ClassVar[bool] = True
