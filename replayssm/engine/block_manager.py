@@ -165,6 +165,12 @@ class BlockManager:
         pool = self.pool_bytes
         return None if pool is None else pool - self.reserved
 
+    @property
+    def grows(self) -> bool:
+        """Whether reservations grow before a step: optimistic admission, and paged pools
+        that take bytes per token (attention KV, KV-only entries)."""
+        return self.optimistic and self.memory.per_token > 0
+
     def grow_need(self, seq: Sequence, tokens: int) -> int:
         """Bytes ``seq``'s reservation must grow by to hold ``tokens`` tokens (0 with
         whole-life reservations, or when it holds them already)."""

@@ -23,6 +23,7 @@ request is admitted when its blocks fit what is left (:mod:`replayssm.engine.blo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -275,6 +276,10 @@ def plan_caches(config, device, model_config, vocab_size: int, layout_of, draft_
     ``plan.max_seq_len`` — prompt + generated tokens — is the same with or without
     speculation.  Raises ``ValueError`` with the figures when nothing fits."""
     req = PlanRequest.of(config, device)
+    # a layout is measured once per spec (the slot count and the budget search revisit them)
+    layout_of = functools.lru_cache(maxsize=None)(layout_of)
+    if draft_layout_of is not None:
+        draft_layout_of = functools.lru_cache(maxsize=None)(draft_layout_of)
 
     def build(L: int, slots: int) -> CachePlan:
         spec = config.cache_spec(L)

@@ -91,16 +91,15 @@ class LLMEngine:
         self.blocks.drafter_of, self.blocks.sampler = (lambda: self.drafter), self.sampler   # swap hooks
         self.scheduler = Scheduler(self.blocks, ec.max_num_batched_tokens, stats=self.stats)
         self.policy = decode_policy(ec.decode_mode, plan.auto_threshold)
-        self.outputs = OutputProcessor(getattr(self.model.config, "eos_token_id", None),  # an id, ids, or None
-                                       self.scheduler.token_limit, self.sampler, self.stats)
+        eos = getattr(self.model.config, "eos_token_id", None)   # an id, a list of ids, or None
+        self.outputs = OutputProcessor(eos, self.scheduler.token_limit, self.sampler, self.stats)
         self.executor = StepExecutor(
             self.runner, self.sampler, self.blocks, self.cache, self.policy, prefix=self.prefix_cache,
             spec_config=ec.speculative, drafter=None if draft is None else draft.build(
                 target=self.model, cache=self.cache, sampler=self.sampler, runner=self.runner,
                 num_slots=self.num_slots))
         self._requests: dict = {}            # unfinished requests by id (abort, outputs)
-        self.constraints = ConstraintFactory(self.tokenizer, self.vocab_size,
-                                             getattr(self.model.config, "eos_token_id", None))
+        self.constraints = ConstraintFactory(self.tokenizer, self.vocab_size, eos)
         t0 = time.perf_counter()
         if self.runner.use_graphs:   # every graph a step can need, before the first request
             self.executor.capture()

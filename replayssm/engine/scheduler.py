@@ -14,8 +14,9 @@ budget.  With ``preemption_mode="swap"`` a request is admitted on its prompt's b
 its reservation grows before each step; when the growth of the running sequences does not
 fit, the scheduler preempts (lowest priority first, then the latest arrival, as vLLM): the
 victim's cache goes to host memory and it waits at the front of its priority in the queue,
-to be swapped back into any free slot when its blocks fit again — and continue exactly.  A request that can never fit (its prompt alone exceeds ``max_seq_len`` or the
-budget) is rejected with an error on its output; the others carry on.  One that fits only
+to be swapped back into any free slot when its blocks fit again — and continue exactly.
+A request that can never fit (its prompt alone exceeds ``max_seq_len`` or the budget) is
+rejected with an error on its output; the others carry on.  One that fits only
 with fewer new tokens is admitted with a token cap (finish reason ``"length"``).  The ``n``
 samples of a request are admitted together; they wait for the first sample's prefill and
 then copy its cache.
@@ -109,6 +110,8 @@ class Scheduler:
         """Grow the reservations of the sequences about to decode by this step's tokens
         (one verify window), highest priority first; where the pools run dry, preempt the
         lowest-priority, latest sequences (possibly the one growing)."""
+        if not self.blocks.grows:   # whole-life reservations, or nothing grows per token
+            return
         T = self.blocks.memory.verify_tokens
         cands = sorted((s for s in self.running if not s.is_finished and not s.prefilling), key=self._order)
         i = 0
