@@ -12,7 +12,6 @@ import sys
 import tempfile
 import warnings
 
-import torch
 
 from replayssm import LLM, SamplingParams
 

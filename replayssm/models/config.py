@@ -9,9 +9,7 @@ found on the Hub (``hybrid_override_pattern``, ``mamba_n_groups``, top-level ``r
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 
 __all__ = [

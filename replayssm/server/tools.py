@@ -26,7 +26,6 @@ function).
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass
 

@@ -9,6 +9,7 @@ no-op / float64, i.e. transformers' own code with "fp32" meaning "at least fp32"
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -149,3 +150,19 @@ SPECS = {
     "qwen3_next_opts": (tiny_qwen3_next, dict(num_hidden_layers=2, attention_bias=True,
                                                 norm_topk_prob=False, num_experts_per_tok=3)),
 }
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens from transformers' ``generate`` in float64 (a copy of ``model``)."""
+    hf64 = copy.deepcopy(model).to(torch.float64)
+    ids = torch.tensor([prompt])
+    with torch.no_grad(), Float32AsFloat64():
+        out = hf64.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                            pad_token_id=0, eos_token_id=None, use_cache=True)
+    return out[0, len(prompt):].tolist()
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |got - ref| / max |ref|``."""
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+

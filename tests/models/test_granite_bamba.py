@@ -84,9 +84,6 @@ def built(tmp_path_factory):
     return get
 
 
-def _rel(got, ref):
-    return ((got - ref).abs().max() / ref.abs().max()).item()
-
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_float64_logits_match_transformers(name, built):
@@ -95,7 +92,7 @@ def test_float64_logits_match_transformers(name, built):
     ref = H.hf_logits(copy.deepcopy(hf), ids)
     got = ours(ids)
     assert got.dtype == torch.float64 and got.shape == ref.shape
-    assert _rel(got, ref) < 1e-10
+    assert H.rel_err(got, ref) < 1e-10
 
 
 def test_float32_logits_close(built):
@@ -104,7 +101,7 @@ def test_float32_logits_close(built):
     with torch.no_grad():
         ref = hf(ids).logits
     got = load_model(path, dtype="float32")(ids)
-    assert got.dtype == torch.float32 and _rel(got.double(), ref.double()) < 1e-5
+    assert got.dtype == torch.float32 and H.rel_err(got.double(), ref.double()) < 1e-5
 
 
 def test_multipliers_matter(built):
@@ -115,15 +112,8 @@ def test_multipliers_matter(built):
     for attr in ("embedding_multiplier", "logits_scaling"):
         m = load_model(path, dtype="float64")
         setattr(m, attr, 1.0)
-        assert _rel(m(ids), ref) > 1e-3
+        assert H.rel_err(m(ids), ref) > 1e-3
 
-
-def _hf_greedy(hf, prompt, n):
-    hf64 = copy.deepcopy(hf).to(torch.float64)
-    with torch.no_grad(), H.Float32AsFloat64():
-        out = hf64.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0,
-                            eos_token_id=None, use_cache=True)
-    return out[0, len(prompt):].tolist()
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [7], [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9]]
@@ -135,7 +125,7 @@ def test_greedy_generation_matches_transformers_every_mode(name, built):
     from replayssm import LLM, SamplingParams, SpeculativeConfig
 
     hf, _, ours = built(name)
-    ref = [_hf_greedy(hf, p, N) for p in PROMPTS]
+    ref = [H.hf_greedy(hf, p, N) for p in PROMPTS]
     runs = [dict(decode_mode=m) for m in ("recurrent", "replay", "kv", "auto")]
     runs += [dict(decode_mode=m, speculative=SpeculativeConfig("ngram", num_tokens=3)) for m in ("replay", "kv")]
     runs += [dict(decode_mode="replay", speculative=SpeculativeConfig("draft", num_tokens=3, draft_model=ours)),

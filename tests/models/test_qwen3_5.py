@@ -89,9 +89,6 @@ def built(tmp_path_factory):
     return get
 
 
-def _rel(got, ref):
-    return ((got - ref).abs().max() / ref.abs().max()).item()
-
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_float64_logits_match_transformers(built, name):
@@ -100,8 +97,8 @@ def test_float64_logits_match_transformers(built, name):
     ref = hf_logits(copy.deepcopy(hf), ids)
     got = ours(ids)
     assert got.dtype == torch.float64 and got.shape == ref.shape
-    print(f"{name}: max rel err {_rel(got, ref):.2e}")
-    assert _rel(got, ref) < 1e-9
+    print(f"{name}: max rel err {H.rel_err(got, ref):.2e}")
+    assert H.rel_err(got, ref) < 1e-9
 
 
 def test_yarn_changes_the_logits(built):
@@ -112,16 +109,9 @@ def test_yarn_changes_the_logits(built):
     plain.config.rope_parameters = {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.4}
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
     plain.model.rotary_emb = Qwen3_5TextRotaryEmbedding(plain.config)
-    assert _rel(ours(ids), hf_logits(plain, ids)) > 1e-4
+    assert H.rel_err(ours(ids), hf_logits(plain, ids)) > 1e-4
     assert ours.rotary.attention_scaling > 1.0
 
-
-def _hf_greedy(hf, prompt, n):
-    hf64 = copy.deepcopy(hf).to(torch.float64)
-    with torch.no_grad(), H.Float32AsFloat64():
-        out = hf64.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0,
-                            eos_token_id=None, use_cache=True)
-    return out[0, len(prompt):].tolist()
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7], [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9]]
@@ -131,7 +121,7 @@ N = 10
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_generation_matches_transformers_in_every_mode(built, name):
     hf, _, ours = built(name)
-    ref = [_hf_greedy(hf, p, N) for p in PROMPTS]
+    ref = [H.hf_greedy(hf, p, N) for p in PROMPTS]
     runs = [dict(decode_mode=m) for m in ("recurrent", "replay", "kv", "auto")]
     runs += [dict(decode_mode=m, speculative=SpeculativeConfig("ngram", num_tokens=3)) for m in ("replay", "kv")]
     runs += [dict(decode_mode="replay", speculative=SpeculativeConfig("draft", num_tokens=3, draft_model=ours)),

@@ -109,19 +109,11 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5], [9], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3
 N = 12
 
 
-def _hf_greedy(hf, prompt, n):
-    hf64 = copy.deepcopy(hf).to(torch.float64)
-    ids = torch.tensor([prompt])
-    with torch.no_grad(), H.Float32AsFloat64():
-        out = hf64.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                            pad_token_id=0, eos_token_id=None, use_cache=True)
-    return out[0, len(prompt):].tolist()
-
 
 @pytest.fixture(scope="module")
 def greedy(zamba):
     hf, path = zamba("two_blocks_adapters")
-    ref = [_hf_greedy(hf, p, N) for p in PROMPTS]
+    ref = [H.hf_greedy(hf, p, N) for p in PROMPTS]
     assert len({t for r in ref for t in r}) > 5     # not a degenerate (constant) output
     return load_model(path, dtype="float64"), ref
 
