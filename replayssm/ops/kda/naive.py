@@ -48,7 +48,7 @@ from .. import kv_blocks
 from ..common import (check_plan, check_plan_fit, check_plan_rows, check_kv_lengths, check_route,
                       check_slot, check_state_dtype, check_tensors, check_tree, compute_dtype, shape_str,
                       want_check, write_state_where)
-from ..gdn.naive import l2norm, snapshot_commit
+from ..gdn.naive import _chain_mask, _heads, _prep_qk, l2norm, snapshot_commit
 
 __all__ = [
     "l2norm",
@@ -157,21 +157,6 @@ def _check_kv(kv, pplan, dims, device, check: bool) -> None:
 
 
 # ---------------------------------------------------------------------------- helpers
-def _prep_qk(q: Tensor, k: Tensor, cdt, scale, use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
-    """Upcast, optionally l2-normalise, and scale q: returns ``(q·scale, k)`` in ``cdt``."""
-    q, k = q.to(cdt), k.to(cdt)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    s = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return q * s, k
-
-
-def _heads(x: Tensor, HV: int) -> Tensor:
-    """Expand key heads to value heads along axis -2: ``[.., H, K] -> [.., HV, K]``."""
-    H = x.shape[-2]
-    return x if H == HV else x.repeat_interleave(HV // H, dim=-2)
-
-
 def _state_readout(St: Tensor, x: Tensor) -> Tensor:
     """``S x = Stᵀ x`` for states ``St [Bt,HV,K,V]`` and value-head vectors ``x [Bt,M,HV,K]``."""
     return torch.einsum("bhkv,bmhk->bmhv", St, x)
@@ -203,10 +188,6 @@ def _run_weights(g: Tensor, valid: Tensor, later: Tensor | None = None) -> Tenso
     if later is not None:
         s = s + later[:, None]
     return torch.where(valid[:, :, None, None], torch.exp(s), torch.zeros((), dtype=g.dtype, device=g.device))
-
-
-def _chain_mask(Bt: int, T: int, device) -> Tensor:
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(Bt, T, T)
 
 
 def _path_decays(mask: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
