@@ -11,8 +11,16 @@ share of heads and channels), with four additions:
 * the LM head holds the same shard: the local logits ``[..., Vs]`` are all-gathered to
   ``[..., N Vs]`` and cut to ``V``, so every rank holds the complete, identical logits (and
   computes identical greedy acceptances from them);
-* a Mamba-2 gated RMSNorm whose groups span ranks (``n_groups`` < ranks) all-reduces its
-  per-group sums of squares (:class:`ShardedGatedRMSNorm`).
+* a Mamba-2 gated RMSNorm whose groups span ranks (``n_groups`` < ranks) needs the group's
+  sum of squares from every rank.  Its scale is one number per token and group, so it
+  commutes with the row-parallel ``out_proj``: :class:`DeferredGatedRMSNorm` leaves it out,
+  and the mixer's one all-reduce carries ``[partial out_proj output | partial sum of
+  squares]`` per group, after which ``out = Σ_g rsqrt(ss_g / group + eps) · P_g`` — one
+  collective per mixer instead of two.  (With an ``out_proj`` bias, which the scale must
+  not touch, :class:`ShardedGatedRMSNorm` all-reduces the sums on their own.)
+
+The sums go through :class:`~.allreduce.AllReduce` (one-shot symmetric memory on GPUs for
+decode-sized messages, NCCL past that, gloo on CPU).
 
 After an all-reduce every rank holds the same residual stream, so replicated decisions
 (MoE routing, ring flushes, accepted counts) are computed identically everywhere.
@@ -31,9 +39,11 @@ from torch import Tensor, nn
 
 from ..layers.mamba2 import Mamba2Mixer
 from ..runtime import compute_dtype
+from .allreduce import AllReduce
 from .sharding import mamba_groups, vocab_shard
 
-__all__ = ["ShardInfo", "ShardedGatedRMSNorm", "TensorParallelLM", "build_local_model", "all_gather_last"]
+__all__ = ["ShardInfo", "ShardedGatedRMSNorm", "DeferredGatedRMSNorm", "TensorParallelLM", "build_local_model",
+           "all_gather_last"]
 
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -42,7 +52,8 @@ _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 class ShardInfo:
     """Where a model shard sits: ``rank`` of ``size``, over process group ``group``
     (``None``: the default group); the global ``config`` and the vocabulary shard rows
-    ``[vocab_start, vocab_start + vocab_rows)`` (``vocab_rows`` includes padding)."""
+    ``[vocab_start, vocab_start + vocab_rows)`` (``vocab_rows`` includes padding);
+    ``allreduce``: the sum over the ranks every row-parallel layer ends in."""
 
     rank: int
     size: int
@@ -50,6 +61,7 @@ class ShardInfo:
     config: object
     vocab_start: int
     vocab_rows: int
+    allreduce: AllReduce
 
 
 def all_gather_last(x: Tensor, size: int, group=None) -> Tensor:
@@ -61,10 +73,25 @@ def all_gather_last(x: Tensor, size: int, group=None) -> Tensor:
     return out.view(size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
 
 
-def _all_reduce_hook(group):
+def _all_reduce_hook(allreduce: AllReduce):
     def hook(module, args, output: Tensor) -> Tensor:
-        dist.all_reduce(output, group=group)
-        return output
+        return allreduce(output)
+
+    return hook
+
+
+def _deferred_norm_hook(allreduce: AllReduce, norm: "DeferredGatedRMSNorm"):
+    """The mixer's all-reduce when its gated norm was deferred: ``[P | ss]`` per group in the
+    compute dtype, then ``out = Σ_g rsqrt(ss_g / group_size + eps) P_g``."""
+    def hook(module, args, output: Tensor) -> Tensor:
+        ss = norm.partial                                                     # [..., 1] local group
+        G, g = norm.num_groups, norm.group_index
+        msg = output.new_zeros(*output.shape[:-1], G, output.shape[-1] + 1, dtype=ss.dtype)
+        msg[..., g, :-1] = output
+        msg[..., g, -1:] = ss
+        msg = allreduce(msg)
+        scale = torch.rsqrt(msg[..., -1:] / norm.group_size + norm.eps)      # [..., G, 1]
+        return (msg[..., :-1] * scale).sum(-2).to(output.dtype)
 
     return hook
 
@@ -92,6 +119,26 @@ class ShardedGatedRMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(var + self.eps)).to(dt)
 
 
+class DeferredGatedRMSNorm(nn.Module):
+    """Mamba-2's gated RMSNorm without its scale: ``w · (x · silu(z))``; the local sum of
+    squares ``Σ (x · silu(z))²`` (``[..., 1]``, compute dtype) is kept in ``partial`` for the
+    mixer's all-reduce (:func:`_deferred_norm_hook`), which applies ``rsqrt(ss / group_size
+    + eps)`` after ``out_proj`` (row-parallel, no bias: the scale commutes with it)."""
+
+    def __init__(self, dim: int, eps: float, group_size: int, group_index: int, num_groups: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps, self.group_size = eps, group_size
+        self.group_index, self.num_groups = group_index, num_groups
+        self.partial: Tensor | None = None
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        dt = x.dtype
+        xf = x.to(compute_dtype(dt)) * F.silu(z.to(compute_dtype(dt)))
+        self.partial = xf.pow(2).sum(-1, keepdim=True)
+        return self.weight * xf.to(dt)
+
+
 class TensorParallelLM:
     """Mixed into a model class (``shard_class``): a vocabulary-parallel embedding and LM head."""
 
@@ -103,8 +150,7 @@ class TensorParallelLM:
         inside = (local >= 0) & (local < tp.vocab_rows)
         h = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.embed_weight())
         h = torch.where(inside[..., None], h, torch.zeros((), dtype=h.dtype, device=h.device))
-        dist.all_reduce(h, group=tp.group)
-        return h
+        return tp.allreduce(h)
 
     def _head(self, h: Tensor) -> Tensor:
         local = super()._head(h)                                              # [..., Vs]
@@ -134,7 +180,8 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
     with torch.device("meta"):
         model = shard_class(cls)(lcfg, dtype, device)
     lo, _, Vs = vocab_shard(cfg.vocab_size, size, rank)
-    model.tp = ShardInfo(rank, size, group, cfg, lo, Vs)
+    allreduce = AllReduce(group, device)           # collective setup: every rank builds its model together
+    model.tp = ShardInfo(rank, size, group, cfg, lo, Vs, allreduce)
     root, embed, _ = model._names
     _holder_rows(getattr(getattr(model, root), embed), Vs)
     if not lcfg.tie_word_embeddings:
@@ -142,20 +189,25 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
     for blk in model.blocks:
         for _, mixer_name in blk.subs:
             mixer = getattr(blk, mixer_name)
-            if isinstance(mixer, Mamba2Mixer):
-                _shard_norm(mixer, cfg, size, rank, group)
-            mixer.register_forward_hook(_all_reduce_hook(group))
+            deferred = _shard_norm(mixer, cfg, size, rank, group) if isinstance(mixer, Mamba2Mixer) else None
+            hook = _deferred_norm_hook(allreduce, deferred) if deferred is not None else _all_reduce_hook(allreduce)
+            mixer.register_forward_hook(hook)
     return model
 
 
-def _shard_norm(mixer: Mamba2Mixer, cfg, size: int, rank: int, group) -> None:
-    """Replace the mixer's gated norm when its groups span ranks (``n_groups`` < ranks)."""
+def _shard_norm(mixer: Mamba2Mixer, cfg, size: int, rank: int, group) -> DeferredGatedRMSNorm | None:
+    """Replace the mixer's gated norm when its groups span ranks (``n_groups`` < ranks):
+    deferred into the mixer's all-reduce (returned) unless ``out_proj`` has a bias."""
     G = cfg.n_groups
     H = cfg.num_heads if cfg.model_type == "mamba2" else cfg.mamba_num_heads
     if G % size == 0:
-        return  # whole norm groups on every rank: the local norm is exact
+        return None  # whole norm groups on every rank: the local norm is exact
     old = mixer.norm
     gsize = mixer.inter * size // G          # global channels / G
     g0, _ = mamba_groups(H, G, size, rank)
     with torch.device("meta"):
+        if mixer.out_proj.bias is None:
+            mixer.norm = DeferredGatedRMSNorm(mixer.inter, old.eps, gsize, g0, G)
+            return mixer.norm
         mixer.norm = ShardedGatedRMSNorm(mixer.inter, old.eps, gsize, g0, G, group)
+    return None

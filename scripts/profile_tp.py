@@ -1,0 +1,222 @@
+"""Where a tensor-parallel decode step spends its time (two GPUs).
+
+1. All-reduce latency inside a CUDA graph, per message size of a decode step
+   (``[B, D]`` bf16 partial outputs; the deferred-norm message ``[B, D + 1]`` fp32), for
+   NCCL and the one-shot symmetric-memory path of :class:`replayssm.distributed.allreduce.AllReduce`.
+2. The control message: rank 0's ``broadcast_object_list`` of a decode step's call.
+3. End to end: the 2.7B preset, decode tokens/s TP=1 vs TP=2 with each all-reduce method
+   (``REPLAYSSM_TP_ALLREDUCE``), replay (and recurrent) mode; startup times.
+4. A profiler table of rank 0's TP=2 decode steps (CUDA kernels and host ops).
+
+Run with NVLink multicast off (the machine's environment).  ``--budget-s`` stops starting
+new parts past that wall time.  Writes ``profile_tp.json`` under ``$OUT`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+T0 = time.perf_counter()
+
+
+def _elapsed() -> float:
+    return time.perf_counter() - T0
+
+
+# ---------------------------------------------------------------------------------------------
+# 1 + 2: collectives and the control message (spawned ranks)
+# ---------------------------------------------------------------------------------------------
+SHAPES = [((1, 2560), torch.bfloat16), ((64, 2560), torch.bfloat16), ((256, 2560), torch.bfloat16),
+          ((64, 2561), torch.float32), ((256, 2561), torch.float32), ((64, 4096), torch.bfloat16),
+          ((256, 4096), torch.bfloat16), ((256, 8192), torch.bfloat16)]
+
+
+def _micro(rank: int, size: int, port: int, q) -> None:
+    from replayssm.distributed.allreduce import AllReduce
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=size, device_id=dev)
+    control = dist.new_group(backend="gloo")
+    rows = []
+    for method in ("nccl", "symm"):
+        try:
+            ar = AllReduce(None, dev, method)
+        except RuntimeError as e:
+            rows.append({"method": method, "error": str(e)})
+            continue
+        for shape, dt in SHAPES:
+            g = torch.Generator(device=dev).manual_seed(rank)
+            x0 = torch.randn(shape, generator=g, device=dev).to(dt)
+            want = sum(torch.randn(shape, generator=torch.Generator(device=dev).manual_seed(r), device=dev).to(dt).float()
+                       for r in range(size))
+            K = 32
+            xs = [x0.clone() for _ in range(K)]
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for x in xs[:2]:
+                    ar(x.clone())
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            outs = []
+            with torch.cuda.graph(graph):
+                for x in xs:
+                    outs.append(ar(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            err = max(float((o.float() - want).abs().max()) for o in outs)
+            dist.barrier()
+            reps = 20
+            t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graph.replay()
+            t[0].record()
+            for _ in range(reps):
+                graph.replay()
+            t[1].record()
+            torch.cuda.synchronize()
+            us = t[0].elapsed_time(t[1]) * 1e3 / (reps * K)
+            rows.append({"method": ar.method, "asked": method, "shape": list(shape), "dtype": str(dt),
+                         "bytes": x0.numel() * x0.element_size(), "us_per_allreduce": us, "max_err": err})
+            del graph, outs, xs
+    # the control message of one decode step (slots + a tensor placeholder), rank 0 -> all
+    msg = ("call", (3, "decode", (list(range(64)), "T0"), {}, None), [])
+    lat = []
+    for i in range(300):
+        dist.barrier(group=control)
+        a = time.perf_counter()
+        box = [msg if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        lat.append(time.perf_counter() - a)
+    lat = sorted(lat[50:])
+    if rank == 0:
+        q.put({"allreduce": rows, "control_msg_us": {"median": lat[len(lat) // 2] * 1e6, "p90": lat[int(len(lat) * .9)] * 1e6}})
+    dist.destroy_process_group()
+
+
+def micro() -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = 29000 + os.getpid() % 1000
+    ps = [ctx.Process(target=_micro, args=(r, 2, port, q)) for r in range(2)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(300)
+    return q.get() if not q.empty() else {"error": [p.exitcode for p in ps]}
+
+
+# ---------------------------------------------------------------------------------------------
+# 3 + 4: end to end
+# ---------------------------------------------------------------------------------------------
+def e2e_rows(budget_s: float, batches, modes) -> dict:
+    from replayssm import LLM, SamplingParams
+    from replayssm.bench import e2e
+    from replayssm.bench.common import free_memory
+    from replayssm.engine.loading import load
+
+    dev = "cuda:0"
+    args = argparse.Namespace(device=dev, dtype="bfloat16", buffer_size=16, cuda_graphs=True, max_tokens=64,
+                              prompt_len=32, spec_method=None, oracle_accept=1.0, max_seq_len=128, model=None)
+    out = {"throughput": [], "startup": [], "profile": None}
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        path = e2e._random_model_dir("2.7b", tmp)
+        out["write_checkpoint_s"] = time.perf_counter() - t
+        for tp, method in ((1, "nccl"), (2, "nccl"), (2, "auto")):
+            if _elapsed() > budget_s:
+                out["skipped_from"] = [tp, method]
+                break
+            os.environ["REPLAYSSM_TP_ALLREDUCE"] = method
+            t = time.perf_counter()
+            model = load(path, torch.device(dev), torch.bfloat16, tp)[0]
+            load_s = time.perf_counter() - t
+            used = model.local.tp.allreduce.method if tp > 1 else "-"
+            out["startup"].append({"tp": tp, "method": used, "load_s": load_s})
+            for mode in modes:
+                for b in batches:
+                    if _elapsed() > budget_s:
+                        break
+                    row = e2e._run(LLM, SamplingParams, model, args, b, mode)
+                    row.update(tensor_parallel_size=tp, allreduce=used, load_s=load_s)
+                    out["throughput"].append(row)
+            if tp == 2 and method == "auto" and _elapsed() < budget_s:
+                out["profile"] = _profile(LLM, SamplingParams, model, dev)
+            if tp > 1:
+                model.close()
+            del model
+            free_memory(dev)
+    return out
+
+
+def _profile(LLM, SamplingParams, model, dev) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from replayssm.bench import e2e
+
+    B = 64
+    prompts = e2e._prompts(B, 32, int(model.config.vocab_size), seed=3)
+    with LLM(model, device=dev, decode_mode="replay", max_num_seqs=B, cuda_graphs=True, max_seq_len=128) as llm:
+        llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+            torch.cuda.synchronize()
+    ka = prof.key_averages()
+    cuda = sorted(ka, key=lambda e: -getattr(e, "device_time_total", 0))[:15]
+    cpu = sorted(ka, key=lambda e: -e.self_cpu_time_total)[:15]
+    return {"cuda": [(e.key[:80], getattr(e, "device_time_total", 0) / 1e3, e.count) for e in cuda],
+            "cpu_self": [(e.key[:80], e.self_cpu_time_total / 1e3, e.count) for e in cpu]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--budget-s", type=float, default=480)
+    p.add_argument("--batches", default="1,64,256")
+    p.add_argument("--modes", default="replay,recurrent")
+    p.add_argument("--skip-micro", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    a = p.parse_args()
+    res = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
+           "date": datetime.date.today().isoformat()}
+    if not a.skip_micro:
+        res["micro"] = micro()
+        print(json.dumps(res["micro"], indent=1), flush=True)
+    res.update(e2e_rows(a.budget_s, [int(b) for b in a.batches.split(",")], a.modes.split(",")))
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "profile_tp.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    if res.get("profile"):
+        print("rank-0 CUDA time (ms, calls):")
+        for k, ms, n in res["profile"]["cuda"]:
+            print(f"  {ms:9.2f} {n:6d}  {k}")
+        print("rank-0 host self time (ms, calls):")
+        for k, ms, n in res["profile"]["cpu_self"]:
+            print(f"  {ms:9.2f} {n:6d}  {k}")
+    print("startup:", res["startup"])
+    rows = {(r["mode"], r["batch"], r["tensor_parallel_size"], r["allreduce"]): r["decode_tokens_per_s"]
+            for r in res["throughput"]}
+    print(f"{'mode':<10}{'B':>5}{'TP1':>9}{'TP2 nccl':>10}{'TP2 auto':>10}{'ratio nccl':>11}{'ratio best':>11}")
+    for (mode, b, tp, m), v in rows.items():
+        if tp != 1:
+            continue
+        n = rows.get((mode, b, 2, "nccl"))
+        s = max([v2 for (mo, bb, t2, mm), v2 in rows.items() if mo == mode and bb == b and t2 == 2] or [0])
+        print(f"{mode:<10}{b:>5}{v:>9.0f}{(n or 0):>10.0f}{s:>10.0f}{(n or 0) / v:>10.2f}x{s / v:>10.2f}x")
+    print(f"total {_elapsed():.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
