@@ -37,8 +37,7 @@ def _elapsed() -> float:
 # 1 + 2: collectives and the control message (spawned ranks)
 # ---------------------------------------------------------------------------------------------
 SHAPES = [((1, 2560), torch.bfloat16), ((64, 2560), torch.bfloat16), ((256, 2560), torch.bfloat16),
-          ((64, 2561), torch.float32), ((256, 2561), torch.float32), ((64, 4096), torch.bfloat16),
-          ((256, 4096), torch.bfloat16), ((256, 8192), torch.bfloat16)]
+          ((64, 2561), torch.float32), ((256, 2561), torch.float32)]
 
 
 def _micro(rank: int, size: int, port: int, q) -> None:
@@ -120,6 +119,19 @@ def micro() -> dict:
 # ---------------------------------------------------------------------------------------------
 # 3 + 4: end to end
 # ---------------------------------------------------------------------------------------------
+CONFIGS = [(1, "gloo", "nccl"), (2, "gloo", "nccl"), (2, "shm", "nccl"), (2, "shm", "auto")]
+
+
+def _print_profile(prof: dict) -> None:
+    print("rank-0 CUDA time (ms, calls):")
+    for k, ms, n in prof["cuda"]:
+        print(f"  {ms:9.2f} {n:6d}  {k}")
+    print("rank-0 host self time (ms, calls):")
+    for k, ms, n in prof["cpu_self"]:
+        print(f"  {ms:9.2f} {n:6d}  {k}")
+    sys.stdout.flush()
+
+
 def e2e_rows(budget_s: float, batches, modes) -> dict:
     from replayssm import LLM, SamplingParams
     from replayssm.bench import e2e
@@ -134,16 +146,19 @@ def e2e_rows(budget_s: float, batches, modes) -> dict:
         t = time.perf_counter()
         path = e2e._random_model_dir("2.7b", tmp)
         out["write_checkpoint_s"] = time.perf_counter() - t
-        for tp, method in ((1, "nccl"), (2, "nccl"), (2, "auto")):
+        print(f"[{_elapsed():.0f}s] checkpoint written in {out['write_checkpoint_s']:.0f} s", flush=True)
+        for tp, control, method in CONFIGS:
             if _elapsed() > budget_s:
-                out["skipped_from"] = [tp, method]
+                out["skipped_from"] = [tp, control, method]
                 break
             os.environ["REPLAYSSM_TP_ALLREDUCE"] = method
+            os.environ["REPLAYSSM_TP_CONTROL"] = control
             t = time.perf_counter()
             model = load(path, torch.device(dev), torch.bfloat16, tp)[0]
             load_s = time.perf_counter() - t
-            used = model.local.tp.allreduce.method if tp > 1 else "-"
+            used = f"{control}+{model.local.tp.allreduce.method}" if tp > 1 else "-"
             out["startup"].append({"tp": tp, "method": used, "load_s": load_s})
+            print(f"[{_elapsed():.0f}s] TP={tp} {used}: loaded in {load_s:.1f} s", flush=True)
             for mode in modes:
                 for b in batches:
                     if _elapsed() > budget_s:
@@ -151,8 +166,11 @@ def e2e_rows(budget_s: float, batches, modes) -> dict:
                     row = e2e._run(LLM, SamplingParams, model, args, b, mode)
                     row.update(tensor_parallel_size=tp, allreduce=used, load_s=load_s)
                     out["throughput"].append(row)
-            if tp == 2 and method == "auto" and _elapsed() < budget_s:
+                    print(f"[{_elapsed():.0f}s] TP={tp} {used} {mode} B={b}: {row['decode_tokens_per_s']:.0f} tok/s "
+                          f"(capture {row['capture_s']:.1f} s)", flush=True)
+            if tp == 2 and control == "shm" and method == "auto" and _elapsed() < budget_s:
                 out["profile"] = _profile(LLM, SamplingParams, model, dev)
+                _print_profile(out["profile"])
             if tp > 1:
                 model.close()
             del model
@@ -192,28 +210,23 @@ def main() -> int:
            "date": datetime.date.today().isoformat()}
     if not a.skip_micro:
         res["micro"] = micro()
-        print(json.dumps(res["micro"], indent=1), flush=True)
+        m = res["micro"]
+        for r in m.get("allreduce", []):
+            print(f"  {r.get('asked')}->{r.get('method')} {r.get('shape')} {r.get('dtype')}: "
+                  f"{r.get('us_per_allreduce', float('nan')):.1f} us  err {r.get('max_err')}  {r.get('error', '')}")
+        print("control message:", m.get("control_msg_us"), flush=True)
     res.update(e2e_rows(a.budget_s, [int(b) for b in a.batches.split(",")], a.modes.split(",")))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "profile_tp.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
-    if res.get("profile"):
-        print("rank-0 CUDA time (ms, calls):")
-        for k, ms, n in res["profile"]["cuda"]:
-            print(f"  {ms:9.2f} {n:6d}  {k}")
-        print("rank-0 host self time (ms, calls):")
-        for k, ms, n in res["profile"]["cpu_self"]:
-            print(f"  {ms:9.2f} {n:6d}  {k}")
     print("startup:", res["startup"])
-    rows = {(r["mode"], r["batch"], r["tensor_parallel_size"], r["allreduce"]): r["decode_tokens_per_s"]
-            for r in res["throughput"]}
-    print(f"{'mode':<10}{'B':>5}{'TP1':>9}{'TP2 nccl':>10}{'TP2 auto':>10}{'ratio nccl':>11}{'ratio best':>11}")
-    for (mode, b, tp, m), v in rows.items():
-        if tp != 1:
-            continue
-        n = rows.get((mode, b, 2, "nccl"))
-        s = max([v2 for (mo, bb, t2, mm), v2 in rows.items() if mo == mode and bb == b and t2 == 2] or [0])
-        print(f"{mode:<10}{b:>5}{v:>9.0f}{(n or 0):>10.0f}{s:>10.0f}{(n or 0) / v:>10.2f}x{s / v:>10.2f}x")
+    base = {(r["mode"], r["batch"]): r["decode_tokens_per_s"] for r in res["throughput"]
+            if r["tensor_parallel_size"] == 1}
+    print(f"{'mode':<10}{'B':>5}{'config':>14}{'tok/s':>9}{'÷ TP=1':>8}")
+    for r in res["throughput"]:
+        b = base.get((r["mode"], r["batch"]))
+        print(f"{r['mode']:<10}{r['batch']:>5}{r['allreduce'] if r['tensor_parallel_size'] > 1 else 'TP=1':>14}"
+              f"{r['decode_tokens_per_s']:>9.0f}{(r['decode_tokens_per_s'] / b if b else float('nan')):>7.2f}x")
     print(f"total {_elapsed():.0f} s")
     return 0
 

@@ -4,9 +4,13 @@ Two process groups over the same ranks:
 
 * the **data group** (the default group: NCCL on GPUs, gloo on CPU) carries the model's
   collectives and the call's device tensors;
-* the **control group** (gloo, CPU) carries the call itself — a small picklable message
-  naming the object, the method and its host arguments — with an unbounded timeout, so a
-  worker may wait for the next call as long as the engine idles.
+* the **control channel** carries the call itself — a small picklable message naming the
+  object, the method and its host arguments: a shared-memory ring
+  (:class:`~.shm_channel.ShmChannel`, ~µs) when the workers are rank 0's own processes on
+  its host, else (``torchrun`` across hosts, or ``control="gloo"``) the **control group**
+  (gloo, CPU; ~270 µs a message) with an unbounded timeout, so a worker may wait for the
+  next call as long as the engine idles.  Messages too large for a ring slot (long prompts)
+  take the control group too.
 
 A call's device tensors (draft tokens, parents, accepted counts, ...) travel as one packed
 broadcast per dtype family on the data group (integers and booleans as one int64 buffer),
@@ -66,9 +70,10 @@ def fill(x, tensors: list[Tensor]):
 class Comm:
     """One rank's end of the wire.  Rank 0 :meth:`send` s, the others :meth:`recv`."""
 
-    def __init__(self, rank: int, size: int, device: torch.device, data_group=None, control_group=None):
+    def __init__(self, rank: int, size: int, device: torch.device, data_group=None, control_group=None,
+                 channel=None):
         self.rank, self.size, self.device = rank, size, device
-        self.data, self.control = data_group, control_group
+        self.data, self.control, self.channel = data_group, control_group, channel
 
     def is_wire_tensor(self, x) -> bool:
         """Tensors that travel on the data group: those on this rank's device."""
@@ -79,7 +84,8 @@ class Comm:
         """Broadcast ``msg`` (picklable, :class:`TensorArg` placeholders for ``tensors``)
         on the control group, then ``tensors`` on the data group."""
         specs = [(tuple(t.shape), t.dtype) for t in tensors]
-        dist.broadcast_object_list([(msg, specs)], src=0, group=self.control)
+        if self.channel is None or not self.channel.send((msg, specs)):
+            dist.broadcast_object_list([(msg, specs)], src=0, group=self.control)
         for wire, idx in self._families(specs):
             buf = torch.cat([tensors[i].reshape(-1).to(wire) for i in idx])
             dist.broadcast(buf, src=0, group=self.data)
@@ -87,9 +93,12 @@ class Comm:
     # -- workers ----------------------------------------------------------------------------
     def recv(self):
         """The next message from rank 0, placeholders filled with the received tensors."""
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        msg, specs = box[0]
+        got = self.channel.recv() if self.channel is not None else None
+        if got is None:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=self.control)
+            got = box[0]
+        msg, specs = got
         tensors: list = [None] * len(specs)
         for wire, idx in self._families(specs):
             sizes = [_numel(specs[i][0]) for i in idx]

@@ -44,6 +44,7 @@ from .comm import CONTROL_TIMEOUT, Comm, Ref, TensorArg
 from .loading import load_shard, random_shard
 from .model import TensorParallelModel
 from .sharding import check_tensor_parallel
+from .shm_channel import ShmChannel
 from .worker import READY_KEY, Worker, WorkerSpec, init_groups, worker_main
 
 __all__ = ["TensorParallelGroup", "WorkerFailed"]
@@ -94,14 +95,20 @@ class TensorParallelGroup:
 
     ``device``: rank 0's device (``"cpu"``, or ``"cuda:i"``: rank ``r`` uses ``cuda:i+r``).
     ``timeout_s``: the data group's collective timeout.  ``worker_threads``: intra-op
-    threads of each worker (default: this process's setting).  Use as a context manager or
+    threads of each worker (default: this process's setting).  ``control``: how calls reach
+    the workers — ``"shm"`` (a shared-memory ring, µs; default on GPUs), ``"gloo"`` (the
+    control group, ~270 µs a call; default on CPU, where a polling worker would take a core
+    from the computation); ``REPLAYSSM_TP_CONTROL`` overrides the default.  Use as a context manager or
     call :meth:`close`; models are loaded with :meth:`load_model` (or :meth:`random_model`)
     and passed to ``LLM``.
     """
 
     def __init__(self, size: int, device="cpu", *, timeout_s: float = 600.0, worker_threads: int | None = None,
-                 start_timeout_s: float = 300.0):
+                 start_timeout_s: float = 300.0, control: str | None = None):
         device = check_devices(size, device)
+        control = control or os.environ.get("REPLAYSSM_TP_CONTROL") or ("shm" if device.type == "cuda" else "gloo")
+        if control not in ("shm", "gloo"):
+            raise ValueError(f"control must be 'shm' or 'gloo', got {control!r}")
         if dist.is_initialized():
             raise ValueError("torch.distributed is already initialised in this process: one tensor-parallel "
                              "group at a time (close the other first; under torchrun use "
@@ -115,10 +122,13 @@ class TensorParallelGroup:
         ctx = mp.get_context("spawn")
         self._errors = ctx.SimpleQueue()
         threads = worker_threads or torch.get_num_threads()
+        self._channel = ShmChannel.create(size - 1) if control == "shm" and size > 1 else None
+        if self._channel is not None:
+            self._channel.alive = lambda: self._failure is None
         try:
             for r in range(1, size):
                 spec = WorkerSpec(r, size, "127.0.0.1", store.port, backend, str(_rank_device(device, r)),
-                                  threads, timeout_s)
+                                  threads, timeout_s, self._channel.name if self._channel is not None else None)
                 p = ctx.Process(target=worker_main, args=(spec, self._errors), daemon=True,
                                 name=f"replayssm-tp-rank{r}")
                 p.start()
@@ -126,9 +136,10 @@ class TensorParallelGroup:
             self._wait_ready(store, start_timeout_s)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            self.comm = init_groups(backend, store, 0, size, device, timeout_s)
+            self.comm = init_groups(backend, store, 0, size, device, timeout_s, self._channel)
         except BaseException:
             self._terminate()
+            self._close_channel()
             raise
         self._store = store
         self._stop_r, self._stop_w = mp.Pipe(duplex=False)
@@ -144,6 +155,11 @@ class TensorParallelGroup:
         self._closing = self._closed = False
         self._monitor = None
         self._errors = None
+        self._channel = None
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
 
     @classmethod
     def from_torchrun(cls, device_type: str | None = None, timeout_s: float = 600.0) -> "TensorParallelGroup":
@@ -239,6 +255,7 @@ class TensorParallelGroup:
         for p in self._procs:
             p.join(timeout_s)
         self._terminate()
+        self._close_channel()
         if self._monitor is not None:
             self._stop_w.send(None)
             self._monitor.join(5)

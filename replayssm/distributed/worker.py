@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .comm import CONTROL_TIMEOUT, Comm, Ref
 from .loading import load_shard, random_shard
+from .shm_channel import ShmChannel
 
 __all__ = ["Worker", "WorkerSpec", "worker_main"]
 
@@ -89,17 +90,20 @@ class WorkerSpec:
     device: str
     threads: int | None
     timeout_s: float
+    control_shm: str | None = None     # the shared-memory control ring's name (None: gloo only)
 
 
 READY_KEY = "replayssm/ready/{}"   # a worker sets its key in the rendezvous store once it is up
 
 
-def init_groups(backend: str, store, rank: int, size: int, device: torch.device, timeout_s: float) -> Comm:
-    """Join the process group (``backend``, over ``store``) and a gloo control group."""
+def init_groups(backend: str, store, rank: int, size: int, device: torch.device, timeout_s: float,
+                channel=None) -> Comm:
+    """Join the process group (``backend``, over ``store``) and a gloo control group
+    (``channel``: this rank's end of the shared-memory control ring, if any)."""
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return Comm(rank, size, device, None, control)
+    return Comm(rank, size, device, None, control, channel)
 
 
 def join(spec: WorkerSpec) -> Comm:
@@ -109,8 +113,13 @@ def join(spec: WorkerSpec) -> Comm:
         torch.cuda.set_device(device)
     store = dist.TCPStore(spec.host, spec.port, spec.size, is_master=False,
                           timeout=datetime.timedelta(seconds=spec.timeout_s))
+    channel = None
+    if spec.control_shm is not None:
+        channel = ShmChannel.attach(spec.control_shm, spec.rank, spec.size - 1)
+        parent = os.getppid()
+        channel.alive = lambda: os.getppid() == parent      # the driver (our parent) still runs
     store.set(READY_KEY.format(spec.rank), "1")
-    return init_groups(spec.backend, store, spec.rank, spec.size, device, spec.timeout_s)
+    return init_groups(spec.backend, store, spec.rank, spec.size, device, spec.timeout_s, channel)
 
 
 def worker_main(spec: WorkerSpec, errors) -> None:  # pragma: no cover - runs in the spawned process
