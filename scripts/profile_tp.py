@@ -119,7 +119,23 @@ def micro() -> dict:
 # ---------------------------------------------------------------------------------------------
 # 3 + 4: end to end
 # ---------------------------------------------------------------------------------------------
-CONFIGS = [(1, "gloo", "nccl"), (2, "shm", "auto"), (2, "shm", "nccl"), (2, "gloo", "nccl")]
+CONFIGS = [(1, "gloo", "nccl"), (2, "gloo", "nccl"), (2, "shm", "nccl"), (2, "shm", "auto")]
+
+
+def _close_with_watchdog(model, what: str, limit_s: float = 60.0) -> None:
+    """``model.close()``; if it has not returned after ``limit_s``, print every thread's stack."""
+    import faulthandler
+    import threading
+
+    t0 = time.perf_counter()
+    th = threading.Thread(target=model.close, daemon=True)
+    th.start()
+    th.join(limit_s)
+    if th.is_alive():
+        print(f"[{_elapsed():.0f}s] {what}: close() still running after {limit_s:.0f} s; stacks:", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        raise SystemExit(3)
+    print(f"[{_elapsed():.0f}s] {what}: closed in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def _print_profile(prof: dict) -> None:
@@ -172,7 +188,7 @@ def e2e_rows(budget_s: float, batches, modes) -> dict:
                 out["profile"] = _profile(LLM, SamplingParams, model, dev)
                 _print_profile(out["profile"])
             if tp > 1:
-                model.close()
+                _close_with_watchdog(model, f"TP={tp} {used}")
             del model
             free_memory(dev)
     return out

@@ -11,13 +11,9 @@ share of heads and channels), with four additions:
 * the LM head holds the same shard: the local logits ``[..., Vs]`` are all-gathered to
   ``[..., N Vs]`` and cut to ``V``, so every rank holds the complete, identical logits (and
   computes identical greedy acceptances from them);
-* a Mamba-2 gated RMSNorm whose groups span ranks (``n_groups`` < ranks) needs the group's
-  sum of squares from every rank.  Its scale is one number per token and group, so it
-  commutes with the row-parallel ``out_proj``: :class:`DeferredGatedRMSNorm` leaves it out,
-  and the mixer's one all-reduce carries ``[partial out_proj output | partial sum of
-  squares]`` per group, after which ``out = Σ_g rsqrt(ss_g / group + eps) · P_g`` — one
-  collective per mixer instead of two.  (With an ``out_proj`` bias, which the scale must
-  not touch, :class:`ShardedGatedRMSNorm` all-reduces the sums on their own.)
+* a Mamba-2 gated RMSNorm whose groups span ranks (``n_groups`` < ranks) all-reduces its
+  per-group sums of squares (:class:`ShardedGatedRMSNorm`; on GPUs two Triton kernels
+  around that one small all-reduce: the local sums, then the norm with the group's total).
 
 The sums go through :class:`~.allreduce.AllReduce` (one-shot symmetric memory on GPUs for
 decode-sized messages, NCCL past that, gloo on CPU).
@@ -37,13 +33,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels.dispatch import fused_ok
+from ..kernels.norm import gated_rmsnorm, gated_sumsq
 from ..layers.mamba2 import Mamba2Mixer
 from ..runtime import compute_dtype
 from .allreduce import AllReduce
 from .sharding import mamba_groups, vocab_shard
 
-__all__ = ["ShardInfo", "ShardedGatedRMSNorm", "DeferredGatedRMSNorm", "TensorParallelLM", "build_local_model",
-           "all_gather_last"]
+__all__ = ["ShardInfo", "ShardedGatedRMSNorm", "TensorParallelLM", "build_local_model", "all_gather_last"]
 
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -80,63 +77,40 @@ def _all_reduce_hook(allreduce: AllReduce):
     return hook
 
 
-def _deferred_norm_hook(allreduce: AllReduce, norm: "DeferredGatedRMSNorm"):
-    """The mixer's all-reduce when its gated norm was deferred: ``[P | ss]`` per group in the
-    compute dtype, then ``out = Σ_g rsqrt(ss_g / group_size + eps) P_g``."""
-    def hook(module, args, output: Tensor) -> Tensor:
-        ss = norm.partial                                                     # [..., 1] local group
-        G, g = norm.num_groups, norm.group_index
-        msg = output.new_zeros(*output.shape[:-1], G, output.shape[-1] + 1, dtype=ss.dtype)
-        msg[..., g, :-1] = output
-        msg[..., g, -1:] = ss
-        msg = allreduce(msg)
-        scale = torch.rsqrt(msg[..., -1:] / norm.group_size + norm.eps)      # [..., G, 1]
-        return (msg[..., :-1] * scale).sum(-2).to(output.dtype)
-
-    return hook
-
-
 class ShardedGatedRMSNorm(nn.Module):
     """Mamba-2's gated RMSNorm ``y = w · rms_g(x · silu(z))`` when a norm group (``group_size``
     channels) spans several ranks: the local channels all lie in group ``group_index`` of
-    ``num_groups``; their sum of squares is all-reduced in a ``[..., num_groups]`` vector
-    (each rank adds its partial to its group's column), then ``rms = sqrt(sum / group_size + eps)``."""
+    ``num_groups``; their sum of squares is all-reduced (a ``[...]`` vector for one group,
+    else ``[..., num_groups]`` with each rank's partial in its group's column), then
+    ``rms = sqrt(sum / group_size + eps)``.  On GPUs the two halves are Triton kernels
+    (:func:`~replayssm.kernels.norm.gated_sumsq`, ``gated_rmsnorm(..., sumsq=)``)."""
 
-    def __init__(self, dim: int, eps: float, group_size: int, group_index: int, num_groups: int, group=None):
+    def __init__(self, dim: int, eps: float, group_size: int, group_index: int, num_groups: int,
+                 allreduce: AllReduce):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps, self.group_size = eps, group_size
-        self.group_index, self.num_groups, self.group = group_index, num_groups, group
+        self.group_index, self.num_groups, self.allreduce = group_index, num_groups, allreduce
 
-    def forward(self, x: Tensor, z: Tensor) -> Tensor:
-        dt = x.dtype
-        xf = x.to(compute_dtype(dt)) * F.silu(z.to(compute_dtype(dt)))
-        part = xf.pow(2).sum(-1)                                              # [...]
+    def _total(self, part: Tensor) -> Tensor:
+        """The group's sum of squares over all ranks, ``[...]`` (``part``: this rank's)."""
+        if self.num_groups == 1:
+            return self.allreduce(part)
         sums = part.new_zeros(*part.shape, self.num_groups)
         sums[..., self.group_index] = part
-        dist.all_reduce(sums, group=self.group)
-        var = sums[..., self.group_index:self.group_index + 1] / self.group_size
-        return self.weight * (xf * torch.rsqrt(var + self.eps)).to(dt)
-
-
-class DeferredGatedRMSNorm(nn.Module):
-    """Mamba-2's gated RMSNorm without its scale: ``w · (x · silu(z))``; the local sum of
-    squares ``Σ (x · silu(z))²`` (``[..., 1]``, compute dtype) is kept in ``partial`` for the
-    mixer's all-reduce (:func:`_deferred_norm_hook`), which applies ``rsqrt(ss / group_size
-    + eps)`` after ``out_proj`` (row-parallel, no bias: the scale commutes with it)."""
-
-    def __init__(self, dim: int, eps: float, group_size: int, group_index: int, num_groups: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
-        self.eps, self.group_size = eps, group_size
-        self.group_index, self.num_groups = group_index, num_groups
-        self.partial: Tensor | None = None
+        return self.allreduce(sums)[..., self.group_index].contiguous()
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        if fused_ok(x, z, self.weight):
+            total = self._total(gated_sumsq(x, z))
+            return gated_rmsnorm(x, z, self.weight, self.eps, x.shape[-1], True, sumsq=total, total=self.group_size)
+        return self.reference(x, z)
+
+    def reference(self, x: Tensor, z: Tensor) -> Tensor:
         dt = x.dtype
         xf = x.to(compute_dtype(dt)) * F.silu(z.to(compute_dtype(dt)))
-        self.partial = xf.pow(2).sum(-1, keepdim=True)
-        return self.weight * xf.to(dt)
+        var = self._total(xf.pow(2).sum(-1))[..., None] / self.group_size
+        return self.weight * (xf * torch.rsqrt(var + self.eps)).to(dt)
 
 
 class TensorParallelLM:
@@ -189,25 +163,20 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
     for blk in model.blocks:
         for _, mixer_name in blk.subs:
             mixer = getattr(blk, mixer_name)
-            deferred = _shard_norm(mixer, cfg, size, rank, group) if isinstance(mixer, Mamba2Mixer) else None
-            hook = _deferred_norm_hook(allreduce, deferred) if deferred is not None else _all_reduce_hook(allreduce)
-            mixer.register_forward_hook(hook)
+            if isinstance(mixer, Mamba2Mixer):
+                _shard_norm(mixer, cfg, size, rank, allreduce)
+            mixer.register_forward_hook(_all_reduce_hook(allreduce))
     return model
 
 
-def _shard_norm(mixer: Mamba2Mixer, cfg, size: int, rank: int, group) -> DeferredGatedRMSNorm | None:
-    """Replace the mixer's gated norm when its groups span ranks (``n_groups`` < ranks):
-    deferred into the mixer's all-reduce (returned) unless ``out_proj`` has a bias."""
+def _shard_norm(mixer: Mamba2Mixer, cfg, size: int, rank: int, allreduce: AllReduce) -> None:
+    """Replace the mixer's gated norm when its groups span ranks (``n_groups`` < ranks)."""
     G = cfg.n_groups
     H = cfg.num_heads if cfg.model_type == "mamba2" else cfg.mamba_num_heads
     if G % size == 0:
-        return None  # whole norm groups on every rank: the local norm is exact
+        return  # whole norm groups on every rank: the local norm is exact
     old = mixer.norm
     gsize = mixer.inter * size // G          # global channels / G
     g0, _ = mamba_groups(H, G, size, rank)
     with torch.device("meta"):
-        if mixer.out_proj.bias is None:
-            mixer.norm = DeferredGatedRMSNorm(mixer.inter, old.eps, gsize, g0, G)
-            return mixer.norm
-        mixer.norm = ShardedGatedRMSNorm(mixer.inter, old.eps, gsize, g0, G, group)
-    return None
+        mixer.norm = ShardedGatedRMSNorm(mixer.inter, old.eps, gsize, g0, G, allreduce)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pickle
 import struct
 import time
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 __all__ = ["ShmChannel", "ChannelClosed"]
 
@@ -68,12 +68,10 @@ class ShmChannel:
 
     @classmethod
     def attach(cls, name: str, rank: int, readers: int, slots: int = 64, slot_bytes: int = 1 << 16) -> "ShmChannel":
-        shm = shared_memory.SharedMemory(name=name)
-        try:   # the writer owns (and unlinks) the segment; a reader's exit must not
-            resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-        except Exception:  # pragma: no cover - tracker variations
-            pass
-        return cls(shm, readers, rank, slots, slot_bytes, owner=False)
+        # the writer owns (and unlinks) the segment; spawned readers share its resource
+        # tracker, so their own registration of the name is the same entry
+        return cls(shm=shared_memory.SharedMemory(name=name), readers=readers, rank=rank, slots=slots,
+                   slot_bytes=slot_bytes, owner=False)
 
     # -- layout -------------------------------------------------------------------------------
     def _slot(self, seq: int) -> int:

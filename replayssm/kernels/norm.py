@@ -5,6 +5,9 @@ intermediate roundings to the activation dtype:
 
 * :func:`gated_rmsnorm`, the SSM layers' gated norm: ``gate_first`` (Mamba-2):
   ``y = w · rms_g(x · silu(z))``; otherwise (Qwen3-Next GDN): ``y = (w · rms(x)) · silu(z)``;
+* :func:`gated_sumsq` and ``gated_rmsnorm(..., sumsq=)``, the same norm split around a
+  tensor-parallel all-reduce when a norm group spans ranks: each rank sums ``(x · silu(z))²``
+  over its channels, the sums are all-reduced, and the norm divides by the group's total;
 * :func:`rmsnorm`, the blocks' norm, ``y = w · rms(x)`` or zero-centred ``y = (1 + w) ·
   rms(x)``, optionally with the residual add before it: ``s = h + r``, ``y = norm(s)``.
 """
@@ -16,17 +19,19 @@ from torch import Tensor
 
 from ._triton import HAVE_TRITON, count_args, flat_grid, next_pow2, triton, tl
 
-__all__ = ["gated_rmsnorm", "rmsnorm"]
+__all__ = ["gated_rmsnorm", "gated_sumsq", "rmsnorm"]
 
 if HAVE_TRITON:
 
     @triton.jit(**count_args("R"))
     def _gated_rmsnorm_kernel(
-        x_ptr, z_ptr, w_ptr, y_ptr, R, NG, GS, x_stride, z_stride, N, eps,
-        BR: tl.constexpr, BG: tl.constexpr, GATE_FIRST: tl.constexpr,
+        x_ptr, z_ptr, w_ptr, y_ptr, ss_ptr, R, NG, GS, x_stride, z_stride, N, eps, inv_total,
+        BR: tl.constexpr, BG: tl.constexpr, GATE_FIRST: tl.constexpr, GIVEN_SS: tl.constexpr,
     ):
         """One ``[BR rows, group]`` tile per program on a flat grid (groups fastest): the row
-        count (tokens × heads in a prefill) never meets a grid-axis limit."""
+        count (tokens × heads in a prefill) never meets a grid-axis limit.  ``GIVEN_SS``: the
+        group's sum of squares per row comes from ``ss_ptr [R]`` (summed over ranks), divided
+        by the group's global size (``1 / inv_total``)."""
         pid = tl.program_id(0)
         grp = pid % NG
         rows = (pid // NG).to(tl.int64) * BR + tl.arange(0, BR)
@@ -40,11 +45,27 @@ if HAVE_TRITON:
         sz = z * tl.sigmoid(z)
         if GATE_FIRST:
             x = x * sz
-        xn = x * tl.rsqrt(tl.sum(x * x, 1) / GS + eps)[:, None]
+        if GIVEN_SS:
+            ss = tl.load(ss_ptr + rows, mask=rows < R, other=0.0)
+            xn = x * tl.rsqrt(ss * inv_total + eps)[:, None]
+        else:
+            xn = x * tl.rsqrt(tl.sum(x * x, 1) / GS + eps)[:, None]
         y = (xn.to(act).to(tl.float32) * w[None, :]).to(act)
         if not GATE_FIRST:
             y = (y.to(tl.float32) * sz).to(act)
         tl.store(y_ptr + rows[:, None] * N + offs[None, :], y, mask=m)
+
+
+    @triton.jit(**count_args("R"))
+    def _gated_sumsq_kernel(x_ptr, z_ptr, ss_ptr, R, N, x_stride, z_stride, BR: tl.constexpr, BN: tl.constexpr):
+        """``ss[r] = Σ_j (x[r, j] · silu(z[r, j]))²`` (fp32), ``BR`` rows per program."""
+        rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        j = tl.arange(0, BN)
+        m = (rows < R)[:, None] & (j < N)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_stride + j[None, :], mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + rows[:, None] * z_stride + j[None, :], mask=m, other=0.0).to(tl.float32)
+        x = x * (z * tl.sigmoid(z))
+        tl.store(ss_ptr + rows, tl.sum(x * x, 1), mask=rows < R)
 
 
     @triton.jit
@@ -111,23 +132,52 @@ def rmsnorm(h: Tensor, weight: Tensor, eps: float, zero_centered: bool, residual
 
 
 def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,
-                  gate_first: bool) -> Tensor:
+                  gate_first: bool, sumsq: Tensor | None = None, total: int | None = None) -> Tensor:
     """``x, z [..., N]`` (same shape; rows may be strided), ``weight [N]`` -> ``y [..., N]``
-    in ``x``'s dtype (the weight must share it)."""
+    in ``x``'s dtype (the weight must share it).
+
+    ``sumsq [...]`` (fp32, with ``total``; ``gate_first`` only): the rows lie in one norm
+    group of ``total`` channels spread over ranks, ``sumsq`` is that group's sum of
+    ``(x · silu(z))²`` over all of them, and ``y = w · x silu(z) / sqrt(sumsq / total + eps)``
+    (``group_size`` must then be ``N``)."""
     if x.shape != z.shape:
         raise ValueError(f"x {tuple(x.shape)} and z {tuple(z.shape)} differ")
     N = x.shape[-1]
     if N % group_size:
         raise ValueError(f"norm dim {N} is not a multiple of group size {group_size}")
+    if sumsq is not None and (group_size != N or not gate_first or total is None
+                              or sumsq.shape != x.shape[:-1] or sumsq.dtype != torch.float32):
+        raise ValueError(f"a given sum of squares needs one gate-first group over the whole row, fp32 sums of "
+                         f"shape {tuple(x.shape[:-1])} and the group's total size; got group_size={group_size} "
+                         f"of {N}, sums {tuple(sumsq.shape)} {sumsq.dtype}, total={total}")
     shape = x.shape
     x2, z2 = _rows(x, N), _rows(z, N)
     R = x2.shape[0]
     y = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    ss = sumsq.reshape(R).contiguous() if sumsq is not None else y
     if R:
         BG = next_pow2(group_size)
         BR = min(next_pow2(R), max(1, 2048 // BG))  # ~2K elements per program for short groups
         NG = N // group_size
         _gated_rmsnorm_kernel[flat_grid(NG, triton.cdiv(R, BR))](
-            x2, z2, weight, y, R, NG, group_size, x2.stride(0), z2.stride(0), N, float(eps),
-            BR=BR, BG=BG, GATE_FIRST=bool(gate_first), num_warps=min(16, max(1, BR * BG // 256)))
+            x2, z2, weight, y, ss, R, NG, group_size, x2.stride(0), z2.stride(0), N, float(eps),
+            1.0 / float(total or group_size), BR=BR, BG=BG, GATE_FIRST=bool(gate_first),
+            GIVEN_SS=sumsq is not None, num_warps=min(16, max(1, BR * BG // 256)))
     return y.reshape(shape)
+
+
+def gated_sumsq(x: Tensor, z: Tensor) -> Tensor:
+    """``x, z [..., N]`` -> ``Σ_j (x · silu(z))²`` per row, ``[...]`` fp32 (the local part of
+    a norm group that spans tensor-parallel ranks)."""
+    if x.shape != z.shape:
+        raise ValueError(f"x {tuple(x.shape)} and z {tuple(z.shape)} differ")
+    N = x.shape[-1]
+    x2, z2 = _rows(x, N), _rows(z, N)
+    R = x2.shape[0]
+    ss = torch.empty(R, dtype=torch.float32, device=x.device)
+    if R:
+        BN = next_pow2(N)
+        BR = min(next_pow2(R), max(1, 4096 // BN))
+        _gated_sumsq_kernel[(triton.cdiv(R, BR),)](x2, z2, ss, R, N, x2.stride(0), z2.stride(0), BR=BR, BN=BN,
+                                                   num_warps=min(16, max(1, BR * BN // 512)))
+    return ss.reshape(x.shape[:-1])

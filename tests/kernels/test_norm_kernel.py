@@ -10,7 +10,7 @@ triton = pytest.importorskip("triton")
 
 from kernel_device import kernel_device  # noqa: E402
 
-from replayssm.kernels.norm import gated_rmsnorm, rmsnorm  # noqa: E402
+from replayssm.kernels.norm import gated_rmsnorm, gated_sumsq, rmsnorm  # noqa: E402
 from replayssm.layers.norms import GatedRMSNorm, RMSNorm  # noqa: E402
 
 DEVICE = kernel_device()
@@ -74,3 +74,29 @@ def test_rmsnorm_kernel_rejects_bad_shapes():
         rmsnorm(x, torch.ones(9, device=DEVICE), 1e-5, False)
     with pytest.raises(ValueError, match="residual"):
         rmsnorm(x, torch.ones(10, device=DEVICE), 1e-5, False, residual=torch.zeros(2, 9, device=DEVICE))
+
+
+@pytest.mark.parametrize("N,ranks,dtype", [(24, 2, torch.float32), (30, 3, torch.float32), (64, 2, torch.bfloat16)])
+def test_split_gated_rmsnorm_over_ranks_matches_the_whole_norm(N, ranks, dtype):
+    """A norm group spread over ``ranks``: each rank's ``gated_sumsq`` of its channels, summed
+    (the all-reduce), then ``gated_rmsnorm(..., sumsq=, total=N)`` on each rank's channels,
+    concatenated, equals the one-group norm of the whole row (rows 5: odd; strided z)."""
+    g = torch.Generator().manual_seed(N)
+    norm = GatedRMSNorm(N, 1e-5, group_size=N, gate_first=True)
+    norm.weight.data = (1 + 0.3 * torch.randn(N, generator=g)).to(dtype).to(DEVICE)
+    x = torch.randn(5, N, generator=g).to(dtype).to(DEVICE)
+    z = torch.randn(5, N + 3, generator=g).to(dtype).to(DEVICE)[:, 1:1 + N]
+    y_ref = norm.reference(x, z)
+    w = N // ranks
+    parts = [(x[:, r * w:(r + 1) * w], z[:, r * w:(r + 1) * w]) for r in range(ranks)]
+    sums = [gated_sumsq(a, b) for a, b in parts]
+    assert sums[0].shape == (5,) and sums[0].dtype == torch.float32
+    want = (x.double() * torch.nn.functional.silu(z.double())).pow(2).sum(-1)
+    torch.testing.assert_close(sum(sums).double(), want, rtol=1e-5, atol=1e-5)
+    total = sum(sums)
+    y = torch.cat([gated_rmsnorm(a, b, norm.weight[r * w:(r + 1) * w], norm.eps, w, True, sumsq=total, total=N)
+                   for r, (a, b) in enumerate(parts)], -1)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(y.float(), y_ref.float(), **tol)
+    with pytest.raises(ValueError, match="sum of squares"):
+        gated_rmsnorm(x, z, norm.weight, norm.eps, N, True, sumsq=total.double(), total=N)
