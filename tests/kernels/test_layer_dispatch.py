@@ -259,9 +259,10 @@ def test_every_op_is_routed_or_declared_reference_only():
     from replayssm.ops.conv import naive as NC
     from replayssm.ops.gdn import naive as NG
     from replayssm.ops.mamba2 import naive as N2
+    from replayssm.ops.kda import naive as NK
     from replayssm.ops.moe import naive as NM
 
-    for fam, naive in (("mamba2", N2), ("gdn", NG), ("conv", NC), ("attention", NA), ("moe", NM)):
+    for fam, naive in (("mamba2", N2), ("gdn", NG), ("kda", NK), ("conv", NC), ("attention", NA), ("moe", NM)):
         routed, ref = set(dispatch.ROUTED[fam]), set(dispatch.REFERENCE_ONLY[fam])
         ops = {n for n in naive.__all__ if callable(getattr(naive, n))}
         assert not routed & ref, fam
@@ -271,6 +272,10 @@ def test_every_op_is_routed_or_declared_reference_only():
                    "kv_tree_verify"),
         "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "snapshot_commit", "kv_to_state",
                 "kv_tree_verify"),
+        # KDA: no kernels yet (every form runs the reference on every device)
+        "kda": ("l2norm", "recurrent_step", "recurrent_update", "recurrent_scan", "chunked_prefill",
+                "chunked_prefill_varlen", "rebuild_state", "replay_decode", "replay_verify", "tree_verify",
+                "snapshot_verify", "snapshot_commit", "kv_verify", "kv_tree_verify", "kv_fold", "kv_to_state"),
         "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
         "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
         "moe": ("activation", "check_experts"),
