@@ -53,6 +53,7 @@ from . import attention as attention_kernels
 from . import conv as conv_kernels
 from . import gdn as gdn_kernels
 from . import gdn_prefill
+from . import kda as kda_kernels
 from . import mamba2 as mamba2_kernels
 from . import mamba2_prefill
 from . import moe as moe_kernels
@@ -66,7 +67,7 @@ _KERNEL_ONLY = frozenset(KERNEL_ONLY)
 _REFERENCE = {"mamba2": mamba2_naive, "gdn": gdn_naive, "kda": kda_naive, "conv": conv_naive,
               "attention": attention_naive, "moe": moe_naive}
 #: where each family's kernels live (the first module defining an op's name has it)
-_KERNELS = {"mamba2": (mamba2_kernels, mamba2_prefill), "gdn": (gdn_kernels, gdn_prefill), "kda": (),
+_KERNELS = {"mamba2": (mamba2_kernels, mamba2_prefill), "gdn": (gdn_kernels, gdn_prefill), "kda": (kda_kernels,),
             "conv": (conv_kernels,),
             "attention": (attention_kernels,), "moe": (moe_kernels,)}
 
@@ -76,7 +77,7 @@ ROUTED = {
                "kv_verify", "snapshot_verify", "chunked_prefill_varlen", "kv_fold", "rebuild_state", "conv_fold"),
     "gdn": ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify",
             "kv_verify", "snapshot_verify", "chunked_prefill_varlen", "kv_fold", "rebuild_state"),
-    "kda": (),
+    "kda": ("replay_decode", "replay_verify", "tree_verify"),
     "conv": ("conv_decode", "conv_verify", "conv_commit", "conv_prefill_varlen"),
     "attention": ("write_kv", "paged_attention"),
     "moe": ("experts",),
@@ -87,10 +88,11 @@ REFERENCE_ONLY = {
                "kv_tree_verify"),
     "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "snapshot_commit", "kv_to_state",
             "kv_tree_verify"),
-    # KDA (Kimi-Linear): no Triton kernels yet, every form runs the float64-capable reference
+    # KDA (Kimi-Linear): kernels for the replay decode forms; prefill, the recurrent and
+    # snapshot baselines, the KV-only form and the folds run the reference on every device
     "kda": ("l2norm", "recurrent_step", "recurrent_update", "recurrent_scan", "chunked_prefill",
-            "chunked_prefill_varlen", "rebuild_state", "replay_decode", "replay_verify", "tree_verify",
-            "snapshot_verify", "snapshot_commit", "kv_verify", "kv_tree_verify", "kv_fold", "kv_to_state"),
+            "chunked_prefill_varlen", "rebuild_state", "snapshot_verify", "snapshot_commit", "kv_verify",
+            "kv_tree_verify", "kv_fold", "kv_to_state"),
     "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
     "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
     "moe": ("activation", "check_experts"),
