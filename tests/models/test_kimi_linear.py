@@ -247,3 +247,37 @@ def test_default_layer_pattern():
 def test_config_errors_name_the_key(built, edit, msg):
     with pytest.raises(ConfigError, match=msg):
         parse_config(_config(built, **edit))
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (dict(linear_num_heads=4), r"linear_num_heads \* linear_head_dim \(4 \* 6\) = 24"),
+    (dict(linear_conv_kernel_dim=4), "short_conv_kernel_size"),
+    (dict(kv_lora_rank=8), "kv_lora_rank = 8"),
+    (dict(v_head_dim=4), r"num_attention_heads \* \(qk_nope_head_dim \+ v_head_dim\)"),
+    (dict(num_experts=8), "num_experts = 8"),
+])
+def test_config_sizes_checked_against_the_tensors(built, tmp_path, edit, msg):
+    """A config.json whose sizes disagree with the checkpoint fails before any module is
+    built, naming the field and the tensor."""
+    _, path, _ = built("moe")
+    bad = _resave(path, str(tmp_path / "bad"), lambda t: t)
+    d = _config(built, **edit)
+    if "num_experts" in edit:
+        d["num_expert_group"] = 2
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(d, f)
+    with pytest.raises(ConfigError, match=msg):
+        load_model(bad, dtype="float64")
+
+
+def test_jax_and_tensor_parallel_refuse_by_name(built):
+    from replayssm.distributed.sharding import check_tensor_parallel
+
+    _, _, ours = built("moe")
+    with pytest.raises(ValueError, match="no sharding rules for model_type 'kimi_linear'"):
+        check_tensor_parallel(ours.config, 2)
+    pytest.importorskip("jax")
+    from replayssm.jax.params import from_torch_model
+
+    with pytest.raises(ValueError, match="KimiDeltaAttention"):
+        from_torch_model(ours)
