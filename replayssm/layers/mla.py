@@ -11,8 +11,8 @@ part, ``dv`` the value head dim, ``R = kv_lora_rank``)::
 
 computed in the absorbed form: ``q_h·k_j = [W_uk_hᵀ q_nope_h | q_rot_h]·[c_j | k_rot_j]``
 and ``o_h = W_uv_h Σ_j p_hj c_j``, i.e. multi-query attention with one key/value head
-``[c | k_rot]`` of ``R + dr`` channels (what the paged cache stores per token; its value
-is the same vector, of which the first ``R`` channels are read).  The q_a / kv_a norms use
+``[c | k_rot]`` of ``R + dr`` channels: the paged cache stores that vector once per token
+(the key and value pools are one tensor; the value's first ``R`` channels are read).  The q_a / kv_a norms use
 ``eps = 1e-6`` (transformers builds them without the config's ``rms_norm_eps``).
 """
 
@@ -51,6 +51,27 @@ class MLAttention(Attention):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_dim + v_dim))
         self.o_proj = Linear(num_heads * v_dim, hidden, bias)
+
+    def allocate(self, num_blocks: int, block_size: int, dtype, device) -> dict:
+        """One pool ``[num_blocks, block_size, 1, R + dr]`` under both names (key = value)."""
+        pool = torch.zeros((num_blocks, block_size, 1, self.Dh), dtype=dtype, device=device)
+        return {"k": pool, "v": pool}
+
+    def commit(self, ctx: StepContext, accepted: Tensor, path: Tensor | None) -> None:
+        """The tree commit's moves, once (the key and value pools are one tensor: moving
+        both would move the already moved rows again)."""
+        if ctx.kind != "tree" or path is None:
+            return
+        store = ctx.cache.layers[self.layer_id]
+        N, bs = ctx.T, store["k"].shape[1]
+        i = torch.arange(N, device=accepted.device)
+        src = torch.where(i[None, :] < accepted[:, None], path.long(), i[None, :])
+
+        def flat(pos: Tensor) -> Tensor:
+            return ctx.attn_table.gather(1, pos // bs) * bs + pos % bs
+
+        pool = store["k"].view(-1, self.Dh)
+        pool[flat(ctx.seq_len[:, None] + i[None, :])] = pool[flat(ctx.seq_len[:, None] + src)]
 
     def _up(self) -> tuple[Tensor, Tensor]:
         """``(W_uk [H, dn, R], W_uv [H, dv, R])`` from ``kv_b_proj``."""

@@ -281,3 +281,51 @@ def test_jax_and_tensor_parallel_refuse_by_name(built):
 
     with pytest.raises(ValueError, match="KimiDeltaAttention"):
         from_torch_model(ours)
+
+
+def test_mla_cache_holds_the_latent_once(built):
+    """Each MLA layer's paged cache is one ``[blocks, block_size, 1, R + dr]`` pool under
+    both names, counted once in the cache layout."""
+    _, _, ours = built("moe")
+    cache = ours.make_cache(3, mode="replay", max_seq_len=16, block_size=4)
+    store = cache.layers[1]
+    assert store["k"] is store["v"] and tuple(store["k"].shape[1:]) == (4, 1, 7 + 4)
+    assert ours.cache_layout(mode="replay", max_seq_len=16, block_size=4).attn_block_bytes == 4 * 11 * 8
+
+
+@pytest.mark.parametrize("mode,blocks", [("replay", None), ("kv", 40)])
+def test_cached_steps_swap_and_fork_continue_exactly(built, mode, blocks):
+    """Prefill, decode, verify and tree steps against full forwards (1e-9 in float64), then
+    the slot swapped to host and back into another slot, and forked, each continuing exactly
+    (the MLA pool held once under two names is moved / copied once per name, harmlessly)."""
+    from test_cache_fork import _slot_tensors
+    from test_cached import Stream
+
+    _, _, model = built("moe")
+    cache = model.make_cache(6, mode=mode, buffer_size=6, max_new=3, max_seq_len=64, block_size=4,
+                             kv_num_blocks=blocks, attn_num_blocks=blocks, poison=True)
+    st = Stream(model, cache, [1, 0, 3], seed=5)
+    st.prefill([5, 1, 3])
+    if blocks:
+        for s in (1, 3):
+            cache.reserve(s, 40)
+    for _ in range(2):
+        st.decode()
+        st.verify(3)
+        st.tree()
+    before = [t.clone() for t in _slot_tensors(cache, 1)]
+    cache.swap_out(1, "req")
+    cache.swap_in(4, "req")
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(before, _slot_tensors(cache, 4)))
+    cache.fork(4, [5])
+    st2 = Stream(model, cache, [4, 3, 5], seed=9)
+    st2.seqs = {4: list(st.seqs[1]), 3: list(st.seqs[3]), 5: list(st.seqs[1])}
+    for _ in range(2):
+        if blocks:
+            for s in (3, 4, 5):
+                cache.reserve(s, len(st2.seqs[s]) + 3)
+        st2.decode()
+        st2.verify(2)
+        st2.tree()
+    st2.check_lengths()
+    assert max(st.err, st2.err) < 1e-9
