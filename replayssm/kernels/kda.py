@@ -156,9 +156,10 @@ if HAVE_TRITON:
         # ---- per-channel path log-decays G_s = Σ_{s' ancestor-or-self} g_s'
         Gs = tl.zeros([TP, BK], dtype=tl.float32)
         for j in tl.static_range(TP):
-            gj = tl.sum(tl.where(ss[:, None] == j, Gn, 0.0), 0)
-            cj = tl.sum(tl.where(ss[None, :] == j, ancf, 0.0), 1) > 0.0
-            Gs += tl.where(cj[:, None], gj[None, :], 0.0)
+            if j < T:
+                gj = tl.sum(tl.where(ss[:, None] == j, Gn, 0.0), 0)
+                cj = tl.sum(tl.where(ss[None, :] == j, ancf, 0.0), 1) > 0.0
+                Gs += tl.where(cj[:, None], gj[None, :], 0.0)
         eG = tl.exp(Gs)
         HK = tl.dot(Kn * eG, Sh, input_precision=PREC)
         HQ = tl.dot(Qn * eG, Sh, input_precision=PREC)

@@ -156,7 +156,7 @@ def test_verify_schedule_with_commits(tree):
     T = 3
     p.fill([5, 0, 0, 2])
     flushed = set()
-    for step in range(4):
+    for step in range(3):
         flushed.add(tuple(p.verify(step, T, tree).nonzero().flatten().tolist()))
         p.decode(step)
     assert len(flushed - {()}) >= 1
