@@ -77,7 +77,7 @@ ROUTED = {
                "kv_verify", "snapshot_verify", "chunked_prefill_varlen", "kv_fold", "rebuild_state", "conv_fold"),
     "gdn": ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify",
             "kv_verify", "snapshot_verify", "chunked_prefill_varlen", "kv_fold", "rebuild_state"),
-    "kda": ("replay_decode", "replay_verify", "tree_verify"),
+    "kda": ("replay_decode", "replay_verify", "tree_verify", "kv_verify", "kv_tree_verify"),
     "conv": ("conv_decode", "conv_verify", "conv_commit", "conv_prefill_varlen"),
     "attention": ("write_kv", "paged_attention"),
     "moe": ("experts",),
@@ -88,11 +88,11 @@ REFERENCE_ONLY = {
                "kv_tree_verify"),
     "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "snapshot_commit", "kv_to_state",
             "kv_tree_verify"),
-    # KDA (Kimi-Linear): kernels for the replay decode forms; prefill, the recurrent and
-    # snapshot baselines, the KV-only form and the folds run the reference on every device
+    # KDA (Kimi-Linear): kernels for the replay and KV-only decode forms; prefill, the
+    # recurrent and snapshot baselines and the folds run the reference on every device
     "kda": ("l2norm", "recurrent_step", "recurrent_update", "recurrent_scan", "chunked_prefill",
-            "chunked_prefill_varlen", "rebuild_state", "snapshot_verify", "snapshot_commit", "kv_verify",
-            "kv_tree_verify", "kv_fold", "kv_to_state"),
+            "chunked_prefill_varlen", "rebuild_state", "snapshot_verify", "snapshot_commit", "kv_fold",
+            "kv_to_state"),
     "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
     "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
     "moe": ("activation", "check_experts"),

@@ -186,3 +186,53 @@ def test_bad_input_raises_before_any_write():
         KK.replay_verify(p.buf, vplan, q, k, v, g, beta)   # no time axis
     for n, t in zip(BUF, before):
         assert torch.equal(torch.nan_to_num(getattr(p.buf, n)), torch.nan_to_num(t)), n
+
+
+def test_kv_only_form_decode_verify_and_trees():
+    """KV-only steps (``S0 = 0``, entries in paged blocks of 3, each row's blocks scattered
+    over the pool): decodes, chains with random accepts, trees with random paths, then a
+    step the kernel leaves to the reference (more than ``KV_MAX_NEW`` new tokens); outputs and
+    every pool entry against the float64 reference."""
+    from replayssm.cache.paged import KDAPagedBuffers, PagedIndex
+    from replayssm.cache.paged import gather_path as kv_gather_path
+
+    s = shapes()
+    g = torch.Generator().manual_seed(11)
+    bs, NB = 3, 40
+    pidx = PagedIndex(s["P"] - 1, bs, NB, 16, torch.device(DEVICE))
+    kv = KDAPagedBuffers.allocate(NB, bs, s["H"], s["HV"], s["K"], s["V"], device=DEVICE, poison=True)
+    ref = KDAPagedBuffers(*(t.to(F64).clone() for t in kv.tensors()))
+    p = Pair(seed=12)                        # for its slots and inputs
+    slots, real = p.slots, p.real
+    ops = dispatch.ops_for("kda", "triton")
+    for step, (T, tree) in enumerate([(4, False), (1, False), (3, False), (3, True), (1, False), (3, True),
+                                      (KK.KV_MAX_NEW + 2, False)]):
+        for sl in slots.tolist():
+            if sl:
+                pidx.reserve(sl, int(pidx.length[sl]) + T)
+        pplan = pidx.plan(slots, T)
+        x = p.inputs(T)
+        xf = [t.float() for t in x]
+        if tree:
+            parent = _parents(s["Bt"], T, g).to(DEVICE)
+            y_ref = NK.kv_tree_verify(ref, pplan, parent, *x)
+            y = ops.kv_tree_verify(kv, pplan, parent, *xf)
+        else:
+            y_ref = NK.kv_verify(ref, pplan, *x)
+            y = ops.kv_verify(kv, pplan, *xf)
+        close(y_ref[real], y[real], f"kv step {step} y")
+        for name, a, b in zip(("u", "k", "g"), ref.tensors(), kv.tensors()):
+            a, b = a[bs:], b[bs:].to(F64)   # block 0 is the null block
+            assert torch.equal(torch.isnan(a), torch.isnan(b)), f"kv step {step} {name}: NaN pattern differs"
+            close(torch.nan_to_num(a), torch.nan_to_num(b), f"kv step {step} {name}")
+        acc = torch.randint(0, T + 1, (s["Bt"],), generator=g).to(DEVICE)
+        if tree:
+            path, n = path_to(parent, torch.randint(0, T, (s["Bt"],), generator=g).to(DEVICE))
+            acc = torch.minimum(acc, n)
+            for pools in (kv, ref):
+                kv_gather_path(pools.tensors(), pplan, path, acc)
+        elif step == 0:
+            acc = torch.full_like(acc, T)
+        acc[~real] = 0
+        pidx.commit(pplan, acc)
+    assert int(pidx.length[slots[0]]) >= 6

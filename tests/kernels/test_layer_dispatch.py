@@ -154,9 +154,9 @@ EXPECTED = {  # kernels each mode must reach
 }
 
 
-#: kernels each mode must reach in a KDA layer (only the replay decode forms have kernels;
-#: in KV mode the switched slot's replay steps)
-EXPECTED_KDA = {"replay": {"replay_decode", "replay_verify", "tree_verify"}, "kv": {"replay_decode", "replay_verify"}}
+#: kernels each mode must reach in a KDA layer (the replay and KV-only decode forms have kernels)
+EXPECTED_KDA = {"replay": {"replay_decode", "replay_verify", "tree_verify"},
+                "kv": {"kv_verify", "kv_tree_verify", "replay_decode", "replay_verify"}}
 
 
 @pytest.mark.parametrize("mode,name", [(m, n) for n in ("mamba2", "qwen3_next") for m in ("replay", "kv", "recurrent")]
@@ -286,10 +286,10 @@ def test_every_op_is_routed_or_declared_reference_only():
                    "kv_tree_verify"),
         "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "snapshot_commit", "kv_to_state",
                 "kv_tree_verify"),
-        # KDA: kernels for the replay decode forms only
+        # KDA: kernels for the replay and KV-only decode forms
         "kda": ("l2norm", "recurrent_step", "recurrent_update", "recurrent_scan", "chunked_prefill",
-                "chunked_prefill_varlen", "rebuild_state", "snapshot_verify", "snapshot_commit", "kv_verify",
-                "kv_tree_verify", "kv_fold", "kv_to_state"),
+                "chunked_prefill_varlen", "rebuild_state", "snapshot_verify", "snapshot_commit", "kv_fold",
+                "kv_to_state"),
         "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
         "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
         "moe": ("activation", "check_experts"),
