@@ -4,7 +4,8 @@
    ``replayssm.kernels.kda`` against the reference ops (``replayssm.ops.kda.naive``, float64
    copies of the caches, re-synced to the kernel's caches after every step) at B=64, 16
    value heads of 128 channels, ring L=16, bf16 inputs and ring: max |error| of the outputs
-   and of every cache tensor after each step.
+   and of every cache tensor after each step; and ``kv_verify`` (the KV-only form over
+   pages of 16 entries) after 40 decode steps, T=1 and T=4.
 2. Greedy parity: a small random Kimi-Linear (transformers' KimiLinearForCausalLM, saved and
    loaded) through the engine on CUDA in float32 (kernels, CUDA graphs) in every decode mode,
    tokens against the engine on CPU in float32 (reference ops).
@@ -106,6 +107,39 @@ def kernel_check() -> None:
         for n in ("state", "u", "k", "g"):   # the next step starts from the kernel's caches: one step's error
             getattr(ref, n).copy_(getattr(buf, n).double())
     RESULTS["kernels"] = out
+    kv_check(g)
+
+
+def kv_check(g) -> None:
+    from replayssm.cache.paged import KDAPagedBuffers, PagedIndex
+
+    Bt, H, HV, K, V, _, P = KSIZES
+    bs, NB = 16, Bt * 5 + 1
+    pidx = PagedIndex(P - 1, bs, NB, 8, torch.device(DEV))
+    kv = KDAPagedBuffers.allocate(NB, bs, H, HV, K, V, dtype=torch.bfloat16, device=DEV)
+    slots = torch.arange(1, Bt + 1, device=DEV)
+    out = {}
+    for step in range(42):
+        T = 4 if step == 41 else 1
+        for s in slots.tolist():
+            pidx.reserve(s, int(pidx.length[s]) + T)
+        pplan = pidx.plan(slots, T)
+        q, k = (torch.randn(Bt, T, H, K, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
+        v = torch.randn(Bt, T, HV, V, generator=g).to(DEV, torch.bfloat16)
+        gg = (-torch.nn.functional.softplus(torch.randn(Bt, T, HV, K, generator=g)) * 0.3).to(DEV)
+        beta = torch.sigmoid(torch.randn(Bt, T, HV, generator=g)).to(DEV, torch.bfloat16)
+        ref = KDAPagedBuffers(*(t.double().clone() for t in kv.tensors()))
+        y_ref = NK.kv_verify(ref, pplan, *(t.double() for t in (q, k, v, gg, beta)))
+        y = KK.kv_verify(kv, pplan, q, k, v, gg, beta)
+        if step >= 40:
+            e = {"y": float((y.double() - y_ref).abs().max()),
+                 **{n: float((a.double() - b).abs().max()) for n, a, b in zip(("u", "k", "g"), kv.tensors(),
+                                                                              ref.tensors())}}
+            out[f"kv T={T}"] = e
+            print(f"kernel kv_verify T={T} (context {int(pidx.length[1])}): max|err| "
+                  + ", ".join(f"{a} {b:.2e}" for a, b in e.items()), flush=True)
+        pidx.commit(pplan, torch.full((Bt,), T, device=DEV))
+    RESULTS["kernels"].update(out)
 
 
 # ---------------------------------------------------------------------------- 2. parity
