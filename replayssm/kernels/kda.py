@@ -72,7 +72,7 @@ if HAVE_TRITON:
         else:
             Sh = tl.load(state_ptr + soff, mask=m2, other=0.0).to(tl.float32)
             start = tl.load(start_ptr + r).to(tl.int64)
-        for c0 in range(0, h, LC):
+        for c0 in range(0, h.to(tl.int32), LC):
             jj = c0 + tl.arange(0, LC)
             mj = jj < h
             if PAGED:
