@@ -329,3 +329,27 @@ def test_cached_steps_swap_and_fork_continue_exactly(built, mode, blocks):
         st2.tree()
     st2.check_lengths()
     assert max(st.err, st2.err) < 1e-9
+
+
+def test_published_config_layout():
+    """The published 48B-A3B config's form (values as released: 27 layers, attention at
+    1-indexed layers 4, 8, .., 24 and 27, extra keys transformers ignores) parses to the
+    sizes transformers derives."""
+    kda = [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)]
+    d = {"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], "vocab_size": 163840,
+         "hidden_size": 2304, "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_hidden_layers": 27,
+         "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 72, "kv_lora_rank": 512,
+         "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+         "mla_use_nope": True, "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1,
+         "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+         "routed_scaling_factor": 2.446, "first_k_dense_replace": 1, "moe_layer_freq": 1, "hidden_act": "silu",
+         "rms_norm_eps": 1e-5, "model_max_length": 1048576, "rope_theta": 10000.0, "rope_scaling": None,
+         "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+         "num_nextn_predict_layers": 0,
+         "linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "kda_layers": kda, "num_heads": 32,
+                                "head_dim": 128, "short_conv_kernel_size": 4}}
+    c = parse_config(d)
+    assert [i + 1 for i, k in enumerate(c.layer_kinds) if k == "attention"] == [4, 8, 12, 16, 20, 24, 27]
+    assert c.linear_num_heads == 32 and c.linear_head_dim == 128 and c.linear_conv_kernel_dim == 4
+    assert not c.is_moe_layer(0) and all(c.is_moe_layer(i) for i in range(1, 27))
+    assert c.max_position_embeddings == 1048576 and c.eos_token_id == 163586 and c.q_lora_rank is None
