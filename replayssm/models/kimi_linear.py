@@ -104,17 +104,7 @@ class KimiLinearConfig:
         mlt = _mlp_layer_types(r, d, n)
         V = _pos_int(r, "vocab_size", r.opt("vocab_size", 163840))
         H = _pos_int(r, "num_attention_heads", r.opt("num_attention_heads", 32))
-        Hkv = _pos_int(r, "num_key_value_heads", r.opt("num_key_value_heads", H))
-        if Hkv != H and "full_attention" in lt:
-            r.fail(f"num_key_value_heads {Hkv} != num_attention_heads {H}: Kimi-Linear's MLA expands every "
-                   f"head's key and value from the latent (transformers needs them equal)")
-        for key, want in (("moe_router_activation_func", "sigmoid"), ("hidden_act", "silu")):
-            v = d.get(key)
-            if v is not None and v not in (want, "swish" if want == "silu" else want):
-                r.fail(f"'{key}' {v!r} is not supported (need {want!r})")
-        if d.get("mla_use_nope") is False:
-            r.fail("'mla_use_nope' false (rope in the MLA layers) is not supported: transformers' "
-                   "kimi_linear applies no rope")
+        _refuse(r, d, H, "full_attention" in lt)
         qlr = r.opt("q_lora_rank", None)
         c = cls(
             vocab_size=V, hidden_size=_pos_int(r, "hidden_size", r.opt("hidden_size", 2304)),
@@ -141,7 +131,7 @@ class KimiLinearConfig:
             linear_head_dim=_pos_int(r, "linear_attn_config.head_dim", la.get("head_dim", r.opt("linear_head_dim", 128))),
             linear_conv_kernel_dim=_pos_int(r, "linear_attn_config.short_conv_kernel_size",
                                             la.get("short_conv_kernel_size", r.opt("linear_conv_kernel_dim", 4))),
-            hidden_act=r.opt("hidden_act", "silu"),
+            hidden_act="silu",   # (silu / swish: _refuse)
             rms_norm_eps=_pos_float(r, "rms_norm_eps", r.opt("rms_norm_eps", 1e-5)),
             attention_bias=r.flag("attention_bias", False),
             tie_word_embeddings=r.flag("tie_word_embeddings", False),
@@ -150,14 +140,33 @@ class KimiLinearConfig:
             max_position_embeddings=_opt_pos_int(r, "model_max_length") or _opt_pos_int(r, "max_position_embeddings"),
         )
         if "sparse" in mlt:
-            E, k, G, tg = c.num_experts, c.num_experts_per_tok, c.n_group, c.topk_group
-            if E % G:
-                r.fail(f"num_experts {E} is not a multiple of num_expert_group (n_group) {G}")
-            if tg > G:
-                r.fail(f"topk_group {tg} > num_expert_group (n_group) {G}")
-            if k > tg * (E // G):
-                r.fail(f"num_experts_per_token {k} > the experts of topk_group {tg} groups ({tg * (E // G)})")
+            _check_routing(r, c)
         return c
+
+
+def _refuse(r: _Reader, d: dict, H: int, has_mla: bool) -> None:
+    """What transformers' kimi_linear does not compute, refused by name."""
+    Hkv = _pos_int(r, "num_key_value_heads", r.opt("num_key_value_heads", H))
+    if Hkv != H and has_mla:
+        r.fail(f"num_key_value_heads {Hkv} != num_attention_heads {H}: Kimi-Linear's MLA expands every "
+               f"head's key and value from the latent (transformers needs them equal)")
+    for key, want in (("moe_router_activation_func", ("sigmoid",)), ("hidden_act", ("silu", "swish"))):
+        v = d.get(key)
+        if v is not None and v not in want:
+            r.fail(f"'{key}' {v!r} is not supported (need {want[0]!r})")
+    if d.get("mla_use_nope") is False:
+        r.fail("'mla_use_nope' false (rope in the MLA layers) is not supported: transformers' "
+               "kimi_linear applies no rope")
+
+
+def _check_routing(r: _Reader, c: KimiLinearConfig) -> None:
+    E, k, G, tg = c.num_experts, c.num_experts_per_tok, c.n_group, c.topk_group
+    if E % G:
+        r.fail(f"num_experts {E} is not a multiple of num_expert_group (n_group) {G}")
+    if tg > G:
+        r.fail(f"topk_group {tg} > num_expert_group (n_group) {G}")
+    if k > tg * (E // G):
+        r.fail(f"num_experts_per_token {k} > the experts of topk_group {tg} groups ({tg * (E // G)})")
 
 
 def _layer_types(r: _Reader, d: dict, la: dict, n: int) -> list[str]:
