@@ -22,8 +22,10 @@ import torch
 
 from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
+from ..layers.kda import KimiDeltaAttention
 from ..layers.mamba2 import Mamba2Mixer
-from ..layers.mlp import GatedMLP, PlainMLP, SigmoidMoE, SoftmaxMoE
+from ..layers.mla import MLAttention
+from ..layers.mlp import GatedMLP, GatedSigmoidMoE, PlainMLP, SigmoidMoE, SoftmaxMoE
 from ..models import load_model
 from ..models.base import Block
 
@@ -114,6 +116,8 @@ def _linear(prefix: str, lin, out: dict) -> None:
 
 def _mixer(m) -> tuple[MixerSpec, dict]:
     """Spec and (torch) parameters of one mixer module of ``replayssm.layers``."""
+    if isinstance(m, (KimiDeltaAttention, MLAttention, GatedSigmoidMoE)):   # subclasses of ported layers
+        raise ValueError(f"the JAX backend has no {type(m).__name__} layer (Kimi-Linear): use the PyTorch engine")
     p: dict = {}
     if isinstance(m, Mamba2Mixer):
         _linear("in_proj", m.in_proj, p)

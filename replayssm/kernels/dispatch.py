@@ -1,6 +1,6 @@
 """One routing API from the layers to the ops: the Triton kernel or the reference op.
 
-``ops_for(family)`` (``"mamba2"``, ``"gdn"``, ``"conv"``, ``"attention"``, ``"moe"``) returns a
+``ops_for(family)`` (``"mamba2"``, ``"gdn"``, ``"kda"``, ``"conv"``, ``"attention"``, ``"moe"``) returns a
 :class:`KernelOps`: an
 object with one attribute per op of the family's reference module
 (``replayssm.ops.<family>.naive``).  Each op is declared in exactly one of two lists:
@@ -45,6 +45,7 @@ from torch import Tensor
 from ..ops.attention import naive as attention_naive
 from ..ops.conv import naive as conv_naive
 from ..ops.gdn import naive as gdn_naive
+from ..ops.kda import naive as kda_naive
 from ..ops.mamba2 import naive as mamba2_naive
 from ..ops.moe import naive as moe_naive
 from . import _triton
@@ -52,6 +53,7 @@ from . import attention as attention_kernels
 from . import conv as conv_kernels
 from . import gdn as gdn_kernels
 from . import gdn_prefill
+from . import kda as kda_kernels
 from . import mamba2 as mamba2_kernels
 from . import mamba2_prefill
 from . import moe as moe_kernels
@@ -62,10 +64,11 @@ KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "precisi
                "inv_precision", "inv", "num_splits", "block_m", "block_k")
 _KERNEL_ONLY = frozenset(KERNEL_ONLY)
 
-_REFERENCE = {"mamba2": mamba2_naive, "gdn": gdn_naive, "conv": conv_naive, "attention": attention_naive,
-              "moe": moe_naive}
+_REFERENCE = {"mamba2": mamba2_naive, "gdn": gdn_naive, "kda": kda_naive, "conv": conv_naive,
+              "attention": attention_naive, "moe": moe_naive}
 #: where each family's kernels live (the first module defining an op's name has it)
-_KERNELS = {"mamba2": (mamba2_kernels, mamba2_prefill), "gdn": (gdn_kernels, gdn_prefill), "conv": (conv_kernels,),
+_KERNELS = {"mamba2": (mamba2_kernels, mamba2_prefill), "gdn": (gdn_kernels, gdn_prefill), "kda": (kda_kernels,),
+            "conv": (conv_kernels,),
             "attention": (attention_kernels,), "moe": (moe_kernels,)}
 
 #: ops with a Triton kernel of the reference op's signature, per family
@@ -74,6 +77,7 @@ ROUTED = {
                "kv_verify", "snapshot_verify", "chunked_prefill_varlen", "kv_fold", "rebuild_state", "conv_fold"),
     "gdn": ("recurrent_step", "recurrent_update", "replay_decode", "replay_verify", "tree_verify",
             "kv_verify", "snapshot_verify", "chunked_prefill_varlen", "kv_fold", "rebuild_state"),
+    "kda": ("replay_decode", "replay_verify", "tree_verify", "kv_verify", "kv_tree_verify"),
     "conv": ("conv_decode", "conv_verify", "conv_commit", "conv_prefill_varlen"),
     "attention": ("write_kv", "paged_attention"),
     "moe": ("experts",),
@@ -84,6 +88,11 @@ REFERENCE_ONLY = {
                "kv_tree_verify"),
     "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "snapshot_commit", "kv_to_state",
             "kv_tree_verify"),
+    # KDA (Kimi-Linear): kernels for the replay and KV-only decode forms; prefill, the
+    # recurrent and snapshot baselines and the folds run the reference on every device
+    "kda": ("l2norm", "recurrent_step", "recurrent_update", "recurrent_scan", "chunked_prefill",
+            "chunked_prefill_varlen", "rebuild_state", "snapshot_verify", "snapshot_commit", "kv_fold",
+            "kv_to_state"),
     "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
     "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
     "moe": ("activation", "check_experts"),

@@ -37,6 +37,7 @@ class Attention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
         self.H, self.Hkv, self.Dh = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5   # the softmax scale (MLA: its q·k head dim, not Dh)
         self.output_gate, self.rotary, self.layer_id = output_gate, rotary, layer_id
         self.q_proj = Linear(hidden, num_heads * head_dim * (2 if output_gate else 1), bias)
         self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias)
@@ -79,7 +80,7 @@ class Attention(nn.Module):
         cdt = compute_dtype(q.dtype)
         r = self.H // self.Hkv
         qg = q.reshape(B, T, self.Hkv, r, self.Dh).to(cdt)
-        s = torch.einsum("btgrd,bsgd->bgrts", qg, K.to(cdt)) * (self.Dh ** -0.5)
+        s = torch.einsum("btgrd,bsgd->bgrts", qg, K.to(cdt)) * self.scale
         s = s.masked_fill(~mask[:, None, None], float("-inf"))
         p = torch.softmax(s, -1)
         # rows with nothing allowed (never happens for valid rows) would be NaN: zero them
@@ -128,7 +129,7 @@ class Attention(nn.Module):
                     raise ValueError(f"a draft tree of {T} nodes is too large for attention layers (at most 31)")
                 bits = ctx.tree_bits
         ops.write_kv(Kc, Vc, kf, vf, ops.new_slots(table, cu, kv_lens, bs, qf.shape[0]))
-        of = ops.paged_attention(qf, Kc, Vc, table, cu, kv_lens, scale=self.Dh ** -0.5, tree_bits=bits)
+        of = ops.paged_attention(qf, Kc, Vc, table, cu, kv_lens, scale=self.scale, tree_bits=bits)
         return of.reshape(B, T, self.H * self.Dh)
 
     # ------------------------------------------------------------------ commit

@@ -11,8 +11,11 @@
   ``+1e-20`` when ``norm_topk_prob``) times ``routed_scaling_factor``; non-gated experts
   ``up_proj [E, I, D']``, ``down_proj [E, D', I]`` with optional latent projections; plus a
   shared MLP.
+* ``GatedSigmoidMoE`` (Kimi-Linear): ``SigmoidMoE``'s routing with SwiGLU experts
+  ``gate_up_proj [E, 2I, D]``, ``down_proj [E, D, I]`` and a SwiGLU shared MLP
+  (``shared_experts``; none when its width is 0).
 
-Both MoE blocks route with plain tensor ops (``route``) and compute the routed experts
+The MoE blocks route with plain tensor ops (``route``) and compute the routed experts
 through ``kernels.dispatch.ops_for("moe").experts``: on CUDA (below fp64) the fused
 kernels (tokens sorted by expert on the device, one grouped-GEMM launch per projection, no
 host sync), elsewhere the gather-based reference :func:`replayssm.ops.moe.naive.experts`
@@ -153,3 +156,32 @@ class SigmoidMoE(nn.Module):
         if self.fc2_latent_proj is not None:
             h = self.fc2_latent_proj(h)
         return (h + self.shared_experts(xf)).reshape(shp)
+
+
+class GatedSigmoidMoE(SigmoidMoE):
+    """Grouped sigmoid routing (:meth:`SigmoidMoE.route`), SwiGLU experts, SwiGLU shared MLP."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, n_group: int,
+                 topk_group: int, norm_topk_prob: bool, scaling: float, shared_inter: int, act: str = "silu"):
+        nn.Module.__init__(self)
+        self.E, self.k, self.n_group, self.topk_group = num_experts, top_k, n_group, topk_group
+        self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
+        self.gate = nn.Module()
+        self.gate.weight = _param(num_experts, hidden)
+        self.gate.e_score_correction_bias = _param(num_experts)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = _param(num_experts, 2 * inter, hidden)
+        self.experts.down_proj = _param(num_experts, hidden, inter)
+        self.shared_experts = GatedMLP(hidden, shared_inter, act) if shared_inter else None
+        activation(act)  # validates the name
+        self.act_name = act
+
+    def forward(self, x: Tensor) -> Tensor:
+        shp = x.shape
+        xf = x.reshape(-1, shp[-1])
+        idx, w = self.route(xf)
+        out = ops_for("moe").experts(xf, idx, w, self.experts.gate_up_proj, self.experts.down_proj,
+                                     act=self.act_name, gated=True)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(xf)
+        return out.reshape(shp)

@@ -230,7 +230,9 @@ class ModelCache:
         return out
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors())
+        """Bytes of every tensor, each counted once (a layer may hold one tensor under two
+        names: MLA's key and value pools)."""
+        return sum(t.nbytes for t in {id(t): t for t in self.tensors()}.values())
 
     @classmethod
     def layout(cls, model, spec: CacheSpec) -> CacheLayout:

@@ -120,6 +120,8 @@ def check_sizes(cfg, key_file: dict[str, str], where: str = "config.json") -> No
             i = _first(kinds, "moe")
             if i is not None:
                 _check_experts(c, "n_routed_experts", cfg.n_routed_experts, f"backbone.layers.{i}.mixer.", key_file)
+    elif mt == "kimi_linear":
+        _kimi_linear(c, cfg, kinds, key_file)
     elif mt == "qwen3_next":
         i = _first(kinds, "gdn")
         if i is not None:
@@ -144,6 +146,33 @@ def check_sizes(cfg, key_file: dict[str, str], where: str = "config.json") -> No
         dense = next((j for j in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(j)), None)
         if dense is not None:
             c.dim("intermediate_size", cfg.intermediate_size, f"model.layers.{dense}.mlp.gate_proj.weight", 0)
+
+
+def _kimi_linear(c: _Checker, cfg, kinds: list[str], key_file) -> None:
+    """KDA head count / dim and conv size, MLA latent and head dims, expert count."""
+    i = _first(kinds, "kda")
+    if i is not None:
+        p = f"model.layers.{i}.self_attn."
+        H, K = cfg.linear_num_heads, cfg.linear_head_dim
+        c.dim("linear_attn_config.head_dim (linear_head_dim)", K, p + "f_a_proj.weight", 0)
+        c.dim(f"linear_num_heads * linear_head_dim ({H} * {K})", H * K, p + "q_proj.weight", 0)
+        c.dim("linear_attn_config.num_heads (linear_num_heads)", H, p + "b_proj.weight", 0)
+        c.dim("linear_attn_config.short_conv_kernel_size (linear_conv_kernel_dim)", cfg.linear_conv_kernel_dim,
+              p + "q_conv1d.weight", 2)
+    i = _first(kinds, "attention")
+    if i is not None:
+        p = f"model.layers.{i}.self_attn."
+        R, dr, dn, dv, H = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim,
+                            cfg.num_attention_heads)
+        c.dim("kv_lora_rank", R, p + "kv_a_layernorm.weight", 0)
+        c.dim(f"kv_lora_rank + qk_rope_head_dim ({R} + {dr})", R + dr, p + "kv_a_proj_with_mqa.weight", 0)
+        c.dim(f"num_attention_heads * (qk_nope_head_dim + v_head_dim) ({H} * ({dn} + {dv}))", H * (dn + dv),
+              p + "kv_b_proj.weight", 0)
+        c.dim(f"num_attention_heads * v_head_dim ({H} * {dv})", H * dv, p + "o_proj.weight", 1)
+    moe = next((j for j in range(cfg.num_hidden_layers) if cfg.is_moe_layer(j)), None)
+    if moe is not None:
+        for name in ("block_sparse_moe", "mlp"):
+            _check_experts(c, "num_experts", cfg.num_experts, f"model.layers.{moe}.{name}.", key_file)
 
 
 def _attention(c: _Checker, cfg, p: str) -> None:

@@ -180,21 +180,22 @@ def _resolve(name: str, shape, avail: dict, aliases: dict) -> _Source | None:
     return None
 
 
+#: per-expert tensor names of each packed expert parameter (HF names; Mixtral-style w1 / w3 / w2)
+_EXPERT_PARTS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "up_proj": (("up_proj",),),
+                 "down_proj": (("down_proj",), ("w2",))}
+
+
 def _experts(name: str, shape, avail: dict) -> _Source | None:
     """Packed experts ``<...>.experts.{gate_up_proj, up_proj, down_proj}`` stored one tensor
-    per expert (``<...>.experts.<e>.<proj>.weight``)."""
+    per expert (``<...>.experts.<e>.<proj>.weight``, ``<proj>`` in :data:`_EXPERT_PARTS`)."""
     m = re.match(r"^(.*\.experts)\.(gate_up_proj|up_proj|down_proj)$", name)
     if m:
         pre, which = m.groups()
         E = shape[0]
-        if which == "gate_up_proj":
-            keys = [f"{pre}.{e}.{p}.weight" for e in range(E) for p in ("gate_proj", "up_proj")]
+        for parts in _EXPERT_PARTS[which]:
+            keys = [f"{pre}.{e}.{p}.weight" for e in range(E) for p in parts]
             if all(k in avail for k in keys):
-                return _Source(keys, stack="experts", parts=2)
-        else:
-            keys = [f"{pre}.{e}.{which}.weight" for e in range(E)]
-            if all(k in avail for k in keys):
-                return _Source(keys, stack="experts", parts=1)
+                return _Source(keys, stack="experts", parts=len(parts))
     return None
 
 

@@ -14,6 +14,7 @@ from .bamba import BambaConfig, BambaLM
 from .config import ConfigError, Mamba2Config, NemotronHConfig, Qwen3NextConfig
 from .falcon_h1 import FalconH1Config, FalconH1LM
 from .granite_hybrid import GraniteMoeHybridConfig, GraniteMoeHybridLM
+from .kimi_linear import KimiLinearConfig, KimiLinearLM
 from .mamba2 import Mamba2LM
 from .nemotron_h import NemotronHLM
 from .qwen3_5 import QWEN3_5_TYPES, Qwen3_5Config, Qwen3_5LM
@@ -30,6 +31,7 @@ FAMILIES: dict[str, tuple[type, type]] = {
     "granitemoehybrid": (GraniteMoeHybridConfig, GraniteMoeHybridLM),
     "bamba": (BambaConfig, BambaLM),
     "zamba2": (Zamba2Config, Zamba2LM),
+    "kimi_linear": (KimiLinearConfig, KimiLinearLM),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 

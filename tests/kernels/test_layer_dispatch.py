@@ -25,6 +25,7 @@ from kernel_device import kernel_device  # noqa: E402
 
 from replayssm.kernels import dispatch  # noqa: E402
 from replayssm.models.registry import parse_config  # noqa: E402
+from replayssm.models.kimi_linear import KimiLinearLM  # noqa: E402
 from replayssm.models.mamba2 import Mamba2LM  # noqa: E402
 from replayssm.models.qwen3_next import Qwen3NextLM  # noqa: E402
 
@@ -42,6 +43,13 @@ CONFIGS = {
                                      head_dim=8, intermediate_size=8, linear_num_key_heads=1,
                                      linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4,
                                      linear_conv_kernel_dim=3, num_experts=0, tie_word_embeddings=False)),
+    # layer 0: KDA (2 heads of 4), layer 1: MLA (latent 6, rope part 2, no rope applied)
+    "kimi_linear": (KimiLinearLM, dict(model_type="kimi_linear", vocab_size=19, hidden_size=8, num_hidden_layers=2,
+                                       layer_types=["linear_attention", "full_attention"],
+                                       mlp_layer_types=["dense", "dense"], intermediate_size=8,
+                                       num_attention_heads=2, kv_lora_rank=6, qk_nope_head_dim=4,
+                                       qk_rope_head_dim=2, v_head_dim=4, linear_attn_config=dict(
+                                           num_heads=2, head_dim=4, short_conv_kernel_size=3))),
 }
 
 
@@ -126,7 +134,7 @@ def run_scenario(model, mode: str):
 def kernel_calls(monkeypatch):
     """Count calls of each routed kernel wrapper (``{(family, op): n}``)."""
     calls: dict = {}
-    for fam in ("mamba2", "gdn"):
+    for fam in ("mamba2", "gdn", "kda"):
         for name in dispatch.ROUTED[fam]:
             f = dispatch.kernel_for(fam, name)
             mod = sys.modules[f.__module__]
@@ -146,11 +154,17 @@ EXPECTED = {  # kernels each mode must reach
 }
 
 
-@pytest.mark.parametrize("mode", ["replay", "kv", "recurrent"])
-@pytest.mark.parametrize("name", ["mamba2", "qwen3_next"])
+#: kernels each mode must reach in a KDA layer (the replay and KV-only decode forms have kernels)
+EXPECTED_KDA = {"replay": {"replay_decode", "replay_verify", "tree_verify"},
+                "kv": {"kv_verify", "kv_tree_verify", "replay_decode", "replay_verify"}}
+
+
+@pytest.mark.parametrize("mode,name", [(m, n) for n in ("mamba2", "qwen3_next") for m in ("replay", "kv", "recurrent")]
+                         + [("replay", "kimi_linear"), ("kv", "kimi_linear")])
 def test_layers_kernels_match_naive(name, mode, kernels_env, kernel_calls):
     model = tiny_model(name)
-    fam = "mamba2" if name == "mamba2" else "gdn"
+    fam = {"mamba2": "mamba2", "qwen3_next": "gdn", "kimi_linear": "kda"}[name]
+    expected = EXPECTED_KDA[mode] if fam == "kda" else EXPECTED[mode]
     res = {}
     for backend in ("naive", "triton"):
         kernels_env(backend)
@@ -160,7 +174,7 @@ def test_layers_kernels_match_naive(name, mode, kernels_env, kernel_calls):
         if backend == "naive":
             assert not kernel_calls, f"naive run called kernels: {kernel_calls}"
         else:
-            assert EXPECTED[mode] <= used, f"{mode}: kernels {sorted(EXPECTED[mode] - used)} never ran"
+            assert expected <= used, f"{mode}: kernels {sorted(expected - used)} never ran"
     (lg_n, sn_n), (lg_t, sn_t) = res["naive"], res["triton"]
     assert len(lg_n) == len(lg_t)
     real = [0, 2]  # row 1 pads on the null slot: its logits are garbage (racy on a GPU)
@@ -259,9 +273,10 @@ def test_every_op_is_routed_or_declared_reference_only():
     from replayssm.ops.conv import naive as NC
     from replayssm.ops.gdn import naive as NG
     from replayssm.ops.mamba2 import naive as N2
+    from replayssm.ops.kda import naive as NK
     from replayssm.ops.moe import naive as NM
 
-    for fam, naive in (("mamba2", N2), ("gdn", NG), ("conv", NC), ("attention", NA), ("moe", NM)):
+    for fam, naive in (("mamba2", N2), ("gdn", NG), ("kda", NK), ("conv", NC), ("attention", NA), ("moe", NM)):
         routed, ref = set(dispatch.ROUTED[fam]), set(dispatch.REFERENCE_ONLY[fam])
         ops = {n for n in naive.__all__ if callable(getattr(naive, n))}
         assert not routed & ref, fam
@@ -271,6 +286,10 @@ def test_every_op_is_routed_or_declared_reference_only():
                    "kv_tree_verify"),
         "gdn": ("l2norm", "recurrent_scan", "chunked_prefill", "snapshot_commit", "kv_to_state",
                 "kv_tree_verify"),
+        # KDA: kernels for the replay and KV-only decode forms
+        "kda": ("l2norm", "recurrent_step", "recurrent_update", "recurrent_scan", "chunked_prefill",
+                "chunked_prefill_varlen", "rebuild_state", "snapshot_verify", "snapshot_commit", "kv_fold",
+                "kv_to_state"),
         "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
         "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
         "moe": ("activation", "check_experts"),

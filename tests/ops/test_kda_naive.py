@@ -289,6 +289,71 @@ def test_chunked_prefill_strong_decay_stays_finite():
     close(S, Sr)
 
 
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_chunked_prefill_varlen_pool_form_and_u(dtype):
+    """Packed sequences of 5, 0, 9 and 1 tokens (one fresh, one on the null slot) from a
+    NaN-poisoned pool: outputs, final states written back in place (other rows untouched),
+    and ``u_t = β_t (v_t − S_{t−1}(α_t ⊙ k_t))`` against the recurrence token by token."""
+    H, HV, K, V, P = 1, 3, 4, 5, 6
+    lens, slots, fresh = [5, 0, 9, 1], [2, 0, 5, 1], [False, False, True, False]
+    Nt = sum(lens)
+    q, k, v, g, b = (t[0] for t in inputs(1, Nt, H, HV, K, V, dtype=dtype, seed=77))
+    pool = rand_state(P, HV, K, V, 3, dtype=F32 if dtype == F32 else F64)
+    pool[5] = float("nan")
+    before = pool.clone()
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)))
+    y, final, u = kda.chunked_prefill_varlen(q, k, v, g, b, cu_seqlens=cu, chunk_size=4, return_u=True,
+                                             state_pool=pool, slots=torch.tensor(slots), fresh=torch.tensor(fresh))
+    assert final is None
+    for (s, e), sl, fr in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), slots, fresh):
+        if s == e:
+            continue
+        S = torch.zeros(1, HV, K, V, dtype=F64) if fr else before[sl:sl + 1].to(F64)
+        for t in range(s, e):
+            kn = kda.l2norm(k[t:t + 1].to(F64))
+            a = torch.exp(g[t:t + 1].to(F64))
+            u_t = b[t:t + 1, :, None].to(F64) * (v[t:t + 1].to(F64) - torch.einsum("bhkv,bhk->bhv", S, a * kn))
+            close(u[t:t + 1], u_t, dtype)
+            y_t, S = kda.recurrent_step(S, q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], b[t:t + 1])
+            close(y[t:t + 1], y_t, dtype)
+        close(pool[sl:sl + 1], S, dtype)
+    for r in (3, 4):   # rows outside the call
+        assert torch.equal(pool[r], before[r])
+    # initial_state form: the same outputs, the final states returned
+    init = torch.where(torch.tensor(fresh)[:, None, None, None], torch.zeros(()), before[torch.tensor(slots)].to(F64))
+    y2, f2 = kda.chunked_prefill_varlen(q, k, v, g, b, cu_seqlens=cu, initial_state=init, chunk_size=64)
+    close(y2, y, dtype)
+    close(f2[2], pool[5], dtype)
+
+
+def test_chunked_prefill_varlen_bad_input():
+    q, k, v, g, b = (t[0] for t in inputs(1, 4, 1, 2, 3, 3, seed=1))
+    cu = torch.tensor([0, 4])
+    with pytest.raises(ValueError, match=r"g must be \[Nt, HV, K\]"):
+        kda.chunked_prefill_varlen(q, k, v, g[..., 0], b, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end"):
+        kda.chunked_prefill_varlen(q, k, v, g, b, cu_seqlens=torch.tensor([0, 3]))
+    pool = torch.zeros(3, 2, 3, 3, dtype=F64)
+    with pytest.raises(ValueError, match="slots must be in"):
+        kda.chunked_prefill_varlen(q, k, v, g, b, cu_seqlens=cu, state_pool=pool, slots=torch.tensor([3]))
+    assert not pool.any()
+
+
+def test_recurrent_update_in_place_on_pool_rows():
+    H, HV, K, V = 2, 4, 3, 5
+    q, k, v, g, b = inputs(2, 1, H, HV, K, V, seed=5, time=False)
+    pool = rand_state(5, HV, K, V, 11)
+    before = pool.clone()
+    slot = torch.tensor([4, 1])
+    y = kda.recurrent_update(pool, q, k, v, g, b, slot=slot)
+    y_ref, S_ref = kda.recurrent_step(before[slot], q, k, v, g, b)
+    close(y, y_ref)
+    close(pool[slot], S_ref)
+    assert torch.equal(pool[[0, 2, 3]], before[[0, 2, 3]])
+    with pytest.raises(ValueError, match="slot"):
+        kda.recurrent_update(pool, q, k, v, g, b, slot=torch.tensor([5, 1]))
+
+
 # ---------------------------------------------------------------------------- replay
 @pytest.mark.parametrize("route", ["state", "output"])
 @pytest.mark.parametrize("dtype", [F64, F32])

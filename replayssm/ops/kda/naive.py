@@ -17,8 +17,10 @@ itself has ``HV == H``); ``g`` and ``β`` are per value head (``g [.., HV, K]``)
 
 Every form below computes the same numbers as :func:`recurrent_scan` up to rounding:
 
-* ``recurrent_step`` / ``recurrent_scan``: the ground truth (the recurrent form).
-* ``chunked_prefill``: chunked WY/UT form; per chunk one unit-lower-triangular solve.
+* ``recurrent_step`` / ``recurrent_scan``: the ground truth (the recurrent form);
+  ``recurrent_update``: one step on a state pool, in place.
+* ``chunked_prefill``: chunked WY/UT form; per chunk one unit-lower-triangular solve;
+  ``chunked_prefill_varlen``: the same over a packed batch of sequences.
 * ``rebuild_state`` / ``replay_decode``: replay from a checkpoint ``S0`` and a ring of
   ``(u, k, g)`` (:class:`~replayssm.cache.buffers.KDABuffers`).
 * ``replay_verify`` / ``tree_verify``: speculative verify of T drafts (or a tree) in one solve.
@@ -49,12 +51,15 @@ from ..common import (check_plan, check_plan_fit, check_plan_rows, check_kv_leng
                       check_slot, check_state_dtype, check_tensors, check_tree, compute_dtype, shape_str,
                       want_check, write_state_where)
 from ..gdn.naive import _chain_mask, _heads, _prep_qk, l2norm, snapshot_commit
+from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
 
 __all__ = [
     "l2norm",
     "recurrent_step",
+    "recurrent_update",
     "recurrent_scan",
     "chunked_prefill",
+    "chunked_prefill_varlen",
     "rebuild_state",
     "replay_decode",
     "replay_verify",
@@ -294,6 +299,23 @@ def recurrent_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
     y, St = _step(state, qn, kn, v.to(cdt), g.to(cdt), beta.to(cdt))
     return y.to(v.dtype), St
+
+
+def recurrent_update(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                     scale: float | None = None, use_qk_l2norm: bool = True,
+                     slot: Tensor | None = None) -> Tensor:
+    """One KDA step on a state pool, in place: ``state[slot] ← step(state[slot])``.
+
+    state ``[P,HV,K,V]``, slot ``[Bt]`` (default: rows ``0..Bt-1``); other shapes as in
+    :func:`recurrent_step`.  Returns ``y [Bt,HV,V]``."""
+    if not isinstance(state, Tensor) or state.dim() != 4:
+        raise ValueError(f"state must be a pool [P, HV, K, V], got {shape_str(state)}")
+    Bt = v.shape[0] if isinstance(v, Tensor) and v.dim() else 0
+    idx = torch.arange(Bt, device=state.device) if slot is None else \
+        check_slot(slot, state.shape[0], Bt, state.device, want_check(None, state))
+    y, S = recurrent_step(state[idx], q, k, v, g, beta, scale, use_qk_l2norm)
+    state[idx] = S.to(state.dtype)
+    return y
 
 
 def recurrent_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -635,3 +657,63 @@ def kv_to_state(kv, pplan, buf: KDABuffers, slot: Tensor, check: bool | None = N
         raise ValueError("negative KV lengths in the paged plan")
     S = _kv_fold(kv, pplan, buf.state.dtype)
     buf.state[sl] = S.to(buf.state.dtype)
+
+
+# ---------------------------------------------------------------------------- packed prefill
+def check_prefill_varlen(q, k, v, g, beta, scale, cu_seqlens, chunk_size, initial_state, state_pool, slots,
+                         fresh, check):
+    """The argument checks of :func:`chunked_prefill_varlen`: returns
+    ``(Nt, H, HV, K, V, N, slots, fresh, check)``."""
+    for name, t, form in (("q", q, "[Nt, H, K]"), ("k", k, "[Nt, H, K]"), ("v", v, "[Nt, HV, V]"),
+                          ("g", g, "[Nt, HV, K]"), ("beta", beta, "[Nt, HV]")):
+        if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:
+            raise ValueError(f"{name} must be {form}, got {shape_str(t)}")
+    _, Nt, H, HV, K, V = _check_inputs(q[None], k[None], v[None], g[None], beta[None], True, scale)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check = want_check(check, q)
+    N = check_cu_seqlens(cu_seqlens, Nt, q.device, check)
+    sl, fr = check_state_source(initial_state, state_pool, slots, fresh, N, (HV, K, V), q.device, check)
+    return Nt, H, HV, K, V, N, sl, fr, check
+
+
+def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
+                           cu_seqlens: Tensor, initial_state: Tensor | None = None,
+                           scale: float | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
+                           return_u: bool = False, state_pool: Tensor | None = None,
+                           slots: Tensor | None = None, fresh: Tensor | None = None,
+                           check: bool | None = None):
+    """:func:`chunked_prefill` over a packed batch of ``N`` variable-length sequences.
+
+    q/k ``[Nt,H,K]``, v ``[Nt,HV,V]``, g ``[Nt,HV,K]``, beta ``[Nt,HV]``; sequence ``i`` is
+    tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` (may be empty), scanned on its own from
+    ``initial_state[i] [HV,K,V]`` (zeros if None) or, in pool form
+    (:mod:`replayssm.ops.varlen`), from zeros if ``fresh[i]`` else ``state_pool[slots[i]]``,
+    its final state written back there.  Math in fp64 if any input or the state source is
+    fp64, else fp32.  Returns ``(y [Nt,HV,V], final_state [N,HV,K,V] | None)``, plus the
+    corrected values ``u [Nt,HV,V]`` (``u_t = β_t (v_t − S_{t−1}(α_t ⊙ k_t))``, what the
+    ring and the pages store) with ``return_u``."""
+    Nt, H, HV, K, V, N, sl, fr, check = check_prefill_varlen(q, k, v, g, beta, scale, cu_seqlens, chunk_size,
+                                                              initial_state, state_pool, slots, fresh, check)
+    src = state_pool if state_pool is not None else initial_state
+    cdt = compute_dtype(q.dtype, v.dtype, g.dtype, beta.dtype, *(() if src is None else (src.dtype,)))
+    S0 = gather_initial(initial_state, state_pool, sl, fr, N, (HV, K, V), cdt, q.device)
+    qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
+    vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
+    ys, us, finals = [], [], []
+    for i, (s, e) in enumerate(seq_bounds(cu_seqlens)):
+        y_i, S_i, u_i = _scan_chunks(S0[i:i + 1], qn[None, s:e], kn[None, s:e], vc[None, s:e], gc[None, s:e],
+                                     bc[None, s:e], chunk_size)
+        ys.append(y_i[0])
+        us.append(u_i[0])
+        finals.append(S_i[0])
+    y = torch.cat(ys, 0).to(v.dtype) if ys else v.new_zeros(v.shape)
+    final = torch.stack(finals, 0) if finals else S0
+    if state_pool is not None:
+        if N:
+            state_pool[sl] = final.to(state_pool.dtype)
+        final = None
+    if return_u:
+        u = torch.cat(us, 0).to(v.dtype) if us else v.new_zeros(v.shape)
+        return y, final, u
+    return y, final
