@@ -18,6 +18,7 @@ from ..cache.spec import CacheSpec
 DECODE_MODES = ("recurrent", "replay", "kv", "auto")
 PREEMPTION_MODES = ("swap", "off")
 SPEC_METHODS = ("ngram", "draft", "tree", "mtp")
+SPEC_POLICIES = ("adaptive", "fixed")
 MAX_LOGPROBS = 20   # top alternatives per token (OpenAI's limit for chat)
 #: most inputs one verify step may carry (the last accepted token + drafts): the verify cost,
 #: the replay buffer (``2 x`` this) and the per-step scratch all grow with it, and draft
@@ -298,6 +299,21 @@ class SpeculativeConfig:
     engine picks that (or 16 if larger).  At most ``MAX_VERIFY_TOKENS - 1`` (127) draft
     tokens per step: larger chains or trees (``tree_width x depth``) raise ``ValueError``.
 
+    ``spec_policy``: how many tokens each step drafts.  ``"adaptive"`` (default) picks, per
+    step, ``T`` from ``{0} ∪ draft_lengths`` maximising the expected tokens per second
+    ``Σ_rows E(α_row, T) / t(B, T)``: ``α`` the measured per-position acceptance of each
+    request, ``t(B, T)`` the step time at the batch's bucket (measured at start-up on CUDA
+    and refined online from observed step times; on CPU a deterministic roofline, see
+    :mod:`replayssm.engine.spec.policy`); ``T = 0`` is a plain decode step, so speculation
+    never costs more than it yields.  ``"fixed"`` always drafts ``num_tokens`` (or the whole
+    tree).  ``draft_lengths``: the candidate chain lengths (each one a captured verify shape;
+    default: powers of two below ``num_tokens``, and ``num_tokens``; trees choose between 0
+    and the whole tree).  ``step_costs``: ``{(batch, T): seconds}`` overriding the measured
+    table (and switching online refinement off).  ``probe_interval``: after this many steps
+    in a row below the largest length, one step drafts the next larger length (acceptance
+    estimates stay current while speculation is off).  Greedy output is identical for every
+    choice.
+
     ``disable_by_batch_size``: a step with more running sequences than this decodes without
     speculation (output unchanged).  At large batches a verify step costs several decode
     steps on models whose dense or MoE layers dominate (H100, Qwen3-Next-class 4B at B=256:
@@ -314,12 +330,17 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     disable_by_batch_size: int | None = None
+    spec_policy: str = "adaptive"
+    draft_lengths: tuple | None = None
+    step_costs: dict | None = None
+    probe_interval: int = 16
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
             raise ValueError(
                 f"SpeculativeConfig.method must be one of {SPEC_METHODS}, got {self.method!r}")
         _int("SpeculativeConfig.num_tokens", self.num_tokens, 1)
+        self._check_policy()
         _int("SpeculativeConfig.tree_width", self.tree_width, 1)
         if self.tree_depth is not None:
             _int("SpeculativeConfig.tree_depth", self.tree_depth, 1)
@@ -364,6 +385,30 @@ class SpeculativeConfig:
             raise ValueError(f"SpeculativeConfig: {self._size_str()} draft tokens per step; at most "
                              f"{MAX_VERIFY_TOKENS - 1} fit one verify step (MAX_VERIFY_TOKENS = "
                              f"{MAX_VERIFY_TOKENS} inputs, the last accepted token included)")
+
+    def _check_policy(self) -> None:
+        if self.spec_policy not in SPEC_POLICIES:
+            raise ValueError(f"SpeculativeConfig.spec_policy must be one of {SPEC_POLICIES}, got {self.spec_policy!r}")
+        _int("SpeculativeConfig.probe_interval", self.probe_interval, 1)
+        if self.draft_lengths is not None:
+            if isinstance(self.draft_lengths, (str, bytes)) or not hasattr(self.draft_lengths, "__iter__"):
+                raise ValueError(f"SpeculativeConfig.draft_lengths must be a list of ints, got {self.draft_lengths!r}")
+            lens = tuple(sorted({_int("SpeculativeConfig.draft_lengths[]", t, 1) for t in self.draft_lengths}))
+            if not lens or lens[-1] > self.num_tokens:
+                raise ValueError(f"SpeculativeConfig.draft_lengths must be non-empty, each in [1, num_tokens = "
+                                 f"{self.num_tokens}], got {self.draft_lengths!r}")
+            self.draft_lengths = lens
+        if self.step_costs is not None:
+            if not isinstance(self.step_costs, dict) or not self.step_costs:
+                raise ValueError(f"SpeculativeConfig.step_costs must be a non-empty dict {{(batch, T): seconds}}, "
+                                 f"got {self.step_costs!r}")
+            for k, v in self.step_costs.items():
+                ok = isinstance(k, tuple) and len(k) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                 for x in k)
+                if not ok or k[0] < 1 or k[1] < 0:
+                    raise ValueError(f"SpeculativeConfig.step_costs keys must be (batch >= 1, T >= 0), got {k!r}")
+                if not _float(f"SpeculativeConfig.step_costs[{k}]", v) > 0 or v == float("inf"):
+                    raise ValueError(f"SpeculativeConfig.step_costs[{k}] must be a positive finite time, got {v!r}")
 
     def _size_str(self) -> str:
         if self.method != "tree":

@@ -43,7 +43,7 @@ class DraftModelBase(Drafter):
         """The draft model's cache: ``num_slots + 1`` slots (the null slot 0 included)."""
         return setup.draft_model.make_cache(num_slots + 1, setup.spec.for_draft(), device=setup.device)
 
-    def capture(self) -> int:
+    def capture(self, lengths=()) -> int:
         return self.runner.capture()
 
     def prefill(self, seqs):
@@ -107,8 +107,9 @@ class DraftModelDrafter(DraftModelBase):
     def graph_shapes(self):
         return [(self.k + 1, False)]
 
-    def propose(self, seqs):
-        B, k = len(seqs), self.k
+    def propose(self, seqs, k=None):
+        """A chain of ``k`` drafts (default ``num_tokens``): ``k`` draft-model steps."""
+        B, k = len(seqs), self.k if k is None else k
         slots = [s.slot for s in seqs]
         sampling = self._any_sampling(seqs)
         logits = self._catch_up(seqs)
@@ -127,7 +128,7 @@ class DraftModelDrafter(DraftModelBase):
                 logits = lg[:, -1]
                 if j + 2 < k:
                     self.runner.commit(torch.zeros(B, dtype=torch.long, device=self.device))
-        self._deferred = k > 1
+        self._deferred, self._k = k > 1, k
         last = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=self.device)
         tokens = torch.cat([last[:, None], torch.stack(drafts, 1)], 1)
         valid = torch.ones(B, k + 1, dtype=torch.bool, device=self.device)
@@ -140,7 +141,7 @@ class DraftModelDrafter(DraftModelBase):
     def accepted(self, seqs, accepted, path):
         if not self._deferred:
             return
-        keep = [min(a - 1, self.k - 1) for a in accepted]
+        keep = [min(a - 1, self._k - 1) for a in accepted]
         self.runner.commit(torch.tensor(keep, dtype=torch.long, device=self.device))
         for s, n in zip(seqs, keep):
             s.draft_cached += n
