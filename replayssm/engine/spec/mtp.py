@@ -84,6 +84,9 @@ class MTPDrafter(Drafter):
         self._nodes: dict = {}             # request id -> target nodes of its pending catch-up pairs
         self.runner = MTPStepGraphs(self._greedy_body, self.device, max_batch, self.width,
                                     cuda_graphs, pad_batches)
+        # the catch-up alone, before a plain step (the length policy's T = 0): a graph too
+        self.plain_runner = MTPStepGraphs(self._plain_body, self.device, max_batch, self.width,
+                                          cuda_graphs, pad_batches)
         self._parent_t = torch.tensor(self.parent, dtype=torch.long, device=self.device)
         # per tree level: the head's parent array over the nodes evaluated so far (made here:
         # a host-to-device copy is not allowed while a CUDA graph captures)
@@ -109,7 +112,7 @@ class MTPDrafter(Drafter):
     def capture(self, lengths=()) -> int:
         """The greedy draft step's graphs: per batch bucket and chain length in ``lengths``
         (a tree: its one shape)."""
-        return self.runner.capture(self._node_counts(lengths))
+        return self.runner.capture(self._node_counts(lengths)) + self.plain_runner.capture([1])
 
     def _node_counts(self, lengths) -> list[int]:
         if self.tree or not lengths:
@@ -159,8 +162,7 @@ class MTPDrafter(Drafter):
         still holds them (the plain step overwrites it); afterwards the plain step's own
         pair, its hidden state at node 0 with the token it produced, is the one pending."""
         slots, toks, nodes, count = self._catchup_inputs(seqs)
-        with torch.inference_mode():
-            self._catch_up(slots, toks, nodes, count)
+        self.plain_runner.run(slots, toks, nodes, count, 1)
         for s in seqs:
             self._nodes[s.request_id] = [0]
 
@@ -271,6 +273,9 @@ class MTPDrafter(Drafter):
             return tok, None
         qs[0] = torch.zeros_like(qs[1])
         return tok, torch.stack(qs, 1)
+
+    def _plain_body(self, slots, toks, nodes, count, n: int) -> Tensor:
+        return self._catch_up(slots, toks, nodes, count)
 
     def _greedy_body(self, slots, toks, nodes, count, n: int) -> Tensor:
         return self._body(slots, toks, nodes, count, _greedy_pick, n)[0]

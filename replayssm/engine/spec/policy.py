@@ -18,7 +18,9 @@ second over the batch::
   deterministic roofline :func:`analytic_step_cost` (reproducible tests);
 * probing: after ``probe_interval`` steps in a row below the largest length, one step uses
   the next larger one, so acceptance estimates stay alive while speculation is off and a
-  request can come back to it.
+  request can come back to it.  The interval doubles after each probe (up to 16x, bounding
+  what probes cost where speculation keeps losing) and returns to ``probe_interval`` when
+  the estimates favour a longer length than before.
 
 Greedy output is the same for every ``T`` (verification accepts only the target's own
 choices); sampled acceptance stays distribution-exact because ``T`` depends only on
@@ -64,9 +66,21 @@ def analytic_step_cost(B: int, T: int) -> float:
     return 1.0 + max(1.0, B * (T + 1) / 256.0)
 
 
+def _prefix_expectations(alpha: list[float]) -> list[float]:
+    """``[E(α, 0), E(α, 1), ..., E(α, D)]``."""
+    out, e, p = [1.0], 1.0, 1.0
+    for a in alpha:
+        p *= a
+        e += p
+        out.append(e)
+    return out
+
+
 class AcceptanceStats:
     """Per-request acceptance rates ``α_1..α_D`` (EMA, weight ``decay`` for the newest step),
-    and the pooled rates every new request starts from (``prior`` before any step)."""
+    and the pooled rates every new request starts from (``prior`` before any step).  Each
+    request's expected tokens ``E(α, d)`` for ``d = 0..D`` are kept beside its rates
+    (:meth:`expected`: a step's choice reads them, it does not recompute them)."""
 
     def __init__(self, depth: int, prior: float = 0.5, decay: float = 0.25):
         if depth < 1:
@@ -75,12 +89,22 @@ class AcceptanceStats:
             raise ValueError(f"AcceptanceStats: prior in [0, 1] and decay in (0, 1] needed, got {prior}, {decay}")
         self.depth, self.decay = depth, decay
         self.pooled = [prior] * depth
-        self._rows: dict[int, tuple[object, list[float]]] = {}   # id(seq) -> (seq, rates)
+        self._pooled_e = _prefix_expectations(self.pooled)
+        self._rows: dict[int, tuple[object, list[float], list[float]]] = {}   # id(seq) -> (seq, rates, E)
 
     def alpha(self, seq) -> list[float]:
         """The rates of ``seq`` (the pooled ones until it has speculated)."""
         e = self._rows.get(id(seq))
         return e[1] if e is not None and e[0] is seq else self.pooled
+
+    def expected(self, seq) -> list[float]:
+        """``[E(α, 0), ..., E(α, D)]`` of ``seq``'s rates."""
+        e = self._rows.get(id(seq))
+        if e is not None and e[0] is seq:
+            return e[2]
+        if self._pooled_e is None:
+            self._pooled_e = _prefix_expectations(self.pooled)
+        return self._pooled_e
 
     def observe(self, seq, tried: int, accepted: int) -> None:
         """One step of ``seq``: drafts at depths ``1..tried`` were offered, the first
@@ -90,12 +114,14 @@ class AcceptanceStats:
             raise ValueError(f"AcceptanceStats.observe: need 0 <= accepted ({accepted}) <= tried ({tried})")
         e = self._rows.get(id(seq))
         if e is None or e[0] is not seq:
-            e = self._rows[id(seq)] = (seq, list(self.pooled))
-        w = self.decay
+            e = self._rows[id(seq)] = (seq, list(self.pooled), [])
+        rates, pooled, w = e[1], self.pooled, self.decay
         for j in range(min(tried, accepted + 1, self.depth)):
             hit = 1.0 if j < accepted else 0.0
-            e[1][j] += w * (hit - e[1][j])
-            self.pooled[j] += (w / 8) * (hit - self.pooled[j])   # slower: many requests feed it
+            rates[j] += w * (hit - rates[j])
+            pooled[j] += (w / 8) * (hit - pooled[j])   # slower: many requests feed it
+        e[2][:] = _prefix_expectations(rates)
+        self._pooled_e = None   # recomputed when next read
 
     def prune(self, live: Iterable) -> None:
         """Forget requests not in ``live`` (finished ones)."""
@@ -110,8 +136,9 @@ class StepCosts:
     ``table``: ``{(batch, T): seconds}``; a batch between keys uses the next larger key (the
     largest past the end).  Missing ``T``s fall back to ``fallback(B, T)``.  With ``online``,
     :meth:`observe` refines the entry of a step's key by an EMA of the measured times
-    (weight ``decay``; the first observation of a key is dropped — it may include a compile
-    or a graph capture — and later ones are clipped to 4x of the estimate either way)."""
+    (the first observation of a key is dropped — it may include a compile or a graph
+    capture —, the second replaces the seed, later ones move it by ``decay`` after clipping
+    to 4x of it either way)."""
 
     def __init__(self, table: dict | None = None, fallback=analytic_step_cost, online: bool = False,
                  decay: float = 0.2):
@@ -121,7 +148,7 @@ class StepCosts:
                 raise ValueError(f"step cost table: keys (batch >= 1, T >= 0) and positive times, got {(b, t)}: {v}")
             self.table[(b, t)] = float(v)
         self.fallback, self.online, self.decay = fallback, online, decay
-        self._seen: set = set()
+        self._seen: dict = {}
 
     def get(self, B: int, T: int) -> float:
         bs = sorted(b for b, t in self.table if t == T)
@@ -132,11 +159,12 @@ class StepCosts:
     def observe(self, B: int, T: int, seconds: float) -> None:
         if not self.online or not seconds > 0:
             return
-        if (B, T) not in self._seen:
-            self._seen.add((B, T))
+        n = self._seen.get((B, T), 0)
+        self._seen[(B, T)] = n + 1
+        if n == 0:
             return
         est = self.table.get((B, T))
-        if est is None:
+        if est is None or n == 1:   # the first kept observation replaces the seed
             self.table[(B, T)] = seconds
             return
         x = min(max(seconds, est / 4), est * 4)
@@ -209,6 +237,8 @@ class AdaptiveLengths(_Lengths):
         self.costs, self.buckets, self.probe_interval = costs, list(buckets), probe_interval
         self.acceptance = AcceptanceStats(max(self.depth.values()), prior)
         self._below = 0       # steps in a row below the largest length
+        self._interval = probe_interval   # steps between probes: doubles after each, up to 16x
+        self._natural = self.max          # the last choice before probing
 
     def bucket(self, B: int) -> int:
         return bucket_for(self.buckets, B)
@@ -216,11 +246,11 @@ class AdaptiveLengths(_Lengths):
     def scores(self, seqs) -> dict[int, float]:
         """Expected tokens per unit of time of each candidate ``T`` (0 included)."""
         Bp = self.bucket(len(seqs))
-        alphas = [self.acceptance.alpha(s) for s in seqs]
+        es = [self.acceptance.expected(s) for s in seqs]
         out = {0: len(seqs) / self.costs.get(Bp, 0)}
         for T in self.lengths:
             d = self.depth[T]
-            out[T] = sum(expected_tokens(a, d) for a in alphas) / self.costs.get(Bp, T)
+            out[T] = sum(e[d] for e in es) / self.costs.get(Bp, T)
         return out
 
     def choose(self, seqs) -> int:
@@ -228,10 +258,14 @@ class AdaptiveLengths(_Lengths):
             self.acceptance.prune(seqs)
         sc = self.scores(seqs)
         best = max(sc, key=lambda t: (sc[t], -t))   # ties: the fewer drafts
+        if best > self._natural:   # the estimates favour more drafting: probe at the base rate again
+            self._interval = self.probe_interval
+        self._natural = best
         if best < self.max:
             self._below += 1
-            if self._below >= self.probe_interval:   # probe the next larger length
+            if self._below >= self._interval:   # probe the next larger length
                 self._below = 0
+                self._interval = min(2 * self._interval, 16 * self.probe_interval)   # back off
                 best = min(t for t in self.lengths if t > best)
         else:
             self._below = 0
