@@ -242,8 +242,6 @@ class StepExecutor:
             lp_rows = [logprob_rows(c, v, i) for c, v, i in zip(*(x.tolist() for x in lps))]
         acc = [r[0] for r in host]
         self.drafter.accepted(seqs, acc, path)
-        self._count(T)
-        self.lengths.observe(seqs, T, acc, time.perf_counter() - t0)
         out = []
         for b, (s, row) in enumerate(zip(seqs, host)):
             a, bonus_b, ndraft, toks = row[0], row[1], row[2], row[3:3 + N]
@@ -254,6 +252,8 @@ class StepExecutor:
             s.num_accepted_drafts += a - 1
             s.accepted_lengths.append(a)
             out.append((s, [toks[i] for i in nodes] + [bonus_b], None if lp_rows is None else lp_rows[b][:a]))
+        self._count(T)
+        self.lengths.observe(seqs, T, acc, time.perf_counter() - t0)
         return out
 
     def _verify(self, seqs: list[Sequence], prop):

@@ -290,3 +290,21 @@ def test_sampled_steps_with_forced_lengths_stay_distribution_exact():
     assert_first_three_follow(outs, joint3(target, prompt))
     assert sum(o.num_accepted for o in outs) > 0
     assert all(llm.stats[f"spec_T{T}_steps"] > 0 for T in (0, 1, 2, 3))
+
+
+@pytest.mark.parametrize("mode", ["replay", "kv"])
+def test_measured_step_costs_cover_every_bucket_and_leave_requests_exact(target, draft, expected, mode):
+    """The start-up measurement (CUDA's; callable anywhere) times a decode step and a verify
+    step of each length at every bucket on the null slot: a positive time per key, and the
+    engine's outputs afterwards are unchanged."""
+    from replayssm.engine.warmup import measure_step_costs
+
+    for sp in (SpeculativeConfig("ngram", num_tokens=4),
+               SpeculativeConfig("tree", draft_model=draft, tree_width=2, tree_depth=2)):
+        llm = LLM(target, decode_mode=mode, speculative=sp, max_num_seqs=5, pad_batches=True)
+        L = llm.executor.lengths
+        table = measure_step_costs(llm.runner, [(T, L.nodes[T], L.tree) for T in L.lengths], reps=1)
+        assert set(table) == {(b, T) for b in llm.runner.buckets for T in (0,) + L.lengths}
+        assert all(v > 0 for v in table.values())
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+        assert [o.token_ids for o in outs] == expected
