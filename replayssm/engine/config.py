@@ -307,8 +307,8 @@ class SpeculativeConfig:
     :mod:`replayssm.engine.spec.policy`); ``T = 0`` is a plain decode step, so speculation
     never costs more than it yields.  ``"fixed"`` always drafts ``num_tokens`` (or the whole
     tree).  ``draft_lengths``: the candidate chain lengths (each one a captured verify shape;
-    default: powers of two below ``num_tokens``, and ``num_tokens``; trees choose between 0
-    and the whole tree).  ``step_costs``: ``{(batch, T): seconds}`` overriding the measured
+    default: 1..``num_tokens`` up to 4, else powers of two below it and itself; trees
+    choose between 0 and the whole tree).  ``step_costs``: ``{(batch, T): seconds}`` overriding the measured
     table (and switching online refinement off).  ``probe_interval``: after this many steps
     in a row below the largest length, one step drafts the next larger length (acceptance
     estimates stay current while speculation is off).  Greedy output is identical for every

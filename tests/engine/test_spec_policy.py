@@ -41,7 +41,8 @@ def test_expected_tokens_is_the_mean_of_an_explicit_enumeration():
 
 def test_default_lengths_and_the_analytic_cost():
     assert default_lengths(1) == (1,)
-    assert default_lengths(4) == (1, 2, 4)
+    assert default_lengths(4) == (1, 2, 3, 4)
+    assert default_lengths(5) == (1, 2, 4, 5)
     assert default_lengths(7) == (1, 2, 4, 7)
     assert default_lengths(8) == (1, 2, 4, 8)
     # memory-bound: equal costs at small batches; linear in tokens past the roofline's knee

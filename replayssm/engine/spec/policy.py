@@ -50,7 +50,9 @@ def expected_tokens(alpha: Sequence[float], T: int) -> float:
 
 def default_lengths(k: int) -> tuple[int, ...]:
     """Draft lengths an adaptive policy chooses from besides 0 (each one a captured verify
-    shape): powers of two below ``k``, and ``k``."""
+    shape): every length up to ``k <= 4``; past that, powers of two below ``k``, and ``k``."""
+    if k <= 4:
+        return tuple(range(1, k + 1))
     out, t = [], 1
     while t < k:
         out.append(t)
