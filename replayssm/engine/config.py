@@ -312,7 +312,9 @@ class SpeculativeConfig:
     table (and switching online refinement off).  ``probe_interval``: after this many steps
     in a row below the largest length, one step drafts the next larger length (acceptance
     estimates stay current while speculation is off).  Greedy output is identical for every
-    choice.
+    choice, and sampled output keeps the target's distribution; a seeded sampled request
+    repeats exactly when the chosen lengths do (CPU, ``step_costs`` given, or ``"fixed"``:
+    with measured step times the lengths depend on timing).
 
     ``disable_by_batch_size``: a step with more running sequences than this decodes without
     speculation (output unchanged).  At large batches a verify step costs several decode

@@ -107,9 +107,10 @@ class StepExecutor:
     def draft_length(self, run: list[Sequence]) -> int:
         """Drafts per row this step (0: a plain decode step): the length policy's choice, 0
         without a drafter or past ``disable_by_batch_size``."""
-        if not self.speculates(len(run)):
+        free = [s for s in run if s.constraint is None]   # constrained rows decode plainly
+        if not free or not self.speculates(len(run)):
             return 0
-        return self.lengths.choose([s for s in run if s.constraint is None] or run)
+        return self.lengths.choose(free)
 
     def _count(self, T: int) -> None:
         key = f"spec_T{T}_steps"
