@@ -309,3 +309,27 @@ def test_measured_step_costs_cover_every_bucket_and_leave_requests_exact(target,
         assert all(v > 0 for v in table.values())
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
         assert [o.token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("mode", ["replay", "recurrent", "kv"])
+def test_draft_model_catches_up_after_plain_steps_exactly(target, draft, expected, mode):
+    """Runs of plain steps (T = 0) leave the draft model behind; its catch-up (decode steps
+    for short gaps, one prefill chunk per row for long ones) leaves its cache as if it had
+    decoded every token: each proposal equals the draft model's own greedy chain."""
+    sp = SpeculativeConfig("draft", num_tokens=3, draft_model=draft)
+    llm = LLM(target, decode_mode=mode, speculative=sp)
+    llm.executor.lengths = ScriptedLengths((1, 2, 3), [0, 0, 0, 0, 0, 3, 0, 1, 0, 0, 2, 3, 3])
+    propose, checked = llm.drafter.propose, []
+
+    def checking(seqs, k=None):
+        gaps = [s.num_tokens - s.draft_cached for s in seqs]
+        prop = propose(seqs, k)
+        for s, row in zip(seqs, prop.tokens.tolist()):
+            assert row == [s.last_token] + reference_greedy(draft, s.all_ids, k), s.all_ids
+        checked.extend(gaps)
+        return prop
+
+    llm.drafter.propose = checking
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    assert max(checked) > 2 + 1 and min(checked) == 1, checked   # long gaps (prefill) and none

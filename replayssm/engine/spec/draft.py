@@ -22,6 +22,10 @@ from ..sampler import Sampler, sample_from
 from .base import Drafter, Proposal, chain_parent
 
 
+#: most missing tokens a draft catch-up feeds as decode steps (more: one prefill chunk per row)
+CATCH_UP_DECODES = 2
+
+
 class DraftModelBase(Drafter):
     """What the draft-model drafters share: the draft model, its cache and runner, catch-up."""
 
@@ -71,15 +75,24 @@ class DraftModelBase(Drafter):
 
     def _catch_up(self, seqs) -> Tensor:
         """Feed every sequence's tokens up to and including its last token; returns the
-        draft logits after the last token ``[B, V]``."""
-        while True:
-            behind = [s for s in seqs if s.num_tokens - s.draft_cached > 1]
-            if not behind:
-                break
+        draft logits after the last token ``[B, V]``.  Rows more than one token behind (after
+        an accepted chain, or steps without speculation) first take the missing tokens but
+        the last: a decode step per token while at most ``CATCH_UP_DECODES`` are missing
+        (graph replays), else one prefill call with a chunk per row (after a run of plain
+        steps: one call instead of one per step)."""
+        behind = [s for s in seqs if s.num_tokens - s.draft_cached > 1]
+        if behind and max(s.num_tokens - 1 - s.draft_cached for s in behind) > CATCH_UP_DECODES:
+            chunks = [[s.token_at(i) for i in range(s.draft_cached, s.num_tokens - 1)] for s in behind]
+            self.runner.prefill([s.slot for s in behind], chunks)
+            for s in behind:
+                s.draft_cached = s.num_tokens - 1
+            behind = []
+        while behind:
             toks = torch.tensor([s.token_at(s.draft_cached) for s in behind], dtype=torch.long)
             self.runner.decode([s.slot for s in behind], toks)
             for s in behind:
                 s.draft_cached += 1
+            behind = [s for s in behind if s.num_tokens - s.draft_cached > 1]
         toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
         logits = self.runner.decode([s.slot for s in seqs], toks)
         for s in seqs:
