@@ -387,6 +387,24 @@ class SpeculativeConfig:
             raise ValueError(f"SpeculativeConfig: {self._size_str()} draft tokens per step; at most "
                              f"{MAX_VERIFY_TOKENS - 1} fit one verify step (MAX_VERIFY_TOKENS = "
                              f"{MAX_VERIFY_TOKENS} inputs, the last accepted token included)")
+        if self.step_costs is not None:   # a given table must price every choice (no unit mixing)
+            missing = sorted({0, *self.candidate_lengths} - {t for _, t in self.step_costs})
+            if missing:
+                raise ValueError(f"SpeculativeConfig.step_costs has no entry for T = {missing} (it needs T = 0 "
+                                 f"and each of {list(self.candidate_lengths)})")
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether the drafter proposes trees (then a step drafts 0 or the whole tree)."""
+        return self.method == "tree" or (self.method == "mtp" and self.tree is not None)
+
+    @property
+    def candidate_lengths(self) -> tuple[int, ...]:
+        """Draft lengths (besides 0) a step may choose: ``draft_lengths`` or
+        :func:`default_lengths` for chains; a tree's draft nodes for trees."""
+        if self.is_tree:
+            return (self.max_draft_nodes,)
+        return self.draft_lengths or default_lengths(self.num_tokens)
 
     def _check_policy(self) -> None:
         if self.spec_policy not in SPEC_POLICIES:
@@ -442,6 +460,18 @@ class SpeculativeConfig:
     def verify_tokens(self) -> int:
         """Inputs per verify step: the last accepted token + the drafts."""
         return self.max_draft_nodes + 1
+
+
+def default_lengths(k: int) -> tuple[int, ...]:
+    """Draft lengths an adaptive policy chooses from besides 0 (each one a captured verify
+    shape): every length up to ``k <= 4``; past that, powers of two below ``k``, and ``k``."""
+    if k <= 4:
+        return tuple(range(1, k + 1))
+    out, t = [], 1
+    while t < k:
+        out.append(t)
+        t *= 2
+    return tuple(out + [k])
 
 
 def topk_tree(width: int, depth: int) -> tuple[tuple[int, ...], ...]:

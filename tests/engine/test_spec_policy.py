@@ -170,7 +170,7 @@ def test_config_fields_are_validated():
     bad = [dict(spec_policy="greedy"), dict(draft_lengths=[0]), dict(draft_lengths=[9]), dict(draft_lengths="12"),
            dict(draft_lengths=[]), dict(step_costs={}), dict(step_costs={(0, 1): 1.0}),
            dict(step_costs={(1, 1): -1.0}), dict(step_costs={(1, 1): float("inf")}), dict(step_costs={1: 1.0}),
-           dict(probe_interval=0)]
+           dict(probe_interval=0), dict(step_costs={(1, 0): 1.0, (1, 4): 2.0})]   # T = 1..3 unpriced
     for kw in bad:
         with pytest.raises(ValueError, match="SpeculativeConfig"):
             SpeculativeConfig("ngram", num_tokens=4, **kw)
@@ -238,18 +238,18 @@ def test_adaptive_policy_decodes_plainly_where_speculation_loses(target, draft, 
     """A cost table in which every verify step costs 5 decode steps: the adaptive policy runs
     plain decode steps (and periodic probes), the drafter is not called on them, and greedy
     output is unchanged; with a table where verifying is free it drafts the most."""
-    costly = {(b, t): (1.0 if t == 0 else 5.0) for b in (1, 2, 4, 8) for t in (0, 1, 2, 4)}
-    free = {(b, t): 1.0 for b in (1, 2, 4, 8) for t in (0, 1, 2, 4)}
+    costly = {(b, t): (1.0 if t == 0 else 5.0) for b in (1, 2, 4, 8) for t in range(5)}
+    free = {(b, t): 1.0 for b in (1, 2, 4, 8) for t in range(5)}
     hist = {}
     for label, table in (("costly", costly), ("free", free)):
         sp = SpeculativeConfig("draft", num_tokens=4, draft_model=draft, step_costs=table, probe_interval=8)
         llm = LLM(target, speculative=sp)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
         assert [o.token_ids for o in outs] == expected
-        hist[label] = {T: llm.stats[f"spec_T{T}_steps"] for T in (0, 1, 2, 4)}
+        hist[label] = {T: llm.stats[f"spec_T{T}_steps"] for T in range(5)}
     c, f = hist["costly"], hist["free"]
-    assert c[0] > 0 and c[2] == c[4] == 0 and 0 < c[1] <= c[0] // 7, c   # probes only
-    assert f[4] > 0 and f[1] == f[2] == 0, f
+    assert c[0] > 0 and c[2] == c[3] == c[4] == 0 and 0 < c[1] <= c[0] // 7, c   # probes only
+    assert f[4] > 0 and f[1] == f[2] == f[3] == 0, f
 
 
 def test_fixed_policy_always_drafts_the_most(target, expected):
@@ -272,7 +272,8 @@ def test_length_policy_of_each_drafter_kind(target, draft):
     assert chain.lengths == (1, 2, 4, 6) and not chain.tree and not chain.costs.online
     tree = length_policy(SpeculativeConfig("tree", draft_model=draft, tree_width=2, tree_depth=3), R)
     assert tree.lengths == (6,) and tree.tree and tree.depth == {6: 3} and tree.nodes == {6: 7}
-    given = length_policy(SpeculativeConfig("ngram", num_tokens=2, step_costs={(1, 0): 1.0}), R)
+    given = length_policy(SpeculativeConfig("ngram", num_tokens=2, step_costs={(1, 0): 1.0, (1, 1): 1.0,
+                                                                             (1, 2): 1.5}), R)
     assert given.costs.get(1, 0) == 1.0 and not given.costs.online
 
 

@@ -34,6 +34,10 @@ from collections import Counter
 from typing import Iterable, Sequence
 
 from ..batching import bucket_for
+from ..config import default_lengths
+
+__all__ = ["AcceptanceStats", "AdaptiveLengths", "FixedLengths", "ScriptedLengths", "StepCosts",
+           "analytic_step_cost", "default_lengths", "expected_tokens", "length_policy"]
 
 
 def expected_tokens(alpha: Sequence[float], T: int) -> float:
@@ -46,18 +50,6 @@ def expected_tokens(alpha: Sequence[float], T: int) -> float:
         p *= alpha[i]
         e += p
     return e
-
-
-def default_lengths(k: int) -> tuple[int, ...]:
-    """Draft lengths an adaptive policy chooses from besides 0 (each one a captured verify
-    shape): every length up to ``k <= 4``; past that, powers of two below ``k``, and ``k``."""
-    if k <= 4:
-        return tuple(range(1, k + 1))
-    out, t = [], 1
-    while t < k:
-        out.append(t)
-        t *= 2
-    return tuple(out + [k])
 
 
 def analytic_step_cost(B: int, T: int) -> float:
@@ -289,11 +281,8 @@ def length_policy(sp, runner) -> _Lengths:
     nodes, ``sp.depth`` deep).  ``"fixed"``: always the most.  ``"adaptive"``: costs from
     ``sp.step_costs`` if given, else measured on CUDA (and refined online), else the
     deterministic :func:`analytic_step_cost`."""
-    tree = sp.method == "tree" or (sp.method == "mtp" and sp.tree is not None)
-    if tree:
-        lengths, depth = (sp.max_draft_nodes,), {sp.max_draft_nodes: sp.depth}
-    else:
-        lengths, depth = sp.draft_lengths or default_lengths(sp.num_tokens), None
+    tree, lengths = sp.is_tree, sp.candidate_lengths
+    depth = {lengths[0]: sp.depth} if tree else None
     if sp.spec_policy == "fixed":
         return FixedLengths(lengths if tree else (sp.num_tokens,), tree, depth)
     online = sp.step_costs is None and runner.device.type == "cuda"
