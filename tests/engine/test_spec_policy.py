@@ -334,3 +334,30 @@ def test_draft_model_catches_up_after_plain_steps_exactly(target, draft, expecte
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
     assert [o.token_ids for o in outs] == expected
     assert max(checked) > 2 + 1 and min(checked) == 1, checked   # long gaps (prefill) and none
+
+
+def test_a_drafter_that_ignores_the_length_is_cut_to_it(target, expected):
+    """A drafter that always proposes its whole chain (one written before lengths existed):
+    the executor keeps the first ``T + 1`` nodes, so verify shapes follow the policy and the
+    output is unchanged."""
+    import torch
+
+    from replayssm.engine.spec import Proposal
+
+    llm = LLM(target, speculative=SpeculativeConfig("ngram", num_tokens=4))
+    llm.drafter.pad = True
+    propose = llm.drafter.propose
+    llm.drafter.propose = lambda seqs, k=None: propose(seqs)          # always 4 drafts
+    llm.executor.lengths = ScriptedLengths((1, 2, 3, 4), [1, 0, 2, 3])
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    shapes = {c[2] for c in llm.cache.calls if c[0] == "verify"}
+    assert shapes and shapes <= {2, 3, 4}, shapes
+    p = Proposal(torch.arange(6).view(2, 3), torch.tensor([[-1, 0, 0]] * 2), torch.ones(2, 3, dtype=torch.bool),
+                 torch.rand(2, 3, 5), tree=True)
+    t = p.truncate(2)
+    assert t.tokens.tolist() == [[0, 1], [3, 4]] and t.parent.tolist() == [[-1, 0]] * 2 and t.tree
+    assert torch.equal(t.q, p.q[:, :2]) and t.valid.shape == (2, 2)
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="truncate"):
+            p.truncate(bad)
