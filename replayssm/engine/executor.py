@@ -229,6 +229,8 @@ class StepExecutor:
             for s in seqs:
                 s.accepted_lengths.append(1)
             self._count(0)
+            # as T drafts all rejected (so a drafter that finds nothing is asked less), no step time
+            self.lengths.observe(seqs, T, [1] * len(seqs), None)
             return out
         if not prop.tree and prop.tokens.shape[1] > T + 1:   # a drafter that drafts a fixed chain
             prop = prop.truncate(T + 1)

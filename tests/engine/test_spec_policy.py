@@ -361,3 +361,25 @@ def test_a_drafter_that_ignores_the_length_is_cut_to_it(target, expected):
     for bad in (0, 4):
         with pytest.raises(ValueError, match="truncate"):
             p.truncate(bad)
+
+
+def test_a_drafter_that_finds_nothing_is_asked_less(target, expected):
+    """Prompt lookup on prompts that never repeat proposes nothing: those steps count as
+    rejected drafts, so where speculation costs more than a decode step the policy stops
+    asking (bar probes), instead of paying for lookups every step."""
+    table = {(b, t): (1.0 if t == 0 else 1.5) for b in (1, 2, 4, 8) for t in range(5)}
+    sp = SpeculativeConfig("ngram", num_tokens=4, step_costs=table, probe_interval=4)
+    llm = LLM(target, speculative=sp)
+    calls = {"n": 0}
+    propose = llm.drafter.propose
+
+    def counting(seqs, k=None):
+        calls["n"] += 1
+        return propose(seqs, k)
+
+    llm.drafter.propose = counting
+    prompts = [[3], [5, 6], [7, 8, 9]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == [reference_greedy(target, p, N) for p in prompts]
+    steps = sum(llm.stats[f"spec_T{T}_steps"] for T in range(5))
+    assert calls["n"] < steps / 2, (calls, steps)

@@ -187,9 +187,10 @@ class _Lengths:
     def record(self, T: int) -> None:
         self.histogram[T] += 1
 
-    def observe(self, seqs, T: int, accepted: list[int], seconds: float) -> None:
+    def observe(self, seqs, T: int, accepted: list[int], seconds: float | None) -> None:
         """After a step of ``T`` drafts (0: plain) over ``seqs``: ``accepted`` per row
-        (accepted drafts + 1), the step's wall time."""
+        (accepted drafts + 1; a row offered fewer than ``T`` drafts failed at the first
+        missing one), the step's wall time (None: not a step of that cost)."""
 
 
 class FixedLengths(_Lengths):
@@ -265,8 +266,9 @@ class AdaptiveLengths(_Lengths):
             self._below = 0
         return best
 
-    def observe(self, seqs, T: int, accepted: list[int], seconds: float) -> None:
-        self.costs.observe(self.bucket(len(seqs)), T, seconds)
+    def observe(self, seqs, T: int, accepted: list[int], seconds: float | None) -> None:
+        if seconds is not None:
+            self.costs.observe(self.bucket(len(seqs)), T, seconds)
         if T == 0:
             return
         d = self.depth[T]
