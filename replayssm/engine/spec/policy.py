@@ -12,7 +12,8 @@ second over the batch::
 * acceptance: :class:`AcceptanceStats`, an exponential moving average of ``α_j`` per
   request, new requests starting from the pooled average of all requests;
 * cost: :class:`StepCosts`, a table ``t(B, T)`` over the batch buckets and draft lengths:
-  measured at warm-up on the GPU (:func:`replayssm.engine.warmup.measure_step_costs`) and
+  measured when a CUDA engine starts, after graph capture
+  (:func:`replayssm.engine.warmup.measure_step_costs`), and
   refined online by the step times the engine observes (they include the drafter's own
   work), supplied by the user (``SpeculativeConfig.step_costs``), or, on CPU, the
   deterministic roofline :func:`analytic_step_cost` (reproducible tests);
