@@ -9,7 +9,8 @@ tokens, all submitted at once) it measures generated tokens per second of:
 * per drafter (``oracle``: the known continuation, each draft right with probability
   ``--accept``; ``ngram``: prompt lookup, which finds little on random weights; ``mtp``: a
   random MTP head does its drafting work every step and the oracle's tokens are verified,
-  as ``bench e2e --spec-method mtp`` does): speculation
+  as ``bench e2e --spec-method mtp`` does; ``draft``: likewise with a random-weight 130M
+  Mamba-2 draft model, for the Mamba-2 presets): speculation
   with ``spec_policy="fixed"`` (always ``--num-tokens`` drafts) and ``"adaptive"`` (the
   draft length, 0 included, chosen per step).
 
@@ -26,6 +27,7 @@ Usage (GPU, about 3 minutes for the 2.7B preset)::
     PYTHONPATH=. python scripts/gpu_spec_policy.py
     PYTHONPATH=. python scripts/gpu_spec_policy.py --presets nemotron-h-4b,qwen3-next-4b --batches 256
     PYTHONPATH=. python scripts/gpu_spec_policy.py --presets qwen3-next-4b --drafters mtp
+    PYTHONPATH=. python scripts/gpu_spec_policy.py --drafters draft --batches 1,16,64
 
 CPU smoke run (tiny model): ``--presets tiny --device cpu --batches 1,4 --max-tokens 12``.
 """
@@ -41,7 +43,7 @@ import time
 
 import torch
 
-from replayssm.bench.common import free_memory, warm_then_time
+from replayssm.bench.common import free_memory, private_copy, warm_then_time
 from replayssm.bench.e2e import (OracleDrafter, OracleTokens, _prompts, _random_model_dir, draft_length_steps,
                                  format_lengths)
 from replayssm.bench.random_mtp import add_random_mtp
@@ -82,7 +84,8 @@ def run_preset(preset: str, args, tmp: str) -> dict:
     t0 = time.perf_counter()
     path = _random_model_dir(preset, tmp)
     mtp = "mtp" in args.drafters
-    if mtp:
+    if mtp:   # the head is written into a private copy (a cached random model stays as it is)
+        path = private_copy(path, os.path.join(tmp, f"{preset}-mtp"))
         add_random_mtp(path)
     model = load(path, torch.device(args.device), getattr(torch, args.dtype), mtp=mtp)[0]
     V = int(model.config.vocab_size)
@@ -98,11 +101,19 @@ def run_preset(preset: str, args, tmp: str) -> dict:
     res["runs"]["replay"] = _sweep(llm, args, prompts, "replay")
     del llm
     free_memory(args.device)
+    draft_dir = None
+    if "draft" in args.drafters:
+        if preset not in ("2.7b", "130m"):
+            raise SystemExit(f"--drafters draft: the 130m draft shares a vocabulary with the Mamba-2 presets only, "
+                             f"not {preset}")
+        draft_dir = _random_model_dir("130m", tmp, seed=1)
     for d in args.drafters:
         for pol in ("fixed", "adaptive"):
-            spec = SpeculativeConfig("mtp" if d == "mtp" else "ngram", num_tokens=args.num_tokens, spec_policy=pol)
+            method = {"mtp": "mtp", "draft": "draft"}.get(d, "ngram")
+            spec = SpeculativeConfig(method, num_tokens=args.num_tokens, spec_policy=pol, draft_model=draft_dir
+                                     if d == "draft" else None)
             llm = _engine(model, args, "replay", spec)
-            if d in ("oracle", "mtp"):
+            if d in ("oracle", "mtp", "draft"):
                 oracle = OracleDrafter(refs, args.num_tokens, args.accept, V, llm.device)
                 llm.drafter = oracle if d == "oracle" else OracleTokens(llm.drafter, oracle)
             res["runs"][f"{d}-{pol}"] = _sweep(llm, args, prompts, f"{d}-{pol}")
@@ -161,9 +172,9 @@ def main(argv=None) -> int:
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.drafters = [d for d in args.drafters.split(",") if d]
-    bad = [d for d in args.drafters if d not in ("oracle", "ngram", "mtp")]
+    bad = [d for d in args.drafters if d not in ("oracle", "ngram", "mtp", "draft")]
     if bad or not 0.0 <= args.accept <= 1.0:
-        p.error(f"--drafters takes oracle, ngram and mtp (got {bad}); --accept is a probability")
+        p.error(f"--drafters takes oracle, ngram, mtp and draft (got {bad}); --accept is a probability")
     args.max_seq_len = -(-(args.prompt_len + args.max_tokens + 2 * (args.num_tokens + 1) + 16) // 64) * 64
     dev_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device {dev_name}; torch {torch.__version__}")

@@ -4,11 +4,13 @@ The draft model keeps its own cache under the target's slot numbers (its
 :meth:`~replayssm.cache.spec.CacheSpec.for_draft` spec).  Invariant: the draft cache holds
 ``seq.all_ids[:seq.draft_cached]``; the rest is fed at the next proposal.  Tentative draft
 tokens are evaluated with ``verify``/``verify_tree`` and rolled back with ``commit`` (0
-entries, or the accepted ones after the target has verified), so the draft never recomputes
-accepted tokens.  Greedy rows take the argmax; sampling rows draw from the (transformed)
-draft distribution and hand it to the verifier as ``q``.  The draft model runs through a
+entries, or the accepted ones after the target has verified).  Greedy rows take the argmax;
+sampling rows draw from the (transformed) draft distribution and hand it to the verifier as
+``q``.  The draft model runs through a
 :class:`~replayssm.engine.model_runner.ModelRunner` of its own (CUDA graphs for its decode
-when the target uses them).
+when the target uses them); a draft-model chain for an all-greedy batch is one CUDA graph
+per batch bucket and length (:meth:`DraftModelDrafter._greedy_chain`: it feeds the accepted
+tokens again at the next proposal, in one verify, instead of waiting for the target's verdict).
 """
 
 from __future__ import annotations
