@@ -133,13 +133,17 @@ class OracleDrafter:
     def accepted(self, seqs, accepted, path):
         pass
 
-    def propose(self, seqs):
-        B, N = len(seqs), self.k + 1
+    def plain_step(self, seqs):
+        pass
+
+    def propose(self, seqs, k=None):
+        k = self.k if k is None else k
+        B, N = len(seqs), k + 1
         rows = []  # host lists, one tensor: a tensor per row cost ~1.5 ms a step at B=256
         for s in seqs:
             ref = self.refs[tuple(s.prompt_ids)]
-            d = ref[len(s.output_ids):len(s.output_ids) + self.k]
-            d = d + [0] * (self.k - len(d))
+            d = ref[len(s.output_ids):len(s.output_ids) + k]
+            d = d + [0] * (k - len(d))
             rows.append([s.last_token] + [t if self.rng.random() < self.accept else (t + 1) % self.vocab for t in d])
         tokens = torch.tensor(rows, dtype=torch.long)
         return Proposal(tokens.to(self.device), chain_parent(B, N, self.device),
@@ -157,12 +161,15 @@ class OracleTokens:
     def prefill(self, seqs):
         self.inner.prefill(seqs)
 
-    def propose(self, seqs):
-        self.inner.propose(seqs)
-        return self.oracle.propose(seqs)
+    def propose(self, seqs, k=None):
+        self.inner.propose(seqs, k)
+        return self.oracle.propose(seqs, k)
 
     def accepted(self, seqs, accepted, path):
         self.inner.accepted(seqs, accepted, path)
+
+    def plain_step(self, seqs):
+        self.inner.plain_step(seqs)
 
     def release(self, seq):
         self.inner.release(seq)
@@ -224,13 +231,27 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
         "mean_accepted_length": sum(acc) / len(acc), "num_slots": num_slots,
         "peak_running": peak, "capture_s": llm.capture_s,
         "peak_memory_GB": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+        "draft_length_steps": draft_length_steps(stats),
     }
     del llm
     free_memory(args.device)
     print(f"[bench e2e] {'spec' if spec else 'plain'} {mode} B={batch}: {row['decode_tokens_per_s']:.0f} decode tok/s,"
           f" acc {row['mean_accepted_length']:.2f}, slots {num_slots} (peak {peak}), capture {row['capture_s']:.1f} s"
+          + (f", draft lengths {format_lengths(row['draft_length_steps'])}" if spec else "")
           + (f", peak memory {row['peak_memory_GB']:.1f} GB" if cuda else ""), file=sys.stderr, flush=True)
     return row
+
+
+def draft_length_steps(stats: dict) -> dict[int, int]:
+    """``{T: steps}`` of the engine's ``spec_T<T>_steps`` counters (the draft lengths its
+    length policy chose; 0: plain decode steps)."""
+    return {int(k[6:-6]): int(v) for k, v in sorted(stats.items(), key=lambda kv: kv[0])
+            if k.startswith("spec_T") and k.endswith("_steps")}
+
+
+def format_lengths(hist: dict) -> str:
+    """``T=0:12 T=4:30``-style text of a draft-length histogram (lengths never chosen left out)."""
+    return " ".join(f"T={t}:{n}" for t, n in sorted(hist.items()) if n) or "-"
 
 
 def _plots(res: dict, out: Path) -> list[str]:
@@ -308,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oracle-accept", type=probability, default=1.0, help="oracle: probability each draft is right")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--num-tokens", type=positive_int, default=4)
+    p.add_argument("--spec-policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="draft length per step: adaptive (0..num-tokens, by measured acceptance and step cost) "
+                        "or fixed (always num-tokens)")
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--prompt-len", type=positive_int, default=32)
     p.add_argument("--max-seq-len", type=positive_int, default=None, help="default: prompt + max tokens + margin")
@@ -380,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.spec_method is None:
         args.spec_method = "ngram" if args.model else "oracle"
     method = "ngram" if args.spec_method == "oracle" else args.spec_method
-    spec = SpeculativeConfig(method, num_tokens=args.num_tokens, draft_model=args.draft_model)
+    spec = SpeculativeConfig(method, num_tokens=args.num_tokens, draft_model=args.draft_model,
+                             spec_policy=args.spec_policy)
     if args.max_seq_len is None:
         need = args.prompt_len + args.max_tokens + 2 * spec.verify_tokens + 16
         args.max_seq_len = -(-need // 64) * 64
@@ -470,12 +495,13 @@ def main(argv: list[str] | None = None) -> int:
             print("replayssm bench e2e: plots skipped: matplotlib is not installed "
                   "(pip install 'replayssm[bench]')", file=sys.stderr)
     print(f"model: {desc}; device {res['config']['device_name']}; dtype {args.dtype}")
-    print(f"{'kind':<12}{'mode':<11}{'batch':>6}{'tok/s':>11}{'decode tok/s':>14}{'acc len':>9}")
+    print(f"{'kind':<12}{'mode':<11}{'batch':>6}{'tok/s':>11}{'decode tok/s':>14}{'acc len':>9}  draft lengths")
     for kind in ("throughput", "speculative"):
         for r in res[kind]:
             print(f"{kind:<12}{('snapshot' if kind == 'speculative' and r['mode'] == 'recurrent' else r['mode']):<11}"
                   f"{r['batch']:>6}{r['tokens_per_s']:>11.1f}{r['decode_tokens_per_s']:>14.1f}"
-                  f"{r['mean_accepted_length']:>9.2f}")
+                  f"{r['mean_accepted_length']:>9.2f}"
+                  + (f"  {format_lengths(r['draft_length_steps'])}" if kind == "speculative" else ""))
     for r in res["concurrency"]:
         print(f"concurrency {r['label']:<16} {r['max_sequences']:>6} sequences"
               + (f" (observed peak batch {r['observed_peak_batch']})" if "observed_peak_batch" in r else ""))

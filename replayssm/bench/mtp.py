@@ -72,9 +72,12 @@ class TimedDrafter:
     def prefill(self, seqs):
         self.inner.prefill(seqs)
 
-    def propose(self, seqs):
+    def propose(self, seqs, k=None):
         self.steps += 1
-        return self._timed(self.inner.propose, seqs)
+        return self._timed(self.inner.propose, seqs, k)
+
+    def plain_step(self, seqs):
+        self.inner.plain_step(seqs)
 
     def accepted(self, seqs, accepted, path):
         self._timed(self.inner.accepted, seqs, accepted, path)

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", default=None, help=f"draft model directory (default: {DEFAULT_DRAFT})")
     p.add_argument("--num-tokens", type=positive_int, default=4, help="draft tokens per step (tree: depth)")
     p.add_argument("--tree-width", type=positive_int, default=2, help="beam width of a draft tree")
+    p.add_argument("--spec-policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="drafts per step: adaptive (0..--num-tokens by measured acceptance and step cost) or fixed")
     p.add_argument("--max-tokens", type=positive_int, default=64,
                    help="tokens to generate (clipped to what the context limit leaves after the prompt)")
     p.add_argument("--max-seq-len", type=positive_int, default=None,
@@ -205,7 +207,8 @@ def _speculative(args) -> SpeculativeConfig | None:
                 raise ValueError(f"draft model directory {str(draft)!r} not found or incomplete; "
                                  "pass --draft-model DIR")
     return SpeculativeConfig(args.speculative, num_tokens=args.num_tokens,
-                             draft_model=str(draft) if draft else None, tree_width=args.tree_width)
+                             draft_model=str(draft) if draft else None, tree_width=args.tree_width,
+                             spec_policy=args.spec_policy)
 
 
 def _context(args, cfg, n_prompt: int) -> int | None:

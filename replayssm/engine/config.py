@@ -18,6 +18,7 @@ from ..cache.spec import CacheSpec
 DECODE_MODES = ("recurrent", "replay", "kv", "auto")
 PREEMPTION_MODES = ("swap", "off")
 SPEC_METHODS = ("ngram", "draft", "tree", "mtp")
+SPEC_POLICIES = ("adaptive", "fixed")
 MAX_LOGPROBS = 20   # top alternatives per token (OpenAI's limit for chat)
 #: most inputs one verify step may carry (the last accepted token + drafts): the verify cost,
 #: the replay buffer (``2 x`` this) and the per-step scratch all grow with it, and draft
@@ -298,6 +299,23 @@ class SpeculativeConfig:
     engine picks that (or 16 if larger).  At most ``MAX_VERIFY_TOKENS - 1`` (127) draft
     tokens per step: larger chains or trees (``tree_width x depth``) raise ``ValueError``.
 
+    ``spec_policy``: how many tokens each step drafts.  ``"adaptive"`` (default) picks, per
+    step, ``T`` from ``{0} ∪ draft_lengths`` maximising the expected tokens per second
+    ``Σ_rows E(α_row, T) / t(B, T)``: ``α`` the measured per-position acceptance of each
+    request, ``t(B, T)`` the step time at the batch's bucket (measured at start-up on CUDA
+    and refined online from observed step times; on CPU a deterministic roofline, see
+    :mod:`replayssm.engine.spec.policy`); ``T = 0`` is a plain decode step, so speculation
+    never costs more than it yields.  ``"fixed"`` always drafts ``num_tokens`` (or the whole
+    tree).  ``draft_lengths``: the candidate chain lengths (each one a captured verify shape;
+    default: 1..``num_tokens`` up to 4, else powers of two below it and itself; trees
+    choose between 0 and the whole tree).  ``step_costs``: ``{(batch, T): seconds}`` overriding the measured
+    table (and switching online refinement off).  ``probe_interval``: after this many steps
+    in a row below the largest length, one step drafts the next larger length (acceptance
+    estimates stay current while speculation is off).  Greedy output is identical for every
+    choice, and sampled output keeps the target's distribution; a seeded sampled request
+    repeats exactly when the chosen lengths do (CPU, ``step_costs`` given, or ``"fixed"``:
+    with measured step times the lengths depend on timing).
+
     ``disable_by_batch_size``: a step with more running sequences than this decodes without
     speculation (output unchanged).  At large batches a verify step costs several decode
     steps on models whose dense or MoE layers dominate (H100, Qwen3-Next-class 4B at B=256:
@@ -314,12 +332,17 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     disable_by_batch_size: int | None = None
+    spec_policy: str = "adaptive"
+    draft_lengths: tuple | None = None
+    step_costs: dict | None = None
+    probe_interval: int = 16
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
             raise ValueError(
                 f"SpeculativeConfig.method must be one of {SPEC_METHODS}, got {self.method!r}")
         _int("SpeculativeConfig.num_tokens", self.num_tokens, 1)
+        self._check_policy()
         _int("SpeculativeConfig.tree_width", self.tree_width, 1)
         if self.tree_depth is not None:
             _int("SpeculativeConfig.tree_depth", self.tree_depth, 1)
@@ -364,6 +387,48 @@ class SpeculativeConfig:
             raise ValueError(f"SpeculativeConfig: {self._size_str()} draft tokens per step; at most "
                              f"{MAX_VERIFY_TOKENS - 1} fit one verify step (MAX_VERIFY_TOKENS = "
                              f"{MAX_VERIFY_TOKENS} inputs, the last accepted token included)")
+        if self.step_costs is not None:   # a given table must price every choice (no unit mixing)
+            missing = sorted({0, *self.candidate_lengths} - {t for _, t in self.step_costs})
+            if missing:
+                raise ValueError(f"SpeculativeConfig.step_costs has no entry for T = {missing} (it needs T = 0 "
+                                 f"and each of {list(self.candidate_lengths)})")
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether the drafter proposes trees (then a step drafts 0 or the whole tree)."""
+        return self.method == "tree" or (self.method == "mtp" and self.tree is not None)
+
+    @property
+    def candidate_lengths(self) -> tuple[int, ...]:
+        """Draft lengths (besides 0) a step may choose: ``draft_lengths`` or
+        :func:`default_lengths` for chains; a tree's draft nodes for trees."""
+        if self.is_tree:
+            return (self.max_draft_nodes,)
+        return self.draft_lengths or default_lengths(self.num_tokens)
+
+    def _check_policy(self) -> None:
+        if self.spec_policy not in SPEC_POLICIES:
+            raise ValueError(f"SpeculativeConfig.spec_policy must be one of {SPEC_POLICIES}, got {self.spec_policy!r}")
+        _int("SpeculativeConfig.probe_interval", self.probe_interval, 1)
+        if self.draft_lengths is not None:
+            if isinstance(self.draft_lengths, (str, bytes)) or not hasattr(self.draft_lengths, "__iter__"):
+                raise ValueError(f"SpeculativeConfig.draft_lengths must be a list of ints, got {self.draft_lengths!r}")
+            lens = tuple(sorted({_int("SpeculativeConfig.draft_lengths[]", t, 1) for t in self.draft_lengths}))
+            if not lens or lens[-1] > self.num_tokens:
+                raise ValueError(f"SpeculativeConfig.draft_lengths must be non-empty, each in [1, num_tokens = "
+                                 f"{self.num_tokens}], got {self.draft_lengths!r}")
+            self.draft_lengths = lens
+        if self.step_costs is not None:
+            if not isinstance(self.step_costs, dict) or not self.step_costs:
+                raise ValueError(f"SpeculativeConfig.step_costs must be a non-empty dict {{(batch, T): seconds}}, "
+                                 f"got {self.step_costs!r}")
+            for k, v in self.step_costs.items():
+                ok = isinstance(k, tuple) and len(k) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                 for x in k)
+                if not ok or k[0] < 1 or k[1] < 0:
+                    raise ValueError(f"SpeculativeConfig.step_costs keys must be (batch >= 1, T >= 0), got {k!r}")
+                if not _float(f"SpeculativeConfig.step_costs[{k}]", v) > 0 or v == float("inf"):
+                    raise ValueError(f"SpeculativeConfig.step_costs[{k}] must be a positive finite time, got {v!r}")
 
     def _size_str(self) -> str:
         if self.method != "tree":
@@ -395,6 +460,18 @@ class SpeculativeConfig:
     def verify_tokens(self) -> int:
         """Inputs per verify step: the last accepted token + the drafts."""
         return self.max_draft_nodes + 1
+
+
+def default_lengths(k: int) -> tuple[int, ...]:
+    """Draft lengths an adaptive policy chooses from besides 0 (each one a captured verify
+    shape): every length up to ``k <= 4``; past that, powers of two below ``k``, and ``k``."""
+    if k <= 4:
+        return tuple(range(1, k + 1))
+    out, t = [], 1
+    while t < k:
+        out.append(t)
+        t *= 2
+    return tuple(out + [k])
 
 
 def topk_tree(width: int, depth: int) -> tuple[tuple[int, ...], ...]:

@@ -95,7 +95,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(eos, self.scheduler.token_limit, self.sampler, self.stats)
         self.executor = StepExecutor(
             self.runner, self.sampler, self.blocks, self.cache, self.policy, prefix=self.prefix_cache,
-            spec_config=ec.speculative, drafter=None if draft is None else draft.build(
+            spec_config=ec.speculative, stats=self.stats, drafter=None if draft is None else draft.build(
                 target=self.model, cache=self.cache, sampler=self.sampler, runner=self.runner,
                 num_slots=self.num_slots))
         self._requests: dict = {}            # unfinished requests by id (abort, outputs)
@@ -104,6 +104,7 @@ class LLMEngine:
         if self.runner.use_graphs:   # every graph a step can need, before the first request
             self.executor.capture()
         self.capture_s = time.perf_counter() - t0 if self.runner.use_graphs else 0.0
+        self.executor.measure_step_costs()   # adaptive speculation on CUDA: its t(B, T) table
 
     def _plan_caches(self):
         """Load the drafter (at the model's context) and plan the caches (``self.plan``: the

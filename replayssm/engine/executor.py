@@ -20,7 +20,9 @@ from .output_processor import logprob_rows
 from .sampler import token_logprobs
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+from .spec.policy import AdaptiveLengths, length_policy
 from .structured import LogitsMasker
+from .warmup import measure_step_costs
 
 #: one sequence's result of a step: (sequence, new tokens, per-token logprobs or None)
 Step = tuple
@@ -38,20 +40,50 @@ class StepExecutor:
     (None without speculation; ``disable_by_batch_size`` from the speculative config) and
     ``prefix`` (the prefix cache or None)."""
 
-    def __init__(self, runner, sampler, blocks, cache, policy, drafter=None, spec_config=None, prefix=None):
+    def __init__(self, runner, sampler, blocks, cache, policy, drafter=None, spec_config=None, prefix=None,
+                 stats: dict | None = None):
         self.runner, self.sampler, self.blocks, self.cache = runner, sampler, blocks, cache
         self.policy, self.drafter, self.prefix = policy, drafter, prefix
         self.max_new = 1 if spec_config is None else spec_config.verify_tokens
         self.spec_limit = None if spec_config is None else spec_config.disable_by_batch_size
+        self.stats = {} if stats is None else stats
+        # the draft length of each step (spec.policy; None without speculation)
+        self.lengths = None if spec_config is None else length_policy(spec_config, runner)
+        for T in [0] + list(self.lengths.lengths if self.lengths else []):
+            self.stats.setdefault(f"spec_T{T}_steps", 0)
         self._tree_needs_state = False
         self.masker = LogitsMasker(sampler.device)   # constrained rows' masks and biases
 
-    def capture(self) -> None:
-        """Capture every CUDA graph a step can need (the drafter's shapes and its own graphs)."""
+    def verify_shapes(self) -> tuple[list, list]:
+        """``(greedy, sampled)`` verify shapes to capture: the drafter's, and for chains one
+        per draft length the length policy may choose (sampled ones: the longest only; the
+        others are captured when first met)."""
         d = self.drafter
-        self.runner.capture(d.graph_shapes() if d else [], d.sampled_shapes() if d else [])
+        if d is None:
+            return [], []
+        greedy, sampled = d.graph_shapes(), d.sampled_shapes()
+        if greedy and not self.lengths.tree:
+            greedy = [(T + 1, False) for T in self.lengths.lengths]
+        return greedy, sampled
+
+    def capture(self) -> None:
+        """Capture every CUDA graph a step can need (the verify shapes of every draft length
+        and the drafter's own graphs)."""
+        d = self.drafter
+        self.runner.capture(*self.verify_shapes())
         if d is not None:
-            d.capture()
+            d.capture(self.lengths.lengths)
+
+    def measure_step_costs(self, reps: int = 3) -> dict | None:
+        """On CUDA, with the adaptive policy and no ``step_costs`` given: time a decode step
+        and a verify step of every draft length at every batch bucket (null-slot rows, after
+        capture) as the policy's cost table; returns it (None when nothing was measured)."""
+        L = self.lengths
+        if not isinstance(L, AdaptiveLengths) or not L.costs.online or self.runner.device.type != "cuda":
+            return None
+        table = measure_step_costs(self.runner, [(T, L.nodes[T], L.tree) for T in L.lengths], reps)
+        L.costs.table.update(table)
+        return table
 
     def run(self, batch: ScheduledBatch) -> tuple[list[Step], float]:
         """Prefill this step's prompt chunks, then one decode or speculative step.  Returns
@@ -60,16 +92,40 @@ class StepExecutor:
         t1 = time.perf_counter()
         if batch.running:
             run = batch.running
-            if not self.speculates(len(run)):
-                new += self.decode(run)
+            T = self.draft_length(run)
+            if T == 0:
+                new += self._timed_decode(run)
             else:   # constrained rows decode plainly (engine.structured: speculation policy)
                 cons = [s for s in run if s.constraint is not None]
                 if cons:
                     new += self.decode(cons)
                     run = [s for s in run if s.constraint is None]
                 if run:
-                    new += self.speculate(run)
+                    new += self.speculate(run, T)
         return new, t1
+
+    def draft_length(self, run: list[Sequence]) -> int:
+        """Drafts per row this step (0: a plain decode step): the length policy's choice, 0
+        without a drafter or past ``disable_by_batch_size``."""
+        free = [s for s in run if s.constraint is None]   # constrained rows decode plainly
+        if not free or not self.speculates(len(run)):
+            return 0
+        return self.lengths.choose(free)
+
+    def _count(self, T: int) -> None:
+        key = f"spec_T{T}_steps"
+        self.stats[key] = self.stats.get(key, 0) + 1
+        self.lengths.record(T)
+
+    def _timed_decode(self, run: list[Sequence]) -> list[Step]:
+        """A plain decode step; with a drafter, its time feeds the length policy's ``t(B, 0)``."""
+        if self.drafter is None:
+            return self.decode(run)
+        t0 = time.perf_counter()
+        out = self.decode(run)
+        self._count(0)
+        self.lengths.observe(run, 0, [], time.perf_counter() - t0)   # ends with the step's host sync
+        return out
 
     def speculates(self, batch: int) -> bool:
         """Whether a step of ``batch`` running sequences speculates (``disable_by_batch_size``)."""
@@ -159,17 +215,25 @@ class StepExecutor:
         return self._sampled(seqs, logits, self.sampler.sample(masked, seqs, sb), sb)
 
     # -- speculation -------------------------------------------------------------------------
-    def speculate(self, seqs: list[Sequence]) -> list[Step]:
-        """Draft, verify, accept, commit: one device step, one host sync."""
+    def speculate(self, seqs: list[Sequence], T: int | None = None) -> list[Step]:
+        """Draft ``T`` tokens per row (default: the most; trees: the whole tree), verify,
+        accept, commit: one device step, one host sync."""
+        t0 = time.perf_counter()
+        T = self.lengths.max if T is None else T
         seqs = self.blocks.reserve_tokens(seqs, self.max_new)
         if not seqs:
             return []
-        prop = self.drafter.propose(seqs)
+        prop = self.drafter.propose(seqs, T)
         if prop is None:  # nothing to draft anywhere: a plain decode step
             out = self.decode(seqs, reserve=False)
             for s in seqs:
                 s.accepted_lengths.append(1)
+            self._count(0)
+            # as T drafts all rejected (so a drafter that finds nothing is asked less), no step time
+            self.lengths.observe(seqs, T, [1] * len(seqs), None)
             return out
+        if not prop.tree and prop.tokens.shape[1] > T + 1:   # a drafter that drafts a fixed chain
+            prop = prop.truncate(T + 1)
         accepted, bonus, path, lps = self._verify(seqs, prop)
         N = prop.tokens.shape[1]
         parts = [accepted[:, None], bonus[:, None], prop.num_drafts[:, None], prop.tokens]
@@ -179,7 +243,8 @@ class StepExecutor:
         lp_rows = None
         if lps is not None:
             lp_rows = [logprob_rows(c, v, i) for c, v, i in zip(*(x.tolist() for x in lps))]
-        self.drafter.accepted(seqs, [r[0] for r in host], path)
+        acc = [r[0] for r in host]
+        self.drafter.accepted(seqs, acc, path)
         out = []
         for b, (s, row) in enumerate(zip(seqs, host)):
             a, bonus_b, ndraft, toks = row[0], row[1], row[2], row[3:3 + N]
@@ -190,6 +255,8 @@ class StepExecutor:
             s.num_accepted_drafts += a - 1
             s.accepted_lengths.append(a)
             out.append((s, [toks[i] for i in nodes] + [bonus_b], None if lp_rows is None else lp_rows[b][:a]))
+        self._count(T)
+        self.lengths.observe(seqs, T, acc, time.perf_counter() - t0)
         return out
 
     def _verify(self, seqs: list[Sequence], prop):

@@ -53,3 +53,40 @@ def warm_up(engine, max_prompt_len: int | None = None) -> float:
         if isinstance(v, (int, float)):
             engine.stats[k] = type(v)(0)
     return time.perf_counter() - t0
+
+
+def measure_step_costs(runner, shapes, reps: int = 3) -> dict:
+    """Time, at every batch bucket of ``runner``, a decode step and a greedy verify step of
+    each ``(T, nodes, tree)`` in ``shapes`` (the graphs captured for them, if any), on
+    null-slot rows as CUDA-graph padding uses them: ``{(bucket, T): seconds}`` (``T = 0``:
+    decode), the fastest of ``reps`` synchronised runs after one untimed run.  A shape the
+    cache form cannot verify (``NotImplementedError``) gets ``nodes`` decode steps' time."""
+    dev = runner.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    out = {}
+    for Bp in runner.buckets:
+        slots = [0] * Bp
+        tok = torch.zeros(Bp, dtype=torch.long)
+        out[(Bp, 0)] = dec = timed(lambda: runner.decode(slots, tok))
+        for T, N, tree in shapes:
+            tokens = torch.zeros(Bp, N, dtype=torch.long, device=dev)
+            parent = torch.arange(-1, N - 1, device=dev).expand(Bp, N).contiguous()
+            valid = torch.zeros(Bp, N, dtype=torch.bool, device=dev)
+            valid[:, 0] = True
+            try:
+                out[(Bp, T)] = timed(lambda: runner.greedy_verify_step(slots, tokens, parent, valid, tree))
+            except NotImplementedError:   # e.g. KV-only slots without a tree verify (raised before any write)
+                out[(Bp, T)] = dec * N
+    return out

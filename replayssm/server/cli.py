@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-lookup-max", type=int, default=3)
     g.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                    help="steps with more than N running sequences decode without speculation")
+    g.add_argument("--spec-policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="drafts per step: adaptive (0..--num-tokens, chosen per step from measured acceptance "
+                        "and step cost; 0 = a plain decode step) or fixed (always --num-tokens)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM's form of the speculation flags, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4}' (instead of --speculative ...)")
@@ -90,14 +93,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 #: ``--speculative-config`` keys (vLLM's names) -> SpeculativeConfig fields
 _VLLM_SPEC_KEYS = {"method": None, "model": "draft_model", "num_speculative_tokens": "num_tokens",
                    "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max",
-                   "disable_by_batch_size": "disable_by_batch_size"}
+                   "disable_by_batch_size": "disable_by_batch_size", "spec_policy": "spec_policy"}
 
 
 def speculative_from_json(text: str) -> SpeculativeConfig:
     """A :class:`SpeculativeConfig` from vLLM's ``--speculative-config`` JSON: ``method``
     ``ngram``, ``draft_model`` (or a ``model`` without a method), ``mtp`` / ``*_mtp`` (the
-    checkpoint's own MTP head), plus ``num_speculative_tokens``, ``prompt_lookup_min/max``,
-    ``disable_by_batch_size``.  Anything else is refused by name."""
+    checkpoint's own MTP head), plus ``num_speculative_tokens`` (the most drafts per step),
+    ``prompt_lookup_min/max``, ``disable_by_batch_size``, and ours, ``spec_policy``
+    (``"adaptive"`` or ``"fixed"``).  Anything else is refused by name."""
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
@@ -145,7 +149,8 @@ def build_engine(model_dir: str, args):
         spec = SpeculativeConfig(args.speculative, num_tokens=args.num_tokens, draft_model=draft,
                                  tree_width=args.tree_width, tree_depth=args.tree_depth,
                                  prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-                                 disable_by_batch_size=args.speculative_disable_by_batch_size)
+                                 disable_by_batch_size=args.speculative_disable_by_batch_size,
+                                 spec_policy=getattr(args, "spec_policy", "adaptive"))
     return LLM(model_dir, device=device, dtype=dtype, decode_mode=args.mode, buffer_size=args.buffer_size,
                speculative=spec, tensor_parallel_size=args.tensor_parallel_size,
                max_num_seqs=args.max_num_seqs, memory_budget=int(args.memory_budget) if args.memory_budget else None,

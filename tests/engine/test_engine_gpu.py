@@ -133,8 +133,9 @@ def test_cuda_speculation(cuda_model, method, mode):
     from replayssm import LLM, SamplingParams, SpeculativeConfig
 
     m, expected = cuda_model
+    # fixed: every step drafts (the adaptive policy may not, with the target as its own draft)
     sp = SpeculativeConfig(method, num_tokens=3, draft_model=None if method == "ngram" else m, tree_width=2,
-                           tree_depth=2)
+                           tree_depth=2, spec_policy="fixed")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = LLM(m, device=DEVICE, dtype="float32", decode_mode=mode, speculative=sp, max_seq_len=128, max_num_seqs=len(PROMPTS),
@@ -143,6 +144,36 @@ def test_cuda_speculation(cuda_model, method, mode):
     assert [o.token_ids for o in outs] == expected
     if method != "ngram":
         assert min(o.mean_accepted_length for o in outs) > 2
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "tree"])
+@pytest.mark.parametrize("mode", ["replay", "auto"])
+def test_cuda_forced_draft_lengths_under_graphs(cuda_model, method, mode):
+    """The length policy forced through random draft lengths (0 included) with CUDA graphs:
+    every length replays its own captured verify graph and greedy output stays exact; the
+    adaptive policy's start-up measurement covers every bucket and length."""
+    import random
+
+    from replayssm import LLM, SamplingParams, SpeculativeConfig
+    from replayssm.engine.spec.policy import ScriptedLengths
+
+    m, expected = cuda_model
+    sp = SpeculativeConfig(method, num_tokens=3, draft_model=None if method == "ngram" else m, tree_width=2,
+                           tree_depth=2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        llm = LLM(m, device=DEVICE, dtype="float32", decode_mode=mode, speculative=sp, max_seq_len=128,
+                  max_num_seqs=len(PROMPTS), auto_threshold=10, cuda_graphs=True)
+        L = llm.executor.lengths
+        assert {(b, T) for b in llm.runner.buckets for T in (0,) + L.lengths} <= set(L.costs.table)
+        rng = random.Random(len(method))
+        llm.executor.lengths = ScriptedLengths(
+            L.lengths, [0 if i % 3 == 1 else rng.randrange(L.max + 1) for i in range(64)], L.tree, L.depth)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    assert llm.stats["spec_T0_steps"] > 0 and any(llm.stats[f"spec_T{T}_steps"] for T in L.lengths)
+    failed = [str(x.message) for x in w if "CUDA graph" in str(x.message)]
+    assert not failed, failed[0][:500]
 
 
 @pytest.mark.parametrize("method", ["draft", "tree"])

@@ -165,11 +165,13 @@ def test_proposals_equal_the_head_without_cache(mtp_models, arch, tree):
     drafter, checked = llm.drafter, []
     propose = drafter.propose
 
-    def checking(seqs):
-        prop = propose(seqs)
+    def checking(seqs, k=None):
+        prop = propose(seqs, k)
+        n = prop.tokens.shape[1]
         for b, s in enumerate(seqs):
             rank = drafter.rank if drafter.tree else [0] * drafter.num_nodes
-            assert prop.tokens[b].tolist() == _reference(m, s.all_ids, drafter.parent, rank), (s.all_ids, b)
+            want = _reference(m, s.all_ids, drafter.parent, rank)
+            assert prop.tokens[b].tolist() == (want if drafter.tree else want[:n]), (s.all_ids, b)
             checked.append(len(s.output_ids))
         return prop
 
@@ -266,9 +268,9 @@ def test_mtp_head_stays_exact_across_steps_without_speculation(mtp_models, mode,
         first, order, cur = {}, {}, {"keys": None}
         propose, head_logits = llm.drafter.propose, llm.drafter.head.logits
 
-        def recording(batch):     # (request, tokens generated so far) of each row
+        def recording(batch, k=None):     # (request, tokens generated so far) of each row
             cur["keys"] = [(order[id(s)], len(s.output_ids)) for s in batch]
-            return propose(batch)
+            return propose(batch, k)
 
         def logits(g):            # the first call of a proposal: draft 1's distribution
             out = head_logits(g)
@@ -292,3 +294,27 @@ def test_mtp_head_stays_exact_across_steps_without_speculation(mtp_models, mode,
     assert common, "no position was drafted in both runs"
     for k in common:
         torch.testing.assert_close(limited[k], always[k], rtol=1e-9, atol=1e-9, msg=f"request, position {k}")
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv", "auto"])
+def test_mtp_with_forced_random_draft_lengths_keeps_greedy_output(mtp_models, mode, tree):
+    """The length policy forced through random draft lengths, 0 (plain steps: the head
+    commits its pending pairs first) included: greedy output equals plain decoding."""
+    from replayssm.engine.spec.policy import ScriptedLengths
+
+    m, expected, _ = mtp_models["nemotron_h"]
+    rng = random.Random(len(mode))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM(m, dtype="float64", decode_mode=mode, speculative=_spec(tree), auto_threshold=10,
+                  max_seq_len=MAXLEN, pad_batches=(mode == "replay"))
+        L = llm.executor.lengths
+        llm.executor.lengths = ScriptedLengths(
+            L.lengths, [0 if i % 3 == 1 else rng.randrange(L.max + 1) for i in range(40)], L.tree, L.depth)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    hist = {T: llm.stats[f"spec_T{T}_steps"] for T in (0,) + L.lengths}
+    assert hist[0] > 0 and sum(v for T, v in hist.items() if T) > 0, hist
+    if tree is None:   # chains of several lengths were verified
+        assert sum(hist[T] > 0 for T in L.lengths) >= 2, hist

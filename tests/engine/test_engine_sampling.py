@@ -202,12 +202,14 @@ def test_engine_speculative_sampling_distribution(method):
     target, draft = tiny_pair(vocab_size=4, draft_noise=1.0)
     prompt = [1, 2]
     if method == "tree-static":
-        sp = SpeculativeConfig("tree", draft_model=draft, tree=[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+        sp = SpeculativeConfig("tree", draft_model=draft, tree=[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)],
+                               spec_policy="fixed")
     elif method == "ngram-tree":
         prompt = [1, 2, 3, 1, 2, 0, 1, 2]  # several earlier continuations of the last tokens
-        sp = SpeculativeConfig("tree", num_tokens=2, tree_width=3, prompt_lookup_max=2)
-    else:
-        sp = SpeculativeConfig(method, num_tokens=3, draft_model=draft, tree_width=2, tree_depth=2)
+        sp = SpeculativeConfig("tree", num_tokens=2, tree_width=3, prompt_lookup_max=2, spec_policy="fixed")
+    else:   # fixed: every step speculates at this batch (the adaptive policy would decode plainly)
+        sp = SpeculativeConfig(method, num_tokens=3, draft_model=draft, tree_width=2, tree_depth=2,
+                               spec_policy="fixed")
     expect = joint3(target, prompt)   # exact joint distribution of the first three tokens
     llm = LLM(target, speculative=sp, max_num_seqs=256, seed=3)
     M = 4000

@@ -118,8 +118,15 @@ def test_draft_chain_loads_plans_builds_and_proposes_the_greedy_chain(shipped):
     assert not prop.tree and prop.q is None and prop.valid.all()
     for s, row in zip(seqs, prop.tokens.tolist()):
         assert row == [s.last_token] + reference_greedy(dm, s.all_ids, 3)
-    d.accepted(seqs, [2, 1, 4], None)    # keeps min(a - 1, k - 1) of the tentative drafts
-    assert [s.draft_cached for s in seqs] == [s.num_tokens + k for s, k in zip(seqs, (1, 0, 2))]
+    # greedy: the draft cache holds every token up to the last, the drafts were rolled back
+    assert [s.draft_cached for s in seqs] == [s.num_tokens for s in seqs]
+    d.accepted(seqs, [2, 1, 4], None)
+    assert [s.draft_cached for s in seqs] == [s.num_tokens for s in seqs]
+    for s, row, a in zip(seqs, prop.tokens.tolist(), [2, 1, 4]):   # the accepted drafts + a bonus token
+        s.output_ids += row[1:a] + [7]
+    prop = d.propose(seqs, 2)    # catches up 1..4 pending tokens in one verify
+    for s, row in zip(seqs, prop.tokens.tolist()):
+        assert row == [s.last_token] + reference_greedy(dm, s.all_ids, 2)
     for s in seqs:
         d.release(s)
 

@@ -161,6 +161,10 @@ def test_vllm_flags_are_understood():
     sp = speculative_from_json(f'{{"model": "{DRAFT}", "num_speculative_tokens": 2}}')
     assert sp.method == "draft" and sp.num_tokens == 2
     assert speculative_from_json('{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}').method == "mtp"
+    assert speculative_from_json('{"method": "ngram"}').spec_policy == "adaptive"
+    assert speculative_from_json('{"method": "ngram", "spec_policy": "fixed"}').spec_policy == "fixed"
+    with pytest.raises(ValueError, match="spec_policy"):
+        speculative_from_json('{"method": "ngram", "spec_policy": "sometimes"}')
     for bad, msg in (('{"method": "eagle3", "model": "x"}', "not supported"), ('[1]', "JSON object"),
                      ('{"method": "ngram", "acceptance": 1}', "unsupported keys"), ("{nope", "not valid JSON"),
                      ('{"num_speculative_tokens": 2}', "needs a 'method'"),

@@ -5,6 +5,8 @@
 * :mod:`.draft` — draft-model chains (``draft``)
 * :mod:`.tree`  — draft-model beam or static trees (``tree`` with a draft model; STree)
 * :mod:`.mtp`   — the target's own MTP head (``mtp``), with its CUDA-graph draft step
+* :mod:`.policy` — how many tokens each step drafts (0: a plain decode step), chosen from
+  measured acceptance and step cost (``SpeculativeConfig.spec_policy``)
 
 The engine calls two functions::
 
@@ -13,7 +15,8 @@ The engine calls two functions::
     drafter = setup.build(target=model, cache=cache, sampler=sampler, runner=runner, num_slots=n)
 
 and then asks the drafter what to capture (``graph_shapes``, ``sampled_shapes``,
-``capture``).
+``capture``); every step, ``length_policy(config, runner).choose(seqs)`` picks the draft
+length ``k`` passed to ``drafter.propose(seqs, k)``.
 """
 
 from __future__ import annotations

@@ -36,6 +36,14 @@ class Proposal:
         """Valid drafts per row ``[B]`` (the root excluded)."""
         return self.valid[:, 1:].sum(-1)
 
+    def truncate(self, n: int) -> "Proposal":
+        """The first ``n`` nodes of every row (parents precede their children, so a prefix
+        of the nodes is a tree; a chain stays a chain)."""
+        if not 1 <= n <= self.tokens.shape[1]:
+            raise ValueError(f"Proposal.truncate: n must be in [1, {self.tokens.shape[1]}], got {n}")
+        q = None if self.q is None else self.q[:, :n]
+        return Proposal(self.tokens[:, :n], self.parent[:, :n], self.valid[:, :n], q, self.tree)
+
 
 def chain_parent(B: int, N: int, device) -> Tensor:
     """The parent array ``[B, N]`` of ``B`` chains of ``N`` nodes (``-1, 0, 1, ..., N-2``)."""
@@ -87,16 +95,19 @@ class Drafter:
         """``(nodes, tree, has_q)`` of the sampled verify steps to capture up front."""
         return [(n, tree, self.samples_q) for n, tree in self.graph_shapes()]
 
-    def capture(self) -> int:
+    def capture(self, lengths=()) -> int:
         """Capture the drafter's own CUDA graphs (a draft model's runner, MTP's step) before
-        serving; returns how many were captured."""
+        serving, for each draft length in ``lengths`` the engine may ask for; returns how
+        many were captured."""
         return 0
 
     # -- per step -------------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> None:
         pass
 
-    def propose(self, seqs: list[Sequence]) -> Proposal | None:
+    def propose(self, seqs: list[Sequence], k: int | None = None) -> Proposal | None:
+        """Drafts for ``seqs``: chains of up to ``k`` drafts (default: the configured
+        number; the engine's length policy picks ``k`` per step), trees their whole shape."""
         raise NotImplementedError
 
     def accepted(self, seqs: list[Sequence], accepted: list[int], path: Tensor | None) -> None:

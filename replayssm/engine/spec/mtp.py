@@ -84,6 +84,9 @@ class MTPDrafter(Drafter):
         self._nodes: dict = {}             # request id -> target nodes of its pending catch-up pairs
         self.runner = MTPStepGraphs(self._greedy_body, self.device, max_batch, self.width,
                                     cuda_graphs, pad_batches)
+        # the catch-up alone, before a plain step (the length policy's T = 0): a graph too
+        self.plain_runner = MTPStepGraphs(self._plain_body, self.device, max_batch, self.width,
+                                          cuda_graphs, pad_batches)
         self._parent_t = torch.tensor(self.parent, dtype=torch.long, device=self.device)
         # per tree level: the head's parent array over the nodes evaluated so far (made here:
         # a host-to-device copy is not allowed while a CUDA graph captures)
@@ -106,8 +109,15 @@ class MTPDrafter(Drafter):
     def graph_shapes(self):
         return [(self.num_nodes, self.tree)]
 
-    def capture(self) -> int:
-        return self.runner.capture()
+    def capture(self, lengths=()) -> int:
+        """The greedy draft step's graphs: per batch bucket and chain length in ``lengths``
+        (a tree: its one shape)."""
+        return self.runner.capture(self._node_counts(lengths)) + self.plain_runner.capture([1])
+
+    def _node_counts(self, lengths) -> list[int]:
+        if self.tree or not lengths:
+            return [self.num_nodes]
+        return sorted({min(int(t), self.k) + 1 for t in lengths})
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> None:
@@ -152,8 +162,7 @@ class MTPDrafter(Drafter):
         still holds them (the plain step overwrites it); afterwards the plain step's own
         pair, its hidden state at node 0 with the token it produced, is the one pending."""
         slots, toks, nodes, count = self._catchup_inputs(seqs)
-        with torch.inference_mode():
-            self._catch_up(slots, toks, nodes, count)
+        self.plain_runner.run(slots, toks, nodes, count, 1)
         for s in seqs:
             self._nodes[s.request_id] = [0]
 
@@ -194,17 +203,19 @@ class MTPDrafter(Drafter):
         t = t.to(self.device, non_blocking=True)
         return t[:, 0], t[:, 2:2 + K1], t[:, 2 + K1:], t[:, 1]
 
-    def propose(self, seqs: list[Sequence]) -> Proposal:
+    def propose(self, seqs: list[Sequence], k: int | None = None) -> Proposal:
+        """A chain of ``k`` drafts (default ``num_tokens``) or the whole tree."""
         B = len(seqs)
+        n = self.num_nodes if (self.tree or k is None) else min(int(k), self.k) + 1
         slots, toks, nodes, count = self._catchup_inputs(seqs)
         parent = (self._parent_t.expand(B, -1).contiguous() if self.tree
-                  else chain_parent(B, self.num_nodes, self.device))
-        valid = torch.ones(B, self.num_nodes, dtype=torch.bool, device=self.device)
+                  else chain_parent(B, n, self.device))
+        valid = torch.ones(B, n, dtype=torch.bool, device=self.device)
         if all(s.params.greedy for s in seqs):
-            tokens = self.runner.run(slots, toks, nodes, count)
+            tokens = self.runner.run(slots, toks, nodes, count, n)
             return Proposal(tokens, parent, valid, None, tree=self.tree)
         with torch.inference_mode():
-            tokens, q = self._body(slots, toks, nodes, count, self._sampled_picker(seqs))
+            tokens, q = self._body(slots, toks, nodes, count, self._sampled_picker(seqs), n)
         return Proposal(tokens, parent, valid, q, tree=self.tree)
 
     # ---- the draft step (device work only) ------------------------------------------------------
@@ -215,16 +226,18 @@ class MTPDrafter(Drafter):
         self.head.commit(self.cache, count)
         return g[torch.arange(g.shape[0], device=g.device), count - 1]
 
-    def _body(self, slots, toks, nodes, count, pick):
-        """Tokens ``[B, N]`` (node 0 = the last token) and the draft distributions ``q [B, N, V]``
-        (or None) of one proposal; ``pick(logits [B, V], node, rank) -> (token [B], q [B, V] | None)``."""
+    def _body(self, slots, toks, nodes, count, pick, n: int | None = None):
+        """Tokens ``[B, N]`` (node 0 = the last token; a chain of ``n`` nodes, default all)
+        and the draft distributions ``q [B, N, V]`` (or None) of one proposal;
+        ``pick(logits [B, V], node, rank) -> (token [B], q [B, V] | None)``."""
+        n = self.num_nodes if (n is None or self.tree) else n
         B = slots.shape[0]
         ar = torch.arange(B, device=slots.device)
         last = toks[ar, count - 1]
         zero = torch.zeros(B, dtype=torch.long, device=slots.device)
-        g = [self._catch_up(slots, toks, nodes, count)] + [None] * (self.num_nodes - 1)
-        tokens: list = [last] + [None] * (self.num_nodes - 1)
-        qs: list = [None] * self.num_nodes
+        g = [self._catch_up(slots, toks, nodes, count)] + [None] * (n - 1)
+        tokens: list = [last] + [None] * (n - 1)
+        qs: list = [None] * n
         logits: dict = {}
 
         def expand(i: int) -> None:
@@ -234,9 +247,9 @@ class MTPDrafter(Drafter):
             tokens[i], qs[i] = pick(logits[p], i, self.rank[i] if self.tree else 0)
 
         if not self.tree:
-            for r in range(1, self.num_nodes):
+            for r in range(1, n):
                 expand(r)
-                if r + 1 < self.num_nodes:   # g of draft r: re-run the tentative pairs, roll back
+                if r + 1 < n:   # g of draft r: re-run the tentative pairs, roll back
                     out = self.head.verify(self.cache, slots, torch.stack(tokens[1:r + 1], 1),
                                            torch.stack(g[:r], 1))
                     self.head.commit(self.cache, zero)
@@ -256,13 +269,16 @@ class MTPDrafter(Drafter):
                     for i in range(1, upto):
                         g[i] = out[:, i - 1]
         tok = torch.stack(tokens, 1)
-        if qs[1] is None:
+        if n == 1 or qs[1] is None:
             return tok, None
         qs[0] = torch.zeros_like(qs[1])
         return tok, torch.stack(qs, 1)
 
-    def _greedy_body(self, slots, toks, nodes, count) -> Tensor:
-        return self._body(slots, toks, nodes, count, _greedy_pick)[0]
+    def _plain_body(self, slots, toks, nodes, count, n: int) -> Tensor:
+        return self._catch_up(slots, toks, nodes, count)
+
+    def _greedy_body(self, slots, toks, nodes, count, n: int) -> Tensor:
+        return self._body(slots, toks, nodes, count, _greedy_pick, n)[0]
 
     def _sampled_picker(self, seqs):
         """Greedy rows: the ``rank``-th top token (one-hot q); sampling rows: a draw from the
@@ -289,10 +305,10 @@ def _greedy_pick(logits: Tensor, i: int, rank: int):
 class MTPStepGraphs:
     """The greedy MTP draft step, eager or as one CUDA graph per batch bucket.
 
-    ``body(slots [Bp], tokens [Bp, K+1], nodes [Bp, K+1], count [Bp]) -> tokens [Bp, N]`` is
-    device work only.  Rows past the batch use the null slot 0 with one pair.  ``capture()``
-    takes every bucket's graph before serving (largest first, one memory pool); a bucket whose
-    capture fails runs eagerly, with a warning."""
+    ``body(slots [Bp], tokens [Bp, K+1], nodes [Bp, K+1], count [Bp], n) -> tokens [Bp, n]``
+    is device work only.  Rows past the batch use the null slot 0 with one pair.  One graph per
+    (batch bucket, nodes ``n``); ``capture(ns)`` takes every bucket's graphs before serving
+    (largest first, one memory pool); a key whose capture fails runs eagerly, with a warning."""
 
     def __init__(self, body, device, max_batch: int, width: int, cuda_graphs: bool = False, pad: bool = False):
         self.body, self.device, self.width = body, canonical_device(device), width
@@ -310,47 +326,50 @@ class MTPStepGraphs:
         return z, zz, zz.clone(), torch.ones(Bp, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def run(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor) -> Tensor:
-        """Proposal tokens ``[B, N]`` of the greedy step (replayed graph, or eager)."""
+    def run(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor, n: int) -> Tensor:
+        """Proposal tokens ``[B, n]`` of the greedy step (replayed graph, or eager)."""
         B = slots.shape[0]
         if not self.pad:
-            return self.body(slots, toks, nodes, count)
+            return self.body(slots, toks, nodes, count, n)
         Bp = bucket_for(self.buckets, B)
         ins = (pad_rows(slots, Bp), pad_rows(toks, Bp), pad_rows(nodes, Bp), pad_rows(count, Bp, 1))
-        if self.use_graphs and Bp not in self._failed:
-            g = self._graphs.get(Bp) or self._capture(Bp)
+        key = (Bp, n)
+        if self.use_graphs and key not in self._failed:
+            g = self._graphs.get(key) or self._capture(Bp, n)
             if g is not None:
                 graph, static_in, out = g
                 for dst, src in zip(static_in, ins):
                     dst.copy_(src)
                 graph.replay()
                 return out[:B]
-        return self.body(*ins)[:B]
+        return self.body(*ins, n)[:B]
 
-    def capture(self) -> int:
-        """Capture every bucket's graph (largest first); returns how many were captured."""
+    def capture(self, ns) -> int:
+        """Capture every bucket's graph for each node count in ``ns`` (largest first);
+        returns how many were captured."""
         if not self.use_graphs:
             return 0
-        return sum(self._capture(Bp) is not None for Bp in sorted(self.buckets, reverse=True)
-                   if Bp not in self._graphs and Bp not in self._failed)
+        keys = [(Bp, n) for Bp in sorted(self.buckets, reverse=True) for n in sorted(ns, reverse=True)]
+        return sum(self._capture(*k) is not None for k in keys if k not in self._graphs and k not in self._failed)
 
     @torch.inference_mode()
-    def _capture(self, Bp: int):
+    def _capture(self, Bp: int, n: int):
         ins = self._inputs(Bp)
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):   # warm-up on the null slot (kernels compile here)
                 for _ in range(2):
-                    self.body(*ins)
+                    self.body(*ins, n)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE):
-                out = self.body(*ins)
+                out = self.body(*ins, n)
             self._pool = graph.pool()
         except Exception as e:  # pragma: no cover - depends on the model's kernels
-            warnings.warn(f"CUDA graph capture of the MTP draft step (batch {Bp}) failed, running eagerly: {e}")
-            self._failed.add(Bp)
+            warnings.warn(f"CUDA graph capture of the MTP draft step (batch {Bp}, {n} nodes) failed, "
+                          f"running eagerly: {e}")
+            self._failed.add((Bp, n))
             return None
-        self._graphs[Bp] = (graph, ins, out)
-        return self._graphs[Bp]
+        self._graphs[(Bp, n)] = (graph, ins, out)
+        return self._graphs[(Bp, n)]

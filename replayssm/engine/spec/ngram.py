@@ -127,18 +127,20 @@ class NgramDrafter(_NgramBase):
     def graph_shapes(self):
         return [(self.k + 1, False)]
 
-    def propose(self, seqs):
-        """Chains of up to ``k`` looked-up drafts; shorter rows are padded with invalid nodes
-        (to ``k`` when ``pad``: one verify shape, hence one CUDA graph per batch bucket)."""
+    def propose(self, seqs, k=None):
+        """Chains of up to ``k`` (default: ``num_tokens``) looked-up drafts; shorter rows are
+        padded with invalid nodes (to ``k`` when ``pad``: one verify shape per draft length,
+        hence one CUDA graph per batch bucket and length)."""
+        k = self.k if k is None else k
         drafts = []
         for s in seqs:
-            c = self._lookup(s, min(self.k, max(s.remaining - 1, 0)), 1)
+            c = self._lookup(s, min(k, max(s.remaining - 1, 0)), 1)
             drafts.append(c[0] if c else [])
         n = max(len(d) for d in drafts)
         if n == 0:
             return None
         if self.pad:
-            n = self.k
+            n = k
         B, N = len(seqs), n + 1
         rows = [[s.last_token] + d + [0] * (n - len(d)) for s, d in zip(seqs, drafts)]
         lens = torch.tensor([1 + len(d) for d in drafts])
@@ -164,7 +166,8 @@ class NgramTreeDrafter(_NgramBase):
 
     # graph_shapes: [] (the trie's size varies per step; its graphs are captured when first met)
 
-    def propose(self, seqs):
+    def propose(self, seqs, k=None):
+        """A trie per row (``k`` is not used: a tree is proposed whole)."""
         tries = []
         for s in seqs:
             conts = self._lookup(s, min(self.d, max(s.remaining - 1, 0)), self.w)

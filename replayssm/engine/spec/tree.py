@@ -48,7 +48,8 @@ class DraftTreeDrafter(DraftModelBase):
         return 1 + self.w * self.d if self.shape == "beam" else len(self.static_parent)
 
     # levels: list of node-index lists in target numbering (root = 0)
-    def propose(self, seqs):
+    def propose(self, seqs, k=None):
+        """The whole tree (``k`` is not used)."""
         B = len(seqs)
         slots = [s.slot for s in seqs]
         sampling = self._any_sampling(seqs)
