@@ -1,0 +1,151 @@
+"""FP8 linear layer on the GPU (contract of :func:`replayssm.ops.fp8.naive.linear`).
+
+``y = x Ŵᵀ (+ b)`` with ``Ŵ = q ⊙ S↑`` (block ``(bo, bi)``) or ``s · q`` (per-tensor):
+
+* :func:`_fp8_linear_kernel` (Triton): program ``(m, n)`` walks ``K`` in tiles of
+  ``BLOCK_K`` (a divisor of ``bi``, so one weight scale per column and K tile).  With
+  ``QUANT_A`` each ``[BLOCK_M, BLOCK_K]`` activation tile is quantized on the fly per token
+  (``s_a = amax / 448``, the dynamic per-token-group scheme with group ``BLOCK_K``) and
+  ``acc += (q_a · q_wᵀ) ⊙ (s_a ⊗ s_w)`` runs on FP8 tensor cores; without it the e4m3 tile is
+  widened to the activation dtype (``acc += (a · q_wᵀ) ⊙ s_w``, weight-only).  Accumulation in
+  fp32, output in ``x``'s dtype.
+* per-tensor weights with ``K``, ``N`` multiples of 16 use ``torch._scaled_mm``: activations
+  quantized with the checkpoint's static ``input_scale`` (tensor-wise scales) or per token
+  (row-wise scales) when it has none.
+
+Launch parameters depend on shapes only (CUDA-graph safe; no host sync).  Weights are read
+as ``uint8`` and bit-cast in the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ops.fp8.naive import FP8, FP8_MAX, scale_grid
+from ._triton import HAVE_TRITON, next_pow2, triton, tl
+
+__all__ = ["linear", "k_tile"]
+
+_HUGE = 1 << 30   # "block" extent of a per-tensor scale
+
+
+def k_tile(block) -> int | None:
+    """``BLOCK_K`` for a weight of ``block``: the largest power of two <= 128 dividing ``bi``
+    (per-tensor: 128); None when that is below 16 (the call then runs the reference)."""
+    if block is None:
+        return 128
+    bi = int(block[1])
+    t = bi & -bi
+    t = min(t, 128)
+    return t if t >= 16 else None
+
+
+#: which calls the kernel takes (others run the reference: kernels.dispatch)
+SUPPORTS = {"linear": lambda x, weight, scale, bias=None, *, block=None, **kw:
+            k_tile(block) is not None and x.dtype != torch.float64}
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _fp8_linear_kernel(
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, BO, BI, NBI,
+        HAS_BIAS: tl.constexpr, QUANT_A: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mm = rm < M
+        nm = rn < N
+        srow = (rn // BO) * NBI
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < K
+            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + kk[None, :], mask=mm[:, None] & km[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + kk[:, None], mask=km[:, None] & nm[None, :],
+                        other=0).to(tl.float8e4nv, bitcast=True)
+            ws = tl.load(s_ptr + srow + k0 // BI, mask=nm, other=0.0)
+            if QUANT_A:
+                af = a.to(tl.float32)
+                sa = tl.maximum(tl.max(tl.abs(af), 1), 1e-30) / 448.0
+                aq = (af / sa[:, None]).to(tl.float8e4nv)
+                acc += tl.dot(aq, w) * (sa[:, None] * ws[None, :])
+            else:
+                acc += tl.dot(a, w.to(tl.float32).to(a.dtype)) * ws[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mm[:, None] & nm[None, :])
+
+
+def _tiles(M: int, N: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` from the shapes: narrow column tiles for
+    decode (many programs streaming the weight), square ones for prefill."""
+    if M <= 16:
+        return 16, (32 if N <= 8192 else 64), 4, 4
+    if M <= 64:
+        return next_pow2(M), 64, 4, 4
+    return 128, 128, 8, 3
+
+
+def _scaled_mm_ok(x: Tensor, weight: Tensor, block) -> bool:
+    return (block is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 and hasattr(torch, "_scaled_mm"))
+
+
+def _scaled_mm(x2: Tensor, weight: Tensor, scale: Tensor, bias, input_scale) -> Tensor:
+    """Per-tensor FP8 GEMM through ``torch._scaled_mm`` (static or per-token activation scales)."""
+    xf = x2.float()
+    if input_scale is not None:
+        sa = input_scale.float().reshape(())
+        sb = scale.float().reshape(())
+    else:
+        sa = (xf.abs().amax(-1, keepdim=True).clamp_min(1e-30) / FP8_MAX)
+        sb = scale.float().reshape(1, 1).expand(1, weight.shape[0]).contiguous()
+    q = (xf / sa).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    y = torch._scaled_mm(q, weight.t(), scale_a=sa, scale_b=sb, out_dtype=x2.dtype)
+    return y if bias is None else y + bias
+
+
+def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None, *, block=None,
+           input_scale: Tensor | None = None, act_quant: bool | None = None, block_m: int | None = None,
+           block_n: int | None = None, num_warps: int | None = None) -> Tensor:
+    """Kernel form of :func:`replayssm.ops.fp8.naive.linear` (same arguments and result up to
+    rounding).  Kernel-only keywords: ``act_quant`` (default True: FP8 activations, dynamic
+    per-token groups; False: weight-only), ``block_m``, ``block_n``, ``num_warps``."""
+    if weight.dtype != FP8 or weight.dim() != 2:
+        raise ValueError(f"weight must be float8_e4m3fn [out, in], got {weight.dtype} {tuple(weight.shape)}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} features, weight takes {K}")
+    want = () if block is None else scale_grid(weight.shape, block)
+    if tuple(scale.shape) != tuple(want):
+        raise ValueError(f"scale has shape {tuple(scale.shape)}, expected {want} (block {block})")
+    BK = k_tile(block)
+    if BK is None:
+        raise ValueError(f"block {block}: the kernel needs a column block divisible by 16")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if act_quant is not False and _scaled_mm_ok(x2, weight, block) and block_m is None:
+        return _scaled_mm(x2, weight, scale, bias, input_scale).reshape(*lead, N)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y.reshape(*lead, N)
+    bm, bn, warps, stages = _tiles(M, N)
+    BM = max(16, next_pow2(block_m)) if block_m else bm
+    BN = max(16, next_pow2(block_n)) if block_n else bn
+    BO, BI = (_HUGE, _HUGE) if block is None else (int(block[0]), int(block[1]))
+    NBI = 1 if block is None else want[1]
+    quant = act_quant if act_quant is not None else x.dtype != torch.float32
+    _fp8_linear_kernel[(-(-M // BM), -(-N // BN))](
+        x2, weight.view(torch.uint8), scale.float().contiguous(), bias if bias is not None else y, y,
+        M, N, K, x2.stride(0), BO, BI, NBI, HAS_BIAS=bias is not None, QUANT_A=bool(quant),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=num_warps or warps, num_stages=stages)
+    return y.reshape(*lead, N)
