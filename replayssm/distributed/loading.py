@@ -23,6 +23,7 @@ import torch
 
 from ..models.registry import model_class, parse_config, read_config
 from ..models.header import check_sizes
+from ..models.quant import read_quant_config
 from ..models.loader import (_FP32_PARAMS, WeightError, _cast_checked, _install, _transformed_checked,
                              _weight_files, check_source_shapes, check_tied_copies, parse_dtype,
                              source_plan)
@@ -106,6 +107,10 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
     tdtype = parse_dtype(dtype)
     device = canonical_device(device)
     cfg = read_config(path)
+    if read_quant_config(path) is not None:
+        raise ValueError(f"{path}: an FP8 checkpoint; tensor-parallel loading reads float checkpoints only "
+                         f"(its shards do not slice block scales yet): load it on one device, or shard the "
+                         f"float checkpoint it was quantized from")
     key_file = _weight_files(path)
     check_sizes(cfg, key_file, os.path.join(path, "config.json"))  # before any skeleton is built
     if cfg.tie_word_embeddings and "lm_head.weight" in key_file:

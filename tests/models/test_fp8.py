@@ -223,3 +223,25 @@ def test_quantize_layout_and_refusals(ckpt, tmp_path):
         quantize_checkpoint(src, src)
     with pytest.raises(ValueError, match="block"):
         quantize_checkpoint(src, str(tmp_path / "y"), (0, 8))
+
+
+def test_quantize_cli(ckpt, tmp_path, capsys):
+    from replayssm.cli import main
+    src, _ = ckpt("nemotron_block")
+    out = str(tmp_path / "cli")
+    assert main(["quantize", src, out, "--fp8-block", "4,8"]) == 0
+    assert read_quant_config(out).block == (4, 8) and "FP8 e4m3, block [4, 8]" in capsys.readouterr().out
+    assert main(["quantize", src, str(tmp_path / "pt"), "--per-tensor"]) == 0
+    assert read_quant_config(str(tmp_path / "pt")).block is None
+    assert load_model(str(tmp_path / "pt"), dtype="float64")(IDS).isfinite().all()
+    assert main(["quantize", out, str(tmp_path / "again")]) == 2
+    assert "already quantized" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["quantize", src, str(tmp_path / "z"), "--fp8-block", "0"])
+
+
+def test_tensor_parallel_refuses_fp8_by_name(ckpt):
+    from replayssm.distributed.loading import load_shard
+    _, dst = ckpt("nemotron_block")
+    with pytest.raises(ValueError, match="FP8 checkpoint; tensor-parallel"):
+        load_shard(dst, 0, 2)
