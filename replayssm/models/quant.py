@@ -35,7 +35,7 @@ from ..layers.mlp import FP8Experts
 from ..ops.fp8 import naive as Q
 from .config import ConfigError, WeightError
 
-__all__ = ["FP8Config", "read_quant_config", "convert_model", "quantize_checkpoint", "SCALE_SUFFIXES",
+__all__ = ["FP8Config", "read_quant_config", "convert_model", "quantize_checkpoint", "quantize_model_", "SCALE_SUFFIXES",
            "ignored_key", "DEFAULT_SKIP"]
 
 #: parameter leaves holding scales (loaded in float32 whatever the model dtype)
@@ -325,3 +325,30 @@ def quantize_checkpoint(src: str, dst: str, block=(128, 128), skip=DEFAULT_SKIP)
                 "config.json", "model.safetensors.index.json"):
             shutil.copy2(p, os.path.join(dst, entry))
     return qc
+
+
+@torch.no_grad()
+def quantize_model_(model: nn.Module, block=(128, 128), skip=DEFAULT_SKIP) -> list[str]:
+    """Quantize a loaded float ``model`` in place (on its device): every linear layer and
+    expert stack not named in ``skip`` becomes FP8 (block ``block`` or per-tensor for None),
+    as if loaded from :func:`quantize_checkpoint`'s output.  Returns the converted names."""
+    if block is not None:
+        block = Q.check_block(tuple(block))
+    done = []
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, Linear) and not mod.fp8 and not _skip(name, skip):
+            w = mod.weight.data
+            q, s = Q.quantize_block(w, block) if block is not None else Q.quantize_tensor(w)
+            mod.to_fp8(block)
+            mod.weight.data = q
+            (mod.weight_scale_inv if block is not None else mod.weight_scale).data = s.to(w.device)
+            done.append(name)
+        elif isinstance(mod, FP8Experts) and not mod.fp8 and not _skip(name, skip):
+            ws = [getattr(mod, n).data for n in mod.names]
+            mod.to_fp8(block)
+            for n, w, parts in zip(mod.names, ws, (2 if mod.gated else 1, 1)):
+                q, s = Q.quantize_experts(w, block, parts)
+                getattr(mod, n).data = q
+                getattr(mod, n + ("_scale_inv" if block is not None else "_scale")).data = s.to(w.device)
+            done.append(name)
+    return done

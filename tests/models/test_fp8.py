@@ -245,3 +245,12 @@ def test_tensor_parallel_refuses_fp8_by_name(ckpt):
     _, dst = ckpt("nemotron_block")
     with pytest.raises(ValueError, match="FP8 checkpoint; tensor-parallel"):
         load_shard(dst, 0, 2)
+
+
+def test_quantize_model_in_place_equals_quantized_checkpoint(ckpt):
+    from replayssm.models.quant import quantize_model_
+    src, dst = ckpt("nemotron_block")
+    m = load_model(src, dtype="float64")
+    names = quantize_model_(m, (4, 8))
+    assert names and all(isinstance(dict(m.named_modules())[n], (Linear, FP8Experts)) for n in names)
+    assert torch.equal(m(IDS), load_model(dst, dtype="float64")(IDS))
