@@ -240,13 +240,6 @@ def test_quantize_cli(ckpt, tmp_path, capsys):
         main(["quantize", src, str(tmp_path / "z"), "--fp8-block", "0"])
 
 
-def test_tensor_parallel_refuses_fp8_by_name(ckpt):
-    from replayssm.distributed.loading import load_shard
-    _, dst = ckpt("nemotron_block")
-    with pytest.raises(ValueError, match="FP8 checkpoint; tensor-parallel"):
-        load_shard(dst, 0, 2)
-
-
 def test_quantize_model_in_place_equals_quantized_checkpoint(ckpt):
     from replayssm.models.quant import quantize_model_
     src, dst = ckpt("nemotron_block")
