@@ -13,7 +13,9 @@
   quantized with the checkpoint's static ``input_scale`` (tensor-wise scales) or per token
   (row-wise scales) when it has none.
 
-Launch parameters depend on shapes only (CUDA-graph safe; no host sync).  Weights are read
+Decode shapes (few row tiles, few column tiles) split ``K`` over several programs so the
+weight streams from every SM; the fp32 partial sums are added in a fixed order.  Launch
+parameters depend on shapes only (CUDA-graph safe; no host sync).  Weights are read
 as ``uint8`` and bit-cast in the kernel.
 """
 
@@ -23,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..ops.fp8.naive import FP8, FP8_MAX, scale_grid
-from ._triton import HAVE_TRITON, next_pow2, triton, tl
+from ._triton import HAVE_TRITON, next_pow2, persistent_programs, triton, tl
 
 __all__ = ["linear", "k_tile"]
 
@@ -49,19 +51,21 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fp8_linear_kernel(
-        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, BO, BI, NBI,
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, BO, BI, NBI, KSPLIT,
         HAS_BIAS: tl.constexpr, QUANT_A: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)          # split-K: this program's K range, partial sums to y[pid_k]
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mm = rm < M
         nm = rn < N
         srow = (rn // BO) * NBI
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_lo = pid_k * KSPLIT
+        for k0 in range(k_lo, tl.minimum(K, k_lo + KSPLIT), BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < K
             a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + kk[None, :], mask=mm[:, None] & km[None, :],
@@ -78,6 +82,7 @@ if HAVE_TRITON:
                 acc += tl.dot(a, w.to(tl.float32).to(a.dtype)) * ws[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+        y_ptr += pid_k.to(tl.int64) * M * N
         tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mm[:, None] & nm[None, :])
 
@@ -90,6 +95,14 @@ def _tiles(M: int, N: int) -> tuple[int, int, int, int]:
     if M <= 64:
         return next_pow2(M), 64, 4, 4
     return 128, 128, 8, 3
+
+
+def _split_k(device, programs: int, K: int, BK: int) -> int:
+    """K splits for a launch of ``programs`` tiles: enough for about two programs per SM
+    (decode shapes with few column tiles), each split at least 4 K tiles long."""
+    want = persistent_programs(device, 1 << 30, 2) if device.type == "cuda" else 1
+    tiles = -(-K // BK)
+    return max(1, min(-(-want // max(programs, 1)), tiles // 4, 16))
 
 
 def _scaled_mm_ok(x: Tensor, weight: Tensor, block) -> bool:
@@ -113,10 +126,11 @@ def _scaled_mm(x2: Tensor, weight: Tensor, scale: Tensor, bias, input_scale) -> 
 
 def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None, *, block=None,
            input_scale: Tensor | None = None, act_quant: bool | None = None, block_m: int | None = None,
-           block_n: int | None = None, num_warps: int | None = None) -> Tensor:
+           block_n: int | None = None, num_warps: int | None = None, split_k: int | None = None) -> Tensor:
     """Kernel form of :func:`replayssm.ops.fp8.naive.linear` (same arguments and result up to
-    rounding).  Kernel-only keywords: ``act_quant`` (default True: FP8 activations, dynamic
-    per-token groups; False: weight-only), ``block_m``, ``block_n``, ``num_warps``."""
+    rounding).  Kernel-only keywords: ``act_quant`` (default for bf16/fp16: FP8 activations,
+    dynamic per-token groups; False: weight-only), ``block_m``, ``block_n``, ``num_warps``,
+    ``split_k`` (K ranges summed in fp32 afterwards, in a fixed order; default from the shape)."""
     if weight.dtype != FP8 or weight.dim() != 2:
         raise ValueError(f"weight must be float8_e4m3fn [out, in], got {weight.dtype} {tuple(weight.shape)}")
     N, K = weight.shape
@@ -135,17 +149,25 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     M = x2.shape[0]
     if act_quant is not False and _scaled_mm_ok(x2, weight, block) and block_m is None:
         return _scaled_mm(x2, weight, scale, bias, input_scale).reshape(*lead, N)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
-        return y.reshape(*lead, N)
+        return torch.empty(*lead, N, dtype=x.dtype, device=x.device)
     bm, bn, warps, stages = _tiles(M, N)
     BM = max(16, next_pow2(block_m)) if block_m else bm
     BN = max(16, next_pow2(block_n)) if block_n else bn
     BO, BI = (_HUGE, _HUGE) if block is None else (int(block[0]), int(block[1]))
     NBI = 1 if block is None else want[1]
     quant = act_quant if act_quant is not None else x.dtype != torch.float32
-    _fp8_linear_kernel[(-(-M // BM), -(-N // BN))](
+    grid_mn = -(-M // BM) * -(-N // BN)
+    S = max(1, int(split_k)) if split_k else _split_k(x.device, grid_mn, K, BK)
+    KS = -(-(-(-K // BK)) // S) * BK               # K per split, whole tiles
+    S = -(-K // KS)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device) if S == 1 else \
+        torch.empty(S, M, N, dtype=torch.float32, device=x.device)
+    _fp8_linear_kernel[(-(-M // BM), -(-N // BN), S)](
         x2, weight.view(torch.uint8), scale.float().contiguous(), bias if bias is not None else y, y,
-        M, N, K, x2.stride(0), BO, BI, NBI, HAS_BIAS=bias is not None, QUANT_A=bool(quant),
+        M, N, K, x2.stride(0), BO, BI, NBI, KS, HAS_BIAS=bias is not None and S == 1, QUANT_A=bool(quant),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=num_warps or warps, num_stages=stages)
+    if S > 1:
+        y = y.sum(0) if bias is None else y.sum(0) + bias.float()
+        y = y.to(x.dtype)
     return y.reshape(*lead, N)

@@ -23,12 +23,13 @@ def _rel(got, ref):
     return ((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("M_,N,K,block,bias", [
-    (3, 37, 50, (16, 16), True),      # partial row and column blocks, K tail inside a block
-    (21, 19, 64, (8, 32), False),     # row blocks narrower than the column tile
-    (1, 48, 96, None, True),          # per-tensor (decode row)
+@pytest.mark.parametrize("M_,N,K,block,bias,split", [
+    (3, 37, 50, (16, 16), True, None),      # partial row and column blocks, K tail inside a block
+    (21, 19, 64, (8, 32), False, None),     # row blocks narrower than the column tile
+    (1, 48, 96, None, True, None),          # per-tensor (decode row)
+    (2, 21, 150, (16, 16), True, 3),        # split-K (3 ranges of 64, 64, 22 columns), bias once
 ])
-def test_fp8_linear_weight_only_matches_reference(M_, N, K, block, bias):
+def test_fp8_linear_weight_only_matches_reference(M_, N, K, block, bias, split):
     g = torch.Generator().manual_seed(M_ * N + K)
     w = torch.randn(N, K, generator=g) * torch.linspace(0.1, 3, K)     # blocks of different ranges
     q, s = Q.quantize_tensor(w) if block is None else Q.quantize_block(w, block)
@@ -36,7 +37,7 @@ def test_fp8_linear_weight_only_matches_reference(M_, N, K, block, bias):
     b = torch.randn(N, generator=g) if bias else None
     ref = Q.linear(x.double(), q, s, None if b is None else b.double(), block=block)
     d = lambda t: None if t is None else t.to(DEVICE)
-    got = KF.linear(d(x), d(q), d(s), d(b), block=block, act_quant=False)
+    got = KF.linear(d(x), d(q), d(s), d(b), block=block, act_quant=False, split_k=split, block_n=16)
     assert got.shape == (M_, N) and got.dtype == torch.float32
     assert _rel(got.cpu(), ref) < 1e-5
 
