@@ -43,8 +43,9 @@ SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "_scale_inv
 #: checkpoint tensors of a quantized model that are read past (see the module docstring)
 _READ_PAST = (re.compile(r"\.(k_scale|v_scale|q_scale|kv_scale)$"),
               re.compile(r"\.experts\.\d+\.[A-Za-z_]+\.input_scale$"), re.compile(r"\.experts\.\w+_input_scale$"))
-#: layers ``quantize`` leaves in the model dtype by default (routers, the shared-expert gate)
-DEFAULT_SKIP = ("gate", "shared_expert_gate", "lm_head")
+#: layers ``quantize`` leaves in the model dtype by default: routers, the shared-expert gate, the
+#: head, and GDN's small ``in_proj_ba`` (as Qwen's own FP8 release does)
+DEFAULT_SKIP = ("gate", "shared_expert_gate", "lm_head", "in_proj_ba")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -247,3 +247,13 @@ def test_quantize_model_in_place_equals_quantized_checkpoint(ckpt):
     names = quantize_model_(m, (4, 8))
     assert names and all(isinstance(dict(m.named_modules())[n], (Linear, FP8Experts)) for n in names)
     assert torch.equal(m(IDS), load_model(dst, dtype="float64")(IDS))
+
+
+def test_nan_fp8_weight_refused(ckpt, tmp_path):
+    _, dst = ckpt("nemotron_block")
+    t = _tensors(dst)
+    w = t["backbone.layers.0.mixer.out_proj.weight"].view(torch.uint8).clone()
+    w[3, 5] = 0x7F                                   # e4m3fn NaN
+    t["backbone.layers.0.mixer.out_proj.weight"] = w.view(Q.FP8)
+    with pytest.raises(WeightError, match="out_proj.weight.*NaN"):
+        load_model(_rewrite(dst, str(tmp_path / "nan"), t))
