@@ -4,8 +4,10 @@
 
 * :func:`_fp8_linear_kernel` (Triton): program ``(m, n)`` walks ``K`` in tiles of
   ``BLOCK_K`` (a divisor of ``bi``, so one weight scale per column and K tile).  With
-  ``QUANT_A`` each ``[BLOCK_M, BLOCK_K]`` activation tile is quantized on the fly per token
-  (``s_a = amax / 448``, the dynamic per-token-group scheme with group ``BLOCK_K``) and
+  ``QUANT_A`` activations are quantized per token and group of ``BLOCK_K`` channels
+  (``s_a = amax / 448``, the dynamic per-token-group scheme): in the GEMM's own tiles for
+  decode-sized ``M``, by :func:`_act_quant_kernel` in one pass beforehand from
+  :data:`PREQUANT_M` rows on (prefill: no re-quantization per column tile); then
   ``acc += (q_a · q_wᵀ) ⊙ (s_a ⊗ s_w)`` runs on FP8 tensor cores; without it the e4m3 tile is
   widened to the activation dtype (``acc += (a · q_wᵀ) ⊙ s_w``, weight-only).  Accumulation in
   fp32, output in ``x``'s dtype.
@@ -30,6 +32,8 @@ from ._triton import HAVE_TRITON, next_pow2, persistent_programs, triton, tl
 __all__ = ["linear", "k_tile"]
 
 _HUGE = 1 << 30   # "block" extent of a per-tensor scale
+#: rows from which activations are quantized in a pass of their own (prefill), not per tile
+PREQUANT_M = 65
 
 
 def k_tile(block) -> int | None:
@@ -50,9 +54,22 @@ SUPPORTS = {"linear": lambda x, weight, scale, bias=None, *, block=None, **kw:
 if HAVE_TRITON:
 
     @triton.jit
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, sxm, G, BLOCK_K: tl.constexpr):
+        """Row ``m``, group ``g``: ``s = amax(|x|) / 448``, ``q = x / s`` in e4m3 (stored as bytes)."""
+        m = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        kk = g * BLOCK_K + tl.arange(0, BLOCK_K)
+        km = kk < K
+        x = tl.load(x_ptr + m * sxm + kk, mask=km, other=0.0).to(tl.float32)
+        sa = tl.maximum(tl.max(tl.abs(x), 0), 1e-30) / 448.0
+        q = (x / sa).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        tl.store(q_ptr + m * K + kk, q, mask=km)
+        tl.store(s_ptr + m * G + g, sa)
+
+    @triton.jit
     def _fp8_linear_kernel(
-        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, BO, BI, NBI, KSPLIT,
-        HAS_BIAS: tl.constexpr, QUANT_A: tl.constexpr,
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, xs_ptr, M, N, K, sxm, BO, BI, NBI, KSPLIT, G,
+        HAS_BIAS: tl.constexpr, QUANT_A: tl.constexpr, A_FP8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
@@ -73,7 +90,11 @@ if HAVE_TRITON:
             w = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + kk[:, None], mask=km[:, None] & nm[None, :],
                         other=0).to(tl.float8e4nv, bitcast=True)
             ws = tl.load(s_ptr + srow + k0 // BI, mask=nm, other=0.0)
-            if QUANT_A:
+            if A_FP8:   # activations quantized beforehand (_act_quant_kernel): bytes + one scale per group
+                aq = a.to(tl.float8e4nv, bitcast=True)
+                sa = tl.load(xs_ptr + rm.to(tl.int64) * G + k0 // BLOCK_K, mask=mm, other=0.0)
+                acc += tl.dot(aq, w) * (sa[:, None] * ws[None, :])
+            elif QUANT_A:
                 af = a.to(tl.float32)
                 sa = tl.maximum(tl.max(tl.abs(af), 1), 1e-30) / 448.0
                 aq = (af / sa[:, None]).to(tl.float8e4nv)
@@ -163,10 +184,18 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     S = -(-K // KS)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if S == 1 else \
         torch.empty(S, M, N, dtype=torch.float32, device=x.device)
+    G = -(-K // BK)
+    pre = bool(quant) and M >= PREQUANT_M          # many row tiles: quantize each row group once
+    a, xs, sxa = x2, y, x2.stride(0)
+    if pre:
+        a = torch.empty(M, K, dtype=torch.uint8, device=x.device)
+        xs = torch.empty(M, G, dtype=torch.float32, device=x.device)
+        _act_quant_kernel[(M, G)](x2, a, xs, K, x2.stride(0), G, BLOCK_K=BK, num_warps=1 if BK <= 64 else 2)
+        sxa = K
     _fp8_linear_kernel[(-(-M // BM), -(-N // BN), S)](
-        x2, weight.view(torch.uint8), scale.float().contiguous(), bias if bias is not None else y, y,
-        M, N, K, x2.stride(0), BO, BI, NBI, KS, HAS_BIAS=bias is not None and S == 1, QUANT_A=bool(quant),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=num_warps or warps, num_stages=stages)
+        a, weight.view(torch.uint8), scale.float().contiguous(), bias if bias is not None else y, y, xs,
+        M, N, K, sxa, BO, BI, NBI, KS, G, HAS_BIAS=bias is not None and S == 1, QUANT_A=bool(quant),
+        A_FP8=pre, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=num_warps or warps, num_stages=stages)
     if S > 1:
         y = y.sum(0) if bias is None else y.sum(0) + bias.float()
         y = y.to(x.dtype)

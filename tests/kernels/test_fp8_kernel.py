@@ -42,12 +42,13 @@ def test_fp8_linear_weight_only_matches_reference(M_, N, K, block, bias, split):
     assert _rel(got.cpu(), ref) < 1e-5
 
 
-def test_fp8_linear_act_quant_exact_on_representable_activations():
+@pytest.mark.parametrize("M_", [5, KF.PREQUANT_M + 5])     # in-tile quantization / a pass of its own
+def test_fp8_linear_act_quant_exact_on_representable_activations(M_):
     """Activations whose per-token groups are powers of two times e4m3 values (each group
     holding ±448·2^j) quantize exactly under any rounding, so the FP8×FP8 path equals the
     float64 reference of the dynamic scheme (group = the kernel's K tile, 32 here)."""
     g = torch.Generator().manual_seed(1)
-    M_, N, K, block = 5, 23, 64, (16, 32)
+    N, K, block = 23, 64, (16, 32)
     w = torch.randn(N, K, generator=g)
     q, s = Q.quantize_block(w, block)
     a = torch.randn(M_, K, generator=g).clamp(-400, 400).to(Q.FP8).double()
