@@ -5,13 +5,14 @@
    against the reference at Qwen3-Next-4B's expert shape; one FP8 decode step replayed from a
    CUDA graph equals the eager step.
 2. ``gemm``: bf16 ``F.linear`` vs the FP8 kernel (FP8 activations / weight-only) vs
-   ``torch._scaled_mm`` (per-tensor, row-wise activation scales) at M = 1, 64, 2048.
+   ``torch._scaled_mm`` (per-tensor, row-wise activation scales) at M = 1, 64, 2048;
+   ``tune`` (last): the decode launch sweep (column tile x K splits) beside the default.
 3. ``models``: nemotron-h-4b and qwen3-next-4b (random weights, bf16; then quantized in memory
    to block-128 FP8): decode step time in a CUDA graph at B=1 and B=64 (tokens/s = B / step),
    the copy-ceiling fraction of each step (bytes a step must read: weights touched, state
    read and written; over the measured copy bandwidth), and prefill time of 1 × 4096 tokens.
 
-    PYTHONPATH=. python scripts/gpu_fp8.py [--sections check,gemm,models] [--layers N]
+    PYTHONPATH=. python scripts/gpu_fp8.py [--sections check,gemm,models,tune] [--layers N]
 
 Prints a table per section and writes ``$OUT/gpu_fp8.json`` (or ``--out``).
 """
@@ -137,6 +138,29 @@ def gemm(res):
               f"{r['scaled_mm_ms']:>11.4f}  {r['bf16_ms'] / best:.2f}x")
 
 
+def tune(res):
+    """Decode launch sweep (column tile x K splits) at the MLP shapes, beside the default."""
+    rows = []
+    g = torch.Generator(device=DEV).manual_seed(2)
+    for name in ("nemotron mlp up", "nemotron mlp down", "qwen gdn qkvz"):
+        N, K = SHAPES[name]
+        qb, sb = Q.quantize_block(torch.randn(N, K, device=DEV, generator=g) * 0.02, (128, 128))
+        w = Q.dequantize_block(qb, sb, (128, 128), torch.bfloat16)
+        for M_ in (1, 64):
+            x = torch.randn(M_, K, device=DEV, generator=g).bfloat16()
+            r = dict(shape=name, M=M_, bf16_ms=bench(lambda: F.linear(x, w)),
+                     default_ms=bench(lambda: KF.linear(x, qb, sb, block=(128, 128))))
+            for bn in (16, 32, 64):
+                for sk in (1, 2, 4, 8):
+                    r[f"bn{bn}_sk{sk}"] = bench(lambda: KF.linear(x, qb, sb, block=(128, 128), block_n=bn, split_k=sk),
+                                                rep=20)
+            rows.append(r)
+            best = min((v, k) for k, v in r.items() if k.startswith("bn"))
+            print(f"{name:<20} M={M_:<4} bf16 {r['bf16_ms']:.4f}  default {r['default_ms']:.4f}  "
+                  f"best {best[1]} {best[0]:.4f} ms")
+    res["tune"] = rows
+
+
 def copy_bw() -> float:
     """Measured device copy bandwidth (bytes read + written per second)."""
     a = torch.empty(1 << 29, dtype=torch.uint8, device=DEV)
@@ -231,7 +255,7 @@ def models(res, layers, prefill_len):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--sections", default="check,gemm,models")
+    p.add_argument("--sections", default="check,gemm,models,tune")
     p.add_argument("--layers", type=int, default=None, help="keep the first N layers of each preset")
     p.add_argument("--prefill", type=int, default=4096)
     p.add_argument("--out", default=os.environ.get("OUT"))
@@ -240,7 +264,7 @@ def main() -> None:
     for sec in a.sections.split(","):
         print(f"\n== {sec} [{time.perf_counter() - T0:.0f}s]")
         try:
-            {"check": check, "gemm": gemm}.get(sec, lambda r: models(r, a.layers, a.prefill))(res)
+            {"check": check, "gemm": gemm, "tune": tune}.get(sec, lambda r: models(r, a.layers, a.prefill))(res)
         except Exception:
             traceback.print_exc()
             res[sec + "_error"] = traceback.format_exc()[-2000:]
