@@ -70,7 +70,7 @@ if HAVE_TRITON:
     def _fp8_linear_kernel(
         x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, xs_ptr, M, N, K, sxm, BO, BI, NBI, KSPLIT, G,
         HAS_BIAS: tl.constexpr, QUANT_A: tl.constexpr, A_FP8: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -100,7 +100,7 @@ if HAVE_TRITON:
                 aq = (af / sa[:, None]).to(tl.float8e4nv)
                 acc += tl.dot(aq, w) * (sa[:, None] * ws[None, :])
             else:
-                acc += tl.dot(a, w.to(tl.float32).to(a.dtype)) * ws[None, :]
+                acc += tl.dot(a, w.to(tl.float32).to(a.dtype), input_precision=PREC) * ws[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
         y_ptr += pid_k.to(tl.int64) * M * N
@@ -195,7 +195,8 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     _fp8_linear_kernel[(-(-M // BM), -(-N // BN), S)](
         a, weight.view(torch.uint8), scale.float().contiguous(), bias if bias is not None else y, y, xs,
         M, N, K, sxa, BO, BI, NBI, KS, G, HAS_BIAS=bias is not None and S == 1, QUANT_A=bool(quant),
-        A_FP8=pre, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=num_warps or warps, num_stages=stages)
+        A_FP8=pre, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or warps, num_stages=stages)
     if S > 1:
         y = y.sum(0) if bias is None else y.sum(0) + bias.float()
         y = y.to(x.dtype)
