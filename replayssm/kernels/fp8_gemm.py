@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from ..ops.fp8.naive import FP8, FP8_MAX, scale_grid
-from ._triton import HAVE_TRITON, next_pow2, persistent_programs, triton, tl
+from ._triton import HAVE_TRITON, interpreting, next_pow2, persistent_programs, triton, tl
 
-__all__ = ["linear", "k_tile"]
+__all__ = ["linear", "k_tile", "e4m3"]
 
 _HUGE = 1 << 30   # "block" extent of a per-tensor scale
 #: rows from which activations are quantized in a pass of their own (prefill), not per tile
@@ -54,7 +54,22 @@ SUPPORTS = {"linear": lambda x, weight, scale, bias=None, *, block=None, **kw:
 if HAVE_TRITON:
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, sxm, G, BLOCK_K: tl.constexpr):
+    def e4m3(q, EXACT: tl.constexpr):
+        """``q`` (fp32, ``|q| <= 448``) rounded to e4m3, to nearest even.  ``EXACT`` (under the
+        CPU interpreter, whose fp32 -> e4m3 cast misplaces values that round up to the next
+        power of two) rounds on the e4m3 grid in fp32 first, so the cast is exact."""
+        if EXACT:
+            e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(q), 1e-30))), -6.0)
+            step = tl.exp2(e - 3.0)
+            y = q / step                                   # exact: a power-of-two step
+            r = tl.floor(y + 0.5)
+            odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+            r = tl.where(((r - y) == 0.5) & odd, r - 1.0, r)  # ties to even
+            q = r * step
+        return q.to(tl.float8e4nv)
+
+    @triton.jit
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, sxm, G, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
         """Row ``m``, group ``g``: ``s = amax(|x|) / 448``, ``q = x / s`` in e4m3 (stored as bytes)."""
         m = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
@@ -62,7 +77,7 @@ if HAVE_TRITON:
         km = kk < K
         x = tl.load(x_ptr + m * sxm + kk, mask=km, other=0.0).to(tl.float32)
         sa = tl.maximum(tl.max(tl.abs(x), 0), 1e-30) / 448.0
-        q = (x / sa).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        q = e4m3(x / sa, EXACT).to(tl.uint8, bitcast=True)
         tl.store(q_ptr + m * K + kk, q, mask=km)
         tl.store(s_ptr + m * G + g, sa)
 
@@ -71,6 +86,7 @@ if HAVE_TRITON:
         x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, xs_ptr, M, N, K, sxm, BO, BI, NBI, KSPLIT, G,
         HAS_BIAS: tl.constexpr, QUANT_A: tl.constexpr, A_FP8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+        EXACT: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -97,7 +113,7 @@ if HAVE_TRITON:
             elif QUANT_A:
                 af = a.to(tl.float32)
                 sa = tl.maximum(tl.max(tl.abs(af), 1), 1e-30) / 448.0
-                aq = (af / sa[:, None]).to(tl.float8e4nv)
+                aq = e4m3(af / sa[:, None], EXACT)
                 acc += tl.dot(aq, w) * (sa[:, None] * ws[None, :])
             else:
                 acc += tl.dot(a, w.to(tl.float32).to(a.dtype), input_precision=PREC) * ws[None, :]
@@ -190,13 +206,14 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     if pre:
         a = torch.empty(M, K, dtype=torch.uint8, device=x.device)
         xs = torch.empty(M, G, dtype=torch.float32, device=x.device)
-        _act_quant_kernel[(M, G)](x2, a, xs, K, x2.stride(0), G, BLOCK_K=BK, num_warps=1 if BK <= 64 else 2)
+        _act_quant_kernel[(M, G)](x2, a, xs, K, x2.stride(0), G, BLOCK_K=BK, EXACT=interpreting(),
+                                  num_warps=1 if BK <= 64 else 2)
         sxa = K
     _fp8_linear_kernel[(-(-M // BM), -(-N // BN), S)](
         a, weight.view(torch.uint8), scale.float().contiguous(), bias if bias is not None else y, y, xs,
         M, N, K, sxa, BO, BI, NBI, KS, G, HAS_BIAS=bias is not None and S == 1, QUANT_A=bool(quant),
         A_FP8=pre, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or warps, num_stages=stages)
+        EXACT=interpreting(), num_warps=num_warps or warps, num_stages=stages)
     if S > 1:
         y = y.sum(0) if bias is None else y.sum(0) + bias.float()
         y = y.to(x.dtype)

@@ -60,13 +60,17 @@ def test_fp8_linear_act_quant_exact_on_representable_activations(M_):
     assert _rel(got.cpu(), ref) < 1e-5
 
 
-def test_fp8_linear_act_quant_close_on_random_activations():
+@pytest.mark.parametrize("rows", [2, KF.PREQUANT_M])
+def test_fp8_linear_act_quant_on_random_activations(rows):
+    """Random activations (ties and values rounding up to the next power of two included):
+    the kernel's quantization (in-tile, or its own pass) is the float64 scheme's."""
     g = torch.Generator().manual_seed(2)
-    w = torch.randn(33, 128, generator=g)
+    w = torch.randn(33, 256, generator=g)
     q, s = Q.quantize_block(w, (32, 128))
-    x = torch.randn(4, 2, 128, generator=g)                               # leading dims kept
+    x = torch.randn(rows, 2, 256, generator=g)                             # leading dims kept
     got = KF.linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), block=(32, 128), act_quant=True)
-    assert got.shape == (4, 2, 33)
+    assert got.shape == (rows, 2, 33)
+    assert _rel(got.cpu(), Q.linear_act_quant(x.double(), q, s, block=(32, 128), group=128)) < 1e-5
     assert _rel(got.cpu(), Q.linear(x.double(), q, s, block=(32, 128))) < 0.08     # e4m3: 3 mantissa bits
 
 
@@ -100,9 +104,33 @@ def test_fp8_fused_experts_match_reference(gated, act, block):
     plain = M.experts(x.double(), idx, w.double(), dq1, dq2, act=act, gated=gated)
     assert torch.equal(ref, plain)                                   # the reference dequantizes
     d = lambda t: t.to(DEVICE)
-    got = KM.experts(d(x), d(idx), d(w), d(q1), d(q2), act=act, gated=gated, w1_scale=d(s1), w2_scale=d(s2),
-                     block=block)
+    kq = dict(act=act, gated=gated, w1_scale=d(s1), w2_scale=d(s2), block=block)
+    got = KM.experts(d(x), d(idx), d(w), d(q1), d(q2), **kq, act_quant=False)
     assert _rel(got.cpu(), ref) < 1e-5
+    got = KM.experts(d(x), d(idx), d(w), d(q1), d(q2), **kq, act_quant=True)     # FP8 x FP8 products
+    bk = 1 << 30 if block is None else block[1]             # the kernel's K tiles (64, 16 here): the groups
+    want = _experts_act_quant(x, idx, w, q1, s1, q2, s2, block, gated, act, min(64, bk), min(16, bk))
+    assert _rel(got.cpu(), want) < 1e-5
+    assert _rel(got.cpu(), ref) < 0.1
+
+
+def _experts_act_quant(x, idx, w, q1, s1, q2, s2, block, gated, act, g1, g2):
+    """float64 emulation of the kernel's FP8 x FP8 experts: token rows quantized per group of
+    ``g1`` channels, ``h`` (rounded to x's dtype) per group of ``g2``."""
+    parts = 2 if gated else 1
+    d1 = Q.dequantize_experts(q1, s1, block, parts, torch.float64)
+    d2 = Q.dequantize_experts(q2, s2, block, 1, torch.float64)
+    f = M.activation(act)
+    out = torch.zeros(x.shape[0], d2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        xa = Q.dequantize_groups(*Q.quantize_groups(x[t:t + 1].double(), g1), g1)
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            u = xa @ d1[e].T
+            h = f(u[:, :u.shape[1] // 2]) * u[:, u.shape[1] // 2:] if gated else f(u)
+            h = h.to(x.dtype).double()
+            out[t] += float(w[t, j]) * (Q.dequantize_groups(*Q.quantize_groups(h, g2), g2) @ d2[e].T)[0]
+    return out
 
 
 def test_fp8_experts_bad_input():
