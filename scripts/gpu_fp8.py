@@ -9,7 +9,8 @@
 3. ``models``: nemotron-h-4b and qwen3-next-4b (random weights, bf16; then quantized in memory
    to block-128 FP8): decode step time in a CUDA graph at B=1 and B=64 (tokens/s = B / step),
    the copy-ceiling fraction of each step (bytes a step must read: weights touched, state
-   read and written; over the measured copy bandwidth), and prefill time of 1 × 4096 tokens.
+   read and written; over the measured copy bandwidth), and prefill time of 1 × 4096 tokens;
+   FP8 vs bf16 logits (relative error, top-1 agreement) of a forward over 2 × 48 tokens.
 
     PYTHONPATH=. python scripts/gpu_fp8.py [--sections check,gemm,models,tune] [--layers N]
 
@@ -233,11 +234,17 @@ def models(res, layers, prefill_len):
             t = time.perf_counter()
             model = load_model(random_hybrid_dir(preset, tmp, num_layers=layers), device=DEV, dtype=torch.bfloat16)
             print(f"[{time.perf_counter() - T0:.0f}s] {preset}: built and loaded in {time.perf_counter() - t:.0f}s")
+        ids = torch.randint(0, int(model.config.vocab_size), (2, 48), device=DEV,
+                            generator=torch.Generator(device=DEV).manual_seed(5))
+        ref = model(ids).float()
         rows = measure(model, "bf16", bw, prefill_len)
         quantize_model_(model, (128, 128))
         n8 = sum(1 for m in model.modules() if isinstance(m, (Linear, FP8Experts)) and m.fp8)
+        got = model(ids).float()
+        agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+        print(f"  {preset}: FP8 vs bf16 logits rel err {rel(got, ref):.3e}, top-1 agreement {agree:.3f}")
         rows += measure(model, "fp8-block128", bw, prefill_len)
-        out[preset] = dict(rows=rows, fp8_layers=n8)
+        out[preset] = dict(rows=rows, fp8_layers=n8, logits_rel_err=rel(got, ref), top1_agreement=agree)
         del model
         torch.cuda.empty_cache()
         dec = {(r["weights"], r["B"]): r for r in rows if "B" in r}
