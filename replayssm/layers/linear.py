@@ -24,8 +24,9 @@ from ..ops.fp8.naive import FP8, scale_grid
 __all__ = ["Linear", "param"]
 
 
-def param(*shape, dtype=None) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+def param(*shape, dtype=None, device=None) -> nn.Parameter:
+    """An empty, frozen parameter (filled by the loader)."""
+    return nn.Parameter(torch.empty(tuple(shape), dtype=dtype, device=device), requires_grad=False)
 
 
 class Linear(nn.Module):
@@ -44,15 +45,14 @@ class Linear(nn.Module):
         per-tensor scales (``block=None``; ``input_scale``: also a static activation scale)."""
         dev = self.weight.device
         self.fp8, self.block = True, None if block is None else (int(block[0]), int(block[1]))
-        self.weight = nn.Parameter(torch.empty(self.d_out, self.d_in, dtype=FP8, device=dev), requires_grad=False)
+        self.weight = param(self.d_out, self.d_in, dtype=FP8, device=dev)
         if self.block is not None:
-            self.weight_scale_inv = nn.Parameter(torch.empty(scale_grid((self.d_out, self.d_in), self.block),
-                                                             dtype=torch.float32, device=dev), requires_grad=False)
+            self.weight_scale_inv = param(*scale_grid((self.d_out, self.d_in), self.block), dtype=torch.float32,
+                                          device=dev)
         else:
-            self.weight_scale = nn.Parameter(torch.empty((), dtype=torch.float32, device=dev), requires_grad=False)
+            self.weight_scale = param(dtype=torch.float32, device=dev)
             if input_scale:
-                self.input_scale = nn.Parameter(torch.empty((), dtype=torch.float32, device=dev),
-                                                requires_grad=False)
+                self.input_scale = param(dtype=torch.float32, device=dev)
         return self
 
     @property

@@ -45,7 +45,8 @@ class FP8Experts(nn.Module):
     """Stacked expert weights (``nn.Module`` holding ``w1`` / ``w2`` under their HF names);
     :meth:`to_fp8` makes them e4m3 with per-expert scales (``<name>_scale_inv``, block layout
     of :func:`replayssm.ops.fp8.naive.quantize_experts`, or per-tensor ``<name>_scale``
-    ``[E, parts]``, plus per-expert ``<name>_input_scale [E]`` when the checkpoint has them)."""
+    ``[E, parts]``).  Experts quantize their activations dynamically, so a checkpoint's
+    expert ``input_scale`` tensors are not read."""
 
     def __init__(self, w1: str, w2: str, E: int, n1: int, d_in: int, d_out: int, inter: int, gated: bool):
         super().__init__()
@@ -53,17 +54,15 @@ class FP8Experts(nn.Module):
         setattr(self, w1, _param(E, n1, d_in))
         setattr(self, w2, _param(E, d_out, inter))
 
-    def to_fp8(self, block=None, input_scale: bool = False) -> "FP8Experts":
+    def to_fp8(self, block=None) -> "FP8Experts":
         self.fp8, self.block = True, None if block is None else (int(block[0]), int(block[1]))
         for name, parts in zip(self.names, (2 if self.gated else 1, 1)):
             w = getattr(self, name)
             E, n, K = w.shape
-            setattr(self, name, nn.Parameter(torch.empty(E, n, K, dtype=FP8, device=w.device), requires_grad=False))
+            setattr(self, name, _param(E, n, K, dtype=FP8, device=w.device))
             shape = expert_scale_shape(E, n, K, self.block, parts)
             leaf = name + ("_scale_inv" if self.block is not None else "_scale")
-            setattr(self, leaf, _param(*shape, dtype=torch.float32))
-            if self.block is None and input_scale:
-                setattr(self, name + "_input_scale", _param(E, dtype=torch.float32))
+            setattr(self, leaf, _param(*shape, dtype=torch.float32, device=w.device))
         return self
 
     def weights(self) -> tuple:
