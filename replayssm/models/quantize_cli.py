@@ -22,7 +22,9 @@ def _block(v: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     from .quant import DEFAULT_SKIP, quantize_checkpoint
 
-    p = argparse.ArgumentParser(prog="replayssm quantize", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="replayssm quantize",
+                                description="Write an FP8 (e4m3) copy of a float Hugging Face checkpoint: "
+                                            "block-scaled (weight_scale_inv) or per-tensor (weight_scale).")
     p.add_argument("model_dir", help="float (bf16/fp16/fp32) Hugging Face model directory")
     p.add_argument("out_dir", help="where the FP8 checkpoint is written")
     g = p.add_mutually_exclusive_group()
