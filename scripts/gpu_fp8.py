@@ -7,7 +7,8 @@
    ``torch._scaled_mm`` (per-tensor, row-wise activation scales) at M = 1, 64, 2048;
    ``tune`` (last): the decode launch sweep (column tile x K splits) beside the default.
 3. ``models``: nemotron-h-4b and qwen3-next-4b (random weights, bf16; then quantized in memory
-   to block-128 FP8): decode step time in a CUDA graph at B=1 and B=64 (tokens/s = B / step),
+   to block-128 FP8): decode step time in a CUDA graph at B=1 and B=64, recurrent and replay
+   modes (tokens/s = B / step; replay's graph is a step between folds),
    the copy-ceiling fraction of each step (bytes a step must read: weights touched, state
    read and written; over the measured copy bandwidth), and prefill time of 1 × 4096 tokens;
    FP8 vs bf16 logits (relative error, top-1 agreement) of a forward over 2 × 48 tokens.
@@ -44,6 +45,7 @@ from replayssm.ops.moe import naive as M  # noqa: E402
 
 DEV = "cuda"
 T0 = time.perf_counter()
+MODES = ("recurrent", "replay")   # replay: the state is read, not rewritten, per step
 SHAPES = {"nemotron mlp up": (12544, 3136), "nemotron mlp down": (3136, 12544),
           "nemotron mamba in": (2 * 7680 + 2 * 8 * 128 + 96, 3136), "qwen gdn qkvz": (12288, 2048),
           "qwen attn o": (2048, 4096)}
@@ -171,9 +173,11 @@ def copy_bw() -> float:
     return 2 * a.numel() / (ms / 1e3)
 
 
-def step_bytes(model, cache, B: int) -> float:
+def step_bytes(model, cache, B: int, mode: str) -> float:
     """Bytes a decode step must move: weights it reads (the embedding's B rows; experts by the
-    expected share of experts B tokens hit), plus the cache state read and written."""
+    expected share of experts B tokens hit), plus the B rows' cache (states, conv windows,
+    the short KV): read and written in recurrent mode, read in replay mode (its appends to the
+    buffer are a few entries)."""
     total = 0.0
     for name, mod in model.named_modules():
         for leaf, p in mod.named_parameters(recurse=False):
@@ -184,25 +188,26 @@ def step_bytes(model, cache, B: int) -> float:
                 E, k = p.shape[0], getattr(model.config, "num_experts_per_tok", 1)
                 nb *= 1 - (1 - k / E) ** B
             total += nb
-    return total + 2 * cache.nbytes() * B / cache.num_slots    # states (and the short KV) read + written
+    return total + (2 if mode == "recurrent" else 1) * cache.nbytes() * B / cache.num_slots
 
 
 def measure(model, label: str, bw: float, prefill_len: int) -> list[dict]:
     V = int(model.config.vocab_size)
     g = torch.Generator(device=DEV).manual_seed(0)
     rows = []
-    for B in (1, 64):
-        cache = model.make_cache(B + 1, mode="recurrent", max_seq_len=128)
-        slots = torch.arange(1, B + 1, device=DEV)
-        model.prefill(cache, slots, torch.randint(0, V, (B, 64), device=DEV, generator=g),
-                      torch.full((B,), 64, device=DEV))
-        tok = torch.randint(0, V, (B,), device=DEV, generator=g)
-        ms = graph_ms(lambda: model.decode(cache, slots, tok))
-        nbytes = step_bytes(model, cache, B)
-        rows.append(dict(weights=label, B=B, step_ms=ms, tokens_per_s=B / (ms / 1e3),
-                         copy_ceiling_fraction=(nbytes / bw) / (ms / 1e3), step_GB=nbytes / 1e9))
-        del cache
-        torch.cuda.empty_cache()
+    for mode in MODES:
+        for B in (1, 64):
+            cache = model.make_cache(B + 1, mode=mode, buffer_size=16, max_seq_len=128)
+            slots = torch.arange(1, B + 1, device=DEV)
+            model.prefill(cache, slots, torch.randint(0, V, (B, 64), device=DEV, generator=g),
+                          torch.full((B,), 64, device=DEV))
+            tok = torch.randint(0, V, (B,), device=DEV, generator=g)
+            ms = graph_ms(lambda: model.decode(cache, slots, tok))
+            nbytes = step_bytes(model, cache, B, mode)
+            rows.append(dict(weights=label, mode=mode, B=B, step_ms=ms, tokens_per_s=B / (ms / 1e3),
+                             copy_ceiling_fraction=(nbytes / bw) / (ms / 1e3), step_GB=nbytes / 1e9))
+            del cache
+            torch.cuda.empty_cache()
     cache = model.make_cache(2, mode="recurrent", max_seq_len=4 * prefill_len + 64)   # 4 prefills of slot 1
     ids = torch.randint(0, V, (1, prefill_len), device=DEV, generator=g)
 
@@ -224,12 +229,12 @@ def measure(model, label: str, bw: float, prefill_len: int) -> list[dict]:
 
 
 @torch.no_grad()
-def models(res, layers, prefill_len):
+def models(res, layers, prefill_len, presets=("nemotron-h-4b", "qwen3-next-4b")):
     bw = copy_bw()
     res["copy_bandwidth_TBps"] = bw / 1e12
     print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s")
     out = res.setdefault("models", {})
-    for preset in ("nemotron-h-4b", "qwen3-next-4b"):
+    for preset in presets:
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
             model = load_model(random_hybrid_dir(preset, tmp, num_layers=layers), device=DEV, dtype=torch.bfloat16)
@@ -247,16 +252,18 @@ def models(res, layers, prefill_len):
         out[preset] = dict(rows=rows, fp8_layers=n8, logits_rel_err=rel(got, ref), top1_agreement=agree)
         del model
         torch.cuda.empty_cache()
-        dec = {(r["weights"], r["B"]): r for r in rows if "B" in r}
+        dec = {(r["weights"], r["mode"], r["B"]): r for r in rows if "B" in r}
         pre = {r["weights"]: r["prefill_ms"] for r in rows if "prefill_ms" in r}
-        print(f"{preset} ({n8} FP8 layers)   {'step ms':>9}{'tok/s':>10}{'copy-ceiling':>14}{'GB/step':>9}")
-        for (w, B), r in sorted(dec.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            print(f"  {w:<14} B={B:<4}{r['step_ms']:>9.3f}{r['tokens_per_s']:>10.0f}"
+        print(f"{preset} ({n8} FP8 layers)   {'mode':<10}{'step ms':>9}{'tok/s':>10}{'copy-ceiling':>14}"
+              f"{'GB/step':>9}")
+        for (w, mode, B), r in sorted(dec.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+            print(f"  {w:<14} B={B:<4}{mode:<10}{r['step_ms']:>9.3f}{r['tokens_per_s']:>10.0f}"
                   f"{r['copy_ceiling_fraction']:>14.2f}{r['step_GB']:>9.2f}")
-        for B in (1, 64):
-            sp = dec[("fp8-block128", B)]["tokens_per_s"] / dec[("bf16", B)]["tokens_per_s"]
-            out[preset][f"decode_speedup_B{B}"] = sp
-            print(f"  FP8/bf16 decode tokens/s at B={B}: {sp:.2f}x")
+        for mode in MODES:
+            for B in (1, 64):
+                sp = dec[("fp8-block128", mode, B)]["tokens_per_s"] / dec[("bf16", mode, B)]["tokens_per_s"]
+                out[preset][f"decode_speedup_{mode}_B{B}"] = sp
+                print(f"  FP8/bf16 decode tokens/s, {mode} B={B}: {sp:.2f}x")
         out[preset]["prefill_ratio_fp8_over_bf16"] = pre["fp8-block128"] / pre["bf16"]
         print(f"  prefill {prefill_len} tokens: bf16 {pre['bf16']:.1f} ms, fp8 {pre['fp8-block128']:.1f} ms")
 
@@ -266,13 +273,14 @@ def main() -> None:
     p.add_argument("--sections", default="check,gemm,models,tune")
     p.add_argument("--layers", type=int, default=None, help="keep the first N layers of each preset")
     p.add_argument("--prefill", type=int, default=4096)
+    p.add_argument("--presets", default="nemotron-h-4b,qwen3-next-4b")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for sec in a.sections.split(","):
         print(f"\n== {sec} [{time.perf_counter() - T0:.0f}s]")
         try:
-            {"check": check, "gemm": gemm, "tune": tune}.get(sec, lambda r: models(r, a.layers, a.prefill))(res)
+            {"check": check, "gemm": gemm, "tune": tune}.get(sec, lambda r: models(r, a.layers, a.prefill, a.presets.split(",")))(res)
         except Exception:
             traceback.print_exc()
             res[sec + "_error"] = traceback.format_exc()[-2000:]
