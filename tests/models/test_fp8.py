@@ -257,3 +257,18 @@ def test_nan_fp8_weight_refused(ckpt, tmp_path):
     t["backbone.layers.0.mixer.out_proj.weight"] = w.view(Q.FP8)
     with pytest.raises(WeightError, match="out_proj.weight.*NaN"):
         load_model(_rewrite(dst, str(tmp_path / "nan"), t))
+
+
+def test_bfloat16_scales_and_scalar_shapes(ckpt, tmp_path):
+    """Qwen's release stores ``weight_scale_inv`` in bf16; per-tensor scales may be ``[1]``."""
+    _, dst = ckpt("qwen_block")
+    t = {k: (v.to(torch.bfloat16) if k.endswith("_scale_inv") else v) for k, v in _tensors(dst).items()}
+    d = _rewrite(dst, str(tmp_path / "bf"), t)
+    m = load_model(d, dtype="float64")
+    assert all(p.dtype == torch.float32 for n, p in m.named_parameters() if n.endswith("_scale_inv"))
+    ref = load_model(_dequantized_dir(d, str(tmp_path / "bfdeq")), dtype="float64")
+    assert (m(IDS) - ref(IDS)).abs().max().item() <= 1e-9 * ref(IDS).abs().max().item()
+    _, dst = ckpt("nemotron_tensor")
+    t = {k: (v.reshape(1) if k.endswith("weight_scale") else v) for k, v in _tensors(dst).items()}
+    m1 = load_model(_rewrite(dst, str(tmp_path / "one"), t), dtype="float64")
+    assert torch.equal(m1(IDS), load_model(dst, dtype="float64")(IDS))
