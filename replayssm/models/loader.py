@@ -267,16 +267,28 @@ def check_source_shapes(name: str, src, want: tuple, handles: dict, key_file: di
                               f"(one expert's part of {name}, {list(want)})")
 
 
-def quant_aliases(aliases: dict) -> dict:
-    """``aliases`` plus the scale tensors' aliases (``X.weight -> Y.weight`` gives
-    ``X.weight_scale_inv -> Y.weight_scale_inv`` and so on)."""
-    out = dict(aliases)
-    for name, keys in aliases.items():
-        if name.endswith(".weight"):
-            for leaf in ("weight_scale_inv", "weight_scale", "input_scale"):
-                out.setdefault(name[:-len("weight")] + leaf, [k[:-len("weight")] + leaf for k in keys
-                                                              if k.endswith(".weight")])
-    return out
+class _ScaleAliases:
+    """Key aliases (a dict or any object with ``get``) extended to the scale tensors: where
+    ``X.weight`` may be stored as ``Y.weight``, ``X.weight_scale_inv`` may be stored as
+    ``Y.weight_scale_inv`` (likewise ``weight_scale``, ``input_scale``)."""
+
+    _LEAVES = ("weight_scale_inv", "weight_scale", "input_scale")
+
+    def __init__(self, base):
+        self.base = base
+
+    def get(self, name: str, default=()):
+        for leaf in self._LEAVES:
+            if name.endswith("." + leaf):
+                stem = name[: -len(leaf)]
+                return [k[: -len("weight")] + leaf for k in self.base.get(stem + "weight", ())
+                        if k.endswith(".weight")] or list(default)
+        return self.base.get(name, default)
+
+
+def quant_aliases(aliases):
+    """``aliases`` extended to the scale tensors (:class:`_ScaleAliases`)."""
+    return _ScaleAliases(aliases)
 
 
 def prepare_quant(path: str, model: nn.Module, key_file: dict, aliases: dict):

@@ -139,7 +139,7 @@ def _weight_key(name: str, key_file: dict, aliases: dict) -> str | None:
     return None
 
 
-def _expert_keys(pre: str, which: str, gated: bool) -> list[str]:
+def _expert_keys(pre: str, which: str) -> list[str]:
     """Expert 0's per-expert keys of stacked param ``which`` under ``pre`` (the experts module)."""
     if which == "gate_up_proj":
         return [f"{pre}.0.gate_proj.weight", f"{pre}.0.up_proj.weight"]
@@ -169,7 +169,7 @@ def convert_model(model: nn.Module, qcfg: FP8Config, key_file: dict, aliases: di
         elif isinstance(mod, FP8Experts):
             w1 = mod.names[0]
             fused = f"{name}.{w1}_{suffix.replace('weight_', '')}"
-            keys = _expert_keys(name, w1, mod.gated)
+            keys = _expert_keys(name, w1)
             if fused in key_file or all(kk[: -len("weight")] + suffix in key_file for kk in keys):
                 if qcfg.is_ignored(name):
                     raise WeightError(f"experts {name!r} are listed as unquantized in the quantization config "

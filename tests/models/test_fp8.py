@@ -272,3 +272,28 @@ def test_bfloat16_scales_and_scalar_shapes(ckpt, tmp_path):
     t = {k: (v.reshape(1) if k.endswith("weight_scale") else v) for k, v in _tensors(dst).items()}
     m1 = load_model(_rewrite(dst, str(tmp_path / "one"), t), dtype="float64")
     assert torch.equal(m1(IDS), load_model(dst, dtype="float64")(IDS))
+
+
+@pytest.mark.parametrize("block", [(2, 8), None])
+def test_fused_expert_tensors_quantize_and_load(ckpt, tmp_path, block):
+    """Experts stored as one ``[E, n, D]`` tensor (``experts.gate_up_proj`` ...) quantize to
+    ``<name>_scale_inv`` / ``<name>_scale`` per expert and load like the per-expert layout."""
+    src, _ = ckpt("qwen_block")
+    t = _tensors(src)
+    fused = {}
+    for k in list(t):
+        if ".experts.0.gate_proj.weight" in k:
+            pre = k.split(".experts.")[0] + ".experts"
+            E = 1 + max(int(x.split(".experts.")[1].split(".")[0]) for x in t if x.startswith(pre + "."))
+            fused[pre + ".gate_up_proj"] = torch.stack([torch.cat([t.pop(f"{pre}.{e}.gate_proj.weight"),
+                                                                   t.pop(f"{pre}.{e}.up_proj.weight")]) for e in range(E)])
+            fused[pre + ".down_proj"] = torch.stack([t.pop(f"{pre}.{e}.down_proj.weight") for e in range(E)])
+    d = _rewrite(src, str(tmp_path / "fused"), {**t, **fused})
+    quantize_checkpoint(d, str(tmp_path / "fq"), block)
+    q = _tensors(str(tmp_path / "fq"))
+    leaf = "_scale_inv" if block else "_scale"
+    assert q["model.layers.0.mlp.experts.gate_up_proj"].dtype == Q.FP8
+    assert q["model.layers.0.mlp.experts.gate_up_proj" + leaf].shape == ((4, 8, 3) if block else (4, 2))
+    per = str(tmp_path / "per")
+    quantize_checkpoint(src, per, block)
+    assert torch.equal(load_model(str(tmp_path / "fq"), dtype="float64")(IDS), load_model(per, dtype="float64")(IDS))
