@@ -169,7 +169,8 @@ def convert_model(model: nn.Module, qcfg: FP8Config, key_file: dict, aliases: di
         elif isinstance(mod, FP8Experts):
             w1 = mod.names[0]
             fused = f"{name}.{w1}_{suffix.replace('weight_', '')}"
-            keys = _expert_keys(name, w1)
+            keys = [_weight_key(kk, key_file, aliases) or kk for kk in _expert_keys(name, w1)]
+            fused = _weight_key(fused, key_file, aliases) or fused
             if fused in key_file or all(kk[: -len("weight")] + suffix in key_file for kk in keys):
                 if qcfg.is_ignored(name):
                     raise WeightError(f"experts {name!r} are listed as unquantized in the quantization config "

@@ -297,3 +297,23 @@ def test_fused_expert_tensors_quantize_and_load(ckpt, tmp_path, block):
     per = str(tmp_path / "per")
     quantize_checkpoint(src, per, block)
     assert torch.equal(load_model(str(tmp_path / "fq"), dtype="float64")(IDS), load_model(per, dtype="float64")(IDS))
+
+
+def test_prefixed_multimodal_layout_loads(ckpt, tmp_path):
+    """A Qwen3.5 checkpoint's text weights under ``model.language_model.`` (scales and
+    per-expert tensors included) load through the key aliases."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tq35", os.path.join(os.path.dirname(__file__), "test_qwen3_5.py"))
+    tq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tq)
+    src = str(tmp_path / "q35")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        H.save_tiny(tq.tiny_qwen3_5_moe(), src)
+    quantize_checkpoint(src, str(tmp_path / "q35-fp8"), (4, 8))
+    t = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+         for k, v in _tensors(str(tmp_path / "q35-fp8")).items()}
+    d = _rewrite(str(tmp_path / "q35-fp8"), str(tmp_path / "pref"), t)
+    m = load_model(d, dtype="float64")
+    assert any(isinstance(x, FP8Experts) and x.fp8 for x in m.modules())
+    assert torch.equal(m(IDS), load_model(str(tmp_path / "q35-fp8"), dtype="float64")(IDS))
