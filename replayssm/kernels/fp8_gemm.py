@@ -157,7 +157,8 @@ def _scaled_mm(x2: Tensor, weight: Tensor, scale: Tensor, bias, input_scale) -> 
         sa = (xf.abs().amax(-1, keepdim=True).clamp_min(1e-30) / FP8_MAX)
         sb = scale.float().reshape(1, 1).expand(1, weight.shape[0]).contiguous()
     q = (xf / sa).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    y = torch._scaled_mm(q, weight.t(), scale_a=sa, scale_b=sb, out_dtype=x2.dtype)
+    out = x2.dtype if input_scale is not None else torch.bfloat16   # row-wise scales: bf16 output only
+    y = torch._scaled_mm(q, weight.t(), scale_a=sa, scale_b=sb, out_dtype=out).to(x2.dtype)
     return y if bias is None else y + bias
 
 
