@@ -13,8 +13,8 @@ A layer is FP8 exactly when the checkpoint stores its scale; every other tensor 
 embeddings, router gates, layers in ``ignored_layers`` / ``modules_to_not_convert`` /
 ``exclude_modules``) loads in the model dtype, and an ignored layer that has a scale is an
 error.  Any other ``quant_method`` / ``quant_algo`` (int4, AWQ, GPTQ, NVFP4, bitsandbytes,
-...) is refused by name.  KV-cache scales (``k_scale`` / ``v_scale``) and expert
-``input_scale`` tensors are read past (the KV cache stays in the model dtype; experts run
+...) is refused by name.  KV-cache scales (``k_scale`` / ``v_scale``, or ModelOpt's
+``k_proj`` / ``v_proj`` ``output_scale``) and expert ``input_scale`` tensors are read past (the KV cache stays in the model dtype; experts run
 with unquantized activations).
 """
 
@@ -41,7 +41,7 @@ __all__ = ["FP8Config", "read_quant_config", "convert_model", "quantize_checkpoi
 #: parameter leaves holding scales (loaded in float32 whatever the model dtype)
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "_scale_inv", "_scale")
 #: checkpoint tensors of a quantized model that are read past (see the module docstring)
-_READ_PAST = (re.compile(r"\.(k_scale|v_scale|q_scale|kv_scale)$"),
+_READ_PAST = (re.compile(r"\.(k_scale|v_scale|q_scale|kv_scale|output_scale)$"),
               re.compile(r"\.experts\.\d+\.[A-Za-z_]+\.input_scale$"), re.compile(r"\.experts\.\w+_input_scale$"))
 #: layers ``quantize`` leaves in the model dtype by default: routers, the shared-expert gate, the
 #: head, and GDN's small ``in_proj_ba`` (as Qwen's own FP8 release does)
