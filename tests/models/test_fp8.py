@@ -133,8 +133,9 @@ def test_fp8_greedy_same_in_every_mode_and_with_ngram(ckpt, name):
     for mode in ("recurrent", "replay", "kv", "auto"):
         outs = LLM(model, decode_mode=mode, auto_threshold=6).generate(prompts, SamplingParams(max_tokens=10))
         assert [o.token_ids for o in outs] == want, mode
-    llm = LLM(model, decode_mode="replay", speculative=SpeculativeConfig("ngram", num_tokens=3), buffer_size=16)
-    assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10))] == want
+    for mode in ("replay", "recurrent"):
+        llm = LLM(model, decode_mode=mode, speculative=SpeculativeConfig("ngram", num_tokens=3), buffer_size=16)
+        assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10))] == want, mode
 
 
 def test_modelopt_per_tensor_layout(ckpt, tmp_path):
