@@ -1,4 +1,4 @@
-"""The ``replayssm`` command: ``generate``, ``serve``, ``traffic``, ``bench kernels|prefill|e2e|serve``.
+"""The ``replayssm`` command: ``generate``, ``serve``, ``quantize``, ``traffic``, ``bench kernels|prefill|e2e|serve``.
 
 Each subcommand lives in its own module and exposes ``main(argv) -> int``; this file
 only routes, so importing it stays cheap.
@@ -13,6 +13,7 @@ import sys
 _COMMANDS = {
     "generate": ("replayssm.engine.cli", "generate text with the LLM engine (default: shipped tiny model)"),
     "serve": ("replayssm.server.cli", "OpenAI-compatible HTTP server (needs the serve extra)"),
+    "quantize": ("replayssm.models.quantize_cli", "write an FP8 (e4m3) copy of a checkpoint: MODEL_DIR OUT_DIR"),
     "traffic": ("replayssm.bench.traffic", "print the per-step memory-traffic model (docs/MATH.md)"),
     "bench kernels": ("replayssm.bench.kernels", "benchmark decode/verify kernels against peers"),
     "bench e2e": ("replayssm.bench.e2e", "end-to-end throughput benchmark"),

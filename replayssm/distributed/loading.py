@@ -24,8 +24,10 @@ import torch
 from ..models.registry import model_class, parse_config, read_config
 from ..models.header import check_sizes
 from ..models.loader import (_FP32_PARAMS, WeightError, _cast_checked, _install, _transformed_checked,
-                             _weight_files, check_source_shapes, check_tied_copies, parse_dtype,
-                             source_plan)
+                             _weight_files, check_quant_tensors, check_source_shapes, check_tied_copies,
+                             param_dtype, parse_dtype, prepare_quant, source_plan)
+from ..models.quant import fp8_transforms
+from ..ops.fp8.naive import FP8
 from ..runtime import canonical_device, compute_dtype
 from .layers import build_local_model
 from .sharding import ROOT_ONLY, Shard, local_config, shard_rules
@@ -50,12 +52,13 @@ def _read_source(handles, key_file, src, rule, gshape) -> torch.Tensor:
         if rule is None:
             return h(src.keys[0]).get_tensor(src.keys[0])
         return _read(h(src.keys[0]), src.keys[0], rule.dim, rule.ranges)
-    E, per_part = gshape[0], gshape[1] // src.parts
+    E, per_part = gshape[0], gshape[1] // src.parts if len(gshape) > 1 else 1
     experts = []
     for e in range(E):
         keys = src.keys[e * src.parts:(e + 1) * src.parts]
-        if rule is None:
-            experts.append(torch.cat([h(k).get_tensor(k) for k in keys], 0))
+        if rule is None:   # (per-tensor expert scales are stored as [] per part)
+            experts.append(torch.cat([h(k).get_tensor(k).reshape(-1) if len(gshape) == 2 else h(k).get_tensor(k)
+                                      for k in keys], 0))
             continue
         if rule.dim == 1:   # rows of the stacked [E, parts * rows, cols]: each range lies in one part
             pieces = []
@@ -66,6 +69,59 @@ def _read_source(handles, key_file, src, rule, gshape) -> torch.Tensor:
         else:
             experts.append(torch.cat([_read(h(k), k, rule.dim - 1, rule.ranges) for k in keys], 0))
     return torch.stack(experts, 0)
+
+
+def _scale_range(name: str, a: int, b: int, blk: int, full: int) -> tuple[int, int]:
+    """Scale rows/columns ``[a // blk, ceil(b / blk))`` of weight range ``[a, b)``; ValueError
+    naming the weight when the range cuts an FP8 block (the scales could not follow)."""
+    if a % blk or (b % blk and b != full):
+        raise ValueError(f"{name}: this tensor-parallel split takes [{a}, {b}) of {full}, which cuts its FP8 "
+                         f"blocks of {blk}: use fewer ranks, or a checkpoint quantized with a block that divides "
+                         f"each rank's share (or per-tensor scales)")
+    return a // blk, -(-b // blk)
+
+
+def scale_rules(gmodel, rules: dict, lparams: dict) -> dict:
+    """Shard rules of the block scales of FP8 layers, from their weights' rules (a weight's
+    row range ``[a, b)`` takes scale rows ``[a/bo, b/bo)``; columns with ``bi``; expert stacks
+    per part).  Per-tensor scales stay replicated.  ValueError names a weight whose split cuts
+    a block (before any tensor is read)."""
+    from ..layers.linear import Linear
+    from ..layers.mlp import FP8Experts
+
+    out = {}
+    for mname, mod in gmodel.named_modules():
+        if not isinstance(mod, (Linear, FP8Experts)) or not mod.fp8 or mod.block is None:
+            continue
+        bo, bi = mod.block
+        if isinstance(mod, Linear):
+            pairs = [(f"{mname}.weight", f"{mname}.weight_scale_inv", 0, 1)]
+        else:
+            pairs = [(f"{mname}.{n}", f"{mname}.{n}_scale_inv", 1, parts)
+                     for n, parts in zip(mod.names, (2 if mod.gated else 1, 1))]
+        for wname, sname, lead, parts in pairs:
+            rule = rules.get(wname)
+            if not isinstance(rule, Shard):
+                continue
+            wshape = tuple(getattr(mod, wname.rpartition(".")[2]).shape)
+            d = rule.dim - lead                       # 0: rows, 1: columns of one (expert's) matrix
+            blk, full = (bo, wshape[rule.dim]) if d == 0 else (bi, wshape[rule.dim])
+            if d == 0 and parts > 1:                  # [gate | up]: each part's own block grid
+                per, nb = full // parts, -(-(full // parts) // bo)
+                ranges = []
+                for a, b in rule.ranges:
+                    p = a // per
+                    s0, s1 = _scale_range(wname, a - p * per, b - p * per, bo, per)
+                    ranges.append((p * nb + s0, p * nb + s1))
+            else:
+                ranges = [_scale_range(wname, a, b, blk, full) for a, b in rule.ranges]
+            srule = Shard(rule.dim, tuple(ranges))
+            want = lparams[sname].shape[rule.dim]
+            if srule.size != want:
+                raise ValueError(f"{wname}: its tensor-parallel shard's FP8 blocks ({srule.size}) do not match "
+                                 f"the rank's block grid ({want}): a partial block inside the shard")
+            out[sname] = srule
+    return out
 
 
 def _pad(t: torch.Tensor, rule: Shard) -> torch.Tensor:
@@ -111,23 +167,28 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
     if cfg.tie_word_embeddings and "lm_head.weight" in key_file:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group)
+    aliases, read_past, scales = prepare_quant(path, gmodel, key_file, type(gmodel).key_aliases())
+    prepare_quant(path, model, key_file, type(gmodel).key_aliases())    # the same layers FP8, local sizes
     gparams = dict(gmodel.named_parameters())
     lparams = dict(model.named_parameters())
     if set(gparams) != set(lparams):  # pragma: no cover - the local model mirrors the global one
         raise WeightError(f"local model parameters differ from the global model's: {sorted(set(gparams) ^ set(lparams))[:4]}")
-    plan = source_plan(path, cfg, gparams, key_file, type(gmodel).key_aliases(), type(gmodel).tied_copy)
+    plan = source_plan(path, cfg, gparams, key_file, aliases, type(gmodel).tied_copy, read_past)
     check_tied_copies(cfg, key_file, type(gmodel).tied_copy)
     rules = shard_rules(gmodel, size, rank)
+    rules.update(scale_rules(gmodel, rules, lparams))
     transforms = model.load_transforms()
+    transforms.update(fp8_transforms(model, transforms))
     handles = {}
     try:
         for fn in sorted(set(key_file.values())):
             handles[fn] = safe_open(fn, framework="pt", device="cpu")
         for name, src in plan.items():  # headers first: every shape against the global model
             check_source_shapes(name, src, tuple(gparams[name].shape), handles, key_file)
+        check_quant_tensors(plan, gparams, scales, handles, key_file)
         for name, src in plan.items():
             rule = rules.get(name)
-            pdt = _param_dtype(name, tdtype)
+            pdt = param_dtype(name, gparams[name], tdtype, scales)
             try:
                 if rule == ROOT_ONLY and rank != 0:
                     t = torch.zeros(gparams[name].shape, dtype=pdt)
@@ -139,7 +200,9 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
             except Exception as e:
                 raise WeightError(f"{key_file[src.keys[0]]}: cannot read tensor {src.keys[0]!r} "
                                   f"(corrupt or truncated file: {e})") from None
-            t = _transformed_checked(t, name, src, key_file, transforms)
+            t = _transformed_checked(t, name, src, key_file, transforms, pdt == FP8)
+            if name in scales:
+                t = t.reshape(lparams[name].shape)
             if tuple(t.shape) != tuple(lparams[name].shape):  # pragma: no cover - a rule bug
                 raise WeightError(f"rank {rank}: shard of {name} has shape {list(t.shape)}, "
                                   f"expected {list(lparams[name].shape)}")

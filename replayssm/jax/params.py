@@ -191,6 +191,10 @@ def from_torch_model(model, dtype: str | None = None):
     """
     import jax.numpy as jnp
 
+    fp8 = [n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
+    if fp8:
+        raise ValueError(f"the JAX backend takes float models; this one has FP8 weights ({fp8[0]}, ...): "
+                         f"use the torch backend, or load the float checkpoint")
     name = dtype or _TORCH_TO_NAME[str(model.dtype)]
     wdt = jnp_dtype(name)
     keep32 = jnp.float64 if name == "float64" else jnp.float32

@@ -1,8 +1,7 @@
 """One routing API from the layers to the ops: the Triton kernel or the reference op.
 
-``ops_for(family)`` (``"mamba2"``, ``"gdn"``, ``"kda"``, ``"conv"``, ``"attention"``, ``"moe"``) returns a
-:class:`KernelOps`: an
-object with one attribute per op of the family's reference module
+``ops_for(family)`` (``"mamba2"``, ``"gdn"``, ``"kda"``, ``"conv"``, ``"attention"``, ``"moe"``,
+``"fp8"``) returns a :class:`KernelOps`: an object with one attribute per op of the family's reference module
 (``replayssm.ops.<family>.naive``).  Each op is declared in exactly one of two lists:
 
 * :data:`ROUTED` — it has a Triton kernel with the reference op's signature
@@ -44,6 +43,7 @@ from torch import Tensor
 
 from ..ops.attention import naive as attention_naive
 from ..ops.conv import naive as conv_naive
+from ..ops.fp8 import naive as fp8_naive
 from ..ops.gdn import naive as gdn_naive
 from ..ops.kda import naive as kda_naive
 from ..ops.mamba2 import naive as mamba2_naive
@@ -51,6 +51,7 @@ from ..ops.moe import naive as moe_naive
 from . import _triton
 from . import attention as attention_kernels
 from . import conv as conv_kernels
+from . import fp8_gemm
 from . import gdn as gdn_kernels
 from . import gdn_prefill
 from . import kda as kda_kernels
@@ -61,15 +62,14 @@ from . import moe as moe_kernels
 BACKENDS = ("auto", "triton", "naive")
 KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "precision", "snapshots", "impl",
                "fused_fold", "flush_mode", "fold_warps", "block_n", "block_t", "block_c", "num_stages", "wu_warps",
-               "inv_precision", "inv", "num_splits", "block_m", "block_k")
+               "inv_precision", "inv", "num_splits", "block_m", "block_k", "act_quant", "split_k")
 _KERNEL_ONLY = frozenset(KERNEL_ONLY)
 
 _REFERENCE = {"mamba2": mamba2_naive, "gdn": gdn_naive, "kda": kda_naive, "conv": conv_naive,
-              "attention": attention_naive, "moe": moe_naive}
+              "attention": attention_naive, "moe": moe_naive, "fp8": fp8_naive}
 #: where each family's kernels live (the first module defining an op's name has it)
 _KERNELS = {"mamba2": (mamba2_kernels, mamba2_prefill), "gdn": (gdn_kernels, gdn_prefill), "kda": (kda_kernels,),
-            "conv": (conv_kernels,),
-            "attention": (attention_kernels,), "moe": (moe_kernels,)}
+            "conv": (conv_kernels,), "attention": (attention_kernels,), "moe": (moe_kernels,), "fp8": (fp8_gemm,)}
 
 #: ops with a Triton kernel of the reference op's signature, per family
 ROUTED = {
@@ -81,6 +81,7 @@ ROUTED = {
     "conv": ("conv_decode", "conv_verify", "conv_commit", "conv_prefill_varlen"),
     "attention": ("write_kv", "paged_attention"),
     "moe": ("experts",),
+    "fp8": ("linear",),
 }
 #: ops (and helpers) that run the reference on every device, per family
 REFERENCE_ONLY = {
@@ -96,6 +97,9 @@ REFERENCE_ONLY = {
     "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
     "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
     "moe": ("activation", "check_experts"),
+    "fp8": ("quantize_block", "dequantize_block", "quantize_tensor", "dequantize_tensor", "quantize_groups",
+            "dequantize_groups", "expand_scale", "scale_grid", "quantize_experts", "dequantize_experts",
+            "expert_scale_shape", "linear_act_quant", "check_block"),
 }
 
 

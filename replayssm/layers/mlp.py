@@ -15,6 +15,9 @@
   ``gate_up_proj [E, 2I, D]``, ``down_proj [E, D, I]`` and a SwiGLU shared MLP
   (``shared_experts``; none when its width is 0).
 
+Every projection is a :class:`~replayssm.layers.linear.Linear` (plain or FP8); the stacked
+expert weights live in :class:`FP8Experts` (plain, or e4m3 with per-expert scales).
+
 The MoE blocks route with plain tensor ops (``route``) and compute the routed experts
 through ``kernels.dispatch.ops_for("moe").experts``: on CUDA (below fp64) the fused
 kernels (tokens sorted by expert on the device, one grouped-GEMM launch per projection, no
@@ -31,23 +34,48 @@ from torch import Tensor, nn
 from ..kernels.activation import relu2_
 from ..kernels.dispatch import fused_ok, ops_for
 from ..ops.moe.naive import activation
+from ..ops.fp8.naive import FP8, expert_scale_shape
 from ..runtime import compute_dtype
+from .linear import Linear, param
+
+__all__ = ["Linear", "GatedMLP", "PlainMLP", "SoftmaxMoE", "SigmoidMoE", "FP8Experts"]
 
 
-def _param(*shape) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+_param = param   # the older name, kept for the layers that import it from here
 
 
-class Linear(nn.Module):
-    """``y = x Wᵀ (+ b)`` with HF parameter names ``weight`` / ``bias``."""
+class FP8Experts(nn.Module):
+    """Stacked expert weights (``nn.Module`` holding ``w1`` / ``w2`` under their HF names);
+    :meth:`to_fp8` makes them e4m3 with per-expert scales (``<name>_scale_inv``, block layout
+    of :func:`replayssm.ops.fp8.naive.quantize_experts`, or per-tensor ``<name>_scale``
+    ``[E, parts]``).  Experts quantize their activations dynamically, so a checkpoint's
+    expert ``input_scale`` tensors are not read."""
 
-    def __init__(self, d_in: int, d_out: int, bias: bool = False):
+    def __init__(self, w1: str, w2: str, E: int, n1: int, d_in: int, d_out: int, inter: int, gated: bool):
         super().__init__()
-        self.weight = _param(d_out, d_in)
-        self.bias = _param(d_out) if bias else None
+        self.names, self.gated, self.fp8, self.block = (w1, w2), gated, False, None
+        setattr(self, w1, _param(E, n1, d_in))
+        setattr(self, w2, _param(E, d_out, inter))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def to_fp8(self, block=None) -> "FP8Experts":
+        self.fp8, self.block = True, None if block is None else (int(block[0]), int(block[1]))
+        for name, parts in zip(self.names, (2 if self.gated else 1, 1)):
+            w = getattr(self, name)
+            E, n, K = w.shape
+            setattr(self, name, _param(E, n, K, dtype=FP8, device=w.device))
+            shape = expert_scale_shape(E, n, K, self.block, parts)
+            leaf = name + ("_scale_inv" if self.block is not None else "_scale")
+            setattr(self, leaf, _param(*shape, dtype=torch.float32, device=w.device))
+        return self
+
+    def weights(self) -> tuple:
+        """``(w1, w2, fp8 keywords of the experts op)``."""
+        w1, w2 = (getattr(self, n) for n in self.names)
+        if not self.fp8:
+            return w1, w2, {}
+        suffix = "_scale_inv" if self.block is not None else "_scale"
+        return w1, w2, {"w1_scale": getattr(self, self.names[0] + suffix),
+                        "w2_scale": getattr(self, self.names[1] + suffix), "block": self.block}
 
 
 class GatedMLP(nn.Module):
@@ -81,9 +109,7 @@ class SoftmaxMoE(nn.Module):
         super().__init__()
         self.E, self.k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.gate = Linear(hidden, num_experts)
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = _param(num_experts, 2 * inter, hidden)
-        self.experts.down_proj = _param(num_experts, hidden, inter)
+        self.experts = FP8Experts("gate_up_proj", "down_proj", num_experts, 2 * inter, hidden, hidden, inter, True)
         self.shared_expert = GatedMLP(hidden, shared_inter, act) if shared_inter else None
         self.shared_expert_gate = Linear(hidden, 1) if shared_inter else None
         activation(act)  # validates the name
@@ -103,8 +129,8 @@ class SoftmaxMoE(nn.Module):
         shp = x.shape
         xf = x.reshape(-1, shp[-1])
         idx, w = self.route(xf)
-        out = ops_for("moe").experts(xf, idx, w, self.experts.gate_up_proj, self.experts.down_proj,
-                                   act=self.act_name, gated=True)
+        w1, w2, q = self.experts.weights()
+        out = ops_for("moe").experts(xf, idx, w, w1, w2, act=self.act_name, gated=True, **q)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(xf)) * self.shared_expert(xf)
         return out.reshape(shp)
@@ -121,9 +147,7 @@ class SigmoidMoE(nn.Module):
         self.gate = nn.Module()
         self.gate.weight = _param(num_experts, hidden)
         self.gate.e_score_correction_bias = _param(num_experts)
-        self.experts = nn.Module()
-        self.experts.up_proj = _param(num_experts, inter, d_in)
-        self.experts.down_proj = _param(num_experts, d_in, inter)
+        self.experts = FP8Experts("up_proj", "down_proj", num_experts, inter, d_in, d_in, inter, False)
         self.shared_experts = PlainMLP(hidden, shared_inter, act, bias)
         self.fc1_latent_proj = Linear(hidden, latent, bias) if latent else None
         self.fc2_latent_proj = Linear(latent, hidden, bias) if latent else None
@@ -151,8 +175,8 @@ class SigmoidMoE(nn.Module):
         xf = x.reshape(-1, shp[-1])
         idx, w = self.route(xf)
         h = self.fc1_latent_proj(xf) if self.fc1_latent_proj is not None else xf
-        h = ops_for("moe").experts(h, idx, w, self.experts.up_proj, self.experts.down_proj,
-                                 act=self.act_name, gated=False)
+        w1, w2, q = self.experts.weights()
+        h = ops_for("moe").experts(h, idx, w, w1, w2, act=self.act_name, gated=False, **q)
         if self.fc2_latent_proj is not None:
             h = self.fc2_latent_proj(h)
         return (h + self.shared_experts(xf)).reshape(shp)

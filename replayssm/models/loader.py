@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from ..runtime import check_device, compute_dtype
+from ..ops.fp8.naive import FP8
 from .config import WeightError
+from .quant import SCALE_SUFFIXES, convert_model, fp8_transforms, ignored_key, read_quant_config, scale_params
 from .header import check_sizes
 from .mtp import attach_mtp
 from .registry import model_class, read_config
@@ -187,24 +189,26 @@ _EXPERT_PARTS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "up_p
 
 def _experts(name: str, shape, avail: dict) -> _Source | None:
     """Packed experts ``<...>.experts.{gate_up_proj, up_proj, down_proj}`` stored one tensor
-    per expert (``<...>.experts.<e>.<proj>.weight``, ``<proj>`` in :data:`_EXPERT_PARTS`)."""
-    m = re.match(r"^(.*\.experts)\.(gate_up_proj|up_proj|down_proj)$", name)
+    per expert (``<...>.experts.<e>.<proj>.weight``, ``<proj>`` in :data:`_EXPERT_PARTS`; FP8
+    scales ``<...>.<proj>.weight_scale_inv`` / ``weight_scale`` likewise)."""
+    m = re.match(r"^(.*\.experts)\.(gate_up_proj|up_proj|down_proj)(_scale_inv|_scale)?$", name)
     if m:
-        pre, which = m.groups()
+        pre, which, scale = m.groups()
         E = shape[0]
+        leaf = "weight" + (scale or "")
         for parts in _EXPERT_PARTS[which]:
-            keys = [f"{pre}.{e}.{p}.weight" for e in range(E) for p in parts]
+            keys = [f"{pre}.{e}.{p}.{leaf}" for e in range(E) for p in parts]
             if all(k in avail for k in keys):
                 return _Source(keys, stack="experts", parts=len(parts))
     return None
 
 
-def _transformed_checked(t, name: str, src, key_file: dict, transforms: dict):
+def _transformed_checked(t, name: str, src, key_file: dict, transforms: dict, fp8: bool = False):
     """A tensor read for parameter ``name`` (from ``src.keys``), after its transform if it has
     one: floating point and finite, else a :class:`WeightError` naming the file and tensor."""
     if name in transforms:
         t = transforms[name](t)
-    _check_values(t, src.keys[0], key_file)
+    _check_values(t, src.keys[0], key_file, fp8)
     return t
 
 
@@ -212,11 +216,22 @@ def _transformed_checked(t, name: str, src, key_file: dict, transforms: dict):
 STORED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_values(t, key: str, key_file: dict) -> None:
-    """``t`` (read from tensor ``key``) is stored in a float dtype we load and finite."""
+def _check_values(t, key: str, key_file: dict, fp8: bool = False) -> None:
+    """``t`` (read from tensor ``key``) is stored in a float dtype we load (e4m3 for the
+    weights of FP8 layers, ``fp8``) and finite."""
+    if fp8:
+        if t.dtype != FP8:
+            raise WeightError(f"{key_file[key]}: tensor {key!r} has dtype {t.dtype}, expected float8_e4m3fn "
+                              f"(its layer has FP8 scales)")
+        if ((t.view(torch.uint8) & 0x7F) == 0x7F).any():   # e4m3fn's only non-finite codes: NaN
+            raise WeightError(f"{key_file[key]}: tensor {key!r} holds NaN values")
+        return
+    if t.dtype == FP8:
+        raise WeightError(f"{key_file[key]}: tensor {key!r} is float8_e4m3fn but its layer has no scale "
+                          f"(missing weight_scale_inv / weight_scale, or no quantization_config in config.json)")
     if t.dtype not in STORED_DTYPES:
         raise WeightError(f"{key_file[key]}: tensor {key!r} has dtype {t.dtype}, expected one of "
-                          f"float16, bfloat16, float32, float64 (quantized checkpoints are not supported)")
+                          f"float16, bfloat16, float32, float64 (only FP8 e4m3 checkpoints are supported)")
     if not torch.isfinite(t).all():
         raise WeightError(f"{key_file[key]}: tensor {key!r} holds NaN/Inf values")
 
@@ -236,6 +251,9 @@ def check_source_shapes(name: str, src, want: tuple, handles: dict, key_file: di
     (stacked experts: every expert's part on its own, so the error names the tensor that is
     wrong); a :class:`WeightError` naming the file and tensor.  No data is read."""
     shapes = [tuple(handles[key_file[k]].get_slice(k).get_shape()) for k in src.keys]
+    scalar = name.endswith(SCALE_SUFFIXES)   # a per-tensor scale may be stored as [] or [1]
+    if scalar:
+        shapes = [() if sh == (1,) else sh for sh in shapes]
     if src.stack is None:
         if shapes[0] != want:
             k = src.keys[0]
@@ -243,10 +261,80 @@ def check_source_shapes(name: str, src, want: tuple, handles: dict, key_file: di
                               f"expected {list(want)} for {name}")
         return
     per = (want[1] // src.parts, *want[2:])
+    if scalar and per == (1,):
+        per = ()
     for k, sh in zip(src.keys, shapes):
         if sh != per:
             raise WeightError(f"{key_file[k]}: tensor {k!r} has shape {list(sh)}, expected {list(per)} "
                               f"(one expert's part of {name}, {list(want)})")
+
+
+class _ScaleAliases:
+    """Key aliases (a dict or any object with ``get``) extended to the scale tensors: where
+    ``X.weight`` may be stored as ``Y.weight``, ``X.weight_scale_inv`` may be stored as
+    ``Y.weight_scale_inv`` (likewise ``weight_scale``, ``input_scale``)."""
+
+    _LEAVES = ("weight_scale_inv", "weight_scale", "input_scale")
+
+    def __init__(self, base):
+        self.base = base
+
+    def get(self, name: str, default=()):
+        for leaf in self._LEAVES:
+            if name.endswith("." + leaf):
+                stem = name[: -len(leaf)]
+                return [k[: -len("weight")] + leaf for k in self.base.get(stem + "weight", ())
+                        if k.endswith(".weight")] or list(default)
+        return self.base.get(name, default)
+
+
+def quant_aliases(aliases):
+    """``aliases`` extended to the scale tensors (:class:`_ScaleAliases`)."""
+    return _ScaleAliases(aliases)
+
+
+def prepare_quant(path: str, model: nn.Module, key_file: dict, aliases: dict):
+    """FP8 layers of the (meta) ``model`` from ``path``'s quantization config:
+    ``(aliases with the scales', read_past or None, scale parameter names)``."""
+    qcfg = read_quant_config(path)
+    if qcfg is None:
+        return aliases, None, set()
+    convert_model(model, qcfg, key_file, aliases)
+    return quant_aliases(aliases), ignored_key, scale_params(model)
+
+
+def check_quant_tensors(plan: dict, params: dict, scales: set, handles: dict, key_file: dict) -> None:
+    """Before any data is placed on the device: stored dtypes against the layers (e4m3 for
+    FP8 layers' weights, float elsewhere; header only) and every scale read and checked
+    finite and positive; a WeightError naming the tensor."""
+    for name, src in plan.items():
+        fp8 = params[name].dtype == FP8
+        for k in src.keys:
+            dt = handles[key_file[k]].get_slice(k).get_dtype()
+            if fp8 and dt != "F8_E4M3":
+                raise WeightError(f"{key_file[k]}: tensor {k!r} is stored as {dt}, expected F8_E4M3 "
+                                  f"(float8_e4m3fn: its layer has FP8 scales)")
+            if not fp8 and dt.startswith("F8"):
+                raise WeightError(f"{key_file[k]}: tensor {k!r} is stored as {dt} but its layer has no scale "
+                                  f"(missing weight_scale_inv / weight_scale, or no quantization_config)")
+        if name in scales:
+            for k in src.keys:
+                t = handles[key_file[k]].get_tensor(k)
+                if not t.is_floating_point() or t.dtype == FP8:
+                    raise WeightError(f"{key_file[k]}: scale {k!r} has dtype {t.dtype}, expected a float dtype")
+                if not torch.isfinite(t).all() or not (t > 0).all():
+                    raise WeightError(f"{key_file[k]}: scale {k!r} holds non-finite or non-positive values")
+
+
+def param_dtype(name: str, param, tdtype: torch.dtype, scales: set) -> torch.dtype:
+    """The dtype parameter ``name`` is loaded in: e4m3 for FP8 weights, float32 for their
+    scales, at least fp32 for :data:`_FP32_PARAMS`, else the model dtype."""
+    if param.dtype == FP8:
+        return FP8
+    if name in scales:
+        return torch.float32
+    leaf = name.rpartition(".")[2]
+    return compute_dtype(tdtype) if leaf in _FP32_PARAMS and tdtype != torch.float64 else tdtype
 
 
 def _install(model: nn.Module, name: str, t: torch.Tensor) -> None:
@@ -255,11 +343,12 @@ def _install(model: nn.Module, name: str, t: torch.Tensor) -> None:
     mod._parameters[leaf] = nn.Parameter(t, requires_grad=False)
 
 
-def source_plan(path: str, cfg, params: dict, key_file: dict, aliases, tied_copy=None) -> dict[str, _Source]:
+def source_plan(path: str, cfg, params: dict, key_file: dict, aliases, tied_copy=None,
+                read_past=None) -> dict[str, _Source]:
     """Each parameter's checkpoint source (``params``: name -> parameter of the model being
     built); ``WeightError`` naming the tensors the checkpoint lacks or holds beyond the
     model's (ignored keys aside, and copies of a read tensor that ``tied_copy(cfg, key)``
-    names: :func:`check_tied_copies` compares them).  Shared by :func:`load_model` and the
+    names: :func:`check_tied_copies` compares them; and keys that ``read_past(key)`` accepts).  Shared by :func:`load_model` and the
     tensor-parallel loader."""
     plan: dict[str, _Source] = {}
     missing = []
@@ -276,7 +365,8 @@ def source_plan(path: str, cfg, params: dict, key_file: dict, aliases, tied_copy
                           + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "") + hint)
     used = {k for s in plan.values() for k in s.keys}
     extra = [k for k in key_file if k not in used and not any(r.search(k) for r in _IGNORED)
-             and not (tied_copy is not None and tied_copy(cfg, k) in used)]
+             and not (tied_copy is not None and tied_copy(cfg, k) in used)
+             and not (read_past is not None and read_past(k))]
     if extra:
         raise WeightError(f"{path}: {len(extra)} unexpected tensor(s) not used by a {cfg.model_type} model: "
                           + ", ".join(f"{k} (in {os.path.basename(key_file[k])})" for k in extra[:8])
@@ -334,8 +424,9 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False, revi
         if mtp:
 
             attach_mtp(model, key_file)
+    aliases, read_past, scales = prepare_quant(path, model, key_file, cls.key_aliases())
     params = dict(model.named_parameters())
-    plan = source_plan(path, cfg, params, key_file, cls.key_aliases(), cls.tied_copy)
+    plan = source_plan(path, cfg, params, key_file, aliases, cls.tied_copy, read_past)
     check_tied_copies(cfg, key_file, cls.tied_copy)
     handles = {}
     try:
@@ -344,10 +435,12 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False, revi
         # shape checks first (header only), then data
         for name, src in plan.items():
             check_source_shapes(name, src, tuple(params[name].shape), handles, key_file)
+        check_quant_tensors(plan, params, scales, handles, key_file)
         transforms = model.load_transforms()
+        transforms.update(fp8_transforms(model, transforms))
         for name, src in plan.items():
-            leaf = name.rpartition(".")[2]
-            pdt = compute_dtype(tdtype) if leaf in _FP32_PARAMS and tdtype != torch.float64 else tdtype
+            pdt = param_dtype(name, params[name], tdtype, scales)
+            fp8 = pdt == FP8
             try:
                 if src.stack is None:
                     t = handles[key_file[src.keys[0]]].get_tensor(src.keys[0])
@@ -359,15 +452,18 @@ def load_model(path: str, device="cpu", dtype="float32", mtp: bool = False, revi
                         ks = src.keys[e * src.parts:(e + 1) * src.parts]
                         parts = [handles[key_file[k]].get_tensor(k) for k in ks]
                         for k, part in zip(ks, parts):   # each expert's own tensor, before any cast
-                            _check_values(part, k, key_file)
-                        t[e] = _cast_checked(torch.cat(parts, 0), ks[0], key_file, device, pdt)
+                            _check_values(part, k, key_file, fp8)
+                        parts = [p.reshape(1) if p.dim() == 0 else p for p in parts]   # per-tensor scales
+                        t[e] = _cast_checked(torch.cat(parts, 0).reshape(want[1:]), ks[0], key_file, device, pdt)
             except WeightError:
                 raise
             except Exception as e:
                 raise WeightError(f"{key_file[src.keys[0]]}: cannot read tensor {src.keys[0]!r} "
                                   f"(corrupt or truncated file: {e})") from None
             if src.stack is None or name in transforms:   # stacked experts: checked part by part above
-                t = _transformed_checked(t, name, src, key_file, transforms)
+                t = _transformed_checked(t, name, src, key_file, transforms, fp8)
+            if name in scales:
+                t = t.reshape(params[name].shape)
             _install(model, name, _cast_checked(t, src.keys[0], key_file, device, pdt))
     finally:
         handles.clear()

@@ -187,6 +187,9 @@ def test_each_rank_reads_only_its_shard(paths, monkeypatch):
         def get_shape(self):
             return self.sl.get_shape()
 
+        def get_dtype(self):
+            return self.sl.get_dtype()
+
         def __getitem__(self, idx):
             t = self.sl[idx]
             read[self.key] = read.get(self.key, 0) + t.numel()

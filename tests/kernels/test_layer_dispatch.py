@@ -271,12 +271,14 @@ def test_every_op_is_routed_or_declared_reference_only():
     module is either routed to a kernel or listed as reference-only, and that list is this."""
     from replayssm.ops.attention import naive as NA
     from replayssm.ops.conv import naive as NC
+    from replayssm.ops.fp8 import naive as NF
     from replayssm.ops.gdn import naive as NG
     from replayssm.ops.mamba2 import naive as N2
     from replayssm.ops.kda import naive as NK
     from replayssm.ops.moe import naive as NM
 
-    for fam, naive in (("mamba2", N2), ("gdn", NG), ("kda", NK), ("conv", NC), ("attention", NA), ("moe", NM)):
+    for fam, naive in (("mamba2", N2), ("gdn", NG), ("kda", NK), ("conv", NC), ("attention", NA), ("moe", NM),
+                       ("fp8", NF)):
         routed, ref = set(dispatch.ROUTED[fam]), set(dispatch.REFERENCE_ONLY[fam])
         ops = {n for n in naive.__all__ if callable(getattr(naive, n))}
         assert not routed & ref, fam
@@ -293,6 +295,9 @@ def test_every_op_is_routed_or_declared_reference_only():
         "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
         "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
         "moe": ("activation", "check_experts"),
+        "fp8": ("quantize_block", "dequantize_block", "quantize_tensor", "dequantize_tensor", "quantize_groups",
+                "dequantize_groups", "expand_scale", "scale_grid", "quantize_experts", "dequantize_experts",
+                "expert_scale_shape", "linear_act_quant", "check_block"),
     }
 
 
@@ -334,13 +339,14 @@ def test_lead_tensor_decides_like_every_tensor(name, dtype, monkeypatch, kernels
     one of them is float64 exactly when the lead is, so the lead decides as all of them would."""
     from replayssm.ops.attention import naive as NA
     from replayssm.ops.conv import naive as NC
+    from replayssm.ops.fp8 import naive as NF
     from replayssm.ops.gdn import naive as NG
     from replayssm.ops.mamba2 import naive as N2
     from replayssm.ops.moe import naive as NM
 
     kernels_env(None)
     seen = set()
-    for fam, naive in (("mamba2", N2), ("gdn", NG), ("conv", NC), ("attention", NA), ("moe", NM)):
+    for fam, naive in (("mamba2", N2), ("gdn", NG), ("conv", NC), ("attention", NA), ("moe", NM), ("fp8", NF)):
         for op in dispatch.ROUTED[fam]:
             for mod in {naive, dispatch.kernel_module(fam, op)}:
                 f = getattr(mod, op)

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..common import compute_dtype, shape_str
+from ..fp8 import naive as fp8
+from ..fp8.naive import FP8
 
 __all__ = ["experts", "activation", "check_experts", "ACTIVATIONS"]
 
@@ -67,10 +69,29 @@ def check_experts(x, idx, w, w1, w2, act: str, gated: bool) -> tuple[int, int, i
     return N, k, E, I
 
 
+def dequantized(x: Tensor, w1: Tensor, w2: Tensor, w1_scale, w2_scale, block, gated: bool):
+    """``(w1, w2)`` in ``x``'s dtype: FP8 expert weights dequantized (their scales in the
+    layout of :func:`replayssm.ops.fp8.naive.quantize_experts`, ``[gate | up]`` as 2 parts),
+    float weights as they are."""
+    if w1.dtype != FP8 and w2.dtype != FP8:
+        if w1_scale is not None or w2_scale is not None:
+            raise ValueError("expert scales given for float (not FP8) expert weights")
+        return w1, w2
+    if w1.dtype != FP8 or w2.dtype != FP8 or w1_scale is None or w2_scale is None:
+        raise ValueError("FP8 experts need both w1 and w2 in float8_e4m3fn with w1_scale and w2_scale")
+    cdt = compute_dtype(x.dtype)
+    return (fp8.dequantize_experts(w1, w1_scale, block, 2 if gated else 1, cdt).to(x.dtype),
+            fp8.dequantize_experts(w2, w2_scale, block, 1, cdt).to(x.dtype))
+
+
 def experts(x: Tensor, idx: Tensor, w: Tensor, w1: Tensor, w2: Tensor, *, act: str = "silu",
-            gated: bool = True) -> Tensor:
-    """``out [N, D_out]`` (``x``'s dtype): the weighted sum of each token's chosen experts."""
+            gated: bool = True, w1_scale: Tensor | None = None, w2_scale: Tensor | None = None,
+            block=None) -> Tensor:
+    """``out [N, D_out]`` (``x``'s dtype): the weighted sum of each token's chosen experts.
+    FP8 experts (``w1``/``w2`` in e4m3 with ``w1_scale``/``w2_scale``, block-scaled with
+    ``block=(bo, bi)`` or per-tensor per expert with ``block=None``) are dequantized first."""
     N, k, E, I = check_experts(x, idx, w, w1, w2, act, gated)
+    w1, w2 = dequantized(x, w1, w2, w1_scale, w2_scale, block, gated)
     cdt = compute_dtype(x.dtype, w.dtype)
     out = torch.zeros(N, w2.shape[1], dtype=cdt, device=x.device)
     if N == 0 or k == 0:

@@ -1,0 +1,146 @@
+"""FP8 GEMM and FP8 fused experts (interpreter on CPU, compiled on a GPU) against the float64
+references of ``replayssm.ops.fp8.naive``: block-scaled and per-tensor weights, odd shapes
+with partial edge blocks, weight-only and on-the-fly activation quantization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernel_device import kernel_device  # noqa: E402
+
+from replayssm.kernels import fp8_gemm as KF  # noqa: E402
+from replayssm.kernels import moe as KM  # noqa: E402
+from replayssm.ops.fp8 import naive as Q  # noqa: E402
+from replayssm.ops.moe import naive as M  # noqa: E402
+
+DEVICE = kernel_device()
+
+
+def _rel(got, ref):
+    return ((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("M_,N,K,block,bias,split", [
+    (3, 37, 50, (16, 16), True, None),      # partial row and column blocks, K tail inside a block
+    (21, 19, 64, (8, 32), False, None),     # row blocks narrower than the column tile
+    (1, 48, 96, None, True, None),          # per-tensor (decode row)
+    (2, 21, 150, (16, 16), True, 3),        # split-K (3 ranges of 64, 64, 22 columns), bias once
+])
+def test_fp8_linear_weight_only_matches_reference(M_, N, K, block, bias, split):
+    g = torch.Generator().manual_seed(M_ * N + K)
+    w = torch.randn(N, K, generator=g) * torch.linspace(0.1, 3, K)     # blocks of different ranges
+    q, s = Q.quantize_tensor(w) if block is None else Q.quantize_block(w, block)
+    x = torch.randn(M_, K + 3, generator=g)[:, 1:1 + K]                  # strided rows
+    b = torch.randn(N, generator=g) if bias else None
+    ref = Q.linear(x.double(), q, s, None if b is None else b.double(), block=block)
+    d = lambda t: None if t is None else t.to(DEVICE)
+    got = KF.linear(d(x), d(q), d(s), d(b), block=block, act_quant=False, split_k=split, block_n=16)
+    assert got.shape == (M_, N) and got.dtype == torch.float32
+    assert _rel(got.cpu(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("M_", [5, KF.PREQUANT_M + 5])     # in-tile quantization / a pass of its own
+def test_fp8_linear_act_quant_exact_on_representable_activations(M_):
+    """Activations whose per-token groups are powers of two times e4m3 values (each group
+    holding ±448·2^j) quantize exactly under any rounding, so the FP8×FP8 path equals the
+    float64 reference of the dynamic scheme (group = the kernel's K tile, 32 here)."""
+    g = torch.Generator().manual_seed(1)
+    N, K, block = 23, 64, (16, 32)
+    w = torch.randn(N, K, generator=g)
+    q, s = Q.quantize_block(w, block)
+    a = torch.randn(M_, K, generator=g).clamp(-400, 400).to(Q.FP8).double()
+    a[:, 0], a[:, 32] = 448.0, -448.0
+    scale = 2.0 ** torch.randint(-6, 3, (M_, 2), generator=g).double().repeat_interleave(32, 1)
+    x = (a * scale).float()
+    ref = Q.linear_act_quant(x.double(), q, s, block=block, group=32)
+    got = KF.linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), block=block, act_quant=True)
+    assert _rel(got.cpu(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [2, KF.PREQUANT_M])
+def test_fp8_linear_act_quant_on_random_activations(rows):
+    """Random activations (ties and values rounding up to the next power of two included):
+    the kernel's quantization (in-tile, or its own pass) is the float64 scheme's."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(33, 256, generator=g)
+    q, s = Q.quantize_block(w, (32, 128))
+    x = torch.randn(rows, 2, 256, generator=g)                             # leading dims kept
+    got = KF.linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), block=(32, 128), act_quant=True)
+    assert got.shape == (rows, 2, 33)
+    assert _rel(got.cpu(), Q.linear_act_quant(x.double(), q, s, block=(32, 128), group=128)) < 1e-5
+    assert _rel(got.cpu(), Q.linear(x.double(), q, s, block=(32, 128))) < 0.08     # e4m3: 3 mantissa bits
+
+
+def test_fp8_linear_bad_input():
+    q, s = Q.quantize_block(torch.randn(8, 32), (8, 16))
+    with pytest.raises(ValueError, match="scale has shape"):
+        KF.linear(torch.randn(2, 32), q, s[:, :1], block=(8, 16))
+    with pytest.raises(ValueError, match="features"):
+        KF.linear(torch.randn(2, 31), q, s, block=(8, 16))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        KF.linear(torch.randn(2, 32), q.float(), s, block=(8, 16))
+    assert KF.k_tile((128, 8)) is None and KF.k_tile((128, 96)) == 32 and KF.k_tile(None) == 128
+
+
+@pytest.mark.parametrize("gated,act,block", [(True, "silu", (8, 16)), (False, "relu2", (16, 32)),
+                                             (True, "silu", None)])
+def test_fp8_fused_experts_match_reference(gated, act, block):
+    g = torch.Generator().manual_seed(3)
+    N, D, I, E, k, DO = 7, 40, 12, 5, 2, 40
+    x = torch.randn(N, D, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    w = torch.rand(N, k, generator=g)
+    w1 = torch.randn(E, (2 if gated else 1) * I, D, generator=g)
+    w2 = torch.randn(E, DO, I, generator=g)
+    q1, s1 = Q.quantize_experts(w1, block, 2 if gated else 1)
+    q2, s2 = Q.quantize_experts(w2, block, 1)
+    kw = dict(act=act, gated=gated, w1_scale=s1, w2_scale=s2, block=block)
+    ref = M.experts(x.double(), idx, w.double(), q1, q2, **kw)
+    dq1 = Q.dequantize_experts(q1, s1, block, 2 if gated else 1, torch.float64)
+    dq2 = Q.dequantize_experts(q2, s2, block, 1, torch.float64)
+    plain = M.experts(x.double(), idx, w.double(), dq1, dq2, act=act, gated=gated)
+    assert torch.equal(ref, plain)                                   # the reference dequantizes
+    d = lambda t: t.to(DEVICE)
+    kq = dict(act=act, gated=gated, w1_scale=d(s1), w2_scale=d(s2), block=block)
+    got = KM.experts(d(x), d(idx), d(w), d(q1), d(q2), **kq, act_quant=False)
+    assert _rel(got.cpu(), ref) < 1e-5
+    got = KM.experts(d(x), d(idx), d(w), d(q1), d(q2), **kq, act_quant=True)     # FP8 x FP8 products
+    bk = 1 << 30 if block is None else block[1]             # the kernel's K tiles (64, 16 here): the groups
+    want = _experts_act_quant(x, idx, w, q1, s1, q2, s2, block, gated, act, min(64, bk), min(16, bk))
+    assert _rel(got.cpu(), want) < 1e-5
+    assert _rel(got.cpu(), ref) < 0.1
+
+
+def _experts_act_quant(x, idx, w, q1, s1, q2, s2, block, gated, act, g1, g2):
+    """float64 emulation of the kernel's FP8 x FP8 experts: token rows quantized per group of
+    ``g1`` channels, ``h`` (rounded to x's dtype) per group of ``g2``."""
+    parts = 2 if gated else 1
+    d1 = Q.dequantize_experts(q1, s1, block, parts, torch.float64)
+    d2 = Q.dequantize_experts(q2, s2, block, 1, torch.float64)
+    f = M.activation(act)
+    out = torch.zeros(x.shape[0], d2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        xa = Q.dequantize_groups(*Q.quantize_groups(x[t:t + 1].double(), g1), g1)
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            u = xa @ d1[e].T
+            h = f(u[:, :u.shape[1] // 2]) * u[:, u.shape[1] // 2:] if gated else f(u)
+            h = h.to(x.dtype).double()
+            out[t] += float(w[t, j]) * (Q.dequantize_groups(*Q.quantize_groups(h, g2), g2) @ d2[e].T)[0]
+    return out
+
+
+def test_fp8_experts_bad_input():
+    w1, w2 = torch.randn(3, 8, 16), torch.randn(3, 16, 4)
+    q1, s1 = Q.quantize_experts(w1, (4, 16), 2)
+    q2, s2 = Q.quantize_experts(w2, (4, 16), 1)
+    x, idx, w = torch.randn(2, 16), torch.tensor([[0], [2]]), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="w1_scale"):
+        KM.experts(x, idx, w, q1, q2, w1_scale=s1[:, :1], w2_scale=s2, block=(4, 16))
+    with pytest.raises(ValueError, match="expert scales have shape"):
+        M.experts(x, idx, w, q1, q2, w1_scale=s1[:, :1], w2_scale=s2, block=(4, 16))
+    with pytest.raises(ValueError, match="both w1 and w2"):
+        M.experts(x, idx, w, q1, q2, w1_scale=s1, block=(4, 16))
