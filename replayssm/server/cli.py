@@ -303,8 +303,8 @@ def _bytes(n) -> str:
 
 
 def startup_summary(engine, name: str, model_dir: str, warm_up_s: float | None = None) -> str:
-    """One line: what the server built (model, dtype, device, decode mode, speculation, slots,
-    context, memory plan, CUDA graphs)."""
+    """One line: what the server built (model, dtype, device, decode mode, speculation, SSM
+    state dtype, slots, context, memory plan, CUDA graphs)."""
     from .. import __version__
 
     cfg = getattr(engine, "config", None)
@@ -317,6 +317,9 @@ def startup_summary(engine, name: str, model_dir: str, warm_up_s: float | None =
     parts = [f"model {name!r} ({model_dir})", f"dtype {str(getattr(engine, 'dtype', '?')).replace('torch.', '')}",
              f"device {getattr(engine, 'device', '?')}", f"decode mode {getattr(cfg, 'decode_mode', '?')}",
              f"speculation {speculation}"]
+    cache = getattr(engine, "cache", None)
+    if getattr(cache, "state_dtype", None) is not None:
+        parts.append(f"SSM states {str(cache.state_dtype).replace('torch.', '')}")
     if plan is not None:
         mem = plan.memory
         limit = getattr(getattr(engine, "scheduler", None), "token_limit", plan.spec.max_seq_len)
