@@ -897,8 +897,8 @@ def rebuild_state(buf, plan, A: Tensor, block_t: int | None = None, block_d: int
                   num_warps: int | None = None, precision: str = "ieee") -> Tensor:
     """Kernel form of :func:`replayssm.ops.mamba2.naive.rebuild_state`: ``S_h`` of every row
     from its checkpoint and committed ring entries, one launch (:func:`.fold.ring_fold`);
-    returned in fp32 (the compute dtype: a bf16/fp16 checkpoint is
-    upcast, never rounded here)."""
+    returned in fp32 (the compute dtype: a bf16/fp16 checkpoint is upcast, never rounded
+    here)."""
     check_rebuild_state(buf, plan, A)
     S = ring_fold(buf.state, buf.x, buf.B, buf.dt, plan, scale=A, weighted=True, block_t=block_t, block_r=block_d,
                   num_warps=num_warps, precision=precision)

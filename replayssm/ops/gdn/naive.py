@@ -18,7 +18,8 @@ Every form below computes the same numbers as :func:`recurrent_scan` up to round
   paged blocks a row holds (linear in the held context, see the KV-only section).
 
 Decays are always ``exp`` of segment sums of log-decays (never ratios of cumulative
-products).  Math runs in the state dtype (at least fp32); ``y`` is returned in ``v``'s
+products).  Math runs in the state's compute dtype (fp32; fp64 for fp64 states: a bf16 /
+fp16 state is upcast when read and rounded once when written); ``y`` is returned in ``v``'s
 dtype.  Ring entries past a row's valid length may be NaN: they are masked with
 ``torch.where``.  Bad input raises ``ValueError`` before any cache tensor is written.
 """
@@ -290,7 +291,7 @@ def recurrent_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
     q/k ``[Bt,T,H,K]``, v ``[Bt,T,HV,V]``, g/beta ``[Bt,T,HV]``, initial_state
     ``[Bt,HV,K,V]`` (zeros if None).  Returns ``(y [Bt,T,HV,V], final_state [Bt,HV,K,V])``;
-    math in the initial state's dtype (fp64 if any input is fp64 when there is none).
+    math in the initial state's compute dtype (fp64 if any input is fp64 when there is none).
     """
     dims = _check_inputs(q, k, v, g, beta, True, scale)
     cdt = compute_dtype(initial_state.dtype) if isinstance(initial_state, Tensor) else compute_dtype(
@@ -353,7 +354,8 @@ def check_rebuild_state(buf, plan) -> None:
 
 def rebuild_state(buf: GDNBuffers, plan: StepPlan) -> Tensor:
     """``S_h = e^{pre_h} S0 + Σ_{j<h} e^{pre_h−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``
-    (the first step of GDN replay), in the state dtype.  Reads only; any plan kind."""
+    (the first step of GDN replay), in the compute dtype (a 16-bit checkpoint is not rounded
+    here).  Reads only; any plan kind."""
     check_rebuild_state(buf, plan)
     return _readouts(buf, plan, compute_dtype(buf.state.dtype), None, "state")[1]
 

@@ -28,7 +28,8 @@ Every form below computes the same numbers as :func:`recurrent_scan` up to round
 
 Decays are always ``exp`` of sums of log-decays over a segment, formed by adding terms
 (suffix sums, path sums), never ratios of cumulative products; each is ``<= 0`` channel by
-channel.  Math runs in the state dtype (at least fp32); ``y`` is returned in ``v``'s dtype.
+channel.  Math runs in the state's compute dtype (fp32; fp64 for fp64 states: a bf16 / fp16
+state is upcast when read and rounded once when written); ``y`` is returned in ``v``'s dtype.
 Ring entries past a row's valid length may be NaN: they are masked with ``torch.where``.
 Bad input raises ``ValueError`` before any cache tensor is written.
 """
@@ -303,7 +304,7 @@ def recurrent_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
     q/k ``[Bt,T,H,K]``, v ``[Bt,T,HV,V]``, g ``[Bt,T,HV,K]``, beta ``[Bt,T,HV]``,
     initial_state ``[Bt,HV,K,V]`` (zeros if None).  Returns ``(y [Bt,T,HV,V], final_state)``;
-    math in the initial state's dtype (fp64 if any input is fp64 when there is none)."""
+    math in the initial state's compute dtype (fp64 if any input is fp64 when there is none)."""
     dims = _check_inputs(q, k, v, g, beta, True, scale)
     cdt = compute_dtype(initial_state.dtype) if isinstance(initial_state, Tensor) else compute_dtype(
         q.dtype, v.dtype, g.dtype, beta.dtype)
@@ -374,7 +375,7 @@ def check_rebuild_state(buf, plan) -> None:
 
 def rebuild_state(buf: KDABuffers, plan: StepPlan) -> Tensor:
     """``S_h = e^{pre_h} ⊙ S0 + Σ_{j<h} (e^{pre_h−pre_j} ⊙ k_j) ⊗ u_j`` per row ``[Bt,HV,K,V]``
-    (decays per key channel, i.e. per row of ``Sᵀ``), in the state dtype.  Reads only."""
+    (decays per key channel, i.e. per row of ``Sᵀ``), in the compute dtype.  Reads only."""
     check_rebuild_state(buf, plan)
     return _readouts(buf, plan, compute_dtype(buf.state.dtype), None, "state")[1]
 

@@ -26,8 +26,9 @@ replay output of a query ``t`` is
     y_t = e^{pre_t} (S0 C_t) + Σ_{j ≤ t} Δ_j e^{pre_t − pre_j} (B_j·C_t) x_j + D·x_t,
 
 where the exponent ``pre_t − pre_j`` is formed as the *segment sum* of the log-decays
-after ``j`` (never a ratio of cumulative products).  Math runs in the state dtype
-(fp32 or fp64; activations may be bf16/fp16 and are upcast); ``y`` is returned in
+after ``j`` (never a ratio of cumulative products).  Math runs in the state's compute dtype
+(fp32, fp64 for fp64 states; bf16/fp16 states and activations are upcast, and a 16-bit state
+is rounded once per write); ``y`` is returned in
 ``x``'s dtype.  Ring entries past a row's valid length may hold anything (NaN in tests):
 they are masked with ``torch.where``.  Bad input raises ``ValueError`` before any cache
 tensor is written.  ``check`` (default: on for CPU tensors) enables host-side value
@@ -353,7 +354,7 @@ def recurrent_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Te
     """Ground truth: a loop of :func:`recurrent_step` over T tokens.
 
     x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``, A ``[H]``, B/C ``[Bt,T,G,n]``, D ``[H]`` or None,
-    initial_state ``[Bt,H,d,n]`` (zeros if None).  Math in the initial state's dtype
+    initial_state ``[Bt,H,d,n]`` (zeros if None).  Math in the initial state's compute dtype
     (without one: fp64 if x or dt is fp64, else fp32).
     Returns ``(y [Bt,T,H,d] in x.dtype, final_state [Bt,H,d,n])``.
     """
@@ -443,7 +444,7 @@ def check_rebuild_state(buf, plan, A) -> None:
 
 def rebuild_state(buf: Mamba2Buffers, plan: StepPlan, A: Tensor) -> Tensor:
     """``S_h = e^{pre_h} S0 + Σ_{j<h} Δ_j e^{pre_h−pre_j} x_j B_jᵀ`` per row ``[Bt,H,d,n]``
-    from each row's checkpoint and committed ring entries (state dtype).  Reads only;
+    from each row's checkpoint and committed ring entries (compute dtype).  Reads only;
     any plan kind (``ring.plan_decode(slots)`` is a side-effect-free way to get one)."""
     check_rebuild_state(buf, plan, A)
     H, G = buf.state.shape[1], buf.B.shape[2]
