@@ -114,7 +114,19 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (tiny models: 1 is as fast)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        rows = _measure(args)
+    finally:   # called in-process (the smoke test): the caller's setting comes back
+        torch.set_num_threads(threads)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _measure(args) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         for name in args.models.split(","):
@@ -139,10 +151,7 @@ def main(argv=None) -> int:
                           f"{row['first_divergence']}, {row['rows_identical']}/{args.batch} rows identical)",
                           flush=True)
                 print(f"  [{name} {mode}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
