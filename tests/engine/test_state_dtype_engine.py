@@ -76,3 +76,12 @@ def test_serve_flags_reach_the_engine():
         assert "SSM states bfloat16" in serve_cli.startup_summary(llm, "m", str(SHIPPED))
     finally:
         llm.close()
+
+
+@needs_shipped
+def test_jax_backend_refuses_16bit_states(capsys):
+    pytest.importorskip("jax")
+    from replayssm import cli as top
+
+    assert top.main(["generate", "hi", "--backend", "jax", "--ssm-state-dtype", "bfloat16"]) == 2
+    assert "keeps float32 states" in capsys.readouterr().err
