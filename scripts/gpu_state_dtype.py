@@ -81,7 +81,6 @@ def copy_bandwidth(dev, nbytes: int) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
     dst = torch.empty_like(src)
     s = timed(lambda: dst.copy_(src), dev, iters=20 if dev.type == "cuda" else 2)
-    del src, dst
     return 2 * nbytes / s
 
 
@@ -154,8 +153,9 @@ def correctness(dev, small: bool) -> bool:
                 torch.randn(*lead, G, n, device=dev).to(adt), torch.randn(*lead, G, n, device=dev).to(adt), D)
 
     ring, slots = _ring(B, L, dev, g, "decode")
+    cur = m2
     for step in range(3):   # decode steps, flush rows on different steps
-        b32, b16 = _pair(b32 if step else m2)   # both from the same (bf16-representable) states
+        b32, b16 = _pair(cur)   # both from the same (bf16-representable) states
         plan = ring.plan_decode(slots)
         args = m2_in()
         before = b16.state.clone()
@@ -163,6 +163,7 @@ def correctness(dev, small: bool) -> bool:
         y16 = K2.replay_decode(b16, plan, *args)
         ok &= _check_states(f"mamba2 replay_decode step {step}", plan.slot, plan.flush, b32, b16, before, y32, y16)
         ring.commit(plan)
+        cur = b32
     for T in (2, 4):
         ring, slots = _ring(B, L, dev, g, "verify", T)
         b32, b16 = _pair(m2)
@@ -212,8 +213,9 @@ def correctness(dev, small: bool) -> bool:
                 torch.rand(*lead, HV, device=dev))
 
     ring, slots = _ring(B, L, dev, g, "decode")
+    cur = gb
     for step in range(3):
-        b32, b16 = _pair(b32 if step else gb)
+        b32, b16 = _pair(cur)
         plan = ring.plan_decode(slots)
         args = g_in()
         before = b16.state.clone()
@@ -221,6 +223,7 @@ def correctness(dev, small: bool) -> bool:
         y16 = KG.replay_decode(b16, plan, *args)
         ok &= _check_states(f"gdn replay_decode step {step}", plan.slot, plan.flush, b32, b16, before, y32, y16)
         ring.commit(plan)
+        cur = b32
     ring, slots = _ring(B, L, dev, g, "verify", 4)
     b32, b16 = _pair(gb)
     plan = ring.plan_verify(slots, 4)
@@ -283,7 +286,6 @@ def kernel_timing(dev, small: bool, bw: float) -> None:
             row[f"{key}_us"] = s * 1e6
             row[f"{key}_bytes"] = moved
             row[f"{key}_copy_fraction"] = moved / s / bw
-            del buf
         row["speedup"] = row["fp32_us"] / row["bf16_us"]
         RESULTS["kernel"].append(row)
         print(f"  kernel B={B:3d}: fp32 states {row['fp32_us']:8.1f} us ({row['fp32_copy_fraction']:.0%} of copy), "
@@ -389,7 +391,8 @@ def engine(dev, small: bool, bw: float, args) -> None:
                             f"{key}_bytes_per_step": byt, f"{key}_copy_fraction": frac,
                             f"{key}_slots": llm.num_slots, f"{key}_build_s": built})
             print(f"  engine {key} states B={B:3d}: {tps:9.0f} decode tok/s, step {dec_s / steps * 1e3:7.2f} ms, "
-                  f"{byt / 1e9:6.2f} GB/step = {frac:.0%} of copy bandwidth (engine built in {built:.0f} s)", flush=True)
+                  f"{byt / 1e9:6.2f} GB/step = {frac:.0%} of copy bandwidth (engine built in {built:.0f} s)",
+                  flush=True)
         llm.close()
         del llm
         gc.collect()
@@ -433,8 +436,9 @@ def main() -> int:
         print(f"| kernel (1 layer) | {r['batch']} | {r['fp32_us']:.1f} us | {r['bf16_us']:.1f} us | "
               f"{r['speedup']:.2f}x | {r['fp32_copy_fraction']:.0%} / {r['bf16_copy_fraction']:.0%} |")
     for r in RESULTS["engine"]:
-        print(f"| engine decode | {r['batch']} | {r['fp32_decode_tok_s']:.0f} tok/s | {r['bf16_decode_tok_s']:.0f} tok/s"
-              f" | {r['speedup']:.2f}x | {r['fp32_copy_fraction']:.0%} / {r['bf16_copy_fraction']:.0%} |")
+        print(f"| engine decode | {r['batch']} | {r['fp32_decode_tok_s']:.0f} tok/s | "
+              f"{r['bf16_decode_tok_s']:.0f} tok/s | {r['speedup']:.2f}x | "
+              f"{r['fp32_copy_fraction']:.0%} / {r['bf16_copy_fraction']:.0%} |")
     RESULTS["correct"] = ok
     RESULTS["wall_s"] = time.perf_counter() - t0
     print(f"correctness {'OK' if ok else 'FAILED'}; {RESULTS['wall_s']:.0f} s", flush=True)

@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context limit in tokens (default: the model's max_position_embeddings, else "
                         f"{DEFAULT_CONTEXT})")
     p.add_argument("--ssm-state-dtype", "--mamba-ssm-cache-dtype", dest="ssm_state_dtype", default="auto",
-                   choices=list(STATE_DTYPES), help="storage dtype of the SSM checkpoint states (auto: float32; bfloat16/float16 halve the state bytes, math stays float32; docs/MATH.md, State dtype)")
+                   choices=list(STATE_DTYPES),
+                   help="storage dtype of the SSM checkpoint states (auto: float32; bfloat16/float16 halve the "
+                        "state bytes, math stays float32; docs/MATH.md, State dtype)")
     p.add_argument("--buffer-size", type=positive_int, default=None,
                    help="replay ring capacity L (default: 16, or 2*(drafts+1) if larger)")
     p.add_argument("--temperature", type=float, default=0.0)

@@ -72,7 +72,8 @@ class Mamba2Mixer(SSMLayer):
                                            state_dtype=compute_dtype(dtype), device=device)
 
     def kv_to_state(self, store: dict, pplan, slots: Tensor) -> None:
-        self.ops().kv_to_state(store["kv"], pplan, store["buf"], slots, self._A(compute_dtype(store["buf"].state.dtype)))
+        buf = store["buf"]
+        self.ops().kv_to_state(store["kv"], pplan, buf, slots, self._A(compute_dtype(buf.state.dtype)))
 
     def state_shape(self) -> tuple[int, ...]:
         return (self.H, self.d, self.n)

@@ -41,7 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buffer-size", type=int, default=None,
                    help="replay ring capacity L (default: 16, or 2*(verify tokens) if larger)")
     g.add_argument("--ssm-state-dtype", "--mamba-ssm-cache-dtype", dest="ssm_state_dtype", default="auto",
-                   choices=list(STATE_DTYPES), help="storage dtype of the SSM checkpoint states (auto: float32; bfloat16/float16 halve the state bytes, math stays float32; docs/MATH.md, State dtype)")
+                   choices=list(STATE_DTYPES),
+                   help="storage dtype of the SSM checkpoint states (auto: float32; bfloat16/float16 halve the "
+                        "state bytes, math stays float32; docs/MATH.md, State dtype)")
     g.add_argument("--speculative", default=None, choices=["ngram", "draft", "tree", "mtp"],
                    help="speculative method (mtp: the checkpoint's own MTP head)")
     g.add_argument("--draft-model", default=None, help="draft model directory (draft / tree)")

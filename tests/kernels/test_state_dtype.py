@@ -27,8 +27,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kernel_device import kernel_device  # noqa: E402
-from test_kernels import (gdn_inputs, m2_inputs, make_ring, prep_gdn, prep_m2,  # noqa: E402
-                          random_parents, shapes)
+from test_kernels import (gdn_inputs, m2_inputs, prep_gdn, prep_m2, random_parents,  # noqa: E402
+                          shapes)
 
 from replayssm.cache.paged import GDNPagedBuffers, Mamba2PagedBuffers, PagedIndex  # noqa: E402
 from replayssm.kernels import gdn as KG  # noqa: E402
@@ -377,7 +377,7 @@ def test_prefill_pool_rounds_once(family):
     torch.manual_seed(21)
     lens = [5, 0, 19, 3]
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=DEVICE)
-    Nt, N = int(cu[-1]), len(lens)
+    Nt = int(cu[-1])
     slots = torch.tensor([2, 4, 1, 5], device=DEVICE)
     fresh = torch.tensor([False, False, True, False], device=DEVICE)
     if family == "mamba2":
