@@ -30,7 +30,7 @@ from kernel_device import kernel_device  # noqa: E402
 from test_kernels import (gdn_inputs, m2_inputs, prep_gdn, prep_m2, random_parents,  # noqa: E402
                           shapes)
 
-from replayssm.cache.paged import GDNPagedBuffers, Mamba2PagedBuffers, PagedIndex  # noqa: E402
+from replayssm.cache.paged import GDNPagedBuffers, Mamba2PagedBuffers, PagedIndex, PagedPlan  # noqa: E402
 from replayssm.kernels import gdn as KG  # noqa: E402
 from replayssm.kernels import mamba2 as K2  # noqa: E402
 from replayssm.kernels import gdn_prefill as KGP  # noqa: E402
@@ -423,3 +423,53 @@ def test_bad_state_dtypes_raise_before_writing():
         K2P.chunked_prefill_varlen(x[:3], dt[:3], A, B[:3], C[:3], D, cu_seqlens=cu, state_pool=pool,
                                    slots=torch.tensor([1], device=DEVICE))
     assert not pool.any()
+
+
+# ============================================================================ prefix resume folds
+def test_folds_read_a_16bit_checkpoint():
+    """A prefix-cache resume folds stored entries into a bf16 checkpoint (``kv_fold`` /
+    ``conv_fold`` with a bf16 ``initial_state``): the checkpoint is read exactly (upcast) and
+    the fold is the float64 fold of the same values at fp32 accuracy, returned unrounded."""
+    from test_fold_kernel import LENGTHS, fill_held, plan_of, to   # puts tests/ops on the path
+
+    from test_conv_fold import _case
+
+    g = torch.Generator().manual_seed(23)
+    bs, sdt = 4, torch.bfloat16
+    H, G, d, n = 4, 2, 20, 12
+    NB, plan = plan_of(g, LENGTHS, bs)
+    kv = Mamba2PagedBuffers.allocate(NB, bs, H, d, n, G)
+    fill_held(g, kv.x, plan, lambda s: torch.randn(s, generator=g))
+    fill_held(g, kv.B, plan, lambda s: torch.randn(s, generator=g))
+    fill_held(g, kv.dt, plan, lambda s: torch.rand(s, generator=g) * 0.3)
+    A = -torch.rand(H, generator=g) - 0.2
+    S0 = torch.randn(len(LENGTHS), H, d, n, generator=g).to(sdt)
+    want = N2.kv_fold(type(kv)(*(t.to(F64) for t in kv.tensors())), plan, A.to(F64), S0.to(F64))
+    dev = lambda t: t.to(DEVICE)   # noqa: E731
+    for name, got in (("kernel", K2.kv_fold(type(kv)(*map(dev, kv.tensors())), to(plan, DEVICE), dev(A), dev(S0))),
+                      ("naive", N2.kv_fold(kv, plan, A, S0))):
+        assert got.dtype == torch.float32, name
+        close_y(want, got.cpu(), f"mamba2 {name} kv_fold")
+    HV, K, V = 4, 12, 20
+    kv = GDNPagedBuffers.allocate(NB, bs, 2, HV, K, V)
+    fill_held(g, kv.u, plan, lambda s: torch.randn(s, generator=g))
+    fill_held(g, kv.k, plan, lambda s: torch.nn.functional.normalize(torch.randn(s, generator=g), dim=-1))
+    fill_held(g, kv.g, plan, lambda s: -torch.rand(s, generator=g) * 0.3)
+    S0 = torch.randn(len(LENGTHS), HV, K, V, generator=g).to(sdt)
+    want = NG.kv_fold(type(kv)(*(t.to(F64) for t in kv.tensors())), plan, S0.to(F64))
+    for name, got in (("kernel", KG.kv_fold(type(kv)(*map(dev, kv.tensors())), to(plan, DEVICE), dev(S0))),
+                      ("naive", NG.kv_fold(kv, plan, S0))):
+        assert got.dtype == torch.float32, name
+        close_y(want, got.cpu(), f"gdn {name} kv_fold")
+    # the conv fold (Mamba-2's prefix store keeps conv inputs): from a bf16 checkpoint
+    W, seqs, starts, counts = 4, [45, 9, 20], [4, 0, 9], [41, 9, 11]
+    pre, dt, table, _ = _case(g, seqs, bs, H, d, G, n, W, dtype=torch.float32)
+    w, b = torch.randn(pre.shape[1], W, generator=g) * 0.5, torch.randn(pre.shape[1], generator=g) * 0.5
+    S0 = torch.randn(len(seqs), H, d, n, generator=g).to(sdt)
+    cplan = PagedPlan(torch.zeros(len(seqs), dtype=torch.long), torch.tensor(counts), table, 1, bs)
+    st = torch.tensor(starts)
+    kw = dict(head_dim=d, ngroups=G, d_state=n)
+    want = N2.conv_fold(*c64(pre, dt), cplan, st, *c64(w, b, A, S0), **kw)
+    got = K2.conv_fold(dev(pre), dev(dt), to(cplan, DEVICE), dev(st), dev(w), dev(b), dev(A), dev(S0), **kw)
+    assert got.dtype == torch.float32
+    close_y(want, got.cpu(), "conv_fold")
