@@ -55,6 +55,10 @@ def test_generate_flags():
     assert p.parse_args(["hi", "--mamba-ssm-cache-dtype", "float16"]).ssm_state_dtype == "float16"
     with pytest.raises(SystemExit):
         p.parse_args(["hi", "--ssm-state-dtype", "bf16"])
+    from replayssm.bench import e2e
+
+    assert e2e.build_parser().parse_args([]).ssm_state_dtype == "auto"
+    assert e2e.build_parser().parse_args(["--mamba-ssm-cache-dtype", "bfloat16"]).ssm_state_dtype == "bfloat16"
 
 
 @needs_shipped
