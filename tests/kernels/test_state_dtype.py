@@ -225,8 +225,9 @@ def test_mamba2_verify_flush_rounds_once(kind):
         check_ring(ref, b, ("x", "B", "dt"))
 
 
-@pytest.mark.parametrize("sdt", SDTS)
-def test_gdn_replay_decode_flush_rounds_once(sdt):
+@pytest.mark.parametrize("sdt,flush_mode", [(torch.bfloat16, m) for m in KG.FLUSH_MODES] + [(torch.float16, None)])
+def test_gdn_replay_decode_flush_rounds_once(sdt, flush_mode):
+    """Every GDN flush form (the fold split from, fused into or apart from the decode kernel)."""
     s = _small(shapes(DEVICE))
     ring, slots, buf = prep_gdn(s, DEVICE, seed=2)
     buf = with_state(buf, sdt)
@@ -236,7 +237,8 @@ def test_gdn_replay_decode_flush_rounds_once(sdt):
         q, k, v, g, beta = gdn_inputs(s, DEVICE)
         plan = ring.plan_decode(slots)
         real = slots != 0
-        for name, b, op in (("kernel", buf, KG.replay_decode), ("naive", naive, NG.replay_decode)):
+        kern = lambda *a: KG.replay_decode(*a, flush_mode=flush_mode)   # noqa: E731
+        for name, b, op in (("kernel", buf, kern), ("naive", naive, NG.replay_decode)):
             ref = as64(b)
             y64 = NG.replay_decode(ref, plan, *c64(q, k, v, g, beta))
             before = b.state.clone()
