@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..argtypes import int_list, nonnegative_int, positive_float, positive_int, probability
+from ..cache.spec import STATE_DTYPES
 from ..engine.config import SamplingParams, SpeculativeConfig
 from ..engine.llm import LLM
 from ..engine.loading import load
@@ -212,7 +213,8 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     llm = LLM(model, device=args.device, dtype=args.dtype, decode_mode=mode, buffer_size=args.buffer_size,
-              speculative=spec, max_num_seqs=batch, cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len, **kw)
+              speculative=spec, max_num_seqs=batch, cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len,
+              ssm_state_dtype=args.ssm_state_dtype, **kw)
     if refs is not None:
         oracle = OracleDrafter(refs, spec.num_tokens, args.oracle_accept, vocab, llm.device)
         if args.spec_method == "mtp":  # random weights: the MTP head drafts, the oracle's tokens are verified
@@ -336,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=positive_int, default=32)
     p.add_argument("--max-seq-len", type=positive_int, default=None, help="default: prompt + max tokens + margin")
     p.add_argument("--buffer-size", type=positive_int, default=16)
+    p.add_argument("--ssm-state-dtype", "--mamba-ssm-cache-dtype", dest="ssm_state_dtype", default="auto",
+                   choices=list(STATE_DTYPES), help="storage dtype of the SSM checkpoint states (default: float32)")
     p.add_argument("--memory-budget", type=positive_float, default=None, help="bytes (default: 64 replay sequences)")
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--skip-concurrency", action="store_true", help="skip section 3 (sequences in a memory budget)")
@@ -440,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                 res["speculative"].append(_run(LLM, SamplingParams, model_obj, args, arg, mode, spec=spec))
             else:
                 probe = LLM(model_obj, device=args.device, dtype=args.dtype, decode_mode="replay",
-                            buffer_size=args.buffer_size, max_num_seqs=1, max_seq_len=args.max_seq_len)
+                            buffer_size=args.buffer_size, max_num_seqs=1, max_seq_len=args.max_seq_len,
+                            ssm_state_dtype=args.ssm_state_dtype)
                 per_seq_tokens = args.prompt_len + args.max_tokens
                 if budget is None:
                     budget = (8 if args.smoke else 64) * probe.plan.memory.need(per_seq_tokens)
@@ -449,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                 free_memory(args.device)
                 llm = LLM(model_obj, device=args.device, dtype=args.dtype, decode_mode=mode, speculative=arg,
                           buffer_size=args.buffer_size, max_num_seqs=100_000, memory_budget=int(budget),
-                          max_seq_len=args.max_seq_len)
+                          max_seq_len=args.max_seq_len, ssm_state_dtype=args.ssm_state_dtype)
                 fit = llm.num_slots
                 if mode == "kv":
                     fit = min(fit, int(budget // llm.plan.memory.need(per_seq_tokens + llm.plan.memory.verify_tokens)))

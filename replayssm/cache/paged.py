@@ -447,7 +447,7 @@ class Mamba2PagedBuffers:
 
     x:  ``[NB*bs, H, d]`` post-conv values
     B:  ``[NB*bs, G, n]`` keys
-    dt: ``[NB*bs, H]``    step sizes Δ (state dtype)
+    dt: ``[NB*bs, H]``    step sizes Δ (compute dtype: fp32, fp64 for fp64 models)
     """
 
     x: Tensor
@@ -507,7 +507,7 @@ class GDNPagedBuffers(_DeltaRulePagedBuffers):
 
     u: ``[NB*bs, HV, V]`` corrected values
     k: ``[NB*bs, H, K]``  keys after l2-norm
-    g: ``[NB*bs, HV]``    log-decays (state dtype)
+    g: ``[NB*bs, HV]``    log-decays (compute dtype)
     """
 
 
@@ -518,7 +518,7 @@ class KDAPagedBuffers(_DeltaRulePagedBuffers):
 
     u: ``[NB*bs, HV, V]`` corrected values
     k: ``[NB*bs, H, K]``  keys after l2-norm
-    g: ``[NB*bs, HV, K]`` per-channel log-decays (state dtype)
+    g: ``[NB*bs, HV, K]`` per-channel log-decays (compute dtype)
     """
 
     per_channel_decay: ClassVar[bool] = True

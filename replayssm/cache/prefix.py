@@ -40,7 +40,7 @@ from .paged import NULL_BLOCK, PagedPlan
 
 @dataclass
 class Mamba2StoredEntries:
-    """The stored part of Mamba-2 ring entries: ``dt [NB*bs, H]`` (state dtype); ``x`` and
+    """The stored part of Mamba-2 ring entries: ``dt [NB*bs, H]`` (compute dtype); ``x`` and
     ``B`` are rebuilt from the conv inputs."""
 
     dt: Tensor
@@ -55,7 +55,7 @@ class PrefixPools:
 
     entries: object      # GDNPagedBuffers | Mamba2StoredEntries, [NB*bs, ...]
     preconv: Tensor      # [NB*bs, C] pre-conv inputs
-    ckpt: Tensor         # [NC, *state] checkpoint states (state dtype)
+    ckpt: Tensor         # [NC, *state] checkpoint states (the cache's ssm_state_dtype)
 
     def tensors(self) -> list[Tensor]:
         return [*self.entries.tensors(), self.preconv, self.ckpt]

@@ -12,8 +12,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 #: decode modes: ``auto`` starts a slot KV-only and switches it to a state past a threshold
 MODES = ("recurrent", "replay", "kv", "auto")
+
+#: storage dtypes of the SSM checkpoint states (``auto``: fp32, fp64 for an fp64 model)
+STATE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _check_int(name: str, v, lo: int) -> None:
@@ -33,6 +38,10 @@ class CacheSpec:
     Pools (``None``: static, ``max_seq_len`` per slot): ``kv_num_blocks`` (KV-only entries),
     ``attn_num_blocks`` (attention KV of hybrids).  Prefix store (``None``: no store):
     ``prefix_blocks`` token blocks and ``prefix_checkpoints`` state checkpoints.
+    ``ssm_state_dtype``: storage dtype of the SSM checkpoint states (slots' states and the
+    prefix store's checkpoints; :data:`STATE_DTYPES`, a name or a ``torch.dtype``): ``auto``
+    is fp32 (fp64 for an fp64 model); bf16 / fp16 halve the state bytes.  Math stays in fp32
+    (states are upcast when read, rounded once per write); ring entries keep their dtypes.
     """
 
     mode: str = "replay"
@@ -44,10 +53,12 @@ class CacheSpec:
     attn_num_blocks: int | None = None
     prefix_blocks: int | None = None
     prefix_checkpoints: int | None = None
+    ssm_state_dtype: str = "auto"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"cache mode must be one of {MODES}, got {self.mode!r}")
+        object.__setattr__(self, "ssm_state_dtype", state_dtype_name(self.ssm_state_dtype))
         for name, lo in (("buffer_size", 1), ("max_new", 1), ("max_seq_len", 1), ("block_size", 1)):
             _check_int(name, getattr(self, name), lo)
         for name, lo in (("kv_num_blocks", 1), ("attn_num_blocks", 1), ("prefix_blocks", 0),
@@ -69,6 +80,13 @@ class CacheSpec:
         if spec is None:
             return cls(**fields)
         return dataclasses.replace(spec, **fields) if fields else spec
+
+    def state_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The checkpoint states' storage dtype for a model of ``model_dtype``."""
+        dt = STATE_DTYPES[self.ssm_state_dtype]
+        if dt is None:
+            return torch.float64 if model_dtype == torch.float64 else torch.float32
+        return dt
 
     @property
     def initial_form(self) -> str:
@@ -95,3 +113,15 @@ class CacheSpec:
         pools and the prefix store reset to their defaults."""
         return dataclasses.replace(self, kv_num_blocks=None, attn_num_blocks=None, prefix_blocks=None,
                                    prefix_checkpoints=None)
+
+
+def state_dtype_name(v) -> str:
+    """``v`` (a :data:`STATE_DTYPES` name or one of its ``torch.dtype`` values) as its name;
+    anything else raises ``ValueError`` naming the choices."""
+    if isinstance(v, torch.dtype):
+        for name, dt in STATE_DTYPES.items():
+            if dt == v:
+                return name
+    elif isinstance(v, str) and v in STATE_DTYPES:
+        return v
+    raise ValueError(f"ssm_state_dtype must be one of {list(STATE_DTYPES)}, got {v!r}")

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from ..argtypes import positive_int
+from ..cache.spec import STATE_DTYPES
 from ..models import is_hub_id, load_tokenizer, read_config, resolve_model_dir
 from ..runtime import check_device
 from .config import SamplingParams, SpeculativeConfig
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="context limit in tokens (default: the model's max_position_embeddings, else "
                         f"{DEFAULT_CONTEXT})")
+    p.add_argument("--ssm-state-dtype", "--mamba-ssm-cache-dtype", dest="ssm_state_dtype", default="auto",
+                   choices=list(STATE_DTYPES),
+                   help="storage dtype of the SSM checkpoint states (auto: float32; bfloat16/float16 halve the "
+                        "state bytes, math stays float32; docs/MATH.md, State dtype)")
     p.add_argument("--buffer-size", type=positive_int, default=None,
                    help="replay ring capacity L (default: 16, or 2*(drafts+1) if larger)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -289,7 +294,8 @@ def _generate(args) -> int:
         max_seq_len = _context(args, cfg, len(prompt))
         llm = LLM(str(model_dir), device=device, dtype=args.dtype, decode_mode=args.mode,
                   buffer_size=args.buffer_size, speculative=spec, max_num_seqs=1, cuda_graphs=args.cuda_graphs,
-                  tokenizer=tok, max_seq_len=max_seq_len, tensor_parallel_size=args.tensor_parallel_size)
+                  tokenizer=tok, max_seq_len=max_seq_len, tensor_parallel_size=args.tensor_parallel_size,
+                  ssm_state_dtype=args.ssm_state_dtype)
         _clip_note(args, llm, len(prompt))
         t_load = time.perf_counter() - t0
         dt = _stream(llm, prompt, text, params, tok)

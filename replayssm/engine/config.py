@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..cache.ring import check_speculative_capacity
-from ..cache.spec import CacheSpec
+from ..cache.spec import CacheSpec, state_dtype_name
 
 DECODE_MODES = ("recurrent", "replay", "kv", "auto")
 PREEMPTION_MODES = ("swap", "off")
@@ -556,6 +556,13 @@ class EngineConfig:
     (16), raised to ``2 * verify_tokens`` when the speculation needs more (a draft tree of
     width 2 and depth 4 verifies 9 inputs per step, so its default buffer is 18).  An
     explicit ``buffer_size`` too small for the speculation is an error.
+
+    ``ssm_state_dtype``: storage dtype of the SSM checkpoint states (and of the prefix
+    store's checkpoints and a drafter's states): ``"auto"`` (the default: float32, float64
+    for a float64 model), ``"float32"``, ``"bfloat16"`` or ``"float16"`` (or the
+    ``torch.dtype``).  16-bit states halve the state bytes (more slots in the same memory,
+    fewer bytes per replay step); math stays in float32 and a state is rounded once per
+    write (docs/MATH.md, "State dtype").  Ring entries keep their dtypes.
     """
 
     decode_mode: str = "replay"
@@ -580,6 +587,7 @@ class EngineConfig:
     # "swap": admit on the prompt's blocks, grow per step, preempt (swap to host) when a pool
     # runs dry; "off": reserve every request's whole-life worst case at admission
     preemption_mode: str = "swap"
+    ssm_state_dtype: str = "auto"                    # checkpoint states: auto | float32 | bfloat16 | float16
     #: where the effective ``max_seq_len`` came from (set by the engine once it is resolved)
     max_seq_len_source: str | None = field(default=None, init=False, compare=False)
 
@@ -590,6 +598,7 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.buffer_size is not None:
             _int("buffer_size", self.buffer_size, 1)
+        self.ssm_state_dtype = state_dtype_name(self.ssm_state_dtype)
         if self.max_num_seqs is not None:
             _int("max_num_seqs", self.max_num_seqs, 1)
         if self.max_seq_len is not None:
@@ -654,4 +663,5 @@ class EngineConfig:
         if L is None:
             raise ValueError("max_seq_len is not resolved yet (None: the engine picks it from the model and memory)")
         return CacheSpec(mode=self.decode_mode, buffer_size=self.buffer_size, max_new=self.max_new,
-                         max_seq_len=L + self.max_new, block_size=self.kv_block_size)
+                         max_seq_len=L + self.max_new, block_size=self.kv_block_size,
+                         ssm_state_dtype=self.ssm_state_dtype)

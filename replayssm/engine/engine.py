@@ -61,7 +61,7 @@ class LLMEngine:
                  tensor_parallel_size: int | None = None, enable_prefix_caching: bool = False,
                  prefix_checkpoint_interval: int | None = None, prefix_cache_fraction: float = 0.25,
                  prefix_cache_blocks: int | None = None, preemption_mode: str = "swap",
-                 revision: str | None = None):
+                 revision: str | None = None, ssm_state_dtype: str = "auto"):
         self.config = ec = EngineConfig(
             decode_mode=decode_mode, buffer_size=buffer_size, max_num_seqs=max_num_seqs,
             memory_budget=memory_budget, max_seq_len=max_seq_len, kv_block_size=kv_block_size,
@@ -69,7 +69,8 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             prefix_checkpoint_interval=prefix_checkpoint_interval, prefix_cache_fraction=prefix_cache_fraction,
             prefix_cache_blocks=prefix_cache_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            pad_batches=pad_batches, tensor_parallel_size=tensor_parallel_size, preemption_mode=preemption_mode)
+            pad_batches=pad_batches, tensor_parallel_size=tensor_parallel_size, preemption_mode=preemption_mode,
+            ssm_state_dtype=ssm_state_dtype)
         # validated, as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu")
         self.device = check_device(device)
         if ec.cuda_graphs is None:   # the fast default: graphs wherever they can run

@@ -64,8 +64,9 @@ class FormLayer(Protocol):
     def rebuild_state(self, buf, plan) -> Tensor:
         """``S_h`` of each plan row from its checkpoint and committed ring entries."""
 
-    def alloc_ring(self, num_slots: int, capacity: int, dtype, device):
-        """Checkpoint states + input ring (``Mamba2Buffers`` / ``GDNBuffers``)."""
+    def alloc_ring(self, num_slots: int, capacity: int, dtype, device, state_dtype=None):
+        """Checkpoint states (in ``state_dtype``; default the compute dtype) + input ring
+        (``Mamba2Buffers`` / ``GDNBuffers``)."""
 
     def alloc_pages(self, num_blocks: int, block_size: int, dtype, device):
         """Paged KV-only pools (``Mamba2PagedBuffers`` / ``GDNPagedBuffers``)."""
@@ -98,9 +99,10 @@ class DecodeForm:
         return step(self.name, kind).op
 
     def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device,
-                 pages: tuple[int, int] | None = None) -> dict:
+                 pages: tuple[int, int] | None = None, state_dtype=None) -> dict:
         """This form's part of the layer store for ``num_slots`` slots (null slot included);
-        ``capacity`` is the ring size, ``pages`` ``(num_blocks, block_size)`` of a paged pool."""
+        ``capacity`` is the ring size, ``pages`` ``(num_blocks, block_size)`` of a paged pool,
+        ``state_dtype`` the checkpoint states' storage dtype (None: the compute dtype)."""
         raise NotImplementedError
 
     def bind(self, ctx, cache) -> None:

@@ -32,7 +32,8 @@ class KVForm(DecodeForm):
     name = "kv"
     uses_pages = True
 
-    def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None) -> dict:
+    def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None,
+                 state_dtype=None) -> dict:
         if pages is None:
             raise ValueError("the KV-only form needs a paged pool: pages=(num_blocks, block_size)")
         return {"kv": layer.alloc_pages(pages[0], pages[1], dtype, device)}

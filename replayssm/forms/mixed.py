@@ -26,8 +26,9 @@ class MixedForm(DecodeForm):
     def uses_pages(self) -> bool:
         return self.kv.uses_pages or self.state.uses_pages
 
-    def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None) -> dict:
-        return {**self.state.allocate(layer, num_slots, capacity, dtype, device, pages),
+    def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None,
+                 state_dtype=None) -> dict:
+        return {**self.state.allocate(layer, num_slots, capacity, dtype, device, pages, state_dtype),
                 **self.kv.allocate(layer, num_slots, capacity, dtype, device, pages)}
 
     def bind(self, ctx, cache) -> None:

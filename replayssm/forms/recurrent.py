@@ -17,9 +17,10 @@ from .table import KINDS
 class RecurrentForm(DecodeForm):
     name = "recurrent"
 
-    def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None) -> dict:
+    def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None,
+                 state_dtype=None) -> dict:
         # the state pool; its 1-entry ring is never read (one buffer type for every form)
-        return {"buf": layer.alloc_ring(num_slots - 1, 1, dtype, device)}
+        return {"buf": layer.alloc_ring(num_slots - 1, 1, dtype, device, state_dtype)}
 
     def prefill(self, layer, a, ctx, store) -> Tensor:
         """Packed chunked scan from each slot's state (zeros when fresh), final state written

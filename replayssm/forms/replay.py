@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..cache.tree import gather_path as gather_ring_path
+from ..runtime import compute_dtype
 from .base import DecodeForm, FormLayer
 
 
@@ -24,15 +25,17 @@ class ReplayForm(DecodeForm):
     name = "replay"
     uses_ring = True
 
-    def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None) -> dict:
-        return {"buf": layer.alloc_ring(num_slots - 1, capacity, dtype, device)}
+    def allocate(self, layer: FormLayer, num_slots: int, capacity: int, dtype, device, pages=None,
+                 state_dtype=None) -> dict:
+        return {"buf": layer.alloc_ring(num_slots - 1, capacity, dtype, device, state_dtype)}
 
     def prefill(self, layer, a, ctx, store) -> Tensor:
         """Packed chunked scan from each slot's state rebuilt from checkpoint and ring (zeros
         when fresh); the final state becomes the checkpoint (the model empties the ring)."""
         buf = store["buf"]
         init = layer.rebuild_state(buf, ctx.plan)
-        init = torch.where(ctx.fresh.view(-1, 1, 1, 1), torch.zeros_like(init), init).to(buf.state.dtype)
+        # S_h stays in the compute dtype (a bf16/fp16 checkpoint is rounded once, below)
+        init = torch.where(ctx.fresh.view(-1, 1, 1, 1), torch.zeros_like(init), init).to(compute_dtype(buf.state.dtype))
         kw = layer.entry_kwargs() if ctx.prefix_rows is not None else {}
         out = layer.op(self.op(ctx.kind), a=a, packed=True, cu_seqlens=ctx.cu_seqlens, initial_state=init,
                        chunk_size=layer.chunk_size, **kw)

@@ -46,6 +46,9 @@ def generate_main(args, model_dir: Path, default_draft: Path, err) -> int:
                    f"(set JAX_PLATFORMS), not {args.device!r}")
     if args.tensor_parallel_size != 1:
         return err("--tensor-parallel-size is a torch-backend option (the JAX backend runs on one device)")
+    if getattr(args, "ssm_state_dtype", "auto") not in ("auto", "float32"):
+        return err(f"--ssm-state-dtype is a torch-backend option (the JAX backend keeps float32 states), "
+                   f"not {args.ssm_state_dtype!r}")
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     from .generate import JaxLLM  # imports jax (an optional extra): only once it is known to be there

@@ -157,7 +157,7 @@ if HAVE_TRITON:
         mj = jj < h
         e = slot * L + (start + jj) % L
         soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
-        S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+        S0 = tl.load(state_ptr + soff, mask=m2, other=0.0).to(tl.float32)
         gj = tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32)
         qbase = (r64 * H + kh) * 2 * K
         # load order as measured: the ring keys right after the state in the form without scores
@@ -232,7 +232,7 @@ if HAVE_TRITON:
                         kc = tl.load(k_ptr + (r64 * H + kh) * K + offs_c, mask=mc, other=0.0).to(tl.float32) * rk
                     Kf = tl.where(newj[:, None], kc.to(kr_ptr.dtype.element_ty).to(tl.float32)[None, :], Kc)
                     cptr = state_ptr + ((slot * HV + hv) * K + offs_c[:, None]) * V + offs_v[None, :]
-                    S0c = tl.load(cptr, mask=mc[:, None] & mv[None, :], other=0.0)            # [BKC, BV]
+                    S0c = tl.load(cptr, mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)            # [BKC, BV]
                     Sn = tl.exp(tot1) * S0c + tl.dot(tl.trans(Kf * wf[:, None]), Uf, input_precision=PREC)
                     tl.store(cptr, Sn.to(state_ptr.dtype.element_ty), mask=mc[:, None] & mv[None, :])
 
@@ -303,7 +303,7 @@ if HAVE_TRITON:
             Uh = tl.load(ur_ptr + (e[:, None] * HV + hv) * V + offs_v[None, :], mask=mj[:, None] & mv[None, :],
                          other=0.0).to(tl.float32)
             soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
-            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0).to(tl.float32)
             Snew = tl.exp(tot) * S0 + tl.dot(tl.trans(Kh * wj[:, None]), Uh, input_precision=PREC)
             tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
@@ -389,7 +389,7 @@ if HAVE_TRITON:
         Vn, bn, anc, Gs = _draft_inputs(v_ptr, g_ptr, b_ptr, bits_ptr, tok, ss, ms, offs_v, mv, hv, HV, V, TREE)
         if not PAGED:
             soff = ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
-            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0).to(tl.float32)
         # ---- per-draft history readouts and rows of K Kᵀ, Q Kᵀ
         HK = tl.zeros([TP, BV], dtype=tl.float32)
         HQ = tl.zeros([TP, BV], dtype=tl.float32)
@@ -508,7 +508,7 @@ if HAVE_TRITON:
             SQ += tl.dot(qc, tl.trans(khc), input_precision=PREC)
             if not PAGED:
                 sptr = state_ptr + ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
-                S0 = tl.load(sptr, mask=mk[:, None] & mv[None, :], other=0.0)              # [BKC, BV]
+                S0 = tl.load(sptr, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)              # [BKC, BV]
                 HK += tl.dot(kc, S0, input_precision=PREC)
                 HQ += tl.dot(qc, S0, input_precision=PREC)
                 if FOLD:
@@ -849,8 +849,9 @@ def rebuild_state(buf, plan, block_t: int | None = None, block_v: int | None = N
                   precision: str = "ieee") -> Tensor:
     """Kernel form of :func:`replayssm.ops.gdn.naive.rebuild_state`: ``S_h`` of every row from
     its checkpoint and committed ring entries, one launch (:func:`.fold.ring_fold`); returned
-    in the state dtype."""
+    in fp32 (the compute dtype: a bf16/fp16 checkpoint is upcast, never rounded
+    here)."""
     check_rebuild_state(buf, plan)
     S = ring_fold(buf.state, buf.k, buf.u, buf.g, plan, scale=None, weighted=False, block_t=block_t,
                   block_r=block_v, num_warps=num_warps, precision=precision)
-    return S.to(buf.state.dtype)
+    return S

@@ -263,7 +263,8 @@ def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            wu_warps: int | None = None, precision: str = "ieee",
                            inv_precision: str | None = None, inv: int | None = None):
     """Kernel form of :func:`replayssm.ops.gdn.naive.chunked_prefill_varlen` (same arguments
-    and returns; states fp32).
+    and returns; states read and written in their dtype,
+    fp32/bf16/fp16, math in fp32; a returned final state is fp32).
 
     ``chunk_size`` is validated for the reference's contract; the kernels' chunk is 64
     tokens (results differ from the reference only by rounding).  Kernel-only tuning:
@@ -276,8 +277,9 @@ def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     Nt, H, HV, K, V, N, sl, fr, check = check_prefill_varlen(q, k, v, g, beta, scale, cu_seqlens, chunk_size,
                                                               initial_state, state_pool, slots, fresh, check)
     src = state_pool if state_pool is not None else initial_state
-    if src is not None and src.dtype != torch.float32:
-        raise ValueError(f"the prefill kernels keep fp32 states, got {src.dtype} (fp64 runs the reference op)")
+    if src is not None and src.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"the prefill kernels keep fp32/bf16/fp16 states (math in fp32), got {src.dtype} "
+                         f"(fp64 runs the reference op)")
     for name, t in (("q", q), ("v", v)):
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"the prefill kernels take fp16/bf16/fp32 activations, got {name} {t.dtype}")

@@ -175,7 +175,8 @@ if HAVE_TRITON:
         mj = jj < h
         e = slot * L + (start + jj) % L  # ring entry of history position j
         sbase = ((slot * H + hd) * d + offs_d[:, None]) * n
-        S0 = tl.load(state_ptr + sbase + offs_n[None, :], mask=md[:, None] & mn[None, :], other=0.0)  # [BD, BN]
+        S0 = tl.load(state_ptr + sbase + offs_n[None, :], mask=md[:, None] & mn[None, :],
+                     other=0.0).to(tl.float32)                                              # [BD, BN]
         A = tl.load(A_ptr + hd).to(tl.float32)
         dtj = tl.load(dtr_ptr + e * H + hd, mask=mj, other=0.0).to(tl.float32)
         Xh = tl.load(xr_ptr + (e[:, None] * H + hd) * d + offs_d[None, :], mask=mj[:, None] & md[None, :],
@@ -225,7 +226,8 @@ if HAVE_TRITON:
                 Bk = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_k[None, :],
                              mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [LP, BNC]
                 bk = tl.load(B_ptr + bbase + offs_k, mask=mk, other=0.0).to(tl.float32)
-                S0c = tl.load(state_ptr + sbase + offs_k[None, :], mask=md[:, None] & mk[None, :], other=0.0)
+                S0c = tl.load(state_ptr + sbase + offs_k[None, :], mask=md[:, None] & mk[None, :],
+                              other=0.0).to(tl.float32)
                 Sn = a1 * S0c + tl.dot(XW, tl.where(newj[:, None], bk[None, :], Bk), input_precision=PREC)
                 tl.store(state_ptr + sbase + offs_k[None, :], Sn.to(state_ptr.dtype.element_ty),
                          mask=md[:, None] & mk[None, :])
@@ -278,7 +280,7 @@ if HAVE_TRITON:
             Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
                          other=0.0).to(tl.float32)
             soff = ((slot * H + hd) * d + offs_d[:, None]) * n + offs_n[None, :]
-            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0)
+            S0 = tl.load(state_ptr + soff, mask=m2, other=0.0).to(tl.float32)
             Snew = tl.exp(tot) * S0 + tl.dot(tl.trans(Xh * wj[:, None]), Bh, input_precision=PREC)
             tl.store(state_ptr + soff, Snew.to(state_ptr.dtype.element_ty), mask=m2)
 
@@ -448,7 +450,8 @@ if HAVE_TRITON:
         for k0 in tl.static_range(0, BN, BNC):
             offs_k = k0 + tl.arange(0, BNC)
             mk = offs_k < n
-            S0c = tl.load(sbase + offs_k[None, :], mask=md[:, None] & mk[None, :], other=0.0)       # [BD, BNC]
+            S0c = tl.load(sbase + offs_k[None, :], mask=md[:, None] & mk[None, :],
+                          other=0.0).to(tl.float32)                                         # [BD, BNC]
             Ck = tl.load(C_ptr + tok[:, None] * CS + g * n + offs_k[None, :], mask=ms[:, None] & mk[None, :],
                          other=0.0).to(tl.float32)                                              # [TP, BNC]
             SCT += tl.dot(S0c, tl.trans(Ck), input_precision=PREC)
@@ -549,7 +552,7 @@ if HAVE_TRITON:
                 offs_k = k0 + tl.arange(0, BNC)
                 mk = offs_k < n
                 sptr = state_ptr + ((slot * H + hd) * d + offs_d[:, None]) * n + offs_k[None, :]
-                S0 = tl.load(sptr, mask=md[:, None] & mk[None, :], other=0.0)               # [BD, BNC]
+                S0 = tl.load(sptr, mask=md[:, None] & mk[None, :], other=0.0).to(tl.float32)               # [BD, BNC]
                 Ck = tl.load(C_ptr + tok[:, None] * CS + g * n + offs_k[None, :], mask=ms[:, None] & mk[None, :],
                              other=0.0).to(tl.float32)                                      # [TP, BNC]
                 if LEFT:
@@ -897,11 +900,12 @@ def rebuild_state(buf, plan, A: Tensor, block_t: int | None = None, block_d: int
                   num_warps: int | None = None, precision: str = "ieee") -> Tensor:
     """Kernel form of :func:`replayssm.ops.mamba2.naive.rebuild_state`: ``S_h`` of every row
     from its checkpoint and committed ring entries, one launch (:func:`.fold.ring_fold`);
-    returned in the state dtype."""
+    returned in fp32 (the compute dtype: a bf16/fp16 checkpoint is upcast, never rounded
+    here)."""
     check_rebuild_state(buf, plan, A)
     S = ring_fold(buf.state, buf.x, buf.B, buf.dt, plan, scale=A, weighted=True, block_t=block_t, block_r=block_d,
                   num_warps=num_warps, precision=precision)
-    return S.to(buf.state.dtype)
+    return S
 
 
 def conv_fold(preconv: Tensor, dt: Tensor, pplan, start: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,

@@ -176,7 +176,8 @@ def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
                            num_warps: int | None = None, num_stages: int | None = None,
                            precision: str = "ieee", precompute_cb: bool | None = None):
     """Kernel form of :func:`replayssm.ops.mamba2.naive.chunked_prefill_varlen` (same
-    arguments and returns; states fp32).
+    arguments and returns; states read and written in their
+    dtype, fp32/bf16/fp16, math in fp32; a returned final state is fp32).
 
     ``chunk_size`` is validated for the reference's contract; the kernel's own chunk is
     ``block_t`` (a power of two in [16, 128]; results differ from the reference only by
@@ -190,8 +191,9 @@ def chunked_prefill_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
     Nt, H, d, G, n, N, sl, fr, check = check_prefill_varlen(x, dt, A, B, C, D, cu_seqlens, chunk_size,
                                                             initial_state, state_pool, slots, fresh, check)
     src = state_pool if state_pool is not None else initial_state
-    if src is not None and src.dtype != torch.float32:
-        raise ValueError(f"the prefill kernel keeps fp32 states, got {src.dtype} (fp64 runs the reference op)")
+    if src is not None and src.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"the prefill kernel keeps fp32/bf16/fp16 states (math in fp32), got {src.dtype} "
+                         f"(fp64 runs the reference op)")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"the prefill kernel takes fp16/bf16/fp32 activations, got {x.dtype}")
     auto_t, auto_d = pick_tiles(cu_seqlens.numel() - 1, H, d, x.device)

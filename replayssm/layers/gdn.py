@@ -87,9 +87,10 @@ class GatedDeltaNet(SSMLayer):
     def rebuild_state(self, buf, plan):
         return self.ops().rebuild_state(buf, plan)
 
-    def alloc_ring(self, num_slots: int, capacity: int, dtype, device) -> GDNBuffers:
+    def alloc_ring(self, num_slots: int, capacity: int, dtype, device, state_dtype=None) -> GDNBuffers:
+        sdt = state_dtype or compute_dtype(dtype)
         return GDNBuffers.allocate(num_slots, capacity, self.H, self.HV, self.K, self.V, dtype=dtype,
-                                   state_dtype=compute_dtype(dtype), device=device)
+                                   state_dtype=sdt, decay_dtype=compute_dtype(dtype, sdt), device=device)
 
     def alloc_pages(self, num_blocks: int, block_size: int, dtype, device) -> GDNPagedBuffers:
         return GDNPagedBuffers.allocate(num_blocks, block_size, self.H, self.HV, self.K, self.V, dtype=dtype,

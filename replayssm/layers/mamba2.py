@@ -60,18 +60,20 @@ class Mamba2Mixer(SSMLayer):
         return a
 
     def rebuild_state(self, buf, plan):
-        return self.ops().rebuild_state(buf, plan, self._A(buf.state.dtype))
+        return self.ops().rebuild_state(buf, plan, self._A(compute_dtype(buf.state.dtype)))
 
-    def alloc_ring(self, num_slots: int, capacity: int, dtype, device) -> Mamba2Buffers:
+    def alloc_ring(self, num_slots: int, capacity: int, dtype, device, state_dtype=None) -> Mamba2Buffers:
+        sdt = state_dtype or compute_dtype(dtype)
         return Mamba2Buffers.allocate(num_slots, capacity, self.H, self.d, self.n, self.G, dtype=dtype,
-                                      state_dtype=compute_dtype(dtype), device=device)
+                                      state_dtype=sdt, decay_dtype=compute_dtype(dtype, sdt), device=device)
 
     def alloc_pages(self, num_blocks: int, block_size: int, dtype, device) -> Mamba2PagedBuffers:
         return Mamba2PagedBuffers.allocate(num_blocks, block_size, self.H, self.d, self.n, self.G, dtype=dtype,
                                            state_dtype=compute_dtype(dtype), device=device)
 
     def kv_to_state(self, store: dict, pplan, slots: Tensor) -> None:
-        self.ops().kv_to_state(store["kv"], pplan, store["buf"], slots, self._A(store["buf"].state.dtype))
+        buf = store["buf"]
+        self.ops().kv_to_state(store["kv"], pplan, buf, slots, self._A(compute_dtype(buf.state.dtype)))
 
     def state_shape(self) -> tuple[int, ...]:
         return (self.H, self.d, self.n)

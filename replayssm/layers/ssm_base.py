@@ -54,7 +54,7 @@ class SSMLayer(nn.Module):
     def rebuild_state(self, buf, plan) -> Tensor:
         raise NotImplementedError
 
-    def alloc_ring(self, num_slots: int, capacity: int, dtype, device):
+    def alloc_ring(self, num_slots: int, capacity: int, dtype, device, state_dtype=None):
         raise NotImplementedError
 
     def alloc_pages(self, num_blocks: int, block_size: int, dtype, device):
@@ -92,10 +92,13 @@ class SSMLayer(nn.Module):
     #: them from the conv inputs, and folds read a rebuilt copy)
     stores_entries = True
 
-    def alloc_prefix(self, num_blocks: int, block_size: int, num_checkpoints: int, dtype, device) -> PrefixPools:
+    def alloc_prefix(self, num_blocks: int, block_size: int, num_checkpoints: int, dtype, device,
+                     state_dtype=None) -> PrefixPools:
         """This layer's part of the prefix store: entries (or their stored part) and pre-conv
-        inputs of ``num_blocks`` blocks, ``num_checkpoints`` checkpoint states."""
-        state = torch.zeros((num_checkpoints,) + tuple(self.state_shape()), dtype=compute_dtype(dtype), device=device)
+        inputs of ``num_blocks`` blocks, ``num_checkpoints`` checkpoint states (in
+        ``state_dtype``, the slots' checkpoint dtype; default the compute dtype)."""
+        state = torch.zeros((num_checkpoints,) + tuple(self.state_shape()), dtype=state_dtype or compute_dtype(dtype),
+                            device=device)
         return PrefixPools(self.alloc_prefix_entries(num_blocks, block_size, dtype, device),
                            torch.zeros(num_blocks * block_size, self.conv_dim, dtype=dtype, device=device), state)
 
@@ -132,12 +135,14 @@ class SSMLayer(nn.Module):
         w, b = self._conv_weight()
         return ops_for("conv").conv_window_out(pre, w, b, self.activation, valid)
 
-    def allocate(self, P: int, capacity: int, dtype, device, paged=None, mode: str = "replay") -> dict:
+    def allocate(self, P: int, capacity: int, dtype, device, paged=None, mode: str = "replay",
+                 state_dtype=None) -> dict:
         """Per-layer cache for ``P`` slots (null slot included): the conv window plus what the
-        forms of cache ``mode`` allocate (``{"conv", "buf", "kv"?}``; see ModelCache)."""
+        forms of cache ``mode`` allocate (``{"conv", "buf", "kv"?}``; see ModelCache);
+        checkpoint states in ``state_dtype`` (default: the compute dtype of ``dtype``)."""
         store = {"conv": ConvWindow.allocate(P - 1, self.conv_dim, self.conv_kernel, dtype=dtype, device=device)}
         for name in CACHE_FORMS[mode]:
-            store.update(get_form(name).allocate(self, P, capacity, dtype, device, paged))
+            store.update(get_form(name).allocate(self, P, capacity, dtype, device, paged, state_dtype=state_dtype))
         return store
 
     def _conv_weight(self) -> tuple[Tensor, Tensor | None]:

@@ -122,6 +122,7 @@ class ModelCache:
         self.num_slots, self.mode = num_slots, mode   # mode: the form a fresh slot starts in
         self.device = canonical_device(device) if device is not None else model.device
         self.dtype = model.dtype
+        self.state_dtype = spec.state_dtype(self.dtype)   # checkpoint states (and prefix checkpoints)
         P = num_slots
         self.P = P
         self.seq_len = torch.zeros(P, dtype=torch.long, device=self.device)
@@ -148,10 +149,10 @@ class ModelCache:
         for layer in model.stateful_layers():
             if hasattr(layer, "conv_dim"):
                 pages = (self.pidx.num_blocks, bs) if self.pidx is not None else None
-                store = layer.allocate(P, cap, self.dtype, self.device, pages, mode=mode)
+                store = layer.allocate(P, cap, self.dtype, self.device, pages, mode=mode, state_dtype=self.state_dtype)
                 if self.prefix is not None:
-                    store["prefix"] = layer.alloc_prefix(self.prefix.num_blocks, bs,
-                                                         self.prefix.num_checkpoints, self.dtype, self.device)
+                    store["prefix"] = layer.alloc_prefix(self.prefix.num_blocks, bs, self.prefix.num_checkpoints,
+                                                         self.dtype, self.device, state_dtype=self.state_dtype)
             else:
                 store = layer.allocate(self.attn.num_blocks, bs, self.dtype, self.device)
             if poison:  # tests: every byte a step may not read is NaN

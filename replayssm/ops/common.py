@@ -16,7 +16,10 @@ from ..cache.tree import check_parents
 from ..runtime import compute_dtype  # noqa: F401  (the ops import it from here)
 from ..runtime import want_check as _want_check
 
-STATE_DTYPES = (torch.float32, torch.float64)
+#: checkpoint-state storage dtypes; math always runs in :func:`compute_dtype` of the state
+#: (fp32 for fp32/bf16/fp16 states, fp64 for fp64): a bf16/fp16 state is upcast when read and
+#: rounded once when written (per flush / per recurrent step), never accumulated in 16 bits
+STATE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -33,9 +36,9 @@ def shape_str(t) -> str:
 
 # ---------------------------------------------------------------------------- checks
 def check_state_dtype(state: Tensor, what: str) -> None:
-    """States are fp32 or fp64."""
+    """States are stored as fp32, fp64, bf16 or fp16 (:data:`STATE_DTYPES`)."""
     if state.dtype not in STATE_DTYPES:
-        raise ValueError(f"{what} must be float32 or float64, got {state.dtype}")
+        raise ValueError(f"{what} must be float32, float64, bfloat16 or float16, got {state.dtype}")
 
 
 def check_route(route, routes: tuple[str, ...]) -> None:

@@ -61,7 +61,8 @@ def check_state_source(initial_state, state_pool, slots, fresh, N: int, shape: t
             if not isinstance(initial_state, Tensor) or tuple(initial_state.shape) != (N,) + shape:
                 raise ValueError(f"initial_state must have shape {(N,) + shape}, got {shape_str(initial_state)}")
             if initial_state.dtype not in STATE_DTYPES:
-                raise ValueError(f"initial_state dtype must be float32 or float64, got {initial_state.dtype}")
+                raise ValueError(f"initial_state dtype must be float32, float64, bfloat16 or float16, got "
+                                 f"{initial_state.dtype}")
             if initial_state.device != device:
                 raise ValueError(f"initial_state is on {initial_state.device}, inputs on {device}")
         return None, None
@@ -71,7 +72,7 @@ def check_state_source(initial_state, state_pool, slots, fresh, N: int, shape: t
             tuple(state_pool.shape[1:]) != shape:
         raise ValueError(f"state_pool must have shape [P, {', '.join(map(str, shape))}], got {shape_str(state_pool)}")
     if state_pool.dtype not in STATE_DTYPES:
-        raise ValueError(f"state_pool dtype must be float32 or float64, got {state_pool.dtype}")
+        raise ValueError(f"state_pool dtype must be float32, float64, bfloat16 or float16, got {state_pool.dtype}")
     if state_pool.device != device:
         raise ValueError(f"state_pool is on {state_pool.device}, inputs on {device}")
     return check_slots(state_pool, slots, fresh, N, device, check)

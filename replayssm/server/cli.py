@@ -25,6 +25,7 @@ import sys
 import torch
 
 from ..argtypes import byte_count, port, positive_int
+from ..cache.spec import STATE_DTYPES
 from ..engine.config import SpeculativeConfig
 from ..engine.llm import LLM
 from ..models import is_hub_id, resolve_model_dir
@@ -39,6 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode form (default: replay)")
     g.add_argument("--buffer-size", type=int, default=None,
                    help="replay ring capacity L (default: 16, or 2*(verify tokens) if larger)")
+    g.add_argument("--ssm-state-dtype", "--mamba-ssm-cache-dtype", dest="ssm_state_dtype", default="auto",
+                   choices=list(STATE_DTYPES),
+                   help="storage dtype of the SSM checkpoint states (auto: float32; bfloat16/float16 halve the "
+                        "state bytes, math stays float32; docs/MATH.md, State dtype)")
     g.add_argument("--speculative", default=None, choices=["ngram", "draft", "tree", "mtp"],
                    help="speculative method (mtp: the checkpoint's own MTP head)")
     g.add_argument("--draft-model", default=None, help="draft model directory (draft / tree)")
@@ -161,7 +166,7 @@ def build_engine(model_dir: str, args):
                gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=args.enable_prefix_caching,
                prefix_checkpoint_interval=args.prefix_checkpoint_interval,
-               prefix_cache_fraction=args.prefix_cache_fraction)
+               prefix_cache_fraction=args.prefix_cache_fraction, ssm_state_dtype=args.ssm_state_dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,8 +310,8 @@ def _bytes(n) -> str:
 
 
 def startup_summary(engine, name: str, model_dir: str, warm_up_s: float | None = None) -> str:
-    """One line: what the server built (model, dtype, device, decode mode, speculation, slots,
-    context, memory plan, CUDA graphs)."""
+    """One line: what the server built (model, dtype, device, decode mode, speculation, SSM
+    state dtype, slots, context, memory plan, CUDA graphs)."""
     from .. import __version__
 
     cfg = getattr(engine, "config", None)
@@ -319,6 +324,9 @@ def startup_summary(engine, name: str, model_dir: str, warm_up_s: float | None =
     parts = [f"model {name!r} ({model_dir})", f"dtype {str(getattr(engine, 'dtype', '?')).replace('torch.', '')}",
              f"device {getattr(engine, 'device', '?')}", f"decode mode {getattr(cfg, 'decode_mode', '?')}",
              f"speculation {speculation}"]
+    cache = getattr(engine, "cache", None)
+    if getattr(cache, "state_dtype", None) is not None:
+        parts.append(f"SSM states {str(cache.state_dtype).replace('torch.', '')}")
     if plan is not None:
         mem = plan.memory
         limit = getattr(getattr(engine, "scheduler", None), "token_limit", plan.spec.max_seq_len)

@@ -742,7 +742,7 @@ def _bad_calls(sim: Sim):
     par = torch.tensor([-1, 0])
     bad_hist = StepPlan(pv.slot, pv.start, torch.tensor([5, 1]), torch.tensor([False, False]), 2, "verify", 6)
     dup = ring.plan_decode(torch.tensor([slots[0], slots[0]]))
-    buf_f16 = Mamba2Buffers(buf.state.half(), buf.x, buf.B, buf.dt)
+    buf_int = Mamba2Buffers(buf.state.int(), buf.x, buf.B, buf.dt)   # bf16 / fp16 states are valid
     return [
         ("decode: verify plan", lambda: m2.replay_decode(buf, pv, x1, dt1, A, B1, C1, D)),
         ("decode: bad route", lambda: m2.replay_decode(buf, pd, x1, dt1, A, B1, C1, D, route="both")),
@@ -758,7 +758,7 @@ def _bad_calls(sim: Sim):
         ("decode: D shape", lambda: m2.replay_decode(buf, pd, x1, dt1, A, B1, C1, D[:3])),
         ("decode: A shape", lambda: m2.replay_decode(buf, pd, x1, dt1, A[None], B1, C1, D)),
         ("decode: batch mismatch", lambda: m2.replay_decode(buf, pd, x1[:1], dt1[:1], A, B1[:1], C1[:1], D)),
-        ("decode: state fp16", lambda: m2.replay_decode(buf_f16, pd, x1, dt1, A, B1, C1, D)),
+        ("decode: state int32", lambda: m2.replay_decode(buf_int, pd, x1, dt1, A, B1, C1, D)),
         ("decode: duplicate slot", lambda: m2.replay_decode(buf, dup, x1, dt1, A, B1, C1, D)),
         ("decode: int x", lambda: m2.replay_decode(buf, pd, x1.long(), dt1, A, B1, C1, D)),
         ("verify: tree plan", lambda: m2.replay_verify(buf, pt, x, dt, A, B, C, D)),

@@ -18,7 +18,8 @@ Every form below computes the same numbers as :func:`recurrent_scan` up to round
   paged blocks a row holds (linear in the held context, see the KV-only section).
 
 Decays are always ``exp`` of segment sums of log-decays (never ratios of cumulative
-products).  Math runs in the state dtype (at least fp32); ``y`` is returned in ``v``'s
+products).  Math runs in the state's compute dtype (fp32; fp64 for fp64 states: a bf16 /
+fp16 state is upcast when read and rounded once when written); ``y`` is returned in ``v``'s
 dtype.  Ring entries past a row's valid length may be NaN: they are masked with
 ``torch.where``.  Bad input raises ``ValueError`` before any cache tensor is written.
 """
@@ -236,7 +237,7 @@ def recurrent_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     if not isinstance(state, Tensor) or tuple(state.shape) != (Bt, HV, K, V):
         raise ValueError(f"state must have shape {(Bt, HV, K, V)}, got {shape_str(state)}")
     check_state_dtype(state, "state dtype")
-    cdt = state.dtype
+    cdt = compute_dtype(state.dtype)
     qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
     y, St = _step(state.to(cdt), qn, kn, v.to(cdt), g.to(cdt), beta.to(cdt))
     return y.to(v.dtype), St.to(state.dtype)
@@ -290,10 +291,10 @@ def recurrent_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
     q/k ``[Bt,T,H,K]``, v ``[Bt,T,HV,V]``, g/beta ``[Bt,T,HV]``, initial_state
     ``[Bt,HV,K,V]`` (zeros if None).  Returns ``(y [Bt,T,HV,V], final_state [Bt,HV,K,V])``;
-    math in the initial state's dtype (fp64 if any input is fp64 when there is none).
+    math in the initial state's compute dtype (fp64 if any input is fp64 when there is none).
     """
     dims = _check_inputs(q, k, v, g, beta, True, scale)
-    cdt = initial_state.dtype if isinstance(initial_state, Tensor) else compute_dtype(
+    cdt = compute_dtype(initial_state.dtype) if isinstance(initial_state, Tensor) else compute_dtype(
         q.dtype, v.dtype, g.dtype, beta.dtype)
     St = _initial(initial_state, dims, cdt, q.device)
     out_dtype = v.dtype
@@ -322,7 +323,7 @@ def chunked_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     Bt, T, H, HV, K, V = dims
-    cdt = initial_state.dtype if isinstance(initial_state, Tensor) else compute_dtype(
+    cdt = compute_dtype(initial_state.dtype) if isinstance(initial_state, Tensor) else compute_dtype(
         q.dtype, v.dtype, g.dtype, beta.dtype)
     St = _initial(initial_state, dims, cdt, q.device)
     out_dtype = v.dtype
@@ -353,9 +354,10 @@ def check_rebuild_state(buf, plan) -> None:
 
 def rebuild_state(buf: GDNBuffers, plan: StepPlan) -> Tensor:
     """``S_h = e^{pre_h} S0 + Σ_{j<h} e^{pre_h−pre_j} k_j ⊗ u_j`` per row ``[Bt,HV,K,V]``
-    (the first step of GDN replay), in the state dtype.  Reads only; any plan kind."""
+    (the first step of GDN replay), in the compute dtype (a 16-bit checkpoint is not rounded
+    here).  Reads only; any plan kind."""
     check_rebuild_state(buf, plan)
-    return _readouts(buf, plan, buf.state.dtype, None, "state")[1]
+    return _readouts(buf, plan, compute_dtype(buf.state.dtype), None, "state")[1]
 
 
 def _readouts(buf, plan, cdt, x: Tensor, route: str):
@@ -393,7 +395,7 @@ def replay_decode(buf: GDNBuffers, plan: StepPlan, q: Tensor, k: Tensor, v: Tens
     check = want_check(check, q)
     _check_buffers(buf, plan, "decode", dims, q.device, check)
     Bt, _, H, HV, K, V = dims
-    cdt = buf.state.dtype
+    cdt = compute_dtype(buf.state.dtype)
     qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
     vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
     r, Sh = _readouts(buf, plan, cdt, torch.stack([kn, qn], 1), route)
@@ -427,7 +429,7 @@ def _draft_verify(buf, plan, par, q, k, v, g, beta, scale, use_qk_l2norm, route,
     """Shared body of :func:`replay_verify` / :func:`tree_verify` (inputs validated;
     ``par`` None for a chain of drafts)."""
     Bt, T = dims[:2]
-    cdt = buf.state.dtype
+    cdt = compute_dtype(buf.state.dtype)
     qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
     vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
     M, G = _draft_mask(par, gc, Bt, T, q.device)
@@ -500,7 +502,7 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
     if state.device != q.device:
         raise ValueError(f"state is on {state.device}, inputs on {q.device}")
     sl = check_slot(slot, state.shape[0], Bt, q.device, want_check(check, q))
-    cdt = state.dtype
+    cdt = compute_dtype(state.dtype)
     St = state[sl].to(cdt)
     qn, kn = _prep_qk(q, k, cdt, scale, use_qk_l2norm)
     vc, gc, bc = v.to(cdt), g.to(cdt), beta.to(cdt)
@@ -509,7 +511,7 @@ def snapshot_verify(state: Tensor, slot: Tensor, q: Tensor, k: Tensor, v: Tensor
         y, St = _step(St, qn[:, t], kn[:, t], vc[:, t], gc[:, t], bc[:, t])
         ys.append(y)
         snaps.append(St)
-    return torch.stack(ys, 1).to(v.dtype), torch.stack(snaps, 1)
+    return torch.stack(ys, 1).to(v.dtype), torch.stack(snaps, 1).to(state.dtype)
 
 
 def snapshot_commit(state: Tensor, slot: Tensor, snapshots: Tensor, accepted: Tensor,
@@ -766,7 +768,7 @@ def kv_to_state(kv, pplan, buf: GDNBuffers, slot: Tensor, check: bool | None = N
     sl = check_slot(slot, P, Bt, buf.state.device, check)
     if check and Bt and bool((pplan.length < 0).any()):
         raise ValueError("negative KV lengths in the paged plan")
-    S = _kv_fold(kv, pplan, buf.state.dtype)
+    S = _kv_fold(kv, pplan, compute_dtype(buf.state.dtype))
     buf.state[sl] = S.to(buf.state.dtype)
 
 

@@ -26,8 +26,9 @@ replay output of a query ``t`` is
     y_t = e^{pre_t} (S0 C_t) + Σ_{j ≤ t} Δ_j e^{pre_t − pre_j} (B_j·C_t) x_j + D·x_t,
 
 where the exponent ``pre_t − pre_j`` is formed as the *segment sum* of the log-decays
-after ``j`` (never a ratio of cumulative products).  Math runs in the state dtype
-(fp32 or fp64; activations may be bf16/fp16 and are upcast); ``y`` is returned in
+after ``j`` (never a ratio of cumulative products).  Math runs in the state's compute dtype
+(fp32, fp64 for fp64 states; bf16/fp16 states and activations are upcast, and a 16-bit state
+is rounded once per write); ``y`` is returned in
 ``x``'s dtype.  Ring entries past a row's valid length may hold anything (NaN in tests):
 they are masked with ``torch.where``.  Bad input raises ``ValueError`` before any cache
 tensor is written.  ``check`` (default: on for CPU tensors) enables host-side value
@@ -309,11 +310,11 @@ def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C
     if state.device != x.device:
         raise ValueError(f"state is on {state.device}, inputs on {x.device}")
     _check_params(A, D, dt, H, x.device, want_check(check, x))
-    cdt = state.dtype
+    cdt = compute_dtype(state.dtype)
     xc = x.to(cdt)
-    y, S = _step(state, xc, dt.to(cdt), A.to(cdt), B.to(cdt), C.to(cdt),
+    y, S = _step(state.to(cdt), xc, dt.to(cdt), A.to(cdt), B.to(cdt), C.to(cdt),
                  _group_index(H, G, x.device))
-    return _skip(y, D, xc).to(x.dtype), S
+    return _skip(y, D, xc).to(x.dtype), S.to(state.dtype)
 
 
 
@@ -343,7 +344,7 @@ def _initial(initial_state, dims, cdt, device) -> Tensor:
 
 def _scan_dtype(initial_state, x, dt):
     if isinstance(initial_state, Tensor) and initial_state.dtype in STATE_DTYPES:
-        return initial_state.dtype
+        return compute_dtype(initial_state.dtype)
     return compute_dtype(x.dtype, dt.dtype)
 
 
@@ -353,7 +354,7 @@ def recurrent_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Te
     """Ground truth: a loop of :func:`recurrent_step` over T tokens.
 
     x ``[Bt,T,H,d]``, dt ``[Bt,T,H]``, A ``[H]``, B/C ``[Bt,T,G,n]``, D ``[H]`` or None,
-    initial_state ``[Bt,H,d,n]`` (zeros if None).  Math in the initial state's dtype
+    initial_state ``[Bt,H,d,n]`` (zeros if None).  Math in the initial state's compute dtype
     (without one: fp64 if x or dt is fp64, else fp32).
     Returns ``(y [Bt,T,H,d] in x.dtype, final_state [Bt,H,d,n])``.
     """
@@ -443,11 +444,11 @@ def check_rebuild_state(buf, plan, A) -> None:
 
 def rebuild_state(buf: Mamba2Buffers, plan: StepPlan, A: Tensor) -> Tensor:
     """``S_h = e^{pre_h} S0 + Σ_{j<h} Δ_j e^{pre_h−pre_j} x_j B_jᵀ`` per row ``[Bt,H,d,n]``
-    from each row's checkpoint and committed ring entries (state dtype).  Reads only;
+    from each row's checkpoint and committed ring entries (compute dtype).  Reads only;
     any plan kind (``ring.plan_decode(slots)`` is a side-effect-free way to get one)."""
     check_rebuild_state(buf, plan, A)
     H, G = buf.state.shape[1], buf.B.shape[2]
-    cdt = buf.state.dtype
+    cdt = compute_dtype(buf.state.dtype)
     xs, Bs, dts, logs, valid = _history(buf, plan, A, cdt)
     return _build_state(buf.state[plan.slot].to(cdt), xs, Bs, dts, logs, valid,
                         _group_index(H, G, buf.state.device))
@@ -472,7 +473,7 @@ def replay_decode(buf: Mamba2Buffers, plan: StepPlan, x: Tensor, dt: Tensor, A: 
     """
     dims, check = _check_replay(buf, plan, "decode", x, dt, A, B, C, D, route, check)
     Bt, _, H, d, G, n = dims
-    cdt = buf.state.dtype
+    cdt = compute_dtype(buf.state.dtype)
     gidx = _group_index(H, G, x.device)
     hx, hB, hd, hl, valid = _history(buf, plan, A, cdt)
     nx, nB, nd, nl = _new_entries(x[:, None], dt[:, None], B[:, None], A, cdt)
@@ -498,7 +499,7 @@ def _draft_verify(buf, plan, mask, x, dt, A, B, C, D, route, dims):
     mask ``[Bt,T,T]``: draft s reads draft s' iff ``mask[s, s']`` (causal or ancestor-or-self).
     """
     Bt, T, H, d, G, n = dims
-    cdt = buf.state.dtype
+    cdt = compute_dtype(buf.state.dtype)
     gidx = _group_index(H, G, x.device)
     hx, hB, hd, hl, valid = _history(buf, plan, A, cdt)
     nx, nB, nd, nl = _new_entries(x, dt, B, A, cdt)
@@ -578,7 +579,7 @@ def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tenso
     check = want_check(check, x)
     _check_params(A, D, dt, H, x.device, check)
     sl = _check_slot(slot, state.shape[0], Bt, x.device, check)
-    cdt = state.dtype
+    cdt = compute_dtype(state.dtype)
     gidx = _group_index(H, G, x.device)
     S = state[sl].to(cdt)
     xc, dc, Ac, Bc, Cc = x.to(cdt), dt.to(cdt), A.to(cdt), B.to(cdt), C.to(cdt)
@@ -590,7 +591,7 @@ def snapshot_verify(state: Tensor, slot: Tensor, x: Tensor, dt: Tensor, A: Tenso
     if T == 0:
         return x.new_zeros(x.shape), state.new_zeros((Bt, 0, H, d, n))
     y = _skip(torch.stack(ys, 1), D, xc)
-    return y.to(x.dtype), torch.stack(snaps, 1)
+    return y.to(x.dtype), torch.stack(snaps, 1).to(state.dtype)
 
 
 def snapshot_commit(state: Tensor, slot: Tensor, snapshots: Tensor, accepted: Tensor,
@@ -941,7 +942,7 @@ def kv_to_state(kv, pplan, buf: Mamba2Buffers, slot: Tensor, A: Tensor,
     sl = _check_slot(slot, P, Bt, device, check)
     if check and Bt and bool((pplan.length < 0).any()):
         raise ValueError(f"negative KV lengths in the paged plan: {pplan.length.tolist()}")
-    S = _kv_fold(kv, pplan, A, _group_index(H, G, device), buf.state.dtype)
+    S = _kv_fold(kv, pplan, A, _group_index(H, G, device), compute_dtype(buf.state.dtype))
     buf.state[sl] = S.to(buf.state.dtype)
 
 
