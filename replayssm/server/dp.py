@@ -177,15 +177,16 @@ class RemoteEngine:
         child.close()
         self.conn, self.fatal, self.occ = parent, None, {}
 
-    def wait_ready(self, timeout: float) -> dict:
-        """Block until the replica reports ready; raises :class:`ReplicaDied` if it fails or
-        does not start within ``timeout`` seconds."""
+    def wait_ready(self, timeout: float, cancelled=lambda: False) -> dict:
+        """Block until the replica reports ready; raises :class:`ReplicaDied` if it fails, does
+        not start within ``timeout`` seconds or ``cancelled()`` turns true meanwhile."""
         t_end = time.monotonic() + timeout
         while True:
             left = t_end - time.monotonic()
-            if left <= 0:
+            if left <= 0 or cancelled():
                 self.kill()
-                raise ReplicaDied(f"replica {self.spec.index} did not start within {timeout:.0f} s")
+                raise ReplicaDied(f"replica {self.spec.index} did not start within {timeout:.0f} s"
+                                  if left <= 0 else f"replica {self.spec.index}: start cancelled (shutting down)")
             ready = connection.wait([self.conn, self.proc.sentinel], min(left, 1.0))
             if self.conn in ready:
                 try:
@@ -239,16 +240,22 @@ class RemoteEngine:
     def recover(self) -> None:   # the replica recovers itself (or exits)
         pass
 
-    def stop(self, timeout: float) -> None:
-        if self.proc is None:
-            return
-        if self.proc.is_alive():
+    def request_stop(self) -> None:
+        """Ask the replica to stop (it closes its engine and exits); see :meth:`wait_stopped`."""
+        if self.proc is not None and self.proc.is_alive():
             try:
                 self.conn.send(("stop",))
             except (OSError, ValueError):
                 pass
+
+    def wait_stopped(self, timeout: float) -> None:
+        if self.proc is not None:
             self.proc.join(timeout)
         self.kill()
+
+    def stop(self, timeout: float) -> None:
+        self.request_stop()
+        self.wait_stopped(timeout)
 
     def kill(self) -> None:
         """SIGKILL (a replica ignores SIGTERM; its tensor-parallel workers exit when it is gone)."""
@@ -302,6 +309,7 @@ class ReplicaClient(AsyncEngine):
             except Exception as e:  # never let bookkeeping kill the thread
                 log.exception("replica %d: message handling failed", self.index)
                 self.last_error = f"{type(e).__name__}: {e}"
+            died = died or remote.fatal is not None   # it said why and is exiting: no need to wait
             if died and not self._stop:
                 self._replica_died()
 
@@ -354,7 +362,8 @@ class ReplicaClient(AsyncEngine):
     # -- failure and restart -------------------------------------------------------------------
     def _replica_died(self) -> None:
         remote: RemoteEngine = self.engine
-        remote.proc.join(2)
+        if remote.fatal is None:   # dead already: its exit status
+            remote.proc.join(2)
         why = f"failed: {remote.fatal}" if remote.fatal else remote.exit_text()
         msg = f"engine replica {self.index} (pid {remote.proc.pid}) {why}"
         self.state = "restarting"
@@ -367,6 +376,7 @@ class ReplicaClient(AsyncEngine):
         for rid in rids:
             self._end(rid, f"{msg}; the request was running there and has ended")
         self._assembler.clear()
+        remote.proc.join(5)   # a failed replica closes its engine (its workers) and exits 1
         remote.kill()
         self.pool.router_forget(self.index)
         if self.pool.stopping or self.pool.draining:
@@ -384,7 +394,7 @@ class ReplicaClient(AsyncEngine):
                     self.pool.config.max_restarts)
         try:
             remote.spawn()
-            info = remote.wait_ready(self.pool.config.start_timeout_s)
+            info = remote.wait_ready(self.pool.config.start_timeout_s, lambda: self.pool.stopping or self._stop)
         except ReplicaDied as e:
             self.state = "failed"
             log.error("%s; the server runs degraded", e)
@@ -512,14 +522,24 @@ class DataParallelPool:
             c.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop every replica (idempotent)."""
+        """Stop every replica, all at once (idempotent): the client threads first (so that
+        nothing else writes to the pipes), then the processes."""
         self.stopping = True
-        for c in self.clients:
-            if c.state != "stopped":
-                c.shutdown(timeout)
-        if not self.clients:
-            for r in self._remotes:
-                r.stop(timeout)
+        live = [c for c in self.clients if c.state != "stopped"]
+        for c in live:
+            c._stop = True
+            c._wake.set()
+        for c in live:
+            if c._thread is not None:
+                c._thread.join(timeout)
+        remotes = [c.engine for c in live] if self.clients else self._remotes
+        for r in remotes:
+            r.request_stop()
+        for r in remotes:
+            r.wait_stopped(timeout)
+        for c in live:
+            c.state = "stopped"
+            c._wake.close()
         _LIVE.discard(self)
 
     # -- the engine-loop interface -------------------------------------------------------------

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from server_helpers import MODEL as MODEL_DIR
 from server_helpers import Server
 
 from replayssm import SamplingParams
@@ -230,3 +231,52 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """Children of ``pid`` started by multiprocessing's spawn (not its resource tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(x) for x in f.read().split()]
+    out = []
+    for k in kids:
+        with open(f"/proc/{k}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                out.append(k)
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads children from /proc")
+def test_tensor_parallel_replicas_and_a_lost_worker(offline):
+    """DP=2 x TP=2 (four engine processes on gloo): greedy output is one engine's; killing a
+    TP worker of the replica serving a stream ends that stream with the WorkerFailed reason
+    within seconds and the replica restarts while the other one serves."""
+    s = Server(MODEL_DIR, "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--max-num-seqs", "2",
+               "--max-seq-len", "256", "--log-stats-interval", "0")
+    try:
+        s.wait(240)
+        c = client(s)
+        with ThreadPoolExecutor(2) as ex:
+            got = list(ex.map(lambda p: c.completions.create(model="tiny-mamba2", prompt=p, max_tokens=MAX,
+                                                             temperature=0).choices[0].text, PROMPTS[:4]))
+        assert got == [o.text for o in offline.generate(PROMPTS[:4], SamplingParams(max_tokens=MAX))]
+        pids = replica_pids(s)
+        stream = iter(c.completions.create(model="tiny-mamba2", prompt=[5] * 20, max_tokens=200, temperature=0,
+                                           stream=True))
+        next(stream)
+        victim = next(x["replica"] for x in health(s)[1]["replicas"] if x["in_flight"])
+        (worker,) = _spawned_children(pids[victim])
+        os.kill(worker, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError, match=rf"engine replica {victim} \(pid {pids[victim]}\) failed: .*"
+                                                  rf"WorkerFailed: rank 1 \(pid {worker}\) exited with code -9"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 30
+        assert health(s)[1]["replicas"][victim]["state"] == "restarting"
+        r = c.completions.create(model="tiny-mamba2", prompt=PROMPTS[0], max_tokens=MAX, temperature=0)
+        assert r.choices[0].text == got[0]   # the other replica
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)   # while the replica restarts: the start is cancelled
+        assert s.proc.wait(30) == 0 and time.monotonic() - t0 < 15
+    finally:
+        s.stop()
