@@ -331,6 +331,8 @@ class ReplicaClient(AsyncEngine):
             if dt > self.slow_step_s:
                 log.warning("replica %d: slow engine step: %.2f s; %d outputs, %s running, %s waiting", self.index,
                             dt, len(entries), occ.get("running", "?"), occ.get("waiting", "?"))
+        elif kind == "idle":
+            self.engine.occ, self.engine.preemptions = msg[1], msg[2]
         elif kind == "refused":
             self._end(msg[1], msg[2])
         elif kind == "failed":

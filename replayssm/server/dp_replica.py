@@ -15,6 +15,7 @@ Messages to the API process::
         entries:  (request_id, index, new token ids, text start, text piece, new logprobs,
                    finish_reason, error, finish extras or None)  -- text = old[:start] + piece
         admitted: (request_id, seconds it waited in the engine's queue)
+    ("idle", occupancy, preemptions)     nothing left to run after the commands (e.g. aborts)
     ("refused", request_id, message)     add_request raised (the request never ran)
     ("failed", message)                  a step raised; the engine recovered, its requests ended
     ("fatal", message)                   the engine cannot go on (e.g. a tensor-parallel worker
@@ -157,6 +158,10 @@ class StepAssembler:
         return len(self._so_far)
 
 
+def _preemptions(engine) -> int:
+    return int((getattr(engine, "stats", None) or {}).get("preemptions", 0))
+
+
 def _describe(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
@@ -225,6 +230,10 @@ def _serve(engine, conn, log) -> int:
         except (EOFError, OSError):   # the API process is gone
             return 0
         if not engine.has_unfinished():
+            try:   # idle now (aborts): the occupancy the API process shows must say so
+                conn.send(("idle", engine.occupancy(), _preemptions(engine)))
+            except OSError:
+                return 0
             continue
         t0 = time.perf_counter()
         try:
@@ -260,8 +269,7 @@ def _serve(engine, conn, log) -> int:
             if all(m.is_finished for m in seq.group):
                 del live[rid]
         entries = [deltas.entry(o) for o in outs]
-        preempted = int((getattr(engine, "stats", None) or {}).get("preemptions", 0))
         try:
-            conn.send(("step", dt, entries, admitted, engine.occupancy(), preempted))
+            conn.send(("step", dt, entries, admitted, engine.occupancy(), _preemptions(engine)))
         except OSError:
             return 0

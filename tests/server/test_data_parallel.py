@@ -144,6 +144,27 @@ def test_chat_and_tokenizer_routes(dp_server, offline):
         bad.completions.create(model=NAME, prompt="x " * 600, max_tokens=4)
 
 
+def test_a_client_that_leaves_is_aborted_on_its_replica(dp_server):
+    """Closing a stream cancels the request on the replica holding it: its slot frees long
+    before the 300 tokens it asked for."""
+    c = client(dp_server)
+    with c.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=300, temperature=0, stream=True) as stream:
+        it = iter(stream)
+        next(it)
+        next(it)
+        reps = health(dp_server)[1]["replicas"]
+        assert sum(x["in_flight"] for x in reps) == 1
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:
+        if health(dp_server)[1]["in_flight"] == 0 and sum(per_replica(dp_server, "running").values()) == 0:
+            break
+        time.sleep(0.05)
+    assert health(dp_server)[1]["in_flight"] == 0
+    assert sum(per_replica(dp_server, "running").values()) == 0
+    aborted = dp_server.metrics()['replayssm:request_success_total{finished_reason="abort",model_name="tiny-chat"}']
+    assert aborted >= 1
+
+
 def test_bad_data_parallel_flags_are_refused_before_any_replica_starts(capsys):
     from replayssm.server import cli as serve_cli
 
