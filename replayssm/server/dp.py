@@ -277,6 +277,30 @@ class ReplicaClient(AsyncEngine):
         self.state = "up"            # up / restarting / failed (no restarts left) / stopped
         self.restarts = 0
         self._assembler = StepAssembler()
+        self._held: Optional[list] = None   # while a step message is delivered: (stream, item) to hand over
+        self._tokens_counter = None if metrics is None else metrics.r_tokens.labels(metrics.model_name,
+                                                                                     str(self.index))
+
+    def submit(self, requests: list[tuple], loop: asyncio.AbstractEventLoop | None = None):
+        stream = super().submit(requests, loop)
+        stream.put = lambda item, s=stream: self._put(s, item)   # batched per step (below)
+        return stream
+
+    def _put(self, stream, item) -> None:
+        """A stream's item: held while a step message is delivered (one wake-up of the event
+        loop per step, not one per request), else handed over at once."""
+        if self._held is not None:
+            self._held.append((stream, item))
+        else:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _release(self) -> None:
+        held, self._held = self._held, None
+        by_loop: dict = {}
+        for stream, item in held or ():
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_hand_over, items)
 
     # -- the thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -322,10 +346,14 @@ class ReplicaClient(AsyncEngine):
             if self.metrics is not None:
                 for _, secs in admitted:
                     self.metrics.on_queued(secs)
-            for e in entries:
-                out = self._rebuild(e)
-                if out is not None:
-                    self._deliver(out)
+            self._held = []
+            try:
+                for e in entries:
+                    out = self._rebuild(e)
+                    if out is not None:
+                        self._deliver(out)
+            finally:
+                self._release()
             if self.metrics is not None:
                 self.metrics.on_step(self.pool.view, entries, dt, self.pool)
             if dt > self.slow_step_s:
@@ -350,8 +378,8 @@ class ReplicaClient(AsyncEngine):
         if stream is None:   # ended here meanwhile (aborted, refused)
             self._assembler.forget(rid, e[1] + 1)
             return None
-        if self.metrics is not None and len(e[2]):
-            self.metrics.r_tokens.labels(self.metrics.model_name, str(self.index)).inc(len(e[2]))
+        if self._tokens_counter is not None and len(e[2]):
+            self._tokens_counter.inc(len(e[2]))
         return self._assembler.add(e, stream.prompts.get(rid, []))
 
     def _end(self, rid, error, aborted: bool = False) -> None:
@@ -413,6 +441,12 @@ class ReplicaClient(AsyncEngine):
         self.engine.stop(timeout)
         self.state = "stopped"
         self._wake.close()
+
+
+def _hand_over(held: list) -> None:
+    """On the event loop: put one step's items into their streams' queues, in order."""
+    for stream, item in held:
+        stream.queue.put_nowait(item)
 
 
 _LIVE: "weakref.WeakSet[DataParallelPool]" = weakref.WeakSet()
