@@ -453,10 +453,12 @@ def _serve_data_parallel(args, sock, family, log) -> int:
     from ..models.loader import load_tokenizer
     from .app import build_app
     from .dp import DataParallelConfig, DataParallelPool, ReplicaDied
+    from .dp_router import RouterConfig
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     try:
-        cfg = DataParallelConfig(args.data_parallel_size, max_restarts=args.data_parallel_max_restarts)
+        cfg = DataParallelConfig(args.data_parallel_size, max_restarts=args.data_parallel_max_restarts,
+                                 router=RouterConfig(block_tokens=args.kv_block_size))
         warm = args.warm_up == "on" or (args.warm_up == "auto" and (args.device or (
             "cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"))
         pool = DataParallelPool(args.model, args, cfg, name, args.max_queue, warm_up=warm, log_level=args.log_level)

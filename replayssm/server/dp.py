@@ -519,6 +519,7 @@ class DataParallelPool:
         for i in range(config.size):
             a = copy.copy(args)
             a.device = replica_device(i, tp, args.device, cuda)
+            a.seed = int(getattr(args, "seed", 0) or 0) + i   # unseeded sampling differs between replicas
             self._remotes.append(RemoteEngine(ReplicaSpec(i, model_dir, a, warm_up, log_level), ctx))
         if cuda and self._remotes[0].spec.args.device != "cpu":
             need = config.size * tp

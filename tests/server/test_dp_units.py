@@ -172,3 +172,13 @@ def test_step_deltas_forget_an_aborted_request():
     assert send._sent == {} and len(recv) == 0
     again = recv.add(send.entry(_out("a", 0, [4, 5], "uv")), [])   # a new request of the same id starts over
     assert again.token_ids == [4, 5] and again.text == "uv"
+
+
+def test_bench_serve_passes_the_data_parallel_flags_to_its_servers():
+    from replayssm.bench.serve import build_parser, engine_flags
+
+    args = build_parser().parse_args(["--data-parallel-size", "2", "--data-parallel-max-restarts", "0"])
+    flags = engine_flags(args, "replay", False)
+    assert flags[flags.index("--data-parallel-size") + 1] == "2"
+    assert flags[flags.index("--data-parallel-max-restarts") + 1] == "0"
+    assert "--data-parallel-size" not in engine_flags(build_parser().parse_args([]), "replay", False)
