@@ -130,12 +130,9 @@ def speculative_from_json(text: str) -> SpeculativeConfig:
     return SpeculativeConfig(ours, **kw)
 
 
-def build_engine(model_dir: str, args):
-    """An ``LLM`` from :func:`add_engine_args` flags."""
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+def speculative_from_args(args) -> SpeculativeConfig | None:
+    """The :class:`SpeculativeConfig` of the speculation flags (``ValueError`` when they
+    contradict each other): checked before any model loads."""
     spec = None
     if getattr(args, "speculative_config", None):
         if args.speculative:
@@ -151,6 +148,16 @@ def build_engine(model_dir: str, args):
                                  tree_width=args.tree_width, tree_depth=args.tree_depth,
                                  prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
                                  disable_by_batch_size=args.speculative_disable_by_batch_size)
+    return spec
+
+
+def build_engine(model_dir: str, args):
+    """An ``LLM`` from :func:`add_engine_args` flags."""
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    spec = speculative_from_args(args)
     return LLM(model_dir, device=device, dtype=dtype, decode_mode=args.mode, buffer_size=args.buffer_size,
                speculative=spec, tensor_parallel_size=args.tensor_parallel_size,
                max_num_seqs=args.max_num_seqs, memory_budget=int(args.memory_budget) if args.memory_budget else None,
@@ -457,6 +464,7 @@ def _serve_data_parallel(args, sock, family, log) -> int:
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     try:
+        speculative_from_args(args)   # the flags' contradictions before any replica starts
         cfg = DataParallelConfig(args.data_parallel_size, max_restarts=args.data_parallel_max_restarts,
                                  router=RouterConfig(block_tokens=args.kv_block_size))
         warm = args.warm_up == "on" or (args.warm_up == "auto" and (args.device or (

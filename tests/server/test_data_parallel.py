@@ -175,6 +175,9 @@ def test_bad_data_parallel_flags_are_refused_before_any_replica_starts(capsys):
         serve_cli.main([model, "--data-parallel-size", "0"])
     assert e.value.code == 2
     assert "--data-parallel-size" in capsys.readouterr().err
+    # contradicting engine flags are named before any replica process starts
+    assert serve_cli.main([model, "--port", "0", "--data-parallel-size", "2", "--speculative", "draft"]) == 2
+    assert "error: --speculative draft needs --draft-model DIR" in capsys.readouterr().err
 
 
 def test_a_killed_replica_ends_its_requests_with_an_error_and_comes_back(dp_server, offline):
@@ -266,6 +269,7 @@ def _spawned_children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads children from /proc")
 def test_tensor_parallel_replicas_and_a_lost_worker(offline):
     """DP=2 x TP=2 (four engine processes on gloo): greedy output is one engine's; killing a
