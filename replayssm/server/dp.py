@@ -94,6 +94,7 @@ class DPMetrics(ServerMetrics):
         self.r_tokens = Counter(p + "generation_tokens", "Tokens the replica generated", lab, registry=r)
         self.r_restarts = Counter(p + "restarts", "Times the replica was restarted after dying", lab, registry=r)
         self._metrics_lock = threading.RLock()   # one thread per replica steps the metrics
+        self._pending_tokens = 0
         for i in range(size):   # every series exists from the start
             self.r_up.labels(model_name, str(i)).set(0)
             for reason in ("affinity", "load"):
@@ -101,12 +102,21 @@ class DPMetrics(ServerMetrics):
             self.r_tokens.labels(model_name, str(i))
             self.r_restarts.labels(model_name, str(i))
 
+    def on_tokens(self, n: int) -> None:
+        """Counted here, added to the Prometheus counter once per step (:meth:`refresh`): a
+        counter increment costs more than the rest of an output's bookkeeping."""
+        with self._metrics_lock:
+            self._pending_tokens += n
+
     def on_step(self, engine, outs, seconds: float, loop) -> None:
         with self._metrics_lock:
             super().on_step(engine, outs, seconds, loop)
 
     def refresh(self, engine, loop) -> None:
         with self._metrics_lock:
+            if self._pending_tokens:
+                super().on_tokens(self._pending_tokens)
+                self._pending_tokens = 0
             super().refresh(engine, loop)
             for c in getattr(loop, "clients", ()):
                 lab = (self.model_name, str(c.index))
@@ -354,6 +364,10 @@ class ReplicaClient(AsyncEngine):
                         self._deliver(out)
             finally:
                 self._release()
+            if self._tokens_counter is not None:
+                n = sum(len(e[2]) for e in entries)
+                if n:
+                    self._tokens_counter.inc(n)
             if self.metrics is not None:
                 self.metrics.on_step(self.pool.view, entries, dt, self.pool)
             if dt > self.slow_step_s:
@@ -378,8 +392,6 @@ class ReplicaClient(AsyncEngine):
         if stream is None:   # ended here meanwhile (aborted, refused)
             self._assembler.forget(rid, e[1] + 1)
             return None
-        if self._tokens_counter is not None and len(e[2]):
-            self._tokens_counter.inc(len(e[2]))
         return self._assembler.add(e, stream.prompts.get(rid, []))
 
     def _end(self, rid, error, aborted: bool = False) -> None:
