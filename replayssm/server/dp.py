@@ -197,7 +197,7 @@ class RemoteEngine:
                 self.kill()
                 raise ReplicaDied(f"replica {self.spec.index} did not start within {timeout:.0f} s"
                                   if left <= 0 else f"replica {self.spec.index}: start cancelled (shutting down)")
-            ready = connection.wait([self.conn, self.proc.sentinel], min(left, 1.0))
+            ready = connection.wait(self.waitables(), min(left, 1.0))
             if self.conn in ready:
                 try:
                     msg = self.conn.recv()
@@ -206,12 +206,30 @@ class RemoteEngine:
                 if msg[0] == "ready":
                     self.info = msg[1]
                     return self.info
-                self.proc.join(10)
-                why = msg[1] or self.exit_text()
+                self.join(10)
+                why = msg[1] or f"it {self.exit_text()}"
                 raise ReplicaDied(f"replica {self.spec.index} could not start: {why}")
-            if self.proc.sentinel in ready:
-                self.proc.join(1)
+            if self.gone(ready):
+                self.join(1)
                 raise ReplicaDied(f"replica {self.spec.index} could not start: it {self.exit_text()}")
+
+    # -- the process ---------------------------------------------------------------------------
+    restartable = True   # a process of ours: started again after it dies
+
+    def waitables(self) -> list:
+        """What ``connection.wait`` watches: the pipe and the process."""
+        return [self.conn, self.proc.sentinel]
+
+    def gone(self, ready) -> bool:
+        return self.proc.sentinel in ready
+
+    @property
+    def pid(self):
+        return None if self.proc is None else self.proc.pid
+
+    def join(self, timeout: float) -> None:
+        if self.proc is not None:
+            self.proc.join(timeout)
 
     def exit_text(self) -> str:
         code = None if self.proc is None else self.proc.exitcode
@@ -325,7 +343,7 @@ class ReplicaClient(AsyncEngine):
                 for rid in rids:
                     self._end(rid, self.last_error or f"engine replica {self.index} is {self.state}")
                 continue
-            ready = connection.wait([remote.conn, remote.proc.sentinel, self._wake], None)
+            ready = connection.wait(remote.waitables() + [self._wake], None)
             if self._wake in ready:
                 self._wake.clear()
             try:
@@ -334,7 +352,7 @@ class ReplicaClient(AsyncEngine):
                 self.last_error = f"{type(e).__name__}: {e}"
             if self._stop:
                 break
-            died = remote.proc.sentinel in ready and not remote.conn.poll(0)
+            died = remote.gone(ready) and not remote.conn.poll(0)
             try:
                 while not died and remote.conn.poll(0):
                     self._on_message(remote.conn.recv())
@@ -405,9 +423,9 @@ class ReplicaClient(AsyncEngine):
     def _replica_died(self) -> None:
         remote: RemoteEngine = self.engine
         if remote.fatal is None:   # dead already: its exit status
-            remote.proc.join(2)
+            remote.join(2)
         why = f"failed: {remote.fatal}" if remote.fatal else remote.exit_text()
-        msg = f"engine replica {self.index} (pid {remote.proc.pid}) {why}"
+        msg = f"engine replica {self.index} (pid {remote.pid}) {why}"
         self.state = "restarting"
         self.last_error = msg
         with self._lock:
@@ -418,13 +436,13 @@ class ReplicaClient(AsyncEngine):
         for rid in rids:
             self._end(rid, f"{msg}; the request was running there and has ended")
         self._assembler.clear()
-        remote.proc.join(5)   # a failed replica closes its engine (its workers) and exits 1
+        remote.join(5)   # a failed replica closes its engine (its workers) and exits 1
         remote.kill()
         self.pool.router_forget(self.index)
         if self.pool.stopping or self.pool.draining:
             self.state = "stopped"
             return
-        if self.restarts >= self.pool.config.max_restarts:
+        if self.restarts >= self.pool.config.max_restarts or not remote.restartable:
             self.state = "failed"
             log.error("replica %d is not restarted (%d restarts, --data-parallel-max-restarts %d); the server "
                       "runs degraded", self.index, self.restarts, self.pool.config.max_restarts)
