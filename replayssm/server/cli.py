@@ -462,14 +462,31 @@ def _serve_data_parallel(args, sock, family, log) -> int:
     from .dp import DataParallelConfig, DataParallelPool, ReplicaDied
     from .dp_router import RouterConfig
 
+    from ..distributed import launched_by_torchrun
+
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    connected, local_rank = None, 0
     try:
         speculative_from_args(args)   # the flags' contradictions before any replica starts
         cfg = DataParallelConfig(args.data_parallel_size, max_restarts=args.data_parallel_max_restarts,
                                  router=RouterConfig(block_tokens=args.kv_block_size))
         warm = args.warm_up == "on" or (args.warm_up == "auto" and (args.device or (
             "cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"))
-        pool = DataParallelPool(args.model, args, cfg, name, args.max_queue, warm_up=warm, log_level=args.log_level)
+        if launched_by_torchrun():   # one torchrun rank per replica, maybe on several hosts
+            from .dp_torchrun import meet, serve_rank
+
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            if world != cfg.size:
+                raise ValueError(f"--data-parallel-size {cfg.size} under torchrun needs one process per replica, "
+                                 f"but torchrun started WORLD_SIZE={world}")
+            conns = meet(rank, world)
+            if rank != 0:   # a replica of rank 0's server
+                sock.close()
+                return serve_rank(rank, local_rank, args, conns, warm)
+            connected = conns
+        pool = DataParallelPool(args.model, args, cfg, name, args.max_queue, warm_up=warm, log_level=args.log_level,
+                                connected=connected, local_rank=local_rank)
         infos = pool.launch(load_tokenizer(args.model))
     except (ValueError, ReplicaDied) as e:
         sock.close()

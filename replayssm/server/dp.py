@@ -526,9 +526,13 @@ class DataParallelPool:
     every engine is built; the app's lifespan calls :meth:`start` / :meth:`shutdown`."""
 
     def __init__(self, model_dir: str, args, config: DataParallelConfig, model_name: str, max_queue: int,
-                 warm_up: bool = False, log_level: str = "info"):
+                 warm_up: bool = False, log_level: str = "info", connected: dict | None = None, local_rank: int = 0):
+        """``connected``: ``{replica index: connection}`` of replicas that run elsewhere (other
+        torchrun ranks, :mod:`.dp_torchrun`); the others are started here, replica ``i`` on
+        ``cuda:slot*tp`` with ``slot = i`` (or ``local_rank`` under torchrun)."""
         import copy
 
+        import torch
         import torch.multiprocessing as mp
 
         from .dp_replica import replica_device
@@ -541,21 +545,27 @@ class DataParallelPool:
         self.max_queue = int(max_queue)
         self.draining = self.stopping = False
         ctx = mp.get_context("spawn")
-        import torch
-
         tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
         cuda = torch.cuda.is_available()
+        connected = connected or {}
         self._remotes = []
+        last_gpu = -1
         for i in range(config.size):
             a = copy.copy(args)
-            a.device = replica_device(i, tp, args.device, cuda)
             a.seed = int(getattr(args, "seed", 0) or 0) + i   # unseeded sampling differs between replicas
+            if i in connected:
+                from .dp_torchrun import ConnectedEngine
+
+                self._remotes.append(ConnectedEngine(ReplicaSpec(i, model_dir, a, warm_up, log_level), connected[i]))
+                continue
+            slot = local_rank if connected else i
+            a.device = replica_device(slot, tp, args.device, cuda)
+            if a.device != "cpu":
+                last_gpu = max(last_gpu, slot * tp + tp - 1)
             self._remotes.append(RemoteEngine(ReplicaSpec(i, model_dir, a, warm_up, log_level), ctx))
-        if cuda and self._remotes[0].spec.args.device != "cpu":
-            need = config.size * tp
-            if need > torch.cuda.device_count():
-                raise ValueError(f"--data-parallel-size {config.size} x --tensor-parallel-size {tp} needs {need} "
-                                 f"GPUs, {torch.cuda.device_count()} visible")
+        if last_gpu >= 0 and last_gpu >= torch.cuda.device_count():
+            raise ValueError(f"--data-parallel-size {config.size} x --tensor-parallel-size {tp} needs GPUs up to "
+                             f"cuda:{last_gpu} on this host, {torch.cuda.device_count()} visible")
         self.clients: list[ReplicaClient] = []
         self.view: Optional[DataParallelView] = None
         self.infos: list[dict] = []

@@ -170,6 +170,7 @@ def replica_main(spec: ReplicaSpec, conn) -> None:
     """The replica process: build the engine, then serve the pipe ``conn`` until ``stop``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the API process drains, then stops the replicas
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)      # under torchrun: a replica's TP group is its own
     logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s replica {spec.index}: %(message)s")
     log = logging.getLogger("replayssm.server.replica")
