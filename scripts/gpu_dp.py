@@ -136,7 +136,7 @@ def main() -> int:
     p.add_argument("--per-replica", type=int, default=192, help="requests per replica in the timed run")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--server-timeout", type=float, default=600.0)
+    p.add_argument("--server-timeout", type=float, default=300.0)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: check the script's mechanics with a tiny preset (no timing claim)")
     args = p.parse_args()
