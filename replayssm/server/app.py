@@ -188,7 +188,7 @@ def build_app(engine, config: ServerConfig, engine_loop=None) -> FastAPI:
         if hasattr(loop, "health"):   # several replicas: each one's state
             status, body = loop.health()
             return JSONResponse(body, status_code=status)
-        if loop.failed is not None:
+        if getattr(loop, "failed", None) is not None:
             return JSONResponse(error_body(f"engine failed: {loop.failed}", "internal_error"), status_code=503)
         if not loop.alive:
             return JSONResponse(error_body("engine loop is not running", "internal_error"), status_code=503)
