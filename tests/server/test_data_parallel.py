@@ -131,7 +131,7 @@ def test_same_prefix_goes_to_the_same_replica_and_hits_its_prefix_cache(dp_serve
     assert sum(per) == 6 and min(per) >= 1
 
 
-def test_chat_and_tokenizer_routes(dp_server, offline):
+def test_chat_sampling_and_tokenizer_routes(dp_server, offline):
     c = client(dp_server)
     msgs = [{"role": "user", "content": "def add(a, b):"}]
     ids = offline.tokenizer.encode("user: def add(a, b):\nassistant:", add_special_tokens=False).ids
@@ -139,9 +139,20 @@ def test_chat_and_tokenizer_routes(dp_server, offline):
     assert r.choices[0].message.content == offline.generate([ids], SamplingParams(max_tokens=MAX))[0].text
     tok = httpx.post(dp_server.url + "/tokenize", json={"prompt": "import os"}, timeout=10).json()
     assert tok["tokens"] == offline.tokenizer.encode("import os").ids and tok["max_model_len"] == 512
-    bad = c.with_options(max_retries=0)
     with pytest.raises(openai.BadRequestError, match="context"):
-        bad.completions.create(model=NAME, prompt="x " * 600, max_tokens=4)
+        c.completions.create(model=NAME, prompt="x " * 600, max_tokens=4)
+    # seeded samples (n=2) are the same on whichever replica runs them (unseeded ones differ
+    # between replicas: each samples with its own engine seed)
+    kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=6, temperature=0.8, seed=4, n=2)
+    before = routed(dp_server)
+    runs = [[x.text for x in c.completions.create(**kw).choices] for _ in range(4)]
+    after = routed(dp_server)
+    assert all(r == runs[0] for r in runs) and len(runs[0]) == 2
+    assert all(sum(after[i, k] - before[i, k] for k in ("load", "affinity")) >= 1 for i in range(2))
+    # several prompts in one request run on one replica, each choice its prompt's
+    r = c.completions.create(model=NAME, prompt=PROMPTS[:3], max_tokens=MAX, temperature=0)
+    want = offline.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX))
+    assert [(x.index, x.text) for x in r.choices] == [(i, o.text) for i, o in enumerate(want)]
 
 
 def test_a_client_that_leaves_is_aborted_on_its_replica(dp_server):
