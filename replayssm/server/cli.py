@@ -79,6 +79,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cuda:i*tp ..) behind one endpoint, requests routed by prefix affinity and load")
     g.add_argument("--data-parallel-max-restarts", type=int, default=3, metavar="K",
                    help="serve: times a replica that dies is restarted (0: never; the server runs degraded)")
+    g.add_argument("--data-parallel-step-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="serve: a replica holding requests that sends no step for this long counts as hung: its "
+                        "requests end with an error and it is killed and restarted (0: never)")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens per engine step: decodes plus prompt chunks (chunked prefill)")
     g.add_argument("--enable-prefix-caching", action="store_true",
@@ -469,6 +472,7 @@ def _serve_data_parallel(args, sock, family, log) -> int:
     try:
         speculative_from_args(args)   # the flags' contradictions before any replica starts
         cfg = DataParallelConfig(args.data_parallel_size, max_restarts=args.data_parallel_max_restarts,
+                                 step_timeout_s=args.data_parallel_step_timeout,
                                  router=RouterConfig(block_tokens=args.kv_block_size))
         warm = args.warm_up == "on" or (args.warm_up == "auto" and (args.device or (
             "cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"))

@@ -54,11 +54,14 @@ __all__ = ["DataParallelConfig", "DataParallelPool", "ReplicaDied", "DPMetrics"]
 @dataclass
 class DataParallelConfig:
     """``size`` replicas; a dead one is restarted up to ``max_restarts`` times (0: never);
-    ``start_timeout_s``: how long a replica may take to build its engine."""
+    ``start_timeout_s``: how long a replica may take to build its engine; ``step_timeout_s``:
+    how long a replica holding requests may stay silent before it counts as hung (killed,
+    restarted; 0: never)."""
 
     size: int
     max_restarts: int = 3
     start_timeout_s: float = 1800.0
+    step_timeout_s: float = 600.0
     router: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self):
@@ -68,6 +71,8 @@ class DataParallelConfig:
             raise ValueError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if not self.start_timeout_s > 0:
             raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s!r}")
+        if not self.step_timeout_s >= 0:
+            raise ValueError(f"step_timeout_s must be >= 0 seconds, got {self.step_timeout_s!r}")
 
 
 class ReplicaDied(RuntimeError):
@@ -178,6 +183,7 @@ class RemoteEngine:
         self.occ: dict = {}
         self.preemptions = 0
         self.fatal: Optional[str] = None
+        self.owed_since: Optional[float] = None   # first command sent since its last message
 
     def spawn(self) -> None:
         parent, child = self._ctx.Pipe(duplex=True)
@@ -244,6 +250,8 @@ class RemoteEngine:
 
     # -- the StepEngine surface the engine loop uses ----------------------------------------
     def _send(self, msg) -> None:
+        if self.owed_since is None:
+            self.owed_since = time.monotonic()
         try:
             self.conn.send(msg)
         except (OSError, ValueError, AttributeError) as e:   # a dead pipe: the death is reported separately
@@ -305,6 +313,7 @@ class ReplicaClient(AsyncEngine):
         self.state = "up"            # up / restarting / failed (no restarts left) / stopped
         self.restarts = 0
         self._assembler = StepAssembler()
+        self._last_msg = time.monotonic()
         self._held: Optional[list] = None   # while a step message is delivered: (stream, item) to hand over
         self._tokens_counter = None if metrics is None else metrics.r_tokens.labels(metrics.model_name,
                                                                                      str(self.index))
@@ -343,7 +352,11 @@ class ReplicaClient(AsyncEngine):
                 for rid in rids:
                     self._end(rid, self.last_error or f"engine replica {self.index} is {self.state}")
                 continue
-            ready = connection.wait(remote.waitables() + [self._wake], None)
+            timeout, step_timeout = None, self.pool.config.step_timeout_s
+            if step_timeout and self._in_flight > 0:   # it owes us a step: how long may it stay silent
+                since = max(self._last_msg, remote.owed_since or 0.0)
+                timeout = max(since + step_timeout - time.monotonic(), 0.0)
+            ready = connection.wait(remote.waitables() + [self._wake], timeout)
             if self._wake in ready:
                 self._wake.clear()
             try:
@@ -361,11 +374,19 @@ class ReplicaClient(AsyncEngine):
             except Exception as e:  # never let bookkeeping kill the thread
                 log.exception("replica %d: message handling failed", self.index)
                 self.last_error = f"{type(e).__name__}: {e}"
+            if not died and timeout is not None and self._in_flight > 0:
+                silent = time.monotonic() - max(self._last_msg, remote.owed_since or 0.0)
+                if silent >= step_timeout:
+                    remote.fatal = (f"stopped answering: no step for {silent:.0f} s with {self._in_flight} sequences "
+                                    f"in flight (step timeout {step_timeout:g} s)")
+                    remote.kill()   # hung: no exit to wait for
             died = died or remote.fatal is not None   # it said why and is exiting: no need to wait
             if died and not self._stop:
                 self._replica_died()
 
     def _on_message(self, msg) -> None:
+        self._last_msg = time.monotonic()
+        self.engine.owed_since = None
         kind = msg[0]
         if kind == "step":
             _, dt, entries, admitted, occ, preempted = msg
@@ -426,7 +447,12 @@ class ReplicaClient(AsyncEngine):
             remote.join(2)
         why = f"failed: {remote.fatal}" if remote.fatal else remote.exit_text()
         msg = f"engine replica {self.index} (pid {remote.pid}) {why}"
-        self.state = "restarting"
+        if self.pool.stopping or self.pool.draining:
+            self.state = "stopped"
+        elif self.restarts >= self.pool.config.max_restarts or not remote.restartable:
+            self.state = "failed"   # set before its requests end: /health says so as they see the error
+        else:
+            self.state = "restarting"
         self.last_error = msg
         with self._lock:
             rids = list(self._streams)
@@ -439,13 +465,12 @@ class ReplicaClient(AsyncEngine):
         remote.join(5)   # a failed replica closes its engine (its workers) and exits 1
         remote.kill()
         self.pool.router_forget(self.index)
-        if self.pool.stopping or self.pool.draining:
-            self.state = "stopped"
+        if self.state == "stopped":
             return
-        if self.restarts >= self.pool.config.max_restarts or not remote.restartable:
-            self.state = "failed"
-            log.error("replica %d is not restarted (%d restarts, --data-parallel-max-restarts %d); the server "
-                      "runs degraded", self.index, self.restarts, self.pool.config.max_restarts)
+        if self.state == "failed":
+            log.error("replica %d is not restarted (%s); the server runs degraded", self.index,
+                      "not a process of this server" if not remote.restartable else
+                      f"{self.restarts} restarts, --data-parallel-max-restarts {self.pool.config.max_restarts}")
             return
         self.restarts += 1
         if self.metrics is not None:
@@ -463,6 +488,7 @@ class ReplicaClient(AsyncEngine):
             remote.stop(5)
             self.state = "stopped"
             return
+        self._last_msg = time.monotonic()
         self.state = "up"
         log.warning("replica %d is back (pid %d)", self.index, info["pid"])
 
