@@ -28,7 +28,7 @@ import threading
 import time
 from multiprocessing import connection
 
-from .dp import RemoteEngine, ReplicaDied
+from .dp_client import RemoteEngine, ReplicaDied
 
 __all__ = ["ConnectedEngine", "meet", "serve_rank"]
 
