@@ -35,7 +35,6 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Optional
 
 from .dp_client import RemoteEngine, ReplicaClient, ReplicaDied
 from .dp_metrics import DPMetrics
@@ -45,7 +44,7 @@ from .engine_loop import QueueFull, ShuttingDown
 
 log = logging.getLogger("replayssm.server")
 
-__all__ = ["DataParallelConfig", "DataParallelPool", "ReplicaDied", "DPMetrics"]
+__all__ = ["DPMetrics", "DataParallelConfig", "DataParallelPool", "ReplicaDied"]
 
 @dataclass
 class DataParallelConfig:
@@ -70,7 +69,7 @@ class DataParallelConfig:
         if not self.step_timeout_s >= 0:
             raise ValueError(f"step_timeout_s must be >= 0 seconds, got {self.step_timeout_s!r}")
 
-_LIVE: "weakref.WeakSet[DataParallelPool]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[DataParallelPool] = weakref.WeakSet()
 
 
 @atexit.register
@@ -83,7 +82,7 @@ class DataParallelView:
     """What the app reads of "the engine" when there are replicas: the tokenizer (loaded in
     the API process), the replicas' context and vocabulary, and their summed occupancy."""
 
-    def __init__(self, pool: "DataParallelPool", tokenizer, info: dict):
+    def __init__(self, pool: DataParallelPool, tokenizer, info: dict):
         self.pool, self.tokenizer = pool, tokenizer
         self.num_slots = info["num_slots"]
         self.vocab_size = info["vocab_size"]
@@ -158,7 +157,7 @@ class DataParallelPool:
             raise ValueError(f"--data-parallel-size {config.size} x --tensor-parallel-size {tp} needs GPUs up to "
                              f"cuda:{last_gpu} on this host, {torch.cuda.device_count()} visible")
         self.clients: list[ReplicaClient] = []
-        self.view: Optional[DataParallelView] = None
+        self.view: DataParallelView | None = None
         self.infos: list[dict] = []
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import signal
 import socket
 import time
 from multiprocessing import connection
-from typing import Optional
 
 from .dp_replica import ReplicaSpec, StepAssembler, replica_main
 from .engine_loop import AsyncEngine
@@ -80,8 +79,8 @@ class RemoteEngine:
         self.info: dict = {}
         self.occ: dict = {}
         self.preemptions = 0
-        self.fatal: Optional[str] = None
-        self.owed_since: Optional[float] = None   # first command sent since its last message
+        self.fatal: str | None = None
+        self.owed_since: float | None = None   # first command sent since its last message
 
     def spawn(self) -> None:
         parent, child = self._ctx.Pipe(duplex=True)
@@ -212,7 +211,7 @@ class ReplicaClient(AsyncEngine):
         self.restarts = 0
         self._assembler = StepAssembler()
         self._last_msg = time.monotonic()
-        self._held: Optional[list] = None   # while a step message is delivered: (stream, item) to hand over
+        self._held: list | None = None   # while a step message is delivered: (stream, item) to hand over
         self._tokens_counter = None if metrics is None else metrics.r_tokens.labels(metrics.model_name,
                                                                                      str(self.index))
 

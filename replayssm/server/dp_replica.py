@@ -36,11 +36,10 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Optional
 
 from .engine_loop import fatal_error
 
-__all__ = ["ReplicaSpec", "replica_device", "replica_main", "StepDeltas", "StepAssembler", "ReplicaOutput"]
+__all__ = ["ReplicaOutput", "ReplicaSpec", "StepAssembler", "StepDeltas", "replica_device", "replica_main"]
 
 
 @dataclass
@@ -114,9 +113,9 @@ class ReplicaOutput:
     prompt_token_ids: list
     token_ids: list
     text: str
-    logprobs: Optional[list]
-    finish_reason: Optional[str]
-    error: Optional[str] = None
+    logprobs: list | None
+    finish_reason: str | None
+    error: str | None = None
     accepted_lengths: list = field(default_factory=list)
     num_verify_steps: int = 0
     num_drafted: int = 0

@@ -23,7 +23,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["RouterConfig", "PrefixRouter", "block_hashes"]
+__all__ = ["PrefixRouter", "RouterConfig", "block_hashes"]
 
 
 @dataclass

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 import torch
-
 from recompute_model import tiny_pair
+
 from replayssm import LLM, SamplingParams
 from replayssm.distributed import WorkerFailed
 from replayssm.server.engine_loop import AsyncEngine, EngineError, ShuttingDown
