@@ -25,7 +25,8 @@ default for presets) builds prompts ``A + A[:k]`` from greedy walks ``A`` of the
 itself: prompt lookup then finds the continuation, as on repetitive real text, and both
 speculative configurations see the same drafts.
 ``--prompt-kind random`` gives prompts where nothing is found (speculation overhead only).
-``--url`` benchmarks a server that is already running (one configuration).
+``--url`` benchmarks a server that is already running (one configuration).  Engine flags go
+to the servers it starts, ``--data-parallel-size N`` (N replicas behind one endpoint) included.
 
 Writes ``serve.json`` and ``serve.png`` (TTFT / TPOT / output tokens/s against the rate) to
 ``--out``.  ``--smoke`` is a small CPU run for CI.

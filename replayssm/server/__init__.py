@@ -10,6 +10,11 @@
 * ``metrics.py``     Prometheus metrics (vLLM's names, prefix ``replayssm:``)
 * ``stats_log.py``   the periodic stats line
 * ``cli.py``         ``replayssm serve`` (``--config`` YAML, startup summary, graceful shutdown)
+* ``dp.py``          ``--data-parallel-size N``: replica processes behind one app (the pool);
+                     ``dp_client.py`` a replica's handle and engine loop (faults, restarts);
+                     ``dp_replica.py`` the replica process and the step wire format;
+                     ``dp_router.py`` prefix-affinity routing; ``dp_metrics.py`` per-replica
+                     metrics; ``dp_torchrun.py`` replicas on other torchrun ranks / hosts
 
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client).  The exports load on first
 use, so ``replayssm serve`` can say so clearly when the extra is missing.

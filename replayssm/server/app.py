@@ -93,11 +93,17 @@ def max_token_chars(tok) -> int:
         return max([len(k) for k in vocab()] or [1])
 
 
-def build_app(engine, config: ServerConfig) -> FastAPI:
-    """The app serving ``engine`` (anything with the step-wise API, e.g. ``LLM``)."""
-    metrics = ServerMetrics(config.model_name)
-    slots = getattr(engine, "num_slots", None) or getattr(getattr(engine, "config", None), "max_num_seqs", 16)
-    loop = AsyncEngine(engine, max_running=slots, max_queue=config.max_queue, metrics=metrics)
+def build_app(engine, config: ServerConfig, engine_loop=None) -> FastAPI:
+    """The app serving ``engine`` (anything with the step-wise API, e.g. ``LLM``).
+    ``engine_loop``: an engine loop of its own with the :class:`AsyncEngine` interface and
+    ``metrics`` (data parallelism's replica pool, :mod:`replayssm.server.dp`); ``engine`` then
+    only gives the tokenizer, the context and the occupancy."""
+    if engine_loop is None:
+        metrics = ServerMetrics(config.model_name)
+        slots = getattr(engine, "num_slots", None) or getattr(getattr(engine, "config", None), "max_num_seqs", 16)
+        loop = AsyncEngine(engine, max_running=slots, max_queue=config.max_queue, metrics=metrics)
+    else:
+        loop, metrics = engine_loop, engine_loop.metrics
     tok = getattr(engine, "tokenizer", None)
     chat = load_server_template(config.model_dir, config.chat_template)   # a missing file raises
     limit = config.max_model_len or context_limit(engine)
@@ -179,6 +185,11 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     # -- info routes -----------------------------------------------------------------------------
     @app.get("/health")
     async def health():
+        if hasattr(loop, "health"):   # several replicas: each one's state
+            status, body = loop.health()
+            return JSONResponse(body, status_code=status)
+        if getattr(loop, "failed", None) is not None:
+            return JSONResponse(error_body(f"engine failed: {loop.failed}", "internal_error"), status_code=503)
         if not loop.alive:
             return JSONResponse(error_body("engine loop is not running", "internal_error"), status_code=503)
         if loop.draining:

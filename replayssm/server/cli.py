@@ -82,6 +82,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--auto-threshold", type=int, default=None, help="decode mode auto: KV-only below this length")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes by heads (GPUs cuda:i..i+N-1, or CPU over gloo)")
+    g.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="serve: N engine replicas (processes, each possibly tensor-parallel: replica i on "
+                        "cuda:i*tp ..) behind one endpoint, requests routed by prefix affinity and load")
+    g.add_argument("--data-parallel-max-restarts", type=int, default=3, metavar="K",
+                   help="serve: times a replica that dies is restarted (0: never; the server runs degraded)")
+    g.add_argument("--data-parallel-step-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="serve: a replica holding requests that sends no step for this long counts as hung: its "
+                        "requests end with an error and it is killed and restarted (0: never)")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens per engine step: decodes plus prompt chunks (chunked prefill)")
     g.add_argument("--enable-prefix-caching", action="store_true",
@@ -134,12 +142,9 @@ def speculative_from_json(text: str) -> SpeculativeConfig:
     return SpeculativeConfig(ours, **kw)
 
 
-def build_engine(model_dir: str, args):
-    """An ``LLM`` from :func:`add_engine_args` flags."""
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+def speculative_from_args(args) -> SpeculativeConfig | None:
+    """The :class:`SpeculativeConfig` of the speculation flags (``ValueError`` when they
+    contradict each other): checked before any model loads."""
     spec = None
     if getattr(args, "speculative_config", None):
         if args.speculative:
@@ -156,6 +161,16 @@ def build_engine(model_dir: str, args):
                                  prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
                                  disable_by_batch_size=args.speculative_disable_by_batch_size,
                                  spec_policy=getattr(args, "spec_policy", "adaptive"))
+    return spec
+
+
+def build_engine(model_dir: str, args):
+    """An ``LLM`` from :func:`add_engine_args` flags."""
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    spec = speculative_from_args(args)
     return LLM(model_dir, device=device, dtype=dtype, decode_mode=args.mode, buffer_size=args.buffer_size,
                speculative=spec, tensor_parallel_size=args.tensor_parallel_size,
                max_num_seqs=args.max_num_seqs, memory_budget=int(args.memory_budget) if args.memory_budget else None,
@@ -397,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"replayssm serve: error: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
+    if args.data_parallel_size > 1:
+        return _serve_data_parallel(args, sock, family, log)
     try:
         engine = build_engine(args.model, args)
     except ValueError as e:
@@ -433,7 +450,94 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replayssm serve: listening on {url} (model {name!r})", flush=True)
 
     server.startup = announce
+    loop = app.state.engine_loop
+    loop.on_failed = lambda: setattr(server, "should_exit", True)   # the engine is gone: exit, not hang
     server.run(sockets=[sock])
+    if loop.failed is not None:
+        print(f"replayssm serve: error: engine failed: {loop.failed}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _server_config(args, name: str):
+    from .app import ServerConfig
+
+    stats_every = None if args.disable_log_stats or not args.log_stats_interval else args.log_stats_interval
+    return ServerConfig(model_name=name, model_dir=args.model, api_key=args.api_key, max_queue=args.max_queue,
+                        chat_template=args.chat_template, log_requests=args.enable_log_requests,
+                        log_stats_interval=stats_every, tool_call_parser=args.tool_call_parser,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser)
+
+
+def _serve_data_parallel(args, sock, family, log) -> int:
+    """``--data-parallel-size N``: N replica processes (:mod:`replayssm.server.dp`) behind one app."""
+    import uvicorn
+
+    from ..models.loader import load_tokenizer
+    from .app import build_app
+    from .dp import DataParallelConfig, DataParallelPool, ReplicaDied
+    from .dp_router import RouterConfig
+
+    from ..distributed import launched_by_torchrun
+
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    connected, local_rank = None, 0
+    try:
+        speculative_from_args(args)   # the flags' contradictions before any replica starts
+        cfg = DataParallelConfig(args.data_parallel_size, max_restarts=args.data_parallel_max_restarts,
+                                 step_timeout_s=args.data_parallel_step_timeout,
+                                 router=RouterConfig(block_tokens=args.kv_block_size))
+        warm = args.warm_up == "on" or (args.warm_up == "auto" and (args.device or (
+            "cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"))
+        if launched_by_torchrun():   # one torchrun rank per replica, maybe on several hosts
+            from .dp_torchrun import meet, serve_rank
+
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            if world != cfg.size:
+                raise ValueError(f"--data-parallel-size {cfg.size} under torchrun needs one process per replica, "
+                                 f"but torchrun started WORLD_SIZE={world}")
+            conns = meet(rank, world)
+            if rank != 0:   # a replica of rank 0's server
+                sock.close()
+                return serve_rank(rank, local_rank, args, conns, warm)
+            connected = conns
+        pool = DataParallelPool(args.model, args, cfg, name, args.max_queue, warm_up=warm, log_level=args.log_level,
+                                connected=connected, local_rank=local_rank)
+        infos = pool.launch(load_tokenizer(args.model))
+    except (ValueError, ReplicaDied) as e:
+        sock.close()
+        print(f"replayssm serve: error: {e}", file=sys.stderr)
+        return 2
+    for i, info in enumerate(infos):
+        line = f"replica {i} (pid {info['pid']}, {info['device']}): {info['summary']}"
+        if log.isEnabledFor(logging.INFO):
+            log.info(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+    try:
+        app = build_app(pool.view, _server_config(args, name), engine_loop=pool)
+    except BaseException:
+        pool.shutdown()
+        sock.close()
+        raise
+    host, port = sock.getsockname()[:2]
+    server = draining_server_class()(uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=3,
+                                                    access_log=args.uvicorn_log_level in ("info", "debug")),
+                                     pool, args.shutdown_timeout)
+    startup = server.startup
+
+    async def announce(sockets=None):
+        await startup(sockets=sockets)
+        server.loop = asyncio.get_running_loop()
+        url = f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}"
+        print(f"replayssm serve: listening on {url} (model {name!r}, {cfg.size} data-parallel replicas)", flush=True)
+
+    server.startup = announce
+    try:
+        server.run(sockets=[sock])
+    finally:
+        pool.shutdown()
     return 0
 
 

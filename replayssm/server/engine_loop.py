@@ -16,7 +16,10 @@ so streams close normally.
 Failures stay local: a request the engine refuses (``add_request`` raising) or ends with an
 error gets that error on its own queue; if a whole step raises, the requests in flight end
 with the error, the engine is reset to an idle state, and the loop goes on serving.  The loop
-never exits on a request's account.
+never exits on a request's account.  An engine that cannot go on (a tensor-parallel worker
+died: ``WorkerFailed``, or its reset raised) is *failed*: the requests in flight end with the
+error, new submits are refused (:class:`ShuttingDown`, 503), :attr:`AsyncEngine.failed`
+holds the reason, the loop's thread ends and ``on_failed`` (the server's exit) is called.
 
 The engine is anything with the step-wise API (:class:`StepEngine`), e.g.
 :class:`replayssm.LLM`.
@@ -159,6 +162,8 @@ class AsyncEngine:
         self.steps = 0
         self.step_failures = 0
         self.last_error: Optional[str] = None
+        self.failed: Optional[str] = None   # the engine cannot go on: why
+        self.on_failed = None               # called (from the engine thread) once the engine failed
 
     # -- asyncio side ----------------------------------------------------------------------
     def start(self) -> None:
@@ -187,6 +192,8 @@ class AsyncEngine:
         return the stream of their outputs.  All or nothing: raises :class:`QueueFull`."""
         loop = loop or asyncio.get_running_loop()
         seqs = sum(p.n for _, _, p in requests)
+        if self.failed is not None:
+            raise ShuttingDown(f"engine failed: {self.failed}; the server is shutting down")
         if self.draining:
             raise ShuttingDown("server is shutting down: not accepting new requests")
         with self._lock:
@@ -395,8 +402,17 @@ class AsyncEngine:
     def _step_failed(self, e: Exception) -> None:
         self.step_failures += 1
         self.last_error = "".join(traceback.format_exception_only(type(e), e)).strip()
+        fatal = fatal_error(e)
+        if not fatal:
+            try:
+                self.engine.recover()
+            except Exception as e2:
+                fatal = True
+                self.last_error += f" (then the engine's reset raised {type(e2).__name__}: {e2})"
+        if fatal:
+            self._engine_failed()
+            return
         log.error("engine step failed; ending the %d requests in flight", len(self._streams), exc_info=e)
-        self.engine.recover()
         with self._lock:
             rids = list(self._streams)
         for rid in rids:
@@ -405,3 +421,28 @@ class AsyncEngine:
             except Exception:  # pragma: no cover - state beyond repair for this request
                 pass
             self._end(rid, f"engine step failed: {self.last_error}")
+
+    def _engine_failed(self) -> None:
+        """The engine cannot go on: end every request with the reason, refuse new ones, stop."""
+        self.failed = self.last_error
+        with self._lock:
+            rids = list(self._streams)
+            self._inbox.clear()
+        log.error("engine failed, ending the %d requests in flight and refusing new ones: %s", len(rids), self.failed)
+        for rid in rids:
+            self._end(rid, f"engine failed: {self.failed}")
+        self._stop = True
+        if self.on_failed is not None:
+            try:
+                self.on_failed()
+            except Exception:  # pragma: no cover - the reason is logged above
+                log.exception("on_failed raised")
+
+
+def fatal_error(exc: BaseException) -> bool:
+    """Whether ``exc`` leaves the engine unusable (a tensor-parallel worker is gone)."""
+    try:
+        from ..distributed.group import WorkerFailed
+    except ImportError:  # pragma: no cover - torch.distributed missing
+        return False
+    return isinstance(exc, WorkerFailed)
