@@ -152,6 +152,7 @@ def e2e_rows(budget_s: float, batches, modes) -> dict:
     from replayssm import LLM, SamplingParams
     from replayssm.bench import e2e
     from replayssm.bench.common import free_memory
+    from replayssm.distributed import TensorParallelGroup
     from replayssm.engine.loading import load
 
     dev = "cuda:0"
@@ -170,11 +171,19 @@ def e2e_rows(budget_s: float, batches, modes) -> dict:
             os.environ["REPLAYSSM_TP_ALLREDUCE"] = method
             os.environ["REPLAYSSM_TP_CONTROL"] = control
             t = time.perf_counter()
-            model = load(path, torch.device(dev), torch.bfloat16, tp)[0]
+            group_s = 0.0
+            if tp == 1:
+                model = load(path, torch.device(dev), torch.bfloat16, 1)[0]
+            else:
+                group = TensorParallelGroup(tp, dev)
+                group_s = time.perf_counter() - t
+                model = group.load_model(path, "bfloat16")
+                model.owns_group = True
             load_s = time.perf_counter() - t
             used = f"{control}+{model.local.tp.allreduce.method}" if tp > 1 else "-"
-            out["startup"].append({"tp": tp, "method": used, "load_s": load_s})
-            print(f"[{_elapsed():.0f}s] TP={tp} {used}: loaded in {load_s:.1f} s", flush=True)
+            out["startup"].append({"tp": tp, "method": used, "load_s": load_s, "group_start_s": group_s})
+            print(f"[{_elapsed():.0f}s] TP={tp} {used}: loaded in {load_s:.1f} s (group start {group_s:.1f} s)",
+                  flush=True)
             for mode in modes:
                 for b in batches:
                     if _elapsed() > budget_s:
