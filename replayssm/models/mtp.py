@@ -77,9 +77,9 @@ class MTPHead(CausalLM):
         if n < 1:
             raise ValueError(f"an MTP head needs at least one layer, got {n}")
         mt = c.model_type
-        if mt == "qwen3_next":
+        if mt == "qwen3_next" or mt.startswith("qwen3_5"):   # Qwen3.5 (dense, MoE): Qwen3-Next's layout
             if n != 1:
-                raise ValueError(f"qwen3_next: MTP heads of {n} layers are not supported (one layer per step, as "
+                raise ValueError(f"{mt}: MTP heads of {n} layers are not supported (one layer per step, as "
                                  f"vLLM runs them, is; the public checkpoints have one)")
             eps = c.rms_norm_eps
             self.fc = Linear(2 * D, D)

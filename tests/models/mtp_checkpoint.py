@@ -31,7 +31,12 @@ def _one_layer_model(path: str, seed: int):
 
     conf = transformers.AutoConfig.from_pretrained(path)
     mt = conf.model_type
-    if mt == "qwen3_next":
+    if mt.startswith("qwen3_5"):   # the text decoder's layer (a multimodal config holds it in text_config)
+        conf = getattr(conf, "text_config", None) or conf
+        conf.num_hidden_layers = 1
+        conf.layer_types = ["full_attention"]
+        cls = transformers.Qwen3_5MoeForCausalLM if "moe" in mt else transformers.Qwen3_5ForCausalLM
+    elif mt == "qwen3_next":
         conf.num_hidden_layers = 1
         conf.layer_types = ["full_attention"]
         cls = transformers.Qwen3NextForCausalLM
@@ -61,22 +66,24 @@ def add_mtp(path: str, seed: int = 0) -> dict:
                 with safe_open(os.path.join(tmp, fn), "pt") as f:
                     sd.update({k: f.get_tensor(k) for k in f.keys()})
     cfg = json.load(open(os.path.join(path, "config.json")))
-    D = cfg["hidden_size"]
+    tc = cfg.get("text_config", cfg)       # a multimodal Qwen3.5 config holds the text model's sizes
+    D = tc["hidden_size"]
     g = torch.Generator().manual_seed(100 + seed)
     fc = torch.randn(D, 2 * D, generator=g) / (2 * D) ** 0.5
     # zero-centred norms (Qwen3-Next) store w with y = (1 + w) x_hat
-    base = 0.0 if mt == "qwen3_next" else 1.0
+    qwen = mt == "qwen3_next" or mt.startswith("qwen3_5")
+    base = 0.0 if qwen else 1.0
     n_e = base + 0.2 * torch.randn(D, generator=g)
     n_h = base + 0.2 * torch.randn(D, generator=g)
     out = {}
-    if mt == "qwen3_next":
+    if qwen:
         for k, v in sd.items():
             if k.startswith("model.layers.0."):
                 out["mtp.layers.0." + k[len("model.layers.0."):]] = v
         out["mtp.norm.weight"] = sd["model.norm.weight"]
         out.update({"mtp.fc.weight": fc, "mtp.pre_fc_norm_embedding.weight": n_e,
                     "mtp.pre_fc_norm_hidden.weight": n_h})
-        cfg["num_nextn_predict_layers"] = 1
+        tc["mtp_num_hidden_layers" if mt.startswith("qwen3_5") else "num_nextn_predict_layers"] = 1
     elif mt == "nemotron_h":
         last = len(NEMOTRON_MTP_TYPES) - 1
         for k, v in sd.items():
@@ -98,7 +105,7 @@ def add_mtp(path: str, seed: int = 0) -> dict:
         cfg["num_nextn_predict_layers"] = 1
     save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(path, "mtp.safetensors"))
     json.dump(cfg, open(os.path.join(path, "config.json"), "w"), indent=1)
-    return {"model_type": mt, "one": one, "fc": fc, "n_e": n_e, "n_h": n_h, "eps": _eps(cfg)}
+    return {"model_type": mt, "one": one, "fc": fc, "n_e": n_e, "n_h": n_h, "eps": _eps(tc)}
 
 
 def _eps(cfg):
@@ -114,7 +121,7 @@ def _rms(x, w, eps, zero_centered):
 def reference_g(ref: dict, embed: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """The MTP step's output ``g [B, T, D]`` in float64 from transformers modules:
     tokens ``x_{t+1}`` ``[B, T]``, target hidden states ``h_t`` ``[B, T, D]``."""
-    zc = ref["model_type"] == "qwen3_next"
+    zc = ref["model_type"] == "qwen3_next" or ref["model_type"].startswith("qwen3_5")
     f64 = torch.float64
     e = _rms(embed.to(f64)[tokens], ref["n_e"].to(f64), ref["eps"], zc)
     h = _rms(hidden.to(f64), ref["n_h"].to(f64), ref["eps"], zc)
