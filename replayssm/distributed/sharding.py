@@ -34,6 +34,18 @@ split, its partial output summed by one all-reduce per sub-block):
   for any routing.)
 * Embedding and LM head: vocabulary rows ``[r Vs, (r+1) Vs)`` with ``Vs = ceil(V / N)``
   (the last shard zero-padded); logits are all-gathered and cut back to ``V``.
+* Family specifics (same rules, other layouts): Qwen3.5's GDN has separate
+  ``in_proj_qkv`` (rows ``[q | k | v]`` as the conv) / ``in_proj_z`` / ``in_proj_b`` /
+  ``in_proj_a`` (by value head); Granite-4.0-H's shared MLP ``input_linear = [gate | up]``
+  and experts ``input_linear [E, 2I, D]`` / ``output_linear [E, D, I]`` split like the
+  MoE above (its ``residual_multiplier`` and attention scale are folded into the weights:
+  linear, so each rank's partial sum carries them exactly); Falcon-H1's Mamba-2 and
+  attention run in parallel on one input, each row-parallel with its own all-reduce, and
+  its muP multipliers are folded per rank into the local rows (``ssm_multipliers`` by
+  segment ``[z | x | B | C | dt]``, computed from the local sizes) or applied to replicated
+  values (embeddings, complete logits).  Zamba2 (head size derived from the head count,
+  shared blocks outside the sub-block structure) and Kimi-Linear (MLA's latent
+  projections) are refused by name.
 * Everything else (RMSNorms, routers, q/k norms, GDN's per-head-dim norm): replicated.
   Biases of row-parallel projections live on rank 0 only (zeros elsewhere), so the
   all-reduced sum adds them once.
@@ -48,9 +60,11 @@ from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.mlp import GatedMLP, PlainMLP, SigmoidMoE, SoftmaxMoE
+from ..models.granite_hybrid import GraniteMoE, GraniteSharedMLP
+from ..models.qwen3_5 import QWEN3_5_TYPES, Qwen3_5GatedDeltaNet
 
 __all__ = ["Shard", "ROOT_ONLY", "check_tensor_parallel", "local_config", "shard_rules", "vocab_shard",
-           "kv_heads", "mamba_groups"]
+           "kv_heads", "mamba_groups", "mamba_dims"]
 
 
 @dataclass(frozen=True)
@@ -111,10 +125,10 @@ def vocab_shard(V: int, N: int, rank: int) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------
 # configs
 # ---------------------------------------------------------------------------------------
-def _check_mamba(N: int, H: int, G: int, heads_field: str) -> None:
+def _check_mamba(N: int, H: int, G: int, heads_field: str, groups_field: str = "n_groups") -> None:
     _divides(N, heads_field, H, "Mamba-2 heads")
     _need(G % N == 0 or N % G == 0,
-          f"tensor_parallel_size={N} and n_groups ({G}) must divide one another: Mamba-2 groups (B, C and "
+          f"tensor_parallel_size={N} and {groups_field} ({G}) must divide one another: Mamba-2 groups (B, C and "
           f"the gated-norm groups) are split across ranks or replicated, never cut")
 
 
@@ -151,7 +165,7 @@ def check_tensor_parallel(cfg, N: int) -> None:
             _divides(N, "moe_intermediate_size", cfg.moe_intermediate_size, "channels of every expert")
             _divides(N, "moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
                      "shared-expert channels")
-    elif mt == "qwen3_next":
+    elif mt == "qwen3_next" or mt in QWEN3_5_TYPES:
         kinds = set(cfg.layer_kinds)
         if "gdn" in kinds:
             _divides(N, "linear_num_key_heads", cfg.linear_num_key_heads, "GDN key heads (and their value heads)")
@@ -165,8 +179,12 @@ def check_tensor_parallel(cfg, N: int) -> None:
             if cfg.shared_expert_intermediate_size:
                 _divides(N, "shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
                          "shared-expert channels")
-    else:  # pragma: no cover - read_config only yields the three types
-        raise ValueError(f"tensor parallelism has no sharding rules for model_type {mt!r}")
+    elif mt in _FAMILY_CHECKS:
+        _FAMILY_CHECKS[mt](cfg, N)
+    else:
+        why = _REFUSED.get(mt, "no sharding rules")
+        raise ValueError(f"tensor parallelism does not support model_type {mt!r} ({why}); "
+                         f"use tensor_parallel_size=1")
 
 
 def local_config(cfg, N: int):
@@ -188,6 +206,8 @@ def local_config(cfg, N: int):
 
     if mt == "mamba2":
         return dataclasses.replace(cfg, num_heads=cfg.num_heads // N, n_groups=groups(cfg.n_groups))
+    if mt in _FAMILY_LOCAL:
+        return _FAMILY_LOCAL[mt](cfg, div, kv, groups)
     if mt == "nemotron_h":
         return dataclasses.replace(
             cfg, mamba_num_heads=div(cfg.mamba_num_heads), n_groups=groups(cfg.n_groups),
@@ -201,6 +221,68 @@ def local_config(cfg, N: int):
         num_key_value_heads=kv(cfg.num_attention_heads, cfg.num_key_value_heads),
         intermediate_size=div(cfg.intermediate_size), moe_intermediate_size=div(cfg.moe_intermediate_size),
         shared_expert_intermediate_size=div(cfg.shared_expert_intermediate_size))
+
+
+# ---------------------------------------------------------------------------------------
+# the hybrid families with ``mamba_n_*`` fields (Bamba, Granite-4.0-H, Falcon-H1)
+# ---------------------------------------------------------------------------------------
+def mamba_dims(cfg) -> tuple[int, int]:
+    """``(Mamba-2 heads, groups)`` of a config, whatever the family calls them."""
+    if cfg.model_type == "mamba2":
+        return cfg.num_heads, cfg.n_groups
+    if cfg.model_type == "nemotron_h":
+        return cfg.mamba_num_heads, cfg.n_groups
+    return cfg.mamba_n_heads, cfg.mamba_n_groups
+
+
+def _check_hybrid(cfg, N: int, mamba: bool, attention: bool) -> None:
+    if mamba:
+        _check_mamba(N, cfg.mamba_n_heads, cfg.mamba_n_groups, "mamba_n_heads", "mamba_n_groups")
+    if attention:
+        _check_attention(N, cfg.num_attention_heads, cfg.num_key_value_heads)
+
+
+def _check_bamba(cfg, N: int) -> None:
+    kinds = set(cfg.layer_kinds)
+    _check_hybrid(cfg, N, "mamba" in kinds, "attention" in kinds)
+    _divides(N, "intermediate_size", cfg.intermediate_size, "MLP channels")
+
+
+def _check_granite(cfg, N: int) -> None:
+    kinds = set(cfg.layer_kinds)
+    _check_hybrid(cfg, N, "mamba" in kinds, "attention" in kinds)
+    if cfg.num_local_experts:
+        _divides(N, "intermediate_size", cfg.intermediate_size, "channels of every expert")
+    _divides(N, "shared_intermediate_size", cfg.shared_intermediate_size, "shared-MLP channels")
+
+
+def _check_falcon_h1(cfg, N: int) -> None:
+    _check_hybrid(cfg, N, True, True)
+    _divides(N, "intermediate_size", cfg.intermediate_size, "MLP channels")
+
+
+def _local_hybrid(cfg, div, kv, groups, **extra):
+    return dataclasses.replace(
+        cfg, mamba_n_heads=div(cfg.mamba_n_heads), mamba_n_groups=groups(cfg.mamba_n_groups),
+        num_attention_heads=div(cfg.num_attention_heads),
+        num_key_value_heads=kv(cfg.num_attention_heads, cfg.num_key_value_heads),
+        intermediate_size=div(cfg.intermediate_size), **extra)
+
+
+_FAMILY_CHECKS = {"bamba": _check_bamba, "granitemoehybrid": _check_granite, "falcon_h1": _check_falcon_h1}
+_FAMILY_LOCAL = {
+    "bamba": _local_hybrid,
+    "granitemoehybrid": lambda c, div, kv, g: _local_hybrid(c, div, kv, g,
+                                                            shared_intermediate_size=div(c.shared_intermediate_size)),
+    "falcon_h1": lambda c, div, kv, g: _local_hybrid(c, div, kv, g, mamba_d_ssm=div(c.mamba_d_ssm)),
+}
+#: families refused by name, and why
+_REFUSED = {
+    "zamba2": "no sharding rules yet: its attention head size is derived from the head count and its shared "
+              "blocks (with per-use LoRA adapters) sit outside the per-sub-block all-reduce structure",
+    "kimi_linear": "no sharding rules: MLA's latent projections (kv_a_proj_with_mqa, kv_b_proj) do not split "
+                   "by head without replicating the latent path",
+}
 
 
 # ---------------------------------------------------------------------------------------
@@ -289,7 +371,49 @@ def _sigmoid_moe_rules(m, N: int, r: int) -> dict:
     return out
 
 
+def _gdn_separate_rules(m, N: int, r: int) -> dict:
+    """Qwen3.5's GDN: ``in_proj_qkv`` rows ``[q | k | v]`` (as the conv channels), ``in_proj_z``
+    ``[HV V]``, ``in_proj_b`` / ``in_proj_a`` ``[HV]``: key heads ``[r H/N, ...)`` and their value heads."""
+    H, HV, K, V = m.H, m.HV, m.K, m.V
+    k0, k1 = _split(H, N, r)
+    v0, v1 = _split(HV, N, r)
+    qkv = Shard(0, _pieces((k0 * K, k1 * K), (H * K + k0 * K, H * K + k1 * K),
+                           (2 * H * K + v0 * V, 2 * H * K + v1 * V)))
+    vheads = Shard(0, _pieces((v0, v1)))
+    return {"in_proj_qkv.weight": qkv, "conv1d.weight": qkv, "in_proj_z.weight": Shard(0, _pieces((v0 * V, v1 * V))),
+            "in_proj_b.weight": vheads, "in_proj_a.weight": vheads, "dt_bias": vheads, "A_log": vheads,
+            "out_proj.weight": Shard(1, _pieces((v0 * V, v1 * V)))}
+
+
+def _granite_mlp_rules(m, N: int, r: int) -> dict:
+    """Granite's shared MLP: ``input_linear = [gate (S) | up (S)]`` rows, ``output_linear`` columns."""
+    S = m.output_linear.weight.shape[1]
+    a, b = _split(S, N, r)
+    return {"input_linear.weight": Shard(0, _pieces((a, b), (S + a, S + b))),
+            "output_linear.weight": Shard(1, _pieces((a, b))), "output_linear.bias": ROOT_ONLY}
+
+
+def _granite_moe_rules(m, N: int, r: int) -> dict:
+    """Granite's experts: ``input_linear [E, 2I, D]`` (``[gate | up]``), ``output_linear [E, D, I]``."""
+    I = m.output_linear.weight.shape[2]
+    a, b = _split(I, N, r)
+    return {"input_linear.weight": Shard(1, _pieces((a, b), (I + a, I + b))),
+            "output_linear.weight": Shard(2, _pieces((a, b)))}
+
+
+def _held_rules(model, N: int, r: int) -> dict:
+    """Rules of sharded modules that no sub-block lists (Granite's experts, run by its shared MLP)."""
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, GraniteMoE):
+            out.update({f"{name}.{k}": rule for k, rule in _granite_moe_rules(mod, N, r).items()})
+    return out
+
+
 def _layer_rules(m, N: int, r: int) -> dict:
+    for cls, fn in ((Qwen3_5GatedDeltaNet, _gdn_separate_rules), (GraniteSharedMLP, _granite_mlp_rules)):
+        if isinstance(m, cls):
+            return fn(m, N, r)
     for cls, fn in ((Mamba2Mixer, _mamba_rules), (GatedDeltaNet, _gdn_rules), (Attention, _attention_rules),
                     (SoftmaxMoE, _softmax_moe_rules), (SigmoidMoE, _sigmoid_moe_rules),
                     (GatedMLP, _mlp_rules), (PlainMLP, _mlp_rules)):
@@ -311,6 +435,7 @@ def shard_rules(model, N: int, rank: int) -> dict:
             for k, rule in _layer_rules(mixer, N, rank).items():
                 if prefix + k in params:
                     rules[prefix + k] = rule
+    rules.update(_held_rules(model, N, rank))
     V = model.config.vocab_size
     lo, real, Vs = vocab_shard(V, N, rank)
     vocab = Shard(0, _pieces((lo, lo + real)), pad_to=Vs)
