@@ -40,6 +40,7 @@ from ..runtime import compute_dtype
 from .allreduce import AllReduce
 from ..layers.norms import GatedRMSNorm
 from ..models.falcon_h1 import GroupedNormThenGate
+from ..models.zamba2 import HybridBlock, SharedTransformer
 from .sharding import mamba_dims, mamba_groups, vocab_shard
 
 __all__ = ["ShardInfo", "ShardedGatedRMSNorm", "TensorParallelLM", "build_local_model", "all_gather_last"]
@@ -183,7 +184,24 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
             if isinstance(mixer, Mamba2Mixer):
                 _shard_norm(mixer, cfg, size, rank, allreduce)
             mixer.register_forward_hook(_all_reduce_hook(allreduce))
+    for mixer in _held_mixers(model):
+        if isinstance(mixer, Mamba2Mixer):
+            _shard_norm(mixer, cfg, size, rank, allreduce)
+        mixer.register_forward_hook(_all_reduce_hook(allreduce))
     return model
+
+
+def _held_mixers(model) -> list[nn.Module]:
+    """Row-parallel modules that no block's ``subs`` lists, each once: a Zamba2 hybrid layer's
+    attention invocation and Mamba-2 mixer, and each shared block's MLP ``down_proj`` (one
+    module, however many layers invoke it)."""
+    out = []
+    for mod in model.modules():
+        if isinstance(mod, HybridBlock):
+            out += [mod.attention, mod.mamba_decoder.mamba]
+        elif isinstance(mod, SharedTransformer):
+            out.append(mod.feed_forward.down_proj)
+    return out
 
 
 def _shard_norm(mixer: Mamba2Mixer, cfg, size: int, rank: int, allreduce: AllReduce) -> None:

@@ -43,9 +43,11 @@ split, its partial output summed by one all-reduce per sub-block):
   attention run in parallel on one input, each row-parallel with its own all-reduce, and
   its muP multipliers are folded per rank into the local rows (``ssm_multipliers`` by
   segment ``[z | x | B | C | dt]``, computed from the local sizes) or applied to replicated
-  values (embeddings, complete logits).  Zamba2 (head size derived from the head count,
-  shared blocks outside the sub-block structure) and Kimi-Linear (MLA's latent
-  projections) are refused by name.
+  values (embeddings, complete logits).  Zamba2's shared blocks are split once, where
+  they are registered (attention by heads, ``gate_up_proj = [gate | up]`` rows, ``down_proj``
+  columns); each invocation's LoRA adapters ``x -> B (A x)`` keep ``A`` whole (replicated)
+  and split ``B``'s rows like the projection they add to, so ``q + B A x`` stays each rank's
+  own heads exactly.  Kimi-Linear (MLA's latent projections) is refused by name.
 * Everything else (RMSNorms, routers, q/k norms, GDN's per-head-dim norm): replicated.
   Biases of row-parallel projections live on rank 0 only (zeros elsewhere), so the
   all-reduced sum adds them once.
@@ -61,6 +63,7 @@ from ..layers.gdn import GatedDeltaNet
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.mlp import GatedMLP, PlainMLP, SigmoidMoE, SoftmaxMoE
 from ..models.granite_hybrid import GraniteMoE, GraniteSharedMLP
+from ..models.zamba2 import HybridBlock, SharedTransformer
 from ..models.qwen3_5 import QWEN3_5_TYPES, Qwen3_5GatedDeltaNet
 
 __all__ = ["Shard", "ROOT_ONLY", "check_tensor_parallel", "local_config", "shard_rules", "vocab_shard",
@@ -232,6 +235,8 @@ def mamba_dims(cfg) -> tuple[int, int]:
         return cfg.num_heads, cfg.n_groups
     if cfg.model_type == "nemotron_h":
         return cfg.mamba_num_heads, cfg.n_groups
+    if cfg.model_type == "zamba2":
+        return cfg.n_mamba_heads, cfg.mamba_ngroups
     return cfg.mamba_n_heads, cfg.mamba_n_groups
 
 
@@ -269,17 +274,32 @@ def _local_hybrid(cfg, div, kv, groups, **extra):
         intermediate_size=div(cfg.intermediate_size), **extra)
 
 
-_FAMILY_CHECKS = {"bamba": _check_bamba, "granitemoehybrid": _check_granite, "falcon_h1": _check_falcon_h1}
+def _check_zamba2(cfg, N: int) -> None:
+    _check_mamba(N, cfg.n_mamba_heads, cfg.mamba_ngroups, "n_mamba_heads", "mamba_ngroups")
+    if cfg.hybrid_layer_ids:
+        _check_attention(N, cfg.num_attention_heads, cfg.num_key_value_heads)
+        _divides(N, "intermediate_size", cfg.intermediate_size, "shared-MLP channels")
+
+
+def _local_zamba2(cfg, div, kv, groups):
+    return dataclasses.replace(
+        cfg, n_mamba_heads=div(cfg.n_mamba_heads), mamba_ngroups=groups(cfg.mamba_ngroups),
+        num_attention_heads=div(cfg.num_attention_heads), attention_head_dim=cfg.head_dim,
+        num_key_value_heads=kv(cfg.num_attention_heads, cfg.num_key_value_heads),
+        intermediate_size=div(cfg.intermediate_size))
+
+
+_FAMILY_CHECKS = {"bamba": _check_bamba, "granitemoehybrid": _check_granite, "falcon_h1": _check_falcon_h1,
+                  "zamba2": _check_zamba2}
 _FAMILY_LOCAL = {
     "bamba": _local_hybrid,
     "granitemoehybrid": lambda c, div, kv, g: _local_hybrid(c, div, kv, g,
                                                             shared_intermediate_size=div(c.shared_intermediate_size)),
     "falcon_h1": lambda c, div, kv, g: _local_hybrid(c, div, kv, g, mamba_d_ssm=div(c.mamba_d_ssm)),
+    "zamba2": _local_zamba2,
 }
 #: families refused by name, and why
 _REFUSED = {
-    "zamba2": "no sharding rules yet: its attention head size is derived from the head count and its shared "
-              "blocks (with per-use LoRA adapters) sit outside the per-sub-block all-reduce structure",
     "kimi_linear": "no sharding rules: MLA's latent projections (kv_a_proj_with_mqa, kv_b_proj) do not split "
                    "by head without replicating the latent path",
 }
@@ -401,12 +421,39 @@ def _granite_moe_rules(m, N: int, r: int) -> dict:
             "output_linear.weight": Shard(2, _pieces((a, b)))}
 
 
+def _zamba2_shared_rules(m, cfg, N: int, r: int) -> dict:
+    """A Zamba2 shared block: attention and MLP as above; adapters ``.0`` (A) replicated,
+    ``.1`` (B) split like the rows of the projection they add to."""
+    att = type("Dims", (), dict(H=cfg.num_attention_heads, Hkv=cfg.num_key_value_heads, Dh=cfg.head_dim,
+                                output_gate=False))
+    out = {"self_attn." + k: v for k, v in _attention_rules(att, N, r).items()}
+    I = cfg.intermediate_size
+    a, b = _split(I, N, r)
+    gu = Shard(0, _pieces((a, b), (I + a, I + b)))
+    out.update({"feed_forward.gate_up_proj.weight": gu, "feed_forward.gate_up_proj.bias": gu,
+                "feed_forward.down_proj.weight": Shard(1, _pieces((a, b))), "feed_forward.down_proj.bias": ROOT_ONLY})
+    for j in range(len(cfg.hybrid_layer_ids)):
+        for w in "qkv":
+            out[f"self_attn.linear_{w}_adapter_list.{j}.1.weight"] = out[f"self_attn.{w}_proj.weight"]
+        out[f"feed_forward.gate_up_proj_adapter_list.{j}.1.weight"] = gu
+    return out
+
+
 def _held_rules(model, N: int, r: int) -> dict:
-    """Rules of sharded modules that no sub-block lists (Granite's experts, run by its shared MLP)."""
+    """Rules of sharded modules that no sub-block lists: Granite's experts (run by its shared
+    MLP), Zamba2's hybrid layers (their Mamba-2 mixer and the shared blocks)."""
     out = {}
+
+    def put(prefix, rules):
+        out.update({f"{prefix}.{k}": rule for k, rule in rules.items()})
+
     for name, mod in model.named_modules():
         if isinstance(mod, GraniteMoE):
-            out.update({f"{name}.{k}": rule for k, rule in _granite_moe_rules(mod, N, r).items()})
+            put(name, _granite_moe_rules(mod, N, r))
+        elif isinstance(mod, HybridBlock):
+            put(name + ".mamba_decoder.mamba", _mamba_rules(mod.mamba_decoder.mamba, N, r))
+        elif isinstance(mod, SharedTransformer):
+            put(name, _zamba2_shared_rules(mod, model.config, N, r))
     return out
 
 
@@ -435,7 +482,7 @@ def shard_rules(model, N: int, rank: int) -> dict:
             for k, rule in _layer_rules(mixer, N, rank).items():
                 if prefix + k in params:
                     rules[prefix + k] = rule
-    rules.update(_held_rules(model, N, rank))
+    rules.update({k: v for k, v in _held_rules(model, N, rank).items() if k in params})
     V = model.config.vocab_size
     lo, real, Vs = vocab_shard(V, N, rank)
     vocab = Shard(0, _pieces((lo, lo + real)), pad_to=Vs)

@@ -29,6 +29,7 @@ pytest.importorskip("transformers")
 from test_falcon_h1 import tiny_falcon_h1  # noqa: E402
 from test_granite_bamba import _build as granite_or_bamba  # noqa: E402
 from test_qwen3_5 import _text_kw, tiny_qwen3_5  # noqa: E402
+from test_zamba2 import tiny_zamba2  # noqa: E402
 
 from replayssm import LLM, SamplingParams  # noqa: E402
 from replayssm.models import load_model  # noqa: E402
@@ -73,8 +74,17 @@ SPECS = {
     # gate then norm, one group (the Mamba-2 sharded norm); no norm at all
     "falcon_h1_gate": (tiny_falcon_h1, dict(num_attention_heads=4, mamba_n_groups=1, mamba_norm_before_gate=False)),
     "falcon_h1_plain": (tiny_falcon_h1, dict(num_attention_heads=4, mamba_rms_norm=False, tie_word_embeddings=True)),
+    # two shared blocks invoked three times, LoRA adapters, RoPE, biases; 4 heads of 8 (2·16/4),
+    # Mamba-2 8 heads in 2 groups (one per rank)
+    "zamba2": (tiny_zamba2, dict(hidden_size=16, num_attention_heads=4, n_mamba_heads=8, mamba_ngroups=2,
+                                 intermediate_size=12)),
+    # one shared block, GQA (2 KV heads: split), no adapters, one Mamba group (cross-rank norm), tied
+    "zamba2_gqa": (tiny_zamba2, dict(hidden_size=16, num_mem_blocks=1, use_shared_attention_adapter=False,
+                                     use_mem_rope=False, num_attention_heads=4, num_key_value_heads=2,
+                                     n_mamba_heads=8, mamba_ngroups=1, intermediate_size=12, tie_word_embeddings=True,
+                                     hidden_act="silu")),
 }
-GENERATE = ["qwen3_5", "qwen3_5_moe", "granite", "bamba", "falcon_h1", "falcon_h1_g1"]
+GENERATE = ["qwen3_5", "qwen3_5_moe", "granite", "bamba", "falcon_h1", "falcon_h1_g1", "zamba2", "zamba2_gqa"]
 
 
 @pytest.fixture(autouse=True)
@@ -153,11 +163,15 @@ def test_sizes_that_do_not_split_are_named(paths):
         check_tensor_parallel(f, 3)     # 6 heads split in 3, but 2 groups and 3 ranks do not nest
     with pytest.raises(ValueError, match=r"num_attention_heads \(3\)"):
         check_tensor_parallel(dataclasses.replace(f, num_attention_heads=3), 2)
-    for mt, why in (("zamba2", "shared blocks"), ("kimi_linear", "MLA")):
-        cfg = type("Cfg", (), {"model_type": mt})()
-        with pytest.raises(ValueError, match=f"model_type '{mt}' .*{why}"):
-            check_tensor_parallel(cfg, 2)
-        check_tensor_parallel(cfg, 1)   # one rank: nothing to split
+    z = read_config(paths["zamba2"])
+    with pytest.raises(ValueError, match=r"mamba_ngroups \(3\)"):
+        check_tensor_parallel(dataclasses.replace(z, mamba_ngroups=3, n_mamba_heads=6), 2)
+    with pytest.raises(ValueError, match=r"intermediate_size \(11\)"):
+        check_tensor_parallel(dataclasses.replace(z, intermediate_size=11), 2)
+    kimi = type("Cfg", (), {"model_type": "kimi_linear"})()
+    with pytest.raises(ValueError, match="model_type 'kimi_linear' .*MLA"):
+        check_tensor_parallel(kimi, 2)
+    check_tensor_parallel(kimi, 1)   # one rank: nothing to split
 
 
 def test_local_configs():
@@ -169,6 +183,10 @@ def test_local_configs():
     lf = local_config(f, 2)
     assert (lf.mamba_n_heads, lf.mamba_d_ssm, lf.mamba_d_head, lf.mamba_n_groups) == (2, 8, 4, 1)
     assert (lf.num_attention_heads, lf.num_key_value_heads, lf.head_dim, lf.intermediate_size) == (2, 1, 4, 3)
+    z = parse_config(dict(model_type="zamba2", vocab_size=11, hidden_size=8, num_hidden_layers=2,
+                          layers_block_type=["mamba", "hybrid"], num_attention_heads=4, n_mamba_heads=4))
+    lz = local_config(z, 2)
+    assert (lz.num_attention_heads, lz.head_dim, z.head_dim, lz.n_mamba_heads, lz.mamba_headdim) == (2, 4, 4, 2, 4)
 
 
 # ---------------------------------------------------------------------------------------
