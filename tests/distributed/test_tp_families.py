@@ -189,6 +189,33 @@ def test_local_configs():
     assert (lz.num_attention_heads, lz.head_dim, z.head_dim, lz.n_mamba_heads, lz.mamba_headdim) == (2, 4, 4, 2, 4)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "granite", "bamba", "falcon_h1_g1", "zamba2"])
+def test_rank_shards_are_slices_of_the_full_model(paths, arch):
+    """Rank 1's loaded tensors (no process: the loader alone) are the full model's rows or
+    columns its rule names (after the load transforms: the multipliers scale each row alike),
+    row-parallel biases are zeros, the rest equals the full model's."""
+    from replayssm.distributed.loading import load_shard
+    from replayssm.distributed.sharding import ROOT_ONLY, Shard, shard_rules
+
+    full = load_model(paths[arch], dtype="float64")
+    local = load_shard(paths[arch], rank=1, size=2, dtype="float64")
+    rules = shard_rules(full, 2, 1)
+    fp, lp = dict(full.named_parameters()), dict(local.named_parameters())
+    assert set(fp) == set(lp) and all(n in fp for n in rules)
+    assert sum(isinstance(r, Shard) for r in rules.values()) > 8
+    for n, p in lp.items():
+        rule = rules.get(n)
+        if isinstance(rule, Shard):
+            want = torch.cat([fp[n].narrow(rule.dim, a, b - a) for a, b in rule.ranges], rule.dim)
+            got = p.narrow(rule.dim, 0, want.shape[rule.dim])
+            assert torch.equal(got, want), n
+            assert not p.narrow(rule.dim, want.shape[rule.dim], p.shape[rule.dim] - want.shape[rule.dim]).any(), n
+        elif rule == ROOT_ONLY:
+            assert not p.any(), n
+        else:
+            assert torch.equal(p, fp[n]), n
+
+
 # ---------------------------------------------------------------------------------------
 # two processes
 # ---------------------------------------------------------------------------------------
