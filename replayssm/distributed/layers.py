@@ -38,7 +38,10 @@ from ..kernels.norm import gated_rmsnorm, gated_sumsq
 from ..layers.mamba2 import Mamba2Mixer
 from ..runtime import compute_dtype
 from .allreduce import AllReduce
-from .sharding import mamba_groups, vocab_shard
+from ..layers.norms import GatedRMSNorm
+from ..models.falcon_h1 import GroupedNormThenGate
+from ..models.zamba2 import HybridBlock, SharedTransformer
+from .sharding import mamba_dims, mamba_groups, vocab_shard
 
 __all__ = ["ShardInfo", "ShardedGatedRMSNorm", "TensorParallelLM", "build_local_model", "all_gather_last"]
 
@@ -113,6 +116,21 @@ class ShardedGatedRMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(var + self.eps)).to(dt)
 
 
+class ShardedNormThenGate(ShardedGatedRMSNorm):
+    """Falcon-H1's norm-then-gate ``y = w · rms_g(x) · silu(z)`` (``mamba_norm_before_gate``)
+    when a norm group spans ranks: the local sums of squares of ``x`` are all-reduced as in
+    :class:`ShardedGatedRMSNorm` (plain PyTorch, at least fp32)."""
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        return self.reference(x, z)
+
+    def reference(self, x: Tensor, z: Tensor) -> Tensor:
+        cdt = compute_dtype(x.dtype)
+        xf = x.to(cdt)
+        var = self._total(xf.pow(2).sum(-1))[..., None] / self.group_size
+        return (self.weight.to(cdt) * xf * torch.rsqrt(var + self.eps) * F.silu(z.to(cdt))).to(x.dtype)
+
+
 class TensorParallelLM:
     """Mixed into a model class (``shard_class``): a vocabulary-parallel embedding and LM head."""
 
@@ -166,17 +184,36 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
             if isinstance(mixer, Mamba2Mixer):
                 _shard_norm(mixer, cfg, size, rank, allreduce)
             mixer.register_forward_hook(_all_reduce_hook(allreduce))
+    for mixer in _held_mixers(model):
+        if isinstance(mixer, Mamba2Mixer):
+            _shard_norm(mixer, cfg, size, rank, allreduce)
+        mixer.register_forward_hook(_all_reduce_hook(allreduce))
     return model
+
+
+def _held_mixers(model) -> list[nn.Module]:
+    """Row-parallel modules that no block's ``subs`` lists, each once: a Zamba2 hybrid layer's
+    attention invocation and Mamba-2 mixer, and each shared block's MLP ``down_proj`` (one
+    module, however many layers invoke it)."""
+    out = []
+    for mod in model.modules():
+        if isinstance(mod, HybridBlock):
+            out += [mod.attention, mod.mamba_decoder.mamba]
+        elif isinstance(mod, SharedTransformer):
+            out.append(mod.feed_forward.down_proj)
+    return out
 
 
 def _shard_norm(mixer: Mamba2Mixer, cfg, size: int, rank: int, allreduce: AllReduce) -> None:
     """Replace the mixer's gated norm when its groups span ranks (``n_groups`` < ranks)."""
-    G = cfg.n_groups
-    H = cfg.num_heads if cfg.model_type == "mamba2" else cfg.mamba_num_heads
+    H, G = mamba_dims(cfg)
     if G % size == 0:
         return  # whole norm groups on every rank: the local norm is exact
     old = mixer.norm
+    if not isinstance(old, (GatedRMSNorm, GroupedNormThenGate)):
+        return  # no norm (Falcon-H1's plain ``y · silu(z)``): elementwise, exact per rank
+    cls = ShardedGatedRMSNorm if getattr(old, "gate_first", False) else ShardedNormThenGate
     gsize = mixer.inter * size // G          # global channels / G
     g0, _ = mamba_groups(H, G, size, rank)
     with torch.device("meta"):
-        mixer.norm = ShardedGatedRMSNorm(mixer.inter, old.eps, gsize, g0, G, allreduce)
+        mixer.norm = cls(mixer.inter, old.eps, gsize, g0, G, allreduce)

@@ -34,6 +34,20 @@ split, its partial output summed by one all-reduce per sub-block):
   for any routing.)
 * Embedding and LM head: vocabulary rows ``[r Vs, (r+1) Vs)`` with ``Vs = ceil(V / N)``
   (the last shard zero-padded); logits are all-gathered and cut back to ``V``.
+* Family specifics (same rules, other layouts): Qwen3.5's GDN has separate
+  ``in_proj_qkv`` (rows ``[q | k | v]`` as the conv) / ``in_proj_z`` / ``in_proj_b`` /
+  ``in_proj_a`` (by value head); Granite-4.0-H's shared MLP ``input_linear = [gate | up]``
+  and experts ``input_linear [E, 2I, D]`` / ``output_linear [E, D, I]`` split like the
+  MoE above (its ``residual_multiplier`` and attention scale are folded into the weights:
+  linear, so each rank's partial sum carries them exactly); Falcon-H1's Mamba-2 and
+  attention run in parallel on one input, each row-parallel with its own all-reduce, and
+  its muP multipliers are folded per rank into the local rows (``ssm_multipliers`` by
+  segment ``[z | x | B | C | dt]``, computed from the local sizes) or applied to replicated
+  values (embeddings, complete logits).  Zamba2's shared blocks are split once, where
+  they are registered (attention by heads, ``gate_up_proj = [gate | up]`` rows, ``down_proj``
+  columns); each invocation's LoRA adapters ``x -> B (A x)`` keep ``A`` whole (replicated)
+  and split ``B``'s rows like the projection they add to, so ``q + B A x`` stays each rank's
+  own heads exactly.  Kimi-Linear (MLA's latent projections) is refused by name.
 * Everything else (RMSNorms, routers, q/k norms, GDN's per-head-dim norm): replicated.
   Biases of row-parallel projections live on rank 0 only (zeros elsewhere), so the
   all-reduced sum adds them once.
@@ -48,9 +62,12 @@ from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.mlp import GatedMLP, PlainMLP, SigmoidMoE, SoftmaxMoE
+from ..models.granite_hybrid import GraniteMoE, GraniteSharedMLP
+from ..models.zamba2 import HybridBlock, SharedTransformer
+from ..models.qwen3_5 import QWEN3_5_TYPES, Qwen3_5GatedDeltaNet
 
 __all__ = ["Shard", "ROOT_ONLY", "check_tensor_parallel", "local_config", "shard_rules", "vocab_shard",
-           "kv_heads", "mamba_groups"]
+           "kv_heads", "mamba_groups", "mamba_dims"]
 
 
 @dataclass(frozen=True)
@@ -111,10 +128,10 @@ def vocab_shard(V: int, N: int, rank: int) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------
 # configs
 # ---------------------------------------------------------------------------------------
-def _check_mamba(N: int, H: int, G: int, heads_field: str) -> None:
+def _check_mamba(N: int, H: int, G: int, heads_field: str, groups_field: str = "n_groups") -> None:
     _divides(N, heads_field, H, "Mamba-2 heads")
     _need(G % N == 0 or N % G == 0,
-          f"tensor_parallel_size={N} and n_groups ({G}) must divide one another: Mamba-2 groups (B, C and "
+          f"tensor_parallel_size={N} and {groups_field} ({G}) must divide one another: Mamba-2 groups (B, C and "
           f"the gated-norm groups) are split across ranks or replicated, never cut")
 
 
@@ -151,7 +168,7 @@ def check_tensor_parallel(cfg, N: int) -> None:
             _divides(N, "moe_intermediate_size", cfg.moe_intermediate_size, "channels of every expert")
             _divides(N, "moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
                      "shared-expert channels")
-    elif mt == "qwen3_next":
+    elif mt == "qwen3_next" or mt in QWEN3_5_TYPES:
         kinds = set(cfg.layer_kinds)
         if "gdn" in kinds:
             _divides(N, "linear_num_key_heads", cfg.linear_num_key_heads, "GDN key heads (and their value heads)")
@@ -165,8 +182,12 @@ def check_tensor_parallel(cfg, N: int) -> None:
             if cfg.shared_expert_intermediate_size:
                 _divides(N, "shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
                          "shared-expert channels")
-    else:  # pragma: no cover - read_config only yields the three types
-        raise ValueError(f"tensor parallelism has no sharding rules for model_type {mt!r}")
+    elif mt in _FAMILY_CHECKS:
+        _FAMILY_CHECKS[mt](cfg, N)
+    else:
+        why = _REFUSED.get(mt, "no sharding rules")
+        raise ValueError(f"tensor parallelism does not support model_type {mt!r} ({why}); "
+                         f"use tensor_parallel_size=1")
 
 
 def local_config(cfg, N: int):
@@ -188,6 +209,8 @@ def local_config(cfg, N: int):
 
     if mt == "mamba2":
         return dataclasses.replace(cfg, num_heads=cfg.num_heads // N, n_groups=groups(cfg.n_groups))
+    if mt in _FAMILY_LOCAL:
+        return _FAMILY_LOCAL[mt](cfg, div, kv, groups)
     if mt == "nemotron_h":
         return dataclasses.replace(
             cfg, mamba_num_heads=div(cfg.mamba_num_heads), n_groups=groups(cfg.n_groups),
@@ -201,6 +224,85 @@ def local_config(cfg, N: int):
         num_key_value_heads=kv(cfg.num_attention_heads, cfg.num_key_value_heads),
         intermediate_size=div(cfg.intermediate_size), moe_intermediate_size=div(cfg.moe_intermediate_size),
         shared_expert_intermediate_size=div(cfg.shared_expert_intermediate_size))
+
+
+# ---------------------------------------------------------------------------------------
+# the hybrid families with ``mamba_n_*`` fields (Bamba, Granite-4.0-H, Falcon-H1)
+# ---------------------------------------------------------------------------------------
+def mamba_dims(cfg) -> tuple[int, int]:
+    """``(Mamba-2 heads, groups)`` of a config, whatever the family calls them."""
+    if cfg.model_type == "mamba2":
+        return cfg.num_heads, cfg.n_groups
+    if cfg.model_type == "nemotron_h":
+        return cfg.mamba_num_heads, cfg.n_groups
+    if cfg.model_type == "zamba2":
+        return cfg.n_mamba_heads, cfg.mamba_ngroups
+    return cfg.mamba_n_heads, cfg.mamba_n_groups
+
+
+def _check_hybrid(cfg, N: int, mamba: bool, attention: bool) -> None:
+    if mamba:
+        _check_mamba(N, cfg.mamba_n_heads, cfg.mamba_n_groups, "mamba_n_heads", "mamba_n_groups")
+    if attention:
+        _check_attention(N, cfg.num_attention_heads, cfg.num_key_value_heads)
+
+
+def _check_bamba(cfg, N: int) -> None:
+    kinds = set(cfg.layer_kinds)
+    _check_hybrid(cfg, N, "mamba" in kinds, "attention" in kinds)
+    _divides(N, "intermediate_size", cfg.intermediate_size, "MLP channels")
+
+
+def _check_granite(cfg, N: int) -> None:
+    kinds = set(cfg.layer_kinds)
+    _check_hybrid(cfg, N, "mamba" in kinds, "attention" in kinds)
+    if cfg.num_local_experts:
+        _divides(N, "intermediate_size", cfg.intermediate_size, "channels of every expert")
+    _divides(N, "shared_intermediate_size", cfg.shared_intermediate_size, "shared-MLP channels")
+
+
+def _check_falcon_h1(cfg, N: int) -> None:
+    _check_hybrid(cfg, N, True, True)
+    _divides(N, "intermediate_size", cfg.intermediate_size, "MLP channels")
+
+
+def _local_hybrid(cfg, div, kv, groups, **extra):
+    return dataclasses.replace(
+        cfg, mamba_n_heads=div(cfg.mamba_n_heads), mamba_n_groups=groups(cfg.mamba_n_groups),
+        num_attention_heads=div(cfg.num_attention_heads),
+        num_key_value_heads=kv(cfg.num_attention_heads, cfg.num_key_value_heads),
+        intermediate_size=div(cfg.intermediate_size), **extra)
+
+
+def _check_zamba2(cfg, N: int) -> None:
+    _check_mamba(N, cfg.n_mamba_heads, cfg.mamba_ngroups, "n_mamba_heads", "mamba_ngroups")
+    if cfg.hybrid_layer_ids:
+        _check_attention(N, cfg.num_attention_heads, cfg.num_key_value_heads)
+        _divides(N, "intermediate_size", cfg.intermediate_size, "shared-MLP channels")
+
+
+def _local_zamba2(cfg, div, kv, groups):
+    return dataclasses.replace(
+        cfg, n_mamba_heads=div(cfg.n_mamba_heads), mamba_ngroups=groups(cfg.mamba_ngroups),
+        num_attention_heads=div(cfg.num_attention_heads), attention_head_dim=cfg.head_dim,
+        num_key_value_heads=kv(cfg.num_attention_heads, cfg.num_key_value_heads),
+        intermediate_size=div(cfg.intermediate_size))
+
+
+_FAMILY_CHECKS = {"bamba": _check_bamba, "granitemoehybrid": _check_granite, "falcon_h1": _check_falcon_h1,
+                  "zamba2": _check_zamba2}
+_FAMILY_LOCAL = {
+    "bamba": _local_hybrid,
+    "granitemoehybrid": lambda c, div, kv, g: _local_hybrid(c, div, kv, g,
+                                                            shared_intermediate_size=div(c.shared_intermediate_size)),
+    "falcon_h1": lambda c, div, kv, g: _local_hybrid(c, div, kv, g, mamba_d_ssm=div(c.mamba_d_ssm)),
+    "zamba2": _local_zamba2,
+}
+#: families refused by name, and why
+_REFUSED = {
+    "kimi_linear": "no sharding rules: MLA's latent projections (kv_a_proj_with_mqa, kv_b_proj) do not split "
+                   "by head without replicating the latent path",
+}
 
 
 # ---------------------------------------------------------------------------------------
@@ -289,7 +391,76 @@ def _sigmoid_moe_rules(m, N: int, r: int) -> dict:
     return out
 
 
+def _gdn_separate_rules(m, N: int, r: int) -> dict:
+    """Qwen3.5's GDN: ``in_proj_qkv`` rows ``[q | k | v]`` (as the conv channels), ``in_proj_z``
+    ``[HV V]``, ``in_proj_b`` / ``in_proj_a`` ``[HV]``: key heads ``[r H/N, ...)`` and their value heads."""
+    H, HV, K, V = m.H, m.HV, m.K, m.V
+    k0, k1 = _split(H, N, r)
+    v0, v1 = _split(HV, N, r)
+    qkv = Shard(0, _pieces((k0 * K, k1 * K), (H * K + k0 * K, H * K + k1 * K),
+                           (2 * H * K + v0 * V, 2 * H * K + v1 * V)))
+    vheads = Shard(0, _pieces((v0, v1)))
+    return {"in_proj_qkv.weight": qkv, "conv1d.weight": qkv, "in_proj_z.weight": Shard(0, _pieces((v0 * V, v1 * V))),
+            "in_proj_b.weight": vheads, "in_proj_a.weight": vheads, "dt_bias": vheads, "A_log": vheads,
+            "out_proj.weight": Shard(1, _pieces((v0 * V, v1 * V)))}
+
+
+def _granite_mlp_rules(m, N: int, r: int) -> dict:
+    """Granite's shared MLP: ``input_linear = [gate (S) | up (S)]`` rows, ``output_linear`` columns."""
+    S = m.output_linear.weight.shape[1]
+    a, b = _split(S, N, r)
+    return {"input_linear.weight": Shard(0, _pieces((a, b), (S + a, S + b))),
+            "output_linear.weight": Shard(1, _pieces((a, b))), "output_linear.bias": ROOT_ONLY}
+
+
+def _granite_moe_rules(m, N: int, r: int) -> dict:
+    """Granite's experts: ``input_linear [E, 2I, D]`` (``[gate | up]``), ``output_linear [E, D, I]``."""
+    I = m.output_linear.weight.shape[2]
+    a, b = _split(I, N, r)
+    return {"input_linear.weight": Shard(1, _pieces((a, b), (I + a, I + b))),
+            "output_linear.weight": Shard(2, _pieces((a, b)))}
+
+
+def _zamba2_shared_rules(m, cfg, N: int, r: int) -> dict:
+    """A Zamba2 shared block: attention and MLP as above; adapters ``.0`` (A) replicated,
+    ``.1`` (B) split like the rows of the projection they add to."""
+    att = type("Dims", (), dict(H=cfg.num_attention_heads, Hkv=cfg.num_key_value_heads, Dh=cfg.head_dim,
+                                output_gate=False))
+    out = {"self_attn." + k: v for k, v in _attention_rules(att, N, r).items()}
+    I = cfg.intermediate_size
+    a, b = _split(I, N, r)
+    gu = Shard(0, _pieces((a, b), (I + a, I + b)))
+    out.update({"feed_forward.gate_up_proj.weight": gu, "feed_forward.gate_up_proj.bias": gu,
+                "feed_forward.down_proj.weight": Shard(1, _pieces((a, b))), "feed_forward.down_proj.bias": ROOT_ONLY})
+    for j in range(len(cfg.hybrid_layer_ids)):
+        for w in "qkv":
+            out[f"self_attn.linear_{w}_adapter_list.{j}.1.weight"] = out[f"self_attn.{w}_proj.weight"]
+        out[f"feed_forward.gate_up_proj_adapter_list.{j}.1.weight"] = gu
+    return out
+
+
+def _held_rules(model, N: int, r: int) -> dict:
+    """Rules of sharded modules that no sub-block lists: Granite's experts (run by its shared
+    MLP), Zamba2's hybrid layers (their Mamba-2 mixer and the shared blocks)."""
+    out = {}
+
+    def put(prefix, rules):
+        out.update({f"{prefix}.{k}": rule for k, rule in rules.items()})
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, GraniteMoE):
+            put(name, _granite_moe_rules(mod, N, r))
+        elif isinstance(mod, HybridBlock):
+            put(name + ".mamba_decoder.mamba", _mamba_rules(mod.mamba_decoder.mamba, N, r))
+        elif isinstance(mod, SharedTransformer):
+            put(name, _zamba2_shared_rules(mod, model.config, N, r))
+    return out
+
+
 def _layer_rules(m, N: int, r: int) -> dict:
+    for cls, fn in ((Qwen3_5GatedDeltaNet, _gdn_separate_rules), (GraniteSharedMLP, _granite_mlp_rules)):
+        if isinstance(m, cls):
+            return fn(m, N, r)
     for cls, fn in ((Mamba2Mixer, _mamba_rules), (GatedDeltaNet, _gdn_rules), (Attention, _attention_rules),
                     (SoftmaxMoE, _softmax_moe_rules), (SigmoidMoE, _sigmoid_moe_rules),
                     (GatedMLP, _mlp_rules), (PlainMLP, _mlp_rules)):
@@ -311,6 +482,7 @@ def shard_rules(model, N: int, rank: int) -> dict:
             for k, rule in _layer_rules(mixer, N, rank).items():
                 if prefix + k in params:
                     rules[prefix + k] = rule
+    rules.update({k: v for k, v in _held_rules(model, N, rank).items() if k in params})
     V = model.config.vocab_size
     lo, real, Vs = vocab_shard(V, N, rank)
     vocab = Shard(0, _pieces((lo, lo + real)), pad_to=Vs)

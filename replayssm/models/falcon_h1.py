@@ -309,13 +309,9 @@ class FalconH1LM(CausalLM):
         super().__init__(config, dtype, device)
         c = config
         self.rotary = rot = Rotary(c.head_dim, c.head_dim, c.rope_theta)
+        self.embedding_multiplier = float(c.embedding_multiplier)   # applied by CausalLM after the lookup
         layers = [falcon_h1_block(c, i, rot) for i in range(c.num_hidden_layers)]
         self._assemble("model", "embed_tokens", layers, "final_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps))
-
-    def _embed(self, input_ids: Tensor) -> Tensor:
-        e = super()._embed(input_ids)
-        m = self.config.embedding_multiplier
-        return e if m == 1.0 else e * m
 
     def _logits(self, hn: Tensor) -> Tensor:
         out = super()._logits(hn)

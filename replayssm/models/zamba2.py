@@ -84,6 +84,9 @@ class Zamba2Config:
     max_position_embeddings: int | None = None
     num_nextn_predict_layers: int = 0
     model_type: str = "zamba2"
+    #: the attention head size when it is not ``2 · hidden / heads`` (a tensor-parallel rank's
+    #: config holds a share of the heads at the global head size); never read from config.json
+    attention_head_dim: int | None = None
 
     @property
     def layer_kinds(self) -> list[str]:
@@ -95,7 +98,7 @@ class Zamba2Config:
 
     @property
     def head_dim(self) -> int:
-        return 2 * self.hidden_size // self.num_attention_heads
+        return self.attention_head_dim or 2 * self.hidden_size // self.num_attention_heads
 
     @property
     def mamba_intermediate(self) -> int:
@@ -193,8 +196,8 @@ class SharedTransformer(nn.Module):
         a.q_proj, a.k_proj = Linear(D2, H * Dh), Linear(D2, Hkv * Dh)
         a.v_proj, a.o_proj = Linear(D2, Hkv * Dh), Linear(H * Dh, c.hidden_size)
         if c.use_shared_attention_adapter:
-            for w in "qkv":
-                setattr(a, f"linear_{w}_adapter_list", _adapter_list(n, owned, D2, r, D2))
+            for w, heads in zip("qkv", (H, Hkv, Hkv)):   # out: the projection's width (2 · hidden globally)
+                setattr(a, f"linear_{w}_adapter_list", _adapter_list(n, owned, D2, r, heads * Dh))
         self.pre_ff_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         f = self.feed_forward = nn.Module()
         f.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, c.add_bias_linear)
