@@ -100,9 +100,10 @@ class KimiDeltaAttention(GatedDeltaNet):
         a["beta"] = torch.where(valid[..., None], a["beta"], torch.zeros_like(a["beta"]))
         return a
 
-    def alloc_ring(self, num_slots: int, capacity: int, dtype, device) -> KDABuffers:
+    def alloc_ring(self, num_slots: int, capacity: int, dtype, device, state_dtype=None) -> KDABuffers:
+        sdt = state_dtype or compute_dtype(dtype)
         return KDABuffers.allocate(num_slots, capacity, self.H, self.HV, self.K, self.V, dtype=dtype,
-                                   state_dtype=compute_dtype(dtype), device=device)
+                                   state_dtype=sdt, decay_dtype=compute_dtype(dtype, sdt), device=device)
 
     def alloc_pages(self, num_blocks: int, block_size: int, dtype, device) -> KDAPagedBuffers:
         return KDAPagedBuffers.allocate(num_blocks, block_size, self.H, self.HV, self.K, self.V, dtype=dtype,
