@@ -210,7 +210,8 @@ class ModelRunner:
             mask = pad_rows(mask, Bp, True)
         key = GraphKey("spec", Bp, self._form(), N, tree, masked=mask is not None)
         if self.use_graphs and key not in self._graph_failed:
-            g = self._graphs.get(key) or self._capture_spec(key, Bp, N, tree, masked=mask is not None)
+            g = self._graphs.get(key) or self._capture_spec(key, Bp, N, tree,
+                                                            **({"masked": True} if mask is not None else {}))
             if g is not None:
                 graph, ins, outs = g
                 src = (self._slots(slots, Bp), tokens, parent, valid) + ((mask,) if mask is not None else ())
@@ -280,7 +281,7 @@ class ModelRunner:
         key = GraphKey("sspec", Bp, self._form(), N, tree, q is not None, sb.key(), mask is not None)
         if self.use_graphs and key not in self._graph_failed:
             g = self._graphs.get(key) or self._capture_sampled(key, Bp, N, tree, q is not None, sb,
-                                                               masked=mask is not None)
+                                                               **({"masked": True} if mask is not None else {}))
             if g is not None:
                 graph, ins, outs = g
                 src = [self._slots(slots, Bp), tokens, parent, valid, u] + ([q] if q is not None else []) + \

@@ -255,3 +255,46 @@ def test_masked_verify_steps_equal_masking_by_hand():
         r.prefill([s], [p])
     acc, bonus, _ = r.greedy_verify_step(other, tokens, parent, valid, False, mask=mask)
     assert torch.equal(acc, want[0]) and torch.equal(bonus, want[2])
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for y in (x or ()) for t in _tensors(y)] if isinstance(x, (tuple, list)) else []
+
+
+class _Replay:
+    """A CUDA graph stand-in on CPU: capture runs the body on the static inputs, replay runs
+    it again and writes into the captured outputs."""
+
+    def __init__(self, body):
+        self.body, self.outs = body, body()
+
+    def replay(self):
+        for dst, src in zip(_tensors(self.outs), _tensors(self.body())):
+            dst.copy_(src)
+
+
+def test_masked_graph_keys_read_the_mask_from_their_static_input():
+    """With graphs simulated on CPU, masked greedy and sampled verify steps are their own
+    graph keys whose static mask input carries each step's mask."""
+    from replayssm.engine.model_runner import GraphKey
+    llm = LLM(MODEL, max_seq_len=256, pad_batches=True,
+              speculative=SpeculativeConfig("draft", num_tokens=3, draft_model=MODEL, spec_policy="fixed"))
+    r, keys = llm.runner, []
+
+    def capture(key, ins, body, warm, what):
+        keys.append(key)
+        g = _Replay(body)
+        r._graphs[key] = (g, ins, g.outs)
+        return r._graphs[key]
+
+    r._capture_step = capture
+    r.use_graphs = True
+    r._graph_failed.update({GraphKey("decode", b, r._form()) for b in r.buckets})
+    ps = PARAMS[:3] + [SamplingParams(**{**PARAMS[0].__dict__, "logprobs": 1})]
+    want = [o.token_ids for o in LLM(MODEL, max_seq_len=256).generate(PROMPTS[:4], ps)]
+    assert [o.token_ids for o in llm.generate(PROMPTS[:4], ps)] == want
+    assert {(k.kind, k.masked) for k in keys} >= {("sspec", True)}
+    assert [o.token_ids for o in llm.generate(PROMPTS[:3], PARAMS[:3])] == reference()[:3]
+    assert {(k.kind, k.masked) for k in keys} >= {("spec", True), ("sspec", True)}
