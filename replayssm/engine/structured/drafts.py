@@ -114,6 +114,8 @@ class DraftMasks:
             for i in range(len(d) + 1):   # positions 0..n_ok: after d_1..d_i
                 src.append(j * D + i)
                 dst.append(b * N + nodes[i])
+                if not c.bad_words and len(s.output_ids) + i >= c.min_tokens:
+                    continue   # nothing banned (skip copying the output)
                 for t in c.banned(s.output_ids + d[:i]):
                     ban_r.append(b * N + nodes[i])
                     ban_t.append(t)
