@@ -23,8 +23,7 @@ from .scheduler import ScheduledBatch
 from .sequence import Sequence
 from .spec.base import Proposal
 from .spec.policy import AdaptiveLengths, length_policy
-from .structured import LogitsMasker
-from .structured.drafts import DraftMasks
+from .structured import DraftMasks, LogitsMasker
 from .warmup import measure_step_costs
 
 #: one sequence's result of a step: (sequence, new tokens, per-token logprobs or None)
