@@ -298,3 +298,34 @@ def test_masked_graph_keys_read_the_mask_from_their_static_input():
     assert {(k.kind, k.masked) for k in keys} >= {("sspec", True)}
     assert [o.token_ids for o in llm.generate(PROMPTS[:3], PARAMS[:3])] == reference()[:3]
     assert {(k.kind, k.masked) for k in keys} >= {("spec", True), ("sspec", True)}
+
+
+def test_sampled_acceptance_is_exact_for_the_masked_target_only_when_rejected_drafts_stay():
+    """Why drafts with distributions are not cut: a draft ``x ~ q`` the grammar rejects,
+    kept and verified against the masked target, is rejected and the residual is drawn; the
+    first token is then distributed exactly as the masked target.  Cutting such drafts (the
+    bonus drawn from the masked target instead) skews it when ``q`` favours banned tokens."""
+    from replayssm.engine.sampler import accept_tree
+    g = torch.Generator().manual_seed(0)
+    B, V = 400_000, 6
+    allowed = torch.tensor([True, True, False, True, False, True])
+    p = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64).masked_fill(~allowed, float("-inf")), -1)
+    q = torch.tensor([0.05, 0.1, 0.4, 0.05, 0.3, 0.1], dtype=torch.float64)
+    x = torch.multinomial(q.float(), B, replacement=True, generator=g)
+    tokens = torch.stack([torch.zeros(B, dtype=torch.long), x], 1)
+    parent = torch.tensor([-1, 0]).expand(B, 2)
+    P = p.expand(B, 2, V)
+    Q = torch.stack([torch.zeros(V, dtype=torch.float64), q]).expand(B, 2, V)
+    u = torch.rand(B, 3, generator=g, dtype=torch.float64)
+
+    def first_tokens(valid):
+        acc, _, bonus = accept_tree(P, tokens, parent, valid, Q, u)
+        return torch.where(acc >= 2, x, bonus)
+
+    kept = torch.bincount(first_tokens(torch.ones(B, 2, dtype=torch.bool)), minlength=V).double() / B
+    cut = torch.bincount(first_tokens(torch.stack([torch.ones(B, dtype=torch.bool), allowed[x]], 1)),
+                         minlength=V).double() / B
+    tol = 5 * (p * (1 - p) / B).sqrt() + 1e-4
+    assert ((kept - p).abs() <= tol).all(), (kept, p)
+    assert kept[~allowed].sum() == 0 and cut[~allowed].sum() == 0
+    assert (cut - p).abs().max() > 0.02, (cut, p)   # the cut skews it
