@@ -41,9 +41,9 @@ captured when first met.
 """
 
 from .constraint import ConstraintFactory, RequestConstraint
-from .grammar import GrammarCache, StructuredOutputsUnavailable, require_llguidance
 from .drafts import DraftMasks
+from .grammar import GrammarCache, StructuredOutputsUnavailable, require_llguidance
 from .logits import LogitsMasker
 
-__all__ = ["ConstraintFactory", "RequestConstraint", "GrammarCache", "StructuredOutputsUnavailable",
-           "require_llguidance", "LogitsMasker", "DraftMasks"]
+__all__ = ["ConstraintFactory", "DraftMasks", "GrammarCache", "LogitsMasker", "RequestConstraint",
+           "StructuredOutputsUnavailable", "require_llguidance"]

@@ -98,7 +98,10 @@ class DraftMasks:
                 if seqs[b].constraint.matcher is not None]
         if gram:
             llg = require_llguidance()
-            from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+            from llguidance.torch import (
+                fill_next_token_bitmask_par,
+                fill_next_token_bitmask_par_with_draft_tokens,
+            )
             if self.masker._executor is None:
                 self.masker._executor = llg.LLExecutor()
             ex = self.masker._executor
