@@ -221,6 +221,21 @@ def test_walk_masks_and_cuts_match_stepping_one_matcher(has_q):
         assert mask[b, n_ok + 1:].all()   # never accepted: open
 
 
+def test_walk_rejects_bad_shapes_before_touching_a_matcher():
+    f = _factory()
+    c = f.build(SamplingParams(structured_outputs={"regex": RX}))[0]
+    dm = DraftMasks(LogitsMasker("cpu"))
+    t = torch.tensor([[0, 97, 98]])
+    par = torch.tensor([[-1, 0, 1]])
+    ok = torch.ones(1, 3, dtype=torch.bool)
+    for args in ((t, par[:, :2], ok), (t, par, ok[:, :2]), (t[0], par[0], ok[0])):
+        with pytest.raises(ValueError, match="DraftMasks.build"):
+            dm.build([_Seq(c)], *args, False, False, 257)
+    with pytest.raises(ValueError, match="B = 2"):
+        dm.build([_Seq(c), _Seq(None)], t, par, ok, False, False, 257)
+    assert c.matcher.validate_tokens([97, 98]) == 2   # untouched
+
+
 def test_tree_rows_verify_their_first_child_chain():
     parent = [-1, 0, 0, 1, 1, 3, 2]
     valid = [True, True, True, True, False, True, True]

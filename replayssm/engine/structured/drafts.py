@@ -74,6 +74,11 @@ class DraftMasks:
         """``(mask [B, N, V] bool on the device, valid [B, N] bool)`` for proposal rows
         ``tokens/parent/valid [B, N]``; ``(None, valid)`` when no row is constrained.
         Reads the drafts on the host (a sync on a device-drafted proposal)."""
+        if tokens.dim() != 2 or parent.shape != tokens.shape or valid.shape != tokens.shape or \
+                tokens.shape[0] != len(seqs) or tokens.shape[1] < 1:
+            raise ValueError(f"DraftMasks.build: tokens, parent and valid must be [B, N] (N >= 1) for B = "
+                             f"{len(seqs)} sequences, got {tuple(tokens.shape)}, {tuple(parent.shape)}, "
+                             f"{tuple(valid.shape)}")
         rows = [b for b, s in enumerate(seqs) if s.constraint is not None]
         if not rows:
             return None, valid
