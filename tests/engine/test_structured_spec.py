@@ -124,7 +124,8 @@ def test_sampled_constrained_speculation_validates():
     """Sampled rows with draft distributions (the rejected draft stays and is rejected by
     the masked target) and without; every output obeys its constraint."""
     for sp in (SpeculativeConfig("draft", num_tokens=3, draft_model=DRAFT),
-               SpeculativeConfig("ngram", num_tokens=3, prompt_lookup_min=1)):
+               SpeculativeConfig("ngram", num_tokens=3, prompt_lookup_min=1),
+               SpeculativeConfig("tree", draft_model=DRAFT, tree_width=2, tree_depth=2, spec_policy="fixed")):
         llm = LLM(MODEL, max_seq_len=256, speculative=sp)
         ps = [SamplingParams(**{**p.__dict__, "temperature": 0.9, "seed": i}) if i != 3 else p
               for i, p in enumerate(PARAMS)]
