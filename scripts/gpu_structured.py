@@ -42,6 +42,7 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
 import string
 import sys
 import tempfile
@@ -66,6 +67,9 @@ def synthetic_tokenizer(V: int):
     bytes, printable pairs, then 3- and 4-character strings of letters, digits and JSON's
     punctuation (each merge: a token's prefix + its last character)."""
     from tokenizers import Tokenizer
+    if V < 258:
+        raise ValueError(f"synthetic_tokenizer: the model's vocabulary ({V}) must hold the 256 bytes, <eos> "
+                         f"and more")
     bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     cs = list(bs)
     for b in range(256):
@@ -134,8 +138,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     dev_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
-    with tempfile.TemporaryDirectory() as tmp:
-        model = load(_random_model_dir(args.preset, tmp), torch.device(args.device), getattr(torch, args.dtype))[0]
+    tmp = tempfile.mkdtemp(prefix="structured-")   # kept until the end (weights may be read lazily)
+    try:
+        return _run(args, tmp, t_start, dev_name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(args, tmp: str, t_start: float, dev_name: str) -> int:
+    model = load(_random_model_dir(args.preset, tmp), torch.device(args.device), getattr(torch, args.dtype))[0]
     V = int(model.config.vocab_size)
     model.config = dataclasses.replace(model.config, eos_token_id=V - 1)   # the synthetic tokenizer's <eos>
     tok = synthetic_tokenizer(V)

@@ -82,5 +82,5 @@ class LogitsMasker:
             self._shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
         bits = ((mask[:, :, None] >> self._shifts) & 1).bool().reshape(mask.shape[0], -1)
         if bits.shape[1] >= V:
-            return bits[:, :V].contiguous()
+            return bits[:, :V]
         return torch.cat([bits, bits.new_zeros(mask.shape[0], V - bits.shape[1])], 1)
