@@ -9,6 +9,7 @@ produced: ``(sequence, new tokens, per-token logprobs or None)``.
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 
@@ -20,8 +21,9 @@ from .output_processor import logprob_rows
 from .sampler import token_logprobs
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+from .spec.base import Proposal
 from .spec.policy import AdaptiveLengths, length_policy
-from .structured import LogitsMasker
+from .structured import DraftMasks, LogitsMasker
 from .warmup import measure_step_costs
 
 #: one sequence's result of a step: (sequence, new tokens, per-token logprobs or None)
@@ -53,6 +55,10 @@ class StepExecutor:
             self.stats.setdefault(f"spec_T{T}_steps", 0)
         self._tree_needs_state = False
         self.masker = LogitsMasker(sampler.device)   # constrained rows' masks and biases
+        self.draft_masks = DraftMasks(self.masker)     # ... at every verify position
+        # runners whose verify steps take a token mask (others: constrained rows decode plainly)
+        self._masked_verify = all("mask" in inspect.signature(f).parameters
+                                  for f in (runner.greedy_verify_step, runner.sampled_verify_step))
 
     def verify_shapes(self) -> tuple[list, list]:
         """``(greedy, sampled)`` verify shapes to capture: the drafter's, and for chains one
@@ -95,22 +101,29 @@ class StepExecutor:
             T = self.draft_length(run)
             if T == 0:
                 new += self._timed_decode(run)
-            else:   # constrained rows decode plainly (engine.structured: speculation policy)
-                cons = [s for s in run if s.constraint is not None]
-                if cons:
-                    new += self.decode(cons)
-                    run = [s for s in run if s.constraint is None]
+            else:   # rows that cannot speculate (logit_bias) decode plainly
+                plain = [s for s in run if not self._can_speculate(s)]
+                if plain:
+                    new += self.decode(plain)
+                    run = [s for s in run if self._can_speculate(s)]
                 if run:
                     new += self.speculate(run, T)
         return new, t1
 
+    def _can_speculate(self, s: Sequence) -> bool:
+        """Free rows, and constrained rows whose constraints are per-position token masks
+        (grammar, bad words, ``min_tokens``; not ``logit_bias``) on a runner that masks verify
+        steps (engine.structured.drafts)."""
+        c = s.constraint
+        return c is None or (self._masked_verify and c.speculates)
+
     def draft_length(self, run: list[Sequence]) -> int:
         """Drafts per row this step (0: a plain decode step): the length policy's choice, 0
         without a drafter or past ``disable_by_batch_size``."""
-        free = [s for s in run if s.constraint is None]   # constrained rows decode plainly
-        if not free or not self.speculates(len(run)):
+        spec = [s for s in run if self._can_speculate(s)]
+        if not spec or not self.speculates(len(run)):
             return 0
-        return self.lengths.choose(free)
+        return self.lengths.choose(spec)
 
     def _count(self, T: int) -> None:
         key = f"spec_T{T}_steps"
@@ -234,7 +247,13 @@ class StepExecutor:
             return out
         if not prop.tree and prop.tokens.shape[1] > T + 1:   # a drafter that drafts a fixed chain
             prop = prop.truncate(T + 1)
-        accepted, bonus, path, lps = self._verify(seqs, prop)
+        mask = None
+        if any(s.constraint is not None for s in seqs):   # walk the grammars over the drafts
+            V = int(self.runner.model.config.vocab_size)
+            mask, valid = self.draft_masks.build(seqs, prop.tokens, prop.parent, prop.valid, prop.tree,
+                                                 prop.q is not None, V)
+            prop = Proposal(prop.tokens, prop.parent, valid, prop.q, prop.tree)
+        accepted, bonus, path, lps = self._verify(seqs, prop, mask)
         N = prop.tokens.shape[1]
         parts = [accepted[:, None], bonus[:, None], prop.num_drafts[:, None], prop.tokens]
         if path is not None:
@@ -259,13 +278,13 @@ class StepExecutor:
         self.lengths.observe(seqs, T, acc, time.perf_counter() - t0)
         return out
 
-    def _verify(self, seqs: list[Sequence], prop):
+    def _verify(self, seqs: list[Sequence], prop, mask=None):
         """Verify, accept and commit ``prop`` (KV-only slots get a state first when the model
         has no KV-only tree verify: it raises before touching the cache)."""
         if prop.tree and self._tree_needs_state:
             self.blocks.switch_to_state([s for s in seqs if s.mode == "kv"])
         try:
-            return self._verify_accept_commit(seqs, prop)
+            return self._verify_accept_commit(seqs, prop, mask)
         except NotImplementedError as e:
             kv = [s for s in seqs if s.mode == "kv"]
             if not (prop.tree and kv):
@@ -273,14 +292,17 @@ class StepExecutor:
             warnings.warn(f"tree speculation: KV-only slots switched to state form ({e})", stacklevel=3)
             self._tree_needs_state = True
             self.blocks.switch_to_state(kv)
-            return self._verify_accept_commit(seqs, prop)
+            return self._verify_accept_commit(seqs, prop, mask)
 
-    def _verify_accept_commit(self, seqs: list[Sequence], prop):
-        """One device-side step (a CUDA graph when enabled): verify, accept, commit.
+    def _verify_accept_commit(self, seqs: list[Sequence], prop, mask=None):
+        """One device-side step (a CUDA graph when enabled): verify, (mask,) accept, commit.
         Returns ``(accepted, bonus, path, logprobs | None)``."""
         slots = [s.slot for s in seqs]
+        kw = {} if mask is None else {"mask": mask}
         if all(_plain(s.params) for s in seqs):   # the fast greedy step
-            return (*self.runner.greedy_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree), None)
+            return (*self.runner.greedy_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree, **kw),
+                    None)
         sb = self.sampler.batch(seqs)
         u = self.sampler.uniforms(seqs, prop.tokens.shape[1] + 1)
-        return self.runner.sampled_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree, prop.q, sb, u)
+        return self.runner.sampled_verify_step(slots, prop.tokens, prop.parent, prop.valid, prop.tree, prop.q, sb, u,
+                                               **kw)

@@ -51,7 +51,9 @@ class GraphKey:
     (``cache.ssm_form()``, None for caches without one).  Verify steps add ``nodes`` (``N``
     inputs per row) and ``tree`` (verify_tree, else a chain); sampled steps add ``has_q``
     (draft distributions ``q [Bp, N, V]`` given) and ``sampling``
-    (:meth:`SamplingBatch.key`: the host-side switches)."""
+    (:meth:`SamplingBatch.key`: the host-side switches); verify steps of batches with
+    constrained rows add ``masked`` (a ``[Bp, N, V]`` token mask applied to the verify logits
+    before acceptance; these graphs are captured when first met)."""
 
     kind: str
     batch: int
@@ -60,6 +62,7 @@ class GraphKey:
     tree: bool = False
     has_q: bool = False
     sampling: tuple = ()
+    masked: bool = False
 
 
 class ModelRunner:
@@ -172,12 +175,16 @@ class ModelRunner:
             self.model.commit(self.cache, accepted)
 
     # -- a whole greedy speculative step ----------------------------------------------------
-    def _greedy_body(self, slots_t: Tensor, tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool):
-        """verify -> greedy acceptance -> commit, all device work (graph-capturable)."""
+    def _greedy_body(self, slots_t: Tensor, tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool,
+                     mask: Tensor | None = None):
+        """verify -> (token mask ``[B, N, V]``: disallowed logits -> -inf) -> greedy
+        acceptance -> commit, all device work (graph-capturable)."""
         if tree:
             logits = self.model.verify_tree(self.cache, slots_t, tokens, parent)
         else:
             logits = self.model.verify(self.cache, slots_t, tokens)
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
         accepted, leaf, bonus = accept_greedy(logits, tokens, parent, valid)
         if tree:
             path = path_to(parent, leaf)[0]
@@ -188,31 +195,37 @@ class ModelRunner:
         return accepted, bonus, path
 
     @torch.inference_mode()
-    def greedy_verify_step(self, slots: list[int], tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool):
+    def greedy_verify_step(self, slots: list[int], tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool,
+                           mask: Tensor | None = None):
         """Verify drafts, accept greedily and commit in one go; returns ``(accepted [B],
         bonus [B], path [B, N] | None)``.  With CUDA graphs the three are one graph per
-        (batch bucket, nodes, chain|tree); padding rows carry only their root on slot 0."""
+        (batch bucket, nodes, chain|tree, masked); padding rows carry only their root on
+        slot 0.  ``mask [B, N, V]`` bool (constrained rows): the tokens allowed after each node."""
         self.num_calls["tree" if tree else "verify"] += 1
         B, N = tokens.shape
         tokens, parent, valid = self._h2d(tokens), self._h2d(parent), self._h2d(valid)
         Bp = self._padded(B)
         tokens, parent, valid = self._pad_step(Bp, tokens, parent, valid)
-        key = GraphKey("spec", Bp, self._form(), N, tree)
+        if mask is not None:
+            mask = pad_rows(mask, Bp, True)
+        key = GraphKey("spec", Bp, self._form(), N, tree, masked=mask is not None)
         if self.use_graphs and key not in self._graph_failed:
-            g = self._graphs.get(key) or self._capture_spec(key, Bp, N, tree)
+            g = self._graphs.get(key) or self._capture_spec(key, Bp, N, tree,
+                                                            **({"masked": True} if mask is not None else {}))
             if g is not None:
                 graph, ins, outs = g
-                for dst, src in zip(ins, (self._slots(slots, Bp), tokens, parent, valid)):
-                    dst.copy_(src)
+                src = (self._slots(slots, Bp), tokens, parent, valid) + ((mask,) if mask is not None else ())
+                for dst, x in zip(ins, src):
+                    dst.copy_(x)
                 graph.replay()
                 acc, bonus, path = outs
                 return acc[:B], bonus[:B], (path[:B] if path is not None else None)
-        acc, bonus, path = self._greedy_body(self._slots(slots, Bp), tokens, parent, valid, tree)
+        acc, bonus, path = self._greedy_body(self._slots(slots, Bp), tokens, parent, valid, tree, mask)
         return acc[:B], bonus[:B], (path[:B] if path is not None else None)
 
     # -- a whole sampled speculative step ---------------------------------------------------
     def _sampled_body(self, slots_t: Tensor, tokens: Tensor, parent: Tensor, valid: Tensor, u: Tensor,
-                      q: Tensor | None, sb, tree: bool):
+                      q: Tensor | None, sb, tree: bool, mask: Tensor | None = None):
         """verify -> penalties and filters at every node -> lossless acceptance
         (:func:`~replayssm.engine.sampler.accept_tree`, uniforms ``u [B, N+1]`` drawn before)
         -> commit -> raw log-probabilities along the accepted path; device work only, so
@@ -225,7 +238,9 @@ class ModelRunner:
         else:
             logits = self.model.verify(self.cache, slots_t, tokens)
         anc = ancestor_mask(parent) if sb.use_penalties else None
-        p = process(logits, sb, tokens, anc, valid)
+        # the token mask (constrained rows) before penalties and filters, as in a plain step
+        masked = logits if mask is None else logits.masked_fill(~mask, float("-inf"))
+        p = process(masked, sb, tokens, anc, valid)
         accepted, leaf, bonus = accept_tree(p, tokens, parent, valid, q, u)
         B, N = tokens.shape
         if tree:
@@ -246,12 +261,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sampled_verify_step(self, slots: list[int], tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool,
-                            q: Tensor | None, sb, u: Tensor):
+                            q: Tensor | None, sb, u: Tensor, mask: Tensor | None = None):
         """The sampled counterpart of :meth:`greedy_verify_step` (any mix of greedy and
         sampled rows, penalties, filters, logprobs): one graph per (batch bucket, nodes,
         chain|tree, cache form, draft distributions or not, the batch's sampling switches).
         ``sb``: the rows' :class:`~replayssm.engine.sampler.SamplingBatch`; ``u [B, N+1]``
-        uniforms from each request's generator.  Padding rows are greedy on slot 0."""
+        uniforms from each request's generator; ``mask [B, N, V]`` as in
+        :meth:`greedy_verify_step`.  Padding rows are greedy on slot 0."""
         self.num_calls["tree" if tree else "verify"] += 1
         B, N = tokens.shape
         tokens, parent, valid, u = self._h2d(tokens), self._h2d(parent), self._h2d(valid), self._h2d(u)
@@ -261,17 +277,20 @@ class ModelRunner:
             u = pad_rows(u, Bp, 0.5)
             q = pad_rows(q, Bp) if q is not None else None
             sb = sb.pad(Bp)
-        key = GraphKey("sspec", Bp, self._form(), N, tree, q is not None, sb.key())
+            mask = pad_rows(mask, Bp, True) if mask is not None else None
+        key = GraphKey("sspec", Bp, self._form(), N, tree, q is not None, sb.key(), mask is not None)
         if self.use_graphs and key not in self._graph_failed:
-            g = self._graphs.get(key) or self._capture_sampled(key, Bp, N, tree, q is not None, sb)
+            g = self._graphs.get(key) or self._capture_sampled(key, Bp, N, tree, q is not None, sb,
+                                                               **({"masked": True} if mask is not None else {}))
             if g is not None:
                 graph, ins, outs = g
-                src = [self._slots(slots, Bp), tokens, parent, valid, u] + ([q] if q is not None else []) + sb.tensors()
+                src = [self._slots(slots, Bp), tokens, parent, valid, u] + ([q] if q is not None else []) + \
+                    ([mask] if mask is not None else []) + sb.tensors()
                 for dst, x in zip(ins, src):
                     dst.copy_(x)
                 graph.replay()
                 return self._cut_sampled(outs, B)
-        outs = self._sampled_body(self._slots(slots, Bp), tokens, parent, valid, u, q, sb, tree)
+        outs = self._sampled_body(self._slots(slots, Bp), tokens, parent, valid, u, q, sb, tree, mask)
         return self._cut_sampled(outs, B)
 
     @staticmethod
@@ -281,7 +300,17 @@ class ModelRunner:
             lps = tuple(x[:B] for x in lps)
         return acc[:B], bonus[:B], (path[:B] if path is not None else None), lps
 
-    def _sampled_inputs(self, Bp: int, N: int, has_q: bool, sb):
+    def _mask_input(self, Bp: int, N: int) -> Tensor:
+        """The static ``[Bp, N, V]`` token mask of a masked verify step (all allowed until
+        written: warm-up and capture run on it)."""
+        V = int(self.model.config.vocab_size)
+        m = self._shared("mask", (N, V), torch.bool)
+        if not getattr(self, "_mask_opened", {}).get(N):
+            m.fill_(True)
+            self.__dict__.setdefault("_mask_opened", {})[N] = True
+        return m[:Bp]
+
+    def _sampled_inputs(self, Bp: int, N: int, has_q: bool, sb, masked: bool = False):
         """Static inputs of a sampled step: padding values (greedy rows on the null slot)."""
         s_in, t_in, p_in, v_in = self._spec_inputs(Bp, N)
         V = int(self.model.config.vocab_size)
@@ -293,8 +322,10 @@ class ModelRunner:
         if sb_in.use_penalties:
             sb_in.counts = self._shared("counts", (V,), torch.float32)[:Bp]
             sb_in.seen = self._shared("seen", (V,), torch.bool)[:Bp]
-        ins = [s_in, t_in, p_in, v_in, u_in] + ([q_in] if has_q else []) + sb_in.tensors()
-        return ins, (s_in, t_in, p_in, v_in, u_in, q_in, sb_in)
+        m_in = self._mask_input(Bp, N) if masked else None
+        ins = [s_in, t_in, p_in, v_in, u_in] + ([q_in] if has_q else []) + ([m_in] if masked else []) + \
+            sb_in.tensors()
+        return ins, (s_in, t_in, p_in, v_in, u_in, q_in, sb_in, m_in)
 
     def _shared(self, name: str, shape: tuple, dtype) -> Tensor:
         """A zeroed ``[max bucket, *shape]`` static buffer, one per (name, shape, dtype)."""
@@ -304,10 +335,11 @@ class ModelRunner:
             cache[k] = torch.zeros((self.buckets[-1],) + tuple(shape), dtype=dtype, device=self.device)
         return cache[k]
 
-    def _capture_sampled(self, key, Bp: int, N: int, tree: bool, has_q: bool, sb, warm: bool = True):
-        ins, args = self._sampled_inputs(Bp, N, has_q, sb)
-        s_in, t_in, p_in, v_in, u_in, q_in, sb_in = args
-        body = lambda: self._sampled_body(s_in, t_in, p_in, v_in, u_in, q_in, sb_in, tree)  # noqa: E731
+    def _capture_sampled(self, key, Bp: int, N: int, tree: bool, has_q: bool, sb, warm: bool = True,
+                         masked: bool = False):
+        ins, args = self._sampled_inputs(Bp, N, has_q, sb, masked)
+        s_in, t_in, p_in, v_in, u_in, q_in, sb_in, m_in = args
+        body = lambda: self._sampled_body(s_in, t_in, p_in, v_in, u_in, q_in, sb_in, tree, m_in)  # noqa: E731
         return self._capture_step(key, ins, body, warm, "a sampled speculative step")
 
     def _capture_step(self, key, ins, body, warm: bool, what: str):
@@ -355,9 +387,11 @@ class ModelRunner:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
 
-    def _capture_spec(self, key, Bp: int, N: int, tree: bool, warm: bool = True):
+    def _capture_spec(self, key, Bp: int, N: int, tree: bool, warm: bool = True, masked: bool = False):
         ins = self._spec_inputs(Bp, N)
-        return self._capture_step(key, ins, lambda: self._greedy_body(*ins, tree), warm, "a speculative step")
+        m_in = self._mask_input(Bp, N) if masked else None
+        body = lambda: self._greedy_body(*ins, tree, m_in)  # noqa: E731
+        return self._capture_step(key, ins + ((m_in,) if masked else ()), body, warm, "a speculative step")
 
     # -- CUDA graphs -----------------------------------------------------------------------
     def capture(self, spec_shapes=(), sampled_shapes=()) -> int:
@@ -394,7 +428,7 @@ class ModelRunner:
                     self._warm(lambda: self.model.decode(self.cache, *ins), passes=1)
                 elif key.kind == "sspec":
                     _, a = self._sampled_inputs(Bp, N, key.has_q, sb)
-                    self._warm(lambda: self._sampled_body(*a[:6], a[6], key.tree), passes=1)
+                    self._warm(lambda: self._sampled_body(*a[:6], a[6], key.tree, a[7]), passes=1)
                 else:
                     ins = self._spec_inputs(Bp, N)
                     self._warm(lambda: self._greedy_body(*ins, key.tree), passes=1)

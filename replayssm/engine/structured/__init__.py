@@ -19,18 +19,31 @@ Three parts:
   constrained row skips all of it.  The executor calls it right after the model call was
   launched, so on CUDA the host work overlaps the forward (nothing here syncs on logits).
 
-Speculation policy: lossless by construction.  In a step that speculates, the constrained
-rows (any of the four features) run a plain decode step of their own and the free rows
-speculate as usual (two model calls in that step; the drafters are told through
-``plain_step``, as for ``disable_by_batch_size``).  Masking every draft node of a verify step
-would let constrained rows speculate too, but needs the matcher advanced along each draft
-path (and rolled back); the split keeps the verifier and its CUDA graphs unchanged, and a
-constrained request's tokens are exactly those of plain decoding.
+* :mod:`.drafts` — :class:`DraftMasks`: in a speculative step, each constrained row's matcher
+  walked over its drafts (llguidance's parallel draft walk, rolled back): the drafts cut at
+  the first one the grammar or a ban rejects, and a ``[B, N, V]`` token mask of every verify
+  node, applied to the verify logits before acceptance.
+
+Speculation: lossless.  Constrained rows speculate beside free rows in one verify step.  A
+grammar-rejected draft is cut (``valid`` shrinks); the mask of node ``i`` (after drafts
+``d_1..d_i``) makes the accepted drafts and the bonus token exactly those of plain
+constrained decoding (greedy), or samples of the masked target (sampled: the acceptance is
+exact for the masked ``p`` with the drafter's own ``q``, so ``q`` is left unmasked, and with
+draft distributions a rejected draft is kept, not cut, so that acceptance rejects it and
+draws from the residual — a cut would skew the distribution).  Tree proposals: a
+constrained row verifies its chain of first children (its other nodes are invalid).  The
+output processor then feeds the matcher the accepted tokens and the bonus, as in plain
+decoding.  Rows with ``logit_bias`` (not a mask) decode plainly in a step that speculates
+(a second model call), as do constrained rows on a runner whose verify steps take no mask.
+The drafts are read on the host before verification (a sync for device-drafted proposals,
+only in steps with constrained rows); masked verify steps are their own CUDA graph keys,
+captured when first met.
 """
 
 from .constraint import ConstraintFactory, RequestConstraint
+from .drafts import DraftMasks
 from .grammar import GrammarCache, StructuredOutputsUnavailable, require_llguidance
 from .logits import LogitsMasker
 
-__all__ = ["ConstraintFactory", "RequestConstraint", "GrammarCache", "StructuredOutputsUnavailable",
-           "require_llguidance", "LogitsMasker"]
+__all__ = ["ConstraintFactory", "DraftMasks", "GrammarCache", "LogitsMasker", "RequestConstraint",
+           "StructuredOutputsUnavailable", "require_llguidance"]

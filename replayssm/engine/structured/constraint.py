@@ -47,6 +47,12 @@ class RequestConstraint:
         """The same constraints for another sample, with its own ``matcher``."""
         return RequestConstraint(matcher, self.bad_words, self.bias, self.min_tokens, self.stop_ids)
 
+    @property
+    def speculates(self) -> bool:
+        """Whether the row may take part in speculative steps: every feature but
+        ``logit_bias`` is a per-position mask (a biased row decodes plainly)."""
+        return not self.bias[0]
+
     def banned(self, output_ids: list[int]) -> list[int]:
         """Token ids banned for the next token after ``output_ids``."""
         out = list(self.stop_ids) if len(output_ids) < self.min_tokens else []

@@ -1,0 +1,220 @@
+"""The cost of structured outputs on one GPU: constrained vs free decoding, and constrained
+speculative vs constrained plain decoding.
+
+On a random-weight model of a bench preset (default the 2.7B Mamba-2; a hybrid with
+``--preset``), in replay mode with CUDA graphs, ``B`` requests (``--batch``, default 64) of
+``--max-tokens`` tokens, all submitted at once:
+
+* ``free``: plain decoding, no constraint (``ignore_eos``);
+* ``json``: plain decoding with a JSON schema on every row (llguidance masks every step;
+  random weights never write JSON, so the mask decides every token — the cost is what is
+  measured).  The schema's long ``text`` field keeps every row generating to the end;
+* ``free+spec`` / ``json+spec``: the same with speculation (``--num-tokens`` drafts per
+  step, ``spec_policy`` ``--policy``); drafts come from an oracle drafter (each request's
+  known plain output of the same kind, each draft corrupted with probability 1 -
+  ``--accept``: a corrupted draft in a constrained row is mostly cut by the grammar), as
+  ``gpu_spec_policy.py`` does: real drafters find nothing on random weights.
+
+The tokenizer is a synthetic byte-level BPE over the model's whole vocabulary (printable
+pairs, then 3- and 4-character strings of JSON's characters; no tokenizer ships with random
+weights), so llguidance's token trie has the model's size.
+
+Checks: every constrained output is accepted by a fresh matcher of the schema (``valid``),
+and speculative outputs are compared with plain ones of the same kind (``mismatch``: bf16
+verify and decode logits can differ on near-ties between allowed tokens, which random weights
+make common under a mask; exactness is tested on CPU in tests/engine/test_structured_spec.py).
+
+Prints the tokens/s table and the ratios json / free (target >= 0.90) and json+spec /
+json; writes ``structured.json`` to ``$OUT`` when set.
+
+Usage (GPU, about 2-3 minutes)::
+
+    PYTHONPATH=. python scripts/gpu_structured.py
+    PYTHONPATH=. python scripts/gpu_structured.py --preset nemotron-h-4b --policy adaptive
+
+CPU smoke run: ``--device cpu --preset 130m --batch 4 --max-tokens 8 --prompt-len 8``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+import string
+import sys
+import tempfile
+import time
+
+import torch
+
+from replayssm.bench.common import free_memory, sync
+from replayssm.bench.e2e import OracleDrafter, _prompts, _random_model_dir
+from replayssm.engine.config import SamplingParams, SpeculativeConfig
+from replayssm.engine.llm import LLM
+from replayssm.engine.loading import load
+
+SCHEMA = {"type": "object",
+          "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
+                         "text": {"type": "string", "minLength": 4000}},
+          "required": ["id", "tags", "text"], "additionalProperties": False}
+
+
+def synthetic_tokenizer(V: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` with ``V`` ids (``V - 1``: ``<eos>``): the 256
+    bytes, printable pairs, then 3- and 4-character strings of letters, digits and JSON's
+    punctuation (each merge: a token's prefix + its last character)."""
+    from tokenizers import Tokenizer
+    if V < 258:
+        raise ValueError(f"synthetic_tokenizer: the model's vocabulary ({V}) must hold the 256 bytes, <eos> "
+                         f"and more")
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs = list(bs)
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + len(cs) - 188)
+    b2u = {b: chr(c) for b, c in zip(bs, cs)}   # GPT-2's byte -> printable character map
+    vocab, merges = {}, []
+    for b in range(256):
+        vocab[b2u[b]] = len(vocab)
+    printable = [b2u[b] for b in range(32, 127)]
+    letters = [b2u[ord(c)] for c in string.ascii_lowercase + string.digits + ' "{}[]:,.']
+    for n, alphabet in ((2, printable), (3, letters), (4, letters)):
+        for tup in itertools.product(alphabet, repeat=n):
+            if len(vocab) >= V - 1:
+                break
+            t = "".join(tup)
+            if t not in vocab:
+                vocab[t] = len(vocab)
+                merges.append([t[:-1], t[-1]])
+    while len(vocab) < V - 1:
+        vocab[f"<unused{len(vocab)}>"] = len(vocab)
+    vocab["<eos>"] = V - 1
+    eos = {"id": V - 1, "content": "<eos>", "single_word": False, "lstrip": False, "rstrip": False,
+           "normalized": False, "special": True}
+    bl = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    js = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [eos], "normalizer": None,
+          "pre_tokenizer": bl, "post_processor": None, "decoder": bl,
+          "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                    "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                    "vocab": vocab, "merges": merges}}
+    return Tokenizer.from_str(json.dumps(js))
+
+
+def _timed(llm, prompts, params, args) -> tuple[list, float, dict]:
+    """The fastest of ``--repeats`` runs, after a short run of the same kind (graphs of the
+    masked verify steps are captured when first met)."""
+    warm = SamplingParams(**{**params.__dict__, "max_tokens": 8})
+    llm.generate(prompts, warm)
+    best = None
+    for _ in range(args.repeats):
+        for k in llm.stats:
+            llm.stats[k] = 0 if isinstance(llm.stats[k], int) else 0.0
+        sync(args.device)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        sync(args.device)
+        wall = time.perf_counter() - t0
+        if best is None or wall < best[1]:
+            best = (outs, wall, dict(llm.stats))
+    return best
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="2.7b")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--num-tokens", type=int, default=3)
+    p.add_argument("--accept", type=float, default=0.8)
+    p.add_argument("--policy", default="fixed", choices=("fixed", "adaptive"))
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    dev_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    tmp = tempfile.mkdtemp(prefix="structured-")   # kept until the end (weights may be read lazily)
+    try:
+        return _run(args, tmp, t_start, dev_name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(args, tmp: str, t_start: float, dev_name: str) -> int:
+    model = load(_random_model_dir(args.preset, tmp), torch.device(args.device), getattr(torch, args.dtype))[0]
+    V = int(model.config.vocab_size)
+    model.config = dataclasses.replace(model.config, eos_token_id=V - 1)   # the synthetic tokenizer's <eos>
+    tok = synthetic_tokenizer(V)
+    prompts = _prompts(args.batch, args.prompt_len, V - 1, seed=0)
+    kinds = {"free": SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
+             "json": SamplingParams(max_tokens=args.max_tokens, structured_outputs={"json": SCHEMA})}
+    kw = dict(device=args.device, dtype=args.dtype, decode_mode="replay", max_num_seqs=args.batch,
+              max_seq_len=args.prompt_len + args.max_tokens + 16, tokenizer=tok,
+              buffer_size=max(16, 2 * (args.num_tokens + 1)))
+    runs = {}
+    llm = LLM(model, **kw)
+    for k, sp in kinds.items():
+        runs[k] = _timed(llm, prompts, sp, args)
+        print(f"[structured] {k:<10} {sum(len(o.token_ids) for o in runs[k][0]) / runs[k][1]:>9.0f} tok/s",
+              file=sys.stderr, flush=True)
+    grammars = llm.constraints.grammars
+    del llm
+    free_memory(args.device)
+    spec = SpeculativeConfig("ngram", num_tokens=args.num_tokens, spec_policy=args.policy)
+    llm = LLM(model, speculative=spec, **kw)
+    for k, sp in kinds.items():
+        refs = {tuple(q): o.token_ids for q, o in zip(prompts, runs[k][0])}
+        llm.drafter = OracleDrafter(refs, args.num_tokens, args.accept, V - 1, llm.device)
+        runs[k + "+spec"] = _timed(llm, prompts, sp, args)
+        print(f"[structured] {k + '+spec':<10} "
+              f"{sum(len(o.token_ids) for o in runs[k + '+spec'][0]) / runs[k + '+spec'][1]:>9.0f} tok/s",
+              file=sys.stderr, flush=True)
+    del llm
+    free_memory(args.device)
+
+    res = {"device": dev_name, "config": vars(args), "runs": {}}
+    for name, (outs, wall, stats) in runs.items():
+        gen = sum(len(o.token_ids) for o in outs)
+        row = {"tokens_per_s": gen / wall, "wall_s": wall, "generated": gen,
+               "mean_accepted_length": sum(o.mean_accepted_length for o in outs) / len(outs),
+               "drafted": sum(o.num_drafted for o in outs), "accepted": sum(o.num_accepted for o in outs)}
+        base = runs[name.split("+")[0]][0]
+        row["mismatch"] = sum(a.token_ids != b.token_ids for a, b in zip(outs, base))
+        if name.startswith("json"):
+            row["valid"] = sum(grammars.matcher({"json": SCHEMA}).validate_tokens(o.token_ids) == len(o.token_ids)
+                               for o in outs)
+        res["runs"][name] = row
+    r = res["runs"]
+    res["ratios"] = {"json / free": r["json"]["tokens_per_s"] / r["free"]["tokens_per_s"],
+                     "json+spec / json": r["json+spec"]["tokens_per_s"] / r["json"]["tokens_per_s"],
+                     "free+spec / free": r["free+spec"]["tokens_per_s"] / r["free"]["tokens_per_s"],
+                     "json+spec / free+spec": r["json+spec"]["tokens_per_s"] / r["free+spec"]["tokens_per_s"]}
+    res["elapsed_s"] = time.perf_counter() - t_start
+    print(f"\n== structured outputs: {args.preset} ({args.dtype}), {dev_name}, B={args.batch}, "
+          f"{args.max_tokens} tokens, replay, spec {args.policy} k={args.num_tokens} oracle accept {args.accept}")
+    print(f"{'run':<11} {'tok/s':>9} {'acc.len':>8} {'drafted':>8} {'accepted':>9} {'mismatch':>9} {'valid':>6}")
+    for name, row in r.items():
+        print(f"{name:<11} {row['tokens_per_s']:>9.0f} {row['mean_accepted_length']:>8.2f} {row['drafted']:>8} "
+              f"{row['accepted']:>9} {row['mismatch']:>9} {row.get('valid', '-'):>6}")
+    for k, v in res["ratios"].items():
+        print(f"{k:<22} {v:>6.3f}" + ("  (target >= 0.90)" if k == "json / free" else ""))
+    fails = []
+    if res["ratios"]["json / free"] < 0.90:
+        fails.append(f"json / free = {res['ratios']['json / free']:.3f} < 0.90")
+    for name in ("json", "json+spec"):
+        if r[name]["valid"] != args.batch:
+            fails.append(f"{name}: {args.batch - r[name]['valid']} outputs the schema rejects")
+    print(f"elapsed {res['elapsed_s']:.0f} s; " + ("; ".join(fails) if fails else "all checks passed"))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "structured.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
