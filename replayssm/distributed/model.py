@@ -22,6 +22,7 @@ one host message, and rank 0 syncs once to read the accepted tokens, as on one G
 from __future__ import annotations
 
 import functools
+import inspect
 import numbers
 import weakref
 
@@ -32,7 +33,7 @@ from ..cache.spec import CacheSpec
 from ..models.protocols import ModelCacheLike, changes, reads
 from ..runtime import canonical_device
 
-__all__ = ["TensorParallelModel", "ShardedCache", "ShardedRunner"]
+__all__ = ["TensorParallelModel", "ShardedCache", "ShardedObject", "ShardedRunner"]
 
 
 class _Proxy:
@@ -139,6 +140,25 @@ class ShardedRunner(_Proxy):
         return self._call("capture", [tuple(s) for s in spec_shapes], [tuple(s) for s in sampled_shapes])
 
 
+class ShardedObject(_Proxy):
+    """An engine object every rank holds (made by :meth:`TensorParallelModel.make_on_every_rank`
+    from a class the engine passes down, as it passes its runner class): a call of a method
+    its class names in ``EVERY_RANK`` runs on every rank (one message, host arguments and
+    tensors as for a runner call); other attributes are read from rank 0's object
+    (``.local``), and its other methods are refused (they would run on rank 0 alone)."""
+
+    def __getattr__(self, name):
+        if name in getattr(type(self.local), "EVERY_RANK", ()):
+            return functools.partial(self._call, name)
+        if name in ("local", "_group", "_tp_handle"):
+            raise AttributeError(name)
+        value = getattr(self.local, name)
+        if inspect.ismethod(value):
+            raise AttributeError(f"{type(self.local).__name__}.{name}: not in its EVERY_RANK, so not run on "
+                                 f"the tensor-parallel workers")
+        return value
+
+
 class TensorParallelModel(_Proxy):
     """A model split over a :class:`~replayssm.distributed.group.TensorParallelGroup`
     (rank 0's handle; pass it to ``LLM`` / ``LLMEngine`` like any loaded model).
@@ -174,6 +194,13 @@ class TensorParallelModel(_Proxy):
     def cache_layout(self, spec: CacheSpec | None = None, **fields):
         return self.local.cache_layout(CacheSpec.of(spec, **fields))
 
+    @property
+    def mtp(self):
+        """Rank 0's shard of the MTP head (loaded with ``mtp=True``; else None), for reads:
+        its config and ``cache_layout`` (one rank's share).  Its steps run on every rank
+        through an object of :meth:`make_on_every_rank` (the MTP drafter's)."""
+        return getattr(self.local, "mtp", None)
+
     # -- objects on every rank ------------------------------------------------------------------
     def make_cache(self, num_slots: int, spec: CacheSpec | None = None, *, device=None, poison: bool = False,
                    **fields) -> ShardedCache:
@@ -199,6 +226,16 @@ class TensorParallelModel(_Proxy):
         local = self._group.run("runner", (h, self._tp_handle, cache._tp_handle, runner_cls, kw),
                                 lambda: runner_cls(self.local, cache.local, self.device, **kw))
         return ShardedRunner(self._group, h, local)
+
+    def make_on_every_rank(self, cls, *args, **kwargs) -> ShardedObject:
+        """``cls(*args, **kwargs)`` on every rank, each with its own shards where the
+        arguments hold this model or its caches (``cls``: an engine class, pickled by
+        reference; its ``EVERY_RANK`` methods are then forwarded, see :class:`ShardedObject`)."""
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, _Proxy) and x.group is not self._group:
+                raise ValueError(f"{cls.__name__}: an argument belongs to another tensor-parallel group")
+        h = self._group.new_handle()
+        return ShardedObject(self._group, h, self._group.make(h, cls, args, kwargs))
 
     # -- the model API (direct use; the engine goes through the runner) -------------------------
     def __call__(self, input_ids: Tensor) -> Tensor:
