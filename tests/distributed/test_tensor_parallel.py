@@ -6,7 +6,8 @@ and kill its worker.  Models: tiny random transformers checkpoints with odd per-
 counts (6 Mamba-2 / attention / GDN value heads: 3 per rank), both group layouts (Mamba-2
 groups replicated with a cross-rank gated norm; groups split), KV heads split and
 replicated, MoE with a shared expert and a latent projection, row-parallel biases, tied
-embeddings and an odd vocabulary (61: a padded vocabulary shard).
+embeddings and an odd vocabulary (61: a padded vocabulary shard).  The same checkpoints with
+an MTP head (its layers sharded by the same rules) serve MTP speculation.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 import hf_utils as H  # noqa: E402
+import mtp_checkpoint as M  # noqa: E402
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from replayssm.cache.spec import CacheSpec  # noqa: E402
@@ -77,6 +79,28 @@ def paths(tmp_path_factory):
     return out
 
 
+#: the MTP fc's noise: some drafts accepted, some rejected (catch-ups of every length)
+MTP_NOISE = {"mamba2": 0.8, "qwen3_next": 1.5, "nemotron_h": 1.5}
+
+
+@pytest.fixture(scope="module")
+def mtp_paths(paths, tmp_path_factory):
+    """The three checkpoints with a random MTP head each (made predictable: drafts accepted)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("tp_mtp_models")
+    out = {}
+    for i, name in enumerate(ARCHS):
+        d = str(root / name)
+        shutil.copytree(paths[name], d)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            M.add_mtp(d, seed=3 + i)
+        M.make_predictable(d, seed=1, mtp_noise=MTP_NOISE[name])
+        out[name] = d
+    return out
+
+
 @pytest.fixture(scope="module")
 def group():
     n = torch.get_num_threads()
@@ -95,6 +119,20 @@ def models(paths, group):
     def get(name, dtype="float64"):
         if (name, dtype) not in cache:
             cache[name, dtype] = (load_model(paths[name], dtype=dtype), group.load_model(paths[name], dtype=dtype))
+        return cache[name, dtype]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def mtp_models(mtp_paths, group):
+    """``mtp_models(name, dtype) -> (TP=1 model, TP=2 model)``, both with their MTP head (cached)."""
+    cache = {}
+
+    def get(name, dtype="float64"):
+        if (name, dtype) not in cache:
+            p = mtp_paths[name]
+            cache[name, dtype] = (load_model(p, dtype=dtype, mtp=True), group.load_model(p, dtype=dtype, mtp=True))
         return cache[name, dtype]
 
     return get
@@ -122,11 +160,12 @@ def expected(models):
     return get
 
 
-def _generate(model, params=None, **kw):
+def _generate(model, params=None, outputs=False, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with LLM(model, max_seq_len=MAXLEN, **kw) as llm:
-            return [o.token_ids for o in llm.generate(PROMPTS, params or SamplingParams(max_tokens=N_NEW))]
+            outs = llm.generate(PROMPTS, params or SamplingParams(max_tokens=N_NEW))
+    return outs if outputs else [o.token_ids for o in outs]
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,8 +209,10 @@ def test_a_config_that_contradicts_the_checkpoint_is_named_before_a_shard_is_bui
     assert "config.json" in str(e.value)
 
 
-def test_each_rank_reads_only_its_shard(paths, monkeypatch):
-    """Rank 1's load never reads a sharded tensor whole: only its slices come off the file."""
+@pytest.mark.parametrize("mtp", [False, True])
+def test_each_rank_reads_only_its_shard(paths, mtp_paths, monkeypatch, mtp):
+    """Rank 1's load never reads a sharded tensor whole: only its slices come off the file
+    (with ``mtp``: the MTP head's layers too; its fc is replicated)."""
     import safetensors
 
     from replayssm.distributed.loading import load_shard
@@ -214,13 +255,18 @@ def test_each_rank_reads_only_its_shard(paths, monkeypatch):
             return self.h.__exit__(*a)
 
     monkeypatch.setattr(safetensors, "safe_open", Handle)
+    src = mtp_paths if mtp else paths
     for name in ARCHS:
-        full = load_model(paths[name], dtype="float64")
+        full = load_model(src[name], dtype="float64", mtp=mtp)
         read.clear()
-        local = load_shard(paths[name], rank=1, size=2, dtype="float64")
+        local = load_shard(src[name], rank=1, size=2, dtype="float64", mtp=mtp)
         rules = shard_rules(full, 2, 1)
         sharded = {n: r for n, r in rules.items() if isinstance(r, Shard)}
         assert sharded
+        assert any(n.startswith("mtp.") for n in sharded) == mtp
+        if mtp:
+            fc = "mtp.layers.0.eh_proj.weight" if name == "nemotron_h" else "mtp.fc.weight"
+            assert fc not in rules and local.mtp.target is local
         lp, fp = dict(local.named_parameters()), dict(full.named_parameters())
         for n, rule in sharded.items():
             key = n if n in read else None
@@ -281,6 +327,59 @@ def test_sampled_speculation_matches_one_rank(models):
     params = SamplingParams(max_tokens=N_NEW, temperature=0.9, seed=5)
     assert _generate(tp, params, speculative=sp, decode_mode="auto", auto_threshold=6) == \
         _generate(ref, params, speculative=sp, decode_mode="auto", auto_threshold=6)
+
+
+def _mtp(tree=None):
+    return SpeculativeConfig("mtp", num_tokens=3, tree=tree, tree_width=2)
+
+
+@pytest.mark.parametrize("dtype,tree", [("float64", None), ("float32", None), ("float64", "topk")])
+@pytest.mark.parametrize("mode", ["replay", "recurrent"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mtp_speculation_matches_one_rank(mtp_models, arch, mode, dtype, tree):
+    """MTP under tensor parallelism (the head's layers sharded, every draft step on both
+    ranks): the greedy output, and the drafts accepted per request, equal one rank's with
+    MTP, which equals plain decoding; drafts were both accepted and rejected.  Chains in
+    float64 and float32, trees in float64."""
+    ref, tp = mtp_models(arch, dtype)
+    kw = dict(decode_mode=mode, speculative=_mtp(tree))
+    one = _generate(ref, outputs=True, **kw)
+    two = _generate(tp, outputs=True, pad_batches=mode == "replay", **kw)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one] == _generate(ref, decode_mode=mode)
+    assert [o.num_accepted for o in two] == [o.num_accepted for o in one]
+    assert 0 < sum(o.num_accepted for o in two) < sum(o.num_drafted for o in two)
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_mtp_sampled_speculation_matches_one_rank(mtp_models, tree):
+    """Sampled MTP drafts: rank 0's uniforms and sampling parameters go to every rank, so
+    both draw the same drafts from the same gathered logits; with the same seeds the output
+    equals one rank's draw for draw (the same distribution, exactly), drafts accepted and
+    rejected alike, and the greedy row in the batch stays greedy."""
+    ref, tp = mtp_models("qwen3_next")
+    params = [SamplingParams(max_tokens=N_NEW, temperature=0.9, seed=5), SamplingParams(max_tokens=N_NEW),
+              SamplingParams(max_tokens=N_NEW, temperature=1.0, top_k=5)]
+    kw = dict(speculative=_mtp(tree), decode_mode="auto", auto_threshold=6, seed=3)
+    one, two = (_generate(m, params, outputs=True, **kw) for m in (ref, tp))
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert [(o.num_drafted, o.num_accepted) for o in two] == [(o.num_drafted, o.num_accepted) for o in one]
+    assert 0 < sum(o.num_accepted for o in two) < sum(o.num_drafted for o in two)
+    assert two[1].token_ids == _generate(ref)[1]
+
+
+def test_mtp_needs_a_head_and_its_layers_must_split(mtp_paths, models):
+    """A split model loaded without its head is refused by name (the group goes on); the MTP
+    layers' sizes count only when the head is loaded."""
+    _, tp = models("mamba2")
+    with pytest.raises(ValueError, match=r"needs the target's MTP head.*TensorParallelGroup\.load_model"):
+        LLM(tp, speculative=_mtp(), max_seq_len=MAXLEN)
+    assert tp.group.alive and tp.mtp is None
+    cfg = read_config(mtp_paths["nemotron_h"])
+    dense = dataclasses.replace(cfg, layer_types=tuple(t for t in cfg.layer_types if t != "moe"),
+                                moe_intermediate_size=7)
+    check_tensor_parallel(dense, 2)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(7\)"):
+        check_tensor_parallel(dense, 2, mtp=True)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -362,11 +461,13 @@ def test_random_model_generates(group):
 # ---------------------------------------------------------------------------------------
 # an engine that owns its group; a worker that dies
 # ---------------------------------------------------------------------------------------
-def test_engine_owned_group_and_worker_failure(paths, group, expected):
-    want = expected("mamba2")
+def test_engine_owned_group_and_worker_failure(mtp_paths, group):
+    """An engine that loads the model itself, with its MTP head (speculative method 'mtp')."""
+    want = _generate(load_model(mtp_paths["mamba2"], dtype="float64"))
     group.close()   # one group per process: the module's is done
     assert multiprocessing.active_children() == []
-    llm = LLM(paths["mamba2"], dtype="float64", tensor_parallel_size=2, max_seq_len=MAXLEN)
+    llm = LLM(mtp_paths["mamba2"], dtype="float64", tensor_parallel_size=2, max_seq_len=MAXLEN,
+              speculative=_mtp())
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))] == want
         (worker,) = multiprocessing.active_children()

@@ -100,14 +100,6 @@ def test_mtp_head_over_the_computed_part_of_a_prompt(mtp_models):
     assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=N))] == expected
 
 
-def test_mtp_refused_with_tensor_parallelism(mtp_models):
-    """The head is not sharded: method 'mtp' with tensor_parallel_size > 1 is refused before
-    any worker starts."""
-    _, _, d = mtp_models["mamba2"]
-    with pytest.raises(ValueError, match="'mtp' is not supported with tensor_parallel_size=2"):
-        LLM(d, dtype="float64", speculative=_spec(None), tensor_parallel_size=2)
-
-
 def test_mtp_recover_forgets_a_half_done_draft_step(mtp_models):
     """A step that fails after the head's tentative verify leaves nothing pending."""
     m, expected, _ = mtp_models["mamba2"]
