@@ -240,6 +240,8 @@ class MTPSteps:
             m = 0 if ph is None else min(L, int(ph.shape[0]))
             if m >= 2:
                 todo.append((slot, prompt[L - m + 1:], ph[ph.shape[0] - m:ph.shape[0] - 1]))
+            else:   # no pair yet: the slot starts empty (it swaps out like any other)
+                self.cache.start(slot)
         budget = 8192
         while todo:
             group, width = [], 0
