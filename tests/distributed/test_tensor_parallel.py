@@ -367,6 +367,41 @@ def test_mtp_sampled_speculation_matches_one_rank(mtp_models, tree):
     assert two[1].token_ids == _generate(ref)[1]
 
 
+def _serve(model, preempt_every=0, **kw):
+    """PROMPTS (the second with n=2 greedy samples, forked from one prefill); every
+    ``preempt_every`` steps the two latest decoding sequences are swapped out.  Returns every
+    sample's tokens and the preemption count."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with LLM(model, max_seq_len=MAXLEN, **kw) as llm:
+            seqs = [llm.add_request(p, SamplingParams(max_tokens=N_NEW, n=n)) for p, n in zip(PROMPTS, (1, 2, 1))]
+            step = 0
+            while llm.has_unfinished():
+                llm.step()
+                step += 1
+                if preempt_every and step % preempt_every == 0:
+                    for s in [s for s in llm.scheduler.running if not s.prefilling][-2:]:
+                        llm.scheduler.preempt(s)
+            return [[x.output_ids for x in s.group] for s in seqs], llm.stats["preemptions"]
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_mtp_chunked_forked_preempted_and_plain_steps_match_one_rank(mtp_models, tree):
+    """Under tensor parallelism the head's per-rank state follows every path one rank's
+    does: prompts prefilled in chunks of 5 (each chunk's hidden states), samples forked
+    from one prefill, sequences swapped out and back (the head's slot on every rank), and
+    plain steps while more than two requests run (``disable_by_batch_size``: the head's
+    catch-up on every rank).  Output equals one rank's and plain decoding's."""
+    ref, tp = mtp_models("qwen3_next")
+    sp = dataclasses.replace(_mtp(tree), disable_by_batch_size=2)
+    kw = dict(decode_mode="replay", speculative=sp, max_num_batched_tokens=5, max_num_seqs=3, kv_block_size=4)
+    want = [[e] * n for e, n in zip(_generate(ref), (1, 2, 1))]
+    one, n1 = _serve(ref, 3, **kw)
+    two, n2 = _serve(tp, 3, **kw)
+    assert two == one == want
+    assert n2 == n1 >= 2
+
+
 def test_mtp_needs_a_head_and_its_layers_must_split(mtp_paths, models):
     """A split model loaded without its head is refused by name (the group goes on); the MTP
     layers' sizes count only when the head is loaded."""
@@ -451,11 +486,32 @@ def test_random_shards_share_replicated_weights():
     assert w0.shape == (8 + 8 + 6 + 6 + 2, 16) and not torch.equal(w0, w1)   # [z | x | B | C | dt] of 2 heads
 
 
+RANDOM_MTP_CFG = dict(RANDOM_CFG, num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E")
+
+
 def test_random_model_generates(group):
     model = group.random_model(RANDOM_CFG, dtype="float32", seed=3)
     out = _generate(model, decode_mode="replay")
     assert [len(o) for o in out] == [N_NEW] * len(PROMPTS)
     model.close()
+    model = group.random_model(RANDOM_MTP_CFG, dtype="float32", seed=3, mtp=True)   # with a random MTP head
+    out = _generate(model, outputs=True, decode_mode="replay", speculative=_mtp())
+    assert [len(o.token_ids) for o in out] == [N_NEW] * len(PROMPTS) and all(o.num_drafted for o in out)
+    model.close()
+
+
+def test_random_mtp_shards_share_replicated_weights():
+    """A random MTP head per rank: its fc and norms agree across ranks, its attention and
+    experts are sharded like the model's."""
+    from replayssm.distributed.loading import random_shard
+
+    r0, r1 = (random_shard(RANDOM_MTP_CFG, r, 2, dtype="float32", mtp=True) for r in (0, 1))
+    p0, p1 = dict(r0.named_parameters()), dict(r1.named_parameters())
+    assert torch.equal(p0["mtp.layers.0.eh_proj.weight"], p1["mtp.layers.0.eh_proj.weight"])
+    assert p0["mtp.layers.0.eh_proj.weight"].shape == (16, 32)
+    q0, q1 = p0["mtp.layers.0.mixer.q_proj.weight"], p1["mtp.layers.0.mixer.q_proj.weight"]
+    assert q0.shape == (8, 16) and not torch.equal(q0, q1)                 # one of 2 heads of 8
+    assert p0["mtp.layers.1.mixer.experts.up_proj"].shape[1] == 3          # 6 expert channels / 2
 
 
 # ---------------------------------------------------------------------------------------
