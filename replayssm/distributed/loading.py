@@ -173,7 +173,8 @@ def random_shard(cfg_dict: dict, rank: int, size: int, device="cpu", dtype="bflo
         sharded = isinstance(rules.get(name), Shard)
         g = torch.Generator(device=device)
         g.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) + (rank + 1) * 7919 * int(sharded))
-        if name.endswith("norm.weight") or leaf == "D":
+        owner = name.rpartition(".")[0].rpartition(".")[2]      # e.g. the MTP head's pre_fc_norm_hidden
+        if name.endswith("norm.weight") or (leaf == "weight" and "norm" in owner) or leaf == "D":
             t = torch.ones(p.shape, dtype=pdt, device=device)
         elif leaf == "A_log":
             t = torch.empty(p.shape, dtype=torch.float32, device=device).uniform_(0.0, 2.7, generator=g).to(pdt)

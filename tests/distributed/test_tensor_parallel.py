@@ -402,6 +402,49 @@ def test_mtp_chunked_forked_preempted_and_plain_steps_match_one_rank(mtp_models,
     assert n2 == n1 >= 2
 
 
+def test_mtp_chains_of_varying_length_match_one_rank(mtp_models):
+    """Chains shorter than ``num_tokens`` (a length policy's ``propose(seqs, k)``: 1, 2, 3
+    drafts in turn) run on both ranks alike: output and acceptances equal one rank's."""
+    ref, tp = mtp_models("nemotron_h")
+    got = {}
+    for name, m in (("one", ref), ("two", tp)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with LLM(m, max_seq_len=MAXLEN, decode_mode="replay", speculative=_mtp()) as llm:
+                propose, calls = llm.drafter.propose, []
+
+                def varying(seqs, k=None):
+                    calls.append(len(calls) % 3 + 1)
+                    return propose(seqs, calls[-1])
+
+                llm.drafter.propose = varying
+                outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+        got[name] = [(o.token_ids, o.num_drafted, o.num_accepted) for o in outs]
+        assert len(calls) >= 3
+    assert got["two"] == got["one"]
+    assert [g[0] for g in got["two"]] == _generate(ref)
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h"])
+def test_mtp_with_prefix_caching_matches_one_rank(mtp_models, arch):
+    """Prefix hits skip the cached tokens' prefill, so no rank keeps their hidden states: the
+    head drafts from the computed part on every rank alike, output as one rank's."""
+    ref, tp = mtp_models(arch)
+    base = [(7 * i + 3) % 61 for i in range(22)]
+    prompts = [base, base[:13] + [5, 6], base]
+    kw = dict(decode_mode="kv" if arch == "nemotron_h" else "replay", kv_block_size=4, speculative=_mtp(),
+              enable_prefix_caching=True, prefix_checkpoint_interval=8)
+    params = SamplingParams(max_tokens=N_NEW)
+    got = {}
+    for name, m in (("one", ref), ("two", tp)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with LLM(m, max_seq_len=MAXLEN, **kw) as llm:
+                got[name] = [llm.generate([p], params)[0].token_ids for p in prompts]
+                assert llm.stats["prefix_hit_tokens"] > 0
+    assert got["two"] == got["one"] == [_generate_one(ref, p, params) for p in prompts]
+
+
 def test_mtp_needs_a_head_and_its_layers_must_split(mtp_paths, models):
     """A split model loaded without its head is refused by name (the group goes on); the MTP
     layers' sizes count only when the head is loaded."""

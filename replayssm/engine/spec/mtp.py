@@ -112,8 +112,15 @@ class MTPDrafter(Drafter):
     def graph_shapes(self):
         return [(self.num_nodes, self.tree)]
 
-    def capture(self) -> int:
-        return self.steps.capture()
+    def capture(self, lengths=()) -> int:
+        """The greedy draft step's graphs: per batch bucket and chain length in ``lengths``
+        (a tree: its one shape), and the catch-up alone (before plain steps)."""
+        return self.steps.capture(self._node_counts(lengths))
+
+    def _node_counts(self, lengths) -> list[int]:
+        if self.tree or not lengths:
+            return [self.num_nodes]
+        return sorted({min(int(t), self.k) + 1 for t in lengths})
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> None:
@@ -169,19 +176,21 @@ class MTPDrafter(Drafter):
             rows.append([s.slot, a] + toks + toks[-1:] * (K1 - a) + nodes + nodes[-1:] * (K1 - a))
         return rows
 
-    def propose(self, seqs: list[Sequence]) -> Proposal:
+    def propose(self, seqs: list[Sequence], k: int | None = None) -> Proposal:
+        """A chain of ``k`` drafts (default ``num_tokens``) or the whole tree."""
         B = len(seqs)
+        n = self.num_nodes if (self.tree or k is None) else min(int(k), self.k) + 1
         rows = self._catchup_rows(seqs)
         parent = (self._parent_t.expand(B, -1).contiguous() if self.tree
-                  else chain_parent(B, self.num_nodes, self.device))
-        valid = torch.ones(B, self.num_nodes, dtype=torch.bool, device=self.device)
+                  else chain_parent(B, n, self.device))
+        valid = torch.ones(B, n, dtype=torch.bool, device=self.device)
         if all(s.params.greedy for s in seqs):
-            return Proposal(self.steps.greedy(rows), parent, valid, None, tree=self.tree)
+            return Proposal(self.steps.greedy(rows, n), parent, valid, None, tree=self.tree)
         # rank 0's draws and parameters, so that every rank samples the same drafts
         greedy = [bool(s.params.greedy) for s in seqs]
         u = self.sampler.uniforms(seqs, self.num_nodes)
         sb = self.sampler.batch(seqs, penalties=False)
-        tokens, q = self.steps.sampled(rows, greedy, sb, u)
+        tokens, q = self.steps.sampled(rows, greedy, sb, u, n)
         return Proposal(tokens, parent, valid, q, tree=self.tree)
 
 
@@ -218,6 +227,9 @@ class MTPSteps:
         self.cache = self.head.make_cache(max_batch + 1, spec.for_draft(), device=self.device)
         target_cache.keep_hidden(target.config.hidden_size)
         self.runner = MTPStepGraphs(self._greedy_body, self.device, max_batch, self.width, cuda_graphs, pad_batches)
+        # the catch-up alone, before a plain step (the length policy's T = 0): a graph too
+        self.plain_runner = MTPStepGraphs(self._plain_body, self.device, max_batch, self.width, cuda_graphs,
+                                          pad_batches)
         # per tree level: the head's parent array over the nodes evaluated so far (made here:
         # a host-to-device copy is not allowed while a CUDA graph captures)
         self._level_parent = {}
@@ -271,15 +283,15 @@ class MTPSteps:
 
     def catch_up(self, rows) -> None:
         """Commit the pending pairs of ``rows`` (before a step without speculation)."""
-        with torch.inference_mode():
-            self._catch_up(*self.inputs(rows))
+        self.plain_runner.run(*self.inputs(rows), 1)
 
-    def greedy(self, rows) -> Tensor:
-        """The greedy proposal's tokens ``[B, N]`` (replayed graph, or eager)."""
-        return self.runner.run(*self.inputs(rows))
+    def greedy(self, rows, n: int | None = None) -> Tensor:
+        """The greedy proposal's tokens ``[B, n]`` (a chain of ``n`` nodes, default all;
+        replayed graph, or eager)."""
+        return self.runner.run(*self.inputs(rows), self.num_nodes if n is None else int(n))
 
-    def sampled(self, rows, greedy, sb, u: Tensor) -> tuple[Tensor, Tensor]:
-        """Tokens ``[B, N]`` and draft distributions ``q [B, N, V]``: greedy rows (``greedy``:
+    def sampled(self, rows, greedy, sb, u: Tensor, n: int | None = None) -> tuple[Tensor, Tensor]:
+        """Tokens ``[B, n]`` and draft distributions ``q [B, n, V]``: greedy rows (``greedy``:
         per row) take the ``rank``-th top token (one-hot q), sampling rows draw from the MTP
         distribution (``sb``: the rows' penalty-free SamplingBatch) with the uniforms
         ``u [B, N]`` (i.i.d. among siblings, as lossless multi-draft sampling needs)."""
@@ -294,7 +306,7 @@ class MTPSteps:
             return tok, torch.where(g, onehot, q)
 
         with torch.inference_mode():
-            return self._body(*self.inputs(rows), pick)
+            return self._body(*self.inputs(rows), pick, n)
 
     def release(self, slot: int) -> None:
         self.cache.release([slot])
@@ -311,8 +323,10 @@ class MTPSteps:
     def reset(self) -> None:
         self.cache.clear_pending()
 
-    def capture(self) -> int:
-        return self.runner.capture()
+    def capture(self, ns=None) -> int:
+        """Graphs of the greedy step for each node count in ``ns`` (default: all nodes) and of
+        the catch-up alone."""
+        return self.runner.capture(list(ns) if ns else [self.num_nodes]) + self.plain_runner.capture([1])
 
     # ---- the draft step (device work only) ------------------------------------------------------
     def _catch_up(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor) -> Tensor:
@@ -322,16 +336,18 @@ class MTPSteps:
         self.head.commit(self.cache, count)
         return g[torch.arange(g.shape[0], device=g.device), count - 1]
 
-    def _body(self, slots, toks, nodes, count, pick):
-        """Tokens ``[B, N]`` (node 0 = the last token) and the draft distributions ``q [B, N, V]``
-        (or None) of one proposal; ``pick(logits [B, V], node, rank) -> (token [B], q [B, V] | None)``."""
+    def _body(self, slots, toks, nodes, count, pick, n: int | None = None):
+        """Tokens ``[B, N]`` (node 0 = the last token; a chain of ``n`` nodes, default all)
+        and the draft distributions ``q [B, N, V]`` (or None) of one proposal;
+        ``pick(logits [B, V], node, rank) -> (token [B], q [B, V] | None)``."""
+        n = self.num_nodes if (n is None or self.tree) else n
         B = slots.shape[0]
         ar = torch.arange(B, device=slots.device)
         last = toks[ar, count - 1]
         zero = torch.zeros(B, dtype=torch.long, device=slots.device)
-        g = [self._catch_up(slots, toks, nodes, count)] + [None] * (self.num_nodes - 1)
-        tokens: list = [last] + [None] * (self.num_nodes - 1)
-        qs: list = [None] * self.num_nodes
+        g = [self._catch_up(slots, toks, nodes, count)] + [None] * (n - 1)
+        tokens: list = [last] + [None] * (n - 1)
+        qs: list = [None] * n
         logits: dict = {}
 
         def expand(i: int) -> None:
@@ -341,9 +357,9 @@ class MTPSteps:
             tokens[i], qs[i] = pick(logits[p], i, self.rank[i] if self.tree else 0)
 
         if not self.tree:
-            for r in range(1, self.num_nodes):
+            for r in range(1, n):
                 expand(r)
-                if r + 1 < self.num_nodes:   # g of draft r: re-run the tentative pairs, roll back
+                if r + 1 < n:   # g of draft r: re-run the tentative pairs, roll back
                     out = self.head.verify(self.cache, slots, torch.stack(tokens[1:r + 1], 1),
                                            torch.stack(g[:r], 1))
                     self.head.commit(self.cache, zero)
@@ -363,13 +379,16 @@ class MTPSteps:
                     for i in range(1, upto):
                         g[i] = out[:, i - 1]
         tok = torch.stack(tokens, 1)
-        if qs[1] is None:
+        if n == 1 or qs[1] is None:
             return tok, None
         qs[0] = torch.zeros_like(qs[1])
         return tok, torch.stack(qs, 1)
 
-    def _greedy_body(self, slots, toks, nodes, count) -> Tensor:
-        return self._body(slots, toks, nodes, count, _greedy_pick)[0]
+    def _plain_body(self, slots, toks, nodes, count, n: int) -> Tensor:
+        return self._catch_up(slots, toks, nodes, count)
+
+    def _greedy_body(self, slots, toks, nodes, count, n: int) -> Tensor:
+        return self._body(slots, toks, nodes, count, _greedy_pick, n)[0]
 
 
 def _greedy_pick(logits: Tensor, i: int, rank: int):
@@ -381,10 +400,10 @@ def _greedy_pick(logits: Tensor, i: int, rank: int):
 class MTPStepGraphs:
     """The greedy MTP draft step, eager or as one CUDA graph per batch bucket.
 
-    ``body(slots [Bp], tokens [Bp, K+1], nodes [Bp, K+1], count [Bp]) -> tokens [Bp, N]`` is
-    device work only.  Rows past the batch use the null slot 0 with one pair.  ``capture()``
-    takes every bucket's graph before serving (largest first, one memory pool); a bucket whose
-    capture fails runs eagerly, with a warning."""
+    ``body(slots [Bp], tokens [Bp, K+1], nodes [Bp, K+1], count [Bp], n) -> tokens [Bp, n]``
+    is device work only.  Rows past the batch use the null slot 0 with one pair.  One graph per
+    (batch bucket, nodes ``n``); ``capture(ns)`` takes every bucket's graphs before serving
+    (largest first, one memory pool); a key whose capture fails runs eagerly, with a warning."""
 
     def __init__(self, body, device, max_batch: int, width: int, cuda_graphs: bool = False, pad: bool = False):
         self.body, self.device, self.width = body, canonical_device(device), width
@@ -402,47 +421,50 @@ class MTPStepGraphs:
         return z, zz, zz.clone(), torch.ones(Bp, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def run(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor) -> Tensor:
-        """Proposal tokens ``[B, N]`` of the greedy step (replayed graph, or eager)."""
+    def run(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor, n: int) -> Tensor:
+        """Proposal tokens ``[B, n]`` of the greedy step (replayed graph, or eager)."""
         B = slots.shape[0]
         if not self.pad:
-            return self.body(slots, toks, nodes, count)
+            return self.body(slots, toks, nodes, count, n)
         Bp = bucket_for(self.buckets, B)
         ins = (pad_rows(slots, Bp), pad_rows(toks, Bp), pad_rows(nodes, Bp), pad_rows(count, Bp, 1))
-        if self.use_graphs and Bp not in self._failed:
-            g = self._graphs.get(Bp) or self._capture(Bp)
+        key = (Bp, n)
+        if self.use_graphs and key not in self._failed:
+            g = self._graphs.get(key) or self._capture(Bp, n)
             if g is not None:
                 graph, static_in, out = g
                 for dst, src in zip(static_in, ins):
                     dst.copy_(src)
                 graph.replay()
                 return out[:B]
-        return self.body(*ins)[:B]
+        return self.body(*ins, n)[:B]
 
-    def capture(self) -> int:
-        """Capture every bucket's graph (largest first); returns how many were captured."""
+    def capture(self, ns) -> int:
+        """Capture every bucket's graph for each node count in ``ns`` (largest first);
+        returns how many were captured."""
         if not self.use_graphs:
             return 0
-        return sum(self._capture(Bp) is not None for Bp in sorted(self.buckets, reverse=True)
-                   if Bp not in self._graphs and Bp not in self._failed)
+        keys = [(Bp, n) for Bp in sorted(self.buckets, reverse=True) for n in sorted(ns, reverse=True)]
+        return sum(self._capture(*k) is not None for k in keys if k not in self._graphs and k not in self._failed)
 
     @torch.inference_mode()
-    def _capture(self, Bp: int):
+    def _capture(self, Bp: int, n: int):
         ins = self._inputs(Bp)
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):   # warm-up on the null slot (kernels compile here)
                 for _ in range(2):
-                    self.body(*ins)
+                    self.body(*ins, n)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE):
-                out = self.body(*ins)
+                out = self.body(*ins, n)
             self._pool = graph.pool()
         except Exception as e:  # pragma: no cover - depends on the model's kernels
-            warnings.warn(f"CUDA graph capture of the MTP draft step (batch {Bp}) failed, running eagerly: {e}")
-            self._failed.add(Bp)
+            warnings.warn(f"CUDA graph capture of the MTP draft step (batch {Bp}, {n} nodes) failed, "
+                          f"running eagerly: {e}")
+            self._failed.add((Bp, n))
             return None
-        self._graphs[Bp] = (graph, ins, out)
-        return self._graphs[Bp]
+        self._graphs[(Bp, n)] = (graph, ins, out)
+        return self._graphs[(Bp, n)]
