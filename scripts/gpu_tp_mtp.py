@@ -40,6 +40,10 @@ from replayssm.bench.random_mtp import add_random_mtp  # noqa: E402
 from replayssm.engine.loading import load  # noqa: E402
 
 
+#: fixed chain lengths where the engine has a draft-length policy (its default adapts T per step)
+_FIXED = {"spec_policy": "fixed"} if "spec_policy" in getattr(SpeculativeConfig, "__dataclass_fields__", {}) else {}
+
+
 def _tokens(model, dev, prompts, params, spec=None, graphs=True, seed=0):
     with LLM(model, device=dev, decode_mode="replay", max_num_seqs=len(prompts), max_seq_len=128,
              cuda_graphs=graphs, speculative=spec, seed=seed) as llm:
@@ -87,8 +91,8 @@ def main(argv=None) -> int:
         prompts = _prompts(8, 24, vocab, seed=1)
         greedy = SamplingParams(max_tokens=24, ignore_eos=True)
         sampled = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=7)
-        chain = SpeculativeConfig("mtp", num_tokens=args.num_tokens)
-        tree = SpeculativeConfig("mtp", num_tokens=args.num_tokens, tree="topk", tree_width=2)
+        chain = SpeculativeConfig("mtp", num_tokens=args.num_tokens, **_FIXED)
+        tree = SpeculativeConfig("mtp", num_tokens=args.num_tokens, tree="topk", tree_width=2, **_FIXED)
         got = {}
         for tp in (1, 2):
             t0 = time.perf_counter()
