@@ -17,6 +17,12 @@ and host tokens, the draft tensors follow in one broadcast, and each rank runs i
 (batch bucket, draft nodes, chain or tree, cache form), NCCL collectives inside.  A greedy
 speculative step (verify, acceptance from the gathered logits, commit) is one such call:
 one host message, and rank 0 syncs once to read the accepted tokens, as on one GPU.
+
+Engine objects with device state of their own (the MTP drafter's head, cache and step
+graphs: ``engine.spec.mtp.MTPSteps``) are made on every rank by
+:meth:`TensorParallelModel.make_on_every_rank` from a class the engine passes down, as it
+passes its runner class; the :class:`ShardedObject` proxy forwards the methods the class
+lists in ``EVERY_RANK`` (one message per call) and reads the rest from rank 0's object.
 """
 
 from __future__ import annotations
