@@ -445,6 +445,22 @@ def test_mtp_with_prefix_caching_matches_one_rank(mtp_models, arch):
     assert got["two"] == got["one"] == [_generate_one(ref, p, params) for p in prompts]
 
 
+def test_mtp_steps_proxy_forwards_only_every_rank_methods(mtp_models):
+    """Rank 0's handle on the drafter's device half forwards its EVERY_RANK methods and
+    refuses the others by name (they would run on rank 0 alone); reads are rank 0's."""
+    from replayssm.distributed import ShardedObject
+
+    _, tp = mtp_models("mamba2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with LLM(tp, max_seq_len=MAXLEN, speculative=_mtp()) as llm:
+            steps = llm.drafter.steps
+            assert isinstance(steps, ShardedObject) and steps.head is tp.mtp is llm.drafter.head
+            with pytest.raises(AttributeError, match="inputs: not in its EVERY_RANK"):
+                steps.inputs([[1, 1, 0, 0, 0, 0, 0, 0, 0, 0]])
+            assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=4))[0].token_ids) == 4
+
+
 def test_mtp_needs_a_head_and_its_layers_must_split(mtp_paths, models):
     """A split model loaded without its head is refused by name (the group goes on); the MTP
     layers' sizes count only when the head is loaded."""
