@@ -119,7 +119,7 @@ def micro() -> dict:
 # ---------------------------------------------------------------------------------------------
 # 3 + 4: end to end
 # ---------------------------------------------------------------------------------------------
-CONFIGS = [(1, "gloo", "nccl"), (2, "gloo", "nccl"), (2, "shm", "nccl"), (2, "shm", "auto")]
+CONFIGS = [(1, "gloo", "nccl"), (2, "shm", "auto"), (2, "shm", "nccl"), (2, "gloo", "nccl")]
 
 
 def _close_with_watchdog(model, what: str, limit_s: float = 60.0) -> None:

@@ -11,7 +11,8 @@
         llm = LLM(model, decode_mode="replay")                          # the model carries its group
 
 Processes: rank 0 is the calling process: it owns the scheduler, the sampler and any
-drafter (a draft model runs unsharded on rank 0's device); ranks ``1 .. N-1`` are workers
+drafter (a draft model runs unsharded on rank 0's device; the MTP head is sharded like the
+model's layers and every rank runs each draft step on its share); ranks ``1 .. N-1`` are workers
 started with ``torch.multiprocessing`` (spawn; rendezvous on a free loopback port) or by
 ``torchrun`` (:meth:`TensorParallelGroup.from_torchrun`).  Each rank holds its share of the
 weights and of every cache (its heads' checkpoint states, rings, KV-only blocks and conv
@@ -30,7 +31,8 @@ sits above and hands its runner class down):
 * ``worker.py``   — the worker loop;
 * ``group.py``    — :class:`TensorParallelGroup`: processes, calls, failures, shutdown;
 * ``model.py``    — rank 0's proxies: :class:`TensorParallelModel`, ``ShardedCache``,
-  ``ShardedRunner``.
+  ``ShardedRunner``, ``ShardedObject`` (an engine object every rank holds: the MTP drafter's
+  device half).
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ import os
 
 from ..models.registry import read_config
 from .group import TensorParallelGroup, WorkerFailed, check_devices
-from .model import ShardedCache, ShardedRunner, TensorParallelModel
+from .model import ShardedCache, ShardedObject, ShardedRunner, TensorParallelModel
 from .sharding import check_tensor_parallel, local_config
 
-__all__ = ["TensorParallelGroup", "TensorParallelModel", "ShardedCache", "ShardedRunner", "WorkerFailed",
+__all__ = ["TensorParallelGroup", "TensorParallelModel", "ShardedCache", "ShardedObject", "ShardedRunner", "WorkerFailed",
            "check_tensor_parallel", "local_config", "load_tensor_parallel", "launched_by_torchrun"]
 
 
@@ -51,15 +53,15 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def load_tensor_parallel(path, size: int, device="cpu", dtype="float32") -> TensorParallelModel:
+def load_tensor_parallel(path, size: int, device="cpu", dtype="float32", mtp: bool = False) -> TensorParallelModel:
     """Check the model in ``path`` splits over ``size`` ranks (``ValueError`` naming the
     dimension, before any process starts), start a group of its own (or join torchrun's:
-    ranks above 0 serve inside this call and exit), and load every rank's shard.  The model
-    owns the group: ``model.close()`` stops the workers."""
+    ranks above 0 serve inside this call and exit), and load every rank's shard (``mtp``:
+    with the MTP head).  The model owns the group: ``model.close()`` stops the workers."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"model directory not found: {path!r}")
-    check_tensor_parallel(read_config(path), size)
+    check_tensor_parallel(read_config(path), size, mtp=mtp)
     if launched_by_torchrun():
         if int(os.environ["WORLD_SIZE"]) != size:
             raise ValueError(f"tensor_parallel_size={size} but torchrun started WORLD_SIZE="
@@ -69,7 +71,7 @@ def load_tensor_parallel(path, size: int, device="cpu", dtype="float32") -> Tens
         check_devices(size, device)
         group = TensorParallelGroup(size, device)
     try:
-        model = group.load_model(path, dtype)
+        model = group.load_model(path, dtype, mtp=mtp)
     except BaseException:
         group.close()
         raise

@@ -13,7 +13,8 @@ Two process groups over the same ranks:
   take the control group too.
 
 A call's device tensors (draft tokens, parents, accepted counts, ...) travel as one packed
-broadcast per dtype family on the data group (integers and booleans as one int64 buffer),
+broadcast per dtype family on the data group (integers as one int64 buffer; booleans and
+bytes, such as grammar masks, as one uint8 buffer),
 asynchronously on the stream: sending a call never waits for the device.  Host values
 (slot lists, prompt ids, CPU tensors when the device is a GPU) travel inside the message.
 """
@@ -50,7 +51,11 @@ class Ref:
 
 
 def _wire_dtype(dt: torch.dtype) -> torch.dtype:
-    return dt if (dt.is_floating_point or dt.is_complex) else torch.int64
+    """Floats travel as themselves, booleans and bytes (grammar masks) as one byte each,
+    other integers as int64."""
+    if dt.is_floating_point or dt.is_complex:
+        return dt
+    return torch.uint8 if dt in (torch.bool, torch.uint8) else torch.int64
 
 
 def fill(x, tensors: list[Tensor]):

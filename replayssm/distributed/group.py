@@ -365,25 +365,38 @@ class TensorParallelGroup:
         raise exc
 
     # -- models ------------------------------------------------------------------------------
-    def load_model(self, path, dtype="float32"):
-        """Every rank loads its shard of the checkpoint in ``path`` (reading only that shard);
-        returns rank 0's :class:`~replayssm.distributed.model.TensorParallelModel`."""
+    def load_model(self, path, dtype="float32", mtp: bool = False):
+        """Every rank loads its shard of the checkpoint in ``path`` (reading only that shard;
+        ``mtp``: with the MTP head, sharded alike); returns rank 0's
+        :class:`~replayssm.distributed.model.TensorParallelModel`."""
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{path}: not a model directory")
         cfg = read_config(path)
-        check_tensor_parallel(cfg, self.size)
+        check_tensor_parallel(cfg, self.size, mtp=bool(mtp))
         h = self.new_handle()
-        local = self.run("load", (h, path, dtype),
-                         lambda: load_shard(path, 0, self.size, self.device, dtype, group=self.comm.data))
+        local = self.run("load", (h, path, dtype, bool(mtp)),
+                         lambda: load_shard(path, 0, self.size, self.device, dtype, group=self.comm.data,
+                                            mtp=bool(mtp)))
         return TensorParallelModel(self, h, local)
 
-    def random_model(self, config: dict, dtype="bfloat16", seed: int = 0):
+    def random_model(self, config: dict, dtype="bfloat16", seed: int = 0, mtp: bool = False):
         """Every rank builds its shard of a random-weight model (``config``: a ``config.json``
-        dict) directly on its device; returns rank 0's model handle."""
-        check_tensor_parallel(parse_config(dict(config), "config dict"), self.size)
+        dict; ``mtp``: with a random MTP head) directly on its device; returns rank 0's model
+        handle."""
+        check_tensor_parallel(parse_config(dict(config), "config dict"), self.size, mtp=bool(mtp))
         h = self.new_handle()
-        local = self.run("random", (h, dict(config), dtype, seed),
+        local = self.run("random", (h, dict(config), dtype, seed, bool(mtp)),
                          lambda: random_shard(config, 0, self.size, self.device, dtype, group=self.comm.data,
-                                              seed=seed))
+                                              seed=seed, mtp=bool(mtp)))
         return TensorParallelModel(self, h, local)
+
+    def make(self, handle: int, cls, args=(), kwargs=None):
+        """``cls(*args, **kwargs)`` on every rank under ``handle`` (proxies in the arguments
+        become each rank's own objects); returns rank 0's."""
+        tensors: list = []
+        wire_args, local_args = self._encode(tuple(args), tensors)
+        wire_kw, local_kw = self._encode(dict(kwargs or {}), tensors)
+        if tensors:
+            raise ValueError("objects made on every rank take host values and proxies, not tensors")
+        return self.run("make", (handle, cls, wire_args, wire_kw), lambda: cls(*local_args, **local_kw))

@@ -11,6 +11,11 @@ share of heads and channels), with four additions:
 * the LM head holds the same shard: the local logits ``[..., Vs]`` are all-gathered to
   ``[..., N Vs]`` and cut to ``V``, so every rank holds the complete, identical logits (and
   computes identical greedy acceptances from them);
+* an MTP head (``mtp_keys``: the checkpoint's tensor names) is built on the local model the
+  same way: its decoder layers at local sizes with the same hooks, its ``fc`` / ``eh_proj``
+  and norms replicated (their input ``[n_e(E x) ; n_h(h)]`` is complete on every rank: the
+  embedding is all-reduced, ``h`` is the replicated final-normed stream), and the shared
+  vocabulary-parallel embedding and head (:meth:`MTPHead.logits` gathers like the target);
 * a Mamba-2 gated RMSNorm whose groups span ranks (``n_groups`` < ranks) all-reduces its
   per-group sums of squares (:class:`ShardedGatedRMSNorm`; on GPUs two Triton kernels
   around that one small all-reduce: the local sums, then the norm with the group's total).
@@ -36,6 +41,7 @@ from torch import Tensor, nn
 from ..kernels.dispatch import fused_ok
 from ..kernels.norm import gated_rmsnorm, gated_sumsq
 from ..layers.mamba2 import Mamba2Mixer
+from ..models.mtp import attach_mtp
 from ..runtime import compute_dtype
 from .allreduce import AllReduce
 from ..layers.norms import GatedRMSNorm
@@ -144,8 +150,8 @@ class TensorParallelLM:
         h = torch.where(inside[..., None], h, torch.zeros((), dtype=h.dtype, device=h.device))
         return tp.allreduce(h)
 
-    def _head(self, h: Tensor) -> Tensor:
-        local = super()._head(h)                                              # [..., Vs]
+    def _logits(self, hn: Tensor) -> Tensor:
+        local = super()._logits(hn)                                           # [..., Vs]
         full = all_gather_last(local, self.tp.size, self.tp.group)            # [..., N Vs]
         return full[..., : self.tp.config.vocab_size]
 
@@ -165,12 +171,16 @@ def _holder_rows(holder: nn.Module, rows: int) -> None:
     holder.weight = nn.Parameter(torch.empty(rows, w.shape[1], device="meta"), requires_grad=False)
 
 
-def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: int, size: int, group=None):
+def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: int, size: int, group=None,
+                      mtp_keys=None):
     """Rank ``rank``'s model skeleton on the meta device (weights still to load): ``cls``
     built from the local config ``lcfg``, with vocabulary-shard embedding/head, sharded
-    gated norms where a norm group spans ranks, and the all-reduce hooks."""
+    gated norms where a norm group spans ranks, and the all-reduce hooks; with an MTP head
+    (``model.mtp``) when ``mtp_keys`` (the checkpoint's tensor names) is given."""
     with torch.device("meta"):
         model = shard_class(cls)(lcfg, dtype, device)
+        if mtp_keys is not None:
+            attach_mtp(model, mtp_keys)
     lo, _, Vs = vocab_shard(cfg.vocab_size, size, rank)
     allreduce = AllReduce(group, device)           # collective setup: every rank builds its model together
     model.tp = ShardInfo(rank, size, group, cfg, lo, Vs, allreduce)
@@ -178,7 +188,8 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
     _holder_rows(getattr(getattr(model, root), embed), Vs)
     if not lcfg.tie_word_embeddings:
         _holder_rows(model.lm_head, Vs)
-    for blk in model.blocks:
+    blocks = list(model.blocks) + (list(model.mtp.blocks) if mtp_keys is not None else [])
+    for blk in blocks:
         for _, mixer_name in blk.subs:
             mixer = getattr(blk, mixer_name)
             if isinstance(mixer, Mamba2Mixer):

@@ -23,6 +23,7 @@ import torch
 
 from ..models.registry import model_class, parse_config, read_config
 from ..models.header import check_sizes
+from ..models.mtp import attach_mtp
 from ..models.loader import (_FP32_PARAMS, WeightError, _cast_checked, _install, _transformed_checked,
                              _weight_files, check_quant_tensors, check_source_shapes, check_tied_copies,
                              param_dtype, parse_dtype, prepare_quant, source_plan)
@@ -30,7 +31,7 @@ from ..models.quant import fp8_transforms
 from ..ops.fp8.naive import FP8
 from ..runtime import canonical_device, compute_dtype
 from .layers import build_local_model
-from .sharding import ROOT_ONLY, Shard, local_config, shard_rules
+from .sharding import ROOT_ONLY, Shard, check_tensor_parallel, local_config, shard_rules
 
 __all__ = ["load_shard", "random_shard"]
 
@@ -132,12 +133,16 @@ def _pad(t: torch.Tensor, rule: Shard) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], rule.dim)
 
 
-def _skeletons(cfg, dtype, device, rank: int, size: int, group):
-    """``(global model, local model)`` on the meta device (no memory)."""
+def _skeletons(cfg, dtype, device, rank: int, size: int, group, mtp_keys=None):
+    """``(global model, local model)`` on the meta device (no memory); both with an MTP head
+    when ``mtp_keys`` (the checkpoint's tensor names) is given."""
+    check_tensor_parallel(cfg, size, mtp=mtp_keys is not None)
     cls = model_class(cfg)
     with torch.device("meta"):
         gmodel = cls(cfg, dtype, device)
-    lmodel = build_local_model(cls, cfg, local_config(cfg, size), dtype, device, rank, size, group)
+        if mtp_keys is not None:
+            attach_mtp(gmodel, mtp_keys)
+    lmodel = build_local_model(cls, cfg, local_config(cfg, size), dtype, device, rank, size, group, mtp_keys)
     return gmodel, lmodel
 
 
@@ -146,8 +151,9 @@ def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return compute_dtype(dtype) if leaf in _FP32_PARAMS and dtype != torch.float64 else dtype
 
 
-def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", group=None):
-    """Rank ``rank``'s shard (of ``size``) of the model in ``path``, on ``device``.
+def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", group=None, mtp: bool = False):
+    """Rank ``rank``'s shard (of ``size``) of the model in ``path``, on ``device`` (``mtp``:
+    with its MTP head, ``model.mtp``, sharded by the same rules).
 
     Raises what :func:`replayssm.models.load_model` raises for a bad directory, plus
     ``ValueError`` when the model cannot be split over ``size`` ranks.
@@ -166,7 +172,7 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
     check_sizes(cfg, key_file, os.path.join(path, "config.json"))  # before any skeleton is built
     if cfg.tie_word_embeddings and "lm_head.weight" in key_file:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
-    gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group)
+    gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group, key_file if mtp else None)
     aliases, read_past, scales = prepare_quant(path, gmodel, key_file, type(gmodel).key_aliases())
     prepare_quant(path, model, key_file, type(gmodel).key_aliases())    # the same layers FP8, local sizes
     gparams = dict(gmodel.named_parameters())
@@ -213,15 +219,16 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
 
 
 def random_shard(cfg_dict: dict, rank: int, size: int, device="cpu", dtype="bfloat16", group=None,
-                 seed: int = 0, scale: float = 0.02):
+                 seed: int = 0, scale: float = 0.02, mtp: bool = False):
     """Rank ``rank``'s shard of a random-weight model described by a ``config.json`` dict,
-    generated directly on ``device`` (no checkpoint).  Norm weights are 1, ``A_log`` and
+    generated directly on ``device`` (no checkpoint; ``mtp``: with an MTP head of
+    ``num_nextn_predict_layers`` layers, default 1).  Norm weights are 1, ``A_log`` and
     ``dt_bias`` in the usual ranges, other weights ``N(0, scale²)``; replicated parameters
     are identical on every rank (their seed depends only on their name)."""
     tdtype = parse_dtype(dtype)
     device = canonical_device(device)
     cfg = parse_config(dict(cfg_dict), "config dict")
-    gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group)
+    gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group, () if mtp else None)
     rules = shard_rules(gmodel, size, rank)
     for name, p in model.named_parameters():
         leaf = name.rpartition(".")[2]
@@ -229,7 +236,8 @@ def random_shard(cfg_dict: dict, rank: int, size: int, device="cpu", dtype="bflo
         sharded = isinstance(rules.get(name), Shard)
         g = torch.Generator(device=device)
         g.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) + (rank + 1) * 7919 * int(sharded))
-        if name.endswith("norm.weight") or leaf == "D":
+        owner = name.rpartition(".")[0].rpartition(".")[2]      # e.g. the MTP head's pre_fc_norm_hidden
+        if name.endswith("norm.weight") or (leaf == "weight" and "norm" in owner) or leaf == "D":
             t = torch.ones(p.shape, dtype=pdt, device=device)
         elif leaf == "A_log":
             t = torch.empty(p.shape, dtype=torch.float32, device=device).uniform_(0.0, 2.7, generator=g).to(pdt)

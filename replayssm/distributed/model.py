@@ -17,11 +17,18 @@ and host tokens, the draft tensors follow in one broadcast, and each rank runs i
 (batch bucket, draft nodes, chain or tree, cache form), NCCL collectives inside.  A greedy
 speculative step (verify, acceptance from the gathered logits, commit) is one such call:
 one host message, and rank 0 syncs once to read the accepted tokens, as on one GPU.
+
+Engine objects with device state of their own (the MTP drafter's head, cache and step
+graphs: ``engine.spec.mtp.MTPSteps``) are made on every rank by
+:meth:`TensorParallelModel.make_on_every_rank` from a class the engine passes down, as it
+passes its runner class; the :class:`ShardedObject` proxy forwards the methods the class
+lists in ``EVERY_RANK`` (one message per call) and reads the rest from rank 0's object.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import numbers
 import weakref
 
@@ -32,7 +39,7 @@ from ..cache.spec import CacheSpec
 from ..models.protocols import ModelCacheLike, changes, reads
 from ..runtime import canonical_device
 
-__all__ = ["TensorParallelModel", "ShardedCache", "ShardedRunner"]
+__all__ = ["TensorParallelModel", "ShardedCache", "ShardedObject", "ShardedRunner"]
 
 
 class _Proxy:
@@ -129,14 +136,37 @@ class ShardedRunner(_Proxy):
     def commit(self, accepted: Tensor, path: Tensor | None = None) -> None:
         return self._call("commit", accepted, path)
 
-    def greedy_verify_step(self, slots, tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool):
-        return self._call("greedy_verify_step", list(slots), tokens, parent, valid, bool(tree))
+    def greedy_verify_step(self, slots, tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool,
+                           mask: Tensor | None = None):
+        """``mask [B, N, V]`` (constrained rows' grammar masks) travels as bytes: every rank
+        applies it, so every rank accepts the same tokens."""
+        return self._call("greedy_verify_step", list(slots), tokens, parent, valid, bool(tree), mask=mask)
 
-    def sampled_verify_step(self, slots, tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool, q, sb, u):
-        return self._call("sampled_verify_step", list(slots), tokens, parent, valid, bool(tree), q, sb, u)
+    def sampled_verify_step(self, slots, tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool, q, sb, u,
+                            mask: Tensor | None = None):
+        return self._call("sampled_verify_step", list(slots), tokens, parent, valid, bool(tree), q, sb, u, mask=mask)
 
     def capture(self, spec_shapes=(), sampled_shapes=()) -> int:
         return self._call("capture", [tuple(s) for s in spec_shapes], [tuple(s) for s in sampled_shapes])
+
+
+class ShardedObject(_Proxy):
+    """An engine object every rank holds (made by :meth:`TensorParallelModel.make_on_every_rank`
+    from a class the engine passes down, as it passes its runner class): a call of a method
+    its class names in ``EVERY_RANK`` runs on every rank (one message, host arguments and
+    tensors as for a runner call); other attributes are read from rank 0's object
+    (``.local``), and its other methods are refused (they would run on rank 0 alone)."""
+
+    def __getattr__(self, name):
+        if name in getattr(type(self.local), "EVERY_RANK", ()):
+            return functools.partial(self._call, name)
+        if name in ("local", "_group", "_tp_handle"):
+            raise AttributeError(name)
+        value = getattr(self.local, name)
+        if inspect.ismethod(value):
+            raise AttributeError(f"{type(self.local).__name__}.{name}: not in its EVERY_RANK, so not run on "
+                                 f"the tensor-parallel workers")
+        return value
 
 
 class TensorParallelModel(_Proxy):
@@ -174,6 +204,13 @@ class TensorParallelModel(_Proxy):
     def cache_layout(self, spec: CacheSpec | None = None, **fields):
         return self.local.cache_layout(CacheSpec.of(spec, **fields))
 
+    @property
+    def mtp(self):
+        """Rank 0's shard of the MTP head (loaded with ``mtp=True``; else None), for reads:
+        its config and ``cache_layout`` (one rank's share).  Its steps run on every rank
+        through an object of :meth:`make_on_every_rank` (the MTP drafter's)."""
+        return getattr(self.local, "mtp", None)
+
     # -- objects on every rank ------------------------------------------------------------------
     def make_cache(self, num_slots: int, spec: CacheSpec | None = None, *, device=None, poison: bool = False,
                    **fields) -> ShardedCache:
@@ -199,6 +236,16 @@ class TensorParallelModel(_Proxy):
         local = self._group.run("runner", (h, self._tp_handle, cache._tp_handle, runner_cls, kw),
                                 lambda: runner_cls(self.local, cache.local, self.device, **kw))
         return ShardedRunner(self._group, h, local)
+
+    def make_on_every_rank(self, cls, *args, **kwargs) -> ShardedObject:
+        """``cls(*args, **kwargs)`` on every rank, each with its own shards where the
+        arguments hold this model or its caches (``cls``: an engine class, pickled by
+        reference; its ``EVERY_RANK`` methods are then forwarded, see :class:`ShardedObject`)."""
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, _Proxy) and x.group is not self._group:
+                raise ValueError(f"{cls.__name__}: an argument belongs to another tensor-parallel group")
+        h = self._group.new_handle()
+        return ShardedObject(self._group, h, self._group.make(h, cls, args, kwargs))
 
     # -- the model API (direct use; the engine goes through the runner) -------------------------
     def __call__(self, input_ids: Tensor) -> Tensor:

@@ -48,6 +48,10 @@ split, its partial output summed by one all-reduce per sub-block):
   columns); each invocation's LoRA adapters ``x -> B (A x)`` keep ``A`` whole (replicated)
   and split ``B``'s rows like the projection they add to, so ``q + B A x`` stays each rank's
   own heads exactly.  Kimi-Linear (MLA's latent projections) is refused by name.
+* An MTP head (``mtp.*``, loaded with ``mtp=True``): its decoder layers follow the rules of
+  their kind above (same hooks); it shares the target's vocabulary-parallel embedding and
+  head.  Its ``fc`` / ``eh_proj`` ``[D, 2D]`` mixes ``[n_e(E x) ; n_h(h)]``, both complete
+  on every rank, so it is replicated (an exact, small ``D x 2D`` copy per rank).
 * Everything else (RMSNorms, routers, q/k norms, GDN's per-head-dim norm): replicated.
   Biases of row-parallel projections live on rank 0 only (zeros elsewhere), so the
   all-reduced sum adds them once.
@@ -148,8 +152,9 @@ def _check_size(N) -> int:
     return N
 
 
-def check_tensor_parallel(cfg, N: int) -> None:
-    """Raise ``ValueError`` naming the dimension when ``cfg`` cannot be split over ``N`` ranks."""
+def check_tensor_parallel(cfg, N: int, mtp: bool = False) -> None:
+    """Raise ``ValueError`` naming the dimension when ``cfg`` cannot be split over ``N`` ranks
+    (``mtp``: with its MTP head, whose layer kinds count too)."""
     N = _check_size(N)
     if N == 1:
         return
@@ -157,7 +162,7 @@ def check_tensor_parallel(cfg, N: int) -> None:
     if mt == "mamba2":
         _check_mamba(N, cfg.num_heads, cfg.n_groups, "num_heads")
     elif mt == "nemotron_h":
-        kinds = set(cfg.layer_kinds)
+        kinds = set(cfg.layer_kinds) | (set(cfg.mtp_layer_kinds) if mtp else set())
         if "mamba" in kinds:
             _check_mamba(N, cfg.mamba_num_heads, cfg.n_groups, "mamba_num_heads")
         if "attention" in kinds:
@@ -169,12 +174,12 @@ def check_tensor_parallel(cfg, N: int) -> None:
             _divides(N, "moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
                      "shared-expert channels")
     elif mt == "qwen3_next" or mt in QWEN3_5_TYPES:
-        kinds = set(cfg.layer_kinds)
+        kinds = set(cfg.layer_kinds) | ({"attention"} if mtp else set())   # the MTP layer: attention
         if "gdn" in kinds:
             _divides(N, "linear_num_key_heads", cfg.linear_num_key_heads, "GDN key heads (and their value heads)")
         if "attention" in kinds:
             _check_attention(N, cfg.num_attention_heads, cfg.num_key_value_heads)
-        moe = [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)]
+        moe = [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)] + ([cfg.is_moe_layer(0)] if mtp else [])
         if not all(moe):
             _divides(N, "intermediate_size", cfg.intermediate_size, "MLP channels")
         if any(moe):
@@ -471,11 +476,12 @@ def _layer_rules(m, N: int, r: int) -> dict:
 
 def shard_rules(model, N: int, rank: int) -> dict:
     """``{parameter name: Shard | ROOT_ONLY}`` of rank ``rank`` for the *global* ``model``
-    (built on the meta device); parameters not listed are replicated."""
+    (built on the meta device; its MTP head's layers too); parameters not listed are replicated."""
     names = {id(mod): name for name, mod in model.named_modules()}
     params = dict(model.named_parameters())
     rules: dict = {}
-    for blk in model.blocks:
+    head = getattr(model, "mtp", None)
+    for blk in list(model.blocks) + (list(head.blocks) if head is not None else []):
         for _, mixer_name in blk.subs:
             mixer = getattr(blk, mixer_name)
             prefix = names[id(mixer)] + "."

@@ -58,13 +58,18 @@ class Worker:
                 continue  # rank 0's identical call raised it too (see the module docstring)
 
     # -- operations ---------------------------------------------------------------------
-    def op_load(self, handle: int, path: str, dtype: str) -> None:
+    def op_load(self, handle: int, path: str, dtype: str, mtp: bool = False) -> None:
         c = self.comm
-        self.objects[handle] = load_shard(path, c.rank, c.size, c.device, dtype, group=c.data)
+        self.objects[handle] = load_shard(path, c.rank, c.size, c.device, dtype, group=c.data, mtp=mtp)
 
-    def op_random(self, handle: int, cfg: dict, dtype: str, seed: int) -> None:
+    def op_random(self, handle: int, cfg: dict, dtype: str, seed: int, mtp: bool = False) -> None:
         c = self.comm
-        self.objects[handle] = random_shard(cfg, c.rank, c.size, c.device, dtype, group=c.data, seed=seed)
+        self.objects[handle] = random_shard(cfg, c.rank, c.size, c.device, dtype, group=c.data, seed=seed, mtp=mtp)
+
+    def op_make(self, handle: int, cls, args, kwargs) -> None:
+        """An engine object every rank holds (``cls`` arrives pickled by reference, like a
+        runner class), built from this rank's objects."""
+        self.objects[handle] = cls(*_resolve(args, self.objects), **_resolve(kwargs, self.objects))
 
     def op_call(self, handle: int, method: str, args, kwargs, result: int | None) -> None:
         out = getattr(self.objects[handle], method)(*_resolve(args, self.objects), **_resolve(kwargs, self.objects))

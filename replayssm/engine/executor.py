@@ -249,7 +249,7 @@ class StepExecutor:
             prop = prop.truncate(T + 1)
         mask = None
         if any(s.constraint is not None for s in seqs):   # walk the grammars over the drafts
-            V = int(self.runner.model.config.vocab_size)
+            V = int(self.sampler.vocab_size)   # the logits width (also under tensor parallelism)
             mask, valid = self.draft_masks.build(seqs, prop.tokens, prop.parent, prop.valid, prop.tree,
                                                  prop.q is not None, V)
             prop = Proposal(prop.tokens, prop.parent, valid, prop.q, prop.tree)

@@ -28,8 +28,8 @@ def load(model, device: torch.device, dtype: torch.dtype, tensor_parallel_size: 
 
     ``tensor_parallel_size > 1``: the model split over that many processes, each reading its
     shard (:func:`replayssm.distributed.load_tensor_parallel`, the engine's entry into the
-    distributed layer below it); the returned model owns its workers (``close()``).  The MTP
-    head is not sharded: ``mtp`` with ``tensor_parallel_size > 1`` is refused."""
+    distributed layer below it; ``mtp``: the head sharded like the model's layers); the
+    returned model owns its workers (``close()``)."""
     try:
         model = resolve_model_dir(model, revision)
     except FileNotFoundError:
@@ -37,11 +37,8 @@ def load(model, device: torch.device, dtype: torch.dtype, tensor_parallel_size: 
     if not os.path.isdir(model):
         raise ValueError(f"model directory not found: {model!r} (it is a file)")
     if tensor_parallel_size > 1:
-        if mtp:
-            raise ValueError("speculative method 'mtp' is not supported with tensor_parallel_size > 1 "
-                             "(the MTP head is not sharded over the workers); use tensor_parallel_size=1 "
-                             "or method='ngram'/'draft'")
-        return load_tensor_parallel(str(model), tensor_parallel_size, device, dtype), load_tokenizer(str(model))
+        return (load_tensor_parallel(str(model), tensor_parallel_size, device, dtype, mtp=mtp),
+                load_tokenizer(str(model)))
     return load_model(str(model), device=device, dtype=dtype, mtp=mtp), load_tokenizer(str(model))
 
 
@@ -58,10 +55,6 @@ def load_target(model, device: torch.device, dtype: torch.dtype, config, tokeniz
     tp, sp = config.tensor_parallel_size, config.speculative
     have = model.tensor_parallel_size if isinstance(model, TensorParallelModel) else 1
     mtp = sp is not None and sp.method == "mtp"
-    if mtp and (tp or have) > 1:
-        raise ValueError(f"speculative method 'mtp' is not supported with tensor_parallel_size={tp or have} "
-                         f"(the MTP head is not sharded over the workers); use tensor_parallel_size=1 "
-                         f"or method='ngram'/'draft'")
     if not is_model(model):
         loaded, tok = load(model, device, dtype, tp or 1, mtp=mtp, revision=revision)
         return loaded, tokenizer if tokenizer is not None else tok, dtype, True

@@ -188,8 +188,8 @@ class CausalLM(nn.Module):
     def _head_kept(self, cache: ModelCache, slots: Tensor, h: Tensor) -> Tensor:
         """:meth:`_head` of a cached step ``h [B, T, D]``, keeping the final-normed hidden
         states in ``cache.hidden`` when the cache keeps them (``ModelCache.keep_hidden``).
-        The logits go through :meth:`_head`, the one override point (tensor parallelism
-        gathers the vocabulary there)."""
+        The logits go through :meth:`_logits`, the one override point (tensor parallelism
+        gathers the vocabulary there; an MTP head's logits use it too)."""
         if cache.hidden is not None:
             cache.record_hidden(slots, self.final_norm()(h))
         return self._head(h)

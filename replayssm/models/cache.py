@@ -311,6 +311,15 @@ class ModelCache:
                 p.write_pending()
 
     # ------------------------------------------------------------------ slot lifecycle
+    def start(self, slot: int) -> None:
+        """Hold an empty sequence in the free ``slot`` without a prefill (an MTP head's slot
+        whose prompt left it no pairs: its first pairs come by ``verify``), so that it swaps
+        out and back like a prefilled one."""
+        slot = int(slot)
+        if not 0 < slot < self.P or slot in self._in_use:
+            raise ValueError(f"start: slot must be a free slot in [1, {self.P - 1}], got {slot}")
+        self._in_use.add(slot)
+
     def release(self, slots) -> None:
         """Free ``slots`` (their next prefill starts a new sequence in :attr:`mode`)."""
         self._check_idle()

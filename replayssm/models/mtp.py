@@ -131,13 +131,14 @@ class MTPHead(CausalLM):
         return self._parts[3]
 
     def logits(self, g: Tensor) -> Tensor:
-        """The shared LM head on MTP outputs ``g [..., D]`` -> ``[..., V]``."""
-        return CausalLM._logits(self, g)
+        """The shared LM head on MTP outputs ``g [..., D]`` -> ``[..., V]`` (the target's own
+        ``_logits``: under tensor parallelism a vocabulary shard, gathered to all of ``V``)."""
+        return self.target._logits(g)
 
     # ---- the MTP step -------------------------------------------------------------------------
     def _embed(self, input_ids: Tensor) -> Tensor:
         fc, n_e, n_h, _ = self._parts
-        e = n_e(nn.functional.embedding(input_ids, self.embed_weight()))
+        e = n_e(self.target._embed(input_ids))      # the target's embedding (a vocabulary shard under TP)
         h = n_h(self._hidden_in.to(e.dtype))
         return fc(torch.cat([e, h], -1))
 

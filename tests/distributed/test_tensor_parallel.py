@@ -6,7 +6,8 @@ and kill its worker.  Models: tiny random transformers checkpoints with odd per-
 counts (6 Mamba-2 / attention / GDN value heads: 3 per rank), both group layouts (Mamba-2
 groups replicated with a cross-rank gated norm; groups split), KV heads split and
 replicated, MoE with a shared expert and a latent projection, row-parallel biases, tied
-embeddings and an odd vocabulary (61: a padded vocabulary shard).
+embeddings and an odd vocabulary (61: a padded vocabulary shard).  The same checkpoints with
+an MTP head (its layers sharded by the same rules) serve MTP speculation.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 import hf_utils as H  # noqa: E402
+import mtp_checkpoint as M  # noqa: E402
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from replayssm.cache.spec import CacheSpec  # noqa: E402
@@ -77,6 +79,28 @@ def paths(tmp_path_factory):
     return out
 
 
+#: the MTP fc's noise: some drafts accepted, some rejected (catch-ups of every length)
+MTP_NOISE = {"mamba2": 0.8, "qwen3_next": 1.5, "nemotron_h": 1.5}
+
+
+@pytest.fixture(scope="module")
+def mtp_paths(paths, tmp_path_factory):
+    """The three checkpoints with a random MTP head each (made predictable: drafts accepted)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("tp_mtp_models")
+    out = {}
+    for i, name in enumerate(ARCHS):
+        d = str(root / name)
+        shutil.copytree(paths[name], d)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            M.add_mtp(d, seed=3 + i)
+        M.make_predictable(d, seed=1, mtp_noise=MTP_NOISE[name])
+        out[name] = d
+    return out
+
+
 @pytest.fixture(scope="module")
 def group():
     n = torch.get_num_threads()
@@ -95,6 +119,20 @@ def models(paths, group):
     def get(name, dtype="float64"):
         if (name, dtype) not in cache:
             cache[name, dtype] = (load_model(paths[name], dtype=dtype), group.load_model(paths[name], dtype=dtype))
+        return cache[name, dtype]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def mtp_models(mtp_paths, group):
+    """``mtp_models(name, dtype) -> (TP=1 model, TP=2 model)``, both with their MTP head (cached)."""
+    cache = {}
+
+    def get(name, dtype="float64"):
+        if (name, dtype) not in cache:
+            p = mtp_paths[name]
+            cache[name, dtype] = (load_model(p, dtype=dtype, mtp=True), group.load_model(p, dtype=dtype, mtp=True))
         return cache[name, dtype]
 
     return get
@@ -122,11 +160,12 @@ def expected(models):
     return get
 
 
-def _generate(model, params=None, **kw):
+def _generate(model, params=None, outputs=False, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with LLM(model, max_seq_len=MAXLEN, **kw) as llm:
-            return [o.token_ids for o in llm.generate(PROMPTS, params or SamplingParams(max_tokens=N_NEW))]
+            outs = llm.generate(PROMPTS, params or SamplingParams(max_tokens=N_NEW))
+    return outs if outputs else [o.token_ids for o in outs]
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,8 +209,10 @@ def test_a_config_that_contradicts_the_checkpoint_is_named_before_a_shard_is_bui
     assert "config.json" in str(e.value)
 
 
-def test_each_rank_reads_only_its_shard(paths, monkeypatch):
-    """Rank 1's load never reads a sharded tensor whole: only its slices come off the file."""
+@pytest.mark.parametrize("mtp", [False, True])
+def test_each_rank_reads_only_its_shard(paths, mtp_paths, monkeypatch, mtp):
+    """Rank 1's load never reads a sharded tensor whole: only its slices come off the file
+    (with ``mtp``: the MTP head's layers too; its fc is replicated)."""
     import safetensors
 
     from replayssm.distributed.loading import load_shard
@@ -217,13 +258,18 @@ def test_each_rank_reads_only_its_shard(paths, monkeypatch):
             return self.h.__exit__(*a)
 
     monkeypatch.setattr(safetensors, "safe_open", Handle)
+    src = mtp_paths if mtp else paths
     for name in ARCHS:
-        full = load_model(paths[name], dtype="float64")
+        full = load_model(src[name], dtype="float64", mtp=mtp)
         read.clear()
-        local = load_shard(paths[name], rank=1, size=2, dtype="float64")
+        local = load_shard(src[name], rank=1, size=2, dtype="float64", mtp=mtp)
         rules = shard_rules(full, 2, 1)
         sharded = {n: r for n, r in rules.items() if isinstance(r, Shard)}
         assert sharded
+        assert any(n.startswith("mtp.") for n in sharded) == mtp
+        if mtp:
+            fc = "mtp.layers.0.eh_proj.weight" if name == "nemotron_h" else "mtp.fc.weight"
+            assert fc not in rules and local.mtp.target is local
         lp, fp = dict(local.named_parameters()), dict(full.named_parameters())
         for n, rule in sharded.items():
             key = n if n in read else None
@@ -284,6 +330,153 @@ def test_sampled_speculation_matches_one_rank(models):
     params = SamplingParams(max_tokens=N_NEW, temperature=0.9, seed=5)
     assert _generate(tp, params, speculative=sp, decode_mode="auto", auto_threshold=6) == \
         _generate(ref, params, speculative=sp, decode_mode="auto", auto_threshold=6)
+
+
+def _mtp(tree=None):
+    return SpeculativeConfig("mtp", num_tokens=3, tree=tree, tree_width=2)
+
+
+@pytest.mark.parametrize("dtype,tree", [("float64", None), ("float32", None), ("float64", "topk")])
+@pytest.mark.parametrize("mode", ["replay", "recurrent"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mtp_speculation_matches_one_rank(mtp_models, arch, mode, dtype, tree):
+    """MTP under tensor parallelism (the head's layers sharded, every draft step on both
+    ranks): the greedy output, and the drafts accepted per request, equal one rank's with
+    MTP, which equals plain decoding; drafts were both accepted and rejected.  Chains in
+    float64 and float32, trees in float64."""
+    ref, tp = mtp_models(arch, dtype)
+    kw = dict(decode_mode=mode, speculative=_mtp(tree))
+    one = _generate(ref, outputs=True, **kw)
+    two = _generate(tp, outputs=True, pad_batches=mode == "replay", **kw)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one] == _generate(ref, decode_mode=mode)
+    assert [o.num_accepted for o in two] == [o.num_accepted for o in one]
+    assert 0 < sum(o.num_accepted for o in two) < sum(o.num_drafted for o in two)
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_mtp_sampled_speculation_matches_one_rank(mtp_models, tree):
+    """Sampled MTP drafts: rank 0's uniforms and sampling parameters go to every rank, so
+    both draw the same drafts from the same gathered logits; with the same seeds the output
+    equals one rank's draw for draw (the same distribution, exactly), drafts accepted and
+    rejected alike, and the greedy row in the batch stays greedy."""
+    ref, tp = mtp_models("qwen3_next")
+    params = [SamplingParams(max_tokens=N_NEW, temperature=0.9, seed=5), SamplingParams(max_tokens=N_NEW),
+              SamplingParams(max_tokens=N_NEW, temperature=1.0, top_k=5)]
+    kw = dict(speculative=_mtp(tree), decode_mode="auto", auto_threshold=6, seed=3)
+    one, two = (_generate(m, params, outputs=True, **kw) for m in (ref, tp))
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert [(o.num_drafted, o.num_accepted) for o in two] == [(o.num_drafted, o.num_accepted) for o in one]
+    assert 0 < sum(o.num_accepted for o in two) < sum(o.num_drafted for o in two)
+    assert two[1].token_ids == _generate(ref)[1]
+
+
+def _serve(model, preempt_every=0, **kw):
+    """PROMPTS (the second with n=2 greedy samples, forked from one prefill); every
+    ``preempt_every`` steps the two latest decoding sequences are swapped out.  Returns every
+    sample's tokens and the preemption count."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with LLM(model, max_seq_len=MAXLEN, **kw) as llm:
+            seqs = [llm.add_request(p, SamplingParams(max_tokens=N_NEW, n=n)) for p, n in zip(PROMPTS, (1, 2, 1))]
+            step = 0
+            while llm.has_unfinished():
+                llm.step()
+                step += 1
+                if preempt_every and step % preempt_every == 0:
+                    for s in [s for s in llm.scheduler.running if not s.prefilling][-2:]:
+                        llm.scheduler.preempt(s)
+            return [[x.output_ids for x in s.group] for s in seqs], llm.stats["preemptions"]
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_mtp_chunked_forked_preempted_and_plain_steps_match_one_rank(mtp_models, tree):
+    """Under tensor parallelism the head's per-rank state follows every path one rank's
+    does: prompts prefilled in chunks of 5 (each chunk's hidden states), samples forked
+    from one prefill, sequences swapped out and back (the head's slot on every rank), and
+    plain steps while more than two requests run (``disable_by_batch_size``: the head's
+    catch-up on every rank).  Output equals one rank's and plain decoding's."""
+    ref, tp = mtp_models("qwen3_next")
+    sp = dataclasses.replace(_mtp(tree), disable_by_batch_size=2)
+    kw = dict(decode_mode="replay", speculative=sp, max_num_batched_tokens=5, max_num_seqs=3, kv_block_size=4)
+    want = [[e] * n for e, n in zip(_generate(ref), (1, 2, 1))]
+    one, n1 = _serve(ref, 3, **kw)
+    two, n2 = _serve(tp, 3, **kw)
+    assert two == one == want
+    assert n2 == n1 >= 2
+
+
+def test_mtp_chains_of_varying_length_match_one_rank(mtp_models):
+    """Chains shorter than ``num_tokens`` (a length policy's ``propose(seqs, k)``: 1, 2, 3
+    drafts in turn) run on both ranks alike: output and acceptances equal one rank's."""
+    ref, tp = mtp_models("nemotron_h")
+    got = {}
+    for name, m in (("one", ref), ("two", tp)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with LLM(m, max_seq_len=MAXLEN, decode_mode="replay", speculative=_mtp()) as llm:
+                propose, calls = llm.drafter.propose, []
+
+                def varying(seqs, k=None):
+                    calls.append(len(calls) % 3 + 1)
+                    return propose(seqs, calls[-1])
+
+                llm.drafter.propose = varying
+                outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+        got[name] = [(o.token_ids, o.num_drafted, o.num_accepted) for o in outs]
+        assert len(calls) >= 3
+    assert got["two"] == got["one"]
+    assert [g[0] for g in got["two"]] == _generate(ref)
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h"])
+def test_mtp_with_prefix_caching_matches_one_rank(mtp_models, arch):
+    """Prefix hits skip the cached tokens' prefill, so no rank keeps their hidden states: the
+    head drafts from the computed part on every rank alike, output as one rank's."""
+    ref, tp = mtp_models(arch)
+    base = [(7 * i + 3) % 61 for i in range(22)]
+    prompts = [base, base[:13] + [5, 6], base]
+    kw = dict(decode_mode="kv" if arch == "nemotron_h" else "replay", kv_block_size=4, speculative=_mtp(),
+              enable_prefix_caching=True, prefix_checkpoint_interval=8)
+    params = SamplingParams(max_tokens=N_NEW)
+    got = {}
+    for name, m in (("one", ref), ("two", tp)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with LLM(m, max_seq_len=MAXLEN, **kw) as llm:
+                got[name] = [llm.generate([p], params)[0].token_ids for p in prompts]
+                assert llm.stats["prefix_hit_tokens"] > 0
+    assert got["two"] == got["one"] == [_generate_one(ref, p, params) for p in prompts]
+
+
+def test_mtp_steps_proxy_forwards_only_every_rank_methods(mtp_models):
+    """Rank 0's handle on the drafter's device half forwards its EVERY_RANK methods and
+    refuses the others by name (they would run on rank 0 alone); reads are rank 0's."""
+    from replayssm.distributed import ShardedObject
+
+    _, tp = mtp_models("mamba2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with LLM(tp, max_seq_len=MAXLEN, speculative=_mtp()) as llm:
+            steps = llm.drafter.steps
+            assert isinstance(steps, ShardedObject) and steps.head is tp.mtp is llm.drafter.head
+            with pytest.raises(AttributeError, match="inputs: not in its EVERY_RANK"):
+                steps.inputs([[1, 1, 0, 0, 0, 0, 0, 0, 0, 0]])
+            assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=4))[0].token_ids) == 4
+
+
+def test_mtp_needs_a_head_and_its_layers_must_split(mtp_paths, models):
+    """A split model loaded without its head is refused by name (the group goes on); the MTP
+    layers' sizes count only when the head is loaded."""
+    _, tp = models("mamba2")
+    with pytest.raises(ValueError, match=r"needs the target's MTP head.*TensorParallelGroup\.load_model"):
+        LLM(tp, speculative=_mtp(), max_seq_len=MAXLEN)
+    assert tp.group.alive and tp.mtp is None
+    cfg = read_config(mtp_paths["nemotron_h"])
+    dense = dataclasses.replace(cfg, layer_types=tuple(t for t in cfg.layer_types if t != "moe"),
+                                moe_intermediate_size=7)
+    check_tensor_parallel(dense, 2)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(7\)"):
+        check_tensor_parallel(dense, 2, mtp=True)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -378,21 +571,44 @@ def test_random_shards_share_replicated_weights():
     assert w0.shape == (8 + 8 + 6 + 6 + 2, 16) and not torch.equal(w0, w1)   # [z | x | B | C | dt] of 2 heads
 
 
+RANDOM_MTP_CFG = dict(RANDOM_CFG, num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E")
+
+
 def test_random_model_generates(group):
     model = group.random_model(RANDOM_CFG, dtype="float32", seed=3)
     out = _generate(model, decode_mode="replay")
     assert [len(o) for o in out] == [N_NEW] * len(PROMPTS)
     model.close()
+    model = group.random_model(RANDOM_MTP_CFG, dtype="float32", seed=3, mtp=True)   # with a random MTP head
+    out = _generate(model, outputs=True, decode_mode="replay", speculative=_mtp())
+    assert [len(o.token_ids) for o in out] == [N_NEW] * len(PROMPTS) and all(o.num_drafted for o in out)
+    model.close()
+
+
+def test_random_mtp_shards_share_replicated_weights():
+    """A random MTP head per rank: its fc and norms agree across ranks, its attention and
+    experts are sharded like the model's."""
+    from replayssm.distributed.loading import random_shard
+
+    r0, r1 = (random_shard(RANDOM_MTP_CFG, r, 2, dtype="float32", mtp=True) for r in (0, 1))
+    p0, p1 = dict(r0.named_parameters()), dict(r1.named_parameters())
+    assert torch.equal(p0["mtp.layers.0.eh_proj.weight"], p1["mtp.layers.0.eh_proj.weight"])
+    assert p0["mtp.layers.0.eh_proj.weight"].shape == (16, 32)
+    q0, q1 = p0["mtp.layers.0.mixer.q_proj.weight"], p1["mtp.layers.0.mixer.q_proj.weight"]
+    assert q0.shape == (8, 16) and not torch.equal(q0, q1)                 # one of 2 heads of 8
+    assert p0["mtp.layers.1.mixer.experts.up_proj"].shape[1] == 3          # 6 expert channels / 2
 
 
 # ---------------------------------------------------------------------------------------
 # an engine that owns its group; a worker that dies
 # ---------------------------------------------------------------------------------------
-def test_engine_owned_group_and_worker_failure(paths, group, expected):
-    want = expected("mamba2")
+def test_engine_owned_group_and_worker_failure(mtp_paths, group):
+    """An engine that loads the model itself, with its MTP head (speculative method 'mtp')."""
+    want = _generate(load_model(mtp_paths["mamba2"], dtype="float64"))
     group.close()   # one group per process: the module's is done
     assert multiprocessing.active_children() == []
-    llm = LLM(paths["mamba2"], dtype="float64", tensor_parallel_size=2, max_seq_len=MAXLEN)
+    llm = LLM(mtp_paths["mamba2"], dtype="float64", tensor_parallel_size=2, max_seq_len=MAXLEN,
+              speculative=_mtp())
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))] == want
         (worker,) = multiprocessing.active_children()

@@ -100,12 +100,23 @@ def test_mtp_head_over_the_computed_part_of_a_prompt(mtp_models):
     assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=N))] == expected
 
 
-def test_mtp_refused_with_tensor_parallelism(mtp_models):
-    """The head is not sharded: method 'mtp' with tensor_parallel_size > 1 is refused before
-    any worker starts."""
-    _, _, d = mtp_models["mamba2"]
-    with pytest.raises(ValueError, match="'mtp' is not supported with tensor_parallel_size=2"):
-        LLM(d, dtype="float64", speculative=_spec(None), tensor_parallel_size=2)
+def test_mtp_preempts_a_request_whose_prompt_left_the_head_no_pair(mtp_models):
+    """A one-token prompt gives the head no pair to prefill: its slot starts empty
+    (``ModelCache.start``) and swaps out and back like the others, output unchanged."""
+    m, expected, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=_spec(None), max_seq_len=MAXLEN)
+    seqs = [llm.add_request(p, SamplingParams(max_tokens=N)) for p in PROMPTS]
+    step = 0
+    while llm.has_unfinished():
+        llm.step()
+        step += 1
+        if step % 2 == 0:
+            for s in [s for s in llm.scheduler.running if not s.prefilling]:
+                llm.scheduler.preempt(s)
+    assert [s.output_ids for s in seqs] == expected
+    assert llm.stats["preemptions"] >= len(PROMPTS)
+    with pytest.raises(ValueError, match="start: slot must be a free slot"):
+        llm.drafter.cache.start(0)
 
 
 def test_mtp_recover_forgets_a_half_done_draft_step(mtp_models):

@@ -39,7 +39,7 @@ from torch import Tensor
 from ...runtime import canonical_device
 from ..batching import batch_buckets, bucket_for, pad_rows
 from ..model_runner import CAPTURE_ERROR_MODE
-from ..sampler import Sampler, sample_from
+from ..sampler import Sampler, process, sample_from
 from ..sequence import Sequence
 from .base import Drafter, Proposal, chain_parent, static_tree
 
@@ -49,15 +49,21 @@ def mtp_head_of(model):
     head = getattr(model, "mtp", None)
     if head is None:
         raise ValueError("speculative method 'mtp' needs the target's MTP head: pass a model directory whose "
-                         "checkpoint has one, or a model loaded with load_model(path, mtp=True)")
+                         "checkpoint has one, or a model loaded with load_model(path, mtp=True) (tensor "
+                         "parallel: TensorParallelGroup.load_model(path, mtp=True))")
     return head
 
 
 class MTPDrafter(Drafter):
     """Chains (``tree=None``: ``num_tokens`` drafts) or static trees (rank paths) from the
     target's MTP head.  ``target_cache`` is the target's cache (it starts keeping hidden
-    states here); the head's cache is made here with the same slots, from ``spec`` (the
-    target's :class:`~replayssm.cache.spec.CacheSpec`) via ``spec.for_draft()``."""
+    states here); the head's cache is made with the same slots, from ``spec`` (the target's
+    :class:`~replayssm.cache.spec.CacheSpec`) via ``spec.for_draft()``.
+
+    The drafter keeps the host bookkeeping (each request's pending catch-up nodes, the
+    sampler's draws); the device work is an :class:`MTPSteps`.  Under tensor parallelism
+    (``target.make_on_every_rank``) every rank holds one over its shards and runs each call
+    (one message per call)."""
 
     method = "mtp"
     uses_mtp_head = True
@@ -65,36 +71,33 @@ class MTPDrafter(Drafter):
 
     def __init__(self, target, target_cache, sampler: Sampler, device, max_batch: int, spec, num_tokens: int,
                  tree=None, cuda_graphs: bool = False, pad_batches: bool = False):
-        self.head = mtp_head_of(target)
+        mtp_head_of(target)
         self.target_cache, self.sampler = target_cache, sampler
         self.device = canonical_device(device)
-        self.cache = self.head.make_cache(max_batch + 1, spec.for_draft(), device=self.device)
-        target_cache.keep_hidden(target.config.hidden_size)
-        self.tree = tree is not None
-        if self.tree:
-            self.parent, self.rank, self.depth = static_tree(tree)
-            self.k = max(self.depth)
+        kw = dict(max_batch=max_batch, spec=spec, num_tokens=num_tokens, tree=tree, cuda_graphs=cuda_graphs,
+                  pad_batches=pad_batches)
+        if hasattr(type(target), "make_on_every_rank"):   # split over ranks: each rank's device
+            self.steps = target.make_on_every_rank(MTPSteps, target, target_cache, None, **kw)
         else:
-            self.k = int(num_tokens)
-            self.parent = list(range(-1, self.k))
-        self.num_nodes = len(self.parent)
-        self.width = self.k + 1            # catch-up pairs per step: at most depth + 1
-        if self.width > spec.max_new or self.num_nodes > spec.max_new:
-            raise ValueError(f"MTP drafting needs max_new >= {max(self.width, self.num_nodes)}, got {spec.max_new}")
+            self.steps = MTPSteps(target, target_cache, self.device, **kw)
+        st = self.steps
+        self.tree, self.parent, self.rank, self.depth = st.tree, st.parent, st.rank, st.depth
+        self.k, self.num_nodes, self.width = st.k, st.num_nodes, st.width
         self._nodes: dict = {}             # request id -> target nodes of its pending catch-up pairs
-        self.runner = MTPStepGraphs(self._greedy_body, self.device, max_batch, self.width,
-                                    cuda_graphs, pad_batches)
-        # the catch-up alone, before a plain step (the length policy's T = 0): a graph too
-        self.plain_runner = MTPStepGraphs(self._plain_body, self.device, max_batch, self.width,
-                                          cuda_graphs, pad_batches)
         self._parent_t = torch.tensor(self.parent, dtype=torch.long, device=self.device)
-        # per tree level: the head's parent array over the nodes evaluated so far (made here:
-        # a host-to-device copy is not allowed while a CUDA graph captures)
-        self._level_parent = {}
-        if self.tree:
-            for lvl in range(1, max(self.depth)):
-                upto = max(i for i in range(self.num_nodes) if self.depth[i] == lvl) + 1
-                self._level_parent[lvl] = torch.tensor([p - 1 for p in self.parent[1:upto]], device=self.device)
+
+    # the device half's parts (under tensor parallelism: rank 0's, to read)
+    @property
+    def head(self):
+        return self.steps.head
+
+    @property
+    def cache(self):
+        return self.steps.cache
+
+    @property
+    def runner(self):
+        return self.steps.runner
 
     @classmethod
     def own_layout(cls, setup):
@@ -111,8 +114,8 @@ class MTPDrafter(Drafter):
 
     def capture(self, lengths=()) -> int:
         """The greedy draft step's graphs: per batch bucket and chain length in ``lengths``
-        (a tree: its one shape)."""
-        return self.runner.capture(self._node_counts(lengths)) + self.plain_runner.capture([1])
+        (a tree: its one shape), and the catch-up alone (before plain steps)."""
+        return self.steps.capture(self._node_counts(lengths))
 
     def _node_counts(self, lengths) -> list[int]:
         if self.tree or not lengths:
@@ -121,35 +124,10 @@ class MTPDrafter(Drafter):
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> None:
-        """Run the head over each prompt's pairs ``(h_t, x_{t+1})``, ``t < L-1`` (the last
-        pair waits for the first sampled token: the first catch-up).  Where the target
-        computed only the last ``m < L`` prompt tokens (their hidden states are all it kept),
-        the head runs over the pairs of those: its drafts know less of the prompt, the output
-        is the same."""
-        rows = []
+        """Run the head over each prompt's pairs (:meth:`MTPSteps.prefill`)."""
         for s in seqs:
-            ph = self.target_cache.take_prompt_hidden(s.slot)
             self._nodes[s.request_id] = [0]
-            L = len(s.prompt_ids)
-            m = 0 if ph is None else min(L, int(ph.shape[0]))
-            if m >= 2:
-                rows.append((s.slot, s.prompt_ids[L - m + 1:], ph[ph.shape[0] - m:ph.shape[0] - 1]))
-        budget = 8192
-        while rows:
-            group, width = [], 0
-            while rows and (not group or max(width, len(rows[0][1])) * (len(group) + 1) <= budget):
-                width = max(width, len(rows[0][1]))
-                group.append(rows.pop(0))
-            B, D = len(group), self.head.config.hidden_size
-            ids = torch.zeros(B, width, dtype=torch.long)
-            hid = torch.zeros(B, width, D, dtype=group[0][2].dtype, device=self.device)
-            for b, (_, toks, ph) in enumerate(group):
-                ids[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-                hid[b, : len(toks)] = ph
-            slots = torch.tensor([g[0] for g in group], dtype=torch.long, device=self.device)
-            lengths = torch.tensor([len(g[1]) for g in group], dtype=torch.long, device=self.device)
-            with torch.inference_mode():
-                self.head.prefill(self.cache, slots, ids.to(self.device), lengths, hid)
+        self.steps.prefill([(s.slot, list(s.prompt_ids)) for s in seqs])
 
     def accepted(self, seqs, accepted, path) -> None:
         """The accepted nodes become the next catch-up's pairs (tree: along ``path``)."""
@@ -161,62 +139,194 @@ class MTPDrafter(Drafter):
         """Before a step without speculation: commit the pending pairs while ``cache.hidden``
         still holds them (the plain step overwrites it); afterwards the plain step's own
         pair, its hidden state at node 0 with the token it produced, is the one pending."""
-        slots, toks, nodes, count = self._catchup_inputs(seqs)
-        self.plain_runner.run(slots, toks, nodes, count, 1)
+        self.steps.catch_up(self._catchup_rows(seqs))
         for s in seqs:
             self._nodes[s.request_id] = [0]
 
     def release(self, seq: Sequence) -> None:
         self._nodes.pop(seq.request_id, None)
         if seq.slot is not None:
-            self.cache.release([seq.slot])
+            self.steps.release(seq.slot)
 
     def swap_out(self, seq: Sequence) -> None:
         """The head's cache slot goes to host memory; the pending catch-up nodes stay (their
         hidden states travel with the target's slot, ``ModelCache.swap_out``)."""
-        self.cache.swap_out(seq.slot, seq.swap_key)
+        self.steps.swap_out(seq.slot, seq.swap_key)
 
     def swap_in(self, seq: Sequence) -> None:
-        self.cache.swap_in(seq.slot, seq.swap_key)
+        self.steps.swap_in(seq.slot, seq.swap_key)
 
     def drop_swapped(self, seq: Sequence) -> None:
         self._nodes.pop(seq.request_id, None)
-        self.cache.drop_swapped(seq.swap_key)
+        self.steps.drop_swapped(seq.swap_key)
 
     def reset(self) -> None:
         """Forget a draft step left half-way by a failed engine step (the head's pending verify)."""
-        self.cache.clear_pending()
+        self.steps.reset()
 
     # ---- proposals ------------------------------------------------------------------------------
-    def _catchup_inputs(self, seqs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(slots [B], tokens [B, K+1], nodes [B, K+1], count [B])`` of the pending pairs,
-        padded with copies of the last one; one host-to-device copy."""
+    def _catchup_rows(self, seqs) -> list[list[int]]:
+        """Per row ``[slot, count, tokens (K+1), nodes (K+1)]`` of the pending pairs, padded
+        with copies of the last one (host ints: :meth:`MTPSteps.inputs` makes the tensors)."""
         K1, rows = self.width, []
         for s in seqs:
             nodes = self._nodes.get(s.request_id) or [0]
             a = len(nodes)
             toks = s.last_ids(a)
             rows.append([s.slot, a] + toks + toks[-1:] * (K1 - a) + nodes + nodes[-1:] * (K1 - a))
+        return rows
+
+    def propose(self, seqs: list[Sequence], k: int | None = None) -> Proposal:
+        """A chain of ``k`` drafts (default ``num_tokens``) or the whole tree."""
+        B = len(seqs)
+        n = self.num_nodes if (self.tree or k is None) else min(int(k), self.k) + 1
+        rows = self._catchup_rows(seqs)
+        parent = (self._parent_t.expand(B, -1).contiguous() if self.tree
+                  else chain_parent(B, n, self.device))
+        valid = torch.ones(B, n, dtype=torch.bool, device=self.device)
+        if all(s.params.greedy for s in seqs):
+            return Proposal(self.steps.greedy(rows, n), parent, valid, None, tree=self.tree)
+        # rank 0's draws and parameters, so that every rank samples the same drafts
+        greedy = [bool(s.params.greedy) for s in seqs]
+        u = self.sampler.uniforms(seqs, self.num_nodes)
+        sb = self.sampler.batch(seqs, penalties=False)
+        tokens, q = self.steps.sampled(rows, greedy, sb, u, n)
+        return Proposal(tokens, parent, valid, q, tree=self.tree)
+
+
+class MTPSteps:
+    """The device half of MTP drafting: the head, its cache (``spec.for_draft()``, the
+    target's slots), and the draft step, eager or as CUDA graphs (:class:`MTPStepGraphs`).
+
+    Every rank of a tensor-parallel model holds one (the head's layers are sharded like the
+    model's, its logits gathered complete on every rank); the methods in ``EVERY_RANK`` are
+    the drafter's only calls and take host values (slots, prompts, packed catch-up rows) or,
+    for sampled steps, rank 0's sampling batch and uniforms, so every rank drafts the same
+    tokens and feeds them back identically.  ``device=None``: the target's."""
+
+    EVERY_RANK = ("prefill", "catch_up", "greedy", "sampled", "release", "swap_out", "swap_in", "drop_swapped",
+                  "reset", "capture")
+
+    def __init__(self, target, target_cache, device, max_batch: int, spec, num_tokens: int, tree=None,
+                 cuda_graphs: bool = False, pad_batches: bool = False):
+        self.head = mtp_head_of(target)
+        self.target_cache = target_cache
+        self.device = canonical_device(target.device if device is None else device)
+        self.tree = tree is not None
+        if self.tree:
+            self.parent, self.rank, self.depth = static_tree(tree)
+            self.k = max(self.depth)
+        else:
+            self.k = int(num_tokens)
+            self.parent = list(range(-1, self.k))
+            self.rank, self.depth = [0] * (self.k + 1), list(range(self.k + 1))
+        self.num_nodes = len(self.parent)
+        self.width = self.k + 1            # catch-up pairs per step: at most depth + 1
+        if self.width > spec.max_new or self.num_nodes > spec.max_new:
+            raise ValueError(f"MTP drafting needs max_new >= {max(self.width, self.num_nodes)}, got {spec.max_new}")
+        self.cache = self.head.make_cache(max_batch + 1, spec.for_draft(), device=self.device)
+        target_cache.keep_hidden(target.config.hidden_size)
+        self.runner = MTPStepGraphs(self._greedy_body, self.device, max_batch, self.width, cuda_graphs, pad_batches)
+        # the catch-up alone, before a plain step (the length policy's T = 0): a graph too
+        self.plain_runner = MTPStepGraphs(self._plain_body, self.device, max_batch, self.width, cuda_graphs,
+                                          pad_batches)
+        # per tree level: the head's parent array over the nodes evaluated so far (made here:
+        # a host-to-device copy is not allowed while a CUDA graph captures)
+        self._level_parent = {}
+        if self.tree:
+            for lvl in range(1, max(self.depth)):
+                upto = max(i for i in range(self.num_nodes) if self.depth[i] == lvl) + 1
+                self._level_parent[lvl] = torch.tensor([p - 1 for p in self.parent[1:upto]], device=self.device)
+
+    # ---- calls (every rank) --------------------------------------------------------------------
+    def prefill(self, rows) -> None:
+        """Run the head over each prompt's pairs ``(h_t, x_{t+1})``, ``t < L-1`` (``rows``:
+        ``(slot, prompt ids)``; the last pair waits for the first sampled token: the first
+        catch-up).  Where the target computed only the last ``m < L`` prompt tokens (their
+        hidden states are all it kept), the head runs over the pairs of those: its drafts
+        know less of the prompt, the output is the same."""
+        todo = []
+        for slot, prompt in rows:
+            ph = self.target_cache.take_prompt_hidden(slot)
+            L = len(prompt)
+            m = 0 if ph is None else min(L, int(ph.shape[0]))
+            if m >= 2:
+                todo.append((slot, prompt[L - m + 1:], ph[ph.shape[0] - m:ph.shape[0] - 1]))
+            else:   # no pair yet: the slot starts empty (it swaps out like any other)
+                self.cache.start(slot)
+        budget = 8192
+        while todo:
+            group, width = [], 0
+            while todo and (not group or max(width, len(todo[0][1])) * (len(group) + 1) <= budget):
+                width = max(width, len(todo[0][1]))
+                group.append(todo.pop(0))
+            B, D = len(group), self.head.config.hidden_size
+            ids = torch.zeros(B, width, dtype=torch.long)
+            hid = torch.zeros(B, width, D, dtype=group[0][2].dtype, device=self.device)
+            for b, (_, toks, ph) in enumerate(group):
+                ids[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+                hid[b, : len(toks)] = ph
+            slots = torch.tensor([g[0] for g in group], dtype=torch.long, device=self.device)
+            lengths = torch.tensor([len(g[1]) for g in group], dtype=torch.long, device=self.device)
+            with torch.inference_mode():
+                self.head.prefill(self.cache, slots, ids.to(self.device), lengths, hid)
+
+    def inputs(self, rows) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(slots [B], tokens [B, K+1], nodes [B, K+1], count [B])`` of packed catch-up
+        rows (:meth:`MTPDrafter._catchup_rows`); one host-to-device copy."""
+        K1 = self.width
         t = torch.tensor(rows, dtype=torch.long)
         if self.device.type == "cuda":
             t = t.pin_memory()
         t = t.to(self.device, non_blocking=True)
         return t[:, 0], t[:, 2:2 + K1], t[:, 2 + K1:], t[:, 1]
 
-    def propose(self, seqs: list[Sequence], k: int | None = None) -> Proposal:
-        """A chain of ``k`` drafts (default ``num_tokens``) or the whole tree."""
-        B = len(seqs)
-        n = self.num_nodes if (self.tree or k is None) else min(int(k), self.k) + 1
-        slots, toks, nodes, count = self._catchup_inputs(seqs)
-        parent = (self._parent_t.expand(B, -1).contiguous() if self.tree
-                  else chain_parent(B, n, self.device))
-        valid = torch.ones(B, n, dtype=torch.bool, device=self.device)
-        if all(s.params.greedy for s in seqs):
-            tokens = self.runner.run(slots, toks, nodes, count, n)
-            return Proposal(tokens, parent, valid, None, tree=self.tree)
+    def catch_up(self, rows) -> None:
+        """Commit the pending pairs of ``rows`` (before a step without speculation)."""
+        self.plain_runner.run(*self.inputs(rows), 1)
+
+    def greedy(self, rows, n: int | None = None) -> Tensor:
+        """The greedy proposal's tokens ``[B, n]`` (a chain of ``n`` nodes, default all;
+        replayed graph, or eager)."""
+        return self.runner.run(*self.inputs(rows), self.num_nodes if n is None else int(n))
+
+    def sampled(self, rows, greedy, sb, u: Tensor, n: int | None = None) -> tuple[Tensor, Tensor]:
+        """Tokens ``[B, n]`` and draft distributions ``q [B, n, V]``: greedy rows (``greedy``:
+        per row) take the ``rank``-th top token (one-hot q), sampling rows draw from the MTP
+        distribution (``sb``: the rows' penalty-free SamplingBatch) with the uniforms
+        ``u [B, N]`` (i.i.d. among siblings, as lossless multi-draft sampling needs)."""
+        g = torch.tensor(list(greedy), dtype=torch.bool, device=self.device)[:, None]
+        u = u.to(self.device)
+
+        def pick(logits: Tensor, i: int, rank: int):
+            q = process(logits, sb)
+            top = logits.topk(rank + 1, -1).indices[:, rank]
+            tok = torch.where(g[:, 0], top, sample_from(q, u[:, i]))
+            onehot = torch.zeros_like(q).scatter(-1, tok[:, None], 1.0)
+            return tok, torch.where(g, onehot, q)
+
         with torch.inference_mode():
-            tokens, q = self._body(slots, toks, nodes, count, self._sampled_picker(seqs), n)
-        return Proposal(tokens, parent, valid, q, tree=self.tree)
+            return self._body(*self.inputs(rows), pick, n)
+
+    def release(self, slot: int) -> None:
+        self.cache.release([slot])
+
+    def swap_out(self, slot: int, key) -> None:
+        self.cache.swap_out(slot, key)
+
+    def swap_in(self, slot: int, key) -> None:
+        self.cache.swap_in(slot, key)
+
+    def drop_swapped(self, key) -> None:
+        self.cache.drop_swapped(key)
+
+    def reset(self) -> None:
+        self.cache.clear_pending()
+
+    def capture(self, ns=None) -> int:
+        """Graphs of the greedy step for each node count in ``ns`` (default: all nodes) and of
+        the catch-up alone."""
+        return self.runner.capture(list(ns) if ns else [self.num_nodes]) + self.plain_runner.capture([1])
 
     # ---- the draft step (device work only) ------------------------------------------------------
     def _catch_up(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor) -> Tensor:
@@ -279,21 +389,6 @@ class MTPDrafter(Drafter):
 
     def _greedy_body(self, slots, toks, nodes, count, n: int) -> Tensor:
         return self._body(slots, toks, nodes, count, _greedy_pick, n)[0]
-
-    def _sampled_picker(self, seqs):
-        """Greedy rows: the ``rank``-th top token (one-hot q); sampling rows: a draw from the
-        MTP distribution (i.i.d. among siblings, as lossless multi-draft sampling needs)."""
-        greedy = torch.tensor([s.params.greedy for s in seqs], device=self.device)[:, None]
-        u = self.sampler.uniforms(seqs, self.num_nodes)
-
-        def pick(logits: Tensor, i: int, rank: int):
-            q = self.sampler.probs(logits, seqs)
-            top = logits.topk(rank + 1, -1).indices[:, rank]
-            tok = torch.where(greedy[:, 0], top, sample_from(q, u[:, i]))
-            onehot = torch.zeros_like(q).scatter(-1, tok[:, None], 1.0)
-            return tok, torch.where(greedy, onehot, q)
-
-        return pick
 
 
 def _greedy_pick(logits: Tensor, i: int, rank: int):
