@@ -42,6 +42,7 @@ from ..engine.llm import RequestOutput
 from ..models import load_tokenizer
 from . import model as M
 from .params import MixerSpec, ModelSpec, load_params
+from .shard import constrain_cache, make_mesh, shard_params
 from .sampling import accept_chain, accept_greedy, ngram_propose, sample, split_rows, transform, uniform_rows
 
 __all__ = ["JaxLLM", "GenerateConfig"]
@@ -73,7 +74,7 @@ class GenerateConfig:
 
 def _ssm_part(cache: M.Cache):
     """The per-row recurrent part of a cache (states and conv windows of every stage)."""
-    return [{k: v for k, v in c.items() if k in ("state", "win")} for c in cache.stages]
+    return [{k: v for k, v in c.items() if k == "state" or k.startswith("win_")} for c in cache.stages]
 
 
 def _select_step(snaps, before, accepted):
@@ -91,8 +92,8 @@ def _select_step(snaps, before, accepted):
 class _Program:
     """The two compiled functions (start, loop) for one :class:`GenerateConfig`."""
 
-    def __init__(self, spec: ModelSpec, dspec: ModelSpec | None, cfg: GenerateConfig):
-        self.spec, self.dspec, self.cfg = spec, dspec, cfg
+    def __init__(self, spec: ModelSpec, dspec: ModelSpec | None, cfg: GenerateConfig, mesh=None):
+        self.spec, self.dspec, self.cfg, self.mesh = spec, dspec, cfg, mesh
         donate = () if jax.default_backend() == "cpu" else (2,)
         self.start = jax.jit(self._start)
         self.loop = jax.jit(self._loop, donate_argnums=donate)
@@ -141,7 +142,16 @@ class _Program:
         if cfg.spec_method == "draft":
             dcache = M.init_cache(self.dspec, B, "recurrent", cfg.buffer_size, cfg.max_seq_len)
             _, c["dcache"] = M.prefill(self.dspec, dparams, dcache, ids, lengths)
-        return self._emit(c, tok[:, None], jnp.ones((B,), jnp.int32), rowp)
+        return self._constrain(self._emit(c, tok[:, None], jnp.ones((B,), jnp.int32), rowp))
+
+    def _constrain(self, c: dict) -> dict:
+        """Pin the carry's caches to their shardings (no-op on one device)."""
+        if self.mesh is None:
+            return c
+        c = {**c, "cache": constrain_cache(self.spec, c["cache"], self.mesh)}
+        if "dcache" in c:
+            c["dcache"] = constrain_cache(self.dspec, c["dcache"], self.mesh)
+        return c
 
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self, params, dparams, c, rowp, limit):
@@ -158,7 +168,7 @@ class _Program:
             def body(c):
                 c = self._spec_step(params, dparams, c, rowp, flush) if cfg.spec_method else \
                     self._decode_step(params, c, rowp, flush)
-                return {**c, "step": c["step"] + 1}
+                return self._constrain({**c, "step": c["step"] + 1})
             return body
 
         if not M.uses_ring(cfg.mode):
@@ -279,11 +289,15 @@ class JaxLLM:
     ``"draft"`` (chains).  ``dtype="float64"`` needs ``jax_enable_x64``.  Each
     ``generate`` runs its prompts as one batch; compiled programs are cached per shape
     (batch, padded prompt length, output length, sampling flags).
+    ``tensor_parallel_size=N`` shards heads, MLPs and experts over the first ``N`` devices
+    with ``jax.sharding`` (:mod:`replayssm.jax.shard`; the compiler inserts the collectives).
     """
 
     def __init__(self, model, dtype: str = "float32", decode_mode: str = "replay", buffer_size: int = 16,
                  speculative=None, max_seq_len: int | None = None, chunk_size: int | None = None,
-                 seed: int = 0, tokenizer=None):
+                 seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1):
+        mesh = make_mesh(tensor_parallel_size)   # validates the size and the device count
+        self.mesh = mesh if tensor_parallel_size > 1 else None
         if decode_mode not in M.MODES:
             raise ValueError(f"decode_mode must be one of {M.MODES} for the JAX backend, got {decode_mode!r} "
                              "(kv / auto are PyTorch-engine forms)")
@@ -327,6 +341,10 @@ class JaxLLM:
         self.tokenizer = tokenizer
         if tokenizer is None and path is not None:
             self.tokenizer = load_tokenizer(path)
+        if self.mesh is not None:   # heads / MLP / experts split over the mesh (replayssm.jax.shard)
+            self.params = shard_params(self.spec, self.params, self.mesh)
+            if self.dparams is not None:
+                self.dparams = shard_params(self.dspec, self.dparams, self.mesh)
         self._programs: dict = {}
         self.last_stats: dict = {}
 
@@ -371,7 +389,7 @@ class JaxLLM:
             num_stop=max([1] + [len(r.params.stop_token_ids) for r in rows]))
         prog = self._programs.get(cfg)
         if prog is None:
-            prog = self._programs[cfg] = _Program(self.spec, self.dspec, cfg)
+            prog = self._programs[cfg] = _Program(self.spec, self.dspec, cfg, self.mesh)
         return prog, cfg
 
     def _inputs(self, rows, cfg: GenerateConfig):

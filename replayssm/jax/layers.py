@@ -111,38 +111,46 @@ def _form_step(steps: dict, ctx: "Ctx", family: str) -> Callable:
 
 
 # ------------------------------------------------------------------------------ conv
-def _conv(p, sp, xc, ctx: Ctx, c: dict, i, upd: dict):
-    """Causal conv + silu of the pre-conv inputs ``xc [Bt, T, C]`` for this step kind (its
-    conv op entry in :data:`~replayssm.forms.table.KINDS`); the new window (a kind that
-    keeps it: prefill, decode) goes to ``upd["win"]``, a tentative kind's inputs to the
-    pending ``conv_x`` (for :func:`commit_conv`)."""
+def _conv(p, sp, part: str, xc, ctx: Ctx, c: dict, i, upd: dict):
+    """Causal conv + silu of one channel block ``part`` of the pre-conv inputs
+    ``xc [Bt, T, C_part]`` (weights ``conv_<part>_w``, window ``win_<part>``) for this step
+    kind (its conv op entry in :data:`~replayssm.forms.table.KINDS`); the new window (a kind
+    that keeps it: prefill, decode) goes to ``upd["win_<part>"]``, a tentative kind's inputs
+    to the pending ``conv_<part>`` (for :func:`commit_conv`).  The conv is depthwise, so
+    blocks (Mamba-2 ``x`` / ``bc``, GDN ``q`` / ``k`` / ``v``) are independent: each can be
+    sharded on its own head axis."""
     kd = KINDS[ctx.kind]
-    w, b = p["conv_w"], _get(p, "conv_b")
+    w, b = p[f"conv_{part}_w"], _get(p, f"conv_{part}_b")
     cdt = jnp.promote_types(compute_dtype(xc.dtype), w.dtype)
-    return _CONV[kd.conv](kd, w, b, sp.W - 1, cdt, xc, ctx, c, i, upd)
+    return _CONV[kd.conv](kd, w, b, sp.W - 1, cdt, xc, ctx, c, i, upd, part)
 
 
-def _conv_fresh(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: dict):
+def window_of(pending_name: str) -> str:
+    """The conv window a pending ``conv_<part>`` entry commits into (``win_<part>``)."""
+    return "win_" + pending_name[len("conv_"):]
+
+
+def _conv_fresh(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: dict, part: str):
     """From a zero window (no cache, or fresh prefill rows); a padded kind keeps each row's
     last ``W-1`` valid inputs as its window."""
     Bt = xc.shape[0]
     xp = jnp.concatenate([jnp.zeros((Bt, Wm1, xc.shape[2]), cdt), xc.astype(cdt)], 1)
     out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
     if kd.keeps_window:
-        upd["win"] = ops.last_window(xp, ctx.lengths, Wm1).astype(c["win"].dtype)
+        upd["win_" + part] = ops.last_window(xp, ctx.lengths, Wm1).astype(c["win_" + part].dtype)
     return out, {}
 
 
-def _conv_window(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: dict):
+def _conv_window(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: dict, part: str):
     """After the row's cached window: the new window (a kind that keeps it), or the inputs
     pending until the commit (a tentative kind)."""
-    win = c["win"][i]
+    win = c["win_" + part][i]
     xp = jnp.concatenate([win.astype(cdt), xc.astype(cdt)], 1)
     out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
     if kd.keeps_window:
-        upd["win"] = xp[:, xp.shape[1] - Wm1:].astype(win.dtype)
+        upd["win_" + part] = xp[:, xp.shape[1] - Wm1:].astype(win.dtype)
         return out, {}
-    return out, {"conv_x": xc.astype(win.dtype)}
+    return out, {"conv_" + part: xc.astype(win.dtype)}
 
 
 #: conv op entries (``KINDS[kind].conv``) -> this backend's function
@@ -178,7 +186,7 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
     Bt, T = any_v.shape[1], ctx.T
     rows = _rows(Bt)
     for name, v in upd.items():
-        if name in ("win", "state"):                       # every row's value is new
+        if name == "state" or name.startswith("win_"):     # every row's value is new
             c[name] = v.astype(c[name].dtype)
         elif name == "flush_state":
             drop = jnp.where(ctx.flush, jnp.arange(Bt), Bt)
@@ -237,13 +245,15 @@ def mamba(p, sp, h, ctx: Ctx, c: dict, i):
     cdt = compute_dtype(dtype)
     H, d, n, G = sp.H, sp.d, sp.n, sp.G
     inter = H * d
-    zxbcdt = linear(h, p["in_proj_w"], _get(p, "in_proj_b"))
-    z, xbc, dtr = zxbcdt[..., :inter], zxbcdt[..., inter:inter + sp.conv_dim], zxbcdt[..., inter + sp.conv_dim:]
+    z = linear(h, p["in_z_w"], _get(p, "in_z_b"))
+    dtr = linear(h, p["in_dt_w"], _get(p, "in_dt_b"))
     upd: dict = {}
-    xbc, pend = _conv(p, sp, xbc, ctx, c, i, upd)
-    x = xbc[..., :inter].reshape(Bt, T, H, d)
-    B = xbc[..., inter:inter + G * n].reshape(Bt, T, G, n)
-    C = xbc[..., inter + G * n:].reshape(Bt, T, G, n)
+    x, pend = _conv(p, sp, "x", linear(h, p["in_x_w"], _get(p, "in_x_b")), ctx, c, i, upd)
+    bc, pend_bc = _conv(p, sp, "bc", linear(h, p["in_bc_w"], _get(p, "in_bc_b")), ctx, c, i, upd)
+    pend = {**pend, **pend_bc}
+    x = x.reshape(Bt, T, H, d)
+    B = bc[..., :G * n].reshape(Bt, T, G, n)
+    C = bc[..., G * n:].reshape(Bt, T, G, n)
     dt = ops.softplus(dtr.astype(cdt) + p["dt_bias"].astype(cdt))
     if sp.dt_min > 0.0 or sp.dt_max != math.inf:
         dt = jnp.clip(dt, sp.dt_min, sp.dt_max)
@@ -327,15 +337,19 @@ def gdn(p, sp, h, ctx: Ctx, c: dict, i):
     cdt = compute_dtype(dtype)
     H, HV, K, V = sp.H, sp.HV, sp.K, sp.V
     kd, vd = H * K, HV * V
-    qkvz = linear(h, p["in_proj_qkvz_w"], _get(p, "in_proj_qkvz_b"))
-    qkv, z = qkvz[..., :sp.conv_dim], qkvz[..., sp.conv_dim:]
-    ba = linear(h, p["in_proj_ba_w"], _get(p, "in_proj_ba_b"))
-    b, a = ba[..., :HV], ba[..., HV:]
+    z = linear(h, p["in_z_w"], _get(p, "in_z_b"))
+    b = linear(h, p["in_b_w"], _get(p, "in_b_b"))
+    a = linear(h, p["in_a_w"], _get(p, "in_a_b"))
     upd: dict = {}
-    qkv, pend = _conv(p, sp, qkv, ctx, c, i, upd)
-    q = qkv[..., :kd].reshape(Bt, T, H, K)
-    k = qkv[..., kd:2 * kd].reshape(Bt, T, H, K)
-    v = qkv[..., 2 * kd:].reshape(Bt, T, HV, V)
+    pend: dict = {}
+    qkv = []
+    for part in ("q", "k", "v"):
+        y, pp = _conv(p, sp, part, linear(h, p[f"in_{part}_w"], _get(p, f"in_{part}_b")), ctx, c, i, upd)
+        qkv.append(y)
+        pend.update(pp)
+    q = qkv[0].reshape(Bt, T, H, K)
+    k = qkv[1].reshape(Bt, T, H, K)
+    v = qkv[2].reshape(Bt, T, HV, V)
     g = -jnp.exp(p["A_log"].astype(cdt)) * ops.softplus(a.astype(cdt) + p["dt_bias"].astype(cdt))
     beta = jax.nn.sigmoid(b)
     y, c, pend2 = _gdn_ssm(sp, q, k, v, g, beta, ctx, c, i, cdt, upd)
@@ -572,16 +586,15 @@ def moe_soft(p, sp, x, ctx, c, i):
     if sp.norm_topk_prob:
         w = w / w.sum(-1, keepdims=True)
     w = w.astype(x.dtype)
-    gu, down = p["gate_up"], p["down"]
-    I = down.shape[2]
+    eg, eu, down = p["e_gate"], p["e_up"], p["down"]
 
     def gathered(h, ix):
-        t = ein("nkod,nd->nko", gu[ix], h)
-        return ein("nkdi,nki->nkd", down[ix], ops.activation(sp.act, t[..., :I]) * t[..., I:])
+        g, u = ein("nkid,nd->nki", eg[ix], h), ein("nkid,nd->nki", eu[ix], h)
+        return ein("nkdi,nki->nkd", down[ix], ops.activation(sp.act, g) * u)
 
     def dense(h):
-        t = ein("nd,eod->neo", h, gu)
-        return ein("nei,edi->ned", ops.activation(sp.act, t[..., :I]) * t[..., I:], down)
+        g, u = ein("nd,eid->nei", h, eg), ein("nd,eid->nei", h, eu)
+        return ein("nei,edi->ned", ops.activation(sp.act, g) * u, down)
 
     out = _dispatch(xf, idx, w, sp.E, gathered, dense).astype(x.dtype)
     if sp.shared:
