@@ -7,8 +7,9 @@ the normalised input, ``ctx`` the step's :class:`Ctx`, ``c`` the cache of its *s
 slices (``c[name][i]``) and returns what the step changes as ``updates`` (new ring entries,
 K/V entries, conv window, flushed checkpoints), which the model writes after the stage's layer
 scan (:func:`apply_updates`): read-then-write of one array inside the scan body would make
-XLA copy the whole stacked cache every layer.  The recurrent form's state is the exception:
-read and rewritten slice by slice, in place.  ``pending`` holds what a verify step keeps until
+XLA copy the whole stacked cache every layer.  The state is the exception: the recurrent
+form's, and the replay form's checkpoint on a flush step, is read and rewritten slice by slice,
+in place.  ``pending`` holds what a verify step keeps until
 the commit (pre-conv inputs, the snapshot baseline's states).
 
 Step kinds (``ctx.kind``) and cache forms (``ctx.mode``) are those of the PyTorch forms, and
@@ -114,9 +115,11 @@ def _form_step(steps: dict, ctx: "Ctx", family: str) -> Callable:
 def _conv(p, sp, part: str, xc, ctx: Ctx, c: dict, i, upd: dict):
     """Causal conv + silu of one channel block ``part`` of the pre-conv inputs
     ``xc [Bt, T, C_part]`` (weights ``conv_<part>_w``, window ``win_<part>``) for this step
-    kind (its conv op entry in :data:`~replayssm.forms.table.KINDS`); the new window (a kind
-    that keeps it: prefill, decode) goes to ``upd["win_<part>"]``, a tentative kind's inputs
-    to the pending ``conv_<part>`` (for :func:`commit_conv`).  The conv is depthwise, so
+    kind (its conv op entry in :data:`~replayssm.forms.table.KINDS`); returns
+    ``(out, pending, c)``.  The new window of a kind that keeps it goes to
+    ``upd["win_<part>"]`` (prefill: whole rows) or is written in place into layer ``i``'s
+    slice of ``c`` (decode: no stacked copy of every window each step); a tentative kind's
+    inputs go to the pending ``conv_<part>`` (for :func:`commit_conv`).  The conv is depthwise, so
     blocks (Mamba-2 ``x`` / ``bc``, GDN ``q`` / ``k`` / ``v``) are independent: each can be
     sharded on its own head axis."""
     kd = KINDS[ctx.kind]
@@ -138,7 +141,7 @@ def _conv_fresh(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: di
     out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
     if kd.keeps_window:
         upd["win_" + part] = ops.last_window(xp, ctx.lengths, Wm1).astype(c["win_" + part].dtype)
-    return out, {}
+    return out, {}, c
 
 
 def _conv_window(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: dict, part: str):
@@ -147,10 +150,10 @@ def _conv_window(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: d
     win = c["win_" + part][i]
     xp = jnp.concatenate([win.astype(cdt), xc.astype(cdt)], 1)
     out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
-    if kd.keeps_window:
-        upd["win_" + part] = xp[:, xp.shape[1] - Wm1:].astype(win.dtype)
-        return out, {}
-    return out, {"conv_" + part: xc.astype(win.dtype)}
+    if kd.keeps_window:   # in place, in layer i's slice, ordered after the conv's read (+ 0·Σout)
+        new = xp[:, xp.shape[1] - Wm1:] + jnp.sum(out).astype(cdt) * 0.0
+        return out, {}, _set(c, "win_" + part, c["win_" + part].at[i].set(new.astype(win.dtype)))
+    return out, {"conv_" + part: xc.astype(win.dtype)}, c
 
 
 #: conv op entries (``KINDS[kind].conv``) -> this backend's function
@@ -177,8 +180,9 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
     array alive and copy the whole stacked cache every layer; after the scan nothing reads the
     old values, so every write below is in place and moves only what changes: ring entries
     ``[Ly, Bt, T, ...]`` at ``(start + h + s) % L``, attention K/V at ``seq_len + s``, conv
-    windows, and (steps compiled with ``write_flush``) the checkpoints of the flushing rows
-    only (a scatter whose other rows' indices are out of range, hence dropped)."""
+    windows, and the flushing rows' checkpoints of a single-layer stage (a scatter whose other
+    rows' indices are out of range, hence dropped; a stage of several layers writes them in
+    place in the layer, :func:`_flush_state`)."""
     if not upd:
         return c
     c = dict(c)
@@ -188,7 +192,7 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
     for name, v in upd.items():
         if name == "state" or name.startswith("win_"):     # every row's value is new
             c[name] = v.astype(c[name].dtype)
-        elif name == "flush_state":
+        elif name == "flush_state":                        # single-layer stage: flushing rows only
             drop = jnp.where(ctx.flush, jnp.arange(Bt), Bt)
             c["state"] = c["state"].at[:, drop].set(v.astype(c["state"].dtype), mode="drop")
         elif name in ("k", "v"):
@@ -223,13 +227,24 @@ def _rewrite_state(c: dict, i, S, y) -> dict:
     return _set(c, "state", c["state"].at[i].set(S.astype(c["state"].dtype)))
 
 
-def _flush_state(upd: dict, ctx: Ctx, st: Step, with_new, committed) -> None:
-    """The new checkpoint of flushing rows (``upd["flush_state"]``, written by
-    :func:`apply_updates` for those rows only): ``with_new()`` (``S_{h+1}``, the step's entry
-    included) or ``committed()`` (``S_h``), as the table's flush of ``st`` says.  Not traced
-    at all in steps compiled for no flush (``ctx.write_flush`` False)."""
-    if st.state.flush and ctx.write_flush:
-        upd["flush_state"] = (with_new if st.state.with_new else committed)()
+def _flush_state(c: dict, i, ctx: Ctx, st: Step, S0, y, with_new, committed, upd: dict) -> dict:
+    """Write the new checkpoint of flushing rows: ``with_new()`` (``S_{h+1}``, the step's entry
+    included) or ``committed()`` (``S_h``), as the table's flush of ``st`` says; other rows
+    keep ``S0``.  In a stage of several layers it is written in place into layer ``i``'s slice
+    (as the recurrent form's state), so a flush step moves each state once: no stacked
+    per-layer copy of the new states and no batch-axis scatter (which XLA lowers with a
+    transposed copy of the whole stack).  A single-layer stage (hybrids) scatters the flushing
+    rows after the layer (``upd["flush_state"]``, :func:`apply_updates`): rewriting or
+    selecting its whole array made XLA copy it.  Not traced at all in steps compiled for no flush
+    (``ctx.write_flush`` False)."""
+    if not (st.state.flush and ctx.write_flush):
+        return c
+    S = (with_new if st.state.with_new else committed)()
+    if c["state"].shape[0] == 1:
+        upd["flush_state"] = S
+        return c
+    keep = ctx.flush.reshape((-1,) + (1,) * (S.ndim - 1))
+    return _rewrite_state(c, i, jnp.where(keep, S, S0), y)
 
 
 def _causal(T: int):
@@ -248,8 +263,8 @@ def mamba(p, sp, h, ctx: Ctx, c: dict, i):
     z = linear(h, p["in_z_w"], _get(p, "in_z_b"))
     dtr = linear(h, p["in_dt_w"], _get(p, "in_dt_b"))
     upd: dict = {}
-    x, pend = _conv(p, sp, "x", linear(h, p["in_x_w"], _get(p, "in_x_b")), ctx, c, i, upd)
-    bc, pend_bc = _conv(p, sp, "bc", linear(h, p["in_bc_w"], _get(p, "in_bc_b")), ctx, c, i, upd)
+    x, pend, c = _conv(p, sp, "x", linear(h, p["in_x_w"], _get(p, "in_x_b")), ctx, c, i, upd)
+    bc, pend_bc, c = _conv(p, sp, "bc", linear(h, p["in_bc_w"], _get(p, "in_bc_b")), ctx, c, i, upd)
     pend = {**pend, **pend_bc}
     x = x.reshape(Bt, T, H, d)
     B = bc[..., :G * n].reshape(Bt, T, G, n)
@@ -314,8 +329,8 @@ def _m2_replay(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
     P = jnp.concatenate([jnp.broadcast_to(valid[:, None, :], (Bt, T, ctx.L)),
                          jnp.broadcast_to(_causal(T), (Bt, T, T))], 2)          # [Bt, T, L+T]
     y = ops.m2_attend(S0, xs, Bs, dts, logs, Cc, P)
-    _flush_state(upd, ctx, st, lambda: ops.m2_build_state(S0, xs, Bs, dts, logs, P[:, 0]),
-                 lambda: ops.m2_build_state(S0, hx, hB, hdt, hl, valid))
+    c = _flush_state(c, i, ctx, st, S0, y, lambda: ops.m2_build_state(S0, xs, Bs, dts, logs, P[:, 0]),
+                     lambda: ops.m2_build_state(S0, hx, hB, hdt, hl, valid), upd)
     if st.ring.write:
         upd.update(rx=x, rB=B, rdt=dt)
     return y, c, {}
@@ -344,7 +359,7 @@ def gdn(p, sp, h, ctx: Ctx, c: dict, i):
     pend: dict = {}
     qkv = []
     for part in ("q", "k", "v"):
-        y, pp = _conv(p, sp, part, linear(h, p[f"in_{part}_w"], _get(p, f"in_{part}_b")), ctx, c, i, upd)
+        y, pp, c = _conv(p, sp, part, linear(h, p[f"in_{part}_w"], _get(p, f"in_{part}_b")), ctx, c, i, upd)
         qkv.append(y)
         pend.update(pp)
     q = qkv[0].reshape(Bt, T, H, K)
@@ -419,7 +434,7 @@ def _gdn_replay(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
         k_s = jnp.repeat(kn[:, 0].astype(c["rk"].dtype).astype(cdt), HV // sp.H, axis=1)
         return jnp.exp(gc[:, 0])[..., None, None] * Sh + k_s[..., :, None] * u_s[..., None, :]
 
-    _flush_state(upd, ctx, st, with_new, lambda: ops.gdn_build_state(S0, hu, hk, w, tot))
+    c = _flush_state(c, i, ctx, st, S0, y, with_new, lambda: ops.gdn_build_state(S0, hu, hk, w, tot), upd)
     if st.ring.write:
         upd.update(ru=U, rk=kn, rg=gc)
     return y.astype(v.dtype), c, {}

@@ -210,7 +210,11 @@ def m2_attend(S0, xs, Bs, dts, logs, C, P):
     coef = decay * dts[:, None] * jnp.repeat(scores, H // Bs.shape[2], axis=-1)
     y = ein("bmwh,bwhd->bmhd", coef, xs)
     if S0 is not None:
-        y = y + jnp.exp(cum)[..., None] * ein("bhdn,bmhn->bmhd", S0, _rep(C, H))
+        Ch = _rep(C, H)
+        # one query (decode): a reduction over n (no dot layout for S0); a chain: one dot
+        s0c = jnp.sum(S0 * Ch[:, 0, :, None, :], -1)[:, None] if C.shape[1] == 1 else \
+            ein("bhdn,bmhn->bmhd", S0, Ch)
+        y = y + jnp.exp(cum)[..., None] * s0c
     return y
 
 

@@ -184,3 +184,34 @@ def test_replay_steps_match_recurrence(kind, dims):
     assert flushes.min() >= 1 and mixed >= 2, (flushes, mixed)   # every row flushed, rows out of step
     assert int(jnp.max(r.start)) > 0                                          # the ring wrapped
     np.testing.assert_allclose(np.asarray(r.rebuilt_state()), r.S_ref.numpy(), **TOL_F64)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "gdn"])
+def test_recurrent_steps_match_reference(kind):
+    """``m2_step`` / ``gdn_step`` (outputs read from the old state: ``y = a (S C) + Δ (B·C) x``,
+    ``y = e^g Sᵀq + (k·q) u``) token by token against the reference recurrence: every output
+    and the final state (odd sizes, grouped B/C and key heads)."""
+    rng = np.random.default_rng(3)
+    Bt, T = 3, 5
+    if kind == "mamba":
+        H, d, G, n = 6, 3, 2, 5
+        x, dt, A, B, C = _m2_inputs(rng, Bt, T, H, d, G, n)
+        S = S0 = rng.standard_normal((Bt, H, d, n))
+        ys = []
+        for t in range(T):
+            y, S = ops.m2_step(jnp.asarray(S), *(jnp.asarray(a[:, t]) for a in (x, dt)), jnp.asarray(A),
+                               jnp.asarray(B[:, t]), jnp.asarray(C[:, t]))
+            ys.append(np.asarray(y))
+        y_ref, S_ref = m2_ref.recurrent_scan(*(_t(a) for a in (x, dt, A, B, C)), initial_state=_t(S0))
+    else:
+        H, HV, K, V = 2, 6, 3, 5
+        q, k, v, g, beta = _gdn_inputs(rng, Bt, T, H, HV, K, V)
+        S = S0 = rng.standard_normal((Bt, HV, K, V)) * 0.3
+        qn, kn = ops.gdn_prep_qk(jnp.asarray(q), jnp.asarray(k), F64)
+        ys = []
+        for t in range(T):
+            y, S = ops.gdn_step(jnp.asarray(S), qn[:, t], kn[:, t], *(jnp.asarray(a[:, t]) for a in (v, g, beta)))
+            ys.append(np.asarray(y))
+        y_ref, S_ref = gdn_ref.recurrent_scan(*(_t(a) for a in (q, k, v, g, beta)), initial_state=_t(S0))
+    np.testing.assert_allclose(np.stack(ys, 1), y_ref.numpy(), **TOL_F64)
+    np.testing.assert_allclose(np.asarray(S), S_ref.numpy(), **TOL_F64)
