@@ -7,12 +7,15 @@ One GPU (about 4 minutes; ``--time-budget`` skips what is left and still prints 
 
 * decode tokens/s of the PyTorch engine (CUDA graphs) and of ``JaxLLM`` (one compiled loop)
   at B = 1, 64, 16 in the replay and recurrent forms, and their ratio; the greedy tokens of
-  both at B = 16 (replay) compared;
+  both at B = 64 (replay) compared;
 * bytes per decode step (the least a step must move: every weight but the embedding once,
   plus per row: recurrent, the states and conv windows read and written; replay, the
   checkpoint ``S0`` read, the ring read at its mean fill ``(L-1)/2`` and one entry written,
   the flush's state write every ``L`` steps) times JAX steps/s, over the copy bandwidth
   measured here (``y = x + 1`` on a 2 GiB array: 2 bytes moved per byte);
+* the ``reduce`` step readout (``replayssm.jax.ops.set_step_readout``: outputs read from the
+  old state beside the update, one pass when XLA fuses them) against the default ``dot`` at
+  B = 1 and 64: tokens/s over the engine's, and its greedy tokens against ``dot``'s;
 * prefill tokens/s with final states written at 16x512 and 64x256 (engine ``model.prefill``
   vs ``jax.jit`` of the JAX prefill, SSD chunk 64 and 128, the better kept), and MFU
   (``2 · params · tokens / s`` over the card's dense bf16 peak, 989 TFLOP/s for H100/H200).
@@ -144,6 +147,7 @@ def single(args, run: Run):
     from replayssm.bench import e2e
     from replayssm.bench.common import free_memory
     from replayssm.jax import model as M
+    from replayssm.jax import ops
     from replayssm.jax.generate import JaxLLM, _with_chunk
     from replayssm.jax.params import from_torch_model
     from replayssm.models import load_model
@@ -168,30 +172,46 @@ def single(args, run: Run):
         ns = SimpleNamespace(max_tokens=args.max_tokens, prompt_len=args.prompt_len, device=device, dtype=dtype,
                              buffer_size=args.buffer_size, cuda_graphs=cuda, max_seq_len=-(-need // 64) * 64,
                              spec_method=None, oracle_accept=1.0)
-        for mode in args.modes.split(","):
-            for B in [int(b) for b in args.batch_sizes.split(",")]:
-                if not run.left(f"decode {mode} B={B}"):
-                    continue
-                r = e2e._run(LLM, SamplingParams, tmodel, ns, B, mode)
-                prompts = e2e._prompts(B, args.prompt_len, spec.vocab_size, seed=B)
-                j = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args)
-                match = None
-                if B == 16 and mode == "replay":   # greedy tokens vs the engine (eager) on the same prompts
-                    ref = LLM(tmodel, device=device, dtype=dtype, decode_mode=mode, buffer_size=args.buffer_size,
-                              max_num_seqs=B, max_seq_len=ns.max_seq_len).generate(
-                                  prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
-                    same = sum(sum(a == b for a, b in zip(t, o.token_ids)) for t, o in zip(j["tokens"], ref))
-                    match = same / sum(len(o.token_ids) for o in ref)
-                    free_memory(device)
-                row_bytes = sizes[f"{mode}_row"]
-                step_bytes = sizes["weights"] + B * row_bytes
-                steps_s = j["tok_s"] / B
-                run.log("decode", {"mode": mode, "batch": B, "torch_tok_s": r["decode_tokens_per_s"],
-                                   "jax_tok_s": j["tok_s"], "ratio": j["tok_s"] / r["decode_tokens_per_s"],
-                                   "jax_first_call_s": j["first_call_s"], "bytes_per_step": step_bytes,
-                                   "jax_bw_frac": step_bytes * steps_s / bw,
-                                   "torch_bw_frac": step_bytes * r["decode_tokens_per_s"] / B / bw,
-                                   "tokens_match_torch": match})
+        def decode(mode, B):
+            r = e2e._run(LLM, SamplingParams, tmodel, ns, B, mode)
+            prompts = e2e._prompts(B, args.prompt_len, spec.vocab_size, seed=B)
+            j = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args)
+            match = None
+            if B == 64 and mode == "replay":   # greedy tokens vs the engine (eager) on the same prompts
+                ref = LLM(tmodel, device=device, dtype=dtype, decode_mode=mode, buffer_size=args.buffer_size,
+                          max_num_seqs=B, max_seq_len=ns.max_seq_len).generate(
+                              prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+                same = sum(sum(a == b for a, b in zip(t, o.token_ids)) for t, o in zip(j["tokens"], ref))
+                match = same / sum(len(o.token_ids) for o in ref)
+                free_memory(device)
+            red = None
+            if B in (1, 64) and run.left(f"reduce readout {mode} B={B}"):   # the variant (replayssm.jax.ops)
+                ops.set_step_readout("reduce")
+                try:
+                    red = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args)
+                finally:
+                    ops.set_step_readout("dot")
+                same = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(red["tokens"], j["tokens"]))
+                red["match_dot"] = same / sum(len(x) for x in j["tokens"])
+            row_bytes = sizes[f"{mode}_row"]
+            step_bytes = sizes["weights"] + B * row_bytes
+            steps_s = j["tok_s"] / B
+            run.log("decode", {"mode": mode, "batch": B, "torch_tok_s": r["decode_tokens_per_s"],
+                               "jax_tok_s": j["tok_s"], "ratio": j["tok_s"] / r["decode_tokens_per_s"],
+                               "jax_first_call_s": j["first_call_s"], "bytes_per_step": step_bytes,
+                               "jax_bw_frac": step_bytes * steps_s / bw,
+                               "torch_bw_frac": step_bytes * r["decode_tokens_per_s"] / B / bw,
+                               "tokens_match_torch": match,
+                               "jax_reduce_tok_s": red and red["tok_s"],
+                               "reduce_ratio": red and red["tok_s"] / r["decode_tokens_per_s"],
+                               "reduce_tokens_match_dot": red and red["match_dot"]})
+
+        batches = [int(b) for b in args.batch_sizes.split(",")]
+        first, later = [b for b in batches if b in (1, 64)], [b for b in batches if b not in (1, 64)]
+        for B in first:                  # B = 1 and 64 first (bandwidth), then prefill, then the rest
+            for mode in args.modes.split(","):
+                if run.left(f"decode {mode} B={B}"):
+                    decode(mode, B)
         for shape in args.prefill_shapes.split(","):
             B, T = (int(v) for v in shape.split("x"))
             if not run.left(f"prefill {shape}"):
@@ -233,6 +253,10 @@ def single(args, run: Run):
             run.log("prefill", {"shape": shape, "torch_tok_s": B * T / t_torch, "jax_tok_s": B * T / best[1],
                                 "ratio": t_torch / best[1], "jax_chunk": best[0], "torch_mfu": flops / t_torch / PEAK_BF16,
                                 "jax_mfu": flops / best[1] / PEAK_BF16})
+        for B in later:
+            for mode in args.modes.split(","):
+                if run.left(f"decode {mode} B={B}"):
+                    decode(mode, B)
     _table(run.res)
 
 
@@ -271,11 +295,12 @@ def _table(res: dict):
         print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s; weights {res['sizes']['weights'] / 1e9:.2f} GB/step")
     if res["decode"]:
         print(f"{'mode':<10}{'B':>4}{'torch tok/s':>13}{'jax tok/s':>11}{'jax/torch':>10}{'jax %copy':>10}"
-              f"{'torch %copy':>12}{'match':>7}")
+              f"{'torch %copy':>12}{'match':>7}{'reduce/torch':>13}")
         for r in res["decode"]:
             m = "-" if r["tokens_match_torch"] is None else f"{r['tokens_match_torch']:.2f}"
+            red = "-" if not r.get("reduce_ratio") else f"{r['reduce_ratio']:.2f}x ({r['reduce_tokens_match_dot']:.2f})"
             print(f"{r['mode']:<10}{r['batch']:>4}{r['torch_tok_s']:>13.0f}{r['jax_tok_s']:>11.0f}{r['ratio']:>9.2f}x"
-                  f"{100 * r['jax_bw_frac']:>9.0f}%{100 * r['torch_bw_frac']:>11.0f}%{m:>7}")
+                  f"{100 * r['jax_bw_frac']:>9.0f}%{100 * r['torch_bw_frac']:>11.0f}%{m:>7}{red:>13}")
     if res["prefill"]:
         print(f"{'prefill':<9}{'torch tok/s':>13}{'jax tok/s':>11}{'jax/torch':>10}{'chunk':>6}{'torch MFU':>10}{'jax MFU':>9}")
         for r in res["prefill"]:

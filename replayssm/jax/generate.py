@@ -107,9 +107,9 @@ class _Program:
 
     def __init__(self, spec: ModelSpec, dspec: ModelSpec | None, cfg: GenerateConfig, mesh=None):
         self.spec, self.dspec, self.cfg, self.mesh = spec, dspec, cfg, mesh
-        donate = () if jax.default_backend() == "cpu" else (2,)
         self.start = jax.jit(self._start)
-        self.loop = jax.jit(self._loop, donate_argnums=donate)
+        # the carry is donated: the loop updates the caches in the caller's buffers (every backend)
+        self.loop = jax.jit(self._loop, donate_argnums=(2,))
 
     # -- token bookkeeping ------------------------------------------------------------------
     def _emit(self, c: dict, toks, count, rowp, lps=None):

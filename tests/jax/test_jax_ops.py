@@ -167,10 +167,19 @@ class _Runner:
         return ops.gdn_build_state(S0, hu, hk, w, tot)
 
 
-@pytest.mark.parametrize("kind,dims", [("mamba", (4, 3, 2, 5)), ("gdn", (2, 4, 3, 5))])
-def test_replay_steps_match_recurrence(kind, dims):
+@pytest.mark.parametrize("kind,dims,readout", [("mamba", (4, 3, 2, 5), "dot"), ("gdn", (2, 4, 3, 5), "dot"),
+                                               ("mamba", (4, 3, 2, 5), "reduce")])
+def test_replay_steps_match_recurrence(kind, dims, readout):
     """Rows diverge: different prompt lengths, accepted counts and flush steps; the ring
-    wraps around and starts NaN-poisoned."""
+    wraps around and starts NaN-poisoned.  (``reduce``: decode's ``S0 C`` as a reduction.)"""
+    ops.set_step_readout(readout)
+    try:
+        _replay_run(kind, dims)
+    finally:
+        ops.set_step_readout("dot")
+
+
+def _replay_run(kind, dims):
     rng = np.random.default_rng(2)
     Bt, L, T = 3, 8, 3
     r = _Runner(kind, Bt, L, dims, rng)
@@ -186,13 +195,24 @@ def test_replay_steps_match_recurrence(kind, dims):
     np.testing.assert_allclose(np.asarray(r.rebuilt_state()), r.S_ref.numpy(), **TOL_F64)
 
 
-@pytest.mark.parametrize("kind", ["mamba", "gdn"])
-def test_recurrent_steps_match_reference(kind):
-    """``m2_step`` / ``gdn_step`` (outputs read from the old state: ``y = a (S C) + Δ (B·C) x``,
-    ``y = e^g Sᵀq + (k·q) u``) token by token against the reference recurrence: every output
-    and the final state (odd sizes, grouped B/C and key heads)."""
+@pytest.mark.parametrize("kind,readout", [("mamba", "dot"), ("gdn", "dot"), ("mamba", "reduce"), ("gdn", "reduce")])
+def test_recurrent_steps_match_reference(kind, readout):
+    """``m2_step`` / ``gdn_step`` in both readouts (``dot``: from the new state; ``reduce``:
+    from the old one, ``y = a (S C) + Δ (B·C) x``, ``y = e^g Sᵀq + (k·q) u``) token by token
+    against the reference recurrence: every output and the final state (odd sizes, grouped
+    B/C and key heads)."""
     rng = np.random.default_rng(3)
     Bt, T = 3, 5
+    ops.set_step_readout(readout)
+    try:
+        _check_steps(kind, rng, Bt, T)
+    finally:
+        ops.set_step_readout("dot")
+    with pytest.raises(ValueError, match="step readout"):
+        ops.set_step_readout("fused")
+
+
+def _check_steps(kind, rng, Bt, T):
     if kind == "mamba":
         H, d, G, n = 6, 3, 2, 5
         x, dt, A, B, C = _m2_inputs(rng, Bt, T, H, d, G, n)
