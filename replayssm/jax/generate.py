@@ -49,7 +49,7 @@ from ..engine.llm import RequestOutput
 from ..models import load_tokenizer
 from . import model as M
 from .params import MixerSpec, ModelSpec, load_params
-from .shard import constrain_cache, make_mesh, shard_params
+from .shard import constrain_cache, fold_norms, make_mesh, shard_params
 from .sampling import (accept_chain, accept_greedy, constrain, ngram_propose, penalize, sample, split_rows,
                        token_logprobs, transform, uniform_rows)
 
@@ -405,8 +405,10 @@ class JaxLLM:
             self.tokenizer = load_tokenizer(path)
         if self.mesh is not None:   # heads / MLP / experts split over the mesh (replayssm.jax.shard)
             self.params = shard_params(self.spec, self.params, self.mesh)
+            self.spec = fold_norms(self.spec)
             if self.dparams is not None:
                 self.dparams = shard_params(self.dspec, self.dparams, self.mesh)
+                self.dspec = fold_norms(self.dspec)
         self._programs: dict = {}
         self.last_stats: dict = {}
 

@@ -275,7 +275,17 @@ def mamba(p, sp, h, ctx: Ctx, c: dict, i):
     A = -jnp.exp(p["A_log"].astype(cdt))
     y, c, pend2 = _mamba_ssm(sp, x, dt, A, B, C, ctx, c, i, cdt, upd)
     y = (y + p["D"].astype(cdt)[:, None] * x.astype(cdt)).astype(x.dtype)
-    y = ops.gated_rms_norm(y.reshape(Bt, T, inter).astype(dtype), z, p["norm_w"], sp.eps, sp.group_size, True)
+    y = y.reshape(Bt, T, inter).astype(dtype)
+    if dict(sp.opts).get("fold_norm") and sp.group_size == inter:
+        # one norm group (sharded heads): out = r · W_out (w ⊙ g) + b with r = rms(g)⁻¹ a
+        # per-token scalar, so the norm's sum of squares and out_proj's partial products
+        # are reduced over devices together (one all-reduce per layer, not two)
+        g = y.astype(cdt) * ops.silu(z.astype(cdt))
+        r = lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + sp.eps)
+        out = linear(p["norm_w"] * g.astype(dtype), p["out_proj_w"]).astype(cdt) * r
+        b = _get(p, "out_proj_b")
+        return (out if b is None else out + b).astype(dtype), c, {**pend, **pend2}, upd
+    y = ops.gated_rms_norm(y, z, p["norm_w"], sp.eps, sp.group_size, True)
     return linear(y, p["out_proj_w"], _get(p, "out_proj_b")), c, {**pend, **pend2}, upd
 
 

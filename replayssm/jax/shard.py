@@ -20,6 +20,9 @@ MLP / experts   up/gate rows and down columns by the intermediate axis (every ex
 embedding/head  by vocabulary rows.
 ==============  ==================================================================
 
+Mamba-2's single-group gated norm is folded past ``out_proj`` (:func:`fold_norms`): one
+all-reduce per layer carries both the norm's sum of squares and the partial products.
+
 The math is unchanged: greedy tokens equal those of one device (tests run two host CPU
 devices, ``XLA_FLAGS=--xla_force_host_platform_device_count=2``); reductions split over
 devices may round differently in low precision.
@@ -33,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .params import ModelSpec
 
-__all__ = ["AXIS", "make_mesh", "param_specs", "cache_spec", "shard_params", "constrain_cache"]
+__all__ = ["AXIS", "make_mesh", "param_specs", "cache_spec", "shard_params", "constrain_cache", "fold_norms"]
 
 AXIS = "tp"
 
@@ -118,6 +121,24 @@ def cache_spec(kind_sp, name: str, shape, tp: int) -> P:
     if ax is None or not _heads(kind_sp, tp):
         return P()
     return _split(len(shape), ax + 1, shape[ax + 1], tp)
+
+
+def fold_norms(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with Mamba-2's single-group gated norm folded past ``out_proj``
+    (``fold_norm``: the norm's sum of squares rides on out_proj's all-reduce; see
+    :func:`replayssm.jax.layers.mamba`).  Same math, other rounding order."""
+    import dataclasses
+
+    from .params import MixerSpec
+
+    stages = []
+    for sb, cnt in spec.stages:
+        m = sb.mixer
+        if m.kind == "mamba":
+            m = MixerSpec(m.kind, tuple(sorted(dict(m.opts, fold_norm=True).items())))
+            sb = dataclasses.replace(sb, mixer=m)
+        stages.append((sb, cnt))
+    return dataclasses.replace(spec, stages=tuple(stages))
 
 
 def shard_params(spec: ModelSpec, params, mesh: Mesh):

@@ -75,14 +75,19 @@ def test_sharded_greedy_tokens_match_torch_engine(hf_model_dir, name):
 
 
 def test_sharded_matches_one_device_in_float32_and_cli(hf_model_dir, capsys):
-    """float32 sharded vs one device (logit sums split over devices round differently, so
-    the tokens are compared, not the logits), and ``--tensor-parallel-size 2`` on the CLI."""
+    """float32 sharded vs one device on a Mamba-2 with one norm group (its gated norm folded
+    past out_proj under TP: the norm's sum of squares and the partial products reduced
+    together; sums split over devices round differently, so tokens are compared, not
+    logits), and ``--tensor-parallel-size 2`` on the CLI."""
     from replayssm.cli import main as replayssm
 
-    path = hf_model_dir("mamba2_g3", **MODELS["mamba2_g3"])
+    path = hf_model_dir("mamba2", vocab_size=64, num_heads=6, hidden_size=24)
     one = JaxLLM(path, dtype="float32", decode_mode="replay", buffer_size=8).generate(PROMPTS, _params())
-    two = JaxLLM(path, dtype="float32", decode_mode="replay", buffer_size=8,
-                 tensor_parallel_size=2).generate(PROMPTS, _params())
+    llm = JaxLLM(path, dtype="float32", decode_mode="replay", buffer_size=8, tensor_parallel_size=2)
+    sp = llm.spec.stages[0][0].mixer
+    assert dict(sp.opts)["fold_norm"] and sp.group_size == sp.H * sp.d
+    assert AXIS in tuple(llm.params["stages"][0]["mixer"]["out_proj_w"].sharding.spec)
+    two = llm.generate(PROMPTS, _params())
     assert [o.token_ids for o in one] == [o.token_ids for o in two]
     argv = ["generate", "--model", path, "--token-ids", "3,5,7,3,5", "--max-tokens", "6", "--ignore-eos",
             "--dtype", "float64", "--backend", "jax"]
