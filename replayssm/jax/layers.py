@@ -361,7 +361,7 @@ def gdn(p, sp, h, ctx: Ctx, c: dict, i):
     dtype = h.dtype
     cdt = compute_dtype(dtype)
     H, HV, K, V = sp.H, sp.HV, sp.K, sp.V
-    kd, vd = H * K, HV * V
+    vd = HV * V
     z = linear(h, p["in_z_w"], _get(p, "in_z_b"))
     b = linear(h, p["in_b_w"], _get(p, "in_b_b"))
     a = linear(h, p["in_a_w"], _get(p, "in_a_b"))

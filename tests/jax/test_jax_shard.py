@@ -1,6 +1,6 @@
 """Tensor parallelism of the JAX backend (``jax.sharding`` over two host CPU devices, see
 conftest): greedy tokens equal to the PyTorch engine (hence to one device) for the three model
-types in both forms, with and without n-gram speculation; the parameters and the loop's
+types in both forms, with and without n-gram speculation (and a draft model); the parameters and the loop's
 caches really split over the mesh; the CLI flag; bad sizes refused."""
 
 from __future__ import annotations
@@ -52,12 +52,15 @@ def _split_leaves(specs) -> int:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sharded_greedy_tokens_match_torch_engine(hf_model_dir, name):
     path = hf_model_dir(name, **MODELS[name])
-    for mode, method in (("replay", "ngram"), ("recurrent", None)):
+    runs = [("replay", "ngram"), ("recurrent", None)] + ([("replay", "draft")] if name == "mamba2_g3" else [])
+    for mode, method in runs:    # draft: the model drafts for itself (sharded draft, snapshot rollback)
         ref = _torch(path, mode)
-        spec = SpeculativeConfig("ngram", num_tokens=3) if method else None
+        spec = SpeculativeConfig(method, num_tokens=3, draft_model=path if method == "draft" else None) if method else None
         llm = JaxLLM(path, dtype="float64", decode_mode=mode, buffer_size=8, speculative=spec, tensor_parallel_size=2)
         out = llm.generate(PROMPTS, _params())
         assert [o.token_ids for o in out] == ref, (mode, method)
+        if method == "draft":
+            assert min(o.mean_accepted_length for o in out) > 3.0
         # every mixer kind of the model has split parameters, and the embedding is split
         specs = param_specs(llm.spec, llm.params, 2)
         for (sb, _), st in zip(llm.spec.stages, specs["stages"]):
