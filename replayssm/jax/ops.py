@@ -34,7 +34,8 @@ _F32 = jnp.float32
 #: ``"dot"`` — after the update, ``y = S_new C`` (an elementwise update, then a dot reading the
 #: new state: two passes over it); ``"reduce"`` — from the old state as reductions beside the
 #: update's read (Mamba-2 ``y = a (S C) + Δ (B·C) x``, GDN ``y = e^g Sᵀq + (k·q) u``; replay
-#: decode's ``S0 C`` likewise), which XLA may fuse into one pass.  Same math; on the CPU the
+#: decode's ``S0 C`` and its sums over ring entries likewise: no transposed copy of the ring
+#: for a dot), which XLA may fuse into one pass.  Same math; on the CPU the
 #: ``dot`` form compiled without copies for every model type (``reduce`` made XLA copy a
 #: single-layer stage's state), so it is the default; ``scripts/gpu_jax.py`` times both.
 STEP_READOUTS = ("dot", "reduce")
@@ -228,14 +229,13 @@ def m2_attend(S0, xs, Bs, dts, logs, C, P):
     H = xs.shape[2]
     E, cum = _segment_logs(logs, P)
     decay = jnp.exp(jnp.where(P[..., None], E, -jnp.inf))
-    scores = ein("bwgn,bmgn->bmwg", Bs, C)
+    one = C.shape[1] == 1 and _step_readout == "reduce"   # decode: reductions, fused with the ring reads
+    scores = jnp.sum(Bs * C, -1)[:, None] if one else ein("bwgn,bmgn->bmwg", Bs, C)
     coef = decay * dts[:, None] * jnp.repeat(scores, H // Bs.shape[2], axis=-1)
-    y = ein("bmwh,bwhd->bmhd", coef, xs)
+    y = jnp.sum(coef[:, 0, :, :, None] * xs, 1)[:, None] if one else ein("bmwh,bwhd->bmhd", coef, xs)
     if S0 is not None:
         Ch = _rep(C, H)
-        # one query (decode) with the "reduce" readout: a reduction over n; else one dot
-        s0c = jnp.sum(S0 * Ch[:, 0, :, None, :], -1)[:, None] if C.shape[1] == 1 and _step_readout == "reduce" \
-            else ein("bhdn,bmhn->bmhd", S0, Ch)
+        s0c = jnp.sum(S0 * Ch[:, 0, :, None, :], -1)[:, None] if one else ein("bhdn,bmhn->bmhd", S0, Ch)
         y = y + jnp.exp(cum)[..., None] * s0c
     return y
 
