@@ -295,12 +295,12 @@ def _table(res: dict):
         print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s; weights {res['sizes']['weights'] / 1e9:.2f} GB/step")
     if res["decode"]:
         print(f"{'mode':<10}{'B':>4}{'torch tok/s':>13}{'jax tok/s':>11}{'jax/torch':>10}{'jax %copy':>10}"
-              f"{'torch %copy':>12}{'match':>7}{'reduce/torch':>13}")
+              f"{'torch %copy':>12}{'match':>7}  {'reduce/torch (tokens = dot)':<28}")
         for r in res["decode"]:
             m = "-" if r["tokens_match_torch"] is None else f"{r['tokens_match_torch']:.2f}"
             red = "-" if not r.get("reduce_ratio") else f"{r['reduce_ratio']:.2f}x ({r['reduce_tokens_match_dot']:.2f})"
             print(f"{r['mode']:<10}{r['batch']:>4}{r['torch_tok_s']:>13.0f}{r['jax_tok_s']:>11.0f}{r['ratio']:>9.2f}x"
-                  f"{100 * r['jax_bw_frac']:>9.0f}%{100 * r['torch_bw_frac']:>11.0f}%{m:>7}{red:>13}")
+                  f"{100 * r['jax_bw_frac']:>9.0f}%{100 * r['torch_bw_frac']:>11.0f}%{m:>7}  {red:<28}")
     if res["prefill"]:
         print(f"{'prefill':<9}{'torch tok/s':>13}{'jax tok/s':>11}{'jax/torch':>10}{'chunk':>6}{'torch MFU':>10}{'jax MFU':>9}")
         for r in res["prefill"]:
