@@ -119,3 +119,35 @@ def test_heads_that_do_not_divide_are_replicated(hf_model_dir):
     got = llm.generate(PROMPTS, _params())
     assert [o.token_ids for o in got] == _torch(path, "replay")
     assert np.all([len(o.token_ids) for o in got] == np.array(MAX))
+
+
+def test_sharded_loop_moves_activations_only(hf_model_dir):
+    """The compiled TP loop (replay form, n-gram verify of T = 4 tokens) communicates only
+    activations: all-reduces of ``[B, T, D]`` partial sums (out_proj's carrying the folded
+    norm's sum of squares ``[B, T]``), all-gathers of the vocabulary-split argmax's
+    (value, index) pairs; no all-to-all / permute (a cache split against the layer's heads,
+    state split on ``d`` say, makes XLA reshard it with those)."""
+    import re
+
+    import jax.numpy as jnp
+
+    path = hf_model_dir("mamba2", vocab_size=64, num_heads=6, hidden_size=24)
+    llm = JaxLLM(path, dtype="float32", decode_mode="replay", buffer_size=8, tensor_parallel_size=2,
+                 speculative=SpeculativeConfig("ngram", num_tokens=3))
+    rows = llm._rows(PROMPTS, _params())
+    prog, carry, rowp = llm.start(rows)
+    hlo = prog.loop.lower(llm.params, llm.dparams, carry, rowp, jnp.int32(5)).compile().as_text()
+    B, T, D = len(PROMPTS), 4, llm.spec.hidden_size
+    found = re.findall(r"= (\(?[^=]*?\)?) (all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter)"
+                       r"(?:-start)?\(", hlo)
+    kinds = {k for _, k in found}
+    assert kinds <= {"all-reduce", "all-gather"} and "all-reduce" in kinds, kinds
+    folded = False
+    for shapes, kind in found:
+        dims = [tuple(int(v) for v in d.split(",") if v) for d in re.findall(r"\[([\d,]*)\]", shapes)]
+        if kind == "all-gather":
+            assert all(d[-1:] == (2,) for d in dims), shapes
+        else:
+            assert all(int(np.prod(d)) <= B * T * D for d in dims), shapes
+            folded |= (B, T) in dims and (B, T, D) in dims
+    assert folded, found
