@@ -44,8 +44,6 @@ def generate_main(args, model_dir: Path, default_draft: Path, err) -> int:
     if args.device != "cpu":   # the parser's default: JAX places arrays on its default backend
         return err(f"--device is a torch-backend option; the JAX backend runs on jax's default device "
                    f"(set JAX_PLATFORMS), not {args.device!r}")
-    if args.tensor_parallel_size != 1:
-        return err("--tensor-parallel-size is a torch-backend option (the JAX backend runs on one device)")
     if getattr(args, "ssm_state_dtype", "auto") not in ("auto", "float32"):
         return err(f"--ssm-state-dtype is a torch-backend option (the JAX backend keeps float32 states), "
                    f"not {args.ssm_state_dtype!r}")
@@ -70,7 +68,8 @@ def generate_main(args, model_dir: Path, default_draft: Path, err) -> int:
                                 top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
         t0 = time.perf_counter()
         llm = JaxLLM(str(model_dir), dtype=args.dtype, decode_mode=args.mode, buffer_size=buffer,
-                     speculative=spec, seed=args.seed or 0, max_seq_len=args.max_seq_len)
+                     speculative=spec, seed=args.seed or 0, max_seq_len=args.max_seq_len,
+                     tensor_parallel_size=args.tensor_parallel_size)
         tok = llm.tokenizer
         if args.token_ids is not None:
             try:
@@ -107,7 +106,7 @@ def generate_main(args, model_dir: Path, default_draft: Path, err) -> int:
     n = len(out.token_ids)
     print(f"[{n} tokens in {dt:.2f}s (first call includes compilation): {n / max(dt, 1e-9):.1f} tokens/s; "
           f"backend=jax ({jax.default_backend()}); mode={args.mode}"
-          f"{'; speculative=' + args.speculative if args.speculative else ''}; "
+          f"{'; speculative=' + args.speculative if args.speculative else ''}; tp={args.tensor_parallel_size}; "
           f"mean accepted length {out.mean_accepted_length:.2f}; finish={out.finish_reason}; "
           f"load {t_load:.2f}s]", file=sys.stderr)
     return 0

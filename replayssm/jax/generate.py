@@ -16,11 +16,18 @@ Nothing in the loop syncs with the host (``tests/jax`` checks its jaxpr for call
 per-row decisions (fill levels, flushes, accepted counts, finished rows) are arrays.
 Finished rows keep running (static shapes) but commit nothing.
 
+Sampling takes the engine's parameters: temperature, top-k, top-p, min-p, the repetition /
+frequency / presence penalties (per-row token counts carried by the loop; a verify step adds
+the chain's drafts), ``logit_bias``, ``min_tokens``, stop ids, logprobs (written beside the
+tokens), ``n`` samples (``n`` rows) and stop strings (checked on the host between chunks of
+loop iterations).  ``structured_outputs`` and ``bad_words`` are refused by name.
+
 Differences from the PyTorch engine: one static batch per call (no continuous batching), the
 ``recurrent`` and ``replay`` forms only (no KV-only / auto), chain speculation only (n-gram or
 draft model; the draft runs the recurrent form and keeps one state snapshot per drafted
-token so that its rollback is a selection), and its own PRNG (sampled outputs follow the same
-distributions, not the same draws).
+token so that its rollback is a selection; penalties, ``logit_bias`` and ``min_tokens`` with
+n-gram drafts only), and its own PRNG (sampled outputs follow the same distributions, not
+the same draws).
 """
 
 from __future__ import annotations
@@ -42,7 +49,9 @@ from ..engine.llm import RequestOutput
 from ..models import load_tokenizer
 from . import model as M
 from .params import MixerSpec, ModelSpec, load_params
-from .sampling import accept_chain, accept_greedy, ngram_propose, sample, split_rows, transform, uniform_rows
+from .shard import constrain_cache, fold_norms, make_mesh, shard_params
+from .sampling import (accept_chain, accept_greedy, constrain, ngram_propose, penalize, sample, split_rows,
+                       token_logprobs, transform, uniform_rows)
 
 __all__ = ["JaxLLM", "GenerateConfig"]
 
@@ -69,11 +78,16 @@ class GenerateConfig:
     n_min: int = 1
     n_max: int = 3
     num_stop: int = 1
+    use_min_p: bool = False
+    use_penalties: bool = False
+    use_bias: bool = False       # logit_bias
+    use_min_tokens: bool = False
+    logprobs: int = -1           # alternatives kept per token (-1: no logprobs)
 
 
 def _ssm_part(cache: M.Cache):
     """The per-row recurrent part of a cache (states and conv windows of every stage)."""
-    return [{k: v for k, v in c.items() if k in ("state", "win")} for c in cache.stages]
+    return [{k: v for k, v in c.items() if k == "state" or k.startswith("win_")} for c in cache.stages]
 
 
 def _select_step(snaps, before, accepted):
@@ -91,16 +105,17 @@ def _select_step(snaps, before, accepted):
 class _Program:
     """The two compiled functions (start, loop) for one :class:`GenerateConfig`."""
 
-    def __init__(self, spec: ModelSpec, dspec: ModelSpec | None, cfg: GenerateConfig):
-        self.spec, self.dspec, self.cfg = spec, dspec, cfg
-        donate = () if jax.default_backend() == "cpu" else (2,)
+    def __init__(self, spec: ModelSpec, dspec: ModelSpec | None, cfg: GenerateConfig, mesh=None):
+        self.spec, self.dspec, self.cfg, self.mesh = spec, dspec, cfg, mesh
         self.start = jax.jit(self._start)
-        self.loop = jax.jit(self._loop, donate_argnums=donate)
+        # the carry is donated: the loop updates the caches in the caller's buffers (every backend)
+        self.loop = jax.jit(self._loop, donate_argnums=(2,))
 
     # -- token bookkeeping ------------------------------------------------------------------
-    def _emit(self, c: dict, toks, count, rowp):
+    def _emit(self, c: dict, toks, count, rowp, lps=None):
         """Append ``toks[:, :count]`` to each active row, stopping at EOS / stop ids /
-        ``max_tokens``."""
+        ``max_tokens``; with them their logprobs ``lps = (chosen, values, ids)`` and the
+        penalty statistics."""
         B, m = toks.shape
         j = jnp.arange(m)[None, :]
         eos = jnp.asarray(self.spec.eos_token_ids or (-1,), jnp.int32)
@@ -116,6 +131,14 @@ class _Program:
         stopped = c["stopped"] | jnp.any(emit & is_stop, 1)
         n = c["n"] + num
         new = {**c, "out": out, "n": n, "stopped": stopped, "done": c["done"] | stopped | (n >= rowp["max_tokens"])}
+        if "counts" in c:
+            V = c["counts"].shape[1]
+            tpos = jnp.where(emit, toks, V)
+            new["counts"] = c["counts"].at[rows, tpos].add(1, mode="drop")
+            new["seen"] = c["seen"].at[rows, tpos].set(True, mode="drop")
+        if lps is not None:
+            for name, v in zip(("lp", "lp_v", "lp_i"), lps):
+                new[name] = c[name].at[rows, out_pos].set(v, mode="drop")
         if "hist" in c:
             hpos = jnp.where(emit, c["hlen"][:, None] + j, c["hist"].shape[1])
             new["hist"] = c["hist"].at[rows, hpos].set(toks, mode="drop")
@@ -129,11 +152,23 @@ class _Program:
         cache = M.init_cache(spec, B, cfg.mode, cfg.buffer_size, cfg.max_seq_len)
         logits, cache = M.prefill(spec, params, cache, ids, lengths)
         key, sub = split_rows(key)
-        tok, _ = sample(logits, rowp, sub, cfg.greedy, cfg.use_top_k, cfg.use_top_p)
         z = jnp.zeros((B,), jnp.int32)
-        c = {"cache": cache, "last": tok, "out": jnp.zeros((B, cfg.max_out), jnp.int32), "n": z,
+        c = {"cache": cache, "out": jnp.zeros((B, cfg.max_out), jnp.int32), "n": z,
              "done": jnp.zeros((B,), bool), "stopped": jnp.zeros((B,), bool), "key": key,
              "step": jnp.zeros((), jnp.int32), "steps": z, "acc_sum": z, "drafted": z}
+        if cfg.use_penalties:   # output-token counts; seen = prompt and output tokens
+            V = spec.vocab_size
+            ppos = jnp.where(jnp.arange(ids.shape[1])[None, :] < lengths[:, None], ids, V)
+            c["counts"] = jnp.zeros((B, V), jnp.int32)
+            c["seen"] = jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], ppos].set(True, mode="drop")
+        if cfg.logprobs >= 0:
+            K, ldt = cfg.logprobs, jnp.promote_types(logits.dtype, jnp.float32)
+            c.update(lp=jnp.zeros((B, cfg.max_out), ldt), lp_v=jnp.zeros((B, cfg.max_out, K), ldt),
+                     lp_i=jnp.zeros((B, cfg.max_out, K), jnp.int32))
+        tok, _ = sample(self._process(logits[:, None], c, rowp)[:, 0], rowp, sub, cfg.greedy, cfg.use_top_k,
+                        cfg.use_top_p, cfg.use_min_p)
+        c["last"] = tok
+        lps = self._logprobs(logits[:, None], tok[:, None])
         if cfg.spec_method == "ngram":
             S = cfg.max_seq_len
             hist = jnp.zeros((B, S), jnp.int32).at[:, :ids.shape[1]].set(ids.astype(jnp.int32))
@@ -141,7 +176,32 @@ class _Program:
         if cfg.spec_method == "draft":
             dcache = M.init_cache(self.dspec, B, "recurrent", cfg.buffer_size, cfg.max_seq_len)
             _, c["dcache"] = M.prefill(self.dspec, dparams, dcache, ids, lengths)
-        return self._emit(c, tok[:, None], jnp.ones((B,), jnp.int32), rowp)
+        return self._constrain(self._emit(c, tok[:, None], jnp.ones((B,), jnp.int32), rowp, lps))
+
+    def _process(self, logits, c: dict, rowp, tokens=None, valid=None):
+        """The logits a step samples from ``[B, N, V]``: constraints (``logit_bias``,
+        ``min_tokens``), then penalties; unchanged when the batch uses none."""
+        cfg = self.cfg
+        eos = jnp.asarray(self.spec.eos_token_ids or (-1,), jnp.int32)
+        x = constrain(logits, rowp, c["n"], eos, cfg.use_bias, cfg.use_min_tokens)
+        if cfg.use_penalties:
+            x = penalize(x, c["counts"], c["seen"], rowp, tokens, valid)
+        return x
+
+    def _logprobs(self, logits, toks):
+        """``(chosen, values, ids)`` of ``toks [B, N]`` under the raw ``logits [B, N, V]``, or None."""
+        if self.cfg.logprobs < 0:
+            return None
+        return token_logprobs(logits, toks, self.cfg.logprobs)
+
+    def _constrain(self, c: dict) -> dict:
+        """Pin the carry's caches to their shardings (no-op on one device)."""
+        if self.mesh is None:
+            return c
+        c = {**c, "cache": constrain_cache(self.spec, c["cache"], self.mesh)}
+        if "dcache" in c:
+            c["dcache"] = constrain_cache(self.dspec, c["dcache"], self.mesh)
+        return c
 
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self, params, dparams, c, rowp, limit):
@@ -158,7 +218,7 @@ class _Program:
             def body(c):
                 c = self._spec_step(params, dparams, c, rowp, flush) if cfg.spec_method else \
                     self._decode_step(params, c, rowp, flush)
-                return {**c, "step": c["step"] + 1}
+                return self._constrain({**c, "step": c["step"] + 1})
             return body
 
         if not M.uses_ring(cfg.mode):
@@ -179,11 +239,13 @@ class _Program:
         active = ~c["done"]
         logits, cache = M.decode(self.spec, params, c["cache"], c["last"], active=active, flush=flush)
         key, sub = split_rows(c["key"])
-        tok, _ = sample(logits, rowp, sub, cfg.greedy, cfg.use_top_k, cfg.use_top_p)
+        tok, _ = sample(self._process(logits[:, None], c, rowp)[:, 0], rowp, sub, cfg.greedy, cfg.use_top_k,
+                        cfg.use_top_p, cfg.use_min_p)
         one = active.astype(jnp.int32)
+        lps = self._logprobs(logits[:, None], tok[:, None])
         c = {**c, "cache": cache, "key": key, "last": jnp.where(active, tok, c["last"]),
              "steps": c["steps"] + one, "acc_sum": c["acc_sum"] + one}
-        return self._emit(c, tok[:, None], jnp.ones_like(one), rowp)
+        return self._emit(c, tok[:, None], jnp.ones_like(one), rowp, lps)
 
     def _draft_chain(self, dparams, c, rowp, key):
         """``k + 1`` draft-model steps on ``[last, d_1 .. d_k]`` (recurrent form), keeping the
@@ -195,7 +257,7 @@ class _Program:
             dc, tok, key = carry
             logits, dc = M.decode(dspec, dparams, dc, tok)
             key, sub = split_rows(key)
-            nxt, q = sample(logits, rowp, sub, cfg.greedy, cfg.use_top_k, cfg.use_top_p)
+            nxt, q = sample(logits, rowp, sub, cfg.greedy, cfg.use_top_k, cfg.use_top_p, cfg.use_min_p)
             return (dc, nxt, key), (nxt, q, _ssm_part(dc))
 
         (dc, _, _), (toks, qs, snaps) = lax.scan(body, (c["dcache"], c["last"], key), None,
@@ -221,11 +283,13 @@ class _Program:
                 q = jnp.concatenate([jnp.zeros_like(qd[:, :1]), qd], 1)
         tokens = jnp.concatenate([c["last"][:, None], drafts], 1)          # [B, k + 1]
         valid = jnp.concatenate([jnp.ones((B, 1), bool), dvalid], 1)
-        logits, cache, pend = M.verify(spec, params, c["cache"], tokens, flush=flush)
+        raw, cache, pend = M.verify(spec, params, c["cache"], tokens, flush=flush)
+        logits = self._process(raw, c, rowp, tokens, valid)
         if cfg.greedy:
             a, bonus = accept_greedy(logits, tokens, valid)
         else:
-            p = transform(logits, rowp["temperature"], rowp["top_k"], rowp["top_p"], cfg.use_top_k, cfg.use_top_p)
+            p = transform(logits, rowp["temperature"], rowp["top_k"], rowp["top_p"], cfg.use_top_k, cfg.use_top_p,
+                          rowp["min_p"], cfg.use_min_p)
             u = uniform_rows(ku, (k + 2,), p.dtype)
             a, bonus = accept_chain(p, tokens, valid, q, u)
         a_commit = jnp.where(active, a, 0)
@@ -241,7 +305,7 @@ class _Program:
         one = active.astype(jnp.int32)
         c = {**c, "last": jnp.where(active, bonus, c["last"]), "steps": c["steps"] + one,
              "acc_sum": c["acc_sum"] + one * a, "drafted": c["drafted"] + one * dvalid.sum(1).astype(jnp.int32)}
-        return self._emit(c, toks, a, rowp)
+        return self._emit(c, toks, a, rowp, self._logprobs(raw, toks))
 
 
 @dataclass
@@ -249,24 +313,32 @@ class _Row:
     prompt: str | None
     ids: list
     params: object
+    index: int = 0          # sample index (SamplingParams.n > 1)
+    group: int = 0          # the row of sample 0
 
 
 #: context when ``max_seq_len`` is not given (the PyTorch engine's default)
 DEFAULT_MAX_SEQ_LEN = 2048
 
 
-def _check_supported(sp) -> None:
+def _processed(sp) -> bool:
+    """The request changes the logits before sampling (penalties, logit_bias, min_tokens)."""
+    return (sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+            or bool(sp.logit_bias) or sp.min_tokens > 0)
+
+
+def _check_supported(sp, speculative, tokenizer) -> None:
     """Refuse, by name, what the compiled loop does not do (rather than ignore it)."""
-    if sp.stop:
-        raise ValueError("SamplingParams.stop (text stops) is not supported by the JAX backend; use stop_token_ids")
-    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                      ("min_p", 0.0)):
-        if getattr(sp, name) != off:
-            raise ValueError(f"SamplingParams.{name} is not supported by the JAX backend (use the PyTorch engine)")
-    if sp.n != 1:
-        raise ValueError("SamplingParams.n > 1 is not supported by the JAX backend (send the prompt n times)")
-    if sp.logprobs is not None:
-        raise ValueError("SamplingParams.logprobs is not supported by the JAX backend")
+    if sp.structured_outputs is not None:
+        raise ValueError("SamplingParams.structured_outputs is not supported by the JAX backend (a grammar "
+                         "automaton advances on the host per token; use the PyTorch engine)")
+    if sp.bad_words:
+        raise ValueError("SamplingParams.bad_words is not supported by the JAX backend (use the PyTorch engine)")
+    if speculative is not None and speculative.method == "draft" and _processed(sp):
+        raise ValueError("penalties, logit_bias and min_tokens are not supported with draft-model speculation "
+                         "by the JAX backend (use n-gram speculation or none)")
+    if sp.stop and tokenizer is None:
+        raise ValueError("SamplingParams.stop (text stops) needs a tokenizer; use stop_token_ids")
 
 
 class JaxLLM:
@@ -279,11 +351,15 @@ class JaxLLM:
     ``"draft"`` (chains).  ``dtype="float64"`` needs ``jax_enable_x64``.  Each
     ``generate`` runs its prompts as one batch; compiled programs are cached per shape
     (batch, padded prompt length, output length, sampling flags).
+    ``tensor_parallel_size=N`` shards heads, MLPs and experts over the first ``N`` devices
+    with ``jax.sharding`` (:mod:`replayssm.jax.shard`; the compiler inserts the collectives).
     """
 
     def __init__(self, model, dtype: str = "float32", decode_mode: str = "replay", buffer_size: int = 16,
                  speculative=None, max_seq_len: int | None = None, chunk_size: int | None = None,
-                 seed: int = 0, tokenizer=None):
+                 seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1):
+        mesh = make_mesh(tensor_parallel_size)   # validates the size and the device count
+        self.mesh = mesh if tensor_parallel_size > 1 else None
         if decode_mode not in M.MODES:
             raise ValueError(f"decode_mode must be one of {M.MODES} for the JAX backend, got {decode_mode!r} "
                              "(kv / auto are PyTorch-engine forms)")
@@ -327,6 +403,12 @@ class JaxLLM:
         self.tokenizer = tokenizer
         if tokenizer is None and path is not None:
             self.tokenizer = load_tokenizer(path)
+        if self.mesh is not None:   # heads / MLP / experts split over the mesh (replayssm.jax.shard)
+            self.params = shard_params(self.spec, self.params, self.mesh)
+            self.spec = fold_norms(self.spec)
+            if self.dparams is not None:
+                self.dparams = shard_params(self.dspec, self.dparams, self.mesh)
+                self.dspec = fold_norms(self.dspec)
         self._programs: dict = {}
         self.last_stats: dict = {}
 
@@ -341,7 +423,7 @@ class JaxLLM:
         limit = self.max_seq_len or DEFAULT_MAX_SEQ_LEN
         T = (self.speculative.num_tokens if self.speculative else 0) + 1
         for p, sp in zip(prompts, params):
-            _check_supported(sp)
+            _check_supported(sp, self.speculative, self.tokenizer)
             # the PyTorch engine's checks: text, a tokenizer for it, ints, non-empty, in the vocabulary
             text, ids = encode_prompt(p, self.tokenizer, self.spec.vocab_size)
             room = limit - len(ids) - T    # as the PyTorch engine: generation stops at the context ("length")
@@ -350,7 +432,8 @@ class JaxLLM:
                                  f"{' (default)' if self.max_seq_len is None else ''}")
             if sp.max_tokens > room:
                 sp = dataclasses.replace(sp, max_tokens=room)
-            rows.append(_Row(text, ids, sp))
+            for i in range(sp.n):   # n samples: n rows (the prompt's prefill repeated)
+                rows.append(_Row(text, ids, sp, i, len(rows) - i if i else len(rows)))
         return rows
 
     def _program(self, rows) -> tuple[_Program, GenerateConfig]:
@@ -368,10 +451,16 @@ class JaxLLM:
             use_top_k=not greedy and any(r.params.top_k > 0 for r in rows),
             use_top_p=not greedy and any(r.params.top_p < 1 for r in rows),
             n_min=sp.prompt_lookup_min if sp else 1, n_max=sp.prompt_lookup_max if sp else 3,
-            num_stop=max([1] + [len(r.params.stop_token_ids) for r in rows]))
+            num_stop=max([1] + [len(r.params.stop_token_ids) for r in rows]),
+            use_min_p=not greedy and any(r.params.min_p > 0 for r in rows),
+            use_penalties=any(r.params.presence_penalty != 0 or r.params.frequency_penalty != 0
+                              or r.params.repetition_penalty != 1 for r in rows),
+            use_bias=any(bool(r.params.logit_bias) for r in rows),
+            use_min_tokens=any(r.params.min_tokens > 0 for r in rows),
+            logprobs=max([-1] + [r.params.logprobs for r in rows if r.params.logprobs is not None]))
         prog = self._programs.get(cfg)
         if prog is None:
-            prog = self._programs[cfg] = _Program(self.spec, self.dspec, cfg)
+            prog = self._programs[cfg] = _Program(self.spec, self.dspec, cfg, self.mesh)
         return prog, cfg
 
     def _inputs(self, rows, cfg: GenerateConfig):
@@ -388,11 +477,25 @@ class JaxLLM:
                 "top_p": jnp.asarray([r.params.top_p for r in rows], f32),
                 "max_tokens": jnp.asarray([r.params.max_tokens for r in rows], np.int32),
                 "ignore_eos": jnp.asarray([r.params.ignore_eos for r in rows], bool),
-                "stop_ids": jnp.asarray(stop)}
+                "stop_ids": jnp.asarray(stop),
+                "min_p": jnp.asarray([r.params.min_p for r in rows], f32),
+                "presence": jnp.asarray([r.params.presence_penalty for r in rows], f32),
+                "frequency": jnp.asarray([r.params.frequency_penalty for r in rows], f32),
+                "repetition": jnp.asarray([r.params.repetition_penalty for r in rows], f32),
+                "min_tokens": jnp.asarray([r.params.min_tokens for r in rows], np.int32)}
+        if cfg.use_bias:
+            bias = np.zeros((B, self.spec.vocab_size), f32)
+            for b, r in enumerate(rows):
+                for t, v in (r.params.logit_bias or {}).items():
+                    if not 0 <= int(t) < self.spec.vocab_size:
+                        raise ValueError(f"logit_bias token id {t} is out of range for vocab_size {self.spec.vocab_size}")
+                    bias[b, int(t)] = v
+            rowp["bias"] = jnp.asarray(bias)
         keys = []                      # one per row: its seed's, else the next of the engine's stream
         for r in rows:
-            if r.params.seed is not None:
-                keys.append(jax.random.PRNGKey(r.params.seed))
+            if r.params.seed is not None:   # sample i of a seeded request: its own stream
+                k = jax.random.PRNGKey(r.params.seed)
+                keys.append(jax.random.fold_in(k, r.index) if r.index else k)
             else:
                 self.key, k = jax.random.split(self.key)
                 keys.append(k)
@@ -406,20 +509,49 @@ class JaxLLM:
         carry = prog.start(self.params, self.dparams, ids, lengths, rowp, key)
         return prog, carry, rowp
 
-    def generate(self, prompts, sampling_params=None) -> list:
+    _HOST = ("out", "n", "stopped", "steps", "acc_sum", "drafted", "step", "lp", "lp_v", "lp_i")
+
+    def _host(self, carry) -> dict:
+        return jax.device_get({k: carry[k] for k in self._HOST if k in carry})
+
+    def generate(self, prompts, sampling_params=None, chunk_steps: int = 16) -> list:
         """Generate for every prompt (strings or token-id lists) in one batch; returns
-        :class:`~replayssm.engine.llm.RequestOutput` objects in order."""
+        :class:`~replayssm.engine.llm.RequestOutput` objects in order (``n > 1``: the first
+        sample, every sample in ``samples``).  Without stop strings the whole decode phase is
+        one call of the compiled loop; with them the loop runs ``chunk_steps`` iterations at a
+        time and the host checks the new text between calls (:class:`_TextStops`)."""
         rows = self._rows(prompts, sampling_params)
+        stops = _TextStops(rows, self.tokenizer, self.spec.eos_token_ids)
         t0 = time.perf_counter()
         prog, carry, rowp = self.start(rows)
         jax.block_until_ready(carry["n"])
         t1 = time.perf_counter()
-        carry = prog.loop(self.params, self.dparams, carry, rowp, jnp.asarray(np.iinfo(np.int32).max, jnp.int32))
-        host = jax.device_get({k: carry[k] for k in ("out", "n", "stopped", "steps", "acc_sum", "drafted", "step")})
+        if not stops.watch:
+            carry = prog.loop(self.params, self.dparams, carry, rowp, jnp.asarray(np.iinfo(np.int32).max, jnp.int32))
+        else:
+            while True:
+                out, n, done, step = jax.device_get((carry["out"], carry["n"], carry["done"], carry["step"]))
+                new = stops.check(out, n)
+                if new:   # rows whose text hit a stop string: finished for the loop too
+                    carry = {**carry, "done": carry["done"].at[jnp.asarray(new)].set(True)}
+                if all(bool(d) or b in stops.cut for b, d in enumerate(done)):
+                    break
+                carry = prog.loop(self.params, self.dparams, carry, rowp, jnp.asarray(int(step) + chunk_steps, jnp.int32))
+        host = self._host(carry)
         t2 = time.perf_counter()
         self.last_stats = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "loop_steps": int(host["step"]),
                            "generated": int(host["n"].sum())}
-        return [self._output(b, r, host) for b, r in enumerate(rows)]
+        outs = [self._output(b, r, host, stops.cut.get(b)) for b, r in enumerate(rows)]
+        leaders = []
+        for b, r in enumerate(rows):
+            if r.index == 0:
+                outs[b].request_id = len(leaders)
+                leaders.append(outs[b])
+                if r.params.n > 1:
+                    outs[b].samples = [outs[j] for j in range(b, b + r.params.n)]
+            else:
+                outs[b].request_id = outs[r.group].request_id
+        return leaders
 
     def stream(self, prompt, params=None, chunk_steps: int = 8) -> Iterator[list[int]]:
         """One request; yields lists of new token ids every ``chunk_steps`` loop iterations
@@ -427,32 +559,84 @@ class JaxLLM:
         if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
             raise ValueError(f"chunk_steps must be a positive int, got {chunk_steps!r}")
         rows = self._rows([prompt], params)
+        if len(rows) > 1:
+            raise ValueError("stream takes one sample (SamplingParams.n == 1); use generate for n > 1")
+        stops = _TextStops(rows, self.tokenizer, self.spec.eos_token_ids)
         prog, carry, rowp = self.start(rows)
         shown = 0
         while True:
-            n, done, step = jax.device_get((carry["n"], carry["done"], carry["step"]))
-            if int(n[0]) > shown:
-                yield [int(t) for t in np.asarray(jax.device_get(carry["out"][0, shown:int(n[0])]))]
-                shown = int(n[0])
-            if bool(done[0]):
+            out, n, done, step = jax.device_get((carry["out"], carry["n"], carry["done"], carry["step"]))
+            stops.check(out, n)
+            end = stops.cut[0][0] if 0 in stops.cut else int(n[0])
+            if end > shown:
+                yield [int(t) for t in out[0, shown:end]]
+                shown = end
+            if bool(done[0]) or 0 in stops.cut:
                 break
             carry = prog.loop(self.params, self.dparams, carry, rowp, jnp.asarray(int(step) + chunk_steps, jnp.int32))
-        host = jax.device_get({k: carry[k] for k in ("out", "n", "stopped", "steps", "acc_sum", "drafted")})
-        self.last_output = self._output(0, rows[0], host)
+        self.last_output = self._output(0, rows[0], self._host(carry), stops.cut.get(0))
 
-    def _output(self, b: int, row: _Row, host: dict):
-        n = int(host["n"][b])
+    def _output(self, b: int, row: _Row, host: dict, cut=None):
+        """Row ``b``'s :class:`RequestOutput`; ``cut = (tokens kept, text)`` for a row whose
+        text hit a stop string."""
+        n = int(host["n"][b]) if cut is None else cut[0]
         ids = [int(t) for t in host["out"][b, :n]]
-        text = self.tokenizer.decode(ids) if self.tokenizer is not None and ids else ""
+        if cut is not None:
+            text = cut[1]
+        else:
+            text = self.tokenizer.decode(ids) if self.tokenizer is not None and ids else ""
         steps = int(host["steps"][b])
         acc = int(host["acc_sum"][b])
         drafted = int(host["drafted"][b])
+        lps = None
+        if row.params.logprobs is not None:
+            k = row.params.logprobs
+            lps = [(float(host["lp"][b, i]), [(int(host["lp_i"][b, i, j]), float(host["lp_v"][b, i, j]))
+                                              for j in range(k)]) for i in range(n)]
         return RequestOutput(
             request_id=b, prompt=row.prompt, prompt_token_ids=list(row.ids), text=text, token_ids=ids,
-            finish_reason="stop" if bool(host["stopped"][b]) else "length", num_steps=steps + 1,
+            finish_reason="stop" if (cut is not None or bool(host["stopped"][b])) else "length", num_steps=steps + 1,
             num_verify_steps=steps if self.speculative else 0, num_drafted=drafted,
             num_accepted=(acc - steps) if self.speculative else 0,
-            mean_accepted_length=(acc / steps) if (steps and self.speculative) else 1.0)
+            mean_accepted_length=(acc / steps) if (steps and self.speculative) else 1.0,
+            index=row.index, logprobs=lps)
+
+
+class _TextStops:
+    """Stop strings on the host, between calls of the compiled loop (the engine's rule,
+    :meth:`replayssm.engine.output_processor.OutputProcessor._finish_reason`): each row's new
+    tokens go through a :class:`~replayssm.engine.detokenizer.Detokenizer`; once more than
+    ``min_tokens`` were generated, the first stop string in the text ends the row there (the
+    text cut before it, the token that completed it kept, later tokens dropped).  EOS / stop
+    ids are not pushed (the loop ends the row on them)."""
+
+    def __init__(self, rows, tokenizer, eos=()):
+        from ..engine.detokenizer import Detokenizer
+
+        self.rows, self.eos = rows, set(eos)
+        self.watch = {b: Detokenizer(tokenizer, r.ids) for b, r in enumerate(rows) if r.params.stop}
+        self.pushed = dict.fromkeys(self.watch, 0)
+        self.cut: dict = {}
+
+    def check(self, out, n) -> list[int]:
+        """Push the rows' new tokens (``out [B, max_out]``, ``n [B]``); returns the rows that
+        hit a stop string now."""
+        from ..engine.detokenizer import find_stop
+
+        new = []
+        for b, d in self.watch.items():
+            p = self.rows[b].params
+            while b not in self.cut and self.pushed[b] < int(n[b]):
+                t = int(out[b, self.pushed[b]])
+                self.pushed[b] += 1
+                if t in p.stop_token_ids or (t in self.eos and not p.ignore_eos):
+                    break
+                piece = d.push(t)
+                cut = find_stop(d.text, len(piece), p.stop) if self.pushed[b] > p.min_tokens else None
+                if cut is not None:
+                    self.cut[b] = (self.pushed[b], d.text[:cut])
+                    new.append(b)
+        return new
 
 
 def _with_chunk(spec: ModelSpec, chunk: int) -> ModelSpec:

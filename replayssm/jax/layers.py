@@ -7,8 +7,9 @@ the normalised input, ``ctx`` the step's :class:`Ctx`, ``c`` the cache of its *s
 slices (``c[name][i]``) and returns what the step changes as ``updates`` (new ring entries,
 K/V entries, conv window, flushed checkpoints), which the model writes after the stage's layer
 scan (:func:`apply_updates`): read-then-write of one array inside the scan body would make
-XLA copy the whole stacked cache every layer.  The recurrent form's state is the exception:
-read and rewritten slice by slice, in place.  ``pending`` holds what a verify step keeps until
+XLA copy the whole stacked cache every layer.  The state is the exception: the recurrent
+form's, and the replay form's checkpoint on a flush step, is read and rewritten slice by slice,
+in place.  ``pending`` holds what a verify step keeps until
 the commit (pre-conv inputs, the snapshot baseline's states).
 
 Step kinds (``ctx.kind``) and cache forms (``ctx.mode``) are those of the PyTorch forms, and
@@ -111,38 +112,48 @@ def _form_step(steps: dict, ctx: "Ctx", family: str) -> Callable:
 
 
 # ------------------------------------------------------------------------------ conv
-def _conv(p, sp, xc, ctx: Ctx, c: dict, i, upd: dict):
-    """Causal conv + silu of the pre-conv inputs ``xc [Bt, T, C]`` for this step kind (its
-    conv op entry in :data:`~replayssm.forms.table.KINDS`); the new window (a kind that
-    keeps it: prefill, decode) goes to ``upd["win"]``, a tentative kind's inputs to the
-    pending ``conv_x`` (for :func:`commit_conv`)."""
+def _conv(p, sp, part: str, xc, ctx: Ctx, c: dict, i, upd: dict):
+    """Causal conv + silu of one channel block ``part`` of the pre-conv inputs
+    ``xc [Bt, T, C_part]`` (weights ``conv_<part>_w``, window ``win_<part>``) for this step
+    kind (its conv op entry in :data:`~replayssm.forms.table.KINDS`); returns
+    ``(out, pending, c)``.  The new window of a kind that keeps it goes to
+    ``upd["win_<part>"]`` (prefill: whole rows) or is written in place into layer ``i``'s
+    slice of ``c`` (decode: no stacked copy of every window each step); a tentative kind's
+    inputs go to the pending ``conv_<part>`` (for :func:`commit_conv`).  The conv is depthwise, so
+    blocks (Mamba-2 ``x`` / ``bc``, GDN ``q`` / ``k`` / ``v``) are independent: each can be
+    sharded on its own head axis."""
     kd = KINDS[ctx.kind]
-    w, b = p["conv_w"], _get(p, "conv_b")
+    w, b = p[f"conv_{part}_w"], _get(p, f"conv_{part}_b")
     cdt = jnp.promote_types(compute_dtype(xc.dtype), w.dtype)
-    return _CONV[kd.conv](kd, w, b, sp.W - 1, cdt, xc, ctx, c, i, upd)
+    return _CONV[kd.conv](kd, w, b, sp.W - 1, cdt, xc, ctx, c, i, upd, part)
 
 
-def _conv_fresh(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: dict):
+def window_of(pending_name: str) -> str:
+    """The conv window a pending ``conv_<part>`` entry commits into (``win_<part>``)."""
+    return "win_" + pending_name[len("conv_"):]
+
+
+def _conv_fresh(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: dict, part: str):
     """From a zero window (no cache, or fresh prefill rows); a padded kind keeps each row's
     last ``W-1`` valid inputs as its window."""
     Bt = xc.shape[0]
     xp = jnp.concatenate([jnp.zeros((Bt, Wm1, xc.shape[2]), cdt), xc.astype(cdt)], 1)
     out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
     if kd.keeps_window:
-        upd["win"] = ops.last_window(xp, ctx.lengths, Wm1).astype(c["win"].dtype)
-    return out, {}
+        upd["win_" + part] = ops.last_window(xp, ctx.lengths, Wm1).astype(c["win_" + part].dtype)
+    return out, {}, c
 
 
-def _conv_window(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: dict):
+def _conv_window(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: dict, part: str):
     """After the row's cached window: the new window (a kind that keeps it), or the inputs
     pending until the commit (a tentative kind)."""
-    win = c["win"][i]
+    win = c["win_" + part][i]
     xp = jnp.concatenate([win.astype(cdt), xc.astype(cdt)], 1)
     out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
-    if kd.keeps_window:
-        upd["win"] = xp[:, xp.shape[1] - Wm1:].astype(win.dtype)
-        return out, {}
-    return out, {"conv_x": xc.astype(win.dtype)}
+    if kd.keeps_window:   # in place, in layer i's slice, ordered after the conv's read (+ 0·Σout)
+        new = xp[:, xp.shape[1] - Wm1:] + jnp.sum(out).astype(cdt) * 0.0
+        return out, {}, _set(c, "win_" + part, c["win_" + part].at[i].set(new.astype(win.dtype)))
+    return out, {"conv_" + part: xc.astype(win.dtype)}, c
 
 
 #: conv op entries (``KINDS[kind].conv``) -> this backend's function
@@ -169,8 +180,9 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
     array alive and copy the whole stacked cache every layer; after the scan nothing reads the
     old values, so every write below is in place and moves only what changes: ring entries
     ``[Ly, Bt, T, ...]`` at ``(start + h + s) % L``, attention K/V at ``seq_len + s``, conv
-    windows, and (steps compiled with ``write_flush``) the checkpoints of the flushing rows
-    only (a scatter whose other rows' indices are out of range, hence dropped)."""
+    windows, and the flushing rows' checkpoints of a single-layer stage (a scatter whose other
+    rows' indices are out of range, hence dropped; a stage of several layers writes them in
+    place in the layer, :func:`_flush_state`)."""
     if not upd:
         return c
     c = dict(c)
@@ -178,9 +190,9 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
     Bt, T = any_v.shape[1], ctx.T
     rows = _rows(Bt)
     for name, v in upd.items():
-        if name in ("win", "state"):                       # every row's value is new
+        if name == "state" or name.startswith("win_"):     # every row's value is new
             c[name] = v.astype(c[name].dtype)
-        elif name == "flush_state":
+        elif name == "flush_state":                        # single-layer stage: flushing rows only
             drop = jnp.where(ctx.flush, jnp.arange(Bt), Bt)
             c["state"] = c["state"].at[:, drop].set(v.astype(c["state"].dtype), mode="drop")
         elif name in ("k", "v"):
@@ -215,13 +227,24 @@ def _rewrite_state(c: dict, i, S, y) -> dict:
     return _set(c, "state", c["state"].at[i].set(S.astype(c["state"].dtype)))
 
 
-def _flush_state(upd: dict, ctx: Ctx, st: Step, with_new, committed) -> None:
-    """The new checkpoint of flushing rows (``upd["flush_state"]``, written by
-    :func:`apply_updates` for those rows only): ``with_new()`` (``S_{h+1}``, the step's entry
-    included) or ``committed()`` (``S_h``), as the table's flush of ``st`` says.  Not traced
-    at all in steps compiled for no flush (``ctx.write_flush`` False)."""
-    if st.state.flush and ctx.write_flush:
-        upd["flush_state"] = (with_new if st.state.with_new else committed)()
+def _flush_state(c: dict, i, ctx: Ctx, st: Step, S0, y, with_new, committed, upd: dict) -> dict:
+    """Write the new checkpoint of flushing rows: ``with_new()`` (``S_{h+1}``, the step's entry
+    included) or ``committed()`` (``S_h``), as the table's flush of ``st`` says; other rows
+    keep ``S0``.  In a stage of several layers it is written in place into layer ``i``'s slice
+    (as the recurrent form's state), so a flush step moves each state once: no stacked
+    per-layer copy of the new states and no batch-axis scatter (which XLA lowers with a
+    transposed copy of the whole stack).  A single-layer stage (hybrids) scatters the flushing
+    rows after the layer (``upd["flush_state"]``, :func:`apply_updates`): rewriting or
+    selecting its whole array made XLA copy it.  Not traced at all in steps compiled for no flush
+    (``ctx.write_flush`` False)."""
+    if not (st.state.flush and ctx.write_flush):
+        return c
+    S = (with_new if st.state.with_new else committed)()
+    if c["state"].shape[0] == 1:
+        upd["flush_state"] = S
+        return c
+    keep = ctx.flush.reshape((-1,) + (1,) * (S.ndim - 1))
+    return _rewrite_state(c, i, jnp.where(keep, S, S0), y)
 
 
 def _causal(T: int):
@@ -237,20 +260,32 @@ def mamba(p, sp, h, ctx: Ctx, c: dict, i):
     cdt = compute_dtype(dtype)
     H, d, n, G = sp.H, sp.d, sp.n, sp.G
     inter = H * d
-    zxbcdt = linear(h, p["in_proj_w"], _get(p, "in_proj_b"))
-    z, xbc, dtr = zxbcdt[..., :inter], zxbcdt[..., inter:inter + sp.conv_dim], zxbcdt[..., inter + sp.conv_dim:]
+    z = linear(h, p["in_z_w"], _get(p, "in_z_b"))
+    dtr = linear(h, p["in_dt_w"], _get(p, "in_dt_b"))
     upd: dict = {}
-    xbc, pend = _conv(p, sp, xbc, ctx, c, i, upd)
-    x = xbc[..., :inter].reshape(Bt, T, H, d)
-    B = xbc[..., inter:inter + G * n].reshape(Bt, T, G, n)
-    C = xbc[..., inter + G * n:].reshape(Bt, T, G, n)
+    x, pend, c = _conv(p, sp, "x", linear(h, p["in_x_w"], _get(p, "in_x_b")), ctx, c, i, upd)
+    bc, pend_bc, c = _conv(p, sp, "bc", linear(h, p["in_bc_w"], _get(p, "in_bc_b")), ctx, c, i, upd)
+    pend = {**pend, **pend_bc}
+    x = x.reshape(Bt, T, H, d)
+    B = bc[..., :G * n].reshape(Bt, T, G, n)
+    C = bc[..., G * n:].reshape(Bt, T, G, n)
     dt = ops.softplus(dtr.astype(cdt) + p["dt_bias"].astype(cdt))
     if sp.dt_min > 0.0 or sp.dt_max != math.inf:
         dt = jnp.clip(dt, sp.dt_min, sp.dt_max)
     A = -jnp.exp(p["A_log"].astype(cdt))
     y, c, pend2 = _mamba_ssm(sp, x, dt, A, B, C, ctx, c, i, cdt, upd)
     y = (y + p["D"].astype(cdt)[:, None] * x.astype(cdt)).astype(x.dtype)
-    y = ops.gated_rms_norm(y.reshape(Bt, T, inter).astype(dtype), z, p["norm_w"], sp.eps, sp.group_size, True)
+    y = y.reshape(Bt, T, inter).astype(dtype)
+    if dict(sp.opts).get("fold_norm") and sp.group_size == inter:
+        # one norm group (sharded heads): out = r · W_out (w ⊙ g) + b with r = rms(g)⁻¹ a
+        # per-token scalar, so the norm's sum of squares and out_proj's partial products
+        # are reduced over devices together (one all-reduce per layer, not two)
+        g = y.astype(cdt) * ops.silu(z.astype(cdt))
+        r = lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + sp.eps)
+        out = linear(p["norm_w"] * g.astype(dtype), p["out_proj_w"]).astype(cdt) * r
+        b = _get(p, "out_proj_b")
+        return (out if b is None else out + b).astype(dtype), c, {**pend, **pend2}, upd
+    y = ops.gated_rms_norm(y, z, p["norm_w"], sp.eps, sp.group_size, True)
     return linear(y, p["out_proj_w"], _get(p, "out_proj_b")), c, {**pend, **pend2}, upd
 
 
@@ -304,8 +339,8 @@ def _m2_replay(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
     P = jnp.concatenate([jnp.broadcast_to(valid[:, None, :], (Bt, T, ctx.L)),
                          jnp.broadcast_to(_causal(T), (Bt, T, T))], 2)          # [Bt, T, L+T]
     y = ops.m2_attend(S0, xs, Bs, dts, logs, Cc, P)
-    _flush_state(upd, ctx, st, lambda: ops.m2_build_state(S0, xs, Bs, dts, logs, P[:, 0]),
-                 lambda: ops.m2_build_state(S0, hx, hB, hdt, hl, valid))
+    c = _flush_state(c, i, ctx, st, S0, y, lambda: ops.m2_build_state(S0, xs, Bs, dts, logs, P[:, 0]),
+                     lambda: ops.m2_build_state(S0, hx, hB, hdt, hl, valid), upd)
     if st.ring.write:
         upd.update(rx=x, rB=B, rdt=dt)
     return y, c, {}
@@ -326,16 +361,20 @@ def gdn(p, sp, h, ctx: Ctx, c: dict, i):
     dtype = h.dtype
     cdt = compute_dtype(dtype)
     H, HV, K, V = sp.H, sp.HV, sp.K, sp.V
-    kd, vd = H * K, HV * V
-    qkvz = linear(h, p["in_proj_qkvz_w"], _get(p, "in_proj_qkvz_b"))
-    qkv, z = qkvz[..., :sp.conv_dim], qkvz[..., sp.conv_dim:]
-    ba = linear(h, p["in_proj_ba_w"], _get(p, "in_proj_ba_b"))
-    b, a = ba[..., :HV], ba[..., HV:]
+    vd = HV * V
+    z = linear(h, p["in_z_w"], _get(p, "in_z_b"))
+    b = linear(h, p["in_b_w"], _get(p, "in_b_b"))
+    a = linear(h, p["in_a_w"], _get(p, "in_a_b"))
     upd: dict = {}
-    qkv, pend = _conv(p, sp, qkv, ctx, c, i, upd)
-    q = qkv[..., :kd].reshape(Bt, T, H, K)
-    k = qkv[..., kd:2 * kd].reshape(Bt, T, H, K)
-    v = qkv[..., 2 * kd:].reshape(Bt, T, HV, V)
+    pend: dict = {}
+    qkv = []
+    for part in ("q", "k", "v"):
+        y, pp, c = _conv(p, sp, part, linear(h, p[f"in_{part}_w"], _get(p, f"in_{part}_b")), ctx, c, i, upd)
+        qkv.append(y)
+        pend.update(pp)
+    q = qkv[0].reshape(Bt, T, H, K)
+    k = qkv[1].reshape(Bt, T, H, K)
+    v = qkv[2].reshape(Bt, T, HV, V)
     g = -jnp.exp(p["A_log"].astype(cdt)) * ops.softplus(a.astype(cdt) + p["dt_bias"].astype(cdt))
     beta = jax.nn.sigmoid(b)
     y, c, pend2 = _gdn_ssm(sp, q, k, v, g, beta, ctx, c, i, cdt, upd)
@@ -405,7 +444,7 @@ def _gdn_replay(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
         k_s = jnp.repeat(kn[:, 0].astype(c["rk"].dtype).astype(cdt), HV // sp.H, axis=1)
         return jnp.exp(gc[:, 0])[..., None, None] * Sh + k_s[..., :, None] * u_s[..., None, :]
 
-    _flush_state(upd, ctx, st, with_new, lambda: ops.gdn_build_state(S0, hu, hk, w, tot))
+    c = _flush_state(c, i, ctx, st, S0, y, with_new, lambda: ops.gdn_build_state(S0, hu, hk, w, tot), upd)
     if st.ring.write:
         upd.update(ru=U, rk=kn, rg=gc)
     return y.astype(v.dtype), c, {}
@@ -572,16 +611,15 @@ def moe_soft(p, sp, x, ctx, c, i):
     if sp.norm_topk_prob:
         w = w / w.sum(-1, keepdims=True)
     w = w.astype(x.dtype)
-    gu, down = p["gate_up"], p["down"]
-    I = down.shape[2]
+    eg, eu, down = p["e_gate"], p["e_up"], p["down"]
 
     def gathered(h, ix):
-        t = ein("nkod,nd->nko", gu[ix], h)
-        return ein("nkdi,nki->nkd", down[ix], ops.activation(sp.act, t[..., :I]) * t[..., I:])
+        g, u = ein("nkid,nd->nki", eg[ix], h), ein("nkid,nd->nki", eu[ix], h)
+        return ein("nkdi,nki->nkd", down[ix], ops.activation(sp.act, g) * u)
 
     def dense(h):
-        t = ein("nd,eod->neo", h, gu)
-        return ein("nei,edi->ned", ops.activation(sp.act, t[..., :I]) * t[..., I:], down)
+        g, u = ein("nd,eid->nei", h, eg), ein("nd,eid->nei", h, eu)
+        return ein("nei,edi->ned", ops.activation(sp.act, g) * u, down)
 
     out = _dispatch(xf, idx, w, sp.E, gathered, dense).astype(x.dtype)
     if sp.shared:

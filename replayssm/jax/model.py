@@ -13,8 +13,8 @@ Every function is traceable (``jax.jit`` with ``spec`` static); all per-row deci
 arrays.  A cache is a pytree: ``seq_len [B]`` (committed tokens), the ring pointers
 ``ring_start/ring_len [B]`` shared by every layer (as ``replayssm.cache.ring``: entry ``j``
 of a row lives at ``(start + j) % L``), and per stage of the spec the stacked per-layer arrays: Mamba-2
-``state [Ly,B,H,d,n]``, ``win [Ly,B,W-1,C]``, ring ``rx [Ly,B,L,H,d]``, ``rB [Ly,B,L,G,n]``,
-``rdt [Ly,B,L,H]``; GDN ``state [Ly,B,HV,K,V]``, ``win``, ring ``ru``, ``rk``, ``rg``;
+``state [Ly,B,H,d,n]``, conv windows ``win_x [Ly,B,W-1,H·d]`` and ``win_bc [Ly,B,W-1,2Gn]``, ring ``rx [Ly,B,L,H,d]``, ``rB [Ly,B,L,G,n]``,
+``rdt [Ly,B,L,H]``; GDN ``state [Ly,B,HV,K,V]``, ``win_q``, ``win_k``, ``win_v``, ring ``ru``, ``rk``, ``rg``;
 attention ``k, v [Ly,B,S,Hkv,Dh]``.  States and decays are fp32 (fp64 for a float64
 model); the rest is in the model dtype.  Flush rules: decode flushes when ``h + 1 == L``
 (``S0 ← S_{h+1}``), verify when ``h + 2T > L`` (``S0 ← S_h``, committed entries only).
@@ -28,7 +28,7 @@ from jax import lax
 
 from ..forms import table
 from . import ops
-from .layers import FORMS, MIXERS, Ctx, apply_updates, commit_conv, commit_snapshots
+from .layers import FORMS, MIXERS, Ctx, apply_updates, commit_conv, commit_snapshots, window_of
 from .params import ModelSpec, jnp_dtype
 
 __all__ = ["Cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
@@ -91,12 +91,16 @@ def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: i
         sp = sb.mixer
         c = {}
         if sp.kind == "mamba":
-            c = {"state": full((cnt, B, sp.H, sp.d, sp.n), cdt), "win": full((cnt, B, sp.W - 1, sp.conv_dim), dt)}
+            w = (cnt, B, sp.W - 1)
+            c = {"state": full((cnt, B, sp.H, sp.d, sp.n), cdt), "win_x": full(w + (sp.H * sp.d,), dt),
+                 "win_bc": full(w + (2 * sp.G * sp.n,), dt)}
             if ring:
                 c.update(rx=full((cnt, B, L, sp.H, sp.d), dt), rB=full((cnt, B, L, sp.G, sp.n), dt),
                          rdt=full((cnt, B, L, sp.H), cdt))
         elif sp.kind == "gdn":
-            c = {"state": full((cnt, B, sp.HV, sp.K, sp.V), cdt), "win": full((cnt, B, sp.W - 1, sp.conv_dim), dt)}
+            w = (cnt, B, sp.W - 1)
+            c = {"state": full((cnt, B, sp.HV, sp.K, sp.V), cdt), "win_q": full(w + (sp.H * sp.K,), dt),
+                 "win_k": full(w + (sp.H * sp.K,), dt), "win_v": full(w + (sp.HV * sp.V,), dt)}
             if ring:
                 c.update(ru=full((cnt, B, L, sp.HV, sp.V), dt), rk=full((cnt, B, L, sp.H, sp.K), dt),
                          rg=full((cnt, B, L, sp.HV), cdt))
@@ -249,8 +253,8 @@ def commit(spec: ModelSpec, cache: Cache, pending: dict, accepted):
     stages = []
     for s, (sb, cnt) in enumerate(spec.stages):
         c, pend = dict(cache.stages[s]), pending["stages"][s]
-        if "conv_x" in pend:
-            c["win"] = commit_conv(c["win"], pend["conv_x"], a)
+        for name in [k for k in pend if k.startswith("conv_")]:
+            c[window_of(name)] = commit_conv(c[window_of(name)], pend[name], a)
         if st.state.at_commit and st.pending in pend:   # the snapshot baseline (recurrent form)
             c["state"] = commit_snapshots(c["state"], pend[st.pending], a)
         stages.append(c)

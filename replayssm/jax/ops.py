@@ -30,6 +30,25 @@ __all__ = [
 
 _F32 = jnp.float32
 
+#: How a one-token step forms its output from the state (read when a program is traced):
+#: ``"dot"`` — after the update, ``y = S_new C`` (an elementwise update, then a dot reading the
+#: new state: two passes over it); ``"reduce"`` — from the old state as reductions beside the
+#: update's read (Mamba-2 ``y = a (S C) + Δ (B·C) x``, GDN ``y = e^g Sᵀq + (k·q) u``; replay
+#: decode's ``S0 C`` and its sums over ring entries likewise: no transposed copy of the ring
+#: for a dot), which XLA may fuse into one pass.  Same math; on the CPU the
+#: ``dot`` form compiled without copies for every model type (``reduce`` made XLA copy a
+#: single-layer stage's state), so it is the default; ``scripts/gpu_jax.py`` times both.
+STEP_READOUTS = ("dot", "reduce")
+_step_readout = "dot"
+
+
+def set_step_readout(kind: str) -> None:
+    """Choose :data:`STEP_READOUTS` for programs traced from now on."""
+    global _step_readout
+    if kind not in STEP_READOUTS:
+        raise ValueError(f"step readout must be one of {STEP_READOUTS}, got {kind!r}")
+    _step_readout = kind
+
 
 def compute_dtype(dtype):
     """float64 stays float64; every other dtype computes in float32."""
@@ -182,8 +201,12 @@ def m2_step(S, x, dt, A, B, C):
     ``dt [Bt,H]``, ``B/C [Bt,G,n]``).  Returns ``(y, S)``."""
     H = x.shape[1]
     a = jnp.exp(A * dt)
-    S = a[..., None, None] * S + (dt[..., None] * x)[..., :, None] * _rep(B, H)[..., None, :]
-    return ein("bhdn,bhn->bhd", S, _rep(C, H)), S
+    Bh, Ch = _rep(B, H), _rep(C, H)
+    if _step_readout == "reduce":   # y = S_new C = a (S C) + Δ (B·C) x, from the old state
+        y = a[..., None] * jnp.sum(S * Ch[:, :, None, :], -1) + (dt * jnp.sum(Bh * Ch, -1))[..., None] * x
+        return y, a[..., None, None] * S + (dt[..., None] * x)[..., :, None] * Bh[..., None, :]
+    S = a[..., None, None] * S + (dt[..., None] * x)[..., :, None] * Bh[..., None, :]
+    return ein("bhdn,bhn->bhd", S, Ch), S
 
 
 def _segment_logs(logs, P):
@@ -206,11 +229,14 @@ def m2_attend(S0, xs, Bs, dts, logs, C, P):
     H = xs.shape[2]
     E, cum = _segment_logs(logs, P)
     decay = jnp.exp(jnp.where(P[..., None], E, -jnp.inf))
-    scores = ein("bwgn,bmgn->bmwg", Bs, C)
+    one = C.shape[1] == 1 and _step_readout == "reduce"   # decode: reductions, fused with the ring reads
+    scores = jnp.sum(Bs * C, -1)[:, None] if one else ein("bwgn,bmgn->bmwg", Bs, C)
     coef = decay * dts[:, None] * jnp.repeat(scores, H // Bs.shape[2], axis=-1)
-    y = ein("bmwh,bwhd->bmhd", coef, xs)
+    y = jnp.sum(coef[:, 0, :, :, None] * xs, 1)[:, None] if one else ein("bmwh,bwhd->bmhd", coef, xs)
     if S0 is not None:
-        y = y + jnp.exp(cum)[..., None] * ein("bhdn,bmhn->bmhd", S0, _rep(C, H))
+        Ch = _rep(C, H)
+        s0c = jnp.sum(S0 * Ch[:, 0, :, None, :], -1)[:, None] if one else ein("bhdn,bmhn->bmhd", S0, Ch)
+        y = y + jnp.exp(cum)[..., None] * s0c
     return y
 
 
@@ -239,6 +265,12 @@ def gdn_step(St, q, k, v, g, beta):
     ``St ← St + k ⊗ u``; ``y = Stᵀ q`` (q/k ``[Bt,H,K]`` prepared, v ``[Bt,HV,V]``)."""
     HV = St.shape[1]
     ke, qe = _rep(k, HV), _rep(q, HV)
+    if _step_readout == "reduce":   # both readouts from the old state: y = e^g Sᵀq + (k·q) u
+        eg = jnp.exp(g)[..., None]
+        sk, sq = jnp.sum(St * ke[..., :, None], -2), jnp.sum(St * qe[..., :, None], -2)
+        u = beta[..., None] * (v - eg * sk)
+        y = eg * sq + jnp.sum(ke * qe, -1)[..., None] * u
+        return y, eg[..., None] * St + ke[..., :, None] * u[..., None, :]
     St = jnp.exp(g)[..., None, None] * St
     u = beta[..., None] * (v - ein("bhkv,bhk->bhv", St, ke))
     St = St + ke[..., :, None] * u[..., None, :]

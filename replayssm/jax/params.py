@@ -114,28 +114,53 @@ def _linear(prefix: str, lin, out: dict) -> None:
         out[prefix + "_b"] = lin.bias
 
 
+def _split_rows(prefix: str, lin, parts, out: dict) -> None:
+    """A packed projection as one linear per output block (``prefix_<name>_w [rows, in]``):
+    each block can then be sharded on its own head axis (:mod:`replayssm.jax.shard`)."""
+    off = 0
+    for name, rows in parts:
+        out[f"{prefix}_{name}_w"] = lin.weight[off:off + rows]
+        if getattr(lin, "bias", None) is not None:
+            out[f"{prefix}_{name}_b"] = lin.bias[off:off + rows]
+        off += rows
+    if off != lin.weight.shape[0]:
+        raise ValueError(f"{prefix} projection has {lin.weight.shape[0]} rows, expected {off}")
+
+
+def _split_conv(conv, W: int, parts, out: dict) -> None:
+    """A depthwise conv over packed channels as one conv per channel block
+    (``conv_<name>_w [C_name, W]``): channels are independent, so this is exact."""
+    w = conv.weight.reshape(-1, W)
+    off = 0
+    for name, ch in parts:
+        out[f"conv_{name}_w"] = w[off:off + ch]
+        if getattr(conv, "bias", None) is not None:
+            out[f"conv_{name}_b"] = conv.bias[off:off + ch]
+        off += ch
+
+
 def _mixer(m) -> tuple[MixerSpec, dict]:
     """Spec and (torch) parameters of one mixer module of ``replayssm.layers``."""
     if isinstance(m, (KimiDeltaAttention, MLAttention, GatedSigmoidMoE)):   # subclasses of ported layers
         raise ValueError(f"the JAX backend has no {type(m).__name__} layer (Kimi-Linear): use the PyTorch engine")
     p: dict = {}
     if isinstance(m, Mamba2Mixer):
-        _linear("in_proj", m.in_proj, p)
+        inter, bc = m.H * m.d, 2 * m.G * m.n
+        _split_rows("in", m.in_proj, (("z", inter), ("x", inter), ("bc", bc), ("dt", m.H)), p)
         _linear("out_proj", m.out_proj, p)
-        p["conv_w"] = m.conv1d.weight.reshape(m.conv_dim, m.conv_kernel)
-        if m.conv1d.bias is not None:
-            p["conv_b"] = m.conv1d.bias
+        _split_conv(m.conv1d, m.conv_kernel, (("x", inter), ("bc", bc)), p)
         p.update(dt_bias=m.dt_bias, A_log=m.A_log, D=m.D, norm_w=m.norm.weight)
         lo, hi = m.time_step_limit
         return _spec("mamba", H=m.H, d=m.d, n=m.n, G=m.G, W=m.conv_kernel, conv_dim=m.conv_dim,
                      group_size=m.norm.group_size, eps=float(m.norm.eps), dt_min=float(lo),
                      dt_max=float(hi), chunk=int(m.chunk_size)), p
     if isinstance(m, GatedDeltaNet):
-        _linear("in_proj_qkvz", m.in_proj_qkvz, p)
-        _linear("in_proj_ba", m.in_proj_ba, p)
+        kd, vd = m.H * m.K, m.HV * m.V
+        _split_rows("in", m.in_proj_qkvz, (("q", kd), ("k", kd), ("v", vd), ("z", vd)), p)
+        _split_rows("in", m.in_proj_ba, (("b", m.HV), ("a", m.HV)), p)
         _linear("out_proj", m.out_proj, p)
-        p.update(conv_w=m.conv1d.weight.reshape(m.conv_dim, m.conv_kernel), dt_bias=m.dt_bias,
-                 A_log=m.A_log, norm_w=m.norm.weight)
+        _split_conv(m.conv1d, m.conv_kernel, (("q", kd), ("k", kd), ("v", vd)), p)
+        p.update(dt_bias=m.dt_bias, A_log=m.A_log, norm_w=m.norm.weight)
         return _spec("gdn", H=m.H, HV=m.HV, K=m.K, V=m.V, W=m.conv_kernel, conv_dim=m.conv_dim,
                      eps=float(m.norm.eps), chunk=int(m.chunk_size)), p
     if isinstance(m, Attention):
@@ -170,7 +195,9 @@ def _mixer(m) -> tuple[MixerSpec, dict]:
                      norm_topk_prob=bool(m.norm_topk_prob), scaling=float(m.scaling),
                      act=m.act_name, latent=m.fc1_latent_proj is not None), p
     if isinstance(m, SoftmaxMoE):
-        p.update(gate_w=m.gate.weight, gate_up=m.experts.gate_up_proj, down=m.experts.down_proj)
+        gu = m.experts.gate_up_proj                  # [E, 2I, D]: gate rows, then up rows
+        I = gu.shape[1] // 2
+        p.update(gate_w=m.gate.weight, e_gate=gu[:, :I], e_up=gu[:, I:], down=m.experts.down_proj)
         shared = m.shared_expert is not None
         if shared:
             for name in ("gate", "up", "down"):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["split_rows", "uniform_rows", "transform", "sample_from", "sample", "accept_greedy",
-           "accept_chain", "ngram_propose"]
+__all__ = ["split_rows", "uniform_rows", "transform", "sample_from", "sample", "constrain", "penalize",
+           "token_logprobs", "accept_greedy", "accept_chain", "ngram_propose"]
 
 
 def split_rows(keys, num: int = 2):
@@ -29,10 +29,11 @@ def uniform_rows(keys, shape=(), dtype=jnp.float32):
     return jax.vmap(lambda k: jax.random.uniform(k, shape, dtype=dtype))(keys)
 
 
-def transform(logits, temp, top_k, top_p, use_top_k: bool, use_top_p: bool):
-    """Temperature, top-k, top-p -> probabilities ``[B, (N,) V]`` (float32 at least); rows with
-    ``temp == 0`` become one-hot at the argmax.  ``use_top_k/use_top_p`` are static (decided
-    on the host from the batch's parameters)."""
+def transform(logits, temp, top_k, top_p, use_top_k: bool, use_top_p: bool, min_p=None, use_min_p: bool = False):
+    """Temperature, top-k, top-p, min-p -> probabilities ``[B, (N,) V]`` (float32 at least);
+    rows with ``temp == 0`` become one-hot at the argmax.  min-p keeps the tokens with at least
+    ``min_p`` times the largest probability (after top-k and top-p) and renormalises.
+    ``use_*`` are static (decided on the host from the batch's parameters)."""
     squeeze = logits.ndim == 2
     x = logits[:, None] if squeeze else logits
     dt = jnp.promote_types(x.dtype, jnp.float32)
@@ -53,6 +54,10 @@ def transform(logits, temp, top_k, top_p, use_top_k: bool, use_top_p: bool):
         sp = jnp.where(drop, 0.0, sp)
         p = jnp.take_along_axis(sp, jnp.argsort(si, axis=-1), axis=-1)
         p = p / p.sum(-1, keepdims=True)
+    if use_min_p:
+        floor = min_p.astype(dt)[:, None, None] * jnp.max(p, -1, keepdims=True)
+        p = jnp.where(p < floor, 0.0, p)
+        p = p / p.sum(-1, keepdims=True)
     onehot = jax.nn.one_hot(jnp.argmax(logits.reshape(B, N, V), -1), V, dtype=dt)
     p = jnp.where((temp == 0)[:, None, None], onehot, p)
     return p[:, 0] if squeeze else p
@@ -67,13 +72,65 @@ def sample_from(p, u):
     return jnp.minimum(idx, last_pos).astype(jnp.int32)
 
 
-def sample(logits, rowp: dict, keys, greedy: bool, use_top_k: bool, use_top_p: bool):
+def sample(logits, rowp: dict, keys, greedy: bool, use_top_k: bool, use_top_p: bool, use_min_p: bool = False):
     """One token per row from ``logits [B, V]`` (row ``b`` draws with ``keys[b]``); returns
     ``(tokens [B], probs or None)``."""
     if greedy:
         return jnp.argmax(logits, -1).astype(jnp.int32), None
-    p = transform(logits, rowp["temperature"], rowp["top_k"], rowp["top_p"], use_top_k, use_top_p)
+    p = transform(logits, rowp["temperature"], rowp["top_k"], rowp["top_p"], use_top_k, use_top_p,
+                  rowp.get("min_p"), use_min_p)
     return sample_from(p, uniform_rows(keys, (), p.dtype)), p
+
+
+def constrain(logits, rowp: dict, n, eos, use_bias: bool, use_min_tokens: bool):
+    """Constraints on ``logits [B, N, V]`` before any penalty (as the engine): ``logit_bias``
+    added (``rowp["bias"] [B, V]``), and EOS / stop ids masked at the positions whose token
+    would be output number ``n + j < min_tokens`` (``n [B]`` tokens generated so far)."""
+    x = logits
+    if use_bias:
+        x = x + rowp["bias"].astype(x.dtype)[:, None, :]
+    if use_min_tokens:
+        B, N, V = x.shape
+        early = (n[:, None] + jnp.arange(N)[None, :]) < rowp["min_tokens"][:, None]          # [B, N]
+        v = jnp.arange(V)
+        banned = jnp.any(v[None, :, None] == rowp["stop_ids"][:, None, :], -1)                # [B, V]
+        banned = banned | (jnp.any(v[:, None] == eos[None, :], -1)[None, :] & ~rowp["ignore_eos"][:, None])
+        x = jnp.where(early[:, :, None] & banned[:, None, :], -jnp.inf, x)
+    return x
+
+
+def penalize(logits, counts, seen, rowp: dict, tokens=None, valid=None):
+    """Repetition, frequency and presence penalties on ``logits [B, N, V]`` (the engine's
+    :func:`replayssm.engine.sampler.apply_penalties`): ``x' = (seen ? (x > 0 ? x / r : x r) :
+    x) − f·count − p·(count > 0)``, ``count [B, V]`` the row's output tokens, ``seen [B, V]``
+    its prompt and output tokens.  In a chain verify (``tokens/valid [B, N]``) position ``i``
+    also counts the drafts at positions ``1 .. i`` (the path before the token it predicts)."""
+    x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    B, N, V = x.shape
+    cnt = jnp.broadcast_to(counts[:, None, :].astype(x.dtype), (B, N, V))
+    if tokens is not None and N > 1:
+        j = jnp.arange(N)
+        w = ((j[None, :] <= j[:, None]) & (j[None, :] >= 1))[None] & valid[:, None, :]       # [B, i, j]
+        onehot = jax.nn.one_hot(tokens, V, dtype=x.dtype)                                     # [B, j, V]
+        cnt = cnt + jnp.einsum("bij,bjv->biv", w.astype(x.dtype), onehot)
+    seen_ = seen[:, None, :] | (cnt > 0)
+    r = rowp["repetition"].astype(x.dtype)[:, None, None]
+    x = jnp.where(seen_, jnp.where(x > 0, x / r, x * r), x)
+    f = rowp["frequency"].astype(x.dtype)[:, None, None]
+    pr = rowp["presence"].astype(x.dtype)[:, None, None]
+    return x - f * cnt - pr * (cnt > 0).astype(x.dtype)
+
+
+def token_logprobs(logits, tokens, k: int):
+    """Log-probabilities under the raw model distribution (log-softmax of the logits, before
+    constraints, penalties and temperature) of ``tokens [B, N]`` given ``logits [B, N, V]``,
+    and the ``k`` most likely tokens: ``(chosen [B, N], values [B, N, k], ids [B, N, k])``."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), -1)
+    chosen = jnp.take_along_axis(lp, tokens[..., None], -1)[..., 0]
+    if k <= 0:
+        return chosen, lp[..., :0], jnp.zeros(lp.shape[:-1] + (0,), jnp.int32)
+    vals, ids = jax.lax.top_k(lp, k)
+    return chosen, vals, ids.astype(jnp.int32)
 
 
 def accept_greedy(logits, tokens, valid):

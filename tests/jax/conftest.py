@@ -1,7 +1,8 @@
 """JAX backend tests: skipped when jax is not importable.  64-bit JAX is on for the whole
 (JAX) session so float64 models work; float32 models stay float32 (every array the backend
 makes has an explicit dtype).  XLA's CPU backend is told to spend little time optimising:
-compile time dominates these tests and the numbers do not change."""
+compile time dominates these tests and the numbers do not change.  Two host CPU devices
+(``--xla_force_host_platform_device_count=2``) serve the sharded tests."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import warnings
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    # two host CPU devices for the sharded tests (read when jax's CPU backend starts: before any test)
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
 try:
     import jax
 
@@ -24,8 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 @pytest.fixture(scope="session")
 def hf_model_dir(tmp_path_factory):
-    """``hf_model_dir(name) -> path`` of a tiny random transformers checkpoint
-    (``tests/models/hf_utils.SPECS``), built once per session."""
+    """``hf_model_dir(name, **overrides) -> path`` of a tiny random transformers checkpoint
+    (``tests/models/hf_utils.SPECS``, config fields overridden), built once per session."""
     import torch
 
     import hf_utils as H
@@ -33,10 +37,11 @@ def hf_model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("jax_tiny_models")
     cache = {}
 
-    def get(name):
-        if name not in cache:
+    def get(name, **extra):
+        key = name + "".join(f"-{k}={v}" for k, v in sorted(extra.items()))
+        if key not in cache:
             fn, over = H.SPECS[name]
-            over = dict(over)
+            over = {**over, **extra}
             prf = over.pop("partial_rotary_factor", None)
             if prf is not None:
                 over["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
@@ -47,9 +52,9 @@ def hf_model_dir(tmp_path_factory):
                 m = fn(seed=len(name), **over)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    cache[name] = H.save_tiny(m, str(root / name))
+                    cache[key] = H.save_tiny(m, str(root / key))
             finally:
                 torch.set_num_threads(n)
-        return cache[name]
+        return cache[key]
 
     return get

@@ -167,10 +167,19 @@ class _Runner:
         return ops.gdn_build_state(S0, hu, hk, w, tot)
 
 
-@pytest.mark.parametrize("kind,dims", [("mamba", (4, 3, 2, 5)), ("gdn", (2, 4, 3, 5))])
-def test_replay_steps_match_recurrence(kind, dims):
+@pytest.mark.parametrize("kind,dims,readout", [("mamba", (4, 3, 2, 5), "dot"), ("gdn", (2, 4, 3, 5), "dot"),
+                                               ("mamba", (4, 3, 2, 5), "reduce")])
+def test_replay_steps_match_recurrence(kind, dims, readout):
     """Rows diverge: different prompt lengths, accepted counts and flush steps; the ring
-    wraps around and starts NaN-poisoned."""
+    wraps around and starts NaN-poisoned.  (``reduce``: decode's ``S0 C`` as a reduction.)"""
+    ops.set_step_readout(readout)
+    try:
+        _replay_run(kind, dims)
+    finally:
+        ops.set_step_readout("dot")
+
+
+def _replay_run(kind, dims):
     rng = np.random.default_rng(2)
     Bt, L, T = 3, 8, 3
     r = _Runner(kind, Bt, L, dims, rng)
@@ -184,3 +193,45 @@ def test_replay_steps_match_recurrence(kind, dims):
     assert flushes.min() >= 1 and mixed >= 2, (flushes, mixed)   # every row flushed, rows out of step
     assert int(jnp.max(r.start)) > 0                                          # the ring wrapped
     np.testing.assert_allclose(np.asarray(r.rebuilt_state()), r.S_ref.numpy(), **TOL_F64)
+
+
+@pytest.mark.parametrize("kind,readout", [("mamba", "dot"), ("gdn", "dot"), ("mamba", "reduce"), ("gdn", "reduce")])
+def test_recurrent_steps_match_reference(kind, readout):
+    """``m2_step`` / ``gdn_step`` in both readouts (``dot``: from the new state; ``reduce``:
+    from the old one, ``y = a (S C) + Δ (B·C) x``, ``y = e^g Sᵀq + (k·q) u``) token by token
+    against the reference recurrence: every output and the final state (odd sizes, grouped
+    B/C and key heads)."""
+    rng = np.random.default_rng(3)
+    Bt, T = 3, 5
+    ops.set_step_readout(readout)
+    try:
+        _check_steps(kind, rng, Bt, T)
+    finally:
+        ops.set_step_readout("dot")
+    with pytest.raises(ValueError, match="step readout"):
+        ops.set_step_readout("fused")
+
+
+def _check_steps(kind, rng, Bt, T):
+    if kind == "mamba":
+        H, d, G, n = 6, 3, 2, 5
+        x, dt, A, B, C = _m2_inputs(rng, Bt, T, H, d, G, n)
+        S = S0 = rng.standard_normal((Bt, H, d, n))
+        ys = []
+        for t in range(T):
+            y, S = ops.m2_step(jnp.asarray(S), *(jnp.asarray(a[:, t]) for a in (x, dt)), jnp.asarray(A),
+                               jnp.asarray(B[:, t]), jnp.asarray(C[:, t]))
+            ys.append(np.asarray(y))
+        y_ref, S_ref = m2_ref.recurrent_scan(*(_t(a) for a in (x, dt, A, B, C)), initial_state=_t(S0))
+    else:
+        H, HV, K, V = 2, 6, 3, 5
+        q, k, v, g, beta = _gdn_inputs(rng, Bt, T, H, HV, K, V)
+        S = S0 = rng.standard_normal((Bt, HV, K, V)) * 0.3
+        qn, kn = ops.gdn_prep_qk(jnp.asarray(q), jnp.asarray(k), F64)
+        ys = []
+        for t in range(T):
+            y, S = ops.gdn_step(jnp.asarray(S), qn[:, t], kn[:, t], *(jnp.asarray(a[:, t]) for a in (v, g, beta)))
+            ys.append(np.asarray(y))
+        y_ref, S_ref = gdn_ref.recurrent_scan(*(_t(a) for a in (q, k, v, g, beta)), initial_state=_t(S0))
+    np.testing.assert_allclose(np.stack(ys, 1), y_ref.numpy(), **TOL_F64)
+    np.testing.assert_allclose(np.asarray(S), S_ref.numpy(), **TOL_F64)

@@ -1,0 +1,330 @@
+"""JAX backend on the GPU: speed against the PyTorch engine, bandwidth, prefill MFU, and
+tensor-parallel scaling, in one run each (2.7B random-weight Mamba-2 preset, bf16).
+
+One GPU (about 4 minutes; ``--time-budget`` skips what is left and still prints the table)::
+
+    PYTHONPATH=. python scripts/gpu_jax.py
+
+* decode tokens/s of the PyTorch engine (CUDA graphs) and of ``JaxLLM`` (one compiled loop)
+  at B = 1, 64, 16 in the replay and recurrent forms, and their ratio; the greedy tokens of
+  both at B = 64 (replay) compared;
+* bytes per decode step (the least a step must move: every weight but the embedding once,
+  plus per row: recurrent, the states and conv windows read and written; replay, the
+  checkpoint ``S0`` read, the ring read at its mean fill ``(L-1)/2`` and one entry written,
+  the flush's state write every ``L`` steps) times JAX steps/s, over the copy bandwidth
+  measured here (``y = x + 1`` on a 2 GiB array: 2 bytes moved per byte);
+* the ``reduce`` step readout (``replayssm.jax.ops.set_step_readout``: outputs read from the
+  old state beside the update, one pass when XLA fuses them) against the default ``dot`` at
+  B = 1 and 64: tokens/s over the engine's, and its greedy tokens against ``dot``'s;
+* prefill tokens/s with final states written at 16x512 and 64x256 (engine ``model.prefill``
+  vs ``jax.jit`` of the JAX prefill, SSD chunk 64 and 128, the better kept), and MFU
+  (``2 · params · tokens / s`` over the card's dense bf16 peak, 989 TFLOP/s for H100/H200).
+
+Two GPUs::
+
+    PYTHONPATH=. python scripts/gpu_jax.py --tp 2
+
+* ``JaxLLM(tensor_parallel_size=1)`` and ``=2`` at B = 64 (both forms): decode tokens/s, the
+  ratio, and whether the greedy tokens agree (``jax.sharding``; the compiler inserts the
+  collectives).
+
+Prints a table; writes ``gpu_jax.json`` to ``$OUT`` when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # torch allocates beside jax
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+PEAK_BF16 = 989e12
+
+
+def _args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=1, help="2: the tensor-parallel run (two GPUs)")
+    p.add_argument("--preset", default="2.7b")
+    p.add_argument("--batch-sizes", default="1,64,16")
+    p.add_argument("--modes", default="replay,recurrent")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--buffer-size", type=int, default=16)
+    p.add_argument("--prefill-shapes", default="16x512,64x256")
+    p.add_argument("--prefill-chunks", default="64,128")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--time-budget", type=float, default=210.0, help="seconds; later measurements are skipped")
+    return p.parse_args()
+
+
+class Run:
+    def __init__(self, args):
+        self.args, self.t0, self.res = args, time.perf_counter(), {"decode": [], "prefill": [], "tp": [], "skipped": []}
+
+    def left(self, what: str) -> bool:
+        if time.perf_counter() - self.t0 > self.args.time_budget:
+            self.res["skipped"].append(what)
+            return False
+        return True
+
+    def log(self, kind: str, row: dict):
+        self.res[kind].append(row)
+        print(f"[gpu_jax] {kind}: {row}", file=sys.stderr, flush=True)
+        self.save()
+
+    def save(self):
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "gpu_jax.json"), "w") as f:
+                json.dump(self.res, f, indent=1, default=str)
+
+
+def _copy_bandwidth(jax, jnp) -> float:
+    """Bytes/s of ``y = x + 1`` over a 2 GiB float32 array (read + write)."""
+    x = jnp.zeros((1 << (29 if jax.default_backend() != "cpu" else 24),), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(f(x))
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(f(x))
+        times.append(time.perf_counter() - t)
+    n = x.size
+    del x
+    return 2 * 4 * n / min(times)
+
+
+def _sizes(spec, params, L: int) -> dict:
+    """Per-step byte counts of :data:`__doc__` (weights, per-row state / window / ring bytes)."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(params)
+    wbytes = sum(a.size * a.dtype.itemsize for a in leaves) - params["embed"].size * params["embed"].dtype.itemsize
+    if "head" not in params:   # tied: the head reads the embedding once
+        wbytes += params["embed"].size * params["embed"].dtype.itemsize
+    st = win = ring = 0
+    for sb, cnt in spec.stages:
+        m = sb.mixer
+        if m.kind == "mamba":
+            st += cnt * m.H * m.d * m.n * 4
+            win += cnt * (m.W - 1) * m.conv_dim * 2
+            ring += cnt * (m.H * m.d * 2 + m.G * m.n * 2 + m.H * 4)      # rx, rB (bf16), rdt (fp32) per entry
+    rec = 2 * st + 2 * win
+    rep = st + ring * ((L - 1) / 2 + 1) + st / L + 2 * win
+    return {"weights": wbytes, "recurrent_row": rec, "replay_row": rep, "state_row": st}
+
+
+def _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, tp=1):
+    llm = JaxLLM((spec, params), decode_mode=mode, buffer_size=args.buffer_size, chunk_size=64, tensor_parallel_size=tp)
+    sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    out = llm.generate(prompts, sp)
+    first = time.perf_counter() - t
+    stats = []
+    for _ in range(args.repeats):
+        llm.generate(prompts, sp)
+        stats.append(dict(llm.last_stats))
+    dec = statistics.median(s["decode_s"] for s in stats)
+    gen = stats[-1]["generated"]
+    return {"tok_s": (gen - B) / dec, "steps": stats[-1]["loop_steps"], "decode_s": dec, "first_call_s": first,
+            "tokens": [o.token_ids for o in out]}
+
+
+def single(args, run: Run):
+    import jax
+    import jax.numpy as jnp
+
+    from replayssm import LLM, SamplingParams
+    from replayssm.bench import e2e
+    from replayssm.bench.common import free_memory
+    from replayssm.jax import model as M
+    from replayssm.jax import ops
+    from replayssm.jax.generate import JaxLLM, _with_chunk
+    from replayssm.jax.params import from_torch_model
+    from replayssm.models import load_model
+    from types import SimpleNamespace
+
+    cuda = torch.cuda.is_available()   # a CPU run (tiny preset) only checks that the script works
+    device, dtype = ("cuda:0", "bfloat16") if cuda else ("cpu", "float32")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    run.res["env"] = {"device": torch.cuda.get_device_name() if cuda else "cpu", "jax": jax.__version__, "jax_devices": str(jax.devices()),
+                      "torch": torch.__version__}
+    bw = _copy_bandwidth(jax, jnp)
+    run.res["copy_GBps"] = bw / 1e9
+    print(f"[gpu_jax] copy bandwidth {bw / 1e9:.0f} GB/s", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = e2e._random_model_dir(args.preset, tmp)
+        tmodel = load_model(path, device=device, dtype=dtype)
+        spec, params = from_torch_model(tmodel, dtype)
+        nparams = sum(a.size for a in jax.tree_util.tree_leaves(params))
+        sizes = _sizes(spec, params, args.buffer_size)
+        run.res["sizes"] = sizes
+        need = args.prompt_len + args.max_tokens + 16
+        ns = SimpleNamespace(max_tokens=args.max_tokens, prompt_len=args.prompt_len, device=device, dtype=dtype,
+                             buffer_size=args.buffer_size, cuda_graphs=cuda, max_seq_len=-(-need // 64) * 64,
+                             spec_method=None, oracle_accept=1.0)
+        def decode(mode, B):
+            r = e2e._run(LLM, SamplingParams, tmodel, ns, B, mode)
+            prompts = e2e._prompts(B, args.prompt_len, spec.vocab_size, seed=B)
+            j = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args)
+            match = None
+            if B == 64 and mode == "replay":   # greedy tokens vs the engine (eager) on the same prompts
+                ref = LLM(tmodel, device=device, dtype=dtype, decode_mode=mode, buffer_size=args.buffer_size,
+                          max_num_seqs=B, max_seq_len=ns.max_seq_len).generate(
+                              prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+                same = sum(sum(a == b for a, b in zip(t, o.token_ids)) for t, o in zip(j["tokens"], ref))
+                match = same / sum(len(o.token_ids) for o in ref)
+                free_memory(device)
+            red = None
+            if B in (1, 64) and run.left(f"reduce readout {mode} B={B}"):   # the variant (replayssm.jax.ops)
+                ops.set_step_readout("reduce")
+                try:
+                    red = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args)
+                finally:
+                    ops.set_step_readout("dot")
+                same = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(red["tokens"], j["tokens"]))
+                red["match_dot"] = same / sum(len(x) for x in j["tokens"])
+            row_bytes = sizes[f"{mode}_row"]
+            step_bytes = sizes["weights"] + B * row_bytes
+            steps_s = j["tok_s"] / B
+            run.log("decode", {"mode": mode, "batch": B, "torch_tok_s": r["decode_tokens_per_s"],
+                               "jax_tok_s": j["tok_s"], "ratio": j["tok_s"] / r["decode_tokens_per_s"],
+                               "jax_first_call_s": j["first_call_s"], "bytes_per_step": step_bytes,
+                               "jax_bw_frac": step_bytes * steps_s / bw,
+                               "torch_bw_frac": step_bytes * r["decode_tokens_per_s"] / B / bw,
+                               "tokens_match_torch": match,
+                               "jax_reduce_tok_s": red and red["tok_s"],
+                               "reduce_ratio": red and red["tok_s"] / r["decode_tokens_per_s"],
+                               "reduce_tokens_match_dot": red and red["match_dot"]})
+
+        batches = [int(b) for b in args.batch_sizes.split(",")]
+        first, later = [b for b in batches if b in (1, 64)], [b for b in batches if b not in (1, 64)]
+        for B in first:                  # B = 1 and 64 first (bandwidth), then prefill, then the rest
+            for mode in args.modes.split(","):
+                if run.left(f"decode {mode} B={B}"):
+                    decode(mode, B)
+        for shape in args.prefill_shapes.split(","):
+            B, T = (int(v) for v in shape.split("x"))
+            if not run.left(f"prefill {shape}"):
+                continue
+            cache = tmodel.make_cache(B + 1, mode="replay", buffer_size=args.buffer_size, max_seq_len=T + 64,
+                                      device=device)
+            slots = torch.arange(1, B + 1, device=device)
+            ids = torch.randint(0, spec.vocab_size, (B, T), device=device)
+            lengths = torch.full((B,), T, dtype=torch.long, device=device)
+            times = []
+            for rep in range(args.repeats + 1):
+                cache.release(slots)
+                sync()
+                t = time.perf_counter()
+                tmodel.prefill(cache, slots, ids, lengths)
+                sync()
+                if rep:
+                    times.append(time.perf_counter() - t)
+            t_torch = min(times)
+            del cache
+            free_memory(device)
+            best = None
+            jids = jnp.asarray(ids.cpu().numpy(), jnp.int32)
+            jlen = jnp.full((B,), T, jnp.int32)
+            for q in [int(c) for c in args.prefill_chunks.split(",")]:
+                sq = _with_chunk(spec, q)
+                fn = jax.jit(lambda p, i, n, c, sq=sq: M.prefill(sq, p, c, i, n), donate_argnums=(3,) if cuda else ())
+                jc = M.init_cache(sq, B, "replay", args.buffer_size, T + 64)
+                _, jc = jax.block_until_ready(fn(params, jids, jlen, jc))
+                ts = []
+                for _ in range(args.repeats):
+                    t = time.perf_counter()
+                    _, jc = jax.block_until_ready(fn(params, jids, jlen, jc))
+                    ts.append(time.perf_counter() - t)
+                del jc, fn
+                if best is None or min(ts) < best[1]:
+                    best = (q, min(ts))
+            flops = 2 * nparams * B * T
+            run.log("prefill", {"shape": shape, "torch_tok_s": B * T / t_torch, "jax_tok_s": B * T / best[1],
+                                "ratio": t_torch / best[1], "jax_chunk": best[0], "torch_mfu": flops / t_torch / PEAK_BF16,
+                                "jax_mfu": flops / best[1] / PEAK_BF16})
+        for B in later:
+            for mode in args.modes.split(","):
+                if run.left(f"decode {mode} B={B}"):
+                    decode(mode, B)
+    _table(run.res)
+
+
+def tensor_parallel(args, run: Run):
+    import jax
+
+    from replayssm import SamplingParams
+    from replayssm.bench import e2e
+    from replayssm.jax.generate import JaxLLM
+    from replayssm.jax.params import from_torch_model
+    from replayssm.models import load_model
+
+    run.res["env"] = {"jax": jax.__version__, "jax_devices": str(jax.devices())}
+    if len(jax.devices()) < args.tp:
+        raise SystemExit(f"--tp {args.tp} needs {args.tp} devices; jax sees {jax.devices()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = e2e._random_model_dir(args.preset, tmp)
+        spec, params = from_torch_model(load_model(path, device="cpu", dtype="bfloat16"), "bfloat16")
+        B = 64
+        prompts = e2e._prompts(B, args.prompt_len, spec.vocab_size, seed=B)
+        for mode in args.modes.split(","):
+            if not run.left(f"tp {mode}"):
+                continue
+            one = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, tp=1)
+            many = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, tp=args.tp)
+            same = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(one["tokens"], many["tokens"]))
+            run.log("tp", {"mode": mode, "batch": B, "tp1_tok_s": one["tok_s"], f"tp{args.tp}_tok_s": many["tok_s"],
+                           "ratio": many["tok_s"] / one["tok_s"],
+                           "tokens_match": same / sum(len(x) for x in one["tokens"])})
+    _table(run.res)
+
+
+def _table(res: dict):
+    print(json.dumps(res.get("env", {})))
+    if "copy_GBps" in res:
+        print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s; weights {res['sizes']['weights'] / 1e9:.2f} GB/step")
+    if res["decode"]:
+        print(f"{'mode':<10}{'B':>4}{'torch tok/s':>13}{'jax tok/s':>11}{'jax/torch':>10}{'jax %copy':>10}"
+              f"{'torch %copy':>12}{'match':>7}  {'reduce/torch (tokens = dot)':<28}")
+        for r in res["decode"]:
+            m = "-" if r["tokens_match_torch"] is None else f"{r['tokens_match_torch']:.2f}"
+            red = "-" if not r.get("reduce_ratio") else f"{r['reduce_ratio']:.2f}x ({r['reduce_tokens_match_dot']:.2f})"
+            print(f"{r['mode']:<10}{r['batch']:>4}{r['torch_tok_s']:>13.0f}{r['jax_tok_s']:>11.0f}{r['ratio']:>9.2f}x"
+                  f"{100 * r['jax_bw_frac']:>9.0f}%{100 * r['torch_bw_frac']:>11.0f}%{m:>7}  {red:<28}")
+    if res["prefill"]:
+        print(f"{'prefill':<9}{'torch tok/s':>13}{'jax tok/s':>11}{'jax/torch':>10}{'chunk':>6}{'torch MFU':>10}{'jax MFU':>9}")
+        for r in res["prefill"]:
+            print(f"{r['shape']:<9}{r['torch_tok_s']:>13.0f}{r['jax_tok_s']:>11.0f}{r['ratio']:>9.2f}x{r['jax_chunk']:>6}"
+                  f"{100 * r['torch_mfu']:>9.1f}%{100 * r['jax_mfu']:>8.1f}%")
+    for r in res["tp"]:
+        keys = [k for k in r if k.startswith("tp") and k.endswith("_tok_s")]
+        print(f"TP {r['mode']:<10} B={r['batch']}: " + ", ".join(f"{k} {r[k]:.0f}" for k in keys)
+              + f"; ratio {r['ratio']:.2f}x; tokens match {r['tokens_match']:.2f}")
+    for s in res["skipped"]:
+        print(f"skipped (time budget): {s}")
+
+
+def main():
+    args = _args()
+    run = Run(args)
+    if args.tp > 1:
+        tensor_parallel(args, run)
+    else:
+        single(args, run)
+    run.res["elapsed_s"] = time.perf_counter() - run.t0
+    run.save()
+    print(f"elapsed {run.res['elapsed_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
