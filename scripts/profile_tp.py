@@ -157,7 +157,8 @@ def e2e_rows(budget_s: float, batches, modes) -> dict:
 
     dev = "cuda:0"
     args = argparse.Namespace(device=dev, dtype="bfloat16", buffer_size=16, cuda_graphs=True, max_tokens=64,
-                              prompt_len=32, spec_method=None, oracle_accept=1.0, max_seq_len=128, model=None)
+                              prompt_len=32, spec_method=None, oracle_accept=1.0, max_seq_len=128, model=None,
+                              ssm_state_dtype="auto")
     out = {"throughput": [], "startup": [], "profile": None}
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()

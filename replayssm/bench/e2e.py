@@ -214,7 +214,7 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
         torch.cuda.reset_peak_memory_stats()
     llm = LLM(model, device=args.device, dtype=args.dtype, decode_mode=mode, buffer_size=args.buffer_size,
               speculative=spec, max_num_seqs=batch, cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len,
-              ssm_state_dtype=args.ssm_state_dtype, **kw)
+              ssm_state_dtype=getattr(args, "ssm_state_dtype", "auto"), **kw)
     if refs is not None:
         oracle = OracleDrafter(refs, spec.num_tokens, args.oracle_accept, vocab, llm.device)
         if args.spec_method == "mtp":  # random weights: the MTP head drafts, the oracle's tokens are verified

@@ -204,8 +204,8 @@ if HAVE_TRITON:
         U = bn[:, None] * (Vn - HK)
         for i in range(1, T):   # forward substitution (topological order: ancestors first)
             sel = ss[:, None] == i
-            arow = tl.sum(tl.where(sel, Amat, 0.0), 0)
-            U = tl.where(sel, U - tl.sum(arow[:, None] * U, 0)[None, :], U)
+            acoef = tl.sum(tl.where(sel, Amat, 0.0), 0)   # (not `arow`: a loop variable keeps one type)
+            U = tl.where(sel, U - tl.sum(acoef[:, None] * U, 0)[None, :], U)
         Y = HQ + tl.dot(tl.where(anc, QK, 0.0), U, input_precision=PREC)
         mo = ms[:, None] & mv[None, :]
         tl.store(y_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], Y.to(y_ptr.dtype.element_ty), mask=mo)

@@ -89,11 +89,12 @@ if HAVE_TRITON:
     def _quant_rows(a, QUANT_A: tl.constexpr, EXACT: tl.constexpr):
         """``(q, s)``: each row of the activation tile in e4m3 with ``s = amax / 448`` (the
         dynamic per-token-group scheme, group = the K tile); ``(a, 1)`` without ``QUANT_A``."""
-        if QUANT_A:
+        if QUANT_A:   # (an explicit else: code after a taken return is still compiled, and must type-check)
             af = a.to(tl.float32)
             sa = tl.maximum(tl.max(tl.abs(af), 1), 1e-30) / 448.0
             return e4m3(af / sa[:, None], EXACT), sa
-        return a, tl.full([a.shape[0]], 1.0, tl.float32)
+        else:
+            return a, tl.full([a.shape[0]], 1.0, tl.float32)
 
     @triton.jit
     def _fp8_dot(a, aq, sa, w8, sw, QUANT_A: tl.constexpr, PREC: tl.constexpr):
@@ -101,7 +102,8 @@ if HAVE_TRITON:
         the e4m3 weights widened to the activation dtype (``(a · q_w) ⊙ s_w``)."""
         if QUANT_A:
             return tl.dot(aq, w8) * (sa[:, None] * sw[None, :])
-        return tl.dot(a, w8.to(tl.float32).to(a.dtype), input_precision=PREC) * sw[None, :]
+        else:
+            return tl.dot(a, w8.to(tl.float32).to(a.dtype), input_precision=PREC) * sw[None, :]
 
     @triton.jit
     def _moe_up_kernel(
