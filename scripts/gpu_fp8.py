@@ -39,7 +39,7 @@ from replayssm.kernels import moe as KM  # noqa: E402
 from replayssm.layers.linear import Linear  # noqa: E402
 from replayssm.layers.mlp import FP8Experts  # noqa: E402
 from replayssm.models import load_model  # noqa: E402
-from replayssm.models.quant import quantize_model_  # noqa: E402
+from replayssm.models.quantize import quantize_model_  # noqa: E402
 from replayssm.ops.fp8 import naive as Q  # noqa: E402
 from replayssm.ops.moe import naive as M  # noqa: E402
 

@@ -6,7 +6,7 @@ from .cache import ModelCache
 from .config import ConfigError, Mamba2Config, NemotronHConfig, Qwen3NextConfig
 from .registry import SUPPORTED_MODEL_TYPES, parse_config, read_config
 from .loader import HubError, WeightError, is_hub_id, load_model, load_tokenizer, resolve_model_dir
-from .quant import quantize_checkpoint, quantize_model_
+from .quantize import quantize_checkpoint, quantize_model_
 
 __all__ = ["load_model", "load_tokenizer", "resolve_model_dir", "is_hub_id", "HubError", "CausalLM", "ModelCache",
            "ConfigError", "WeightError", "Mamba2Config", "NemotronHConfig", "Qwen3NextConfig", "parse_config",

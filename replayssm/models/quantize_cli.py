@@ -1,5 +1,5 @@
 """``replayssm quantize MODEL_DIR OUT_DIR [--fp8-block 128 | --per-tensor]``: write an FP8
-copy of a float Hugging Face checkpoint (:func:`replayssm.models.quant.quantize_checkpoint`)."""
+copy of a float Hugging Face checkpoint (:func:`replayssm.models.quantize.quantize_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def _block(v: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .quant import DEFAULT_SKIP, quantize_checkpoint
+    from .quant import DEFAULT_SKIP
+    from .quantize import quantize_checkpoint
 
     p = argparse.ArgumentParser(prog="replayssm quantize",
                                 description="Write an FP8 (e4m3) copy of a float Hugging Face checkpoint: "

@@ -176,7 +176,7 @@ def replica_main(spec: ReplicaSpec, conn) -> None:
     try:
         import torch
 
-        from .cli import build_engine, startup_summary
+        from .engine_args import build_engine, startup_summary
 
         dev = spec.args.device
         if dev.startswith("cuda"):

@@ -19,7 +19,7 @@ import hf_utils as H  # noqa: E402
 
 from replayssm import LLM, SamplingParams  # noqa: E402
 from replayssm.models import load_model  # noqa: E402
-from replayssm.models.quant import quantize_checkpoint  # noqa: E402
+from replayssm.models.quantize import quantize_checkpoint  # noqa: E402
 
 pytest.importorskip("replayssm.distributed")
 from replayssm.distributed import TensorParallelGroup  # noqa: E402

@@ -23,7 +23,8 @@ from replayssm.layers.mlp import FP8Experts
 from replayssm.models import load_model
 from replayssm.models import loader as L
 from replayssm.models.config import ConfigError, WeightError
-from replayssm.models.quant import quantize_checkpoint, read_quant_config
+from replayssm.models.quant import read_quant_config
+from replayssm.models.quantize import quantize_checkpoint
 from replayssm.ops.fp8 import naive as Q
 
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
@@ -242,7 +243,7 @@ def test_quantize_cli(ckpt, tmp_path, capsys):
 
 
 def test_quantize_model_in_place_equals_quantized_checkpoint(ckpt):
-    from replayssm.models.quant import quantize_model_
+    from replayssm.models.quantize import quantize_model_
     src, dst = ckpt("nemotron_block")
     m = load_model(src, dtype="float64")
     names = quantize_model_(m, (4, 8))
