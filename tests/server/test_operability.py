@@ -14,6 +14,7 @@ from server_helpers import API_KEY, MODEL
 
 import replayssm
 from replayssm.server import cli as serve_cli
+from replayssm.server import engine_args
 from replayssm.server.metrics import VLLM_NAMES, ServerMetrics
 from replayssm.server.stats_log import StatsLogger
 
@@ -215,7 +216,7 @@ def test_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
 
 def test_cuda_graphs_by_default_on_cuda_and_enforce_eager(monkeypatch):
     seen = {}
-    monkeypatch.setattr(serve_cli, "LLM", lambda model, **kw: seen.update(kw) or kw)
+    monkeypatch.setattr(engine_args, "LLM", lambda model, **kw: seen.update(kw) or kw)
     p = serve_cli.build_parser()
     serve_cli.build_engine("M", p.parse_args(["M", "--device", "cuda"]))
     assert seen["cuda_graphs"] is True and seen["dtype"] == "bfloat16"
@@ -239,7 +240,7 @@ def test_preemption_mode_priority_and_hub_ids_reach_the_engine(monkeypatch, plai
     from replayssm.server.protocol import CompletionRequest
 
     seen = {}
-    monkeypatch.setattr(serve_cli, "LLM", lambda model, **kw: seen.update(kw) or kw)
+    monkeypatch.setattr(engine_args, "LLM", lambda model, **kw: seen.update(kw) or kw)
     p = serve_cli.build_parser()
     serve_cli.build_engine("M", p.parse_args(["M", "--device", "cpu"]))
     assert seen["preemption_mode"] == "swap"
