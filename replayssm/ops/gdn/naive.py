@@ -795,14 +795,16 @@ def _chunked_scan_u(qn, kn, v, g, beta, St, chunk_size: int):
 
 
 def check_prefill_varlen(q, k, v, g, beta, scale, cu_seqlens, chunk_size, initial_state, state_pool, slots,
-                         fresh, check):
+                         fresh, check, *, g_form: str = "[Nt, HV]", check_inputs=None):
     """The argument checks of :func:`chunked_prefill_varlen` (its kernel twin runs the same):
-    returns ``(Nt, H, HV, K, V, N, slots, fresh, check)``."""
+    returns ``(Nt, H, HV, K, V, N, slots, fresh, check)``.  ``g_form`` / ``check_inputs``:
+    the delta-rule variant's decay layout and input check (KDA: ``[Nt, HV, K]``)."""
     for name, t, form in (("q", q, "[Nt, H, K]"), ("k", k, "[Nt, H, K]"), ("v", v, "[Nt, HV, V]"),
-                          ("g", g, "[Nt, HV]"), ("beta", beta, "[Nt, HV]")):
+                          ("g", g, g_form), ("beta", beta, "[Nt, HV]")):
         if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:
             raise ValueError(f"{name} must be {form}, got {shape_str(t)}")
-    _, Nt, H, HV, K, V = _check_inputs(q[None], k[None], v[None], g[None], beta[None], True, scale)
+    _, Nt, H, HV, K, V = (check_inputs or _check_inputs)(q[None], k[None], v[None], g[None], beta[None], True,
+                                                          scale)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     check = want_check(check, q)

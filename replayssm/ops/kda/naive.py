@@ -52,7 +52,8 @@ from ..common import (check_plan, check_plan_fit, check_plan_rows, check_kv_leng
                       check_slot, check_state_dtype, check_tensors, check_tree, compute_dtype, shape_str,
                       want_check, write_state_where)
 from ..gdn.naive import _chain_mask, _heads, _prep_qk, l2norm, snapshot_commit
-from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
+from ..gdn.naive import check_prefill_varlen as _gdn_check_prefill_varlen
+from ..varlen import gather_initial, seq_bounds
 
 __all__ = [
     "l2norm",
@@ -663,19 +664,10 @@ def kv_to_state(kv, pplan, buf: KDABuffers, slot: Tensor, check: bool | None = N
 # ---------------------------------------------------------------------------- packed prefill
 def check_prefill_varlen(q, k, v, g, beta, scale, cu_seqlens, chunk_size, initial_state, state_pool, slots,
                          fresh, check):
-    """The argument checks of :func:`chunked_prefill_varlen`: returns
-    ``(Nt, H, HV, K, V, N, slots, fresh, check)``."""
-    for name, t, form in (("q", q, "[Nt, H, K]"), ("k", k, "[Nt, H, K]"), ("v", v, "[Nt, HV, V]"),
-                          ("g", g, "[Nt, HV, K]"), ("beta", beta, "[Nt, HV]")):
-        if not isinstance(t, Tensor) or t.dim() != form.count(",") + 1:
-            raise ValueError(f"{name} must be {form}, got {shape_str(t)}")
-    _, Nt, H, HV, K, V = _check_inputs(q[None], k[None], v[None], g[None], beta[None], True, scale)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    check = want_check(check, q)
-    N = check_cu_seqlens(cu_seqlens, Nt, q.device, check)
-    sl, fr = check_state_source(initial_state, state_pool, slots, fresh, N, (HV, K, V), q.device, check)
-    return Nt, H, HV, K, V, N, sl, fr, check
+    """The argument checks of :func:`chunked_prefill_varlen` (GDN's, with ``g [Nt, HV, K]``):
+    returns ``(Nt, H, HV, K, V, N, slots, fresh, check)``."""
+    return _gdn_check_prefill_varlen(q, k, v, g, beta, scale, cu_seqlens, chunk_size, initial_state, state_pool,
+                                     slots, fresh, check, g_form="[Nt, HV, K]", check_inputs=_check_inputs)
 
 
 def chunked_prefill_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
