@@ -33,7 +33,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from replayssm.bench.common import graph_replay_ms  # noqa: E402
 from replayssm.bench.hybrid_presets import random_hybrid_dir  # noqa: E402
+from replayssm.bench.kernels import copy_bandwidth  # noqa: E402
 from replayssm.kernels import fp8_gemm as KF  # noqa: E402
 from replayssm.kernels import moe as KM  # noqa: E402
 from replayssm.layers.linear import Linear  # noqa: E402
@@ -58,25 +60,6 @@ def bench(fn, rep=50) -> float:
 
 def rel(a, b) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
-
-
-def graph_ms(fn, reps=30) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps * 1e3
 
 
 def check(res):
@@ -165,14 +148,6 @@ def tune(res):
     res["tune"] = rows
 
 
-def copy_bw() -> float:
-    """Measured device copy bandwidth (bytes read + written per second)."""
-    a = torch.empty(1 << 29, dtype=torch.uint8, device=DEV)
-    b = torch.empty_like(a)
-    ms = bench(lambda: b.copy_(a), rep=20)
-    return 2 * a.numel() / (ms / 1e3)
-
-
 def step_bytes(model, cache, B: int, mode: str) -> float:
     """Bytes a decode step must move: weights it reads (the embedding's B rows; experts by the
     expected share of experts B tokens hit), plus the B rows' cache (states, conv windows,
@@ -202,7 +177,7 @@ def measure(model, label: str, bw: float, prefill_len: int) -> list[dict]:
             model.prefill(cache, slots, torch.randint(0, V, (B, 64), device=DEV, generator=g),
                           torch.full((B,), 64, device=DEV))
             tok = torch.randint(0, V, (B,), device=DEV, generator=g)
-            ms = graph_ms(lambda: model.decode(cache, slots, tok))
+            ms = graph_replay_ms(lambda: model.decode(cache, slots, tok), reps=30)
             nbytes = step_bytes(model, cache, B, mode)
             rows.append(dict(weights=label, mode=mode, B=B, step_ms=ms, tokens_per_s=B / (ms / 1e3),
                              copy_ceiling_fraction=(nbytes / bw) / (ms / 1e3), step_GB=nbytes / 1e9))
@@ -230,7 +205,7 @@ def measure(model, label: str, bw: float, prefill_len: int) -> list[dict]:
 
 @torch.no_grad()
 def models(res, layers, prefill_len, presets=("nemotron-h-4b", "qwen3-next-4b")):
-    bw = copy_bw()
+    bw = copy_bandwidth("cuda", None)
     res["copy_bandwidth_TBps"] = bw / 1e12
     print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s")
     out = res.setdefault("models", {})

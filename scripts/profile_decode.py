@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from collections import defaultdict
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from replayssm.bench.common import graph_replay_ms
 from replayssm.bench.e2e import PRESETS, _random_model_dir
 from replayssm.bench.hybrid_presets import HYBRID_PRESETS, random_hybrid_dir
 from replayssm.layers.attention import Attention
@@ -88,25 +88,6 @@ def by_type(prof, steps: int) -> dict:
     res["glue"] = total / steps / 1e3 - sum(res.values())
     res["total"] = total / steps / 1e3
     return res
-
-
-def graph_step_ms(fn, reps: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e3
 
 
 def build(preset: str, layers: int | None, tmp: str):
@@ -168,7 +149,7 @@ def profile_model(model, batch: int, context: int, T: int, modes, steps: int = 8
                           f" {str(e.input_shapes)[:110]}")
         for kind, fn in (("decode", decode), ("verify", verify)):
             try:
-                row[kind + "_graph_ms"] = graph_step_ms(fn)
+                row[kind + "_graph_ms"] = graph_replay_ms(fn)
             except Exception as e:  # report, don't hide
                 row[kind + "_graph_ms"] = None
                 print(f"{mode}: {kind} graph capture failed: {e!r}"[:400])

@@ -23,6 +23,27 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def graph_replay_ms(fn, reps: int = 20) -> float:
+    """Milliseconds per replay of ``fn`` captured in a CUDA graph (warmed up on a side
+    stream first; wall clock over ``reps`` replays, synchronised)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
 def warm_then_time(llm, warm, prompts, params: SamplingParams, device, on_warm=None):
     """Run ``warm`` prompts for a few tokens (kernels compile, graphs capture), zero the
     engine's counters (and call ``on_warm``), then time ``llm.generate(prompts, params)``
