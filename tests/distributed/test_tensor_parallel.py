@@ -34,7 +34,7 @@ from replayssm.models import load_model  # noqa: E402
 from replayssm.models.registry import read_config  # noqa: E402
 
 dist_mod = pytest.importorskip("replayssm.distributed")
-from replayssm.distributed import TensorParallelGroup, WorkerFailed, check_tensor_parallel  # noqa: E402
+from replayssm.distributed import WorkerFailed, check_tensor_parallel  # noqa: E402
 
 N_NEW = 10
 MAXLEN = 64
@@ -99,16 +99,6 @@ def mtp_paths(paths, tmp_path_factory):
         M.make_predictable(d, seed=1, mtp_noise=MTP_NOISE[name])
         out[name] = d
     return out
-
-
-@pytest.fixture(scope="module")
-def group():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    g = TensorParallelGroup(2, "cpu", worker_threads=1)
-    torch.set_num_threads(n)
-    yield g
-    g.close()
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from replayssm.models import load_model  # noqa: E402
 from replayssm.models.registry import parse_config, read_config  # noqa: E402
 
 dist_mod = pytest.importorskip("replayssm.distributed")
-from replayssm.distributed import TensorParallelGroup, check_tensor_parallel  # noqa: E402
+from replayssm.distributed import check_tensor_parallel  # noqa: E402
 
 
 
@@ -101,16 +101,6 @@ def paths(tmp_path_factory):
             warnings.simplefilter("ignore")
             out[name] = H.save_tiny(fn(seed=21 + i, **over), str(root / name))
     return out
-
-
-@pytest.fixture(scope="module")
-def group():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    g = TensorParallelGroup(2, "cpu", worker_threads=1)
-    torch.set_num_threads(n)
-    yield g
-    g.close()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from replayssm.models import load_model  # noqa: E402
 from replayssm.models.quantize import quantize_checkpoint  # noqa: E402
 
 pytest.importorskip("replayssm.distributed")
-from replayssm.distributed import TensorParallelGroup  # noqa: E402
 from replayssm.distributed.loading import load_shard  # noqa: E402
 
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9]])
@@ -55,16 +54,6 @@ def dirs(tmp_path_factory):
         quantize_checkpoint(str(root / src), str(root / name), block)
         out[name] = str(root / name)
     return out
-
-
-@pytest.fixture(scope="module")
-def group():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    g = TensorParallelGroup(2, "cpu", worker_threads=1)
-    torch.set_num_threads(n)
-    yield g
-    g.close()
 
 
 @pytest.mark.parametrize("name", ["qwen_block", "nem_tensor"])
