@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 import replayssm
 from replayssm import LLM
@@ -25,18 +24,12 @@ PARAMS = [SamplingParams(max_tokens=24, structured_outputs={"json": SCHEMA}),
           SamplingParams(max_tokens=10)]
 
 
-def test_constrained_speculation_under_tp_equals_plain_constrained_decoding():
-    from replayssm.distributed import TensorParallelGroup
-
+def test_constrained_speculation_under_tp_equals_plain_constrained_decoding(group):
     want = [o.token_ids for o in LLM(MODEL, max_seq_len=128).generate(PROMPTS, PARAMS)]
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with TensorParallelGroup(2, "cpu", worker_threads=1) as g:
-        torch.set_num_threads(n)
-        model = g.load_model(MODEL)
-        sp = SpeculativeConfig("ngram", num_tokens=3, prompt_lookup_min=1, spec_policy="fixed")
-        with LLM(model, max_seq_len=128, speculative=sp, tokenizer=load_tokenizer(MODEL)) as llm:
-            outs = llm.generate(PROMPTS, PARAMS)
+    model = group.load_model(MODEL)
+    sp = SpeculativeConfig("ngram", num_tokens=3, prompt_lookup_min=1, spec_policy="fixed")
+    with LLM(model, max_seq_len=128, speculative=sp, tokenizer=load_tokenizer(MODEL)) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == want
     json.loads(outs[0].text)
     assert outs[0].num_verify_steps + outs[1].num_verify_steps > 0     # constrained rows speculated

@@ -54,17 +54,26 @@ def test_mtp_step_matches_transformers_modules(heads, name):
     assert (ours.mtp(ids[:, 1:], h[:, 1:]) - want).abs().max() > 1e-3   # the hidden half matters
 
 
-@pytest.mark.parametrize("mode,tree", [("replay", None), ("replay", "topk"), ("kv", None), ("recurrent", "topk")])
-@pytest.mark.parametrize("name", list(BUILDERS))
-def test_mtp_speculation_keeps_greedy_output(heads, tmp_path_factory, name, mode, tree):
-    _, d, _, _ = heads[name]
-    p = str(tmp_path_factory.mktemp("pred") / name)
-    if not os.path.isdir(p):
-        import shutil
+@pytest.fixture(scope="module")
+def predictable(heads, tmp_path_factory):
+    """``name -> (our float64 model with a head that mostly guesses right, its greedy
+    continuations of PROMPTS)``, made once per model."""
+    import shutil
+
+    out = {}
+    for name, (_, d, _, _) in heads.items():
+        p = str(tmp_path_factory.mktemp("pred") / name)
         shutil.copytree(d, p)
         M.make_predictable(p, seed=1, mtp_noise=1.5)
-    m = load_model(p, dtype="float64", mtp=True)
-    expected = [reference_greedy(m, q, N) for q in PROMPTS]
+        m = load_model(p, dtype="float64", mtp=True)
+        out[name] = (m, [reference_greedy(m, q, N) for q in PROMPTS])
+    return out
+
+
+@pytest.mark.parametrize("mode,tree", [("replay", None), ("replay", "topk"), ("kv", None), ("recurrent", "topk")])
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_mtp_speculation_keeps_greedy_output(predictable, name, mode, tree):
+    m, expected = predictable[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = LLM(m, dtype="float64", decode_mode=mode, max_seq_len=64, auto_threshold=8,
