@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .grammar import require_llguidance
+from .logits import HostBitmask
 
 
 def verified_chain(parent: list[int], valid: list[bool], tree: bool) -> list[int]:
@@ -61,14 +62,7 @@ class DraftMasks:
     def __init__(self, masker):
         self.masker = masker   # the executor's LogitsMasker: its device, thread pool, unpacking
         self.device = masker.device
-        self._bitmask: Tensor | None = None
-
-    def _buffer(self, rows: int, words: int) -> Tensor:
-        b = self._bitmask
-        if b is None or b.shape[0] < rows or b.shape[1] != words:
-            b = torch.empty(max(rows, 8), words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-            self._bitmask = b
-        return b[:rows]
+        self._host = HostBitmask(self.device)
 
     def build(self, seqs, tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool, has_q: bool, V: int):
         """``(mask [B, N, V] bool on the device, valid [B, N] bool)`` for proposal rows
@@ -97,7 +91,7 @@ class DraftMasks:
         vocab = max([seqs[b].constraint.mask_vocab for b in rows] + [0]) or V
         words = (vocab + 31) // 32
         D = N   # scratch rows per constrained row: positions 0..N-1 of its chain
-        buf = self._buffer(len(plan) * D, words)
+        buf = self._host.rows(len(plan) * D, words)
         buf.fill_(-1)
         gram = [(seqs[b].constraint.matcher, j * D, d) for j, (b, _, d) in enumerate(plan)
                 if seqs[b].constraint.matcher is not None]

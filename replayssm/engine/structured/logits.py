@@ -9,6 +9,23 @@ from torch import Tensor
 from .grammar import require_llguidance
 
 
+class HostBitmask:
+    """A host int32 bitmask ``[rows, words]`` reused between steps (pinned on CUDA, so its
+    copy to the device is asynchronous; the step's host sync orders its reuse); it grows
+    when a step needs more rows or another vocabulary width."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buf: Tensor | None = None
+
+    def rows(self, rows: int, words: int) -> Tensor:
+        b = self._buf
+        if b is None or b.shape[0] < rows or b.shape[1] != words:
+            b = torch.empty(max(rows, 8), words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._buf = b
+        return b[:rows]
+
+
 class LogitsMasker:
     """Applies each constrained row's grammar mask, bans (bad words, ``min_tokens``) and
     ``logit_bias`` to a step's logits.  The llguidance thread pool and the host bitmask
@@ -17,15 +34,8 @@ class LogitsMasker:
     def __init__(self, device):
         self.device = torch.device(device)
         self._executor = None
-        self._bitmask: Tensor | None = None
+        self._host = HostBitmask(self.device)
         self._shifts = None
-
-    def _buffer(self, rows: int, words: int) -> Tensor:
-        b = self._bitmask
-        if b is None or b.shape[0] < rows or b.shape[1] != words:
-            b = torch.empty(max(rows, 8), words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-            self._bitmask = b
-        return b[:rows]
 
     def apply(self, logits: Tensor, seqs) -> Tensor:
         """``logits [B, V]`` with every constrained row (``seq.constraint``) masked and
@@ -71,7 +81,7 @@ class LogitsMasker:
         if self._executor is None:
             self._executor = llg.LLExecutor()
         words = (vocab + 31) // 32
-        buf = self._buffer(rows, words)
+        buf = self._host.rows(rows, words)
         buf.fill_(-1)
         fill_next_token_bitmask_par(self._executor, matchers, buf)
         return buf
