@@ -46,11 +46,14 @@ def _method_from_env(method: str | None) -> str:
 class AllReduce:
     """``__call__(x)``: ``x`` summed over the ranks of ``group`` (returns a tensor; ``x`` may be
     overwritten).  ``device``: this rank's device; ``symm_max_bytes``: one-shot messages up to
-    this size (the symmetric buffer is allocated once at that size per dtype used)."""
+    this size (the symmetric buffer is allocated once at that size for each of ``dtypes``, the
+    dtypes the model's messages come in; others take NCCL)."""
 
     def __init__(self, group=None, device: torch.device | str = "cpu", method: str | None = None,
-                 symm_max_bytes: int = DEFAULT_SYMM_MAX_BYTES):
+                 symm_max_bytes: int = DEFAULT_SYMM_MAX_BYTES,
+                 dtypes=(torch.bfloat16, torch.float16, torch.float32)):
         self.group, self.device = group, torch.device(device)
+        self.dtypes = tuple(dict.fromkeys(dtypes))
         self.requested = _method_from_env(method)
         self.symm_max_bytes = int(symm_max_bytes)
         self._bufs: dict[torch.dtype, Tensor] = {}
@@ -74,12 +77,12 @@ class AllReduce:
             import torch.distributed._symmetric_memory as symm_mem
             grp = self.group or dist.group.WORLD
             self._group_name = grp.group_name
-            for dt in (torch.bfloat16, torch.float16, torch.float32):
+            for dt in self.dtypes:
                 n = self.symm_max_bytes // (torch.finfo(dt).bits // 8)
                 buf = symm_mem.empty(n, dtype=dt, device=self.device)
                 symm_mem.rendezvous(buf, grp)
                 self._bufs[dt] = buf
-            probe = torch.full((7, 3), float(dist.get_rank(self.group) + 1), device=self.device)
+            probe = torch.full((7, 3), float(dist.get_rank(self.group) + 1), dtype=self.dtypes[-1], device=self.device)
             got = self._symm(probe)
             size = dist.get_world_size(self.group)
             want = size * (size + 1) / 2

@@ -182,7 +182,9 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
         if mtp_keys is not None:
             attach_mtp(model, mtp_keys)
     lo, _, Vs = vocab_shard(cfg.vocab_size, size, rank)
-    allreduce = AllReduce(group, device)           # collective setup: every rank builds its model together
+    # collective setup (every rank builds its model together); messages come in the model's
+    # dtype, and the norm's sums of squares in its compute dtype
+    allreduce = AllReduce(group, device, dtypes=(dtype, compute_dtype(dtype)))
     model.tp = ShardInfo(rank, size, group, cfg, lo, Vs, allreduce)
     root, embed, _ = model._names
     _holder_rows(getattr(getattr(model, root), embed), Vs)
