@@ -65,11 +65,12 @@ def main() -> None:
         torch.randint(0, V, (tokens.shape[0],), generator=g), None)
     llm.runner.decode = lambda slots, toks: torch.randn(len(slots), V, generator=g)
     acc = defaultdict(float)
+    _timed(llm.outputs, "append", acc, "append (stop criteria)")
     _timed(llm.scheduler, "schedule", acc, "schedule")
     _timed(llm.blocks, "reserve_tokens", acc, "reserve")
     if args.spec:
         _timed(llm.drafter, "propose", acc, "propose")
-    _timed(llm, "_run", acc, "model-call phase")
+    _timed(llm.executor, "run", acc, "model-call phase")
     _timed(llm, "_postprocess", acc, "postprocess")
     for _ in range(5):
         llm._step()

@@ -148,7 +148,7 @@ def _print_profile(prof: dict) -> None:
     sys.stdout.flush()
 
 
-def e2e_rows(budget_s: float, batches, modes) -> dict:
+def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS) -> dict:
     from replayssm import LLM, SamplingParams
     from replayssm.bench import e2e
     from replayssm.bench.common import free_memory
@@ -165,7 +165,7 @@ def e2e_rows(budget_s: float, batches, modes) -> dict:
         path = e2e._random_model_dir("2.7b", tmp)
         out["write_checkpoint_s"] = time.perf_counter() - t
         print(f"[{_elapsed():.0f}s] checkpoint written in {out['write_checkpoint_s']:.0f} s", flush=True)
-        for tp, control, method in CONFIGS:
+        for tp, control, method in configs:
             if _elapsed() > budget_s:
                 out["skipped_from"] = [tp, control, method]
                 break
@@ -190,9 +190,11 @@ def e2e_rows(budget_s: float, batches, modes) -> dict:
                     if _elapsed() > budget_s:
                         break
                     row = e2e._run(LLM, SamplingParams, model, args, b, mode)
-                    row.update(tensor_parallel_size=tp, allreduce=used, load_s=load_s)
+                    row.update(tensor_parallel_size=tp, allreduce=used, load_s=load_s,
+                               graph_ms=_graph_ms(LLM, SamplingParams, model, dev, b, mode))
                     out["throughput"].append(row)
                     print(f"[{_elapsed():.0f}s] TP={tp} {used} {mode} B={b}: {row['decode_tokens_per_s']:.0f} tok/s "
+                          f"= {1e3 * b / row['decode_tokens_per_s']:.2f} ms/step, graph alone {row['graph_ms']:.2f} ms "
                           f"(capture {row['capture_s']:.1f} s)", flush=True)
             if tp == 2 and control == "shm" and method == "auto" and _elapsed() < budget_s:
                 out["profile"] = _profile(LLM, SamplingParams, model, dev)
@@ -202,6 +204,18 @@ def e2e_rows(budget_s: float, batches, modes) -> dict:
             del model
             free_memory(dev)
     return out
+
+
+def _graph_ms(LLM, SamplingParams, model, dev, B: int, mode: str) -> float:
+    """Device time of one decode step: the captured graph of batch ``B`` replayed back to back
+    on every rank (no host work between), against which the engine's step time shows the
+    host's share."""
+    from replayssm.bench import e2e
+
+    prompts = e2e._prompts(B, 32, int(model.config.vocab_size), seed=5)
+    with LLM(model, device=dev, decode_mode=mode, max_num_seqs=B, cuda_graphs=True, max_seq_len=128) as llm:
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+        return float(llm.runner.replay_ms(B, 20))
 
 
 def _profile(LLM, SamplingParams, model, dev) -> dict:
@@ -230,6 +244,8 @@ def main() -> int:
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--modes", default="replay,recurrent")
     p.add_argument("--skip-micro", action="store_true")
+    p.add_argument("--configs", default=",".join(f"{t}:{c}:{m}" for t, c, m in CONFIGS),
+                   help="TP:control:allreduce entries, e.g. 1:gloo:nccl,2:shm:auto")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = p.parse_args()
     res = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
@@ -241,7 +257,8 @@ def main() -> int:
             print(f"  {r.get('asked')}->{r.get('method')} {r.get('shape')} {r.get('dtype')}: "
                   f"{r.get('us_per_allreduce', float('nan')):.1f} us  err {r.get('max_err')}  {r.get('error', '')}")
         print("control message:", m.get("control_msg_us"), flush=True)
-    res.update(e2e_rows(a.budget_s, [int(b) for b in a.batches.split(",")], a.modes.split(",")))
+    configs = [(int(t), c, m) for t, c, m in (e.split(":") for e in a.configs.split(","))]
+    res.update(e2e_rows(a.budget_s, [int(b) for b in a.batches.split(",")], a.modes.split(","), configs))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "profile_tp.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)

@@ -90,6 +90,30 @@ def _close_live() -> None:  # pragma: no cover - interpreter exit
         g.close()
 
 
+def _abort_process_group() -> None:
+    """Drop the default process group without waiting for peers (after a failure)."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        if abort is not None:
+            abort()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # pragma: no cover - best effort after a failure
+        pass
+
+
+def _leave_process_group(clean: bool) -> None:
+    """``destroy_process_group`` when the peers leave too (``clean``), else abort it."""
+    if not clean:
+        _abort_process_group()
+        return
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # pragma: no cover - after a failure
+        pass
+
+
 class TensorParallelGroup:
     """Rank 0's end of ``size`` processes that run one model step together.
 
@@ -247,23 +271,32 @@ class TensorParallelGroup:
         if self._closed:
             return
         self._closing = True
+        stopped = False
         if self._failure is None:
             try:
                 self._send("stop", ())
+                stopped = True
             except Exception:
                 pass
+        # Leave the process group while the workers leave it: NCCL's teardown (with
+        # symmetric-memory buffers registered) waits for every rank, so rank 0 must not join
+        # the workers first.  After a failure the peers are gone: abort instead of waiting.
+        leave = None
+        if dist.is_initialized():
+            leave = threading.Thread(target=_leave_process_group, args=(stopped,), name="replayssm-tp-leave",
+                                     daemon=True)
+            leave.start()
         for p in self._procs:
             p.join(timeout_s)
         self._terminate()
+        if leave is not None:
+            leave.join(timeout_s)
+            if leave.is_alive():   # pragma: no cover - a teardown stuck on a dead peer
+                _abort_process_group()
         self._close_channel()
         if self._monitor is not None:
             self._stop_w.send(None)
             self._monitor.join(5)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # pragma: no cover - after a failure
-                pass
         self._closed = True
         _LIVE.discard(self)
 

@@ -124,6 +124,10 @@ class ShardedRunner(_Proxy):
     def prefill(self, slots, prompts):
         return self._call("prefill", list(slots), [list(p) for p in prompts])
 
+    def replay_ms(self, batch: int, n: int = 20) -> float:
+        """Every rank replays its plain-decode graph ``n`` times (rank 0's time returned)."""
+        return self._call("replay_ms", int(batch), int(n))
+
     def decode(self, slots, tokens: Tensor) -> Tensor:
         return self._call("decode", list(slots), tokens)
 

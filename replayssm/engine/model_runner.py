@@ -144,6 +144,25 @@ class ModelRunner:
         return out[:B]
 
     @torch.inference_mode()
+    def replay_ms(self, batch: int, n: int = 20) -> float:
+        """Milliseconds per replay of the captured plain-decode graph of ``batch``'s bucket,
+        ``n`` replays back to back (device time of the step alone, no host work between; a
+        benchmark probe: the cache's contents are not meaningful afterwards).  NaN when no
+        such graph was captured."""
+        g = self._graphs.get(GraphKey("decode", bucket_for(self.buckets, batch), self._form()))
+        if g is None or not self.device.type == "cuda":
+            return float("nan")
+        graph = g[0]
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+
+    @torch.inference_mode()
     def verify(self, slots: list[int], tokens: Tensor) -> Tensor:
         self.num_calls["verify"] += 1
         B = len(slots)
