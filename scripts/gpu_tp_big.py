@@ -1,0 +1,122 @@
+"""A model that does not fit one GPU, under TP=2: replay vs recurrent, speculation vs standard.
+
+The model: a random-weight **Nemotron-H-56B-class** hybrid (``nemotron_h``) at the sizes the
+Nemotron-H paper gives for its 56B model — d_model 8192, 118 layers (54 Mamba-2, 54 squared-ReLU
+MLP of 32768, 10 attention with 64 query / 8 KV heads of 128), Mamba-2 with 256 heads of 64,
+d_state 256, 8 groups, vocab 131072 (~56 B parameters, ~105 GiB in bf16: more than one
+H100, most of one H200).  The order of the layer kinds is assumed (attention spread evenly;
+the paper's exact pattern is not available offline).  Built shard by shard on the GPUs
+(``TensorParallelGroup.random_model``), nothing written to disk.
+
+For each batch in ``--batches`` (bf16, CUDA graphs, ``bench e2e``'s measurement): decode
+tokens/s of ``recurrent`` (standard decoding) and ``replay``, and of replay speculation with
+the oracle drafter (``--accept``, T=4; random weights, so the greedy continuation the oracle
+knows is the model's own, taken from the recurrent run), then the ratios replay ÷ recurrent
+(target ≥ 1.3×) and speculation ÷ standard (target ≥ 1.8×).  ``--state-dtype bfloat16`` halves
+the states (B=256 fits two H200s only so).  Keep NVLink multicast off.  Writes
+``tp_big.json`` to ``$OUT``.  ``--smoke``: a tiny shape on CPU.
+
+    PYTHONPATH=. python scripts/gpu_tp_big.py --batches 64 [--tp 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from replayssm import LLM, SamplingParams
+from replayssm.bench import e2e
+from replayssm.distributed import TensorParallelGroup
+from replayssm.engine.config import SpeculativeConfig
+from replayssm.models.nemotron_h import NemotronHLM
+from replayssm.models.registry import parse_config
+
+#: 54 Mamba-2 (M), 54 MLP (-), 10 attention (*): ten units of 5 M/- pairs + one attention,
+#: then four more M/- pairs
+_PATTERN = ("M-M-M-M-M-*" * 10 + "M-M-M-M-")
+assert len(_PATTERN) == 118 and _PATTERN.count("M") == 54 and _PATTERN.count("*") == 10
+NEMOTRON_H_56B = dict(
+    model_type="nemotron_h", architectures=["NemotronHForCausalLM"], vocab_size=131072, hidden_size=8192,
+    hybrid_override_pattern=_PATTERN, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+    intermediate_size=32768, mlp_hidden_act="relu2", mamba_num_heads=256, mamba_head_dim=64, ssm_state_size=256,
+    n_groups=8, conv_kernel=4, chunk_size=256, layer_norm_epsilon=1e-5, use_conv_bias=True, use_bias=False,
+    mlp_bias=False, tie_word_embeddings=False, eos_token_id=None)
+SMOKE = dict(NEMOTRON_H_56B, vocab_size=256, hidden_size=32, hybrid_override_pattern="M-M*-M-", num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8,
+             ssm_state_size=8, n_groups=2)
+
+
+def _params(cfg: dict) -> int:
+    with torch.device("meta"):
+        m = NemotronHLM(parse_config(dict(cfg)), torch.bfloat16, "cpu")
+    return sum(p.numel() for p in m.parameters())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--batches", default="64")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--accept", type=float, default=0.8)
+    p.add_argument("--state-dtype", default="auto")
+    p.add_argument("--budget-s", type=float, default=400.0, help="start nothing new past this wall time")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    a = p.parse_args(argv)
+    t_start = time.perf_counter()
+    cuda = torch.cuda.is_available() and not a.smoke
+    dev = "cuda:0" if cuda else "cpu"
+    cfg = NEMOTRON_H_56B if cuda else SMOKE
+    n = _params(cfg)
+    args = argparse.Namespace(device=dev, dtype="bfloat16" if cuda else "float32", buffer_size=16, cuda_graphs=cuda,
+                              max_tokens=a.max_tokens if cuda else 6, prompt_len=a.prompt_len if cuda else 8,
+                              spec_method="oracle", oracle_accept=a.accept, model=None, ssm_state_dtype=a.state_dtype)
+    args.max_seq_len = -(-(args.prompt_len + args.max_tokens + 16) // 64) * 64
+    res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "tp": a.tp, "params": n,
+           "bf16_GiB": n * 2 / 2**30, "state_dtype": a.state_dtype, "rows": []}
+    print(f"model: {n / 1e9:.1f} B parameters ({n * 2 / 2**30:.0f} GiB bf16), TP={a.tp}", flush=True)
+    spec = SpeculativeConfig("ngram", num_tokens=4, spec_policy="fixed")
+    with TensorParallelGroup(a.tp, dev) as group:
+        t0 = time.perf_counter()
+        model = group.random_model(cfg, dtype=args.dtype, seed=0)
+        res["build_s"] = time.perf_counter() - t0
+        print(f"built in {res['build_s']:.0f} s", flush=True)
+        for b in [int(x) for x in a.batches.split(",")]:
+            for mode, sp in (("recurrent", None), ("replay", None), ("replay", spec)):
+                if time.perf_counter() - t_start > a.budget_s:
+                    print(f"budget: skipped {mode} B={b}{' spec' if sp else ''}", flush=True)
+                    continue
+                try:
+                    row = e2e._run(LLM, SamplingParams, model, args, b, mode, spec=sp)
+                except torch.OutOfMemoryError as e:
+                    print(f"{mode} B={b}: out of memory ({str(e)[:80]})", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                res["rows"].append(row)
+                print(f"[{time.perf_counter() - t_start:.0f}s] {mode}{' + spec' if sp else ''} B={b}: "
+                      f"{row['decode_tokens_per_s']:.0f} tok/s, acc {row['mean_accepted_length']:.2f}, "
+                      f"peak {row['peak_memory_GB']} GB", flush=True)
+        model.close()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "tp_big.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    print(f"{'B':>5}{'recurrent':>11}{'replay':>9}{'spec':>9}{'replay/rec':>11}{'spec/std':>9}   (targets 1.3x, 1.8x)")
+    by = {(r["batch"], r["mode"], r["speculative"]): r["decode_tokens_per_s"] for r in res["rows"]}
+    for b in sorted({r["batch"] for r in res["rows"]}):
+        rec, rep, sp = by.get((b, "recurrent", None)), by.get((b, "replay", None)), by.get((b, "replay", "ngram"))
+        f = lambda x: f"{x:9.0f}" if x else f"{'-':>9}"  # noqa: E731
+        r1 = f"{rep / rec:10.2f}x" if rec and rep else f"{'-':>11}"
+        r2 = f"{sp / rec:8.2f}x" if rec and sp else f"{'-':>9}"
+        print(f"{b:>5}{f(rec):>11}{f(rep)}{f(sp)}{r1}{r2}")
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
