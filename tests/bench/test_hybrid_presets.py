@@ -59,3 +59,33 @@ def test_bench_e2e_smoke_runs_the_tiny_twin(preset, tiny, tmp_path, monkeypatch)
     assert all(r["mean_accepted_length"] == 4.0 for r in res["speculative"])   # num_tokens 4, all accepted
     assert all(r["generated"] == r["batch"] * 8 for r in res["throughput"] + res["speculative"])
     assert {"replay_vs_recurrent_B4", "replay_spec_vs_standard_B4"} <= set(res["summary"])
+
+
+def test_family_presets_script_smoke(tmp_path, monkeypatch, capsys):
+    """``scripts/gpu_family_presets.py`` on the tiny twins (CPU): every row measured, the
+    speculative and replay outputs checked against their baselines, the JSON written."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from replayssm.bench import common
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_family_presets.py"
+    spec = importlib.util.spec_from_file_location("gpu_family_presets", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setenv(common.RANDOM_MODEL_CACHE, str(tmp_path / "models"))
+    assert mod.main(["--presets", "qwen3.5-tiny,granite-4.0-h-tiny-smoke", "--device", "cpu", "--batches", "3",
+                     "--spec-batch", "4", "--max-tokens", "6", "--policies", "adaptive,fixed"]) == 0
+    res = json.loads((tmp_path / "family_presets.json").read_text())
+    assert [p["preset"] for p in res["presets"]] == ["qwen3.5-tiny", "granite-4.0-h-tiny-smoke"]
+    for p in res["presets"]:
+        assert set(p["runs"]) == {"recurrent", "replay", "spec-adaptive", "spec-fixed"}
+        assert set(p["runs"]["replay"]) == {"3", "4"} and set(p["runs"]["spec-fixed"]) == {"4"}
+        assert all(r["mismatch"] == 0 and r["decode_tokens_per_s"] > 0 for rows in p["runs"].values()
+                   for r in rows.values())
+        assert p["runs"]["spec-fixed"]["4"]["mean_accepted_length"] > 1.0
+        assert set(p["ratios"]) == {"replay_vs_recurrent_B3", "replay_vs_recurrent_B4", "spec_adaptive_vs_standard_B4",
+                                    "spec_fixed_vs_standard_B4"}
+    assert res["failed_checks"] == [] and "checks: all passed" in capsys.readouterr().out
