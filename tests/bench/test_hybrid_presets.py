@@ -9,6 +9,11 @@ import torch
 from replayssm.bench.hybrid_presets import HYBRID_PRESETS, parameter_count, random_hybrid_dir
 
 
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """One intra-op thread (tiny models; ``tests/conftest.py``)."""
+
+
 KINDS = {"nemotron-h-tiny": {"mamba", "attention", "mlp", "moe"}, "qwen3-next-tiny": {"gdn", "attention"},
          "qwen3.5-tiny": {"gdn", "attention"}, "granite-4.0-h-tiny-smoke": {"mamba", "attention"}}
 
