@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import warnings
-
 
 from replayssm import LLM, SamplingParams
 
@@ -19,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "model
 import test_falcon_h1 as F  # noqa: E402
 import test_granite_bamba as G  # noqa: E402
 import test_qwen3_5 as Q  # noqa: E402
-from hf_utils import save_tiny  # noqa: E402
+from hf_utils import save_quiet  # noqa: E402
 
 BUILDERS = {
     "qwen3_5": lambda: Q.tiny_qwen3_5(seed=1),
@@ -33,9 +31,7 @@ BUILDERS = {
 def main() -> int:
     root, bad = tempfile.mkdtemp(), 0
     for name, build in BUILDERS.items():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            path = save_tiny(build(), os.path.join(root, name))
+        path = save_quiet(build(), os.path.join(root, name))
         V = LLM(path, dtype="float64", max_seq_len=128).vocab_size
         prompts = [[(7 * i + 3 * j + 1) % V for j in range(5 + 3 * i)] for i in range(3)]
         params = SamplingParams(max_tokens=8)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -45,6 +46,73 @@ def save_tiny(model, path: str) -> str:
     return path
 
 
+def save_quiet(model, path: str) -> str:
+    """:func:`save_tiny` with transformers' save-time warnings (tied or shared weights) silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return save_tiny(model, path)
+
+
+def build_tiny(cls, config, seed: int, prepare=None):
+    """``cls(config)`` in eval mode: eager attention and experts (:func:`_eager`), its random
+    weights drawn after ``torch.manual_seed(seed)``, ``prepare(model)`` (when given) applied,
+    then the constant-initialised parameters randomised (:func:`_jitter`)."""
+    torch.manual_seed(seed)
+    m = _eager(cls, config).eval()
+    if prepare is not None:
+        prepare(m)
+    _jitter(m, seed)
+    return m
+
+
+def built_models(root, build, load: bool = False):
+    """``get(name)``: ``build(name)`` (a transformers model) saved under ``root/name``, with
+    ``load`` also read back by replayssm in float64; built once per ``name``.  Returns
+    ``(hf_model, path)`` or ``(hf_model, path, replayssm_model)``."""
+    from replayssm.models import load_model
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            m = build(name)
+            path = save_quiet(m, os.path.join(str(root), name))
+            cache[name] = (m, path, load_model(path, dtype="float64")) if load else (m, path)
+        return cache[name]
+
+    return get
+
+
+def greedy_reference(model, prompts, n: int) -> list[list[int]]:
+    """:func:`hf_greedy` of every prompt, checked not degenerate (more than 5 distinct tokens)."""
+    ref = [hf_greedy(model, p, n) for p in prompts]
+    assert len({t for r in ref for t in r}) > 5, ref
+    return ref
+
+
+def engine_runs(draft_model, ngram_modes=("replay", "kv")) -> list[dict]:
+    """``LLM`` keyword sets of the families' generation tests: every decode mode plain, n-gram
+    speculation (3 drafts) in ``ngram_modes``, and the model drafting for itself as a chain
+    (replay, 3 drafts) and as a tree (kv, width 2, depth 2), through its own cache."""
+    from replayssm import SpeculativeConfig
+
+    runs = [dict(decode_mode=m) for m in ("recurrent", "replay", "kv", "auto")]
+    runs += [dict(decode_mode=m, speculative=SpeculativeConfig("ngram", num_tokens=3)) for m in ngram_modes]
+    runs += [dict(decode_mode="replay", speculative=SpeculativeConfig("draft", num_tokens=3, draft_model=draft_model)),
+             dict(decode_mode="kv", speculative=SpeculativeConfig("tree", draft_model=draft_model, tree_width=2,
+                                                                  tree_depth=2))]
+    return runs
+
+
+def generate_quiet(llm, prompts, n: int) -> list[list[int]]:
+    """Greedy ``n`` tokens of every prompt from ``llm`` (warnings silenced): the token ids."""
+    from replayssm import SamplingParams
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=n))]
+
+
 def tiny_mamba2(seed=0, **over):
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
@@ -52,10 +120,7 @@ def tiny_mamba2(seed=0, **over):
               expand=2, num_hidden_layers=2, conv_kernel=4, chunk_size=8, residual_in_fp32=False,
               tie_word_embeddings=False, eos_token_id=None, pad_token_id=0, bos_token_id=None)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = _eager(Mamba2ForCausalLM, Mamba2Config(**kw)).eval()
-    _jitter(m, seed)
-    return m
+    return build_tiny(Mamba2ForCausalLM, Mamba2Config(**kw), seed)
 
 
 def tiny_nemotron_h(seed=0, **over):
@@ -68,10 +133,7 @@ def tiny_nemotron_h(seed=0, **over):
               n_group=2, topk_group=1, routed_scaling_factor=1.5, time_step_min=1e-4,
               tie_word_embeddings=False, eos_token_id=None, pad_token_id=0, bos_token_id=None)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = _eager(NemotronHForCausalLM, NemotronHConfig(**kw)).eval()
-    _jitter(m, seed)
-    return m
+    return build_tiny(NemotronHForCausalLM, NemotronHConfig(**kw), seed)
 
 
 def tiny_qwen3_next(seed=0, **over):
@@ -84,10 +146,7 @@ def tiny_qwen3_next(seed=0, **over):
               moe_intermediate_size=7, shared_expert_intermediate_size=9, decoder_sparse_step=1,
               tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = _eager(Qwen3NextForCausalLM, Qwen3NextConfig(**kw)).eval()
-    _jitter(m, seed)
-    return m
+    return build_tiny(Qwen3NextForCausalLM, Qwen3NextConfig(**kw), seed)
 
 
 def _eager(cls, cfg):

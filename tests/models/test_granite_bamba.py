@@ -55,9 +55,7 @@ def _build(kind, seed, **over):
     else:
         cfg = transformers.BambaConfig(**{**BAMBA, **over})
         cls = transformers.BambaForCausalLM
-    torch.manual_seed(seed)
-    m = H._eager(cls, cfg).eval()
-    H._jitter(m, seed)
+    m = H.build_tiny(cls, cfg, seed)
     if kind == "bamba":
         with torch.no_grad():   # larger weights than HF's init: greedy continuations that move
             for n, w in m.named_parameters():
@@ -68,21 +66,9 @@ def _build(kind, seed, **over):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("granite_bamba")
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            kind, over = SPECS[name]
-            m = _build(kind, len(name), **over)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                path = H.save_tiny(m, str(root / name))
-            cache[name] = (m, path, load_model(path, dtype="float64"))
-        return cache[name]
-
-    return get
-
+    """``built(name) -> (hf_model, path, float64 replayssm model)``, built once per module."""
+    return H.built_models(tmp_path_factory.mktemp("granite_bamba"),
+                          lambda name: _build(SPECS[name][0], len(name), **SPECS[name][1]), load=True)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -122,20 +108,15 @@ N = 10
 
 @pytest.mark.parametrize("name", ["granite", "granite_norope", "bamba"])
 def test_greedy_generation_matches_transformers_every_mode(name, built):
-    from replayssm import LLM, SamplingParams, SpeculativeConfig
+    from replayssm import LLM
 
     hf, _, ours = built(name)
     ref = [H.hf_greedy(hf, p, N) for p in PROMPTS]
-    runs = [dict(decode_mode=m) for m in ("recurrent", "replay", "kv", "auto")]
-    runs += [dict(decode_mode=m, speculative=SpeculativeConfig("ngram", num_tokens=3)) for m in ("replay", "kv")]
-    runs += [dict(decode_mode="replay", speculative=SpeculativeConfig("draft", num_tokens=3, draft_model=ours)),
-             dict(decode_mode="kv", speculative=SpeculativeConfig("tree", draft_model=ours, tree_width=2, tree_depth=2))]
-    for kw in runs:   # (the model drafting for itself: draft-model chains and trees through its own cache)
+    for kw in H.engine_runs(ours):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             llm = LLM(ours, dtype="float64", auto_threshold=6, max_seq_len=64, **kw)
-            outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
-        assert [o.token_ids for o in outs] == ref, kw
+        assert H.generate_quiet(llm, PROMPTS, N) == ref, kw
 
 
 def _cfg(kind, **over):

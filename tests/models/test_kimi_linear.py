@@ -7,15 +7,14 @@ from __future__ import annotations
 import copy
 import json
 import os
-import warnings
 
 import pytest
 import torch
 
 import hf_utils as H
-from hf_utils import _eager, _jitter, hf_logits, save_tiny
+from hf_utils import hf_logits
 
-from replayssm import LLM, SamplingParams, SpeculativeConfig
+from replayssm import LLM, SpeculativeConfig
 from replayssm.models import ConfigError, load_model, parse_config
 from replayssm.models.config import WeightError
 
@@ -36,10 +35,7 @@ def _kw(**over):
 def tiny_kimi(seed=0, **over):
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    torch.manual_seed(seed)
-    m = _eager(KimiLinearForCausalLM, KimiLinearConfig(**_kw(**over))).eval()
-    _jitter(m, seed)
-    return m
+    return H.build_tiny(KimiLinearForCausalLM, KimiLinearConfig(**_kw(**over)), seed)
 
 
 SPECS = {
@@ -59,19 +55,9 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kimi")
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            m = tiny_kimi(seed=len(name), **SPECS[name])
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                path = save_tiny(m, str(root / name))
-            cache[name] = (m, path, load_model(path, dtype="float64"))
-        return cache[name]
-
-    return get
+    """``built(name) -> (hf_model, path, float64 replayssm model)``, built once per module."""
+    return H.built_models(tmp_path_factory.mktemp("kimi"), lambda name: tiny_kimi(seed=len(name), **SPECS[name]),
+                          load=True)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -95,27 +81,16 @@ PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7], [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9]]
 N = 10
 
 
-def _generate(llm, prompts, n=N):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=n))]
-
-
 @pytest.mark.parametrize("name", ["moe", "qlora_dense"])
 def test_generation_matches_transformers_in_every_mode(built, name):
     hf, _, ours = built(name)
     ref = [H.hf_greedy(hf, p, N) for p in PROMPTS]
-    runs = [dict(decode_mode=m) for m in ("recurrent", "replay", "kv", "auto")]
-    runs += [dict(decode_mode=m, speculative=SpeculativeConfig("ngram", num_tokens=3))
-             for m in ("recurrent", "replay", "kv")]
-    runs += [dict(decode_mode="replay", speculative=SpeculativeConfig("draft", num_tokens=3, draft_model=ours)),
-             dict(decode_mode="kv", speculative=SpeculativeConfig("tree", draft_model=ours, tree_width=2,
-                                                                  tree_depth=2)),
-             dict(decode_mode="replay", buffer_size=10,
+    runs = H.engine_runs(ours, ngram_modes=("recurrent", "replay", "kv"))
+    runs += [dict(decode_mode="replay", buffer_size=10,
                   speculative=SpeculativeConfig("tree", draft_model=ours, tree_width=2, tree_depth=2))]
-    for kw in runs:   # (the model drafting for itself: draft-model chains and trees through its own cache)
+    for kw in runs:
         llm = LLM(ours, dtype="float64", auto_threshold=6, max_seq_len=64, **kw)
-        assert _generate(llm, PROMPTS) == ref, kw
+        assert H.generate_quiet(llm, PROMPTS, N) == ref, kw
 
 
 BASE = [(7 * i + 3) % 67 for i in range(30)]
@@ -130,12 +105,12 @@ def test_prefix_caching_keeps_greedy_output(built, mode):
     kw = dict(dtype="float64", decode_mode=mode, max_seq_len=64, kv_block_size=4, auto_threshold=12,
               buffer_size=6)
     plain = LLM(ours, **kw)
-    ref = [_generate(plain, [p], 6)[0] for p in PREFIX_PROMPTS]
+    ref = [H.generate_quiet(plain, [p], 6)[0] for p in PREFIX_PROMPTS]
     llm = LLM(ours, enable_prefix_caching=True, prefix_checkpoint_interval=8, **kw)
     got, hits = [], []
     for p in PREFIX_PROMPTS:
         before = llm.stats["prefix_hit_tokens"]
-        got.append(_generate(llm, [p], 6)[0])
+        got.append(H.generate_quiet(llm, [p], 6)[0])
         hits.append(llm.stats["prefix_hit_tokens"] - before)
     assert got == ref
     assert hits == [0, 9, 17, 3, 28]   # (the cached prompt's last, partial block is not stored)

@@ -7,15 +7,14 @@ from __future__ import annotations
 import copy
 import json
 import os
-import warnings
 
 import pytest
 import torch
 
 import hf_utils as H
-from hf_utils import _eager, _jitter, hf_logits, save_tiny
+from hf_utils import hf_logits
 
-from replayssm import LLM, SamplingParams, SpeculativeConfig
+from replayssm import LLM
 from replayssm.models import ConfigError, load_model, parse_config
 
 YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 6,
@@ -38,10 +37,7 @@ def _text_kw(**over):
 def tiny_qwen3_5(seed=0, **over):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    torch.manual_seed(seed)
-    m = _eager(Qwen3_5ForCausalLM, Qwen3_5TextConfig(**_text_kw(**over))).eval()
-    _jitter(m, seed)
-    return m
+    return H.build_tiny(Qwen3_5ForCausalLM, Qwen3_5TextConfig(**_text_kw(**over)), seed)
 
 
 def tiny_qwen3_5_moe(seed=0, **over):
@@ -50,10 +46,7 @@ def tiny_qwen3_5_moe(seed=0, **over):
     kw = _text_kw(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=7,
                   shared_expert_intermediate_size=9, **over)
     kw.pop("intermediate_size")
-    torch.manual_seed(seed)
-    m = _eager(Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**kw)).eval()
-    _jitter(m, seed)
-    return m
+    return H.build_tiny(Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**kw), seed)
 
 
 SPECS = {
@@ -73,21 +66,9 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3_5")
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            fn, over = SPECS[name]
-            m = fn(seed=len(name), **over)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                path = save_tiny(m, str(root / name))
-            cache[name] = (m, path, load_model(path, dtype="float64"))
-        return cache[name]
-
-    return get
-
+    """``built(name) -> (hf_model, path, float64 replayssm model)``, built once per module."""
+    return H.built_models(tmp_path_factory.mktemp("qwen3_5"),
+                          lambda name: SPECS[name][0](seed=len(name), **SPECS[name][1]), load=True)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -122,16 +103,9 @@ N = 10
 def test_generation_matches_transformers_in_every_mode(built, name):
     hf, _, ours = built(name)
     ref = [H.hf_greedy(hf, p, N) for p in PROMPTS]
-    runs = [dict(decode_mode=m) for m in ("recurrent", "replay", "kv", "auto")]
-    runs += [dict(decode_mode=m, speculative=SpeculativeConfig("ngram", num_tokens=3)) for m in ("replay", "kv")]
-    runs += [dict(decode_mode="replay", speculative=SpeculativeConfig("draft", num_tokens=3, draft_model=ours)),
-             dict(decode_mode="kv", speculative=SpeculativeConfig("tree", draft_model=ours, tree_width=2, tree_depth=2))]
-    for kw in runs:   # (the model drafting for itself: draft-model chains and trees through its own cache)
+    for kw in H.engine_runs(ours):
         llm = LLM(ours, dtype="float64", auto_threshold=6, max_seq_len=64, **kw)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
-        assert [o.token_ids for o in outs] == ref, kw
+        assert H.generate_quiet(llm, PROMPTS, N) == ref, kw
 
 
 def _mm_config(text: dict, mt="qwen3_5", **top) -> dict:
