@@ -37,10 +37,11 @@ from multiprocessing import connection
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import Tensor
 
 from ..models.registry import parse_config, read_config
 from ..runtime import canonical_device
-from .comm import CONTROL_TIMEOUT, Comm, Ref, TensorArg
+from .comm import CONTROL_TIMEOUT, Comm, HostTensor, Ref, TensorArg, scalars_only
 from .loading import load_shard, random_shard
 from .model import TensorParallelModel
 from .sharding import check_tensor_parallel
@@ -333,10 +334,14 @@ class TensorParallelGroup:
         handle = getattr(x, "_tp_handle", None)
         if handle is not None:
             return Ref(handle), x.local
-        if self.comm.is_wire_tensor(x):
-            tensors.append(x)
-            return TensorArg(len(tensors) - 1), x
+        if isinstance(x, Tensor):
+            if self.comm.is_wire_tensor(x):
+                tensors.append(x)
+                return TensorArg(len(tensors) - 1), x
+            return (HostTensor.wrap(x) if x.device.type == "cpu" else x), x
         if isinstance(x, (list, tuple)):
+            if scalars_only(x):
+                return x, x
             pairs = [self._encode(v, tensors) for v in x]
             return type(x)(p for p, _ in pairs), type(x)(v for _, v in pairs)
         if isinstance(x, dict):
@@ -413,15 +418,16 @@ class TensorParallelGroup:
                                             mtp=bool(mtp)))
         return TensorParallelModel(self, h, local)
 
-    def random_model(self, config: dict, dtype="bfloat16", seed: int = 0, mtp: bool = False):
+    def random_model(self, config: dict, dtype="bfloat16", seed: int = 0, mtp: bool = False, margin: bool = False):
         """Every rank builds its shard of a random-weight model (``config``: a ``config.json``
-        dict; ``mtp``: with a random MTP head) directly on its device; returns rank 0's model
-        handle."""
+        dict; ``mtp``: with a random MTP head; ``margin``: the benchmarks' greedy-margin
+        recipe, :func:`~.loading.random_shard`) directly on its device; returns rank 0's
+        model handle."""
         check_tensor_parallel(parse_config(dict(config), "config dict"), self.size, mtp=bool(mtp))
         h = self.new_handle()
-        local = self.run("random", (h, dict(config), dtype, seed, bool(mtp)),
+        local = self.run("random", (h, dict(config), dtype, seed, bool(mtp), bool(margin)),
                          lambda: random_shard(config, 0, self.size, self.device, dtype, group=self.comm.data,
-                                              seed=seed, mtp=bool(mtp)))
+                                              seed=seed, mtp=bool(mtp), margin=bool(margin)))
         return TensorParallelModel(self, h, local)
 
     def make(self, handle: int, cls, args=(), kwargs=None):

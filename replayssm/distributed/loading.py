@@ -31,7 +31,7 @@ from ..models.quant import fp8_transforms
 from ..ops.fp8.naive import FP8
 from ..runtime import canonical_device, compute_dtype
 from .layers import build_local_model
-from .sharding import ROOT_ONLY, Shard, check_tensor_parallel, local_config, shard_rules
+from .sharding import ROOT_ONLY, Shard, check_tensor_parallel, local_config, shard_rules, vocab_shard
 
 __all__ = ["load_shard", "random_shard"]
 
@@ -218,19 +218,58 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
     return model.eval()
 
 
+_RESIDUAL_OUTPUTS = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "down_proj")
+
+
+def _margin_vocab(model, cfg, rank: int, size: int, device, seed: int) -> dict:
+    """This rank's rows of the margin recipe's embedding and ``lm_head`` (see
+    :func:`random_shard`), padded rows zero; empty when the head is tied."""
+    params = dict(model.named_parameters())
+    emb = next((n for n in params if n.endswith(("embeddings.weight", "embed_tokens.weight"))), None)
+    if emb is None or "lm_head.weight" not in params:
+        return {}
+    V, D = int(cfg.vocab_size), int(cfg.hidden_size)
+    lo, real, Vs = vocab_shard(V, size, rank)
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 17)
+    full = torch.randn(V, D, device=device, generator=g)
+    perm = torch.randperm(V, device=device, generator=g)
+    out = {}
+    for name, rows in ((emb, full[lo:lo + real]), ("lm_head.weight", full[perm[lo:lo + real]] / D ** 0.5)):
+        t = torch.zeros(Vs, D, device=device)
+        t[:real] = rows
+        if tuple(params[name].shape) != (Vs, D):   # a layout this recipe does not know
+            return {}
+        out[name] = t
+    del full
+    return out
+
+
 def random_shard(cfg_dict: dict, rank: int, size: int, device="cpu", dtype="bfloat16", group=None,
-                 seed: int = 0, scale: float = 0.02, mtp: bool = False):
+                 seed: int = 0, scale: float = 0.02, mtp: bool = False, margin: bool = False):
     """Rank ``rank``'s shard of a random-weight model described by a ``config.json`` dict,
     generated directly on ``device`` (no checkpoint; ``mtp``: with an MTP head of
     ``num_nextn_predict_layers`` layers, default 1).  Norm weights are 1, ``A_log`` and
     ``dt_bias`` in the usual ranges, other weights ``N(0, scale²)``; replicated parameters
-    are identical on every rank (their seed depends only on their name)."""
+    are identical on every rank (their seed depends only on their name).
+
+    ``margin``: the benchmarks' recipe (``bench e2e``'s random checkpoints) — unit-variance
+    embeddings, an untied ``lm_head`` that is a fixed permutation of the embedding rows over
+    ``sqrt(d_model)``, residual output projections (``out_proj``, ``o_proj``, ``down_proj``)
+    at ``scale / sqrt(layers)`` — so the greedy next token wins by a margin far above bf16
+    rounding and an oracle drafter's continuation stays the model's own in every decode form.
+    Each rank draws the whole embedding with one seed (``V x d_model`` floats, briefly) and
+    keeps its vocabulary rows."""
     tdtype = parse_dtype(dtype)
     device = canonical_device(device)
     cfg = parse_config(dict(cfg_dict), "config dict")
     gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group, () if mtp else None)
     rules = shard_rules(gmodel, size, rank)
+    vocab = _margin_vocab(model, cfg, rank, size, device, seed) if margin else {}
+    layers = max(1, int(getattr(cfg, "num_hidden_layers", 1) or 1))
     for name, p in model.named_parameters():
+        if name in vocab:
+            _install(model, name, vocab[name].to(_param_dtype(name, tdtype)))
+            continue
         leaf = name.rpartition(".")[2]
         pdt = _param_dtype(name, tdtype)
         sharded = isinstance(rules.get(name), Shard)
@@ -246,6 +285,7 @@ def random_shard(cfg_dict: dict, rank: int, size: int, device="cpu", dtype="bflo
         elif rules.get(name) == ROOT_ONLY or leaf == "bias":
             t = torch.zeros(p.shape, dtype=pdt, device=device)
         else:
-            t = (torch.randn(p.shape, dtype=torch.float32, device=device, generator=g) * scale).to(pdt)
+            sc = scale / layers ** 0.5 if margin and name.endswith(_RESIDUAL_OUTPUTS) else scale
+            t = (torch.randn(p.shape, dtype=torch.float32, device=device, generator=g) * sc).to(pdt)
         _install(model, name, t)
     return model.eval()

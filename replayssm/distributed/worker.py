@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import CONTROL_TIMEOUT, Comm, Ref
+from .comm import CONTROL_TIMEOUT, Comm, Ref, scalars_only
 from .loading import load_shard, random_shard
 from .shm_channel import ShmChannel
 
@@ -33,6 +33,8 @@ def _resolve(x, objects: dict):
     if isinstance(x, Ref):
         return objects[x.handle]
     if isinstance(x, (list, tuple)):
+        if scalars_only(x):
+            return x
         return type(x)(_resolve(v, objects) for v in x)
     if isinstance(x, dict):
         return {k: _resolve(v, objects) for k, v in x.items()}
@@ -62,9 +64,10 @@ class Worker:
         c = self.comm
         self.objects[handle] = load_shard(path, c.rank, c.size, c.device, dtype, group=c.data, mtp=mtp)
 
-    def op_random(self, handle: int, cfg: dict, dtype: str, seed: int, mtp: bool = False) -> None:
+    def op_random(self, handle: int, cfg: dict, dtype: str, seed: int, mtp: bool = False, margin: bool = False) -> None:
         c = self.comm
-        self.objects[handle] = random_shard(cfg, c.rank, c.size, c.device, dtype, group=c.data, seed=seed, mtp=mtp)
+        self.objects[handle] = random_shard(cfg, c.rank, c.size, c.device, dtype, group=c.data, seed=seed, mtp=mtp,
+                                            margin=margin)
 
     def op_make(self, handle: int, cls, args, kwargs) -> None:
         """An engine object every rank holds (``cls`` arrives pickled by reference, like a

@@ -561,6 +561,30 @@ def test_random_shards_share_replicated_weights():
     assert w0.shape == (8 + 8 + 6 + 6 + 2, 16) and not torch.equal(w0, w1)   # [z | x | B | C | dt] of 2 heads
 
 
+def test_random_shards_margin_recipe():
+    """The benchmarks' margin recipe per rank: the embedding rows of both ranks are one
+    unit-variance draw, ``lm_head`` is that draw's rows permuted over sqrt(d) (padded rows
+    zero), residual output projections are scaled by 1/sqrt(layers), the rest as without it."""
+    from replayssm.distributed.loading import random_shard
+
+    V, D, L = RANDOM_CFG["vocab_size"], RANDOM_CFG["hidden_size"], len(RANDOM_CFG["hybrid_override_pattern"])
+    r = [dict(random_shard(RANDOM_CFG, k, 2, dtype="float32", seed=4, margin=True).named_parameters()) for k in (0, 1)]
+    plain = dict(random_shard(RANDOM_CFG, 0, 2, dtype="float32", seed=4).named_parameters())
+    g = torch.Generator().manual_seed(4 * 1_000_003 + 17)
+    full = torch.randn(V, D, generator=g)
+    perm = torch.randperm(V, generator=g)
+    Vs = -(-V // 2)
+    emb = torch.cat([r[0]["backbone.embeddings.weight"], r[1]["backbone.embeddings.weight"]])
+    head = torch.cat([r[0]["lm_head.weight"], r[1]["lm_head.weight"]])
+    assert emb.shape == head.shape == (2 * Vs, D)
+    assert torch.equal(emb[:V], full) and torch.equal(emb[V:], torch.zeros(2 * Vs - V, D))
+    torch.testing.assert_close(head[:V], full[perm] / D ** 0.5, rtol=0, atol=0)
+    name = "backbone.layers.0.mixer.out_proj.weight"
+    torch.testing.assert_close(r[0][name], plain[name] / L ** 0.5)
+    other = "backbone.layers.0.mixer.in_proj.weight"
+    assert torch.equal(r[0][other], plain[other])
+
+
 RANDOM_MTP_CFG = dict(RANDOM_CFG, num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E")
 
 
