@@ -74,6 +74,75 @@ def test_fp8_linear_act_quant_on_random_activations(rows):
     assert _rel(got.cpu(), Q.linear(x.double(), q, s, block=(32, 128))) < 0.08     # e4m3: 3 mantissa bits
 
 
+_CONFIGS = [
+    KF.GemmConfig("gemv", act_quant=False, block_n=8, block_k=32, unroll=2),
+    KF.GemmConfig("gemv", act_quant=False, block_n=16, block_k=64, unroll=1, split_k=2),
+    KF.GemmConfig("dot", act_quant=False, block_m=16, block_n=16, block_k=32, group_m=2),
+    KF.GemmConfig("dot", act_quant=False, block_m=32, block_n=16, split_k=3),
+    KF.GemmConfig("dot", act_quant=True, prequant=False, block_m=16, block_n=32),
+    KF.GemmConfig("dot", act_quant=True, prequant=True, block_m=32, block_n=16, group_m=3, split_k=2),
+]
+
+
+@pytest.mark.parametrize("block", [(32, 64), None])
+@pytest.mark.parametrize("M_", [1, 3, 17, 64, 65, 200])
+def test_fp8_linear_every_config_matches_reference(M_, block, nan_empty):
+    """Every kernel (gemv, dot weight-only / FP8 activations in-tile / quantized beforehand,
+    split-K) on odd shapes (N=37, K=150: neither a multiple of any tile), with bias, against
+    the float64 reference of its scheme: weight-only -> ``linear``; FP8 activations ->
+    ``linear_act_quant`` with groups of the weight's K tile (64 for block (32, 64), 128
+    per-tensor).  Outputs start as NaN, so every element must be written."""
+    g = torch.Generator().manual_seed(7 * M_ + (block is None))
+    N, K = 37, 150
+    w = torch.randn(N, K, generator=g) * torch.linspace(0.2, 2, K)
+    q, s = Q.quantize_tensor(w) if block is None else Q.quantize_block(w, block)
+    x = torch.randn(M_, K, generator=g)
+    b = torch.randn(N, generator=g)
+    ref = Q.linear(x.double(), q, s, b.double(), block=block)
+    group = KF.k_tile(block)
+    ref_act = Q.linear_act_quant(x.double(), q, s, b.double(), block=block, group=group).double()
+    d = lambda t: t.to(DEVICE)
+    for cfg in _CONFIGS:
+        if cfg.kernel == "gemv" and M_ > 17:       # the decode kernel: a program per row (slow here)
+            continue
+        got = KF.linear(d(x), d(q), d(s), d(b), block=block, config=cfg)
+        assert got.shape == (M_, N) and got.dtype == torch.float32
+        assert _rel(got.cpu(), ref_act if cfg.act_quant else ref) < 1e-5, cfg.name()
+
+
+@pytest.mark.parametrize("M_", [1, 17])
+def test_fp8_linear_default_config_bf16(M_):
+    """bf16 activations through the default table (M=1: gemv, weight-only, the reference's
+    scheme; M=17: FP8 activations, the dynamic scheme), leading dims kept."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(40, 256, generator=g)
+    q, s = Q.quantize_block(w, (128, 128))
+    x = torch.randn(M_, 1, 256, generator=g).bfloat16()
+    got = KF.linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), block=(128, 128))
+    assert got.shape == (M_, 1, 40) and got.dtype == torch.bfloat16
+    cfg = KF.resolve(M_, torch.bfloat16)
+    ref = (Q.linear_act_quant(x.double(), q, s, block=(128, 128), group=128) if cfg.act_quant
+           else Q.linear(x.double(), q, s, block=(128, 128)))
+    assert _rel(got.cpu(), ref) < 1e-2                       # the bf16 rounding of the output
+
+
+def test_fp8_config_table_and_validation():
+    assert KF.config_for(1) is KF.CONFIGS[min(KF.CONFIGS)]
+    bounds = sorted(KF.CONFIGS)
+    for lo, hi in zip(bounds, bounds[1:]):
+        assert KF.config_for(lo + 1) is KF.CONFIGS[hi] and KF.config_for(hi) is KF.CONFIGS[hi]
+    gemv = KF.GemmConfig("gemv", act_quant=False, block_n=4)
+    assert KF.resolve(1, torch.bfloat16, config=gemv) is gemv
+    assert KF.resolve(1, torch.bfloat16, act_quant=True, config=gemv).kernel == "dot"    # gemv is weight-only
+    assert not KF.resolve(300, torch.float32).act_quant                                  # fp32: weight-only
+    assert KF.resolve(300, torch.float32, act_quant=True).act_quant
+    assert KF.resolve(300, torch.bfloat16, act_quant=False, config=KF.GemmConfig("cublas")).kernel == "dot"
+    for bad in (dict(kernel="tiles"), dict(kernel="gemv"), dict(block_n=48), dict(block_m=8),
+                dict(num_warps=3), dict(split_k=-1), dict(unroll=0)):
+        with pytest.raises(ValueError):
+            KF.GemmConfig(**bad)
+
+
 def test_fp8_linear_bad_input():
     q, s = Q.quantize_block(torch.randn(8, 32), (8, 16))
     with pytest.raises(ValueError, match="scale has shape"):
