@@ -17,7 +17,8 @@ launch is a :class:`GemmConfig`, chosen from the shape by :func:`config_for` (th
   it the e4m3 tile is widened to the activation dtype (weight-only).  Tiles are ordered in
   groups of ``GROUP_M`` row tiles (L2 reuse of weight tiles).
 * ``cublas``: ``torch._scaled_mm`` with block scales (1×128 activation groups from the same
-  quantization pass, the checkpoint's 128×128 weight scales); block (128, 128) only.
+  quantization pass, the checkpoint's 128×128 weight scales); block (128, 128) and ``K`` a
+  multiple of 128 only (else the ``dot`` launch of the largest bucket).
   Per-tensor weights with ``K``, ``N`` multiples of 16 take ``torch._scaled_mm`` from
   :data:`PREQUANT_M` rows on (static ``input_scale`` when the checkpoint has one, else per
   token), the Triton kernels below it.
@@ -171,7 +172,7 @@ if HAVE_TRITON:
         tl.store(q_ptr + m * K + kk, q, mask=km)
         tl.store(s_ptr + m * ssm + g * ssg, sa)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])       # the batch changes every step
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, BO, BI, NBI, KSPLIT,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
@@ -205,7 +206,7 @@ if HAVE_TRITON:
                 y += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)
             tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nm)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])       # the batch changes every step
     def _dot_kernel(
         a_ptr, w_ptr, s_ptr, b_ptr, y_ptr, as_ptr, M, N, K, sam, BO, BI, NBI, KSPLIT, G,
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
@@ -255,7 +256,7 @@ if HAVE_TRITON:
         tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mm[:, None] & nm[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["MN"])
     def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, S, MN, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         """``y = Σ_s p[s] (+ b)`` over the ``S`` partial sums, in order (fixed rounding)."""
         o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -277,10 +278,11 @@ def _auto_split(device, programs: int, k_tiles: int) -> int:
 
 
 def _block_mm_ok(x2: Tensor, weight: Tensor, block) -> bool:
-    """``torch._scaled_mm`` with 1×128 activation and 128×128 weight scales applies."""
+    """``torch._scaled_mm`` with 1×128 activation and 128×128 weight scales applies (whole K
+    blocks only; other shapes take the Triton ``dot`` kernel)."""
     return (block is not None and tuple(block) == (128, 128) and x2.is_cuda
             and x2.dtype in (torch.bfloat16, torch.float16) and weight.shape[0] % 16 == 0
-            and weight.shape[1] % 16 == 0 and hasattr(torch, "_scaled_mm"))
+            and weight.shape[1] % 128 == 0 and hasattr(torch, "_scaled_mm"))
 
 
 def _scaled_mm_ok(x: Tensor, weight: Tensor, block) -> bool:
