@@ -5,8 +5,9 @@ launch is a :class:`GemmConfig`, chosen from the shape by :func:`config_for` (th
 :data:`CONFIGS`, keyed by the row count ``M``; ``scripts/tune_fp8_gemm.py`` prints a new one):
 
 * ``gemv`` (decode, weight-only): program ``(n tile, row, K range)`` streams ``[BLOCK_N,
-  BLOCK_K]`` e4m3 tiles (K contiguous, read as bytes), widens them to fp32 in registers and
-  accumulates ``w · s_w · x`` elementwise over its K range; one reduction at the end.
+  UNROLL·BLOCK_K]`` e4m3 tiles (K contiguous, read as bytes, the next one loaded while this
+  one is used), widens them to fp32 in registers and accumulates ``w · s_w · x``
+  elementwise over its K range; one reduction at the end.
   Activations are not quantized: ``y = x Ŵᵀ`` in fp32, the reference's own scheme.
 * ``dot`` (Triton tensor cores): tiles ``[BLOCK_M, BLOCK_N]`` walking ``K`` in tiles of
   ``BLOCK_K`` (a divisor of ``bi``: one weight scale per column and K tile).  With FP8
@@ -23,7 +24,7 @@ launch is a :class:`GemmConfig`, chosen from the shape by :func:`config_for` (th
   :data:`PREQUANT_M` rows on (static ``input_scale`` when the checkpoint has one, else per
   token), the Triton kernels below it.
 
-Split-K (``split_k``, or from the grid: about two programs per SM) writes fp32 partial sums
+Split-K (``split_k``, or from the grid when it has fewer programs than SMs) writes fp32 partial sums
 that one more launch adds in a fixed order (bias and cast included).  Everything depends on
 shapes only (CUDA-graph safe; no host sync).  Accumulation is fp32, output in ``x``'s dtype.
 """
@@ -85,7 +86,9 @@ class GemmConfig:
                 raise ValueError(f"{name} must be a power of two >= {lo_}, got {v!r}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        for name in ("unroll", "group_m", "num_stages"):
+        if not _pow2(self.unroll) or self.unroll > 16:
+            raise ValueError(f"unroll must be a power of two <= 16, got {self.unroll!r}")
+        for name in ("group_m", "num_stages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if not isinstance(self.split_k, int) or not 0 <= self.split_k <= 64:
@@ -107,7 +110,7 @@ class GemmConfig:
 #: with the table ``scripts/tune_fp8_gemm.py`` prints (per-bucket winners on the GPU).
 ANY_M = 1 << 31
 CONFIGS: dict[int, GemmConfig] = {
-    1: GemmConfig("gemv", act_quant=False, block_n=16, block_k=128, unroll=4, num_warps=4),
+    1: GemmConfig("gemv", act_quant=False, block_n=8, block_k=128, unroll=4, num_warps=4),
     16: GemmConfig("dot", prequant=False, block_m=16, block_n=64, num_warps=4, num_stages=4),
     64: GemmConfig("dot", block_m=64, block_n=64, num_warps=4, num_stages=4),
     256: GemmConfig("dot", block_m=64, block_n=128, num_warps=4, num_stages=4),
@@ -177,28 +180,31 @@ if HAVE_TRITON:
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
         """Weight-only ``y[m, n] = Σ_k x[m, k] q[n, k] S↑[n, k]`` for this program's column tile
-        and K range: elementwise fp32 accumulation ``[BLOCK_N, BLOCK_K]``, reduced once."""
+        and K range, in steps of ``UNROLL`` K tiles ``[BLOCK_N, UNROLL, BLOCK_K]`` (one weight
+        scale each): elementwise fp32 accumulation, reduced once at the end.  The next step's
+        weight tile is loaded before this step's multiply (one step of prefetch)."""
         pid_n = tl.program_id(0)
         m = tl.program_id(1).to(tl.int64)
         pid_k = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = rn < N
         srow = (rn // BO) * NBI
-        wrow = w_ptr + rn.to(tl.int64)[:, None] * K
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        ru = tl.arange(0, UNROLL)
+        kt = ru[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]          # [UNROLL, BLOCK_K] of a step
+        wptr = w_ptr + rn.to(tl.int64)[:, None, None] * K + kt[None, :, :]
+        acc = tl.zeros([BLOCK_N, UNROLL, BLOCK_K], tl.float32)
         k_lo = pid_k * KSPLIT
         k_hi = tl.minimum(K, k_lo + KSPLIT)
-        for k0 in range(k_lo, k_hi, BLOCK_K * UNROLL):
-            for u in tl.static_range(UNROLL):
-                kb = k0 + u * BLOCK_K
-                kk = kb + tl.arange(0, BLOCK_K)
-                km = kk < k_hi
-                w = tl.load(wrow + kk[None, :], mask=nm[:, None] & km[None, :], other=0)
-                w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                xv = tl.load(x_ptr + m * sxm + kk, mask=km, other=0.0).to(tl.float32)
-                ws = tl.load(s_ptr + srow + tl.minimum(kb // BI, NBI - 1), mask=nm, other=0.0)   # past K: w is 0
-                acc += w * (xv[None, :] * ws[:, None])
-        y = tl.sum(acc, 1)
+        STEP: tl.constexpr = BLOCK_K * UNROLL
+        wn = tl.load(wptr + k_lo, mask=nm[:, None, None] & (k_lo + kt < k_hi)[None, :, :], other=0.0)
+        for k0 in range(k_lo, k_hi, STEP):
+            w = wn
+            wn = tl.load(wptr + (k0 + STEP), mask=nm[:, None, None] & (k0 + STEP + kt < k_hi)[None, :, :], other=0.0)
+            xv = tl.load(x_ptr + m * sxm + k0 + kt, mask=k0 + kt < k_hi, other=0.0).to(tl.float32)
+            ws = tl.load(s_ptr + srow[:, None] + tl.minimum((k0 + ru * BLOCK_K) // BI, NBI - 1)[None, :],
+                         mask=nm[:, None], other=0.0)                      # past K: w is 0
+            acc += w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (xv[None, :, :] * ws[:, :, None])
+        y = tl.sum(tl.sum(acc, 2), 1)
         if SPLIT:
             tl.store(y_ptr + (pid_k.to(tl.int64) * M + m) * N + rn, y, mask=nm)
         else:
@@ -238,7 +244,7 @@ if HAVE_TRITON:
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < K
             a = tl.load(arow + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-            w = tl.load(wcol + kk[:, None], mask=km[:, None] & nm[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+            w = tl.load(wcol + kk[:, None], mask=km[:, None] & nm[None, :], other=0.0).to(tl.float8e4nv, bitcast=True)
             ws = tl.load(s_ptr + srow + k0 // BI, mask=nm, other=0.0)
             if MODE == 2:
                 sa = tl.load(as_ptr + rm.to(tl.int64) * G + k0 // BLOCK_K, mask=mm, other=0.0)
@@ -271,9 +277,12 @@ if HAVE_TRITON:
 
 
 def _auto_split(device, programs: int, k_tiles: int) -> int:
-    """K splits for a launch of ``programs`` tiles: enough for about two programs per SM
-    (decode shapes with few column tiles), each split at least 4 K tiles long."""
-    want = persistent_programs(device, 1 << 30, 2) if device.type == "cuda" else 1
+    """K splits for a launch of ``programs`` tiles: none when there is a program per SM
+    already (the fp32 partial sums cost ``8·S·M / K`` of the weight's bytes), else about one
+    program per SM, each split at least 4 K tiles long."""
+    want = persistent_programs(device, 1 << 30, 1) if device.type == "cuda" else 1
+    if programs >= want:
+        return 1
     return max(1, min(-(-want // max(programs, 1)), k_tiles // 4, 16))
 
 
@@ -394,6 +403,9 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     BO, BI = (_HUGE, _HUGE) if block is None else (int(block[0]), int(block[1]))
     NBI = 1 if block is None else want[1]
     s32 = scale if scale.dtype == torch.float32 and scale.is_contiguous() else scale.float().contiguous()
+    # e4m3 operands go in as float8 pointers (tensor cores read them from shared memory as
+    # they are); the CPU interpreter has no float8 arrays: bytes there, bit-cast in the kernel
+    wq = weight.view(torch.uint8) if interpreting() else weight
     if cfg.kernel == "gemv":
         BK = min(cfg.block_k, BKW)
         step = BK * cfg.unroll
@@ -404,7 +416,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
         S = -(-K // KS)
         y = _out(M, N, S, x)
         _gemv_kernel[(-(-N // BN), M, S)](
-            x2, weight.view(torch.uint8), s32, bias if bias is not None else y, y, M, N, K, x2.stride(0),
+            x2, wq, s32, bias if bias is not None else y, y, M, N, K, x2.stride(0),
             BO, BI, NBI, KS, HAS_BIAS=bias is not None, SPLIT=S > 1, BLOCK_N=BN, BLOCK_K=BK,
             UNROLL=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
@@ -420,9 +432,9 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
         a, xs, sa = x2, y, x2.stride(0)
         if mode == 2:
             a, xs = _quantize_rows(x2, BK)
-            sa = K
+            a, sa = (a if interpreting() else a.view(FP8)), K
         _dot_kernel[(grid_mn, S)](
-            a, weight.view(torch.uint8), s32, bias if bias is not None else y, y, xs,
+            a, wq, s32, bias if bias is not None else y, y, xs,
             M, N, K, sa, BO, BI, NBI, KS, G, HAS_BIAS=bias is not None, SPLIT=S > 1, MODE=mode,
             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m,
             PREC="ieee" if x.dtype == torch.float32 else "tf32", EXACT=interpreting(),

@@ -138,7 +138,7 @@ def test_fp8_config_table_and_validation():
     assert KF.resolve(300, torch.float32, act_quant=True).act_quant
     assert KF.resolve(300, torch.bfloat16, act_quant=False, config=KF.GemmConfig("cublas")).kernel == "dot"
     for bad in (dict(kernel="tiles"), dict(kernel="gemv"), dict(block_n=48), dict(block_m=8),
-                dict(num_warps=3), dict(split_k=-1), dict(unroll=0)):
+                dict(num_warps=3), dict(split_k=-1), dict(unroll=0), dict(unroll=3)):
         with pytest.raises(ValueError):
             KF.GemmConfig(**bad)
 
