@@ -162,18 +162,19 @@ if HAVE_TRITON:
         return q.to(tl.float8e4nv)
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, sxm, ssm, ssg, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
-        """Row ``m``, group ``g``: ``s = amax(|x|) / 448`` (stored at ``m·ssm + g·ssg``),
-        ``q = x / s`` in e4m3 (stored as bytes, rows of ``K``)."""
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, G, sxm, ssm, ssg, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+                          EXACT: tl.constexpr):
+        """Row ``m``, groups ``g`` of this program (``GROUPS`` of them): ``s = amax(|x_g|) / 448``
+        (stored at ``m·ssm + g·ssg``), ``q = x / s`` in e4m3 (stored as bytes, rows of ``K``)."""
         m = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1)
-        kk = g * BLOCK_K + tl.arange(0, BLOCK_K)
+        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        kk = g[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
         km = kk < K
         x = tl.load(x_ptr + m * sxm + kk, mask=km, other=0.0).to(tl.float32)
-        sa = tl.maximum(tl.max(tl.abs(x), 0), 1e-30) / 448.0
-        q = e4m3(x / sa, EXACT).to(tl.uint8, bitcast=True)
+        sa = tl.maximum(tl.max(tl.abs(x), 1), 1e-30) / 448.0
+        q = e4m3(x / sa[:, None], EXACT).to(tl.uint8, bitcast=True)
         tl.store(q_ptr + m * K + kk, q, mask=km)
-        tl.store(s_ptr + m * ssm + g * ssg, sa)
+        tl.store(s_ptr + m * ssm + g * ssg, sa, mask=g < G)
 
     @triton.jit(do_not_specialize=["M"])       # the batch changes every step
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, BO, BI, NBI, KSPLIT,
@@ -324,8 +325,9 @@ def _quantize_rows(x2: Tensor, BK: int, scale_rows_major: bool = True) -> tuple[
         s, ssm, ssg = torch.empty(M, G, dtype=torch.float32, device=x2.device), G, 1
     else:
         s, ssm, ssg = torch.empty(G, M, dtype=torch.float32, device=x2.device).t(), 1, M
-    _act_quant_kernel[(M, G)](x2, q, s, K, x2.stride(0), ssm, ssg, BLOCK_K=BK, EXACT=interpreting(),
-                              num_warps=1 if BK <= 64 else 2)
+    GR = min(4, next_pow2(G))
+    _act_quant_kernel[(M, -(-G // GR))](x2, q, s, K, G, x2.stride(0), ssm, ssg, BLOCK_K=BK, GROUPS=GR,
+                                        EXACT=interpreting(), num_warps=4 if GR * BK >= 512 else 2)
     return q, s
 
 

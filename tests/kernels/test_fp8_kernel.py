@@ -126,6 +126,31 @@ def test_fp8_linear_default_config_bf16(M_):
     assert _rel(got.cpu(), ref) < 1e-2                       # the bf16 rounding of the output
 
 
+@pytest.mark.parametrize("rows_major", [True, False])
+def test_fp8_activation_quantization_pass(rows_major):
+    """The quantization pass (prefill / ``cublas`` input): bytes and scales equal the float64
+    scheme's, scales in either layout (row-major, or the transpose of ``[G, M]`` that block-
+    scaled ``_scaled_mm`` reads); K (300) not a multiple of the group, 5 groups, 4 per program."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 300, generator=g) * torch.linspace(0.01, 30, 300)
+    q, s = KF._quantize_rows(x.to(DEVICE), 64, rows_major)
+    assert s.shape == (7, 5) and s.stride() == ((5, 1) if rows_major else (1, 7))
+    rq, rs = Q.quantize_groups(x.double(), 64)
+    assert torch.equal(s.cpu(), rs)
+    assert torch.equal(q.cpu().view(Q.FP8).float(), rq.float())
+
+
+def test_fp8_cublas_config_falls_back():
+    """A ``cublas`` launch where block-scaled ``_scaled_mm`` does not apply (float32
+    activations; on the CPU, not CUDA either) runs the Triton FP8-activation launch: the
+    dynamic scheme's result."""
+    g = torch.Generator().manual_seed(6)
+    q, s = Q.quantize_block(torch.randn(24, 256, generator=g), (128, 128))
+    x = torch.randn(3, 256, generator=g)
+    got = KF.linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), block=(128, 128), config=KF.GemmConfig("cublas"))
+    assert _rel(got.cpu(), Q.linear_act_quant(x.double(), q, s, block=(128, 128), group=128)) < 1e-5
+
+
 def test_fp8_config_table_and_validation():
     assert KF.config_for(1) is KF.CONFIGS[min(KF.CONFIGS)]
     bounds = sorted(KF.CONFIGS)
