@@ -5,9 +5,9 @@ launch is a :class:`GemmConfig`, chosen from the shape by :func:`config_for` (th
 :data:`CONFIGS`, keyed by the row count ``M``; ``scripts/tune_fp8_gemm.py`` prints a new one):
 
 * ``gemv`` (decode, weight-only): program ``(n tile, row, K range)`` streams ``[BLOCK_N,
-  UNROLL·BLOCK_K]`` e4m3 tiles (K contiguous, read as bytes, the next one loaded while this
-  one is used), widens them to fp32 in registers and accumulates ``w · s_w · x``
-  elementwise over its K range; one reduction at the end.
+  UNROLL·BLOCK_K]`` e4m3 tiles (K contiguous, the next one loaded while this one is used),
+  widens them to fp32 in registers and accumulates ``w · s_w · x`` elementwise over its K
+  range; one reduction at the end.
   Activations are not quantized: ``y = x Ŵᵀ`` in fp32, the reference's own scheme.
 * ``dot`` (Triton tensor cores): tiles ``[BLOCK_M, BLOCK_N]`` walking ``K`` in tiles of
   ``BLOCK_K`` (a divisor of ``bi``: one weight scale per column and K tile).  With FP8
@@ -42,8 +42,7 @@ from ._triton import GRID_YZ_MAX, HAVE_TRITON, interpreting, next_pow2, persiste
 __all__ = ["linear", "k_tile", "e4m3", "GemmConfig", "CONFIGS", "config_for", "resolve"]
 
 _HUGE = 1 << 30   # "block" extent of a per-tensor scale
-#: rows from which per-tensor weights go to ``torch._scaled_mm`` (and from which the default
-#: table quantizes activations in a pass of their own)
+#: rows from which per-tensor weights go to ``torch._scaled_mm`` (Triton below)
 PREQUANT_M = 65
 KERNELS = ("gemv", "dot", "cublas")
 
@@ -56,8 +55,8 @@ def _pow2(v: int) -> bool:
 class GemmConfig:
     """One launch of the FP8 GEMM.  ``kernel``: ``gemv`` (weight-only), ``dot`` or ``cublas``;
     ``act_quant``: FP8 activations (``dot``, ``cublas``; float32 inputs only when asked for
-    explicitly); ``prequant``:
-    ``dot`` quantizes them in a pass of its own, not per tile; ``block_*``: tile (powers of
+    explicitly); ``prequant``: ``dot`` quantizes them in a pass of its own, not per tile;
+    ``block_*``: tile (powers of
     two; ``block_k`` is capped at the weight's K tile, and FP8 activations always use the full
     K tile, their group); ``unroll``: ``gemv`` K tiles per loop step; ``split_k``: K ranges
     (0: from the grid); ``group_m``: row tiles per tile group (``dot``)."""
