@@ -276,14 +276,15 @@ if HAVE_TRITON:
         tl.store(y_ptr + o, acc.to(y_ptr.dtype.element_ty), mask=om)
 
 
-def _auto_split(device, programs: int, k_tiles: int) -> int:
+def _auto_split(device, programs: int, k_tiles: int, M: int, K: int) -> int:
     """K splits for a launch of ``programs`` tiles: none when there is a program per SM
-    already (the fp32 partial sums cost ``8·S·M / K`` of the weight's bytes), else about one
-    program per SM, each split at least 4 K tiles long."""
+    already, else about one program per SM, each split at least 4 K tiles long, and at most
+    ``K / 32M`` of them (the fp32 partial sums, written and read, cost ``8·S·M / K`` of the
+    weight's bytes: at most a quarter)."""
     want = persistent_programs(device, 1 << 30, 1) if device.type == "cuda" else 1
     if programs >= want:
         return 1
-    return max(1, min(-(-want // max(programs, 1)), k_tiles // 4, 16))
+    return max(1, min(-(-want // max(programs, 1)), k_tiles // 4, K // (32 * M), 16))
 
 
 def _block_mm_ok(x2: Tensor, weight: Tensor, block) -> bool:
@@ -412,7 +413,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
         step = BK * cfg.unroll
         BN = cfg.block_n
         programs = -(-N // BN) * M
-        S = cfg.split_k or _auto_split(x.device, programs, -(-K // BK))
+        S = cfg.split_k or _auto_split(x.device, programs, -(-K // BK), M, K)
         KS = -(-(-(-K // step)) // S) * step
         S = -(-K // KS)
         y = _out(M, N, S, x)
@@ -424,7 +425,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
         BK = BKW if cfg.act_quant else min(cfg.block_k, BKW)   # FP8 activations: groups of the K tile
         BM, BN = cfg.block_m, cfg.block_n
         grid_mn = -(-M // BM) * -(-N // BN)
-        S = cfg.split_k or _auto_split(x.device, grid_mn, -(-K // BK))
+        S = cfg.split_k or _auto_split(x.device, grid_mn, -(-K // BK), M, K)
         KS = -(-(-(-K // BK)) // S) * BK               # K per split, whole tiles
         S = -(-K // KS)
         y = _out(M, N, S, x)

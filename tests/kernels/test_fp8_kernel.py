@@ -151,6 +151,18 @@ def test_fp8_cublas_config_falls_back():
     assert _rel(got.cpu(), Q.linear_act_quant(x.double(), q, s, block=(128, 128), group=128)) < 1e-5
 
 
+def test_fp8_auto_split(monkeypatch):
+    """K splits from the grid (132 SMs): none with a program per SM already; else about one
+    program per SM, each split >= 4 K tiles, partial-sum traffic capped at K / 32M splits."""
+    monkeypatch.setattr(KF, "persistent_programs", lambda device, work, per_sm: 132)
+    cuda = torch.device("cuda")
+    assert KF._auto_split(cuda, 200, 25, 1, 3136) == 1
+    assert KF._auto_split(cuda, 49, 98, 64, 12544) == 3
+    assert KF._auto_split(cuda, 32, 32, 64, 4096) == 2
+    assert KF._auto_split(cuda, 4, 8, 1, 1024) == 2
+    assert KF._auto_split(torch.device("cpu"), 1, 100, 1, 10000) == 1
+
+
 def test_fp8_config_table_and_validation():
     assert KF.config_for(1) is KF.CONFIGS[min(KF.CONFIGS)]
     bounds = sorted(KF.CONFIGS)
