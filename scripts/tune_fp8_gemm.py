@@ -200,6 +200,13 @@ def run_shape(sh: dict, ms, budget: float, res: dict) -> None:
                     row["variants"][cfg.name()]["fallback"] = KF.CONFIGS[KF.ANY_M].name()
             except Exception as e:   # a launch that does not compile or run here: recorded, not fatal
                 row["variants"][cfg.name()] = dict(error=f"{type(e).__name__}: {str(e)[:300]}", config=repr(cfg))
+        if any(c.kernel == "cublas" for c in cands) and K % 128 == 0:
+            try:   # rows not a multiple of 16 (padded inside): same scheme, same result
+                err = rel(KF.linear(x[:M - 3], q, s, block=BLOCK, config=C("cublas")), ref_a[:M - 3])
+                row["cublas_odd_rows_rel_err"] = err
+            except Exception as e:
+                row["cublas_odd_rows_rel_err"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"    cublas-block at {M - 3} rows: rel err {row['cublas_odd_rows_rel_err']}")
         if any(c.kernel == "cublas" for c in cands) and K % 128 and time.perf_counter() - T0 <= budget:
             # does cuBLAS take a partial last K block?  (the kernel's table does not route it there yet)
             try:

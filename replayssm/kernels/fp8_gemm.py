@@ -315,28 +315,35 @@ def _scaled_mm(x2: Tensor, weight: Tensor, scale: Tensor, bias, input_scale) -> 
     return y if bias is None else y + bias
 
 
-def _quantize_rows(x2: Tensor, BK: int, scale_rows_major: bool = True) -> tuple[Tensor, Tensor]:
-    """``(q [M, K] bytes, s_a [M, G])`` of the per-token-group scheme (groups of ``BK``);
-    ``scale_rows_major=False`` stores ``s_a`` as the transpose of a ``[G, M]`` buffer."""
+def _quantize_rows(x2: Tensor, BK: int, scale_rows_major: bool = True, rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(q [R, K] bytes, s_a [R, G])`` of the per-token-group scheme (groups of ``BK``) for
+    ``R = rows`` (default ``M``; rows past ``M`` are zeros with scale 1);
+    ``scale_rows_major=False`` stores ``s_a`` as the transpose of a ``[G, R]`` buffer."""
     M, K = x2.shape
+    R = M if rows is None else rows
     G = -(-K // BK)
-    q = torch.empty(M, K, dtype=torch.uint8, device=x2.device)
+    q = torch.empty(R, K, dtype=torch.uint8, device=x2.device)
     if scale_rows_major:
-        s, ssm, ssg = torch.empty(M, G, dtype=torch.float32, device=x2.device), G, 1
+        s, ssm, ssg = torch.empty(R, G, dtype=torch.float32, device=x2.device), G, 1
     else:
-        s, ssm, ssg = torch.empty(G, M, dtype=torch.float32, device=x2.device).t(), 1, M
+        s, ssm, ssg = torch.empty(G, R, dtype=torch.float32, device=x2.device).t(), 1, R
     GR = min(4, next_pow2(G))
     _act_quant_kernel[(M, -(-G // GR))](x2, q, s, K, G, x2.stride(0), ssm, ssg, BLOCK_K=BK, GROUPS=GR,
                                         EXACT=interpreting(), num_warps=4 if GR * BK >= 512 else 2)
+    if R > M:
+        q[M:].zero_()
+        s[M:].fill_(1.0)
     return q, s
 
 
 def _cublas_block(x2: Tensor, weight: Tensor, scale: Tensor, bias) -> Tensor:
-    """Block-scaled ``torch._scaled_mm``: 1×128 activation groups (outer-dim-major scales),
-    the 128×128 weight scales transposed; bf16 output."""
-    q, sa = _quantize_rows(x2, 128, scale_rows_major=False)
+    """Block-scaled ``torch._scaled_mm``: 1×128 activation groups (outer-dim-major scales;
+    rows padded to a multiple of 16 with zeros), the 128×128 weight scales transposed; bf16
+    output."""
+    M = x2.shape[0]
+    q, sa = _quantize_rows(x2, 128, scale_rows_major=False, rows=-(-M // 16) * 16)
     y = torch._scaled_mm(q.view(FP8), weight.t(), scale_a=sa, scale_b=scale.float().t(),
-                         out_dtype=torch.bfloat16)
+                         out_dtype=torch.bfloat16)[:M]
     y = y if bias is None else y + bias
     return y.to(x2.dtype)
 

@@ -130,14 +130,16 @@ def test_fp8_linear_default_config_bf16(M_):
 def test_fp8_activation_quantization_pass(rows_major):
     """The quantization pass (prefill / ``cublas`` input): bytes and scales equal the float64
     scheme's, scales in either layout (row-major, or the transpose of ``[G, M]`` that block-
-    scaled ``_scaled_mm`` reads); K (300) not a multiple of the group, 5 groups, 4 per program."""
+    scaled ``_scaled_mm`` reads, rows padded to 16); K (300) not a multiple of the group, 5
+    groups, 4 per program."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(7, 300, generator=g) * torch.linspace(0.01, 30, 300)
-    q, s = KF._quantize_rows(x.to(DEVICE), 64, rows_major)
-    assert s.shape == (7, 5) and s.stride() == ((5, 1) if rows_major else (1, 7))
+    q, s = KF._quantize_rows(x.to(DEVICE), 64, rows_major, rows=None if rows_major else 16)
+    R = 7 if rows_major else 16                                  # rows padded (zeros, scale 1)
+    assert s.shape == (R, 5) and s.stride() == ((5, 1) if rows_major else (1, 16))
     rq, rs = Q.quantize_groups(x.double(), 64)
-    assert torch.equal(s.cpu(), rs)
-    assert torch.equal(q.cpu().view(Q.FP8).float(), rq.float())
+    assert torch.equal(s[:7].cpu(), rs) and bool((s[7:] == 1).all()) and not bool(q[7:].any())
+    assert torch.equal(q[:7].cpu().view(Q.FP8).float(), rq.float())
 
 
 def test_fp8_cublas_config_falls_back():
