@@ -24,8 +24,8 @@ launch is a :class:`GemmConfig`, chosen from the shape by :func:`config_for` (th
   :data:`PREQUANT_M` rows on (static ``input_scale`` when the checkpoint has one, else per
   token), the Triton kernels below it.
 
-Split-K (``split_k``, or from the grid when it has fewer programs than SMs) writes fp32 partial sums
-that one more launch adds in a fixed order (bias and cast included).  Everything depends on
+Split-K (``split_k``, or by a byte model when the grid has fewer programs than SMs) writes fp32
+partial sums that one more launch adds in a fixed order (bias and cast included).  Everything depends on
 shapes only (CUDA-graph safe; no host sync).  Accumulation is fp32, output in ``x``'s dtype.
 """
 
@@ -276,15 +276,18 @@ if HAVE_TRITON:
         tl.store(y_ptr + o, acc.to(y_ptr.dtype.element_ty), mask=om)
 
 
-def _auto_split(device, programs: int, k_tiles: int, M: int, K: int) -> int:
-    """K splits for a launch of ``programs`` tiles: none when there is a program per SM
-    already, else about one program per SM, each split at least 4 K tiles long, and at most
-    ``K / 32M`` of them (the fp32 partial sums, written and read, cost ``8·S·M / K`` of the
-    weight's bytes: at most a quarter)."""
-    want = persistent_programs(device, 1 << 30, 1) if device.type == "cuda" else 1
-    if programs >= want:
-        return 1
-    return max(1, min(-(-want // max(programs, 1)), k_tiles // 4, K // (32 * M), 16))
+def _auto_split(device, programs: int, k_tiles: int, M: int, N: int, K: int) -> int:
+    """K splits for a launch of ``programs`` tiles, by a byte model of the memory-bound GEMM:
+    ``S`` minimizing ``(N·K + 8·S·M·N + [S > 1]·2 MB) / min(1, S·programs / SMs)`` — the
+    weight plus the fp32 partial sums (written and read) and the summing launch, over the
+    share of SMs busy; each split at least 4 K tiles long, at most 16."""
+    sms = persistent_programs(device, 1 << 30, 1) if device.type == "cuda" else 1
+    best, best_cost = 1, None
+    for S in range(1, max(1, min(16, k_tiles // 4)) + 1):
+        cost = (N * K + 8 * S * M * N + (2e6 if S > 1 else 0)) / min(1.0, S * programs / sms)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = S, cost
+    return best
 
 
 def _block_mm_ok(x2: Tensor, weight: Tensor, block) -> bool:
@@ -420,7 +423,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
         step = BK * cfg.unroll
         BN = cfg.block_n
         programs = -(-N // BN) * M
-        S = cfg.split_k or _auto_split(x.device, programs, -(-K // BK), M, K)
+        S = cfg.split_k or _auto_split(x.device, programs, -(-K // BK), M, N, K)
         KS = -(-(-(-K // step)) // S) * step
         S = -(-K // KS)
         y = _out(M, N, S, x)
@@ -432,7 +435,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
         BK = BKW if cfg.act_quant else min(cfg.block_k, BKW)   # FP8 activations: groups of the K tile
         BM, BN = cfg.block_m, cfg.block_n
         grid_mn = -(-M // BM) * -(-N // BN)
-        S = cfg.split_k or _auto_split(x.device, grid_mn, -(-K // BK), M, K)
+        S = cfg.split_k or _auto_split(x.device, grid_mn, -(-K // BK), M, N, K)
         KS = -(-(-(-K // BK)) // S) * BK               # K per split, whole tiles
         S = -(-K // KS)
         y = _out(M, N, S, x)

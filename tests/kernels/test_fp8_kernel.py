@@ -154,15 +154,17 @@ def test_fp8_cublas_config_falls_back():
 
 
 def test_fp8_auto_split(monkeypatch):
-    """K splits from the grid (132 SMs): none with a program per SM already; else about one
-    program per SM, each split >= 4 K tiles, partial-sum traffic capped at K / 32M splits."""
+    """K splits from the byte model (132 SMs): none with a program per SM already; enough to
+    fill the SMs while the partial sums are small (decode row); fewer where they would cost
+    more than the SMs they fill; each split >= 4 K tiles."""
     monkeypatch.setattr(KF, "persistent_programs", lambda device, work, per_sm: 132)
     cuda = torch.device("cuda")
-    assert KF._auto_split(cuda, 200, 25, 1, 3136) == 1
-    assert KF._auto_split(cuda, 49, 98, 64, 12544) == 3
-    assert KF._auto_split(cuda, 32, 32, 64, 4096) == 2
-    assert KF._auto_split(cuda, 4, 8, 1, 1024) == 2
-    assert KF._auto_split(torch.device("cpu"), 1, 100, 1, 10000) == 1
+    assert KF._auto_split(cuda, 200, 25, 1, 12544, 3136) == 1           # a program per SM already
+    assert KF._auto_split(cuda, 16, 98, 1, 2048, 12544) == 9            # M=1: fill the SMs
+    assert KF._auto_split(cuda, 49, 98, 64, 3136, 12544) == 3           # down_proj at B=64
+    assert KF._auto_split(cuda, 16, 24, 64, 1024, 3136) == 6            # 4 K tiles per split at least
+    assert KF._auto_split(cuda, 100, 16, 2048, 1000, 2048) == 1         # partials would dwarf the weight
+    assert KF._auto_split(torch.device("cpu"), 1, 100, 1, 64, 10000) == 1
 
 
 def test_fp8_config_table_and_validation():
