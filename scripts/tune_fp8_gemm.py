@@ -197,7 +197,7 @@ def run_shape(sh: dict, ms, budget: float, res: dict) -> None:
                 ok = err < 2e-2
                 row["variants"][cfg.name()] = dict(us=us, rel_err=err, ok=ok, config=repr(cfg))
                 if cfg.kernel == "cublas" and not KF._block_mm_ok(x, q, BLOCK):   # ran the dot fallback
-                    row["variants"][cfg.name()]["fallback"] = KF.CONFIGS[KF.ANY_M].name()
+                    row["variants"][cfg.name()]["fallback"] = KF._dot_fallback(True).name()
             except Exception as e:   # a launch that does not compile or run here: recorded, not fatal
                 row["variants"][cfg.name()] = dict(error=f"{type(e).__name__}: {str(e)[:300]}", config=repr(cfg))
         if any(c.kernel == "cublas" for c in cands) and K % 128 == 0:

@@ -117,6 +117,15 @@ CONFIGS: dict[int, GemmConfig] = {
 }
 #: FP8-activation launch for a bucket whose entry is the (weight-only) gemv
 _ACT_DECODE = GemmConfig("dot", prequant=False, block_m=16, block_n=64, num_warps=4, num_stages=4)
+#: Triton launch where a ``cublas`` entry does not apply, unless the largest bucket's is a ``dot``
+_PREFILL_DOT = GemmConfig("dot", block_m=128, block_n=128, num_warps=8, num_stages=4)
+
+
+def _dot_fallback(act: bool) -> GemmConfig:
+    """The ``dot`` launch for calls whose entry cannot run (a ``cublas`` entry off its shapes,
+    or weight-only; a gemv beyond the grid): the largest bucket's entry when it is one."""
+    big = CONFIGS[max(CONFIGS)]
+    return replace(big if big.kernel == "dot" else _PREFILL_DOT, act_quant=act)
 
 
 def config_for(M: int, table: dict | None = None) -> GemmConfig:
@@ -362,7 +371,7 @@ def resolve(M: int, dtype: torch.dtype, act_quant: bool | None = None, config: G
     if act and cfg.kernel == "gemv":
         cfg = _ACT_DECODE
     if not act and cfg.kernel == "cublas":
-        cfg = replace(CONFIGS[ANY_M], act_quant=False)
+        cfg = _dot_fallback(False)
     if cfg.kernel == "dot" and cfg.act_quant != act:
         cfg = replace(cfg, act_quant=act)
     return cfg
@@ -409,9 +418,9 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     if cfg.kernel == "cublas":
         if _block_mm_ok(x2, weight, block):
             return _cublas_block(x2, weight, scale, bias).reshape(*lead, N)
-        cfg = replace(CONFIGS[ANY_M], act_quant=True)
+        cfg = _dot_fallback(True)
     if cfg.kernel == "gemv" and M > GRID_YZ_MAX:
-        cfg = replace(CONFIGS[ANY_M], act_quant=False)
+        cfg = _dot_fallback(False)
     BO, BI = (_HUGE, _HUGE) if block is None else (int(block[0]), int(block[1]))
     NBI = 1 if block is None else want[1]
     s32 = scale if scale.dtype == torch.float32 and scale.is_contiguous() else scale.float().contiguous()

@@ -167,7 +167,7 @@ def test_fp8_auto_split(monkeypatch):
     assert KF._auto_split(torch.device("cpu"), 1, 100, 1, 64, 10000) == 1
 
 
-def test_fp8_config_table_and_validation():
+def test_fp8_config_table_and_validation(monkeypatch):
     assert KF.config_for(1) is KF.CONFIGS[min(KF.CONFIGS)]
     bounds = sorted(KF.CONFIGS)
     for lo, hi in zip(bounds, bounds[1:]):
@@ -178,6 +178,9 @@ def test_fp8_config_table_and_validation():
     assert not KF.resolve(300, torch.float32).act_quant                                  # fp32: weight-only
     assert KF.resolve(300, torch.float32, act_quant=True).act_quant
     assert KF.resolve(300, torch.bfloat16, act_quant=False, config=KF.GemmConfig("cublas")).kernel == "dot"
+    monkeypatch.setitem(KF.CONFIGS, KF.ANY_M, KF.GemmConfig("cublas"))      # a table whose prefill is cublas
+    fb = KF.resolve(5000, torch.bfloat16, act_quant=False)
+    assert fb.kernel == "dot" and not fb.act_quant and fb.block_m == 128
     for bad in (dict(kernel="tiles"), dict(kernel="gemv"), dict(block_n=48), dict(block_m=8),
                 dict(num_warps=3), dict(split_k=-1), dict(unroll=0), dict(unroll=3)):
         with pytest.raises(ValueError):
