@@ -52,6 +52,9 @@ PRESETS = ("nemotron-h-4b", "qwen3-next-4b")
 #: candidate launches per M bucket (keys as in KF.CONFIGS); the current default is added
 CANDIDATES = {
     1: [C("gemv", act_quant=False, block_n=8, unroll=4), C("gemv", act_quant=False, block_n=16, unroll=4),
+        C("gemv", act_quant=False, block_n=4, unroll=2, num_warps=1),
+        C("gemv", act_quant=False, block_n=4, unroll=4, num_warps=1),
+        C("gemv", act_quant=False, block_n=8, unroll=2, num_warps=2),
         C("gemv", act_quant=False, block_n=8, unroll=2), C("gemv", act_quant=False, block_n=16, unroll=2),
         C("gemv", act_quant=False, block_n=32, unroll=4, num_warps=8),
         C("gemv", act_quant=False, block_n=8, unroll=4, split_k=1),
@@ -64,7 +67,7 @@ CANDIDATES = {
          C("dot", prequant=True, block_m=16, block_n=64, num_stages=4),
          C("dot", act_quant=False, block_m=16, block_n=64, num_stages=4),
          C("dot", act_quant=False, block_m=16, block_n=32, num_stages=4),
-         C("gemv", act_quant=False, block_n=16, unroll=4)],
+         C("gemv", act_quant=False, block_n=4, unroll=2, num_warps=1)],
     64: [C("dot", prequant=False, block_m=64, block_n=64, num_stages=4),
          C("dot", block_m=64, block_n=32, num_stages=4),
          C("dot", block_m=64, block_n=128, num_stages=3),

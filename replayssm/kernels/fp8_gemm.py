@@ -109,7 +109,7 @@ class GemmConfig:
 #: with the table ``scripts/tune_fp8_gemm.py`` prints (per-bucket winners on the GPU).
 ANY_M = 1 << 31
 CONFIGS: dict[int, GemmConfig] = {
-    1: GemmConfig("gemv", act_quant=False, block_n=8, block_k=128, unroll=4, num_warps=4),
+    1: GemmConfig("gemv", act_quant=False, block_n=4, block_k=128, unroll=2, num_warps=1),
     16: GemmConfig("dot", prequant=False, block_m=16, block_n=64, num_warps=4, num_stages=4),
     64: GemmConfig("dot", block_m=64, block_n=64, num_warps=4, num_stages=4),
     256: GemmConfig("dot", block_m=64, block_n=128, num_warps=4, num_stages=4),
