@@ -4,8 +4,9 @@
    (per-tensor) against the float64 references at the presets' shapes; FP8 fused experts
    (weight-only and FP8 activations) against the reference at Qwen3-Next-4B's expert shape.
 2. ``gemm``: bf16 ``F.linear`` vs the FP8 kernel (FP8 activations / weight-only) vs
-   ``torch._scaled_mm`` (per-tensor, row-wise activation scales) at M = 1, 64, 2048;
-   ``tune`` (last): the decode launch sweep (column tile x K splits) beside the default.
+   ``torch._scaled_mm`` (per-tensor, row-wise activation scales) at M = 1, 64, 2048
+   (``triton.testing.do_bench``: at decode sizes the times include Python launch overhead;
+   ``scripts/tune_fp8_gemm.py`` times launches by CUDA-graph replay and picks the table).
 3. ``models``: nemotron-h-4b and qwen3-next-4b (random weights, bf16; then quantized in memory
    to block-128 FP8): decode step time in a CUDA graph at B=1 and B=64, recurrent and replay
    modes (tokens/s = B / step; replay's graph is a step between folds),
@@ -13,7 +14,7 @@
    read and written; over the measured copy bandwidth), and prefill time of 1 × 4096 tokens;
    FP8 vs bf16 logits (relative error, top-1 agreement) of a forward over 2 × 48 tokens.
 
-    PYTHONPATH=. python scripts/gpu_fp8.py [--sections check,gemm,models,tune] [--layers N]
+    PYTHONPATH=. python scripts/gpu_fp8.py [--sections check,gemm,models] [--layers N]
 
 Prints a table per section and writes ``$OUT/gpu_fp8.json`` (or ``--out``).
 """
@@ -125,29 +126,6 @@ def gemm(res):
               f"{r['scaled_mm_ms']:>11.4f}  {r['bf16_ms'] / best:.2f}x")
 
 
-def tune(res):
-    """Decode launch sweep (column tile x K splits) at the MLP shapes, beside the default."""
-    rows = []
-    g = torch.Generator(device=DEV).manual_seed(2)
-    for name in ("nemotron mlp up", "nemotron mlp down", "qwen gdn qkvz"):
-        N, K = SHAPES[name]
-        qb, sb = Q.quantize_block(torch.randn(N, K, device=DEV, generator=g) * 0.02, (128, 128))
-        w = Q.dequantize_block(qb, sb, (128, 128), torch.bfloat16)
-        for M_ in (1, 64):
-            x = torch.randn(M_, K, device=DEV, generator=g).bfloat16()
-            r = dict(shape=name, M=M_, bf16_ms=bench(lambda: F.linear(x, w)),
-                     default_ms=bench(lambda: KF.linear(x, qb, sb, block=(128, 128))))
-            for bn in (16, 32, 64):
-                for sk in (1, 2, 4, 8):
-                    r[f"bn{bn}_sk{sk}"] = bench(lambda: KF.linear(x, qb, sb, block=(128, 128), block_n=bn, split_k=sk),
-                                                rep=20)
-            rows.append(r)
-            best = min((v, k) for k, v in r.items() if k.startswith("bn"))
-            print(f"{name:<20} M={M_:<4} bf16 {r['bf16_ms']:.4f}  default {r['default_ms']:.4f}  "
-                  f"best {best[1]} {best[0]:.4f} ms")
-    res["tune"] = rows
-
-
 def step_bytes(model, cache, B: int, mode: str) -> float:
     """Bytes a decode step must move: weights it reads (the embedding's B rows; experts by the
     expected share of experts B tokens hit), plus the B rows' cache (states, conv windows,
@@ -245,7 +223,7 @@ def models(res, layers, prefill_len, presets=("nemotron-h-4b", "qwen3-next-4b"))
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--sections", default="check,gemm,models,tune")
+    p.add_argument("--sections", default="check,gemm,models")
     p.add_argument("--layers", type=int, default=None, help="keep the first N layers of each preset")
     p.add_argument("--prefill", type=int, default=4096)
     p.add_argument("--presets", default="nemotron-h-4b,qwen3-next-4b")
@@ -255,7 +233,7 @@ def main() -> None:
     for sec in a.sections.split(","):
         print(f"\n== {sec} [{time.perf_counter() - T0:.0f}s]")
         try:
-            {"check": check, "gemm": gemm, "tune": tune}.get(sec, lambda r: models(r, a.layers, a.prefill, a.presets.split(",")))(res)
+            {"check": check, "gemm": gemm}.get(sec, lambda r: models(r, a.layers, a.prefill, a.presets.split(",")))(res)
         except Exception:
             traceback.print_exc()
             res[sec + "_error"] = traceback.format_exc()[-2000:]

@@ -1,39 +1,140 @@
 """FP8 linear layer on the GPU (contract of :func:`replayssm.ops.fp8.naive.linear`).
 
-``y = x Ŵᵀ (+ b)`` with ``Ŵ = q ⊙ S↑`` (block ``(bo, bi)``) or ``s · q`` (per-tensor):
+``y = x Ŵᵀ (+ b)`` with ``Ŵ = q ⊙ S↑`` (block ``(bo, bi)``) or ``s · q`` (per-tensor).  A
+launch is a :class:`GemmConfig`, chosen from the shape by :func:`config_for` (the table
+:data:`CONFIGS`, keyed by the row count ``M``; ``scripts/tune_fp8_gemm.py`` prints a new one):
 
-* :func:`_fp8_linear_kernel` (Triton): program ``(m, n)`` walks ``K`` in tiles of
-  ``BLOCK_K`` (a divisor of ``bi``, so one weight scale per column and K tile).  With
-  ``QUANT_A`` activations are quantized per token and group of ``BLOCK_K`` channels
-  (``s_a = amax / 448``, the dynamic per-token-group scheme): in the GEMM's own tiles for
-  decode-sized ``M``, by :func:`_act_quant_kernel` in one pass beforehand from
-  :data:`PREQUANT_M` rows on (prefill: no re-quantization per column tile); then
-  ``acc += (q_a · q_wᵀ) ⊙ (s_a ⊗ s_w)`` runs on FP8 tensor cores; without it the e4m3 tile is
-  widened to the activation dtype (``acc += (a · q_wᵀ) ⊙ s_w``, weight-only).  Accumulation in
-  fp32, output in ``x``'s dtype.
-* per-tensor weights with ``K``, ``N`` multiples of 16 use ``torch._scaled_mm``: activations
-  quantized with the checkpoint's static ``input_scale`` (tensor-wise scales) or per token
-  (row-wise scales) when it has none.
+* ``gemv`` (decode, weight-only): program ``(n tile, row, K range)`` streams ``[BLOCK_N,
+  UNROLL·BLOCK_K]`` e4m3 tiles (K contiguous, the next one loaded while this one is used),
+  widens them to fp32 in registers and accumulates ``w · s_w · x`` elementwise over its K
+  range; one reduction at the end.
+  Activations are not quantized: ``y = x Ŵᵀ`` in fp32, the reference's own scheme.
+* ``dot`` (Triton tensor cores): tiles ``[BLOCK_M, BLOCK_N]`` walking ``K`` in tiles of
+  ``BLOCK_K`` (a divisor of ``bi``: one weight scale per column and K tile).  With FP8
+  activations (``act_quant``) each token's group of ``BLOCK_K`` channels is quantized
+  (``s_a = amax / 448``, the dynamic per-token-group scheme of
+  :func:`replayssm.ops.fp8.naive.linear_act_quant`) in a pass of its own (``prequant``) or
+  inside each tile, and ``acc += (q_a · q_wᵀ) ⊙ (s_a ⊗ s_w)`` runs on FP8 tensor cores; without
+  it the e4m3 tile is widened to the activation dtype (weight-only).  Tiles are ordered in
+  groups of ``GROUP_M`` row tiles (L2 reuse of weight tiles).
+* ``cublas``: ``torch._scaled_mm`` with block scales (1×128 activation groups from the same
+  quantization pass, the checkpoint's 128×128 weight scales); block (128, 128) and ``K`` a
+  multiple of 128 only (else the ``dot`` launch of the largest bucket).
+  Per-tensor weights with ``K``, ``N`` multiples of 16 take ``torch._scaled_mm`` from
+  :data:`PREQUANT_M` rows on (static ``input_scale`` when the checkpoint has one, else per
+  token), the Triton kernels below it.
 
-Decode shapes (few row tiles, few column tiles) split ``K`` over several programs so the
-weight streams from every SM; the fp32 partial sums are added in a fixed order.  Launch
-parameters depend on shapes only (CUDA-graph safe; no host sync).  Weights are read
-as ``uint8`` and bit-cast in the kernel.
+Split-K (``split_k``, or by a byte model when the grid has fewer programs than SMs) writes fp32
+partial sums that one more launch adds in a fixed order (bias and cast included).  Everything depends on
+shapes only (CUDA-graph safe; no host sync).  Accumulation is fp32, output in ``x``'s dtype.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from ..ops.fp8.naive import FP8, FP8_MAX, scale_grid
-from ._triton import HAVE_TRITON, interpreting, next_pow2, persistent_programs, triton, tl
+from ._triton import GRID_YZ_MAX, HAVE_TRITON, interpreting, next_pow2, persistent_programs, triton, tl
 
-__all__ = ["linear", "k_tile", "e4m3"]
+__all__ = ["linear", "k_tile", "e4m3", "GemmConfig", "CONFIGS", "config_for", "resolve"]
 
 _HUGE = 1 << 30   # "block" extent of a per-tensor scale
-#: rows from which activations are quantized in a pass of their own (prefill), not per tile
+#: rows from which per-tensor weights go to ``torch._scaled_mm`` (Triton below)
 PREQUANT_M = 65
+KERNELS = ("gemv", "dot", "cublas")
+
+
+def _pow2(v: int) -> bool:
+    return isinstance(v, int) and v > 0 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch of the FP8 GEMM.  ``kernel``: ``gemv`` (weight-only), ``dot`` or ``cublas``;
+    ``act_quant``: FP8 activations (``dot``, ``cublas``; float32 inputs only when asked for
+    explicitly); ``prequant``: ``dot`` quantizes them in a pass of its own, not per tile;
+    ``block_*``: tile (powers of
+    two; ``block_k`` is capped at the weight's K tile, and FP8 activations always use the full
+    K tile, their group); ``unroll``: ``gemv`` K tiles per loop step; ``split_k``: K ranges
+    (0: from the grid); ``group_m``: row tiles per tile group (``dot``)."""
+
+    kernel: str = "dot"
+    act_quant: bool = True
+    prequant: bool = True
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    unroll: int = 1
+    split_k: int = 0
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.kernel == "gemv" and self.act_quant:
+            raise ValueError("the gemv kernel is weight-only: act_quant must be False")
+        lo = 1 if self.kernel == "gemv" else 16
+        for name, lo_ in (("block_m", 16), ("block_n", lo), ("block_k", 16)):
+            v = getattr(self, name)
+            if not _pow2(v) or v < lo_:
+                raise ValueError(f"{name} must be a power of two >= {lo_}, got {v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not _pow2(self.unroll) or self.unroll > 16:
+            raise ValueError(f"unroll must be a power of two <= 16, got {self.unroll!r}")
+        for name in ("group_m", "num_stages"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not isinstance(self.split_k, int) or not 0 <= self.split_k <= 64:
+            raise ValueError(f"split_k must be an int in [0, 64] (0: from the grid), got {self.split_k!r}")
+
+    def name(self) -> str:
+        """Compact label (tables, JSON)."""
+        if self.kernel == "gemv":
+            t = f"gemv n{self.block_n} k{self.block_k}x{self.unroll}"
+        elif self.kernel == "cublas":
+            return "cublas-block"
+        else:
+            mode = ("fp8pre" if self.prequant else "fp8tile") if self.act_quant else "wonly"
+            t = f"dot-{mode} m{self.block_m} n{self.block_n} k{self.block_k} g{self.group_m} s{self.num_stages}"
+        return f"{t} w{self.num_warps}" + (f" sk{self.split_k}" if self.split_k else "")
+
+
+#: default launch per bucket of rows ``M``: the entry of the smallest key >= M.  Replace
+#: with the table ``scripts/tune_fp8_gemm.py`` prints (per-bucket winners on the GPU).
+ANY_M = 1 << 31
+CONFIGS: dict[int, GemmConfig] = {
+    1: GemmConfig("gemv", act_quant=False, block_n=4, block_k=128, unroll=2, num_warps=1),
+    16: GemmConfig("dot", prequant=False, block_m=16, block_n=64, num_warps=4, num_stages=4),
+    64: GemmConfig("dot", block_m=64, block_n=64, num_warps=4, num_stages=4),
+    256: GemmConfig("dot", block_m=64, block_n=128, num_warps=4, num_stages=4),
+    ANY_M: GemmConfig("dot", block_m=128, block_n=128, num_warps=8, num_stages=4),
+}
+#: FP8-activation launch for a bucket whose entry is the (weight-only) gemv
+_ACT_DECODE = GemmConfig("dot", prequant=False, block_m=16, block_n=64, num_warps=4, num_stages=4)
+#: Triton launch where a ``cublas`` entry does not apply, unless the largest bucket's is a ``dot``
+_PREFILL_DOT = GemmConfig("dot", block_m=128, block_n=128, num_warps=8, num_stages=4)
+
+
+def _dot_fallback(act: bool) -> GemmConfig:
+    """The ``dot`` launch for calls whose entry cannot run (a ``cublas`` entry off its shapes,
+    or weight-only; a gemv beyond the grid): the largest bucket's entry when it is one."""
+    big = CONFIGS[max(CONFIGS)]
+    return replace(big if big.kernel == "dot" else _PREFILL_DOT, act_quant=act)
+
+
+def config_for(M: int, table: dict | None = None) -> GemmConfig:
+    """The table's entry for ``M`` rows (smallest key >= M)."""
+    table = CONFIGS if table is None else table
+    for bound in sorted(table):
+        if M <= bound:
+            return table[bound]
+    return table[max(table)]
 
 
 def k_tile(block) -> int | None:
@@ -69,77 +170,141 @@ if HAVE_TRITON:
         return q.to(tl.float8e4nv)
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, sxm, G, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
-        """Row ``m``, group ``g``: ``s = amax(|x|) / 448``, ``q = x / s`` in e4m3 (stored as bytes)."""
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, G, sxm, ssm, ssg, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+                          EXACT: tl.constexpr):
+        """Row ``m``, groups ``g`` of this program (``GROUPS`` of them): ``s = amax(|x_g|) / 448``
+        (stored at ``m·ssm + g·ssg``), ``q = x / s`` in e4m3 (stored as bytes, rows of ``K``)."""
         m = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1)
-        kk = g * BLOCK_K + tl.arange(0, BLOCK_K)
+        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        kk = g[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
         km = kk < K
         x = tl.load(x_ptr + m * sxm + kk, mask=km, other=0.0).to(tl.float32)
-        sa = tl.maximum(tl.max(tl.abs(x), 0), 1e-30) / 448.0
-        q = e4m3(x / sa, EXACT).to(tl.uint8, bitcast=True)
+        sa = tl.maximum(tl.max(tl.abs(x), 1), 1e-30) / 448.0
+        q = e4m3(x / sa[:, None], EXACT).to(tl.uint8, bitcast=True)
         tl.store(q_ptr + m * K + kk, q, mask=km)
-        tl.store(s_ptr + m * G + g, sa)
+        tl.store(s_ptr + m * ssm + g * ssg, sa, mask=g < G)
 
-    @triton.jit
-    def _fp8_linear_kernel(
-        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, xs_ptr, M, N, K, sxm, BO, BI, NBI, KSPLIT, G,
-        HAS_BIAS: tl.constexpr, QUANT_A: tl.constexpr, A_FP8: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-        EXACT: tl.constexpr,
+    @triton.jit(do_not_specialize=["M"])       # the batch changes every step
+    def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, BO, BI, NBI, KSPLIT,
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+        """Weight-only ``y[m, n] = Σ_k x[m, k] q[n, k] S↑[n, k]`` for this program's column tile
+        and K range, in steps of ``UNROLL`` K tiles ``[BLOCK_N, UNROLL, BLOCK_K]`` (one weight
+        scale each): elementwise fp32 accumulation, reduced once at the end.  The next step's
+        weight tile is loaded before this step's multiply (one step of prefetch)."""
+        pid_n = tl.program_id(0)
+        m = tl.program_id(1).to(tl.int64)
+        pid_k = tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = rn < N
+        srow = (rn // BO) * NBI
+        ru = tl.arange(0, UNROLL)
+        kt = ru[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]          # [UNROLL, BLOCK_K] of a step
+        wptr = w_ptr + rn.to(tl.int64)[:, None, None] * K + kt[None, :, :]
+        acc = tl.zeros([BLOCK_N, UNROLL, BLOCK_K], tl.float32)
+        k_lo = pid_k * KSPLIT
+        k_hi = tl.minimum(K, k_lo + KSPLIT)
+        STEP: tl.constexpr = BLOCK_K * UNROLL
+        wn = tl.load(wptr + k_lo, mask=nm[:, None, None] & (k_lo + kt < k_hi)[None, :, :], other=0.0)
+        for k0 in range(k_lo, k_hi, STEP):
+            w = wn
+            wn = tl.load(wptr + (k0 + STEP), mask=nm[:, None, None] & (k0 + STEP + kt < k_hi)[None, :, :], other=0.0)
+            xv = tl.load(x_ptr + m * sxm + k0 + kt, mask=k0 + kt < k_hi, other=0.0).to(tl.float32)
+            ws = tl.load(s_ptr + srow[:, None] + tl.minimum((k0 + ru * BLOCK_K) // BI, NBI - 1)[None, :],
+                         mask=nm[:, None], other=0.0)                      # past K: w is 0
+            acc += w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (xv[None, :, :] * ws[:, :, None])
+        y = tl.sum(tl.sum(acc, 2), 1)
+        if SPLIT:
+            tl.store(y_ptr + (pid_k.to(tl.int64) * M + m) * N + rn, y, mask=nm)
+        else:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)
+            tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nm)
+
+    @triton.jit(do_not_specialize=["M"])       # the batch changes every step
+    def _dot_kernel(
+        a_ptr, w_ptr, s_ptr, b_ptr, y_ptr, as_ptr, M, N, K, sam, BO, BI, NBI, KSPLIT, G,
+        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        PREC: tl.constexpr, EXACT: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)          # split-K: this program's K range, partial sums to y[pid_k]
+        """``MODE`` 0: weight-only (e4m3 tile widened to ``a``'s dtype); 1: activations
+        quantized per token and K tile here; 2: activations already e4m3 bytes with scales
+        ``as [M, G]``."""
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)          # split-K: this program's K range
+        grid_m = tl.cdiv(M, BLOCK_M)
+        grid_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * grid_n
+        first_m = (pid // width) * GROUP_M
+        gsize = tl.minimum(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % gsize
+        pid_n = (pid % width) // gsize
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mm = rm < M
         nm = rn < N
         srow = (rn // BO) * NBI
+        arow = a_ptr + rm.to(tl.int64)[:, None] * sam
+        wcol = w_ptr + rn.to(tl.int64)[None, :] * K
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         k_lo = pid_k * KSPLIT
         for k0 in range(k_lo, tl.minimum(K, k_lo + KSPLIT), BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < K
-            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + kk[None, :], mask=mm[:, None] & km[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + kk[:, None], mask=km[:, None] & nm[None, :],
-                        other=0).to(tl.float8e4nv, bitcast=True)
+            a = tl.load(arow + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            w = tl.load(wcol + kk[:, None], mask=km[:, None] & nm[None, :], other=0.0).to(tl.float8e4nv, bitcast=True)
             ws = tl.load(s_ptr + srow + k0 // BI, mask=nm, other=0.0)
-            if A_FP8:   # activations quantized beforehand (_act_quant_kernel): bytes + one scale per group
-                aq = a.to(tl.float8e4nv, bitcast=True)
-                sa = tl.load(xs_ptr + rm.to(tl.int64) * G + k0 // BLOCK_K, mask=mm, other=0.0)
-                acc += tl.dot(aq, w) * (sa[:, None] * ws[None, :])
-            elif QUANT_A:
+            if MODE == 2:
+                sa = tl.load(as_ptr + rm.to(tl.int64) * G + k0 // BLOCK_K, mask=mm, other=0.0)
+                acc += tl.dot(a.to(tl.float8e4nv, bitcast=True), w) * (sa[:, None] * ws[None, :])
+            elif MODE == 1:
                 af = a.to(tl.float32)
                 sa = tl.maximum(tl.max(tl.abs(af), 1), 1e-30) / 448.0
-                aq = e4m3(af / sa[:, None], EXACT)
-                acc += tl.dot(aq, w) * (sa[:, None] * ws[None, :])
+                acc += tl.dot(e4m3(af / sa[:, None], EXACT), w) * (sa[:, None] * ws[None, :])
             else:
                 acc += tl.dot(a, w.to(tl.float32).to(a.dtype), input_precision=PREC) * ws[None, :]
-        if HAS_BIAS:
+        if SPLIT:
+            y_ptr += pid_k.to(tl.int64) * M * N
+        elif HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
-        y_ptr += pid_k.to(tl.int64) * M * N
         tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mm[:, None] & nm[None, :])
 
+    @triton.jit(do_not_specialize=["MN"])
+    def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, S, MN, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        """``y = Σ_s p[s] (+ b)`` over the ``S`` partial sums, in order (fixed rounding)."""
+        o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        om = o < MN
+        acc = tl.zeros([BLOCK], tl.float32)
+        for _ in range(0, S):
+            acc += tl.load(p_ptr + o, mask=om, other=0.0)
+            p_ptr += MN
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + o % N, mask=om, other=0.0).to(tl.float32)
+        tl.store(y_ptr + o, acc.to(y_ptr.dtype.element_ty), mask=om)
 
-def _tiles(M: int, N: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` from the shapes: narrow column tiles for
-    decode (many programs streaming the weight), square ones for prefill."""
-    if M <= 16:
-        return 16, (32 if N <= 8192 else 64), 4, 4
-    if M <= 64:
-        return next_pow2(M), 64, 4, 4
-    return 128, 128, 8, 3
+
+def _auto_split(device, programs: int, k_tiles: int, M: int, N: int, K: int) -> int:
+    """K splits for a launch of ``programs`` tiles, by a byte model of the memory-bound GEMM:
+    ``S`` minimizing ``(N·K + 8·S·M·N + [S > 1]·2 MB) / min(1, S·programs / SMs)`` — the
+    weight plus the fp32 partial sums (written and read) and the summing launch, over the
+    share of SMs busy; each split at least 4 K tiles long, at most 16."""
+    sms = persistent_programs(device, 1 << 30, 1) if device.type == "cuda" else 1
+    best, best_cost = 1, None
+    for S in range(1, max(1, min(16, k_tiles // 4)) + 1):
+        cost = (N * K + 8 * S * M * N + (2e6 if S > 1 else 0)) / min(1.0, S * programs / sms)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = S, cost
+    return best
 
 
-def _split_k(device, programs: int, K: int, BK: int) -> int:
-    """K splits for a launch of ``programs`` tiles: enough for about two programs per SM
-    (decode shapes with few column tiles), each split at least 4 K tiles long."""
-    want = persistent_programs(device, 1 << 30, 2) if device.type == "cuda" else 1
-    tiles = -(-K // BK)
-    return max(1, min(-(-want // max(programs, 1)), tiles // 4, 16))
+def _block_mm_ok(x2: Tensor, weight: Tensor, block) -> bool:
+    """``torch._scaled_mm`` with 1×128 activation and 128×128 weight scales applies (whole K
+    blocks only; other shapes take the Triton ``dot`` kernel)."""
+    return (block is not None and tuple(block) == (128, 128) and x2.is_cuda
+            and x2.dtype in (torch.bfloat16, torch.float16) and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 128 == 0 and hasattr(torch, "_scaled_mm"))
 
 
 def _scaled_mm_ok(x: Tensor, weight: Tensor, block) -> bool:
@@ -162,13 +327,65 @@ def _scaled_mm(x2: Tensor, weight: Tensor, scale: Tensor, bias, input_scale) -> 
     return y if bias is None else y + bias
 
 
+def _quantize_rows(x2: Tensor, BK: int, scale_rows_major: bool = True, rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(q [R, K] bytes, s_a [R, G])`` of the per-token-group scheme (groups of ``BK``) for
+    ``R = rows`` (default ``M``; rows past ``M`` are zeros with scale 1);
+    ``scale_rows_major=False`` stores ``s_a`` as the transpose of a ``[G, R]`` buffer."""
+    M, K = x2.shape
+    R = M if rows is None else rows
+    G = -(-K // BK)
+    q = torch.empty(R, K, dtype=torch.uint8, device=x2.device)
+    if scale_rows_major:
+        s, ssm, ssg = torch.empty(R, G, dtype=torch.float32, device=x2.device), G, 1
+    else:
+        s, ssm, ssg = torch.empty(G, R, dtype=torch.float32, device=x2.device).t(), 1, R
+    GR = min(4, next_pow2(G))
+    _act_quant_kernel[(M, -(-G // GR))](x2, q, s, K, G, x2.stride(0), ssm, ssg, BLOCK_K=BK, GROUPS=GR,
+                                        EXACT=interpreting(), num_warps=4 if GR * BK >= 512 else 2)
+    if R > M:
+        q[M:].zero_()
+        s[M:].fill_(1.0)
+    return q, s
+
+
+def _cublas_block(x2: Tensor, weight: Tensor, scale: Tensor, bias) -> Tensor:
+    """Block-scaled ``torch._scaled_mm``: 1×128 activation groups (outer-dim-major scales;
+    rows padded to a multiple of 16 with zeros), the 128×128 weight scales transposed; bf16
+    output."""
+    M = x2.shape[0]
+    q, sa = _quantize_rows(x2, 128, scale_rows_major=False, rows=-(-M // 16) * 16)
+    y = torch._scaled_mm(q.view(FP8), weight.t(), scale_a=sa, scale_b=scale.float().t(),
+                         out_dtype=torch.bfloat16)[:M]
+    y = y if bias is None else y + bias
+    return y.to(x2.dtype)
+
+
+def resolve(M: int, dtype: torch.dtype, act_quant: bool | None = None, config: GemmConfig | None = None) -> GemmConfig:
+    """The launch for ``M`` rows of ``dtype``: ``config`` (default :func:`config_for`), with
+    ``act_quant`` enforced (None: the config's; the default table's never for float32 inputs)."""
+    cfg = config or config_for(M)
+    if act_quant is not None:
+        act = bool(act_quant)
+    else:
+        act = cfg.act_quant and (config is not None or dtype not in (torch.float32, torch.float64))
+    if act and cfg.kernel == "gemv":
+        cfg = _ACT_DECODE
+    if not act and cfg.kernel == "cublas":
+        cfg = _dot_fallback(False)
+    if cfg.kernel == "dot" and cfg.act_quant != act:
+        cfg = replace(cfg, act_quant=act)
+    return cfg
+
+
 def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None, *, block=None,
-           input_scale: Tensor | None = None, act_quant: bool | None = None, block_m: int | None = None,
-           block_n: int | None = None, num_warps: int | None = None, split_k: int | None = None) -> Tensor:
+           input_scale: Tensor | None = None, act_quant: bool | None = None, config: GemmConfig | None = None,
+           block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+           split_k: int | None = None) -> Tensor:
     """Kernel form of :func:`replayssm.ops.fp8.naive.linear` (same arguments and result up to
-    rounding).  Kernel-only keywords: ``act_quant`` (default for bf16/fp16: FP8 activations,
-    dynamic per-token groups; False: weight-only), ``block_m``, ``block_n``, ``num_warps``,
-    ``split_k`` (K ranges summed in fp32 afterwards, in a fixed order; default from the shape)."""
+    rounding).  Kernel-only keywords: ``config`` (a :class:`GemmConfig`; default from the
+    shape), ``act_quant`` (True: FP8 activations, per-token groups of the K tile; False:
+    weight-only; None: the config's), and overrides of the config's ``block_m``, ``block_n``,
+    ``num_warps``, ``split_k`` (K ranges summed in fp32 afterwards, in a fixed order)."""
     if weight.dtype != FP8 or weight.dim() != 2:
         raise ValueError(f"weight must be float8_e4m3fn [out, in], got {weight.dtype} {tuple(weight.shape)}")
     N, K = weight.shape
@@ -177,45 +394,83 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     want = () if block is None else scale_grid(weight.shape, block)
     if tuple(scale.shape) != tuple(want):
         raise ValueError(f"scale has shape {tuple(scale.shape)}, expected {want} (block {block})")
-    BK = k_tile(block)
-    if BK is None:
+    BKW = k_tile(block)
+    if BKW is None:
         raise ValueError(f"block {block}: the kernel needs a column block divisible by 16")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    if act_quant is not False and _scaled_mm_ok(x2, weight, block) and block_m is None:
+    explicit = config is not None or block_m is not None
+    cfg = resolve(M, x.dtype, act_quant, config)
+    over = {k: v for k, v in (("block_m", block_m), ("block_n", block_n), ("num_warps", num_warps),
+                              ("split_k", split_k)) if v is not None}
+    if "block_m" in over:
+        over["block_m"] = max(16, next_pow2(over["block_m"]))
+    if "block_n" in over:
+        over["block_n"] = max(1 if cfg.kernel == "gemv" else 16, next_pow2(over["block_n"]))
+    cfg = replace(cfg, **over) if over else cfg
+    if cfg.act_quant and _scaled_mm_ok(x2, weight, block) and (cfg.kernel == "cublas" or (M >= PREQUANT_M and not explicit)):
         return _scaled_mm(x2, weight, scale, bias, input_scale).reshape(*lead, N)
     if M == 0:
         return torch.empty(*lead, N, dtype=x.dtype, device=x.device)
-    bm, bn, warps, stages = _tiles(M, N)
-    BM = max(16, next_pow2(block_m)) if block_m else bm
-    BN = max(16, next_pow2(block_n)) if block_n else bn
+    if cfg.kernel == "cublas":
+        if _block_mm_ok(x2, weight, block):
+            return _cublas_block(x2, weight, scale, bias).reshape(*lead, N)
+        cfg = _dot_fallback(True)
+    if cfg.kernel == "gemv" and M > GRID_YZ_MAX:
+        cfg = _dot_fallback(False)
     BO, BI = (_HUGE, _HUGE) if block is None else (int(block[0]), int(block[1]))
     NBI = 1 if block is None else want[1]
-    quant = act_quant if act_quant is not None else x.dtype != torch.float32
-    grid_mn = -(-M // BM) * -(-N // BN)
-    S = max(1, int(split_k)) if split_k else _split_k(x.device, grid_mn, K, BK)
-    KS = -(-(-(-K // BK)) // S) * BK               # K per split, whole tiles
-    S = -(-K // KS)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device) if S == 1 else \
-        torch.empty(S, M, N, dtype=torch.float32, device=x.device)
-    G = -(-K // BK)
-    pre = bool(quant) and M >= PREQUANT_M          # many row tiles: quantize each row group once
-    a, xs, sxa = x2, y, x2.stride(0)
-    if pre:
-        a = torch.empty(M, K, dtype=torch.uint8, device=x.device)
-        xs = torch.empty(M, G, dtype=torch.float32, device=x.device)
-        _act_quant_kernel[(M, G)](x2, a, xs, K, x2.stride(0), G, BLOCK_K=BK, EXACT=interpreting(),
-                                  num_warps=1 if BK <= 64 else 2)
-        sxa = K
-    _fp8_linear_kernel[(-(-M // BM), -(-N // BN), S)](
-        a, weight.view(torch.uint8), scale.float().contiguous(), bias if bias is not None else y, y, xs,
-        M, N, K, sxa, BO, BI, NBI, KS, G, HAS_BIAS=bias is not None and S == 1, QUANT_A=bool(quant),
-        A_FP8=pre, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        EXACT=interpreting(), num_warps=num_warps or warps, num_stages=stages)
+    s32 = scale if scale.dtype == torch.float32 and scale.is_contiguous() else scale.float().contiguous()
+    # e4m3 operands go in as float8 pointers (tensor cores read them from shared memory as
+    # they are); the CPU interpreter has no float8 arrays: bytes there, bit-cast in the kernel
+    wq = weight.view(torch.uint8) if interpreting() else weight
+    if cfg.kernel == "gemv":
+        BK = min(cfg.block_k, BKW)
+        step = BK * cfg.unroll
+        BN = cfg.block_n
+        programs = -(-N // BN) * M
+        S = cfg.split_k or _auto_split(x.device, programs, -(-K // BK), M, N, K)
+        KS = -(-(-(-K // step)) // S) * step
+        S = -(-K // KS)
+        y = _out(M, N, S, x)
+        _gemv_kernel[(-(-N // BN), M, S)](
+            x2, wq, s32, bias if bias is not None else y, y, M, N, K, x2.stride(0),
+            BO, BI, NBI, KS, HAS_BIAS=bias is not None, SPLIT=S > 1, BLOCK_N=BN, BLOCK_K=BK,
+            UNROLL=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        BK = BKW if cfg.act_quant else min(cfg.block_k, BKW)   # FP8 activations: groups of the K tile
+        BM, BN = cfg.block_m, cfg.block_n
+        grid_mn = -(-M // BM) * -(-N // BN)
+        S = cfg.split_k or _auto_split(x.device, grid_mn, -(-K // BK), M, N, K)
+        KS = -(-(-(-K // BK)) // S) * BK               # K per split, whole tiles
+        S = -(-K // KS)
+        y = _out(M, N, S, x)
+        G = -(-K // BK)
+        mode = 0 if not cfg.act_quant else (2 if cfg.prequant else 1)
+        a, xs, sa = x2, y, x2.stride(0)
+        if mode == 2:
+            a, xs = _quantize_rows(x2, BK)
+            a, sa = (a if interpreting() else a.view(FP8)), K
+        _dot_kernel[(grid_mn, S)](
+            a, wq, s32, bias if bias is not None else y, y, xs,
+            M, N, K, sa, BO, BI, NBI, KS, G, HAS_BIAS=bias is not None, SPLIT=S > 1, MODE=mode,
+            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m,
+            PREC="ieee" if x.dtype == torch.float32 else "tf32", EXACT=interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if S > 1:
-        y = y.sum(0) if bias is None else y.sum(0) + bias.float()
-        y = y.to(x.dtype)
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        BLOCK = 1024
+        _splitk_sum_kernel[(-(-(M * N) // BLOCK),)](y, bias if bias is not None else out, out, S, M * N, N,
+                                                     HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4)
+        y = out
     return y.reshape(*lead, N)
+
+
+def _out(M: int, N: int, S: int, x: Tensor) -> Tensor:
+    """The kernel's output: ``y [M, N]`` in ``x``'s dtype, or fp32 partial sums ``[S, M, N]``."""
+    if S == 1:
+        return torch.empty(M, N, dtype=x.dtype, device=x.device)
+    return torch.empty(S, M, N, dtype=torch.float32, device=x.device)

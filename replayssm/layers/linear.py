@@ -7,9 +7,10 @@
   (``W ≈ q ⊙ S↑``);
 * per-tensor: ``weight_scale []`` and, with a static activation scale, ``input_scale []``.
 
-The FP8 forward goes through ``kernels.dispatch.ops_for("fp8").linear``: the Triton
-block-scaled GEMM on CUDA (activations quantized per token group on the fly), the
-reference (dequantize, then ``F.linear``) on the CPU and in float64.
+The FP8 forward goes through ``kernels.dispatch.ops_for("fp8").linear``: on CUDA the FP8
+GEMM of ``kernels.fp8_gemm`` (launch by row count: weight-only GEMV for decode, FP8
+activations quantized per token group on tensor cores above), the reference (dequantize,
+then ``F.linear``) on the CPU and in float64.
 """
 
 from __future__ import annotations

@@ -74,6 +74,119 @@ def test_fp8_linear_act_quant_on_random_activations(rows):
     assert _rel(got.cpu(), Q.linear(x.double(), q, s, block=(32, 128))) < 0.08     # e4m3: 3 mantissa bits
 
 
+_CONFIGS = [
+    KF.GemmConfig("gemv", act_quant=False, block_n=8, block_k=32, unroll=2),
+    KF.GemmConfig("gemv", act_quant=False, block_n=16, block_k=64, unroll=1, split_k=2),
+    KF.GemmConfig("dot", act_quant=False, block_m=16, block_n=16, block_k=32, group_m=2),
+    KF.GemmConfig("dot", act_quant=False, block_m=32, block_n=16, split_k=3),
+    KF.GemmConfig("dot", act_quant=True, prequant=False, block_m=16, block_n=32),
+    KF.GemmConfig("dot", act_quant=True, prequant=True, block_m=32, block_n=16, group_m=3, split_k=2),
+]
+
+
+@pytest.mark.parametrize("block", [(32, 64), None])
+@pytest.mark.parametrize("M_", [1, 3, 17, 64, 65, 200])
+def test_fp8_linear_every_config_matches_reference(M_, block, nan_empty):
+    """Every kernel (gemv, dot weight-only / FP8 activations in-tile / quantized beforehand,
+    split-K) on odd shapes (N=37, K=150: neither a multiple of any tile), with bias, against
+    the float64 reference of its scheme: weight-only -> ``linear``; FP8 activations ->
+    ``linear_act_quant`` with groups of the weight's K tile (64 for block (32, 64), 128
+    per-tensor).  Outputs start as NaN, so every element must be written."""
+    g = torch.Generator().manual_seed(7 * M_ + (block is None))
+    N, K = 37, 150
+    w = torch.randn(N, K, generator=g) * torch.linspace(0.2, 2, K)
+    q, s = Q.quantize_tensor(w) if block is None else Q.quantize_block(w, block)
+    x = torch.randn(M_, K, generator=g)
+    b = torch.randn(N, generator=g)
+    ref = Q.linear(x.double(), q, s, b.double(), block=block)
+    group = KF.k_tile(block)
+    ref_act = Q.linear_act_quant(x.double(), q, s, b.double(), block=block, group=group).double()
+    d = lambda t: t.to(DEVICE)
+    for cfg in _CONFIGS:
+        if cfg.kernel == "gemv" and M_ > 17:       # the decode kernel: a program per row (slow here)
+            continue
+        got = KF.linear(d(x), d(q), d(s), d(b), block=block, config=cfg)
+        assert got.shape == (M_, N) and got.dtype == torch.float32
+        assert _rel(got.cpu(), ref_act if cfg.act_quant else ref) < 1e-5, cfg.name()
+
+
+@pytest.mark.parametrize("M_", [1, 17])
+def test_fp8_linear_default_config_bf16(M_):
+    """bf16 activations through the default table (M=1: gemv, weight-only, the reference's
+    scheme; M=17: FP8 activations, the dynamic scheme), leading dims kept."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(40, 256, generator=g)
+    q, s = Q.quantize_block(w, (128, 128))
+    x = torch.randn(M_, 1, 256, generator=g).bfloat16()
+    got = KF.linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), block=(128, 128))
+    assert got.shape == (M_, 1, 40) and got.dtype == torch.bfloat16
+    cfg = KF.resolve(M_, torch.bfloat16)
+    ref = (Q.linear_act_quant(x.double(), q, s, block=(128, 128), group=128) if cfg.act_quant
+           else Q.linear(x.double(), q, s, block=(128, 128)))
+    assert _rel(got.cpu(), ref) < 1e-2                       # the bf16 rounding of the output
+
+
+@pytest.mark.parametrize("rows_major", [True, False])
+def test_fp8_activation_quantization_pass(rows_major):
+    """The quantization pass (prefill / ``cublas`` input): bytes and scales equal the float64
+    scheme's, scales in either layout (row-major, or the transpose of ``[G, M]`` that block-
+    scaled ``_scaled_mm`` reads, rows padded to 16); K (300) not a multiple of the group, 5
+    groups, 4 per program."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 300, generator=g) * torch.linspace(0.01, 30, 300)
+    q, s = KF._quantize_rows(x.to(DEVICE), 64, rows_major, rows=None if rows_major else 16)
+    R = 7 if rows_major else 16                                  # rows padded (zeros, scale 1)
+    assert s.shape == (R, 5) and s.stride() == ((5, 1) if rows_major else (1, 16))
+    rq, rs = Q.quantize_groups(x.double(), 64)
+    assert torch.equal(s[:7].cpu(), rs) and bool((s[7:] == 1).all()) and not bool(q[7:].any())
+    assert torch.equal(q[:7].cpu().view(Q.FP8).float(), rq.float())
+
+
+def test_fp8_cublas_config_falls_back():
+    """A ``cublas`` launch where block-scaled ``_scaled_mm`` does not apply (float32
+    activations; on the CPU, not CUDA either) runs the Triton FP8-activation launch: the
+    dynamic scheme's result."""
+    g = torch.Generator().manual_seed(6)
+    q, s = Q.quantize_block(torch.randn(24, 256, generator=g), (128, 128))
+    x = torch.randn(3, 256, generator=g)
+    got = KF.linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), block=(128, 128), config=KF.GemmConfig("cublas"))
+    assert _rel(got.cpu(), Q.linear_act_quant(x.double(), q, s, block=(128, 128), group=128)) < 1e-5
+
+
+def test_fp8_auto_split(monkeypatch):
+    """K splits from the byte model (132 SMs): none with a program per SM already; enough to
+    fill the SMs while the partial sums are small (decode row); fewer where they would cost
+    more than the SMs they fill; each split >= 4 K tiles."""
+    monkeypatch.setattr(KF, "persistent_programs", lambda device, work, per_sm: 132)
+    cuda = torch.device("cuda")
+    assert KF._auto_split(cuda, 200, 25, 1, 12544, 3136) == 1           # a program per SM already
+    assert KF._auto_split(cuda, 16, 98, 1, 2048, 12544) == 9            # M=1: fill the SMs
+    assert KF._auto_split(cuda, 49, 98, 64, 3136, 12544) == 3           # down_proj at B=64
+    assert KF._auto_split(cuda, 16, 24, 64, 1024, 3136) == 6            # 4 K tiles per split at least
+    assert KF._auto_split(cuda, 100, 16, 2048, 1000, 2048) == 1         # partials would dwarf the weight
+    assert KF._auto_split(torch.device("cpu"), 1, 100, 1, 64, 10000) == 1
+
+
+def test_fp8_config_table_and_validation(monkeypatch):
+    assert KF.config_for(1) is KF.CONFIGS[min(KF.CONFIGS)]
+    bounds = sorted(KF.CONFIGS)
+    for lo, hi in zip(bounds, bounds[1:]):
+        assert KF.config_for(lo + 1) is KF.CONFIGS[hi] and KF.config_for(hi) is KF.CONFIGS[hi]
+    gemv = KF.GemmConfig("gemv", act_quant=False, block_n=4)
+    assert KF.resolve(1, torch.bfloat16, config=gemv) is gemv
+    assert KF.resolve(1, torch.bfloat16, act_quant=True, config=gemv).kernel == "dot"    # gemv is weight-only
+    assert not KF.resolve(300, torch.float32).act_quant                                  # fp32: weight-only
+    assert KF.resolve(300, torch.float32, act_quant=True).act_quant
+    assert KF.resolve(300, torch.bfloat16, act_quant=False, config=KF.GemmConfig("cublas")).kernel == "dot"
+    monkeypatch.setitem(KF.CONFIGS, KF.ANY_M, KF.GemmConfig("cublas"))      # a table whose prefill is cublas
+    fb = KF.resolve(5000, torch.bfloat16, act_quant=False)
+    assert fb.kernel == "dot" and not fb.act_quant and fb.block_m == 128
+    for bad in (dict(kernel="tiles"), dict(kernel="gemv"), dict(block_n=48), dict(block_m=8),
+                dict(num_warps=3), dict(split_k=-1), dict(unroll=0), dict(unroll=3)):
+        with pytest.raises(ValueError):
+            KF.GemmConfig(**bad)
+
+
 def test_fp8_linear_bad_input():
     q, s = Q.quantize_block(torch.randn(8, 32), (8, 16))
     with pytest.raises(ValueError, match="scale has shape"):

@@ -14,7 +14,9 @@ grid, concatenated), per-tensor scales ``[E, parts]``.
 Activations (the GPU kernels' dynamic scheme) are quantized per token and group of ``g``
 channels: ``a ≈ s_a · q_a`` with ``s_a = amax(|a_grp|) / 448``.  The reference
 :func:`linear` and :func:`dequantize_experts` dequantize the weights only (in the compute
-dtype of the activations, float64 for float64) and leave activations as they are.
+dtype of the activations, float64 for float64) and leave activations as they are: the
+scheme of the GPU GEMM's weight-only launches (``gemv``, decode).  :func:`linear_act_quant`
+is the float64 reference of its FP8-activation launches (``dot``, ``cublas``).
 """
 
 from __future__ import annotations
