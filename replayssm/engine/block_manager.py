@@ -220,9 +220,13 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s slot (cache rows reset, KV blocks returned) and its bytes, or the
-        host copy of a swapped-out one."""
+        host copy of a swapped-out one.  With prefix caching the state after its prompt and
+        reply is cached first (``PrefixCache.capture_end``)."""
         if self.prefix is not None:
-            self.prefix.finish(seq)
+            try:
+                self.prefix.capture_end(seq)
+            finally:
+                self.prefix.finish(seq)
         if seq.slot is not None:
             self.cache.release(torch.tensor([seq.slot], dtype=torch.long, device=self.cache.device))
             self.free_slots.append(seq.slot)

@@ -156,7 +156,9 @@ def test_layout_measures_the_prefix_store(ours):
     a = model.make_cache(3, spec, prefix_blocks=5, prefix_checkpoints=2)
     b = model.make_cache(3, spec, prefix_blocks=7, prefix_checkpoints=5)
     assert b.nbytes() - a.nbytes() == 2 * lay.prefix_block_bytes + 3 * lay.checkpoint_bytes
-    assert lay.checkpoint_bytes == lay.state_bytes
+    # a checkpoint row: the states plus the conv windows (a state point's, ``ckpt_window``)
+    wins = sum(st["conv"].window[0].nbytes for st in a.layers.values() if "conv" in st)
+    assert lay.checkpoint_bytes == lay.state_bytes + wins
     assert lay.prefix_block_bytes >= BS * lay.entry_bytes > 0
 
 
