@@ -307,7 +307,8 @@ def _prepare(cache, slot: int, length: int, chain, attn=(), checkpoint=None, *, 
         raise ValueError(f"a prefix of {length} tokens spans {nblk} blocks of {bs}, got {len(chain)} store blocks")
     for b in chain:
         table.check_block(b)
-    c, row = (0, None) if checkpoint is None else (int(checkpoint[0]), int(checkpoint[1]))
+    c, row = (0, None) if checkpoint is None else (int(checkpoint[0]), None if checkpoint[1] is None
+                                                   else int(checkpoint[1]))
     point = checkpoint is not None and len(checkpoint) > 2 and bool(checkpoint[2])
     if point:
         if c != length:
@@ -316,8 +317,8 @@ def _prepare(cache, slot: int, length: int, chain, attn=(), checkpoint=None, *, 
         raise ValueError(f"checkpoint position {c} must be a multiple of {bs} in [0, {length}]")
     if row is not None:
         table.check_checkpoint(row)
-    elif point:
-        raise ValueError("a state point needs its checkpoint row")
+    elif point or c:
+        raise ValueError(f"a checkpoint at {c} needs its row")
     full = length // bs
     if cache.attn is not None:
         if len(attn) != nblk:
