@@ -53,3 +53,156 @@ def test_next_turn_resumes_at_the_end_of_the_reply(loaded, expected, arch, mode)
     s = llm.prefix_stats()
     assert s["prefix_states_saved"] == 3 and s["prefix_state_hits"] == 2
     assert llm.scheduler.reserved == 0 and all(b.ref == 0 for b in llm.prefix_cache.index._by_hash.values())
+
+
+def _poison_store(llm):
+    """NaN in every store row, checkpoint row (null rows kept) and free attention block
+    before use, and in every row freed later: a read of a row nothing wrote shows."""
+    cache = llm.cache
+    bs = cache.spec.block_size
+    for st in cache.layers.values():
+        if "prefix" in st:
+            for t in st["prefix"].token_tensors():
+                t[bs:] = float("nan")
+            st["prefix"].ckpt[1:] = float("nan")
+            st["prefix"].ckpt_window[1:] = float("nan")
+    if cache.attn is not None:
+        free = torch.tensor(cache.attn._free, dtype=torch.long)
+        for st in cache.layers.values():
+            if "k" in st:
+                st["k"][free] = float("nan")
+                st["v"][free] = float("nan")
+    _poison_frees(llm)
+
+
+@pytest.mark.parametrize("arch,mode", [("mamba2", "replay"), ("qwen3_next", "kv"), ("nemotron_h", "auto"),
+                                       ("nemotron_h", "recurrent")])
+def test_poisoned_store_rows_are_never_read(loaded, expected, arch, mode):
+    """Every store row, checkpoint row and attention block is NaN until written (and again
+    when freed): reply blocks keep no entries, and none is read; output stays exact."""
+    llm = _llm(loaded[arch], mode)
+    _poison_store(llm)
+    hits = _chat(llm, expected, arch, FIRST)
+    assert hits[1] == len(FIRST) + N - 1 and llm.prefix_stats()["prefix_state_hits"] == 2
+    # a second conversation branching off the first one's second turn; a regenerated turn
+    p2 = FIRST + expected(arch, FIRST)[:N] + USER[0]
+    for prompt in (p2 + [40, 41], p2):
+        assert _gen(llm, prompt) == expected(arch, prompt)
+
+
+@pytest.mark.parametrize("arch,method,mode", [("mamba2", "ngram", "replay"), ("mamba2", "draft", "replay"),
+                                              ("nemotron_h", "draft", "kv"), ("qwen3_next", "draft", "auto"),
+                                              ("qwen3_next", "ngram", "replay")])
+def test_speculation(loaded, expected, arch, method, mode):
+    """Verify steps leave rejected entries in the ring past the committed ones: the state
+    point folds only the committed ones.  A reply is cached when the cache holds exactly
+    the tokens before its last one (the last is a step's sampled token); when a step's
+    accepted drafts run past the reply's end the cache is ahead of it and the reply is not
+    cached (counted as skipped); either way output is exact."""
+    m = loaded[arch]
+    draft = loaded["qwen3_next" if arch == "mamba2" else "mamba2"]    # same vocabulary, other weights
+    sp = {"ngram": SpeculativeConfig("ngram", num_tokens=3),
+          "draft": SpeculativeConfig("draft", num_tokens=3, draft_model=draft)}[method]
+    llm = _llm(m, mode, speculative=sp, buffer_size=None)
+    prompt = [5, 6, 7, 8, 9] * 2 + [5, 6, 7]
+    reused, rejected = 0, 0
+    for t in range(4):
+        saved = llm.stats["prefix_states_saved"]
+        before = llm.stats["prefix_hit_tokens"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            o = llm.generate([prompt], SamplingParams(max_tokens=N))[0]
+        assert o.token_ids == expected(arch, prompt), t
+        rejected += o.num_drafted - o.num_accepted
+        if t:
+            assert (llm.stats["prefix_hit_tokens"] - before == last) == bool(last_saved), t
+            reused += bool(last_saved)
+        last, last_saved = len(prompt) + N - 1, llm.stats["prefix_states_saved"] - saved
+        prompt = prompt + o.token_ids + USER[t % len(USER)]
+    assert reused >= 1 and rejected > 0
+    s = llm.prefix_stats()
+    assert s["prefix_states_saved"] + s["prefix_replies_skipped"] == 4
+
+
+@pytest.mark.parametrize("arch,mode", [("mamba2", "replay"), ("qwen3_next", "recurrent"), ("nemotron_h", "kv")])
+def test_16bit_states(loaded, arch, mode):
+    """``ssm_state_dtype="bfloat16"``: the state point is the slot's state rounded once, as a
+    flush rounds it; greedy output is that of the same engine without prefix caching."""
+    m = loaded[arch]
+    llm = _llm(m, mode, ssm_state_dtype="bfloat16")
+    cold = _llm(m, mode, ssm_state_dtype="bfloat16", enable_prefix_caching=False, prefix_checkpoint_interval=None)
+    assert llm.cache.state_dtype == torch.bfloat16
+    prompt = list(FIRST)
+    for t in range(3):
+        out = _gen(llm, prompt)
+        assert out == _gen(cold, prompt), t
+        prompt = prompt + out + USER[t]
+    assert llm.prefix_stats()["prefix_state_hits"] == 2
+
+
+def test_capacity_and_eviction(loaded, expected):
+    """A store of 6 blocks (and its checkpoint rows): conversations longer than the store
+    cache what fits, evicting unreferenced leaves; the index never holds more than the
+    store, every block and row is accounted for, output stays exact (poisoned frees)."""
+    arch = "nemotron_h"
+    llm = _llm(loaded[arch], "replay", prefix_cache_blocks=6)
+    _poison_store(llm)
+    ix = llm.prefix_cache.index
+    other = [(5 * i + 1) % 61 for i in range(9)]
+    for first in (FIRST, other, FIRST):
+        _chat(llm, expected, arch, first, turns=3)
+        assert len(ix) <= 6 and ix.free_blocks + len(ix) == ix.num_blocks
+        rows = [b.ckpt for b in ix._by_hash.values() if b.ckpt is not None]
+        assert len(rows) == len(set(rows)) and len(rows) + len(ix._free_ckpts) == ix.num_checkpoints
+    s = llm.prefix_stats()
+    assert s["prefix_evictions"] > 0 and s["prefix_states_saved"] > 0
+    assert llm.scheduler.reserved == 0 and all(b.ref == 0 for b in ix._by_hash.values())
+    cached_attn = {b.attn for b in ix._by_hash.values()}
+    assert llm.cache.attn.free_blocks == llm.cache.attn.num_blocks - 1 - len(cached_attn)
+
+
+def test_aborted_requests_and_requests_without_output(loaded, expected):
+    """An aborted request with output caches its reply (the tokens its cache holds); one
+    aborted before its prompt is complete, or before any output, caches nothing and holds
+    nothing afterwards; a one-token reply is a state point at the prompt's end."""
+    arch = "nemotron_h"
+    llm = _llm(loaded[arch], "replay", max_num_batched_tokens=5)
+    ix = llm.prefix_cache.index
+    a = llm.add_request(FIRST, SamplingParams(max_tokens=50))
+    while len(a.output_ids) < 4:
+        llm.step()
+    llm.abort(a.request_id)
+    assert llm.prefix_stats()["prefix_states_saved"] == 1
+    nxt = FIRST + a.output_ids + USER[0]
+    before = llm.stats["prefix_hit_tokens"]
+    assert _gen(llm, nxt) == expected(arch, nxt)
+    assert llm.stats["prefix_hit_tokens"] - before == len(FIRST) + len(a.output_ids) - 1
+    saved = llm.prefix_stats()["prefix_states_saved"]
+    other = [(5 * i + 1) % 61 for i in range(14)]
+    b = llm.add_request(other, SamplingParams(max_tokens=N))
+    llm.step()                                            # 5 of 14 prompt tokens
+    assert b.num_prefilled < len(other) and not b.output_ids
+    llm.abort(b.request_id)
+    c = llm.add_request(other + [1], SamplingParams(max_tokens=N))
+    llm.scheduler.schedule()                              # admitted, never run
+    llm.abort(c.request_id)
+    assert llm.prefix_stats()["prefix_states_saved"] == saved
+    assert all(blk.ref == 0 for blk in ix._by_hash.values()) and llm.scheduler.reserved == 0
+    assert ix.free_blocks + len(ix) == ix.num_blocks
+    # one generated token: the cache holds the prompt alone; 13 tokens end in a tail
+    for first in (other[:13], other[:12]):
+        out = _gen(llm, first, n=1)
+        nxt = first + out + [3, 4]
+        before = llm.stats["prefix_hit_tokens"]
+        assert _gen(llm, nxt) == expected(arch, nxt)
+        assert llm.stats["prefix_hit_tokens"] - before == len(first)
+
+
+def test_opt_out_caches_prompts_only(loaded, expected):
+    arch = "mamba2"
+    llm = _llm(loaded[arch], "replay", prefix_cache_replies=False)
+    hits = _chat(llm, expected, arch, FIRST)
+    assert hits[1] == len(FIRST) // BS * BS           # the first prompt's whole blocks only
+    assert llm.prefix_stats()["prefix_states_saved"] == 0
+    with pytest.raises(ValueError, match="prefix_cache_replies"):
+        _llm(loaded[arch], prefix_cache_replies="no")

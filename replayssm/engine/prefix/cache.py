@@ -33,7 +33,8 @@ class PrefixCache:
 
     #: counters kept in ``stats`` (the engine's stats dict: a benchmark resets them with the rest)
     COUNTERS = ("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens", "prefix_blocks_saved",
-                "prefix_blocks_inserted", "prefix_states_saved", "prefix_state_hits", "prefix_state_hit_tokens")
+                "prefix_blocks_inserted", "prefix_states_saved", "prefix_state_hits", "prefix_state_hit_tokens",
+                "prefix_replies_skipped")
 
     def __init__(self, cache, block_size: int, num_blocks: int, num_checkpoints: int, interval: int,
                  on_transfer=None, stats: dict | None = None, cache_replies: bool = True):
@@ -262,7 +263,8 @@ class PrefixCache:
                 or not seq.output_ids or seq.finish_reason == "error" or seq.error is not None):
             return
         L = seq.num_cached
-        if int(self.cache.seq_len[seq.slot]) != L:
+        if int(self.cache.seq_len[seq.slot]) != L:   # a speculative step ran past the reply's end
+            self.stats["prefix_replies_skipped"] += 1
             return
         bs, ix = self.block_size, self.index
         Q, r = divmod(L, bs)
