@@ -206,3 +206,22 @@ def test_opt_out_caches_prompts_only(loaded, expected):
     assert llm.prefix_stats()["prefix_states_saved"] == 0
     with pytest.raises(ValueError, match="prefix_cache_replies"):
         _llm(loaded[arch], prefix_cache_replies="no")
+
+
+def test_reply_hits_reach_the_server_metrics(loaded, expected):
+    pytest.importorskip("prometheus_client")
+    from replayssm.server.metrics import ServerMetrics
+
+    llm = _llm(loaded["mamba2"])
+    hits = _chat(llm, expected, "mamba2", FIRST)
+
+    class Loop:
+        in_flight, step_failures = 0, 0
+
+    metrics = ServerMetrics("tiny")
+    metrics.refresh(llm, Loop())
+    metrics.refresh(llm, Loop())
+    get = lambda name: metrics.registry.get_sample_value(name, {"model_name": "tiny"})  # noqa: E731
+    assert get("replayssm:prefix_cache_hits_total") == sum(hits)          # reply tokens included
+    assert get("replayssm:prefix_cache_reply_hits_total") == hits[1] + hits[2]
+    assert get("replayssm:prefix_cache_replies_total") == 3
