@@ -281,6 +281,8 @@ class LLMEngine:
                 advanced.append(s)
                 self.outputs.append(s, toks, lps)
         finished = list(batch.rejected)
+        if self.prefix_cache is not None:   # the step's finished replies, cached in one call
+            self.prefix_cache.capture_ends([s for s in self.scheduler.running if s.finish_reason is not None])
         for s in list(self.scheduler.running):
             if s.finish_reason is not None:
                 self._finish(s)

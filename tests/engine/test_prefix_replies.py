@@ -225,3 +225,29 @@ def test_reply_hits_reach_the_server_metrics(loaded, expected):
     assert get("replayssm:prefix_cache_hits_total") == sum(hits)          # reply tokens included
     assert get("replayssm:prefix_cache_reply_hits_total") == hits[1] + hits[2]
     assert get("replayssm:prefix_cache_replies_total") == 3
+
+
+@pytest.mark.parametrize("arch,mode", [("nemotron_h", "replay"), ("qwen3_next", "kv")])
+def test_replies_finishing_together_are_saved_in_one_call(loaded, expected, arch, mode):
+    """A step's finished replies are saved in one ``prefix_save_states`` call; two equal
+    conversations in it keep one state point (the second's row and block go back)."""
+    llm = _llm(loaded[arch], mode, max_num_seqs=4)
+    calls = []
+    orig = llm.cache.prefix_save_states
+    llm.cache.prefix_save_states = lambda jobs: (calls.append(len(jobs)), orig(jobs))
+    other = [(5 * i + 1) % 61 for i in range(10)]
+    prompts = [FIRST, other, FIRST]
+    for t in range(3):
+        before = llm.stats["prefix_hit_tokens"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outs = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=N))]
+        assert outs == [expected(arch, p) for p in prompts], t
+        if t:
+            assert llm.stats["prefix_hit_tokens"] - before == sum(len(p) - len(USER[t - 1]) - 1 for p in prompts)
+        prompts = [p + o + USER[t] for p, o in zip(prompts, outs)]
+    assert calls == [3, 3, 3] and llm.stats["prefix_states_saved"] == 6
+    ix = llm.prefix_cache.index
+    assert ix.free_blocks + len(ix) == ix.num_blocks and llm.scheduler.reserved == 0
+    rows = [b.ckpt for b in ix._by_hash.values() if b.ckpt is not None]
+    assert len(rows) + len(ix._free_ckpts) == ix.num_checkpoints

@@ -18,6 +18,7 @@ class SeqPrefix:
     load: Match | None = None                      # the hit to resume before the first prefill
     hit: int = 0                                   # prompt tokens resumed from the cache
     stopped: bool = False                          # no further block of this prompt is captured
+    ended: bool = False                            # its reply was captured (capture_ends)
 
 
 class PrefixCache:
@@ -248,33 +249,80 @@ class PrefixCache:
 
     # -- end -------------------------------------------------------------------------------
     def capture_end(self, seq) -> None:
-        """Cache ``seq``'s state after its prompt and reply as it finishes (before its slot is
-        freed): the ``L = prompt + output - 1`` tokens its cache holds (the last sampled token
-        was never fed).  Its chain is extended by state-only blocks (tokens and, hybrids, the
-        slot's attention blocks; no entries: decode steps capture none) up to ``L``, and the
-        state point at ``L`` (a state-only block ending there, or a tail of ``L mod bs``
-        tokens) gets a checkpoint row holding the slot's state and conv window
-        (``cache.prefix_save_states``).  Store blocks and checkpoint rows come from the index
-        (evicting unreferenced leaves; none free: caches less or nothing).  Skipped when the
-        prompt is not complete, nothing was generated, the request failed, or the cache holds
-        other tokens than the sequence (tokens dropped after a stop string)."""
-        st: SeqPrefix = seq.prefix
-        if (not self.cache_replies or st is None or st.load is not None or seq.slot is None or seq.prefilling
-                or not seq.output_ids or seq.finish_reason == "error" or seq.error is not None):
+        """:meth:`capture_ends` of one sequence."""
+        self.capture_ends([seq])
+
+    def capture_ends(self, seqs) -> None:
+        """Cache each finishing sequence's state after its prompt and reply (before its slot
+        is freed; all of a step's in one ``cache.prefix_save_states`` call): the ``L =
+        prompt + output - 1`` tokens its cache holds (the last sampled token was never fed).
+        Its chain is extended by state-only blocks (tokens and, hybrids, the slot's
+        attention blocks; no entries: decode steps capture none) up to ``L``, and the state
+        point at ``L`` (the state-only block ending there, or a tail of ``L mod bs`` tokens)
+        gets a checkpoint row holding the slot's state and conv window.  Store blocks and
+        checkpoint rows come from the index (evicting unreferenced leaves; none free: less or
+        nothing is cached).  Skipped: a sequence captured already, whose prompt is not
+        complete, that produced nothing or failed, or whose cache holds other tokens than
+        its own (a speculative step ran past its end: counted in ``prefix_replies_skipped``)."""
+        todo = []
+        for seq in seqs:
+            st: SeqPrefix = seq.prefix
+            if (not self.cache_replies or st is None or st.ended or st.load is not None or seq.slot is None
+                    or seq.prefilling or not seq.output_ids or seq.finish_reason == "error" or seq.error is not None):
+                continue
+            st.ended = True
+            job = self._extend(seq, st)
+            if job is not None:
+                todo.append(job)
+        if not todo:
             return
+        try:
+            self.cache.prefix_save_states([(j["row"], j["seq"].slot) for j in todo])
+        except Exception:
+            for j in todo:
+                self.index.free_checkpoint(j["row"])
+                if j["store"] is not None:
+                    self.index.free_block(j["store"])
+            raise
+        attn = []
+        for j in todo:
+            if j["host"] is not None:             # the last whole block ends at L
+                j["host"].ckpt = j["row"]
+            else:                                 # a tail (an equal one may have come meanwhile)
+                try:
+                    host, new = self.index.insert(j["parent"], j["tokens"], j["store"], j["attn"], entries=False)
+                except ValueError:
+                    new = False
+                if not new:
+                    self.index.free_block(j["store"])
+                    self.index.free_checkpoint(j["row"])
+                    continue
+                host.ckpt = j["row"]
+                if j["attn"] is not None:
+                    attn.append(j["attn"])
+                    if self.on_transfer is not None:
+                        self.on_transfer(j["seq"], 1)
+            self.stats["prefix_states_saved"] += 1
+        if attn:
+            self.cache.prefix_retain_attn(attn)
+
+    def _extend(self, seq, st: SeqPrefix) -> dict | None:
+        """Extend ``seq``'s chain by state-only whole blocks up to its ``L`` tokens and take
+        the state point's checkpoint row (and a tail's store block); the job to write, or
+        None when nothing is to be written."""
         L = seq.num_cached
         if int(self.cache.seq_len[seq.slot]) != L:   # a speculative step ran past the reply's end
             self.stats["prefix_replies_skipped"] += 1
-            return
+            return None
         bs, ix = self.block_size, self.index
         Q, r = divmod(L, bs)
         if r == 0 and len(st.chain) >= Q and (st.chain[Q - 1].entries or st.chain[Q - 1].ckpt is not None):
-            return                        # resumable at L already
+            return None                           # resumable at L already
         ids = seq.all_ids
         attn_of = self.cache.attn.blocks_of(seq.slot) if self.has_attn else None
         new_attn = []
         try:
-            while len(st.chain) < Q:      # the whole blocks up to L, state-only where new
+            while len(st.chain) < Q:              # the whole blocks up to L, state-only where new
                 k = len(st.chain)
                 parent = st.chain[-1] if st.chain else None
                 toks = ids[k * bs:(k + 1) * bs]
@@ -282,57 +330,39 @@ class PrefixCache:
                 if b is None:
                     store = ix.alloc_block()
                     if store is None:
-                        return
+                        return None
                     attn = attn_of[k] if attn_of is not None else None
                     try:
                         b, _ = ix.insert(parent, toks, store, attn, entries=False)
-                    except ValueError:    # a hash collision
+                    except ValueError:            # a hash collision
                         ix.free_block(store)
-                        return
+                        return None
                     self.stats["prefix_blocks_inserted"] += 1
                     if attn is not None:
                         new_attn.append(attn)
-                ix.acquire([b])           # held until the sequence's references go back
+                ix.acquire([b])                   # held until the sequence's references go back
                 st.chain.append(b)
             if r == 0:
                 host = st.chain[Q - 1]
                 if host.entries or host.ckpt is not None:
-                    return
+                    return None
                 row = ix.alloc_checkpoint()
-                if row is None:
-                    return
-                try:
-                    self.cache.prefix_save_states([(row, seq.slot)])
-                except Exception:
-                    ix.free_checkpoint(row)
-                    raise
-                host.ckpt = row
-            else:
-                parent = st.chain[Q - 1] if Q else None
-                toks = ids[Q * bs:L]
-                if ix.child(parent, toks) is not None:
-                    return                # cached by an equal conversation
-                store = ix.alloc_block()
-                if store is None:
-                    return
-                row = ix.alloc_checkpoint()
-                if row is None:
-                    ix.free_block(store)
-                    return
-                try:
-                    self.cache.prefix_save_states([(row, seq.slot)])
-                    host, _ = ix.insert(parent, toks, store, attn_of[Q] if attn_of is not None else None,
-                                        entries=False)
-                except Exception:
-                    ix.free_block(store)
-                    ix.free_checkpoint(row)
-                    raise
-                host.ckpt = row
-                if host.attn is not None:
-                    new_attn.append(host.attn)
-            self.stats["prefix_states_saved"] += 1
+                return None if row is None else dict(seq=seq, row=row, host=host, store=None)
+            parent = st.chain[Q - 1] if Q else None
+            toks = ids[Q * bs:L]
+            if ix.child(parent, toks) is not None:
+                return None                       # cached by an equal conversation
+            store = ix.alloc_block()
+            if store is None:
+                return None
+            row = ix.alloc_checkpoint()
+            if row is None:
+                ix.free_block(store)
+                return None
+            return dict(seq=seq, row=row, host=None, store=store, parent=parent, tokens=toks,
+                        attn=attn_of[Q] if attn_of is not None else None)
         finally:
-            if new_attn:                  # the cache holds the slot's blocks from now on
+            if new_attn:                          # the cache holds the slot's blocks from now on
                 self.cache.prefix_retain_attn(new_attn)
                 if self.on_transfer is not None:
                     self.on_transfer(seq, len(new_attn))
