@@ -220,7 +220,8 @@ def run(model, args, out: Path, desc: str) -> int:
     for w in args.workload.split(","):
         r = {x["cache"]: x for x in res["runs"] if x["workload"] == w}
         summ[f"{w}_ttft_off_over_on"] = r["off"]["ttft_mean_ms"] / max(r["on"]["ttft_mean_ms"], 1e-9)
-        summ[f"{w}_throughput_on_over_off"] = r["on"]["output_tokens_per_s"] / max(r["off"]["output_tokens_per_s"], 1e-9)
+        summ[f"{w}_throughput_on_over_off"] = (r["on"]["output_tokens_per_s"]
+                                               / max(r["off"]["output_tokens_per_s"], 1e-9))
         if "prompts" in r:
             summ[f"{w}_ttft_prompts_only_over_replies"] = (r["prompts"]["ttft_mean_ms"]
                                                            / max(r["on"]["ttft_mean_ms"], 1e-9))
@@ -268,7 +269,8 @@ def plot_chat(results: list[dict], path) -> str:
         for r in res["runs"]:
             if r.get("ttft_per_turn_ms"):
                 turns = range(1, len(r["ttft_per_turn_ms"]) + 1)
-                ax.plot(turns, r["ttft_per_turn_ms"], marker="o", label=f"caching {r.get('cache', 'on' if r['caching'] else 'off')}")
+                label = r.get("cache", "on" if r["caching"] else "off")
+                ax.plot(turns, r["ttft_per_turn_ms"], marker="o", label=f"caching {label}")
         cfg = res["config"]
         ax.set_title(f"{cfg.get('preset') or cfg.get('model')}", fontsize=10)
         ax.set_xlabel(f"turn ({cfg['conversations']} chats, +{cfg['turn_len']} tokens each)")

@@ -260,8 +260,9 @@ def load(cache, slot: int, length: int, chain, attn=(), checkpoint=None) -> None
     shared, a partly used last one is copied); ``checkpoint``: ``(c, row)`` with ``c`` a
     multiple of the block size, ``c <= length``, or None (fold from the sequence start); or
     ``(length, row, True)``: the state point saved in ``row`` (:func:`save_states`; a
-    KV-only slot resumes it in the replay form).  Everything is validated before the cache changes; :class:`PoolExhausted` (no blocks for
-    the copied attention block or the KV-only pages) leaves the slot free.
+    KV-only slot resumes it in the replay form).  Everything is validated before the cache
+    changes; :class:`PoolExhausted` (no blocks for the copied attention block or the KV-only
+    pages) leaves the slot free.
     """
     err = load_many(cache, [(slot, length, chain, attn, checkpoint)])[0]
     if err is not None:

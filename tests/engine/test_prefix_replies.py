@@ -105,7 +105,7 @@ def test_speculation(loaded, expected, arch, method, mode):
           "draft": SpeculativeConfig("draft", num_tokens=3, draft_model=draft)}[method]
     llm = _llm(m, mode, speculative=sp, buffer_size=None)
     prompt = [5, 6, 7, 8, 9] * 2 + [5, 6, 7]
-    reused, rejected = 0, 0
+    reused, rejected, last, last_saved = 0, 0, 0, 0
     for t in range(4):
         saved = llm.stats["prefix_states_saved"]
         before = llm.stats["prefix_hit_tokens"]
