@@ -40,6 +40,51 @@ def _chat(llm, expected, arch, first, turns=3, n=N):
 FIRST = [(7 * i + 3) % 61 for i in range(13)]
 
 
+# ---------------------------------------------------------------------------- the index
+def test_index_resumes_state_only_blocks_only_at_state_points():
+    """Blocks with entries: a hit at any token; state-only blocks: only at the end of one with
+    a checkpoint or of a tail matched whole; never a partial match into a state-only block;
+    the longest valid hit wins; entries never follow a state-only block; tails are leaves."""
+    from replayssm.engine.prefix import PrefixIndex
+
+    ix = PrefixIndex(4, 16, 8, 8)
+    toks = list(range(100, 130))
+    e0, _ = ix.insert(None, toks[0:4], ix.alloc_block())
+    e1, _ = ix.insert(e0, toks[4:8], ix.alloc_block())                        # prompt: 8 tokens with entries
+    s2, _ = ix.insert(e1, toks[8:12], ix.alloc_block(), entries=False)        # reply: state-only
+    s3, _ = ix.insert(s2, toks[12:16], ix.alloc_block(), entries=False)
+    tail, _ = ix.insert(s3, toks[16:18], ix.alloc_block(), entries=False)     # L = 18
+    assert [b.end for b in (e0, e1, s2, s3, tail)] == [4, 8, 12, 16, 18]
+    m = ix.lookup(toks[:10] + [1, 1, 1])                    # into a state-only block: back to the entries
+    assert (m.length, m.state, m.partial) == (8, False, None) and m.full == [e0, e1]
+    m = ix.lookup(toks[:17] + [1, 1])                       # the tail not matched whole: no state point yet
+    assert (m.length, m.state) == (8, False)
+    tail.ckpt = ix.alloc_checkpoint()
+    assert ix.lookup(toks[:17] + [1, 1]).length == 8        # still not whole
+    m = ix.lookup(toks[:18] + [1, 1])
+    assert (m.length, m.state, m.partial) == (18, True, tail) and m.full == [e0, e1, s2, s3]
+    assert ix.lookup(toks[:18] + [1], limit=18).length == 18 and ix.lookup(toks[:18], limit=17).length == 8
+    s2.ckpt = ix.alloc_checkpoint()                         # a state point at 12 (a shorter reply)
+    m = ix.lookup(toks[:15] + [1])
+    assert (m.length, m.state, m.full, m.partial) == (12, True, [e0, e1, s2], None)
+    assert ix.lookup(toks[:18] + [1]).length == 18          # the longest wins
+    m = ix.lookup(toks[:6] + [1, 1])                        # inside the entries: any token
+    assert (m.length, m.state, m.partial) == (6, False, e1)
+    with pytest.raises(ValueError, match="never follows"):
+        ix.insert(s2, [1, 2, 3, 4], 9)                      # entries after a state-only block
+    with pytest.raises(ValueError, match="tail"):
+        ix.insert(tail, [1, 2, 3, 4], 9, entries=False)     # a tail has no children
+    with pytest.raises(ValueError, match="holds 4 tokens"):
+        ix.insert(e1, [1, 2], 9)                            # only state-only blocks may be short
+    assert ix.child(s3, toks[16:18]) is tail and ix.child(s3, toks[16:19]) is None
+    # eviction takes the tail (a leaf) first and gives its checkpoint row back
+    ix2 = PrefixIndex(4, 2, 1, 8)
+    a, _ = ix2.insert(None, [1, 2, 3, 4], ix2.alloc_block(), entries=False)
+    t, _ = ix2.insert(a, [5], ix2.alloc_block(), entries=False)
+    t.ckpt = ix2.alloc_checkpoint()
+    assert ix2.alloc_checkpoint() == t.ckpt and t not in ix2 and a in ix2
+
+
 @pytest.mark.parametrize("mode", ["recurrent", "replay", "kv", "auto"])
 @pytest.mark.parametrize("arch", ["mamba2", "qwen3_next", "nemotron_h"])
 def test_next_turn_resumes_at_the_end_of_the_reply(loaded, expected, arch, mode):
