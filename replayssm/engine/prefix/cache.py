@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .index import CachedBlock, Match, PrefixIndex
 
 
@@ -264,14 +266,22 @@ class PrefixCache:
         nothing is cached).  Skipped: a sequence captured already, whose prompt is not
         complete, that produced nothing or failed, or whose cache holds other tokens than
         its own (a speculative step ran past its end: counted in ``prefix_replies_skipped``)."""
+        if not self.cache_replies:
+            return
+        seqs = [seq for seq in seqs if seq.prefix is not None and not seq.prefix.ended and seq.prefix.load is None
+                and seq.slot is not None and not seq.prefilling and seq.output_ids and seq.finish_reason != "error"
+                and seq.error is None]
+        if not seqs:
+            return
+        lens = self.cache.seq_len
+        held = lens[torch.tensor([s.slot for s in seqs], dtype=torch.long, device=lens.device)].tolist()   # one sync
         todo = []
-        for seq in seqs:
-            st: SeqPrefix = seq.prefix
-            if (not self.cache_replies or st is None or st.ended or st.load is not None or seq.slot is None
-                    or seq.prefilling or not seq.output_ids or seq.finish_reason == "error" or seq.error is not None):
+        for seq, n in zip(seqs, held):
+            seq.prefix.ended = True
+            if n != seq.num_cached:            # a speculative step ran past the reply's end
+                self.stats["prefix_replies_skipped"] += 1
                 continue
-            st.ended = True
-            job = self._extend(seq, st)
+            job = self._extend(seq, seq.prefix)
             if job is not None:
                 todo.append(job)
         if not todo:
@@ -311,9 +321,6 @@ class PrefixCache:
         the state point's checkpoint row (and a tail's store block); the job to write, or
         None when nothing is to be written."""
         L = seq.num_cached
-        if int(self.cache.seq_len[seq.slot]) != L:   # a speculative step ran past the reply's end
-            self.stats["prefix_replies_skipped"] += 1
-            return None
         bs, ix = self.block_size, self.index
         Q, r = divmod(L, bs)
         if r == 0 and len(st.chain) >= Q and (st.chain[Q - 1].entries or st.chain[Q - 1].ckpt is not None):
