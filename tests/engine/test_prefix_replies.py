@@ -296,3 +296,15 @@ def test_replies_finishing_together_are_saved_in_one_call(loaded, expected, arch
     assert ix.free_blocks + len(ix) == ix.num_blocks and llm.scheduler.reserved == 0
     rows = [b.ckpt for b in ix._by_hash.values() if b.ckpt is not None]
     assert len(rows) + len(ix._free_ckpts) == ix.num_checkpoints
+
+
+def test_serve_flag_turns_replies_off():
+    from pathlib import Path
+
+    from replayssm.server.cli import build_engine, build_parser
+
+    model = str(Path(__file__).resolve().parents[2] / "replayssm" / "assets" / "tiny-mamba2")
+    base = ["MODEL", "--enable-prefix-caching", "--device", "cpu", "--max-num-seqs", "2", "--max-seq-len", "128"]
+    for flags, on in (([], True), (["--no-prefix-cache-replies"], False)):
+        llm = build_engine(model, build_parser().parse_args(base + flags))
+        assert llm.prefix_cache.cache_replies is on and llm.config.prefix_cache_replies is on
