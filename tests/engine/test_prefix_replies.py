@@ -137,7 +137,7 @@ def test_poisoned_store_rows_are_never_read(loaded, expected, arch, mode):
 
 @pytest.mark.parametrize("arch,method,mode", [("mamba2", "ngram", "replay"), ("mamba2", "draft", "replay"),
                                               ("nemotron_h", "draft", "kv"), ("qwen3_next", "draft", "auto"),
-                                              ("qwen3_next", "ngram", "replay")])
+                                              ("qwen3_next", "ngram", "replay"), ("nemotron_h", "tree", "replay")])
 def test_speculation(loaded, expected, arch, method, mode):
     """Verify steps leave rejected entries in the ring past the committed ones: the state
     point folds only the committed ones.  A reply is cached when the cache holds exactly
@@ -147,7 +147,8 @@ def test_speculation(loaded, expected, arch, method, mode):
     m = loaded[arch]
     draft = loaded["qwen3_next" if arch == "mamba2" else "mamba2"]    # same vocabulary, other weights
     sp = {"ngram": SpeculativeConfig("ngram", num_tokens=3),
-          "draft": SpeculativeConfig("draft", num_tokens=3, draft_model=draft)}[method]
+          "draft": SpeculativeConfig("draft", num_tokens=3, draft_model=draft),
+          "tree": SpeculativeConfig("tree", draft_model=draft, tree_width=2, tree_depth=2)}[method]
     llm = _llm(m, mode, speculative=sp, buffer_size=None)
     prompt = [5, 6, 7, 8, 9] * 2 + [5, 6, 7]
     reused, rejected, last, last_saved = 0, 0, 0, 0
