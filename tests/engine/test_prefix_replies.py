@@ -276,13 +276,15 @@ def test_reply_hits_reach_the_server_metrics(loaded, expected):
 @pytest.mark.parametrize("arch,mode", [("nemotron_h", "replay"), ("qwen3_next", "kv")])
 def test_replies_finishing_together_are_saved_in_one_call(loaded, expected, arch, mode):
     """A step's finished replies are saved in one ``prefix_save_states`` call; two equal
-    conversations in it keep one state point (the second's row and block go back)."""
+    conversations in it keep one state point (the second's row and block go back), whether
+    it ends a block or a tail."""
     llm = _llm(loaded[arch], mode, max_num_seqs=4)
     calls = []
     orig = llm.cache.prefix_save_states
     llm.cache.prefix_save_states = lambda jobs: (calls.append(len(jobs)), orig(jobs))
-    other = [(5 * i + 1) % 61 for i in range(10)]
-    prompts = [FIRST, other, FIRST]
+    other = [(5 * i + 1) % 61 for i in range(7)]
+    # replies end at 18 / 12 tokens (a tail / a block end), then 27 / 21, then 38 / 32
+    prompts = [FIRST, FIRST, other, other]
     for t in range(3):
         before = llm.stats["prefix_hit_tokens"]
         with warnings.catch_warnings():
@@ -292,7 +294,7 @@ def test_replies_finishing_together_are_saved_in_one_call(loaded, expected, arch
         if t:
             assert llm.stats["prefix_hit_tokens"] - before == sum(len(p) - len(USER[t - 1]) - 1 for p in prompts)
         prompts = [p + o + USER[t] for p, o in zip(prompts, outs)]
-    assert calls == [3, 3, 3] and llm.stats["prefix_states_saved"] == 6
+    assert calls == [4, 4, 4] and llm.stats["prefix_states_saved"] == 6
     ix = llm.prefix_cache.index
     assert ix.free_blocks + len(ix) == ix.num_blocks and llm.scheduler.reserved == 0
     rows = [b.ckpt for b in ix._by_hash.values() if b.ckpt is not None]

@@ -297,6 +297,9 @@ class PrefixCache:
         attn = []
         for j in todo:
             if j["host"] is not None:             # the last whole block ends at L
+                if j["host"].ckpt is not None:    # an equal conversation of this step took it
+                    self.index.free_checkpoint(j["row"])
+                    continue
                 j["host"].ckpt = j["row"]
             else:                                 # a tail (an equal one may have come meanwhile)
                 try:
