@@ -10,9 +10,9 @@ run, a few minutes on one H100:
    caching off's, and every later turn must resume at the end of the previous reply (the
    prefix cache's ``prefix_state_hit_tokens``; with speculation a reply a verify step ran
    past is not cached and its turn checks only the output);
-2. timing: ``bench e2e``'s chat workload on the random-weight 2.7B Mamba-2 and Nemotron-H-4B
-   presets (bf16, CUDA graphs, replay mode, 16 conversations x 4 turns of 128 new tokens and
-   128 generated), three runs each in one process: caching off, prompts only
+2. timing: ``bench e2e``'s chat workload on the random-weight 2.7B Mamba-2 preset (``--presets
+   2.7b,nemotron-h-4b`` adds the hybrid; bf16, CUDA graphs, replay mode, 16 conversations x 4
+   turns of 128 new tokens and 64 generated), three runs each in one process: caching off, prompts only
    (``prefix_cache_replies=False``, the state before this change) and replies cached:
    mean TTFT, TTFT and prompt tokens prefilled per turn, output tokens/s, and the share of
    outputs equal to caching off's.
@@ -104,13 +104,13 @@ def correctness(device: str, graphs: bool) -> list[dict]:
     return rows
 
 
-def timing(out: Path) -> list[dict]:
+def timing(out: Path, presets: list[str]) -> list[dict]:
     rows = []
-    for preset in ("2.7b", "nemotron-h-4b"):
+    for preset in presets:
         d = out / preset
         t0 = time.perf_counter()
         rc = e2e.main(["--preset", preset, "--cuda-graphs", "--workload", "chat", "--workload-mode", "replay",
-                       "--conversations", "16", "--turns", "4", "--turn-len", "128", "--max-tokens", "128",
+                       "--conversations", "16", "--turns", "4", "--turn-len", "128", "--max-tokens", "64",
                        "--max-num-seqs", "16", "--no-plots", "--out", str(d)])
         res = json.loads((d / "prefix.json").read_text())
         for r in res["runs"]:
@@ -124,6 +124,7 @@ def timing(out: Path) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu-check", action="store_true", help="part 1 only, on the CPU, without CUDA graphs")
+    ap.add_argument("--presets", default="2.7b", help="part 2's presets (bench e2e names), comma-separated")
     args = ap.parse_args()
     device = "cpu" if args.cpu_check else "cuda"
     print("1. correctness: caching off vs replies cached (greedy tokens, logprobs, reply hits)")
@@ -132,7 +133,7 @@ def main() -> int:
     if not args.cpu_check:
         out = Path(os.environ.get("OUT") or tempfile.mkdtemp())
         print("2. timing: bench e2e chat workload (off / prompts only / replies cached)")
-        result["timing"] = timing(out)
+        result["timing"] = timing(out, [p for p in args.presets.split(",") if p])
         print(f"{'preset':<15}{'cache':<9}{'TTFT ms':>9}{'tok/s':>8}{'hit':>6}  per turn TTFT ms / prefilled")
         for t in result["timing"]:
             for r in t["runs"]:
