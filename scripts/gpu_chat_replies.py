@@ -12,8 +12,9 @@ run, a few minutes on one H100:
    past is not cached and its turn checks only the output);
 2. timing: ``bench e2e``'s chat workload on the random-weight 2.7B Mamba-2 preset (``--presets
    2.7b,nemotron-h-4b`` adds the hybrid; bf16, CUDA graphs, replay mode, 16 conversations x 4
-   turns of 128 new tokens and 64 generated), three runs each in one process: caching off, prompts only
-   (``prefix_cache_replies=False``, the state before this change) and replies cached:
+   turns of 128 new tokens and 64 generated), three runs each in one process: caching off,
+   prompts only (``prefix_cache_replies=False``, the state before this change) and replies
+   cached:
    mean TTFT, TTFT and prompt tokens prefilled per turn, output tokens/s, and the share of
    outputs equal to caching off's.
 
