@@ -11,7 +11,9 @@ a device sync before and after it (``--no-caching``: the baseline's TTFT and ste
 * ``checkpoint_many`` -- the checkpoints a step's prefills took (slot copies, or folds of the
   stored entries, ``_fold``; Mamba-2 computes ``x, B`` from the conv inputs inside it);
 * ``load_many`` -- the step's resumes (fold into the nearest checkpoint, conv
-  windows; ``_apply``).
+  windows; ``_apply``);
+* ``save_states`` -- the state points of a step's finished replies (the next turn resumes at
+  a reply's end; ``--no-replies``: prompts only).
 
 With ``--profile-turn K`` the second pass's turn K also runs under ``torch.profiler`` and the
 top operators by device and by host time are printed (launch counts, syncs, copies).  The
@@ -38,7 +40,7 @@ from replayssm.bench.e2e import _random_model_dir
 from replayssm.engine.config import SamplingParams
 from replayssm.engine.llm import LLM
 
-TIMED = ("checkpoint_many", "_checkpoint_wave", "_fold", "load_many", "_apply")
+TIMED = ("checkpoint_many", "_checkpoint_wave", "_fold", "load_many", "_apply", "save_states")
 
 
 def _sync(device: str) -> None:
@@ -124,6 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-turn", type=int, default=None, help="profile this turn of the second pass")
     ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--no-caching", action="store_true", help="prefix caching off (the baseline's steps)")
+    ap.add_argument("--no-replies", action="store_true", help="cache prompts only, not finished replies")
     ap.add_argument("--compiles", action="store_true",
                     help="print the Triton kernels compiled during each turn (read from $TRITON_CACHE_DIR, "
                          "which should start empty)")
@@ -134,7 +137,8 @@ def main(argv=None) -> int:
         llm = LLM(_random_model_dir(args.preset, tmp), device=args.device, dtype=dtype, decode_mode="replay",
                   max_num_seqs=max(args.conversations, 1), max_seq_len=args.max_seq_len,
                   cuda_graphs=args.cuda_graphs, enable_prefix_caching=not args.no_caching,
-                  prefix_checkpoint_interval=None if args.no_caching else args.checkpoint_interval)
+                  prefix_checkpoint_interval=None if args.no_caching else args.checkpoint_interval,
+                  prefix_cache_replies=not args.no_replies)
         if not args.no_caching:
             _engine_timers(llm, args.device, secs, calls)
         llm.warm_up()

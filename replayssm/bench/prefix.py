@@ -14,9 +14,11 @@
   the share of requests whose greedy output with caching on equals the one with caching off.
 * **Chat workload**: ``--conversations`` conversations of ``--turns`` turns; each turn's prompt
   is the conversation so far (earlier prompts and answers) plus a new user message of
-  ``--turn-len`` tokens, all conversations' turn ``t`` arriving together.  Only prompt
-  tokens are captured (not generated ones), so a turn resumes at the end of the previous
-  turn's cached prompt blocks and prefills the answer and the new message.
+  ``--turn-len`` tokens, all conversations' turn ``t`` arriving together.  Three runs: caching
+  off; prompts only (``prefix_cache_replies=False``: a turn resumes at the end of the
+  previous turn's cached prompt blocks and prefills the answer and the new message); and
+  replies cached too (the default: a turn resumes at the end of the previous answer and
+  prefills the new message only).  Per turn: mean TTFT and the prompt tokens prefilled.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def memory_per_token(preset: str, cfg: dict, dtype: str = "bfloat16", block_size
     # measured: the store's block and checkpoint bytes, the conv windows of one slot
     one = ModelCache(model, 2, spec, device=torch.device("meta"))
     conv_state = sum(st["conv"].window.nbytes for st in one.layers.values() if "conv" in st) // one.P
-    ours_a = a["entry"] + a["conv_in"] + a["state"] / C + a["attn"]
+    # a checkpoint row holds a state and a conv window (the window: a state point's)
+    ours_a = a["entry"] + a["conv_in"] + (a["state"] + a["conv_state"]) / C + a["attn"]
     ours_m = lay.prefix_block_bytes / block_size + lay.checkpoint_bytes / C + lay.attn_block_bytes / block_size
     row = {"preset": preset, "dtype": dtype, "block_size": block_size, "checkpoint_interval": C,
            "ssm_layers": sum(hasattr(x, "conv_dim") for x in model.stateful_layers()),
@@ -139,19 +142,22 @@ def _rng_tokens(rng, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def run_workload(model, args, workload: str, caching: bool) -> dict:
-    """One workload with prefix caching off or on (see the module docstring)."""
+def run_workload(model, args, workload: str, caching: bool, replies: bool = True) -> dict:
+    """One workload with prefix caching off or on (``replies``: finished requests' replies
+    cached too; see the module docstring)."""
     vocab = int(model.config.vocab_size)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     kw = dict(device=args.device, dtype=args.dtype, decode_mode=args.workload_mode, buffer_size=args.buffer_size,
               max_num_seqs=args.max_num_seqs, cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len,
-              enable_prefix_caching=caching, prefix_checkpoint_interval=args.prefix_checkpoint_interval)
+              enable_prefix_caching=caching, prefix_checkpoint_interval=args.prefix_checkpoint_interval,
+              prefix_cache_replies=replies)
     if args.memory_budget:
         kw["memory_budget"] = int(args.memory_budget)
     llm = LLM(model, **kw)
     llm.warm_up()         # every step kind once (kernel compiles), as a server does; zeroes the counters, syncs
-    row = {"workload": workload, "caching": caching, "mode": kw["decode_mode"]}
+    row = {"workload": workload, "caching": caching, "cache": "off" if not caching else "on" if replies else "prompts",
+           "mode": kw["decode_mode"]}
     ttft, wall, outs, prompt_tokens, tokens = [], 0.0, 0, 0, []
     if workload == "shared-prefix":
         system = _rng_tokens(rng, args.prefix_len, vocab)
@@ -164,10 +170,13 @@ def run_workload(model, args, workload: str, caching: bool) -> dict:
         prompt_tokens = sum(len(p) for p in prompts[1:])
     elif workload == "chat":
         hist = [[] for _ in range(args.conversations)]
-        row["ttft_per_turn_ms"] = []
+        row["ttft_per_turn_ms"], row["prefilled_per_turn"] = [], []
         for _ in range(args.turns):
             prompts = [h + _rng_tokens(rng, args.turn_len, vocab) for h in hist]
+            hit0 = llm.prefix_stats().get("prefix_hit_tokens", 0)
             seqs, t, w = _drive(llm, prompts, params)
+            row["prefilled_per_turn"].append(sum(len(p) for p in prompts) - llm.prefix_stats().get(
+                "prefix_hit_tokens", 0) + hit0)
             hist = [p + s.output_ids for p, s in zip(prompts, seqs)]
             tokens += [list(s.output_ids) for s in seqs]
             ttft += t
@@ -195,7 +204,7 @@ def run_workload(model, args, workload: str, caching: bool) -> dict:
                                          + lay.attn_block_bytes / lay.block_size)
     del llm
     free_memory(args.device)
-    print(f"[bench e2e] {workload} caching {'on ' if caching else 'off'}: TTFT mean {row['ttft_mean_ms']:.1f} ms, "
+    print(f"[bench e2e] {workload} caching {row['cache']}: TTFT mean {row['ttft_mean_ms']:.1f} ms, "
           f"{row['output_tokens_per_s']:.0f} tok/s, hit rate {row['hit_rate']:.2f}", file=sys.stderr, flush=True)
     return row
 
@@ -204,27 +213,37 @@ def run(model, args, out: Path, desc: str) -> int:
     """``bench e2e --workload ...``: every workload with caching off and on, one table."""
     res = {"config": {**vars(args), "model_desc": desc}, "runs": []}
     for w in args.workload.split(","):
-        for caching in (False, True):
-            res["runs"].append(run_workload(model, args, w, caching))
+        for caching, replies in ((False, True), (True, False), (True, True)) if w == "chat" else ((False, True),
+                                                                                                (True, True)):
+            res["runs"].append(run_workload(model, args, w, caching, replies))
     summ = {}
     for w in args.workload.split(","):
-        r = {x["caching"]: x for x in res["runs"] if x["workload"] == w}
-        summ[f"{w}_ttft_off_over_on"] = r[False]["ttft_mean_ms"] / max(r[True]["ttft_mean_ms"], 1e-9)
-        summ[f"{w}_throughput_on_over_off"] = r[True]["output_tokens_per_s"] / max(r[False]["output_tokens_per_s"], 1e-9)
+        r = {x["cache"]: x for x in res["runs"] if x["workload"] == w}
+        summ[f"{w}_ttft_off_over_on"] = r["off"]["ttft_mean_ms"] / max(r["on"]["ttft_mean_ms"], 1e-9)
+        summ[f"{w}_throughput_on_over_off"] = (r["on"]["output_tokens_per_s"]
+                                               / max(r["off"]["output_tokens_per_s"], 1e-9))
+        if "prompts" in r:
+            summ[f"{w}_ttft_prompts_only_over_replies"] = (r["prompts"]["ttft_mean_ms"]
+                                                           / max(r["on"]["ttft_mean_ms"], 1e-9))
         # greedy outputs with caching on equal to off (exact up to rounding: a near-tie may flip
         # in low precision; chat turns after a flip see different histories)
-        pairs = list(zip(r[False]["output_ids"], r[True]["output_ids"]))
+        pairs = list(zip(r["off"]["output_ids"], r["on"]["output_ids"]))
         summ[f"{w}_same_output_frac"] = sum(a == b for a, b in pairs) / max(1, len(pairs))
     res["summary"] = summ
     (out / "prefix.json").write_text(json.dumps(res, indent=1, default=str))
     print(f"model: {desc}; dtype {args.dtype}")
-    print(f"{'workload':<15}{'cache':<6}{'reqs':>5}{'TTFT mean':>11}{'p50':>9}{'p99':>9}{'tok/s':>9}{'hit rate':>9}"
+    print(f"{'workload':<15}{'cache':<8}{'reqs':>5}{'TTFT mean':>11}{'p50':>9}{'p99':>9}{'tok/s':>9}{'hit rate':>9}"
           f"{'computed':>10}{'B/token':>10}")
     for r in res["runs"]:
         bpt = r.get("bytes_per_cached_token")
-        print(f"{r['workload']:<15}{'on' if r['caching'] else 'off':<6}{r['requests']:>5}{r['ttft_mean_ms']:>11.1f}"
+        print(f"{r['workload']:<15}{r['cache']:<8}{r['requests']:>5}{r['ttft_mean_ms']:>11.1f}"
               f"{r['ttft_p50_ms']:>9.1f}{r['ttft_p99_ms']:>9.1f}{r['output_tokens_per_s']:>9.0f}{r['hit_rate']:>9.2f}"
               f"{r['prefill_tokens_computed']:>10}{(f'{bpt:.0f}' if bpt else '-'):>10}")
+    for r in res["runs"]:
+        if r.get("ttft_per_turn_ms"):
+            print(f"chat, cache {r['cache']:<8} per turn: TTFT ms "
+                  + " ".join(f"{x:.1f}" for x in r["ttft_per_turn_ms"])
+                  + "; prefilled tokens " + " ".join(str(x) for x in r["prefilled_per_turn"]))
     for k, v in summ.items():
         print(f"{k}: {v:.2f}" + ("" if k.endswith("_frac") else "x"))
     plot = ""
@@ -250,7 +269,8 @@ def plot_chat(results: list[dict], path) -> str:
         for r in res["runs"]:
             if r.get("ttft_per_turn_ms"):
                 turns = range(1, len(r["ttft_per_turn_ms"]) + 1)
-                ax.plot(turns, r["ttft_per_turn_ms"], marker="o", label=f"caching {'on' if r['caching'] else 'off'}")
+                label = r.get("cache", "on" if r["caching"] else "off")
+                ax.plot(turns, r["ttft_per_turn_ms"], marker="o", label=f"caching {label}")
         cfg = res["config"]
         ax.set_title(f"{cfg.get('preset') or cfg.get('model')}", fontsize=10)
         ax.set_xlabel(f"turn ({cfg['conversations']} chats, +{cfg['turn_len']} tokens each)")

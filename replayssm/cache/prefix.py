@@ -16,7 +16,10 @@ null block that unassigned tokens are written to):
 * ``preconv``: every token's input to the short conv ``[NB*bs, C]`` (the conv window at any
   position ``p`` is the ``W-1`` inputs before it);
 * ``ckpt``: checkpoint states ``[NC, *state]`` (row 0 the null checkpoint), one per
-  checkpoint interval of a cached chain.
+  checkpoint interval of a cached chain, and one per **state point** (a finished request's
+  state after its prompt and reply, :func:`replayssm.models.prefix.save_states`);
+* ``ckpt_window``: the conv window ``[NC, C, W-1]`` of a state point's checkpoint row (a
+  state point keeps no per-token entries, so its conv window cannot come from ``preconv``).
 
 Attention layers keep nothing here: their key/value blocks are shared with the sequences
 through the attention pool's reference counts (:class:`~replayssm.cache.paged.PagedIndex`).
@@ -56,9 +59,10 @@ class PrefixPools:
     entries: object      # GDNPagedBuffers | Mamba2StoredEntries, [NB*bs, ...]
     preconv: Tensor      # [NB*bs, C] pre-conv inputs
     ckpt: Tensor         # [NC, *state] checkpoint states (the cache's ssm_state_dtype)
+    ckpt_window: Tensor  # [NC, C, W-1] conv windows of state points (rows of other checkpoints unused)
 
     def tensors(self) -> list[Tensor]:
-        return [*self.entries.tensors(), self.preconv, self.ckpt]
+        return [*self.entries.tensors(), self.preconv, self.ckpt, self.ckpt_window]
 
     def token_tensors(self) -> list[Tensor]:
         """The per-token pools (entries, then the pre-conv inputs), ``[NB*bs, ...]`` each."""

@@ -30,6 +30,7 @@ Everything here runs between model calls; a step itself reads only device data.
 from __future__ import annotations
 
 import itertools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -220,8 +221,15 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s slot (cache rows reset, KV blocks returned) and its bytes, or the
-        host copy of a swapped-out one."""
+        host copy of a swapped-out one.  With prefix caching the state after its prompt and
+        reply is cached first unless the engine did already (``PrefixCache.capture_end``; a
+        failure there only warns: the sequence is freed all the same)."""
         if self.prefix is not None:
+            try:
+                self.prefix.capture_end(seq)
+            except Exception as e:   # noqa: BLE001  (caching is an optimisation: never block the free)
+                warnings.warn(f"prefix cache: the reply of request {seq.request_id} was not cached: {e}",
+                              stacklevel=2)
             self.prefix.finish(seq)
         if seq.slot is not None:
             self.cache.release(torch.tensor([seq.slot], dtype=torch.long, device=self.cache.device))

@@ -550,7 +550,9 @@ class EngineConfig:
     ``enable_prefix_caching``: reuse cached prompt prefixes, resumed exactly at any token
     (:mod:`replayssm.engine.prefix`): checkpoints every ``prefix_checkpoint_interval``
     tokens (default from the cache's sizes), a store of ``prefix_cache_blocks`` blocks or
-    ``prefix_cache_fraction`` of the memory budget.
+    ``prefix_cache_fraction`` of the memory budget.  ``prefix_cache_replies`` (default on)
+    also caches a finished request's state after its prompt and reply, so that the next chat
+    turn (the same tokens, then the new message) resumes at the end of the reply.
 
     ``buffer_size=None`` (the default) picks the replay buffer: ``DEFAULT_BUFFER_SIZE``
     (16), raised to ``2 * verify_tokens`` when the speculation needs more (a draft tree of
@@ -580,6 +582,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     prefix_checkpoint_interval: int | None = None   # tokens between checkpoints (multiple of kv_block_size)
     prefix_cache_fraction: float = 0.25             # share of memory_budget for the prefix store
+    prefix_cache_replies: bool = True               # a finished request's state after its reply is cached too
     prefix_cache_blocks: int | None = None          # store blocks (overrides the fraction)
     gpu_memory_utilization: float | None = 0.8       # share of free CUDA memory for caches (no budget given)
     pad_batches: bool = False                        # pad every batch to its bucket (CUDA graphs do anyway)
@@ -611,7 +614,7 @@ class EngineConfig:
         _int("seed", self.seed, None)
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool or None, got {self.cuda_graphs!r}")
-        for name in ("pad_batches", "enable_prefix_caching"):
+        for name in ("pad_batches", "enable_prefix_caching", "prefix_cache_replies"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         g = self.gpu_memory_utilization

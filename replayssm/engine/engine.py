@@ -60,7 +60,8 @@ class LLMEngine:
                  max_num_batched_tokens: int = 8192, gpu_memory_utilization: float | None = 0.8,
                  tensor_parallel_size: int | None = None, enable_prefix_caching: bool = False,
                  prefix_checkpoint_interval: int | None = None, prefix_cache_fraction: float = 0.25,
-                 prefix_cache_blocks: int | None = None, preemption_mode: str = "swap",
+                 prefix_cache_blocks: int | None = None, prefix_cache_replies: bool = True,
+                 preemption_mode: str = "swap",
                  revision: str | None = None, ssm_state_dtype: str = "auto"):
         self.config = ec = EngineConfig(
             decode_mode=decode_mode, buffer_size=buffer_size, max_num_seqs=max_num_seqs,
@@ -68,7 +69,8 @@ class LLMEngine:
             auto_threshold=auto_threshold, speculative=speculative, cuda_graphs=cuda_graphs, seed=seed,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             prefix_checkpoint_interval=prefix_checkpoint_interval, prefix_cache_fraction=prefix_cache_fraction,
-            prefix_cache_blocks=prefix_cache_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            prefix_cache_blocks=prefix_cache_blocks, prefix_cache_replies=prefix_cache_replies,
+            gpu_memory_utilization=gpu_memory_utilization,
             pad_batches=pad_batches, tensor_parallel_size=tensor_parallel_size, preemption_mode=preemption_mode,
             ssm_state_dtype=ssm_state_dtype)
         # validated, as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu")
@@ -87,7 +89,8 @@ class LLMEngine:
         self.stats = {"steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "generated": 0}
         ps = plan.prefix_store
         self.prefix_cache = None if ps is None else PrefixCache(
-            self.cache, spec.block_size, ps.blocks, ps.checkpoints, ps.interval, stats=self.stats)
+            self.cache, spec.block_size, ps.blocks, ps.checkpoints, ps.interval, stats=self.stats,
+            cache_replies=ec.prefix_cache_replies)
         self.blocks = BlockManager(self.cache, plan, prefix=self.prefix_cache, preemption_mode=ec.preemption_mode)
         self.blocks.drafter_of, self.blocks.sampler = (lambda: self.drafter), self.sampler   # swap hooks
         self.scheduler = Scheduler(self.blocks, ec.max_num_batched_tokens, stats=self.stats)
@@ -278,6 +281,8 @@ class LLMEngine:
                 advanced.append(s)
                 self.outputs.append(s, toks, lps)
         finished = list(batch.rejected)
+        if self.prefix_cache is not None:   # the step's finished replies, cached in one call
+            self.prefix_cache.capture_ends([s for s in self.scheduler.running if s.finish_reason is not None])
         for s in list(self.scheduler.running):
             if s.finish_reason is not None:
                 self._finish(s)

@@ -99,8 +99,10 @@ class SSMLayer(nn.Module):
         ``state_dtype``, the slots' checkpoint dtype; default the compute dtype)."""
         state = torch.zeros((num_checkpoints,) + tuple(self.state_shape()), dtype=state_dtype or compute_dtype(dtype),
                             device=device)
+        window = torch.zeros(num_checkpoints, self.conv_dim, self.conv_kernel - 1, dtype=dtype, device=device)
         return PrefixPools(self.alloc_prefix_entries(num_blocks, block_size, dtype, device),
-                           torch.zeros(num_blocks * block_size, self.conv_dim, dtype=dtype, device=device), state)
+                           torch.zeros(num_blocks * block_size, self.conv_dim, dtype=dtype, device=device), state,
+                           window)
 
     def alloc_prefix_entries(self, num_blocks: int, block_size: int, dtype, device):
         """The stored part of the entries (default: whole entries, the KV-only layout)."""

@@ -563,6 +563,12 @@ class ModelCache:
         together and written in batches per layer."""
         prefix_ops.checkpoint_many(self, jobs)
 
+    def prefix_save_states(self, jobs) -> None:
+        """State points: checkpoint ``row`` (and its conv window) takes the state of ``slot``
+        after every token it holds, for each ``(row, slot)`` of ``jobs`` (a KV-only slot is
+        compressed to a state first)."""
+        prefix_ops.save_states(self, jobs)
+
     def load_prefix(self, slot: int, length: int, chain, attn=(), checkpoint=None) -> None:
         """Resume the free ``slot`` exactly at token ``length`` of a cached prefix (checkpoint
         + entries, conv inputs, shared attention blocks); a prefill continues from there."""

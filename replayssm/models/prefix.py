@@ -26,6 +26,13 @@ next tokens into it).  Then ``seq_len = p``, and a prefill continues from there.
 
 Every step of this is exact up to rounding: the replay form's state *is* the checkpoint
 folded with its entries (``docs/MATH.md``).
+
+**State points** (a finished request's prompt and reply, :func:`save_states`): a checkpoint
+row holding the state of a slot after all the tokens it holds (checkpoint folded with the
+ring's committed entries; a KV-only slot is compressed to a state first) and its conv window
+(``ckpt_window``), at any position.  No per-token entries are stored for the tokens before
+it, so a state point is resumed only exactly where it was saved (``load`` with a checkpoint
+``(p, row, True)``): the state and conv window copied, the attention blocks shared as above.
 """
 
 from __future__ import annotations
@@ -166,6 +173,44 @@ def _checkpoint_wave(cache, jobs: list[dict]) -> None:
             pools.ckpt[f_rows] = _fold(cache.prefix, layer, pools, spans, memo, S0).to(pools.ckpt.dtype)
 
 
+def save_states(cache, jobs) -> None:
+    """Write state points: for each ``(row, slot)`` of ``jobs``, checkpoint ``row`` of every SSM
+    layer takes the state of ``slot`` after every token it holds (replay: its checkpoint
+    folded with the ring's committed entries, ``rebuild_state``; recurrent: the state; KV-only:
+    the slot is compressed to a state first, ``switch_to_state`` — its sequence ends next),
+    and ``ckpt_window[row]`` its conv window.  All validated before anything is written."""
+    table = _need_store(cache)
+    cache._check_idle()
+    jobs = [(int(r), int(s)) for r, s in jobs]
+    rows, slots = [r for r, _ in jobs], [s for _, s in jobs]
+    if len(set(rows)) != len(rows) or len(set(slots)) != len(slots):
+        raise ValueError(f"save_states: checkpoint rows or slots given twice: {jobs}")
+    for r, s in jobs:
+        table.check_checkpoint(r)
+        if not 0 < s < cache.P or s not in cache._in_use:
+            raise ValueError(f"save_states: slot {s} holds no sequence")
+    if not jobs:
+        return
+    kv = [s for s in slots if cache.mode_of(s) == "kv"]
+    if kv:
+        cache.switch_to_state(kv)
+    dev = cache.device
+    r_t = torch.tensor(rows, dtype=torch.long, device=dev)
+    s_t = torch.tensor(slots, dtype=torch.long, device=dev)
+    replay = torch.tensor([cache.mode_of(s) == "replay" for s in slots], device=dev)
+    plan = cache.ring.plan_decode(s_t) if bool(replay.any()) else None
+    for layer in _ssm_layers(cache):
+        store = cache.layers[layer.layer_id]
+        pools, buf = store["prefix"], store["buf"]
+        state = buf.state[s_t]
+        if plan is not None:
+            rebuilt = layer.rebuild_state(buf, plan).to(state.dtype)
+            state = torch.where(replay.view(-1, *[1] * (state.dim() - 1)), rebuilt, state)
+        pools.ckpt[r_t] = state.to(pools.ckpt.dtype)
+        if pools.ckpt_window.shape[2]:
+            pools.ckpt_window[r_t] = store["conv"].window[s_t].to(pools.ckpt_window.dtype)
+
+
 def _windows(table, spans, width: int, memo: dict, name: str) -> tuple[Tensor, Tensor]:
     """``PrefixTable.window_rows`` of every ``(chain, start, stop)`` span, concatenated;
     computed once per span list ``name`` and conv width (``memo``)."""
@@ -213,9 +258,11 @@ def load(cache, slot: int, length: int, chain, attn=(), checkpoint=None) -> None
     (``ceil(length / bs)`` blocks; the last may hold more tokens than are used);
     ``attn``: the attention blocks of the same logical blocks (hybrids; the whole ones are
     shared, a partly used last one is copied); ``checkpoint``: ``(c, row)`` with ``c`` a
-    multiple of the block size, ``c <= length``, or None (fold from the sequence start).
-    Everything is validated before the cache changes; :class:`PoolExhausted` (no blocks for
-    the copied attention block or the KV-only pages) leaves the slot free.
+    multiple of the block size, ``c <= length``, or None (fold from the sequence start); or
+    ``(length, row, True)``: the state point saved in ``row`` (:func:`save_states`; a
+    KV-only slot resumes it in the replay form).  Everything is validated before the cache
+    changes; :class:`PoolExhausted` (no blocks for the copied attention block or the KV-only
+    pages) leaves the slot free.
     """
     err = load_many(cache, [(slot, length, chain, attn, checkpoint)])[0]
     if err is not None:
@@ -261,11 +308,18 @@ def _prepare(cache, slot: int, length: int, chain, attn=(), checkpoint=None, *, 
         raise ValueError(f"a prefix of {length} tokens spans {nblk} blocks of {bs}, got {len(chain)} store blocks")
     for b in chain:
         table.check_block(b)
-    c, row = (0, None) if checkpoint is None else (int(checkpoint[0]), int(checkpoint[1]))
-    if c % bs or not 0 <= c <= length:
+    c, row = (0, None) if checkpoint is None else (int(checkpoint[0]), None if checkpoint[1] is None
+                                                   else int(checkpoint[1]))
+    point = checkpoint is not None and len(checkpoint) > 2 and bool(checkpoint[2])
+    if point:
+        if c != length:
+            raise ValueError(f"a state point resumes only where it was saved: checkpoint at {c}, prefix {length}")
+    elif c % bs or not 0 <= c <= length:
         raise ValueError(f"checkpoint position {c} must be a multiple of {bs} in [0, {length}]")
     if row is not None:
         table.check_checkpoint(row)
+    elif point or c:
+        raise ValueError(f"a checkpoint at {c} needs its row")
     full = length // bs
     if cache.attn is not None:
         if len(attn) != nblk:
@@ -273,11 +327,20 @@ def _prepare(cache, slot: int, length: int, chain, attn=(), checkpoint=None, *, 
         if cache.attn.num_allocated(slot):
             raise ValueError(f"slot {slot} still holds attention blocks")
         cache.attn.share(slot, attn[:full])                # raises before any change if a block is free
+    # a state point has no entries to fill KV-only pages with: a KV-only slot resumes it in
+    # the replay form (a free slot: nothing to compress)
+    switched = point and cache.mode_of(slot) == "kv"
+    if switched:
+        cache._modes[slot] = "replay"
+        cache.kv_slot[slot] = False
     try:
         cache.reserve(slot, length)                        # the copied attention block, KV-only pages
     except (PoolExhausted, ValueError):
         if cache.attn is not None:
             cache.attn.release(slot)
+        if switched:
+            cache._modes[slot] = "kv"
+            cache.kv_slot[slot] = True
         raise
     form = cache.mode_of(slot)
     if cache.attn is not None and full < nblk:             # copy on write: the slot's own block
@@ -286,7 +349,7 @@ def _prepare(cache, slot: int, length: int, chain, attn=(), checkpoint=None, *, 
             for name in ("k", "v"):
                 pool = cache.layers[layer.layer_id][name]
                 pool[dst, :r] = pool[attn[full], :r]
-    return dict(slot=slot, length=length, chain=chain, c=c, row=row, form=form)
+    return dict(slot=slot, length=length, chain=chain, c=c, row=row, form=form, point=point)
 
 
 def _apply(cache, plans: list[dict]) -> None:
@@ -298,8 +361,13 @@ def _apply(cache, plans: list[dict]) -> None:
     * every row: the conv window = conv inputs ``p-W+1 .. p-1`` (zeros before the start).
     """
     table, bs, dev = cache.prefix, cache.prefix.block_size, cache.device
-    kvs = [q for q in plans if q["form"] == "kv"]
-    sts = [q for q in plans if q["form"] != "kv"]
+    pts = [q for q in plans if q["point"]]
+    plans_w = [q for q in plans if not q["point"]]          # conv windows from the stored conv inputs
+    kvs = [q for q in plans_w if q["form"] == "kv"]
+    sts = [q for q in plans_w if q["form"] != "kv"]
+    if pts:
+        pt_slots = torch.tensor([q["slot"] for q in pts], dtype=torch.long, device=dev)
+        pt_rows = torch.tensor([q["row"] for q in pts], dtype=torch.long, device=dev)
     # index work shared by every SSM layer, done once
     if kvs:
         kv_spans = [(q["chain"], 0, q["length"]) for q in kvs]
@@ -323,6 +391,7 @@ def _apply(cache, plans: list[dict]) -> None:
         ckpt_rows = torch.tensor([0 if k[2] is None else k[2] for k in keys], dtype=torch.long, device=dev)
         which = torch.tensor(which, dtype=torch.long, device=dev)
     all_slots = torch.tensor([q["slot"] for q in plans], dtype=torch.long, device=dev)
+    w_slots = torch.tensor([q["slot"] for q in plans_w], dtype=torch.long, device=dev)
     windows = {}                                           # conv width - 1 -> (store rows, valid) [R, W-1]
     memo: dict = {}                                        # (spans, conv width) -> window rows
     for layer in _ssm_layers(cache):
@@ -338,16 +407,21 @@ def _apply(cache, plans: list[dict]) -> None:
                              torch.zeros((), dtype=pools.ckpt.dtype, device=dev))
             buf = store["buf"]
             buf.state[st_slots] = _fold(table, layer, pools, fold_spans, memo, S0).to(buf.state.dtype)[which]
+        if pts:
+            buf = store["buf"]
+            buf.state[pt_slots] = pools.ckpt[pt_rows].to(buf.state.dtype)
         win = store["conv"].window
         W1 = win.shape[2]
-        if W1:
+        if W1 and pts:
+            win[pt_slots] = pools.ckpt_window[pt_rows].to(win.dtype)
+        if W1 and plans_w:
             if W1 not in windows:
-                rv = [_window_rows(table, q["chain"], q["length"], W1) for q in plans]
+                rv = [_window_rows(table, q["chain"], q["length"], W1) for q in plans_w]
                 windows[W1] = (torch.stack([r for r, _ in rv]), torch.stack([v for _, v in rv]))
             rows, valid = windows[W1]
             vals = pools.preconv[rows].to(win.dtype)                         # [R, W-1, C]
             vals = torch.where(valid[..., None], vals, torch.zeros((), dtype=win.dtype, device=win.device))
-            win[all_slots] = vals.transpose(1, 2)
+            win[w_slots] = vals.transpose(1, 2)
     cache.ring.start[all_slots] = 0
     cache.ring.length[all_slots] = 0
     if kvs:

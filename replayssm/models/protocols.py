@@ -126,6 +126,10 @@ class ModelCacheLike(Protocol):
         """Several ``prefix_checkpoint`` calls (dicts of its arguments) at once."""
 
     @every_rank
+    def prefix_save_states(self, jobs) -> None:
+        """State points: checkpoint rows take slots' states and conv windows (``(row, slot)``)."""
+
+    @every_rank
     def load_prefix(self, slot: int, length: int, chain, attn=(), checkpoint=None) -> None:
         """Resume the free ``slot`` at token ``length`` of a cached prefix."""
 

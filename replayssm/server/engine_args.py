@@ -83,6 +83,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens between the prefix cache's checkpoint states (a multiple of --kv-block-size)")
     g.add_argument("--prefix-cache-fraction", type=float, default=0.25,
                    help="share of the memory budget the prefix cache may hold")
+    g.add_argument("--no-prefix-cache-replies", dest="prefix_cache_replies", action="store_false",
+                   help="cache prompts only, not a finished request's state after its reply (chat turns)")
     g.add_argument("--seed", type=int, default=0, help="the engine's generator (unseeded requests)")
     g.add_argument("--pad-batches", action="store_true", help="pad batches to graph buckets without graphs")
     g.add_argument("--torch-threads", type=positive_int, default=None, help="torch intra-op threads (CPU)")
@@ -166,7 +168,8 @@ def build_engine(model_dir: str, args):
                gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=args.enable_prefix_caching,
                prefix_checkpoint_interval=args.prefix_checkpoint_interval,
-               prefix_cache_fraction=args.prefix_cache_fraction, ssm_state_dtype=args.ssm_state_dtype)
+               prefix_cache_fraction=args.prefix_cache_fraction,
+               prefix_cache_replies=getattr(args, "prefix_cache_replies", True), ssm_state_dtype=args.ssm_state_dtype)
 
 
 def _bytes(n) -> str:

@@ -109,6 +109,10 @@ class ServerMetrics:
                                                               "prompt tokens looked up (0 when prefix caching is off)")
         self.prefix_blocks_saved = counter("prefix_cache_blocks_saved", "Whole cached blocks requests reused")
         self.prefix_cached_blocks = gauge("prefix_cache_blocks", "Blocks held by the prefix cache")
+        self.prefix_reply_hits = counter("prefix_cache_reply_hits", "Prompt tokens resumed at a cached reply's end "
+                                                                    "(a chat turn; included in prefix_cache_hits)")
+        self.prefix_replies = counter("prefix_cache_replies", "Finished requests whose state after prompt and "
+                                                              "reply was cached")
         #: running totals for the stats log (plain numbers: read from another thread)
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "prefix_query_tokens": 0,
                        "prefix_hit_tokens": 0, "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted": 0}
@@ -193,8 +197,10 @@ class ServerMetrics:
             self.prefix_cached_blocks.set(occ["prefix_cached_blocks"])
             for key, counter in (("prefix_query_tokens", self.prefix_query_tokens),
                                  ("prefix_hit_tokens", self.prefix_hit_tokens),
-                                 ("prefix_blocks_saved", self.prefix_blocks_saved)):
-                now = occ[key]
+                                 ("prefix_blocks_saved", self.prefix_blocks_saved),
+                                 ("prefix_state_hit_tokens", self.prefix_reply_hits),
+                                 ("prefix_states_saved", self.prefix_replies)):
+                now = occ.get(key, 0)
                 delta = now - self._prefix_seen.get(key, 0)
                 if delta > 0:
                     counter.inc(delta)

@@ -489,6 +489,30 @@ def test_prefix_caching_matches_one_rank(models, arch):
     assert got == want
 
 
+@pytest.mark.parametrize("arch,mode", [("mamba2", "replay"), ("nemotron_h", "kv")])
+def test_chat_replies_are_cached_on_every_rank(models, arch, mode):
+    """A finished request's state after prompt and reply (a state point) is saved by every
+    rank for its heads; the next chat turn resumes at the reply's end on both ranks and
+    gives one rank's output."""
+    ref, tp = models(arch)
+    prompt = [(7 * i + 3) % 61 for i in range(13)]
+    params = SamplingParams(max_tokens=5)
+    kw = dict(decode_mode=mode, kv_block_size=4, buffer_size=6, enable_prefix_caching=True,
+              prefix_checkpoint_interval=8)
+    turns, hits = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with LLM(tp, max_seq_len=MAXLEN, **kw) as llm:
+            for t in range(3):
+                before = llm.stats["prefix_hit_tokens"]
+                out = llm.generate([prompt], params)[0].token_ids
+                turns.append((list(prompt), out))
+                hits.append(llm.stats["prefix_hit_tokens"] - before)
+                prompt = prompt + out + [11 + t, 12 + t]
+    assert [out for _, out in turns] == [_generate_one(ref, p, params) for p, _ in turns]
+    assert hits[1:] == [len(turns[0][0]) + 4, len(turns[1][0]) + 4]
+
+
 def _generate_one(model, prompt, params):
     with LLM(model, max_seq_len=MAXLEN) as llm:
         return llm.generate([prompt], params)[0].token_ids

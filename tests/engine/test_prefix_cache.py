@@ -199,9 +199,10 @@ def test_greedy_output_is_the_full_forwards_with_hits_at_any_token(loaded, expec
     s = llm.prefix_stats()
     assert s["prefix_hits"] == len(HITS) - 1 and s["prefix_blocks_saved"] == sum(h // BS for h in HITS)
     assert 0 < s["prefix_hit_rate"] < 1 and s["prefix_cached_blocks"] >= 10
-    # every cached block that ends on a multiple of the interval holds a checkpoint
+    # every cached prompt block that ends on a multiple of the interval holds a checkpoint
+    # (a reply's state-only blocks hold one only at the reply's end)
     idx = llm.prefix_cache.index
-    assert all(b.ckpt is not None for b in idx._by_hash.values() if b.end % C == 0)
+    assert all(b.ckpt is not None for b in idx._by_hash.values() if b.end % C == 0 and b.entries)
     assert llm.scheduler.reserved == 0 and all(b.ref == 0 for b in idx._by_hash.values())
 
 
@@ -340,8 +341,9 @@ def test_a_prefix_evicted_between_two_requests(loaded, expected, arch, mode):
     s = llm.prefix_stats()
     assert s["prefix_evictions"] >= 10 and s["prefix_cached_blocks"] <= 10
     assert s["prefix_hit_tokens"] == 8            # BASE evicted by `other`; PROMPTS[1] hits PROMPTS[2]'s blocks
-    # 13 blocks: BASE takes 10, a 4-block prompt evicts BASE's last block only
-    llm = _llm(loaded[arch], mode, prefix_cache_blocks=13)
+    # 13 blocks: BASE takes 10, a 4-block prompt evicts BASE's last block only (prompts only:
+    # replies are not cached here, they would take blocks too)
+    llm = _llm(loaded[arch], mode, prefix_cache_blocks=13, prefix_cache_replies=False)
     _poison_frees(llm)
     prompts = [BASE, other[:16], BASE, PROMPTS[8]]
     hits = []

@@ -156,7 +156,9 @@ def test_layout_measures_the_prefix_store(ours):
     a = model.make_cache(3, spec, prefix_blocks=5, prefix_checkpoints=2)
     b = model.make_cache(3, spec, prefix_blocks=7, prefix_checkpoints=5)
     assert b.nbytes() - a.nbytes() == 2 * lay.prefix_block_bytes + 3 * lay.checkpoint_bytes
-    assert lay.checkpoint_bytes == lay.state_bytes
+    # a checkpoint row: the states plus the conv windows (a state point's, ``ckpt_window``)
+    wins = sum(st["conv"].window[0].nbytes for st in a.layers.values() if "conv" in st)
+    assert lay.checkpoint_bytes == lay.state_bytes + wins
     assert lay.prefix_block_bytes >= BS * lay.entry_bytes > 0
 
 
@@ -235,3 +237,70 @@ def test_batched_block_copies_equal_one_by_one(ours):
         _same(before, _snapshot(caches[1]))
     caches[1].prefix_copies(copies)
     _same(_snapshot(caches[0]), _snapshot(caches[1]))
+
+
+@pytest.mark.parametrize("mode", ["recurrent", "replay", "kv"])
+@pytest.mark.parametrize("name", ["mamba2", "nemotron_h", "qwen3_next"])
+def test_state_point_resumes_after_decode_and_verify(ours, name, mode):
+    """A state point (``prefix_save_states``) of a slot that prefilled, decoded and verified
+    (rejected entries left in its ring) resumes another slot exactly where it was saved:
+    state and conv window from the checkpoint row, the attention blocks shared, no store
+    block read (the chain given is NaN-poisoned and never written); the resumed slot then
+    prefills, decodes and verifies as on the full sequence, next to a slot that kept
+    running."""
+    model = ours(name)
+    cache = _store(model, mode)                             # NaN everywhere until written
+    st = Stream(model, cache, [1, 2], seed=11)
+    for s in (1, 2):
+        if cache.uses_pages:
+            cache.reserve(s, 40)
+    st.prefill([9, 6])
+    st.decode()
+    st.verify(3)
+    st.decode()
+    st.verify(2)
+    n = len(st.seqs[1])
+    nblk = -(-n // BS)
+    attn = cache.attn.blocks_of(1)[:nblk] if cache.attn is not None else []
+    if attn:
+        cache.prefix_retain_attn(attn)
+    cache.prefix_save_states([(3, 1)])
+    cache.release(torch.tensor([1]))
+    _poison_free_attention(cache)
+    cache.load_prefix(3, n, list(range(8, 8 + nblk)), attn=attn, checkpoint=(n, 3, True))
+    assert int(cache.seq_len[3]) == n and int(cache.ring.length[3]) == 0
+    assert cache.mode_of(3) == ("recurrent" if mode == "recurrent" else "replay")   # KV-only: a state form
+    st2 = Stream(model, cache, [3, 2], seed=12)
+    st2.seqs = {3: list(st.seqs[1]), 2: list(st.seqs[2])}
+    if cache.uses_pages:
+        cache.reserve(3, 60)
+        cache.reserve(2, 60)
+    st2.prefill([5, 2])
+    st2.decode()
+    st2.verify(3)
+    st2.decode()
+    st2.check_lengths()
+    assert st.err < 1e-9 and st2.err < 1e-9, (st.err, st2.err)
+
+
+def test_bad_state_points_are_refused_before_the_cache_changes(ours):
+    model = ours("nemotron_h")
+    cache = _store(model, "replay")
+    st = Stream(model, cache, [1], seed=4)
+    cache.reserve(1, 40)
+    st.prefill([6])
+    st.decode()
+    cache.prefix_save_states([(2, 1)])
+    attn = cache.attn.blocks_of(1)[:2]
+    cache.prefix_retain_attn(attn)
+    before = _snapshot(cache)
+    for jobs in ([(9, 1)], [(2, 3)], [(2, 1), (3, 1)], [(2, 1), (2, 4)], [(0, 1)]):
+        with pytest.raises(ValueError):                     # no such row, a free slot, twice, the null row
+            cache.prefix_save_states(jobs)
+        _same(before, _snapshot(cache))
+    for kw in (dict(length=6, checkpoint=(7, 2, True)),     # a state point resumes only where it was saved
+               dict(length=7, checkpoint=(7, None, True)),  # without its row
+               dict(length=7, checkpoint=(7, 9, True))):    # no such row
+        with pytest.raises(ValueError):
+            cache.load_prefix(3, kw["length"], [1, 2], attn=attn, checkpoint=kw["checkpoint"])
+        _same(before, _snapshot(cache))

@@ -18,6 +18,13 @@ sequences reading it.
   capture of the blocks its prefill computes (store blocks assigned before, blocks and
   checkpoints inserted after), and the references it gives back when it finishes.
 
+Chat turns: when a request finishes, :meth:`PrefixCache.capture_end` also caches its state
+after the prompt and reply it fed (``prompt + output[:-1]``) as a **state point** (a
+checkpoint row with the conv window) at the end of **state-only** blocks (tokens and
+attention blocks, no per-token entries), so the next turn resumes at the end of the reply;
+a state-only block is resumed only at a state point (``prefix_cache_replies=False``: prompts
+only).
+
 Why a hit can end at any token: the model cache resumes exactly at any position from the
 nearest checkpoint plus the stored entries since it, so a hit is never rounded down to a
 block or checkpoint boundary (engines that store only states can resume only where a state

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .index import CachedBlock, Match, PrefixIndex
 
 
@@ -18,6 +20,7 @@ class SeqPrefix:
     load: Match | None = None                      # the hit to resume before the first prefill
     hit: int = 0                                   # prompt tokens resumed from the cache
     stopped: bool = False                          # no further block of this prompt is captured
+    ended: bool = False                            # its reply was captured (capture_ends)
 
 
 class PrefixCache:
@@ -26,16 +29,20 @@ class PrefixCache:
     ``cache``: a model cache with a prefix store (``make_cache(prefix_blocks=...)``);
     ``interval``: checkpoint interval in tokens (a multiple of ``block_size``);
     ``on_transfer(seq, blocks)``: called when ``blocks`` of ``seq``'s own attention blocks
-    become cached (the block manager moves their bytes from the sequence to the cache).
+    become cached (the block manager moves their bytes from the sequence to the cache);
+    ``cache_replies``: when a request finishes, cache its state after prompt and reply
+    (:meth:`capture_end`).
     """
 
     #: counters kept in ``stats`` (the engine's stats dict: a benchmark resets them with the rest)
     COUNTERS = ("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens", "prefix_blocks_saved",
-                "prefix_blocks_inserted")
+                "prefix_blocks_inserted", "prefix_states_saved", "prefix_state_hits", "prefix_state_hit_tokens",
+                "prefix_replies_skipped")
 
     def __init__(self, cache, block_size: int, num_blocks: int, num_checkpoints: int, interval: int,
-                 on_transfer=None, stats: dict | None = None):
+                 on_transfer=None, stats: dict | None = None, cache_replies: bool = True):
         self.cache, self.block_size, self.interval = cache, block_size, interval
+        self.cache_replies = bool(cache_replies)
         self.has_attn = cache.attn is not None
         self.index = PrefixIndex(block_size, num_blocks, num_checkpoints, interval, on_evict=self._evicted)
         self.on_transfer = on_transfer
@@ -56,7 +63,9 @@ class PrefixCache:
     def admit(self, seq, m: Match) -> None:
         """``seq`` got a slot: hold the blocks of its hit until it finishes (the partial one
         until it is loaded) and start its prompt at the hit."""
-        st = SeqPrefix(chain=list(m.full), load=m if m.length else None, hit=m.length)
+        # a hit at a state point captures nothing of its prompt (its blocks would follow
+        # state-only ones): its end capture caches the rest
+        st = SeqPrefix(chain=list(m.full), load=m if m.length else None, hit=m.length, stopped=m.state)
         self.index.acquire(m.blocks)
         seq.prefix = st
         seq.num_prefilled = m.length
@@ -66,6 +75,9 @@ class PrefixCache:
             self.stats["prefix_hits"] += 1
             self.stats["prefix_hit_tokens"] += m.length
             self.stats["prefix_blocks_saved"] += len(m.full)
+        if m.state:
+            self.stats["prefix_state_hits"] += 1
+            self.stats["prefix_state_hit_tokens"] += m.length
 
     def load(self, seq) -> None:
         """Resume ``seq``'s slot at its hit (before its first prefill chunk); raises what the
@@ -85,7 +97,9 @@ class PrefixCache:
             if m is None:
                 continue
             ckpt = None
-            for b in reversed(m.full):        # nearest checkpoint at or before the hit
+            if m.state:                       # a state point: its state and conv window
+                ckpt = (m.length, m.blocks[-1].ckpt, True)
+            for b in () if m.state else reversed(m.full):   # nearest checkpoint at or before the hit
                 if b.ckpt is not None:
                     ckpt = (b.end, b.ckpt)
                     break
@@ -100,7 +114,7 @@ class PrefixCache:
                     continue
                 st: SeqPrefix = seq.prefix
                 m, k = st.load, len(st.load.full)
-                if m.partial is not None and (k + 1) * bs <= seq.num_prompt_tokens:
+                if m.partial is not None and not m.state and (k + 1) * bs <= seq.num_prompt_tokens:
                     # the sequence captures its own copy of the partly matched block: copy the used part
                     dst = self.index.alloc_block()
                     if dst is None:
@@ -190,6 +204,10 @@ class PrefixCache:
                 self.index.free_block(store)
                 st.stopped = True
                 break
+            if not b.entries:             # a finished request's reply holds these tokens, without
+                self.index.free_block(store)   # entries: stop (its end capture continues it)
+                st.stopped = True
+                break
             self.index.acquire([b])
             st.chain.append(b)
             if not new:                   # cached meanwhile by another request: keep that one
@@ -232,6 +250,133 @@ class PrefixCache:
             self.cache.prefix_checkpoints(jobs)
 
     # -- end -------------------------------------------------------------------------------
+    def capture_end(self, seq) -> None:
+        """:meth:`capture_ends` of one sequence."""
+        self.capture_ends([seq])
+
+    def capture_ends(self, seqs) -> None:
+        """Cache each finishing sequence's state after its prompt and reply (before its slot
+        is freed; all of a step's in one ``cache.prefix_save_states`` call): the ``L =
+        prompt + output - 1`` tokens its cache holds (the last sampled token was never fed).
+        Its chain is extended by state-only blocks (tokens and, hybrids, the slot's
+        attention blocks; no entries: decode steps capture none) up to ``L``, and the state
+        point at ``L`` (the state-only block ending there, or a tail of ``L mod bs`` tokens)
+        gets a checkpoint row holding the slot's state and conv window.  Store blocks and
+        checkpoint rows come from the index (evicting unreferenced leaves; none free: less or
+        nothing is cached).  Skipped: a sequence captured already, whose prompt is not
+        complete, that produced nothing or failed, or whose cache holds other tokens than
+        its own (a speculative step ran past its end: counted in ``prefix_replies_skipped``)."""
+        if not self.cache_replies:
+            return
+        seqs = [seq for seq in seqs if seq.prefix is not None and not seq.prefix.ended and seq.prefix.load is None
+                and seq.slot is not None and not seq.prefilling and seq.output_ids and seq.finish_reason != "error"
+                and seq.error is None]
+        if not seqs:
+            return
+        lens = self.cache.seq_len
+        held = lens[torch.tensor([s.slot for s in seqs], dtype=torch.long, device=lens.device)].tolist()   # one sync
+        todo = []
+        for seq, n in zip(seqs, held):
+            seq.prefix.ended = True
+            if n != seq.num_cached:            # a speculative step ran past the reply's end
+                self.stats["prefix_replies_skipped"] += 1
+                continue
+            job = self._extend(seq, seq.prefix)
+            if job is not None:
+                todo.append(job)
+        if not todo:
+            return
+        try:
+            self.cache.prefix_save_states([(j["row"], j["seq"].slot) for j in todo])
+        except Exception:
+            for j in todo:
+                self.index.free_checkpoint(j["row"])
+                if j["store"] is not None:
+                    self.index.free_block(j["store"])
+            raise
+        attn = []
+        for j in todo:
+            if j["host"] is not None:             # the last whole block ends at L
+                if j["host"].ckpt is not None:    # an equal conversation of this step took it
+                    self.index.free_checkpoint(j["row"])
+                    continue
+                j["host"].ckpt = j["row"]
+            else:                                 # a tail (an equal one may have come meanwhile)
+                try:
+                    host, new = self.index.insert(j["parent"], j["tokens"], j["store"], j["attn"], entries=False)
+                except ValueError:
+                    new = False
+                if not new:
+                    self.index.free_block(j["store"])
+                    self.index.free_checkpoint(j["row"])
+                    continue
+                host.ckpt = j["row"]
+                if j["attn"] is not None:
+                    attn.append(j["attn"])
+                    if self.on_transfer is not None:
+                        self.on_transfer(j["seq"], 1)
+            self.stats["prefix_states_saved"] += 1
+        if attn:
+            self.cache.prefix_retain_attn(attn)
+
+    def _extend(self, seq, st: SeqPrefix) -> dict | None:
+        """Extend ``seq``'s chain by state-only whole blocks up to its ``L`` tokens and take
+        the state point's checkpoint row (and a tail's store block); the job to write, or
+        None when nothing is to be written."""
+        L = seq.num_cached
+        bs, ix = self.block_size, self.index
+        Q, r = divmod(L, bs)
+        if r == 0 and len(st.chain) >= Q and (st.chain[Q - 1].entries or st.chain[Q - 1].ckpt is not None):
+            return None                           # resumable at L already
+        ids = seq.all_ids
+        attn_of = self.cache.attn.blocks_of(seq.slot) if self.has_attn else None
+        new_attn = []
+        try:
+            while len(st.chain) < Q:              # the whole blocks up to L, state-only where new
+                k = len(st.chain)
+                parent = st.chain[-1] if st.chain else None
+                toks = ids[k * bs:(k + 1) * bs]
+                b = ix.child(parent, toks)
+                if b is None:
+                    store = ix.alloc_block()
+                    if store is None:
+                        return None
+                    attn = attn_of[k] if attn_of is not None else None
+                    try:
+                        b, _ = ix.insert(parent, toks, store, attn, entries=False)
+                    except ValueError:            # a hash collision
+                        ix.free_block(store)
+                        return None
+                    self.stats["prefix_blocks_inserted"] += 1
+                    if attn is not None:
+                        new_attn.append(attn)
+                ix.acquire([b])                   # held until the sequence's references go back
+                st.chain.append(b)
+            if r == 0:
+                host = st.chain[Q - 1]
+                if host.entries or host.ckpt is not None:
+                    return None
+                row = ix.alloc_checkpoint()
+                return None if row is None else dict(seq=seq, row=row, host=host, store=None)
+            parent = st.chain[Q - 1] if Q else None
+            toks = ids[Q * bs:L]
+            if ix.child(parent, toks) is not None:
+                return None                       # cached by an equal conversation
+            store = ix.alloc_block()
+            if store is None:
+                return None
+            row = ix.alloc_checkpoint()
+            if row is None:
+                ix.free_block(store)
+                return None
+            return dict(seq=seq, row=row, host=None, store=store, parent=parent, tokens=toks,
+                        attn=attn_of[Q] if attn_of is not None else None)
+        finally:
+            if new_attn:                          # the cache holds the slot's blocks from now on
+                self.cache.prefix_retain_attn(new_attn)
+                if self.on_transfer is not None:
+                    self.on_transfer(seq, len(new_attn))
+
     def finish(self, seq) -> None:
         """``seq`` leaves: give back its references and the store blocks it never filled."""
         st: SeqPrefix = seq.prefix

@@ -21,7 +21,14 @@ class CachedBlock:
     ``index``: its position in the sequence (tokens ``index*bs .. (index+1)*bs-1``);
     ``store``: its prefix-store block; ``attn``: its attention block (hybrids, else None);
     ``ckpt``: the checkpoint row of the state after it (``None``: none);
-    ``ref``: sequences holding it.
+    ``ref``: sequences holding it; ``end``: tokens up to and including it (set by the index);
+    ``entries``: whether the store holds every token's entries and conv inputs (a prompt's
+    block), else only tokens and attention blocks (a block of a finished request's reply,
+    :meth:`PrefixCache.capture_end`): such a block is resumed only at a **state point** at its
+    end (``ckpt``, a saved state and conv window).  A state-only block may be a **tail** of
+    fewer than ``block_size`` tokens: a leaf whose only use is its state point.  On every
+    chain, blocks with entries come first (a prompt capture never continues a state-only
+    block), so folds never read a state-only block.
     """
 
     hash: int
@@ -34,22 +41,21 @@ class CachedBlock:
     ref: int = 0
     last_used: int = 0
     children: dict = field(default_factory=dict)
-
-    @property
-    def end(self) -> int:
-        """Tokens up to and including this block (set by the index)."""
-        return (self.index + 1) * len(self.tokens)
+    end: int = 0
+    entries: bool = True
 
 
 @dataclass
 class Match:
     """Result of :meth:`PrefixIndex.lookup`: whole blocks matched (``full``), the block the
     match continues into (``partial``, its first ``length - len(full)*bs`` tokens used), and
-    the hit ``length`` in tokens."""
+    the hit ``length`` in tokens.  ``state``: the hit is a state point (the end of
+    ``blocks[-1]``, a state-only block: resume from its checkpoint, capture nothing after)."""
 
     full: list
     partial: CachedBlock | None
     length: int
+    state: bool = False
 
     @property
     def blocks(self) -> list:
@@ -105,10 +111,18 @@ class PrefixIndex:
         return self._clock
 
     # -- lookup ----------------------------------------------------------------------------
+    def child(self, parent: CachedBlock | None, tokens) -> CachedBlock | None:
+        """The cached block of ``tokens`` right after ``parent`` (None: none)."""
+        tokens = tuple(tokens)
+        b = self._by_hash.get(block_hash(parent.hash if parent is not None else None, tokens))
+        return b if b is not None and b.parent is parent and b.tokens == tokens else None
+
     def lookup(self, tokens, limit: int | None = None) -> Match:
         """Longest cached prefix of ``tokens``, at most ``limit`` tokens (default: all): whole
         blocks by hash, then the longest common token prefix with the children of the last
-        whole block.  Changes nothing (not even LRU order)."""
+        whole block; where the chain has entries, at any token, past it only at a state point
+        (the end of a state-only block with a checkpoint, or a tail matched whole).  Changes
+        nothing (not even LRU order)."""
         bs = self.block_size
         limit = len(tokens) if limit is None else min(int(limit), len(tokens))
         full, parent, h = [], None, None
@@ -123,10 +137,16 @@ class PrefixIndex:
             parent = b
         start = len(full) * bs
         rest = tokens[start:limit]
-        best, best_n = None, 0
-        if rest:
-            kids = (parent.children if parent is not None else self._roots).values()
+        kids = list((parent.children if parent is not None else self._roots).values()) if rest else []
+        e = 0                                   # whole blocks with entries (a prefix of the chain)
+        while e < len(full) and full[e].entries:
+            e += 1
+        hit = Match(full[:e], None, e * bs)
+        if e == len(full):
+            best, best_n = None, 0
             for c in kids:
+                if not c.entries:
+                    continue
                 n = 0
                 for a, t in zip(c.tokens, rest):
                     if a != t:
@@ -134,7 +154,21 @@ class PrefixIndex:
                     n += 1
                 if n > best_n:
                     best, best_n = c, n
-        return Match(full, best, start + best_n)
+            hit = Match(full, best, start + best_n)
+        # state points past the entries: a tail matched whole, else the last state-only block
+        # with a checkpoint
+        for c in kids:
+            n = len(c.tokens)
+            if not c.entries and c.ckpt is not None and n < bs and n <= len(rest) and c.end > hit.length \
+                    and tuple(rest[:n]) == c.tokens:
+                hit = Match(full, c, c.end, state=True)
+        if not hit.state:
+            for j in range(len(full) - 1, e - 1, -1):
+                if full[j].ckpt is not None:
+                    if full[j].end > hit.length:
+                        hit = Match(full[:j + 1], None, full[j].end, state=True)
+                    break
+        return hit
 
     # -- references ------------------------------------------------------------------------
     def acquire(self, blocks) -> None:
@@ -199,6 +233,10 @@ class PrefixIndex:
         """Give back a store block that was never inserted."""
         self._free_blocks.append(store)
 
+    def free_checkpoint(self, row: int) -> None:
+        """Give back a checkpoint row no block was given."""
+        self._free_ckpts.append(row)
+
     def alloc_checkpoint(self) -> int | None:
         """A free checkpoint row (evicting unreferenced leaves until one frees up), or None."""
         while not self._free_ckpts:
@@ -207,15 +245,20 @@ class PrefixIndex:
         return self._free_ckpts.pop()
 
     # -- insertion -------------------------------------------------------------------------
-    def insert(self, parent: CachedBlock | None, tokens, store: int, attn: int | None = None) -> tuple[CachedBlock, bool]:
+    def insert(self, parent: CachedBlock | None, tokens, store: int, attn: int | None = None,
+               entries: bool = True) -> tuple[CachedBlock, bool]:
         """Add the block of ``tokens`` after ``parent`` (a cached block, or None for the first
-        block) holding store block ``store``.  Returns ``(block, True)``, or the block already
-        cached for this prefix and False (``store`` is then the caller's to free)."""
+        block) holding store block ``store``; ``entries=False``: a state-only block (a tail
+        may hold fewer tokens).  Returns ``(block, True)``, or the block already cached for
+        this prefix and False (``store`` is then the caller's to free)."""
         tokens = tuple(tokens)
-        if len(tokens) != self.block_size:
+        if not (len(tokens) == self.block_size or (not entries and 0 < len(tokens) < self.block_size)):
             raise ValueError(f"a block holds {self.block_size} tokens, got {len(tokens)}")
         if parent is not None and parent not in self:
             raise ValueError("insert: the parent block is not cached")
+        if parent is not None and (len(parent.tokens) != self.block_size or (entries and not parent.entries)):
+            raise ValueError("insert: a tail has no children, and a block with entries never follows a "
+                             "state-only one")
         h = block_hash(parent.hash if parent is not None else None, tokens)
         old = self._by_hash.get(h)
         if old is not None:
@@ -223,7 +266,8 @@ class PrefixIndex:
                 return old, False
             raise ValueError("prefix hash collision")   # practically never; refuse rather than alias
         b = CachedBlock(h, parent, tokens, 0 if parent is None else parent.index + 1, store, attn,
-                        last_used=self._tick())
+                        last_used=self._tick(), end=(0 if parent is None else parent.end) + len(tokens),
+                        entries=bool(entries))
         self._by_hash[h] = b
         (parent.children if parent is not None else self._roots)[h] = b
         self._candidate(b)
