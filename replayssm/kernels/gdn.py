@@ -20,7 +20,7 @@ from ._triton import contiguous as _c
 from ..ops.gdn.naive import check_kv_fold, check_rebuild_state
 from .append import append_entries
 from .fold import paged_fold, ring_fold
-from .mamba2 import tree_bits
+from .mamba2 import decode_block, tree_bits
 
 __all__ = [
     "recurrent_step",
@@ -127,12 +127,32 @@ if HAVE_TRITON:
         tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
 
     @triton.jit
+    def _gdn_fold_fma(state_ptr, ur_ptr, kr_ptr, gr_ptr, S0, soff, m2, slot, start, h, hv, kh, tot, gs, us, k,
+                      offs_k, mk, offs_v, mv, L, H, HV, K, V):
+        """A flush row's ``S_{h+1} = e^{tot'} S0 + k uᵀ + Σ_{j<h} e^{tot'-cum_j} k_j u_jᵀ``
+        (``tot'`` including the new entry's ``g``; the new ``k``, ``u``, ``g`` as the ring stores
+        them) as rank-1 updates of the ``[BK, BV]`` tile ``S0`` (fp32, in registers), one ring
+        entry per iteration of a loop that runs ``h`` times; stored rounded once."""
+        tot1 = tot + gs.to(tl.float32)
+        kn = k.to(kr_ptr.dtype.element_ty).to(tl.float32)
+        Sn = tl.exp(tot1) * S0 + kn[:, None] * us.to(tl.float32)[None, :]
+        c = tot * 0.0
+        for j in range(0, h):
+            ej = slot * L + (start + j) % L
+            c += tl.load(gr_ptr + ej * HV + hv).to(tl.float32)
+            kj = tl.load(kr_ptr + (ej * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+            uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+            Sn += (tl.exp(tot1 - c) * kj)[:, None] * uj[None, :]
+        tl.store(state_ptr + soff, Sn.to(state_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
     def _gdn_decode_tile(
         state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
         r, hv, vb, L, H, HV, K, V, REP, scale,
         LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
         OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
+        FMA: tl.constexpr,
     ):
         """One ``(row, value head, V-block)`` tile of GDN replay: ``u = β(v − α S_h k)``,
         ``y = α S_h q + u (k·q)``; appends ``u``, ``g`` (and the normalised ``k`` unless
@@ -142,7 +162,10 @@ if HAVE_TRITON:
         ``k_j·q`` from :func:`_gdn_scores_kernel`.  ``FOLD``: a flush row then stores
         ``S_{h+1} = e^{tot'} S0 + Σ_{j≤h} e^{tot'-cum_j} k_j u_jᵀ`` with the new entry as the
         ring stores it, ``K`` in chunks of ``BKC`` read again right after the first read (from
-        L2, not DRAM), so no register tile is held across the fold's ``tl.dot``."""
+        L2, not DRAM), so no register tile is held across the fold's ``tl.dot``.  ``FMA`` (output
+        route): the fold is instead rank-1 updates of the ``[BK, BV]`` tile already in registers,
+        a run-time loop over the row's ``h`` entries (no ``tl.dot``, no shared memory, any
+        ``BV``)."""
         kh = hv // REP
         r64 = r.to(tl.int64)
         slot = tl.load(slot_ptr + r).to(tl.int64)
@@ -211,7 +234,11 @@ if HAVE_TRITON:
             if not PRE_SCORES:
                 if hv % REP == 0:
                     tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
-        if FOLD:
+        if FOLD and FMA:
+            if tl.load(flush_ptr + r) != 0:
+                _gdn_fold_fma(state_ptr, ur_ptr, kr_ptr, gr_ptr, S0, soff, m2, slot, start, h, hv, kh, tot, gs, us, k,
+                              offs_k, mk, offs_v, mv, L, H, HV, K, V)
+        elif FOLD:
             if tl.load(flush_ptr + r) != 0:
                 newj = jj == h
                 tot1 = tot + gs.to(tl.float32)
@@ -243,7 +270,7 @@ if HAVE_TRITON:
         Bt, NPROG, L, H, HV, K, V, REP, scale,
         LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
         L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr,
-        PREC: tl.constexpr, SKIP_FLUSH: tl.constexpr, PERSIST: tl.constexpr,
+        PREC: tl.constexpr, SKIP_FLUSH: tl.constexpr, PERSIST: tl.constexpr, FMA: tl.constexpr,
     ):
         """Replay decode (:func:`_gdn_decode_tile`) over a flat grid of ``V-blocks × value
         heads × rows`` (V-blocks of one (row, head) side by side: they share DRAM pages).
@@ -258,7 +285,7 @@ if HAVE_TRITON:
                 _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
                                  q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
                                  r, t // nv, t % nv, L, H, HV, K, V, REP, scale,
-                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC)
+                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA)
         else:
             vb, hv, r = tile_ids(nv, HV)
             go = True
@@ -268,7 +295,7 @@ if HAVE_TRITON:
                 _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
                                  q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
                                  r, hv, vb, L, H, HV, K, V, REP, scale,
-                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC)
+                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA)
 
     @triton.jit
     def _gdn_fold_kernel(
@@ -617,22 +644,37 @@ FLUSH_MODES = ("split", "fused", "apart")
 #: up to this many (row, value head, 32-wide V-block) tiles a decode step is one launch
 SMALL_GRID = 2048
 
+#: the keys a launch config of :func:`replay_decode` may set (:data:`DECODE_TABLE`)
+DECODE_KEYS = ("block_v", "num_warps", "pre_scores", "flush_mode", "fold_form", "fold_warps")
 
-def decode_defaults(Bt: int, HV: int, V: int) -> dict:
-    """Default form of :func:`replay_decode` for a batch (H100, 2026-11-23, KERNEL_NOTES.md):
+#: tuned launch configs of :func:`replay_decode` (output route), consulted before the measured
+#: defaults of :func:`decode_defaults`: rows ``(max_batch, state_itemsize, config)`` as in
+#: :data:`replayssm.kernels.mamba2.DECODE_TABLE`.  Empty: the defaults.
+DECODE_TABLE: list = []
+
+
+def decode_defaults(Bt: int, HV: int, V: int, state_itemsize: int = 4) -> dict:
+    """Launch config of :func:`replay_decode` (output route) for a batch: the first matching
+    row of :data:`DECODE_TABLE`, else the measured default (H100, 2026-11-23, KERNEL_NOTES.md):
     small grids run as one launch (``fused``, 4 warps: its fold spills on fewer); larger ones
     run the per-head scores kernel, the hot kernel on 64-wide V tiles and 2 warps, and the
-    flush rows apart."""
+    flush rows apart.  Flush rows fold with ``tl.dot``."""
+    base = dict(fold_form="dot", fold_warps=4)
     if Bt * HV * triton.cdiv(V, 32) <= SMALL_GRID:
-        return dict(pre_scores=False, flush_mode="fused", num_warps=4, block_v=32)
-    return dict(pre_scores=True, flush_mode="apart", num_warps=2, block_v=64)
+        base.update(pre_scores=False, flush_mode="fused", num_warps=4, block_v=32)
+    else:
+        base.update(pre_scores=True, flush_mode="apart", num_warps=2, block_v=64)
+    for max_batch, itemsize, cfg in DECODE_TABLE:
+        if Bt <= max_batch and itemsize in (None, state_itemsize):
+            return dict(base, **cfg)
+    return base
 
 
 def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   precision: str = "tf32x3", pre_scores: bool | None = None, flush_mode: str | None = None,
-                  fold_warps: int = 4) -> Tensor:
+                  fold_warps: int | None = None, fold_form: str | None = None) -> Tensor:
     """Replay decode, appending ``(u, k, g)``.  ``flush_mode`` (default:
     :func:`decode_defaults`) is how flush rows store ``S_{h+1}``:
 
@@ -643,6 +685,9 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     * ``"split"``: the hot kernel for every row, then the fold kernel re-reads the flush
       rows' checkpoints (three state passes on a flush step; the state route's form).
 
+    ``fold_form`` (``fused`` / ``apart``): ``"dot"`` re-reads the tile in 32-row K chunks and
+    folds with ``tl.dot`` (``precision``); ``"fma"`` folds by rank-1 updates of the tile in
+    registers over the row's entries (any ``block_v``, no shared memory).
     ``pre_scores``: normalised ``q``/``k`` and the history scores once per (row, key head) in
     a small kernel (output route only).  ``route="state"`` rebuilds ``S_h`` in the kernel.
     ``precision``: the ``tl.dot`` of the state route and of the fold."""
@@ -653,22 +698,50 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     dims = _dims(q, v, False)
     Bt, _, H, HV, K, V = dims
     _check_ring(buf, plan, v, dims)
-    auto = decode_defaults(Bt, HV, V)
+    auto = decode_defaults(Bt, HV, V, buf.state.element_size())
     if route == "state":
-        auto = dict(pre_scores=False, flush_mode="split", num_warps=1, block_v=32)
+        auto = dict(pre_scores=False, flush_mode="split", num_warps=1, block_v=32, fold_form="dot", fold_warps=4)
     flush_mode = flush_mode or auto["flush_mode"]
     pre_scores = auto["pre_scores"] if pre_scores is None else bool(pre_scores)
     num_warps = num_warps or auto["num_warps"]
+    fold_warps = fold_warps or auto["fold_warps"]
+    fold_form = fold_form or auto["fold_form"]
     if flush_mode not in FLUSH_MODES:
         raise ValueError(f"bad flush_mode {flush_mode!r}: expected one of {FLUSH_MODES}")
     if route == "state" and (pre_scores or flush_mode != "split"):
         raise ValueError("route='state' runs with pre_scores=False and flush_mode='split' only")
+    if fold_form == "fma" and flush_mode == "split":
+        raise ValueError("fold_form='fma' folds inside the decode kernel: flush_mode 'fused' or 'apart'")
+    BV = decode_block(V, block_v or auto["block_v"], fold_form if flush_mode != "split" else "dot")
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
     L = plan.capacity
-    BV, LP, BK = _bv(V, block_v or auto["block_v"]), pad16(L), pad16(K)
+    LP, BK = pad16(L), pad16(K)
     y = torch.empty_like(v)
     if Bt == 0:
         return y
+    sc = qk = y
+    if pre_scores:
+        sc = torch.empty(Bt, H, 2, LP + 1, dtype=torch.float32, device=v.device)
+        qk = torch.empty(Bt, H, 2, K, dtype=torch.float32, device=v.device)
+        _gdn_scores_kernel[(Bt * H,)](buf.k, plan.slot, plan.start, plan.hist, q, k, sc, qk,
+                                      L, H, K, _scale(scale, K), LP=LP, BK=BK, L2=bool(use_qk_l2norm),
+                                      num_warps=4)
+    nv = triton.cdiv(V, BV)
+    args = (buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
+            q, k, v, g, beta, y, sc, qk)
+    dims_args = (L, H, HV, K, V, HV // H, _scale(scale, K))
+    const = dict(LP=LP, BK=BK, BKC=min(BK, 32), BV=BV, BT=flag_chunk(Bt), L2=bool(use_qk_l2norm),
+                 OUTPUT_ROUTE=route == "output", PRE_SCORES=pre_scores, PREC=precision, FMA=fold_form == "fma")
+    grid = flat_grid(nv, HV, Bt)
+    _gdn_replay_decode_kernel[grid](*args, Bt, 1, *dims_args, **const, FOLD=flush_mode == "fused",
+                                    SKIP_FLUSH=flush_mode == "apart", PERSIST=False, num_warps=num_warps)
+    if flush_mode == "apart":
+        nprog = persistent_programs(v.device, Bt * HV * nv, 32 // fold_warps)
+        _gdn_replay_decode_kernel[(nprog,)](*args, Bt, nprog, *dims_args, **const, FOLD=True, SKIP_FLUSH=False,
+                                            PERSIST=True, num_warps=fold_warps)
+    elif flush_mode == "split":
+        _fold(buf, plan, 1, grid, BV, precision)
+    return y
     sc = qk = y
     if pre_scores:
         sc = torch.empty(Bt, H, 2, LP + 1, dtype=torch.float32, device=v.device)
