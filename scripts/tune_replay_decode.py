@@ -414,7 +414,7 @@ def main(argv=None) -> int:
                         print(f"{fam:6} {sname:5} {B:>4} {name:18} not timed: failed its check", flush=True)
                         continue
                     try:
-                        t = {key: graph_us(lambda p=p: mod.replay_decode(buf, p, **inp, **form), dev)
+                        t = {key: graph_us(lambda p=p, b=buf: mod.replay_decode(b, p, **inp, **form), dev)
                              for key, (p, _) in plans.items()}
                     except Exception as exc:
                         print(f"{fam:6} {sname:5} {B:>4} {name:18} failed: {repr(exc)[:160]}", flush=True)
