@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from ._triton import (HAVE_TRITON, check_ring, count_flags, flag_chunk, flat_grid, history_entries, next_pow2,
-                      nth_flag, pad16, persistent_programs, tile, tile_ids, triton, tl, verify_precision)
+                      nth_flag, pad16, persistent_programs, tile, tile_ids, token_rows, triton, tl,
+                      verify_precision)
 from ._triton import contiguous as _c
 from ..ops.gdn.naive import check_kv_fold, check_rebuild_state
 from .append import append_entries
@@ -93,7 +94,7 @@ if HAVE_TRITON:
     @triton.jit
     def _gdn_scores_kernel(
         kr_ptr, slot_ptr, start_ptr, hist_ptr, q_ptr, k_ptr, sc_ptr, qk_ptr,
-        L, H, K, scale,
+        L, H, K, scale, QS, KS,
         LP: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr,
     ):
         """Decode precompute, once per (row, key head) instead of in every value head's
@@ -114,8 +115,8 @@ if HAVE_TRITON:
         e = slot * L + (start + jj) % L
         Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
                      other=0.0).to(tl.float32)
-        q = _l2n(tl.load(q_ptr + (r * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
-        k = _l2n(tl.load(k_ptr + (r * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2)
+        q = _l2n(tl.load(q_ptr + r * QS + kh * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
+        k = _l2n(tl.load(k_ptr + r * KS + kh * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2)
         base = (r * H + kh) * 2 * (LP + 1)
         tl.store(sc_ptr + base + jj, tl.sum(Kh * k[None, :], 1))
         tl.store(sc_ptr + base + LP, tl.sum(k * q, 0))
@@ -149,7 +150,7 @@ if HAVE_TRITON:
     def _gdn_decode_tile(
         state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
-        r, hv, vb, L, H, HV, K, V, REP, scale,
+        r, hv, vb, L, H, HV, K, V, REP, scale, QS, KS, VS,
         LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
         OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
         FMA: tl.constexpr,
@@ -191,10 +192,10 @@ if HAVE_TRITON:
         Uh = tl.load(ur_ptr + (e[:, None] * HV + hv) * V + offs_v[None, :], mask=mj[:, None] & mv[None, :],
                      other=0.0).to(tl.float32)
         if not PRE_SCORES:
-            q = _l2n(tl.load(q_ptr + (r64 * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
-            kraw = tl.load(k_ptr + (r64 * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+            q = _l2n(tl.load(q_ptr + r64 * QS + kh * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
+            kraw = tl.load(k_ptr + r64 * KS + kh * K + offs_k, mask=mk, other=0.0).to(tl.float32)
             k = _l2n(kraw, L2)
-        v = tl.load(v_ptr + (r64 * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + r64 * VS + hv * V + offs_v, mask=mv, other=0.0).to(tl.float32)
         gv = tl.load(g_ptr + r64 * HV + hv).to(tl.float32)
         beta = tl.load(b_ptr + r64 * HV + hv).to(tl.float32)
         if PRE_SCORES:
@@ -256,7 +257,7 @@ if HAVE_TRITON:
                     if PRE_SCORES:
                         kc = tl.load(qk_ptr + qbase + offs_c, mask=mc, other=0.0)
                     else:
-                        kc = tl.load(k_ptr + (r64 * H + kh) * K + offs_c, mask=mc, other=0.0).to(tl.float32) * rk
+                        kc = tl.load(k_ptr + r64 * KS + kh * K + offs_c, mask=mc, other=0.0).to(tl.float32) * rk
                     Kf = tl.where(newj[:, None], kc.to(kr_ptr.dtype.element_ty).to(tl.float32)[None, :], Kc)
                     cptr = state_ptr + ((slot * HV + hv) * K + offs_c[:, None]) * V + offs_v[None, :]
                     S0c = tl.load(cptr, mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)            # [BKC, BV]
@@ -267,7 +268,7 @@ if HAVE_TRITON:
     def _gdn_replay_decode_kernel(
         state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
-        Bt, NPROG, L, H, HV, K, V, REP, scale,
+        Bt, NPROG, L, H, HV, K, V, REP, scale, QS, KS, VS,
         LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
         L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr,
         PREC: tl.constexpr, SKIP_FLUSH: tl.constexpr, PERSIST: tl.constexpr, FMA: tl.constexpr,
@@ -284,7 +285,7 @@ if HAVE_TRITON:
                 t = w % ntile
                 _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
                                  q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
-                                 r, t // nv, t % nv, L, H, HV, K, V, REP, scale,
+                                 r, t // nv, t % nv, L, H, HV, K, V, REP, scale, QS, KS, VS,
                                  LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA)
         else:
             vb, hv, r = tile_ids(nv, HV)
@@ -294,7 +295,7 @@ if HAVE_TRITON:
             if go:
                 _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
                                  q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
-                                 r, hv, vb, L, H, HV, K, V, REP, scale,
+                                 r, hv, vb, L, H, HV, K, V, REP, scale, QS, KS, VS,
                                  LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA)
 
     @triton.jit
@@ -713,10 +714,11 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     if fold_form == "fma" and flush_mode == "split":
         raise ValueError("fold_form='fma' folds inside the decode kernel: flush_mode 'fused' or 'apart'")
     BV = decode_block(V, block_v or auto["block_v"], fold_form if flush_mode != "split" else "dot")
-    q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
+    (q, QS), (k, KS), (v, VS) = token_rows(q, 1), token_rows(k, 1), token_rows(v, 1)
+    g, beta = _c(g), _c(beta)
     L = plan.capacity
     LP, BK = pad16(L), pad16(K)
-    y = torch.empty_like(v)
+    y = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if Bt == 0:
         return y
     sc = qk = y
@@ -724,38 +726,14 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
         sc = torch.empty(Bt, H, 2, LP + 1, dtype=torch.float32, device=v.device)
         qk = torch.empty(Bt, H, 2, K, dtype=torch.float32, device=v.device)
         _gdn_scores_kernel[(Bt * H,)](buf.k, plan.slot, plan.start, plan.hist, q, k, sc, qk,
-                                      L, H, K, _scale(scale, K), LP=LP, BK=BK, L2=bool(use_qk_l2norm),
+                                      L, H, K, _scale(scale, K), QS, KS, LP=LP, BK=BK, L2=bool(use_qk_l2norm),
                                       num_warps=4)
     nv = triton.cdiv(V, BV)
     args = (buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
             q, k, v, g, beta, y, sc, qk)
-    dims_args = (L, H, HV, K, V, HV // H, _scale(scale, K))
+    dims_args = (L, H, HV, K, V, HV // H, _scale(scale, K), QS, KS, VS)
     const = dict(LP=LP, BK=BK, BKC=min(BK, 32), BV=BV, BT=flag_chunk(Bt), L2=bool(use_qk_l2norm),
                  OUTPUT_ROUTE=route == "output", PRE_SCORES=pre_scores, PREC=precision, FMA=fold_form == "fma")
-    grid = flat_grid(nv, HV, Bt)
-    _gdn_replay_decode_kernel[grid](*args, Bt, 1, *dims_args, **const, FOLD=flush_mode == "fused",
-                                    SKIP_FLUSH=flush_mode == "apart", PERSIST=False, num_warps=num_warps)
-    if flush_mode == "apart":
-        nprog = persistent_programs(v.device, Bt * HV * nv, 32 // fold_warps)
-        _gdn_replay_decode_kernel[(nprog,)](*args, Bt, nprog, *dims_args, **const, FOLD=True, SKIP_FLUSH=False,
-                                            PERSIST=True, num_warps=fold_warps)
-    elif flush_mode == "split":
-        _fold(buf, plan, 1, grid, BV, precision)
-    return y
-    sc = qk = y
-    if pre_scores:
-        sc = torch.empty(Bt, H, 2, LP + 1, dtype=torch.float32, device=v.device)
-        qk = torch.empty(Bt, H, 2, K, dtype=torch.float32, device=v.device)
-        _gdn_scores_kernel[(Bt * H,)](buf.k, plan.slot, plan.start, plan.hist, q, k, sc, qk,
-                                      L, H, K, _scale(scale, K), LP=LP, BK=BK, L2=bool(use_qk_l2norm),
-                                      num_warps=4)
-    nv = triton.cdiv(V, BV)
-    args = (buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
-            q, k, v, g, beta, y, sc, qk)
-    dims_args = (L, H, HV, K, V, HV // H, _scale(scale, K))
-    const = dict(LP=LP, BK=BK, BKC=min(BK, 32), BV=BV, BT=flag_chunk(Bt), L2=bool(use_qk_l2norm),
-                 OUTPUT_ROUTE=route == "output",
-                 PRE_SCORES=pre_scores, PREC=precision)
     grid = flat_grid(nv, HV, Bt)
     _gdn_replay_decode_kernel[grid](*args, Bt, 1, *dims_args, **const, FOLD=flush_mode == "fused",
                                     SKIP_FLUSH=flush_mode == "apart", PERSIST=False, num_warps=num_warps)

@@ -751,18 +751,6 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
         LP=LP, BD=BD, BN=BN, BNC=min(BN, pad16(block_n)), HAS_D=D is not None, PRE_SCORES=pre_scores,
         PREC=precision, FMA=fold_form == "fma", num_warps=num_warps)
     return y
-    sc = None
-    if pre_scores:
-        sc = torch.empty(Bt, G, LP + 1, dtype=torch.float32, device=x.device)
-        _m2_scores_kernel[(Bt, G)](buf.B, plan.slot, plan.start, plan.hist, B, C, sc, L, G, n, BS, CS,
-                                   LP=LP, BN=BN, num_warps=4)
-    _m2_replay_decode_kernel[flat_grid(triton.cdiv(d, BD), H, Bt)](
-        buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush,
-        x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
-        L, H, G, d, n, H // G, XS, BS, CS,
-        LP=LP, BD=BD, BN=BN, BNC=min(BN, pad16(block_n)), HAS_D=D is not None, PRE_SCORES=pre_scores,
-        PREC=precision, num_warps=num_warps)
-    return y
 
 
 def tree_bits(parent: Tensor, batch: int) -> Tensor:

@@ -19,7 +19,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kernel_device import kernel_device  # noqa: E402
-from test_kernels import fill_m2, gdn_inputs, m2_inputs, make_ring, prep_gdn, prep_m2, valid_ring  # noqa: E402
+from test_kernels import (fill_m2, gdn_inputs, m2_inputs, make_ring, packed_views, prep_gdn, prep_m2,  # noqa: E402
+                          valid_ring)
 
 from replayssm.cache.buffers import GDNBuffers  # noqa: E402
 
@@ -148,7 +149,7 @@ def _run_m2(form, sdt, steps=3):
     assert flushed[0] >= 2, f"want two rows flushing in one step, got {flushed}"
 
 
-def _run_gdn(form, sdt, steps=3):
+def _run_gdn(form, sdt, steps=3, packed=False):
     s = _shapes(sdt)
     ring, slots, buf = _prep_gdn(s, seed=12)
     buf = _with_state(buf, sdt)
@@ -157,6 +158,8 @@ def _run_gdn(form, sdt, steps=3):
     flushed = []
     for step in range(steps):
         ins = gdn_inputs(s, DEVICE)
+        if packed:  # q, k, v as views of one projection output (read in place, NaN between them)
+            ins = [t[:, 0] for t in packed_views(*(t[:, None] for t in ins[:3]))] + list(ins[3:])
         plan = ring.plan_decode(slots)
         before = buf.state.clone()
         y_ref = NG.replay_decode(ref, plan, *_c64(ins))
@@ -178,7 +181,15 @@ def test_mamba2_decode_forms(name, nan_empty):
 
 @pytest.mark.parametrize("name", sorted(GDN_FORMS))
 def test_gdn_decode_forms(name, nan_empty):
-    _run_gdn(GDN_FORMS[name], torch.float32, steps=1 if name.endswith("v1") else 2)
+    _run_gdn(GDN_FORMS[name], torch.float32, steps=1 if name.endswith("v1") else 2, packed="scores" in name)
+
+
+@pytest.mark.parametrize("form", [dict(flush_mode="fused", block_v=16), dict(flush_mode="split", block_v=16),
+                                  dict(route="state")])
+def test_gdn_decode_reads_qkv_in_place(form, nan_empty):
+    """``q``, ``k``, ``v`` as strided views of one tensor (the layer's split of the projection):
+    read in place, no copies, for the default forms too."""
+    _run_gdn(form, torch.float32, steps=1, packed=True)
 
 
 @pytest.mark.parametrize("name", ["fma_d4", "dot_d16"])
