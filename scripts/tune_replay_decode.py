@@ -23,7 +23,7 @@ wrapping) on 8 rows and is compared with the float64 reference op (outputs, ever
 entry) and with the default form.
 
     PYTHONPATH=. python scripts/tune_replay_decode.py [--peers DIR] [--batches 1,8,64,256]
-    TRITON_INTERPRET=1 PYTHONPATH=. python scripts/tune_replay_decode.py --device cpu --smoke
+    TRITON_INTERPRET=1 PYTHONPATH=. python scripts/tune_replay_decode.py --device cpu --smoke --batches 1,64
 
 Prints one line per form and a summary (fastest form per family / state dtype / batch, as
 ``DECODE_TABLE`` rows); writes ``tune_replay_decode.json`` to ``$OUT`` (or ``--out``).
@@ -332,7 +332,8 @@ def main(argv=None) -> int:
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--fams", default="mamba2,gdn")
     ap.add_argument("--state-dtypes", default="float32,bfloat16")
-    ap.add_argument("--peers", default=None, help="folder holding mamba_ssm/ and fla/ (default $REPLAYSSM_PEERS or .peers)")
+    ap.add_argument("--peers", default=None,
+                    help="folder holding mamba_ssm/ and fla/ (default $REPLAYSSM_PEERS or .peers)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, two forms per class (CPU interpreter)")
     ap.add_argument("--budget-s", type=float, default=225.0, help="skip the remaining sections past this")
@@ -348,7 +349,7 @@ def main(argv=None) -> int:
     L = 4 if args.smoke else args.L
     batches = [int(b) for b in args.batches.split(",")]
     if args.smoke:
-        batches = [b for b in batches if b <= 16][:2] or [2]
+        batches = batches[:2]
     sdts = [getattr(torch, n) for n in args.state_dtypes.split(",")]
     fams = args.fams.split(",")
     peers = load_peers(args.peers) if dev == "cuda" else {}
@@ -359,84 +360,91 @@ def main(argv=None) -> int:
                skipped=[])
     print(f"{res['device']}  copy {bw / 1e12:.3f} TB/s (1 GiB copy_, read + write)  peers: "
           f"{ {k: v for k, v in res['peers'].items()} or 'none importable'}", flush=True)
-    head = (f"{'family':6} {'state':5} {'B':>4} {'form':18} {'h=7':>8} {'flush':>8} {'stagger':>8} {'cycle':>8} "
+    mid = f"h={(L - 2) // 2}"
+    head = (f"{'family':6} {'state':5} {'B':>4} {'form':18} {mid:>8} {'flush':>8} {'stagger':>8} {'cycle':>8} "
             f"{'%copy':>6} {'xpeer':>6} {'xdef':>6} check")
     print(head)
     for sdt in sdts:
         sname = _sname(sdt)
         for fam in fams:
-            s = shapes[fam]
-            mod = km if fam == "mamba2" else kg
-            # ---- correctness of every form this dtype will time (8 rows, 2 steps, float64 reference)
-            names = {}
-            for B in batches:
-                names.update(forms_for(fam, sdt, B, args.smoke))
-            chk, base = {}, None
-            for name in ["default"] + [n for n in names if n != "default"]:
-                try:
-                    err, result = check_form(fam, s, names[name], sdt, dev, L, base)
-                except Exception as exc:  # a form the compiler rejects
-                    err = dict(ok=False, error=repr(exc)[:300])
-                    result = None
-                if name == "default":
-                    base = result
-                chk[name] = err
-            res["checks"][f"{fam}/{sname}"] = chk
-            bad = [n for n, e in chk.items() if not e.get("ok")]
-            worst = max((e.get("vs_default_state", 0.0) for e in chk.values() if e.get("ok")), default=0.0)
-            print(f"# {fam} {sname}: {len(chk)} forms checked vs float64 reference; failing: {bad or 'none'}; "
-                  f"max state rel diff vs default {worst:.1e}", flush=True)
-            for B in batches:
-                if time.time() - t_start > args.budget_s:
-                    res["skipped"].append(f"{fam}/{sname}/B={B}")
-                    print(f"# skipped {fam} {sname} B={B}: past the {args.budget_s:.0f} s budget", flush=True)
-                    continue
-                label, pf = peer_fn(fam, s, peers, B, sdt, dev) if dev == "cuda" else ("cpu run", None)
-                peer_us = graph_us(pf, dev) if pf is not None else float("nan")
-                sb = sdt.itemsize
-                if pf is not None:
-                    pb = peer_bytes(fam, s, B, sb)
-                    print(f"{fam:6} {sname:5} {B:>4} {'peer':18} {peer_us:8.1f} {'':>8} {'':>8} {peer_us:8.1f} "
-                          f"{100 * pb / (peer_us * 1e-6) / bw:6.1f}   ({label})", flush=True)
-                else:
-                    print(f"{fam:6} {sname:5} {B:>4} {'peer':18} absent: {label}", flush=True)
-                res["rows"].append(dict(family=fam, state=sname, B=B, form="peer", peer=label, us=peer_us))
-                buf = setup(fam, s, B, L, sdt, dev)
-                ring = RingIndex(B, L, buf.state.device)
-                slots = torch.arange(1, B + 1, device=buf.state.device)
-                inp = inputs(fam, s, B, dev)
-                plans = {}
-                for key, h in (("mid", (L - 2) // 2), ("flush", L - 1), ("stagger", None)):
-                    hs = set_fill(ring, slots, h, seed=2)
-                    plans[key] = (ring.plan_decode(slots), step_bytes(fam, s, hs.tolist(), L, sb))
-                cyc_bytes = step_bytes(fam, s, list(range(L)), L, sb) * B / L
-                def_cycle = def_stag = None
-                for name, form in forms_for(fam, sdt, B, args.smoke).items():
-                    if not chk.get(name, {}).get("ok"):
-                        print(f"{fam:6} {sname:5} {B:>4} {name:18} not timed: failed its check", flush=True)
-                        continue
+            try:
+                s = shapes[fam]
+                mod = km if fam == "mamba2" else kg
+                # ---- correctness of every form this dtype will time (8 rows, 2 steps, float64 reference)
+                names = {}
+                for B in batches:
+                    names.update(forms_for(fam, sdt, B, args.smoke))
+                chk, base = {}, None
+                for name in ["default"] + [n for n in names if n != "default"]:
                     try:
-                        t = {key: graph_us(lambda p=p, b=buf: mod.replay_decode(b, p, **inp, **form), dev)
-                             for key, (p, _) in plans.items()}
-                    except Exception as exc:
-                        print(f"{fam:6} {sname:5} {B:>4} {name:18} failed: {repr(exc)[:160]}", flush=True)
-                        res["rows"].append(dict(family=fam, state=sname, B=B, form=name, error=repr(exc)[:300]))
+                        err, result = check_form(fam, s, names[name], sdt, dev, L, base)
+                    except Exception as exc:  # a form the compiler rejects
+                        err = dict(ok=False, error=repr(exc)[:300])
+                        result = None
+                    if name == "default":
+                        base = result
+                    chk[name] = err
+                res["checks"][f"{fam}/{sname}"] = chk
+                bad = [n for n, e in chk.items() if not e.get("ok")]
+                worst = max((e.get("vs_default_state", 0.0) for e in chk.values() if e.get("ok")), default=0.0)
+                print(f"# {fam} {sname}: {len(chk)} forms checked vs float64 reference; failing: {bad or 'none'}; "
+                      f"max state rel diff vs default {worst:.1e}", flush=True)
+                for B in batches:
+                    if time.time() - t_start > args.budget_s:
+                        res["skipped"].append(f"{fam}/{sname}/B={B}")
+                        print(f"# skipped {fam} {sname} B={B}: past the {args.budget_s:.0f} s budget", flush=True)
                         continue
-                    cycle = ((L - 1) * t["mid"] + t["flush"]) / L
-                    def_cycle = def_cycle or cycle
-                    def_stag = def_stag or t["stagger"]
-                    pct = 100 * cyc_bytes / (cycle * 1e-6) / bw
-                    row = dict(family=fam, state=sname, B=B, form=name, config=form, mid_us=t["mid"],
-                               flush_us=t["flush"], stagger_us=t["stagger"], cycle_us=cycle, cycle_pct_copy=pct,
-                               stagger_pct_copy=100 * plans["stagger"][1] / (t["stagger"] * 1e-6) / bw,
-                               x_peer=peer_us / cycle, x_default=def_cycle / cycle,
-                               x_default_stagger=def_stag / t["stagger"])
-                    res["rows"].append(row)
-                    print(f"{fam:6} {sname:5} {B:>4} {name:18} {t['mid']:8.1f} {t['flush']:8.1f} {t['stagger']:8.1f} "
-                          f"{cycle:8.1f} {pct:6.1f} {peer_us / cycle:6.2f} {def_cycle / cycle:6.2f} ok", flush=True)
-                del buf, ring
-                if dev == "cuda":
-                    torch.cuda.empty_cache()
+                    label, pf = peer_fn(fam, s, peers, B, sdt, dev) if dev == "cuda" else ("cpu run", None)
+                    peer_us = graph_us(pf, dev) if pf is not None else float("nan")
+                    sb = sdt.itemsize
+                    if pf is not None:
+                        pb = peer_bytes(fam, s, B, sb)
+                        print(f"{fam:6} {sname:5} {B:>4} {'peer':18} {peer_us:8.1f} {'':>8} {'':>8} {peer_us:8.1f} "
+                              f"{100 * pb / (peer_us * 1e-6) / bw:6.1f}   ({label})", flush=True)
+                    else:
+                        print(f"{fam:6} {sname:5} {B:>4} {'peer':18} absent: {label}", flush=True)
+                    res["rows"].append(dict(family=fam, state=sname, B=B, form="peer", peer=label, us=peer_us))
+                    buf = setup(fam, s, B, L, sdt, dev)
+                    ring = RingIndex(B, L, buf.state.device)
+                    slots = torch.arange(1, B + 1, device=buf.state.device)
+                    inp = inputs(fam, s, B, dev)
+                    plans = {}
+                    for key, h in (("mid", (L - 2) // 2), ("flush", L - 1), ("stagger", None)):
+                        hs = set_fill(ring, slots, h, seed=2)
+                        plans[key] = (ring.plan_decode(slots), step_bytes(fam, s, hs.tolist(), L, sb))
+                    cyc_bytes = step_bytes(fam, s, list(range(L)), L, sb) * B / L
+                    def_cycle = def_stag = None
+                    for name, form in forms_for(fam, sdt, B, args.smoke).items():
+                        if not chk.get(name, {}).get("ok"):
+                            print(f"{fam:6} {sname:5} {B:>4} {name:18} not timed: failed its check", flush=True)
+                            continue
+                        try:
+                            t = {key: graph_us(lambda p=p, b=buf: mod.replay_decode(b, p, **inp, **form), dev)
+                                 for key, (p, _) in plans.items()}
+                        except Exception as exc:
+                            print(f"{fam:6} {sname:5} {B:>4} {name:18} failed: {repr(exc)[:160]}", flush=True)
+                            res["rows"].append(dict(family=fam, state=sname, B=B, form=name, error=repr(exc)[:300]))
+                            continue
+                        cycle = ((L - 1) * t["mid"] + t["flush"]) / L
+                        def_cycle = def_cycle or cycle
+                        def_stag = def_stag or t["stagger"]
+                        pct = 100 * cyc_bytes / (cycle * 1e-6) / bw
+                        row = dict(family=fam, state=sname, B=B, form=name, config=form, mid_us=t["mid"],
+                                   flush_us=t["flush"], stagger_us=t["stagger"], cycle_us=cycle, cycle_pct_copy=pct,
+                                   stagger_pct_copy=100 * plans["stagger"][1] / (t["stagger"] * 1e-6) / bw,
+                                   x_peer=peer_us / cycle, x_default=def_cycle / cycle,
+                                   x_default_stagger=def_stag / t["stagger"])
+                        res["rows"].append(row)
+                        print(f"{fam:6} {sname:5} {B:>4} {name:18} {t['mid']:8.1f} {t['flush']:8.1f} "
+                              f"{t['stagger']:8.1f} "
+                              f"{cycle:8.1f} {pct:6.1f} {peer_us / cycle:6.2f} {def_cycle / cycle:6.2f} ok", flush=True)
+                    del buf, ring
+                    if dev == "cuda":
+                        torch.cuda.empty_cache()
+            except Exception as exc:  # one section failing must not lose the others
+                res.setdefault("errors", []).append(f"{fam}/{sname}: {exc!r}"[:500])
+                print(f"# {fam} {sname}: section failed: {exc!r}"[:300], flush=True)
+            _write(res, args.out)
     # ---- summary: the fastest checked form per (family, state, B), by cycle and by staggered fill
     print("\n== fastest form per family / state dtype / batch (cycle average; staggered in brackets)")
     table = {}
@@ -472,12 +480,17 @@ def main(argv=None) -> int:
             print(f"{fam}: no form beat the default by 3%; DECODE_TABLE stays empty")
     res["table_rows"] = {k: [list(r) for r in v] for k, v in table.items()}
     res["wall_s"] = time.time() - t_start
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "tune_replay_decode.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    path = _write(res, args.out)
     print(f"wrote {path} in {res['wall_s']:.0f} s")
     return 0
+
+
+def _write(res: dict, out: str) -> str:
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "tune_replay_decode.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    return path
 
 
 if __name__ == "__main__":
