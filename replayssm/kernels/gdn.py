@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import (HAVE_TRITON, check_ring, count_flags, flag_chunk, flat_grid, history_entries, next_pow2,
+from ._triton import (HAVE_TRITON, check_ring, count_args, count_flags, flag_chunk, flat_grid, history_entries, next_pow2,
                       nth_flag, pad16, persistent_programs, tile, tile_ids, token_rows, triton, tl,
                       verify_precision)
 from ._triton import contiguous as _c
@@ -264,7 +264,7 @@ if HAVE_TRITON:
                     Sn = tl.exp(tot1) * S0c + tl.dot(tl.trans(Kf * wf[:, None]), Uf, input_precision=PREC)
                     tl.store(cptr, Sn.to(state_ptr.dtype.element_ty), mask=mc[:, None] & mv[None, :])
 
-    @triton.jit
+    @triton.jit(**count_args("Bt", "NPROG"))  # batch size and persistent grid: one compiled kernel for all
     def _gdn_replay_decode_kernel(
         state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
