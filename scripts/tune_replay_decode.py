@@ -421,18 +421,19 @@ def main(argv=None) -> int:
                             res["rows"].append(dict(family=fam, state=sname, B=B, form=name, error=repr(exc)[:300]))
                             continue
                         cycle = ((L - 1) * t["mid"] + t["flush"]) / L
-                        def_cycle = def_cycle or cycle
-                        def_stag = def_stag or t["stagger"]
+                        if name == "default":
+                            def_cycle, def_stag = cycle, t["stagger"]
+                        nan = float("nan")
                         pct = 100 * cyc_bytes / (cycle * 1e-6) / bw
                         row = dict(family=fam, state=sname, B=B, form=name, config=form, mid_us=t["mid"],
                                    flush_us=t["flush"], stagger_us=t["stagger"], cycle_us=cycle, cycle_pct_copy=pct,
                                    stagger_pct_copy=100 * plans["stagger"][1] / (t["stagger"] * 1e-6) / bw,
-                                   x_peer=peer_us / cycle, x_default=def_cycle / cycle,
-                                   x_default_stagger=def_stag / t["stagger"])
+                                   x_peer=peer_us / cycle, x_default=(def_cycle or nan) / cycle,
+                                   x_default_stagger=(def_stag or nan) / t["stagger"])
                         res["rows"].append(row)
                         print(f"{fam:6} {sname:5} {B:>4} {name:18} {t['mid']:8.1f} {t['flush']:8.1f} "
                               f"{t['stagger']:8.1f} "
-                              f"{cycle:8.1f} {pct:6.1f} {peer_us / cycle:6.2f} {def_cycle / cycle:6.2f} ok", flush=True)
+                              f"{cycle:8.1f} {pct:6.1f} {peer_us / cycle:6.2f} {row['x_default']:6.2f} ok", flush=True)
                     del buf, ring
                     if dev == "cuda":
                         torch.cuda.empty_cache()
@@ -466,6 +467,19 @@ def main(argv=None) -> int:
                        and best["stagger_us"] <= 1.02 * d["stagger_us"])
                 last = B == max(batches)
                 table.setdefault(fam, []).append((1 << 30 if last else B, sdt.itemsize, best["config"] if win else {}))
+    if torch.float32 in sdts and torch.bfloat16 in sdts:
+        print("\n== bf16 states ÷ fp32 states (cycle speed-up of the replay-decode step; default forms, best forms)")
+        for fam in fams:
+            for B in batches:
+                got = {}
+                for sname in ("fp32", "bf16"):
+                    rows = [r for r in res["rows"] if r["family"] == fam and r["state"] == sname and r["B"] == B
+                            and "cycle_us" in r]
+                    d = next((r["cycle_us"] for r in rows if r["form"] == "default"), float("nan"))
+                    got[sname] = (d, min((r["cycle_us"] for r in rows), default=float("nan")))
+                ratio = (got["fp32"][0] / got["bf16"][0], got["fp32"][1] / got["bf16"][1])
+                res.setdefault("bf16_over_fp32", {})[f"{fam}/B={B}"] = ratio
+                print(f"{fam:6} B={B:<4} default x{ratio[0]:.2f}   best x{ratio[1]:.2f}")
     print("\n== DECODE_TABLE rows these numbers support (a row covers the batches above the previous row's"
           " bound; {} = the default form)")
     for fam, rows in table.items():
