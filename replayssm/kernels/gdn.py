@@ -21,7 +21,7 @@ from ._triton import contiguous as _c
 from ..ops.gdn.naive import check_kv_fold, check_rebuild_state
 from .append import append_entries
 from .fold import paged_fold, ring_fold
-from .mamba2 import decode_block, tree_bits
+from .mamba2 import FMA_CHUNK, decode_block, tree_bits
 
 __all__ = [
     "recurrent_step",
@@ -128,23 +128,36 @@ if HAVE_TRITON:
         tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
 
     @triton.jit
-    def _gdn_fold_fma(state_ptr, ur_ptr, kr_ptr, gr_ptr, S0, soff, m2, slot, start, h, hv, kh, tot, gs, us, k,
-                      offs_k, mk, offs_v, mv, L, H, HV, K, V):
+    def _gdn_fold_fma(state_ptr, ur_ptr, kr_ptr, gr_ptr, k_ptr, qk_ptr, slot, start, h, r64, hv, kh, tot, gs, us, rk,
+                      qbase, offs_v, mv, L, H, HV, K, V, KS,
+                      BK: tl.constexpr, BKC: tl.constexpr, PRE_SCORES: tl.constexpr):
         """A flush row's ``S_{h+1} = e^{tot'} S0 + k uᵀ + Σ_{j<h} e^{tot'-cum_j} k_j u_jᵀ``
         (``tot'`` including the new entry's ``g``; the new ``k``, ``u``, ``g`` as the ring stores
-        them) as rank-1 updates of the ``[BK, BV]`` tile ``S0`` (fp32, in registers), one ring
-        entry per iteration of a loop that runs ``h`` times; stored rounded once."""
+        them) by rank-1 updates, ``K`` in chunks of ``BKC`` rows: each chunk of ``S0`` is read
+        again (from L2: the readout just read it, so no tile is held across the readout), then
+        a loop that runs ``h`` times adds one ring entry per iteration; stored rounded once."""
         tot1 = tot + gs.to(tl.float32)
-        kn = k.to(kr_ptr.dtype.element_ty).to(tl.float32)
-        Sn = tl.exp(tot1) * S0 + kn[:, None] * us.to(tl.float32)[None, :]
-        c = tot * 0.0
-        for j in range(0, h):
-            ej = slot * L + (start + j) % L
-            c += tl.load(gr_ptr + ej * HV + hv).to(tl.float32)
-            kj = tl.load(kr_ptr + (ej * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-            uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-            Sn += (tl.exp(tot1 - c) * kj)[:, None] * uj[None, :]
-        tl.store(state_ptr + soff, Sn.to(state_ptr.dtype.element_ty), mask=m2)
+        a1 = tl.exp(tot1)
+        un = us.to(tl.float32)
+        for k0 in range(0, BK, BKC):  # a run-time loop: no chunk's loads hoisted above another's stores
+            offs_c = k0 + tl.arange(0, BKC)
+            mc = offs_c < K
+            if PRE_SCORES:
+                kc = tl.load(qk_ptr + qbase + offs_c, mask=mc, other=0.0)
+            else:
+                kc = tl.load(k_ptr + r64 * KS + kh * K + offs_c, mask=mc, other=0.0).to(tl.float32) * rk
+            kc = kc.to(kr_ptr.dtype.element_ty).to(tl.float32)
+            cptr = state_ptr + ((slot * HV + hv) * K + offs_c[:, None]) * V + offs_v[None, :]
+            mcv = mc[:, None] & mv[None, :]
+            Sn = a1 * tl.load(cptr, mask=mcv, other=0.0).to(tl.float32) + kc[:, None] * un[None, :]
+            c = tot * 0.0
+            for j in range(0, h):
+                ej = slot * L + (start + j) % L
+                c += tl.load(gr_ptr + ej * HV + hv).to(tl.float32)
+                kj = tl.load(kr_ptr + (ej * H + kh) * K + offs_c, mask=mc, other=0.0).to(tl.float32)
+                uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+                Sn += (tl.exp(tot1 - c) * kj)[:, None] * uj[None, :]
+            tl.store(cptr, Sn.to(state_ptr.dtype.element_ty), mask=mcv)
 
     @triton.jit
     def _gdn_decode_tile(
@@ -164,8 +177,8 @@ if HAVE_TRITON:
         ``S_{h+1} = e^{tot'} S0 + Σ_{j≤h} e^{tot'-cum_j} k_j u_jᵀ`` with the new entry as the
         ring stores it, ``K`` in chunks of ``BKC`` read again right after the first read (from
         L2, not DRAM), so no register tile is held across the fold's ``tl.dot``.  ``FMA`` (output
-        route): the fold is instead rank-1 updates of the ``[BK, BV]`` tile already in registers,
-        a run-time loop over the row's ``h`` entries (no ``tl.dot``, no shared memory, any
+        route): each re-read chunk is instead folded by a run-time loop of rank-1 updates over
+        the row's ``h`` entries (:func:`_gdn_fold_fma`: no ``tl.dot``, no shared memory, any
         ``BV``)."""
         kh = hv // REP
         r64 = r.to(tl.int64)
@@ -235,34 +248,43 @@ if HAVE_TRITON:
             if not PRE_SCORES:
                 if hv % REP == 0:
                     tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
-        if FOLD and FMA:
+        if FOLD:
             if tl.load(flush_ptr + r) != 0:
-                _gdn_fold_fma(state_ptr, ur_ptr, kr_ptr, gr_ptr, S0, soff, m2, slot, start, h, hv, kh, tot, gs, us, k,
-                              offs_k, mk, offs_v, mv, L, H, HV, K, V)
-        elif FOLD:
-            if tl.load(flush_ptr + r) != 0:
-                newj = jj == h
-                tot1 = tot + gs.to(tl.float32)
-                wf = tl.where(newj, 1.0, tl.where(mj, tl.exp(tot1 - cj), 0.0))
-                Uf = tl.where(newj[:, None], us.to(tl.float32)[None, :], Uh)                 # [LP, BV]
+                rk = 1.0
                 if not PRE_SCORES:
-                    rk = 1.0
                     if L2:  # the factor _l2n applied to the whole row
                         rk = tl.rsqrt(tl.sum(kraw * kraw, 0) + 1e-6)
-                for k0 in tl.static_range(0, BK, BKC):
-                    offs_c = k0 + tl.arange(0, BKC)
-                    mc = offs_c < K
-                    Kc = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_c[None, :],
-                                 mask=mj[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [LP, BKC]
-                    if PRE_SCORES:
-                        kc = tl.load(qk_ptr + qbase + offs_c, mask=mc, other=0.0)
-                    else:
-                        kc = tl.load(k_ptr + r64 * KS + kh * K + offs_c, mask=mc, other=0.0).to(tl.float32) * rk
-                    Kf = tl.where(newj[:, None], kc.to(kr_ptr.dtype.element_ty).to(tl.float32)[None, :], Kc)
-                    cptr = state_ptr + ((slot * HV + hv) * K + offs_c[:, None]) * V + offs_v[None, :]
-                    S0c = tl.load(cptr, mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)            # [BKC, BV]
-                    Sn = tl.exp(tot1) * S0c + tl.dot(tl.trans(Kf * wf[:, None]), Uf, input_precision=PREC)
-                    tl.store(cptr, Sn.to(state_ptr.dtype.element_ty), mask=mc[:, None] & mv[None, :])
+                if FMA:
+                    _gdn_fold_fma(state_ptr, ur_ptr, kr_ptr, gr_ptr, k_ptr, qk_ptr, slot, start, h, r64, hv, kh, tot,
+                                  gs, us, rk, qbase, offs_v, mv, L, H, HV, K, V, KS, BK, BKC, PRE_SCORES)
+                else:
+                    _gdn_fold_dot(state_ptr, kr_ptr, k_ptr, qk_ptr, slot, e, mj, jj, h, r64, hv, kh, tot, cj, gs, us,
+                                  Uh, rk, qbase, offs_v, mv, H, HV, K, V, KS, BK, BKC, PRE_SCORES, PREC)
+
+    @triton.jit
+    def _gdn_fold_dot(state_ptr, kr_ptr, k_ptr, qk_ptr, slot, e, mj, jj, h, r64, hv, kh, tot, cj, gs, us, Uh, rk,
+                      qbase, offs_v, mv, H, HV, K, V, KS,
+                      BK: tl.constexpr, BKC: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr):
+        """The ``dot`` form of :func:`_gdn_fold_fma`: per ``BKC``-row chunk, one ``tl.dot`` over the
+        ``LP`` padded entries (the new one at row ``h``)."""
+        newj = jj == h
+        tot1 = tot + gs.to(tl.float32)
+        wf = tl.where(newj, 1.0, tl.where(mj, tl.exp(tot1 - cj), 0.0))
+        Uf = tl.where(newj[:, None], us.to(tl.float32)[None, :], Uh)                         # [LP, BV]
+        for k0 in tl.static_range(0, BK, BKC):
+            offs_c = k0 + tl.arange(0, BKC)
+            mc = offs_c < K
+            Kc = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_c[None, :],
+                         mask=mj[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [LP, BKC]
+            if PRE_SCORES:
+                kc = tl.load(qk_ptr + qbase + offs_c, mask=mc, other=0.0)
+            else:
+                kc = tl.load(k_ptr + r64 * KS + kh * K + offs_c, mask=mc, other=0.0).to(tl.float32) * rk
+            Kf = tl.where(newj[:, None], kc.to(kr_ptr.dtype.element_ty).to(tl.float32)[None, :], Kc)
+            cptr = state_ptr + ((slot * HV + hv) * K + offs_c[:, None]) * V + offs_v[None, :]
+            S0c = tl.load(cptr, mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)            # [BKC, BV]
+            Sn = tl.exp(tot1) * S0c + tl.dot(tl.trans(Kf * wf[:, None]), Uf, input_precision=PREC)
+            tl.store(cptr, Sn.to(state_ptr.dtype.element_ty), mask=mc[:, None] & mv[None, :])
 
     @triton.jit(**count_args("Bt", "NPROG"))  # batch size and persistent grid: one compiled kernel for all
     def _gdn_replay_decode_kernel(
@@ -686,9 +708,10 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     * ``"split"``: the hot kernel for every row, then the fold kernel re-reads the flush
       rows' checkpoints (three state passes on a flush step; the state route's form).
 
-    ``fold_form`` (``fused`` / ``apart``): ``"dot"`` re-reads the tile in 32-row K chunks and
-    folds with ``tl.dot`` (``precision``); ``"fma"`` folds by rank-1 updates of the tile in
-    registers over the row's entries (any ``block_v``, no shared memory).
+    ``fold_form`` (``fused`` / ``apart``): flush rows re-read their tile in K chunks (from L2);
+    ``"dot"`` folds 32-row chunks with ``tl.dot`` (``precision``); ``"fma"`` by rank-1 updates
+    over the row's entries, a run-time loop (any ``block_v``, no shared memory; chunks of up to
+    :data:`~replayssm.kernels.mamba2.FMA_CHUNK` state values).
     ``pre_scores``: normalised ``q``/``k`` and the history scores once per (row, key head) in
     a small kernel (output route only).  ``route="state"`` rebuilds ``S_h`` in the kernel.
     ``precision``: the ``tl.dot`` of the state route and of the fold."""
@@ -732,7 +755,10 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     args = (buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
             q, k, v, g, beta, y, sc, qk)
     dims_args = (L, H, HV, K, V, HV // H, _scale(scale, K), QS, KS, VS)
-    const = dict(LP=LP, BK=BK, BKC=min(BK, 32), BV=BV, BT=flag_chunk(Bt), L2=bool(use_qk_l2norm),
+    # fold chunk: 32 rows for the dot; for fma up to 1024 state values (16 fp32 registers on 2 warps:
+    # with 4096 the Qwen3-Next-shape 64-wide tile on 2 warps compiled at 254 registers, with 1024 at 206)
+    BKC = min(BK, 32) if fold_form == "dot" else min(BK, max(16, FMA_CHUNK // BV))
+    const = dict(LP=LP, BK=BK, BKC=BKC, BV=BV, BT=flag_chunk(Bt), L2=bool(use_qk_l2norm),
                  OUTPUT_ROUTE=route == "output", PRE_SCORES=pre_scores, PREC=precision, FMA=fold_form == "fma")
     grid = flat_grid(nv, HV, Bt)
     _gdn_replay_decode_kernel[grid](*args, Bt, 1, *dims_args, **const, FOLD=flush_mode == "fused",

@@ -145,24 +145,29 @@ if HAVE_TRITON:
         tl.store(Br_ptr + (enew * G + g) * n + offs_n, Braw, mask=mn)
 
     @triton.jit
-    def _m2_fold_fma(state_ptr, xr_ptr, Br_ptr, dtr_ptr, B_ptr, S0, sbase, slot, start, h, hd, g, A, tot, lv, dtv,
-                     xv, bbase, offs_d, md, offs_n, mn, L, H, G, d, n):
+    def _m2_fold_fma(state_ptr, xr_ptr, Br_ptr, dtr_ptr, B_ptr, sbase, slot, start, h, hd, g, A, tot, lv, dtv, xv,
+                     bbase, offs_d, md, L, H, G, d, n, BN: tl.constexpr, BNC: tl.constexpr):
         """A flush row's ``S_{h+1} = e^{tot+l} S0 + Δ x Bᵀ + Σ_{j<h} Δ_j e^{tot-cum_j+l} x_j B_jᵀ``
-        as rank-1 updates of the ``[BD, BN]`` tile ``S0`` (fp32, in registers), one ring entry per
-        iteration of a loop that runs ``h`` times (entries past ``h`` are never read); stored
-        rounded once to the state dtype."""
-        bn = tl.load(B_ptr + bbase + offs_n, mask=mn, other=0.0).to(tl.float32)
-        Sn = tl.exp(tot + lv) * S0 + (dtv * xv)[:, None] * bn[None, :]
-        c = tot * 0.0
-        for j in range(0, h):
-            ej = slot * L + (start + j) % L
-            dj = tl.load(dtr_ptr + ej * H + hd).to(tl.float32)
-            c += A * dj
-            xj = tl.load(xr_ptr + (ej * H + hd) * d + offs_d, mask=md, other=0.0).to(tl.float32)
-            bj = tl.load(Br_ptr + (ej * G + g) * n + offs_n, mask=mn, other=0.0).to(tl.float32)
-            Sn += (dj * tl.exp(tot - c + lv) * xj)[:, None] * bj[None, :]
-        tl.store(state_ptr + sbase + offs_n[None, :], Sn.to(state_ptr.dtype.element_ty),
-                 mask=md[:, None] & mn[None, :])
+        by rank-1 updates, ``n`` in chunks of ``BNC``: each chunk of ``S0`` is read again (from
+        L2: the readout just read it, so no tile is held across the readout), then a loop that
+        runs ``h`` times adds one ring entry per iteration; stored rounded once."""
+        a1 = tl.exp(tot + lv)
+        for k0 in range(0, BN, BNC):  # a run-time loop: no chunk's loads hoisted above another's stores
+            offs_k = k0 + tl.arange(0, BNC)
+            mk = offs_k < n
+            m2 = md[:, None] & mk[None, :]
+            bk = tl.load(B_ptr + bbase + offs_k, mask=mk, other=0.0).to(tl.float32)
+            S0c = tl.load(state_ptr + sbase + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            Sn = a1 * S0c + (dtv * xv)[:, None] * bk[None, :]
+            c = tot * 0.0
+            for j in range(0, h):
+                ej = slot * L + (start + j) % L
+                dj = tl.load(dtr_ptr + ej * H + hd).to(tl.float32)
+                c += A * dj
+                xj = tl.load(xr_ptr + (ej * H + hd) * d + offs_d, mask=md, other=0.0).to(tl.float32)
+                bj = tl.load(Br_ptr + (ej * G + g) * n + offs_k, mask=mk, other=0.0).to(tl.float32)
+                Sn += (dj * tl.exp(tot - c + lv) * xj)[:, None] * bj[None, :]
+            tl.store(state_ptr + sbase + offs_k[None, :], Sn.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
     def _m2_decode_tile(
@@ -181,9 +186,9 @@ if HAVE_TRITON:
         (the new entry included), ``n`` in chunks of ``BNC``: each chunk of ``S0`` is read again
         right after the first read (from L2, not DRAM), so the register tile of the readout is
         not held across the fold's ``tl.dot``.  One DRAM read and, on flush rows, one write: no
-        second pass over the state.  ``FMA``: the fold is instead a run-time loop of rank-1
-        updates over the row's ``h`` entries on the tile already in registers (no ``tl.dot``, no
-        shared memory, no 16-row minimum: any ``BD``)."""
+        second pass over the state.  ``FMA``: each re-read chunk is instead folded by a
+        run-time loop of rank-1 updates over the row's ``h`` entries (:func:`_m2_fold_fma`: no
+        ``tl.dot``, no shared memory, no 16-row minimum: any ``BD``)."""
         g = hd // HPG
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int64)
@@ -239,8 +244,8 @@ if HAVE_TRITON:
                     tl.store(Br_ptr + (enew * G + g) * n + offs_n, tl.load(B_ptr + bbase + offs_n, mask=mn), mask=mn)
         if FMA:
             if tl.load(flush_ptr + r) != 0:
-                _m2_fold_fma(state_ptr, xr_ptr, Br_ptr, dtr_ptr, B_ptr, S0, sbase, slot, start, h, hd, g, A, tot,
-                             lv, dtv, xv, bbase, offs_d, md, offs_n, mn, L, H, G, d, n)
+                _m2_fold_fma(state_ptr, xr_ptr, Br_ptr, dtr_ptr, B_ptr, sbase, slot, start, h, hd, g, A, tot, lv,
+                             dtv, xv, bbase, offs_d, md, L, H, G, d, n, BN, BNC)
         elif tl.load(flush_ptr + r) != 0:
             newj = jj == h
             # S_{h+1} weights: Δ_j e^{tot+l_new-cum_j} for j < h, Δ for the new entry (row h)
@@ -669,6 +674,11 @@ SMALL_GRID = 2048
 
 #: ``fold_form`` of :func:`replay_decode`: how a flush row folds its entries into ``S_{h+1}``
 FOLD_FORMS = ("dot", "fma")
+#: state values per chunk of the ``fma`` fold (both families): the chunks are a run-time loop,
+#: each re-read from L2 and held while the row's entries are added (16 fp32 registers a thread
+#: on 2 warps; local sm_90 compile, 2026-11-27: the GDN 64-wide tile on 2 warps at 206
+#: registers against 202 without flush code; 4096-value chunks 254, unrolled chunks spilled)
+FMA_CHUNK = 1024
 #: the keys a launch config of :func:`replay_decode` may set (:data:`DECODE_TABLE`)
 DECODE_KEYS = ("block_d", "num_warps", "pre_scores", "fold_form", "block_n")
 
@@ -714,9 +724,10 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
                   precision: str = "tf32x3", block_n: int | None = None, fold_form: str | None = None) -> Tensor:
     """Replay decode, output-only (``route`` is accepted for API parity: both routes
     give the same numbers), in one pass over the checkpoints: flush rows store ``S_{h+1}`` in
-    the kernel that reads ``S0``.  ``fold_form="dot"``: the tile is re-read in ``n`` chunks of
-    ``block_n`` and folded with ``tl.dot`` (``precision``); ``"fma"``: rank-1 updates of the
-    tile in registers over the row's entries (any ``block_d``, no shared memory).
+    the kernel that reads ``S0``, re-reading the tile in ``n`` chunks (from L2).
+    ``fold_form="dot"``: chunks of ``block_n``, folded with ``tl.dot`` (``precision``);
+    ``"fma"``: rank-1 updates over the row's entries, a run-time loop (any ``block_d``, no
+    shared memory; chunks of up to :data:`FMA_CHUNK` state values).
     ``pre_scores``: a small kernel first computes the per-group ``B_j·C`` once (and appends
     ``B``) instead of every head's programs.  Unset knobs come from :func:`decode_defaults`.
     """
@@ -736,6 +747,8 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
     (x, XS), (B, BS), (C, CS), dt = token_rows(x, 1), token_rows(B, 1), token_rows(C, 1), _c(dt)
     L = plan.capacity
     LP, BN = pad16(L), pad16(n)
+    # fold chunk: block_n for the dot; for fma up to FMA_CHUNK state values
+    BNC = min(BN, pad16(block_n)) if fold_form == "dot" else min(BN, max(16, FMA_CHUNK // BD))
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if Bt == 0:
         return y
@@ -748,7 +761,7 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
         buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush,
         x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
         L, H, G, d, n, H // G, XS, BS, CS,
-        LP=LP, BD=BD, BN=BN, BNC=min(BN, pad16(block_n)), HAS_D=D is not None, PRE_SCORES=pre_scores,
+        LP=LP, BD=BD, BN=BN, BNC=BNC, HAS_D=D is not None, PRE_SCORES=pre_scores,
         PREC=precision, FMA=fold_form == "fma", num_warps=num_warps)
     return y
 

@@ -126,8 +126,8 @@ def _compare(ref, buf, names, before, flush, slots, what):
                                    msg=lambda m: f"{what}: buf.{name}: {m}")
 
 
-def _run_m2(form, sdt, steps=3):
-    s = _shapes(sdt)
+def _run_m2(form, sdt, steps=3, **shape):
+    s = dict(_shapes(sdt), **shape)
     ring, slots, buf = _prep_m2(s, seed=11)
     buf = _with_state(buf, sdt)
     ref = _as64(buf)
@@ -149,8 +149,8 @@ def _run_m2(form, sdt, steps=3):
     assert flushed[0] >= 2, f"want two rows flushing in one step, got {flushed}"
 
 
-def _run_gdn(form, sdt, steps=3, packed=False):
-    s = _shapes(sdt)
+def _run_gdn(form, sdt, steps=3, packed=False, **shape):
+    s = dict(_shapes(sdt), **shape)
     ring, slots, buf = _prep_gdn(s, seed=12)
     buf = _with_state(buf, sdt)
     ref = _as64(buf)
@@ -207,6 +207,17 @@ def test_gdn_default_forms_bf16_state(nan_empty):
     for the ``fma`` cases above."""
     for form in (dict(flush_mode="fused", block_v=16), dict(flush_mode="apart", pre_scores=True, block_v=16)):
         _run_gdn(form, torch.bfloat16, steps=1)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU shapes; the GPU shapes have several chunks already")
+@pytest.mark.parametrize("sdt", [torch.float32, torch.bfloat16])
+def test_fma_fold_over_several_chunks(sdt, nan_empty):
+    """The ``fma`` fold's run-time loop over state chunks (``FMA_CHUNK`` values each): two chunks,
+    the second partly masked (Mamba-2 ``n`` = 40 in 32-column chunks of a 32-row tile; GDN
+    ``K`` = 40 in 32-row chunks of a 32-column tile)."""
+    assert K2.FMA_CHUNK // 32 == 32
+    _run_m2(dict(fold_form="fma", block_d=32, num_warps=2, pre_scores=True), sdt, steps=1, d=33, n=40)
+    _run_gdn(dict(flush_mode="fused", fold_form="fma", block_v=32, pre_scores=False), sdt, steps=1, K=40, V=33)
 
 
 def test_decode_table_rows(monkeypatch):
