@@ -73,6 +73,7 @@ FORMS = {
         "d16w2-fma": _m2(16, 2, False, "fma"), "d8w1-fma": _m2(8, 1, False, "fma"),
         "d8w2-fma": _m2(8, 2, False, "fma"), "d4w2-fma": _m2(4, 2, False, "fma"),
         "d8w2-fma-sc": _m2(8, 2, True, "fma"),  # the group scores once (2 launches), not per program
+        "d32w4-fma": _m2(32, 4, False, "fma"),  # the default's tile, fma fold: the flush step alone
     },
     ("mamba2", "large"): {  # the default: 32-wide, 2 warps, scores kernel, dot fold
         "d32w2-fma": _m2(32, 2, True, "fma"), "d32w4-fma": _m2(32, 4, True, "fma"),
@@ -86,6 +87,7 @@ FORMS = {
         "v16w2-fma": _gdn(16, 2, False, "fma"), "v16w1-fma": _gdn(16, 1, False, "fma"),
         "v8w1-fma": _gdn(8, 1, False, "fma"), "v8w2-fma": _gdn(8, 2, False, "fma"),
         "v8w1-fma-sc": _gdn(8, 1, True, "fma"),  # norms and scores once per key head (2 launches)
+        "v32w4-fma": _gdn(32, 4, False, "fma"),  # the default's tile, fma fold: the flush step alone
     },
     ("gdn", "large"): {  # the default: 64-wide, 2 warps, scores kernel, apart, dot fold
         "v64w2-fused-fma": _gdn(64, 2, True, "fma"), "v64w4-fused-fma": _gdn(64, 4, True, "fma"),
