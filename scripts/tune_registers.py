@@ -114,9 +114,10 @@ def main() -> None:
             for t in tiles:
                 for mode in getattr(mod, "FLUSH_MODES", (None,)):
                     for pre in (False, True):
-                        tag[0] = f"{fam} decode {mode or ''} pre={pre} {t}"
-                        kw = dict(flush_mode=mode) if mode else {}
-                        mod.replay_decode(buf, plan, **inp, pre_scores=pre, **kw, **t)
+                        for fold in ("dot", "fma") if mode != "split" else ("dot",):
+                            tag[0] = f"{fam} decode {mode or ''} {fold} pre={pre} {t}"
+                            kw = dict(flush_mode=mode) if mode else {}
+                            mod.replay_decode(buf, plan, **inp, pre_scores=pre, fold_form=fold, **kw, **t)
     if "verify" in only:
         for T in (1, 2, 4, 6):
             vplan = ring.plan_verify(slots, T, "verify")

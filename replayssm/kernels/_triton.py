@@ -134,7 +134,7 @@ def search_steps(n: int) -> int:
 #: the packed-batch kernels' counts (sequences, tokens, rows; a block table's width and row
 #: stride) change every step: Triton must not specialise on them (``== 1``, ``% 16 == 0``),
 #: or each new count compiles a variant
-COUNT_ARGS = ("N", "Nt", "R", "P", "NtH", "steps", "MAXB", "sbt")
+COUNT_ARGS = ("N", "Nt", "R", "P", "NtH", "steps", "MAXB", "sbt", "Bt", "NPROG")
 
 
 def count_args(*names: str) -> dict:

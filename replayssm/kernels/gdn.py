@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import (HAVE_TRITON, check_ring, count_flags, flag_chunk, flat_grid, history_entries, next_pow2,
-                      nth_flag, pad16, persistent_programs, tile, tile_ids, triton, tl, verify_precision)
+from ._triton import (HAVE_TRITON, check_ring, count_args, count_flags, flag_chunk, flat_grid, history_entries, next_pow2,
+                      nth_flag, pad16, persistent_programs, tile, tile_ids, token_rows, triton, tl,
+                      verify_precision)
 from ._triton import contiguous as _c
 from ..ops.gdn.naive import check_kv_fold, check_rebuild_state
 from .append import append_entries
 from .fold import paged_fold, ring_fold
-from .mamba2 import tree_bits
+from .mamba2 import FMA_CHUNK, decode_block, tree_bits
 
 __all__ = [
     "recurrent_step",
@@ -93,7 +94,7 @@ if HAVE_TRITON:
     @triton.jit
     def _gdn_scores_kernel(
         kr_ptr, slot_ptr, start_ptr, hist_ptr, q_ptr, k_ptr, sc_ptr, qk_ptr,
-        L, H, K, scale,
+        L, H, K, scale, QS, KS,
         LP: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr,
     ):
         """Decode precompute, once per (row, key head) instead of in every value head's
@@ -114,8 +115,8 @@ if HAVE_TRITON:
         e = slot * L + (start + jj) % L
         Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
                      other=0.0).to(tl.float32)
-        q = _l2n(tl.load(q_ptr + (r * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
-        k = _l2n(tl.load(k_ptr + (r * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2)
+        q = _l2n(tl.load(q_ptr + r * QS + kh * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
+        k = _l2n(tl.load(k_ptr + r * KS + kh * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2)
         base = (r * H + kh) * 2 * (LP + 1)
         tl.store(sc_ptr + base + jj, tl.sum(Kh * k[None, :], 1))
         tl.store(sc_ptr + base + LP, tl.sum(k * q, 0))
@@ -127,12 +128,45 @@ if HAVE_TRITON:
         tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
 
     @triton.jit
+    def _gdn_fold_fma(state_ptr, ur_ptr, kr_ptr, gr_ptr, k_ptr, qk_ptr, slot, start, h, r64, hv, kh, tot, gs, us, rk,
+                      qbase, offs_v, mv, L, H, HV, K, V, KS,
+                      BK: tl.constexpr, BKC: tl.constexpr, PRE_SCORES: tl.constexpr):
+        """A flush row's ``S_{h+1} = e^{tot'} S0 + k uᵀ + Σ_{j<h} e^{tot'-cum_j} k_j u_jᵀ``
+        (``tot'`` including the new entry's ``g``; the new ``k``, ``u``, ``g`` as the ring stores
+        them) by rank-1 updates, ``K`` in chunks of ``BKC`` rows: each chunk of ``S0`` is read
+        again (from L2: the readout just read it, so no tile is held across the readout), then
+        a loop that runs ``h`` times adds one ring entry per iteration; stored rounded once."""
+        tot1 = tot + gs.to(tl.float32)
+        a1 = tl.exp(tot1)
+        un = us.to(tl.float32)
+        for k0 in range(0, BK, BKC):  # a run-time loop: no chunk's loads hoisted above another's stores
+            offs_c = k0 + tl.arange(0, BKC)
+            mc = offs_c < K
+            if PRE_SCORES:
+                kc = tl.load(qk_ptr + qbase + offs_c, mask=mc, other=0.0)
+            else:
+                kc = tl.load(k_ptr + r64 * KS + kh * K + offs_c, mask=mc, other=0.0).to(tl.float32) * rk
+            kc = kc.to(kr_ptr.dtype.element_ty).to(tl.float32)
+            cptr = state_ptr + ((slot * HV + hv) * K + offs_c[:, None]) * V + offs_v[None, :]
+            mcv = mc[:, None] & mv[None, :]
+            Sn = a1 * tl.load(cptr, mask=mcv, other=0.0).to(tl.float32) + kc[:, None] * un[None, :]
+            c = tot * 0.0
+            for j in range(0, h):
+                ej = slot * L + (start + j) % L
+                c += tl.load(gr_ptr + ej * HV + hv).to(tl.float32)
+                kj = tl.load(kr_ptr + (ej * H + kh) * K + offs_c, mask=mc, other=0.0).to(tl.float32)
+                uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+                Sn += (tl.exp(tot1 - c) * kj)[:, None] * uj[None, :]
+            tl.store(cptr, Sn.to(state_ptr.dtype.element_ty), mask=mcv)
+
+    @triton.jit
     def _gdn_decode_tile(
         state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
-        r, hv, vb, L, H, HV, K, V, REP, scale,
+        r, hv, vb, L, H, HV, K, V, REP, scale, QS, KS, VS,
         LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
         OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
+        FMA: tl.constexpr,
     ):
         """One ``(row, value head, V-block)`` tile of GDN replay: ``u = β(v − α S_h k)``,
         ``y = α S_h q + u (k·q)``; appends ``u``, ``g`` (and the normalised ``k`` unless
@@ -142,7 +176,10 @@ if HAVE_TRITON:
         ``k_j·q`` from :func:`_gdn_scores_kernel`.  ``FOLD``: a flush row then stores
         ``S_{h+1} = e^{tot'} S0 + Σ_{j≤h} e^{tot'-cum_j} k_j u_jᵀ`` with the new entry as the
         ring stores it, ``K`` in chunks of ``BKC`` read again right after the first read (from
-        L2, not DRAM), so no register tile is held across the fold's ``tl.dot``."""
+        L2, not DRAM), so no register tile is held across the fold's ``tl.dot``.  ``FMA`` (output
+        route): each re-read chunk is instead folded by a run-time loop of rank-1 updates over
+        the row's ``h`` entries (:func:`_gdn_fold_fma`: no ``tl.dot``, no shared memory, any
+        ``BV``)."""
         kh = hv // REP
         r64 = r.to(tl.int64)
         slot = tl.load(slot_ptr + r).to(tl.int64)
@@ -168,10 +205,10 @@ if HAVE_TRITON:
         Uh = tl.load(ur_ptr + (e[:, None] * HV + hv) * V + offs_v[None, :], mask=mj[:, None] & mv[None, :],
                      other=0.0).to(tl.float32)
         if not PRE_SCORES:
-            q = _l2n(tl.load(q_ptr + (r64 * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
-            kraw = tl.load(k_ptr + (r64 * H + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+            q = _l2n(tl.load(q_ptr + r64 * QS + kh * K + offs_k, mask=mk, other=0.0).to(tl.float32), L2) * scale
+            kraw = tl.load(k_ptr + r64 * KS + kh * K + offs_k, mask=mk, other=0.0).to(tl.float32)
             k = _l2n(kraw, L2)
-        v = tl.load(v_ptr + (r64 * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + r64 * VS + hv * V + offs_v, mask=mv, other=0.0).to(tl.float32)
         gv = tl.load(g_ptr + r64 * HV + hv).to(tl.float32)
         beta = tl.load(b_ptr + r64 * HV + hv).to(tl.float32)
         if PRE_SCORES:
@@ -213,37 +250,50 @@ if HAVE_TRITON:
                     tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
         if FOLD:
             if tl.load(flush_ptr + r) != 0:
-                newj = jj == h
-                tot1 = tot + gs.to(tl.float32)
-                wf = tl.where(newj, 1.0, tl.where(mj, tl.exp(tot1 - cj), 0.0))
-                Uf = tl.where(newj[:, None], us.to(tl.float32)[None, :], Uh)                 # [LP, BV]
+                rk = 1.0
                 if not PRE_SCORES:
-                    rk = 1.0
                     if L2:  # the factor _l2n applied to the whole row
                         rk = tl.rsqrt(tl.sum(kraw * kraw, 0) + 1e-6)
-                for k0 in tl.static_range(0, BK, BKC):
-                    offs_c = k0 + tl.arange(0, BKC)
-                    mc = offs_c < K
-                    Kc = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_c[None, :],
-                                 mask=mj[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [LP, BKC]
-                    if PRE_SCORES:
-                        kc = tl.load(qk_ptr + qbase + offs_c, mask=mc, other=0.0)
-                    else:
-                        kc = tl.load(k_ptr + (r64 * H + kh) * K + offs_c, mask=mc, other=0.0).to(tl.float32) * rk
-                    Kf = tl.where(newj[:, None], kc.to(kr_ptr.dtype.element_ty).to(tl.float32)[None, :], Kc)
-                    cptr = state_ptr + ((slot * HV + hv) * K + offs_c[:, None]) * V + offs_v[None, :]
-                    S0c = tl.load(cptr, mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)            # [BKC, BV]
-                    Sn = tl.exp(tot1) * S0c + tl.dot(tl.trans(Kf * wf[:, None]), Uf, input_precision=PREC)
-                    tl.store(cptr, Sn.to(state_ptr.dtype.element_ty), mask=mc[:, None] & mv[None, :])
+                if FMA:
+                    _gdn_fold_fma(state_ptr, ur_ptr, kr_ptr, gr_ptr, k_ptr, qk_ptr, slot, start, h, r64, hv, kh, tot,
+                                  gs, us, rk, qbase, offs_v, mv, L, H, HV, K, V, KS, BK, BKC, PRE_SCORES)
+                else:
+                    _gdn_fold_dot(state_ptr, kr_ptr, k_ptr, qk_ptr, slot, e, mj, jj, h, r64, hv, kh, tot, cj, gs, us,
+                                  Uh, rk, qbase, offs_v, mv, H, HV, K, V, KS, BK, BKC, PRE_SCORES, PREC)
 
     @triton.jit
+    def _gdn_fold_dot(state_ptr, kr_ptr, k_ptr, qk_ptr, slot, e, mj, jj, h, r64, hv, kh, tot, cj, gs, us, Uh, rk,
+                      qbase, offs_v, mv, H, HV, K, V, KS,
+                      BK: tl.constexpr, BKC: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr):
+        """The ``dot`` form of :func:`_gdn_fold_fma`: per ``BKC``-row chunk, one ``tl.dot`` over the
+        ``LP`` padded entries (the new one at row ``h``)."""
+        newj = jj == h
+        tot1 = tot + gs.to(tl.float32)
+        wf = tl.where(newj, 1.0, tl.where(mj, tl.exp(tot1 - cj), 0.0))
+        Uf = tl.where(newj[:, None], us.to(tl.float32)[None, :], Uh)                         # [LP, BV]
+        for k0 in tl.static_range(0, BK, BKC):
+            offs_c = k0 + tl.arange(0, BKC)
+            mc = offs_c < K
+            Kc = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_c[None, :],
+                         mask=mj[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [LP, BKC]
+            if PRE_SCORES:
+                kc = tl.load(qk_ptr + qbase + offs_c, mask=mc, other=0.0)
+            else:
+                kc = tl.load(k_ptr + r64 * KS + kh * K + offs_c, mask=mc, other=0.0).to(tl.float32) * rk
+            Kf = tl.where(newj[:, None], kc.to(kr_ptr.dtype.element_ty).to(tl.float32)[None, :], Kc)
+            cptr = state_ptr + ((slot * HV + hv) * K + offs_c[:, None]) * V + offs_v[None, :]
+            S0c = tl.load(cptr, mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)            # [BKC, BV]
+            Sn = tl.exp(tot1) * S0c + tl.dot(tl.trans(Kf * wf[:, None]), Uf, input_precision=PREC)
+            tl.store(cptr, Sn.to(state_ptr.dtype.element_ty), mask=mc[:, None] & mv[None, :])
+
+    @triton.jit(**count_args("Bt", "NPROG"))  # batch size and persistent grid: one compiled kernel for all
     def _gdn_replay_decode_kernel(
         state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
-        Bt, NPROG, L, H, HV, K, V, REP, scale,
+        Bt, NPROG, L, H, HV, K, V, REP, scale, QS, KS, VS,
         LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
         L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr,
-        PREC: tl.constexpr, SKIP_FLUSH: tl.constexpr, PERSIST: tl.constexpr,
+        PREC: tl.constexpr, SKIP_FLUSH: tl.constexpr, PERSIST: tl.constexpr, FMA: tl.constexpr,
     ):
         """Replay decode (:func:`_gdn_decode_tile`) over a flat grid of ``V-blocks × value
         heads × rows`` (V-blocks of one (row, head) side by side: they share DRAM pages).
@@ -257,8 +307,8 @@ if HAVE_TRITON:
                 t = w % ntile
                 _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
                                  q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
-                                 r, t // nv, t % nv, L, H, HV, K, V, REP, scale,
-                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC)
+                                 r, t // nv, t % nv, L, H, HV, K, V, REP, scale, QS, KS, VS,
+                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA)
         else:
             vb, hv, r = tile_ids(nv, HV)
             go = True
@@ -267,8 +317,8 @@ if HAVE_TRITON:
             if go:
                 _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
                                  q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
-                                 r, hv, vb, L, H, HV, K, V, REP, scale,
-                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC)
+                                 r, hv, vb, L, H, HV, K, V, REP, scale, QS, KS, VS,
+                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA)
 
     @triton.jit
     def _gdn_fold_kernel(
@@ -617,22 +667,37 @@ FLUSH_MODES = ("split", "fused", "apart")
 #: up to this many (row, value head, 32-wide V-block) tiles a decode step is one launch
 SMALL_GRID = 2048
 
+#: the keys a launch config of :func:`replay_decode` may set (:data:`DECODE_TABLE`)
+DECODE_KEYS = ("block_v", "num_warps", "pre_scores", "flush_mode", "fold_form", "fold_warps")
 
-def decode_defaults(Bt: int, HV: int, V: int) -> dict:
-    """Default form of :func:`replay_decode` for a batch (H100, 2026-11-23, KERNEL_NOTES.md):
+#: tuned launch configs of :func:`replay_decode` (output route), consulted before the measured
+#: defaults of :func:`decode_defaults`: rows ``(max_batch, state_itemsize, config)`` as in
+#: :data:`replayssm.kernels.mamba2.DECODE_TABLE`.  Empty: the defaults.
+DECODE_TABLE: list = []
+
+
+def decode_defaults(Bt: int, HV: int, V: int, state_itemsize: int = 4) -> dict:
+    """Launch config of :func:`replay_decode` (output route) for a batch: the first matching
+    row of :data:`DECODE_TABLE`, else the measured default (H100, 2026-11-23, KERNEL_NOTES.md):
     small grids run as one launch (``fused``, 4 warps: its fold spills on fewer); larger ones
     run the per-head scores kernel, the hot kernel on 64-wide V tiles and 2 warps, and the
-    flush rows apart."""
+    flush rows apart.  Flush rows fold with ``tl.dot``."""
+    base = dict(fold_form="dot", fold_warps=4)
     if Bt * HV * triton.cdiv(V, 32) <= SMALL_GRID:
-        return dict(pre_scores=False, flush_mode="fused", num_warps=4, block_v=32)
-    return dict(pre_scores=True, flush_mode="apart", num_warps=2, block_v=64)
+        base.update(pre_scores=False, flush_mode="fused", num_warps=4, block_v=32)
+    else:
+        base.update(pre_scores=True, flush_mode="apart", num_warps=2, block_v=64)
+    for max_batch, itemsize, cfg in DECODE_TABLE:
+        if Bt <= max_batch and itemsize in (None, state_itemsize):
+            return dict(base, **cfg)
+    return base
 
 
 def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   precision: str = "tf32x3", pre_scores: bool | None = None, flush_mode: str | None = None,
-                  fold_warps: int = 4) -> Tensor:
+                  fold_warps: int | None = None, fold_form: str | None = None) -> Tensor:
     """Replay decode, appending ``(u, k, g)``.  ``flush_mode`` (default:
     :func:`decode_defaults`) is how flush rows store ``S_{h+1}``:
 
@@ -643,6 +708,10 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     * ``"split"``: the hot kernel for every row, then the fold kernel re-reads the flush
       rows' checkpoints (three state passes on a flush step; the state route's form).
 
+    ``fold_form`` (``fused`` / ``apart``): flush rows re-read their tile in K chunks (from L2);
+    ``"dot"`` folds 32-row chunks with ``tl.dot`` (``precision``); ``"fma"`` by rank-1 updates
+    over the row's entries, a run-time loop (any ``block_v``, no shared memory; chunks of up to
+    :data:`~replayssm.kernels.mamba2.FMA_CHUNK` state values).
     ``pre_scores``: normalised ``q``/``k`` and the history scores once per (row, key head) in
     a small kernel (output route only).  ``route="state"`` rebuilds ``S_h`` in the kernel.
     ``precision``: the ``tl.dot`` of the state route and of the fold."""
@@ -653,20 +722,26 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     dims = _dims(q, v, False)
     Bt, _, H, HV, K, V = dims
     _check_ring(buf, plan, v, dims)
-    auto = decode_defaults(Bt, HV, V)
+    auto = decode_defaults(Bt, HV, V, buf.state.element_size())
     if route == "state":
-        auto = dict(pre_scores=False, flush_mode="split", num_warps=1, block_v=32)
+        auto = dict(pre_scores=False, flush_mode="split", num_warps=1, block_v=32, fold_form="dot", fold_warps=4)
     flush_mode = flush_mode or auto["flush_mode"]
     pre_scores = auto["pre_scores"] if pre_scores is None else bool(pre_scores)
     num_warps = num_warps or auto["num_warps"]
+    fold_warps = fold_warps or auto["fold_warps"]
+    fold_form = fold_form or auto["fold_form"]
     if flush_mode not in FLUSH_MODES:
         raise ValueError(f"bad flush_mode {flush_mode!r}: expected one of {FLUSH_MODES}")
     if route == "state" and (pre_scores or flush_mode != "split"):
         raise ValueError("route='state' runs with pre_scores=False and flush_mode='split' only")
-    q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
+    if fold_form == "fma" and flush_mode == "split":
+        raise ValueError("fold_form='fma' folds inside the decode kernel: flush_mode 'fused' or 'apart'")
+    BV = decode_block(V, block_v or auto["block_v"], fold_form if flush_mode != "split" else "dot")
+    (q, QS), (k, KS), (v, VS) = token_rows(q, 1), token_rows(k, 1), token_rows(v, 1)
+    g, beta = _c(g), _c(beta)
     L = plan.capacity
-    BV, LP, BK = _bv(V, block_v or auto["block_v"]), pad16(L), pad16(K)
-    y = torch.empty_like(v)
+    LP, BK = pad16(L), pad16(K)
+    y = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if Bt == 0:
         return y
     sc = qk = y
@@ -674,15 +749,17 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
         sc = torch.empty(Bt, H, 2, LP + 1, dtype=torch.float32, device=v.device)
         qk = torch.empty(Bt, H, 2, K, dtype=torch.float32, device=v.device)
         _gdn_scores_kernel[(Bt * H,)](buf.k, plan.slot, plan.start, plan.hist, q, k, sc, qk,
-                                      L, H, K, _scale(scale, K), LP=LP, BK=BK, L2=bool(use_qk_l2norm),
+                                      L, H, K, _scale(scale, K), QS, KS, LP=LP, BK=BK, L2=bool(use_qk_l2norm),
                                       num_warps=4)
     nv = triton.cdiv(V, BV)
     args = (buf.state, buf.u, buf.k, buf.g, plan.slot, plan.start, plan.hist, plan.flush,
             q, k, v, g, beta, y, sc, qk)
-    dims_args = (L, H, HV, K, V, HV // H, _scale(scale, K))
-    const = dict(LP=LP, BK=BK, BKC=min(BK, 32), BV=BV, BT=flag_chunk(Bt), L2=bool(use_qk_l2norm),
-                 OUTPUT_ROUTE=route == "output",
-                 PRE_SCORES=pre_scores, PREC=precision)
+    dims_args = (L, H, HV, K, V, HV // H, _scale(scale, K), QS, KS, VS)
+    # fold chunk: 32 rows for the dot; for fma up to 1024 state values (16 fp32 registers on 2 warps:
+    # with 4096 the Qwen3-Next-shape 64-wide tile on 2 warps compiled at 254 registers, with 1024 at 206)
+    BKC = min(BK, 32) if fold_form == "dot" else min(BK, max(16, FMA_CHUNK // BV))
+    const = dict(LP=LP, BK=BK, BKC=BKC, BV=BV, BT=flag_chunk(Bt), L2=bool(use_qk_l2norm),
+                 OUTPUT_ROUTE=route == "output", PRE_SCORES=pre_scores, PREC=precision, FMA=fold_form == "fma")
     grid = flat_grid(nv, HV, Bt)
     _gdn_replay_decode_kernel[grid](*args, Bt, 1, *dims_args, **const, FOLD=flush_mode == "fused",
                                     SKIP_FLUSH=flush_mode == "apart", PERSIST=False, num_warps=num_warps)

@@ -145,12 +145,37 @@ if HAVE_TRITON:
         tl.store(Br_ptr + (enew * G + g) * n + offs_n, Braw, mask=mn)
 
     @triton.jit
+    def _m2_fold_fma(state_ptr, xr_ptr, Br_ptr, dtr_ptr, B_ptr, sbase, slot, start, h, hd, g, A, tot, lv, dtv, xv,
+                     bbase, offs_d, md, L, H, G, d, n, BN: tl.constexpr, BNC: tl.constexpr):
+        """A flush row's ``S_{h+1} = e^{tot+l} S0 + Δ x Bᵀ + Σ_{j<h} Δ_j e^{tot-cum_j+l} x_j B_jᵀ``
+        by rank-1 updates, ``n`` in chunks of ``BNC``: each chunk of ``S0`` is read again (from
+        L2: the readout just read it, so no tile is held across the readout), then a loop that
+        runs ``h`` times adds one ring entry per iteration; stored rounded once."""
+        a1 = tl.exp(tot + lv)
+        for k0 in range(0, BN, BNC):  # a run-time loop: no chunk's loads hoisted above another's stores
+            offs_k = k0 + tl.arange(0, BNC)
+            mk = offs_k < n
+            m2 = md[:, None] & mk[None, :]
+            bk = tl.load(B_ptr + bbase + offs_k, mask=mk, other=0.0).to(tl.float32)
+            S0c = tl.load(state_ptr + sbase + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            Sn = a1 * S0c + (dtv * xv)[:, None] * bk[None, :]
+            c = tot * 0.0
+            for j in range(0, h):
+                ej = slot * L + (start + j) % L
+                dj = tl.load(dtr_ptr + ej * H + hd).to(tl.float32)
+                c += A * dj
+                xj = tl.load(xr_ptr + (ej * H + hd) * d + offs_d, mask=md, other=0.0).to(tl.float32)
+                bj = tl.load(Br_ptr + (ej * G + g) * n + offs_k, mask=mk, other=0.0).to(tl.float32)
+                Sn += (dj * tl.exp(tot - c + lv) * xj)[:, None] * bj[None, :]
+            tl.store(state_ptr + sbase + offs_k[None, :], Sn.to(state_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
     def _m2_decode_tile(
         state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
         r, hd, db, L, H, G, d, n, HPG, XS, BS, CS,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
-        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr,
+        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr, FMA: tl.constexpr,
     ):
         """One ``(row, head, d-block)`` tile of output-only replay decode:
         ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + Δ (B·C) x + D x``; appends
@@ -161,7 +186,9 @@ if HAVE_TRITON:
         (the new entry included), ``n`` in chunks of ``BNC``: each chunk of ``S0`` is read again
         right after the first read (from L2, not DRAM), so the register tile of the readout is
         not held across the fold's ``tl.dot``.  One DRAM read and, on flush rows, one write: no
-        second pass over the state."""
+        second pass over the state.  ``FMA``: each re-read chunk is instead folded by a
+        run-time loop of rank-1 updates over the row's ``h`` entries (:func:`_m2_fold_fma`: no
+        ``tl.dot``, no shared memory, no 16-row minimum: any ``BD``)."""
         g = hd // HPG
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int64)
@@ -215,7 +242,11 @@ if HAVE_TRITON:
             if not PRE_SCORES:
                 if hd % HPG == 0:
                     tl.store(Br_ptr + (enew * G + g) * n + offs_n, tl.load(B_ptr + bbase + offs_n, mask=mn), mask=mn)
-        if tl.load(flush_ptr + r) != 0:
+        if FMA:
+            if tl.load(flush_ptr + r) != 0:
+                _m2_fold_fma(state_ptr, xr_ptr, Br_ptr, dtr_ptr, B_ptr, sbase, slot, start, h, hd, g, A, tot, lv,
+                             dtv, xv, bbase, offs_d, md, L, H, G, d, n, BN, BNC)
+        elif tl.load(flush_ptr + r) != 0:
             newj = jj == h
             # S_{h+1} weights: Δ_j e^{tot+l_new-cum_j} for j < h, Δ for the new entry (row h)
             XW = tl.trans(tl.where(newj[:, None], xv[None, :], Xh) * tl.where(newj, dtv, wj)[:, None])  # [BD, LP]
@@ -238,14 +269,14 @@ if HAVE_TRITON:
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
         L, H, G, d, n, HPG, XS, BS, CS,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
-        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr,
+        HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr, FMA: tl.constexpr,
     ):
         """Replay decode (:func:`_m2_decode_tile`) over a flat grid of ``d-blocks × heads ×
         rows`` (d-blocks of one (row, head) side by side: one contiguous stream)."""
         db, hd, r = tile_ids(tl.cdiv(d, BD), H)
         _m2_decode_tile(state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
                         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
-                        r, hd, db, L, H, G, d, n, HPG, XS, BS, CS, LP, BD, BN, BNC, HAS_D, PRE_SCORES, PREC)
+                        r, hd, db, L, H, G, d, n, HPG, XS, BS, CS, LP, BD, BN, BNC, HAS_D, PRE_SCORES, PREC, FMA)
 
     @triton.jit
     def _m2_fold_kernel(
@@ -641,26 +672,64 @@ def _fold(buf, plan, A: Tensor, extra: int, grid, BD: int, precision: str) -> No
 #: up to this many (row, head, d-block) tiles a decode step is one launch (no scores kernel)
 SMALL_GRID = 2048
 
+#: ``fold_form`` of :func:`replay_decode`: how a flush row folds its entries into ``S_{h+1}``
+FOLD_FORMS = ("dot", "fma")
+#: state values per chunk of the ``fma`` fold (both families): the chunks are a run-time loop,
+#: each re-read from L2 and held while the row's entries are added (16 fp32 registers a thread
+#: on 2 warps; local sm_90 compile, 2026-11-27: the GDN 64-wide tile on 2 warps at 206
+#: registers against 202 without flush code; 4096-value chunks 254, unrolled chunks spilled)
+FMA_CHUNK = 1024
+#: the keys a launch config of :func:`replay_decode` may set (:data:`DECODE_TABLE`)
+DECODE_KEYS = ("block_d", "num_warps", "pre_scores", "fold_form", "block_n")
 
-def decode_defaults(Bt: int, H: int, d: int, block_d: int | None) -> dict:
-    """Default form of :func:`replay_decode` for a batch (H100, 2026-11-23, KERNEL_NOTES.md):
+#: tuned launch configs of :func:`replay_decode`, consulted before the measured defaults of
+#: :func:`decode_defaults`: rows ``(max_batch, state_itemsize, config)`` (``state_itemsize``
+#: 4 / 2, or None for any state dtype); the first row with ``batch <= max_batch`` and a
+#: matching state dtype gives the config (keys of :data:`DECODE_KEYS`).  Empty: the defaults.
+#: ``scripts/tune_replay_decode.py`` prints the rows its GPU run measured fastest.
+DECODE_TABLE: list = []
+
+
+def decode_defaults(Bt: int, H: int, d: int, block_d: int | None = None, state_itemsize: int = 4) -> dict:
+    """Launch config of :func:`replay_decode` for a batch: the first matching row of
+    :data:`DECODE_TABLE`, else the measured default (H100, 2026-11-23, KERNEL_NOTES.md):
     small grids are launch-bound and run as one launch on 4 warps; larger ones compute the
-    per-group scores in a small kernel first and run the decode kernel on 2 warps."""
-    if Bt * H * triton.cdiv(d, _block_d(d, block_d)) <= SMALL_GRID:
-        return dict(pre_scores=False, num_warps=4)
-    return dict(pre_scores=True, num_warps=2)
+    per-group scores in a small kernel first and run the decode kernel on 2 warps; 32-wide
+    d-blocks, flush rows folding with ``tl.dot``."""
+    base = dict(block_d=32, fold_form="dot", block_n=32)
+    if Bt * H * triton.cdiv(d, _block_d(d, block_d or 32)) <= SMALL_GRID:
+        base.update(pre_scores=False, num_warps=4)
+    else:
+        base.update(pre_scores=True, num_warps=2)
+    for max_batch, itemsize, cfg in DECODE_TABLE:
+        if Bt <= max_batch and itemsize in (None, state_itemsize):
+            return dict(base, **cfg)
+    return base
+
+
+def decode_block(size: int, block: int, fold_form: str) -> int:
+    """Tile width along ``d`` (Mamba-2) / ``V`` (GDN) of a replay-decode program: ``block``
+    rounded up to a power of two, at most ``next_pow2(size)``; the ``dot`` fold needs 16 rows
+    (``tl.dot``), the ``fma`` fold takes any width."""
+    if fold_form not in FOLD_FORMS:
+        raise ValueError(f"bad fold_form {fold_form!r}: expected one of {FOLD_FORMS}")
+    if int(block) < 1:
+        raise ValueError(f"tile width must be positive, got {block}")
+    return max(16 if fold_form == "dot" else 1, min(next_pow2(block), next_pow2(size)))
 
 
 def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
-                  block_d: int | None = 32, num_warps: int | None = None, pre_scores: bool | None = None,
-                  precision: str = "tf32x3", block_n: int = 32) -> Tensor:
+                  block_d: int | None = None, num_warps: int | None = None, pre_scores: bool | None = None,
+                  precision: str = "tf32x3", block_n: int | None = None, fold_form: str | None = None) -> Tensor:
     """Replay decode, output-only (``route`` is accepted for API parity: both routes
     give the same numbers), in one pass over the checkpoints: flush rows store ``S_{h+1}`` in
-    the kernel that reads ``S0`` (``n`` in chunks of ``block_n``; ``precision`` is that
-    ``tl.dot``'s).  ``pre_scores``: a small kernel first computes the per-group ``B_j·C`` once
-    (and appends ``B``) instead of every head's programs.  ``pre_scores`` / ``num_warps``
-    default to :func:`decode_defaults`.
+    the kernel that reads ``S0``, re-reading the tile in ``n`` chunks (from L2).
+    ``fold_form="dot"``: chunks of ``block_n``, folded with ``tl.dot`` (``precision``);
+    ``"fma"``: rank-1 updates over the row's entries, a run-time loop (any ``block_d``, no
+    shared memory; chunks of up to :data:`FMA_CHUNK` state values).
+    ``pre_scores``: a small kernel first computes the per-group ``B_j·C`` once (and appends
+    ``B``) instead of every head's programs.  Unset knobs come from :func:`decode_defaults`.
     """
     if route not in ("output", "state"):
         raise ValueError(f"bad route {route!r}: expected 'output' or 'state'")
@@ -669,12 +738,17 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
     dims = _dims(x, B, False)
     Bt, _, H, d, G, n = dims
     _check_ring(buf, plan, x, dims)
-    auto = decode_defaults(Bt, H, d, block_d)
+    auto = decode_defaults(Bt, H, d, block_d, buf.state.element_size())
     pre_scores = auto["pre_scores"] if pre_scores is None else bool(pre_scores)
     num_warps = num_warps or auto["num_warps"]
+    fold_form = fold_form or auto["fold_form"]
+    BD = decode_block(d, block_d or auto["block_d"], fold_form)
+    block_n = block_n or auto["block_n"]
     (x, XS), (B, BS), (C, CS), dt = token_rows(x, 1), token_rows(B, 1), token_rows(C, 1), _c(dt)
     L = plan.capacity
-    LP, BN, BD = pad16(L), pad16(n), _block_d(d, block_d)
+    LP, BN = pad16(L), pad16(n)
+    # fold chunk: block_n for the dot; for fma up to FMA_CHUNK state values
+    BNC = min(BN, pad16(block_n)) if fold_form == "dot" else min(BN, max(16, FMA_CHUNK // BD))
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if Bt == 0:
         return y
@@ -687,8 +761,8 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
         buf.state, buf.x, buf.B, buf.dt, plan.slot, plan.start, plan.hist, plan.flush,
         x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
         L, H, G, d, n, H // G, XS, BS, CS,
-        LP=LP, BD=BD, BN=BN, BNC=min(BN, pad16(block_n)), HAS_D=D is not None, PRE_SCORES=pre_scores,
-        PREC=precision, num_warps=num_warps)
+        LP=LP, BD=BD, BN=BN, BNC=BNC, HAS_D=D is not None, PRE_SCORES=pre_scores,
+        PREC=precision, FMA=fold_form == "fma", num_warps=num_warps)
     return y
 
 

@@ -1,0 +1,512 @@
+"""Replay-decode launch forms against the current defaults and the peers, at B = 1 / 8 / 64 / 256
+(GPU; one run decides the rows of ``DECODE_TABLE`` in ``kernels/mamba2.py`` and ``kernels/gdn.py``).
+
+Layers: Mamba-2 2.7B (128 heads × head_dim 64 × d_state 128, 8 groups) and GDN Qwen3-Next
+(32 value heads, 16 key heads, K = V = 128), bf16 activations, fp32 and bf16 checkpoint states,
+ring L = 16.  Per (family, state dtype, batch):
+
+* the peer's one recurrent step (``mamba_ssm.selective_state_update`` /
+  ``fla.fused_recurrent_gated_delta_rule``, state read + written; absent peers are named);
+* ``default``: the wrappers' current choice (``DECODE_TABLE`` empty);
+* each candidate form (tile width, warps, scores kernel, ``fold_form`` "dot" / "fma", GDN
+  flush mode): small-tile forms at B <= 8 (more programs at small batches), wide-tile forms at
+  B >= 64 (for bf16 states: tiles holding as many bytes as the fp32 tile).
+
+Each form is timed at a non-flush fill (h = 7: the mean cost of h = 0..14), the all-flush step
+(h = 15) and a staggered fill (row r at h = r mod 16: 1/16 of the rows flush, the running
+batch's case); ``cycle = (15 × non-flush + flush) / 16`` is the flush-cycle average that
+``bench kernels`` reports.  ``%copy``: the cycle's bytes (state read once, written on flush,
+ring entries read, inputs, outputs, the new entry) over its time, against a 1 GiB ``copy_``
+timed in the same run.  Times: back-to-back calls replayed from a CUDA graph (per call, median
+of 7 replays).  Before timing, every form runs two decode steps (rows flushing, ring entries
+wrapping) on 8 rows and is compared with the float64 reference op (outputs, every state and ring
+entry) and with the default form.
+
+    PYTHONPATH=. python scripts/tune_replay_decode.py [--peers DIR] [--batches 1,8,64,256]
+    TRITON_INTERPRET=1 PYTHONPATH=. python scripts/tune_replay_decode.py --device cpu --smoke --batches 1,64
+
+Prints one line per form and a summary (fastest form per family / state dtype / batch, as
+``DECODE_TABLE`` rows); writes ``tune_replay_decode.json`` to ``$OUT`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from replayssm.bench.kernels import Timer, copy_bandwidth, load_peers
+from replayssm.cache.buffers import GDNBuffers, Mamba2Buffers
+from replayssm.cache.ring import RingIndex
+from replayssm.kernels import gdn as kg
+from replayssm.kernels import mamba2 as km
+from replayssm.ops.gdn import naive as ng
+from replayssm.ops.mamba2 import naive as nm
+
+SHAPES = {"mamba2": dict(H=128, d=64, n=128, G=8), "gdn": dict(HK=16, HV=32, K=128, V=128)}
+SMOKE = {"mamba2": dict(H=4, d=8, n=16, G=2), "gdn": dict(HK=2, HV=4, K=16, V=16)}
+F64 = torch.float64
+#: activation / ring dtype: bf16 on the GPU; fp32 under the CPU interpreter (whose bf16 ``tl.dot``
+#: is wrong, docs/KERNEL_NOTES.md)
+ACT = {"dtype": torch.bfloat16}
+
+
+def _m2(bd, nw, pre, fold):
+    return dict(block_d=bd, num_warps=nw, pre_scores=pre, fold_form=fold)
+
+
+def _gdn(bv, nw, pre, fold, mode="fused"):
+    return dict(block_v=bv, num_warps=nw, pre_scores=pre, fold_form=fold, flush_mode=mode)
+
+
+#: candidate forms by (family, batch class); "default" (the wrappers' choice) is always timed.
+#: Small batches: narrower tiles, so a step has 2-8x the programs of the default (the peers run
+#: 2048 (mamba_ssm) and 512 (fla) programs at B = 1, our defaults 256 and 128).
+FORMS = {
+    ("mamba2", "small"): {
+        "d16w2-fma": _m2(16, 2, False, "fma"), "d8w1-fma": _m2(8, 1, False, "fma"),
+        "d8w2-fma": _m2(8, 2, False, "fma"), "d4w2-fma": _m2(4, 2, False, "fma"),
+        "d8w2-fma-sc": _m2(8, 2, True, "fma"),  # the group scores once (2 launches), not per program
+        "d32w4-fma": _m2(32, 4, False, "fma"),  # the default's tile, fma fold: the flush step alone
+    },
+    ("mamba2", "large"): {  # the default: 32-wide, 2 warps, scores kernel, dot fold
+        "d32w2-fma": _m2(32, 2, True, "fma"), "d32w4-fma": _m2(32, 4, True, "fma"),
+        "d64w4-fma": _m2(64, 4, True, "fma"),
+    },
+    ("mamba2", "large-16bit"): {  # a [64, 128] bf16 tile holds the bytes of the fp32 [32, 128] one
+        "d32w2-fma": _m2(32, 2, True, "fma"), "d64w2-dot": _m2(64, 2, True, "dot"),
+        "d64w2-fma": _m2(64, 2, True, "fma"), "d64w4-dot": _m2(64, 4, True, "dot"),
+    },
+    ("gdn", "small"): {  # the default: 32-wide, 4 warps, fused, dot fold
+        "v16w2-fma": _gdn(16, 2, False, "fma"), "v16w1-fma": _gdn(16, 1, False, "fma"),
+        "v8w1-fma": _gdn(8, 1, False, "fma"), "v8w2-fma": _gdn(8, 2, False, "fma"),
+        "v8w1-fma-sc": _gdn(8, 1, True, "fma"),  # norms and scores once per key head (2 launches)
+        "v32w4-fma": _gdn(32, 4, False, "fma"),  # the default's tile, fma fold: the flush step alone
+    },
+    ("gdn", "large"): {  # the default: 64-wide, 2 warps, scores kernel, apart, dot fold
+        "v64w2-fused-fma": _gdn(64, 2, True, "fma"), "v64w4-fused-fma": _gdn(64, 4, True, "fma"),
+        "v128w4-fused-fma": _gdn(128, 4, True, "fma"), "v64w2-apart-fma": _gdn(64, 2, True, "fma", "apart"),
+    },
+    ("gdn", "large-16bit"): {  # a [128, 128] bf16 tile holds the bytes of the fp32 [128, 64] one
+        "v64w2-fused-fma": _gdn(64, 2, True, "fma"), "v64w4-fused-fma": _gdn(64, 4, True, "fma"),
+        "v128w4-fused-fma": _gdn(128, 4, True, "fma"), "v128w8-fused-fma": _gdn(128, 8, True, "fma"),
+    },
+}
+
+
+def forms_for(fam: str, sdt: torch.dtype, B: int, smoke: bool) -> dict:
+    if B <= 8:
+        cls = "small"
+    else:
+        cls = "large-16bit" if sdt.itemsize == 2 else "large"
+    forms = dict(FORMS[(fam, cls)])
+    if cls == "small" and sdt.itemsize == 2:  # bf16 states at small batches: two of the fma forms
+        forms = dict(list(forms.items())[1:3])
+    if smoke:
+        forms = dict(list(forms.items())[:2])
+    return {"default": {}, **forms}
+
+
+def _sname(sdt) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(sdt, str(sdt))
+
+
+# ============================================================================ setup
+def setup(fam, s, Bt, L, sdt, dev):
+    """Buffers for ``Bt`` rows (slot 0 unused) with random checkpoints and ring entries."""
+    dtype = ACT["dtype"]
+    if fam == "mamba2":
+        buf = Mamba2Buffers.allocate(Bt, L, s["H"], s["d"], s["n"], s["G"], dtype=dtype, state_dtype=sdt, device=dev)
+        buf.state.normal_()
+        buf.x.normal_()
+        buf.B.normal_()
+        buf.dt.uniform_(0.01, 0.2)
+    else:
+        buf = GDNBuffers.allocate(Bt, L, s["HK"], s["HV"], s["K"], s["V"], dtype=dtype, state_dtype=sdt, device=dev)
+        buf.state.normal_().mul_(0.05)
+        buf.u.normal_()
+        buf.k.copy_(torch.nn.functional.normalize(torch.randn(buf.k.shape, device=dev), dim=-1).to(dtype))
+        buf.g.uniform_(-0.3, -0.01)
+    return buf
+
+
+def inputs(fam, s, Bt, dev):
+    dtype = ACT["dtype"]
+    if fam == "mamba2":
+        return dict(x=torch.randn(Bt, s["H"], s["d"], device=dev).to(dtype),
+                    dt=torch.rand(Bt, s["H"], device=dev) * 0.2 + 0.01,
+                    A=-(torch.rand(s["H"], device=dev) + 0.5),
+                    B=torch.randn(Bt, s["G"], s["n"], device=dev).to(dtype),
+                    C=torch.randn(Bt, s["G"], s["n"], device=dev).to(dtype),
+                    D=torch.randn(s["H"], device=dev))
+    return dict(q=torch.randn(Bt, s["HK"], s["K"], device=dev).to(dtype),
+                k=torch.randn(Bt, s["HK"], s["K"], device=dev).to(dtype),
+                v=torch.randn(Bt, s["HV"], s["V"], device=dev).to(dtype),
+                g=-torch.rand(Bt, s["HV"], device=dev) * 0.3,
+                beta=torch.rand(Bt, s["HV"], device=dev))
+
+
+def set_fill(ring, slots, h=None, seed=0):
+    """Every row at fill ``h`` (None: row r at r mod L); random ring starts (entries wrap)."""
+    g = torch.Generator().manual_seed(seed)
+    Bt, L = slots.shape[0], ring.capacity
+    hs = torch.arange(Bt) % L if h is None else torch.full((Bt,), h, dtype=torch.long)
+    ring.length[slots] = hs.to(slots.device)
+    ring.start[slots] = torch.randint(0, L, (Bt,), generator=g).to(slots.device)
+    return hs
+
+
+def step_bytes(fam, s, hs, L, sb, vb=2) -> float:
+    """Bytes a decode step must move for rows at fills ``hs``: the state read (written too on a
+    flush row), the ``h`` committed entries, inputs, output, the new entry."""
+    if fam == "mamba2":
+        H, d, n, G = s["H"], s["d"], s["n"], s["G"]
+        state, entry = H * d * n * sb, H * d * vb + G * n * vb + H * 4
+        io = H * d * vb + 2 * G * n * vb + H * 4 + H * d * vb
+    else:
+        HK, HV, K, V = s["HK"], s["HV"], s["K"], s["V"]
+        state, entry = HV * K * V * sb, HV * V * vb + HK * K * vb + HV * 4
+        io = 2 * HK * K * vb + HV * V * vb + 2 * HV * 4 + HV * V * vb
+    return float(sum(state + int(h) * entry + io + entry + (state if int(h) == L - 1 else 0) for h in hs))
+
+
+def peer_bytes(fam, s, Bt, sb, vb=2) -> float:
+    """A recurrent step: the state read and written, inputs and output (no ring)."""
+    if fam == "mamba2":
+        H, d, n, G = s["H"], s["d"], s["n"], s["G"]
+        state, io = H * d * n * sb, H * d * vb + 2 * G * n * vb + H * 4 + H * d * vb
+    else:
+        HK, HV, K, V = s["HK"], s["HV"], s["K"], s["V"]
+        state, io = HV * K * V * sb, 2 * HK * K * vb + HV * V * vb + 2 * HV * 4 + HV * V * vb
+    return float(Bt * (2 * state + io))
+
+
+# ============================================================================ timing
+def graph_us(fn, dev, reps: int = 7, min_us: float = 1000.0) -> float:
+    """Microseconds per call of ``fn``: back-to-back calls captured in a CUDA graph (enough
+    for ``min_us`` per replay, 3..400), the median of ``reps`` replays; eager (CUDA events) if
+    capture fails.  On CPU: the median of 3 wall-clock calls."""
+    if dev != "cuda":
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return 1e6 * statistics.median(ts)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(5):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    est = max(1e-3, e0.elapsed_time(e1) * 1e3 / 5)
+    n = int(max(3, min(400, min_us / est)))
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        run = g.replay
+    except Exception:  # a peer that does not capture: eager back-to-back calls
+        torch.cuda.synchronize()
+
+        def run():
+            for _ in range(n):
+                fn()
+    ts = []
+    for _ in range(reps):
+        e0.record()
+        run()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / n)
+    return statistics.median(ts)
+
+
+# ============================================================================ checks
+def _rel(want, got) -> float:
+    want, got = want.to(F64), got.to(F64)
+    if torch.isnan(got).any():
+        return float("nan")
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def _as64(buf):
+    return type(buf)(**{f.name: getattr(buf, f.name).to(F64) for f in dataclasses.fields(buf)})
+
+
+def _clone(buf):
+    return type(buf)(**{f.name: getattr(buf, f.name).clone() for f in dataclasses.fields(buf)})
+
+
+def check_form(fam, s, form, sdt, dev, L, default_result=None):
+    """Two decode steps on 8 rows (two flushing on the first step, their entries wrapping past
+    the ring end; one row pads on slot 0) against the float64 reference op: worst relative
+    errors of the outputs, states and ring entries; and the result for the comparison with
+    the default form."""
+    mod, naive = (km, nm) if fam == "mamba2" else (kg, ng)
+    Bt = 8
+    torch.manual_seed(0)
+    buf = setup(fam, s, Bt + 1, L, sdt, dev)
+    ref = _as64(buf)
+    ring = RingIndex(Bt + 1, L, buf.state.device)
+    slots = torch.arange(1, Bt + 1, device=buf.state.device)
+    slots[2] = 0
+    set_fill(ring, slots, None, seed=1)
+    ring.length[slots] = torch.tensor([L - 1, 0, 0, L // 3, L - 1, L // 2, L - 2, 1], device=slots.device)
+    ring.start[slots[0]] = L - 3
+    ring.start[slots[4]] = L - 2
+    real = slots != 0
+    err = dict(y=0.0, state=0.0, ring=0.0)
+    ys = []
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        inp = inputs(fam, s, Bt, dev)
+        plan = ring.plan_decode(slots)
+        a = naive.replay_decode(ref, plan, **{k: v.to(F64) if v.is_floating_point() else v for k, v in inp.items()},
+                                check=False)
+        b = mod.replay_decode(buf, plan, **inp, **form)
+        ys.append(b)
+        err["y"] = max(err["y"], _rel(a[real], b[real]))
+        err["state"] = max(err["state"], _rel(ref.state[1:], buf.state[1:]))
+        for f in dataclasses.fields(buf):
+            if f.name != "state":
+                err["ring"] = max(err["ring"], _rel(getattr(ref, f.name)[1:], getattr(buf, f.name)[1:]))
+        ref.state.copy_(buf.state.to(F64))  # the next step reads the state as stored
+        ring.commit(plan)
+    result = (torch.cat([y.float().flatten() for y in ys]), buf.state.float())
+    if default_result is not None:
+        err["vs_default_y"] = _rel(default_result[0], result[0])
+        err["vs_default_state"] = _rel(default_result[1], result[1])
+    # against float64: bf16 activations, outputs and ring values (GDN's u, k) rounded to bf16; against the
+    # default form (same roundings): fp32-level for fp32 states, a rounding apart for bf16 ones
+    err["ok"] = bool(err["y"] < 1e-2 and err["state"] < 1e-2 and err["ring"] < 1e-2)
+    if default_result is not None:
+        tol = 1e-4 if sdt.itemsize == 4 else 1e-2
+        err["ok"] = err["ok"] and bool(err["vs_default_y"] < 1e-2 and err["vs_default_state"] < tol)
+    return err, result
+
+
+# ============================================================================ peers
+def peer_fn(fam, s, peers, Bt, sdt, dev):
+    """``(label, fn)`` of the peer's decode step, or ``(why not, None)``."""
+    name = "mamba_ssm" if fam == "mamba2" else "fla"
+    if name not in peers:
+        return (peers.get(name + "_error") or f"{name} not importable"), None
+    f = peers[name]
+    inp = inputs(fam, s, Bt, dev)
+    if fam == "mamba2":
+        H, d, n = s["H"], s["d"], s["n"]
+        st = torch.randn(Bt, H, d, n, device=dev).to(sdt)
+        A3 = inp["A"][:, None, None].expand(H, d, n)
+        dt3 = inp["dt"][:, :, None].expand(Bt, H, d)
+        bias = torch.zeros(H, device=dev)[:, None].expand(H, d)
+        D2 = inp["D"][:, None].expand(H, d)
+        return "mamba_ssm.selective_state_update", lambda: f(st, inp["x"], dt3, A3, inp["B"], inp["C"], D=D2,
+                                                              dt_bias=bias, dt_softplus=False)
+    st = (torch.randn(Bt, s["HV"], s["K"], s["V"], device=dev) * 0.05).to(sdt)
+    q, k, v = inp["q"][:, None], inp["k"][:, None], inp["v"][:, None]
+    g, beta = inp["g"][:, None], inp["beta"][:, None]
+    return "fla.fused_recurrent_gated_delta_rule", lambda: f(q, k, v, g=g, beta=beta, initial_state=st,
+                                                              output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
+# ============================================================================ main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8,64,256")
+    ap.add_argument("--L", type=int, default=16)
+    ap.add_argument("--fams", default="mamba2,gdn")
+    ap.add_argument("--state-dtypes", default="float32,bfloat16")
+    ap.add_argument("--peers", default=None,
+                    help="folder holding mamba_ssm/ and fla/ (default $REPLAYSSM_PEERS or .peers)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, two forms per class (CPU interpreter)")
+    ap.add_argument("--budget-s", type=float, default=225.0, help="skip the remaining sections past this")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    t_start = time.time()
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        print("no GPU: run with --device cpu under TRITON_INTERPRET=1 for a smoke run")
+        return 2
+    shapes = SMOKE if args.smoke else SHAPES
+    ACT["dtype"] = torch.bfloat16 if dev == "cuda" else torch.float32
+    L = 4 if args.smoke else args.L
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.smoke:
+        batches = batches[:2]
+    sdts = [getattr(torch, n) for n in args.state_dtypes.split(",")]
+    fams = args.fams.split(",")
+    peers = load_peers(args.peers) if dev == "cuda" else {}
+    bw = copy_bandwidth(dev, Timer(dev, quick=True), (1 << 22) if dev != "cuda" else None)
+    res = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu", date=time.strftime("%Y-%m-%d %H:%M"),
+               torch=torch.__version__, copy_TBps=bw / 1e12, L=L, shapes=shapes,
+               peers={k: (v if isinstance(v, str) else "ok") for k, v in peers.items()}, checks={}, rows=[],
+               skipped=[])
+    print(f"{res['device']}  copy {bw / 1e12:.3f} TB/s (1 GiB copy_, read + write)  peers: "
+          f"{ {k: v for k, v in res['peers'].items()} or 'none importable'}", flush=True)
+    mid = f"h={(L - 2) // 2}"
+    head = (f"{'family':6} {'state':5} {'B':>4} {'form':18} {mid:>8} {'flush':>8} {'stagger':>8} {'cycle':>8} "
+            f"{'%copy':>6} {'xpeer':>6} {'xdef':>6} check")
+    print(head)
+    for sdt in sdts:
+        sname = _sname(sdt)
+        for fam in fams:
+            try:
+                s = shapes[fam]
+                mod = km if fam == "mamba2" else kg
+                # ---- correctness of every form this dtype will time (8 rows, 2 steps, float64 reference)
+                names = {}
+                for B in batches:
+                    names.update(forms_for(fam, sdt, B, args.smoke))
+                chk, base = {}, None
+                for name in ["default"] + [n for n in names if n != "default"]:
+                    try:
+                        err, result = check_form(fam, s, names[name], sdt, dev, L, base)
+                    except Exception as exc:  # a form the compiler rejects
+                        err = dict(ok=False, error=repr(exc)[:300])
+                        result = None
+                    if name == "default":
+                        base = result
+                    chk[name] = err
+                res["checks"][f"{fam}/{sname}"] = chk
+                bad = [n for n, e in chk.items() if not e.get("ok")]
+                worst = max((e.get("vs_default_state", 0.0) for e in chk.values() if e.get("ok")), default=0.0)
+                print(f"# {fam} {sname}: {len(chk)} forms checked vs float64 reference; failing: {bad or 'none'}; "
+                      f"max state rel diff vs default {worst:.1e}", flush=True)
+                for B in batches:
+                    if time.time() - t_start > args.budget_s:
+                        res["skipped"].append(f"{fam}/{sname}/B={B}")
+                        print(f"# skipped {fam} {sname} B={B}: past the {args.budget_s:.0f} s budget", flush=True)
+                        continue
+                    label, pf = peer_fn(fam, s, peers, B, sdt, dev) if dev == "cuda" else ("cpu run", None)
+                    peer_us = graph_us(pf, dev) if pf is not None else float("nan")
+                    sb = sdt.itemsize
+                    if pf is not None:
+                        pb = peer_bytes(fam, s, B, sb)
+                        print(f"{fam:6} {sname:5} {B:>4} {'peer':18} {peer_us:8.1f} {'':>8} {'':>8} {peer_us:8.1f} "
+                              f"{100 * pb / (peer_us * 1e-6) / bw:6.1f}   ({label})", flush=True)
+                    else:
+                        print(f"{fam:6} {sname:5} {B:>4} {'peer':18} absent: {label}", flush=True)
+                    res["rows"].append(dict(family=fam, state=sname, B=B, form="peer", peer=label, us=peer_us))
+                    buf = setup(fam, s, B, L, sdt, dev)
+                    ring = RingIndex(B, L, buf.state.device)
+                    slots = torch.arange(1, B + 1, device=buf.state.device)
+                    inp = inputs(fam, s, B, dev)
+                    plans = {}
+                    for key, h in (("mid", (L - 2) // 2), ("flush", L - 1), ("stagger", None)):
+                        hs = set_fill(ring, slots, h, seed=2)
+                        plans[key] = (ring.plan_decode(slots), step_bytes(fam, s, hs.tolist(), L, sb))
+                    cyc_bytes = step_bytes(fam, s, list(range(L)), L, sb) * B / L
+                    def_cycle = def_stag = None
+                    for name, form in forms_for(fam, sdt, B, args.smoke).items():
+                        if not chk.get(name, {}).get("ok"):
+                            print(f"{fam:6} {sname:5} {B:>4} {name:18} not timed: failed its check", flush=True)
+                            continue
+                        try:
+                            t = {key: graph_us(lambda p=p, b=buf: mod.replay_decode(b, p, **inp, **form), dev)
+                                 for key, (p, _) in plans.items()}
+                        except Exception as exc:
+                            print(f"{fam:6} {sname:5} {B:>4} {name:18} failed: {repr(exc)[:160]}", flush=True)
+                            res["rows"].append(dict(family=fam, state=sname, B=B, form=name, error=repr(exc)[:300]))
+                            continue
+                        cycle = ((L - 1) * t["mid"] + t["flush"]) / L
+                        if name == "default":
+                            def_cycle, def_stag = cycle, t["stagger"]
+                        nan = float("nan")
+                        pct = 100 * cyc_bytes / (cycle * 1e-6) / bw
+                        row = dict(family=fam, state=sname, B=B, form=name, config=form, mid_us=t["mid"],
+                                   flush_us=t["flush"], stagger_us=t["stagger"], cycle_us=cycle, cycle_pct_copy=pct,
+                                   stagger_pct_copy=100 * plans["stagger"][1] / (t["stagger"] * 1e-6) / bw,
+                                   x_peer=peer_us / cycle, x_default=(def_cycle or nan) / cycle,
+                                   x_default_stagger=(def_stag or nan) / t["stagger"])
+                        res["rows"].append(row)
+                        print(f"{fam:6} {sname:5} {B:>4} {name:18} {t['mid']:8.1f} {t['flush']:8.1f} "
+                              f"{t['stagger']:8.1f} "
+                              f"{cycle:8.1f} {pct:6.1f} {peer_us / cycle:6.2f} {row['x_default']:6.2f} ok", flush=True)
+                    del buf, ring
+                    if dev == "cuda":
+                        torch.cuda.empty_cache()
+            except Exception as exc:  # one section failing must not lose the others
+                res.setdefault("errors", []).append(f"{fam}/{sname}: {exc!r}"[:500])
+                print(f"# {fam} {sname}: section failed: {exc!r}"[:300], flush=True)
+            _write(res, args.out)
+    # ---- summary: the fastest checked form per (family, state, B), by cycle and by staggered fill
+    print("\n== fastest form per family / state dtype / batch (cycle average; staggered in brackets)")
+    table = {}
+    for fam in fams:
+        for sdt in sdts:
+            sname = _sname(sdt)
+            for B in batches:
+                rows = [r for r in res["rows"] if r["family"] == fam and r["state"] == sname and r["B"] == B
+                        and "cycle_us" in r]
+                if not rows:
+                    continue
+                d = next((r for r in rows if r["form"] == "default"), None)
+                best = min(rows, key=lambda r: r["cycle_us"])
+                bst = min(rows, key=lambda r: r["stagger_us"])
+                peer = next((r["us"] for r in res["rows"] if r["family"] == fam and r["state"] == sname
+                             and r["B"] == B and r["form"] == "peer"), float("nan"))
+                print(f"{fam:6} {sname:5} B={B:<4} best {best['form']:18} {best['cycle_us']:8.1f} us "
+                      f"{best['cycle_pct_copy']:5.1f}% copy  x{best['x_default']:.2f} default  "
+                      f"x{peer / best['cycle_us']:.2f} peer   [staggered: {bst['form']} "
+                      f"x{(d['stagger_us'] if d else float('nan')) / bst['stagger_us']:.2f} default]")
+                # a form replaces the default where its cycle is > 3% faster and its staggered
+                # step (the running batch's case) is no more than 2% slower
+                win = (d is not None and best["form"] != "default" and best["cycle_us"] < 0.97 * d["cycle_us"]
+                       and best["stagger_us"] <= 1.02 * d["stagger_us"])
+                last = B == max(batches)
+                table.setdefault(fam, []).append((1 << 30 if last else B, sdt.itemsize, best["config"] if win else {}))
+    if torch.float32 in sdts and torch.bfloat16 in sdts:
+        print("\n== bf16 states ÷ fp32 states (cycle speed-up of the replay-decode step; default forms, best forms)")
+        for fam in fams:
+            for B in batches:
+                got = {}
+                for sname in ("fp32", "bf16"):
+                    rows = [r for r in res["rows"] if r["family"] == fam and r["state"] == sname and r["B"] == B
+                            and "cycle_us" in r]
+                    d = next((r["cycle_us"] for r in rows if r["form"] == "default"), float("nan"))
+                    got[sname] = (d, min((r["cycle_us"] for r in rows), default=float("nan")))
+                ratio = (got["fp32"][0] / got["bf16"][0], got["fp32"][1] / got["bf16"][1])
+                res.setdefault("bf16_over_fp32", {})[f"{fam}/B={B}"] = ratio
+                print(f"{fam:6} B={B:<4} default x{ratio[0]:.2f}   best x{ratio[1]:.2f}")
+    print("\n== DECODE_TABLE rows these numbers support (a row covers the batches above the previous row's"
+          " bound; {} = the default form)")
+    for fam, rows in table.items():
+        if any(cfg for _, _, cfg in rows):
+            print(f"{fam}.DECODE_TABLE = {rows!r}")
+        else:
+            print(f"{fam}: no form beat the default by 3%; DECODE_TABLE stays empty")
+    res["table_rows"] = {k: [list(r) for r in v] for k, v in table.items()}
+    res["wall_s"] = time.time() - t_start
+    path = _write(res, args.out)
+    print(f"wrote {path} in {res['wall_s']:.0f} s")
+    return 0
+
+
+def _write(res: dict, out: str) -> str:
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "tune_replay_decode.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
