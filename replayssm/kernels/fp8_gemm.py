@@ -105,20 +105,23 @@ class GemmConfig:
         return f"{t} w{self.num_warps}" + (f" sk{self.split_k}" if self.split_k else "")
 
 
-#: default launch per bucket of rows ``M``: the entry of the smallest key >= M.  Replace
-#: with the table ``scripts/tune_fp8_gemm.py`` prints (per-bucket winners on the GPU).
+#: default launch per bucket of rows ``M``: the entry of the smallest key >= M.  The
+#: per-bucket winners of ``scripts/tune_fp8_gemm.py`` on an H200 (2026-11-27; layer-weighted
+#: GEMM time per step of both 4B presets), except the prefill bucket: ``cublas`` (block-scaled
+#: ``torch._scaled_mm``, 1.10-1.76x bf16 at 2048 rows where K is a multiple of 128) with the
+#: best measured Triton launch where it cannot run (:data:`_PREFILL_DOT`).
 ANY_M = 1 << 31
 CONFIGS: dict[int, GemmConfig] = {
-    1: GemmConfig("gemv", act_quant=False, block_n=4, block_k=128, unroll=2, num_warps=1),
-    16: GemmConfig("dot", prequant=False, block_m=16, block_n=64, num_warps=4, num_stages=4),
-    64: GemmConfig("dot", block_m=64, block_n=64, num_warps=4, num_stages=4),
-    256: GemmConfig("dot", block_m=64, block_n=128, num_warps=4, num_stages=4),
-    ANY_M: GemmConfig("dot", block_m=128, block_n=128, num_warps=8, num_stages=4),
+    1: GemmConfig("dot", act_quant=False, prequant=True, block_m=16, block_n=32, num_warps=4, num_stages=4),
+    16: GemmConfig("dot", act_quant=False, prequant=True, block_m=16, block_n=32, num_warps=4, num_stages=4),
+    64: GemmConfig("dot", act_quant=True, prequant=True, block_m=64, block_n=64, num_warps=4, num_stages=4),
+    256: GemmConfig("dot", act_quant=True, prequant=True, block_m=64, block_n=64, num_warps=4, num_stages=4),
+    ANY_M: GemmConfig("cublas"),
 }
 #: FP8-activation launch for a bucket whose entry is the (weight-only) gemv
 _ACT_DECODE = GemmConfig("dot", prequant=False, block_m=16, block_n=64, num_warps=4, num_stages=4)
 #: Triton launch where a ``cublas`` entry does not apply, unless the largest bucket's is a ``dot``
-_PREFILL_DOT = GemmConfig("dot", block_m=128, block_n=128, num_warps=8, num_stages=4)
+_PREFILL_DOT = GemmConfig("dot", act_quant=True, prequant=True, block_m=64, block_n=128, num_warps=4, num_stages=4)
 
 
 def _dot_fallback(act: bool) -> GemmConfig:
@@ -262,6 +265,8 @@ if HAVE_TRITON:
                 af = a.to(tl.float32)
                 sa = tl.maximum(tl.max(tl.abs(af), 1), 1e-30) / 448.0
                 acc += tl.dot(e4m3(af / sa[:, None], EXACT), w) * (sa[:, None] * ws[None, :])
+            elif EXACT:   # the CPU interpreter's 16-bit dot is not a float dot: widen both
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee") * ws[None, :]
             else:
                 acc += tl.dot(a, w.to(tl.float32).to(a.dtype), input_precision=PREC) * ws[None, :]
         if SPLIT:

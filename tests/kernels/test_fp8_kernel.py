@@ -180,7 +180,7 @@ def test_fp8_config_table_and_validation(monkeypatch):
     assert KF.resolve(300, torch.bfloat16, act_quant=False, config=KF.GemmConfig("cublas")).kernel == "dot"
     monkeypatch.setitem(KF.CONFIGS, KF.ANY_M, KF.GemmConfig("cublas"))      # a table whose prefill is cublas
     fb = KF.resolve(5000, torch.bfloat16, act_quant=False)
-    assert fb.kernel == "dot" and not fb.act_quant and fb.block_m == 128
+    assert fb.kernel == "dot" and not fb.act_quant and fb.block_m == KF._PREFILL_DOT.block_m
     for bad in (dict(kernel="tiles"), dict(kernel="gemv"), dict(block_n=48), dict(block_m=8),
                 dict(num_warps=3), dict(split_k=-1), dict(unroll=0), dict(unroll=3)):
         with pytest.raises(ValueError):
