@@ -39,23 +39,42 @@ from .startup import StartupTimes
 __all__ = ["load_shard", "random_shard"]
 
 
-def _read(handle, key: str, dim: int, ranges) -> torch.Tensor:
-    """The ranges ``[a, b)`` along ``dim`` of checkpoint tensor ``key``, concatenated."""
+def _read(handle, key: str, dim: int, ranges, device=None, pad_to: int | None = None) -> torch.Tensor:
+    """The ranges ``[a, b)`` along ``dim`` of checkpoint tensor ``key``, concatenated (and
+    zero-padded to ``pad_to`` rows along ``dim``).  One range: the slice as read.  Several
+    (or padding): assembled in one tensor on ``device`` (default: the host), each range
+    copied straight from the file into its place — on a GPU no host copy of the whole
+    shard is made first."""
     sl = handle.get_slice(key)
     parts = [sl[(slice(None),) * dim + (slice(a, b),)] for a, b in ranges]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    n = sum(p.shape[dim] for p in parts)
+    size = max(n, pad_to or 0)
+    if len(parts) == 1 and size == n:
+        return parts[0]
+    shape = list(parts[0].shape)
+    shape[dim] = size
+    out = torch.empty(shape, dtype=parts[0].dtype, device=device)
+    off = 0
+    for p in parts:
+        out.narrow(dim, off, p.shape[dim]).copy_(p)
+        off += p.shape[dim]
+    if size > n:
+        out.narrow(dim, n, size - n).zero_()
+    return out
 
 
-def _read_source(handles, key_file, src, rule, gshape) -> torch.Tensor:
-    """One parameter's local tensor: a single key, or per-expert keys stacked on dim 0 (the
-    rule's dim then refers to the stacked tensor; ``gate_up_proj`` is two keys per expert)."""
+def _read_source(handles, key_file, src, rule, gshape, device=None) -> torch.Tensor:
+    """One parameter's local tensor: a single key (ranges of several or padded ones
+    assembled on ``device``, see :func:`_read`), or per-expert keys stacked on dim 0 on the
+    host (the rule's dim then refers to the stacked tensor; ``gate_up_proj`` is two keys per
+    expert)."""
     def h(k):
         return handles[key_file[k]]
 
     if src.stack is None:
         if rule is None:
             return h(src.keys[0]).get_tensor(src.keys[0])
-        return _read(h(src.keys[0]), src.keys[0], rule.dim, rule.ranges)
+        return _read(h(src.keys[0]), src.keys[0], rule.dim, rule.ranges, device, rule.pad_to)
     E, per_part = gshape[0], gshape[1] // src.parts if len(gshape) > 1 else 1
     experts = []
     for e in range(E):
@@ -217,7 +236,9 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
                         t = torch.zeros(gparams[name].shape, dtype=pdt)
                     else:
                         shard = rule if isinstance(rule, Shard) else None
-                        t = _read_source(handles, key_file, src, shard, tuple(gparams[name].shape))
+                        # transforms run on the host, as the one-rank loader's do
+                        on = torch.device("cpu") if name in transforms else device
+                        t = _read_source(handles, key_file, src, shard, tuple(gparams[name].shape), on)
                         if shard is not None:
                             t = _pad(t, shard)
             except Exception as e:
