@@ -15,8 +15,9 @@ disk cache: round 1 runs with an empty one, round 2 with the one round 1 filled)
   permutation of its embedding: greedy tokens are far from ties, so they must match).
 
 ``PYTHONPATH=. python scripts/gpu_tp_startup.py`` (two GPUs; ``--budget-s`` stops starting
-runs past that wall time, default 170).  Prints a table per round and each TP=2 run's
-per-rank phases; writes ``gpu_tp_startup.json`` under ``$OUT`` (or ``--out``).
+runs past that wall time, default 150: about 3 minutes in all; ``--device cpu --models
+tiny`` is a smoke test without GPUs).  Prints a row per run, each TP=2 run's per-rank
+phases and each pair's ratios; writes ``gpu_tp_startup.json`` under ``$OUT`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _ranks_table(ranks: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--budget-s", type=float, default=170)
+    p.add_argument("--budget-s", type=float, default=150)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--child", nargs=3, metavar=("TP", "PATH", "T_SPAWN"))
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -155,7 +156,7 @@ def main() -> int:
                 for tp in (1, 2):
                     left = a.budget_s - (time.perf_counter() - t_start)
                     if left < 15:
-                        res["stopped"] = f"budget: skipped from {name} round {rnd} TP={tp}"
+                        res.setdefault("stopped", f"budget: skipped from {name} round {rnd} TP={tp}")
                         break
                     r = run_child(tp, path, env, max(30.0, left + 60), a.device)
                     r.update(model=name, round=rnd)
@@ -167,10 +168,11 @@ def main() -> int:
                 if 1 in pair and 2 in pair and "tokens" in pair[1] and "tokens" in pair[2]:
                     same = pair[1]["tokens"] == pair[2]["tokens"]
                     ratio = pair[2]["ready"] / pair[1]["ready"]
+                    load_ratio = (pair[2]["group"] + pair[2]["load"]) / pair[1]["load"]
                     res.setdefault("pairs", []).append({"model": name, "round": rnd, "tokens_match": same,
-                                                        "ready_ratio": ratio})
-                    print(f"  {name} round {rnd}: TP=2 ready / TP=1 ready = {ratio:.2f}x; "
-                          f"greedy tokens {'match' if same else 'DIFFER'}", flush=True)
+                                                        "ready_ratio": ratio, "load_ratio": load_ratio})
+                    print(f"  {name} round {rnd}: ready TP=2 / TP=1 = {ratio:.2f}x; group+load / load = "
+                          f"{load_ratio:.2f}x; greedy tokens {'match' if same else 'DIFFER'}", flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "gpu_tp_startup.json"), "w") as f:
         json.dump(res, f, indent=1)

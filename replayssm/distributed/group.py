@@ -221,7 +221,7 @@ class TensorParallelGroup:
                 raise WorkerFailed(f"tensor-parallel worker failed to start: {self._describe(dead)}")
             if time.monotonic() > t_end:
                 raise WorkerFailed(f"tensor-parallel workers did not start within {timeout_s:.0f} s")
-            time.sleep(0.05)
+            time.sleep(0.005)   # (a 50 ms poll cost 25 ms of every start on average)
 
     def _watch(self) -> None:
         """Monitor thread: a worker that exits while the group is open is a failure; on NCCL
