@@ -100,7 +100,10 @@ class TensorParallelGroup:
 
     ``device``: rank 0's device (``"cpu"``, or ``"cuda:i"``: rank ``r`` uses ``cuda:i+r``).
     ``timeout_s``: the data group's collective timeout.  ``worker_threads``: intra-op
-    threads of each worker (default: this process's setting).  ``control``: how calls reach
+    threads of each worker (default: this process's setting divided by ``size``, and rank 0
+    takes the same share until :meth:`close`: the ranks share the host's cores, and
+    ``size`` processes of all-core thread pools oversubscribed them — loading ran several
+    times slower per rank).  ``control``: how calls reach
     the workers — ``"shm"`` (a shared-memory ring, µs; default on GPUs), ``"gloo"`` (the
     control group, ~270 µs a call; default on CPU, where a polling worker would take a core
     from the computation); ``REPLAYSSM_TP_CONTROL`` overrides the default.  Use as a context manager or
@@ -128,7 +131,10 @@ class TensorParallelGroup:
                               timeout=datetime.timedelta(seconds=start_timeout_s))
         ctx = mp.get_context("spawn")
         self._errors = ctx.SimpleQueue()
-        threads = worker_threads or torch.get_num_threads()
+        threads = worker_threads or max(1, torch.get_num_threads() // size)
+        if worker_threads is None and threads != torch.get_num_threads():
+            self._threads_restore = (torch.get_num_threads(), threads)
+            torch.set_num_threads(threads)
         self._channel = ShmChannel.create(size - 1) if control == "shm" and size > 1 else None
         if self._channel is not None:
             self._channel.alive = lambda: self._failure is None
@@ -152,6 +158,7 @@ class TensorParallelGroup:
         except BaseException:
             self._terminate()
             self._close_channel()
+            self._restore_threads()
             raise
         times.add("group_start", time.perf_counter() - t_start)
         self._store = store
@@ -172,6 +179,7 @@ class TensorParallelGroup:
         self._channel = None
         self._store = None
         self._reports = 0
+        self._threads_restore = None     # (rank 0's intra-op threads before, its share while open)
         self._times = StartupTimes()
         activate(self._times)
         watch_triton_compiles()
@@ -179,6 +187,14 @@ class TensorParallelGroup:
     def _close_channel(self) -> None:
         if self._channel is not None:
             self._channel.close()
+
+    def _restore_threads(self) -> None:
+        """Rank 0's own intra-op thread count again (unless changed since the group set it)."""
+        if self._threads_restore is not None:
+            before, share = self._threads_restore
+            if torch.get_num_threads() == share:
+                torch.set_num_threads(before)
+            self._threads_restore = None
 
     @classmethod
     def from_torchrun(cls, device_type: str | None = None, timeout_s: float = 600.0) -> "TensorParallelGroup":
@@ -276,6 +292,7 @@ class TensorParallelGroup:
             p.join(timeout_s)
         self._terminate()
         self._close_channel()
+        self._restore_threads()
         if self._monitor is not None:
             self._stop_w.send(None)
             self._monitor.join(5)
