@@ -360,7 +360,8 @@ class TensorParallelGroup:
     def run(self, op: str, args, local):
         """Send ``op(*args)`` to the workers, then return ``local()`` (rank 0's share)."""
         self._check_open()
-        t0 = time.perf_counter()
+        timed = is_startup_call(op)
+        t0 = time.perf_counter() if timed else 0.0
         try:
             self._send(op, args)
             return local()
@@ -369,7 +370,7 @@ class TensorParallelGroup:
         except BaseException as e:
             self._broken(e)
         finally:
-            if is_startup_call(op):
+            if timed:
                 self._times.add(op, time.perf_counter() - t0)
 
     def call(self, target: int, method: str, local, args=(), kwargs=None, result: int | None = None):
@@ -379,7 +380,8 @@ class TensorParallelGroup:
         wire_args, local_args = self._encode(tuple(args), tensors)
         wire_kw, local_kw = self._encode(dict(kwargs or {}), tensors)
         self._check_open()
-        t0 = time.perf_counter()
+        timed = is_startup_call("call", method)
+        t0 = time.perf_counter() if timed else 0.0
         try:
             self._send("call", (target, method, wire_args, wire_kw, result), tensors)
             return local(*local_args, **local_kw)
@@ -388,7 +390,7 @@ class TensorParallelGroup:
         except BaseException as e:
             self._broken(e)
         finally:
-            if is_startup_call("call", method):
+            if timed:
                 self._times.add(method, time.perf_counter() - t0)
 
     def _broken(self, exc: BaseException):
@@ -453,10 +455,12 @@ class TensorParallelGroup:
         cfg = read_config(path)
         check_tensor_parallel(cfg, self.size, mtp=bool(mtp))
         h = self.new_handle()
+        t0 = time.perf_counter()
         local = self.run("load", (h, path, dtype, bool(mtp)),
                          lambda: load_shard(path, 0, self.size, self.device, dtype, group=self.comm.data,
                                             mtp=bool(mtp), times=self._times))
-        log.info("tensor-parallel model %s loaded on %d ranks in %.2f s", path, self.size, self._times.times["load"])
+        log.info("tensor-parallel model %s: rank 0's shard of %d loaded in %.2f s", path, self.size,
+                 time.perf_counter() - t0)
         return TensorParallelModel(self, h, local)
 
     def random_model(self, config: dict, dtype="bfloat16", seed: int = 0, mtp: bool = False):
