@@ -182,9 +182,15 @@ def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS) -> dict:
                 model.owns_group = True
             load_s = time.perf_counter() - t
             used = f"{control}+{model.local.tp.allreduce.method}" if tp > 1 else "-"
-            out["startup"].append({"tp": tp, "method": used, "load_s": load_s, "group_start_s": group_s})
+            row = {"tp": tp, "method": used, "load_s": load_s, "group_start_s": group_s}
+            out["startup"].append(row)
             print(f"[{_elapsed():.0f}s] TP={tp} {used}: loaded in {load_s:.1f} s (group start {group_s:.1f} s)",
                   flush=True)
+            if tp > 1:   # every rank's phases (scripts/gpu_tp_startup.py compares them with TP=1)
+                from replayssm.distributed.startup import format_times
+
+                row["phases"] = group.startup_times
+                print(format_times(row["phases"]), flush=True)
             for mode in modes:
                 for b in batches:
                     if _elapsed() > budget_s:

@@ -38,11 +38,14 @@ sits above and hands its runner class down):
 from __future__ import annotations
 
 import os
+import time
 
-from ..models.registry import read_config
-from .group import TensorParallelGroup, WorkerFailed, check_devices
-from .model import ShardedCache, ShardedObject, ShardedRunner, TensorParallelModel
-from .sharding import check_tensor_parallel, local_config
+IMPORT_STARTED = time.time()   # a spawned worker's startup report tells process start from imports
+
+from ..models.registry import read_config  # noqa: E402
+from .group import TensorParallelGroup, WorkerFailed, check_devices  # noqa: E402
+from .model import ShardedCache, ShardedObject, ShardedRunner, TensorParallelModel  # noqa: E402
+from .sharding import check_tensor_parallel, local_config  # noqa: E402
 
 __all__ = ["TensorParallelGroup", "TensorParallelModel", "ShardedCache", "ShardedObject", "ShardedRunner", "WorkerFailed",
            "check_tensor_parallel", "local_config", "load_tensor_parallel", "launched_by_torchrun"]

@@ -28,6 +28,8 @@ import dataclasses
 
 import atexit
 import datetime
+import json
+import logging
 import os
 import threading
 import time
@@ -46,7 +48,10 @@ from .loading import load_shard, random_shard
 from .model import TensorParallelModel
 from .sharding import check_tensor_parallel
 from .shm_channel import ShmChannel
-from .worker import READY_KEY, Worker, WorkerSpec, init_groups, worker_main
+from .startup import StartupTimes, activate, format_times, is_startup_call, watch_triton_compiles
+from .worker import READY_KEY, REPORT_KEY, Worker, WorkerSpec, init_groups, worker_main
+
+log = logging.getLogger("replayssm.distributed")
 
 __all__ = ["TensorParallelGroup", "WorkerFailed"]
 
@@ -120,7 +125,10 @@ class TensorParallelGroup:
 
     ``device``: rank 0's device (``"cpu"``, or ``"cuda:i"``: rank ``r`` uses ``cuda:i+r``).
     ``timeout_s``: the data group's collective timeout.  ``worker_threads``: intra-op
-    threads of each worker (default: this process's setting).  ``control``: how calls reach
+    threads of each worker (default: this process's setting divided by ``size``, and rank 0
+    takes the same share until :meth:`close`: the ranks share the host's cores, and
+    ``size`` processes of all-core thread pools oversubscribed them — loading ran several
+    times slower per rank).  ``control``: how calls reach
     the workers — ``"shm"`` (a shared-memory ring, µs; default on GPUs), ``"gloo"`` (the
     control group, ~270 µs a call; default on CPU, where a polling worker would take a core
     from the computation); ``REPLAYSSM_TP_CONTROL`` overrides the default.  Use as a context manager or
@@ -141,36 +149,49 @@ class TensorParallelGroup:
         self.size, self.rank, self.device = size, 0, device
         self._procs: list = []
         self._init_state()
+        times = self._times
+        t_start = time.perf_counter()
         backend = "nccl" if device.type == "cuda" else "gloo"
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=start_timeout_s))
         ctx = mp.get_context("spawn")
         self._errors = ctx.SimpleQueue()
-        threads = worker_threads or torch.get_num_threads()
+        threads = worker_threads or max(1, torch.get_num_threads() // size)
+        if worker_threads is None and threads != torch.get_num_threads():
+            self._threads_restore = (torch.get_num_threads(), threads)
+            torch.set_num_threads(threads)
         self._channel = ShmChannel.create(size - 1) if control == "shm" and size > 1 else None
         if self._channel is not None:
             self._channel.alive = lambda: self._failure is None
         try:
-            for r in range(1, size):
-                spec = WorkerSpec(r, size, "127.0.0.1", store.port, backend, str(_rank_device(device, r)),
-                                  threads, timeout_s, self._channel.name if self._channel is not None else None)
-                p = ctx.Process(target=worker_main, args=(spec, self._errors), daemon=True,
-                                name=f"replayssm-tp-rank{r}")
-                p.start()
-                self._procs.append(p)
-            self._wait_ready(store, start_timeout_s)
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            self.comm = init_groups(backend, store, 0, size, device, timeout_s, self._channel)
+            with times.phase("spawn"):
+                for r in range(1, size):
+                    spec = WorkerSpec(r, size, "127.0.0.1", store.port, backend, str(_rank_device(device, r)),
+                                      threads, timeout_s, self._channel.name if self._channel is not None else None,
+                                      spawned_at=time.time())
+                    p = ctx.Process(target=worker_main, args=(spec, self._errors), daemon=True,
+                                    name=f"replayssm-tp-rank{r}")
+                    p.start()
+                    self._procs.append(p)
+            if device.type == "cuda":      # rank 0's context while the workers start
+                with times.phase("cuda_init"):
+                    torch.cuda.set_device(device)
+                    torch.empty(1, device=device)
+            with times.phase("wait_workers"):
+                self._wait_ready(store, start_timeout_s)
+            self.comm = init_groups(backend, store, 0, size, device, timeout_s, self._channel, times)
         except BaseException:
             self._terminate()
             self._close_channel()
+            self._restore_threads()
             raise
+        times.add("group_start", time.perf_counter() - t_start)
         self._store = store
         self._stop_r, self._stop_w = mp.Pipe(duplex=False)
         self._monitor = threading.Thread(target=self._watch, name="replayssm-tp-monitor", daemon=True)
         self._monitor.start()
         _LIVE.add(self)
+        log.info("tensor-parallel group of %d on %s started in %.2f s", size, device, times.times["group_start"])
 
     def _init_state(self) -> None:
         self._next_handle = 0
@@ -181,10 +202,24 @@ class TensorParallelGroup:
         self._monitor = None
         self._errors = None
         self._channel = None
+        self._store = None
+        self._reports = 0
+        self._threads_restore = None     # (rank 0's intra-op threads before, its share while open)
+        self._times = StartupTimes()
+        activate(self._times)
+        watch_triton_compiles()
 
     def _close_channel(self) -> None:
         if self._channel is not None:
             self._channel.close()
+
+    def _restore_threads(self) -> None:
+        """Rank 0's own intra-op thread count again (unless changed since the group set it)."""
+        if self._threads_restore is not None:
+            before, share = self._threads_restore
+            if torch.get_num_threads() == share:
+                torch.set_num_threads(before)
+            self._threads_restore = None
 
     @classmethod
     def from_torchrun(cls, device_type: str | None = None, timeout_s: float = 600.0) -> "TensorParallelGroup":
@@ -205,6 +240,7 @@ class TensorParallelGroup:
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         comm = Comm(rank, size, device, None, control)
         if rank != 0:
+            watch_triton_compiles()
             Worker(comm).serve()
             dist.destroy_process_group()
             raise SystemExit(0)
@@ -226,7 +262,7 @@ class TensorParallelGroup:
                 raise WorkerFailed(f"tensor-parallel worker failed to start: {self._describe(dead)}")
             if time.monotonic() > t_end:
                 raise WorkerFailed(f"tensor-parallel workers did not start within {timeout_s:.0f} s")
-            time.sleep(0.05)
+            time.sleep(0.005)   # (a 50 ms poll cost 25 ms of every start on average)
 
     def _watch(self) -> None:
         """Monitor thread: a worker that exits while the group is open is a failure; on NCCL
@@ -295,6 +331,7 @@ class TensorParallelGroup:
             if leave.is_alive():   # pragma: no cover - a teardown stuck on a dead peer
                 _abort_process_group()
         self._close_channel()
+        self._restore_threads()
         if self._monitor is not None:
             self._stop_w.send(None)
             self._monitor.join(5)
@@ -361,6 +398,8 @@ class TensorParallelGroup:
     def run(self, op: str, args, local):
         """Send ``op(*args)`` to the workers, then return ``local()`` (rank 0's share)."""
         self._check_open()
+        timed = is_startup_call(op)
+        t0 = time.perf_counter() if timed else 0.0
         try:
             self._send(op, args)
             return local()
@@ -368,6 +407,9 @@ class TensorParallelGroup:
             raise  # bad input: the workers' identical call raised it too, before any collective
         except BaseException as e:
             self._broken(e)
+        finally:
+            if timed:
+                self._times.add(op, time.perf_counter() - t0)
 
     def call(self, target: int, method: str, local, args=(), kwargs=None, result: int | None = None):
         """``local(*args, **kwargs)`` on rank 0 and ``objects[target].<method>(...)`` on
@@ -376,6 +418,8 @@ class TensorParallelGroup:
         wire_args, local_args = self._encode(tuple(args), tensors)
         wire_kw, local_kw = self._encode(dict(kwargs or {}), tensors)
         self._check_open()
+        timed = is_startup_call("call", method)
+        t0 = time.perf_counter() if timed else 0.0
         try:
             self._send("call", (target, method, wire_args, wire_kw, result), tensors)
             return local(*local_args, **local_kw)
@@ -383,6 +427,9 @@ class TensorParallelGroup:
             raise
         except BaseException as e:
             self._broken(e)
+        finally:
+            if timed:
+                self._times.add(method, time.perf_counter() - t0)
 
     def _broken(self, exc: BaseException):
         """A call failed on rank 0 outside validation: name the worker that failed, if one
@@ -402,6 +449,39 @@ class TensorParallelGroup:
             raise WorkerFailed(failure) from exc
         raise exc
 
+    # -- startup report ----------------------------------------------------------------------
+    @property
+    def startup_times(self) -> dict[int, dict[str, float]]:
+        """``{rank: {phase: seconds}}``: each rank's startup so far (see
+        :mod:`~replayssm.distributed.startup`: the group's start, ``load`` and its phases,
+        ``make_cache``, ``capture``, ``triton_compile`` ...).  Asks the workers (one message;
+        they answer in order, after every call sent before)."""
+        self._check_open()
+        out = {0: self._times.as_dict()}
+        if self.size == 1:
+            return out
+        self._reports += 1
+        seq = self._reports
+        store = self._store if self._store is not None else dist.distributed_c10d._get_default_store()
+        self.run("report", (seq,), lambda: None)
+        for r in range(1, self.size):
+            key = REPORT_KEY.format(r, seq)
+            t_end = time.monotonic() + 60.0
+            while not store.check([key]):
+                self._check_open()               # a worker that died fails the group (monitor)
+                if time.monotonic() > t_end:
+                    raise WorkerFailed(f"rank {r} did not report its startup times within 60 s")
+                time.sleep(0.001)
+            out[r] = json.loads(store.get(key))
+            store.delete_key(key)
+        return out
+
+    def log_startup(self, level: int = logging.INFO) -> dict[int, dict[str, float]]:
+        """Log :attr:`startup_times` as a table (at ``level``); returns them."""
+        times = self.startup_times
+        log.log(level, "%s", format_times(times, f"tensor-parallel startup of {self.size} ranks (s)"))
+        return times
+
     # -- models ------------------------------------------------------------------------------
     def load_model(self, path, dtype="float32", mtp: bool = False):
         """Every rank loads its shard of the checkpoint in ``path`` (reading only that shard;
@@ -413,9 +493,12 @@ class TensorParallelGroup:
         cfg = read_config(path)
         check_tensor_parallel(cfg, self.size, mtp=bool(mtp))
         h = self.new_handle()
+        t0 = time.perf_counter()
         local = self.run("load", (h, path, dtype, bool(mtp)),
                          lambda: load_shard(path, 0, self.size, self.device, dtype, group=self.comm.data,
-                                            mtp=bool(mtp)))
+                                            mtp=bool(mtp), times=self._times))
+        log.info("tensor-parallel model %s: rank 0's shard of %d loaded in %.2f s", path, self.size,
+                 time.perf_counter() - t0)
         return TensorParallelModel(self, h, local)
 
     def random_model(self, config: dict, dtype="bfloat16", seed: int = 0, mtp: bool = False, margin: bool = False):

@@ -31,6 +31,7 @@ Collectives run inside CUDA graphs: each rank captures the same graphs for the s
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -172,11 +173,12 @@ def _holder_rows(holder: nn.Module, rows: int) -> None:
 
 
 def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: int, size: int, group=None,
-                      mtp_keys=None):
+                      mtp_keys=None, times=None):
     """Rank ``rank``'s model skeleton on the meta device (weights still to load): ``cls``
     built from the local config ``lcfg``, with vocabulary-shard embedding/head, sharded
     gated norms where a norm group spans ranks, and the all-reduce hooks; with an MTP head
-    (``model.mtp``) when ``mtp_keys`` (the checkpoint's tensor names) is given."""
+    (``model.mtp``) when ``mtp_keys`` (the checkpoint's tensor names) is given.  ``times``
+    (a :class:`~.startup.StartupTimes`) records the all-reduce's setup."""
     with torch.device("meta"):
         model = shard_class(cls)(lcfg, dtype, device)
         if mtp_keys is not None:
@@ -184,7 +186,10 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
     lo, _, Vs = vocab_shard(cfg.vocab_size, size, rank)
     # collective setup (every rank builds its model together); messages come in the model's
     # dtype, and the norm's sums of squares in its compute dtype
+    t0 = time.perf_counter()
     allreduce = AllReduce(group, device, dtypes=(dtype, compute_dtype(dtype)))
+    if times is not None:
+        times.add("load.allreduce_setup", time.perf_counter() - t0)
     model.tp = ShardInfo(rank, size, group, cfg, lo, Vs, allreduce)
     root, embed, _ = model._names
     _holder_rows(getattr(getattr(model, root), embed), Vs)

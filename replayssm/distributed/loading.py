@@ -16,7 +16,9 @@ only on their name, so every rank holds the same ones.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 import zlib
 
 import torch
@@ -32,27 +34,47 @@ from ..ops.fp8.naive import FP8
 from ..runtime import canonical_device, compute_dtype
 from .layers import build_local_model
 from .sharding import ROOT_ONLY, Shard, check_tensor_parallel, local_config, shard_rules, vocab_shard
+from .startup import StartupTimes
 
 __all__ = ["load_shard", "random_shard"]
 
 
-def _read(handle, key: str, dim: int, ranges) -> torch.Tensor:
-    """The ranges ``[a, b)`` along ``dim`` of checkpoint tensor ``key``, concatenated."""
+def _read(handle, key: str, dim: int, ranges, device=None, pad_to: int | None = None) -> torch.Tensor:
+    """The ranges ``[a, b)`` along ``dim`` of checkpoint tensor ``key``, concatenated (and
+    zero-padded to ``pad_to`` rows along ``dim``).  One range: the slice as read.  Several
+    (or padding): assembled in one tensor on ``device`` (default: the host), each range
+    copied straight from the file into its place — on a GPU no host copy of the whole
+    shard is made first."""
     sl = handle.get_slice(key)
     parts = [sl[(slice(None),) * dim + (slice(a, b),)] for a, b in ranges]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    n = sum(p.shape[dim] for p in parts)
+    size = max(n, pad_to or 0)
+    if len(parts) == 1 and size == n:
+        return parts[0]
+    shape = list(parts[0].shape)
+    shape[dim] = size
+    out = torch.empty(shape, dtype=parts[0].dtype, device=device)
+    off = 0
+    for p in parts:
+        out.narrow(dim, off, p.shape[dim]).copy_(p)
+        off += p.shape[dim]
+    if size > n:
+        out.narrow(dim, n, size - n).zero_()
+    return out
 
 
-def _read_source(handles, key_file, src, rule, gshape) -> torch.Tensor:
-    """One parameter's local tensor: a single key, or per-expert keys stacked on dim 0 (the
-    rule's dim then refers to the stacked tensor; ``gate_up_proj`` is two keys per expert)."""
+def _read_source(handles, key_file, src, rule, gshape, device=None) -> torch.Tensor:
+    """One parameter's local tensor: a single key (ranges of several or padded ones
+    assembled on ``device``, see :func:`_read`), or per-expert keys stacked on dim 0 on the
+    host (the rule's dim then refers to the stacked tensor; ``gate_up_proj`` is two keys per
+    expert)."""
     def h(k):
         return handles[key_file[k]]
 
     if src.stack is None:
         if rule is None:
             return h(src.keys[0]).get_tensor(src.keys[0])
-        return _read(h(src.keys[0]), src.keys[0], rule.dim, rule.ranges)
+        return _read(h(src.keys[0]), src.keys[0], rule.dim, rule.ranges, device, rule.pad_to)
     E, per_part = gshape[0], gshape[1] // src.parts if len(gshape) > 1 else 1
     experts = []
     for e in range(E):
@@ -133,7 +155,7 @@ def _pad(t: torch.Tensor, rule: Shard) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], rule.dim)
 
 
-def _skeletons(cfg, dtype, device, rank: int, size: int, group, mtp_keys=None):
+def _skeletons(cfg, dtype, device, rank: int, size: int, group, mtp_keys=None, times=None):
     """``(global model, local model)`` on the meta device (no memory); both with an MTP head
     when ``mtp_keys`` (the checkpoint's tensor names) is given."""
     check_tensor_parallel(cfg, size, mtp=mtp_keys is not None)
@@ -142,7 +164,8 @@ def _skeletons(cfg, dtype, device, rank: int, size: int, group, mtp_keys=None):
         gmodel = cls(cfg, dtype, device)
         if mtp_keys is not None:
             attach_mtp(gmodel, mtp_keys)
-    lmodel = build_local_model(cls, cfg, local_config(cfg, size), dtype, device, rank, size, group, mtp_keys)
+    lmodel = build_local_model(cls, cfg, local_config(cfg, size), dtype, device, rank, size, group, mtp_keys,
+                               times=times)
     return gmodel, lmodel
 
 
@@ -151,9 +174,13 @@ def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return compute_dtype(dtype) if leaf in _FP32_PARAMS and dtype != torch.float64 else dtype
 
 
-def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", group=None, mtp: bool = False):
+def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", group=None, mtp: bool = False,
+               times: StartupTimes | None = None):
     """Rank ``rank``'s shard (of ``size``) of the model in ``path``, on ``device`` (``mtp``:
-    with its MTP head, ``model.mtp``, sharded by the same rules).
+    with its MTP head, ``model.mtp``, sharded by the same rules).  ``times`` records the
+    phases (``load.check``: config and headers; ``load.skeleton``; ``load.allreduce_setup``;
+    ``load.read``: the shard off the disk; ``load.transform``: transforms and value checks;
+    ``load.to_device``).
 
     Raises what :func:`replayssm.models.load_model` raises for a bad directory, plus
     ``ValueError`` when the model cannot be split over ``size`` ranks.
@@ -162,6 +189,8 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
 
     from safetensors import safe_open
 
+    times = times or StartupTimes()
+    t0 = time.perf_counter()
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: not a model directory")
@@ -172,7 +201,10 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
     check_sizes(cfg, key_file, os.path.join(path, "config.json"))  # before any skeleton is built
     if cfg.tie_word_embeddings and "lm_head.weight" in key_file:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
-    gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group, key_file if mtp else None)
+    times.add("load.check", time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    ar0 = times.times.get("load.allreduce_setup", 0.0)
+    gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group, key_file if mtp else None, times)
     aliases, read_past, scales = prepare_quant(path, gmodel, key_file, type(gmodel).key_aliases())
     prepare_quant(path, model, key_file, type(gmodel).key_aliases())    # the same layers FP8, local sizes
     gparams = dict(gmodel.named_parameters())
@@ -185,36 +217,45 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
     rules.update(scale_rules(gmodel, rules, lparams))
     transforms = model.load_transforms()
     transforms.update(fp8_transforms(model, transforms))
+    times.add("load.skeleton", time.perf_counter() - t0 - (times.times.get("load.allreduce_setup", 0.0) - ar0))
     handles = {}
+    phase = _Phases(times)
     try:
-        for fn in sorted(set(key_file.values())):
-            handles[fn] = safe_open(fn, framework="pt", device="cpu")
-        for name, src in plan.items():  # headers first: every shape against the global model
-            check_source_shapes(name, src, tuple(gparams[name].shape), handles, key_file)
-        check_quant_tensors(plan, gparams, scales, handles, key_file)
+        with phase("load.check"):
+            for fn in sorted(set(key_file.values())):
+                handles[fn] = safe_open(fn, framework="pt", device="cpu")
+            for name, src in plan.items():  # headers first: every shape against the global model
+                check_source_shapes(name, src, tuple(gparams[name].shape), handles, key_file)
+            check_quant_tensors(plan, gparams, scales, handles, key_file)
         for name, src in plan.items():
             rule = rules.get(name)
             pdt = param_dtype(name, gparams[name], tdtype, scales)
             try:
-                if rule == ROOT_ONLY and rank != 0:
-                    t = torch.zeros(gparams[name].shape, dtype=pdt)
-                else:
-                    shard = rule if isinstance(rule, Shard) else None
-                    t = _read_source(handles, key_file, src, shard, tuple(gparams[name].shape))
-                    if shard is not None:
-                        t = _pad(t, shard)
+                with phase("load.read"):
+                    if rule == ROOT_ONLY and rank != 0:
+                        t = torch.zeros(gparams[name].shape, dtype=pdt)
+                    else:
+                        shard = rule if isinstance(rule, Shard) else None
+                        # transforms run on the host, as the one-rank loader's do
+                        on = torch.device("cpu") if name in transforms else device
+                        t = _read_source(handles, key_file, src, shard, tuple(gparams[name].shape), on)
+                        if shard is not None:
+                            t = _pad(t, shard)
             except Exception as e:
                 raise WeightError(f"{key_file[src.keys[0]]}: cannot read tensor {src.keys[0]!r} "
                                   f"(corrupt or truncated file: {e})") from None
-            t = _transformed_checked(t, name, src, key_file, transforms, pdt == FP8)
-            if name in scales:
-                t = t.reshape(lparams[name].shape)
-            if tuple(t.shape) != tuple(lparams[name].shape):  # pragma: no cover - a rule bug
-                raise WeightError(f"rank {rank}: shard of {name} has shape {list(t.shape)}, "
-                                  f"expected {list(lparams[name].shape)}")
-            _install(model, name, _cast_checked(t, src.keys[0], key_file, device, pdt))
+            with phase("load.transform"):
+                t = _transformed_checked(t, name, src, key_file, transforms, pdt == FP8)
+                if name in scales:
+                    t = t.reshape(lparams[name].shape)
+                if tuple(t.shape) != tuple(lparams[name].shape):  # pragma: no cover - a rule bug
+                    raise WeightError(f"rank {rank}: shard of {name} has shape {list(t.shape)}, "
+                                      f"expected {list(lparams[name].shape)}")
+            with phase("load.to_device"):
+                _install(model, name, _cast_checked(t, src.keys[0], key_file, device, pdt))
     finally:
         handles.clear()
+        phase.flush()
     return model.eval()
 
 
@@ -242,6 +283,27 @@ def _margin_vocab(model, cfg, rank: int, size: int, device, seed: int) -> dict:
         out[name] = t
     del full
     return out
+
+
+class _Phases:
+    """Per-tensor phase timing summed locally, added to ``times`` once (one entry each,
+    not one lock per tensor)."""
+
+    def __init__(self, times: StartupTimes):
+        self.times, self.sums = times, {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sums[name] = self.sums.get(name, 0.0) + time.perf_counter() - t0
+
+    def flush(self) -> None:
+        for name, sec in self.sums.items():
+            self.times.add(name, sec)
+        self.sums.clear()
 
 
 def random_shard(cfg_dict: dict, rank: int, size: int, device="cpu", dtype="bfloat16", group=None,

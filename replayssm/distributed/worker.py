@@ -14,8 +14,11 @@ closes its connections, so rank 0's pending collective fails instead of waiting 
 from __future__ import annotations
 
 import datetime
+import json
+import logging
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -25,8 +28,11 @@ import torch.distributed as dist
 from .comm import CONTROL_TIMEOUT, Comm, Ref, scalars_only
 from .loading import load_shard, random_shard
 from .shm_channel import ShmChannel
+from .startup import StartupTimes, activate, is_startup_call, watch_triton_compiles
 
 __all__ = ["Worker", "WorkerSpec", "worker_main"]
+
+REPORT_KEY = "replayssm/startup/{}/{}"   # a worker's startup times (rank, request number), JSON
 
 
 def _resolve(x, objects: dict):
@@ -42,9 +48,15 @@ def _resolve(x, objects: dict):
 
 
 class Worker:
-    def __init__(self, comm: Comm):
+    """``store``: the rendezvous store (startup reports go there; None under torchrun:
+    the default group's); ``times``: this rank's startup timings so far."""
+
+    def __init__(self, comm: Comm, store=None, times: StartupTimes | None = None):
         self.comm = comm
         self.objects: dict[int, object] = {}
+        self.store = store
+        self.times = times or StartupTimes()
+        activate(self.times)
 
     def serve(self) -> None:
         """Run calls until rank 0 sends ``stop``."""
@@ -54,15 +66,26 @@ class Worker:
                 self.objects.pop(h, None)
             if op == "stop":
                 return
+            timed = is_startup_call(op, args[1] if op == "call" else None)
+            t0 = time.perf_counter() if timed else 0.0
             try:
                 getattr(self, "op_" + op)(*args)
             except ValueError:
                 continue  # rank 0's identical call raised it too (see the module docstring)
+            finally:
+                if timed:
+                    self.times.add(op if op != "call" else args[1], time.perf_counter() - t0)
 
     # -- operations ---------------------------------------------------------------------
+    def op_report(self, seq: int) -> None:
+        """Post this rank's startup times to the store (rank 0 waits for the key)."""
+        store = self.store if self.store is not None else dist.distributed_c10d._get_default_store()
+        store.set(REPORT_KEY.format(self.comm.rank, seq), json.dumps(self.times.as_dict()))
+
     def op_load(self, handle: int, path: str, dtype: str, mtp: bool = False) -> None:
         c = self.comm
-        self.objects[handle] = load_shard(path, c.rank, c.size, c.device, dtype, group=c.data, mtp=mtp)
+        self.objects[handle] = load_shard(path, c.rank, c.size, c.device, dtype, group=c.data, mtp=mtp,
+                                          times=self.times)
 
     def op_random(self, handle: int, cfg: dict, dtype: str, seed: int, mtp: bool = False, margin: bool = False) -> None:
         c = self.comm
@@ -99,44 +122,71 @@ class WorkerSpec:
     threads: int | None
     timeout_s: float
     control_shm: str | None = None     # the shared-memory control ring's name (None: gloo only)
+    spawned_at: float | None = None    # rank 0's time.time() when it started this process
 
 
 READY_KEY = "replayssm/ready/{}"   # a worker sets its key in the rendezvous store once it is up
 
 
 def init_groups(backend: str, store, rank: int, size: int, device: torch.device, timeout_s: float,
-                channel=None) -> Comm:
+                channel=None, times: StartupTimes | None = None) -> Comm:
     """Join the process group (``backend``, over ``store``) and a gloo control group
-    (``channel``: this rank's end of the shared-memory control ring, if any)."""
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    (``channel``: this rank's end of the shared-memory control ring, if any); ``times``
+    records both phases."""
+    times = times or StartupTimes()
+    # on GPUs the device is bound: NCCL's communicator is made here, on every rank at once,
+    # not by the first collective (which would otherwise also guess the device)
+    bound = {"device_id": device} if device.type == "cuda" else {}
+    with times.phase("init_process_group"):
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=timeout_s), **bound)
+    with times.phase("control_group"):
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return Comm(rank, size, device, None, control, channel)
 
 
-def join(spec: WorkerSpec) -> Comm:
-    """A spawned worker joins the group described by ``spec``."""
+def join(spec: WorkerSpec, times: StartupTimes):
+    """A spawned worker joins the group described by ``spec``: ``(comm, store)``."""
     device = torch.device(spec.device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
-    store = dist.TCPStore(spec.host, spec.port, spec.size, is_master=False,
-                          timeout=datetime.timedelta(seconds=spec.timeout_s))
+        with times.phase("cuda_init"):
+            torch.cuda.set_device(device)
+            torch.empty(1, device=device)        # the context, here rather than in the first call
+    with times.phase("store_connect"):
+        store = dist.TCPStore(spec.host, spec.port, spec.size, is_master=False,
+                              timeout=datetime.timedelta(seconds=spec.timeout_s))
     channel = None
     if spec.control_shm is not None:
         channel = ShmChannel.attach(spec.control_shm, spec.rank, spec.size - 1)
         parent = os.getppid()
         channel.alive = lambda: os.getppid() == parent      # the driver (our parent) still runs
     store.set(READY_KEY.format(spec.rank), "1")
-    return init_groups(spec.backend, store, spec.rank, spec.size, device, spec.timeout_s, channel)
+    return init_groups(spec.backend, store, spec.rank, spec.size, device, spec.timeout_s, channel, times), store
+
+
+def _boot_times(spec: WorkerSpec) -> StartupTimes:
+    """The worker's first phases: process start (the interpreter, the parent's main module
+    re-imported by ``spawn``) and the imports (torch, replayssm) up to ``worker_main``."""
+    times = StartupTimes()
+    now = time.time()
+    imported = getattr(sys.modules.get("replayssm.distributed"), "IMPORT_STARTED", None)
+    if spec.spawned_at is not None and imported is not None:
+        times.add("process_start", max(0.0, imported - spec.spawned_at))
+        times.add("imports", max(0.0, now - imported))
+    elif spec.spawned_at is not None:
+        times.add("process_start+imports", max(0.0, now - spec.spawned_at))
+    return times
 
 
 def worker_main(spec: WorkerSpec, errors) -> None:  # pragma: no cover - runs in the spawned process
     """Entry point of a spawned worker process."""
     try:
+        times = _boot_times(spec)
+        watch_triton_compiles()
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        comm = join(spec)
-        Worker(comm).serve()
+        comm, store = join(spec, times)
+        Worker(comm, store, times).serve()
         dist.destroy_process_group()
     except BaseException:
         try:
@@ -144,3 +194,9 @@ def worker_main(spec: WorkerSpec, errors) -> None:  # pragma: no cover - runs in
         finally:
             sys.stderr.flush()
             os._exit(1)
+    # a clean stop: nothing is left to save, and the interpreter's own shutdown with torch
+    # loaded took 1-2 s, which every close() waited for
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -637,6 +637,39 @@ def test_random_mtp_shards_share_replicated_weights():
     assert p0["mtp.layers.1.mixer.experts.up_proj"].shape[1] == 3          # 6 expert channels / 2
 
 
+def test_startup_report_times_every_phase_on_every_rank(models, group, caplog):
+    """``group.startup_times``: rank 0's start (spawn, waiting, the process groups), the
+    worker's own (process start, imports, rendezvous) and both ranks' loads and engine
+    setup; asking is not itself timed, and the table names every phase."""
+    import logging
+    import math
+
+    from replayssm.distributed.startup import format_times
+
+    tp = models("mamba2")[1]
+    before = group.startup_times
+    assert set(before) == {0, 1}
+    r0, r1 = before[0], before[1]
+    assert {"spawn", "wait_workers", "init_process_group", "control_group", "group_start", "load",
+            "load.check", "load.skeleton", "load.allreduce_setup", "load.read", "load.transform",
+            "load.to_device"} <= set(r0)
+    assert {"process_start", "imports", "store_connect", "init_process_group", "control_group", "load",
+            "load.read", "load.to_device"} <= set(r1)
+    assert "spawn" not in r1 and "process_start" not in r0
+    assert all(math.isfinite(v) and v >= 0 for r in (r0, r1) for v in r.values())
+    assert r0["group_start"] >= r0["wait_workers"] and r1["load"] >= r1["load.read"]
+    assert group.startup_times[1] == r1                      # a report adds no phase
+    _generate(tp, decode_mode="replay")                      # an engine: caches and a runner on every rank
+    with caplog.at_level(logging.INFO, logger="replayssm.distributed"):
+        after = group.log_startup()
+    for r in (0, 1):
+        assert after[r]["make_cache"] > before[r].get("make_cache", 0.0)
+        assert after[r]["runner"] > before[r].get("runner", 0.0)
+        assert after[r]["load"] == before[r]["load"]
+    text = format_times(after)
+    assert "rank 1" in text and "load.read" in text and text.split("\n", 1)[1] in caplog.text
+
+
 # ---------------------------------------------------------------------------------------
 # an engine that owns its group; a worker that dies
 # ---------------------------------------------------------------------------------------

@@ -43,3 +43,24 @@ def test_worker_killed_mid_generation_fails_the_step_not_hangs(one_thread):
     finally:
         llm.close()
     assert multiprocessing.active_children() == []
+
+
+def test_ranks_share_the_host_threads_while_the_group_is_open():
+    """Default threads: each of the 2 ranks takes half of rank 0's intra-op threads (rank 0
+    too, until close), so the processes do not oversubscribe the host's cores; the
+    group still computes, and rank 0's count comes back on close."""
+    import torch
+
+    from replayssm.distributed import TensorParallelGroup
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        with TensorParallelGroup(2, "cpu") as g:
+            assert torch.get_num_threads() == 2
+            model = g.load_model(MODEL, "float32")
+            logits = model(torch.tensor([PROMPT]))
+            assert logits.shape == (1, len(PROMPT), model.config.vocab_size) and torch.isfinite(logits).all()
+        assert torch.get_num_threads() == 4 and multiprocessing.active_children() == []
+    finally:
+        torch.set_num_threads(n)

@@ -263,3 +263,23 @@ def test_values_a_cast_would_hide_and_loose_config_types(tiny, tmp_path):
     for bad in (None, 5):
         with pytest.raises(ValueError, match="model path must be"):
             load_model(bad)
+
+
+def test_all_finite_sees_every_nan_and_infinity():
+    """The loader's value check (min/max reduction) against ``isfinite(t).all()``: every
+    float dtype, odd lengths, the bad value first, in the middle and last, strided views,
+    empty and 0-d tensors."""
+    from replayssm.models.loader import all_finite
+
+    for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for n in (1, 7, 33, 4099):
+            t = torch.randn(n).to(dt)
+            assert all_finite(t) and all_finite(t.view(1, -1).expand(3, -1))
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                for pos in {0, n // 2, n - 1}:
+                    u = t.clone()
+                    u[pos] = bad
+                    assert all_finite(u) == bool(torch.isfinite(u).all()) is False
+                    assert not all_finite(u.view(1, -1).expand(2, -1)[:, ::1])
+        assert all_finite(torch.empty(0, 5, dtype=dt)) and all_finite(torch.tensor(1.5, dtype=dt))
+        assert not all_finite(torch.tensor(float("nan"), dtype=dt))
