@@ -77,7 +77,8 @@ class DraftMasks:
         if not rows:
             return None, valid
         B, N = tokens.shape
-        tok_h, par_h, val_h = tokens.tolist(), parent.tolist(), valid.cpu().clone()
+        host = torch.stack([tokens.long(), parent.long(), valid.long()]).cpu()   # one transfer
+        tok_h, par_h, val_h = host[0].tolist(), host[1].tolist(), host[2].to(valid.dtype)
         plan = []   # (row b, chain nodes, drafts walked)
         for b in rows:
             s, c = seqs[b], seqs[b].constraint
@@ -93,6 +94,7 @@ class DraftMasks:
         D = N   # scratch rows per constrained row: positions 0..N-1 of its chain
         buf = self._host.rows(len(plan) * D, words)
         buf.fill_(-1)
+        self.masker._drain()   # the llguidance pool: no plain-step fill still running
         gram = [(seqs[b].constraint.matcher, j * D, d) for j, (b, _, d) in enumerate(plan)
                 if seqs[b].constraint.matcher is not None]
         if gram:

@@ -1,0 +1,183 @@
+"""The plain decode step's masks (``engine.structured.logits``): the grammar fill on the worker
+thread started before the forward (``prepare``) and the device-side application (``apply``)
+against a plain float64 reference built row by row from each matcher's own bitmask, for
+mixed batches (free, grammar, bans, ``min_tokens``, ``logit_bias`` rows), all-constrained
+batches, logits wider than the grammar's vocabulary, and bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import replayssm
+from replayssm.engine.config import SamplingParams
+from replayssm.engine.structured import ConstraintFactory, LogitsMasker
+from replayssm.engine.structured.logits import GRAMMAR_STATS
+
+pytest.importorskip("llguidance")
+
+MODEL = Path(replayssm.__file__).parent / "assets" / "tiny-mamba2"
+EOS = 256
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}, "n": {"type": "integer"}},
+          "required": ["name", "n"], "additionalProperties": False}
+
+
+class _Seq:
+    def __init__(self, constraint, output_ids=()):
+        self.constraint, self.output_ids = constraint, list(output_ids)
+
+
+def _factory():
+    from tokenizers import Tokenizer
+    return ConstraintFactory(Tokenizer.from_file(str(MODEL / "tokenizer.json")), 257, EOS)
+
+
+def enc(s: str) -> list[int]:
+    return [ord(ch) for ch in s]   # the byte-level vocabulary
+
+
+def _advance(c, toks):
+    for t in toks:
+        assert c.matcher is None or c.matcher.consume_token(t)
+    return c
+
+
+def reference(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """Row by row in float64: biases added, bans and grammar-disallowed tokens (the
+    matcher's own single-row bitmask; tokens past its vocabulary) set to -inf."""
+    out = logits.double().clone()
+    V = out.shape[1]
+    for b, s in enumerate(seqs):
+        c = s.constraint
+        if c is None:
+            continue
+        for t, v in zip(*c.bias):
+            out[b, t] += float(torch.tensor(v, dtype=torch.float32))
+        for t in c.banned(s.output_ids):
+            out[b, t] = float("-inf")
+        if c.matcher is not None:
+            bits = int.from_bytes(c.matcher.compute_bitmask(), "little")
+            for t in range(V):
+                if t >= c.mask_vocab or not (bits >> t) & 1:
+                    out[b, t] = float("-inf")
+    return out
+
+
+def _batch(every: bool):
+    f = _factory()
+    P = SamplingParams
+    rows = [(P(structured_outputs={"json": SCHEMA}), '{"name":"ab'),
+            (P(structured_outputs={"regex": "(ab|cd)+x?"}), "abc"),
+            (P(min_tokens=4, bad_words=("b", "q"), logit_bias={97: 2.5, 120: -1.25}), "a"),   # no grammar
+            (P(structured_outputs={"choice": ["yes", "no"]}, logit_bias={110: 3.0}), ""),
+            (P(structured_outputs={"json": SCHEMA}), '{"name":"x","n":1'),
+            (P(min_tokens=2, structured_outputs={"regex": "[a-c]*"}), "")]
+    if not every:
+        rows.insert(1, (P(), "zz"))    # free rows between constrained ones
+        rows.append((P(), ""))
+    seqs = []
+    for p, text in rows:
+        c = f.build(p)[0]
+        seqs.append(_Seq(None if c is None else _advance(c, enc(text)), enc(text)))
+    return seqs
+
+
+@pytest.mark.parametrize("every", [True, False])
+@pytest.mark.parametrize("V,dtype", [(257, torch.float32), (301, torch.bfloat16), (257, torch.float64)])
+def test_apply_matches_the_row_by_row_reference(every, V, dtype):
+    seqs = _batch(every)
+    g = torch.Generator().manual_seed(V)
+    logits = (torch.randn(len(seqs), V, generator=g, dtype=torch.float64) * 4).to(dtype)
+    keep = logits.clone()
+    m = LogitsMasker("cpu")
+    job = m.prepare(seqs)   # the fill runs on the worker while the caller does other work
+    out = m.apply(logits, seqs, job)
+    ref = reference(logits, seqs)
+    assert out.dtype == torch.float32 and out.shape == logits.shape
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(out.double()[fin], ref[fin], rtol=1e-6, atol=1e-6)
+    assert torch.equal(logits, keep)   # the input is untouched
+    for b, s in enumerate(seqs):
+        if s.constraint is None:
+            assert torch.equal(out[b], logits[b].float())
+        elif s.constraint.matcher is not None:
+            assert torch.isfinite(out[b]).any()
+    assert torch.equal(m.apply(logits, seqs), out)   # without a job: the same
+    assert all(m.stats[k] >= 0 for k in GRAMMAR_STATS) and m.stats["grammar_fill_s"] > 0
+
+
+def test_decode_loop_with_the_worker_equals_the_reference_each_step():
+    """Greedy steps: prepare (worker fill) -> apply -> argmax -> advance, against the
+    reference from the same matchers; every row's output stays valid."""
+    f = _factory()
+    seqs = [_Seq(f.build(SamplingParams(structured_outputs={"json": SCHEMA}))[0]) for _ in range(5)] + \
+        [_Seq(None), _Seq(f.build(SamplingParams(structured_outputs={"regex": "(ab|cd)+x"}))[0])]
+    m = LogitsMasker("cpu")
+    g = torch.Generator().manual_seed(0)
+    for step in range(12):
+        logits = torch.randn(len(seqs), 257, generator=g)
+        job = m.prepare(seqs)
+        if step % 3 == 0:
+            m.prepare(seqs)   # a job left behind (a step that raised): the next one waits for it
+            job = m.prepare(seqs)
+        out = m.apply(logits, seqs, job)
+        ref = reference(logits, seqs)
+        assert torch.equal(torch.isinf(out), torch.isinf(ref)), step
+        toks = out.argmax(-1).tolist()
+        assert toks == ref.argmax(-1).tolist()
+        for s, t in zip(seqs, toks):
+            c = s.constraint
+            if c is not None and not c.done:
+                assert c.matcher.validate_tokens([t]) == 1
+                c.advance(t)
+            s.output_ids.append(t)
+
+
+def test_free_batches_pay_nothing():
+    m = LogitsMasker("cpu")
+    seqs = [_Seq(None), _Seq(None)]
+    x = torch.randn(2, 257, dtype=torch.bfloat16)
+    assert m.prepare(seqs) is None
+    assert m.apply(x, seqs) is x and m.apply(x, seqs, None) is x
+    assert m._worker is None and m._executor is None
+
+
+def test_banned_bits_against_a_plain_unpack():
+    m = LogitsMasker("cpu")
+    g = torch.Generator().manual_seed(1)
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 4), generator=g, dtype=torch.int64).to(torch.int32)
+    mask[0, 0] = -1
+    mask[1, 1] = -2 ** 31   # only bit 31
+    plain = [[bool((int(w) & 0xFFFFFFFF) >> k & 1) for w in row for k in range(32)] for row in mask.tolist()]
+    for V in (97, 128, 150):
+        want = torch.tensor([[not (t < 128 and r[t]) for t in range(V)] for r in plain])
+        assert torch.equal(m.banned(mask, V), want), V
+        assert torch.equal(m._unpack(mask, V), ~want)
+
+
+def test_bad_input_raises_and_a_failed_fill_reaches_its_step():
+    f = _factory()
+    seqs = [_Seq(f.build(SamplingParams(structured_outputs={"regex": "ab"}))[0]), _Seq(None)]
+    m = LogitsMasker("cpu")
+    with pytest.raises(ValueError, match="B = 2"):
+        m.apply(torch.zeros(3, 257), seqs)
+    with pytest.raises(ValueError, match="B = 2"):
+        m.apply(torch.zeros(257), seqs)
+    job = m.prepare(seqs)
+    with pytest.raises(ValueError, match="another batch"):
+        m.apply(torch.zeros(2, 257), list(seqs), job)
+    assert seqs[0].constraint.matcher.validate_tokens(enc("ab")) == 2   # untouched
+
+    class Broken:   # not a matcher: llguidance rejects it on the worker
+        pass
+
+    bad = _Seq(f.build(SamplingParams(structured_outputs={"regex": "ab"}))[0])
+    bad.constraint.matcher = Broken()
+    job = m.prepare([bad])
+    with pytest.raises(Exception):
+        m.apply(torch.zeros(1, 257), [bad], job)
+    out = m.apply(torch.zeros(2, 257), seqs)   # the masker still works
+    assert torch.isfinite(out[0]).sum() == 1 and torch.isfinite(out[0, 97])
