@@ -34,6 +34,10 @@ walk of a speculative step, before its verify is launched) and ``advance`` (feed
 sampled tokens to the matchers).  ``host grammar`` = wait + apply + walk + advance is what
 the step's critical path pays on the host.
 
+``llguidance alone``: the cost of the grammar work on this host outside the engine (one
+fresh matcher per json output of the largest batch, walked along it: the parallel fill per
+step, the same on one thread, and the advance), to compare with the step time.
+
 Prints the tokens/s table, the breakdown and the ratios json / free (target >= 0.90 at the
 largest batch) and json+spec / json per batch; writes ``structured.json`` to ``$OUT`` when
 set.
@@ -66,6 +70,7 @@ from replayssm.bench.e2e import OracleDrafter, _prompts, _random_model_dir
 from replayssm.engine.config import SamplingParams, SpeculativeConfig
 from replayssm.engine.llm import LLM
 from replayssm.engine.loading import load
+from replayssm.engine.structured import require_llguidance
 
 SCHEMA = {"type": "object",
           "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
@@ -177,6 +182,34 @@ def _breakdown(wall: float, stats: dict) -> dict:
     return row
 
 
+def _fill_probe(grammars, outs) -> dict:
+    """llguidance on this host, outside the engine: one fresh matcher per output walked along
+    it; per step (all rows) the parallel fill (the engine's executor), the same with one
+    thread, and the advance, in ms (median, mean, max over the steps)."""
+    import statistics
+
+    from replayssm.engine.structured.logits import fill_bitmask
+    llg = require_llguidance()
+    T = min(len(o.token_ids) for o in outs)
+    res = {"rows": len(outs), "steps": T, "cpus": len(os.sched_getaffinity(0))}
+    for name, ex in (("fill_par", llg.LLExecutor()), ("fill_1thread", llg.LLExecutor(num_threads=1))):
+        ms = [grammars.matcher({"json": SCHEMA}) for _ in outs]
+        buf = torch.empty(len(outs), (grammars.ll.vocab_size + 31) // 32, dtype=torch.int32)
+        fills, adv = [], []
+        for i in range(T):
+            t0 = time.perf_counter()
+            fill_bitmask(ex, [(m, b) for b, m in enumerate(ms)], buf)
+            t1 = time.perf_counter()
+            for m, o in zip(ms, outs):
+                m.consume_token(o.token_ids[i])
+                m.is_stopped()
+            fills.append(1e3 * (t1 - t0))
+            adv.append(1e3 * (time.perf_counter() - t1))
+        res[name] = {"median": statistics.median(fills), "mean": statistics.mean(fills), "max": max(fills)}
+        res["advance"] = {"median": statistics.median(adv), "mean": statistics.mean(adv), "max": max(adv)}
+    return res
+
+
 def _run(args, tmp: str, t_start: float, dev_name: str) -> int:
     model = load(_random_model_dir(args.preset, tmp), torch.device(args.device), getattr(torch, args.dtype))[0]
     V = int(model.config.vocab_size)
@@ -201,6 +234,7 @@ def _run(args, tmp: str, t_start: float, dev_name: str) -> int:
             runs[(k, B)] = _timed(llm, prompts[:B], sp, args)
             log(k, B)
     grammars = llm.constraints.grammars
+    probe = _fill_probe(grammars, runs[("json", Bmax)][0])
     del llm
     free_memory(args.device)
     spec = SpeculativeConfig("ngram", num_tokens=args.num_tokens, spec_policy=args.policy)
@@ -214,7 +248,7 @@ def _run(args, tmp: str, t_start: float, dev_name: str) -> int:
     del llm
     free_memory(args.device)
 
-    res = {"device": dev_name, "config": vars(args), "runs": {}, "ratios": {}}
+    res = {"device": dev_name, "config": vars(args), "runs": {}, "ratios": {}, "fill_probe": probe}
     for (name, B), (outs, wall, stats) in runs.items():
         gen = sum(len(o.token_ids) for o in outs)
         row = {"kind": name, "batch": B, "tokens_per_s": gen / wall, "wall_s": wall, "generated": gen,
@@ -236,11 +270,12 @@ def _run(args, tmp: str, t_start: float, dev_name: str) -> int:
     res["elapsed_s"] = time.perf_counter() - t_start
     print(f"\n== structured outputs: {args.preset} ({args.dtype}), {dev_name}, {args.max_tokens} tokens, replay, "
           f"CUDA graphs, spec ngram/{args.policy} k={args.num_tokens} (oracle drafts, accept {args.accept})")
-    print(f"{'run':<15} {'tok/s':>8} {'acc.len':>7} {'mism':>5} {'valid':>5} | per step ms: {'steps':>5} "
+    print(f"{'run':<15} {'tok/s':>8} {'gen':>6} {'acc.len':>7} {'mism':>5} {'valid':>5} | per step ms: {'steps':>5} "
           f"{'step':>6} {'decode':>6} {'fill':>6} {'wait':>6} {'apply':>6} {'walk':>6} {'advance':>7} {'host gr':>7}")
     for key, row in r.items():
         b = row["per_step"]
-        print(f"{key:<15} {row['tokens_per_s']:>8.0f} {row['mean_accepted_length']:>7.2f} {row['mismatch']:>5} "
+        print(f"{key:<15} {row['tokens_per_s']:>8.0f} {row['generated']:>6} {row['mean_accepted_length']:>7.2f} "
+              f"{row['mismatch']:>5} "
               f"{row.get('valid', '-'):>5} |               {b['steps']:>5} {b['step_ms']:>6.2f} {b['decode_ms']:>6.2f} "
               f"{b['fill_ms']:>6.3f} {b['wait_ms']:>6.3f} {b['apply_ms']:>6.3f} {b['walk_ms']:>6.3f} "
               f"{b['advance_ms']:>7.3f} {b['host_grammar_ms']:>7.3f}")
@@ -249,6 +284,11 @@ def _run(args, tmp: str, t_start: float, dev_name: str) -> int:
         q = res["ratios"][str(B)]
         print(f"{B:>4} {q['json / free']:>10.3f} {q['json+spec / json']:>15.3f} {q['free+spec / free']:>15.3f} "
               f"{q['json+spec / free+spec']:>20.3f}")
+    print(f"\nllguidance alone ({probe['rows']} rows along the json@{Bmax} outputs, {probe['steps']} steps, "
+          f"{probe['cpus']} CPUs), ms per step median / mean / max:")
+    for k in ("fill_par", "fill_1thread", "advance"):
+        q = probe[k]
+        print(f"  {k:<13} {q['median']:>8.3f} {q['mean']:>8.3f} {q['max']:>8.3f}")
     fails = []
     top = res["ratios"][str(Bmax)]["json / free"]
     if top < 0.90:

@@ -181,3 +181,29 @@ def test_bad_input_raises_and_a_failed_fill_reaches_its_step():
         m.apply(torch.zeros(1, 257), [bad], job)
     out = m.apply(torch.zeros(2, 257), seqs)   # the masker still works
     assert torch.isfinite(out[0]).sum() == 1 and torch.isfinite(out[0, 97])
+
+
+def test_fill_bitmask_checks_its_buffer_and_needs_no_torch_compile():
+    import subprocess
+    import sys
+    from replayssm.engine.structured.logits import fill_bitmask
+    c = _factory().build(SamplingParams(structured_outputs={"regex": "ab"}))[0]
+    for bad in (torch.zeros(1, 9, dtype=torch.int64), torch.zeros(9, dtype=torch.int32),
+                torch.zeros(9, 2, dtype=torch.int32).t()):
+        with pytest.raises(ValueError, match="fill_bitmask"):
+            fill_bitmask(None, [(c.matcher, 0)], bad)
+    m = LogitsMasker("cpu")
+    m.apply(torch.zeros(1, 257), [_Seq(c)])
+    buf = torch.zeros(1, 9, dtype=torch.int32)
+    fill_bitmask(m._executor, [(c.matcher, 0)], buf)
+    assert int.from_bytes(c.matcher.compute_bitmask(), "little") == \
+        sum((w & 0xFFFFFFFF) << (32 * k) for k, w in enumerate(buf[0].tolist()))
+    # a constrained step does not import llguidance's torch helpers (they import torch.compile)
+    code = ("import sys, torch; from tests.engine.test_structured_masker import _batch; "
+            "from replayssm.engine.structured import LogitsMasker; s = _batch(False); "
+            "LogitsMasker('cpu').apply(torch.zeros(len(s), 257), s); "
+            "print('llguidance.torch' in sys.modules, 'torch._dynamo' in sys.modules)")
+    root = Path(replayssm.__file__).parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.stdout.split()[-2:] == ["False", "False"], out.stderr[-2000:]

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .grammar import require_llguidance
-from .logits import HostBitmask
+from .logits import HostBitmask, fill_bitmask
 
 
 def verified_chain(parent: list[int], valid: list[bool], tree: bool) -> list[int]:
@@ -98,20 +98,15 @@ class DraftMasks:
         gram = [(seqs[b].constraint.matcher, j * D, d) for j, (b, _, d) in enumerate(plan)
                 if seqs[b].constraint.matcher is not None]
         if gram:
-            llg = require_llguidance()
-            from llguidance.torch import (
-                fill_next_token_bitmask_par,
-                fill_next_token_bitmask_par_with_draft_tokens,
-            )
             if self.masker._executor is None:
-                self.masker._executor = llg.LLExecutor()
+                self.masker._executor = require_llguidance().LLExecutor()
             ex = self.masker._executor
             walk = [g for g in gram if g[2]]   # llguidance walks non-empty drafts only
             if walk:
-                fill_next_token_bitmask_par_with_draft_tokens(ex, walk, buf)
+                fill_bitmask(ex, walk, buf, drafts=True)
             here = [(m, k) for m, k, d in gram if not d]
             if here:
-                fill_next_token_bitmask_par(ex, here, buf)
+                fill_bitmask(ex, here, buf)
         src, dst, ban_r, ban_t = [], [], [], []
         for j, (b, nodes, d) in enumerate(plan):
             s, c = seqs[b], seqs[b].constraint

@@ -55,6 +55,18 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     return t.to(device, non_blocking=True)
 
 
+def fill_bitmask(executor, matchers: list, buf: Tensor, drafts: bool = False) -> None:
+    """llguidance's parallel fill of ``buf [R, W]`` (host int32, contiguous): ``matchers`` as
+    ``(matcher, row)`` or, with ``drafts``, ``(matcher, first row, draft tokens)`` (the masks
+    along the drafts, matcher rolled back).  Calls the executor directly: llguidance's torch
+    helpers module imports ``torch.compile`` (seconds, and thousands of modules)."""
+    if buf.dtype != torch.int32 or buf.device.type != "cpu" or buf.dim() != 2 or not buf.is_contiguous():
+        raise ValueError(f"fill_bitmask: the bitmask must be a contiguous 2-D int32 host tensor, got "
+                         f"{buf.dtype} {tuple(buf.shape)} on {buf.device}")
+    f = executor.unsafe_compute_mask_ptr_with_draft_token if drafts else executor.unsafe_compute_mask_ptr
+    f(matchers, buf.data_ptr(), buf.shape[1] * 4, buf.shape[0])
+
+
 class MaskJob:
     """One step's host part for the constrained rows: ``rows`` (batch indices), the sparse
     ``(row, token, value)`` entries (bans ``-inf`` and biases; row = index into ``rows``)
@@ -169,15 +181,13 @@ class LogitsMasker:
         before the call)."""
         t0 = time.perf_counter()
         try:
-            llg = require_llguidance()
-            from llguidance.torch import fill_next_token_bitmask_par
             if self._executor is None:
-                self._executor = llg.LLExecutor()
+                self._executor = require_llguidance().LLExecutor()
             buf.fill_(-1)
         finally:
             if started is not None:
                 started.set()
-        fill_next_token_bitmask_par(self._executor, gram, buf)
+        fill_bitmask(self._executor, gram, buf)
         self._add("grammar_fill_s", time.perf_counter() - t0)
         return buf
 
