@@ -222,8 +222,12 @@ class StepExecutor:
             if self.drafter is not None:   # speculation is off for this step (disable_by_batch_size)
                 self.drafter.plain_step(seqs)
         job = self.masker.prepare(seqs)   # grammar masks fill on a worker while the forward runs
-        toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
-        logits = self.runner.decode([s.slot for s in seqs], toks)
+        try:
+            toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
+            logits = self.runner.decode([s.slot for s in seqs], toks)
+        except BaseException:
+            self.masker.wait()   # the fill borrows the matchers: free them before the error goes up
+            raise
         masked = self.masker.apply(logits, seqs, job)
         sb = None if all(_plain(s.params) for s in seqs) else self.sampler.batch(seqs)  # plain: argmax
         return self._sampled(seqs, logits, self.sampler.sample(masked, seqs, sb), sb)

@@ -207,3 +207,60 @@ def test_fill_bitmask_checks_its_buffer_and_needs_no_torch_compile():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert out.stdout.split()[-2:] == ["False", "False"], out.stderr[-2000:]
+
+
+def test_draft_masks_ban_past_the_grammar_vocabulary_for_grammar_rows_only():
+    """Logits wider than the grammar's vocabulary (301 > 257): a bans-only row keeps the extra
+    tokens, a grammar row does not; both as the plain step's masks (``apply``)."""
+    from replayssm.engine.structured.drafts import DraftMasks
+    f = _factory()
+    seqs = [_Seq(f.build(SamplingParams(structured_outputs={"regex": "(ab)+"}))[0]),
+            _Seq(f.build(SamplingParams(bad_words=("q",)))[0])]
+    N, V = 3, 301
+    tokens = torch.tensor([[0, 97, 98], [0, 120, 121]])
+    parent = torch.tensor([[-1, 0, 1], [-1, 0, 1]])
+    valid = torch.ones(2, N, dtype=torch.bool)
+    m = LogitsMasker("cpu")
+    mask, v2 = DraftMasks(m).build(seqs, tokens, parent, valid, False, False, V)
+    assert v2.all()
+    for b in range(2):
+        out = seqs[b].output_ids
+        for i in range(N):
+            want = torch.isfinite(m.apply(torch.zeros(1, V), [_Seq(seqs[b].constraint, out)]))[0]
+            assert torch.equal(mask[b, i], want), (b, i)
+            if seqs[b].constraint.matcher is not None and i < N - 1:
+                seqs[b].constraint.matcher.consume_token(int(tokens[b, i + 1]))
+            out = out + [int(tokens[b, i + 1])] if i < N - 1 else out
+    assert mask[1, :, 257:].all() and not mask[0, :, 257:].any()
+
+
+def test_a_decode_step_that_raises_leaves_the_matchers_free(monkeypatch):
+    """The forward raising while the worker fills: the error goes up, the fill is waited for
+    (the matchers are not left borrowed), and the next steps decode as before."""
+    from replayssm.engine import LLM
+    llm = LLM(str(MODEL), max_seq_len=64)
+    p = SamplingParams(max_tokens=12, structured_outputs={"regex": "(ab|cd)+x"})
+    want = [o.token_ids for o in llm.generate(["hi", "yo"], p)]
+    llm.add_request("hi", p)
+    llm.add_request("yo", p)
+    llm.step()   # prefill + first token
+    real = llm.runner.decode
+
+    def boom(*a, **k):
+        raise RuntimeError("forward failed")
+
+    waits = []
+    masker = llm.executor.masker
+    monkeypatch.setattr(llm.runner, "decode", boom)
+    monkeypatch.setattr(masker, "wait", lambda w=masker.wait: waits.append(masker._pending) or w())
+    with pytest.raises(RuntimeError, match="forward failed"):
+        llm.step()
+    assert waits and waits[-1] is not None and masker._pending is None   # the failed step's fill, waited for
+    seqs = list(llm.scheduler.running)
+    for s in seqs:   # not "Already borrowed"
+        assert s.constraint.matcher.validate_tokens([97]) in (0, 1)
+    monkeypatch.setattr(llm.runner, "decode", real)
+    llm.recover()
+    while llm.has_unfinished():
+        llm.step()
+    assert sorted(s.output_ids for s in seqs) == sorted(want)

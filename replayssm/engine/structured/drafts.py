@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .grammar import require_llguidance
-from .logits import HostBitmask, fill_bitmask
+from .logits import HostBitmask, fill_bitmask, to_device
 
 
 def verified_chain(parent: list[int], valid: list[bool], tree: bool) -> list[int]:
@@ -94,7 +94,7 @@ class DraftMasks:
         D = N   # scratch rows per constrained row: positions 0..N-1 of its chain
         buf = self._host.rows(len(plan) * D, words)
         buf.fill_(-1)
-        self.masker._drain()   # the llguidance pool: no plain-step fill still running
+        self.masker.wait()   # the llguidance pool: no plain-step fill still running
         gram = [(seqs[b].constraint.matcher, j * D, d) for j, (b, _, d) in enumerate(plan)
                 if seqs[b].constraint.matcher is not None]
         if gram:
@@ -118,14 +118,17 @@ class DraftMasks:
                 for t in c.banned(s.output_ids + d[:i]):
                     ban_r.append(b * N + nodes[i])
                     ban_t.append(t)
-        bits = self.masker._unpack(buf.to(self.device, non_blocking=True), V)
-        if vocab < V:
+        dev = self.device
+        bits = self.masker._unpack(buf.to(dev, non_blocking=True), V)
+        if vocab < V:   # past the grammars' vocabulary: banned for grammar rows only
             bits[:, vocab:] = False
-        mask = torch.ones(B * N, V, dtype=torch.bool, device=self.device)
-        src_d = torch.tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
-        dst_d = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
-        mask.index_copy_(0, dst_d, bits.index_select(0, src_d))
+            free = [j * D + i for j, (b, _, _) in enumerate(plan) if seqs[b].constraint.matcher is None
+                    for i in range(D)]
+            if free:
+                bits[to_device(free, torch.long, dev)] = True
+        mask = torch.ones(B * N, V, dtype=torch.bool, device=dev)
+        mask.index_copy_(0, to_device(dst, torch.long, dev), bits.index_select(0, to_device(src, torch.long, dev)))
         if ban_r:
-            idx = torch.tensor([ban_r, ban_t], dtype=torch.long).to(self.device, non_blocking=True)
-            mask.index_put_((idx[0], idx[1]), torch.zeros((), dtype=torch.bool, device=self.device))
+            idx = to_device([ban_r, ban_t], torch.long, dev)
+            mask.index_put_((idx[0], idx[1]), torch.zeros((), dtype=torch.bool, device=dev))
         return mask.view(B, N, V), val_h.to(valid.device)

@@ -106,7 +106,7 @@ class LogitsMasker:
         rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
         if not rows:
             return None
-        self._drain()   # the bitmask is reused: the previous fill must be over
+        self.wait()   # the bitmask is reused: the previous fill must be over
         gram = [(seqs[i].constraint.matcher, j) for j, i in enumerate(rows) if seqs[i].constraint.matcher is not None]
         fill, vocab = None, 0
         if gram:
@@ -128,10 +128,13 @@ class LogitsMasker:
                 vals += [float("-inf")] * len(ban) + list(bv)
         return MaskJob(seqs, rows, [j for _, j in gram], r_idx, t_idx, vals, fill, vocab)
 
-    def _drain(self) -> None:
+    def wait(self) -> None:
+        """Wait for a fill still running on the worker (the matchers are borrowed by it
+        until then); its error, if any, belongs to the step that prepared it."""
         p, self._pending = self._pending, None
         if p is not None:
-            p.exception()   # waits; an error was raised to the step that owned the fill
+            p.exception()
+
 
     def apply(self, logits: Tensor, seqs, job: MaskJob | None = None) -> Tensor:
         """``logits [B, V]`` with every constrained row (``seq.constraint``) masked and
@@ -139,11 +142,13 @@ class LogitsMasker:
         ``job``: this step's :meth:`prepare` of ``seqs`` (made here when not given).  Waits
         for the fill, then queues device ops only (nothing here waits on ``logits``)."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            self.wait()   # the matchers are free again before the caller sees the error
             raise ValueError(f"LogitsMasker.apply: logits must be [B, V] for B = {len(seqs)} sequences, got "
                              f"{tuple(logits.shape)}")
         if job is None:
             job = self.prepare(seqs)
         elif job.seqs is not seqs:
+            self.wait()
             raise ValueError("LogitsMasker.apply: the job was prepared for another batch")
         if job is None:
             return logits
