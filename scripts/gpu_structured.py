@@ -263,7 +263,8 @@ def _run(args, tmp: str, t_start: float, dev_name: str) -> int:
         res["runs"][f"{name}@{B}"] = row
     r = res["runs"]
     for B in args.batches:
-        t = lambda k: r[f"{k}@{B}"]["tokens_per_s"]   # noqa: E731
+        def t(k, B=B):
+            return r[f"{k}@{B}"]["tokens_per_s"]
         res["ratios"][str(B)] = {"json / free": t("json") / t("free"), "json+spec / json": t("json+spec") / t("json"),
                                  "free+spec / free": t("free+spec") / t("free"),
                                  "json+spec / free+spec": t("json+spec") / t("free+spec")}

@@ -135,7 +135,6 @@ class LogitsMasker:
         if p is not None:
             p.exception()
 
-
     def apply(self, logits: Tensor, seqs, job: MaskJob | None = None) -> Tensor:
         """``logits [B, V]`` with every constrained row (``seq.constraint``) masked and
         biased, as float32 (a new tensor); the same tensor when no row is constrained.
