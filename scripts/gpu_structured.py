@@ -25,6 +25,10 @@ and speculative outputs are compared with plain ones of the same kind (``mismatc
 verify and decode logits can differ on near-ties between allowed tokens, which random weights
 make common under a mask; exactness is tested on CPU in tests/engine/test_structured_spec.py).
 
+``free-again``: free decoding once more after the json runs, at the largest batch (a
+control: a slowdown from running after the json runs, rather than from the grammar, shows
+here).
+
 Per run, per engine step (``steps``: prefill and decode steps): the wall time, the
 executor's decode time (launch, wait, mask, sample, the host sync) and the grammar's host
 time from the engine stats: ``fill`` (llguidance's parallel fill, on the worker thread,
@@ -42,7 +46,7 @@ Prints the tokens/s table, the breakdown and the ratios json / free (target >= 0
 largest batch) and json+spec / json per batch; writes ``structured.json`` to ``$OUT`` when
 set.
 
-Usage (GPU, about 3 minutes)::
+Usage (GPU, about 3-4 minutes)::
 
     PYTHONPATH=. python scripts/gpu_structured.py
     PYTHONPATH=. python scripts/gpu_structured.py --preset nemotron-h-4b --policy adaptive
@@ -233,6 +237,10 @@ def _run(args, tmp: str, t_start: float, dev_name: str) -> int:
         for k, sp in kinds.items():
             runs[(k, B)] = _timed(llm, prompts[:B], sp, args)
             log(k, B)
+    # control: free decoding again after the json runs (llguidance loaded, matchers freed): an
+    # order effect would show here instead of in the grammar's breakdown
+    runs[("free-again", Bmax)] = _timed(llm, prompts[:Bmax], kinds["free"], args)
+    log("free-again", Bmax)
     grammars = llm.constraints.grammars
     probe = _fill_probe(grammars, runs[("json", Bmax)][0])
     del llm
@@ -254,7 +262,7 @@ def _run(args, tmp: str, t_start: float, dev_name: str) -> int:
         row = {"kind": name, "batch": B, "tokens_per_s": gen / wall, "wall_s": wall, "generated": gen,
                "mean_accepted_length": sum(o.mean_accepted_length for o in outs) / len(outs),
                "drafted": sum(o.num_drafted for o in outs), "accepted": sum(o.num_accepted for o in outs)}
-        base = runs[(name.split("+")[0], B)][0]
+        base = runs[(name.split("+")[0].replace("-again", ""), B)][0]
         row["mismatch"] = sum(a.token_ids != b.token_ids for a, b in zip(outs, base))
         if name.startswith("json"):
             row["valid"] = sum(grammars.matcher({"json": SCHEMA}).validate_tokens(o.token_ids) == len(o.token_ids)
@@ -268,6 +276,8 @@ def _run(args, tmp: str, t_start: float, dev_name: str) -> int:
         res["ratios"][str(B)] = {"json / free": t("json") / t("free"), "json+spec / json": t("json+spec") / t("json"),
                                  "free+spec / free": t("free+spec") / t("free"),
                                  "json+spec / free+spec": t("json+spec") / t("free+spec")}
+    res["ratios"][str(Bmax)]["free-again / free"] = t_again = \
+        r[f"free-again@{Bmax}"]["tokens_per_s"] / r[f"free@{Bmax}"]["tokens_per_s"]
     res["elapsed_s"] = time.perf_counter() - t_start
     print(f"\n== structured outputs: {args.preset} ({args.dtype}), {dev_name}, {args.max_tokens} tokens, replay, "
           f"CUDA graphs, spec ngram/{args.policy} k={args.num_tokens} (oracle drafts, accept {args.accept})")
@@ -285,6 +295,7 @@ def _run(args, tmp: str, t_start: float, dev_name: str) -> int:
         q = res["ratios"][str(B)]
         print(f"{B:>4} {q['json / free']:>10.3f} {q['json+spec / json']:>15.3f} {q['free+spec / free']:>15.3f} "
               f"{q['json+spec / free+spec']:>20.3f}")
+    print(f"free-again / free at B={Bmax} (free decoding after the json runs: an order effect) {t_again:.3f}")
     print(f"\nllguidance alone ({probe['rows']} rows along the json@{Bmax} outputs, {probe['steps']} steps, "
           f"{probe['cpus']} CPUs), ms per step median / mean / max:")
     for k in ("fill_par", "fill_1thread", "advance"):
