@@ -76,6 +76,7 @@ class DraftMasks:
         rows = [b for b, s in enumerate(seqs) if s.constraint is not None]
         if not rows:
             return None, valid
+        self.masker.wait()   # a plain step's fill still running borrows matchers and the llguidance pool
         B, N = tokens.shape
         host = torch.stack([tokens.long(), parent.long(), valid.long()]).cpu()   # one transfer
         tok_h, par_h, val_h = host[0].tolist(), host[1].tolist(), host[2].to(valid.dtype)
@@ -94,7 +95,6 @@ class DraftMasks:
         D = N   # scratch rows per constrained row: positions 0..N-1 of its chain
         buf = self._host.rows(len(plan) * D, words)
         buf.fill_(-1)
-        self.masker.wait()   # the llguidance pool: no plain-step fill still running
         gram = [(seqs[b].constraint.matcher, j * D, d) for j, (b, _, d) in enumerate(plan)
                 if seqs[b].constraint.matcher is not None]
         if gram:
