@@ -54,7 +54,7 @@ class StepExecutor:
         for T in [0] + list(self.lengths.lengths if self.lengths else []):
             self.stats.setdefault(f"spec_T{T}_steps", 0)
         self._tree_needs_state = False
-        self.masker = LogitsMasker(sampler.device)   # constrained rows' masks and biases
+        self.masker = LogitsMasker(sampler.device, self.stats)   # constrained rows' masks and biases
         self.draft_masks = DraftMasks(self.masker)     # ... at every verify position
         # runners whose verify steps take a token mask (others: constrained rows decode plainly)
         self._masked_verify = all("mask" in inspect.signature(f).parameters
@@ -221,9 +221,14 @@ class StepExecutor:
                 return []
             if self.drafter is not None:   # speculation is off for this step (disable_by_batch_size)
                 self.drafter.plain_step(seqs)
-        toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
-        logits = self.runner.decode([s.slot for s in seqs], toks)
-        masked = self.masker.apply(logits, seqs)   # host masks while the device runs the forward
+        job = self.masker.prepare(seqs)   # grammar masks fill on a worker while the forward runs
+        try:
+            toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
+            logits = self.runner.decode([s.slot for s in seqs], toks)
+        except BaseException:
+            self.masker.wait()   # the fill borrows the matchers: free them before the error goes up
+            raise
+        masked = self.masker.apply(logits, seqs, job)
         sb = None if all(_plain(s.params) for s in seqs) else self.sampler.batch(seqs)  # plain: argmax
         return self._sampled(seqs, logits, self.sampler.sample(masked, seqs, sb), sb)
 
@@ -250,8 +255,10 @@ class StepExecutor:
         mask = None
         if any(s.constraint is not None for s in seqs):   # walk the grammars over the drafts
             V = int(self.sampler.vocab_size)   # the logits width (also under tensor parallelism)
+            tw = time.perf_counter()
             mask, valid = self.draft_masks.build(seqs, prop.tokens, prop.parent, prop.valid, prop.tree,
                                                  prop.q is not None, V)
+            self.stats["grammar_walk_s"] = self.stats.get("grammar_walk_s", 0.0) + time.perf_counter() - tw
             prop = Proposal(prop.tokens, prop.parent, valid, prop.q, prop.tree)
         accepted, bonus, path, lps = self._verify(seqs, prop, mask)
         N = prop.tokens.shape[1]

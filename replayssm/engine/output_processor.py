@@ -8,6 +8,8 @@ lists.  What a caller sees is :func:`~replayssm.engine.outputs.request_output`.
 
 from __future__ import annotations
 
+import time
+
 from .detokenizer import find_stop
 from .sequence import Sequence
 
@@ -73,8 +75,12 @@ class OutputProcessor:
                 s.detok.text = s.detok.text[:cut]
                 return "stop"
         c = s.constraint
-        if c is not None and c.advance(t):   # the grammar is complete: only EOS could follow
-            return "stop"
+        if c is not None:
+            t0 = time.perf_counter()
+            done = c.advance(t)
+            self.stats["grammar_advance_s"] = self.stats.get("grammar_advance_s", 0.0) + time.perf_counter() - t0
+            if done:   # the grammar is complete: only EOS could follow
+                return "stop"
         if len(s.output_ids) >= p.max_tokens or s.num_tokens >= cap:
             return "length"
         return None

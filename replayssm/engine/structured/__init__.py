@@ -16,8 +16,9 @@ Three parts:
   (one parallel llguidance fill into a reused bitmask, plus one sparse list of banned /
   biased entries), applied on the device to those rows only, before penalties and
   sampling (greedy and sampled alike).  Free rows' logits are untouched, and a batch with no
-  constrained row skips all of it.  The executor calls it right after the model call was
-  launched, so on CUDA the host work overlaps the forward (nothing here syncs on logits).
+  constrained row skips all of it.  The executor calls ``prepare`` before the model call (the
+  fill runs on a worker thread while the forward is launched and runs) and ``apply`` after
+  it (nothing there waits on the device).
 
 * :mod:`.drafts` — :class:`DraftMasks`: in a speculative step, each constrained row's matcher
   walked over its drafts (llguidance's parallel draft walk, rolled back): the drafts cut at

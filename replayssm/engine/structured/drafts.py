@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .grammar import require_llguidance
-from .logits import HostBitmask
+from .logits import HostBitmask, fill_bitmask, to_device
 
 
 def verified_chain(parent: list[int], valid: list[bool], tree: bool) -> list[int]:
@@ -76,8 +76,10 @@ class DraftMasks:
         rows = [b for b, s in enumerate(seqs) if s.constraint is not None]
         if not rows:
             return None, valid
+        self.masker.wait()   # a plain step's fill still running borrows matchers and the llguidance pool
         B, N = tokens.shape
-        tok_h, par_h, val_h = tokens.tolist(), parent.tolist(), valid.cpu().clone()
+        host = torch.stack([tokens.long(), parent.long(), valid.long()]).cpu()   # one transfer
+        tok_h, par_h, val_h = host[0].tolist(), host[1].tolist(), host[2].to(valid.dtype)
         plan = []   # (row b, chain nodes, drafts walked)
         for b in rows:
             s, c = seqs[b], seqs[b].constraint
@@ -96,20 +98,15 @@ class DraftMasks:
         gram = [(seqs[b].constraint.matcher, j * D, d) for j, (b, _, d) in enumerate(plan)
                 if seqs[b].constraint.matcher is not None]
         if gram:
-            llg = require_llguidance()
-            from llguidance.torch import (
-                fill_next_token_bitmask_par,
-                fill_next_token_bitmask_par_with_draft_tokens,
-            )
             if self.masker._executor is None:
-                self.masker._executor = llg.LLExecutor()
+                self.masker._executor = require_llguidance().LLExecutor()
             ex = self.masker._executor
             walk = [g for g in gram if g[2]]   # llguidance walks non-empty drafts only
             if walk:
-                fill_next_token_bitmask_par_with_draft_tokens(ex, walk, buf)
+                fill_bitmask(ex, walk, buf, drafts=True)
             here = [(m, k) for m, k, d in gram if not d]
             if here:
-                fill_next_token_bitmask_par(ex, here, buf)
+                fill_bitmask(ex, here, buf)
         src, dst, ban_r, ban_t = [], [], [], []
         for j, (b, nodes, d) in enumerate(plan):
             s, c = seqs[b], seqs[b].constraint
@@ -121,14 +118,17 @@ class DraftMasks:
                 for t in c.banned(s.output_ids + d[:i]):
                     ban_r.append(b * N + nodes[i])
                     ban_t.append(t)
-        bits = self.masker._unpack(buf.to(self.device, non_blocking=True), V)
-        if vocab < V:
+        dev = self.device
+        bits = self.masker._unpack(buf.to(dev, non_blocking=True), V)
+        if vocab < V:   # past the grammars' vocabulary: banned for grammar rows only
             bits[:, vocab:] = False
-        mask = torch.ones(B * N, V, dtype=torch.bool, device=self.device)
-        src_d = torch.tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
-        dst_d = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
-        mask.index_copy_(0, dst_d, bits.index_select(0, src_d))
+            free = [j * D + i for j, (b, _, _) in enumerate(plan) if seqs[b].constraint.matcher is None
+                    for i in range(D)]
+            if free:
+                bits[to_device(free, torch.long, dev)] = True
+        mask = torch.ones(B * N, V, dtype=torch.bool, device=dev)
+        mask.index_copy_(0, to_device(dst, torch.long, dev), bits.index_select(0, to_device(src, torch.long, dev)))
         if ban_r:
-            idx = torch.tensor([ban_r, ban_t], dtype=torch.long).to(self.device, non_blocking=True)
-            mask.index_put_((idx[0], idx[1]), torch.zeros((), dtype=torch.bool, device=self.device))
+            idx = to_device([ban_r, ban_t], torch.long, dev)
+            mask.index_put_((idx[0], idx[1]), torch.zeros((), dtype=torch.bool, device=dev))
         return mask.view(B, N, V), val_h.to(valid.device)
