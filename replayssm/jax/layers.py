@@ -77,6 +77,7 @@ class Ctx:
     flush: Any = None              # [Bt] bool: this step writes the checkpoint (replay)
     L: int = 0                     # ring capacity
     write_flush: bool = True       # static: False compiles a step that writes no checkpoint
+    unrolled: bool = False         # static: layers unrolled (per-layer weights): windows via updates
 
 
 def _get(p: dict, name: str):
@@ -150,9 +151,12 @@ def _conv_window(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: d
     win = c["win_" + part][i]
     xp = jnp.concatenate([win.astype(cdt), xc.astype(cdt)], 1)
     out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
+    if kd.keeps_window and ctx.unrolled:   # unrolled layers: written with the stage's updates
+        upd["win_" + part] = xp[:, xp.shape[1] - Wm1:].astype(win.dtype)
+        return out, {}, c
     if kd.keeps_window:   # in place, in layer i's slice, ordered after the conv's read (+ 0·Σout)
         new = xp[:, xp.shape[1] - Wm1:] + jnp.sum(out).astype(cdt) * 0.0
-        return out, {}, _set(c, "win_" + part, c["win_" + part].at[i].set(new.astype(win.dtype)))
+        return out, {}, _set(c, "win_" + part, _put_layer(c["win_" + part], i, new))
     return out, {"conv_" + part: xc.astype(win.dtype)}, c
 
 
@@ -200,11 +204,18 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
                 c[name] = c[name].at[:, :, :T].set(v.astype(c[name].dtype))
             else:
                 pos = jnp.minimum(ctx.seq_len[:, None] + jnp.arange(T)[None, :], c[name].shape[2] - 1)
-                c[name] = c[name].at[:, rows, pos].set(v.astype(c[name].dtype))
+                c[name] = c[name].at[:, rows, pos].set(v.astype(c[name].dtype), mode="promise_in_bounds")
         else:                                              # ring entries
             pos = (ctx.start[:, None] + ctx.hist[:, None] + jnp.arange(T)[None, :]) % ctx.L
-            c[name] = c[name].at[:, rows, pos].set(v.astype(c[name].dtype))
+            c[name] = c[name].at[:, rows, pos].set(v.astype(c[name].dtype), mode="promise_in_bounds")
     return c
+
+
+def _put_layer(stack, i, value):
+    """``stack[i] = value`` in place as a plain dynamic-update-slice: ``i`` is a layer index,
+    always in range (``.at[i].set`` keeps the drop-out-of-range rule, which XLA implements by
+    reading the old slice for a select: one more pass over the state every step)."""
+    return lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), i, 0)
 
 
 def _history(c: dict, names, i, ctx: Ctx, cdt):
@@ -224,7 +235,7 @@ def _rewrite_state(c: dict, i, S, y) -> dict:
     ``y`` (``+ 0·Σy``) so that every read of the old state (XLA may re-read it to form ``y``)
     is ordered before the write; otherwise XLA copies the stacked state to keep the old one."""
     S = S + jnp.sum(y).astype(S.dtype) * 0.0
-    return _set(c, "state", c["state"].at[i].set(S.astype(c["state"].dtype)))
+    return _set(c, "state", _put_layer(c["state"], i, S))
 
 
 def _flush_state(c: dict, i, ctx: Ctx, st: Step, S0, y, with_new, committed, upd: dict) -> dict:

@@ -22,6 +22,8 @@ model); the rest is in the model dtype.  Flush rules: decode flushes when ``h + 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -31,7 +33,7 @@ from . import ops
 from .layers import FORMS, MIXERS, Ctx, apply_updates, commit_conv, commit_snapshots, window_of
 from .params import ModelSpec, jnp_dtype
 
-__all__ = ["Cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
+__all__ = ["Cache", "unstack_params", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
            "MODES", "uses_ring"]
 
 #: cache modes (forms) of this backend, from the forms' table: ``("recurrent", "replay")``
@@ -111,9 +113,29 @@ def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: i
     return Cache(z, z, z, stages, mode, L)
 
 
+def unstack_params(params):
+    """``params`` with every stage as a list of per-layer parameter dicts.
+
+    A ``lax.scan`` over stacked weights slices layer ``i``'s weights out of the stack
+    (``dynamic-slice``); a backend that cannot feed a slice to its matrix unit in place
+    (XLA:CPU; XLA:GPU without dynamic-slice fusion) copies every weight each step and then
+    reads the copy: three passes over the weights where one would do.  With per-layer arrays,
+    decode and verify unroll the layers and read each weight where it lies (at the price of a
+    longer compile); prefill stacks them back into one scan (compute-bound, one copy)."""
+    stages = []
+    for p in params["stages"]:
+        if isinstance(p, (list, tuple)):
+            stages.append(list(p))
+            continue
+        n = jax.tree_util.tree_leaves(p)[0].shape[0]
+        stages.append([jax.tree_util.tree_map(lambda a, i=i: a[i], p) for i in range(n)])
+    return {**params, "stages": stages}
+
+
 def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):
-    """All layers of one stage: ``h = res(h) + mixer(norm(h))``, scanned when ``cnt > 1``."""
-    dtype = p["norm"].dtype                      # the model dtype
+    """All layers of one stage: ``h = res(h) + mixer(norm(h))``, scanned when ``cnt > 1`` and
+    the weights are stacked; unrolled over per-layer weights (:func:`unstack_params`)."""
+    dtype = (p[0] if isinstance(p, (list, tuple)) else p)["norm"].dtype   # the model dtype
     mixer = MIXERS[sb.mixer.kind]
     if sb.residual_fp32:
         h = h.astype(ops.compute_dtype(dtype))
@@ -125,7 +147,16 @@ def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):
         out, cc, pend, upd = mixer(pi["mixer"], sb.mixer, x, ctx, cc, i)
         return ((hh + out).astype(hh.dtype), cc), (pend, upd)
 
-    if cnt == 1:
+    if isinstance(p, (list, tuple)) and ctx.kind in ("full", "prefill"):   # compute-bound: one scan
+        p = jax.tree_util.tree_map(lambda *a: jnp.stack(a, 0), *p)
+    if isinstance(p, (list, tuple)):   # per-layer weights (unstack_params): layers unrolled
+        ctx = dataclasses.replace(ctx, unrolled=True)
+        outs = []
+        for i, pi in enumerate(p):
+            (h, c), o = body((h, c), (pi, i))
+            outs.append(o)
+        pend, upd = jax.tree_util.tree_map(lambda *a: jnp.stack(a, 0), *outs)
+    elif cnt == 1:
         (h, c), (pend, upd) = body((h, c), (jax.tree_util.tree_map(lambda a: a[0], p), 0))
         pend, upd = jax.tree_util.tree_map(lambda a: a[None], (pend, upd))
     else:
