@@ -40,9 +40,10 @@ from .hlo_bytes import hlo_bytes
 __all__ = ["abstract_model", "ideal_sizes", "step_costs", "unstack_abstract"]
 
 
-def abstract_model(preset: str = "2.7b", dtype: str = "float32"):
-    """``(spec, params)`` of the random-weight Mamba-2 ``preset`` of ``replayssm bench e2e``,
-    params as ``jax.ShapeDtypeStruct`` (built from a one-layer, small-vocabulary model)."""
+def abstract_model(preset: str = "2.7b", dtype: str = "float32", layers: int | None = None):
+    """``(spec, params)`` of the random-weight Mamba-2 ``preset`` of ``replayssm bench e2e``
+    (``layers`` of them: default the preset's), params as ``jax.ShapeDtypeStruct`` (built from
+    a one-layer, small-vocabulary model)."""
     import torch
 
     from ..bench.e2e import mamba2_preset_config
@@ -52,7 +53,7 @@ def abstract_model(preset: str = "2.7b", dtype: str = "float32"):
     cfg = mamba2_preset_config(preset)
     c = parse_config(dict(cfg, num_hidden_layers=1, vocab_size=64))
     spec, params = from_torch_model(model_class(c)(c, torch.float32, torch.device("cpu")), dtype)
-    Ly, V = cfg["num_hidden_layers"], cfg["vocab_size"]
+    Ly, V = layers or cfg["num_hidden_layers"], cfg["vocab_size"]
 
     def grow(path, a):
         keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
@@ -137,6 +138,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m replayssm.jax.costs", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="2.7b")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--layers", type=int, default=None, help="default: the preset's")
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--modes", default="replay,recurrent")
     p.add_argument("--buffer-size", type=int, default=16)
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.readout:
         ops.set_step_readout(a.readout)
-    spec, params = abstract_model(a.preset, a.dtype)
+    spec, params = abstract_model(a.preset, a.dtype, a.layers)
     if a.unstack:
         params = unstack_abstract(params)
     rows = []

@@ -186,7 +186,9 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
     ``[Ly, Bt, T, ...]`` at ``(start + h + s) % L``, attention K/V at ``seq_len + s``, conv
     windows, and the flushing rows' checkpoints of a single-layer stage (a scatter whose other
     rows' indices are out of range, hence dropped; a stage of several layers writes them in
-    place in the layer, :func:`_flush_state`)."""
+    place in the layer, :func:`_flush_state`).  Unrolled layers (``ctx.unrolled``) send their
+    new conv windows here too (stacked; written whole: one copy of the windows per step,
+    XLA fusing the new window's read of the old one into any in-place write)."""
     if not upd:
         return c
     c = dict(c)
@@ -349,7 +351,7 @@ def _m2_replay(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
     dts, logs = jnp.concatenate([hdt, dt], 1), jnp.concatenate([hl, nl], 1)
     P = jnp.concatenate([jnp.broadcast_to(valid[:, None, :], (Bt, T, ctx.L)),
                          jnp.broadcast_to(_causal(T), (Bt, T, T))], 2)          # [Bt, T, L+T]
-    y = ops.m2_attend(S0, xs, Bs, dts, logs, Cc, P)
+    y = ops.m2_attend(S0, (hx, xc), Bs, dts, logs, Cc, P)
     c = _flush_state(c, i, ctx, st, S0, y, lambda: ops.m2_build_state(S0, xs, Bs, dts, logs, P[:, 0]),
                      lambda: ops.m2_build_state(S0, hx, hB, hdt, hl, valid), upd)
     if st.ring.write:

@@ -169,7 +169,8 @@ def _after(upd: dict, h) -> dict:
     ``h``, so the writes of ``upd`` are ordered after all of them and XLA can update the cache
     in place.  A stage of several layers gets that order from its ``lax.scan``; a single-layer
     stage (hybrids) would otherwise get a copy of each cache array it writes, every step (XLA
-    drops ``optimization_barrier`` before it places copies)."""
+    drops ``optimization_barrier`` before it places copies).  Unrolled layers likewise: nothing
+orders layer ``i``'s reads before the writes of the stage's updates but ``h``."""
     zero = jnp.sum(h.astype(jnp.float32)) * 0.0
     return {k: v + zero.astype(v.dtype) for k, v in upd.items()}
 
@@ -181,8 +182,10 @@ def _trunk(spec: ModelSpec, params, stages_cache, ids, ctx: Ctx):
     new_cache, pends = [], []
     for s, (sb, cnt) in enumerate(spec.stages):
         c = stages_cache[s] if stages_cache is not None else {}
-        h, c, pend, upd = _run_stage(sb, params["stages"][s], c, cnt, h, ctx)
-        if upd and cnt == 1:
+        p = params["stages"][s]
+        unrolled = isinstance(p, (list, tuple)) and ctx.kind not in ("full", "prefill")
+        h, c, pend, upd = _run_stage(sb, p, c, cnt, h, ctx)
+        if upd and (cnt == 1 or unrolled):
             upd = _after(upd, h)
         new_cache.append(apply_updates(c, upd, ctx))
         pends.append(pend)
