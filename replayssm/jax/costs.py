@@ -107,12 +107,14 @@ def ideal_sizes(spec, params, L: int) -> dict:
 
 def step_costs(spec, params, mode: str, B: int, L: int = 16, flush: bool | None = None, top: int = 8) -> dict:
     """Compile one decode step for abstract ``params`` (``ShapeDtypeStruct`` leaves or arrays)
-    and a donated cache of ``B`` rows; ``flush`` (replay) defaults to the loop's common step,
+    and a donated cache of ``B`` rows (per-layer arrays when ``params`` are per layer, as the
+    unrolled loop carries them); ``flush`` (replay) defaults to the loop's common step,
     the one compiled without checkpoint writes.  Returns bytes (``ideal``, ``hlo``, ``xla``),
     ``flops`` and the ``top`` instructions by bytes."""
     flush = (mode == "recurrent") if flush is None else flush
     params = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-    cache = jax.eval_shape(lambda: M.init_cache(spec, B, mode, L, 64))
+    per_layer = isinstance(params["stages"][0], list)   # unrolled layers carry per-layer caches
+    cache = jax.eval_shape(lambda: (M.split_cache if per_layer else (lambda c: c))(M.init_cache(spec, B, mode, L, 64)))
     ids = jax.ShapeDtypeStruct((B,), jnp.int32)
     step = jax.jit(lambda p, c, i: M.decode(spec, p, c, i, flush=flush), donate_argnums=(1,))
     comp = step.lower(params, cache, ids).compile()

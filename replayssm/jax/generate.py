@@ -154,6 +154,8 @@ class _Program:
         B = cfg.batch
         cache = M.init_cache(spec, B, cfg.mode, cfg.buffer_size, cfg.max_seq_len)
         logits, cache = M.prefill(spec, params, cache, ids, lengths)
+        if self.mesh is None and isinstance(params["stages"][0], list):   # unrolled layers: per-layer caches
+            cache = M.split_cache(cache)
         key, sub = split_rows(key)
         z = jnp.zeros((B,), jnp.int32)
         c = {"cache": cache, "out": jnp.zeros((B, cfg.max_out), jnp.int32), "n": z,

@@ -167,7 +167,10 @@ _CONV = {"conv_prefill": _conv_fresh, "conv_prefill_varlen": _conv_fresh,
 
 def commit_conv(win, conv_x, accepted):
     """Stage-wide conv commit: each window becomes the last ``W-1`` of
-    ``[window; x_new[:accepted]]`` (``win [Ly, Bt, W-1, C]``, ``conv_x [Ly, Bt, T, C]``)."""
+    ``[window; x_new[:accepted]]`` (``win [Ly, Bt, W-1, C]`` or a list of per-layer
+    ``[Bt, W-1, C]``, ``conv_x [Ly, Bt, T, C]``)."""
+    if isinstance(win, list):
+        return [commit_conv(w[None], conv_x[l][None], accepted)[0] for l, w in enumerate(win)]
     Wm1 = win.shape[2]
     xp = jnp.concatenate([win, conv_x.astype(win.dtype)], 2)
     idx = accepted[None, :, None, None] + jnp.arange(Wm1)[None, None, :, None]
@@ -196,6 +199,9 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
     Bt, T = any_v.shape[1], ctx.T
     rows = _rows(Bt)
     for name, v in upd.items():
+        if isinstance(c.get(name), list):   # per-layer arrays (model.split_cache): each layer's buffer
+            c[name] = [_write_layer(name, a, v[l], ctx, rows, T) for l, a in enumerate(c[name])]
+            continue
         if name == "state" or name.startswith("win_"):     # every row's value is new
             c[name] = v.astype(c[name].dtype)
         elif name == "flush_state":                        # single-layer stage: flushing rows only
@@ -213,10 +219,25 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
     return c
 
 
+def _write_layer(name: str, a, v, ctx: Ctx, rows, T: int):
+    """One layer's array ``a [Bt, ...]`` after the step's update ``v`` (:func:`apply_updates`)."""
+    if name == "state" or name.startswith("win_"):
+        return v.astype(a.dtype)
+    if name in ("k", "v"):
+        if _fresh(KINDS[ctx.kind]):
+            return a.at[:, :T].set(v.astype(a.dtype))
+        pos = jnp.minimum(ctx.seq_len[:, None] + jnp.arange(T)[None, :], a.shape[1] - 1)
+        return a.at[rows, pos].set(v.astype(a.dtype), mode="promise_in_bounds")
+    pos = (ctx.start[:, None] + ctx.hist[:, None] + jnp.arange(T)[None, :]) % ctx.L
+    return a.at[rows, pos].set(v.astype(a.dtype), mode="promise_in_bounds")
+
+
 def _put_layer(stack, i, value):
     """``stack[i] = value`` in place as a plain dynamic-update-slice: ``i`` is a layer index,
     always in range (``.at[i].set`` keeps the drop-out-of-range rule, which XLA implements by
     reading the old slice for a select: one more pass over the state every step)."""
+    if isinstance(stack, list):   # per-layer arrays (model.split_cache): the layer's own buffer
+        return stack[:i] + [value.astype(stack[i].dtype)] + stack[i + 1:]
     return lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), i, 0)
 
 
@@ -236,7 +257,8 @@ def _rewrite_state(c: dict, i, S, y) -> dict:
     """Recurrent form: ``state[i] = S`` in place.  ``S`` is made data-dependent on the output
     ``y`` (``+ 0·Σy``) so that every read of the old state (XLA may re-read it to form ``y``)
     is ordered before the write; otherwise XLA copies the stacked state to keep the old one."""
-    S = S + jnp.sum(y).astype(S.dtype) * 0.0
+    if not isinstance(c["state"], list):   # a layer's own buffer needs no ordering (per-layer caches)
+        S = S + jnp.sum(y).astype(S.dtype) * 0.0
     return _set(c, "state", _put_layer(c["state"], i, S))
 
 
@@ -253,7 +275,7 @@ def _flush_state(c: dict, i, ctx: Ctx, st: Step, S0, y, with_new, committed, upd
     if not (st.state.flush and ctx.write_flush):
         return c
     S = (with_new if st.state.with_new else committed)()
-    if c["state"].shape[0] == 1:
+    if not isinstance(c["state"], list) and c["state"].shape[0] == 1:
         upd["flush_state"] = S
         return c
     keep = ctx.flush.reshape((-1,) + (1,) * (S.ndim - 1))
@@ -449,12 +471,12 @@ def _gdn_replay(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
     r = ops.gdn_readout(S0, hu, hk, w, tot, jnp.concatenate([kn, qn], 1))   # S_h k_s, S_h q_s
     G = jnp.cumsum(gc, 1)
     U, y = ops.gdn_block(r[:, :T], r[:, T:], qn, kn, vc, G, bc, _causal(T))
-    ring_dt = c["ru"].dtype
+    ring_dt = c["ru"][0].dtype
 
     def with_new():   # S_{h+1} = e^g S_h + k ⊗ u (u as the ring keeps it)
         Sh = ops.gdn_build_state(S0, hu, hk, w, tot)
         u_s = U[:, 0].astype(ring_dt).astype(cdt)
-        k_s = jnp.repeat(kn[:, 0].astype(c["rk"].dtype).astype(cdt), HV // sp.H, axis=1)
+        k_s = jnp.repeat(kn[:, 0].astype(c["rk"][0].dtype).astype(cdt), HV // sp.H, axis=1)
         return jnp.exp(gc[:, 0])[..., None, None] * Sh + k_s[..., :, None] * u_s[..., None, :]
 
     c = _flush_state(c, i, ctx, st, S0, y, with_new, lambda: ops.gdn_build_state(S0, hu, hk, w, tot), upd)
@@ -475,7 +497,9 @@ FORMS = tuple(f for f in dict.fromkeys(f for f, _ in STEPS)
 
 def commit_snapshots(state, snap, accepted):
     """Snapshot-baseline commit: ``state = snap[a - 1]`` on rows with ``a > 0``
-    (``state [Ly, Bt, ...]``, ``snap [Ly, Bt, T, ...]``)."""
+    (``state [Ly, Bt, ...]`` or a list of per-layer ``[Bt, ...]``, ``snap [Ly, Bt, T, ...]``)."""
+    if isinstance(state, list):
+        return [commit_snapshots(s_[None], snap[l][None], accepted)[0] for l, s_ in enumerate(state)]
     T = snap.shape[2]
     idx = jnp.clip(accepted - 1, 0, T - 1)
     pick = jnp.take_along_axis(snap, idx.reshape((1, -1, 1) + (1,) * (snap.ndim - 3)), axis=2)[:, :, 0]
@@ -545,7 +569,7 @@ def attention(p, sp, x, ctx: Ctx, c: dict, i):
             causal = causal & (t[None, None, :] < ctx.lengths[:, None, None])
         o = _attend(q, [(k, v)], causal, Hkv)
     else:
-        S = c["k"].shape[2]
+        S = c["k"][i].shape[1]
         committed = jnp.broadcast_to(jnp.arange(S)[None, None, :] < ctx.seq_len[:, None, None], (Bt, T, S))
         o = _attend(q, [(c["k"][i], c["v"][i]), (k, v)], jnp.concatenate([committed, causal], 2), Hkv)
     upd = {"k": k, "v": v} if kd.cached else {}

@@ -33,7 +33,7 @@ from . import ops
 from .layers import FORMS, MIXERS, Ctx, apply_updates, commit_conv, commit_snapshots, window_of
 from .params import ModelSpec, jnp_dtype
 
-__all__ = ["Cache", "unstack_params", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
+__all__ = ["Cache", "unstack_params", "split_cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
            "MODES", "uses_ring"]
 
 #: cache modes (forms) of this backend, from the forms' table: ``("recurrent", "replay")``
@@ -130,6 +130,17 @@ def unstack_params(params):
         n = jax.tree_util.tree_leaves(p)[0].shape[0]
         stages.append([jax.tree_util.tree_map(lambda a, i=i: a[i], p) for i in range(n)])
     return {**params, "stages": stages}
+
+
+def split_cache(cache: Cache) -> Cache:
+    """``cache`` with every stacked per-layer array ``[Ly, ...]`` as a list of ``Ly`` arrays.
+
+    For unrolled layers (:func:`unstack_params`): each layer reads and rewrites its own
+    buffers, so no step slices a layer out of a stack (a slice a backend may copy before a
+    matmul reads it) or writes one back into it.  Every function of this module takes such a
+    cache from a decode or verify step on; a prefill needs the stacked one."""
+    return cache.replace(stages=[{k: [a[l] for l in range(a.shape[0])] for k, a in c.items()}
+                                 for c in cache.stages])
 
 
 def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):

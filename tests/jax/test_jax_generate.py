@@ -91,8 +91,9 @@ def test_greedy_tokens_match_torch_engine(hf_model_dir, name, dtype, mode, metho
                                               ("qwen3_next", "replay", None)])
 def test_unrolled_layers_match_torch_engine(hf_model_dir, name, mode, method):
     """``layer_loop="unroll"`` (per-layer weights, layers unrolled in decode / verify, prefill
-    stacked back into a scan): the engine's greedy tokens, and the same cache as the scan
-    after a prefill and two decode steps (states, windows, ring: every array)."""
+    stacked back into a scan; per-layer cache arrays in the loop): the engine's greedy tokens,
+    and the same logits and cache as the scan after a prefill and four decode steps (through a
+    flush), with stacked and with per-layer caches (states, windows, ring, K/V: every array)."""
     from replayssm.jax import model as M
 
     path = hf_model_dir(name)
@@ -104,19 +105,25 @@ def test_unrolled_layers_match_torch_engine(hf_model_dir, name, mode, method):
     ids = jnp.asarray([[3, 5, 7, 3, 5], [1, 2, 9, 0, 0]], jnp.int32)
     lengths = jnp.asarray([5, 3], jnp.int32)
     caches = []
-    for p in (scan.params, llm.params):
+    for p, split in ((scan.params, False), (llm.params, False), (llm.params, True)):
         c = M.init_cache(scan.spec, 2, mode, 4, 32, fill=float("nan"))
         lg, c = M.prefill(scan.spec, p, c, ids, lengths)
+        if split:   # per-layer cache arrays (as the unrolled loop carries them)
+            c = M.split_cache(c)
+            assert isinstance(c.stages[0]["state"], list)
         outs = [lg]
         for t in (4, 6, 8, 1):     # through a flush of the 4-entry ring
             lg, c = M.decode(scan.spec, p, c, jnp.asarray([t, t + 1], jnp.int32))
             outs.append(lg)
+        if split:
+            c = c.replace(stages=[{k: jnp.stack(v) for k, v in st.items()} for st in c.stages])
         caches.append((outs, c))
-    (o1, c1), (o2, c2) = caches
-    for a, b in zip(o1, o2):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-12, atol=1e-12)
-    for a, b in zip(jax.tree_util.tree_leaves(c1), jax.tree_util.tree_leaves(c2)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-12, atol=1e-12)
+    (o1, c1) = caches[0]
+    for o2, c2 in caches[1:]:
+        for a, b in zip(o1, o2):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-12, atol=1e-12)
+        for a, b in zip(jax.tree_util.tree_leaves(c1), jax.tree_util.tree_leaves(c2)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name,dtype", [("mamba2_opts", "float64"), ("nemotron_h_opts", "float64"),
