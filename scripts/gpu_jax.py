@@ -223,7 +223,9 @@ def single(args, run: Run):
                                "tokens_match_torch": match,
                                "jax_reduce_tok_s": red and red["tok_s"],
                                "reduce_ratio": red and red["tok_s"] / r["decode_tokens_per_s"],
-                               "reduce_tokens_match_dot": red and red["match_dot"], "variant": args.variant,
+                               "reduce_tokens_match_dot": red and red["match_dot"],
+                               "variant": args.variant if args.variant != "unroll" else
+                               ("scan" if args.layer_loop == "unroll" else "unroll"),
                                "variant_first_call_s": red and red["first_call_s"],
                                "step_hlo_bytes": cost and cost["hlo"], "step_ideal_bytes": cost and cost["ideal"],
                                "step_xla_bytes": cost and cost["xla"], "step_top": cost and cost["top"]})
@@ -234,7 +236,7 @@ def single(args, run: Run):
             for mode in args.modes.split(","):
                 if run.left(f"decode {mode} B={B}"):
                     decode(mode, B)
-        for shape in args.prefill_shapes.split(","):
+        for shape in [s for s in args.prefill_shapes.split(",") if s]:   # "": no prefill
             B, T = (int(v) for v in shape.split("x"))
             if not run.left(f"prefill {shape}"):
                 continue
