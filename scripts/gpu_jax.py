@@ -14,8 +14,9 @@ One GPU (about 4 minutes; ``--time-budget`` skips what is left and still prints 
   the flush's state write every ``L`` steps) times JAX steps/s, over the copy bandwidth
   measured here (``y = x + 1`` on a 2 GiB array: 2 bytes moved per byte);
 * one variant against the default at B = 1 and 64 (``--variant``): ``unroll`` (the default:
-  ``JaxLLM(layer_loop="unroll")``, per-layer weights read in place instead of sliced out of
-  the stacked scan weights) or ``reduce`` (``replayssm.jax.ops.set_step_readout``: outputs
+  the other layer loop than ``--layer-loop``'s, i.e. ``JaxLLM(layer_loop="unroll")``, per-layer
+  weights and caches read in place instead of sliced out of stacked arrays; its first call
+  compiles every layer, so it takes longer) or ``reduce`` (``replayssm.jax.ops.set_step_readout``: outputs
   read from the old state beside the update): tokens/s over the engine's, and its greedy
   tokens against the default's;
 * with ``--cost-analysis``: per decode row, the bytes of one compiled decode step as XLA
