@@ -257,7 +257,8 @@ def _rewrite_state(c: dict, i, S, y) -> dict:
     """Recurrent form: ``state[i] = S`` in place.  ``S`` is made data-dependent on the output
     ``y`` (``+ 0·Σy``) so that every read of the old state (XLA may re-read it to form ``y``)
     is ordered before the write; otherwise XLA copies the stacked state to keep the old one."""
-    if not isinstance(c["state"], list):   # a layer's own buffer needs no ordering (per-layer caches)
+    # a layer's own buffer (per-layer caches) needs the order only when y reads the old state
+    if not isinstance(c["state"], list) or ops.step_readout() == "reduce":
         S = S + jnp.sum(y).astype(S.dtype) * 0.0
     return _set(c, "state", _put_layer(c["state"], i, S))
 

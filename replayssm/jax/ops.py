@@ -50,6 +50,11 @@ def set_step_readout(kind: str) -> None:
     _step_readout = kind
 
 
+def step_readout() -> str:
+    """The :data:`STEP_READOUTS` entry programs traced now use."""
+    return _step_readout
+
+
 def compute_dtype(dtype):
     """float64 stays float64; every other dtype computes in float32."""
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
