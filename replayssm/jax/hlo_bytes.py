@@ -136,10 +136,20 @@ def _fusion_bytes(ins: _Instr, fused: list, by_name: dict) -> int:
             base = fb[base.operands[0]]
         tgt = base.operands[0] if base.op in ("dynamic-update-slice", "scatter") and base.operands else None
         total += inplace[tgt] if tgt in inplace else o.nbytes
+    def through_bitcasts(name):   # (user, the operand it reads) of a value, through bitcasts
+        out = []
+        for u in users.get(name, []):
+            out.extend(through_bitcasts(u.name) if u.op == "bitcast" else [(u, name)])
+        return out
+
     for f in fused:
         if f.op != "parameter":
             continue
         us = users.get(f.name, [])
+        viewed = through_bitcasts(f.name)
+        if f.name not in inplace and viewed and all(u.op in _SLICERS and u.operands[0] == src for u, src in viewed):
+            total += sum(u.nbytes for u, _ in viewed)   # only the slices are read
+            continue
         if f.name in inplace and all(u.op in ("dynamic-update-slice", "scatter", "dynamic-slice") and u.operands[0] == f.name
                                      for u in us):
             total += sum(u.nbytes for u in us if u.op == "dynamic-slice")   # read-modify-write of the slice

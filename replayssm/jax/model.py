@@ -162,11 +162,16 @@ def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):
         p = jax.tree_util.tree_map(lambda *a: jnp.stack(a, 0), *p)
     if isinstance(p, (list, tuple)):   # per-layer weights (unstack_params): layers unrolled
         ctx = dataclasses.replace(ctx, unrolled=True)
-        outs = []
+        outs, wins = [], []
         for i, pi in enumerate(p):
-            (h, c), o = body((h, c), (pi, i))
-            outs.append(o)
+            (h, c), (pe, up) = body((h, c), (pi, i))
+            if up and isinstance(c.get(next(iter(up))), list):   # per-layer caches: windows written here
+                wins.append({k: up.pop(k) for k in [k for k in up if k.startswith("win_")]})
+            outs.append((pe, up))
         pend, upd = jax.tree_util.tree_map(lambda *a: jnp.stack(a, 0), *outs)
+        for i, w in enumerate(wins):   # each layer's own buffer: no stacked copy of every window
+            for k, v in w.items():
+                c = {**c, k: c[k][:i] + [v.astype(c[k][i].dtype)] + c[k][i + 1:]}
     elif cnt == 1:
         (h, c), (pend, upd) = body((h, c), (jax.tree_util.tree_map(lambda a: a[0], p), 0))
         pend, upd = jax.tree_util.tree_map(lambda a: a[None], (pend, upd))
