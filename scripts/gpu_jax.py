@@ -13,9 +13,14 @@ One GPU (about 4 minutes; ``--time-budget`` skips what is left and still prints 
   checkpoint ``S0`` read, the ring read at its mean fill ``(L-1)/2`` and one entry written,
   the flush's state write every ``L`` steps) times JAX steps/s, over the copy bandwidth
   measured here (``y = x + 1`` on a 2 GiB array: 2 bytes moved per byte);
-* the ``reduce`` step readout (``replayssm.jax.ops.set_step_readout``: outputs read from the
-  old state beside the update, one pass when XLA fuses them) against the default ``dot`` at
-  B = 1 and 64: tokens/s over the engine's, and its greedy tokens against ``dot``'s;
+* one variant against the default at B = 1 and 64 (``--variant``): ``unroll`` (the default:
+  the other layer loop than ``--layer-loop``'s, i.e. ``JaxLLM(layer_loop="unroll")``, per-layer
+  weights and caches read in place instead of sliced out of stacked arrays; its first call
+  compiles every layer, so it takes longer) or ``reduce`` (``replayssm.jax.ops.set_step_readout``: outputs
+  read from the old state beside the update): tokens/s over the engine's, and its greedy
+  tokens against the default's;
+* with ``--cost-analysis``: per decode row, the bytes of one compiled decode step as XLA
+  compiles it here (``replayssm.jax.costs``: optimized HLO, loops counted) beside the ideal;
 * prefill tokens/s with final states written at 16x512 and 64x256 (engine ``model.prefill``
   vs ``jax.jit`` of the JAX prefill, SSD chunk 64 and 128, the better kept), and MFU
   (``2 · params · tokens / s`` over the card's dense bf16 peak, 989 TFLOP/s for H100/H200).
@@ -62,6 +67,11 @@ def _args():
     p.add_argument("--prefill-shapes", default="16x512,64x256")
     p.add_argument("--prefill-chunks", default="64,128")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--layer-loop", default="scan", choices=("scan", "unroll"), help="the JAX runs' layer loop")
+    p.add_argument("--variant", default="unroll", choices=("unroll", "reduce", "none"),
+                   help="timed against the default at B = 1 and 64")
+    p.add_argument("--cost-analysis", action="store_true",
+                   help="compile each decode step abstractly and print its HLO bytes beside the ideal")
     p.add_argument("--time-budget", type=float, default=210.0, help="seconds; later measurements are skipped")
     return p.parse_args()
 
@@ -123,8 +133,9 @@ def _sizes(spec, params, L: int) -> dict:
     return {"weights": wbytes, "recurrent_row": rec, "replay_row": rep, "state_row": st}
 
 
-def _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, tp=1):
-    llm = JaxLLM((spec, params), decode_mode=mode, buffer_size=args.buffer_size, chunk_size=64, tensor_parallel_size=tp)
+def _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, tp=1, layer_loop=None):
+    llm = JaxLLM((spec, params), decode_mode=mode, buffer_size=args.buffer_size, chunk_size=64, tensor_parallel_size=tp,
+                 layer_loop=layer_loop or args.layer_loop)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     t = time.perf_counter()
     out = llm.generate(prompts, sp)
@@ -148,6 +159,7 @@ def single(args, run: Run):
     from replayssm.bench.common import free_memory
     from replayssm.jax import model as M
     from replayssm.jax import ops
+    from replayssm.jax.costs import step_costs
     from replayssm.jax.generate import JaxLLM, _with_chunk
     from replayssm.jax.params import from_torch_model
     from replayssm.models import load_model
@@ -185,14 +197,22 @@ def single(args, run: Run):
                 match = same / sum(len(o.token_ids) for o in ref)
                 free_memory(device)
             red = None
-            if B in (1, 64) and run.left(f"reduce readout {mode} B={B}"):   # the variant (replayssm.jax.ops)
-                ops.set_step_readout("reduce")
-                try:
-                    red = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args)
-                finally:
-                    ops.set_step_readout("dot")
+            if args.variant != "none" and B in (1, 64) and run.left(f"{args.variant} {mode} B={B}"):
+                if args.variant == "reduce":   # the step readout (replayssm.jax.ops)
+                    ops.set_step_readout("reduce")
+                    try:
+                        red = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args)
+                    finally:
+                        ops.set_step_readout("dot")
+                else:                          # the other layer loop
+                    other = "unroll" if args.layer_loop == "scan" else "scan"
+                    red = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, layer_loop=other)
                 same = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(red["tokens"], j["tokens"]))
                 red["match_dot"] = same / sum(len(x) for x in j["tokens"])
+            cost = None
+            if args.cost_analysis and run.left(f"cost analysis {mode} B={B}"):
+                p = params if args.layer_loop == "scan" else M.unstack_params(params)
+                cost = step_costs(spec, p, mode, B, args.buffer_size, top=3)
             row_bytes = sizes[f"{mode}_row"]
             step_bytes = sizes["weights"] + B * row_bytes
             steps_s = j["tok_s"] / B
@@ -204,7 +224,12 @@ def single(args, run: Run):
                                "tokens_match_torch": match,
                                "jax_reduce_tok_s": red and red["tok_s"],
                                "reduce_ratio": red and red["tok_s"] / r["decode_tokens_per_s"],
-                               "reduce_tokens_match_dot": red and red["match_dot"]})
+                               "reduce_tokens_match_dot": red and red["match_dot"],
+                               "variant": args.variant if args.variant != "unroll" else
+                               ("scan" if args.layer_loop == "unroll" else "unroll"),
+                               "variant_first_call_s": red and red["first_call_s"],
+                               "step_hlo_bytes": cost and cost["hlo"], "step_ideal_bytes": cost and cost["ideal"],
+                               "step_xla_bytes": cost and cost["xla"], "step_top": cost and cost["top"]})
 
         batches = [int(b) for b in args.batch_sizes.split(",")]
         first, later = [b for b in batches if b in (1, 64)], [b for b in batches if b not in (1, 64)]
@@ -212,7 +237,7 @@ def single(args, run: Run):
             for mode in args.modes.split(","):
                 if run.left(f"decode {mode} B={B}"):
                     decode(mode, B)
-        for shape in args.prefill_shapes.split(","):
+        for shape in [s for s in args.prefill_shapes.split(",") if s]:   # "": no prefill
             B, T = (int(v) for v in shape.split("x"))
             if not run.left(f"prefill {shape}"):
                 continue
@@ -295,12 +320,14 @@ def _table(res: dict):
         print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s; weights {res['sizes']['weights'] / 1e9:.2f} GB/step")
     if res["decode"]:
         print(f"{'mode':<10}{'B':>4}{'torch tok/s':>13}{'jax tok/s':>11}{'jax/torch':>10}{'jax %copy':>10}"
-              f"{'torch %copy':>12}{'match':>7}  {'reduce/torch (tokens = dot)':<28}")
+              f"{'torch %copy':>12}{'match':>7}  {'variant/torch (tokens = default)':<33}{'HLO GB/step (ideal)':<20}")
         for r in res["decode"]:
             m = "-" if r["tokens_match_torch"] is None else f"{r['tokens_match_torch']:.2f}"
             red = "-" if not r.get("reduce_ratio") else f"{r['reduce_ratio']:.2f}x ({r['reduce_tokens_match_dot']:.2f})"
+            red = red if red == "-" else f"{r.get('variant', 'reduce')} {red}"
+            hb = "-" if not r.get("step_hlo_bytes") else f"{r['step_hlo_bytes'] / 1e9:.2f} ({r['step_ideal_bytes'] / 1e9:.2f})"
             print(f"{r['mode']:<10}{r['batch']:>4}{r['torch_tok_s']:>13.0f}{r['jax_tok_s']:>11.0f}{r['ratio']:>9.2f}x"
-                  f"{100 * r['jax_bw_frac']:>9.0f}%{100 * r['torch_bw_frac']:>11.0f}%{m:>7}  {red:<28}")
+                  f"{100 * r['jax_bw_frac']:>9.0f}%{100 * r['torch_bw_frac']:>11.0f}%{m:>7}  {red:<33}{hb:<20}")
     if res["prefill"]:
         print(f"{'prefill':<9}{'torch tok/s':>13}{'jax tok/s':>11}{'jax/torch':>10}{'chunk':>6}{'torch MFU':>10}{'jax MFU':>9}")
         for r in res["prefill"]:

@@ -53,7 +53,10 @@ from .shard import constrain_cache, fold_norms, make_mesh, shard_params
 from .sampling import (accept_chain, accept_greedy, constrain, ngram_propose, penalize, sample, split_rows,
                        token_logprobs, transform, uniform_rows)
 
-__all__ = ["JaxLLM", "GenerateConfig"]
+__all__ = ["JaxLLM", "GenerateConfig", "LAYER_LOOPS"]
+
+#: how the decode loop runs a stage's layers (:class:`JaxLLM` ``layer_loop``)
+LAYER_LOOPS = ("scan", "unroll")
 
 
 def _round_up(x: int, m: int) -> int:
@@ -151,6 +154,8 @@ class _Program:
         B = cfg.batch
         cache = M.init_cache(spec, B, cfg.mode, cfg.buffer_size, cfg.max_seq_len)
         logits, cache = M.prefill(spec, params, cache, ids, lengths)
+        if self.mesh is None and isinstance(params["stages"][0], list):   # unrolled layers: per-layer caches
+            cache = M.split_cache(cache)
         key, sub = split_rows(key)
         z = jnp.zeros((B,), jnp.int32)
         c = {"cache": cache, "out": jnp.zeros((B, cfg.max_out), jnp.int32), "n": z,
@@ -353,11 +358,17 @@ class JaxLLM:
     (batch, padded prompt length, output length, sampling flags).
     ``tensor_parallel_size=N`` shards heads, MLPs and experts over the first ``N`` devices
     with ``jax.sharding`` (:mod:`replayssm.jax.shard`; the compiler inserts the collectives).
+    ``layer_loop``: ``"scan"`` (one ``lax.scan`` over each stage's stacked weights: short
+    compiles) or ``"unroll"`` (per-layer weights, :func:`replayssm.jax.model.unstack_params`:
+    decode and verify read each weight in place instead of through a sliced copy, at the price
+    of a compile per layer).
     """
 
     def __init__(self, model, dtype: str = "float32", decode_mode: str = "replay", buffer_size: int = 16,
                  speculative=None, max_seq_len: int | None = None, chunk_size: int | None = None,
-                 seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1):
+                 seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1, layer_loop: str = "scan"):
+        if layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
         mesh = make_mesh(tensor_parallel_size)   # validates the size and the device count
         self.mesh = mesh if tensor_parallel_size > 1 else None
         if decode_mode not in M.MODES:
@@ -409,6 +420,11 @@ class JaxLLM:
             if self.dparams is not None:
                 self.dparams = shard_params(self.dspec, self.dparams, self.mesh)
                 self.dspec = fold_norms(self.dspec)
+        self.layer_loop = layer_loop
+        if layer_loop == "unroll":   # per-layer weights: decode / verify unroll the layers
+            self.params = M.unstack_params(self.params)
+            if self.dparams is not None:
+                self.dparams = M.unstack_params(self.dparams)
         self._programs: dict = {}
         self.last_stats: dict = {}
 

@@ -77,6 +77,7 @@ class Ctx:
     flush: Any = None              # [Bt] bool: this step writes the checkpoint (replay)
     L: int = 0                     # ring capacity
     write_flush: bool = True       # static: False compiles a step that writes no checkpoint
+    unrolled: bool = False         # static: layers unrolled (per-layer weights): windows via updates
 
 
 def _get(p: dict, name: str):
@@ -150,9 +151,12 @@ def _conv_window(kd: Kind, w, b, Wm1: int, cdt, xc, ctx: Ctx, c: dict, i, upd: d
     win = c["win_" + part][i]
     xp = jnp.concatenate([win.astype(cdt), xc.astype(cdt)], 1)
     out = ops.conv_over(xp, w, b, True).astype(xc.dtype)
+    if kd.keeps_window and ctx.unrolled:   # unrolled layers: written with the stage's updates
+        upd["win_" + part] = xp[:, xp.shape[1] - Wm1:].astype(win.dtype)
+        return out, {}, c
     if kd.keeps_window:   # in place, in layer i's slice, ordered after the conv's read (+ 0·Σout)
         new = xp[:, xp.shape[1] - Wm1:] + jnp.sum(out).astype(cdt) * 0.0
-        return out, {}, _set(c, "win_" + part, c["win_" + part].at[i].set(new.astype(win.dtype)))
+        return out, {}, _set(c, "win_" + part, _put_layer(c["win_" + part], i, new))
     return out, {"conv_" + part: xc.astype(win.dtype)}, c
 
 
@@ -163,7 +167,10 @@ _CONV = {"conv_prefill": _conv_fresh, "conv_prefill_varlen": _conv_fresh,
 
 def commit_conv(win, conv_x, accepted):
     """Stage-wide conv commit: each window becomes the last ``W-1`` of
-    ``[window; x_new[:accepted]]`` (``win [Ly, Bt, W-1, C]``, ``conv_x [Ly, Bt, T, C]``)."""
+    ``[window; x_new[:accepted]]`` (``win [Ly, Bt, W-1, C]`` or a list of per-layer
+    ``[Bt, W-1, C]``, ``conv_x [Ly, Bt, T, C]``)."""
+    if isinstance(win, list):
+        return [commit_conv(w[None], conv_x[l][None], accepted)[0] for l, w in enumerate(win)]
     Wm1 = win.shape[2]
     xp = jnp.concatenate([win, conv_x.astype(win.dtype)], 2)
     idx = accepted[None, :, None, None] + jnp.arange(Wm1)[None, None, :, None]
@@ -182,7 +189,9 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
     ``[Ly, Bt, T, ...]`` at ``(start + h + s) % L``, attention K/V at ``seq_len + s``, conv
     windows, and the flushing rows' checkpoints of a single-layer stage (a scatter whose other
     rows' indices are out of range, hence dropped; a stage of several layers writes them in
-    place in the layer, :func:`_flush_state`)."""
+    place in the layer, :func:`_flush_state`).  Unrolled layers (``ctx.unrolled``) send their
+    new conv windows here too (stacked; written whole: one copy of the windows per step,
+    XLA fusing the new window's read of the old one into any in-place write)."""
     if not upd:
         return c
     c = dict(c)
@@ -190,6 +199,9 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
     Bt, T = any_v.shape[1], ctx.T
     rows = _rows(Bt)
     for name, v in upd.items():
+        if isinstance(c.get(name), list):   # per-layer arrays (model.split_cache): each layer's buffer
+            c[name] = [_write_layer(name, a, v[l], ctx, rows, T) for l, a in enumerate(c[name])]
+            continue
         if name == "state" or name.startswith("win_"):     # every row's value is new
             c[name] = v.astype(c[name].dtype)
         elif name == "flush_state":                        # single-layer stage: flushing rows only
@@ -200,11 +212,33 @@ def apply_updates(c: dict, upd: dict, ctx: Ctx) -> dict:
                 c[name] = c[name].at[:, :, :T].set(v.astype(c[name].dtype))
             else:
                 pos = jnp.minimum(ctx.seq_len[:, None] + jnp.arange(T)[None, :], c[name].shape[2] - 1)
-                c[name] = c[name].at[:, rows, pos].set(v.astype(c[name].dtype))
+                c[name] = c[name].at[:, rows, pos].set(v.astype(c[name].dtype), mode="promise_in_bounds")
         else:                                              # ring entries
             pos = (ctx.start[:, None] + ctx.hist[:, None] + jnp.arange(T)[None, :]) % ctx.L
-            c[name] = c[name].at[:, rows, pos].set(v.astype(c[name].dtype))
+            c[name] = c[name].at[:, rows, pos].set(v.astype(c[name].dtype), mode="promise_in_bounds")
     return c
+
+
+def _write_layer(name: str, a, v, ctx: Ctx, rows, T: int):
+    """One layer's array ``a [Bt, ...]`` after the step's update ``v`` (:func:`apply_updates`)."""
+    if name == "state" or name.startswith("win_"):
+        return v.astype(a.dtype)
+    if name in ("k", "v"):
+        if _fresh(KINDS[ctx.kind]):
+            return a.at[:, :T].set(v.astype(a.dtype))
+        pos = jnp.minimum(ctx.seq_len[:, None] + jnp.arange(T)[None, :], a.shape[1] - 1)
+        return a.at[rows, pos].set(v.astype(a.dtype), mode="promise_in_bounds")
+    pos = (ctx.start[:, None] + ctx.hist[:, None] + jnp.arange(T)[None, :]) % ctx.L
+    return a.at[rows, pos].set(v.astype(a.dtype), mode="promise_in_bounds")
+
+
+def _put_layer(stack, i, value):
+    """``stack[i] = value`` in place as a plain dynamic-update-slice: ``i`` is a layer index,
+    always in range (``.at[i].set`` keeps the drop-out-of-range rule, which XLA implements by
+    reading the old slice for a select: one more pass over the state every step)."""
+    if isinstance(stack, list):   # per-layer arrays (model.split_cache): the layer's own buffer
+        return stack[:i] + [value.astype(stack[i].dtype)] + stack[i + 1:]
+    return lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), i, 0)
 
 
 def _history(c: dict, names, i, ctx: Ctx, cdt):
@@ -223,8 +257,10 @@ def _rewrite_state(c: dict, i, S, y) -> dict:
     """Recurrent form: ``state[i] = S`` in place.  ``S`` is made data-dependent on the output
     ``y`` (``+ 0·Σy``) so that every read of the old state (XLA may re-read it to form ``y``)
     is ordered before the write; otherwise XLA copies the stacked state to keep the old one."""
-    S = S + jnp.sum(y).astype(S.dtype) * 0.0
-    return _set(c, "state", c["state"].at[i].set(S.astype(c["state"].dtype)))
+    # a layer's own buffer (per-layer caches) needs the order only when y reads the old state
+    if not isinstance(c["state"], list) or ops.step_readout() == "reduce":
+        S = S + jnp.sum(y).astype(S.dtype) * 0.0
+    return _set(c, "state", _put_layer(c["state"], i, S))
 
 
 def _flush_state(c: dict, i, ctx: Ctx, st: Step, S0, y, with_new, committed, upd: dict) -> dict:
@@ -240,7 +276,7 @@ def _flush_state(c: dict, i, ctx: Ctx, st: Step, S0, y, with_new, committed, upd
     if not (st.state.flush and ctx.write_flush):
         return c
     S = (with_new if st.state.with_new else committed)()
-    if c["state"].shape[0] == 1:
+    if not isinstance(c["state"], list) and c["state"].shape[0] == 1:
         upd["flush_state"] = S
         return c
     keep = ctx.flush.reshape((-1,) + (1,) * (S.ndim - 1))
@@ -338,7 +374,7 @@ def _m2_replay(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
     dts, logs = jnp.concatenate([hdt, dt], 1), jnp.concatenate([hl, nl], 1)
     P = jnp.concatenate([jnp.broadcast_to(valid[:, None, :], (Bt, T, ctx.L)),
                          jnp.broadcast_to(_causal(T), (Bt, T, T))], 2)          # [Bt, T, L+T]
-    y = ops.m2_attend(S0, xs, Bs, dts, logs, Cc, P)
+    y = ops.m2_attend(S0, (hx, xc), Bs, dts, logs, Cc, P)
     c = _flush_state(c, i, ctx, st, S0, y, lambda: ops.m2_build_state(S0, xs, Bs, dts, logs, P[:, 0]),
                      lambda: ops.m2_build_state(S0, hx, hB, hdt, hl, valid), upd)
     if st.ring.write:
@@ -436,12 +472,12 @@ def _gdn_replay(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
     r = ops.gdn_readout(S0, hu, hk, w, tot, jnp.concatenate([kn, qn], 1))   # S_h k_s, S_h q_s
     G = jnp.cumsum(gc, 1)
     U, y = ops.gdn_block(r[:, :T], r[:, T:], qn, kn, vc, G, bc, _causal(T))
-    ring_dt = c["ru"].dtype
+    ring_dt = c["ru"][0].dtype
 
     def with_new():   # S_{h+1} = e^g S_h + k ⊗ u (u as the ring keeps it)
         Sh = ops.gdn_build_state(S0, hu, hk, w, tot)
         u_s = U[:, 0].astype(ring_dt).astype(cdt)
-        k_s = jnp.repeat(kn[:, 0].astype(c["rk"].dtype).astype(cdt), HV // sp.H, axis=1)
+        k_s = jnp.repeat(kn[:, 0].astype(c["rk"][0].dtype).astype(cdt), HV // sp.H, axis=1)
         return jnp.exp(gc[:, 0])[..., None, None] * Sh + k_s[..., :, None] * u_s[..., None, :]
 
     c = _flush_state(c, i, ctx, st, S0, y, with_new, lambda: ops.gdn_build_state(S0, hu, hk, w, tot), upd)
@@ -462,7 +498,9 @@ FORMS = tuple(f for f in dict.fromkeys(f for f, _ in STEPS)
 
 def commit_snapshots(state, snap, accepted):
     """Snapshot-baseline commit: ``state = snap[a - 1]`` on rows with ``a > 0``
-    (``state [Ly, Bt, ...]``, ``snap [Ly, Bt, T, ...]``)."""
+    (``state [Ly, Bt, ...]`` or a list of per-layer ``[Bt, ...]``, ``snap [Ly, Bt, T, ...]``)."""
+    if isinstance(state, list):
+        return [commit_snapshots(s_[None], snap[l][None], accepted)[0] for l, s_ in enumerate(state)]
     T = snap.shape[2]
     idx = jnp.clip(accepted - 1, 0, T - 1)
     pick = jnp.take_along_axis(snap, idx.reshape((1, -1, 1) + (1,) * (snap.ndim - 3)), axis=2)[:, :, 0]
@@ -532,7 +570,7 @@ def attention(p, sp, x, ctx: Ctx, c: dict, i):
             causal = causal & (t[None, None, :] < ctx.lengths[:, None, None])
         o = _attend(q, [(k, v)], causal, Hkv)
     else:
-        S = c["k"].shape[2]
+        S = c["k"][i].shape[1]
         committed = jnp.broadcast_to(jnp.arange(S)[None, None, :] < ctx.seq_len[:, None, None], (Bt, T, S))
         o = _attend(q, [(c["k"][i], c["v"][i]), (k, v)], jnp.concatenate([committed, causal], 2), Hkv)
     upd = {"k": k, "v": v} if kd.cached else {}

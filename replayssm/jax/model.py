@@ -22,6 +22,8 @@ model); the rest is in the model dtype.  Flush rules: decode flushes when ``h + 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -31,7 +33,7 @@ from . import ops
 from .layers import FORMS, MIXERS, Ctx, apply_updates, commit_conv, commit_snapshots, window_of
 from .params import ModelSpec, jnp_dtype
 
-__all__ = ["Cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
+__all__ = ["Cache", "unstack_params", "split_cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
            "MODES", "uses_ring"]
 
 #: cache modes (forms) of this backend, from the forms' table: ``("recurrent", "replay")``
@@ -111,9 +113,40 @@ def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: i
     return Cache(z, z, z, stages, mode, L)
 
 
+def unstack_params(params):
+    """``params`` with every stage as a list of per-layer parameter dicts.
+
+    A ``lax.scan`` over stacked weights slices layer ``i``'s weights out of the stack
+    (``dynamic-slice``); a backend that cannot feed a slice to its matrix unit in place
+    (XLA:CPU; XLA:GPU without dynamic-slice fusion) copies every weight each step and then
+    reads the copy: three passes over the weights where one would do.  With per-layer arrays,
+    decode and verify unroll the layers and read each weight where it lies (at the price of a
+    longer compile); prefill stacks them back into one scan (compute-bound, one copy)."""
+    stages = []
+    for p in params["stages"]:
+        if isinstance(p, (list, tuple)):
+            stages.append(list(p))
+            continue
+        n = jax.tree_util.tree_leaves(p)[0].shape[0]
+        stages.append([jax.tree_util.tree_map(lambda a, i=i: a[i], p) for i in range(n)])
+    return {**params, "stages": stages}
+
+
+def split_cache(cache: Cache) -> Cache:
+    """``cache`` with every stacked per-layer array ``[Ly, ...]`` as a list of ``Ly`` arrays.
+
+    For unrolled layers (:func:`unstack_params`): each layer reads and rewrites its own
+    buffers, so no step slices a layer out of a stack (a slice a backend may copy before a
+    matmul reads it) or writes one back into it.  Every function of this module takes such a
+    cache from a decode or verify step on; a prefill needs the stacked one."""
+    return cache.replace(stages=[{k: [a[l] for l in range(a.shape[0])] for k, a in c.items()}
+                                 for c in cache.stages])
+
+
 def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):
-    """All layers of one stage: ``h = res(h) + mixer(norm(h))``, scanned when ``cnt > 1``."""
-    dtype = p["norm"].dtype                      # the model dtype
+    """All layers of one stage: ``h = res(h) + mixer(norm(h))``, scanned when ``cnt > 1`` and
+    the weights are stacked; unrolled over per-layer weights (:func:`unstack_params`)."""
+    dtype = (p[0] if isinstance(p, (list, tuple)) else p)["norm"].dtype   # the model dtype
     mixer = MIXERS[sb.mixer.kind]
     if sb.residual_fp32:
         h = h.astype(ops.compute_dtype(dtype))
@@ -125,7 +158,21 @@ def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):
         out, cc, pend, upd = mixer(pi["mixer"], sb.mixer, x, ctx, cc, i)
         return ((hh + out).astype(hh.dtype), cc), (pend, upd)
 
-    if cnt == 1:
+    if isinstance(p, (list, tuple)) and ctx.kind in ("full", "prefill"):   # compute-bound: one scan
+        p = jax.tree_util.tree_map(lambda *a: jnp.stack(a, 0), *p)
+    if isinstance(p, (list, tuple)):   # per-layer weights (unstack_params): layers unrolled
+        ctx = dataclasses.replace(ctx, unrolled=True)
+        outs, wins = [], []
+        for i, pi in enumerate(p):
+            (h, c), (pe, up) = body((h, c), (pi, i))
+            if up and isinstance(c.get(next(iter(up))), list):   # per-layer caches: windows written here
+                wins.append({k: up.pop(k) for k in [k for k in up if k.startswith("win_")]})
+            outs.append((pe, up))
+        pend, upd = jax.tree_util.tree_map(lambda *a: jnp.stack(a, 0), *outs)
+        for i, w in enumerate(wins):   # each layer's own buffer: no stacked copy of every window
+            for k, v in w.items():
+                c = {**c, k: c[k][:i] + [v.astype(c[k][i].dtype)] + c[k][i + 1:]}
+    elif cnt == 1:
         (h, c), (pend, upd) = body((h, c), (jax.tree_util.tree_map(lambda a: a[0], p), 0))
         pend, upd = jax.tree_util.tree_map(lambda a: a[None], (pend, upd))
     else:
@@ -138,7 +185,8 @@ def _after(upd: dict, h) -> dict:
     ``h``, so the writes of ``upd`` are ordered after all of them and XLA can update the cache
     in place.  A stage of several layers gets that order from its ``lax.scan``; a single-layer
     stage (hybrids) would otherwise get a copy of each cache array it writes, every step (XLA
-    drops ``optimization_barrier`` before it places copies)."""
+    drops ``optimization_barrier`` before it places copies).  Unrolled layers likewise: nothing
+orders layer ``i``'s reads before the writes of the stage's updates but ``h``."""
     zero = jnp.sum(h.astype(jnp.float32)) * 0.0
     return {k: v + zero.astype(v.dtype) for k, v in upd.items()}
 
@@ -150,8 +198,10 @@ def _trunk(spec: ModelSpec, params, stages_cache, ids, ctx: Ctx):
     new_cache, pends = [], []
     for s, (sb, cnt) in enumerate(spec.stages):
         c = stages_cache[s] if stages_cache is not None else {}
-        h, c, pend, upd = _run_stage(sb, params["stages"][s], c, cnt, h, ctx)
-        if upd and cnt == 1:
+        p = params["stages"][s]
+        unrolled = isinstance(p, (list, tuple)) and ctx.kind not in ("full", "prefill")
+        h, c, pend, upd = _run_stage(sb, p, c, cnt, h, ctx)
+        if upd and (cnt == 1 or unrolled):
             upd = _after(upd, h)
         new_cache.append(apply_updates(c, upd, ctx))
         pends.append(pend)

@@ -50,6 +50,11 @@ def set_step_readout(kind: str) -> None:
     _step_readout = kind
 
 
+def step_readout() -> str:
+    """The :data:`STEP_READOUTS` entry programs traced now use."""
+    return _step_readout
+
+
 def compute_dtype(dtype):
     """float64 stays float64; every other dtype computes in float32."""
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
@@ -222,17 +227,23 @@ def m2_attend(S0, xs, Bs, dts, logs, C, P):
     """Output-only replay (decode and verify) for M queries over a masked window of W entries:
     ``y_m = e^{cum_m} (S0 C_m) + Σ_{w: P[m,w]} e^{E[m,w]} Δ_w (B_w·C_m) x_w``.
 
-    ``S0 [Bt,H,d,n]`` or None, ``xs [Bt,W,H,d]``, ``Bs [Bt,W,G,n]``, ``dts/logs [Bt,W,H]``
-    (masked entries zeroed), ``C [Bt,M,G,n]``, ``P [Bt,M,W]`` -> ``[Bt,M,H,d]``.
-    ``B_w·C_m`` is formed once per group.
+    ``S0 [Bt,H,d,n]`` or None, ``xs [Bt,W,H,d]`` (or a tuple of blocks along ``W``, e.g. the
+    ring's entries and the step's: each block is read where it lies, never concatenated into
+    a copy), ``Bs [Bt,W,G,n]``, ``dts/logs [Bt,W,H]`` (masked entries zeroed),
+    ``C [Bt,M,G,n]``, ``P [Bt,M,W]`` -> ``[Bt,M,H,d]``.  ``B_w·C_m`` is formed once per group.
     """
-    H = xs.shape[2]
+    blocks = xs if isinstance(xs, tuple) else (xs,)
+    H = blocks[0].shape[2]
     E, cum = _segment_logs(logs, P)
     decay = jnp.exp(jnp.where(P[..., None], E, -jnp.inf))
     one = C.shape[1] == 1 and _step_readout == "reduce"   # decode: reductions, fused with the ring reads
     scores = jnp.sum(Bs * C, -1)[:, None] if one else ein("bwgn,bmgn->bmwg", Bs, C)
     coef = decay * dts[:, None] * jnp.repeat(scores, H // Bs.shape[2], axis=-1)
-    y = jnp.sum(coef[:, 0, :, :, None] * xs, 1)[:, None] if one else ein("bmwh,bwhd->bmhd", coef, xs)
+    y, off = 0.0, 0
+    for xb in blocks:
+        cb = coef[:, :, off:off + xb.shape[1]]
+        off += xb.shape[1]
+        y = y + (jnp.sum(cb[:, 0, :, :, None] * xb, 1)[:, None] if one else ein("bmwh,bwhd->bmhd", cb, xb))
     if S0 is not None:
         Ch = _rep(C, H)
         s0c = jnp.sum(S0 * Ch[:, 0, :, None, :], -1)[:, None] if one else ein("bhdn,bmhn->bmhd", S0, Ch)

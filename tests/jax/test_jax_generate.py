@@ -87,6 +87,45 @@ def test_greedy_tokens_match_torch_engine(hf_model_dir, name, dtype, mode, metho
         assert min(o.mean_accepted_length for o in out) > 3.0
 
 
+@pytest.mark.parametrize("name,mode,method", [("mamba2_g3", "replay", "ngram"), ("nemotron_h", "recurrent", None),
+                                              ("qwen3_next", "replay", None)])
+def test_unrolled_layers_match_torch_engine(hf_model_dir, name, mode, method):
+    """``layer_loop="unroll"`` (per-layer weights, layers unrolled in decode / verify, prefill
+    stacked back into a scan; per-layer cache arrays in the loop): the engine's greedy tokens,
+    and the same logits and cache as the scan after a prefill and four decode steps (through a
+    flush), with stacked and with per-layer caches (states, windows, ring, K/V: every array)."""
+    from replayssm.jax import model as M
+
+    path = hf_model_dir(name)
+    ref = _torch_ref(path, "float64")
+    llm = JaxLLM(path, dtype="float64", decode_mode=mode, buffer_size=8, speculative=_spec(method), layer_loop="unroll")
+    assert isinstance(llm.params["stages"][0], list)
+    assert [o.token_ids for o in llm.generate(PROMPTS, _params())] == ref
+    scan = JaxLLM(path, dtype="float64", decode_mode=mode, buffer_size=4)
+    ids = jnp.asarray([[3, 5, 7, 3, 5], [1, 2, 9, 0, 0]], jnp.int32)
+    lengths = jnp.asarray([5, 3], jnp.int32)
+    caches = []
+    for p, split in ((scan.params, False), (llm.params, False), (llm.params, True)):
+        c = M.init_cache(scan.spec, 2, mode, 4, 32, fill=float("nan"))
+        lg, c = M.prefill(scan.spec, p, c, ids, lengths)
+        if split:   # per-layer cache arrays (as the unrolled loop carries them)
+            c = M.split_cache(c)
+            assert isinstance(c.stages[0]["state"], list)
+        outs = [lg]
+        for t in (4, 6, 8, 1):     # through a flush of the 4-entry ring
+            lg, c = M.decode(scan.spec, p, c, jnp.asarray([t, t + 1], jnp.int32))
+            outs.append(lg)
+        if split:
+            c = c.replace(stages=[{k: jnp.stack(v) for k, v in st.items()} for st in c.stages])
+        caches.append((outs, c))
+    (o1, c1) = caches[0]
+    for o2, c2 in caches[1:]:
+        for a, b in zip(o1, o2):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-12, atol=1e-12)
+        for a, b in zip(jax.tree_util.tree_leaves(c1), jax.tree_util.tree_leaves(c2)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("name,dtype", [("mamba2_opts", "float64"), ("nemotron_h_opts", "float64"),
                                         ("qwen3_next_opts", "float64"), ("mamba2", "float32")])
 def test_forward_logits_match_torch(hf_model_dir, name, dtype):
@@ -196,6 +235,8 @@ def test_bad_settings_raise(hf_model_dir):
             JaxLLM(path, dtype="float64")
         finally:
             jax.config.update("jax_enable_x64", True)
+    with pytest.raises(ValueError, match="layer_loop"):
+        JaxLLM(path, layer_loop="unrolled")
     llm = JaxLLM(path, dtype="float64")
     with pytest.raises(ValueError, match="out of range"):
         llm.generate([[1, 2, 99]])
