@@ -26,11 +26,10 @@ import torch
 
 from replayssm import LLM, SamplingParams
 from replayssm.bench import e2e
+from replayssm.bench.hybrid_presets import config_parameter_count
 from replayssm.bench.common import free_memory
 from replayssm.distributed import TensorParallelGroup
 from replayssm.engine.loading import load
-from replayssm.models.registry import parse_config
-from replayssm.models.nemotron_h import NemotronHLM
 
 _NEMOTRON_UNIT = "M-M-M-M*-M-M-M-M-"   # Mamba-2/MLP pairs, one attention layer per unit
 BIG = dict(model_type="nemotron_h", vocab_size=131072, hidden_size=8192, hybrid_override_pattern=_NEMOTRON_UNIT * 10,
@@ -40,12 +39,6 @@ BIG = dict(model_type="nemotron_h", vocab_size=131072, hidden_size=8192, hybrid_
 BIG_SMOKE = dict(BIG, vocab_size=256, hidden_size=32, hybrid_override_pattern=_NEMOTRON_UNIT, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8,
                  ssm_state_size=8, n_groups=2)
-
-
-def _params(cfg: dict) -> int:
-    with torch.device("meta"):
-        m = NemotronHLM(parse_config(dict(cfg)), torch.bfloat16, "cpu")
-    return sum(p.numel() for p in m.parameters())
 
 
 def main(argv=None) -> int:
@@ -99,7 +92,7 @@ def main(argv=None) -> int:
         res["greedy_tokens_equal"] = f"{same}/{len(prompts)}"
     if not args.skip_big:
         cfg = BIG if cuda else BIG_SMOKE
-        n = _params(cfg)
+        n = config_parameter_count(cfg)
         with TensorParallelGroup(2, dev) as group:
             t0 = time.perf_counter()
             model = group.random_model(cfg, dtype=run_args.dtype, seed=0)

@@ -32,10 +32,9 @@ import torch
 
 from replayssm import LLM, SamplingParams
 from replayssm.bench import e2e
+from replayssm.bench.hybrid_presets import config_parameter_count
 from replayssm.distributed import TensorParallelGroup
 from replayssm.engine.config import SpeculativeConfig
-from replayssm.models.nemotron_h import NemotronHLM
-from replayssm.models.registry import parse_config
 
 #: 54 Mamba-2 (M), 54 MLP (-), 10 attention (*): ten units of 5 M/- pairs + one attention,
 #: then four more M/- pairs
@@ -50,12 +49,6 @@ NEMOTRON_H_56B = dict(
 SMOKE = dict(NEMOTRON_H_56B, vocab_size=256, hidden_size=32, hybrid_override_pattern="M-M*-M-", num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8,
              ssm_state_size=8, n_groups=2)
-
-
-def _params(cfg: dict) -> int:
-    with torch.device("meta"):
-        m = NemotronHLM(parse_config(dict(cfg)), torch.bfloat16, "cpu")
-    return sum(p.numel() for p in m.parameters())
 
 
 def main(argv=None) -> int:
@@ -74,7 +67,7 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not a.smoke
     dev = "cuda:0" if cuda else "cpu"
     cfg = NEMOTRON_H_56B if cuda else SMOKE
-    n = _params(cfg)
+    n = config_parameter_count(cfg)
     args = argparse.Namespace(device=dev, dtype="bfloat16" if cuda else "float32", buffer_size=16, cuda_graphs=cuda,
                               max_tokens=a.max_tokens if cuda else 6, prompt_len=a.prompt_len if cuda else 8,
                               spec_method="oracle", oracle_accept=a.accept, model=None, ssm_state_dtype=a.state_dtype)

@@ -212,7 +212,12 @@ def _write_random_hybrid(d: Path, preset: str, cfg: dict, seed: int, dev: str) -
 
 def parameter_count(preset: str) -> int:
     """Parameters of the preset's model (from the meta-device skeleton, no memory)."""
-    parsed = parse_config(preset_config(preset), f"preset {preset}")
+    return config_parameter_count(preset_config(preset), f"preset {preset}")
+
+
+def config_parameter_count(cfg: dict, what: str = "config dict") -> int:
+    """Parameters of the model a ``config.json`` dict describes (meta-device skeleton)."""
+    parsed = parse_config(dict(cfg), what)
     with torch.device("meta"):
         model = model_class(parsed)(parsed, torch.bfloat16, "cpu")
     return sum(p.numel() for p in model.parameters())
