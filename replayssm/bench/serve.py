@@ -25,6 +25,11 @@ default for presets) builds prompts ``A + A[:k]`` from greedy walks ``A`` of the
 itself: prompt lookup then finds the continuation, as on repetitive real text, and both
 speculative configurations see the same drafts.
 ``--prompt-kind random`` gives prompts where nothing is found (speculation overhead only).
+``--stop-at LO,HI`` (walk prompts) makes an early-stop workload: every request still asks for
+``--output-len`` tokens (what an admission that reserves the worst case must hold room for)
+but carries ``stop_token_ids`` with the walk's token at a position drawn uniformly from
+``[LO, HI]``, so under greedy decoding it ends there (or earlier, where the walk repeats
+that token), as chat replies end long before their ``max_tokens``.
 ``--url`` benchmarks a server that is already running (one configuration).  Engine flags go
 to the servers it starts, ``--data-parallel-size N`` (N replicas behind one endpoint) included.
 
@@ -132,9 +137,12 @@ class Result:
     error: str = ""
 
 
-async def one_request(client, url: str, model: str, prompt, output_len: int, temperature: float) -> Result:
+async def one_request(client, url: str, model: str, prompt, output_len: int, temperature: float,
+                      stop_token_ids: list[int] | None = None) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": temperature,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if stop_token_ids:
+        body["stop_token_ids"] = list(stop_token_ids)
     r = Result()
     t0 = time.perf_counter()
     last = None
@@ -174,7 +182,8 @@ async def one_request(client, url: str, model: str, prompt, output_len: int, tem
 
 async def run_rate(url: str, model: str, requests: list, rate: float, temperature: float, seed: int,
                    max_concurrency: int | None, desc: str) -> tuple[list[Result], float]:
-    """Send ``requests`` ``[(prompt, output_len)]`` with Poisson arrivals at ``rate`` per second."""
+    """Send ``requests`` ``[(prompt, output_len[, stop_token_ids])]`` with Poisson arrivals at
+    ``rate`` per second."""
     import httpx
 
     rng = random.Random(seed)
@@ -182,19 +191,19 @@ async def run_rate(url: str, model: str, requests: list, rate: float, temperatur
     bar = _progress(len(requests), desc)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
-        async def send(p, n):
+        async def send(p, n, stop):
             if sem is None:
-                res = await one_request(client, url, model, p, n, temperature)
+                res = await one_request(client, url, model, p, n, temperature, stop)
             else:
                 async with sem:
-                    res = await one_request(client, url, model, p, n, temperature)
+                    res = await one_request(client, url, model, p, n, temperature, stop)
             bar.update(1)
             return res
 
         tasks = []
         t0 = time.perf_counter()
-        for i, (p, n) in enumerate(requests):
-            tasks.append(asyncio.create_task(send(p, n)))
+        for i, (p, n, *stop) in enumerate(requests):
+            tasks.append(asyncio.create_task(send(p, n, stop[0] if stop else None)))
             if math.isfinite(rate) and i + 1 < len(requests):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
@@ -315,8 +324,23 @@ def make_prompts(args, url: str, model: str, vocab: int) -> list:
     a = min(a, P - 1)
     k = P - a
     starts = [rng.randrange(vocab) for _ in range(n)]
-    ids = asyncio.run(_greedy_walk_ids(url, model, starts, a))
-    return [(w + w[:k], out_len) for w in ids]
+    stop_at = args.stop_at
+    if stop_at is None:
+        ids = asyncio.run(_greedy_walk_ids(url, model, starts, a))
+        return [(w + w[:k], out_len) for w in ids]
+    # early stops: the walk long enough to know the continuation's token at position HI
+    lo, hi = stop_at
+    ids = asyncio.run(_greedy_walk_ids(url, model, starts, max(a, k + hi)))
+    return [early_stop_request(w, a, k, rng.randint(lo, hi), out_len) for w in ids]
+
+
+def early_stop_request(walk: list[int], a: int, k: int, stop_pos: int, out_len: int) -> tuple:
+    """``(walk[:a] + walk[:k], out_len, [walk[k + stop_pos - 1]])``: the prompt's greedy
+    continuation is ``walk[k:]``, so the request's ``stop_pos``-th token is the stop token
+    (it ends there, or earlier where the walk repeats it).  ``walk`` must reach ``k + stop_pos``."""
+    if not 1 <= stop_pos <= len(walk) - k:
+        raise ValueError(f"stop position {stop_pos} is past the walk's known continuation ({len(walk) - k} tokens)")
+    return walk[:a] + walk[:k], out_len, [walk[k + stop_pos - 1]]
 
 
 async def _greedy_walk_ids(url, model, starts, length):
@@ -382,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=None, help="JSONL: {'prompt': text or ids, 'output_len': n} per line")
     p.add_argument("--prompt-kind", default=None, choices=["walk", "random", "motif"],
                    help="synthetic prompts (default: walk for presets, motif for --model)")
+    p.add_argument("--stop-at", type=_stop_range, default=None, metavar="LO,HI",
+                   help="early-stop workload (walk prompts, greedy): each request asks for --output-len tokens "
+                        "but stops at a token position drawn from [LO, HI]")
     p.add_argument("--temperature", type=nonnegative_float, default=0.0)
     p.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
     p.add_argument("--warmup", type=nonnegative_int, default=4, help="requests before each configuration's runs")
@@ -391,6 +418,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true")
     add_engine_args(p)
     return p
+
+
+def _stop_range(text: str) -> tuple[int, int]:
+    """``"LO,HI"`` -> ``(LO, HI)`` with ``1 <= LO <= HI``."""
+    try:
+        lo, hi = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two integers), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {lo},{hi}")
+    return lo, hi
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,6 +466,14 @@ def main(argv: list[str] | None = None) -> int:
         args.max_seq_len = max(256, -(-(args.prompt_len + args.output_len + 64) // 64) * 64)
     kind = args.prompt_kind or ("motif" if args.model else "walk")
     args.prompt_kind = kind
+    if args.stop_at is not None:
+        if kind != "walk" or args.dataset:
+            print("replayssm bench serve: error: --stop-at needs walk prompts (no --dataset)", file=sys.stderr)
+            return 2
+        if args.stop_at[1] > args.output_len:
+            print(f"replayssm bench serve: error: --stop-at {args.stop_at[0]},{args.stop_at[1]} reaches past "
+                  f"--output-len {args.output_len}", file=sys.stderr)
+            return 2
     res = {"config": {k: v for k, v in vars(args).items()}, "runs": {}, "accepted_length": {}}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
