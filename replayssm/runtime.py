@@ -105,6 +105,16 @@ def _cuda_available() -> bool:
         return False
 
 
+def host_to_device(t: Tensor, device) -> Tensor:
+    """``t`` on ``device`` without the host waiting for queued device work: a host tensor
+    bound for CUDA is staged through pinned memory (a copy from pageable memory would wait
+    for the stream), then copied asynchronously; anything else is a plain ``.to``."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def capturing() -> bool:
     """True while the current CUDA stream is capturing a graph (never on CPU-only hosts)."""
     if not _cuda_available():

@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..runtime import canonical_device, want_check
+from ..runtime import canonical_device, host_to_device, want_check
 from .buffers import _empty
 
 NULL_SLOT = 0
@@ -289,9 +289,7 @@ class PagedIndex:
             cols += range(start, start + len(blocks))
             vals += blocks
         self._pending = []
-        idx = torch.tensor([rows, cols, vals], dtype=torch.long)
-        if self.device.type == "cuda":
-            idx = idx.pin_memory().to(self.device, non_blocking=True)
+        idx = host_to_device(torch.tensor([rows, cols, vals], dtype=torch.long), self.device)
         self.block_table[idx[0], idx[1]] = idx[2]
 
     def release(self, slot: int) -> None:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..cache.tree import ancestor_mask, path_to
-from ..runtime import canonical_device
+from ..runtime import canonical_device, host_to_device
 from .batching import batch_buckets, bucket_for, pad_chain_parent, pad_rows
 from .sampler import accept_greedy, accept_tree, blank_batch, process, token_logprobs
 
@@ -84,11 +84,7 @@ class ModelRunner:
     # -- helpers ---------------------------------------------------------------------------
     def _h2d(self, t: Tensor) -> Tensor:
         """Host -> device without waiting for queued work (pinned staging on CUDA)."""
-        if t.device == self.device:
-            return t
-        if self.device.type == "cuda" and t.device.type == "cpu":
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+        return t if t.device == self.device else host_to_device(t, self.device)
 
     def _slots(self, slots: list[int], pad_to: int | None = None) -> Tensor:
         s = list(slots) + [0] * ((pad_to or len(slots)) - len(slots))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...runtime import canonical_device
+from ...runtime import canonical_device, host_to_device
 from ..model_runner import ModelRunner
 from ..sampler import Sampler, sample_from
 from .base import Drafter, Proposal, chain_parent
@@ -171,10 +171,7 @@ class DraftModelDrafter(DraftModelBase):
             p = s.num_tokens - s.draft_cached
             toks = s.last_ids(p)
             rows.append([s.slot, p] + toks + toks[-1:] * (W - p))
-        t = torch.tensor(rows, dtype=torch.long)
-        if self.device.type == "cuda":
-            t = t.pin_memory()
-        t = t.to(self.device, non_blocking=True)
+        t = host_to_device(torch.tensor(rows, dtype=torch.long), self.device)
         tokens = self.chain.run(t[:, 0], t[:, 2:], t[:, 2:], t[:, 1], k + 1)
         for s in seqs:
             s.draft_cached = s.num_tokens

@@ -36,7 +36,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ...runtime import canonical_device
+from ...runtime import canonical_device, host_to_device
 from ..batching import batch_buckets, bucket_for, pad_rows
 from ..model_runner import CAPTURE_ERROR_MODE
 from ..sampler import Sampler, process, sample_from
@@ -275,10 +275,7 @@ class MTPSteps:
         """``(slots [B], tokens [B, K+1], nodes [B, K+1], count [B])`` of packed catch-up
         rows (:meth:`MTPDrafter._catchup_rows`); one host-to-device copy."""
         K1 = self.width
-        t = torch.tensor(rows, dtype=torch.long)
-        if self.device.type == "cuda":
-            t = t.pin_memory()
-        t = t.to(self.device, non_blocking=True)
+        t = host_to_device(torch.tensor(rows, dtype=torch.long), self.device)
         return t[:, 0], t[:, 2:2 + K1], t[:, 2 + K1:], t[:, 1]
 
     def catch_up(self, rows) -> None:

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from ...runtime import host_to_device
 from .grammar import require_llguidance
 
 #: engine stats this module and the output processor add to (seconds, summed over steps)
@@ -47,12 +48,9 @@ class HostBitmask:
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A host list -> a device tensor without waiting for queued device work (a pageable
-    source may make the copy wait on CUDA: it is staged through pinned memory)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+    """A host list -> a device tensor without waiting for queued device work
+    (:func:`replayssm.runtime.host_to_device`)."""
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def fill_bitmask(executor, matchers: list, buf: Tensor, drafts: bool = False) -> None:
