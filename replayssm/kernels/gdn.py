@@ -896,6 +896,21 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
     return y
 
 
+#: the KV-only kernel takes steps of at most this many new tokens: its score tiles grow with
+#: the square of the padded step length (a 245-token KV-only prefill asked for 512 KiB of
+#: shared memory on an H200, which has 227 KiB); longer steps (KV-only prefill of a long
+#: chunk) run the reference op
+KV_MAX_NEW = 64
+
+
+def _few_new(t) -> bool:
+    return isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] <= KV_MAX_NEW
+
+
+#: calls the kernels take (others run the reference; ``kernels.dispatch``)
+SUPPORTS = {"kv_verify": lambda kv, pplan, q, *args, **kw: _few_new(q)}
+
+
 def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
               scale: float | None = None, use_qk_l2norm: bool = True, check: bool | None = None,
               parent: Tensor | None = None, route: str = "output", block_v: int | None = None,

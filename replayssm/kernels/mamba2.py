@@ -933,6 +933,21 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
     return y
 
 
+#: the KV-only kernel takes steps of at most this many new tokens: its score tiles grow with
+#: the square of the padded step length (a 245-token KV-only prefill asked for 512 KiB of
+#: shared memory on an H200, which has 227 KiB); longer steps (KV-only prefill of a long
+#: chunk) run the reference op
+KV_MAX_NEW = 64
+
+
+def _few_new(t) -> bool:
+    return isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] <= KV_MAX_NEW
+
+
+#: calls the kernels take (others run the reference; ``kernels.dispatch``)
+SUPPORTS = {"kv_verify": lambda kv, pplan, x, *args, **kw: _few_new(x)}
+
+
 def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
               D: Tensor | None = None, check: bool | None = None, block_d: int | None = None,
               num_warps: int | None = None, precision: str | None = None, parent: Tensor | None = None,

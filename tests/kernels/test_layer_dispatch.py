@@ -365,3 +365,25 @@ def test_lead_tensor_decides_like_every_tensor(name, dtype, monkeypatch, kernels
     for mode in ("replay", "kv", "recurrent"):
         run_scenario(model, mode)
     assert {("mamba2" if name == "mamba2" else "gdn", "replay_decode"), ("conv", "conv_decode")} <= seen
+
+
+@pytest.mark.parametrize("fam", ["mamba2", "gdn"])
+def test_long_kv_only_steps_run_the_reference(fam, monkeypatch, kernels_env):
+    """A KV-only step of more than ``KV_MAX_NEW`` new tokens (a KV-only prefill of a long
+    chunk) runs the reference op: the kernel's score tiles grow with the square of the step
+    length and would not fit a GPU's shared memory; shorter steps run the kernel."""
+    from replayssm.kernels import gdn as KG
+    from replayssm.kernels import mamba2 as K2
+    from replayssm.ops.gdn import naive as NG
+    from replayssm.ops.mamba2 import naive as N2
+
+    kernels_env("triton")
+    kern, naive = (K2, N2) if fam == "mamba2" else (KG, NG)
+    called = []
+    monkeypatch.setattr(kern, "kv_verify", lambda *a, **k: called.append("kernel"))
+    monkeypatch.setattr(naive, "kv_verify", lambda *a, **k: called.append("reference"))
+    ops = dispatch.KernelOps(fam, backend="triton")
+    for T in (1, kern.KV_MAX_NEW, kern.KV_MAX_NEW + 1, 245):
+        lead = torch.zeros(2, T, 3, 4, device=DEVICE)
+        ops.kv_verify(None, None, lead, lead)
+    assert called == ["kernel", "kernel", "reference", "reference"]
