@@ -23,6 +23,7 @@ the states (B=256 fits two H200s only so).  Keep NVLink multicast off.  Writes
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -60,6 +61,8 @@ def main(argv=None) -> int:
     p.add_argument("--accept", type=float, default=0.8)
     p.add_argument("--state-dtype", default="auto")
     p.add_argument("--budget-s", type=float, default=400.0, help="start nothing new past this wall time")
+    p.add_argument("--hang-s", type=float, default=240.0,
+                   help="print every thread's stack if one run takes longer than this (a hang's where)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = p.parse_args(argv)
@@ -86,12 +89,15 @@ def main(argv=None) -> int:
                 if time.perf_counter() - t_start > a.budget_s:
                     print(f"budget: skipped {mode} B={b}{' spec' if sp else ''}", flush=True)
                     continue
+                faulthandler.dump_traceback_later(a.hang_s, exit=False)
                 try:
                     row = e2e._run(LLM, SamplingParams, model, args, b, mode, spec=sp)
                 except torch.OutOfMemoryError as e:
                     print(f"{mode} B={b}: out of memory ({str(e)[:80]})", flush=True)
                     torch.cuda.empty_cache()
                     continue
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
                 res["rows"].append(row)
                 print(f"[{time.perf_counter() - t_start:.0f}s] {mode}{' + spec' if sp else ''} B={b}: "
                       f"{row['decode_tokens_per_s']:.0f} tok/s, acc {row['mean_accepted_length']:.2f}, "
