@@ -30,6 +30,11 @@ speculative configurations see the same drafts.
 but carries ``stop_token_ids`` with the walk's token at a position drawn uniformly from
 ``[LO, HI]``, so under greedy decoding it ends there (or earlier, where the walk repeats
 that token), as chat replies end long before their ``max_tokens``.
+``--preemption-modes swap,off,off-fit`` runs each configuration once per admission policy at
+one memory budget (``--budget-seqs N``: the slots plus N worst-case requests) and compares
+how many sequences each server holds at once (:mod:`replayssm.bench.capacity`).  The
+server's running gauge is sampled from ``/metrics`` during every load (``--metrics-interval``),
+and a request that ends without its stop or its full output counts as lost.
 ``--url`` benchmarks a server that is already running (one configuration).  Engine flags go
 to the servers it starts, ``--data-parallel-size N`` (N replicas behind one endpoint) included.
 
@@ -657,6 +662,10 @@ def _memory_plans(args, model_dir, runs: list, res: dict) -> dict:
     modes = args.preemption_modes or []
     over = {name: {"preemption_mode": "off" if m == "off-fit" else m} for name, _, m in runs if m}
     if args.url or (not args.budget_seqs and args.memory_budget is None):
+        if modes:
+            print("[bench serve] note: no --budget-seqs / --memory-budget: each server sizes its caches from the "
+                  "memory free when it starts (--gpu-memory-utilization), not from one stated budget",
+                  file=sys.stderr, flush=True)
         return over
     model = meta_model(model_dir, server_dtype(args))
     worst = args.prompt_len + args.output_len
