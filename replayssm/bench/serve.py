@@ -30,6 +30,11 @@ speculative configurations see the same drafts.
 but carries ``stop_token_ids`` with the walk's token at a position drawn uniformly from
 ``[LO, HI]``, so under greedy decoding it ends there (or earlier, where the walk repeats
 that token), as chat replies end long before their ``max_tokens``.
+``--preemption-modes swap,off,off-fit`` runs each configuration once per admission policy at
+one memory budget (``--budget-seqs N``: the slots plus N worst-case requests) and compares
+how many sequences each server holds at once (:mod:`replayssm.bench.capacity`).  The
+server's running gauge is sampled from ``/metrics`` during every load (``--metrics-interval``),
+and a request that ends without its stop or its full output counts as lost.
 ``--url`` benchmarks a server that is already running (one configuration).  Engine flags go
 to the servers it starts, ``--data-parallel-size N`` (N replicas behind one endpoint) included.
 
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -55,6 +61,8 @@ from pathlib import Path
 
 from ..argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 from ..server.cli import add_engine_args
+from .capacity import (PREEMPTION_CONFIGS, compare, concurrency, engine_config, format_tables, lost, meta_model,
+                       outputs_digest, plan_budget, plot_running, sample_running, server_dtype, size_budget)
 from .e2e import PRESETS, _random_model_dir
 from .hybrid_presets import HYBRID_PRESETS, TINY_OF
 
@@ -135,14 +143,18 @@ class Result:
     latency: float = 0.0
     itl: list = field(default_factory=list)
     error: str = ""
+    finish_reason: str = ""
+    token_ids: list = field(default_factory=list)   # with return_ids (servers bench serve started)
 
 
 async def one_request(client, url: str, model: str, prompt, output_len: int, temperature: float,
-                      stop_token_ids: list[int] | None = None) -> Result:
+                      stop_token_ids: list[int] | None = None, return_ids: bool = False) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": temperature,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     if stop_token_ids:
         body["stop_token_ids"] = list(stop_token_ids)
+    if return_ids:   # our server's extension: each chunk's token ids
+        body["return_token_ids"] = True
     r = Result()
     t0 = time.perf_counter()
     last = None
@@ -165,6 +177,9 @@ async def one_request(client, url: str, model: str, prompt, output_len: int, tem
                     r.output_tokens = chunk["usage"]["completion_tokens"]
                     r.prompt_len = chunk["usage"]["prompt_tokens"]
                 if chunk.get("choices"):
+                    ch = chunk["choices"][0]
+                    r.finish_reason = ch.get("finish_reason") or r.finish_reason
+                    r.token_ids += ch.get("token_ids") or []
                     now = time.perf_counter()
                     if last is None:
                         r.ttft = now - t0
@@ -181,9 +196,11 @@ async def one_request(client, url: str, model: str, prompt, output_len: int, tem
 
 
 async def run_rate(url: str, model: str, requests: list, rate: float, temperature: float, seed: int,
-                   max_concurrency: int | None, desc: str) -> tuple[list[Result], float]:
+                   max_concurrency: int | None, desc: str, return_ids: bool = False, metrics_every: float = 0.0,
+                   samples: list | None = None) -> tuple[list[Result], float]:
     """Send ``requests`` ``[(prompt, output_len[, stop_token_ids])]`` with Poisson arrivals at
-    ``rate`` per second."""
+    ``rate`` per second.  With ``metrics_every > 0`` the server's running / waiting gauges are
+    sampled that often while the load runs, into ``samples`` (:func:`capacity.sample_running`)."""
     import httpx
 
     rng = random.Random(seed)
@@ -193,21 +210,29 @@ async def run_rate(url: str, model: str, requests: list, rate: float, temperatur
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
         async def send(p, n, stop):
             if sem is None:
-                res = await one_request(client, url, model, p, n, temperature, stop)
+                res = await one_request(client, url, model, p, n, temperature, stop, return_ids)
             else:
                 async with sem:
-                    res = await one_request(client, url, model, p, n, temperature, stop)
+                    res = await one_request(client, url, model, p, n, temperature, stop, return_ids)
             bar.update(1)
             return res
 
         tasks = []
         t0 = time.perf_counter()
+        done = asyncio.Event()
+        sampler = asyncio.create_task(sample_running(client, url, metrics_every, done, t0)) \
+            if metrics_every > 0 else None
         for i, (p, n, *stop) in enumerate(requests):
             tasks.append(asyncio.create_task(send(p, n, stop[0] if stop else None)))
             if math.isfinite(rate) and i + 1 < len(requests):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         dur = time.perf_counter() - t0
+        if sampler is not None:
+            done.set()
+            got = await sampler
+            if samples is not None:
+                samples.extend(got)
     bar.close()
     return results, dur
 
@@ -409,6 +434,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at", type=_stop_range, default=None, metavar="LO,HI",
                    help="early-stop workload (walk prompts, greedy): each request asks for --output-len tokens "
                         "but stops at a token position drawn from [LO, HI]")
+    p.add_argument("--preemption-modes", type=_modes, default=None, metavar="MODES",
+                   help="compare admission policies at equal memory: each configuration once per mode, from swap "
+                        "(optimistic admission, preemption), off (worst-case reservation, the same slots) and "
+                        "off-fit (worst-case reservation, slots sized to the budget); e.g. swap,off,off-fit")
+    p.add_argument("--budget-seqs", type=positive_int, default=None, metavar="N",
+                   help="set --memory-budget (the same for every server) to --max-num-seqs slots plus the blocks "
+                        "of N worst-case requests (prompt + --output-len tokens), planned as the engine plans it")
+    p.add_argument("--metrics-interval", type=nonnegative_float, default=0.1, metavar="SECONDS",
+                   help="sample the server's running / waiting gauges this often during the load (0: off)")
     p.add_argument("--temperature", type=nonnegative_float, default=0.0)
     p.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
     p.add_argument("--warmup", type=nonnegative_int, default=4, help="requests before each configuration's runs")
@@ -429,6 +463,29 @@ def _stop_range(text: str) -> tuple[int, int]:
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {lo},{hi}")
     return lo, hi
+
+
+def _modes(text: str) -> list[str]:
+    """``"swap,off"`` -> ``["swap", "off"]`` (each of :data:`PREEMPTION_CONFIGS`, no repeats)."""
+    modes = [m for m in text.split(",") if m]
+    bad = [m for m in modes if m not in PREEMPTION_CONFIGS]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"expected distinct modes from {','.join(PREEMPTION_CONFIGS)}, got {text!r}")
+    return modes
+
+
+def _check_capacity_args(args) -> str | None:
+    """Why the capacity flags do not go together (None: they do)."""
+    modes = args.preemption_modes or []
+    if args.url and (modes or args.budget_seqs):
+        return "--preemption-modes and --budget-seqs start their own servers: not with --url"
+    if args.budget_seqs and args.memory_budget is not None:
+        return "give either --budget-seqs or --memory-budget, not both"
+    if "off-fit" in modes and args.memory_budget is None and not args.budget_seqs:
+        return "off-fit sizes its slots to the memory budget: give --memory-budget or --budget-seqs"
+    if (args.budget_seqs or "off-fit" in modes) and args.max_seq_len is None:
+        return "--budget-seqs and off-fit plan the caches: give --max-seq-len (or synthetic prompts)"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,8 +519,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.max_seq_len == 2048 and not args.dataset:
+    if args.max_seq_len is None and not args.dataset:   # the context the workload needs
         args.max_seq_len = max(256, -(-(args.prompt_len + args.output_len + 64) // 64) * 64)
+    why = _check_capacity_args(args)
+    if why:
+        print(f"replayssm bench serve: error: {why}", file=sys.stderr)
+        return 2
     kind = args.prompt_kind or ("motif" if args.model else "walk")
     args.prompt_kind = kind
     if args.stop_at is not None:
@@ -475,33 +536,44 @@ def main(argv: list[str] | None = None) -> int:
                   f"--output-len {args.output_len}", file=sys.stderr)
             return 2
     res = {"config": {k: v for k, v in vars(args).items()}, "runs": {}, "accepted_length": {}}
+    runs = [(f"{c}/{m}", c, m) for c in configs for m in args.preemption_modes] if args.preemption_modes \
+        else [(c, c, None) for c in configs]
+    return_ids = not args.url
+    outputs, series = {}, {}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, desc = args.model, f"model {args.model}"
         if args.url:
             desc = f"server {args.url}"
-            configs = ["server"]
+            runs = [("server", "server", None)]
         elif model_dir is None:
             family = HYBRID_PRESETS[args.preset][0]["model_type"] if args.preset in HYBRID_PRESETS else "mamba2"
             print(f"[bench serve] writing a random-weight {family} ({args.preset})", file=sys.stderr, flush=True)
             model_dir = _random_model_dir(args.preset, tmp)
             desc = f"random-weight {family} ({args.preset})"
         res["config"]["model_desc"] = desc
+        try:
+            overrides = _memory_plans(args, model_dir, runs, res)
+        except ValueError as e:
+            print(f"replayssm bench serve: error: {e}", file=sys.stderr)
+            return 2
         requests = None
-        for name in configs:
+        for name, base, pmode in runs:
             server = None
             try:
                 if args.url:
                     url = args.url
                 else:
-                    cfg = CONFIGS[name]
-                    flags = engine_flags(args, cfg["mode"], cfg["spec"])
+                    cfg = CONFIGS[base]
+                    flags = engine_flags(argparse.Namespace(**{**vars(args), **overrides.get(name, {})}),
+                                         cfg["mode"], cfg["spec"])
                     if args.model is None:   # not the random-model cache's directory name
                         flags += ["--served-model-name", f"random-{args.preset}"]
                     print(f"[bench serve] {name}: replayssm serve {model_dir} {' '.join(flags)}", file=sys.stderr,
                           flush=True)
                     t0 = time.perf_counter()
-                    server = ServerProcess(model_dir, flags, out / f"server_{name.replace('+', '_')}.log")
+                    log = out / f"server_{name.replace('+', '_').replace('/', '_')}.log"
+                    server = ServerProcess(model_dir, flags, log)
                     url = server.wait(args.server_timeout)
                     res.setdefault("startup_s", {})[name] = time.perf_counter() - t0
                 mname = model_name(url)
@@ -519,8 +591,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows = []
                 for rate in rates:
                     before = scrape(url)
+                    samples = []
                     results, dur = asyncio.run(run_rate(url, mname, requests, rate, args.temperature, args.seed,
-                                                        args.max_concurrency, f"{name} @ {rate:g} req/s"))
+                                                        args.max_concurrency, f"{name} @ {rate:g} req/s", return_ids,
+                                                        args.metrics_interval, samples))
                     after = scrape(url)
                     row = summarize(results, dur)
                     steps = after.get("replayssm:spec_decode_steps_total", 0) - before.get(
@@ -530,33 +604,113 @@ def main(argv: list[str] | None = None) -> int:
                     row["mean_accepted_length"] = toks / steps if steps else float("nan")
                     row["engine_steps"], row["slow_steps"] = step_counts(before, after)
                     row["rate"] = "inf" if math.isinf(rate) else rate
+                    row.update(_capacity_row(results, requests, dur, samples, before, after, return_ids))
+                    if return_ids:
+                        outputs[(name, row["rate"])] = [r.token_ids for r in results]
+                    series[f"{name} @ {row['rate']}"] = samples
+                    res.setdefault("running_samples", {}).setdefault(name, {})[str(row["rate"])] = samples
                     rows.append(row)
                     print(f"[bench serve] {name} @ {row['rate']} req/s: {row['output_tokens_per_s']:.0f} out tok/s, "
                           f"TTFT p50 {row['p50_ttft_ms']:.0f} ms, TPOT p50 {row['p50_tpot_ms']:.1f} ms, "
-                          f"acc {row['mean_accepted_length']:.2f}, failed {row['failed']}, "
+                          f"acc {row['mean_accepted_length']:.2f}, failed {row['failed']}, lost {row['lost']}, "
+                          f"running peak {_num(row['peak_running'])} mean {row['mean_running']:.1f}, "
+                          f"{_num(row['preemptions'])} preemptions, "
                           f"{row['slow_steps']} of {row['engine_steps']} steps over {SLOW_STEP_S} s", file=sys.stderr,
                           flush=True)
                 res["runs"][name] = rows
             finally:
                 if server is not None:
                     server.stop()
+    res["capacity"] = compare(res["runs"], outputs)
     res["elapsed_s"] = time.perf_counter() - t_start
     (out / "serve.json").write_text(json.dumps(res, indent=1, default=str))
     png = None if args.no_plot else plot(res, out / "serve.png")
-    hdr = (f"{'config':<13}{'rate':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}"
+    if png and args.preemption_modes:
+        plot_running(res, series, out / "running.png")
+    w = max([len(n) for n in res["runs"]] + [11]) + 2
+    hdr = (f"{'config':<{w}}{'rate':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}"
            f"{'p99':>8}{'ITL p50':>9}{'p99':>8}{'acc':>6}{'fail':>5}")
     print(f"{desc}; {len(requests or [])} requests per rate, prompt {args.prompt_len} ({kind}), "
-          f"output {args.output_len}; times in ms")
+          f"output {args.output_len}" + (f", stops drawn in [{args.stop_at[0]}, {args.stop_at[1]}]"
+                                         if args.stop_at else "") + "; times in ms")
     print(hdr)
     for name, rows in res["runs"].items():
         for r in rows:
-            print(f"{name:<13}{str(r['rate']):>6}{r['request_throughput']:>8.2f}{r['output_tokens_per_s']:>11.1f}"
+            print(f"{name:<{w}}{str(r['rate']):>6}{r['request_throughput']:>8.2f}{r['output_tokens_per_s']:>11.1f}"
                   f"{r['p50_ttft_ms']:>10.1f}{r['p99_ttft_ms']:>9.1f}{r['p50_tpot_ms']:>10.2f}{r['p99_tpot_ms']:>8.2f}"
                   f"{r['p50_itl_ms']:>9.2f}{r['p99_itl_ms']:>8.2f}{r['mean_accepted_length']:>6.2f}"
                   f"{r['failed']:>5}")
+    if args.metrics_interval > 0:
+        for name, plan in res.get("memory_plans", {}).items():
+            print(f"{name}: {plan['describe']}")
+        print("concurrency (running sequences, sampled from /metrics every "
+              f"{args.metrics_interval:g} s; lost: requests without their stop or full output)")
+        print(format_tables(res))
     print(f"wrote {out / 'serve.json'}" + (f" and {png}" if png else "") + f" in {res['elapsed_s']:.1f}s")
-    failed = sum(r["failed"] for rows in res["runs"].values() for r in rows)
+    failed = sum(r["failed"] + r["lost"] for rows in res["runs"].values() for r in rows)
     return 1 if failed else 0
+
+
+def _num(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.0f}"
+
+
+def _memory_plans(args, model_dir, runs: list, res: dict) -> dict:
+    """Size the budget (``--budget-seqs``) and each run's slots (``off-fit``); returns the
+    engine flags each run overrides ``{name: {dest: value}}`` and records every run's plan
+    in ``res["memory_plans"]`` (nothing to do without a budget to plan)."""
+    modes = args.preemption_modes or []
+    over = {name: {"preemption_mode": "off" if m == "off-fit" else m} for name, _, m in runs if m}
+    if args.url or (not args.budget_seqs and args.memory_budget is None):
+        if modes:
+            print("[bench serve] note: no --budget-seqs / --memory-budget: each server sizes its caches from the "
+                  "memory free when it starts (--gpu-memory-utilization), not from one stated budget",
+                  file=sys.stderr, flush=True)
+        return over
+    model = meta_model(model_dir, server_dtype(args))
+    worst = args.prompt_len + args.output_len
+    if args.budget_seqs:
+        cfg = CONFIGS[runs[0][1]]
+        bp = size_budget(model, engine_config(args, cfg["mode"], cfg["spec"], args.max_num_seqs, None), worst,
+                         args.budget_seqs)
+        args.memory_budget = bp.budget
+        res["config"]["memory_budget"] = bp.budget
+        print(f"[bench serve] --budget-seqs {args.budget_seqs}: --memory-budget {bp.budget} "
+              f"({bp.budget / 2 ** 20:.1f} MiB)", file=sys.stderr, flush=True)
+    plans = res.setdefault("memory_plans", {})
+    for name, base, mode in runs:
+        cfg = CONFIGS[base]
+        try:
+            ec = engine_config(args, cfg["mode"], cfg["spec"], args.max_num_seqs, int(args.memory_budget))
+        except ValueError:
+            if "off-fit" in modes or args.budget_seqs:
+                raise
+            continue   # a plain --memory-budget run whose plan is not ours to show
+        bp = plan_budget(model, ec, worst)
+        if mode == "off-fit":
+            slots = bp.fit_slots()
+            over[name]["max_num_seqs"] = slots
+            bp = plan_budget(model, dataclasses.replace(ec, max_num_seqs=slots), worst)
+        plans[name] = {**dataclasses.asdict(bp), "worst_case_seqs": bp.worst_case_seqs, "describe": bp.describe()}
+        print(f"[bench serve] {name}: {bp.describe()}", file=sys.stderr, flush=True)
+    return over
+
+
+def _capacity_row(results: list, requests: list, dur: float, samples: list, before: dict, after: dict,
+                  return_ids: bool) -> dict:
+    """Concurrency, preemptions, slots / blocks and completeness of one rate's load."""
+    reasons = {}
+    for r in results:
+        reasons[r.finish_reason or "none"] = reasons.get(r.finish_reason or "none", 0) + 1
+    row = concurrency(samples, dur)
+    pre = "replayssm:num_preemptions_total"
+    row.update(sent=len(results), lost=sum(lost(r, req[1]) for r, req in zip(results, requests)),
+               finish_reasons=reasons,
+               preemptions=after[pre] - before.get(pre, 0.0) if pre in after else None,
+               slots=after.get("replayssm:total_slots"), kv_blocks=after.get("replayssm:kv_total_blocks"))
+    if return_ids:
+        row["outputs_sha256"] = outputs_digest(results)
+    return row
 
 
 def _vocab(model_dir: str) -> int:

@@ -15,6 +15,8 @@ totals (:attr:`ServerMetrics.totals`) feed the periodic stats log.
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "replayssm:"
@@ -122,6 +124,7 @@ class ServerMetrics:
         self._preemptions = 0
         self._steps_total = 0
         self._spec_tokens_total = 0
+        self._refresh_lock = threading.Lock()
 
     # -- from the engine thread ---------------------------------------------------------------
     def on_queued(self, seconds: float) -> None:
@@ -179,7 +182,12 @@ class ServerMetrics:
         self.refresh(engine, loop)
 
     def refresh(self, engine, loop) -> None:
-        """Engine occupancy gauges (also called by ``GET /metrics``)."""
+        """Engine occupancy gauges (also called by ``GET /metrics``, from another thread than
+        the engine's: one refresh at a time, or two could add the same preemptions twice)."""
+        with self._refresh_lock:
+            self._refresh(engine, loop)
+
+    def _refresh(self, engine, loop) -> None:
         occ = engine.occupancy()
         self.running.set(occ["running"])
         self.waiting.set(occ["waiting"])

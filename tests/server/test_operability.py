@@ -186,6 +186,36 @@ def test_state_cache_usage_and_preemptions_from_the_engine():
     assert get("num_preemptions_total") == 3 and get("num_requests_waiting") == 1
 
 
+def test_concurrent_refreshes_count_preemptions_once():
+    """GET /metrics refreshes from the server's thread while the engine thread does after each
+    step (bench serve samples /metrics every 0.1 s): two refreshes at once add them once."""
+    class Engine:
+        stats = {"preemptions": 5}
+
+        def occupancy(self):
+            return {"running": 1, "waiting": 0, "free_slots": 1, "total_slots": 2, "free_kv_blocks": -1,
+                    "total_kv_blocks": 0}
+
+    class Loop:
+        in_flight, step_failures = 1, 0
+
+    m = ServerMetrics("t")
+    counter = m.preemptions
+
+    class SlowCounter:   # another thread runs between a refresh's check and its bookkeeping
+        def inc(self, n):
+            time.sleep(0.05)
+            counter.inc(n)
+
+    m.preemptions = SlowCounter()
+    threads = [threading.Thread(target=m.refresh, args=(Engine(), Loop())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert m.registry.get_sample_value("replayssm:num_preemptions_total", {"model_name": "t"}) == 5
+
+
 # ---- --config and flags ------------------------------------------------------------------------------
 def test_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
     cfg = tmp_path / "serve.yaml"
