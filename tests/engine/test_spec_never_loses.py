@@ -200,3 +200,16 @@ def test_measured_costs_on_real_slots_price_flushes_and_leave_outputs_exact(qwen
     assert [o.token_ids for o in outs] == ref
     with pytest.raises(ValueError, match="slots must be in"):
         measure_step_costs(llm.runner, [], reps=1, slots=[0])
+
+
+def test_online_refinement_is_a_running_mean_with_the_seed_then_an_ema():
+    """Host work the start-up timing leaves out shows within a few steps: the seed counts as
+    one sample until the mean weighs a sample less than ``decay``."""
+    c = StepCosts({(1, 0): 1.0}, online=True, decay=0.2)
+    got = []
+    for x in [9.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]:
+        c.observe(1, 0, x)
+        got.append(c.get(1, 0))
+    mean = [1.0, 1.5, 5 / 3, 1.75, 1.8]            # (1 + 2 k) / (k + 1), the first sample dropped
+    ref = mean + [1.8 + 0.2 * 0.2, 1.84 + 0.2 * 0.16]
+    assert got == pytest.approx(ref, rel=1e-12)

@@ -167,8 +167,11 @@ class StepCosts:
     With ``online``, :meth:`observe` refines ``table`` by an EMA of measured times, less
     the flush share the caller predicted (the first observation of a key is dropped — it may
     include a compile or a graph capture —; a key without an entry takes the next one as
-    it is; later ones move the entry by ``decay`` after clipping to 4x of it either way:
-    one step that happened to flush does not replace a measured entry)."""
+    it is; later ones, clipped to 4x of the entry either way, make it the mean of the seed
+    and the samples so far until that weighs a sample less than ``decay``, then an EMA of
+    weight ``decay``: host work the start-up timing leaves out (the drafter, the step's
+    Python) comes in within a few steps, while one step that happened to flush does not
+    replace a measured entry)."""
 
     def __init__(self, table: dict | None = None, fallback=analytic_step_cost, online: bool = False,
                  decay: float = 0.2, flush: dict | None = None, ring: int | None = None):
@@ -233,7 +236,8 @@ class StepCosts:
             self.table[(B, T)] = x
             return
         x = min(max(x, est / 4), est * 4)
-        self.table[(B, T)] = est + self.decay * (x - est)
+        w = max(self.decay, 1.0 / (n + 1))   # a running mean with the seed as one sample, then the EMA
+        self.table[(B, T)] = est + w * (x - est)
 
 
 class _Lengths:
