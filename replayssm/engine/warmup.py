@@ -94,8 +94,13 @@ def measure_step_costs(runner, shapes, reps: int = 3, slots=None, context: int =
             raise ValueError(f"measure_step_costs: slots must be in [1, {cache.P - 1}], got {free}")
         most = 1 + max([N for _, N, _ in shapes] + [1])
         context = max(0, min(context, cache.spec.max_seq_len - most - (reps + 2)))
-        for s in free:
-            cache.reserve(s, context + most)
+        try:
+            for s in free:
+                cache.reserve(s, context + most)
+        except ValueError:   # PoolExhausted (no room for them all): the null slot, as padding uses it
+            cache.release(free)
+            cache, ring, free = None, None, [0]
+    if cache is not None:
         idx = torch.tensor(free, dtype=torch.long, device=cache.device)
 
     def setup(h: int) -> None:   # every timed slot: `context` tokens, a ring of h entries
