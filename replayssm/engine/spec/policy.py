@@ -42,6 +42,7 @@ replays a given sequence of lengths (tests, experiments).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Iterable, Sequence
 
@@ -126,6 +127,10 @@ class AcceptanceStats:
         e = self._rows.get(id(seq))
         if e is not None and e[0] is seq:
             return e[2]
+        return self.pooled_expected()
+
+    def pooled_expected(self) -> list[float]:
+        """``[E(α, 0), ..., E(α, D)]`` of the pooled rates (what a new request starts from)."""
         if self._pooled_e is None:
             self._pooled_e = _prefix_expectations(self.pooled)
         return self._pooled_e
@@ -134,17 +139,32 @@ class AcceptanceStats:
         """One step of ``seq``: drafts at depths ``1..tried`` were offered, the first
         ``accepted`` of them accepted.  Depth ``j <= min(tried, accepted + 1)`` was reached;
         it succeeded iff ``j <= accepted``."""
-        if not 0 <= accepted <= tried:
-            raise ValueError(f"AcceptanceStats.observe: need 0 <= accepted ({accepted}) <= tried ({tried})")
-        e = self._rows.get(id(seq))
-        if e is None or e[0] is not seq:
-            e = self._rows[id(seq)] = (seq, list(self.pooled), [])
-        rates, pooled, w = e[1], self.pooled, self.decay
-        for j in range(min(tried, accepted + 1, self.depth)):
-            hit = 1.0 if j < accepted else 0.0
-            rates[j] += w * (hit - rates[j])
-            pooled[j] += (w / 8) * (hit - pooled[j])   # slower: many requests feed it
-        e[2][:] = _prefix_expectations(rates)
+        self.observe_batch((seq,), tried, (accepted,))
+
+    def observe_batch(self, seqs, tried: int, accepted) -> None:
+        """:meth:`observe` of every ``(seq, accepted)`` pair in order, ``tried`` drafts each
+        (one pass: a verify step of 256 rows costs the host well under a millisecond)."""
+        if any(not 0 <= a <= tried for a in accepted):
+            bad = next(a for a in accepted if not 0 <= a <= tried)
+            raise ValueError(f"AcceptanceStats.observe: need 0 <= accepted ({bad}) <= tried ({tried})")
+        rows, pooled, w = self._rows, self.pooled, self.decay
+        wp, depth = w / 8, self.depth   # the pooled rates move slower: many requests feed them
+        for seq, a in zip(seqs, accepted):
+            e = rows.get(id(seq))
+            if e is None or e[0] is not seq:
+                e = rows[id(seq)] = (seq, list(pooled), [])
+            rates = e[1]
+            for j in range(min(tried, a + 1, depth)):
+                hit = 1.0 if j < a else 0.0
+                rates[j] += w * (hit - rates[j])
+                pooled[j] += wp * (hit - pooled[j])
+            ex, p, acc = e[2], 1.0, 1.0
+            ex.clear()
+            ex.append(1.0)
+            for r in rates:
+                p *= r
+                acc += p
+                ex.append(acc)
         self._pooled_e = None   # recomputed when next read
 
     def prune(self, live: Iterable) -> None:
@@ -318,6 +338,7 @@ class AdaptiveLengths(_Lengths):
         self._natural = self.max          # the last choice before probing
         self._credit = 0.0                # predicted seconds probes may still lose
         self._flush_part: dict[int, float] = {}   # T -> the flush time predicted for its last choice
+        self._own = 0.0                   # host seconds of the last choose (not yet charged)
         self.probes = 0
 
     def bucket(self, B: int) -> int:
@@ -326,11 +347,13 @@ class AdaptiveLengths(_Lengths):
     def _rates(self, seqs) -> tuple[int, dict[int, float], dict[int, float]]:
         """``(bucket, {T: expected tokens over the batch}, {T: predicted step seconds})``."""
         Bp, n = self.bucket(len(seqs)), max(len(seqs), 1)
-        es = [self.acceptance.expected(s) for s in seqs]
+        acc = self.acceptance
+        rows, pooled = acc._rows, acc.pooled_expected()
+        es = [e[2] if (e := rows.get(id(s))) is not None and e[0] is s else pooled for s in seqs]
+        sums = [sum(col) for col in zip(*es)] if es else [0.0] * (acc.depth + 1)
         tokens, times = {0: float(len(seqs))}, {}
         for T in self.lengths:
-            d = self.depth[T]
-            tokens[T] = sum(e[d] for e in es)
+            tokens[T] = sums[self.depth[T]]
         for T, tok in tokens.items():
             N = 1 if T == 0 else self.nodes[T]
             base = self.costs.get(Bp, T)
@@ -345,6 +368,12 @@ class AdaptiveLengths(_Lengths):
         return {T: tokens[T] / times[T] for T in tokens}
 
     def choose(self, seqs) -> int:
+        t0 = time.perf_counter()
+        T = self._choose(seqs)
+        self._own = time.perf_counter() - t0   # the policy's host time: charged to this step's cost
+        return T
+
+    def _choose(self, seqs) -> int:
         if len(self.acceptance._rows) > 2 * len(seqs) + 64:
             self.acceptance.prune(seqs)
         _, tokens, times = self._rates(seqs)
@@ -373,13 +402,18 @@ class AdaptiveLengths(_Lengths):
         return best
 
     def observe(self, seqs, T: int, accepted: list[int], seconds: float | None) -> None:
+        """After a step (see :class:`_Lengths`): the acceptance estimates, then the step's
+        cost with the policy's own host time (this call and the step's :meth:`choose`)
+        added, so that a step that only just wins on device time is not chosen when the
+        bookkeeping of speculating eats the gain."""
+        t0 = time.perf_counter()
+        if T:
+            d = self.depth[T]
+            self.acceptance.observe_batch(seqs, d, [min(a - 1, d) for a in accepted])
         if seconds is not None:
-            self.costs.observe(self.bucket(len(seqs)), T, seconds, self._flush_part.get(T, 0.0))
-        if T == 0:
-            return
-        d = self.depth[T]
-        for s, a in zip(seqs, accepted):
-            self.acceptance.observe(s, d, min(a - 1, d))
+            own = self._own + (time.perf_counter() - t0)
+            self.costs.observe(self.bucket(len(seqs)), T, seconds + own, self._flush_part.get(T, 0.0))
+        self._own = 0.0
 
 
 def length_policy(sp, runner) -> _Lengths:
