@@ -26,6 +26,7 @@ replay's, and adaptive >= plain replay at every B (decode tokens/s, 2% noise all
 
     PYTHONPATH=. python scripts/gpu_spec_never_loses.py        # about 4 min on an H100
     PYTHONPATH=. python scripts/gpu_spec_never_loses.py --presets nemotron-h-4b,qwen3-next-4b
+    PYTHONPATH=. python scripts/gpu_spec_never_loses.py --presets qwen3.5-4b --null-slot   # before / after
 
 Writes ``spec_never_loses.json`` to ``$OUT``.  Stops starting presets past ``--budget-s``.
 CPU smoke run: ``--presets qwen3.5-tiny --device cpu --batches 1,4 --max-tokens 12``.
@@ -50,6 +51,7 @@ from replayssm.engine.config import SamplingParams, SpeculativeConfig
 from replayssm.engine.llm import LLM
 from replayssm.engine.loading import load
 from replayssm.engine.spec.policy import AdaptiveLengths, expected_tokens, flush_fraction
+from replayssm.engine.warmup import measure_step_costs
 
 NOISE = 0.98   # adaptive / replay below this fails the check
 
@@ -147,29 +149,17 @@ def _policy_tables(llm: LLM) -> dict:
 
 # ---- FLOPs and bytes ------------------------------------------------------------------------
 def measured_peaks(device) -> dict:
-    """bf16 matmul FLOP/s (8192^3) and device copy bytes/s (1 GiB), best of 5 (CUDA only)."""
+    """bf16 matmul FLOP/s (8192^3) and the device copy rate (``bench kernels``' 1 GiB copy
+    kernel, read + write), medians of ``triton.testing.do_bench`` (CUDA only)."""
     if not str(device).startswith("cuda"):
         return {"flops": float("nan"), "bytes": float("nan")}
+    import triton.testing as tt
+
+    from replayssm.bench.kernels import Timer, copy_bandwidth
+
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    x = torch.empty(2 ** 29, device=device, dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-
-    def best(fn):
-        fn()
-        torch.cuda.synchronize(device)
-        out = float("inf")
-        for _ in range(5):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            out = min(out, s.elapsed_time(e) / 1e3)
-        return out
-
-    r = {"flops": 2 * 8192 ** 3 / best(lambda: a @ a), "bytes": 2 * x.numel() * 2 / best(lambda: y.copy_(x))}
-    del a, x, y
-    return r
+    ms = tt.do_bench(lambda: a @ a, warmup=10, rep=50, return_mode="median")
+    return {"flops": 2 * 8192 ** 3 / (ms * 1e-3), "bytes": copy_bandwidth("cuda", Timer("cuda"))}
 
 
 def weight_counts(model) -> dict:
@@ -256,11 +246,17 @@ def run_preset(preset: str, args, peaks: dict) -> dict:
         del llm
         free_memory(args.device)
     refs = {tuple(p): o for B in args.batches for p, o in zip(prompts[B], res["runs"]["standard"][B]["outputs"])}
-    for pol in ("fixed", "adaptive"):
-        spec = SpeculativeConfig("ngram", num_tokens=args.num_tokens, spec_policy=pol)
+    for pol in ["fixed", "adaptive"] + (["adaptive-null"] if args.null_slot else []):
+        spec = SpeculativeConfig("ngram", num_tokens=args.num_tokens, spec_policy=pol.split("-")[0])
         llm = _engine(model, args, "replay", spec)
         if pol == "adaptive":
             res["tables"] = _policy_tables(llm)   # as measured at start-up, before any step
+        if pol == "adaptive-null" and llm.runner.device.type == "cuda":   # the table as timed before: null-slot rows
+            L = llm.executor.lengths
+            L.costs.table.update(measure_step_costs(llm.runner, [(T, L.nodes[T], L.tree) for T in L.lengths])[0])
+            L.costs.flush.clear()
+            L.costs.ring = None
+            res["tables_null_slot"] = _policy_tables(llm)
         llm.drafter = OracleDrafter(refs, args.num_tokens, args.accept, V, llm.device)
         res["runs"][pol] = _sweep(llm, args, prompts, pol)
         del llm
@@ -295,6 +291,10 @@ def report(res: dict, args) -> list[str]:
         print(f"{B:>5}{s:>10.0f}{r:>10.0f}{f:>10.0f}{a:>10.0f}{a / r:>8.2f}x{a / s:>7.2f}x{f / r:>8.2f}x"
               f"{wall:>12.2f}x{runs['adaptive'][B]['mean_accepted_length']:>6.2f}{mism:>5}  "
               f"{format_lengths(runs['adaptive'][B]['draft_lengths'])}")
+        if "adaptive-null" in runs:
+            n = runs["adaptive-null"][B]["decode_tokens_per_s"]
+            print(f"{'':>5}  null-slot table: {n:.0f} decode tok/s = {n / r:.2f}x replay  "
+                  f"{format_lengths(runs['adaptive-null'][B]['draft_lengths'])}")
         if a / r < NOISE:
             fails.append(f"{p} B={B}: adaptive / replay = {a / r:.3f} < {NOISE}")
         if mism:
@@ -340,6 +340,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch size (the fastest counts)")
     p.add_argument("--buffer-size", type=int, default=None, help="replay ring L (default max(16, 2 (k + 1)))")
     p.add_argument("--budget-s", type=float, default=270.0, help="start no preset past this many seconds")
+    p.add_argument("--null-slot", action="store_true",
+                   help="also run adaptive on a table timed the old way (null-slot rows, no flush prices)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     args = p.parse_args(argv)
