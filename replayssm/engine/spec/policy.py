@@ -25,7 +25,10 @@ second over the batch::
   step is priced ``t(B, T) + φ(L, N, E) · flush(B, T)``;
 * the rule: ``T = 0`` unless some ``T > 0`` has strictly more expected tokens per second
   (ties go to the fewer drafts), so with a right table a step never predicts fewer tokens
-  per second than a plain one;
+  per second than a plain one.  One ``T`` serves the whole batch: a verify graph runs
+  ``T + 1`` inputs on every row, so a row drafting fewer would save no device time;
+* host work: the policy's own time (choosing, updating the estimates) is added to the step
+  time it observes, so the bookkeeping of speculating is priced too;
 * probing: after ``probe_interval`` steps in a row below the largest length, one step uses
   the next larger one, so acceptance estimates stay alive while speculation is off and a
   request can come back to it -- but only out of a budget: every step adds ``probe_budget``
