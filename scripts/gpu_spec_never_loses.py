@@ -24,7 +24,7 @@ measured matmul and copy rates, and the ceiling of speculation / standard they i
 the oracle's acceptance.  Checks (exit 1): greedy outputs of every run equal plain
 replay's, and adaptive >= plain replay at every B (decode tokens/s, 2% noise allowance).
 
-    PYTHONPATH=. python scripts/gpu_spec_never_loses.py        # about 4 min on an H100
+    PYTHONPATH=. python scripts/gpu_spec_never_loses.py        # sized for ~4 min on an H100 (not yet timed)
     PYTHONPATH=. python scripts/gpu_spec_never_loses.py --presets nemotron-h-4b,qwen3-next-4b
     PYTHONPATH=. python scripts/gpu_spec_never_loses.py --presets qwen3.5-4b --null-slot   # before / after
 
