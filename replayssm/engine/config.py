@@ -302,8 +302,9 @@ class SpeculativeConfig:
     ``spec_policy``: how many tokens each step drafts.  ``"adaptive"`` (default) picks, per
     step, ``T`` from ``{0} ∪ draft_lengths`` maximising the expected tokens per second
     ``Σ_rows E(α_row, T) / t(B, T)``: ``α`` the measured per-position acceptance of each
-    request, ``t(B, T)`` the step time at the batch's bucket (measured at start-up on CUDA
-    and refined online from observed step times; on CPU a deterministic roofline, see
+    request, ``t(B, T)`` the step time at the batch's bucket with its expected ring flushes
+    (measured at start-up on CUDA on the engine's free slots, and refined online from
+    observed step times; on CPU a deterministic roofline, see
     :mod:`replayssm.engine.spec.policy`); ``T = 0`` is a plain decode step, so speculation
     never costs more than it yields.  ``"fixed"`` always drafts ``num_tokens`` (or the whole
     tree).  ``draft_lengths``: the candidate chain lengths (each one a captured verify shape;
@@ -311,7 +312,8 @@ class SpeculativeConfig:
     choose between 0 and the whole tree).  ``step_costs``: ``{(batch, T): seconds}`` overriding the measured
     table (and switching online refinement off).  ``probe_interval``: after this many steps
     in a row below the largest length, one step drafts the next larger length (acceptance
-    estimates stay current while speculation is off).  Greedy output is identical for every
+    estimates stay current while speculation is off), as long as probes have lost less than
+    1% of the predicted run time.  Greedy output is identical for every
     choice, and sampled output keeps the target's distribution; a seeded sampled request
     repeats exactly when the chosen lengths do (CPU, ``step_costs`` given, or ``"fixed"``:
     with measured step times the lengths depend on timing).

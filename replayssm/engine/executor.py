@@ -82,13 +82,18 @@ class StepExecutor:
 
     def measure_step_costs(self, reps: int = 3) -> dict | None:
         """On CUDA, with the adaptive policy and no ``step_costs`` given: time a decode step
-        and a verify step of every draft length at every batch bucket (null-slot rows, after
-        capture) as the policy's cost table; returns it (None when nothing was measured)."""
+        and a verify step of every draft length at every batch bucket (after capture, on the
+        idle engine's free slots, in replay form with and without ring flushes) as the
+        policy's cost tables; returns the flush-free one (None when nothing was measured)."""
         L = self.lengths
         if not isinstance(L, AdaptiveLengths) or not L.costs.online or self.runner.device.type != "cuda":
             return None
-        table = measure_step_costs(self.runner, [(T, L.nodes[T], L.tree) for T in L.lengths], reps)
+        table, flush = measure_step_costs(self.runner, [(T, L.nodes[T], L.tree) for T in L.lengths], reps,
+                                          slots=sorted(self.blocks.free_slots))
         L.costs.table.update(table)
+        if flush:
+            L.costs.flush.update(flush)
+            L.costs.ring = int(self.cache.ring.capacity)
         return table
 
     def run(self, batch: ScheduledBatch) -> tuple[list[Step], float]:

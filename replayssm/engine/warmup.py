@@ -55,38 +55,98 @@ def warm_up(engine, max_prompt_len: int | None = None) -> float:
     return time.perf_counter() - t0
 
 
-def measure_step_costs(runner, shapes, reps: int = 3) -> dict:
-    """Time, at every batch bucket of ``runner``, a decode step and a greedy verify step of
-    each ``(T, nodes, tree)`` in ``shapes`` (the graphs captured for them, if any), on
-    null-slot rows as CUDA-graph padding uses them: ``{(bucket, T): seconds}`` (``T = 0``:
-    decode), the fastest of ``reps`` synchronised runs after one untimed run.  A shape the
-    cache form cannot verify (``NotImplementedError``) gets ``nodes`` decode steps' time."""
+def _ring_of(runner, slots):
+    """``(cache, ring)`` when ``runner``'s cache is a local replay-form cache whose slots can
+    be set up directly (else ``(cache, None)``; ``cache`` is None when not a local cache)."""
+    from ..cache.ring import RingIndex
+    from ..models.cache import ModelCache
+
+    cache = getattr(runner, "cache", None)
+    if not slots or not isinstance(cache, ModelCache):
+        return None, None
+    ring = cache.ring if isinstance(cache.ring, RingIndex) and cache.ring.capacity > 1 else None
+    return cache, (ring if cache.ssm_form() == "replay" else None)
+
+
+def measure_step_costs(runner, shapes, reps: int = 3, slots=None, context: int = 64) -> tuple[dict, dict]:
+    """Time, at every batch bucket ``Bp`` of ``runner``, a decode step and a greedy verify
+    step of each ``(T, nodes, tree)`` in ``shapes`` (the graphs captured for them, if any):
+    ``(table, flush)``, both ``{(bucket, T): seconds}`` (``T = 0``: decode).
+
+    ``slots``: free cache slots to time on (an idle engine's; rows cycle through them when
+    a bucket has more rows than there are slots), each set to ``context`` committed tokens
+    (its attention blocks reserved) and released afterwards, so a step reads ``Bp``
+    distinct states as a served batch does.  In replay form each step is timed twice:
+    with every row's ring at a fill where it does not flush (half the room it has: ``table``)
+    and at one where every row flushes (``flush``: the extra seconds, >= 0); the policy
+    prices a step as ``table + φ · flush`` (:func:`replayssm.engine.spec.policy.flush_fraction`).
+    Without ``slots`` (or with a cache that is not a local one) rows use the null slot as
+    CUDA-graph padding does (one state, read from cache: an underestimate at large
+    batches), and ``flush`` is empty.  Each time is the fastest of ``reps`` synchronised
+    runs after one untimed run, the slots' bookkeeping reset before each.  A shape the cache
+    form cannot verify (``NotImplementedError``) gets ``nodes`` decode steps' time."""
     dev = runner.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    cache, ring = _ring_of(runner, slots)
+    free = sorted(int(s) for s in slots) if cache is not None else [0]
+    if cache is not None:
+        if any(not 0 < s < cache.P for s in free):
+            raise ValueError(f"measure_step_costs: slots must be in [1, {cache.P - 1}], got {free}")
+        most = 1 + max([N for _, N, _ in shapes] + [1])
+        context = max(0, min(context, cache.spec.max_seq_len - most - (reps + 2)))
+        try:
+            for s in free:
+                cache.reserve(s, context + most)
+        except ValueError:   # PoolExhausted (no room for them all): the null slot, as padding uses it
+            cache.release(free)
+            cache, ring, free = None, None, [0]
+    if cache is not None:
+        idx = torch.tensor(free, dtype=torch.long, device=cache.device)
 
-    def timed(fn) -> float:
-        fn()
+    def setup(h: int) -> None:   # every timed slot: `context` tokens, a ring of h entries
+        if cache is not None:
+            cache.seq_len[idx] = max(context, h)
+            if ring is not None:
+                ring.start[idx] = 0
+                ring.length[idx] = h
+
+    def timed(fn, h: int = 0) -> float:
         best = float("inf")
-        for _ in range(reps):
+        for r in range(reps + 1):
+            setup(h)
             sync()
             t0 = time.perf_counter()
             fn()
             sync()
-            best = min(best, time.perf_counter() - t0)
+            if r:
+                best = min(best, time.perf_counter() - t0)
         return best
 
-    out = {}
-    for Bp in runner.buckets:
-        slots = [0] * Bp
-        tok = torch.zeros(Bp, dtype=torch.long)
-        out[(Bp, 0)] = dec = timed(lambda: runner.decode(slots, tok))
-        for T, N, tree in shapes:
-            tokens = torch.zeros(Bp, N, dtype=torch.long, device=dev)
-            parent = torch.arange(-1, N - 1, device=dev).expand(Bp, N).contiguous()
-            valid = torch.zeros(Bp, N, dtype=torch.bool, device=dev)
-            valid[:, 0] = True
-            try:
-                out[(Bp, T)] = timed(lambda: runner.greedy_verify_step(slots, tokens, parent, valid, tree))
-            except NotImplementedError:   # e.g. KV-only slots without a tree verify (raised before any write)
-                out[(Bp, T)] = dec * N
-    return out
+    table, flush = {}, {}
+    L = ring.capacity if ring is not None else 0
+    try:
+        for Bp in runner.buckets:
+            rows = [free[i % len(free)] for i in range(Bp)]
+            tok = torch.zeros(Bp, dtype=torch.long)
+            dec = table[(Bp, 0)] = timed(lambda: runner.decode(rows, tok), (L - 1) // 2 if L else 0)
+            if ring is not None:
+                flush[(Bp, 0)] = max(timed(lambda: runner.decode(rows, tok), L - 1) - dec, 0.0)
+            for T, N, tree in shapes:
+                tokens = torch.zeros(Bp, N, dtype=torch.long, device=dev)
+                parent = torch.arange(-1, N - 1, device=dev).expand(Bp, N).contiguous()
+                valid = torch.zeros(Bp, N, dtype=torch.bool, device=dev)
+                valid[:, 0] = True
+
+                def step():
+                    runner.greedy_verify_step(rows, tokens, parent, valid, tree)
+
+                try:
+                    table[(Bp, T)] = t = timed(step, max(L - 2 * N, 0) // 2 if L else 0)
+                    if ring is not None:
+                        flush[(Bp, T)] = max(timed(step, min(L - 2 * N + 1, L - 1)) - t, 0.0)
+                except NotImplementedError:   # e.g. KV-only slots without a tree verify (raised before any write)
+                    table[(Bp, T)] = dec * N
+    finally:
+        if cache is not None:
+            cache.release(free)   # back to fresh slots (their next prefill starts a new sequence)
+    return table, flush

@@ -12,16 +12,30 @@ second over the batch::
 * acceptance: :class:`AcceptanceStats`, an exponential moving average of ``α_j`` per
   request, new requests starting from the pooled average of all requests;
 * cost: :class:`StepCosts`, a table ``t(B, T)`` over the batch buckets and draft lengths:
-  measured when a CUDA engine starts, after graph capture
+  measured when a CUDA engine starts, after graph capture, on distinct free slots
   (:func:`replayssm.engine.warmup.measure_step_costs`), and
   refined online by the step times the engine observes (they include the drafter's own
   work), supplied by the user (``SpeculativeConfig.step_costs``), or, on CPU, the
   deterministic roofline :func:`analytic_step_cost` (reproducible tests);
+* flushes (replay form): a row whose ring is full writes its checkpoint state, a step of
+  its own price (``StepCosts.flush``: the extra time of a step in which every row flushes).
+  How often a row flushes depends on ``T`` and acceptance (:func:`flush_fraction`: a
+  verify step of ``N`` inputs flushes when ``h + 2N > L``, so long drafts with high
+  acceptance flush every other step on a 16-entry ring, plain steps every ``L``-th), so a
+  step is priced ``t(B, T) + φ(L, N, E) · flush(B, T)``;
+* the rule: ``T = 0`` unless some ``T > 0`` has strictly more expected tokens per second
+  (ties go to the fewer drafts), so with a right table a step never predicts fewer tokens
+  per second than a plain one.  One ``T`` serves the whole batch: a verify graph runs
+  ``T + 1`` inputs on every row, so a row drafting fewer would save no device time;
+* host work: the policy's own time (choosing, updating the estimates) is added to the step
+  time it observes, so the bookkeeping of speculating is priced too;
 * probing: after ``probe_interval`` steps in a row below the largest length, one step uses
   the next larger one, so acceptance estimates stay alive while speculation is off and a
-  request can come back to it.  The interval doubles after each probe (up to 16x, bounding
-  what probes cost where speculation keeps losing) and returns to ``probe_interval`` when
-  the estimates favour a longer length than before.
+  request can come back to it -- but only out of a budget: every step adds ``probe_budget``
+  (default 1%) of its predicted time, and a probe spends its predicted loss (its time less
+  the time the best choice needs for the same expected tokens), so probes cost at most that
+  fraction of the predicted run time.  The interval doubles after each probe (up to 16x)
+  and returns to ``probe_interval`` when the estimates favour a longer length than before.
 
 Greedy output is the same for every ``T`` (verification accepts only the target's own
 choices); sampled acceptance stays distribution-exact because ``T`` depends only on
@@ -31,6 +45,7 @@ replays a given sequence of lengths (tests, experiments).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Iterable, Sequence
 
@@ -38,7 +53,7 @@ from ..batching import bucket_for
 from ..config import default_lengths
 
 __all__ = ["AcceptanceStats", "AdaptiveLengths", "FixedLengths", "ScriptedLengths", "StepCosts",
-           "analytic_step_cost", "default_lengths", "expected_tokens", "length_policy"]
+           "analytic_step_cost", "default_lengths", "expected_tokens", "flush_fraction", "length_policy"]
 
 
 def expected_tokens(alpha: Sequence[float], T: int) -> float:
@@ -59,6 +74,24 @@ def analytic_step_cost(B: int, T: int) -> float:
     then the weights' read while the step is memory-bound, then linear in the tokens it
     computes.  Small batches speculate for free; large ones pay per draft."""
     return 1.0 + max(1.0, B * (T + 1) / 256.0)
+
+
+def flush_fraction(L: int, nodes: int, tokens: float) -> float:
+    """Steady-state share of steps on which a row flushes its ring of ``L`` entries, for a
+    step of ``nodes`` inputs per row that keeps ``tokens`` of them in expectation.
+
+    A plain step (``nodes = 1``) flushes when the ring fills: one step in ``L``.  A verify
+    step flushes when ``h + 2 nodes > L`` and leaves ``h`` = the accepted count; between
+    flushes ``h`` grows by ``tokens`` per step from ``tokens``, so about
+    ``R / tokens`` steps (``R = L - 2 nodes``) pass without one:
+    ``φ = tokens / (R + tokens)`` (exact for one accepted token per step; ``R < 0``: every
+    step flushes)."""
+    if L < 1 or nodes < 1 or not tokens > 0:
+        raise ValueError(f"flush_fraction: need L >= 1, nodes >= 1 and tokens > 0, got {L}, {nodes}, {tokens}")
+    if nodes == 1:
+        return 1.0 / L
+    R = L - 2 * nodes
+    return 1.0 if R < 0 else tokens / (R + tokens)
 
 
 def _prefix_expectations(alpha: list[float]) -> list[float]:
@@ -97,6 +130,10 @@ class AcceptanceStats:
         e = self._rows.get(id(seq))
         if e is not None and e[0] is seq:
             return e[2]
+        return self.pooled_expected()
+
+    def pooled_expected(self) -> list[float]:
+        """``[E(α, 0), ..., E(α, D)]`` of the pooled rates (what a new request starts from)."""
         if self._pooled_e is None:
             self._pooled_e = _prefix_expectations(self.pooled)
         return self._pooled_e
@@ -105,17 +142,32 @@ class AcceptanceStats:
         """One step of ``seq``: drafts at depths ``1..tried`` were offered, the first
         ``accepted`` of them accepted.  Depth ``j <= min(tried, accepted + 1)`` was reached;
         it succeeded iff ``j <= accepted``."""
-        if not 0 <= accepted <= tried:
-            raise ValueError(f"AcceptanceStats.observe: need 0 <= accepted ({accepted}) <= tried ({tried})")
-        e = self._rows.get(id(seq))
-        if e is None or e[0] is not seq:
-            e = self._rows[id(seq)] = (seq, list(self.pooled), [])
-        rates, pooled, w = e[1], self.pooled, self.decay
-        for j in range(min(tried, accepted + 1, self.depth)):
-            hit = 1.0 if j < accepted else 0.0
-            rates[j] += w * (hit - rates[j])
-            pooled[j] += (w / 8) * (hit - pooled[j])   # slower: many requests feed it
-        e[2][:] = _prefix_expectations(rates)
+        self.observe_batch((seq,), tried, (accepted,))
+
+    def observe_batch(self, seqs, tried: int, accepted) -> None:
+        """:meth:`observe` of every ``(seq, accepted)`` pair in order, ``tried`` drafts each
+        (one pass: a verify step of 256 rows costs the host well under a millisecond)."""
+        if any(not 0 <= a <= tried for a in accepted):
+            bad = next(a for a in accepted if not 0 <= a <= tried)
+            raise ValueError(f"AcceptanceStats.observe: need 0 <= accepted ({bad}) <= tried ({tried})")
+        rows, pooled, w = self._rows, self.pooled, self.decay
+        wp, depth = w / 8, self.depth   # the pooled rates move slower: many requests feed them
+        for seq, a in zip(seqs, accepted):
+            e = rows.get(id(seq))
+            if e is None or e[0] is not seq:
+                e = rows[id(seq)] = (seq, list(pooled), [])
+            rates = e[1]
+            for j in range(min(tried, a + 1, depth)):
+                hit = 1.0 if j < a else 0.0
+                rates[j] += w * (hit - rates[j])
+                pooled[j] += wp * (hit - pooled[j])
+            ex, p, acc = e[2], 1.0, 1.0
+            ex.clear()
+            ex.append(1.0)
+            for r in rates:
+                p *= r
+                acc += p
+                ex.append(acc)
         self._pooled_e = None   # recomputed when next read
 
     def prune(self, live: Iterable) -> None:
@@ -128,42 +180,87 @@ class AcceptanceStats:
 class StepCosts:
     """Step times ``t(B, T)`` per batch bucket ``B`` and draft length ``T`` (0: a decode step).
 
-    ``table``: ``{(batch, T): seconds}``; a batch between keys uses the next larger key (the
-    largest past the end).  Missing ``T``s fall back to ``fallback(B, T)``.  With ``online``,
-    :meth:`observe` refines the entry of a step's key by an EMA of the measured times
-    (the first observation of a key is dropped — it may include a compile or a graph
-    capture —, the second replaces the seed, later ones move it by ``decay`` after clipping
-    to 4x of it either way)."""
+    ``table``: ``{(batch, T): seconds}`` of a step in which no row flushes; a batch between
+    keys uses the next larger key (the largest past the end).  Missing ``T``s fall back to
+    ``fallback(B, T)``.  ``flush``: ``{(batch, T): seconds}``, what a step costs more when
+    every row flushes its ring (replay form; empty: flushes are free or priced into
+    ``table``), looked up like ``table`` (missing: 0); ``ring``: the ring capacity ``L``
+    (None: no ring).  :meth:`step_time` prices a step with a share ``φ`` of rows flushing.
+
+    With ``online``, :meth:`observe` refines ``table`` by an EMA of measured times, less
+    the flush share the caller predicted (the first observation of a key is dropped — it may
+    include a compile or a graph capture —; a key without an entry takes the next one as
+    it is; later ones, clipped to 4x of the entry either way, make it the mean of the seed
+    and the samples so far until that weighs a sample less than ``decay``, then an EMA of
+    weight ``decay``: host work the start-up timing leaves out (the drafter, the step's
+    Python) comes in within a few steps, while one step that happened to flush does not
+    replace a measured entry)."""
 
     def __init__(self, table: dict | None = None, fallback=analytic_step_cost, online: bool = False,
-                 decay: float = 0.2):
-        self.table: dict[tuple[int, int], float] = {}
-        for (b, t), v in (table or {}).items():
-            if not (isinstance(b, int) and isinstance(t, int) and b >= 1 and t >= 0) or not v > 0:
-                raise ValueError(f"step cost table: keys (batch >= 1, T >= 0) and positive times, got {(b, t)}: {v}")
-            self.table[(b, t)] = float(v)
-        self.fallback, self.online, self.decay = fallback, online, decay
+                 decay: float = 0.2, flush: dict | None = None, ring: int | None = None):
+        self.table = self._checked(table, "step cost table", positive=True)
+        self.flush = self._checked(flush, "flush cost table", positive=False)
+        if ring is not None and (isinstance(ring, bool) or not isinstance(ring, int) or ring < 1):
+            raise ValueError(f"StepCosts: ring must be a positive int (the ring capacity L) or None, got {ring!r}")
+        self.fallback, self.online, self.decay, self.ring = fallback, online, decay, ring
         self._seen: dict = {}
 
-    def get(self, B: int, T: int) -> float:
-        bs = sorted(b for b, t in self.table if t == T)
-        if not bs:
-            return self.fallback(B, T)
-        return self.table[(next((b for b in bs if b >= B), bs[-1]), T)]
+    @staticmethod
+    def _checked(table, what: str, positive: bool) -> dict:
+        out: dict[tuple[int, int], float] = {}
+        for (b, t), v in (table or {}).items():
+            ok_v = v > 0 if positive else v >= 0
+            if not (isinstance(b, int) and isinstance(t, int) and b >= 1 and t >= 0) or not ok_v \
+                    or v == float("inf"):
+                raise ValueError(f"{what}: keys (batch >= 1, T >= 0) and {'positive' if positive else 'non-negative'}"
+                                 f" finite times, got {(b, t)}: {v}")
+            out[(b, t)] = float(v)
+        return out
 
-    def observe(self, B: int, T: int, seconds: float) -> None:
+    @staticmethod
+    def _lookup(table: dict, B: int, T: int):
+        bs = sorted(b for b, t in table if t == T)
+        if not bs:
+            return None
+        return table[(next((b for b in bs if b >= B), bs[-1]), T)]
+
+    def get(self, B: int, T: int) -> float:
+        """``t(B, T)``: a step in which no row flushes."""
+        v = self._lookup(self.table, B, T)
+        return self.fallback(B, T) if v is None else v
+
+    def flush_cost(self, B: int, T: int) -> float:
+        """What a step costs more when every row flushes (0 without an entry or a ring)."""
+        if self.ring is None:
+            return 0.0
+        v = self._lookup(self.flush, B, T)
+        return 0.0 if v is None else v
+
+    def flush_share(self, T: int, nodes: int, tokens: float) -> float:
+        """``φ``: the share of rows flushing per step (:func:`flush_fraction`; 0 without a ring)."""
+        return 0.0 if self.ring is None else flush_fraction(self.ring, nodes, max(tokens, 1.0))
+
+    def step_time(self, B: int, T: int, nodes: int, tokens: float) -> float:
+        """A step of ``T`` drafts (``nodes`` inputs per row) keeping ``tokens`` per row in
+        expectation: ``t(B, T) + φ · flush(B, T)``."""
+        return self.get(B, T) + self.flush_share(T, nodes, tokens) * self.flush_cost(B, T)
+
+    def observe(self, B: int, T: int, seconds: float, flush_part: float = 0.0) -> None:
+        """A measured step of key ``(B, T)``; ``flush_part``: the flush time predicted in it."""
         if not self.online or not seconds > 0:
             return
         n = self._seen.get((B, T), 0)
         self._seen[(B, T)] = n + 1
         if n == 0:
             return
+        x = max(seconds - flush_part, 0.25 * seconds)
         est = self.table.get((B, T))
-        if est is None or n == 1:   # the first kept observation replaces the seed
-            self.table[(B, T)] = seconds
+        if est is None:   # no seed: the first kept observation is the entry
+            self.table[(B, T)] = x
             return
-        x = min(max(seconds, est / 4), est * 4)
-        self.table[(B, T)] = est + self.decay * (x - est)
+        x = min(max(x, est / 4), est * 4)
+        w = max(self.decay, 1.0 / (n + 1))   # a running mean with the seed as one sample, then the EMA
+        self.table[(B, T)] = est + w * (x - est)
 
 
 class _Lengths:
@@ -220,61 +317,106 @@ class ScriptedLengths(_Lengths):
 
 
 class AdaptiveLengths(_Lengths):
-    """Expected tokens per second: ``argmax_T Σ_rows E(α_row, depth(T)) / t(B, T)`` over
-    ``T in {0} ∪ lengths`` (module docstring).  ``depth``: ``T -> `` the deepest draft a
-    step of ``T`` drafts reaches (a chain: ``T``; a tree of ``T`` nodes: its depth);
-    ``buckets``: the runner's batch buckets; ``costs``: a :class:`StepCosts`."""
+    """Expected tokens per second: ``argmax_T Σ_rows E(α_row, depth(T)) / time(B, T)`` over
+    ``T in {0} ∪ lengths`` (module docstring), ``time`` being :meth:`StepCosts.step_time`
+    (the step with its expected flushes); ``T = 0`` unless another ``T`` is strictly
+    better.  ``depth``: ``T -> `` the deepest draft a step of ``T`` drafts reaches (a chain:
+    ``T``; a tree of ``T`` nodes: its depth); ``buckets``: the runner's batch buckets;
+    ``costs``: a :class:`StepCosts`; ``probe_budget``: the largest share of the predicted
+    run time probes may lose (module docstring)."""
 
     def __init__(self, lengths: Sequence[int], costs: StepCosts, buckets: Sequence[int], tree: bool = False,
-                 depth: dict | None = None, probe_interval: int = 16, prior: float = 0.5):
+                 depth: dict | None = None, probe_interval: int = 16, prior: float = 0.5,
+                 probe_budget: float = 0.01):
         super().__init__(lengths, tree, depth)
         if probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
+        if not 0.0 <= probe_budget <= 1.0:
+            raise ValueError(f"probe_budget must be in [0, 1], got {probe_budget}")
         self.costs, self.buckets, self.probe_interval = costs, list(buckets), probe_interval
+        self.probe_budget = probe_budget
         self.acceptance = AcceptanceStats(max(self.depth.values()), prior)
         self._below = 0       # steps in a row below the largest length
         self._interval = probe_interval   # steps between probes: doubles after each, up to 16x
         self._natural = self.max          # the last choice before probing
+        self._credit = 0.0                # predicted seconds probes may still lose
+        self._flush_part: dict[int, float] = {}   # T -> the flush time predicted for its last choice
+        self._own = 0.0                   # host seconds of the last choose (not yet charged)
+        self.probes = 0
 
     def bucket(self, B: int) -> int:
         return bucket_for(self.buckets, B)
 
+    def _rates(self, seqs) -> tuple[int, dict[int, float], dict[int, float]]:
+        """``(bucket, {T: expected tokens over the batch}, {T: predicted step seconds})``."""
+        Bp, n = self.bucket(len(seqs)), max(len(seqs), 1)
+        acc = self.acceptance
+        rows, pooled = acc._rows, acc.pooled_expected()
+        es = [e[2] if (e := rows.get(id(s))) is not None and e[0] is s else pooled for s in seqs]
+        sums = [sum(col) for col in zip(*es)] if es else [0.0] * (acc.depth + 1)
+        tokens, times = {0: float(len(seqs))}, {}
+        for T in self.lengths:
+            tokens[T] = sums[self.depth[T]]
+        for T, tok in tokens.items():
+            N = 1 if T == 0 else self.nodes[T]
+            base = self.costs.get(Bp, T)
+            flush = self.costs.flush_share(T, N, tok / n) * self.costs.flush_cost(Bp, T)
+            self._flush_part[T] = flush
+            times[T] = base + flush
+        return Bp, tokens, times
+
     def scores(self, seqs) -> dict[int, float]:
         """Expected tokens per unit of time of each candidate ``T`` (0 included)."""
-        Bp = self.bucket(len(seqs))
-        es = [self.acceptance.expected(s) for s in seqs]
-        out = {0: len(seqs) / self.costs.get(Bp, 0)}
-        for T in self.lengths:
-            d = self.depth[T]
-            out[T] = sum(e[d] for e in es) / self.costs.get(Bp, T)
-        return out
+        _, tokens, times = self._rates(seqs)
+        return {T: tokens[T] / times[T] for T in tokens}
 
     def choose(self, seqs) -> int:
+        t0 = time.perf_counter()
+        T = self._choose(seqs)
+        self._own = time.perf_counter() - t0   # the policy's host time: charged to this step's cost
+        return T
+
+    def _choose(self, seqs) -> int:
         if len(self.acceptance._rows) > 2 * len(seqs) + 64:
             self.acceptance.prune(seqs)
-        sc = self.scores(seqs)
-        best = max(sc, key=lambda t: (sc[t], -t))   # ties: the fewer drafts
+        _, tokens, times = self._rates(seqs)
+        sc = {T: tokens[T] / times[T] for T in tokens}
+        best = 0
+        for T in self.lengths:   # strictly better only: ties stay with the fewer drafts (T = 0 first)
+            if sc[T] > sc[best]:
+                best = T
         if best > self._natural:   # the estimates favour more drafting: probe at the base rate again
             self._interval = self.probe_interval
         self._natural = best
+        self._credit += self.probe_budget * times[best]
         if best < self.max:
             self._below += 1
-            if self._below >= self._interval:   # probe the next larger length
-                self._below = 0
-                self._interval = min(2 * self._interval, 16 * self.probe_interval)   # back off
-                best = min(t for t in self.lengths if t > best)
+            if self._below >= self._interval:   # due for a probe of the next larger length
+                probe = min(t for t in self.lengths if t > best)
+                loss = max(times[probe] - tokens[probe] / sc[best], 0.0)   # vs the same tokens at the best rate
+                if loss <= self._credit:
+                    self._credit -= loss
+                    self._below = 0
+                    self._interval = min(2 * self._interval, 16 * self.probe_interval)   # back off
+                    self.probes += 1
+                    best = probe
         else:
             self._below = 0
         return best
 
     def observe(self, seqs, T: int, accepted: list[int], seconds: float | None) -> None:
+        """After a step (see :class:`_Lengths`): the acceptance estimates, then the step's
+        cost with the policy's own host time (this call and the step's :meth:`choose`)
+        added, so that a step that only just wins on device time is not chosen when the
+        bookkeeping of speculating eats the gain."""
+        t0 = time.perf_counter()
+        if T:
+            d = self.depth[T]
+            self.acceptance.observe_batch(seqs, d, [min(a - 1, d) for a in accepted])
         if seconds is not None:
-            self.costs.observe(self.bucket(len(seqs)), T, seconds)
-        if T == 0:
-            return
-        d = self.depth[T]
-        for s, a in zip(seqs, accepted):
-            self.acceptance.observe(s, d, min(a - 1, d))
+            own = self._own + (time.perf_counter() - t0)
+            self.costs.observe(self.bucket(len(seqs)), T, seconds + own, self._flush_part.get(T, 0.0))
+        self._own = 0.0
 
 
 def length_policy(sp, runner) -> _Lengths:
@@ -289,5 +431,5 @@ def length_policy(sp, runner) -> _Lengths:
     if sp.spec_policy == "fixed":
         return FixedLengths(lengths if tree else (sp.num_tokens,), tree, depth)
     online = sp.step_costs is None and runner.device.type == "cuda"
-    costs = StepCosts(sp.step_costs, online=online)
+    costs = StepCosts(sp.step_costs, online=online)   # flush prices: measure_step_costs, on CUDA
     return AdaptiveLengths(lengths, costs, runner.buckets, tree, depth, sp.probe_interval)
