@@ -1,0 +1,89 @@
+"""The tensor-parallel finish kernel (sum over ranks, deferred gated-norm scale, residual add,
+next RMSNorm) with its barrier compiled out: the "ranks" are separate tensors whose addresses
+the kernel reads, as it reads peers' buffers over NVLink; against a float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernel_device import kernel_device  # noqa: E402
+
+from replayssm.kernels.tp_reduce import tp_reduce  # noqa: E402
+from replayssm.ops.tp_reduce import reduce_add_norm  # noqa: E402
+
+DEVICE = kernel_device()
+
+
+def _ptrs(ts):
+    return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("W,rpg,R,N,dtype,sdt,scaled,zc", [
+    (1, 1, 3, 24, torch.float32, torch.float32, False, False),
+    (2, 2, 7, 40, torch.bfloat16, torch.float32, True, False),
+    (2, 2, 5, 33, torch.float32, torch.float32, True, True),
+    (4, 2, 9, 48, torch.bfloat16, torch.float32, True, False),     # two norm groups of two ranks
+    (4, 4, 1, 20, torch.bfloat16, torch.bfloat16, False, True),
+    (4, 1, 3, 16, torch.float32, torch.float32, True, False),      # one group per rank
+])
+def test_tp_reduce_matches_float64(W, rpg, R, N, dtype, sdt, scaled, zc, nan_empty):
+    g = torch.Generator().manual_seed(W * 100 + R * 10 + N)
+    parts = [torch.randn(R, N, generator=g).to(dtype).to(DEVICE) for _ in range(W)]
+    ss = [(torch.rand(R, generator=g) * N * 0.5 + 0.1).to(DEVICE) for _ in range(W)] if scaled else None
+    hfull = torch.randn(R, N + 5, generator=g).to(sdt).to(DEVICE)
+    h = hfull[:, 2:2 + N]                                     # strided rows
+    w = (1 + 0.3 * torch.randn(N, generator=g)).to(dtype).to(DEVICE)
+    gs = 3 * N
+    kw = dict(ranks_per_group=rpg, group_size=gs, gate_eps=1e-5) if scaled else {}
+    for rank in range(W):   # every rank reads the same buffers: bitwise the same outputs
+        y, s, o = tp_reduce(_ptrs(parts), parts[rank], R, rank=rank, ss_ptrs=_ptrs(ss) if scaled else None,
+                            residual=h, sum_dtype=sdt, weight=w, eps=1e-6, zero_centered=zc, want_sum=True,
+                            programs=2, **kw)
+        if rank == 0:
+            first = (y, s, o)
+        else:
+            for a, b in zip(first, (y, s, o)):
+                assert torch.equal(a, b)
+    d = torch.float64
+    y64, s64, o64 = reduce_add_norm([p.cpu() for p in parts], [q.cpu() for q in ss] if scaled else None,
+                                    residual=h.cpu(), weight=w.cpu(), eps=1e-6, zero_centered=zc, dtype=d, **kw)
+    lo = dtype == torch.bfloat16
+    tol = dict(atol=3e-2, rtol=3e-2) if lo else dict(atol=2e-5, rtol=2e-5)
+    assert y.dtype == dtype and s.dtype == sdt and o.dtype == dtype
+    torch.testing.assert_close(o.cpu().double(), o64, **tol)
+    torch.testing.assert_close(s.cpu().double(), s64, **(dict(atol=5e-2, rtol=3e-2) if lo or sdt != torch.float32 else tol))
+    torch.testing.assert_close(y.cpu().double(), y64, **(dict(atol=6e-2, rtol=4e-2) if lo else tol))
+    # the same-dtype reference (the CPU tensor-parallel path) rounds like the kernel
+    yr, sr, orf = reduce_add_norm([p.cpu() for p in parts], [q.cpu() for q in ss] if scaled else None,
+                                  residual=h.cpu(), sum_dtype=sdt, weight=w.cpu(), eps=1e-6, zero_centered=zc, **kw)
+    torch.testing.assert_close(o.cpu(), orf, atol=1e-5 if not lo else 1e-2, rtol=1e-5 if not lo else 1e-2)
+    torch.testing.assert_close(y.cpu(), yr, atol=1e-5 if not lo else 2e-2, rtol=1e-5 if not lo else 2e-2)
+
+
+def test_tp_reduce_sum_only_and_add_only():
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(5, 12, generator=g).to(DEVICE) for _ in range(3)]
+    _, _, o = tp_reduce(_ptrs(parts), parts[0], 5)
+    torch.testing.assert_close(o.cpu().double(), sum(p.cpu().double() for p in parts), atol=1e-5, rtol=1e-5)
+    h = torch.randn(5, 12, generator=g).to(DEVICE)
+    y, s, o = tp_reduce(_ptrs(parts), parts[1], 5, rank=1, residual=h, sum_dtype=torch.float64 if DEVICE == "cpu"
+                        else torch.float32)
+    assert y is None and o is None
+    torch.testing.assert_close(s.cpu().double(), h.cpu().double() + sum(p.cpu().double() for p in parts),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_tp_reduce_rejects_bad_input():
+    p = torch.zeros(4, 8, device=DEVICE)
+    ptrs = _ptrs([p, p, p])
+    with pytest.raises(ValueError, match="groups"):
+        tp_reduce(ptrs, p, 4, ranks_per_group=2)
+    with pytest.raises(ValueError, match="rank"):
+        tp_reduce(ptrs, p, 4, rank=3)
+    with pytest.raises(ValueError, match="residual"):
+        tp_reduce(ptrs, p, 4, residual=torch.zeros(3, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="weight"):
+        tp_reduce(ptrs, p, 4, weight=torch.ones(7, device=DEVICE))
