@@ -79,8 +79,9 @@ class FusedFinish:
     for call ``k+2``, after passing call ``k+1``'s barrier, which that peer reaches only
     once it has finished call ``k``.  This needs calls to alternate parity, which a host
     counter gives within one forward (graphs capture it as constants); a forward's last
-    call waits for every peer to finish reading (the trailing barrier), so the next forward
-    (or graph replay) starts again at parity 0 whatever the count before it."""
+    call (:meth:`DeferredSum.add`, or the last before blocks that defer nothing) waits for
+    every peer to finish reading (the trailing barrier), so the next forward (or graph
+    replay) starts again at parity 0 whatever the count before it."""
 
     def __init__(self, group, device, dtype: torch.dtype, hidden: int, max_bytes: int, rank: int, size: int,
                  allreduce):
@@ -119,25 +120,35 @@ class FusedFinish:
             self.pad_ptrs = torch.tensor(list(hdl.signal_pad_ptrs), **i64)
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.programs = max(1, min(sms, int(hdl.signal_pad_size) // 4 // self.size))
-            # probe: rank r sends r + 1 in every entry of 3 rows; the sum plus a residual of 1
-            from ..kernels.tp_reduce import tp_reduce
-
-            self.parts[0][:3].fill_(self.rank + 1)
-            _, s, _ = tp_reduce(self.part_ptrs[0], self.parts[0], 3, rank=self.rank,
-                                residual=torch.ones(3, self.D, dtype=self.dtype, device=self.device),
-                                sum_dtype=torch.float32, pad_ptrs=self.pad_ptrs, trailing=True,
-                                programs=self.programs)
-            want = self.size * (self.size + 1) / 2 + 1
-            if not bool(torch.all(s == want)):
-                ok, why = False, f"probe gave {s.flatten()[0].item()}, want {want}"
         except Exception as e:  # noqa: BLE001 - any failure: the reference / today's path
             ok, why = False, f"{type(e).__name__}: {e}"
+        ok, why = self._agree(ok, why)
+        if ok:   # probe (every rank, or none: it waits for its peers): rank r sends r + 1, plus a residual of 1
+            try:
+                from ..kernels.tp_reduce import tp_reduce
+
+                n = min(3, self.max_rows)
+                self.parts[0][:n].fill_(self.rank + 1)
+                _, s, _ = tp_reduce(self.part_ptrs[0], self.parts[0], n, rank=self.rank,
+                                    residual=torch.ones(n, self.D, dtype=self.dtype, device=self.device),
+                                    sum_dtype=torch.float32, pad_ptrs=self.pad_ptrs, trailing=True,
+                                    programs=self.programs)
+                want = self.size * (self.size + 1) / 2 + 1
+                if not bool(torch.all(s == want)):
+                    ok, why = False, f"probe gave {s.flatten()[0].item()}, want {want}"
+            except Exception as e:  # noqa: BLE001
+                ok, why = False, f"{type(e).__name__}: {e}"
+            ok, why = self._agree(ok, why)
+        if not ok:
+            self.parts, self.sums = [], []
+        return ok, why
+
+    def _agree(self, ok: bool, why: str) -> tuple[bool, str]:
+        """All ranks ok, or none."""
         flag = torch.tensor([1 if ok else 0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         if ok and not int(flag.item()):
-            ok, why = False, "another rank could not set up the fused finish"
-        if not ok:
-            self.parts, self.sums = [], []
+            return False, "another rank could not set up the fused finish"
         return ok, why
 
     # -- which path a call takes (every rank decides the same: same rows, dtype, device) ---------
@@ -213,9 +224,9 @@ class DeferredSum(Deferred):
         return (self.mode == "fused" and h.shape == self.partial.shape and h.dtype != torch.float64
                 and sum_dtype != torch.float64)
 
-    def add_norm(self, h: Tensor, norm: nn.Module, dtype: torch.dtype, sum_dtype: torch.dtype):
+    def add_norm(self, h: Tensor, norm: nn.Module, dtype: torch.dtype, sum_dtype: torch.dtype, last: bool = False):
         if self._fuses(h, sum_dtype) and type(norm) is RMSNorm and norm.weight.dtype == dtype:
-            y, s, _ = self.fin.run(self.partial, self.scale, h, sum_dtype, norm)
+            y, s, _ = self.fin.run(self.partial, self.scale, h, sum_dtype, norm, trailing=last)
             return y.view(h.shape), s.view(h.shape)
         return norm.add_forward(h, self.value(), dtype, sum_dtype)
 

@@ -13,7 +13,8 @@ norm group ``g``)::
     y   = w · rms(round_norm(s))  or  (1 + w) · rms(...)            (NORM)
 
 Every rank reads the same partials in the same order, so every rank writes bitwise the
-same ``o``, ``s`` and ``y``.  ``BARRIER`` (compiled out in the CPU interpreter tests, where
+same ``o``, ``s`` and ``y``.  Peers' rows are read past L1 (``.cg``: the owner's L2 holds
+them coherently).  ``BARRIER`` (compiled out in the CPU interpreter tests, where
 the "ranks" are separate host tensors): before reading, each program signals its peers'
 program of the same index and waits for theirs on the signal pads (``pad_ptrs [W]``, one
 ``int32`` slot per (program, peer)): compare-and-swap ``0 → 1`` on the peer's slot (release,
@@ -73,10 +74,10 @@ if HAVE_TRITON:
                 tot = 0.0
                 for k in tl.static_range(RPG):
                     src = tl.load(part_ptrs + g * RPG + k).to(tl.pointer_type(act))
-                    part += tl.load(src + r64 * N + j, mask=m, other=0.0).to(tl.float32)
+                    part += tl.load(src + r64 * N + j, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
                     if SCALED:
                         sq = tl.load(ss_ptrs + g * RPG + k).to(tl.pointer_type(tl.float32))
-                        tot += tl.load(sq + r64)
+                        tot += tl.load(sq + r64, cache_modifier=".cg")
                 if SCALED:
                     acc += part * tl.rsqrt(tot * inv_gsize + gate_eps)
                 else:

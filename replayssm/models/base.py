@@ -50,8 +50,9 @@ class Deferred:
 
     dtype: torch.dtype
 
-    def add_norm(self, h: Tensor, norm: nn.Module, dtype: torch.dtype, sum_dtype: torch.dtype):
-        """``(norm((h + out).to(dtype)), h + out)``, the sum in ``sum_dtype``."""
+    def add_norm(self, h: Tensor, norm: nn.Module, dtype: torch.dtype, sum_dtype: torch.dtype, last: bool = False):
+        """``(norm((h + out).to(dtype)), h + out)``, the sum in ``sum_dtype``; ``last``: the
+        block's own outputs will not be deferred (no :class:`Deferred` follows this one)."""
         raise NotImplementedError
 
     def add(self, h: Tensor, sum_dtype: torch.dtype) -> Tensor:
@@ -96,7 +97,7 @@ class Block(nn.Module):
         """``(norm(s), s)`` with ``s = h + pending`` (a tensor or a :class:`Deferred`)."""
         sdt = self._sum_dtype(h, pending, dtype)
         if isinstance(pending, Deferred):
-            return pending.add_norm(h, norm, dtype, sdt)
+            return pending.add_norm(h, norm, dtype, sdt, last=not self.defers)
         return norm.add_forward(h, pending, dtype, sdt)
 
     def _sum_dtype(self, h: Tensor, out: Tensor, dtype: torch.dtype) -> torch.dtype:
