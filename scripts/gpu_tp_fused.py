@@ -105,7 +105,7 @@ def _check(rank: int, size: int, dev, res: dict) -> None:
                                       weight=None if last else norm.weight, eps=EPS, dtype=torch.float64)
             err[f"s{c}"] = float((eager[f"s{c}"].double() - s).abs().max() / s.abs().max().clamp(min=1))
             if not last:
-                err[f"y{c}"] = float((eager[f"y{c}"].double() - y).abs().max())
+                err[f"y{c}"] = float((eager[f"y{c}"].double() - y).abs().max() / y.abs().max().clamp(min=1))
             h = eager[f"s{c}"].double()     # continue from the kernel's stream (errors per call)
         # both ranks bitwise the same
         same = True
@@ -130,10 +130,10 @@ def _check(rank: int, size: int, dev, res: dict) -> None:
             graph.replay()
             bad += int(sum(not torch.equal(gouts[k], eager[k]) for k in gouts))
         torch.cuda.synchronize()
-        ok = same and bad == 0 and max(v for k, v in err.items() if k[0] == "y") < 0.08 and \
-            max(v for k, v in err.items() if k[0] == "s") < 0.02
+        ok = same and bad == 0 and max(v for k, v in err.items() if k[0] == "y") < 0.03 and \
+            max(v for k, v in err.items() if k[0] == "s") < 0.01
         rows.append({"B": B, "ranks_bitwise_equal": same, "graph_replays": REPLAYS, "replays_differing": bad,
-                     "max_err_y": max(v for k, v in err.items() if k[0] == "y"),
+                     "max_rel_err_y": max(v for k, v in err.items() if k[0] == "y"),
                      "max_rel_err_s": max(v for k, v in err.items() if k[0] == "s"), "ok": ok})
         del graph
     res["check"] = rows
@@ -261,7 +261,7 @@ def main() -> int:
     for p in ps:
         p.start()
     for p in ps:
-        p.join(220)
+        p.join(max(1.0, 230 - (time.perf_counter() - t0)))
     for p in ps:
         if p.is_alive():
             p.kill()
@@ -278,9 +278,9 @@ def main() -> int:
     if "check_error" in out:
         print("fused finish unavailable:", out["check_error"])
     print("(a) correctness: 5 finishes per step, CUDA graph replayed", REPLAYS, "times, rank 1 delayed")
-    print(f"{'B':>6}{'ranks equal':>13}{'bad replays':>13}{'max|y-ref|':>12}{'max rel s':>11}{'ok':>5}")
+    print(f"{'B':>6}{'ranks equal':>13}{'bad replays':>13}{'max rel y':>12}{'max rel s':>11}{'ok':>5}")
     for r in out.get("check", []):
-        print(f"{r['B']:>6}{str(r['ranks_bitwise_equal']):>13}{r['replays_differing']:>13}{r['max_err_y']:>12.4f}"
+        print(f"{r['B']:>6}{str(r['ranks_bitwise_equal']):>13}{r['replays_differing']:>13}{r['max_rel_err_y']:>12.2e}"
               f"{r['max_rel_err_s']:>11.2e}{str(r['ok']):>5}")
     print("(b) µs per call (32 a graph, 20 replays)")
     print(f"{'D':>6}{'B':>5}{'old finish':>12}{'fused':>8}{'fused+copy':>12}{'old tail':>10}{'new tail':>10}")

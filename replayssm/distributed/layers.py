@@ -21,7 +21,11 @@ share of heads and channels), with four additions:
   around that one small all-reduce: the local sums, then the norm with the group's total).
 
 The sums go through :class:`~.allreduce.AllReduce` (one-shot symmetric memory on GPUs for
-decode-sized messages, NCCL past that, gloo on CPU).
+decode-sized messages, NCCL past that, gloo on CPU).  With the fused finish
+(:mod:`.fused`, ``REPLAYSSM_TP_FUSED``, default on) a plain block's mixer instead returns
+its partial as a :class:`~.fused.DeferredSum`, summed by the kernel that also adds the
+residual and applies the next norm; Mamba-2's gated norm over ranks is then deferred past
+``out_proj`` (:class:`DeferredGatedNorm`).
 
 After an all-reduce every rank holds the same residual stream, so replicated decisions
 (MoE routing, ring flushes, accepted counts) are computed identically everywhere.

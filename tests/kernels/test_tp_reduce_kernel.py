@@ -87,3 +87,63 @@ def test_tp_reduce_rejects_bad_input():
         tp_reduce(ptrs, p, 4, residual=torch.zeros(3, 8, device=DEVICE))
     with pytest.raises(ValueError, match="weight"):
         tp_reduce(ptrs, p, 4, weight=torch.ones(7, device=DEVICE))
+
+
+def _pair(D: int, rows: int, dtype):
+    """Two ranks' ``FusedFinish`` in one process (no barrier: each "rank" runs after both
+    wrote), their buffers host tensors addressed like peers' symmetric buffers."""
+    from replayssm.distributed.fused import FusedFinish
+
+    parts = [[torch.zeros(rows, D, dtype=dtype, device=DEVICE) for _ in range(2)] for _ in range(2)]
+    sums = [[torch.zeros(rows, device=DEVICE) for _ in range(2)] for _ in range(2)]
+    fins = []
+    for r in range(2):
+        f = FusedFinish.__new__(FusedFinish)
+        f.rank, f.size, f.D, f.dtype, f.max_rows, f.parity, f.ok = r, 2, D, dtype, rows, 0, True
+        f.parts, f.sums, f.allreduce, f.pad_ptrs, f.programs = parts[r], sums[r], None, None, 2
+        f.part_ptrs = [_ptrs([parts[q][p] for q in range(2)]) for p in range(2)]
+        f.ss_ptrs = [_ptrs([sums[q][p] for q in range(2)]) for p in range(2)]
+        fins.append(f)
+    return fins
+
+
+def test_fused_finish_buffers_parity_and_deferred_sums():
+    """The plumbing around the kernel: partials written into (or copied into) this call's
+    parity, the deferred gated-norm sums beside them, ``add_norm`` (parity flips) then
+    ``add`` (trailing: back to parity 0), against the float64 reference on both ranks."""
+    from replayssm.distributed.fused import DeferredSum, GroupScale
+    from replayssm.layers.norms import RMSNorm
+
+    D, R = 24, 5
+    g = torch.Generator().manual_seed(0)
+    fins = _pair(D, 8, torch.float32)
+    norm = RMSNorm(D, 1e-6)
+    norm.weight.data = (1 + 0.2 * torch.randn(D, generator=g)).to(DEVICE)
+    h = torch.randn(1, R, D, generator=g).to(DEVICE)
+    p1 = [torch.randn(1, R, D, generator=g).to(DEVICE) for _ in range(2)]
+    q1 = [torch.rand(R, generator=g).to(DEVICE) * 30 + 1 for _ in range(2)]
+    p2 = [torch.randn(1, R, D, generator=g).to(DEVICE) for _ in range(2)]
+    # call 1 (parity 0): rank r's out_proj wrote into its buffer, its norm its sums
+    d1 = []
+    for r, f in enumerate(fins):
+        f.part_out(R).copy_(p1[r].reshape(R, D))
+        f.sums_out(R).copy_(q1[r])
+        d1.append(DeferredSum(f, f.part_out(R).view(1, R, D), GroupScale(f.sums_out(R), 0, 1, 2 * D, 1e-5), "fused"))
+    out1 = [d.add_norm(h, norm, torch.float32, torch.float32) for d in d1]
+    assert all(f.parity == 1 for f in fins)
+    y_ref, s_ref, _ = reduce_add_norm([p.reshape(R, D) for p in p1], q1, group_size=2 * D, gate_eps=1e-5,
+                                      residual=h.reshape(R, D), weight=norm.weight, eps=1e-6, dtype=torch.float64)
+    for y, s in out1:
+        torch.testing.assert_close(y.reshape(R, D).double(), y_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s.reshape(R, D).double(), s_ref, atol=1e-5, rtol=1e-5)
+    # call 2 (parity 1): a mixer's own output tensor, copied in by both ranks before either reads
+    for r, f in enumerate(fins):
+        f.part_out(R).copy_(p2[r].reshape(R, D))
+    s1 = out1[0][1]
+    outs = [DeferredSum(f, p2[r], None, "fused").add(s1, torch.float32) for r, f in enumerate(fins)]
+    assert all(f.parity == 0 for f in fins)
+    want = s1.double() + p2[0].double() + p2[1].double()
+    for s in outs:
+        assert s.shape == (1, R, D)
+        torch.testing.assert_close(s.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[0], outs[1])
