@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..kernels import _triton
+from ..kernels.dispatch import env_backend
 from ..layers.linear import Linear
 from ..layers.norms import RMSNorm
 from ..models.base import Deferred
@@ -69,7 +70,8 @@ class FusedFinish:
     """One model's fused sub-block finish (every rank builds it together: a collective).
 
     ``mode(rows, x)``: ``"fused"`` (CUDA, symmetric memory, ``rows <= max_rows``, the
-    model's dtype), ``"reference"`` (not CUDA, or float64), else None (today's path).
+    model's dtype), ``"reference"`` (not CUDA, float64, or ``REPLAYSSM_KERNELS=naive``),
+    else None (today's path).
 
     Buffers: two parities of ``[max_rows, D]`` partials and ``[max_rows]`` fp32 sums in one
     symmetric allocation (its signal pad holds the barrier slots).  Why two, and why the
@@ -153,7 +155,7 @@ class FusedFinish:
 
     # -- which path a call takes (every rank decides the same: same rows, dtype, device) ---------
     def mode(self, rows: int, x: Tensor) -> str | None:
-        if x.device.type != "cuda" or x.dtype == torch.float64:
+        if x.device.type != "cuda" or x.dtype == torch.float64 or env_backend() == "naive":
             return "reference"
         if self.ok and rows and rows <= self.max_rows and x.dtype == self.dtype:
             return "fused"

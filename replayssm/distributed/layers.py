@@ -239,7 +239,7 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
         t0 = time.perf_counter()
         fin = FusedFinish(group, device, dtype, cfg.hidden_size, allreduce.symm_max_bytes, rank, size, allreduce)
         if times is not None:
-            times.add("load.fused_finish_setup", time.perf_counter() - t0)
+            times.add("load.allreduce_setup", time.perf_counter() - t0)   # the fused finish's buffers too
     model.tp_fused = fin
     blocks = list(model.blocks) + (list(model.mtp.blocks) if mtp_keys is not None else [])
     for blk in blocks:
