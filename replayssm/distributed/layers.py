@@ -45,7 +45,11 @@ from torch import Tensor, nn
 
 from ..kernels.dispatch import fused_ok
 from ..kernels.norm import gated_rmsnorm, gated_sumsq
+from ..layers.attention import Attention
+from ..layers.gdn import GatedDeltaNet
+from ..layers.linear import Linear
 from ..layers.mamba2 import Mamba2Mixer
+from ..layers.mlp import GatedMLP, PlainMLP
 from ..models.mtp import attach_mtp
 from ..runtime import compute_dtype
 from .allreduce import AllReduce
@@ -249,6 +253,7 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
             if isinstance(mixer, Mamba2Mixer):
                 _shard_norm(mixer, cfg, size, rank, allreduce, fin if defer else None)
             if defer:
+                _write_into_buffer(mixer, fin)
                 norm = getattr(mixer, "norm", None)
                 mixer.register_forward_hook(deferring_hook(fin, allreduce, norm if isinstance(norm, DeferredGatedNorm)
                                                            else None))
@@ -259,6 +264,27 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
             _shard_norm(mixer, cfg, size, rank, allreduce)
         mixer.register_forward_hook(_all_reduce_hook(allreduce))
     return model
+
+
+#: mixers whose forward returns their last projection's output as it is: (class, projection)
+_OUT_PROJ = ((Mamba2Mixer, "out_proj"), (GatedDeltaNet, "out_proj"), (Attention, "o_proj"),
+             (GatedMLP, "down_proj"), (PlainMLP, "down_proj"))
+
+
+def _write_into_buffer(mixer: nn.Module, fin: FusedFinish) -> None:
+    """Make the mixer's last projection write its partial into the fused finish's buffer
+    (:class:`~.fused.SymmOutProj`: no copy before the sum), for the mixers of ``_OUT_PROJ``
+    (one call of that projection per forward, its output the mixer's)."""
+    for cls, name in _OUT_PROJ:
+        if isinstance(mixer, cls):
+            old = getattr(mixer, name)
+            if type(old) is not Linear:
+                return
+            with torch.device("meta"):
+                new = SymmOutProj(old.d_in, old.d_out, old.bias is not None)
+            new.fin = fin
+            setattr(mixer, name, new)
+            return
 
 
 def _held_mixers(model) -> list[nn.Module]:
@@ -277,14 +303,8 @@ def _held_mixers(model) -> list[nn.Module]:
 def _shard_norm(mixer: Mamba2Mixer, cfg, size: int, rank: int, allreduce: AllReduce,
                 fin: FusedFinish | None = None) -> None:
     """Replace the mixer's gated norm when its groups span ranks (``n_groups`` < ranks); with
-    the fused finish ``fin`` (the mixer's output only becomes a block's ``pending``), its
-    ``out_proj`` writes into the finish's buffer and a gate-first norm over a bias-free
-    projection is deferred past it (:class:`DeferredGatedNorm`)."""
-    if fin is not None:
-        old = mixer.out_proj
-        with torch.device("meta"):
-            mixer.out_proj = SymmOutProj(old.d_in, old.d_out, old.bias is not None)
-        mixer.out_proj.fin = fin
+    the fused finish ``fin`` (the mixer's output only becomes a block's ``pending``), a
+    gate-first norm over a bias-free ``out_proj`` is deferred past it (:class:`DeferredGatedNorm`)."""
     H, G = mamba_dims(cfg)
     if G % size == 0:
         return  # whole norm groups on every rank: the local norm is exact

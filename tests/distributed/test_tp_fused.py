@@ -69,7 +69,7 @@ def test_both_paths_match_one_rank(mamba_path, fused, one_thread, monkeypatch):
     sub-blocks): full forward and cached greedy decoding equal one rank's in float64."""
     from replayssm import LLM, SamplingParams
     from replayssm.distributed import TensorParallelGroup
-    from replayssm.distributed.fused import DeferredSum
+    from replayssm.distributed.fused import DeferredSum, SymmOutProj
     from replayssm.distributed.layers import DeferredGatedNorm, ShardedGatedRMSNorm
     from replayssm.models import load_model
 
@@ -80,6 +80,7 @@ def test_both_paths_match_one_rank(mamba_path, fused, one_thread, monkeypatch):
         tp = grp.load_model(mamba_path, dtype="float64")
         mixer = tp.local.backbone.layers[0].mixer
         assert type(mixer.norm) is (DeferredGatedNorm if fused == "1" else ShardedGatedRMSNorm)
+        assert (type(mixer.out_proj) is SymmOutProj) == (fused == "1")
         seen = []
         mixer.register_forward_hook(lambda mod, a, out: seen.append(type(out)))   # after the TP hook
         ids = torch.randint(0, ref.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
