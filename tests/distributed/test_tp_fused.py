@@ -96,3 +96,71 @@ def test_both_paths_match_one_rank(mamba_path, fused, one_thread, monkeypatch):
         assert outs[0] == outs[1]
     finally:
         grp.close()
+
+
+QWEN = dict(linear_num_key_heads=2, linear_num_value_heads=6, num_attention_heads=6, num_key_value_heads=2,
+            moe_intermediate_size=10, shared_expert_intermediate_size=6, intermediate_size=18, mlp_only_layers=[0],
+            attention_bias=True)
+
+
+def _as_fused(fin, D: int, rows: int = 32) -> list:
+    """Turn a one-rank ``FusedFinish`` (off on CPU) into the GPU path on host buffers: the
+    kernels run in the Triton interpreter, without the barrier (one rank); returns the list
+    every kernel call appends its parity and trailing flag to."""
+    fin.ok, fin.max_rows, fin.parity, fin.pad_ptrs, fin.programs = True, rows, 0, None, 3
+    fin.parts = [torch.full((rows, D), float("nan"), dtype=fin.dtype) for _ in range(2)]
+    fin.sums = [torch.full((rows,), float("nan")) for _ in range(2)]
+    fin.part_ptrs = [torch.tensor([t.data_ptr()]) for t in fin.parts]
+    fin.ss_ptrs = [torch.tensor([t.data_ptr()]) for t in fin.sums]
+    fin.mode = lambda n, x: "fused" if 0 < n <= rows and x.dtype == fin.dtype else None
+    calls, run = [], fin.run
+
+    def counted(*a, trailing=False, **kw):
+        calls.append((fin.parity, trailing))
+        return run(*a, trailing=trailing, **kw)
+
+    fin.run = counted
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "qwen3_next"])
+def test_fused_path_through_the_model_on_one_rank(arch, tmp_path, one_thread):
+    """The GPU path's plumbing through a whole model (one rank, host buffers, kernels in the
+    interpreter): projections writing into the buffer, deferred sums finished by the next
+    norm, parities alternating within a forward and back to 0 after it; logits equal the
+    plain model's (float32), and the prefill + decode of the engine gives the same tokens."""
+    from replayssm import LLM, SamplingParams
+    from replayssm.distributed import TensorParallelGroup
+    from replayssm.distributed.fused import SymmOutProj
+    from replayssm.models import load_model
+
+    if arch == "mamba2":
+        m = H.tiny_mamba2(seed=5, num_heads=6, head_dim=5, hidden_size=15, n_groups=1, num_hidden_layers=3)
+    else:
+        m = H.tiny_qwen3_next(seed=5, **QWEN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = H.save_tiny(m, str(tmp_path / arch))
+    grp = TensorParallelGroup(1, "cpu", worker_threads=1)
+    try:
+        ref = load_model(path, dtype="float32")
+        tp = grp.load_model(path, dtype="float32")
+        calls = _as_fused(tp.local.tp_fused, ref.config.hidden_size)
+        subs = sum(len(b.subs) for b in tp.local.blocks)
+        assert sum(isinstance(x, SymmOutProj) for x in tp.local.modules()) >= len(tp.local.blocks)
+        ids = torch.randint(0, ref.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(tp.local(ids), ref(ids), atol=2e-5, rtol=2e-5)
+        assert [p for p, _ in calls] == [i % 2 for i in range(subs)]
+        assert [t for _, t in calls] == [False] * (subs - 1) + [True]
+        assert tp.local.tp_fused.parity == 0
+        if arch == "mamba2":
+            outs = []
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for model in (ref, tp):
+                    with LLM(model, max_seq_len=32, decode_mode="replay") as llm:
+                        outs.append([o.token_ids for o in llm.generate([[1, 2, 3, 4, 5], [7]],
+                                                                       SamplingParams(max_tokens=4))])
+            assert outs[0] == outs[1] and len(calls) > subs
+    finally:
+        grp.close()
