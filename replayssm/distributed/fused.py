@@ -1,6 +1,7 @@
 """One launch per tensor-parallel sub-block: the sum over ranks fused with the residual add
-and the next block's norm (``REPLAYSSM_TP_FUSED``, default on; ``0``: the hooks of
-:mod:`.layers` all-reduce every mixer output as before).
+and the next block's norm (``REPLAYSSM_TP_FUSED``, default on; ``0``, or
+``REPLAYSSM_TP_ALLREDUCE=nccl``: the hooks of :mod:`.layers` all-reduce every mixer output
+as before).
 
 A mixer of a plain :class:`~replayssm.models.base.Block` returns its partial output as a
 :class:`DeferredSum`; the block hands it the residual stream and the next norm

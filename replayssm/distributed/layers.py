@@ -239,7 +239,7 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
     if not lcfg.tie_word_embeddings:
         _holder_rows(model.lm_head, Vs)
     fin = None
-    if fused_enabled():
+    if fused_enabled() and allreduce.requested != "nccl":    # REPLAYSSM_TP_ALLREDUCE=nccl: NCCL sums only
         t0 = time.perf_counter()
         fin = FusedFinish(group, device, dtype, cfg.hidden_size, allreduce.symm_max_bytes, rank, size, allreduce)
         if times is not None:
