@@ -51,7 +51,8 @@ if HAVE_TRITON:
                     pass
         tl.debug_barrier()
 
-    @triton.jit
+    # one binary for every row count (a new batch size compiles nothing) and every rank
+    @triton.jit(do_not_specialize=["R", "rank"])
     def _tp_reduce_kernel(
         part_ptrs, ss_ptrs, pad_ptrs, like_ptr, h_ptr, w_ptr, y_ptr, s_ptr, o_ptr,
         R, N, h_stride, rank, eps, gate_eps, inv_gsize,
