@@ -247,19 +247,23 @@ class DeferredSum(Deferred):
 
 
 class SymmOutProj(Linear):
-    """Mamba-2's ``out_proj`` under the fused finish: a bias-free float projection of a
-    decode-sized batch writes straight into the symmetric buffer (no copy)."""
+    """A mixer's last (row-parallel) projection under the fused finish: a float projection
+    of a decode-sized batch writes straight into this call's symmetric buffer (no copy);
+    FP8 weights and other calls run as :class:`Linear`."""
 
     fin: FusedFinish | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         fin = self.fin
         rows = x.numel() // x.shape[-1]
-        if (fin is None or self.fp8 or self.bias is not None or fin.mode(rows, x) != "fused"
-                or x.dtype != self.weight.dtype):
+        if fin is None or self.fp8 or fin.mode(rows, x) != "fused" or x.dtype != self.weight.dtype:
             return super().forward(x)
         out = fin.part_out(rows)
-        torch.mm(x.reshape(rows, self.d_in), self.weight.t(), out=out)
+        x2 = x.reshape(rows, self.d_in)
+        if self.bias is None:
+            torch.mm(x2, self.weight.t(), out=out)
+        else:
+            torch.addmm(self.bias, x2, self.weight.t(), out=out)
         return out.view(*x.shape[:-1], self.d_out)
 
 
