@@ -16,16 +16,24 @@
     all-reduce of the sums + ``gated_rmsnorm`` + ``out_proj`` + all-reduce + add/norm vs
     ``gated_sumsq(w, out=)`` + ``out_proj`` into the buffer + the fused kernel.
 
-``PYTHONPATH=. python scripts/gpu_tp_fused.py`` (two GPUs; NVLink multicast off); prints a
-table and writes ``gpu_tp_fused.json`` under ``$OUT``.
+(c) End to end (``--skip-e2e`` to leave out): the ``small`` random Mamba-2 preset (one norm
+    group: the gated norm deferred across ranks), bf16, CUDA graphs, replay decode: TP=1,
+    TP=2 with ``REPLAYSSM_TP_FUSED=0`` and with ``=1``: full-forward logits against TP=1
+    and greedy tokens of 8 prompts (the preset's logit margins are far above bf16 rounding,
+    so every path must give the same tokens).
+
+``PYTHONPATH=. python scripts/gpu_tp_fused.py`` (two GPUs; NVLink multicast off); prints
+tables and writes ``gpu_tp_fused.json`` under ``$OUT``.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -249,7 +257,49 @@ def _worker(rank: int, size: int, port: int, q) -> None:
     dist.destroy_process_group()
 
 
+def _e2e(out: dict) -> None:
+    from replayssm import LLM, SamplingParams
+    from replayssm.bench import e2e
+    from replayssm.distributed import TensorParallelGroup
+    from replayssm.engine.loading import load
+
+    dev = "cuda:0"
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = e2e._random_model_dir("small", tmp)
+        for name, tp, fused in (("TP=1", 1, "1"), ("TP=2 fused=0", 2, "0"), ("TP=2 fused=1", 2, "1")):
+            os.environ["REPLAYSSM_TP_FUSED"] = fused     # the workers inherit it at spawn
+            t = time.perf_counter()
+            if tp == 1:
+                model = load(path, torch.device(dev), torch.bfloat16, 1)[0]
+                state = "-"
+            else:
+                model = TensorParallelGroup(tp, dev).load_model(path, "bfloat16")
+                model.owns_group = True
+                fin = model.local.tp_fused
+                state = "off" if fin is None else ("on" if fin.ok else f"unavailable: {fin.why_not}")
+            V = int(model.config.vocab_size)
+            prompts = e2e._prompts(8, 16, V, seed=1)
+            ids = torch.tensor(prompts[:2], device=dev)
+            logits = model(ids).float().cpu()
+            with LLM(model, device=dev, decode_mode="replay", max_num_seqs=8, cuda_graphs=True,
+                     max_seq_len=128) as llm:
+                toks = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+            rows[name] = {"fused_finish": state, "logits": logits, "tokens": toks, "s": time.perf_counter() - t}
+            if tp > 1:
+                model.close()
+            del model
+            torch.cuda.empty_cache()
+    ref = rows["TP=1"]
+    out["e2e"] = [{"config": k, "fused_finish": r["fused_finish"], "seconds": r["s"],
+                   "max_logit_diff_vs_tp1": float((r["logits"] - ref["logits"]).abs().max()),
+                   "tokens_equal_tp1": r["tokens"] == ref["tokens"]} for k, r in rows.items()]
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-e2e", action="store_true")
+    args = ap.parse_args()
     t0 = time.perf_counter()
     if torch.cuda.device_count() < 2:
         print("needs two GPUs")
@@ -261,7 +311,7 @@ def main() -> int:
     for p in ps:
         p.start()
     for p in ps:
-        p.join(max(1.0, 230 - (time.perf_counter() - t0)))
+        p.join(max(1.0, 150 - (time.perf_counter() - t0)))
     for p in ps:
         if p.is_alive():
             p.kill()
@@ -290,6 +340,19 @@ def main() -> int:
             continue
         print(f"{r['D']:>6}{r['B']:>5}{r['old_finish']:>12.1f}{r['fused_finish']:>8.1f}{r['fused_finish_copy_in']:>12.1f}"
               f"{r['old_mamba_tail']:>10.1f}{r['new_mamba_tail']:>10.1f}")
+    if not args.skip_e2e:
+        try:
+            _e2e(out)
+        except Exception:  # noqa: BLE001 - reported
+            import traceback
+
+            out.setdefault("errors", []).append(f"e2e: {traceback.format_exc()}")
+            print(out["errors"][-1])
+        print("(c) small Mamba-2 preset, bf16, CUDA graphs, replay decode, 8 prompts x 24 tokens")
+        print(f"{'config':<15}{'fused finish':>14}{'max|logit-TP1|':>16}{'tokens = TP1':>14}{'s':>6}")
+        for r in out.get("e2e", []):
+            print(f"{r['config']:<15}{r['fused_finish']:>14.14}{r['max_logit_diff_vs_tp1']:>16.4f}"
+                  f"{str(r['tokens_equal_tp1']):>14}{r['seconds']:>6.0f}")
     out["total_s"] = time.perf_counter() - t0
     print(f"total {out['total_s']:.0f} s")
     od = os.environ.get("OUT")
@@ -297,7 +360,8 @@ def main() -> int:
         os.makedirs(od, exist_ok=True)
         with open(os.path.join(od, "gpu_tp_fused.json"), "w") as f:
             json.dump(out, f, indent=1)
-    ok = "errors" not in out and all(r["ok"] for r in out.get("check", [])) and out.get("check")
+    ok = "errors" not in out and all(r["ok"] for r in out.get("check", [])) and out.get("check") and \
+        all(r["tokens_equal_tp1"] for r in out.get("e2e", []))
     return 0 if ok else 1
 
 
