@@ -311,7 +311,7 @@ def main() -> int:
     for p in ps:
         p.start()
     for p in ps:
-        p.join(max(1.0, 150 - (time.perf_counter() - t0)))
+        p.join(max(1.0, 190 - (time.perf_counter() - t0)))
     for p in ps:
         if p.is_alive():
             p.kill()
