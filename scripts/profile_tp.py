@@ -5,7 +5,9 @@
    NCCL and the one-shot symmetric-memory path of :class:`replayssm.distributed.allreduce.AllReduce`.
 2. The control message: rank 0's ``broadcast_object_list`` of a decode step's call.
 3. End to end: the 2.7B preset, decode tokens/s TP=1 vs TP=2 with each all-reduce method
-   (``REPLAYSSM_TP_ALLREDUCE``), replay (and recurrent) mode; startup times.
+   (``REPLAYSSM_TP_ALLREDUCE``) and with the fused sub-block finish on or off
+   (``REPLAYSSM_TP_FUSED``: a config's fourth field), replay (and recurrent) mode; the step
+   time and the captured graph alone (``replay_ms``) per config; startup times.
 4. A profiler table of rank 0's TP=2 decode steps (CUDA kernels and host ops).
 
 Run with NVLink multicast off (the machine's environment).  ``--budget-s`` stops starting
@@ -119,7 +121,8 @@ def micro() -> dict:
 # ---------------------------------------------------------------------------------------------
 # 3 + 4: end to end
 # ---------------------------------------------------------------------------------------------
-CONFIGS = [(1, "gloo", "nccl"), (2, "shm", "auto"), (2, "shm", "nccl"), (2, "gloo", "nccl")]
+#: (TP, control channel, all-reduce method, REPLAYSSM_TP_FUSED)
+CONFIGS = [(1, "gloo", "nccl", "1"), (2, "shm", "auto", "0"), (2, "shm", "auto", "1"), (2, "shm", "nccl", "1")]
 
 
 def _close_with_watchdog(model, what: str, limit_s: float = 60.0) -> None:
@@ -148,7 +151,7 @@ def _print_profile(prof: dict) -> None:
     sys.stdout.flush()
 
 
-def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS) -> dict:
+def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS, profile: bool = True) -> dict:
     from replayssm import LLM, SamplingParams
     from replayssm.bench import e2e
     from replayssm.bench.common import free_memory
@@ -165,12 +168,13 @@ def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS) -> dict:
         path = e2e._random_model_dir("2.7b", tmp)
         out["write_checkpoint_s"] = time.perf_counter() - t
         print(f"[{_elapsed():.0f}s] checkpoint written in {out['write_checkpoint_s']:.0f} s", flush=True)
-        for tp, control, method in configs:
+        for tp, control, method, fused in configs:
             if _elapsed() > budget_s:
-                out["skipped_from"] = [tp, control, method]
+                out["skipped_from"] = [tp, control, method, fused]
                 break
             os.environ["REPLAYSSM_TP_ALLREDUCE"] = method
             os.environ["REPLAYSSM_TP_CONTROL"] = control
+            os.environ["REPLAYSSM_TP_FUSED"] = fused      # workers inherit it when the group starts
             t = time.perf_counter()
             group_s = 0.0
             if tp == 1:
@@ -181,8 +185,16 @@ def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS) -> dict:
                 model = group.load_model(path, "bfloat16")
                 model.owns_group = True
             load_s = time.perf_counter() - t
-            used = f"{control}+{model.local.tp.allreduce.method}" if tp > 1 else "-"
-            row = {"tp": tp, "method": used, "load_s": load_s, "group_start_s": group_s}
+            if tp > 1:
+                fin = model.local.tp_fused
+                fz = "fused" if fin is not None and fin.ok else ("fused-off" if fin is None else "fused-ref")
+                used = f"{control}+{model.local.tp.allreduce.method}+{fz}"
+            else:
+                used = "-"
+            row = {"tp": tp, "method": used, "fused": fused, "load_s": load_s, "group_start_s": group_s}
+            if tp > 1 and fin is not None and not fin.ok:
+                row["fused_why_not"] = fin.why_not
+                print(f"fused finish unavailable: {fin.why_not}", flush=True)
             out["startup"].append(row)
             print(f"[{_elapsed():.0f}s] TP={tp} {used}: loaded in {load_s:.1f} s (group start {group_s:.1f} s)",
                   flush=True)
@@ -196,13 +208,14 @@ def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS) -> dict:
                     if _elapsed() > budget_s:
                         break
                     row = e2e._run(LLM, SamplingParams, model, args, b, mode)
-                    row.update(tensor_parallel_size=tp, allreduce=used, load_s=load_s,
+                    row.update(tensor_parallel_size=tp, allreduce=used, fused=fused, load_s=load_s,
                                graph_ms=_graph_ms(LLM, SamplingParams, model, dev, b, mode))
                     out["throughput"].append(row)
                     print(f"[{_elapsed():.0f}s] TP={tp} {used} {mode} B={b}: {row['decode_tokens_per_s']:.0f} tok/s "
                           f"= {1e3 * b / row['decode_tokens_per_s']:.2f} ms/step, graph alone {row['graph_ms']:.2f} ms "
                           f"(capture {row['capture_s']:.1f} s)", flush=True)
-            if tp == 2 and control == "shm" and method == "auto" and _elapsed() < budget_s:
+            if profile and out["profile"] is None and tp == 2 and control == "shm" and method == "auto" \
+                    and _elapsed() < budget_s:
                 out["profile"] = _profile(LLM, SamplingParams, model, dev)
                 _print_profile(out["profile"])
             if tp > 1:
@@ -250,8 +263,10 @@ def main() -> int:
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--modes", default="replay,recurrent")
     p.add_argument("--skip-micro", action="store_true")
-    p.add_argument("--configs", default=",".join(f"{t}:{c}:{m}" for t, c, m in CONFIGS),
-                   help="TP:control:allreduce entries, e.g. 1:gloo:nccl,2:shm:auto")
+    p.add_argument("--configs", default=",".join(":".join(map(str, c)) for c in CONFIGS),
+                   help="TP:control:allreduce[:fused] entries (fused: REPLAYSSM_TP_FUSED, default 1), "
+                        "e.g. 1:gloo:nccl,2:shm:auto:0,2:shm:auto:1")
+    p.add_argument("--skip-profile", action="store_true", help="no profiler table of a TP=2 config")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = p.parse_args()
     res = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
@@ -263,19 +278,26 @@ def main() -> int:
             print(f"  {r.get('asked')}->{r.get('method')} {r.get('shape')} {r.get('dtype')}: "
                   f"{r.get('us_per_allreduce', float('nan')):.1f} us  err {r.get('max_err')}  {r.get('error', '')}")
         print("control message:", m.get("control_msg_us"), flush=True)
-    configs = [(int(t), c, m) for t, c, m in (e.split(":") for e in a.configs.split(","))]
-    res.update(e2e_rows(a.budget_s, [int(b) for b in a.batches.split(",")], a.modes.split(","), configs))
+    configs = []
+    for e in a.configs.split(","):
+        f = e.split(":")
+        if len(f) not in (3, 4) or (len(f) == 4 and f[3] not in ("0", "1")):
+            p.error(f"bad config {e!r}: TP:control:allreduce[:0|1]")
+        configs.append((int(f[0]), f[1], f[2], f[3] if len(f) == 4 else "1"))
+    res.update(e2e_rows(a.budget_s, [int(b) for b in a.batches.split(",")], a.modes.split(","), configs,
+                        profile=not a.skip_profile))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "profile_tp.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     print("startup:", res["startup"])
     base = {(r["mode"], r["batch"]): r["decode_tokens_per_s"] for r in res["throughput"]
             if r["tensor_parallel_size"] == 1}
-    print(f"{'mode':<10}{'B':>5}{'config':>14}{'tok/s':>9}{'÷ TP=1':>8}")
+    print(f"{'mode':<10}{'B':>5}{'config':>24}{'tok/s':>9}{'÷ TP=1':>8}{'ms/step':>9}{'graph ms':>10}")
     for r in res["throughput"]:
         b = base.get((r["mode"], r["batch"]))
-        print(f"{r['mode']:<10}{r['batch']:>5}{r['allreduce'] if r['tensor_parallel_size'] > 1 else 'TP=1':>14}"
-              f"{r['decode_tokens_per_s']:>9.0f}{(r['decode_tokens_per_s'] / b if b else float('nan')):>7.2f}x")
+        print(f"{r['mode']:<10}{r['batch']:>5}{r['allreduce'] if r['tensor_parallel_size'] > 1 else 'TP=1':>24}"
+              f"{r['decode_tokens_per_s']:>9.0f}{(r['decode_tokens_per_s'] / b if b else float('nan')):>7.2f}x"
+              f"{1e3 * r['batch'] / r['decode_tokens_per_s']:>9.2f}{r['graph_ms']:>10.2f}")
     print(f"total {_elapsed():.0f} s")
     return 0
 

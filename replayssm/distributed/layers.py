@@ -21,7 +21,11 @@ share of heads and channels), with four additions:
   around that one small all-reduce: the local sums, then the norm with the group's total).
 
 The sums go through :class:`~.allreduce.AllReduce` (one-shot symmetric memory on GPUs for
-decode-sized messages, NCCL past that, gloo on CPU).
+decode-sized messages, NCCL past that, gloo on CPU).  With the fused finish
+(:mod:`.fused`, ``REPLAYSSM_TP_FUSED``, default on) a plain block's mixer instead returns
+its partial as a :class:`~.fused.DeferredSum`, summed by the kernel that also adds the
+residual and applies the next norm; Mamba-2's gated norm over ranks is then deferred past
+``out_proj`` (:class:`DeferredGatedNorm`).
 
 After an all-reduce every rank holds the same residual stream, so replicated decisions
 (MoE routing, ring flushes, accepted counts) are computed identically everywhere.
@@ -41,11 +45,17 @@ from torch import Tensor, nn
 
 from ..kernels.dispatch import fused_ok
 from ..kernels.norm import gated_rmsnorm, gated_sumsq
+from ..layers.attention import Attention
+from ..layers.gdn import GatedDeltaNet
+from ..layers.linear import Linear
 from ..layers.mamba2 import Mamba2Mixer
+from ..layers.mlp import GatedMLP, PlainMLP
 from ..models.mtp import attach_mtp
 from ..runtime import compute_dtype
 from .allreduce import AllReduce
+from .fused import FusedFinish, GroupScale, SymmOutProj, deferring_hook, fused_enabled
 from ..layers.norms import GatedRMSNorm
+from ..models.base import Block
 from ..models.falcon_h1 import GroupedNormThenGate
 from ..models.zamba2 import HybridBlock, SharedTransformer
 from .sharding import mamba_dims, mamba_groups, vocab_shard
@@ -123,6 +133,39 @@ class ShardedGatedRMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(var + self.eps)).to(dt)
 
 
+class DeferredGatedNorm(ShardedGatedRMSNorm):
+    """:class:`ShardedGatedRMSNorm` with its row scale deferred past ``out_proj`` (the fused
+    finish, :mod:`.fused`): returns ``u = w · x · silu(z)`` and keeps this rank's sums of
+    squares for the mixer's hook, which sends them with the projection's partial (on GPUs
+    they go straight into the finish's buffer).  Where the fused finish does not apply
+    (:meth:`~.fused.FusedFinish.mode` None) it is the sharded norm it extends."""
+
+    def __init__(self, *args, fin: FusedFinish):
+        super().__init__(*args)
+        self.fin = fin
+        self.pending: GroupScale | None = None
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        rows = x.numel() // x.shape[-1]
+        mode = self.fin.mode(rows, x)
+        if mode is None:
+            return super().forward(x, z)
+        if mode == "fused" and fused_ok(x, z, self.weight):
+            u, ss = gated_sumsq(x, z, self.weight, out=self.fin.sums_out(rows))
+        else:
+            cdt = compute_dtype(x.dtype)
+            xf = x.to(cdt) * F.silu(z.to(cdt))
+            ss = xf.pow(2).sum(-1)
+            u = (self.weight.to(cdt) * xf).to(x.dtype)
+        self.pending = GroupScale(ss, self.group_index, self.num_groups, self.group_size, self.eps)
+        return u
+
+    def take(self) -> GroupScale | None:
+        """The sums of the last forward (once)."""
+        s, self.pending = self.pending, None
+        return s
+
+
 class ShardedNormThenGate(ShardedGatedRMSNorm):
     """Falcon-H1's norm-then-gate ``y = w · rms_g(x) · silu(z)`` (``mamba_norm_before_gate``)
     when a norm group spans ranks: the local sums of squares of ``x`` are all-reduced as in
@@ -195,18 +238,53 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
     _holder_rows(getattr(getattr(model, root), embed), Vs)
     if not lcfg.tie_word_embeddings:
         _holder_rows(model.lm_head, Vs)
+    fin = None
+    if fused_enabled() and allreduce.requested != "nccl":    # REPLAYSSM_TP_ALLREDUCE=nccl: NCCL sums only
+        t0 = time.perf_counter()
+        fin = FusedFinish(group, device, dtype, cfg.hidden_size, allreduce.symm_max_bytes, rank, size, allreduce)
+        if times is not None:
+            times.add("load.allreduce_setup", time.perf_counter() - t0)   # the fused finish's buffers too
+    model.tp_fused = fin
     blocks = list(model.blocks) + (list(model.mtp.blocks) if mtp_keys is not None else [])
     for blk in blocks:
         for _, mixer_name in blk.subs:
             mixer = getattr(blk, mixer_name)
+            defer = fin is not None and isinstance(blk, Block) and blk.defers
             if isinstance(mixer, Mamba2Mixer):
-                _shard_norm(mixer, cfg, size, rank, allreduce)
-            mixer.register_forward_hook(_all_reduce_hook(allreduce))
+                _shard_norm(mixer, cfg, size, rank, allreduce, fin if defer else None)
+            if defer:
+                _write_into_buffer(mixer, fin)
+                norm = getattr(mixer, "norm", None)
+                mixer.register_forward_hook(deferring_hook(fin, allreduce, norm if isinstance(norm, DeferredGatedNorm)
+                                                           else None))
+            else:
+                mixer.register_forward_hook(_all_reduce_hook(allreduce))
     for mixer in _held_mixers(model):
         if isinstance(mixer, Mamba2Mixer):
             _shard_norm(mixer, cfg, size, rank, allreduce)
         mixer.register_forward_hook(_all_reduce_hook(allreduce))
     return model
+
+
+#: mixers whose forward returns their last projection's output as it is: (class, projection)
+_OUT_PROJ = ((Mamba2Mixer, "out_proj"), (GatedDeltaNet, "out_proj"), (Attention, "o_proj"),
+             (GatedMLP, "down_proj"), (PlainMLP, "down_proj"))
+
+
+def _write_into_buffer(mixer: nn.Module, fin: FusedFinish) -> None:
+    """Make the mixer's last projection write its partial into the fused finish's buffer
+    (:class:`~.fused.SymmOutProj`: no copy before the sum), for the mixers of ``_OUT_PROJ``
+    (one call of that projection per forward, its output the mixer's)."""
+    for cls, name in _OUT_PROJ:
+        if isinstance(mixer, cls):
+            old = getattr(mixer, name)
+            if type(old) is not Linear:
+                return
+            with torch.device("meta"):
+                new = SymmOutProj(old.d_in, old.d_out, old.bias is not None)
+            new.fin = fin
+            setattr(mixer, name, new)
+            return
 
 
 def _held_mixers(model) -> list[nn.Module]:
@@ -222,16 +300,23 @@ def _held_mixers(model) -> list[nn.Module]:
     return out
 
 
-def _shard_norm(mixer: Mamba2Mixer, cfg, size: int, rank: int, allreduce: AllReduce) -> None:
-    """Replace the mixer's gated norm when its groups span ranks (``n_groups`` < ranks)."""
+def _shard_norm(mixer: Mamba2Mixer, cfg, size: int, rank: int, allreduce: AllReduce,
+                fin: FusedFinish | None = None) -> None:
+    """Replace the mixer's gated norm when its groups span ranks (``n_groups`` < ranks); with
+    the fused finish ``fin`` (the mixer's output only becomes a block's ``pending``), a
+    gate-first norm over a bias-free ``out_proj`` is deferred past it (:class:`DeferredGatedNorm`)."""
     H, G = mamba_dims(cfg)
     if G % size == 0:
         return  # whole norm groups on every rank: the local norm is exact
     old = mixer.norm
     if not isinstance(old, (GatedRMSNorm, GroupedNormThenGate)):
         return  # no norm (Falcon-H1's plain ``y · silu(z)``): elementwise, exact per rank
-    cls = ShardedGatedRMSNorm if getattr(old, "gate_first", False) else ShardedNormThenGate
+    gate_first = getattr(old, "gate_first", False)
     gsize = mixer.inter * size // G          # global channels / G
     g0, _ = mamba_groups(H, G, size, rank)
+    args = (mixer.inter, old.eps, gsize, g0, G, allreduce)
     with torch.device("meta"):
-        mixer.norm = cls(mixer.inter, old.eps, gsize, g0, G, allreduce)
+        if gate_first and fin is not None and mixer.out_proj.bias is None:
+            mixer.norm = DeferredGatedNorm(*args, fin=fin)
+        else:
+            mixer.norm = (ShardedGatedRMSNorm if gate_first else ShardedNormThenGate)(*args)

@@ -57,8 +57,10 @@ if HAVE_TRITON:
 
 
     @triton.jit(**count_args("R"))
-    def _gated_sumsq_kernel(x_ptr, z_ptr, ss_ptr, R, N, x_stride, z_stride, BR: tl.constexpr, BN: tl.constexpr):
-        """``ss[r] = Σ_j (x[r, j] · silu(z[r, j]))²`` (fp32), ``BR`` rows per program."""
+    def _gated_sumsq_kernel(x_ptr, z_ptr, w_ptr, u_ptr, ss_ptr, R, N, x_stride, z_stride,
+                            BR: tl.constexpr, BN: tl.constexpr, WRITE_U: tl.constexpr):
+        """``ss[r] = Σ_j (x[r, j] · silu(z[r, j]))²`` (fp32), ``BR`` rows per program;
+        ``WRITE_U``: also ``u = w · x · silu(z)`` (the norm's input before its row scale)."""
         rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
         j = tl.arange(0, BN)
         m = (rows < R)[:, None] & (j < N)[None, :]
@@ -66,6 +68,9 @@ if HAVE_TRITON:
         z = tl.load(z_ptr + rows[:, None] * z_stride + j[None, :], mask=m, other=0.0).to(tl.float32)
         x = x * (z * tl.sigmoid(z))
         tl.store(ss_ptr + rows, tl.sum(x * x, 1), mask=rows < R)
+        if WRITE_U:
+            w = tl.load(w_ptr + j, mask=j < N, other=0.0).to(tl.float32)
+            tl.store(u_ptr + rows[:, None] * N + j[None, :], (x * w[None, :]).to(u_ptr.dtype.element_ty), mask=m)
 
 
     @triton.jit
@@ -166,18 +171,28 @@ def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: 
     return y.reshape(shape)
 
 
-def gated_sumsq(x: Tensor, z: Tensor) -> Tensor:
+def gated_sumsq(x: Tensor, z: Tensor, weight: Tensor | None = None, out: Tensor | None = None):
     """``x, z [..., N]`` -> ``Σ_j (x · silu(z))²`` per row, ``[...]`` fp32 (the local part of
-    a norm group that spans tensor-parallel ranks)."""
+    a norm group that spans tensor-parallel ranks; written into ``out [rows]`` fp32 when
+    given).  With ``weight [N]``: returns ``(u, sums)``, ``u = w · x · silu(z)`` in ``x``'s
+    dtype (the gated norm with its row scale deferred past the output projection)."""
     if x.shape != z.shape:
         raise ValueError(f"x {tuple(x.shape)} and z {tuple(z.shape)} differ")
     N = x.shape[-1]
+    if weight is not None and tuple(weight.shape) != (N,):
+        raise ValueError(f"norm weight {tuple(weight.shape)} does not match {N} channels")
     x2, z2 = _rows(x, N), _rows(z, N)
     R = x2.shape[0]
-    ss = torch.empty(R, dtype=torch.float32, device=x.device)
+    if out is not None and (out.dtype != torch.float32 or out.numel() != R or not out.is_contiguous()):
+        raise ValueError(f"out must be {R} contiguous fp32 sums, got {tuple(out.shape)} {out.dtype}")
+    ss = out.view(R) if out is not None else torch.empty(R, dtype=torch.float32, device=x.device)
+    u = torch.empty(R, N, dtype=x.dtype, device=x.device) if weight is not None else None
     if R:
         BN = next_pow2(N)
         BR = min(next_pow2(R), max(1, 4096 // BN))
-        _gated_sumsq_kernel[(triton.cdiv(R, BR),)](x2, z2, ss, R, N, x2.stride(0), z2.stride(0), BR=BR, BN=BN,
+        _gated_sumsq_kernel[(triton.cdiv(R, BR),)](x2, z2, weight if weight is not None else x2,
+                                                   u if u is not None else x2, ss, R, N, x2.stride(0), z2.stride(0),
+                                                   BR=BR, BN=BN, WRITE_U=weight is not None,
                                                    num_warps=min(16, max(1, BR * BN // 512)))
-    return ss.reshape(x.shape[:-1])
+    sums = ss.reshape(x.shape[:-1])
+    return sums if weight is None else (u.reshape(x.shape), sums)

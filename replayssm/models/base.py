@@ -42,11 +42,34 @@ from ..layers.ssm_base import SSMLayer
 from .cache import CacheLayout, ModelCache, canonical_device
 
 
+class Deferred:
+    """A sub-block output not yet formed (tensor parallelism: the ranks' partial sums, the
+    sum still to do): the block that consumes it calls :meth:`add_norm` (the residual add
+    and the next norm) or :meth:`add` (the last add), so whoever made it can fuse the sum
+    with them.  ``dtype``: the output's dtype once formed."""
+
+    dtype: torch.dtype
+
+    def add_norm(self, h: Tensor, norm: nn.Module, dtype: torch.dtype, sum_dtype: torch.dtype, last: bool = False):
+        """``(norm((h + out).to(dtype)), h + out)``, the sum in ``sum_dtype``; ``last``: the
+        block's own outputs will not be deferred (no :class:`Deferred` follows this one)."""
+        raise NotImplementedError
+
+    def add(self, h: Tensor, sum_dtype: torch.dtype) -> Tensor:
+        """``h + out`` in ``sum_dtype``."""
+        raise NotImplementedError
+
+
 class Block(nn.Module):
     """Residual sub-blocks ``h = h + mixer(norm(h))`` (one HF decoder layer).  The residual
     add of each sub-block's output is deferred into the next norm (one fused pass, see
     :meth:`~replayssm.layers.norms.RMSNorm.add_forward`), across blocks too: :meth:`forward`
-    takes and returns the output not yet added, :meth:`finish` adds the last one."""
+    takes and returns the output not yet added, :meth:`finish` adds the last one.  That
+    output may be a :class:`Deferred` (its mixer's output as ``pending``, untouched until
+    the next norm or :meth:`finish`): ``defers`` says this block's forward allows it."""
+
+    #: whether the mixers' outputs may come as :class:`Deferred` (they only become ``pending``)
+    defers = True
 
     def __init__(self):
         super().__init__()
@@ -66,9 +89,16 @@ class Block(nn.Module):
             if pending is None:
                 x = norm(h.to(dtype))
             else:
-                x, h = norm.add_forward(h, pending, dtype, self._sum_dtype(h, pending, dtype))
+                x, h = self.add_norm(norm, h, pending, dtype)
             pending = mixer(x, ctx) if isinstance(mixer, (SSMLayer, Attention)) else mixer(x)
         return h, pending
+
+    def add_norm(self, norm: nn.Module, h: Tensor, pending, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(norm(s), s)`` with ``s = h + pending`` (a tensor or a :class:`Deferred`)."""
+        sdt = self._sum_dtype(h, pending, dtype)
+        if isinstance(pending, Deferred):
+            return pending.add_norm(h, norm, dtype, sdt, last=not self.defers)
+        return norm.add_forward(h, pending, dtype, sdt)
 
     def _sum_dtype(self, h: Tensor, out: Tensor, dtype: torch.dtype) -> torch.dtype:
         """The residual stream's dtype: fp32 (or fp64) with ``residual_fp32``, else the sum's."""
@@ -78,6 +108,8 @@ class Block(nn.Module):
         """The residual stream after the last block: ``h + pending``."""
         if pending is None:
             return h
+        if isinstance(pending, Deferred):
+            return pending.add(h, self._sum_dtype(h, pending, dtype))
         return h.to(self._sum_dtype(h, pending, dtype)) + pending
 
 

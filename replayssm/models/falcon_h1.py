@@ -245,7 +245,10 @@ class ParallelBlock(Block):
     """A :class:`Block` whose sub-blocks may hold several mixers reading the same normed input:
     ``h = h + Σ_m mixer_m(norm(h))`` (the residual add deferred into the next norm, as in
     ``Block``).  ``subs`` lists every ``(norm, mixer)`` pair (a norm shared by parallel mixers
-    appears once per mixer), so :meth:`CausalLM.stateful_layers` finds each stateful mixer."""
+    appears once per mixer), so :meth:`CausalLM.stateful_layers` finds each stateful mixer.
+    Parallel mixers' outputs are summed here, so they come as tensors (``defers`` off)."""
+
+    defers = False
 
     def __init__(self):
         super().__init__()
@@ -268,7 +271,7 @@ class ParallelBlock(Block):
             if pending is None:
                 x = norm(h.to(dtype))
             else:
-                x, h = norm.add_forward(h, pending, dtype, self._sum_dtype(h, pending, dtype))
+                x, h = self.add_norm(norm, h, pending, dtype)
             out = None
             for name in names:
                 m = getattr(self, name)

@@ -246,7 +246,10 @@ def _mamba(c: Zamba2Config, layer_id: int) -> Mamba2Mixer:
 class HybridBlock(Block):
     """Hybrid layer ``i`` (invocation ``j`` of shared block ``b``): see the module docstring.
     ``shared_transformer`` is registered only at the block's first invocation (its checkpoint
-    name); later invocations hold it unregistered, so each weight has one name."""
+    name); later invocations hold it unregistered, so each weight has one name.  Its mixers'
+    outputs feed its own arithmetic, so they come as tensors (``defers`` off)."""
+
+    defers = False
 
     def __init__(self, c: Zamba2Config, shared: SharedTransformer, first: bool, j: int, rot: Rotary | None,
                  attn_id: int, mamba_id: int):

@@ -100,3 +100,30 @@ def test_split_gated_rmsnorm_over_ranks_matches_the_whole_norm(N, ranks, dtype):
     torch.testing.assert_close(y.float(), y_ref.float(), **tol)
     with pytest.raises(ValueError, match="sum of squares"):
         gated_rmsnorm(x, z, norm.weight, norm.eps, N, True, sumsq=total.double(), total=N)
+
+
+@pytest.mark.parametrize("R,N,dtype", [(5, 24, torch.float32), (3, 40, torch.bfloat16), (1, 7, torch.float32)])
+def test_gated_sumsq_with_weight_defers_the_row_scale(R, N, dtype, nan_empty):
+    """``gated_sumsq(x, z, weight, out=)``: ``u = w · x · silu(z)`` and the fp32 sums written
+    into ``out``; ``u`` times the row scale ``rsqrt(sums / N + eps)`` is the gated norm."""
+    g = torch.Generator().manual_seed(R * N)
+    w = (1 + 0.3 * torch.randn(N, generator=g)).to(dtype).to(DEVICE)
+    x = torch.randn(R, N, generator=g).to(dtype).to(DEVICE)
+    z = torch.randn(R, N + 3, generator=g).to(dtype).to(DEVICE)[:, 2:2 + N]
+    out = torch.full((R + 2,), -1.0, device=DEVICE)
+    u, ss = gated_sumsq(x, z, w, out=out[1:1 + R])
+    assert out[0] == -1 and out[-1] == -1 and ss.data_ptr() == out[1:].data_ptr()
+    xs = x.double() * torch.nn.functional.silu(z.double())
+    lo = dtype == torch.bfloat16
+    torch.testing.assert_close(ss.double().cpu(), xs.pow(2).sum(-1).cpu(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(u.double().cpu(), (xs * w.double()).cpu(), **(dict(atol=2e-2, rtol=2e-2) if lo
+                                                                             else dict(atol=1e-5, rtol=1e-5)))
+    norm = GatedRMSNorm(N, 1e-5, group_size=N, gate_first=True)
+    norm.weight.data = w
+    y = u.double() * torch.rsqrt(ss.double() / N + 1e-5)[:, None]
+    torch.testing.assert_close(y.cpu(), norm.reference(x, z).double().cpu(), **(dict(atol=4e-2, rtol=4e-2) if lo
+                                                                               else dict(atol=1e-5, rtol=1e-5)))
+    with pytest.raises(ValueError, match="out must"):
+        gated_sumsq(x, z, w, out=torch.empty(R, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="weight"):
+        gated_sumsq(x, z, w[:-1])

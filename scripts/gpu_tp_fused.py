@@ -1,0 +1,369 @@
+"""The fused tensor-parallel finish on two GPUs: correctness under CUDA graphs, then its cost.
+
+(a) Correctness: :class:`replayssm.distributed.fused.FusedFinish` on 2 ranks, B in 1, 7,
+    64, 256, 1000 rows of D = 2560: a sequence of finishes as a model step makes them (with
+    the deferred gated-norm scale, without it, the last one a plain residual add with the
+    trailing barrier) captured in one CUDA graph and replayed 200 times, one rank or the other
+    delayed by a sleep kernel before some calls (a barrier race would read a stale or half-written
+    buffer).  Every replay's outputs must equal the eager run's bitwise, every output and
+    the residual written must match the float64 reference
+    (:func:`replayssm.ops.tp_reduce.reduce_add_norm`), and both ranks must hold
+    bitwise-identical outputs.
+(b) Microbench (µs per call, 32 calls a graph, 20 replays), B = 1, 64, 256, D = 2560 and 8192:
+    ``finish``: today's ``one_shot_all_reduce_copy`` + ``rmsnorm(residual=)`` vs the fused
+    kernel (partial already in the buffer, as Mamba-2's ``out_proj`` leaves it) and the fused
+    kernel with the copy in (other mixers); ``mamba tail``: today's ``gated_sumsq`` +
+    all-reduce of the sums + ``gated_rmsnorm`` + ``out_proj`` + all-reduce + add/norm vs
+    ``gated_sumsq(w, out=)`` + ``out_proj`` into the buffer + the fused kernel.
+
+(c) End to end (``--skip-e2e`` to leave out): the ``small`` random Mamba-2 preset (one norm
+    group: the gated norm deferred across ranks), bf16, CUDA graphs, replay decode: TP=1,
+    TP=2 with ``REPLAYSSM_TP_FUSED=0`` and with ``=1``: full-forward logits against TP=1
+    and greedy tokens of 8 prompts (the preset's logit margins are far above bf16 rounding,
+    so every path must give the same tokens).
+
+``PYTHONPATH=. python scripts/gpu_tp_fused.py`` (two GPUs; NVLink multicast off); prints
+tables and writes ``gpu_tp_fused.json`` under ``$OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BATCHES_CHECK = (1, 7, 64, 256, 1000)
+BATCHES_BENCH = (1, 64, 256)
+DIMS_BENCH = (2560, 8192)
+REPLAYS = 200
+EPS, GATE_EPS = 1e-5, 1e-5
+
+
+def _gen(seed: int, *shape, dev, scale=1.0) -> torch.Tensor:
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return torch.randn(*shape, generator=g, device=dev) * scale
+
+
+def _inputs(r: int, c: int, B: int, D: int, dev):
+    """Rank ``r``'s call-``c`` partial (bf16) and sums of squares (fp32)."""
+    p = _gen(1000 * c + 10 * r + B, B, D, dev=dev, scale=0.5).to(torch.bfloat16)
+    q = _gen(7 + 1000 * c + 10 * r + B, B, dev=dev).abs() * 900 + 50
+    return p, q
+
+
+def _check(rank: int, size: int, dev, res: dict) -> None:
+    from replayssm.distributed.fused import FusedFinish, GroupScale
+    from replayssm.layers.norms import RMSNorm
+    from replayssm.ops.tp_reduce import reduce_add_norm
+
+    D, gsize = 2560, 2 * 2560
+    fin = FusedFinish(None, dev, torch.bfloat16, D, 1000 * D * 2, rank, size, None)
+    if not fin.ok:
+        res["check_error"] = fin.why_not
+        return
+    norm = RMSNorm(D, EPS)
+    norm.weight.data = (1 + 0.2 * _gen(5, D, dev=dev)).to(torch.bfloat16)
+    rows = []
+    for B in BATCHES_CHECK:
+        ncalls = 5                      # scaled, plain, scaled, plain, last add (trailing)
+        h0 = _gen(99 + B, B, D, dev=dev).float()
+        srcs = [_inputs(rank, c, B, D, dev) for c in range(ncalls)]
+        outs = {}
+
+        def step():
+            h = h0
+            for c in range(ncalls):
+                p, q = srcs[c]
+                fin.part_out(B).copy_(p)
+                scaled = c % 2 == 0 and c < ncalls - 1
+                scale = None
+                if scaled:
+                    fin.sums_out(B).copy_(q)
+                    scale = GroupScale(fin.sums_out(B), 0, 1, gsize, GATE_EPS)
+                if (rank == 1 and c % 2 == 1) or (rank == 0 and c == 2):
+                    torch.cuda._sleep(20000)    # a slow peer (either way)
+                if c < ncalls - 1:
+                    y, h, _ = fin.run(fin.part_out(B), scale, h, torch.float32, norm)
+                    outs[f"y{c}"], outs[f"s{c}"] = y, h
+                else:
+                    _, h, _ = fin.run(fin.part_out(B), None, h, torch.float32, trailing=True)
+                    outs[f"s{c}"] = h
+            return outs
+
+        eager = {k: v.clone() for k, v in step().items()}
+        torch.cuda.synchronize()
+        # float64 reference from every rank's inputs
+        allsrc = [[_inputs(r, c, B, D, dev) for c in range(ncalls)] for r in range(size)]
+        h = h0.double()
+        err = {}
+        for c in range(ncalls):
+            scaled = c % 2 == 0 and c < ncalls - 1
+            last = c == ncalls - 1
+            y, s, _ = reduce_add_norm([allsrc[r][c][0] for r in range(size)],
+                                      [allsrc[r][c][1] for r in range(size)] if scaled else None,
+                                      group_size=gsize, gate_eps=GATE_EPS, residual=h,
+                                      weight=None if last else norm.weight, eps=EPS, dtype=torch.float64)
+            err[f"s{c}"] = float((eager[f"s{c}"].double() - s).abs().max() / s.abs().max().clamp(min=1))
+            if not last:
+                err[f"y{c}"] = float((eager[f"y{c}"].double() - y).abs().max() / y.abs().max().clamp(min=1))
+            h = eager[f"s{c}"].double()     # continue from the kernel's stream (errors per call)
+        # both ranks bitwise the same
+        same = True
+        for k, v in eager.items():
+            got = [torch.empty_like(v) for _ in range(size)]
+            dist.all_gather(got, v.contiguous())
+            same &= all(torch.equal(got[0], x) for x in got[1:])
+        # CUDA graph: replay REPLAYS times, bitwise equal to the eager run every time
+        s_ = torch.cuda.Stream()
+        s_.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s_):
+            step()
+        torch.cuda.current_stream().wait_stream(s_)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gouts = step()
+        bad = 0
+        dist.barrier()
+        for i in range(REPLAYS):
+            for k in gouts:
+                gouts[k].fill_(float("nan"))
+            graph.replay()
+            bad += int(sum(not torch.equal(gouts[k], eager[k]) for k in gouts))
+        torch.cuda.synchronize()
+        ok = same and bad == 0 and max(v for k, v in err.items() if k[0] == "y") < 0.03 and \
+            max(v for k, v in err.items() if k[0] == "s") < 0.01
+        rows.append({"B": B, "ranks_bitwise_equal": same, "graph_replays": REPLAYS, "replays_differing": bad,
+                     "max_rel_err_y": max(v for k, v in err.items() if k[0] == "y"),
+                     "max_rel_err_s": max(v for k, v in err.items() if k[0] == "s"), "ok": ok})
+        del graph
+    res["check"] = rows
+
+
+def _time_graph(fn, K: int = 32, reps: int = 20) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(K):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t[0].record()
+    for _ in range(reps):
+        g.replay()
+    t[1].record()
+    torch.cuda.synchronize()
+    del g
+    return t[0].elapsed_time(t[1]) * 1e3 / (reps * K)
+
+
+def _bench(rank: int, size: int, dev, res: dict) -> None:
+    from replayssm.distributed.allreduce import AllReduce
+    from replayssm.distributed.fused import FusedFinish, GroupScale
+    from replayssm.kernels.norm import gated_rmsnorm, gated_sumsq, rmsnorm
+    from replayssm.layers.norms import RMSNorm
+
+    bf = torch.bfloat16
+    ar = AllReduce(None, dev, "symm", dtypes=(bf, torch.float32))
+    rows, keep = [], []
+    for D in DIMS_BENCH:
+        fin = FusedFinish(None, dev, bf, D, 4 << 20, rank, size, ar)
+        norm = RMSNorm(D, EPS)
+        norm.weight.data = torch.ones(D, dtype=bf, device=dev)
+        inter = D            # the local channels of a 2x-expanded mixer on 2 ranks
+        Wout = (_gen(3, D, inter, dev=dev) * inter ** -0.5).to(bf)
+        wg = torch.ones(inter, dtype=bf, device=dev)
+        for B in BATCHES_BENCH:
+            if not fin.ok:
+                rows.append({"D": D, "B": B, "error": fin.why_not})
+                continue
+            p = _gen(rank, B, D, dev=dev).to(bf)
+            h = _gen(9, B, D, dev=dev).float()
+            x = _gen(11 + rank, B, inter, dev=dev).to(bf)
+            z = _gen(12 + rank, B, inter, dev=dev).to(bf)
+            q = torch.rand(B, device=dev) * 100 + 1
+            for par in range(2):     # both parities hold the inputs (calls alternate between them)
+                fin.parts[par][:B].copy_(p)
+                fin.sums[par][:B].copy_(q)
+            st = {}
+
+            def scale():
+                return GroupScale(fin.sums_out(B), 0, 1, 2 * inter, GATE_EPS)
+
+            def old_finish():
+                o = ar(p)
+                rmsnorm(h, norm.weight, EPS, False, residual=o, sum_dtype=torch.float32)
+
+            def fused_finish():
+                fin.run(fin.part_out(B), scale(), h, torch.float32, norm)
+
+            def fused_copy():
+                fin.run(p, scale(), h, torch.float32, norm)
+
+            def old_tail():
+                ss = ar(gated_sumsq(x, z))
+                y = gated_rmsnorm(x, z, wg, GATE_EPS, inter, True, sumsq=ss, total=2 * inter)
+                o = ar(torch.nn.functional.linear(y, Wout))
+                rmsnorm(h, norm.weight, EPS, False, residual=o, sum_dtype=torch.float32)
+
+            def new_tail():
+                u, _ = gated_sumsq(x, z, wg, out=fin.sums_out(B))
+                torch.mm(u, Wout.t(), out=fin.part_out(B))
+                fin.run(fin.part_out(B), scale(), h, torch.float32, norm)
+
+            for name, fn in (("old_finish", old_finish), ("fused_finish", fused_finish),
+                             ("fused_finish_copy_in", fused_copy), ("old_mamba_tail", old_tail),
+                             ("new_mamba_tail", new_tail)):
+                st[name] = _time_graph(fn)
+            rows.append({"D": D, "B": B, **st})
+        keep.append(fin)      # symmetric buffers live until the group ends
+    res["bench"] = rows
+
+
+def _worker(rank: int, size: int, port: int, q) -> None:
+    sys.path.insert(0, os.getcwd())
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=size, device_id=dev)
+    res: dict = {}
+    t = time.perf_counter()
+    try:
+        _check(rank, size, dev, res)
+        res["check_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        _bench(rank, size, dev, res)
+        res["bench_s"] = time.perf_counter() - t
+    except Exception as e:  # noqa: BLE001 - reported
+        import traceback
+
+        res["error"] = f"rank {rank}: {traceback.format_exc()}"
+    if rank == 0 or "error" in res:
+        q.put(res)
+    dist.destroy_process_group()
+
+
+def _e2e(out: dict) -> None:
+    from replayssm import LLM, SamplingParams
+    from replayssm.bench import e2e
+    from replayssm.distributed import TensorParallelGroup
+    from replayssm.engine.loading import load
+
+    dev = "cuda:0"
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = e2e._random_model_dir("small", tmp)
+        for name, tp, fused in (("TP=1", 1, "1"), ("TP=2 fused=0", 2, "0"), ("TP=2 fused=1", 2, "1")):
+            os.environ["REPLAYSSM_TP_FUSED"] = fused     # the workers inherit it at spawn
+            t = time.perf_counter()
+            if tp == 1:
+                model = load(path, torch.device(dev), torch.bfloat16, 1)[0]
+                state = "-"
+            else:
+                model = TensorParallelGroup(tp, dev).load_model(path, "bfloat16")
+                model.owns_group = True
+                fin = model.local.tp_fused
+                state = "off" if fin is None else ("on" if fin.ok else f"unavailable: {fin.why_not}")
+            V = int(model.config.vocab_size)
+            prompts = e2e._prompts(8, 16, V, seed=1)
+            ids = torch.tensor(prompts[:2], device=dev)
+            logits = model(ids).float().cpu()
+            with LLM(model, device=dev, decode_mode="replay", max_num_seqs=8, cuda_graphs=True,
+                     max_seq_len=128) as llm:
+                toks = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+            rows[name] = {"fused_finish": state, "logits": logits, "tokens": toks, "s": time.perf_counter() - t}
+            if tp > 1:
+                model.close()
+            del model
+            torch.cuda.empty_cache()
+    ref = rows["TP=1"]
+    out["e2e"] = [{"config": k, "fused_finish": r["fused_finish"], "seconds": r["s"],
+                   "max_logit_diff_vs_tp1": float((r["logits"] - ref["logits"]).abs().max()),
+                   "tokens_equal_tp1": r["tokens"] == ref["tokens"]} for k, r in rows.items()]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-e2e", action="store_true")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    if torch.cuda.device_count() < 2:
+        print("needs two GPUs")
+        return 2
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = 29500 + os.getpid() % 1000
+    ps = [ctx.Process(target=_worker, args=(r, 2, port, q)) for r in range(2)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(max(1.0, 190 - (time.perf_counter() - t0)))
+    for p in ps:
+        if p.is_alive():
+            p.kill()
+    out = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
+           "exitcodes": [p.exitcode for p in ps]}
+    while not q.empty():
+        r = q.get()
+        if "error" in r:
+            out.setdefault("errors", []).append(r["error"])
+        else:
+            out.update(r)
+    for e in out.get("errors", []):
+        print(e)
+    if "check_error" in out:
+        print("fused finish unavailable:", out["check_error"])
+    print("(a) correctness: 5 finishes per step, CUDA graph replayed", REPLAYS, "times, rank 1 delayed")
+    print(f"{'B':>6}{'ranks equal':>13}{'bad replays':>13}{'max rel y':>12}{'max rel s':>11}{'ok':>5}")
+    for r in out.get("check", []):
+        print(f"{r['B']:>6}{str(r['ranks_bitwise_equal']):>13}{r['replays_differing']:>13}{r['max_rel_err_y']:>12.2e}"
+              f"{r['max_rel_err_s']:>11.2e}{str(r['ok']):>5}")
+    print("(b) µs per call (32 a graph, 20 replays)")
+    print(f"{'D':>6}{'B':>5}{'old finish':>12}{'fused':>8}{'fused+copy':>12}{'old tail':>10}{'new tail':>10}")
+    for r in out.get("bench", []):
+        if "error" in r:
+            print(r)
+            continue
+        print(f"{r['D']:>6}{r['B']:>5}{r['old_finish']:>12.1f}{r['fused_finish']:>8.1f}{r['fused_finish_copy_in']:>12.1f}"
+              f"{r['old_mamba_tail']:>10.1f}{r['new_mamba_tail']:>10.1f}")
+    if not args.skip_e2e:
+        try:
+            _e2e(out)
+        except Exception:  # noqa: BLE001 - reported
+            import traceback
+
+            out.setdefault("errors", []).append(f"e2e: {traceback.format_exc()}")
+            print(out["errors"][-1])
+        print("(c) small Mamba-2 preset, bf16, CUDA graphs, replay decode, 8 prompts x 24 tokens")
+        print(f"{'config':<15}{'fused finish':>14}{'max|logit-TP1|':>16}{'tokens = TP1':>14}{'s':>6}")
+        for r in out.get("e2e", []):
+            print(f"{r['config']:<15}{r['fused_finish']:>14.14}{r['max_logit_diff_vs_tp1']:>16.4f}"
+                  f"{str(r['tokens_equal_tp1']):>14}{r['seconds']:>6.0f}")
+    out["total_s"] = time.perf_counter() - t0
+    print(f"total {out['total_s']:.0f} s")
+    od = os.environ.get("OUT")
+    if od:
+        os.makedirs(od, exist_ok=True)
+        with open(os.path.join(od, "gpu_tp_fused.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    ok = "errors" not in out and all(r["ok"] for r in out.get("check", [])) and out.get("check") and \
+        all(r["tokens_equal_tp1"] for r in out.get("e2e", []))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
