@@ -159,7 +159,7 @@ def measure(model, label: str, bw: float, prefill_len: int) -> list[dict]:
             nbytes = step_bytes(model, cache, B, mode)
             rows.append(dict(weights=label, mode=mode, B=B, step_ms=ms, tokens_per_s=B / (ms / 1e3),
                              copy_ceiling_fraction=(nbytes / bw) / (ms / 1e3), step_GB=nbytes / 1e9))
-            del cache
+            cache = None  # not del: the timed lambdas above close over it
             torch.cuda.empty_cache()
     cache = model.make_cache(2, mode="recurrent", max_seq_len=4 * prefill_len + 64)   # 4 prefills of slot 1
     ids = torch.randint(0, V, (1, prefill_len), device=DEV, generator=g)
@@ -176,7 +176,7 @@ def measure(model, label: str, bw: float, prefill_len: int) -> list[dict]:
         torch.cuda.synchronize()
         ts.append((time.perf_counter() - t) * 1e3)
     rows.append(dict(weights=label, prefill_tokens=prefill_len, prefill_ms=sorted(ts)[1]))
-    del cache
+    cache = None  # not del: pre() above closes over it
     torch.cuda.empty_cache()
     return rows
 

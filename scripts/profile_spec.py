@@ -110,7 +110,7 @@ def run(model, args, mode: str, spec: bool, refs: dict, prompts) -> dict:
     out["graph_failed"] = sorted(str(k) for k in llm.runner._graph_failed)
     out["top_cpu"] = ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60)
     out["top_gpu"] = ka.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60)
-    del llm
+    llm = None  # not del: gen() above closes over it
     if DEV.startswith("cuda"):
         torch.cuda.empty_cache()
     return out

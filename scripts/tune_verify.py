@@ -105,7 +105,7 @@ def main() -> None:
                     print(f"{fam:>6} B={Bt:<4} T={T} {json.dumps(var or 'default'):<34} {ts[0]:8.1f} {ts[1]:8.1f}"
                           f" {ts[2]:8.1f} us"
                           f"  (decode {dec:7.1f} us, x{(ts[0] + ts[1]) / 2 / dec:4.2f}) err {err:.1e}", flush=True)
-            del buf
+            buf = None  # not del: the timed lambdas above close over it
             if dev == "cuda":
                 torch.cuda.empty_cache()
     with open(os.path.join(args.out, "tune_verify.json"), "w") as f:

@@ -33,6 +33,7 @@ from ..engine.config import SamplingParams, SpeculativeConfig
 from ..engine.llm import LLM
 from ..engine.loading import load
 from ..engine.spec import Proposal, chain_parent
+from ..models.margin import branch_scale, permuted_head
 from . import prefix, ttft
 from .common import free_memory, random_model_dir, warm_then_time
 # hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE)
@@ -63,8 +64,10 @@ def mamba2_preset_config(preset: str) -> dict:
 def _random_model_dir(preset: str, root: str, seed: int = 0) -> str:
     """Save a random-weight Mamba-2 of ``preset`` size in HF layout under ``root``.
 
-    Embeddings are unit-variance and ``lm_head`` is a permutation of the embedding rows
-    scaled by ``1/sqrt(d_model)``: the residual stream keeps the current token's embedding,
+    The greedy-margin recipe (:mod:`replayssm.models.margin`): embeddings are unit-variance,
+    ``lm_head`` is a permutation of the embedding rows scaled by ``1/sqrt(d_model)`` and the
+    Mamba-2 ``out_proj`` (the residual branch's output) is at ``0.02 / sqrt(layers)``: the
+    residual stream keeps the current token's embedding,
     so the greedy next token is that token's image under the permutation, by a logit margin
     far above bf16 rounding.  With small random heads instead, the logits are nearly flat
     and the verify and decode paths' rounding flips near-ties, so a precomputed greedy
@@ -87,7 +90,7 @@ def _write_random_mamba2(d: Path, preset: str, cfg: dict, seed: int) -> None:
     V = cfg["vocab_size"]
     r = lambda *s, scale=0.02: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16 if preset == "2.7b" else torch.float32)
     emb = r(V, D, scale=1.0)
-    head = (emb.float()[torch.randperm(V, generator=g)] / D ** 0.5).to(emb.dtype)
+    head = permuted_head(emb, torch.randperm(V, generator=g)).to(emb.dtype)
     sd = {"backbone.embeddings.weight": emb, "backbone.norm_f.weight": torch.ones(D), "lm_head.weight": head}
     for i in range(cfg["num_hidden_layers"]):
         p = f"backbone.layers.{i}."
@@ -99,7 +102,7 @@ def _write_random_mamba2(d: Path, preset: str, cfg: dict, seed: int) -> None:
         sd[p + "mixer.A_log"] = torch.log(torch.empty(H).uniform_(1, 16, generator=g))
         sd[p + "mixer.D"] = torch.ones(H)
         sd[p + "mixer.norm.weight"] = torch.ones(inter)
-        sd[p + "mixer.out_proj.weight"] = r(D, inter, scale=0.02 / (cfg["num_hidden_layers"] ** 0.5))
+        sd[p + "mixer.out_proj.weight"] = r(D, inter, scale=branch_scale(0.02, cfg["num_hidden_layers"]))
     (d / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"))
 

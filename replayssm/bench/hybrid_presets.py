@@ -42,26 +42,25 @@ transformers 5.17 ships no config of either model; what it does document:
   published 7 B total), 12 attention heads (1536 / 128), residual multiplier 0.22 (Granite
   3.x), vocab 100352, RMS eps 1e-5, tied embeddings.
 
-Weights follow the 2.7B preset's recipe (see :func:`replayssm.bench.e2e._random_model_dir`):
-unit-variance embeddings, ``lm_head`` a permutation of the embedding rows over
-``sqrt(d_model)``, and every residual branch's output projection scaled by ``0.02 /
-sqrt(layers)``, so the residual stream keeps the current token's embedding and the greedy
-next token wins by a logit margin far above bf16 rounding (the oracle drafter's continuations
-stay valid).  Tensor names and shapes come from the model class itself (built on the
+Weights follow the greedy-margin recipe (:mod:`replayssm.models.margin`, as the Mamba-2
+presets of :func:`replayssm.bench.e2e._random_model_dir`): unit-variance embeddings,
+``lm_head`` a permutation of the embedding rows over ``sqrt(d_model)``, and every residual
+branch's output projection at ``0.02 / sqrt(layers)``, so the residual stream keeps the
+current token's embedding and the greedy next token wins by a logit margin far above bf16
+rounding (the oracle drafter's continuations stay valid).  Tensor names and shapes come from the model class itself (built on the
 ``meta`` device), so the files always match what the loader expects.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from ..models.registry import parse_config
-from ..models.registry import model_class
+from ..models.margin import branch_scale, embedding_name, permuted_head, residual_outputs
+from ..models.registry import model_class, parse_config
 from .common import random_model_dir
 
 NEMOTRON_4B = dict(
@@ -147,8 +146,9 @@ def preset_config(preset: str, num_layers: int | None = None) -> dict:
     return cfg
 
 
-def _init(name: str, shape, module, L: int, gen, device):
-    """Random value of one parameter (see the module docstring for the recipe)."""
+def _init(name: str, shape, module, L: int, gen, device, residual: bool = False):
+    """Random value of one parameter (see the module docstring for the recipe); ``residual``:
+    a residual branch's output projection (:func:`replayssm.models.margin.residual_outputs`)."""
     leaf = name.rpartition(".")[2]
     rnd = lambda scale: torch.randn(*shape, generator=gen, device=device) * scale
     uni = lambda lo, hi: torch.empty(*shape, device=device).uniform_(lo, hi, generator=gen)
@@ -166,9 +166,8 @@ def _init(name: str, shape, module, L: int, gen, device):
         return rnd(0.3 if leaf == "weight" else 0.1)
     if leaf == "bias":
         return torch.zeros(shape, device=device)
-    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "down_proj", "fc2_latent_proj.weight",
-                           "output_linear.weight")):
-        return rnd(0.02 / math.sqrt(L))
+    if residual:
+        return rnd(branch_scale(0.02, L))
     return rnd(0.02)
 
 
@@ -192,7 +191,8 @@ def _write_random_hybrid(d: Path, preset: str, cfg: dict, seed: int, dev: str) -
     gen = torch.Generator(device=dev).manual_seed(seed)
     L = parsed.num_hidden_layers
     sd = {}
-    emb_name = next(n for n, _ in model.named_parameters() if n.endswith(("embeddings.weight", "embed_tokens.weight")))
+    emb_name = embedding_name(model)
+    residual = residual_outputs(model)
     for name, p in model.named_parameters():
         if name == "lm_head.weight":
             continue
@@ -200,12 +200,12 @@ def _write_random_hybrid(d: Path, preset: str, cfg: dict, seed: int, dev: str) -
         if name == emb_name:
             t = torch.randn(*p.shape, generator=gen, device=dev)
         else:
-            t = _init(name, tuple(p.shape), module, L, gen, dev)
+            t = _init(name, tuple(p.shape), module, L, gen, dev, name in residual)
         keep32 = name.rpartition(".")[2] in ("A_log", "dt_bias", "D", "e_score_correction_bias")
         sd[name] = t.to(torch.float32 if keep32 else dtype).cpu().contiguous()
     emb = sd[emb_name].float()
     perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed))
-    sd["lm_head.weight"] = (emb[perm] / math.sqrt(emb.shape[1])).to(dtype).contiguous()
+    sd["lm_head.weight"] = permuted_head(emb, perm).to(dtype).contiguous()
     (d / "config.json").write_text(json.dumps(cfg))
     save_file(sd, str(d / "model.safetensors"))
 

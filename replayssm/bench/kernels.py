@@ -83,7 +83,7 @@ def _peer(pkg: str, root: str, packages: list[str], module: str, attr: str, prep
 
 def _mamba_ssm_prepare():
     try:
-        import einops  # noqa: F401
+        importlib.import_module("einops")
     except ImportError:
         e = _stub("einops")
         e.rearrange = e.repeat = None
@@ -608,7 +608,7 @@ def run(args) -> dict:
                 rec["snapshot_us"] = timer(lambda: mod.snapshot_verify(pool, slots, **inp, snapshots=snaps))
             else:
                 rec["snapshot_us"] = timer(lambda: mod.snapshot_verify(pool, slots, **inp))
-            del pool, snaps
+            pool = snaps = None  # not del: the timed lambdas above close over it
             buf = setup(Bt, Lspec, s, device, dtype)
             ring = _ring(Bt + 1, Lspec, device)
             cache = {}
@@ -697,7 +697,7 @@ def verify_sweep(fam, store, s, setup, inputs, mod, timer, device, dtype, Bt, L,
         cost = ts[0] + ts[1]
         if best is None or cost < best[0]:
             best = (cost, var)
-    del buf
+    buf = None  # not del: the timed lambdas above close over it
     if best is None:
         return base_kw
     store["verify_best_variant"] = best[1]

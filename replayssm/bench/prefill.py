@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib
 import json
 import os
 import sys
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 
 from ..kernels import _triton
 from ..kernels.dispatch import KernelOps
+from ..ops import delta_rule
 from ..ops.gdn import naive as gdn_naive
 from ..ops.mamba2 import naive as mamba2_naive
 from .kernels import _fla_prepare, _mamba_ssm_prepare, load_peers
@@ -81,7 +83,7 @@ def load_prefill_peers(root: str | None = None) -> dict:
     root = root or os.environ.get("REPLAYSSM_PEERS", ".peers")
     if os.path.isdir(os.path.join(root, "einops")) and root not in sys.path:
         try:
-            import einops  # noqa: F401
+            importlib.import_module("einops")
         except ImportError:
             sys.path.insert(0, root)  # einops is pure Python: import it from the peers folder
     return load_peers(root, PREFILL_PEERS)
@@ -166,8 +168,8 @@ def gdn_compiled_reference():
 
     def chunk_step(St, qc, kc, vc, gc, bc):
         Gc = gc.cumsum(1)
-        hk, hq = gdn_naive._state_readout(St, kc), gdn_naive._state_readout(St, qc)
-        mask = gdn_naive._chain_mask(qc.shape[0], qc.shape[1], qc.device)
+        hk, hq = delta_rule._state_readout(St, kc), delta_rule._state_readout(St, qc)
+        mask = delta_rule._chain_mask(qc.shape[0], qc.shape[1], qc.device)
         U, y = gdn_naive._delta_block(hk, hq, qc, kc, vc, Gc, bc, mask)
         w = torch.exp(Gc[:, -1:] - Gc)
         return y, torch.exp(Gc[:, -1])[..., None, None] * St + gdn_naive._sum_history_state(U, kc, w)
@@ -175,7 +177,7 @@ def gdn_compiled_reference():
     step = torch.compile(chunk_step, dynamic=False)
 
     def run(c):
-        qn, kn = gdn_naive._prep_qk(c["q"], c["k"], torch.float32, None, True)
+        qn, kn = delta_rule._prep_qk(c["q"], c["k"], torch.float32, None, True)
         v, g, b = c["v"].float(), c["g"].float(), c["beta"].float()
         St, ys = c["S0"], []
         for t0 in range(0, v.shape[1], 64):

@@ -12,9 +12,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..layers.norms import GatedRMSNorm, RMSNorm
-from ..models.registry import read_config
-from ..models.registry import model_class
+from ..models.margin import branch_scale, residual_outputs
 from ..models.mtp import MTPHead
+from ..models.registry import model_class, read_config
 
 
 def add_random_mtp(model_dir: str, seed: int = 0) -> str:
@@ -37,6 +37,7 @@ def add_random_mtp(model_dir: str, seed: int = 0) -> str:
         head = MTPHead(model_class(c)(c, torch.float32, "cpu"), 1)
     g = torch.Generator().manual_seed(seed)
     L = max(1, len(head.blocks))
+    residual = residual_outputs(head)       # the greedy-margin recipe's scaled projections
     out = {}
     for name, p in head.named_parameters():
         mod_name, _, leaf = name.rpartition(".")
@@ -55,7 +56,7 @@ def add_random_mtp(model_dir: str, seed: int = 0) -> str:
         elif len(shape) == 1:
             t = torch.zeros(shape)
         else:
-            scale = 0.02 / L ** 0.5 if any(k in name for k in ("o_proj", "out_proj", "down_proj")) else 0.02
+            scale = branch_scale(0.02, L) if name in residual else 0.02
             t = torch.randn(shape, generator=g) * scale
         out["mtp." + name] = t.to(dtype).contiguous()
     save_file(out, str(d / "mtp.safetensors"))

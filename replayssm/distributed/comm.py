@@ -86,22 +86,26 @@ class HostTensor:
         return torch.from_numpy(self.array)
 
 
-def fill(x, tensors: list[Tensor]):
-    """``x`` with every :class:`TensorArg` replaced by its tensor and every
-    :class:`HostTensor` by a CPU tensor (lists, tuples, dicts, and the fields of dataclass
-    instances such as a step's ``SamplingBatch``)."""
+def fill(x, tensors: list[Tensor], objects: dict | None = None):
+    """``x`` with every :class:`TensorArg` replaced by its tensor, every :class:`HostTensor`
+    by a CPU tensor and, given ``objects`` (a worker's objects by handle), every :class:`Ref`
+    by its object, in one walk (lists, tuples, dicts, and the fields of dataclass instances
+    such as a step's ``SamplingBatch``)."""
     if isinstance(x, TensorArg):
         return tensors[x.index]
     if isinstance(x, HostTensor):
         return x.tensor()
+    if isinstance(x, Ref):
+        return x if objects is None else objects[x.handle]
     if isinstance(x, (list, tuple)):
         if scalars_only(x):
             return x
-        return type(x)(fill(v, tensors) for v in x)
+        return type(x)(fill(v, tensors, objects) for v in x)
     if isinstance(x, dict):
-        return {k: fill(v, tensors) for k, v in x.items()}
+        return {k: fill(v, tensors, objects) for k, v in x.items()}
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return dataclasses.replace(x, **{f.name: fill(getattr(x, f.name), tensors) for f in dataclasses.fields(x)})
+        return dataclasses.replace(x, **{f.name: fill(getattr(x, f.name), tensors, objects)
+                                         for f in dataclasses.fields(x)})
     return x
 
 
@@ -129,8 +133,9 @@ class Comm:
             dist.broadcast(buf, src=0, group=self.data)
 
     # -- workers ----------------------------------------------------------------------------
-    def recv(self):
-        """The next message from rank 0, placeholders filled with the received tensors."""
+    def recv(self, objects: dict | None = None):
+        """The next message from rank 0, placeholders filled with the received tensors and,
+        given ``objects`` (this worker's objects by handle), :class:`Ref` s with the objects."""
         got = self.channel.recv() if self.channel is not None else None
         if got is None:
             box = [None]
@@ -145,7 +150,7 @@ class Comm:
             for i, part in zip(idx, buf.split(sizes)):
                 shape, dtype = specs[i]
                 tensors[i] = part.view(shape).to(dtype)
-        return fill(msg, tensors)
+        return fill(msg, tensors, objects)
 
     @staticmethod
     def _families(specs):

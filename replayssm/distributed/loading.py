@@ -26,6 +26,7 @@ import torch
 from ..models.registry import model_class, parse_config, read_config
 from ..models.header import check_sizes
 from ..models.mtp import attach_mtp
+from ..models.margin import branch_scale, embedding_name, permuted_head, residual_outputs
 from ..models.loader import (_FP32_PARAMS, WeightError, _cast_checked, _install, _transformed_checked,
                              _weight_files, check_quant_tensors, check_source_shapes, check_tied_copies,
                              param_dtype, parse_dtype, prepare_quant, source_plan)
@@ -259,14 +260,11 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
     return model.eval()
 
 
-_RESIDUAL_OUTPUTS = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "down_proj")
-
-
 def _margin_vocab(model, cfg, rank: int, size: int, device, seed: int) -> dict:
     """This rank's rows of the margin recipe's embedding and ``lm_head`` (see
     :func:`random_shard`), padded rows zero; empty when the head is tied."""
     params = dict(model.named_parameters())
-    emb = next((n for n in params if n.endswith(("embeddings.weight", "embed_tokens.weight"))), None)
+    emb = embedding_name(model)
     if emb is None or "lm_head.weight" not in params:
         return {}
     V, D = int(cfg.vocab_size), int(cfg.hidden_size)
@@ -275,7 +273,7 @@ def _margin_vocab(model, cfg, rank: int, size: int, device, seed: int) -> dict:
     full = torch.randn(V, D, device=device, generator=g)
     perm = torch.randperm(V, device=device, generator=g)
     out = {}
-    for name, rows in ((emb, full[lo:lo + real]), ("lm_head.weight", full[perm[lo:lo + real]] / D ** 0.5)):
+    for name, rows in ((emb, full[lo:lo + real]), ("lm_head.weight", permuted_head(full, perm[lo:lo + real]))):
         t = torch.zeros(Vs, D, device=device)
         t[:real] = rows
         if tuple(params[name].shape) != (Vs, D):   # a layout this recipe does not know
@@ -314,10 +312,11 @@ def random_shard(cfg_dict: dict, rank: int, size: int, device="cpu", dtype="bflo
     ``dt_bias`` in the usual ranges, other weights ``N(0, scale²)``; replicated parameters
     are identical on every rank (their seed depends only on their name).
 
-    ``margin``: the benchmarks' recipe (``bench e2e``'s random checkpoints) — unit-variance
-    embeddings, an untied ``lm_head`` that is a fixed permutation of the embedding rows over
-    ``sqrt(d_model)``, residual output projections (``out_proj``, ``o_proj``, ``down_proj``)
-    at ``scale / sqrt(layers)`` — so the greedy next token wins by a margin far above bf16
+    ``margin``: the benchmarks' greedy-margin recipe (:mod:`replayssm.models.margin`, as
+    ``bench e2e``'s random checkpoints) — unit-variance embeddings, an untied ``lm_head``
+    that is a fixed permutation of the embedding rows over ``sqrt(d_model)``, residual
+    output projections (:func:`~replayssm.models.margin.residual_outputs`) at
+    ``scale / sqrt(layers)`` — so the greedy next token wins by a margin far above bf16
     rounding and an oracle drafter's continuation stays the model's own in every decode form.
     Each rank draws the whole embedding with one seed (``V x d_model`` floats, briefly) and
     keeps its vocabulary rows."""
@@ -327,6 +326,7 @@ def random_shard(cfg_dict: dict, rank: int, size: int, device="cpu", dtype="bflo
     gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group, () if mtp else None)
     rules = shard_rules(gmodel, size, rank)
     vocab = _margin_vocab(model, cfg, rank, size, device, seed) if margin else {}
+    residual = residual_outputs(model) if margin else frozenset()
     layers = max(1, int(getattr(cfg, "num_hidden_layers", 1) or 1))
     for name, p in model.named_parameters():
         if name in vocab:
@@ -347,7 +347,7 @@ def random_shard(cfg_dict: dict, rank: int, size: int, device="cpu", dtype="bflo
         elif rules.get(name) == ROOT_ONLY or leaf == "bias":
             t = torch.zeros(p.shape, dtype=pdt, device=device)
         else:
-            sc = scale / layers ** 0.5 if margin and name.endswith(_RESIDUAL_OUTPUTS) else scale
+            sc = branch_scale(scale, layers) if name in residual else scale
             t = (torch.randn(p.shape, dtype=torch.float32, device=device, generator=g) * sc).to(pdt)
         _install(model, name, t)
     return model.eval()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import CONTROL_TIMEOUT, Comm, Ref, scalars_only
+from .comm import CONTROL_TIMEOUT, Comm
 from .loading import load_shard, random_shard
 from .shm_channel import ShmChannel
 from .startup import StartupTimes, activate, is_startup_call, watch_triton_compiles
@@ -33,18 +33,6 @@ from .startup import StartupTimes, activate, is_startup_call, watch_triton_compi
 __all__ = ["Worker", "WorkerSpec", "worker_main"]
 
 REPORT_KEY = "replayssm/startup/{}/{}"   # a worker's startup times (rank, request number), JSON
-
-
-def _resolve(x, objects: dict):
-    if isinstance(x, Ref):
-        return objects[x.handle]
-    if isinstance(x, (list, tuple)):
-        if scalars_only(x):
-            return x
-        return type(x)(_resolve(v, objects) for v in x)
-    if isinstance(x, dict):
-        return {k: _resolve(v, objects) for k, v in x.items()}
-    return x
 
 
 class Worker:
@@ -61,7 +49,7 @@ class Worker:
     def serve(self) -> None:
         """Run calls until rank 0 sends ``stop``."""
         while True:
-            op, args, frees = self.comm.recv()
+            op, args, frees = self.comm.recv(self.objects)   # proxies arrive as this rank's objects
             for h in frees:
                 self.objects.pop(h, None)
             if op == "stop":
@@ -95,10 +83,10 @@ class Worker:
     def op_make(self, handle: int, cls, args, kwargs) -> None:
         """An engine object every rank holds (``cls`` arrives pickled by reference, like a
         runner class), built from this rank's objects."""
-        self.objects[handle] = cls(*_resolve(args, self.objects), **_resolve(kwargs, self.objects))
+        self.objects[handle] = cls(*args, **kwargs)
 
     def op_call(self, handle: int, method: str, args, kwargs, result: int | None) -> None:
-        out = getattr(self.objects[handle], method)(*_resolve(args, self.objects), **_resolve(kwargs, self.objects))
+        out = getattr(self.objects[handle], method)(*args, **kwargs)
         if result is not None:
             self.objects[result] = out
 

@@ -25,7 +25,8 @@ from .config import EngineConfig, SamplingParams, SpeculativeConfig
 from .detokenizer import Detokenizer
 from .executor import StepExecutor
 from .inputs import encode_prompt
-from .loading import check_tokenizer_vocab, load_target, parse_dtype
+from ..models.loader import parse_dtype
+from .loading import check_tokenizer_vocab, load_target
 from .mode_policy import decode_policy
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor

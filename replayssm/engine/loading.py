@@ -10,7 +10,6 @@ import torch
 
 from ..distributed import TensorParallelModel, load_tensor_parallel
 from ..models import load_model, load_tokenizer, resolve_model_dir
-from ..models.loader import parse_dtype  # noqa: F401  (the engine's dtype names)
 from .protocols import CachedModel
 
 

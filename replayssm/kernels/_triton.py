@@ -8,6 +8,10 @@ Set ``TRITON_INTERPRET=1`` *before* importing triton to run the kernels on CPU t
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 try:  # pragma: no cover - depends on the environment
     import triton  # noqa: F401

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ._triton import HAVE_TRITON, check_ring, flat_grid, next_pow2, pad16, tile, tile_ids, triton, tl
 from ._triton import contiguous as _c
-from ..ops.common import check_route, want_check
+from ..ops.common import check_route, check_tree, want_check
 from ..ops.kda import naive as _ref
 from .append import append_entries
 from .mamba2 import tree_bits
@@ -257,7 +257,7 @@ def _check(buf, plan, kind, q, k, v, g, beta, scale, route, check, has_time):
 def _tree(parent, dims, q, check) -> Tensor:
     Bt, N = dims[0], dims[1]
     ck = want_check(check, q, parent) if isinstance(parent, Tensor) else True
-    _ref.check_tree(parent, Bt, N, q.device, ck)
+    check_tree(parent, Bt, N, q.device, ck)
     if N > 31:
         raise ValueError(f"the KDA tree kernels take at most 31 nodes per tree (int32 ancestor bits), got {N}")
     return tree_bits(parent, Bt)

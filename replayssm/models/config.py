@@ -17,9 +17,6 @@ __all__ = [
     "Mamba2Config",
     "NemotronHConfig",
     "Qwen3NextConfig",
-    "parse_config",
-    "read_config",
-    "SUPPORTED_MODEL_TYPES",
 ]
 
 

@@ -13,7 +13,6 @@ from torch import Tensor
 
 from ..cache.ring import StepPlan
 from ..cache.tree import check_parents
-from ..runtime import compute_dtype  # noqa: F401  (the ops import it from here)
 from ..runtime import want_check as _want_check
 
 #: checkpoint-state storage dtypes; math always runs in :func:`compute_dtype` of the state

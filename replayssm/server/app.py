@@ -451,9 +451,10 @@ def build_app(engine, config: ServerConfig, engine_loop=None) -> FastAPI:
             log.info("request %s: %s", rid, _arrival_summary(reqs, encoded, preview, req.stream))
             t0 = time.perf_counter()
 
-            def done(note: str = ""):
+            def log_finished(note: str = ""):
                 log.info("request %s finished: %s", rid, _finish_summary(state, n_prompt, stream,
                                                                           time.perf_counter() - t0, note))
+            done = log_finished
         if req.stream:
             gen = _sse(stream, state, head, kind, req.include_usage, n_prompt, loop, done)
             return StreamingResponse(gen, media_type="text/event-stream",

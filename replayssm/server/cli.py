@@ -27,8 +27,7 @@ import torch
 from ..argtypes import port
 from ..models import is_hub_id, resolve_model_dir
 
-from .engine_args import (DECODE_MODES, add_engine_args, build_engine, speculative_from_args,  # noqa: F401
-                          speculative_from_json, startup_summary)
+from .engine_args import add_engine_args, build_engine, speculative_from_args, startup_summary
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,9 +11,13 @@ import warnings
 import pytest
 import torch
 
-from test_prefix_cache import BS, N, _llm, _poison_frees, expected, loaded  # noqa: F401  (fixtures)
+import test_prefix_cache as _shared
+from test_prefix_cache import BS, N, _llm, _poison_frees
 
 from replayssm import SamplingParams, SpeculativeConfig
+
+#: the fixtures of test_prefix_cache (bound here, so pytest finds them in this module)
+expected, loaded = _shared.expected, _shared.loaded
 
 USER = [[11, 12, 13], [21, 22, 23, 24, 25], [31, 32]]
 

@@ -266,7 +266,6 @@ def test_random_schedules_match_full_forward(ours, name, mode, buffer, ops, seed
             s = st.rng.choice([2, 3])
             cache.release([s])
             st.seqs[s] = []
-            B = len(st.slots)
             T = st.rng.randint(1, 4)
             ids = torch.randint(0, st.V, (1, T), generator=st.g)
             lg = model.prefill(cache, torch.tensor([s]), ids, torch.tensor([T]))

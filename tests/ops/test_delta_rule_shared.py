@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from replayssm.cache.buffers import GDNBuffers, KDABuffers
 from replayssm.cache.paged import GDNPagedBuffers, KDAPagedBuffers, PagedIndex
 from replayssm.cache.ring import RingIndex
+from replayssm.ops import delta_rule
 from replayssm.ops.gdn import naive as gdn
 from replayssm.ops.kda import naive as kda
 
@@ -178,10 +179,10 @@ def test_scalar_chunk_step_helpers_match_chunked_prefill():
     """GDN's scalar-form block helpers (undecayed readouts, cumulative G) compose to its prefill."""
     (q, k, v, g, b), _ = inputs(2, 6, 50)
     S0 = torch.randn(2, HV, K, V, dtype=F64)
-    qn, kn = gdn._prep_qk(q, k, F64, None, True)
+    qn, kn = delta_rule._prep_qk(q, k, F64, None, True)
     G = g.cumsum(1)
-    hk, hq = gdn._state_readout(S0, kn), gdn._state_readout(S0, qn)
-    U, y = gdn._delta_block(hk, hq, qn, kn, v, G, b, gdn._chain_mask(2, 6, q.device))
+    hk, hq = delta_rule._state_readout(S0, kn), delta_rule._state_readout(S0, qn)
+    U, y = gdn._delta_block(hk, hq, qn, kn, v, G, b, delta_rule._chain_mask(2, 6, q.device))
     S = torch.exp(G[:, -1])[..., None, None] * S0 + gdn._sum_history_state(U, kn, torch.exp(G[:, -1:] - G))
     yr, Sr = gdn.chunked_prefill(q, k, v, g, b, initial_state=S0)
     same(y, yr)

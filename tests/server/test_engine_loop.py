@@ -153,7 +153,8 @@ def test_slow_steps_are_logged_with_where_their_time_went(caplog):
 def test_vllm_flags_are_understood():
     """vLLM's ``--speculative-config`` JSON and ``--max-model-len`` work as they do there; what
     we do not support is refused by name, before any engine is built."""
-    from replayssm.server.cli import build_engine, build_parser, speculative_from_json
+    from replayssm.server.cli import build_engine, build_parser
+    from replayssm.server.engine_args import speculative_from_json
 
     sp = speculative_from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,'
                                ' "disable_by_batch_size": 8}')

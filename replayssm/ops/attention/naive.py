@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..common import compute_dtype, shape_str, want_check
+from ...runtime import compute_dtype
+from ..common import shape_str, want_check
 
 __all__ = ["write_kv", "paged_attention", "token_positions", "new_slots", "check_paged", "check_write"]
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..common import compute_dtype
+from ...runtime import compute_dtype
 
 __all__ = ["FP8", "FP8_MAX", "linear", "quantize_block", "dequantize_block", "quantize_tensor",
            "dequantize_tensor", "quantize_groups", "dequantize_groups", "expand_scale", "scale_grid",

@@ -26,10 +26,10 @@ from __future__ import annotations
 from ...cache import paged
 from ...cache.buffers import KDABuffers
 from .. import delta_rule as _d
-from ..common import check_tree  # noqa: F401  (re-exported for the kernels)
-from ..delta_rule import KV_CHUNK, l2norm, snapshot_commit  # noqa: F401
+from ..delta_rule import KV_CHUNK, l2norm, snapshot_commit
 
 __all__ = [
+    "KV_CHUNK",
     "l2norm",
     "recurrent_step",
     "recurrent_update",

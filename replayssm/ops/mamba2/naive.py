@@ -45,11 +45,12 @@ from ...cache import paged
 from ...cache.buffers import Mamba2Buffers
 from ...cache.ring import NULL_SLOT, StepPlan, gather_history, write_new
 from ...cache.tree import ancestor_mask
+from ...runtime import compute_dtype
 from .. import kv_blocks  # a module reference: tests spy on kv_blocks.runs
 from ..conv.naive import conv_window_out
 from ..common import (STATE_DTYPES, check_accepted, check_kv_lengths, check_plan, check_plan_fit,
                       check_plan_rows, check_route, check_slot, check_state_dtype, check_tensors,
-                      check_tree, compute_dtype, shape_str, want_check, write_state_where)
+                      check_tree, shape_str, want_check, write_state_where)
 from ..varlen import check_cu_seqlens, check_state_source, gather_initial, seq_bounds
 
 __all__ = [

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..common import compute_dtype, shape_str
+from ...runtime import compute_dtype
+from ..common import shape_str
 from ..fp8 import naive as fp8
 from ..fp8.naive import FP8
 
