@@ -24,7 +24,7 @@ from .sequence import Sequence
 from .spec.base import Proposal
 from .spec.policy import AdaptiveLengths, length_policy
 from .structured import DraftMasks, LogitsMasker
-from .warmup import measure_step_costs
+from .warmup import measure_draft_costs, measure_step_costs
 
 #: one sequence's result of a step: (sequence, new tokens, per-token logprobs or None)
 Step = tuple
@@ -83,11 +83,20 @@ class StepExecutor:
     def measure_step_costs(self, reps: int = 3) -> dict | None:
         """On CUDA, with the adaptive policy and no ``step_costs`` given: time a decode step
         and a verify step of every draft length at every batch bucket (null-slot rows, after
-        capture) as the policy's cost table; returns it (None when nothing was measured)."""
+        capture), each plus the drafter's own device work for it (:func:`measure_draft_costs`:
+        the MTP head's or draft model's graph; for ``T = 0`` the MTP catch-up), as the
+        policy's cost table; returns it (None when nothing was measured)."""
         L = self.lengths
         if not isinstance(L, AdaptiveLengths) or not L.costs.online or self.runner.device.type != "cuda":
             return None
+        return self._cost_table(L, reps)
+
+    def _cost_table(self, L, reps: int) -> dict:
         table = measure_step_costs(self.runner, [(T, L.nodes[T], L.tree) for T in L.lengths], reps)
+        for key, s in measure_draft_costs(self.drafter, self.runner.buckets, L.lengths, self.runner.device,
+                                          reps).items():
+            if key in table:
+                table[key] += s
         L.costs.table.update(table)
         return table
 

@@ -55,14 +55,9 @@ def warm_up(engine, max_prompt_len: int | None = None) -> float:
     return time.perf_counter() - t0
 
 
-def measure_step_costs(runner, shapes, reps: int = 3) -> dict:
-    """Time, at every batch bucket of ``runner``, a decode step and a greedy verify step of
-    each ``(T, nodes, tree)`` in ``shapes`` (the graphs captured for them, if any), on
-    null-slot rows as CUDA-graph padding uses them: ``{(bucket, T): seconds}`` (``T = 0``:
-    decode), the fastest of ``reps`` synchronised runs after one untimed run.  A shape the
-    cache form cannot verify (``NotImplementedError``) gets ``nodes`` decode steps' time."""
-    dev = runner.device
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+def _timer(device, reps: int):
+    """``timed(fn)``: the fastest of ``reps`` synchronised runs of ``fn`` after one untimed run."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def timed(fn) -> float:
         fn()
@@ -75,6 +70,17 @@ def measure_step_costs(runner, shapes, reps: int = 3) -> dict:
             best = min(best, time.perf_counter() - t0)
         return best
 
+    return timed
+
+
+def measure_step_costs(runner, shapes, reps: int = 3) -> dict:
+    """Time, at every batch bucket of ``runner``, a decode step and a greedy verify step of
+    each ``(T, nodes, tree)`` in ``shapes`` (the graphs captured for them, if any), on
+    null-slot rows as CUDA-graph padding uses them: ``{(bucket, T): seconds}`` (``T = 0``:
+    decode), the fastest of ``reps`` synchronised runs after one untimed run.  A shape the
+    cache form cannot verify (``NotImplementedError``) gets ``nodes`` decode steps' time."""
+    dev = runner.device
+    timed = _timer(dev, reps)
     out = {}
     for Bp in runner.buckets:
         slots = [0] * Bp
@@ -89,4 +95,24 @@ def measure_step_costs(runner, shapes, reps: int = 3) -> dict:
                 out[(Bp, T)] = timed(lambda: runner.greedy_verify_step(slots, tokens, parent, valid, tree))
             except NotImplementedError:   # e.g. KV-only slots without a tree verify (raised before any write)
                 out[(Bp, T)] = dec * N
+    return out
+
+
+def measure_draft_costs(drafter, buckets, lengths, device, reps: int = 3) -> dict:
+    """The drafter's own device work per step, ``{(bucket, T): seconds}`` for ``T`` in
+    ``{0} ∪ lengths`` at every bucket, timed like :func:`measure_step_costs` through
+    ``drafter.null_step(bucket, T)`` (its graph on null-slot rows; ``T = 0``: what it does
+    before a plain step).  Keys whose probe is None (host-only drafters, split models) are
+    left out.  A step of ``T`` drafts costs the verify step plus this: the length policy's
+    table gets both."""
+    null_step = getattr(drafter, "null_step", None)
+    if null_step is None:
+        return {}
+    timed = _timer(torch.device(device), reps)
+    out = {}
+    for Bp in buckets:
+        for T in (0, *lengths):
+            fn = null_step(Bp, T)
+            if fn is not None:
+                out[(Bp, T)] = timed(fn)
     return out

@@ -329,3 +329,37 @@ def test_mtp_with_forced_random_draft_lengths_keeps_greedy_output(mtp_models, mo
     assert hist[0] > 0 and sum(v for T, v in hist.items() if T) > 0, hist
     if tree is None:   # chains of several lengths were verified
         assert sum(hist[T] > 0 for T in L.lengths) >= 2, hist
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_cost_table_adds_the_mtp_draft_step_and_leaves_requests_exact(mtp_models, tree):
+    """The adaptive policy's start-up table (CUDA's; callable anywhere) prices a step of ``T``
+    drafts as the verify step plus the head's draft step, and ``T = 0`` as a decode step plus
+    the head's catch-up.  The drafter's probe covers every bucket and length; run between
+    steps of live requests it writes only the null slot's entries (row 0 of the head's
+    stores, nothing of the target's cache), and the outputs stay exact."""
+    from replayssm.engine.warmup import measure_draft_costs
+
+    m, expected, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=_spec(tree), max_seq_len=MAXLEN, max_num_seqs=5, pad_batches=True)
+    L, buckets = llm.executor.lengths, llm.runner.buckets
+    keys = {(b, T) for b in buckets for T in (0,) + L.lengths}
+    seqs = [llm.add_request(p, SamplingParams(max_tokens=N)) for p in PROMPTS]
+    for _ in range(3):
+        llm.step()
+    head, target = [t.clone() for t in llm.drafter.cache.tensors()], [t.clone() for t in llm.cache.tensors()]
+    draft = measure_draft_costs(llm.drafter, buckets, L.lengths, llm.device, reps=1)
+    assert set(draft) == keys and all(v > 0 for v in draft.values())
+    table = llm.executor._cost_table(L, reps=1)
+    assert set(table) == keys and all(v > 0 for v in table.values())
+    assert all(L.costs.table[k] == table[k] for k in keys)
+    for a, b in zip(head, llm.drafter.cache.tensors()):
+        assert torch.equal(a[1:], b[1:])
+    for a, b in zip(target, llm.cache.tensors()):   # the verify/decode probes: null slot only
+        assert torch.equal(a[1:], b[1:])
+    while llm.has_unfinished():
+        llm.step()
+    assert [s.output_ids for s in seqs] == expected
+    for bad in [(0, 1), (2, -1), (2, L.max + 1 if tree is None else 99), (True, 1)]:
+        with pytest.raises(ValueError, match="draft-step probe"):
+            llm.drafter.null_step(*bad)

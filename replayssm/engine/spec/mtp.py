@@ -76,7 +76,8 @@ class MTPDrafter(Drafter):
         self.device = canonical_device(device)
         kw = dict(max_batch=max_batch, spec=spec, num_tokens=num_tokens, tree=tree, cuda_graphs=cuda_graphs,
                   pad_batches=pad_batches)
-        if hasattr(type(target), "make_on_every_rank"):   # split over ranks: each rank's device
+        self._split = hasattr(type(target), "make_on_every_rank")
+        if self._split:   # split over ranks: each rank's device
             self.steps = target.make_on_every_rank(MTPSteps, target, target_cache, None, **kw)
         else:
             self.steps = MTPSteps(target, target_cache, self.device, **kw)
@@ -116,6 +117,21 @@ class MTPDrafter(Drafter):
         """The greedy draft step's graphs: per batch bucket and chain length in ``lengths``
         (a tree: its one shape), and the catch-up alone (before plain steps)."""
         return self.steps.capture(self._node_counts(lengths))
+
+    def null_step(self, batch: int, T: int):
+        """A call running the draft step of ``T`` drafts (``T = 0``: the catch-up alone, before
+        a plain step) on ``batch`` null-slot rows, as graph padding does: what the length
+        policy's start-up table adds to a step's cost (``warmup.measure_draft_costs``).  None
+        for a model split over ranks (its steps run on every rank)."""
+        _check_probe(batch, T, self.num_nodes - 1 if self.tree else self.k)
+        if self._split:
+            return None
+        st = self.steps
+        ins = st.runner._inputs(batch)
+        if T == 0:
+            return lambda: st.plain_runner.run(*ins, 1)
+        n = self.num_nodes if self.tree else min(int(T), self.k) + 1
+        return lambda: st.runner.run(*ins, n)
 
     def _node_counts(self, lengths) -> list[int]:
         if self.tree or not lengths:
@@ -292,8 +308,8 @@ class MTPSteps:
         per row) take the ``rank``-th top token (one-hot q), sampling rows draw from the MTP
         distribution (``sb``: the rows' penalty-free SamplingBatch) with the uniforms
         ``u [B, N]`` (i.i.d. among siblings, as lossless multi-draft sampling needs)."""
-        g = torch.tensor(list(greedy), dtype=torch.bool, device=self.device)[:, None]
-        u = u.to(self.device)
+        g = host_to_device(torch.tensor(list(greedy), dtype=torch.bool), self.device)[:, None]
+        u = host_to_device(u, self.device)
 
         def pick(logits: Tensor, i: int, rank: int):
             q = process(logits, sb)
@@ -386,6 +402,14 @@ class MTPSteps:
 
     def _greedy_body(self, slots, toks, nodes, count, n: int) -> Tensor:
         return self._body(slots, toks, nodes, count, _greedy_pick, n)[0]
+
+
+def _check_probe(batch, T, most: int) -> None:
+    """A draft-step probe's ``batch >= 1`` rows and ``0 <= T <= most`` drafts, else ValueError."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"draft-step probe: batch must be a positive int, got {batch!r}")
+    if isinstance(T, bool) or not isinstance(T, int) or not 0 <= T <= most:
+        raise ValueError(f"draft-step probe: T must be an int in [0, {most}], got {T!r}")
 
 
 def _greedy_pick(logits: Tensor, i: int, rank: int):
