@@ -105,7 +105,7 @@ def measure_draft_costs(drafter, buckets, lengths, device, reps: int = 3) -> dic
     before a plain step).  Keys whose probe is None (host-only drafters, split models) are
     left out.  A step of ``T`` drafts costs the verify step plus this: the length policy's
     table gets both."""
-    null_step = getattr(drafter, "null_step", None)
+    null_step = getattr(drafter, "null_step", None)   # (duck-typed drafters may lack it)
     if null_step is None:
         return {}
     timed = _timer(torch.device(device), reps)
