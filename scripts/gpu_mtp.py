@@ -29,11 +29,12 @@ bf16, replay form, CUDA graphs.  Sections:
    between drafting and verify (must be 0), for the MTP drafter and for the bench's oracle
    wrapper around it.
 
-Usage (one H100 or H200, about 4 minutes)::
+Usage (one H100 or H200; meant to take under 4 minutes, not yet run on a GPU)::
 
     PYTHONPATH=. python scripts/gpu_mtp.py
 
-writes ``gpu_mtp.json`` to ``$OUT`` when set.  CPU smoke run (tiny model, sections 2-3 are
+writes ``gpu_mtp.json`` to ``$OUT`` when set (after every part).  ``--sections breakdown,sync``
+skips section 1 (builds the MTP engine alone).  CPU smoke run (tiny model, sections 2-3 are
 CUDA-only): ``--preset qwen3-next-tiny --device cpu --batches 1,2 --draft-batches 2 --max-tokens 8``.
 """
 
@@ -292,8 +293,11 @@ def sync_check(llm, args, prompts, refs) -> dict:
     llm.runner.greedy_verify_step = closing
     out = {}
     try:
-        for name, d in (("mtp", inner), ("oracle(mtp)", OracleTokens(inner, OracleDrafter(
-                refs, args.num_tokens, args.accept, V, llm.device)))):
+        pairs = [("mtp", inner)]
+        if refs:   # the benchmarks' oracle wrapper (needs the plain run's continuations)
+            pairs.append(("oracle(mtp)", OracleTokens(inner, OracleDrafter(refs, args.num_tokens, args.accept, V,
+                                                                           llm.device))))
+        for name, d in pairs:
             llm.drafter = _SyncWindow(d)
             with warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
@@ -321,6 +325,17 @@ def report(rows: list[dict]) -> None:
               f"{r['mean_accepted_length']:>6.2f}{r.get('draft_ms_per_step', float('nan')):>10.2f}"
               f"{r.get('draft_host_ms_per_step', float('nan')):>9.2f}{r['mismatch'] or 0:>5}  "
               f"{format_lengths(r.get('draft_lengths', {}))}")
+
+
+def _save(res: dict) -> None:
+    """Write what was measured so far to ``$OUT/gpu_mtp.json`` (after every part: a run cut
+    short by a time limit still leaves its rows)."""
+    if not os.environ.get("OUT"):
+        return
+    os.makedirs(os.environ["OUT"], exist_ok=True)
+    rows = [{k: v for k, v in r.items() if k != "outputs"} for r in res["rows"]]
+    with open(os.path.join(os.environ["OUT"], "gpu_mtp.json"), "w") as f:
+        json.dump({**res, "rows": rows}, f, indent=1, default=str)
 
 
 def main(argv=None) -> int:
@@ -360,17 +375,24 @@ def main(argv=None) -> int:
         prompts = {B: _prompts(B, args.prompt_len, V, seed=B) for B in sorted(set(batches + dbatches))}
         print(f"[gpu_mtp] model ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
-        llm = _engine(model, args, max(batches + dbatches))
-        rows = _sweep(llm, args, sorted(set(batches + dbatches)), prompts, None, "none", "-")
-        refs = {tuple(prompts[r["batch"]][i]): o for r in rows for i, o in enumerate(r["outputs"])}
-        res["rows"] += rows
-        del llm
-        free_memory(args.device)
+        e2e = "e2e" in sections
+        refs: dict = {}
+        if e2e:
+            llm = _engine(model, args, max(batches + dbatches))
+            rows = _sweep(llm, args, sorted(set(batches + dbatches)), prompts, None, "none", "-")
+            refs = {tuple(prompts[r["batch"]][i]): o for r in rows for i, o in enumerate(r["outputs"])}
+            res["rows"] += rows
+            _save(res)
+            del llm
+            free_memory(args.device)
+        else:   # sections 2-3 alone: the MTP engine only
+            drafters, dbatches = ["mtp"], []
         if dbatches:   # before the MTP engine, which stays for sections 2-3
             dm = load(_draft_dir(V, tmp, 512, 8), torch.device(args.device), dt)[0]
             llm = _engine(model, args, max(dbatches), SpeculativeConfig("draft", num_tokens=args.num_tokens,
                                                                         draft_model=dm))
             res["rows"] += _fixed_and_adaptive(llm, args, dbatches, prompts, refs, "draft")
+            _save(res)
             del llm, dm
             free_memory(args.device)
         mtp_llm = None
@@ -381,16 +403,20 @@ def main(argv=None) -> int:
             res["config"][f"{d}_start_cost_table_ms"] = {f"{b},{t}": v * 1e3 for (b, t), v
                                                          in (costs.table.items() if costs else [])}
             res["config"][f"{d}_capture_s"] = llm.capture_s
-            res["rows"] += _fixed_and_adaptive(llm, args, batches, prompts, refs, d)
+            if e2e:
+                res["rows"] += _fixed_and_adaptive(llm, args, batches, prompts, refs, d)
+                _save(res)
             if d == "mtp":
                 mtp_llm = llm
             else:
                 del llm
                 free_memory(args.device)
-        report(res["rows"])
+        if res["rows"]:
+            report(res["rows"])
         if mtp_llm is not None and cuda and "sync" in sections:
             B = min(4, max(batches))
             res["sync_check"] = sync_check(mtp_llm, args, prompts[max(batches)][:B], refs)
+            _save(res)
         if mtp_llm is not None and cuda and "breakdown" in sections:
             res["breakdown"] = breakdown(mtp_llm, model, args, batches)
     for r in res["rows"]:
@@ -402,10 +428,7 @@ def main(argv=None) -> int:
              for r in res["rows"] if r.get("mismatch")]
     fails += [f"sync check {k}: {v} synchronising calls" for k, v in res.get("sync_check", {}).items() if v]
     res["fails"] = fails
-    if os.environ.get("OUT"):
-        os.makedirs(os.environ["OUT"], exist_ok=True)
-        with open(os.path.join(os.environ["OUT"], "gpu_mtp.json"), "w") as f:
-            json.dump(res, f, indent=1, default=str)
+    _save(res)
     for f in fails:
         print("FAIL:", f)
     return 1 if fails else 0
