@@ -34,6 +34,7 @@ from ..engine.llm import LLM
 from ..engine.loading import load
 from ..engine.spec import Proposal, chain_parent
 from ..models.margin import branch_scale, permuted_head
+from ..runtime import host_to_device
 from . import prefix, ttft
 from .common import free_memory, random_model_dir, warm_then_time
 # hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE)
@@ -149,8 +150,10 @@ class OracleDrafter:
             d = ref[len(s.output_ids):len(s.output_ids) + k]
             d = d + [0] * (k - len(d))
             rows.append([s.last_token] + [t if self.rng.random() < self.accept else (t + 1) % self.vocab for t in d])
-        tokens = torch.tensor(rows, dtype=torch.long)
-        return Proposal(tokens.to(self.device), chain_parent(B, N, self.device),
+        # pinned and asynchronous: a pageable copy would make the host wait for the drafter's
+        # kernels queued before it (OracleTokens), a sync no real drafter has
+        tokens = host_to_device(torch.tensor(rows, dtype=torch.long), self.device)
+        return Proposal(tokens, chain_parent(B, N, self.device),
                         torch.ones(B, N, dtype=torch.bool, device=self.device))
 
 

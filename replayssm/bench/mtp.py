@@ -10,7 +10,9 @@ batch size, in one process, replay form with CUDA graphs:
   last kernel (CUDA events; the GPU is idle when a step starts, so this is the host's launch
   work plus the device time), plus the drafter's ``accepted`` bookkeeping, per step;
 * **end-to-end decode tokens/s** without speculation and with each drafter, and the mean
-  accepted length (the oracle's, the same for all drafters).
+  accepted length (the oracle's, the same for all drafters);
+* the length policy (``SpeculativeConfig``'s default, ``"adaptive"``) and the draft lengths it
+  chose (``T=0`` steps decode plainly; drafting cost is per speculative step).
 
 The MTP head gets random weights in the target's own MTP layout (:func:`add_random_mtp`);
 the draft model is a random Mamba-2 sharing the target's vocabulary (``--draft-*``).
@@ -144,6 +146,8 @@ def _run(args, target, draft, method: str | None, batch: int, refs_cache: dict) 
     if timer is not None:
         row["draft_ms_per_step"], row["draft_host_ms_per_step"] = timer.per_step_ms()
         row["draft_steps"] = timer.steps
+        row["spec_policy"] = spec.spec_policy                  # "adaptive": T (0 included) per step
+        row["draft_lengths"] = e2e.draft_length_steps(llm.stats)
     del llm
     free_memory(args.device)
     return row
@@ -231,13 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target {args.model or args.preset} ({c['target_params'] / 1e9:.2f} B params, MTP head "
           f"{c['mtp_params'] / 1e6:.0f} M, draft {(c['draft_params'] or 0) / 1e6:.0f} M); {c['device_name']}; "
           f"{args.dtype}; mode {args.mode}; T={args.num_tokens}; oracle acceptance {args.oracle_accept}")
-    print(f"{'batch':>6} {'drafter':<8}{'draft ms/step':>14}{'host ms':>9}{'decode tok/s':>14}{'vs none':>9}{'acc':>6}")
+    print(f"{'batch':>6} {'drafter':<8}{'draft ms/step':>14}{'host ms':>9}{'decode tok/s':>14}{'vs none':>9}{'acc':>6}"
+          f"  policy: chosen T")
     base = {r["batch"]: r["decode_tokens_per_s"] for r in res["rows"] if r["drafter"] == "none"}
     for r in res["rows"]:
         rel = r["decode_tokens_per_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
         print(f"{r['batch']:>6} {r['drafter']:<8}{r.get('draft_ms_per_step', 0):>14.3f}"
               f"{r.get('draft_host_ms_per_step', 0):>9.3f}{r['decode_tokens_per_s']:>14.0f}{rel:>9.2f}"
-              f"{r['mean_accepted_length']:>6.2f}")
+              f"{r['mean_accepted_length']:>6.2f}  "
+              + (f"{r['spec_policy']}: {e2e.format_lengths(r['draft_lengths'])}" if "spec_policy" in r else "-"))
     return 0
 
 

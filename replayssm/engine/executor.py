@@ -24,7 +24,7 @@ from .sequence import Sequence
 from .spec.base import Proposal
 from .spec.policy import AdaptiveLengths, length_policy
 from .structured import DraftMasks, LogitsMasker
-from .warmup import measure_step_costs
+from .warmup import measure_draft_costs, measure_step_costs
 
 #: one sequence's result of a step: (sequence, new tokens, per-token logprobs or None)
 Step = tuple
@@ -83,13 +83,24 @@ class StepExecutor:
     def measure_step_costs(self, reps: int = 3) -> dict | None:
         """On CUDA, with the adaptive policy and no ``step_costs`` given: time a decode step
         and a verify step of every draft length at every batch bucket (after capture, on the
-        idle engine's free slots, in replay form with and without ring flushes) as the
-        policy's cost tables; returns the flush-free one (None when nothing was measured)."""
+        idle engine's free slots, in replay form with and without ring flushes), each plus the
+        drafter's own device work for it (:func:`measure_draft_costs`: the MTP head's or draft
+        model's graph; for ``T = 0`` the MTP catch-up), as the policy's cost tables; returns
+        the flush-free one (None when nothing was measured)."""
         L = self.lengths
         if not isinstance(L, AdaptiveLengths) or not L.costs.online or self.runner.device.type != "cuda":
             return None
+        return self._cost_table(L, reps, slots=sorted(self.blocks.free_slots))
+
+    def _cost_table(self, L, reps: int, slots=None) -> dict:
+        """Measure and install the tables (``slots``: free slots to time on; None: the null
+        slot, which leaves every other slot untouched, e.g. between live steps)."""
         table, flush = measure_step_costs(self.runner, [(T, L.nodes[T], L.tree) for T in L.lengths], reps,
-                                          slots=sorted(self.blocks.free_slots))
+                                          slots=slots)
+        for key, s in measure_draft_costs(self.drafter, self.runner.buckets, L.lengths, self.runner.device,
+                                          reps).items():
+            if key in table:
+                table[key] += s
         L.costs.table.update(table)
         if flush:
             L.costs.flush.update(flush)

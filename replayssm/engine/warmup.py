@@ -68,6 +68,24 @@ def _ring_of(runner, slots):
     return cache, (ring if cache.ssm_form() == "replay" else None)
 
 
+def _timer(device, reps: int):
+    """``timed(fn)``: the fastest of ``reps`` synchronised runs of ``fn`` after one untimed run."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    return timed
+
+
 def measure_step_costs(runner, shapes, reps: int = 3, slots=None, context: int = 64) -> tuple[dict, dict]:
     """Time, at every batch bucket ``Bp`` of ``runner``, a decode step and a greedy verify
     step of each ``(T, nodes, tree)`` in ``shapes`` (the graphs captured for them, if any):
@@ -150,3 +168,23 @@ def measure_step_costs(runner, shapes, reps: int = 3, slots=None, context: int =
         if cache is not None:
             cache.release(free)   # back to fresh slots (their next prefill starts a new sequence)
     return table, flush
+
+
+def measure_draft_costs(drafter, buckets, lengths, device, reps: int = 3) -> dict:
+    """The drafter's own device work per step, ``{(bucket, T): seconds}`` for ``T`` in
+    ``{0} ∪ lengths`` at every bucket, timed like :func:`measure_step_costs` through
+    ``drafter.null_step(bucket, T)`` (its graph on null-slot rows; ``T = 0``: what it does
+    before a plain step).  Keys whose probe is None (host-only drafters, split models) are
+    left out.  A step of ``T`` drafts costs the verify step plus this: the length policy's
+    table gets both."""
+    null_step = getattr(drafter, "null_step", None)   # (duck-typed drafters may lack it)
+    if null_step is None:
+        return {}
+    timed = _timer(torch.device(device), reps)
+    out = {}
+    for Bp in buckets:
+        for T in (0, *lengths):
+            fn = null_step(Bp, T)
+            if fn is not None:
+                out[(Bp, T)] = timed(fn)
+    return out

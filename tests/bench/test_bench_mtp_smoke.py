@@ -21,6 +21,9 @@ def test_bench_mtp_smoke(tmp_path, capsys, monkeypatch):
     assert spec[0]["mean_accepted_length"] > 1.0
     assert all(r["draft_steps"] > 0 and r["draft_ms_per_step"] > 0 for r in spec)
     assert all(r["draft_steps"] <= r["steps"] for r in spec)     # warm-up steps are not timed
+    # the policy and its choices: speculative steps are those the drafter was timed in
+    assert all(r["spec_policy"] == "adaptive" for r in spec)
+    assert all(sum(n for T, n in r["draft_lengths"].items() if int(T)) == r["draft_steps"] for r in spec)
     assert rows[0]["mean_accepted_length"] == 1.0
     assert "mtp" in capsys.readouterr().out
     cached = sorted(p.name for p in cache.iterdir())

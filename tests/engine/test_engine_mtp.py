@@ -291,16 +291,22 @@ def test_mtp_head_stays_exact_across_steps_without_speculation(mtp_models, mode,
             return out
 
         llm.drafter.propose, llm.drafter.head.logits = recording, logits
+        widths = []   # pairs per row of each catch-up before a plain step
+        for r in (llm.drafter.steps.plain_runner, llm.drafter.steps.plain_runner1):
+            r.run = (lambda run: lambda *a: (widths.append(a[1].shape[1]), run(*a))[1])(r.run)
         seqs = [llm.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS, lens)]
         order.update({id(s): i for i, s in enumerate(seqs)})
         while llm.has_unfinished():
             llm.step()
         assert [s.output_ids for s in seqs] == [e[:n] for e, n in zip(expected, lens)]
-        return first, seqs
+        return first, seqs, widths
 
-    always, _ = run(None)
-    limited, seqs = run(2)
+    always, _, _ = run(None)
+    limited, seqs, widths = run(2)
     assert all(s.num_verify_steps < s.num_steps for s in seqs[:2])   # plain steps happened
+    # runs of plain steps catch up one pair per row; after a prefill the pending pairs are
+    # also one per row
+    assert set(widths) == {1}, widths
     common = sorted(set(always) & set(limited))
     assert common, "no position was drafted in both runs"
     for k in common:
@@ -329,3 +335,71 @@ def test_mtp_with_forced_random_draft_lengths_keeps_greedy_output(mtp_models, mo
     assert hist[0] > 0 and sum(v for T, v in hist.items() if T) > 0, hist
     if tree is None:   # chains of several lengths were verified
         assert sum(hist[T] > 0 for T in L.lengths) >= 2, hist
+
+
+
+@pytest.mark.parametrize("mode", ["replay", "kv"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "mamba2"])
+def test_plain_step_runs_catch_up_one_pair_per_row_and_proposals_stay_the_heads(mtp_models, arch, mode):
+    """Scripted lengths with runs of plain steps: the catch-up before a plain step that
+    follows a speculative one takes up to K+1 pairs per row, the one before a plain step that
+    follows a plain step one pair per row; every later proposal equals the head's own drafts
+    recomputed without a cache, and the output equals plain decoding."""
+    from replayssm.engine.spec.policy import ScriptedLengths
+
+    m, expected, _ = mtp_models[arch]
+    llm = LLM(m, dtype="float64", decode_mode=mode, speculative=_spec(None), max_seq_len=MAXLEN,
+              pad_batches=(mode == "replay"))
+    L, drafter = llm.executor.lengths, llm.drafter
+    llm.executor.lengths = ScriptedLengths(L.lengths, [3, 0, 0, 0, 2, 0, 3, 0, 0, 1], L.tree, L.depth)
+    widths, checked, propose = [], [], drafter.propose
+    for r in (drafter.steps.plain_runner, drafter.steps.plain_runner1):
+        r.run = (lambda run: lambda *a: (widths.append((a[1].shape[1], a[3].max().item())), run(*a))[1])(r.run)
+
+    def checking(seqs, k=None):
+        prop = propose(seqs, k)
+        for b, s in enumerate(seqs):
+            want = _reference(m, s.all_ids, drafter.parent, [0] * drafter.num_nodes)
+            assert prop.tokens[b].tolist() == want[:prop.tokens.shape[1]], (s.all_ids, b)
+            checked.append(b)
+        return prop
+
+    drafter.propose = checking
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    assert {w for w, _ in widths} == {1, drafter.width}, widths
+    assert all(c == 1 for w, c in widths if w == 1) and max(c for _, c in widths) > 1, widths
+    assert checked
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_cost_table_adds_the_mtp_draft_step_and_leaves_requests_exact(mtp_models, tree):
+    """The adaptive policy's start-up table (CUDA's; callable anywhere) prices a step of ``T``
+    drafts as the verify step plus the head's draft step, and ``T = 0`` as a decode step plus
+    the head's catch-up.  The drafter's probe covers every bucket and length; run between
+    steps of live requests it writes only the null slot's entries (row 0 of the head's
+    stores, nothing of the target's cache), and the outputs stay exact."""
+    from replayssm.engine.warmup import measure_draft_costs
+
+    m, expected, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=_spec(tree), max_seq_len=MAXLEN, max_num_seqs=5, pad_batches=True)
+    L, buckets = llm.executor.lengths, llm.runner.buckets
+    keys = {(b, T) for b in buckets for T in (0,) + L.lengths}
+    seqs = [llm.add_request(p, SamplingParams(max_tokens=N)) for p in PROMPTS]
+    for _ in range(3):
+        llm.step()
+    head, target = [t.clone() for t in llm.drafter.cache.tensors()], [t.clone() for t in llm.cache.tensors()]
+    draft = measure_draft_costs(llm.drafter, buckets, L.lengths, llm.device, reps=1)
+    assert set(draft) == keys and all(v > 0 for v in draft.values())
+    table = llm.executor._cost_table(L, reps=1)
+    assert set(table) == keys and all(v > 0 for v in table.values())
+    assert all(L.costs.table[k] == table[k] for k in keys)
+    for a, b in zip(head, llm.drafter.cache.tensors()):
+        assert torch.equal(a[1:], b[1:])
+    for a, b in zip(target, llm.cache.tensors()):   # the verify/decode probes: null slot only
+        assert torch.equal(a[1:], b[1:])
+    while llm.has_unfinished():
+        llm.step()
+    assert [s.output_ids for s in seqs] == expected
+    for bad in [(0, 1), (2, -1), (2, L.max + 1 if tree is None else 99), (True, 1)]:
+        with pytest.raises(ValueError, match="draft-step probe"):
+            llm.drafter.null_step(*bad)

@@ -322,6 +322,30 @@ def test_measured_step_costs_cover_every_bucket_and_leave_requests_exact(target,
         assert [o.token_ids for o in outs] == expected
 
 
+def test_cost_table_adds_the_draft_models_chain(target, draft, expected):
+    """A draft-model chain's probe (its greedy chain graph on the null slot) prices every
+    length at every bucket, not ``T = 0`` (plain steps leave the draft model behind); between
+    steps of live requests it touches only the draft cache's null slot, and the outputs stay exact."""
+    from replayssm.engine.warmup import measure_draft_costs
+
+    sp = SpeculativeConfig("draft", num_tokens=3, draft_model=draft)
+    llm = LLM(target, speculative=sp, max_num_seqs=5, pad_batches=True)
+    L, d = llm.executor.lengths, llm.drafter
+    seqs = [llm.add_request(p, SamplingParams(max_tokens=N)) for p in PROMPTS]
+    for _ in range(3):
+        llm.step()
+    before = [list(h) for h in d.cache.history]   # the recompute cache: each slot's token history
+    costs = measure_draft_costs(d, llm.runner.buckets, L.lengths, llm.device, reps=1)
+    assert set(costs) == {(b, T) for b in llm.runner.buckets for T in L.lengths}
+    assert all(v > 0 for v in costs.values())
+    assert d.cache.history[1:] == before[1:] and d.cache.pending is None
+    while llm.has_unfinished():
+        llm.step()
+    assert [s.output_ids for s in seqs] == expected
+    with pytest.raises(ValueError, match="draft-step probe"):
+        d.null_step(4, 0.5)
+
+
 @pytest.mark.parametrize("mode", ["replay", "recurrent", "kv"])
 def test_draft_model_catches_up_after_plain_steps_exactly(target, draft, expected, mode):
     """Runs of plain steps (T = 0) leave the draft model behind; its catch-up (decode steps

@@ -101,6 +101,13 @@ class Drafter:
         many were captured."""
         return 0
 
+    def null_step(self, batch: int, T: int):
+        """A call that runs the drafter's own device work for a step of ``T`` drafts (``T = 0``:
+        its work before a plain step) on ``batch`` null-slot rows, or None when there is none
+        to time (host-only drafters).  The adaptive length policy's start-up cost table adds
+        its time to the verify step's (``warmup.measure_draft_costs``)."""
+        return None
+
     # -- per step -------------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> None:
         pass

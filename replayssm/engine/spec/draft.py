@@ -22,7 +22,7 @@ from ...runtime import canonical_device, host_to_device
 from ..model_runner import ModelRunner
 from ..sampler import Sampler, sample_from
 from .base import Drafter, Proposal, chain_parent
-from .mtp import MTPStepGraphs
+from .mtp import MTPStepGraphs, _check_probe
 
 
 #: most missing tokens a draft catch-up feeds as decode steps (more: one prefill chunk per row)
@@ -139,6 +139,16 @@ class DraftModelDrafter(DraftModelBase):
         ns = sorted({min(int(t), self.k) + 1 for t in lengths} or {self.k + 1})
         return self.runner.capture() + self.chain.capture(ns)
 
+    def null_step(self, batch: int, T: int):
+        """The greedy chain of ``T`` drafts on ``batch`` null-slot rows (the length policy's
+        start-up table adds it to a step's cost; ``warmup.measure_draft_costs``); None for
+        ``T = 0`` (plain steps leave the draft model behind, it catches up when next asked)."""
+        _check_probe(batch, T, self.k)
+        if T == 0:
+            return None
+        ins = self.chain._inputs(batch)
+        return lambda: self.chain.run(*ins, min(int(T), self.k) + 1)
+
     def _greedy_chain(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor, n: int) -> Tensor:
         """``tokens [B, n]``: each row's last token and ``n - 1`` greedy drafts.  ``toks [B, W]``
         holds the row's ``count`` pending tokens (padded with copies of the last): one draft
@@ -203,7 +213,7 @@ class DraftModelDrafter(DraftModelBase):
                 if j + 2 < k:
                     self.runner.commit(torch.zeros(B, dtype=torch.long, device=self.device))
         self._deferred, self._k = k > 1, k
-        last = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=self.device)
+        last = host_to_device(torch.tensor([s.last_token for s in seqs], dtype=torch.long), self.device)
         tokens = torch.cat([last[:, None], torch.stack(drafts, 1)], 1)
         valid = torch.ones(B, k + 1, dtype=torch.bool, device=self.device)
         q = None

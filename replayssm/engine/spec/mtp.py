@@ -25,8 +25,13 @@ bonus token; ``a = 1`` after a prefill).  A proposal then runs, device-only:
 Greedy steps are one CUDA graph per batch bucket (:class:`MTPStepGraphs`), replayed with no
 host sync: the host packs the catch-up tokens, node indices and counts into one small
 host-to-device copy, the graph gathers ``cache.hidden`` itself.  The draft step is a graph of
-its own, launched right before the target's verify graph (not fused into it).  Sampled rows
-draw from the MTP distribution (eager), so speculative sampling stays lossless.
+its own, launched right before the target's verify graph with nothing between them that waits
+for the device (the tokens it drafts stay on the device as the verify graph's input; the
+host's one sync is the verify step's result), so one fused graph would save only a graph
+launch.  Before a plain step (the length policy's ``T = 0``) the catch-up runs alone, as a
+graph of ``K+1`` pairs per row after a speculative step and of one pair per row after a plain
+one.  Sampled rows draw from the MTP distribution (eager), so speculative sampling stays
+lossless.
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ class MTPDrafter(Drafter):
         self.device = canonical_device(device)
         kw = dict(max_batch=max_batch, spec=spec, num_tokens=num_tokens, tree=tree, cuda_graphs=cuda_graphs,
                   pad_batches=pad_batches)
-        if hasattr(type(target), "make_on_every_rank"):   # split over ranks: each rank's device
+        self._split = hasattr(type(target), "make_on_every_rank")
+        if self._split:   # split over ranks: each rank's device
             self.steps = target.make_on_every_rank(MTPSteps, target, target_cache, None, **kw)
         else:
             self.steps = MTPSteps(target, target_cache, self.device, **kw)
@@ -116,6 +122,22 @@ class MTPDrafter(Drafter):
         """The greedy draft step's graphs: per batch bucket and chain length in ``lengths``
         (a tree: its one shape), and the catch-up alone (before plain steps)."""
         return self.steps.capture(self._node_counts(lengths))
+
+    def null_step(self, batch: int, T: int):
+        """A call running the draft step of ``T`` drafts (``T = 0``: the one-pair catch-up
+        before a plain step that follows another) on ``batch`` null-slot rows, as graph padding does: what the length
+        policy's start-up table adds to a step's cost (``warmup.measure_draft_costs``).  None
+        for a model split over ranks (its steps run on every rank)."""
+        _check_probe(batch, T, self.num_nodes - 1 if self.tree else self.k)
+        if self._split:
+            return None
+        st = self.steps
+        if T == 0:   # a run of plain steps: one pending pair per row
+            ins1 = st.plain_runner1._inputs(batch)
+            return lambda: st.plain_runner1.run(*ins1, 1)
+        ins = st.runner._inputs(batch)
+        n = self.num_nodes if self.tree else min(int(T), self.k) + 1
+        return lambda: st.runner.run(*ins, n)
 
     def _node_counts(self, lengths) -> list[int]:
         if self.tree or not lengths:
@@ -227,9 +249,12 @@ class MTPSteps:
         self.cache = self.head.make_cache(max_batch + 1, spec.for_draft(), device=self.device)
         target_cache.keep_hidden(target.config.hidden_size)
         self.runner = MTPStepGraphs(self._greedy_body, self.device, max_batch, self.width, cuda_graphs, pad_batches)
-        # the catch-up alone, before a plain step (the length policy's T = 0): a graph too
+        # the catch-up alone, before a plain step (the length policy's T = 0): a graph too; after
+        # a plain step every row has one pending pair, so runs of plain steps take one pair per
+        # row (a pass over K+1 padded pairs would put K+1 times the tokens through the layer)
         self.plain_runner = MTPStepGraphs(self._plain_body, self.device, max_batch, self.width, cuda_graphs,
                                           pad_batches)
+        self.plain_runner1 = MTPStepGraphs(self._plain_body, self.device, max_batch, 1, cuda_graphs, pad_batches)
         # per tree level: the head's parent array over the nodes evaluated so far (made here:
         # a host-to-device copy is not allowed while a CUDA graph captures)
         self._level_parent = {}
@@ -279,8 +304,13 @@ class MTPSteps:
         return t[:, 0], t[:, 2:2 + K1], t[:, 2 + K1:], t[:, 1]
 
     def catch_up(self, rows) -> None:
-        """Commit the pending pairs of ``rows`` (before a step without speculation)."""
-        self.plain_runner.run(*self.inputs(rows), 1)
+        """Commit the pending pairs of ``rows`` (before a step without speculation); one pair
+        per row when no row has more (after a plain step)."""
+        slots, toks, nodes, count = self.inputs(rows)
+        if all(r[1] == 1 for r in rows):
+            self.plain_runner1.run(slots, toks[:, :1].contiguous(), nodes[:, :1].contiguous(), count, 1)
+        else:
+            self.plain_runner.run(slots, toks, nodes, count, 1)
 
     def greedy(self, rows, n: int | None = None) -> Tensor:
         """The greedy proposal's tokens ``[B, n]`` (a chain of ``n`` nodes, default all;
@@ -292,8 +322,8 @@ class MTPSteps:
         per row) take the ``rank``-th top token (one-hot q), sampling rows draw from the MTP
         distribution (``sb``: the rows' penalty-free SamplingBatch) with the uniforms
         ``u [B, N]`` (i.i.d. among siblings, as lossless multi-draft sampling needs)."""
-        g = torch.tensor(list(greedy), dtype=torch.bool, device=self.device)[:, None]
-        u = u.to(self.device)
+        g = host_to_device(torch.tensor(list(greedy), dtype=torch.bool), self.device)[:, None]
+        u = host_to_device(u, self.device)
 
         def pick(logits: Tensor, i: int, rank: int):
             q = process(logits, sb)
@@ -322,8 +352,9 @@ class MTPSteps:
 
     def capture(self, ns=None) -> int:
         """Graphs of the greedy step for each node count in ``ns`` (default: all nodes) and of
-        the catch-up alone."""
-        return self.runner.capture(list(ns) if ns else [self.num_nodes]) + self.plain_runner.capture([1])
+        the catch-up alone (``K+1`` pairs and one pair per row)."""
+        return (self.runner.capture(list(ns) if ns else [self.num_nodes]) + self.plain_runner.capture([1])
+                + self.plain_runner1.capture([1]))
 
     # ---- the draft step (device work only) ------------------------------------------------------
     def _catch_up(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor) -> Tensor:
@@ -386,6 +417,14 @@ class MTPSteps:
 
     def _greedy_body(self, slots, toks, nodes, count, n: int) -> Tensor:
         return self._body(slots, toks, nodes, count, _greedy_pick, n)[0]
+
+
+def _check_probe(batch, T, most: int) -> None:
+    """A draft-step probe's ``batch >= 1`` rows and ``0 <= T <= most`` drafts, else ValueError."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"draft-step probe: batch must be a positive int, got {batch!r}")
+    if isinstance(T, bool) or not isinstance(T, int) or not 0 <= T <= most:
+        raise ValueError(f"draft-step probe: T must be an int in [0, {most}], got {T!r}")
 
 
 def _greedy_pick(logits: Tensor, i: int, rank: int):

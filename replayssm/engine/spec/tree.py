@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ...runtime import host_to_device
 from ..sampler import sample_from
 from .base import Proposal, static_tree
 from .draft import DraftModelBase
@@ -53,14 +54,14 @@ class DraftTreeDrafter(DraftModelBase):
         B = len(seqs)
         slots = [s.slot for s in seqs]
         sampling = self._any_sampling(seqs)
-        greedy_row = torch.tensor([s.params.greedy for s in seqs], device=self.device)
+        greedy_row = host_to_device(torch.tensor([s.params.greedy for s in seqs]), self.device)
         logits = self._catch_up(seqs)
         V = logits.shape[-1]
         # per node: draft logits (filled level by level), tokens, parents, scores, q
         N = self.num_nodes
         tokens = torch.zeros(B, N, dtype=torch.long, device=self.device)
         parent = torch.full((B, N), -1, dtype=torch.long, device=self.device)
-        tokens[:, 0] = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=self.device)
+        tokens[:, 0] = host_to_device(torch.tensor([s.last_token for s in seqs], dtype=torch.long), self.device)
         q = torch.zeros(B, N, V, dtype=torch.float32, device=self.device) if sampling else None
         node_logits = torch.zeros(B, N, V, dtype=logits.dtype, device=self.device)
         node_logits[:, 0] = logits
@@ -117,7 +118,7 @@ class DraftTreeDrafter(DraftModelBase):
     def _beam_level(self, lvl, new, frontier, tokens, parent, score, node_logits, q, u, greedy_row, seqs, ar):
         w = self.w
         B = tokens.shape[0]
-        fr = torch.tensor(frontier, device=self.device)
+        fr = host_to_device(torch.tensor(frontier), self.device)   # no wait for the queued levels
         lp = torch.log_softmax(node_logits[:, fr].float(), -1)             # [B, F, V]
         F = len(frontier)
         # greedy rows: global top-w over (frontier node, token) by joint log-prob
