@@ -121,8 +121,8 @@ class FusedFinish:
                 self.part_ptrs.append(torch.tensor([a + po for a in hdl.buffer_ptrs], **i64))
                 self.ss_ptrs.append(torch.tensor([a + so for a in hdl.buffer_ptrs], **i64))
             self.pad_ptrs = torch.tensor(list(hdl.signal_pad_ptrs), **i64)
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            self.programs = max(1, min(sms, int(hdl.signal_pad_size) // 4 // self.size))
+            if int(hdl.signal_pad_size) < 4 * (2 * self.size + 4):
+                raise RuntimeError(f"signal pad of {hdl.signal_pad_size} bytes is too small for the barrier counters")
         except Exception as e:  # noqa: BLE001 - any failure: the reference / today's path
             ok, why = False, f"{type(e).__name__}: {e}"
         ok, why = self._agree(ok, why)
@@ -134,8 +134,7 @@ class FusedFinish:
                 self.parts[0][:n].fill_(self.rank + 1)
                 _, s, _ = tp_reduce(self.part_ptrs[0], self.parts[0], n, rank=self.rank,
                                     residual=torch.ones(n, self.D, dtype=self.dtype, device=self.device),
-                                    sum_dtype=torch.float32, pad_ptrs=self.pad_ptrs, trailing=True,
-                                    programs=self.programs)
+                                    sum_dtype=torch.float32, pad_ptrs=self.pad_ptrs, trailing=True)
                 want = self.size * (self.size + 1) / 2 + 1
                 if not bool(torch.all(s == want)):
                     ok, why = False, f"probe gave {s.flatten()[0].item()}, want {want}"
@@ -190,7 +189,7 @@ class FusedFinish:
                         residual=None if residual is None else residual.reshape(rows, self.D),
                         sum_dtype=sum_dtype, weight=None if norm is None else norm.weight,
                         eps=0.0 if norm is None else norm.eps, zero_centered=bool(norm is not None and norm.zero_centered),
-                        want_sum=want_sum, pad_ptrs=self.pad_ptrs, trailing=trailing, programs=self.programs, **kw)
+                        want_sum=want_sum, pad_ptrs=self.pad_ptrs, trailing=trailing, **kw)
         self.parity = 0 if trailing else 1 - self.parity
         return out
 

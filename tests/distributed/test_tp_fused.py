@@ -107,7 +107,7 @@ def _as_fused(fin, D: int, rows: int = 32) -> list:
     """Turn a one-rank ``FusedFinish`` (off on CPU) into the GPU path on host buffers: the
     kernels run in the Triton interpreter, without the barrier (one rank); returns the list
     every kernel call appends its parity and trailing flag to."""
-    fin.ok, fin.max_rows, fin.parity, fin.pad_ptrs, fin.programs = True, rows, 0, None, 3
+    fin.ok, fin.max_rows, fin.parity, fin.pad_ptrs = True, rows, 0, None
     fin.parts = [torch.full((rows, D), float("nan"), dtype=fin.dtype) for _ in range(2)]
     fin.sums = [torch.full((rows,), float("nan")) for _ in range(2)]
     fin.part_ptrs = [torch.tensor([t.data_ptr()]) for t in fin.parts]

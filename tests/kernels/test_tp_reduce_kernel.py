@@ -41,7 +41,7 @@ def test_tp_reduce_matches_float64(W, rpg, R, N, dtype, sdt, scaled, zc, nan_emp
     for rank in range(W):   # every rank reads the same buffers: bitwise the same outputs
         y, s, o = tp_reduce(_ptrs(parts), parts[rank], R, rank=rank, ss_ptrs=_ptrs(ss) if scaled else None,
                             residual=h, sum_dtype=sdt, weight=w, eps=1e-6, zero_centered=zc, want_sum=True,
-                            programs=2, **kw)
+                            **kw)
         if rank == 0:
             first = (y, s, o)
         else:
@@ -100,7 +100,7 @@ def _pair(D: int, rows: int, dtype):
     for r in range(2):
         f = FusedFinish.__new__(FusedFinish)
         f.rank, f.size, f.D, f.dtype, f.max_rows, f.parity, f.ok = r, 2, D, dtype, rows, 0, True
-        f.parts, f.sums, f.allreduce, f.pad_ptrs, f.programs = parts[r], sums[r], None, None, 2
+        f.parts, f.sums, f.allreduce, f.pad_ptrs = parts[r], sums[r], None, None
         f.part_ptrs = [_ptrs([parts[q][p] for q in range(2)]) for p in range(2)]
         f.ss_ptrs = [_ptrs([sums[q][p] for q in range(2)]) for p in range(2)]
         fins.append(f)
@@ -147,3 +147,35 @@ def test_fused_finish_buffers_parity_and_deferred_sums():
         assert s.shape == (1, R, D)
         torch.testing.assert_close(s.double(), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_barrier_counters_with_the_peer_signals_preset():
+    """The barrier's counter protocol, one rank of two in the interpreter: with the peer's
+    entry (and trailing) signal already on this rank's pad the call passes, signals the peer
+    once per call whatever the grid, moves its epochs on and leaves its program counters at
+    0; counters compare through the int32 difference, so they may wrap around."""
+    W, R, N = 2, 5, 24
+    g = torch.Generator().manual_seed(5)
+    parts = [torch.randn(R, N, generator=g).to(DEVICE) for _ in range(W)]
+    h = torch.randn(R, N, generator=g).to(DEVICE)
+    pads = [torch.zeros(2 * W + 4, dtype=torch.int32, device=DEVICE) for _ in range(W)]
+    EPOCH, TRAIL_EPOCH, ARRIVED, DONE = 2 * W, 2 * W + 1, 2 * W + 2, 2 * W + 3
+    want = h.double() + parts[0].double() + parts[1].double()
+    for call, trailing in enumerate([True, False, True]):
+        pads[0][1] += 1                      # rank 1 has entered call `call`
+        if trailing:
+            pads[0][W + 1] += 1              # ... and finished reading (its trailing signal)
+        _, s, _ = tp_reduce(_ptrs(parts), parts[0], R, rank=0, residual=h, sum_dtype=torch.float64
+                            if DEVICE == "cpu" else torch.float32, pad_ptrs=_ptrs(pads), trailing=trailing)
+        torch.testing.assert_close(s.double().cpu(), want.cpu(), atol=1e-5, rtol=1e-5)
+        assert int(pads[1][0]) == call + 1, "one entry signal per call to the peer"
+        assert int(pads[0][EPOCH]) == call + 1
+        assert int(pads[1][W]) == int(pads[0][TRAIL_EPOCH]) == [1, 1, 2][call]
+        assert int(pads[0][ARRIVED]) == int(pads[0][DONE]) == 0
+    # wrap-around: the epoch at the int32 maximum, the peer's counter already wrapped
+    top = 2**31 - 1
+    pads = [torch.zeros(2 * W + 4, dtype=torch.int32, device=DEVICE) for _ in range(W)]
+    pads[0][EPOCH] = top
+    pads[0][1] = -(2**31)                    # = top + 1 in int32
+    tp_reduce(_ptrs(parts), parts[0], R, rank=0, residual=h, pad_ptrs=_ptrs(pads))
+    assert int(pads[0][EPOCH]) == -(2**31)
