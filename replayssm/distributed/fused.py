@@ -120,6 +120,8 @@ class FusedFinish:
                 self.sums.append(buf[so: so + self.max_rows * 4].view(torch.float32))
                 self.part_ptrs.append(torch.tensor([a + po for a in hdl.buffer_ptrs], **i64))
                 self.ss_ptrs.append(torch.tensor([a + so for a in hdl.buffer_ptrs], **i64))
+            if any(a % 16 for a in hdl.buffer_ptrs):   # the kernel reads partials 16 bytes at a time
+                raise RuntimeError(f"symmetric buffers not 16-byte aligned: {list(hdl.buffer_ptrs)}")
             self.pad_ptrs = torch.tensor(list(hdl.signal_pad_ptrs), **i64)
             if int(hdl.signal_pad_size) < 4 * (2 * self.size + 4):
                 raise RuntimeError(f"signal pad of {hdl.signal_pad_size} bytes is too small for the barrier counters")

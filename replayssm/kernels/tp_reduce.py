@@ -91,7 +91,9 @@ if HAVE_TRITON:
                 part = tl.zeros([BN], dtype=tl.float32)
                 tot = 0.0
                 for k in tl.static_range(RPG):
-                    src = tl.load(part_ptrs + g * RPG + k).to(tl.pointer_type(act))
+                    # partial addresses must be 16-byte aligned (FusedFinish checks): say so, or every
+                    # thread reads its row element by element (2-byte requests over NVLink)
+                    src = tl.multiple_of(tl.load(part_ptrs + g * RPG + k), 16).to(tl.pointer_type(act))
                     part += tl.load(src + r64 * N + j, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
                     if SCALED:
                         sq = tl.load(ss_ptrs + g * RPG + k).to(tl.pointer_type(tl.float32))
