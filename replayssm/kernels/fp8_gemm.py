@@ -31,20 +31,27 @@ shapes only (CUDA-graph safe; no host sync).  Accumulation is fp32, output in ``
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from ..ops.fp8.naive import FP8, FP8_MAX, scale_grid
-from ._triton import GRID_YZ_MAX, HAVE_TRITON, interpreting, next_pow2, persistent_programs, triton, tl
+from ._triton import GRID_YZ_MAX, HAVE_TRITON, flat_grid, interpreting, next_pow2, persistent_programs, triton, tl
 
-__all__ = ["linear", "k_tile", "e4m3", "GemmConfig", "CONFIGS", "config_for", "resolve"]
+__all__ = ["linear", "k_tile", "e4m3", "GemmConfig", "CONFIGS", "SHAPE_CONFIGS", "config_for", "resolve",
+           "use_table", "table_from_json"]
 
 _HUGE = 1 << 30   # "block" extent of a per-tensor scale
 #: rows from which per-tensor weights go to ``torch._scaled_mm`` (Triton below)
 PREQUANT_M = 65
-KERNELS = ("gemv", "dot", "cublas")
+KERNELS = ("gemv", "stream", "dot", "cublas")
+#: how a ``stream`` launch adds its K ranges: fp32 partial sums + a summing launch (``sum``),
+#: ``tl.atomic_add`` into a zeroed fp32 buffer + a cast (``atomic``), or in the same launch by
+#: the last program of each tile to finish (``fixup``: a counter per tile, fixed summing order)
+REDUCES = ("sum", "atomic", "fixup")
 
 
 def _pow2(v: int) -> bool:
@@ -53,13 +60,17 @@ def _pow2(v: int) -> bool:
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch of the FP8 GEMM.  ``kernel``: ``gemv`` (weight-only), ``dot`` or ``cublas``;
+    """One launch of the FP8 GEMM.  ``kernel``: ``gemv`` (weight-only, a program per row),
+    ``stream`` (weight-only, every row of a tile per program, split-K), ``dot`` or ``cublas``;
     ``act_quant``: FP8 activations (``dot``, ``cublas``; float32 inputs only when asked for
     explicitly); ``prequant``: ``dot`` quantizes them in a pass of its own, not per tile;
     ``block_*``: tile (powers of
     two; ``block_k`` is capped at the weight's K tile, and FP8 activations always use the full
     K tile, their group); ``unroll``: ``gemv`` K tiles per loop step; ``split_k``: K ranges
-    (0: from the grid); ``group_m``: row tiles per tile group (``dot``)."""
+    (0: from the grid); ``group_m``: row tiles per tile group (``dot``).  ``stream`` only:
+    ``block_m`` < 16 accumulates with fp32 FMAs (rows per program: ``min(block_m, M)``
+    rounded up to a power of two), >= 16 with ``tl.dot``; ``reduce`` (:data:`REDUCES`) adds
+    the K ranges; ``waves``: programs per SM the automatic split aims at."""
 
     kernel: str = "dot"
     act_quant: bool = True
@@ -72,14 +83,18 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    reduce: str = "sum"
+    waves: int = 4
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
-        if self.kernel == "gemv" and self.act_quant:
-            raise ValueError("the gemv kernel is weight-only: act_quant must be False")
-        lo = 1 if self.kernel == "gemv" else 16
-        for name, lo_ in (("block_m", 16), ("block_n", lo), ("block_k", 16)):
+        if self.kernel in ("gemv", "stream") and self.act_quant:
+            raise ValueError(f"the {self.kernel} kernel is weight-only: act_quant must be False")
+        stream = self.kernel == "stream"
+        lo_m = 1 if stream else 16
+        lo_n = 1 if self.kernel == "gemv" or (stream and self.block_m < 16) else 16
+        for name, lo_ in (("block_m", lo_m), ("block_n", lo_n), ("block_k", 16)):
             v = getattr(self, name)
             if not _pow2(v) or v < lo_:
                 raise ValueError(f"{name} must be a power of two >= {lo_}, got {v!r}")
@@ -92,17 +107,39 @@ class GemmConfig:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if not isinstance(self.split_k, int) or not 0 <= self.split_k <= 64:
             raise ValueError(f"split_k must be an int in [0, 64] (0: from the grid), got {self.split_k!r}")
+        if self.reduce not in REDUCES:
+            raise ValueError(f"reduce must be one of {REDUCES}, got {self.reduce!r}")
+        if not isinstance(self.waves, int) or not 1 <= self.waves <= 64:
+            raise ValueError(f"waves must be an int in [1, 64], got {self.waves!r}")
 
     def name(self) -> str:
         """Compact label (tables, JSON)."""
         if self.kernel == "gemv":
             t = f"gemv n{self.block_n} k{self.block_k}x{self.unroll}"
+        elif self.kernel == "stream":
+            how = "fma" if self.block_m < 16 else "dot"
+            t = (f"stream-{how} m{self.block_m} n{self.block_n} k{self.block_k} s{self.num_stages} "
+                 f"{self.reduce}" + ("" if self.split_k else f" v{self.waves}"))
         elif self.kernel == "cublas":
             return "cublas-block"
         else:
             mode = ("fp8pre" if self.prequant else "fp8tile") if self.act_quant else "wonly"
             t = f"dot-{mode} m{self.block_m} n{self.block_n} k{self.block_k} g{self.group_m} s{self.num_stages}"
         return f"{t} w{self.num_warps}" + (f" sk{self.split_k}" if self.split_k else "")
+
+    def to_dict(self) -> dict:
+        """The fields (JSON); :meth:`from_dict` inverts it."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GemmConfig":
+        """A config from :meth:`to_dict`'s fields (unknown keys: ValueError)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a launch must be a dict of GemmConfig fields, got {type(d).__name__}")
+        bad = sorted(set(d) - set(cls.__dataclass_fields__))
+        if bad:
+            raise ValueError(f"unknown GemmConfig fields {bad}")
+        return cls(**d)
 
 
 #: default launch per bucket of rows ``M``: the entry of the smallest key >= M.  The
@@ -131,13 +168,73 @@ def _dot_fallback(act: bool) -> GemmConfig:
     return replace(big if big.kernel == "dot" else _PREFILL_DOT, act_quant=act)
 
 
-def config_for(M: int, table: dict | None = None) -> GemmConfig:
-    """The table's entry for ``M`` rows (smallest key >= M)."""
+#: per-shape launches, ``(bucket, N, K) -> GemmConfig`` (``bucket``: the :data:`CONFIGS` key
+#: the row count falls in); they take precedence over the bucket's entry.  Filled from a tune
+#: table (:func:`use_table`).
+SHAPE_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {}
+#: tune table read at import when present (``REPLAYSSM_FP8_TABLE`` names another file)
+TABLE_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "fp8_gemm_table.json")
+
+
+def bucket_of(M: int, table: dict | None = None) -> int:
+    """The key of ``table`` (default :data:`CONFIGS`) whose entry serves ``M`` rows: the
+    smallest key >= M, else the largest."""
     table = CONFIGS if table is None else table
-    for bound in sorted(table):
-        if M <= bound:
-            return table[bound]
-    return table[max(table)]
+    keys = sorted(table)
+    return next((b for b in keys if M <= b), keys[-1])
+
+
+def config_for(M: int, table: dict | None = None, N: int | None = None, K: int | None = None) -> GemmConfig:
+    """The launch for ``M`` rows: the per-shape entry of ``(bucket, N, K)`` when the default
+    table is used and it has one, else the table's entry for ``M`` (smallest key >= M)."""
+    b = bucket_of(M, table)
+    if table is None and N is not None:
+        hit = SHAPE_CONFIGS.get((b, int(N), int(K)))
+        if hit is not None:
+            return hit
+    return (CONFIGS if table is None else table)[b]
+
+
+def table_from_json(obj) -> tuple[dict[int, GemmConfig], dict[tuple[int, int, int], GemmConfig]]:
+    """``(buckets, shapes)`` of a tune table: ``obj`` (a dict, or the path of a JSON file) with
+    ``"buckets": {"<M bound>" | "any": {GemmConfig fields}}`` and optionally ``"shapes": [{"bucket",
+    "N", "K", "config": {fields}}]`` (``scripts/tune_fp8_gemv.py`` writes one).  Bad entries:
+    ValueError naming them."""
+    if isinstance(obj, (str, os.PathLike)):
+        with open(obj) as f:
+            obj = json.load(f)
+    if not isinstance(obj, dict) or not isinstance(obj.get("buckets"), dict):
+        raise ValueError("a tune table is a dict with a 'buckets' dict of launches")
+    buckets = {}
+    for k, v in obj["buckets"].items():
+        key = ANY_M if str(k) == "any" else int(k)
+        if key < 1:
+            raise ValueError(f"bucket {k!r}: row bounds are positive")
+        buckets[key] = GemmConfig.from_dict(v)
+    shapes = {}
+    for e in obj.get("shapes", []):
+        try:
+            key = (ANY_M if str(e["bucket"]) == "any" else int(e["bucket"]), int(e["N"]), int(e["K"]))
+            shapes[key] = GemmConfig.from_dict(e["config"])
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"shape entry {e!r}: needs bucket, N, K and config ({err})") from None
+    return buckets, shapes
+
+
+def use_table(obj, merge: bool = True) -> None:
+    """Install a tune table (see :func:`table_from_json`): its buckets replace or join
+    :data:`CONFIGS` (``merge=False``: replace the whole table; it must then cover any row
+    count, i.e. hold an ``any`` bucket), its shapes replace :data:`SHAPE_CONFIGS`."""
+    buckets, shapes = table_from_json(obj)
+    if not merge and ANY_M not in buckets:
+        raise ValueError("a replacing table needs an 'any' bucket (rows past every bound)")
+    if not buckets:
+        raise ValueError("a tune table needs at least one bucket")
+    if not merge:
+        CONFIGS.clear()
+    CONFIGS.update(buckets)
+    SHAPE_CONFIGS.clear()
+    SHAPE_CONFIGS.update(shapes)
 
 
 def k_tile(block) -> int | None:
@@ -276,6 +373,100 @@ if HAVE_TRITON:
         tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mm[:, None] & nm[None, :])
 
+    @triton.jit(do_not_specialize=["M", "PS"])       # the batch changes every step
+    def _stream_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N, K, sxm, BO, BI, NBI, KSPLIT, S, PS,
+                       HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, DOT: tl.constexpr, UNIFORM: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PREC: tl.constexpr, EXACT: tl.constexpr):
+        """Weight-only ``y[m, n] = Σ_k x[m, k] q[n, k] S↑[n, k]`` for this program's rows
+        ``[BLOCK_M]`` (every row of the tile reads the weight tile once), columns ``[BLOCK_N]``
+        and K range (``KSPLIT`` wide), in K tiles ``[BLOCK_N, BLOCK_K]`` of e4m3 bytes (K
+        contiguous).  ``DOT``: ``acc += (x q_tileᵀ) · s`` on tensor cores; else fp32 FMAs
+        ``acc[m, n, k] += x[m, k] s q[n, k]`` reduced over k once at the end (the next weight
+        tile is loaded before this one is used).  ``UNIFORM``: the tile's rows share one block
+        row, so the scale is one number per K tile, applied to ``x`` (FMA) or the tile's sum.
+        Flat grid, row tile fastest, then column tile, then K range.  ``REDUCE`` 0: one K range,
+        ``y`` stored (bias, cast); 1: fp32 partial sums ``p [S, M, N]`` (``PS = M·N`` apart); 2: ``atomic_add`` into
+        fp32 ``y`` (bias from the first range); 3: partial sums, then the last program of the
+        tile to finish (counter ``c``) adds them in order, stores ``y`` and resets ``c``."""
+        pid = tl.program_id(0)
+        grid_m = tl.cdiv(M, BLOCK_M)
+        grid_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid % grid_m
+        rest = pid // grid_m
+        pid_n = rest % grid_n
+        pid_k = rest // grid_n
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mm = rm < M
+        nm = rn < N
+        xrow = x_ptr + rm.to(tl.int64)[:, None] * sxm
+        wrow = w_ptr + rn.to(tl.int64)[:, None] * K
+        srow = (rn // BO) * NBI
+        s0 = ((pid_n * BLOCK_N) // BO) * NBI
+        k_lo = pid_k * KSPLIT
+        k_hi = tl.minimum(K, k_lo + KSPLIT)
+        if DOT:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                kk = k0 + rk
+                km = kk < k_hi
+                a = tl.load(xrow + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+                w = tl.load(wrow + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                w = w.to(tl.float8e4nv, bitcast=True)
+                if EXACT:   # the CPU interpreter's 16-bit dot is not a float dot: widen both
+                    part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                else:
+                    part = tl.dot(a, tl.trans(w.to(tl.float32).to(a.dtype)), input_precision=PREC)
+                if UNIFORM:
+                    acc += part * tl.load(s_ptr + s0 + k0 // BI)
+                else:
+                    acc += part * tl.load(s_ptr + srow + k0 // BI, mask=nm, other=0.0)[None, :]
+            y = acc
+        else:
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+            wn = tl.load(wrow + (k_lo + rk)[None, :], mask=nm[:, None] & (k_lo + rk < k_hi)[None, :], other=0.0)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                w = wn
+                kn = k0 + BLOCK_K + rk
+                wn = tl.load(wrow + kn[None, :], mask=nm[:, None] & (kn < k_hi)[None, :], other=0.0)
+                kk = k0 + rk
+                xv = tl.load(xrow + kk[None, :], mask=mm[:, None] & (kk < k_hi)[None, :], other=0.0).to(tl.float32)
+                wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                if UNIFORM:
+                    xv = xv * tl.load(s_ptr + s0 + k0 // BI)
+                else:
+                    wf = wf * tl.load(s_ptr + srow + k0 // BI, mask=nm, other=0.0)[:, None]
+                acc3 += xv[:, None, :] * wf[None, :, :]
+            y = tl.sum(acc3, 2)
+        off = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        om = mm[:, None] & nm[None, :]
+        if REDUCE == 0:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=om)
+        elif REDUCE == 2:
+            if HAS_BIAS:
+                nb = tl.where(pid_k == 0, N, 0)                  # the first K range adds it
+                y += tl.load(b_ptr + rn, mask=rn < nb, other=0.0).to(tl.float32)[None, :]
+            tl.atomic_add(y_ptr + off, y, mask=om)
+        else:
+            tl.store(p_ptr + pid_k.to(tl.int64) * PS + off, y, mask=om)
+            if REDUCE == 3:
+                tile = pid_n * grid_m + pid_m
+                done = tl.atomic_add(c_ptr + tile, 1, sem="acq_rel")   # partial stored before: release
+                if done == S - 1:                                      # the last one: acquire, then sum
+                    tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    pr = p_ptr + off
+                    for _ in range(0, S):
+                        tot += tl.load(pr, mask=om, other=0.0, cache_modifier=".cg")
+                        pr += PS
+                    if HAS_BIAS:
+                        tot += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+                    tl.store(y_ptr + off, tot.to(y_ptr.dtype.element_ty), mask=om)
+                    tl.atomic_xchg(c_ptr + tile, 0)
+
     @triton.jit(do_not_specialize=["MN"])
     def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, S, MN, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         """``y = Σ_s p[s] (+ b)`` over the ``S`` partial sums, in order (fixed rounding)."""
@@ -302,6 +493,83 @@ def _auto_split(device, programs: int, k_tiles: int, M: int, N: int, K: int) -> 
         if best_cost is None or cost < best_cost:
             best, best_cost = S, cost
     return best
+
+
+#: tile counters per (device, stream) of the ``fixup`` reduction; launches with more tiles
+#: than this reduce with a summing launch instead
+COUNTER_SLOTS = 1 << 16
+_COUNTERS: dict = {}
+
+
+def _counters(device) -> Tensor:
+    """Zeroed int32 tile counters of the ``fixup`` reduction (every launch leaves them zero):
+    one fixed buffer per device and stream (never reallocated, so captured graphs keep theirs)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def stream_split(device, tiles: int, k_tiles: int, waves: int) -> int:
+    """K ranges of a ``stream`` launch of ``tiles`` row × column tiles: enough that the grid
+    holds ``waves`` programs per SM, each range at least two K tiles (one when K has one), at
+    most 64 ranges."""
+    sms = persistent_programs(device, 1 << 30, 1) if device.type == "cuda" else 1
+    want = -(-waves * sms // max(1, tiles))
+    return max(1, min(want, max(1, k_tiles // 2), 64))
+
+
+def stream_plan(M: int, N: int, K: int, cfg: GemmConfig, bk_w: int, device) -> dict:
+    """The ``stream`` launch's shape decisions (also for the tune script's byte counts): rows
+    per program ``BM``, ``BN``, ``BK``, K ranges ``S`` of ``KS`` columns, the reduction (0 none,
+    1 sum, 2 atomic, 3 fixup) and the tile count."""
+    dot = cfg.block_m >= 16
+    BM = min(cfg.block_m, next_pow2(M))
+    BM = max(16, BM) if dot else BM
+    BN, BK = cfg.block_n, min(cfg.block_k, bk_w)
+    tiles = -(-M // BM) * -(-N // BN)
+    k_tiles = -(-K // BK)
+    S = min(cfg.split_k or stream_split(device, tiles, k_tiles, cfg.waves), k_tiles)
+    KS = -(-k_tiles // S) * BK
+    S = -(-K // KS)
+    red = 0 if S == 1 else REDUCES.index(cfg.reduce) + 1
+    if red == 3 and tiles > COUNTER_SLOTS:
+        red = 1
+    return dict(dot=dot, BM=BM, BN=BN, BK=BK, S=S, KS=KS, reduce=red, tiles=tiles)
+
+
+def _stream(x2: Tensor, wq: Tensor, s32: Tensor, bias, cfg: GemmConfig, bk_w: int, BO: int, BI: int, NBI: int,
+            out_dtype) -> Tensor:
+    """Launch :func:`_stream_kernel` (and the summing launch or the cast its reduction needs)."""
+    M, K = x2.shape
+    N = wq.shape[0]
+    pl = stream_plan(M, N, K, cfg, bk_w, x2.device)
+    S, red = pl["S"], pl["reduce"]
+    dev = x2.device
+    if red == 2:
+        y = torch.zeros(M, N, dtype=torch.float32, device=dev)
+    else:
+        y = torch.empty(M, N, dtype=out_dtype, device=dev) if red != 1 else None
+    p = torch.empty(S, M, N, dtype=torch.float32, device=dev) if red in (1, 3) else None
+    c = _counters(dev) if red == 3 else None
+    dummy = y if y is not None else p
+    grid = flat_grid(pl["tiles"] * S)
+    _stream_kernel[grid](
+        x2, wq, s32, bias if bias is not None else dummy, dummy, p if p is not None else dummy,
+        c if c is not None else dummy, M, N, K, x2.stride(0), BO, BI, NBI, pl["KS"], S, M * N,
+        HAS_BIAS=bias is not None, REDUCE=red, DOT=pl["dot"], UNIFORM=BO % pl["BN"] == 0,
+        BLOCK_M=pl["BM"], BLOCK_N=pl["BN"], BLOCK_K=pl["BK"],
+        PREC="ieee" if out_dtype == torch.float32 else "tf32", EXACT=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if red == 1:
+        y = torch.empty(M, N, dtype=out_dtype, device=dev)
+        BLOCK = 1024
+        _splitk_sum_kernel[(-(-(M * N) // BLOCK),)](p, bias if bias is not None else y, y, S, M * N, N,
+                                                     HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4)
+    elif red == 2 and out_dtype != torch.float32:
+        y = y.to(out_dtype)
+    return y
 
 
 def _block_mm_ok(x2: Tensor, weight: Tensor, block) -> bool:
@@ -367,15 +635,17 @@ def _cublas_block(x2: Tensor, weight: Tensor, scale: Tensor, bias) -> Tensor:
     return y.to(x2.dtype)
 
 
-def resolve(M: int, dtype: torch.dtype, act_quant: bool | None = None, config: GemmConfig | None = None) -> GemmConfig:
-    """The launch for ``M`` rows of ``dtype``: ``config`` (default :func:`config_for`), with
-    ``act_quant`` enforced (None: the config's; the default table's never for float32 inputs)."""
-    cfg = config or config_for(M)
+def resolve(M: int, dtype: torch.dtype, act_quant: bool | None = None, config: GemmConfig | None = None,
+            N: int | None = None, K: int | None = None) -> GemmConfig:
+    """The launch for ``M`` rows of ``dtype`` (weight ``[N, K]``: per-shape entries): ``config``
+    (default :func:`config_for`), with ``act_quant`` enforced (None: the config's; the default
+    table's never for float32 inputs)."""
+    cfg = config or config_for(M, N=N, K=K)
     if act_quant is not None:
         act = bool(act_quant)
     else:
         act = cfg.act_quant and (config is not None or dtype not in (torch.float32, torch.float64))
-    if act and cfg.kernel == "gemv":
+    if act and cfg.kernel in ("gemv", "stream"):
         cfg = _ACT_DECODE
     if not act and cfg.kernel == "cublas":
         cfg = _dot_fallback(False)
@@ -410,13 +680,16 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
         x2 = x2.contiguous()
     M = x2.shape[0]
     explicit = config is not None or block_m is not None
-    cfg = resolve(M, x.dtype, act_quant, config)
+    cfg = resolve(M, x.dtype, act_quant, config, N, K)
     over = {k: v for k, v in (("block_m", block_m), ("block_n", block_n), ("num_warps", num_warps),
                               ("split_k", split_k)) if v is not None}
     if "block_m" in over:
         over["block_m"] = max(16, next_pow2(over["block_m"]))
+    if "block_m" in over and cfg.kernel == "stream":
+        over["block_m"] = next_pow2(block_m)
     if "block_n" in over:
-        over["block_n"] = max(1 if cfg.kernel == "gemv" else 16, next_pow2(over["block_n"]))
+        fma = cfg.kernel == "gemv" or (cfg.kernel == "stream" and over.get("block_m", cfg.block_m) < 16)
+        over["block_n"] = max(1 if fma else 16, next_pow2(over["block_n"]))
     cfg = replace(cfg, **over) if over else cfg
     if cfg.act_quant and _scaled_mm_ok(x2, weight, block) and (cfg.kernel == "cublas" or (M >= PREQUANT_M and not explicit)):
         return _scaled_mm(x2, weight, scale, bias, input_scale).reshape(*lead, N)
@@ -434,6 +707,8 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     # e4m3 operands go in as float8 pointers (tensor cores read them from shared memory as
     # they are); the CPU interpreter has no float8 arrays: bytes there, bit-cast in the kernel
     wq = weight.view(torch.uint8) if interpreting() else weight
+    if cfg.kernel == "stream":
+        return _stream(x2, wq, s32, bias, cfg, BKW, BO, BI, NBI, x.dtype).reshape(*lead, N)
     if cfg.kernel == "gemv":
         BK = min(cfg.block_k, BKW)
         step = BK * cfg.unroll
@@ -481,3 +756,8 @@ def _out(M: int, N: int, S: int, x: Tensor) -> Tensor:
     if S == 1:
         return torch.empty(M, N, dtype=x.dtype, device=x.device)
     return torch.empty(S, M, N, dtype=torch.float32, device=x.device)
+
+
+_TABLE = os.environ.get("REPLAYSSM_FP8_TABLE") or TABLE_FILE
+if os.path.exists(_TABLE):
+    use_table(_TABLE)
