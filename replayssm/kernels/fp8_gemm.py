@@ -36,6 +36,7 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.fp8.naive import FP8, FP8_MAX, scale_grid
@@ -155,6 +156,12 @@ CONFIGS: dict[int, GemmConfig] = {
     256: GemmConfig("dot", act_quant=True, prequant=True, block_m=64, block_n=64, num_warps=4, num_stages=4),
     ANY_M: GemmConfig("cublas"),
 }
+#: where a ``cublas`` entry meets a K that ``_scaled_mm`` does not take (not a multiple of 512
+#: with block 128): ``dot`` (the Triton FP8-activation launch), ``pad`` (K padded per call with
+#: zero blocks to a multiple of 512, then ``_scaled_mm``; same scheme) or ``dequant`` (the weight
+#: dequantized to the activation dtype by one pass, then ``F.linear``: the weight-only scheme)
+PREFILL_FALLBACKS = ("dot", "pad", "dequant")
+CUBLAS_K_FALLBACK = "dot"
 #: FP8-activation launch for a bucket whose entry is the (weight-only) gemv
 _ACT_DECODE = GemmConfig("dot", prequant=False, block_m=16, block_n=64, num_warps=4, num_stages=4)
 #: Triton launch where a ``cublas`` entry does not apply, unless the largest bucket's is a ``dot``
@@ -224,8 +231,16 @@ def table_from_json(obj) -> tuple[dict[int, GemmConfig], dict[tuple[int, int, in
 def use_table(obj, merge: bool = True) -> None:
     """Install a tune table (see :func:`table_from_json`): its buckets replace or join
     :data:`CONFIGS` (``merge=False``: replace the whole table; it must then cover any row
-    count, i.e. hold an ``any`` bucket), its shapes replace :data:`SHAPE_CONFIGS`."""
+    count, i.e. hold an ``any`` bucket), its shapes replace :data:`SHAPE_CONFIGS`, its
+    ``"cublas_k_fallback"`` (optional) sets :data:`CUBLAS_K_FALLBACK`."""
+    global CUBLAS_K_FALLBACK
+    if isinstance(obj, (str, os.PathLike)):
+        with open(obj) as f:
+            obj = json.load(f)
     buckets, shapes = table_from_json(obj)
+    fb = obj.get("cublas_k_fallback", CUBLAS_K_FALLBACK)
+    if fb not in PREFILL_FALLBACKS:
+        raise ValueError(f"cublas_k_fallback must be one of {PREFILL_FALLBACKS}, got {fb!r}")
     if not merge and ANY_M not in buckets:
         raise ValueError("a replacing table needs an 'any' bucket (rows past every bound)")
     if not buckets:
@@ -235,6 +250,7 @@ def use_table(obj, merge: bool = True) -> None:
     CONFIGS.update(buckets)
     SHAPE_CONFIGS.clear()
     SHAPE_CONFIGS.update(shapes)
+    CUBLAS_K_FALLBACK = fb
 
 
 def k_tile(block) -> int | None:
@@ -270,10 +286,10 @@ if HAVE_TRITON:
         return q.to(tl.float8e4nv)
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, G, sxm, ssm, ssg, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, G, sxm, sqm, ssm, ssg, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
                           EXACT: tl.constexpr):
         """Row ``m``, groups ``g`` of this program (``GROUPS`` of them): ``s = amax(|x_g|) / 448``
-        (stored at ``m·ssm + g·ssg``), ``q = x / s`` in e4m3 (stored as bytes, rows of ``K``)."""
+        (stored at ``m·ssm + g·ssg``), ``q = x / s`` in e4m3 (stored as bytes, rows ``sqm`` apart)."""
         m = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
         kk = g[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
@@ -281,7 +297,7 @@ if HAVE_TRITON:
         x = tl.load(x_ptr + m * sxm + kk, mask=km, other=0.0).to(tl.float32)
         sa = tl.maximum(tl.max(tl.abs(x), 1), 1e-30) / 448.0
         q = e4m3(x / sa[:, None], EXACT).to(tl.uint8, bitcast=True)
-        tl.store(q_ptr + m * K + kk, q, mask=km)
+        tl.store(q_ptr + m * sqm + kk, q, mask=km)
         tl.store(s_ptr + m * ssm + g * ssg, sa, mask=g < G)
 
     @triton.jit(do_not_specialize=["M"])       # the batch changes every step
@@ -424,21 +440,23 @@ if HAVE_TRITON:
                 else:
                     acc += part * tl.load(s_ptr + srow + k0 // BI, mask=nm, other=0.0)[None, :]
             y = acc
-        else:
+        else:   # everything 3D [rows, columns, K] (one layout: the weight load's, 16 B per thread)
+            w3 = w_ptr + rn.to(tl.int64)[None, :, None] * K + rk[None, None, :]
+            x3 = x_ptr + rm.to(tl.int64)[:, None, None] * sxm + rk[None, None, :]
+            nm3 = nm[None, :, None]
+            mm3 = mm[:, None, None]
             acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-            wn = tl.load(wrow + (k_lo + rk)[None, :], mask=nm[:, None] & (k_lo + rk < k_hi)[None, :], other=0.0)
+            wn = tl.load(w3 + k_lo, mask=nm3 & (k_lo + rk < k_hi)[None, None, :], other=0.0)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 w = wn
-                kn = k0 + BLOCK_K + rk
-                wn = tl.load(wrow + kn[None, :], mask=nm[:, None] & (kn < k_hi)[None, :], other=0.0)
-                kk = k0 + rk
-                xv = tl.load(xrow + kk[None, :], mask=mm[:, None] & (kk < k_hi)[None, :], other=0.0).to(tl.float32)
+                wn = tl.load(w3 + (k0 + BLOCK_K), mask=nm3 & (k0 + BLOCK_K + rk < k_hi)[None, None, :], other=0.0)
+                xv = tl.load(x3 + k0, mask=mm3 & (k0 + rk < k_hi)[None, None, :], other=0.0).to(tl.float32)
                 wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 if UNIFORM:
                     xv = xv * tl.load(s_ptr + s0 + k0 // BI)
                 else:
-                    wf = wf * tl.load(s_ptr + srow + k0 // BI, mask=nm, other=0.0)[:, None]
-                acc3 += xv[:, None, :] * wf[None, :, :]
+                    wf = wf * tl.load(s_ptr + srow + k0 // BI, mask=nm, other=0.0)[None, :, None]
+                acc3 += xv * wf
             y = tl.sum(acc3, 2)
         off = rm.to(tl.int64)[:, None] * N + rn[None, :]
         om = mm[:, None] & nm[None, :]
@@ -466,6 +484,17 @@ if HAVE_TRITON:
                         tot += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
                     tl.store(y_ptr + off, tot.to(y_ptr.dtype.element_ty), mask=om)
                     tl.atomic_xchg(c_ptr + tile, 0)
+
+    @triton.jit
+    def _dequant_kernel(w_ptr, s_ptr, y_ptr, N, K, BO, BI, NBI, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``y = q ⊙ S↑`` on this program's tile ``[BLOCK_N, BLOCK_K]`` (fp32 product, cast)."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        m = (rn < N)[:, None] & (rk < K)[None, :]
+        off = rn.to(tl.int64)[:, None] * K + rk[None, :]
+        w = tl.load(w_ptr + off, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sc = tl.load(s_ptr + (rn // BO)[:, None] * NBI + (rk // BI)[None, :], mask=m, other=0.0)
+        tl.store(y_ptr + off, (w * sc).to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit(do_not_specialize=["MN"])
     def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, S, MN, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
@@ -572,14 +601,14 @@ def _stream(x2: Tensor, wq: Tensor, s32: Tensor, bias, cfg: GemmConfig, bk_w: in
     return y
 
 
-def _block_mm_ok(x2: Tensor, weight: Tensor, block) -> bool:
+def _block_mm_ok(x2: Tensor, weight: Tensor, block, any_k: bool = False) -> bool:
     """``torch._scaled_mm`` with 1×128 activation and 128×128 weight scales applies: whole K
     blocks, in a multiple of four (on the H200 a K of 98 blocks, Nemotron-H-4B's MLP down
     projection, gave wrong sums while 16, 32, 60 and 40 blocks were exact); other shapes take
-    the Triton ``dot`` kernel."""
+    the Triton ``dot`` kernel (or :data:`CUBLAS_K_FALLBACK`; ``any_k``: any K, to be padded)."""
     return (block is not None and tuple(block) == (128, 128) and x2.is_cuda
             and x2.dtype in (torch.bfloat16, torch.float16) and weight.shape[0] % 16 == 0
-            and weight.shape[1] % 512 == 0 and hasattr(torch, "_scaled_mm"))
+            and (any_k or weight.shape[1] % 512 == 0) and hasattr(torch, "_scaled_mm"))
 
 
 def _scaled_mm_ok(x: Tensor, weight: Tensor, block) -> bool:
@@ -602,37 +631,84 @@ def _scaled_mm(x2: Tensor, weight: Tensor, scale: Tensor, bias, input_scale) -> 
     return y if bias is None else y + bias
 
 
-def _quantize_rows(x2: Tensor, BK: int, scale_rows_major: bool = True, rows: int | None = None) -> tuple[Tensor, Tensor]:
-    """``(q [R, K] bytes, s_a [R, G])`` of the per-token-group scheme (groups of ``BK``) for
-    ``R = rows`` (default ``M``; rows past ``M`` are zeros with scale 1);
+def _quantize_rows(x2: Tensor, BK: int, scale_rows_major: bool = True, rows: int | None = None,
+                   cols: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(q [R, C] bytes, s_a [R, ceil(C/BK)])`` of the per-token-group scheme (groups of ``BK``)
+    for ``R = rows`` (default ``M``; rows past ``M`` are zeros with scale 1) and ``C = cols``
+    (default ``K``; columns past ``K`` are zeros, whole groups past it have scale 1);
     ``scale_rows_major=False`` stores ``s_a`` as the transpose of a ``[G, R]`` buffer."""
     M, K = x2.shape
     R = M if rows is None else rows
-    G = -(-K // BK)
-    q = torch.empty(R, K, dtype=torch.uint8, device=x2.device)
+    C = K if cols is None else cols
+    G, GC = -(-K // BK), -(-C // BK)
+    q = torch.empty(R, C, dtype=torch.uint8, device=x2.device)
     if scale_rows_major:
-        s, ssm, ssg = torch.empty(R, G, dtype=torch.float32, device=x2.device), G, 1
+        s, ssm, ssg = torch.empty(R, GC, dtype=torch.float32, device=x2.device), GC, 1
     else:
-        s, ssm, ssg = torch.empty(G, R, dtype=torch.float32, device=x2.device).t(), 1, R
+        s, ssm, ssg = torch.empty(GC, R, dtype=torch.float32, device=x2.device).t(), 1, R
     GR = min(4, next_pow2(G))
-    _act_quant_kernel[(M, -(-G // GR))](x2, q, s, K, G, x2.stride(0), ssm, ssg, BLOCK_K=BK, GROUPS=GR,
+    _act_quant_kernel[(M, -(-G // GR))](x2, q, s, K, G, x2.stride(0), C, ssm, ssg, BLOCK_K=BK, GROUPS=GR,
                                         EXACT=interpreting(), num_warps=4 if GR * BK >= 512 else 2)
     if R > M:
         q[M:].zero_()
         s[M:].fill_(1.0)
+    if C > K:
+        q[:, K:].zero_()
+        s[:, G:].fill_(1.0)
     return q, s
 
 
-def _cublas_block(x2: Tensor, weight: Tensor, scale: Tensor, bias) -> Tensor:
+def _cublas_block(x2: Tensor, weight: Tensor, scale: Tensor, bias, pad: bool = False) -> Tensor:
     """Block-scaled ``torch._scaled_mm``: 1×128 activation groups (outer-dim-major scales;
     rows padded to a multiple of 16 with zeros), the 128×128 weight scales transposed; bf16
-    output."""
-    M = x2.shape[0]
-    q, sa = _quantize_rows(x2, 128, scale_rows_major=False, rows=-(-M // 16) * 16)
+    output.  ``pad``: K first padded to a multiple of 512 with zero columns (weight bytes and
+    activations; the added scale blocks are 1), a per-call copy of the weight; the sums are
+    unchanged."""
+    M, K = x2.shape
+    Kp = -(-K // 512) * 512 if pad else K
+    weight, scale = _pad_k(weight, scale, Kp, 128)
+    q, sa = _quantize_rows(x2, 128, scale_rows_major=False, rows=-(-M // 16) * 16, cols=Kp)
     y = torch._scaled_mm(q.view(FP8), weight.t(), scale_a=sa, scale_b=scale.float().t(),
                          out_dtype=torch.bfloat16)[:M]
     y = y if bias is None else y + bias
     return y.to(x2.dtype)
+
+
+def _pad_k(weight: Tensor, scale: Tensor, Kp: int, bi: int) -> tuple[Tensor, Tensor]:
+    """``(q [N, Kp], S [., Kp / bi])``: the weight's K padded with zero bytes, its scales with
+    ones for the added column blocks (``Kp`` a multiple of ``bi``; unchanged when ``Kp = K``)."""
+    K = weight.shape[1]
+    if Kp == K:
+        return weight, scale
+    return (F.pad(weight.view(torch.uint8), (0, Kp - K)).view(weight.dtype),
+            F.pad(scale.float(), (0, Kp // bi - scale.shape[1]), value=1.0))
+
+
+def dequantize(weight: Tensor, scale: Tensor, block, dtype: torch.dtype) -> Tensor:
+    """Kernel form of :func:`replayssm.ops.fp8.naive.dequantize_block` (``block=None``:
+    ``dequantize_tensor``): ``q ⊙ S↑ [N, K]`` in ``dtype`` (the fp32 product, then cast)."""
+    N, K = weight.shape
+    BO, BI = (_HUGE, _HUGE) if block is None else (int(block[0]), int(block[1]))
+    NBI = 1 if block is None else -(-K // BI)
+    s32 = scale.float().contiguous()
+    y = torch.empty(N, K, dtype=dtype, device=weight.device)
+    wq = weight.view(torch.uint8) if interpreting() else weight
+    BN, BK = 32, 128
+    _dequant_kernel[(-(-N // BN), -(-K // BK))](wq, s32, y, N, K, BO, BI, NBI, BLOCK_N=BN, BLOCK_K=BK, num_warps=4)
+    return y
+
+
+def _prefill_fallback(x2: Tensor, weight: Tensor, scale: Tensor, bias, block) -> Tensor | None:
+    """A ``cublas`` call that ``_scaled_mm`` cannot take as it is, by :data:`CUBLAS_K_FALLBACK`
+    (None: the Triton ``dot`` launch)."""
+    how = CUBLAS_K_FALLBACK
+    if how not in PREFILL_FALLBACKS:
+        raise ValueError(f"CUBLAS_K_FALLBACK must be one of {PREFILL_FALLBACKS}, got {how!r}")
+    if how == "pad" and _block_mm_ok(x2, weight, block, any_k=True):
+        return _cublas_block(x2, weight, scale, bias, pad=True)
+    if how == "dequant":
+        return F.linear(x2, dequantize(weight, scale, block, x2.dtype), bias)
+    return None
 
 
 def resolve(M: int, dtype: torch.dtype, act_quant: bool | None = None, config: GemmConfig | None = None,
@@ -698,6 +774,9 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     if cfg.kernel == "cublas":
         if _block_mm_ok(x2, weight, block):
             return _cublas_block(x2, weight, scale, bias).reshape(*lead, N)
+        y = _prefill_fallback(x2, weight, scale, bias, block)
+        if y is not None:
+            return y.reshape(*lead, N)
         cfg = _dot_fallback(True)
     if cfg.kernel == "gemv" and M > GRID_YZ_MAX:
         cfg = _dot_fallback(False)
