@@ -24,8 +24,13 @@ to ``replayssm/assets/fp8_gemm_table.json`` to make it the default, or point
 
     PYTHONPATH=. python scripts/tune_fp8_gemv.py [--ms 1,64,16,4,32] [--budget 210]
 
-``--budget`` (seconds): variants past it are skipped (listed as skipped; the table then
-covers what was measured).
+Then prefill (``--prefill-m``, 2048 rows) where K is not a multiple of 512 (Nemotron's
+3136 and 12544): bf16 against each way ``cublas`` entries handle it (``CUBLAS_K_FALLBACK``:
+the Triton ``dot``, ``pad`` K with zero blocks then ``_scaled_mm``, ``dequant`` then
+``F.linear``), checked; the fastest valid one goes into the table as ``cublas_k_fallback``.
+
+``--budget`` (seconds): decode variants past it are skipped (listed as skipped; the table
+then covers what was measured); the prefill section stops 30 s later.
 """
 
 from __future__ import annotations
@@ -243,10 +248,60 @@ def summarize(res: dict) -> dict:
     return table
 
 
+def prefill(sh_all: list, M: int, budget: float, res: dict) -> str | None:
+    """Prefill (``M`` rows, the ``cublas`` entry) where K is not a multiple of 512: bf16 vs each
+    ``CUBLAS_K_FALLBACK`` (Triton ``dot``, ``pad`` then ``_scaled_mm``, ``dequant`` then
+    ``F.linear``), each checked against the float64 reference of its scheme; returns the
+    fallback with the least layer-weighted time among those valid on every shape."""
+    rows = []
+    print(f"\nprefill, M={M}, shapes with K % 512 != 0 (us; rel err):")
+    for sh in [s for s in sh_all if s["K"] % 512]:
+        if time.perf_counter() - T0 > budget:
+            print(f"  {sh['preset']} {'/'.join(sh['names'])}: skipped (budget)")
+            continue
+        N, K = sh["N"], sh["K"]
+        P = prepare(N, K)
+        x = torch.randn(M, K, device=DEV, generator=P["gen"]).bfloat16()
+        ref_w = x.double() @ P["wd"].T
+        ref_a = Q.dequantize_groups(*Q.quantize_groups(x, 128), 128) @ P["wd"].T
+        r = dict(preset=sh["preset"], names=sh["names"], N=N, K=K, M=M, count=sh["count"], fallbacks={})
+        copies = min(P["copies"], 4)
+        r["bf16_us"] = graph_us(lambda i: F.linear(x, P["wb"][i]), copies)
+        cub = GemmConfig("cublas")
+        keep = KF.CUBLAS_K_FALLBACK
+        for fb in KF.PREFILL_FALLBACKS:
+            KF.CUBLAS_K_FALLBACK = fb
+            try:
+                y = KF.linear(x, P["qs"][0], P["ss"][0], block=BLOCK, config=cub)
+                err = rel(y, ref_w if fb == "dequant" else ref_a)
+                us = graph_us(lambda i: KF.linear(x, P["qs"][i], P["ss"][i], block=BLOCK, config=cub), copies)
+                r["fallbacks"][fb] = dict(us=us, rel_err=err, ok=err < 2e-2)
+            except Exception as e:
+                r["fallbacks"][fb] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+            finally:
+                KF.CUBLAS_K_FALLBACK = keep
+        del ref_w, ref_a
+        rows.append(r)
+        cells = "  ".join(f"{fb} {v['us']:.0f} ({v['rel_err']:.1e}{'' if v['ok'] else ' BAD'})" if "us" in v
+                          else f"{fb} {v['error'][:60]}" for fb, v in r["fallbacks"].items())
+        print(f"  {sh['preset'][:8]} {'/'.join(sh['names'])[:20]:<20}{N:>7}{K:>6}  bf16 {r['bf16_us']:.0f}  {cells}")
+    res["prefill"] = rows
+    ok = [fb for fb in KF.PREFILL_FALLBACKS if rows and all(r["fallbacks"].get(fb, {}).get("ok") for r in rows)]
+    if not ok:
+        return None
+    tot = {fb: sum(r["count"] * r["fallbacks"][fb]["us"] for r in rows) for fb in ok}
+    bf = sum(r["count"] * r["bf16_us"] for r in rows)
+    best = min(tot, key=tot.get)
+    print("  layer-weighted us (these shapes): bf16 %.0f, " % bf + ", ".join(f"{k} {v:.0f}" for k, v in tot.items())
+          + f"  -> cublas_k_fallback = {best!r}")
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ms", default="1,64,16,4,32", help="rows, in the order measured")
-    p.add_argument("--budget", type=float, default=210.0, help="seconds after which variants are skipped")
+    p.add_argument("--budget", type=float, default=200.0, help="seconds after which decode variants are skipped")
+    p.add_argument("--prefill-m", type=int, default=2048, help="prefill rows (0: no prefill section)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args()
     ms = [int(m) for m in a.ms.split(",")]
@@ -271,6 +326,10 @@ def main() -> None:
                 traceback.print_exc()
                 res.setdefault("errors", []).append(traceback.format_exc()[-1500:])
     table = summarize(res)
+    if a.prefill_m:
+        fb = prefill(sh, a.prefill_m, a.budget + 30, res)
+        if fb is not None:
+            table["cublas_k_fallback"] = fb
     res["table"] = table
     res["seconds"] = time.perf_counter() - T0
     if a.out:
@@ -279,7 +338,7 @@ def main() -> None:
             json.dump(res, f, indent=1)
         with open(os.path.join(a.out, "fp8_gemm_table.json"), "w") as f:
             json.dump(dict(table, device=res["device"]), f, indent=1)
-    KF.table_from_json(table)             # the table installs (validated)
+    KF.table_from_json(table)             # the table parses (validated)
     print(f"\ntable: {len(table['buckets'])} buckets, {len(table['shapes'])} shape entries; done in {res['seconds']:.0f}s")
 
 
