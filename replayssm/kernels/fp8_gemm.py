@@ -2,7 +2,14 @@
 
 ``y = x Ŵᵀ (+ b)`` with ``Ŵ = q ⊙ S↑`` (block ``(bo, bi)``) or ``s · q`` (per-tensor).  A
 launch is a :class:`GemmConfig`, chosen from the shape by :func:`config_for` (the table
-:data:`CONFIGS`, keyed by the row count ``M``; ``scripts/tune_fp8_gemm.py`` prints a new one):
+:data:`CONFIGS`, keyed by the row count ``M``, and per-shape entries :data:`SHAPE_CONFIGS`;
+``scripts/tune_fp8_gemm.py`` prints a new one, ``scripts/tune_fp8_gemv.py`` writes a JSON
+table for :func:`use_table`):
+
+* ``stream`` (decode, weight-only, built for the copy ceiling): program ``(row tile, column
+  tile, K range)`` on a flat grid reads each ``[BLOCK_N, BLOCK_K]`` e4m3 tile once for all the
+  rows of its tile; fp32 FMAs below 16 rows, ``tl.dot`` from 16; K split for ``waves``
+  programs per SM, ranges added by a summing launch, fp32 atomics or the tile's last program.
 
 * ``gemv`` (decode, weight-only): program ``(n tile, row, K range)`` streams ``[BLOCK_N,
   UNROLL·BLOCK_K]`` e4m3 tiles (K contiguous, the next one loaded while this one is used),
