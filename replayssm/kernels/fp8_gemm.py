@@ -480,7 +480,8 @@ if HAVE_TRITON:
             tl.store(p_ptr + pid_k.to(tl.int64) * PS + off, y, mask=om)
             if REDUCE == 3:
                 tile = pid_n * grid_m + pid_m
-                done = tl.atomic_add(c_ptr + tile, 1, sem="acq_rel")   # partial stored before: release
+                tl.debug_barrier()              # every thread's partial stored before the release
+                done = tl.atomic_add(c_ptr + tile, 1, sem="acq_rel", scope="gpu")
                 if done == S - 1:                                      # the last one: acquire, then sum
                     tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                     pr = p_ptr + off
