@@ -203,7 +203,7 @@ def print_row(r: dict) -> None:
         return
     print(f"{label:<32}{r['N']:>7}{r['K']:>6}{r['M']:>4}{r['weight_bytes'] / 1e6:>7.1f}{r['bf16_us']:>8.1f}{cu}"
           f"{r['best_us']:>8.1f}{r['bf16_us'] / r['best_us']:>6.2f}x{cur.get('us', float('nan')) / r['best_us']:>6.2f}x"
-          f"{r['best_frac']:>6.2f}{r['best_err']:>9.1e}  {r['best']}")
+          f"{r['variants'][r['best']]['GBps']:>6.0f}{r['best_frac']:>6.2f}{r['best_err']:>9.1e}  {r['best']}")
 
 
 def summarize(res: dict) -> dict:
@@ -311,7 +311,7 @@ def main() -> None:
     res["copy_Bps"] = ceiling = copy_ceiling()
     print(f"{res['device']}, torch {res['torch']}, triton {res.get('triton')}; copy ceiling {ceiling / 1e12:.2f} TB/s")
     print(f"{'shape':<32}{'N':>7}{'K':>6}{'M':>4}{'w MB':>7}{'bf16':>8}{'current':>8}{'best':>8}{'bf16/':>7}"
-          f"{'cur/':>7}{'ceil':>6}{'rel err':>9}  best launch (us; ceil: weight-byte rate / copy ceiling)")
+          f"{'cur/':>7}{'GB/s':>6}{'ceil':>6}{'rel err':>9}  best launch (us; GB/s of weight + scale bytes; ceil: that / copy ceiling)")
     sh = [s for s in shapes() if s["count"] > 0]
     for M in ms:
         for s in sh:
