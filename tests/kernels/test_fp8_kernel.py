@@ -4,6 +4,8 @@ with partial edge blocks, weight-only and on-the-fly activation quantization."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -257,3 +259,154 @@ def test_fp8_experts_bad_input():
         M.experts(x, idx, w, q1, q2, w1_scale=s1[:, :1], w2_scale=s2, block=(4, 16))
     with pytest.raises(ValueError, match="both w1 and w2"):
         M.experts(x, idx, w, q1, q2, w1_scale=s1, block=(4, 16))
+
+
+_STREAM = [
+    KF.GemmConfig("stream", act_quant=False, block_m=4, block_n=8, block_k=32, split_k=3, reduce="sum"),
+    KF.GemmConfig("stream", act_quant=False, block_m=2, block_n=16, split_k=2, reduce="atomic"),
+    KF.GemmConfig("stream", act_quant=False, block_m=8, block_n=4, block_k=64, split_k=3, reduce="fixup"),
+    KF.GemmConfig("stream", act_quant=False, block_m=1, block_n=16, waves=2),              # split from the grid
+    KF.GemmConfig("stream", act_quant=False, block_m=16, block_n=16, block_k=32, split_k=3, reduce="fixup"),
+    KF.GemmConfig("stream", act_quant=False, block_m=64, block_n=32, split_k=2, reduce="sum"),
+]
+
+
+@pytest.mark.parametrize("M_,N,K,block", [
+    (1, 37, 300, (128, 128)),      # the checkpoint block; K ends inside a block (300 = 2·128 + 44)
+    (3, 45, 150, (16, 64)),        # odd N and K, partial edge blocks
+    (16, 21, 96, (8, 32)),         # row blocks narrower than the column tile: a scale per row
+    (17, 37, 160, None),           # per-tensor
+    (64, 19, 128, (128, 128)),
+])
+def test_fp8_stream_matches_reference(M_, N, K, block, nan_empty):
+    """The ``stream`` decode kernel (FMA and ``tl.dot`` forms, every reduction of the K ranges,
+    the automatic split) equals the float64 reference of the weight-only scheme, with bias,
+    strided rows and NaN-poisoned outputs; the ``fixup`` counters are left zero."""
+    g = torch.Generator().manual_seed(M_ * 131 + N + K)
+    w = torch.randn(N, K, generator=g) * torch.linspace(0.1, 3, K)
+    q, s = Q.quantize_tensor(w) if block is None else Q.quantize_block(w, block)
+    x = torch.randn(M_, K + 5, generator=g)[:, 2:2 + K]                  # strided rows
+    b = torch.randn(N, generator=g)
+    ref = Q.linear(x.double(), q, s, b.double(), block=block)
+    d = lambda t: t.to(DEVICE)
+    for cfg in _STREAM:
+        got = KF.linear(d(x), d(q), d(s), d(b), block=block, config=cfg)
+        assert got.shape == (M_, N) and got.dtype == torch.float32
+        assert _rel(got.cpu(), ref) < 1e-5, cfg.name()
+        if cfg.reduce == "fixup":
+            assert not KF._counters(torch.device(DEVICE)).any()
+    got = KF.linear(d(x), d(q), d(s), None, block=block, config=_STREAM[2])          # no bias
+    assert _rel(got.cpu(), Q.linear(x.double(), q, s, block=block)) < 1e-5
+
+
+def test_fp8_stream_bf16_rows_and_plan():
+    """bf16 activations (output rounded to bf16; leading dims kept) and the launch plan: rows
+    per program capped by ``M`` (FMA) or padded to 16 (``tl.dot``), the split filling the
+    SMs' waves with at least two K tiles per range, the fixup falling back past its counters."""
+    g = torch.Generator().manual_seed(9)
+    q, s = Q.quantize_block(torch.randn(40, 384, generator=g), (128, 128))
+    x = torch.randn(3, 1, 384, generator=g).bfloat16()
+    cfg = KF.GemmConfig("stream", act_quant=False, block_m=8, block_n=8, split_k=2, reduce="atomic")
+    got = KF.linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), block=(128, 128), config=cfg)
+    assert got.shape == (3, 1, 40) and got.dtype == torch.bfloat16
+    assert _rel(got.cpu(), Q.linear(x.double(), q, s, block=(128, 128))) < 1e-2
+    cpu = torch.device("cpu")
+    fma = KF.GemmConfig("stream", act_quant=False, block_m=8, block_n=16, waves=4)
+    p = KF.stream_plan(3, 3136, 7680, fma, 128, cpu)
+    assert (p["dot"], p["BM"], p["BN"], p["BK"], p["tiles"]) == (False, 4, 16, 128, 196) and p["S"] == 1
+    dot = KF.GemmConfig("stream", act_quant=False, block_m=64, block_n=64, split_k=5, reduce="fixup")
+    p = KF.stream_plan(3, 100, 1000, dot, 64, cpu)
+    assert (p["dot"], p["BM"], p["BK"], p["KS"], p["S"], p["reduce"]) == (True, 16, 64, 256, 4, 3)
+    assert KF.stream_split(cpu, 1, 98, 8) == 8 and KF.stream_split(cpu, 1, 3, 8) == 1
+    assert KF.stream_split(cpu, 1, 1000, 64) == 64 and KF.stream_split(cpu, 20, 98, 8) == 1
+    big = KF.stream_plan(1, 16 * KF.COUNTER_SLOTS + 16, 512, replace(dot, block_n=16), 128, cpu)
+    assert big["reduce"] == 1                                   # more tiles than counters: summing launch
+
+
+def test_fp8_stream_grid_past_65535_rows(monkeypatch):
+    """The launch grid is one axis (programs = row tiles × column tiles × K ranges, decoded in
+    the kernel), so 70000 decode rows of one column tile fit where CUDA's axes 1 and 2 stop at
+    65535 (the interpreter has no such limit, so the launch is recorded, not run)."""
+    seen = []
+
+    class Rec:
+        def __getitem__(self, grid):
+            seen.append(grid)
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(KF, "_stream_kernel", Rec())
+    q, s = Q.quantize_block(torch.randn(3, 32), (16, 16))
+    cfg = KF.GemmConfig("stream", act_quant=False, block_m=1, block_n=4, split_k=2, reduce="fixup")
+    KF.linear(torch.randn(70000, 32), q, s, block=(16, 16), config=cfg)
+    assert seen == [(70000 * 2,)]
+
+
+def test_fp8_tune_table_and_shape_entries(monkeypatch, tmp_path):
+    """A tune table (JSON file or dict) joins the bucket table; its per-shape entries win for
+    their (bucket, N, K); bad tables are refused before anything changes; FP8 activations on a
+    ``stream`` entry go to the FP8-activation decode launch."""
+    monkeypatch.setattr(KF, "CONFIGS", dict(KF.CONFIGS))
+    monkeypatch.setattr(KF, "SHAPE_CONFIGS", {})
+    st = KF.GemmConfig("stream", act_quant=False, block_m=4, block_n=16, reduce="fixup", waves=8)
+    st2 = KF.GemmConfig("stream", act_quant=False, block_m=16, block_n=64, split_k=4)
+    table = {"buckets": {"4": st.to_dict()}, "shapes": [{"bucket": 4, "N": 3136, "K": 7680, "config": st2.to_dict()}]}
+    path = tmp_path / "t.json"
+    path.write_text(__import__("json").dumps(table))
+    KF.use_table(str(path))
+    assert KF.CONFIGS[4] == st and KF.config_for(3) == st and KF.config_for(3, N=3136, K=7680) == st2
+    assert KF.config_for(5, N=3136, K=7680) is KF.CONFIGS[16]
+    assert KF.resolve(3, torch.bfloat16, N=3136, K=7680) == st2
+    assert KF.resolve(3, torch.bfloat16, act_quant=True).kernel == "dot"
+    assert KF.GemmConfig.from_dict(st.to_dict()) == st
+    before = dict(KF.CONFIGS)
+    for bad in ({"buckets": {"4": {"kernel": "stream", "tile": 3}}}, {"buckets": {"0": st.to_dict()}}, {"rows": {}},
+                {"buckets": {"4": st.to_dict()}, "shapes": [{"N": 1}]}, {"buckets": {"4": {"kernel": "stream"}}}):
+        with pytest.raises(ValueError):
+            KF.use_table(bad)
+    with pytest.raises(ValueError, match="any"):
+        KF.use_table({"buckets": {"4": st.to_dict()}}, merge=False)
+    assert KF.CONFIGS == before
+    for bad in (dict(kernel="stream", act_quant=False, reduce="tree"), dict(kernel="stream", act_quant=False, waves=0),
+                dict(kernel="stream", act_quant=False, block_m=3), dict(kernel="stream", act_quant=False, block_m=16,
+                                                                         block_n=8), dict(kernel="stream")):
+        with pytest.raises(ValueError):
+            KF.GemmConfig(**bad)
+
+
+def test_fp8_prefill_k_padding_keeps_the_sums():
+    """The ``pad`` prefill fallback's operands (K = 300 padded to 512: zero weight bytes, scale 1
+    for the added blocks; activations quantized into 512 columns, zeros and scale 1 past K)
+    give, in float64, exactly the FP8-activation reference; no column past K is non-zero."""
+    g = torch.Generator().manual_seed(12)
+    N, K, Kp = 48, 300, 512
+    q, s = Q.quantize_block(torch.randn(N, K, generator=g), (128, 128))
+    x = torch.randn(5, K, generator=g)
+    wp, sp = KF._pad_k(q.to(DEVICE), s.to(DEVICE), Kp, 128)
+    assert wp.shape == (N, Kp) and sp.shape == (1, 4) and float(sp[0, 3]) == 1.0
+    assert not wp.view(torch.uint8)[:, K:].any() and torch.equal(wp.cpu()[:, :K].view(torch.uint8), q.view(torch.uint8))
+    qa, sa = KF._quantize_rows(x.to(DEVICE), 128, False, rows=16, cols=Kp)
+    assert qa.shape == (16, Kp) and sa.shape == (16, 4) and not qa[:, K:].any() and bool((sa[:, 3] == 1).all())
+    a = Q.dequantize_groups(qa.cpu().view(Q.FP8), sa.cpu(), 128)[:5]
+    got = a @ Q.dequantize_block(wp.cpu(), sp.cpu(), (128, 128), torch.float64).T
+    assert _rel(got, Q.linear_act_quant(x.double(), q, s, block=(128, 128), group=128)) < 1e-12
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32), None])
+def test_fp8_dequantize_kernel_and_dequant_fallback(block, monkeypatch):
+    """``dequantize`` equals the float64 reference cast to fp32 exactly (q has 4 significant
+    bits: the fp32 product is exact); the ``dequant`` prefill fallback of a ``cublas`` launch is
+    the weight-only reference; an unknown fallback is refused."""
+    g = torch.Generator().manual_seed(13)
+    w = torch.randn(37, 150, generator=g) * torch.linspace(0.1, 4, 150)
+    q, s = Q.quantize_tensor(w) if block is None else Q.quantize_block(w, block)
+    got = KF.dequantize(q.to(DEVICE), s.to(DEVICE), block, torch.float32).cpu()
+    want = Q.dequantize_tensor(q, s) if block is None else Q.dequantize_block(q, s, block)
+    assert torch.equal(got, want)
+    x, b = torch.randn(4, 150, generator=g), torch.randn(37, generator=g)
+    monkeypatch.setattr(KF, "CUBLAS_K_FALLBACK", "dequant")
+    y = KF.linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), b.to(DEVICE), block=block,
+                  config=KF.GemmConfig("cublas"), act_quant=True)
+    assert _rel(y.cpu(), Q.linear(x.double(), q, s, b.double(), block=block)) < 1e-5
+    monkeypatch.setattr(KF, "CUBLAS_K_FALLBACK", "fast")
+    with pytest.raises(ValueError, match="CUBLAS_K_FALLBACK"):
+        KF.linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), block=block, config=KF.GemmConfig("cublas"))
