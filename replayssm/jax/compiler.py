@@ -11,7 +11,8 @@ for minutes.  The backend therefore compiles its programs with
 
 They are per-program options (``jax.jit(..., compiler_options=...)``): they do not touch
 other programs of the process, and need no restart.  XLA keeps one option set for every
-backend, so CPU and TPU programs take the ``xla_gpu_*`` names and ignore them.  A user's own
+backend, so a CPU program takes the ``xla_gpu_*`` names and ignores them (tested; TPU not
+tried).  A user's own
 choice wins: an option named in ``XLA_FLAGS`` is left out (XLA then uses the flag), and
 ``JaxLLM(compiler_options={...})`` overrides or, with the value ``None``, drops a default.
 
