@@ -17,6 +17,9 @@ compiles on a laptop) and reports
 ::
 
     python -m replayssm.jax.costs --preset 2.7b --batch-sizes 1,64 --modes replay,recurrent
+    python -m replayssm.jax.costs --preset 2.7b --layer-loop group --group 8    # or unroll
+
+Each row also gives the step's compile seconds (``compile_s``).
 
 On a CPU-only machine the numbers are the CPU backend's (its fusion and layout choices differ
 from a GPU's; the CPU also upcasts bf16 dot operands to fp32 outside loops, so the default

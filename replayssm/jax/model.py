@@ -157,7 +157,7 @@ def group_params(params, k: int):
             raise ValueError("group_params takes stacked stages (not per-layer or grouped ones)")
         n = jax.tree_util.tree_leaves(p)[0].shape[0]
         g = group_size(n, k)
-        stages.append(tuple(jax.tree_util.tree_map(lambda a, j=j: a[j::g], p) for j in range(g)))
+        stages.append(tuple(jax.tree_util.tree_map(lambda a, j=j, g=g: a[j::g], p) for j in range(g)))
     return {**params, "stages": stages}
 
 
