@@ -361,16 +361,15 @@ class JaxLLM:
     (batch, padded prompt length, output length, sampling flags).
     ``tensor_parallel_size=N`` shards heads, MLPs and experts over the first ``N`` devices
     with ``jax.sharding`` (:mod:`replayssm.jax.shard`; the compiler inserts the collectives).
-    ``layer_loop``: ``"unroll"`` (the default on one device; ``"scan"`` under tensor
-    parallelism: per-layer weights,
+    ``layer_loop``: ``"unroll"`` (the default on one device; per-layer weights,
     :func:`replayssm.jax.model.unstack_params`: decode and verify read each weight in place
-    instead of through a sliced copy, at the price of a compile per layer), ``"scan"`` (one
-    ``lax.scan`` over each stage's stacked weights: short compiles, every weight copied out of
-    its stack each step on backends that do not read the slice in place) or ``"group"`` (a
-    scan over groups of ``layer_group`` layers, the group unrolled:
-    :func:`replayssm.jax.model.group_params`; measured: the same copies as the scan).  ``compiler_options``: XLA
-    options over the backend's defaults (:mod:`replayssm.jax.compiler`; ``None`` values drop
-    a default).
+    instead of through a sliced copy, at the price of a compile per layer), ``"scan"`` (the
+    default under tensor parallelism; one ``lax.scan`` over each stage's stacked weights:
+    short compiles, each weight copied out of its stack every step where the backend does
+    not read the slice in place) or ``"group"`` (a scan over groups of ``layer_group``
+    layers, each group unrolled: :func:`replayssm.jax.model.group_params`; on the CPU it
+    copies as the scan does).  ``compiler_options``: XLA options over the backend's
+    defaults (:mod:`replayssm.jax.compiler`; a ``None`` value drops a default).
     """
 
     def __init__(self, model, dtype: str = "float32", decode_mode: str = "replay", buffer_size: int = 16,

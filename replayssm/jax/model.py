@@ -182,7 +182,8 @@ def split_cache(cache: Cache) -> Cache:
 
 def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):
     """All layers of one stage: ``h = res(h) + mixer(norm(h))``, scanned when ``cnt > 1`` and
-    the weights are stacked; unrolled over per-layer weights (:func:`unstack_params`)."""
+    the weights are stacked; unrolled over per-layer weights (:func:`unstack_params`); a scan
+    over groups with each group unrolled for grouped weights (:func:`group_params`)."""
     dtype = (p[0] if isinstance(p, (list, tuple)) else p)["norm"].dtype   # the model dtype
     mixer = MIXERS[sb.mixer.kind]
     if sb.residual_fp32:
