@@ -25,6 +25,20 @@ One GPU (about 4 minutes; ``--time-budget`` skips what is left and still prints 
   vs ``jax.jit`` of the JAX prefill, SSD chunk 64 and 128, the better kept), and MFU
   (``2 · params · tokens / s`` over the card's dense bf16 peak, 989 TFLOP/s for H100/H200).
 
+Layer loops and XLA options (one GPU, about 5 minutes)::
+
+    PYTHONPATH=. python scripts/gpu_jax.py --loops [--variants unroll,scan-dsf,scan-stock,group8]
+
+* the PyTorch engine (CUDA graphs) at B = 1, 64, 16 in both forms, once;
+* each variant (a layer loop and an XLA option set, :data:`LOOP_VARIANTS`) in its own
+  process, killed at its time cap (``--variant-cap``; a slow compile cannot eat the call):
+  the loop's compile seconds (first call minus a timed call), decode tok/s and its ratio to
+  the engine's, ideal bytes per step times steps/s over the copy bandwidth measured here,
+  the HLO bytes of one decode step as XLA compiles it for this GPU over the ideal (B = 1 and
+  64, replay, when time is left), and its B = 1 greedy tokens against the engine's;
+  ``--cache-dir`` gives the children JAX's persistent compilation cache (name a variant
+  twice to time a warm start).
+
 Two GPUs::
 
     PYTHONPATH=. python scripts/gpu_jax.py --tp 2
@@ -73,7 +87,35 @@ def _args():
     p.add_argument("--cost-analysis", action="store_true",
                    help="compile each decode step abstractly and print its HLO bytes beside the ideal")
     p.add_argument("--time-budget", type=float, default=210.0, help="seconds; later measurements are skipped")
-    return p.parse_args()
+    p.add_argument("--loops", action="store_true", help="layer loops x XLA option sets, one process each")
+    p.add_argument("--variants", default="unroll,scan-dsf,scan-stock,group8", help="--loops: of LOOP_VARIANTS")
+    p.add_argument("--variant-cap", default="unroll=110,unroll-stock=60,*=45",
+                   help="--loops: seconds per variant process (NAME=S, *=default)")
+    p.add_argument("--loops-budget", type=float, default=285.0, help="--loops: seconds for the whole call")
+    p.add_argument("--cache-dir", default=None, help="--loops: JAX persistent compilation cache of the children")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-in", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    for v in a.variants.split(",") if a.loops else []:
+        if v not in LOOP_VARIANTS:
+            p.error(f"unknown variant {v!r}: one of {sorted(LOOP_VARIANTS)}")
+    return a
+
+
+#: XLA's own option values (the backend's defaults dropped: replayssm.jax.compiler)
+_STOCK = {"xla_gpu_enable_triton_gemm": None, "xla_gpu_autotune_level": None}
+#: --loops variants: (layer_loop, layer_group, compiler_options over the backend's defaults)
+LOOP_VARIANTS = {
+    "unroll": ("unroll", 8, {}),                   # per-layer weights and caches, backend options
+    "unroll-stock": ("unroll", 8, _STOCK),         # the same with XLA's autotuning and Triton GEMMs
+    "unroll-at1": ("unroll", 8, {"xla_gpu_autotune_level": 1}),   # cuBLAS, a short autotune
+    "scan": ("scan", 8, {}),                       # one scan over stacked weights, backend options
+    "scan-stock": ("scan", 8, _STOCK),             # the loop measured before (0.42-0.49x)
+    "scan-dsf": ("scan", 8, {"xla_gpu_enable_dynamic_slice_fusion": True}),   # cuBLAS reads the slice in place?
+    "group8": ("group", 8, {}),                    # scan over groups of 8, the group unrolled
+    "group8-dsf": ("group", 8, {"xla_gpu_enable_dynamic_slice_fusion": True}),
+}
 
 
 class Run:
@@ -133,9 +175,9 @@ def _sizes(spec, params, L: int) -> dict:
     return {"weights": wbytes, "recurrent_row": rec, "replay_row": rep, "state_row": st}
 
 
-def _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, tp=1, layer_loop=None):
-    llm = JaxLLM((spec, params), decode_mode=mode, buffer_size=args.buffer_size, chunk_size=64, tensor_parallel_size=tp,
-                 layer_loop=layer_loop or args.layer_loop)
+def _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, tp=1, layer_loop=None, llm=None):
+    llm = llm or JaxLLM((spec, params), decode_mode=mode, buffer_size=args.buffer_size, chunk_size=64,
+                        tensor_parallel_size=tp, layer_loop=layer_loop or args.layer_loop)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     t = time.perf_counter()
     out = llm.generate(prompts, sp)
@@ -146,7 +188,9 @@ def _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, tp
         stats.append(dict(llm.last_stats))
     dec = statistics.median(s["decode_s"] for s in stats)
     gen = stats[-1]["generated"]
+    call = statistics.median(s["decode_s"] + s["prefill_s"] for s in stats)
     return {"tok_s": (gen - B) / dec, "steps": stats[-1]["loop_steps"], "decode_s": dec, "first_call_s": first,
+            "compile_s": first - call,
             "tokens": [o.token_ids for o in out]}
 
 
@@ -285,6 +329,174 @@ def single(args, run: Run):
     _table(run.res)
 
 
+_LOOP_ORDER = [("replay", 1), ("replay", 64), ("recurrent", 1), ("recurrent", 64), ("replay", 16), ("recurrent", 16)]
+
+
+def _caps(text: str) -> dict:
+    caps = {}
+    for part in text.split(","):
+        k, v = part.split("=")
+        caps[k.strip()] = float(v)
+    return caps
+
+
+def loops(args, run: Run):
+    """The --loops comparison (module docstring): engine once, then a process per variant."""
+    import pickle
+    import subprocess
+
+    import jax
+    import jax.numpy as jnp
+
+    from replayssm import LLM, SamplingParams
+    from replayssm.bench import e2e
+    from replayssm.bench.common import free_memory
+    from replayssm.jax.params import from_torch_model
+    from replayssm.models import load_model
+    from types import SimpleNamespace
+
+    cuda = torch.cuda.is_available()   # a CPU run (tiny preset) only checks that the script works
+    device, dtype = ("cuda:0", "bfloat16") if cuda else ("cpu", "float32")
+    run.res.update(env={"device": torch.cuda.get_device_name() if cuda else "cpu", "jax": jax.__version__,
+                        "torch": torch.__version__}, loops=[], torch=[])
+    bw = _copy_bandwidth(jax, jnp)
+    run.res["copy_GBps"] = bw / 1e9
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    modes = args.modes.split(",")
+    order = [(m, b) for m, b in _LOOP_ORDER if m in modes and b in batches] + \
+        [(m, b) for b in batches for m in modes if (m, b) not in _LOOP_ORDER]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = e2e._random_model_dir(args.preset, tmp)
+        tmodel = load_model(path, device=device, dtype=dtype)
+        spec, params = from_torch_model(tmodel, dtype)
+        run.res["sizes"] = _sizes(spec, params, args.buffer_size)
+        blob = os.path.join(tmp, "params.pkl")
+        with open(blob, "wb") as f:   # the children load this (no torch model to build)
+            pickle.dump((spec, jax.device_get(params)), f, protocol=5)
+        del params
+        need = args.prompt_len + args.max_tokens + 16
+        ns = SimpleNamespace(max_tokens=args.max_tokens, prompt_len=args.prompt_len, device=device, dtype=dtype,
+                             buffer_size=args.buffer_size, cuda_graphs=cuda, max_seq_len=-(-need // 64) * 64,
+                             spec_method=None, oracle_accept=1.0)
+        for mode, B in order:
+            r = e2e._run(LLM, SamplingParams, tmodel, ns, B, mode)
+            run.log("torch", {"mode": mode, "batch": B, "tok_s": r["decode_tokens_per_s"]})
+        prompts = e2e._prompts(1, args.prompt_len, spec.vocab_size, seed=1)
+        ref = LLM(tmodel, device=device, dtype=dtype, decode_mode="replay", buffer_size=args.buffer_size,
+                  max_num_seqs=1, max_seq_len=ns.max_seq_len).generate(
+                      prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))[0].token_ids
+        del tmodel
+        free_memory(device)
+        caps = _caps(args.variant_cap)
+        for v in args.variants.split(","):
+            left = args.loops_budget - (time.perf_counter() - run.t0)
+            cap = min(caps.get(v, caps.get("*", 45.0)), left)
+            if cap < 20:
+                run.res["skipped"].append(f"variant {v}")
+                continue
+            out = os.path.join(tmp, f"rows-{v}-{len(run.res['loops'])}.jsonl")
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", v, "--child-in", blob, "--child-out", out,
+                   "--modes", args.modes, "--batch-sizes", args.batch_sizes, "--max-tokens", str(args.max_tokens),
+                   "--prompt-len", str(args.prompt_len), "--buffer-size", str(args.buffer_size),
+                   "--repeats", str(args.repeats)] + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
+            t = time.perf_counter()
+            try:
+                rc = subprocess.run(cmd, timeout=cap, check=False).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            rows = []
+            if os.path.exists(out):
+                with open(out) as f:
+                    rows = [json.loads(line) for line in f if line.strip()]
+            torch_tok = {(r["mode"], r["batch"]): r["tok_s"] for r in run.res["torch"]}
+            for r in rows:
+                if "tok_s" in r:
+                    tt = torch_tok.get((r["mode"], r["batch"]))
+                    step_bytes = run.res["sizes"]["weights"] + r["batch"] * run.res["sizes"][f"{r['mode']}_row"]
+                    r.update(ratio=tt and r["tok_s"] / tt, bw_frac=step_bytes * r["tok_s"] / r["batch"] / bw,
+                             torch_bw_frac=tt and step_bytes * tt / r["batch"] / bw)
+                    if r.get("tokens") is not None:
+                        r["match_torch"] = sum(a == b for a, b in zip(r.pop("tokens"), ref)) / len(ref)
+            run.log("loops", {"variant": v, "rc": rc, "wall_s": time.perf_counter() - t, "cap_s": cap, "rows": rows})
+    _loops_table(run.res)
+
+
+def _child(args):
+    """One --loops variant (own process): every (mode, B) it has time for, a row each."""
+    import pickle
+
+    import jax
+
+    if args.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    from replayssm import SamplingParams
+    from replayssm.bench import e2e
+    from replayssm.jax import costs
+    from replayssm.jax.compiler import compiler_options
+    from replayssm.jax.generate import JaxLLM
+
+    loop, group, extra = LOOP_VARIANTS[args.child]
+    opts = compiler_options(extra)
+
+    def emit(row):
+        with open(args.child_out, "a") as f:
+            f.write(json.dumps({"variant": args.child, **row}, default=str) + "\n")
+
+    with open(args.child_in, "rb") as f:
+        spec, params = pickle.load(f)
+    params = jax.device_put(params)
+    emit({"options": opts, "layer_loop": loop, "layer_group": group})
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    modes = args.modes.split(",")
+    order = [(m, b) for m, b in _LOOP_ORDER if m in modes and b in batches] + \
+        [(m, b) for b in batches for m in modes if (m, b) not in _LOOP_ORDER]
+    llms = {}
+    p = costs.loop_params(params, loop, group)
+
+    def step_bytes(B):   # one decode step's bytes as XLA compiles it here (B = 1 early: it is cheap)
+        c = costs.step_costs(spec, p, "replay", B, args.buffer_size, top=3, compiler_options=opts)
+        emit({"mode": "replay", "batch": B, "hlo_over_ideal": c["hlo_over_ideal"], "step_compile_s": c["compile_s"],
+              "top": c["top"]})
+
+    for n, (mode, B) in enumerate(order):
+        if mode not in llms:   # one engine per form: its programs are cached per batch shape
+            llms[mode] = JaxLLM((spec, params), decode_mode=mode, buffer_size=args.buffer_size, chunk_size=64,
+                                layer_loop=loop, layer_group=group, compiler_options=extra)
+        prompts = e2e._prompts(B, args.prompt_len, spec.vocab_size, seed=B)
+        j = _jax_decode(JaxLLM, SamplingParams, spec, None, mode, B, prompts, args, llm=llms[mode])
+        emit({"mode": mode, "batch": B, "tok_s": j["tok_s"], "compile_s": j["compile_s"],
+              "first_call_s": j["first_call_s"], "tokens": j["tokens"][0] if B == 1 and mode == "replay" else None})
+        if n == 0 and 1 in batches:
+            step_bytes(1)
+    if 64 in batches:
+        step_bytes(64)
+
+
+def _loops_table(res: dict):
+    print(json.dumps(res.get("env", {})))
+    print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s; weights {res['sizes']['weights'] / 1e9:.2f} GB/step")
+    print("torch (CUDA graphs) tok/s: " + ", ".join(f"{r['mode']} B={r['batch']} {r['tok_s']:.0f}" for r in res["torch"]))
+    print(f"{'variant':<13}{'mode':<10}{'B':>4}{'compile s':>10}{'jax tok/s':>10}{'jax/torch':>10}{'jax %copy':>10}"
+          f"{'torch %copy':>12}{'match':>7}{'HLO/ideal':>10}")
+    for v in res["loops"]:
+        rows = [r for r in v["rows"] if "mode" in r]
+        hlo = {r["batch"]: r["hlo_over_ideal"] for r in rows if "hlo_over_ideal" in r}
+        for r in [r for r in rows if "tok_s" in r]:
+            m = "-" if r.get("match_torch") is None else f"{r['match_torch']:.2f}"
+            h = hlo.get(r["batch"]) if r["mode"] == "replay" else None
+            tb = "-" if r.get("torch_bw_frac") is None else f"{100 * r['torch_bw_frac']:.0f}%"
+            ra = "-" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
+            print(f"{v['variant']:<13}{r['mode']:<10}{r['batch']:>4}{r['compile_s']:>10.1f}{r['tok_s']:>10.0f}{ra:>10}"
+                  f"{100 * r['bw_frac']:>9.0f}%{tb:>12}{m:>7}{'-' if h is None else f'{h:.2f}':>10}")
+        if not any("tok_s" in r for r in rows):
+            print(f"{v['variant']:<13}no decode row within {v['cap_s']:.0f} s (rc {v['rc']})")
+        elif v["rc"] != 0:
+            print(f"{v['variant']:<13}stopped at its {v['cap_s']:.0f}-s cap (rc {v['rc']}); rows above are what finished")
+    for s in res["skipped"]:
+        print(f"skipped (time budget): {s}")
+
+
 def tensor_parallel(args, run: Run):
     import jax
 
@@ -343,8 +555,13 @@ def _table(res: dict):
 
 def main():
     args = _args()
+    if args.child:
+        _child(args)
+        return
     run = Run(args)
-    if args.tp > 1:
+    if args.loops:
+        loops(args, run)
+    elif args.tp > 1:
         tensor_parallel(args, run)
     else:
         single(args, run)

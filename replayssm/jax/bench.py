@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median) after the warm-up")
     p.add_argument("--time-budget", type=float, default=480.0, help="seconds; later measurements are skipped")
     p.add_argument("--no-torch", action="store_true", help="JAX only")
+    p.add_argument("--layer-loop", default=None, choices=("scan", "group", "unroll"),
+                   help="the JAX decode loop's layer loop (default: JaxLLM's, unroll on one device)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run")
     return p
 
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     if over_budget(f"jax decode {preset} {mode} B={B}"):
                         continue
                     llm = JaxLLM((spec, params), decode_mode=mode, buffer_size=args.buffer_size,
-                                 chunk_size=args.chunk_size)
+                                 chunk_size=args.chunk_size, layer_loop=args.layer_loop)
                     prompts = e2e._prompts(B, args.prompt_len, vocab, seed=B)
                     t1 = time.perf_counter()
                     jax_out = llm.generate(prompts, sp)
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "decode_tokens_per_s": (gen - B) / dec, "generated": gen, "decode_s": dec,
                                        "prefill_s": _median([s["prefill_s"] for s in stats]),
                                        "first_call_s": first, "loop_steps": stats[-1]["loop_steps"],
+                                       "layer_loop": llm.layer_loop,
                                        "tokens_match_torch": match})
                     del llm
             # ---- prefill (final states written): the engine's model.prefill, then JAX per chunk size

@@ -17,6 +17,9 @@ compiles on a laptop) and reports
 ::
 
     python -m replayssm.jax.costs --preset 2.7b --batch-sizes 1,64 --modes replay,recurrent
+    python -m replayssm.jax.costs --preset 2.7b --layer-loop group --group 8    # or unroll
+
+Each row also gives the step's compile seconds (``compile_s``).
 
 On a CPU-only machine the numbers are the CPU backend's (its fusion and layout choices differ
 from a GPU's; the CPU also upcasts bf16 dot operands to fp32 outside loops, so the default
@@ -29,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +41,7 @@ from . import model as M
 from . import ops
 from .hlo_bytes import hlo_bytes
 
-__all__ = ["abstract_model", "ideal_sizes", "step_costs", "unstack_abstract"]
+__all__ = ["abstract_model", "ideal_sizes", "step_costs", "unstack_abstract", "group_abstract", "loop_params"]
 
 
 def abstract_model(preset: str = "2.7b", dtype: str = "float32", layers: int | None = None):
@@ -80,6 +84,24 @@ def unstack_abstract(params):
     return {**params, "stages": stages}
 
 
+def group_abstract(params, k: int):
+    """Abstract ``params`` grouped ``k`` layers at a time (as
+    :func:`replayssm.jax.model.group_params` gives)."""
+    return jax.eval_shape(lambda p: M.group_params(p, k), params)
+
+
+def loop_params(params, layer_loop: str, group: int = 4):
+    """``params`` (stacked, arrays or abstract) laid out for a layer loop: ``"scan"`` as they
+    are, ``"unroll"`` per layer, ``"group"`` in groups of ``group`` layers."""
+    if layer_loop == "scan":
+        return params
+    if layer_loop == "unroll":
+        return jax.eval_shape(M.unstack_params, params)
+    if layer_loop == "group":
+        return group_abstract(params, group)
+    raise ValueError(f"layer_loop must be 'scan', 'unroll' or 'group', got {layer_loop!r}")
+
+
 def _nbytes(a) -> int:
     return int(a.size) * jnp.dtype(a.dtype).itemsize
 
@@ -105,19 +127,25 @@ def ideal_sizes(spec, params, L: int) -> dict:
             "replay_row_noflush": rep, "state_row": st}
 
 
-def step_costs(spec, params, mode: str, B: int, L: int = 16, flush: bool | None = None, top: int = 8) -> dict:
+def step_costs(spec, params, mode: str, B: int, L: int = 16, flush: bool | None = None, top: int = 8,
+               compiler_options: dict | None = None) -> dict:
     """Compile one decode step for abstract ``params`` (``ShapeDtypeStruct`` leaves or arrays)
     and a donated cache of ``B`` rows (per-layer arrays when ``params`` are per layer, as the
     unrolled loop carries them); ``flush`` (replay) defaults to the loop's common step,
-    the one compiled without checkpoint writes.  Returns bytes (``ideal``, ``hlo``, ``xla``),
-    ``flops`` and the ``top`` instructions by bytes."""
+    the one compiled without checkpoint writes.  Grouped ``params``
+    (:func:`group_abstract`) keep the stacked cache.  ``compiler_options``: XLA options of
+    the compile (default: none).  Returns bytes (``ideal``, ``hlo``, ``xla``), ``flops``,
+    ``compile_s`` and the ``top`` instructions by bytes."""
     flush = (mode == "recurrent") if flush is None else flush
     params = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     per_layer = isinstance(params["stages"][0], list)   # unrolled layers carry per-layer caches
     cache = jax.eval_shape(lambda: (M.split_cache if per_layer else (lambda c: c))(M.init_cache(spec, B, mode, L, 64)))
     ids = jax.ShapeDtypeStruct((B,), jnp.int32)
-    step = jax.jit(lambda p, c, i: M.decode(spec, p, c, i, flush=flush), donate_argnums=(1,))
+    step = jax.jit(lambda p, c, i: M.decode(spec, p, c, i, flush=flush), donate_argnums=(1,),
+                   compiler_options=compiler_options or None)
+    t0 = time.perf_counter()
     comp = step.lower(params, cache, ids).compile()
+    compile_s = time.perf_counter() - t0
     ca = comp.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     hb = hlo_bytes(comp.as_text())
@@ -129,7 +157,7 @@ def step_costs(spec, params, mode: str, B: int, L: int = 16, flush: bool | None 
             + (0 if "head" in params else _nbytes(params["embed"]))
     row = sz["recurrent_row"] if mode == "recurrent" else (sz["replay_row"] if flush else sz["replay_row_noflush"])
     ideal = sz["weights"] + B * row
-    return {"mode": mode, "batch": B, "flush": flush, "ideal": ideal, "hlo": hb.total,
+    return {"mode": mode, "batch": B, "flush": flush, "ideal": ideal, "hlo": hb.total, "compile_s": compile_s,
             "xla": float(ca.get("bytes accessed", 0.0)), "flops": float(ca.get("flops", 0.0)),
             "hlo_over_ideal": hb.total / ideal,
             "top": [{"bytes": r[0], "times": r[1], "op": r[2], "shape": r[3], "where": r[4]} for r in hb.top(top)],
@@ -145,23 +173,24 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="replay,recurrent")
     p.add_argument("--buffer-size", type=int, default=16)
     p.add_argument("--readout", choices=ops.STEP_READOUTS, default=None)
-    p.add_argument("--unstack", action="store_true", help="per-layer weights (layers unrolled)")
+    p.add_argument("--unstack", action="store_true", help="per-layer weights (layers unrolled): --layer-loop unroll")
+    p.add_argument("--layer-loop", choices=("scan", "unroll", "group"), default="scan")
+    p.add_argument("--group", type=int, default=4, help="layers per group (--layer-loop group)")
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
     if a.readout:
         ops.set_step_readout(a.readout)
     spec, params = abstract_model(a.preset, a.dtype, a.layers)
-    if a.unstack:
-        params = unstack_abstract(params)
+    params = loop_params(params, "unroll" if a.unstack else a.layer_loop, a.group)
     rows = []
-    print(f"{'mode':<10}{'B':>4}{'ideal GB':>10}{'hlo GB':>9}{'hlo/ideal':>10}{'xla GB':>9}{'copies MB':>10}")
+    print(f"{'mode':<10}{'B':>4}{'ideal GB':>10}{'hlo GB':>9}{'hlo/ideal':>10}{'xla GB':>9}{'copies MB':>10}{'compile s':>10}")
     for B in [int(b) for b in a.batch_sizes.split(",")]:
         for mode in a.modes.split(","):
             r = step_costs(spec, params, mode, B, a.buffer_size, top=a.top)
             rows.append(r)
             print(f"{mode:<10}{B:>4}{r['ideal'] / 1e9:>10.3f}{r['hlo'] / 1e9:>9.3f}{r['hlo_over_ideal']:>10.2f}"
-                  f"{r['xla'] / 1e9:>9.3f}{r['copies'] / 1e6:>10.1f}")
+                  f"{r['xla'] / 1e9:>9.3f}{r['copies'] / 1e6:>10.1f}{r['compile_s']:>10.1f}")
             for t in r["top"]:
                 print(f"    {t['bytes'] / 1e6:10.1f} MB x{t['times']:<3} {t['op']:<10} {t['shape']:<28} {t['where'][:90]}",
                       file=sys.stderr)

@@ -48,6 +48,7 @@ from ..engine.inputs import encode_prompt, prompt_list
 from ..engine.llm import RequestOutput
 from ..models import load_tokenizer
 from . import model as M
+from .compiler import compiler_options as _compiler_options
 from .params import MixerSpec, ModelSpec, load_params
 from .shard import constrain_cache, fold_norms, make_mesh, shard_params
 from .sampling import (accept_chain, accept_greedy, constrain, ngram_propose, penalize, sample, split_rows,
@@ -56,7 +57,7 @@ from .sampling import (accept_chain, accept_greedy, constrain, ngram_propose, pe
 __all__ = ["JaxLLM", "GenerateConfig", "LAYER_LOOPS"]
 
 #: how the decode loop runs a stage's layers (:class:`JaxLLM` ``layer_loop``)
-LAYER_LOOPS = ("scan", "unroll")
+LAYER_LOOPS = ("scan", "group", "unroll")
 
 
 def _round_up(x: int, m: int) -> int:
@@ -108,11 +109,13 @@ def _select_step(snaps, before, accepted):
 class _Program:
     """The two compiled functions (start, loop) for one :class:`GenerateConfig`."""
 
-    def __init__(self, spec: ModelSpec, dspec: ModelSpec | None, cfg: GenerateConfig, mesh=None):
+    def __init__(self, spec: ModelSpec, dspec: ModelSpec | None, cfg: GenerateConfig, mesh=None,
+                 compiler_options: dict | None = None):
         self.spec, self.dspec, self.cfg, self.mesh = spec, dspec, cfg, mesh
-        self.start = jax.jit(self._start)
+        opts = compiler_options or None
+        self.start = jax.jit(self._start, compiler_options=opts)
         # the carry is donated: the loop updates the caches in the caller's buffers (every backend)
-        self.loop = jax.jit(self._loop, donate_argnums=(2,))
+        self.loop = jax.jit(self._loop, donate_argnums=(2,), compiler_options=opts)
 
     # -- token bookkeeping ------------------------------------------------------------------
     def _emit(self, c: dict, toks, count, rowp, lps=None):
@@ -358,17 +361,27 @@ class JaxLLM:
     (batch, padded prompt length, output length, sampling flags).
     ``tensor_parallel_size=N`` shards heads, MLPs and experts over the first ``N`` devices
     with ``jax.sharding`` (:mod:`replayssm.jax.shard`; the compiler inserts the collectives).
-    ``layer_loop``: ``"scan"`` (one ``lax.scan`` over each stage's stacked weights: short
-    compiles) or ``"unroll"`` (per-layer weights, :func:`replayssm.jax.model.unstack_params`:
-    decode and verify read each weight in place instead of through a sliced copy, at the price
-    of a compile per layer).
+    ``layer_loop``: ``"unroll"`` (the default on one device; per-layer weights,
+    :func:`replayssm.jax.model.unstack_params`: decode and verify read each weight in place
+    instead of through a sliced copy, at the price of a compile per layer), ``"scan"`` (the
+    default under tensor parallelism; one ``lax.scan`` over each stage's stacked weights:
+    short compiles, each weight copied out of its stack every step where the backend does
+    not read the slice in place) or ``"group"`` (a scan over groups of ``layer_group``
+    layers, each group unrolled: :func:`replayssm.jax.model.group_params`; on the CPU it
+    copies as the scan does).  ``compiler_options``: XLA options over the backend's
+    defaults (:mod:`replayssm.jax.compiler`; a ``None`` value drops a default).
     """
 
     def __init__(self, model, dtype: str = "float32", decode_mode: str = "replay", buffer_size: int = 16,
                  speculative=None, max_seq_len: int | None = None, chunk_size: int | None = None,
-                 seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1, layer_loop: str = "scan"):
+                 seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1, layer_loop: str | None = None,
+                 layer_group: int = 8, compiler_options: dict | None = None):
+        if layer_loop is None:   # per-layer caches are a one-device layout: sharded runs scan
+            layer_loop = "unroll" if tensor_parallel_size == 1 else "scan"
         if layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+        M.group_size(1, layer_group)   # validates layer_group
+        self.compiler_options = _compiler_options(compiler_options)
         mesh = make_mesh(tensor_parallel_size)   # validates the size and the device count
         self.mesh = mesh if tensor_parallel_size > 1 else None
         if decode_mode not in M.MODES:
@@ -420,11 +433,12 @@ class JaxLLM:
             if self.dparams is not None:
                 self.dparams = shard_params(self.dspec, self.dparams, self.mesh)
                 self.dspec = fold_norms(self.dspec)
-        self.layer_loop = layer_loop
-        if layer_loop == "unroll":   # per-layer weights: decode / verify unroll the layers
-            self.params = M.unstack_params(self.params)
+        self.layer_loop, self.layer_group = layer_loop, layer_group
+        if layer_loop != "scan":   # per-layer or grouped weights (decode / verify unroll them)
+            lay = M.unstack_params if layer_loop == "unroll" else (lambda p: M.group_params(p, layer_group))
+            self.params = lay(self.params)
             if self.dparams is not None:
-                self.dparams = M.unstack_params(self.dparams)
+                self.dparams = lay(self.dparams)
         self._programs: dict = {}
         self.last_stats: dict = {}
 
@@ -476,7 +490,7 @@ class JaxLLM:
             logprobs=max([-1] + [r.params.logprobs for r in rows if r.params.logprobs is not None]))
         prog = self._programs.get(cfg)
         if prog is None:
-            prog = self._programs[cfg] = _Program(self.spec, self.dspec, cfg, self.mesh)
+            prog = self._programs[cfg] = _Program(self.spec, self.dspec, cfg, self.mesh, self.compiler_options)
         return prog, cfg
 
     def _inputs(self, rows, cfg: GenerateConfig):

@@ -33,7 +33,7 @@ from . import ops
 from .layers import FORMS, MIXERS, Ctx, apply_updates, commit_conv, commit_snapshots, window_of
 from .params import ModelSpec, jnp_dtype
 
-__all__ = ["Cache", "unstack_params", "split_cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
+__all__ = ["Cache", "unstack_params", "group_params", "group_size", "split_cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
            "MODES", "uses_ring"]
 
 #: cache modes (forms) of this backend, from the forms' table: ``("recurrent", "replay")``
@@ -124,12 +124,49 @@ def unstack_params(params):
     longer compile); prefill stacks them back into one scan (compute-bound, one copy)."""
     stages = []
     for p in params["stages"]:
-        if isinstance(p, (list, tuple)):
+        if isinstance(p, list):
             stages.append(list(p))
             continue
+        if isinstance(p, tuple):   # grouped (group_params)
+            p = _ungroup(p)
         n = jax.tree_util.tree_leaves(p)[0].shape[0]
         stages.append([jax.tree_util.tree_map(lambda a, i=i: a[i], p) for i in range(n)])
     return {**params, "stages": stages}
+
+
+def group_size(cnt: int, k: int) -> int:
+    """Layers per group for a stage of ``cnt`` layers and a requested ``k``: the largest
+    divisor of ``cnt`` that is at most ``k`` (every group the same, so one loop body)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"layer group size must be a positive int, got {k!r}")
+    return max(g for g in range(1, min(k, cnt) + 1) if cnt % g == 0)
+
+
+def group_params(params, k: int):
+    """``params`` with every stage as a *tuple* of ``g`` stacks (``g = group_size(cnt, k)``):
+    stack ``j`` holds layers ``j, g + j, 2g + j, ...`` (leaves ``[cnt / g, ...]``).
+
+    Decode and verify then run one ``lax.scan`` over the ``cnt / g`` groups whose body
+    unrolls the ``g`` layers of a group: a compile of ``g`` layers instead of ``cnt``; each
+    layer's weights are one slice of its own stack per iteration (whether a backend reads
+    that slice in place or copies it is what ``python -m replayssm.jax.costs`` measures).
+    Prefill interleaves the stacks back into one ``[cnt, ...]`` stack."""
+    stages = []
+    for p in params["stages"]:
+        if isinstance(p, (list, tuple)):
+            raise ValueError("group_params takes stacked stages (not per-layer or grouped ones)")
+        n = jax.tree_util.tree_leaves(p)[0].shape[0]
+        g = group_size(n, k)
+        stages.append(tuple(jax.tree_util.tree_map(lambda a, j=j, g=g: a[j::g], p) for j in range(g)))
+    return {**params, "stages": stages}
+
+
+def _ungroup(p: tuple):
+    """The ``[cnt, ...]`` stack of a grouped stage (:func:`group_params`), layer order."""
+    def inter(*a):
+        s = jnp.stack(a, 1)
+        return s.reshape((s.shape[0] * s.shape[1],) + s.shape[2:])
+    return jax.tree_util.tree_map(inter, *p)
 
 
 def split_cache(cache: Cache) -> Cache:
@@ -145,7 +182,8 @@ def split_cache(cache: Cache) -> Cache:
 
 def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):
     """All layers of one stage: ``h = res(h) + mixer(norm(h))``, scanned when ``cnt > 1`` and
-    the weights are stacked; unrolled over per-layer weights (:func:`unstack_params`)."""
+    the weights are stacked; unrolled over per-layer weights (:func:`unstack_params`); a scan
+    over groups with each group unrolled for grouped weights (:func:`group_params`)."""
     dtype = (p[0] if isinstance(p, (list, tuple)) else p)["norm"].dtype   # the model dtype
     mixer = MIXERS[sb.mixer.kind]
     if sb.residual_fp32:
@@ -158,9 +196,24 @@ def _run_stage(sb, p, c, cnt: int, h, ctx: Ctx):
         out, cc, pend, upd = mixer(pi["mixer"], sb.mixer, x, ctx, cc, i)
         return ((hh + out).astype(hh.dtype), cc), (pend, upd)
 
-    if isinstance(p, (list, tuple)) and ctx.kind in ("full", "prefill"):   # compute-bound: one scan
+    if isinstance(p, list) and ctx.kind in ("full", "prefill"):   # compute-bound: one scan
         p = jax.tree_util.tree_map(lambda *a: jnp.stack(a, 0), *p)
-    if isinstance(p, (list, tuple)):   # per-layer weights (unstack_params): layers unrolled
+    if isinstance(p, tuple) and (ctx.kind in ("full", "prefill") or len(p) == 1):
+        p = _ungroup(p)
+    if isinstance(p, tuple):   # grouped (group_params): a scan over groups, g layers unrolled
+        g = len(p)
+
+        def group(carry, xs):
+            pg, gi = xs
+            outs = []
+            for j in range(g):
+                carry, o = body(carry, (pg[j], gi * g + j))
+                outs.append(o)
+            return carry, jax.tree_util.tree_map(lambda *a: jnp.stack(a, 0), *outs)
+
+        (h, c), ys = lax.scan(group, (h, c), (p, jnp.arange(cnt // g)))
+        pend, upd = jax.tree_util.tree_map(lambda a: a.reshape((cnt,) + a.shape[2:]), ys)
+    elif isinstance(p, list):   # per-layer weights (unstack_params): layers unrolled
         ctx = dataclasses.replace(ctx, unrolled=True)
         outs, wins = [], []
         for i, pi in enumerate(p):
@@ -199,7 +252,7 @@ def _trunk(spec: ModelSpec, params, stages_cache, ids, ctx: Ctx):
     for s, (sb, cnt) in enumerate(spec.stages):
         c = stages_cache[s] if stages_cache is not None else {}
         p = params["stages"][s]
-        unrolled = isinstance(p, (list, tuple)) and ctx.kind not in ("full", "prefill")
+        unrolled = isinstance(p, list) and ctx.kind not in ("full", "prefill")
         h, c, pend, upd = _run_stage(sb, p, c, cnt, h, ctx)
         if upd and (cnt == 1 or unrolled):
             upd = _after(upd, h)

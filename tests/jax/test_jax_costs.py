@@ -76,3 +76,23 @@ def test_step_costs_and_ideal_bytes_on_the_tiny_preset():
             r = costs.step_costs(spec, p, mode, 3, 4, top=2)
             assert r["ideal"] == weights + 3 * sz["recurrent_row" if mode == "recurrent" else "replay_row_noflush"]
             assert r["hlo"] >= r["ideal"] * 0.9 and r["flops"] > 0 and len(r["top"]) == 2
+
+
+def test_default_layer_loop_reads_weights_in_place(hf_model_dir):
+    """The one-device default loop (``"unroll"``) moves near the ideal bytes per decode step; a
+    regression to weights copied out of a stack each step (what the scan does on this backend:
+    ~2.8x) is caught.  Tiny preset widened to 4 layers, B = 1, both forms (replay: the loop's
+    common step, no checkpoint write)."""
+    from replayssm.jax.generate import JaxLLM
+
+    assert JaxLLM(hf_model_dir("mamba2")).layer_loop == "unroll"      # the default this test guards
+    spec, params = costs.abstract_model("tiny", "float32", layers=4)
+    unrolled = costs.loop_params(params, "unroll")
+    assert isinstance(unrolled["stages"][0], list) and len(unrolled["stages"][0]) == 4
+    for mode in ("replay", "recurrent"):
+        r = costs.step_costs(spec, unrolled, mode, 1, 4, top=1)
+        assert 0.9 < r["hlo_over_ideal"] < 1.6, (mode, r["hlo_over_ideal"], r["top"])
+    scan = costs.step_costs(spec, params, "recurrent", 1, 4, top=1)
+    assert scan["hlo_over_ideal"] > 2.0, scan["hlo_over_ideal"]      # the counter sees the copies
+    with pytest.raises(ValueError, match="layer_loop"):
+        costs.loop_params(params, "unrolled")

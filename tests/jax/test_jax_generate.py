@@ -101,7 +101,7 @@ def test_unrolled_layers_match_torch_engine(hf_model_dir, name, mode, method):
     llm = JaxLLM(path, dtype="float64", decode_mode=mode, buffer_size=8, speculative=_spec(method), layer_loop="unroll")
     assert isinstance(llm.params["stages"][0], list)
     assert [o.token_ids for o in llm.generate(PROMPTS, _params())] == ref
-    scan = JaxLLM(path, dtype="float64", decode_mode=mode, buffer_size=4)
+    scan = JaxLLM(path, dtype="float64", decode_mode=mode, buffer_size=4, layer_loop="scan")
     ids = jnp.asarray([[3, 5, 7, 3, 5], [1, 2, 9, 0, 0]], jnp.int32)
     lengths = jnp.asarray([5, 3], jnp.int32)
     caches = []
@@ -274,7 +274,7 @@ def test_compiled_loop_updates_the_cache_in_place(hf_model_dir, name, mode, meth
     import re
 
     path = hf_model_dir(name)
-    llm = JaxLLM(path, dtype="float32", decode_mode=mode, buffer_size=8, speculative=_spec(method))
+    llm = JaxLLM(path, dtype="float32", decode_mode=mode, buffer_size=8, speculative=_spec(method), layer_loop="scan")
     rows = llm._rows(PROMPTS * 6, SamplingParams(max_tokens=8))      # 18 rows: the cache dominates
     prog, cfg = llm._program(rows)
     ids, lengths, rowp, key = llm._inputs(rows, cfg)
