@@ -15,8 +15,9 @@ A mixer of a plain :class:`~replayssm.models.base.Block` returns its partial out
 * on CPUs, float64 and anything the kernel does not take: the reference, the all-reduce of
   ``[partial ; sums]`` then the same scale, add and norm in PyTorch
   (:func:`reference_sum`);
-* on GPUs past the one-shot size (long prefills): today's path (all-reduce, then the
-  block's fused add + norm).
+* on GPUs past the one-shot size (long prefills) or past ``REPLAYSSM_TP_FUSED_MAX_ROWS``
+  rows (default 16: the kernel wins at one row and loses from 64, measured): today's path
+  (all-reduce, then the block's fused add + norm).
 
 Mamba-2's gated norm, where a norm group spans ranks (``n_groups`` < ranks), is deferred
 past ``out_proj``: its row scale ``c = rsqrt(mean (x·silu(z))² + eps)`` factors out of the
@@ -41,9 +42,30 @@ from ..layers.norms import RMSNorm
 from ..models.base import Deferred
 from ..runtime import compute_dtype
 
-__all__ = ["DeferredSum", "GroupScale", "FusedFinish", "SymmOutProj", "fused_enabled", "reference_sum"]
+__all__ = ["DeferredSum", "GroupScale", "FusedFinish", "SymmOutProj", "fused_enabled", "fused_max_rows",
+           "reference_sum"]
 
 ENV = "REPLAYSSM_TP_FUSED"
+ROWS_ENV = "REPLAYSSM_TP_FUSED_MAX_ROWS"
+#: the fused finish takes calls of at most this many rows (``REPLAYSSM_TP_FUSED_MAX_ROWS``
+#: overrides).  Measured on two H200s (2026-11-27, d = 2560): the fused Mamba-2 tail costs
+#: 16.2 µs a layer at 1 row against today's 23.7, but 28.7 vs 27.9 at 64 rows and 58.9 vs
+#: 38.2 at 256 (the kernel moves ~130-150 GB/s at large row counts; why is not yet known);
+#: rows between 1 and 64 are not measured.
+DEFAULT_MAX_ROWS = 16
+
+
+def fused_max_rows(value: str | None = None) -> int:
+    """``REPLAYSSM_TP_FUSED_MAX_ROWS`` (or ``value``): a positive row count (default
+    :data:`DEFAULT_MAX_ROWS`)."""
+    v = os.environ.get(ROWS_ENV, str(DEFAULT_MAX_ROWS)) if value is None else value
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{ROWS_ENV} must be a positive integer, got {v!r}")
+    return n
 
 
 def fused_enabled(value: str | None = None) -> bool:
@@ -70,7 +92,8 @@ class GroupScale:
 class FusedFinish:
     """One model's fused sub-block finish (every rank builds it together: a collective).
 
-    ``mode(rows, x)``: ``"fused"`` (CUDA, symmetric memory, ``rows <= max_rows``, the
+    ``mode(rows, x)``: ``"fused"`` (CUDA, symmetric memory, ``rows <= fused_rows``: the
+    buffers' ``max_rows`` and :func:`fused_max_rows`, the
     model's dtype), ``"reference"`` (not CUDA, float64, or ``REPLAYSSM_KERNELS=naive``),
     else None (today's path).
 
@@ -92,6 +115,7 @@ class FusedFinish:
         self.rank, self.size, self.allreduce = rank, size, allreduce
         self.parity = 0
         self.max_rows = max(1, int(max_bytes) // (self.D * torch.finfo(dtype).bits // 8))
+        self.fused_rows = min(self.max_rows, fused_max_rows())   # calls the kernel takes
         self.ok, self.why_not = False, "not CUDA"
         self.parts: list[Tensor] = []
         self.sums: list[Tensor] = []
@@ -159,7 +183,7 @@ class FusedFinish:
     def mode(self, rows: int, x: Tensor) -> str | None:
         if x.device.type != "cuda" or x.dtype == torch.float64 or env_backend() == "naive":
             return "reference"
-        if self.ok and rows and rows <= self.max_rows and x.dtype == self.dtype:
+        if self.ok and rows and rows <= self.fused_rows and x.dtype == self.dtype:
             return "fused"
         return None
 

@@ -55,6 +55,28 @@ def test_switch_reads_zero_or_one(monkeypatch):
         fused_enabled("yes")
 
 
+def test_max_rows_reads_a_positive_count_and_bounds_the_fused_calls(monkeypatch):
+    """Calls of more rows than ``REPLAYSSM_TP_FUSED_MAX_ROWS`` (default 16) take today's
+    path: the fused kernel wins at one row and loses from 64 on the GPU."""
+    from replayssm.distributed.fused import DEFAULT_MAX_ROWS, FusedFinish, fused_max_rows
+
+    monkeypatch.delenv("REPLAYSSM_TP_FUSED_MAX_ROWS", raising=False)
+    assert fused_max_rows() == DEFAULT_MAX_ROWS == 16
+    monkeypatch.setenv("REPLAYSSM_TP_FUSED_MAX_ROWS", "5")
+    assert fused_max_rows() == 5
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(ValueError, match="REPLAYSSM_TP_FUSED_MAX_ROWS"):
+            fused_max_rows(bad)
+    fin = FusedFinish(None, "cpu", torch.bfloat16, 8, 1 << 20, 0, 1, None)   # CPU: builds no buffers
+    assert fin.max_rows == (1 << 20) // 16 and fin.fused_rows == 5
+    fin.ok = True
+    x = torch.zeros(1, 8, dtype=torch.bfloat16)
+    assert fin.mode(3, x) == "reference"                                      # not CUDA: the reference
+    fin.device = torch.device("cuda")                                         # the decision alone
+    xc = type("X", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16})()
+    assert fin.mode(5, xc) == "fused" and fin.mode(6, xc) is None and fin.mode(0, xc) is None
+
+
 @pytest.fixture(scope="module")
 def mamba_path(tmp_path_factory):
     m = H.tiny_mamba2(seed=5, num_heads=6, head_dim=5, hidden_size=15, n_groups=1, num_hidden_layers=3)
