@@ -118,6 +118,11 @@ def test_compiler_options_defaults_user_flags_and_overrides(hf_model_dir):
         JaxLLM(path, layer_loop="groups")
     with pytest.raises(ValueError, match="group size"):
         JaxLLM(path, layer_loop="group", layer_group=0)
+    # the unrolled and grouped loops take the defaults; the scan (the default loop) compiles
+    # with XLA's own, as its GPU figures were measured
+    assert compiler_options(xla_flags="", defaults=False) == {}
+    assert JaxLLM(path).compiler_options == {} and JaxLLM(path).layer_loop == "scan"
+    assert JaxLLM(path, layer_loop="unroll").compiler_options == compiler_options()
     # the options compile on this backend (the xla_gpu_* names are ignored off GPUs)
     llm = JaxLLM(path, dtype="float64", decode_mode="recurrent", layer_loop="scan",
                  compiler_options={"xla_gpu_autotune_level": 1})
