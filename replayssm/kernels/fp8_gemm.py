@@ -700,7 +700,7 @@ def dequantize(weight: Tensor, scale: Tensor, block, dtype: torch.dtype) -> Tens
     NBI = 1 if block is None else -(-K // BI)
     s32 = scale.float().contiguous()
     y = torch.empty(N, K, dtype=dtype, device=weight.device)
-    wq = weight.view(torch.uint8) if interpreting() else weight
+    wq = weight.view(torch.uint8)   # bytes, bitcast in the kernel (an fp8 load with `other=0` failed to compile)
     BN, BK = 32, 128
     _dequant_kernel[(-(-N // BN), -(-K // BK))](wq, s32, y, N, K, BO, BI, NBI, BLOCK_N=BN, BLOCK_K=BK, num_warps=4)
     return y
