@@ -248,7 +248,7 @@ def _worker(rank: int, size: int, port: int, q) -> None:
         t = time.perf_counter()
         _bench(rank, size, dev, res)
         res["bench_s"] = time.perf_counter() - t
-    except Exception as e:  # noqa: BLE001 - reported
+    except Exception:  # noqa: BLE001 - reported
         import traceback
 
         res["error"] = f"rank {rank}: {traceback.format_exc()}"
