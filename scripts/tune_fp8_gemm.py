@@ -124,10 +124,10 @@ def rel(a, b) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
-def graph_us(call, copies: int, reps: int = 5) -> float:
-    """µs per call: ``max(copies, 8)`` calls (cycling through ``copies`` weight copies) in one
-    CUDA graph, replayed ``reps`` times between events."""
-    calls = max(copies, 8)
+def graph_us(call, copies: int, reps: int = 5, min_calls: int = 8) -> float:
+    """µs per call: ``max(copies, min_calls)`` calls (cycling through ``copies`` weight copies)
+    in one CUDA graph, replayed ``reps`` times between events."""
+    calls = max(copies, min_calls)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

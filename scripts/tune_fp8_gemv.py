@@ -49,6 +49,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tune_fp8_gemm import PRESETS, rel, shapes  # noqa: E402
+from tune_fp8_gemm import graph_us as _graph_us  # noqa: E402
 
 from replayssm.kernels import fp8_gemm as KF  # noqa: E402
 from replayssm.kernels.fp8_gemm import GemmConfig  # noqa: E402
@@ -108,29 +109,9 @@ def copy_ceiling() -> float:
 
 
 def graph_us(call, copies: int, reps: int = 5) -> float:
-    """µs per call: ``max(copies, 20)`` calls cycling through ``copies`` weight copies in one
-    CUDA graph, replayed ``reps`` times between events."""
-    calls = max(copies, 20)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(min(copies, 2)):
-            call(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            call(i % copies)
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(reps):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    del g
-    return t0.elapsed_time(t1) * 1e3 / (reps * calls)
+    """µs per call: at least 20 calls cycling through ``copies`` weight copies in one CUDA
+    graph (:func:`tune_fp8_gemm.graph_us`)."""
+    return _graph_us(call, copies, reps, min_calls=20)
 
 
 _PREP: dict = {}
