@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from replayssm.ops.conv import naive as RC
+from replayssm.ops.delta_rule import _prep_qk
 from replayssm.ops.gdn import naive as NG
 from replayssm.ops.mamba2 import naive as N2
 
@@ -51,7 +52,7 @@ def gdn_inputs(lens, H=2, HV=4, K=5, V=3, seed=0, dtype=F64):
 def gdn_truth(q, k, v, g, beta, S0):
     """Per-token recurrence of one sequence (fp64): ``y [T,HV,V]``, final, ``u [T,HV,V]``."""
     HV = v.shape[1]
-    qn, kn = NG._prep_qk(q, k, F64, None, True)
+    qn, kn = _prep_qk(q, k, F64, None, True)
     rep = HV // q.shape[1]
     qn, kn = qn.repeat_interleave(rep, 1), kn.repeat_interleave(rep, 1)
     St, ys, us = S0.clone(), [], []
