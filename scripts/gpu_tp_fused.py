@@ -44,6 +44,7 @@ BATCHES_CHECK = (1, 7, 64, 256, 1000)
 BATCHES_BENCH = (1, 64, 256)
 DIMS_BENCH = (2560, 8192)
 REPLAYS = 200
+DIAGNOSE = os.environ.get("GPU_TP_FUSED_DIAGNOSE") == "1"   # set by --diagnose for the spawned ranks
 EPS, GATE_EPS = 1e-5, 1e-5
 
 
@@ -232,6 +233,51 @@ def _bench(rank: int, size: int, dev, res: dict) -> None:
             rows.append({"D": D, "B": B, **st})
         keep.append(fin)      # symmetric buffers live until the group ends
     res["bench"] = rows
+    if DIAGNOSE:
+        res["diagnose"] = _diagnose(rank, size, dev, ar)
+
+
+def _diagnose(rank: int, size: int, dev, ar) -> list:
+    """Where the fused kernel's time goes (``--diagnose``): the kernel alone (finish of a
+    residual add + RMSNorm, no deferred scale) with and without its barrier, reading the
+    peers' partials or only its own (the same bytes from local memory), at several warp
+    counts; µs per call in CUDA graphs.  Without the barrier the buffers are complete
+    before the graph runs (nothing writes them in it)."""
+    from replayssm.distributed.fused import FusedFinish
+    from replayssm.kernels.tp_reduce import tp_reduce
+
+    bf = torch.bfloat16
+    rows = []
+    for D in DIMS_BENCH:
+        fin = FusedFinish(None, dev, bf, D, 4 << 20, rank, size, ar)
+        if not fin.ok:
+            continue
+        w = torch.ones(D, dtype=bf, device=dev)
+        local = [torch.tensor([int(fin.part_ptrs[par][rank])] * size, dtype=torch.int64, device=dev)
+                 for par in range(2)]
+        for B in BATCHES_BENCH:
+            for par in range(2):
+                fin.parts[par][:B].copy_(_gen(rank, B, D, dev=dev).to(bf))
+            h = _gen(9, B, D, dev=dev).float()
+            torch.cuda.synchronize()
+            dist.barrier()
+            row = {"D": D, "B": B}
+            for peers in (True, False):
+                for barrier in (True, False):
+                    for nw in (None, 1, 2, 4, 16):
+                        if nw is not None and not (peers and barrier):
+                            continue
+                        ptrs = fin.part_ptrs[0] if peers else local[0]
+
+                        def call():
+                            tp_reduce(ptrs, fin.parts[0], B, rank=rank, residual=h, sum_dtype=torch.float32,
+                                      weight=w, eps=EPS, pad_ptrs=fin.pad_ptrs if barrier else None,
+                                      num_warps=nw)
+
+                        key = f"{'peers' if peers else 'local'}{'+barrier' if barrier else ''}" + (f" w{nw}" if nw else "")
+                        row[key] = _time_graph(call)
+            rows.append(row)
+    return rows
 
 
 def _worker(rank: int, size: int, port: int, q) -> None:
@@ -299,7 +345,11 @@ def _e2e(out: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="also time the kernel alone with/without barrier, peer/local reads, warp counts")
     args = ap.parse_args()
+    if args.diagnose:
+        os.environ["GPU_TP_FUSED_DIAGNOSE"] = "1"     # the spawned ranks read it at import
     t0 = time.perf_counter()
     if torch.cuda.device_count() < 2:
         print("needs two GPUs")
@@ -340,6 +390,11 @@ def main() -> int:
             continue
         print(f"{r['D']:>6}{r['B']:>5}{r['old_finish']:>12.1f}{r['fused_finish']:>8.1f}{r['fused_finish_copy_in']:>12.1f}"
               f"{r['old_mamba_tail']:>10.1f}{r['new_mamba_tail']:>10.1f}")
+    if out.get("diagnose"):
+        print("(diagnose) the kernel alone, µs per call: peers' or only local partials, with or without "
+              "the barrier, warp counts (default: by width)")
+        for r in out["diagnose"]:
+            print(f"  D={r['D']} B={r['B']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if k not in ("D", "B")))
     if not args.skip_e2e:
         try:
             _e2e(out)

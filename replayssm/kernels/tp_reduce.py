@@ -137,7 +137,7 @@ def tp_reduce(part_ptrs: Tensor, like: Tensor, rows: int, *, rank: int = 0, ss_p
               ranks_per_group: int | None = None, group_size: int = 1, gate_eps: float = 0.0,
               residual: Tensor | None = None, sum_dtype: torch.dtype | None = None, weight: Tensor | None = None,
               eps: float = 0.0, zero_centered: bool = False, want_sum: bool = False,
-              pad_ptrs: Tensor | None = None, trailing: bool = False):
+              pad_ptrs: Tensor | None = None, trailing: bool = False, num_warps: int | None = None):
     """Launch the kernel over ``rows`` rows of ``N = like.shape[-1]`` channels.
 
     ``part_ptrs [W]`` int64: each rank's partial ``[rows, N]`` (contiguous, ``like``'s dtype)
@@ -146,7 +146,8 @@ def tp_reduce(part_ptrs: Tensor, like: Tensor, rows: int, *, rank: int = 0, ss_p
     ``group_size`` channels; ``residual [rows, N]`` (rows may be strided): add it, the sum
     stored in ``sum_dtype``; ``weight [N]``: the next RMSNorm (output in its dtype).
     ``pad_ptrs [W]`` int64: the signal pads (None: no barrier, the ranks' buffers are
-    already complete); ``trailing``: a second barrier after the reads.  Returns
+    already complete); ``trailing``: a second barrier after the reads; ``num_warps``: a
+    launch override (default: by the row width).  Returns
     ``(y, s, o)``: the normed rows (or None), the new residual stream (or None), the
     reduced rows (when ``want_sum`` or neither of the others is asked for, else None)."""
     W = int(part_ptrs.numel())
@@ -183,5 +184,5 @@ def tp_reduce(part_ptrs: Tensor, like: Tensor, rows: int, *, rank: int = 0, ss_p
         1.0 / float(group_size), W=W, RPG=rpg, SCALED=ss_ptrs is not None, ADD=residual is not None,
         NORM=weight is not None, ZERO_CENTERED=bool(zero_centered), OUT=o is not None,
         BARRIER=pad_ptrs is not None, TRAIL=bool(trailing) and pad_ptrs is not None, BN=BN,
-        num_warps=min(8, max(1, BN // 512)))
+        num_warps=num_warps or min(8, max(1, BN // 512)))
     return y, s, o
