@@ -328,6 +328,35 @@ class _Row:
 #: context when ``max_seq_len`` is not given (the PyTorch engine's default)
 DEFAULT_MAX_SEQ_LEN = 2048
 
+#: why ``decode_mode="auto"`` is refused (the PyTorch engine's per-request KV-only -> replay switch)
+AUTO_REFUSED = (
+    "decode_mode='auto' is not supported by the JAX backend: its one compiled loop has static shapes, so "
+    "every row would keep an entry buffer of max_seq_len tokens and read all of it every step even after "
+    "switching to replay; the switch would save neither memory nor reads. Use decode_mode='kv' (no state, "
+    "short contexts) or 'replay' (long contexts), or the PyTorch engine for 'auto'")
+
+
+def _memory_bytes() -> int:
+    """Memory of the first device (its allocator's limit), else the host's physical memory."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:   # backends without memory statistics
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_entry_memory(spec: ModelSpec, mode: str, batch: int, buffer_size: int, max_seq_len: int) -> None:
+    """Refuse a KV-only entry buffer (``max_seq_len`` tokens per row and SSM layer) larger than
+    the device's memory, before anything is allocated or compiled."""
+    need = M.entry_bytes(spec, mode, batch, buffer_size, max_seq_len)
+    have = _memory_bytes()
+    if need > have:
+        raise ValueError(f"decode_mode={mode!r} keeps every token's entries: {batch} row(s) x max_seq_len "
+                         f"{max_seq_len} need {need / 2**30:.1f} GiB of entry buffers, more than the "
+                         f"{have / 2**30:.1f} GiB of device memory; lower max_seq_len or use decode_mode='replay'")
+
 
 def _processed(sp) -> bool:
     """The request changes the logits before sampling (penalties, logit_bias, min_tokens)."""
@@ -386,9 +415,10 @@ class JaxLLM:
         self.compiler_options = _compiler_options(compiler_options, defaults=layer_loop != "scan")
         mesh = make_mesh(tensor_parallel_size)   # validates the size and the device count
         self.mesh = mesh if tensor_parallel_size > 1 else None
+        if decode_mode == "auto":
+            raise ValueError(AUTO_REFUSED)
         if decode_mode not in M.MODES:
-            raise ValueError(f"decode_mode must be one of {M.MODES} for the JAX backend, got {decode_mode!r} "
-                             "(kv / auto are PyTorch-engine forms)")
+            raise ValueError(f"decode_mode must be one of {M.MODES} for the JAX backend, got {decode_mode!r}")
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
             raise ValueError(f"buffer_size must be a positive int, got {buffer_size!r}")
         if speculative is not None:
@@ -416,6 +446,8 @@ class JaxLLM:
             self.spec = _with_chunk(self.spec, chunk_size)
         self.decode_mode, self.buffer_size, self.speculative = decode_mode, buffer_size, speculative
         self.max_seq_len = max_seq_len
+        if max_seq_len is not None:   # KV-only: one row's entry buffer must fit at all
+            _check_entry_memory(self.spec, decode_mode, 1, buffer_size, max_seq_len)
         self.key = jax.random.PRNGKey(seed)
         self.dspec = self.dparams = None
         if speculative is not None and speculative.method == "draft":
@@ -491,7 +523,8 @@ class JaxLLM:
             use_min_tokens=any(r.params.min_tokens > 0 for r in rows),
             logprobs=max([-1] + [r.params.logprobs for r in rows if r.params.logprobs is not None]))
         prog = self._programs.get(cfg)
-        if prog is None:
+        if prog is None:   # before any compile: the batch's entry buffers must fit
+            _check_entry_memory(self.spec, cfg.mode, cfg.batch, cfg.buffer_size, cfg.max_seq_len)
             prog = self._programs[cfg] = _Program(self.spec, self.dspec, cfg, self.mesh, self.compiler_options)
         return prog, cfg
 

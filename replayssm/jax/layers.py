@@ -366,7 +366,7 @@ def _m2_replay(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
     a causal mask; flushing rows write the checkpoint, the new inputs go to the ring."""
     Bt, T, H, d = x.shape
     xc, Bc, Cc = x.astype(cdt), B.astype(cdt), C.astype(cdt)
-    S0 = c["state"][i].astype(cdt)
+    S0 = c["state"][i].astype(cdt) if st.state.read else jnp.zeros((Bt, H, d, sp.n), cdt)
     (hx, hB, hdt), valid = _history(c, ("rx", "rB", "rdt"), i, ctx, cdt)
     hl = A * hdt
     nl = A * dt
@@ -377,15 +377,27 @@ def _m2_replay(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
     y = ops.m2_attend(S0, (hx, xc), Bs, dts, logs, Cc, P)
     c = _flush_state(c, i, ctx, st, S0, y, lambda: ops.m2_build_state(S0, xs, Bs, dts, logs, P[:, 0]),
                      lambda: ops.m2_build_state(S0, hx, hB, hdt, hl, valid), upd)
-    if st.ring.write:
+    if st.ring.write or st.pages.write:
         upd.update(rx=x, rB=B, rdt=dt)
+    return y, c, {}
+
+
+def _m2_kv(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
+    """``kv_verify`` (KV-only form): the replay formula with ``S0 = 0`` over every entry of the
+    row (the entry buffer is a ring that never wraps or flushes).  A fresh prefill computes the
+    same outputs with the chunked SSD from a zero state and writes the prompt's entries
+    ``(x, B, Δ)`` at ``0 .. T-1`` (padding past a row's length is never read)."""
+    if not _fresh(st.info):
+        return _m2_replay(st, sp, x, dt, A, B, C, ctx, c, i, cdt, upd)
+    y, c, _ = _m2_chunked(st, sp, x, dt, A, B, C, ctx, c, i, cdt, upd)
+    upd.update(rx=x, rB=B, rdt=dt)
     return y, c, {}
 
 
 #: ``(form, kind) -> Mamba-2 step`` from the forms' table (the op entries implemented here)
 M2_STEPS = _build_steps({"chunked_prefill": _m2_chunked, "chunked_prefill_varlen": _m2_chunked,
                          "recurrent_update": _m2_serial, "snapshot_verify": _m2_serial,
-                         "replay_decode": _m2_replay, "replay_verify": _m2_replay})
+                         "replay_decode": _m2_replay, "replay_verify": _m2_replay, "kv_verify": _m2_kv})
 
 
 # ------------------------------------------------------------------------------ Gated DeltaNet
@@ -466,7 +478,7 @@ def _gdn_replay(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
     T = q.shape[1]
     HV = sp.HV
     qn, kn, vc, gc, bc = _gdn_args(q, k, v, g, beta, cdt)
-    S0 = c["state"][i].astype(cdt)
+    S0 = c["state"][i].astype(cdt) if st.state.read else jnp.zeros((q.shape[0], HV, sp.K, sp.V), cdt)
     (hu, hk, hg), valid = _history(c, ("ru", "rk", "rg"), i, ctx, cdt)
     w, tot = ops.gdn_hist_weights(hg, valid)
     r = ops.gdn_readout(S0, hu, hk, w, tot, jnp.concatenate([kn, qn], 1))   # S_h k_s, S_h q_s
@@ -481,15 +493,30 @@ def _gdn_replay(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
         return jnp.exp(gc[:, 0])[..., None, None] * Sh + k_s[..., :, None] * u_s[..., None, :]
 
     c = _flush_state(c, i, ctx, st, S0, y, with_new, lambda: ops.gdn_build_state(S0, hu, hk, w, tot), upd)
-    if st.ring.write:
+    if st.ring.write or st.pages.write:
         upd.update(ru=U, rk=kn, rg=gc)
+    return y.astype(v.dtype), c, {}
+
+
+def _gdn_kv(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
+    """``kv_verify`` (KV-only form): the replay formula with ``S0 = 0`` over every entry of the
+    row.  A fresh prefill runs the chunked delta rule from a zero state, which also yields each
+    token's correction ``U_s`` (the ring's ``u``): the entries ``(U, k, g)`` go to ``0 .. T-1``."""
+    if not _fresh(st.info):
+        return _gdn_replay(st, sp, q, k, v, g, beta, ctx, c, i, cdt, upd)
+    qn, kn, vc, gc, bc = _gdn_args(q, k, v, g, beta, cdt)
+    m = ctx.valid[..., None]   # padding: g = β = 0 (U = 0 there; never read)
+    gc, bc = jnp.where(m, gc, jnp.zeros((), cdt)), jnp.where(m, bc, jnp.zeros((), cdt))
+    y, _, U = ops.gdn_chunked(qn, kn, vc, gc, bc, jnp.zeros((q.shape[0], sp.HV, sp.K, sp.V), cdt), sp.chunk,
+                              with_u=True)
+    upd.update(ru=U, rk=kn, rg=gc)
     return y.astype(v.dtype), c, {}
 
 
 #: ``(form, kind) -> Gated DeltaNet step`` from the forms' table (the op entries implemented here)
 GDN_STEPS = _build_steps({"chunked_prefill": _gdn_chunked, "chunked_prefill_varlen": _gdn_chunked,
                           "recurrent_update": _gdn_serial, "snapshot_verify": _gdn_serial,
-                          "replay_decode": _gdn_replay, "replay_verify": _gdn_replay})
+                          "replay_decode": _gdn_replay, "replay_verify": _gdn_replay, "kv_verify": _gdn_kv})
 
 #: forms this backend runs: those with a Mamba-2 and a Gated DeltaNet step for every kind it runs
 FORMS = tuple(f for f in dict.fromkeys(f for f, _ in STEPS)

@@ -36,13 +36,43 @@ from .params import ModelSpec, jnp_dtype
 __all__ = ["Cache", "unstack_params", "group_params", "group_size", "split_cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
            "MODES", "uses_ring"]
 
-#: cache modes (forms) of this backend, from the forms' table: ``("recurrent", "replay")``
+#: cache modes (forms) of this backend, from the forms' table: ``("recurrent", "replay", "kv")``
 MODES = FORMS
 
 
 def uses_ring(mode: str) -> bool:
     """The form keeps a ring of inputs (ring pointers move, steps flush its checkpoints)."""
     return "ring" in table.form_stores(mode)
+
+
+def keeps_entries(mode: str) -> bool:
+    """The form keeps per-token entries: the replay ring, or the KV-only form's entries of
+    every token (held here as a ring of capacity ``max_seq_len`` that never wraps or flushes:
+    ``ring_start`` stays 0 and ``ring_len == seq_len``)."""
+    return bool({"ring", "pages"} & table.form_stores(mode))
+
+
+def entry_capacity(mode: str, buffer_size: int, max_seq_len: int) -> int:
+    """Entries a row's buffer holds: ``buffer_size`` (replay ring), ``max_seq_len`` (KV-only)."""
+    return max_seq_len if "pages" in table.form_stores(mode) else buffer_size
+
+
+def entry_bytes(spec: ModelSpec, mode: str, batch: int, buffer_size: int, max_seq_len: int) -> int:
+    """Bytes of the SSM layers' entry buffers of ``batch`` rows (0 for a form without entries):
+    Mamba-2 ``x, B`` in the model dtype and ``Δ`` in the state dtype per token, GDN ``u, k``
+    and ``g``."""
+    if not keeps_entries(mode):
+        return 0
+    dt, cdt = _dtypes(spec)
+    a, b = jnp.dtype(dt).itemsize, jnp.dtype(cdt).itemsize
+    per = 0
+    for sb, cnt in spec.stages:
+        sp = sb.mixer
+        if sp.kind == "mamba":
+            per += cnt * ((sp.H * sp.d + sp.G * sp.n) * a + sp.H * b)
+        elif sp.kind == "gdn":
+            per += cnt * ((sp.HV * sp.V + sp.H * sp.K) * a + sp.HV * b)
+    return per * batch * entry_capacity(mode, buffer_size, max_seq_len)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -82,8 +112,9 @@ def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: i
     if not isinstance(buffer_size, int) or buffer_size < 1:
         raise ValueError(f"buffer_size must be a positive int, got {buffer_size!r}")
     dt, cdt = _dtypes(spec)
-    L, B = buffer_size, batch
-    ring = uses_ring(mode)
+    L, B = entry_capacity(mode, buffer_size, max_seq_len), batch
+    ring = keeps_entries(mode)
+    state = "state" in table.form_stores(mode)   # the KV-only form keeps none (S0 = 0)
 
     def full(shape, dtype):
         return jnp.full(shape, fill, dtype)
@@ -94,15 +125,18 @@ def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: i
         c = {}
         if sp.kind == "mamba":
             w = (cnt, B, sp.W - 1)
-            c = {"state": full((cnt, B, sp.H, sp.d, sp.n), cdt), "win_x": full(w + (sp.H * sp.d,), dt),
-                 "win_bc": full(w + (2 * sp.G * sp.n,), dt)}
+            c = {"win_x": full(w + (sp.H * sp.d,), dt), "win_bc": full(w + (2 * sp.G * sp.n,), dt)}
+            if state:
+                c["state"] = full((cnt, B, sp.H, sp.d, sp.n), cdt)
             if ring:
                 c.update(rx=full((cnt, B, L, sp.H, sp.d), dt), rB=full((cnt, B, L, sp.G, sp.n), dt),
                          rdt=full((cnt, B, L, sp.H), cdt))
         elif sp.kind == "gdn":
             w = (cnt, B, sp.W - 1)
-            c = {"state": full((cnt, B, sp.HV, sp.K, sp.V), cdt), "win_q": full(w + (sp.H * sp.K,), dt),
-                 "win_k": full(w + (sp.H * sp.K,), dt), "win_v": full(w + (sp.HV * sp.V,), dt)}
+            c = {"win_q": full(w + (sp.H * sp.K,), dt), "win_k": full(w + (sp.H * sp.K,), dt),
+                 "win_v": full(w + (sp.HV * sp.V,), dt)}
+            if state:
+                c["state"] = full((cnt, B, sp.HV, sp.K, sp.V), cdt)
             if ring:
                 c.update(ru=full((cnt, B, L, sp.HV, sp.V), dt), rk=full((cnt, B, L, sp.H, sp.K), dt),
                          rg=full((cnt, B, L, sp.HV), cdt))
@@ -284,12 +318,17 @@ def prefill(spec: ModelSpec, params, cache: Cache, ids, lengths):
     B, T = ids.shape
     t = jnp.arange(T)
     lengths = lengths.astype(jnp.int32)
+    z = jnp.zeros((B,), jnp.int32)
+    pages = "pages" in table.form_stores(cache.mode)
+    if pages and T > cache.L:
+        raise ValueError(f"a padded prompt of {T} tokens does not fit the KV-only entry buffer of {cache.L}")
     ctx = Ctx(kind="prefill", mode=cache.mode, T=T, positions=jnp.broadcast_to(t, (B, T)),
-              valid=t[None, :] < lengths[:, None], lengths=lengths, L=cache.L)
+              valid=t[None, :] < lengths[:, None], lengths=lengths, L=cache.L, start=z, hist=z)
     h, stages, _ = _trunk(spec, params, cache.stages, ids, ctx)
     last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    z = jnp.zeros((B,), jnp.int32)
-    return _head(spec, params, last), cache.replace(seq_len=lengths, ring_start=z, ring_len=z, stages=stages)
+    # replay: the ring starts empty; KV-only: the prompt's entries are the buffer's first ones
+    return _head(spec, params, last), cache.replace(seq_len=lengths, ring_start=z, ring_len=lengths if pages else z,
+                                                    stages=stages)
 
 
 def ring_flush(hist, kind: str, T: int, L: int):
@@ -312,7 +351,8 @@ def _step_ctx(cache: Cache, kind: str, T: int, flush: bool = True) -> Ctx:
     L = cache.L
     seq = cache.seq_len
     start, hist = cache.ring_start, cache.ring_len
-    write_flush, flush = flush, ring_flush(hist, kind, T, L)
+    # only the replay ring flushes (the KV-only buffer holds the whole sequence)
+    write_flush, flush = flush, ring_flush(hist, kind, T, L) if uses_ring(cache.mode) else jnp.zeros_like(hist, bool)
     return Ctx(kind=kind, mode=cache.mode, T=T, positions=seq[:, None] + jnp.arange(T)[None, :],
                seq_len=seq, start=start, hist=hist, flush=flush, L=L, write_flush=write_flush)
 
@@ -329,6 +369,8 @@ def decode(spec: ModelSpec, params, cache: Cache, ids, active=None, flush: bool 
     L = cache.L
     step = jnp.ones_like(ctx.seq_len) if active is None else active.astype(jnp.int32)
     rs, rl = ring_commit(ctx.start, ctx.hist, ctx.flush, L)
+    if "pages" in table.form_stores(cache.mode):   # KV-only: one entry per committed token
+        rs, rl = ctx.start, ctx.hist + step
     new = cache.replace(stages=stages, seq_len=ctx.seq_len + step, ring_start=rs, ring_len=rl)
     return _head(spec, params, h[:, 0]), new
 
@@ -366,4 +408,6 @@ def commit(spec: ModelSpec, cache: Cache, pending: dict, accepted):
     if st.ring.write:
         rs, rl = ring_commit(start, hist, flush, L, a)
         new = new.replace(ring_start=rs, ring_len=rl)
+    elif st.pages.write:   # KV-only: the accepted entries follow the committed ones
+        new = new.replace(ring_len=hist + a)
     return new

@@ -224,7 +224,7 @@ def test_decode_loop_has_no_host_callback(hf_model_dir):
 def test_bad_settings_raise(hf_model_dir):
     path = hf_model_dir("mamba2")
     with pytest.raises(ValueError, match="decode_mode"):
-        JaxLLM(path, decode_mode="kv")
+        JaxLLM(path, decode_mode="paged")
     with pytest.raises(ValueError, match="chains"):
         JaxLLM(path, speculative=SpeculativeConfig("tree"))
     with pytest.raises(ValueError, match="buffer_size 8 < 2"):
@@ -259,7 +259,9 @@ def test_cli_backend_jax_streams_the_torch_tokens(hf_model_dir, capsys):
     cap = capsys.readouterr()
     assert cap.out.split() == want and len(want) == 12
     assert "backend=jax" in cap.err
-    assert main(argv + ["--backend", "jax", "--mode", "kv"]) == 2
+    assert main(argv + ["--backend", "jax", "--mode", "auto"]) == 2
+    assert main(argv + ["--backend", "jax", "--mode", "kv"]) == 0
+    assert capsys.readouterr().out.split() == want
 
 
 @pytest.mark.parametrize("name,mode,method", [("nemotron_h", "replay", None), ("mamba2", "replay", "ngram"),

@@ -1,0 +1,163 @@
+"""The JAX backend's KV-only form (``decode_mode="kv"``): no state (``S0 = 0``), every token's
+entries kept in a buffer of ``max_seq_len`` (a ring that never wraps or flushes).  Greedy
+tokens against the PyTorch engine's KV-only form (Mamba-2, Nemotron-H, Qwen3-Next; with and
+without n-gram speculation; up to the end of the context), every cache array after prefill /
+decode / verify+commit against float64 references (the full forward's logits, a prefill of
+the whole sequence, the recurrent form's state and windows), and the refusals ("auto", a
+buffer larger than memory) before any compile."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+
+from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
+from replayssm.jax import generate as G  # noqa: E402
+from replayssm.jax import model as M  # noqa: E402
+from replayssm.jax import ops  # noqa: E402
+from replayssm.jax.generate import JaxLLM  # noqa: E402
+
+PROMPTS = [[3, 5, 7, 3, 5, 7, 3, 5], [11, 2, 9, 40, 33, 11, 2, 9, 40, 1, 2, 3, 4], [8]]
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def _params(max_tokens=(14, 20, 9)):
+    return [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+
+
+def _torch_kv(path, prompts, params, spec=None, **kw):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(path, dtype="float64", decode_mode="kv", speculative=spec, **kw)
+        return [o.token_ids for o in llm.generate(prompts, params)]
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("name,method", [("mamba2", None), ("mamba2_g3", "ngram"), ("nemotron_h", "ngram"),
+                                         ("qwen3_next", None), ("qwen3_next", "ngram")])
+def test_kv_greedy_tokens_match_torch_kv(hf_model_dir, name, method):
+    path = hf_model_dir(name)
+    spec = SpeculativeConfig("ngram", num_tokens=3) if method else None
+    ref = _torch_kv(path, PROMPTS, _params(), spec)
+    out = JaxLLM(path, dtype="float64", decode_mode="kv", speculative=spec).generate(PROMPTS, _params())
+    assert [o.token_ids for o in out] == ref
+    assert [len(o.token_ids) for o in out] == [14, 20, 9]
+    if method:
+        assert sum(o.num_accepted for o in out) > 0   # drafts were accepted: commits of several entries
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "qwen3_next"])
+def test_kv_runs_to_the_end_of_the_context(hf_model_dir, name):
+    """A prompt + generation that fills ``max_seq_len`` with n-gram speculation: the backend
+    stops one verify window (``k + 1``) short of it (its rule for every form; the PyTorch
+    engine's KV-only form fills it to the last token), and its tokens are the PyTorch
+    engine's up to there."""
+    path = hf_model_dir(name)
+    S, k = 48, 3
+    spec = SpeculativeConfig("ngram", num_tokens=k)
+    prompts = [PROMPTS[1] * 2, PROMPTS[0]]
+    params = [SamplingParams(max_tokens=100, ignore_eos=True)] * 2
+    ref = _torch_kv(path, prompts, params, spec, max_seq_len=S)
+    llm = JaxLLM(path, dtype="float64", decode_mode="kv", speculative=spec, max_seq_len=S)
+    out = llm.generate(prompts, params)
+    assert [len(p) + len(o.token_ids) for p, o in zip(prompts, out)] == [S - k - 1] * 2
+    assert [o.token_ids for o in out] == [r[:S - k - 1 - len(p)] for r, p in zip(ref, prompts)]
+    assert [len(p) + len(r) for p, r in zip(prompts, ref)] == [S] * 2
+
+
+def _entries(c):
+    return {k: np.asarray(v) for k, v in c.items() if k[:1] == "r" or k in ("k", "v")}
+
+
+@pytest.mark.parametrize("name", ["mamba2", "nemotron_h", "qwen3_next"])
+def test_kv_cache_steps_match_references(hf_model_dir, name):
+    """Prefill of padded rows of two lengths, two decode steps, a verify of 3 tokens
+    committing 2 / 0, a decode with one row inactive: logits equal the full forward's, the entry
+    buffers (and K/V) equal those of a KV-only prefill of each row's whole committed sequence,
+    ``ring_len == seq_len``, and the state folded from the entries and the conv windows equal
+    the recurrent form's after the same tokens (float64)."""
+    llm = JaxLLM(hf_model_dir(name), dtype="float64", decode_mode="kv")
+    spec, p = llm.spec, llm.params
+    S = 32
+    seqs = [[3, 5, 7, 3, 5, 9, 2], [1, 2, 9]]
+    ids = jnp.asarray([seqs[0], seqs[1] + [0] * 4], jnp.int32)
+    c = M.init_cache(spec, 2, "kv", 4, S, fill=float("nan"))
+    assert all("state" not in st for st in c.stages) and c.L == S
+    lg, c = M.prefill(spec, p, c, ids, jnp.asarray([7, 3], jnp.int32))
+    got = {0: [np.asarray(lg[0])], 1: [np.asarray(lg[1])]}
+    for t in ([4, 6], [8, 1]):
+        lg, c = M.decode(spec, p, c, jnp.asarray(t, jnp.int32))
+        for b in (0, 1):
+            seqs[b].append(t[b])
+            got[b].append(np.asarray(lg[b]))
+    tok = jnp.asarray([[10, 11, 12], [13, 14, 15]], jnp.int32)
+    lv, c, pend = M.verify(spec, p, c, tok)
+    c = M.commit(spec, c, pend, jnp.asarray([2, 0], jnp.int32))
+    seqs[0] += [10, 11]
+    got[0] += [np.asarray(lv[0, 0]), np.asarray(lv[0, 1])]
+    assert np.asarray(c.seq_len).tolist() == [len(s) for s in seqs] == np.asarray(c.ring_len).tolist()
+    assert np.asarray(c.ring_start).tolist() == [0, 0]
+    for b, sq in enumerate(seqs):
+        full = np.asarray(M.forward(spec, p, jnp.asarray([sq + [2]], jnp.int32)))[0]
+        np.testing.assert_allclose(np.stack(got[b]), full[len(sq) - len(got[b]):len(sq)], **TOL)
+        # references: a KV-only prefill of the whole sequence, the recurrent form's caches
+        n = len(sq)
+        ref = M.prefill(spec, p, M.init_cache(spec, 1, "kv", 4, S), jnp.asarray([sq], jnp.int32),
+                        jnp.asarray([n], jnp.int32))[1]
+        rec = M.prefill(spec, p, M.init_cache(spec, 1, "recurrent", 4, S), jnp.asarray([sq], jnp.int32),
+                        jnp.asarray([n], jnp.int32))[1]
+        for (sb, cnt), st, rst, cst in zip(spec.stages, c.stages, ref.stages, rec.stages):
+            for key, want in _entries(rst).items():
+                have = np.asarray(st[key])[:, b:b + 1, :n]   # [Ly, 1, n, ...]: the committed entries
+                np.testing.assert_allclose(have, want[:, :, :n], **TOL, err_msg=key)
+            for key in [k for k in cst if k.startswith("win_")]:
+                np.testing.assert_allclose(np.asarray(st[key])[:, b:b + 1], np.asarray(cst[key]), **TOL,
+                                           err_msg=f"{key} row {b}")
+            if "state" in cst:
+                folded = _fold(sb.mixer, p, spec, st, b, n)
+                np.testing.assert_allclose(folded, np.asarray(cst["state"]), **TOL)
+    _, c = M.decode(spec, p, c, jnp.asarray([1, 1], jnp.int32), active=jnp.asarray([True, False]))
+    assert np.asarray(c.ring_len).tolist() == np.asarray(c.seq_len).tolist() == [len(seqs[0]) + 1, len(seqs[1])]
+
+
+def _fold(sp, p, spec, st, b, n):
+    """The state of row ``b`` folded from its ``n`` entries (S0 = 0), every layer of a stage:
+    ``S_n = Σ_j e^{Σ_{i>j} a_i} (entry_j)`` through the replay ops."""
+    s = next(i for i, (sb, _) in enumerate(spec.stages) if sb.mixer is sp)
+    outs = []
+    for layer in range(spec.stages[s][1]):
+        valid = jnp.arange(n)[None, :] < n
+        if sp.kind == "mamba":
+            A = -jnp.exp(p["stages"][s]["mixer"]["A_log"][layer])
+            x, B, dt = (jnp.asarray(st[k])[layer, b:b + 1, :n] for k in ("rx", "rB", "rdt"))
+            S0 = jnp.zeros((1, sp.H, sp.d, sp.n), dt.dtype)
+            outs.append(ops.m2_build_state(S0, x, B, dt, A * dt, valid))
+        else:
+            u, k, g = (jnp.asarray(st[k_])[layer, b:b + 1, :n] for k_ in ("ru", "rk", "rg"))
+            w, tot = ops.gdn_hist_weights(g, valid)
+            outs.append(ops.gdn_build_state(jnp.zeros((1, sp.HV, sp.K, sp.V), g.dtype), u, k, w, tot))
+    return np.stack([np.asarray(o) for o in outs])
+
+
+def test_kv_bad_input_is_refused_before_compile(hf_model_dir, monkeypatch):
+    path = hf_model_dir("mamba2")
+    with pytest.raises(ValueError, match="auto.*not supported.*'kv'"):
+        JaxLLM(path, decode_mode="auto")
+    with pytest.raises(ValueError, match="entry buffers.*lower max_seq_len or use decode_mode='replay'"):
+        JaxLLM(path, dtype="float64", decode_mode="kv", max_seq_len=2**40)
+    JaxLLM(path, dtype="float64", decode_mode="replay", max_seq_len=2**40)   # replay keeps no per-token entries
+    llm = JaxLLM(path, dtype="float64", decode_mode="kv", max_seq_len=64)
+    one_row = M.entry_bytes(llm.spec, "kv", 1, 16, 64)
+    assert one_row > 0 and M.entry_bytes(llm.spec, "replay", 1, 16, 64) * 4 == one_row   # 16 vs 64 entries
+    monkeypatch.setattr(G, "_memory_bytes", lambda: 2 * one_row)   # one row fits, three do not
+    with pytest.raises(ValueError, match="3 row"):
+        llm.generate(PROMPTS, _params())
+    assert not llm._programs   # nothing was compiled
+    with pytest.raises(ValueError, match="leaves no room"):
+        llm.generate([[1] * 63], _params((4,)))
