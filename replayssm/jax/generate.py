@@ -23,7 +23,7 @@ tokens), ``n`` samples (``n`` rows) and stop strings (checked on the host betwee
 loop iterations).  ``structured_outputs`` and ``bad_words`` are refused by name.
 
 Differences from the PyTorch engine: one static batch per call (no continuous batching), the
-``recurrent`` and ``replay`` forms only (no KV-only / auto), chain speculation only (n-gram or
+``recurrent``, ``replay`` and ``kv`` forms (no ``auto``: :data:`AUTO_REFUSED`), chain speculation only (n-gram or
 draft model; the draft runs the recurrent form and keeps one state snapshot per drafted
 token so that its rollback is a selection; penalties, ``logit_bias`` and ``min_tokens`` with
 n-gram drafts only), and its own PRNG (sampled outputs follow the same distributions, not
@@ -382,8 +382,9 @@ class JaxLLM:
     """Generate with the JAX backend (same checkpoints and settings as :class:`replayssm.LLM`).
 
     ``model``: an HF-layout directory (or a ``(ModelSpec, params)`` pair from
-    :func:`replayssm.jax.params.load_params`).  ``decode_mode``: ``"replay"`` or
-    ``"recurrent"``.  ``speculative``: ``None`` or a
+    :func:`replayssm.jax.params.load_params`).  ``decode_mode``: ``"replay"``,
+    ``"recurrent"`` or ``"kv"`` (KV-only: no state, every token's entries in a buffer of
+    ``max_seq_len``, checked against the device's memory before any compile).  ``speculative``: ``None`` or a
     :class:`~replayssm.engine.config.SpeculativeConfig` with method ``"ngram"`` or
     ``"draft"`` (chains).  ``dtype="float64"`` needs ``jax_enable_x64``.  Each
     ``generate`` runs its prompts as one batch; compiled programs are cached per shape

@@ -20,8 +20,10 @@ ring).  Each SSM family maps the op entries it implements to one function here, 
 per-``(form, kind)`` dispatch dict (:data:`M2_STEPS`, :data:`GDN_STEPS`) is built from the
 table with each row's decisions bound; the functions read those decisions, never the kind's
 name.  Of the table this backend runs the kinds ``full`` / ``prefill`` / ``decode`` /
-``verify`` of the ``recurrent`` and ``replay`` forms (:data:`FORMS`); its prefill takes fresh
-rows only (every row's cache is overwritten), so a prefill reads no state, ring or KV.
+``verify`` of the ``recurrent``, ``replay`` and ``kv`` forms (:data:`FORMS`); its prefill takes
+fresh rows only (every row's cache is overwritten), so a prefill reads no state, ring or KV.
+The KV-only form's ``kv_verify`` is the replay step with ``S0 = 0`` over an entry buffer of
+``max_seq_len`` (a ring that never wraps or flushes); its prefill writes the prompt's entries.
 
 ==========  ===========================  ======================================
 kind        recurrent                    replay
@@ -57,7 +59,7 @@ from .ops import compute_dtype, ein, linear
 
 __all__ = ["Ctx", "MIXERS", "FORMS", "KINDS_RUN", "M2_STEPS", "GDN_STEPS"]
 
-#: the step kinds this backend runs (``tree`` and the KV-only form are PyTorch-engine only)
+#: the step kinds this backend runs (``tree`` is PyTorch-engine only)
 KINDS_RUN = ("full", "prefill", "decode", "verify")
 
 

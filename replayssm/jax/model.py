@@ -18,6 +18,9 @@ of a row lives at ``(start + j) % L``), and per stage of the spec the stacked pe
 attention ``k, v [Ly,B,S,Hkv,Dh]``.  States and decays are fp32 (fp64 for a float64
 model); the rest is in the model dtype.  Flush rules: decode flushes when ``h + 1 == L``
 (``S0 ← S_{h+1}``), verify when ``h + 2T > L`` (``S0 ← S_h``, committed entries only).
+The KV-only form (``mode="kv"``) has no ``state`` (``S0 = 0``) and a ring of
+``L = max_seq_len`` holding every token (``ring_start = 0``, ``ring_len == seq_len``; never
+flushed).
 """
 
 from __future__ import annotations
