@@ -85,44 +85,50 @@ def test_kv_cache_steps_match_references(hf_model_dir, name):
     llm = JaxLLM(hf_model_dir(name), dtype="float64", decode_mode="kv")
     spec, p = llm.spec, llm.params
     S = 32
+    prefill = jax.jit(lambda p, c, i, n: M.prefill(spec, p, c, i, n))   # compiled: eager steps are slow
+    decode = jax.jit(lambda p, c, t, a=None: M.decode(spec, p, c, t, active=a))
     seqs = [[3, 5, 7, 3, 5, 9, 2], [1, 2, 9]]
     ids = jnp.asarray([seqs[0], seqs[1] + [0] * 4], jnp.int32)
     c = M.init_cache(spec, 2, "kv", 4, S, fill=float("nan"))
     assert all("state" not in st for st in c.stages) and c.L == S
-    lg, c = M.prefill(spec, p, c, ids, jnp.asarray([7, 3], jnp.int32))
+    lg, c = prefill(p, c, ids, jnp.asarray([7, 3], jnp.int32))
     got = {0: [np.asarray(lg[0])], 1: [np.asarray(lg[1])]}
     for t in ([4, 6], [8, 1]):
-        lg, c = M.decode(spec, p, c, jnp.asarray(t, jnp.int32))
+        lg, c = decode(p, c, jnp.asarray(t, jnp.int32))
         for b in (0, 1):
             seqs[b].append(t[b])
             got[b].append(np.asarray(lg[b]))
     tok = jnp.asarray([[10, 11, 12], [13, 14, 15]], jnp.int32)
-    lv, c, pend = M.verify(spec, p, c, tok)
-    c = M.commit(spec, c, pend, jnp.asarray([2, 0], jnp.int32))
+
+    @jax.jit
+    def verify_commit(p, c, tok, a):
+        lv, c, pend = M.verify(spec, p, c, tok)
+        return lv, M.commit(spec, c, pend, a)
+
+    lv, c = verify_commit(p, c, tok, jnp.asarray([2, 0], jnp.int32))
     seqs[0] += [10, 11]
     got[0] += [np.asarray(lv[0, 0]), np.asarray(lv[0, 1])]
-    assert np.asarray(c.seq_len).tolist() == [len(s) for s in seqs] == np.asarray(c.ring_len).tolist()
+    lens = [len(s) for s in seqs]
+    assert np.asarray(c.seq_len).tolist() == lens == np.asarray(c.ring_len).tolist()
     assert np.asarray(c.ring_start).tolist() == [0, 0]
-    for b, sq in enumerate(seqs):
-        full = np.asarray(M.forward(spec, p, jnp.asarray([sq + [2]], jnp.int32)))[0]
-        np.testing.assert_allclose(np.stack(got[b]), full[len(sq) - len(got[b]):len(sq)], **TOL)
-        # references: a KV-only prefill of the whole sequence, the recurrent form's caches
-        n = len(sq)
-        ref = M.prefill(spec, p, M.init_cache(spec, 1, "kv", 4, S), jnp.asarray([sq], jnp.int32),
-                        jnp.asarray([n], jnp.int32))[1]
-        rec = M.prefill(spec, p, M.init_cache(spec, 1, "recurrent", 4, S), jnp.asarray([sq], jnp.int32),
-                        jnp.asarray([n], jnp.int32))[1]
+    # references, both rows in one call each: the full forward, a KV-only prefill of each row's
+    # whole sequence, the recurrent form's caches after it
+    padded = jnp.asarray([sq + [2] * (max(lens) + 1 - len(sq)) for sq in seqs], jnp.int32)
+    full = np.asarray(jax.jit(lambda p, i: M.forward(spec, p, i))(p, padded))
+    ref = prefill(p, M.init_cache(spec, 2, "kv", 4, S), padded, jnp.asarray(lens, jnp.int32))[1]
+    rec = prefill(p, M.init_cache(spec, 2, "recurrent", 4, S), padded, jnp.asarray(lens, jnp.int32))[1]
+    for b, n in enumerate(lens):
+        np.testing.assert_allclose(np.stack(got[b]), full[b, n - len(got[b]):n], **TOL)
         for (sb, cnt), st, rst, cst in zip(spec.stages, c.stages, ref.stages, rec.stages):
-            for key, want in _entries(rst).items():
-                have = np.asarray(st[key])[:, b:b + 1, :n]   # [Ly, 1, n, ...]: the committed entries
-                np.testing.assert_allclose(have, want[:, :, :n], **TOL, err_msg=key)
+            for key, want in _entries(rst).items():   # [Ly, 1, n, ...]: the committed entries
+                np.testing.assert_allclose(np.asarray(st[key])[:, b, :n], want[:, b, :n], **TOL, err_msg=key)
             for key in [k for k in cst if k.startswith("win_")]:
-                np.testing.assert_allclose(np.asarray(st[key])[:, b:b + 1], np.asarray(cst[key]), **TOL,
+                np.testing.assert_allclose(np.asarray(st[key])[:, b], np.asarray(cst[key])[:, b], **TOL,
                                            err_msg=f"{key} row {b}")
             if "state" in cst:
                 folded = _fold(sb.mixer, p, spec, st, b, n)
-                np.testing.assert_allclose(folded, np.asarray(cst["state"]), **TOL)
-    _, c = M.decode(spec, p, c, jnp.asarray([1, 1], jnp.int32), active=jnp.asarray([True, False]))
+                np.testing.assert_allclose(folded[:, 0], np.asarray(cst["state"])[:, b], **TOL)
+    _, c = decode(p, c, jnp.asarray([1, 1], jnp.int32), jnp.asarray([True, False]))
     assert np.asarray(c.ring_len).tolist() == np.asarray(c.seq_len).tolist() == [len(seqs[0]) + 1, len(seqs[1])]
 
 
