@@ -80,6 +80,8 @@ class Ctx:
     L: int = 0                     # ring capacity
     write_flush: bool = True       # static: False compiles a step that writes no checkpoint
     unrolled: bool = False         # static: layers unrolled (per-layer weights): windows via updates
+    auto_threshold: int = 0        # static: a KV-only prefill of ``auto`` rows also stores the final
+    #                                state of rows with ``lengths >= auto_threshold`` (0 elsewhere)
 
 
 def _get(p: dict, name: str):
@@ -391,9 +393,21 @@ def _m2_kv(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
     ``(x, B, Δ)`` at ``0 .. T-1`` (padding past a row's length is never read)."""
     if not _fresh(st.info):
         return _m2_replay(st, sp, x, dt, A, B, C, ctx, c, i, cdt, upd)
-    y, c, _ = _m2_chunked(st, sp, x, dt, A, B, C, ctx, c, i, cdt, upd)
+    Bt, T, H, d = x.shape
+    dtm = jnp.where(ctx.valid[..., None], dt, jnp.zeros((), cdt))   # padding leaves S unchanged
+    y, S = ops.m2_chunked(x.astype(cdt), dtm, A, B.astype(cdt), C.astype(cdt), jnp.zeros((Bt, H, d, sp.n), cdt),
+                          sp.chunk)
     upd.update(rx=x, rB=B, rdt=dt)
+    _auto_state(ctx, S, upd)
     return y, c, {}
+
+
+def _auto_state(ctx: Ctx, S, upd: dict) -> None:
+    """``auto`` prefill: the final state of the rows that start past the threshold, 0 on the
+    rows that start KV-only."""
+    if ctx.auto_threshold:
+        past = (ctx.lengths >= ctx.auto_threshold).reshape((-1,) + (1,) * (S.ndim - 1))
+        upd["state"] = jnp.where(past, S, jnp.zeros((), S.dtype))
 
 
 #: ``(form, kind) -> Mamba-2 step`` from the forms' table (the op entries implemented here)
@@ -509,9 +523,10 @@ def _gdn_kv(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
     qn, kn, vc, gc, bc = _gdn_args(q, k, v, g, beta, cdt)
     m = ctx.valid[..., None]   # padding: g = β = 0 (U = 0 there; never read)
     gc, bc = jnp.where(m, gc, jnp.zeros((), cdt)), jnp.where(m, bc, jnp.zeros((), cdt))
-    y, _, U = ops.gdn_chunked(qn, kn, vc, gc, bc, jnp.zeros((q.shape[0], sp.HV, sp.K, sp.V), cdt), sp.chunk,
+    y, S, U = ops.gdn_chunked(qn, kn, vc, gc, bc, jnp.zeros((q.shape[0], sp.HV, sp.K, sp.V), cdt), sp.chunk,
                               with_u=True)
     upd.update(ru=U, rk=kn, rg=gc)
+    _auto_state(ctx, S, upd)
     return y.astype(v.dtype), c, {}
 
 

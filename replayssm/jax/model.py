@@ -36,28 +36,39 @@ from . import ops
 from .layers import FORMS, MIXERS, Ctx, apply_updates, commit_conv, commit_snapshots, window_of
 from .params import ModelSpec, jnp_dtype
 
-__all__ = ["Cache", "unstack_params", "group_params", "group_size", "split_cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
+__all__ = ["Cache", "AUTO", "flush_rows", "keeps_entries", "entry_capacity", "entry_bytes", "unstack_params", "group_params", "group_size", "split_cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
            "MODES", "uses_ring"]
 
 #: cache modes (forms) of this backend, from the forms' table: ``("recurrent", "replay", "kv")``
 MODES = FORMS
 
 
+#: the per-row switch KV-only -> replay (the PyTorch engine's ``auto``): a composition, no form
+AUTO = "auto"
+
+
+def _stores(mode: str) -> frozenset:
+    """Stores of a cache mode; ``auto`` holds a state and a ring (used as the KV-only buffer
+    until the row's switch)."""
+    return frozenset({"state", "ring"}) if mode == AUTO else table.form_stores(mode)
+
+
 def uses_ring(mode: str) -> bool:
     """The form keeps a ring of inputs (ring pointers move, steps flush its checkpoints)."""
-    return "ring" in table.form_stores(mode)
+    return "ring" in _stores(mode)
 
 
 def keeps_entries(mode: str) -> bool:
     """The form keeps per-token entries: the replay ring, or the KV-only form's entries of
     every token (held here as a ring of capacity ``max_seq_len`` that never wraps or flushes:
     ``ring_start`` stays 0 and ``ring_len == seq_len``)."""
-    return bool({"ring", "pages"} & table.form_stores(mode))
+    return bool({"ring", "pages"} & _stores(mode))
 
 
 def entry_capacity(mode: str, buffer_size: int, max_seq_len: int) -> int:
-    """Entries a row's buffer holds: ``buffer_size`` (replay ring), ``max_seq_len`` (KV-only)."""
-    return max_seq_len if "pages" in table.form_stores(mode) else buffer_size
+    """Entries a row's buffer holds: ``buffer_size`` (replay ring), ``max_seq_len`` (KV-only,
+    and ``auto``, whose rows start KV-only)."""
+    return max_seq_len if mode == AUTO or "pages" in _stores(mode) else buffer_size
 
 
 def entry_bytes(spec: ModelSpec, mode: str, batch: int, buffer_size: int, max_seq_len: int) -> int:
@@ -80,22 +91,23 @@ def entry_bytes(spec: ModelSpec, mode: str, batch: int, buffer_size: int, max_se
 
 @jax.tree_util.register_pytree_node_class
 class Cache:
-    """Per-row caches of one batch: arrays are pytree leaves, ``mode`` and ``L`` (ring
-    capacity) are static (part of the compiled program)."""
+    """Per-row caches of one batch: arrays are pytree leaves, ``mode``, ``L`` (ring
+    capacity) and ``auto`` (``(buffer_size, threshold)`` of the ``auto`` mode, else None) are
+    static (part of the compiled program)."""
 
     _FIELDS = ("seq_len", "ring_start", "ring_len", "stages")
 
-    def __init__(self, seq_len, ring_start, ring_len, stages, mode: str, L: int):
+    def __init__(self, seq_len, ring_start, ring_len, stages, mode: str, L: int, auto=None):
         self.seq_len, self.ring_start, self.ring_len, self.stages = seq_len, ring_start, ring_len, stages
-        self.mode, self.L = mode, L
+        self.mode, self.L, self.auto = mode, L, auto
 
     def replace(self, **kw) -> "Cache":
         d = {f: getattr(self, f) for f in self._FIELDS}
         d.update(kw)
-        return Cache(**d, mode=self.mode, L=self.L)
+        return Cache(**d, mode=self.mode, L=self.L, auto=self.auto)
 
     def tree_flatten(self):
-        return tuple(getattr(self, f) for f in self._FIELDS), (self.mode, self.L)
+        return tuple(getattr(self, f) for f in self._FIELDS), (self.mode, self.L, self.auto)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -108,16 +120,20 @@ def _dtypes(spec: ModelSpec):
 
 
 def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: int = 16,
-               max_seq_len: int = 256, fill=0.0) -> Cache:
-    """Zeroed caches for ``batch`` rows (``fill=nan`` poisons every float array: tests)."""
-    if mode not in MODES:
-        raise ValueError(f"decode_mode must be one of {MODES} for the JAX backend, got {mode!r}")
+               max_seq_len: int = 256, fill=0.0, auto_threshold: int = 0) -> Cache:
+    """Zeroed caches for ``batch`` rows (``fill=nan`` poisons every float array: tests).
+    ``mode="auto"``: rows start KV-only (state 0, entries in a buffer of ``max_seq_len``) and
+    switch to replay (a ring of ``buffer_size``) once ``auto_threshold`` tokens are cached."""
+    if mode not in MODES + (AUTO,):
+        raise ValueError(f"decode_mode must be one of {MODES + (AUTO,)} for the JAX backend, got {mode!r}")
     if not isinstance(buffer_size, int) or buffer_size < 1:
         raise ValueError(f"buffer_size must be a positive int, got {buffer_size!r}")
+    if mode == AUTO and (not isinstance(auto_threshold, int) or auto_threshold < 1):
+        raise ValueError(f"auto_threshold must be a positive int, got {auto_threshold!r}")
     dt, cdt = _dtypes(spec)
     L, B = entry_capacity(mode, buffer_size, max_seq_len), batch
     ring = keeps_entries(mode)
-    state = "state" in table.form_stores(mode)   # the KV-only form keeps none (S0 = 0)
+    state = "state" in _stores(mode)   # the KV-only form keeps none (S0 = 0)
 
     def full(shape, dtype):
         return jnp.full(shape, fill, dtype)
@@ -147,7 +163,7 @@ def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: i
             c = {"k": full((cnt, B, max_seq_len, sp.Hkv, sp.Dh), dt), "v": full((cnt, B, max_seq_len, sp.Hkv, sp.Dh), dt)}
         stages.append(c)
     z = jnp.zeros((B,), jnp.int32)
-    return Cache(z, z, z, stages, mode, L)
+    return Cache(z, z, z, stages, mode, L, (buffer_size, auto_threshold) if mode == AUTO else None)
 
 
 def unstack_params(params):
@@ -322,16 +338,20 @@ def prefill(spec: ModelSpec, params, cache: Cache, ids, lengths):
     t = jnp.arange(T)
     lengths = lengths.astype(jnp.int32)
     z = jnp.zeros((B,), jnp.int32)
-    pages = "pages" in table.form_stores(cache.mode)
+    auto = cache.mode == AUTO
+    pages = auto or "pages" in _stores(cache.mode)
     if pages and T > cache.L:
         raise ValueError(f"a padded prompt of {T} tokens does not fit the KV-only entry buffer of {cache.L}")
-    ctx = Ctx(kind="prefill", mode=cache.mode, T=T, positions=jnp.broadcast_to(t, (B, T)),
-              valid=t[None, :] < lengths[:, None], lengths=lengths, L=cache.L, start=z, hist=z)
+    # auto: the KV-only prefill, which also stores the final state of the rows already past
+    # the threshold (they start in replay form: ring empty; the others keep S0 = 0)
+    thr = cache.auto[1] if auto else 0
+    ctx = Ctx(kind="prefill", mode="kv" if auto else cache.mode, T=T, positions=jnp.broadcast_to(t, (B, T)),
+              valid=t[None, :] < lengths[:, None], lengths=lengths, L=cache.L, start=z, hist=z, auto_threshold=thr)
     h, stages, _ = _trunk(spec, params, cache.stages, ids, ctx)
     last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     # replay: the ring starts empty; KV-only: the prompt's entries are the buffer's first ones
-    return _head(spec, params, last), cache.replace(seq_len=lengths, ring_start=z, ring_len=lengths if pages else z,
-                                                    stages=stages)
+    rl = jnp.where(lengths >= thr, 0, lengths) if auto else (lengths if pages else z)
+    return _head(spec, params, last), cache.replace(seq_len=lengths, ring_start=z, ring_len=rl, stages=stages)
 
 
 def ring_flush(hist, kind: str, T: int, L: int):
@@ -339,6 +359,23 @@ def ring_flush(hist, kind: str, T: int, L: int):
     (``h + 1 == L``), verify one window early (``h + 2T > L``); the forms' rule,
     :func:`replayssm.forms.table.ring_flush`."""
     return table.ring_flush(hist, kind, T, L)
+
+
+def flush_rows(cache: Cache, kind: str, T: int):
+    """Rows that write their checkpoint in a step of ``kind`` with ``T`` new entries: the
+    replay ring's rule (:func:`ring_flush`); none in the KV-only form; in ``auto``, a row still
+    KV-only (``ring_len == seq_len``: it never flushed) switches once ``threshold`` tokens are
+    cached after a decode step (``S0 ← S_{h+1}``, all its entries folded) or before a verify
+    step (``S0 ← S_h``) -- the state the PyTorch engine's switch folds after the step that
+    reached the threshold -- and a switched row follows the ring rule at ``buffer_size``."""
+    hist = cache.ring_len
+    if cache.mode == AUTO:
+        cap, thr = cache.auto
+        switch = hist >= thr if table.KINDS[kind].tentative else hist + 1 >= thr
+        return jnp.where(hist == cache.seq_len, switch, ring_flush(hist, kind, T, cap))
+    if uses_ring(cache.mode):
+        return ring_flush(hist, kind, T, cache.L)
+    return jnp.zeros_like(hist, bool)
 
 
 def ring_commit(start, hist, flush, L: int, accepted=None):
@@ -354,9 +391,9 @@ def _step_ctx(cache: Cache, kind: str, T: int, flush: bool = True) -> Ctx:
     L = cache.L
     seq = cache.seq_len
     start, hist = cache.ring_start, cache.ring_len
-    # only the replay ring flushes (the KV-only buffer holds the whole sequence)
-    write_flush, flush = flush, ring_flush(hist, kind, T, L) if uses_ring(cache.mode) else jnp.zeros_like(hist, bool)
-    return Ctx(kind=kind, mode=cache.mode, T=T, positions=seq[:, None] + jnp.arange(T)[None, :],
+    write_flush, flush = flush, flush_rows(cache, kind, T)
+    mode = "replay" if cache.mode == AUTO else cache.mode   # auto: replay steps (S0 = 0 until the switch)
+    return Ctx(kind=kind, mode=mode, T=T, positions=seq[:, None] + jnp.arange(T)[None, :],
                seq_len=seq, start=start, hist=hist, flush=flush, L=L, write_flush=write_flush)
 
 
@@ -372,7 +409,7 @@ def decode(spec: ModelSpec, params, cache: Cache, ids, active=None, flush: bool 
     L = cache.L
     step = jnp.ones_like(ctx.seq_len) if active is None else active.astype(jnp.int32)
     rs, rl = ring_commit(ctx.start, ctx.hist, ctx.flush, L)
-    if "pages" in table.form_stores(cache.mode):   # KV-only: one entry per committed token
+    if "pages" in _stores(cache.mode):   # KV-only: one entry per committed token
         rs, rl = ctx.start, ctx.hist + step
     new = cache.replace(stages=stages, seq_len=ctx.seq_len + step, ring_start=rs, ring_len=rl)
     return _head(spec, params, h[:, 0]), new
@@ -384,8 +421,9 @@ def verify(spec: ModelSpec, params, cache: Cache, ids, flush: bool = True):
     :func:`commit`; returns ``(logits, cache, pending)``.  ``flush=False``: as in
     :func:`decode`."""
     T = ids.shape[1]
-    if uses_ring(cache.mode) and cache.L < 2 * T:
-        raise ValueError(f"buffer_size {cache.L} < 2 * {T} verify tokens: speculation needs L >= 2T")
+    cap = cache.auto[0] if cache.mode == AUTO else cache.L
+    if uses_ring(cache.mode) and cap < 2 * T:
+        raise ValueError(f"buffer_size {cap} < 2 * {T} verify tokens: speculation needs L >= 2T")
     ctx = _step_ctx(cache, "verify", T, flush)
     h, stages, pends = _trunk(spec, params, cache.stages, ids, ctx)
     pending = {"stages": pends, "start": ctx.start, "hist": ctx.hist, "flush": ctx.flush}
@@ -397,7 +435,7 @@ def commit(spec: ModelSpec, cache: Cache, pending: dict, accepted):
     pointers (replay), snapshot states (recurrent), conv windows, ``seq_len``."""
     a = accepted.astype(jnp.int32)
     L = cache.L
-    st = table.step(cache.mode, "verify")
+    st = table.step("replay" if cache.mode == AUTO else cache.mode, "verify")
     stages = []
     for s, (sb, cnt) in enumerate(spec.stages):
         c, pend = dict(cache.stages[s]), pending["stages"][s]

@@ -1,10 +1,11 @@
 """The JAX backend's KV-only form (``decode_mode="kv"``): no state (``S0 = 0``), every token's
-entries kept in a buffer of ``max_seq_len`` (a ring that never wraps or flushes).  Greedy
-tokens against the PyTorch engine's KV-only form (Mamba-2, Nemotron-H, Qwen3-Next; with and
-without n-gram speculation; up to the end of the context), every cache array after prefill /
-decode / verify+commit against float64 references (the full forward's logits, a prefill of
-the whole sequence, the recurrent form's state and windows), and the refusals ("auto", a
-buffer larger than memory) before any compile."""
+entries kept in a buffer of ``max_seq_len`` (a ring that never wraps or flushes), and ``auto``
+(KV-only rows switch to replay at a threshold: a flush in the same buffer).  Greedy tokens
+against the PyTorch engine's same form (Mamba-2, Nemotron-H, Qwen3-Next; with and without
+n-gram speculation; up to the end of the context), every cache array after prefill / decode /
+verify+commit against float64 references (the full forward's logits, a prefill of the whole
+sequence, the recurrent form's state and windows), and bad settings (a buffer larger than
+memory, a bad threshold) refused before any compile."""
 
 from __future__ import annotations
 
@@ -50,6 +51,23 @@ def test_kv_greedy_tokens_match_torch_kv(hf_model_dir, name, method):
     assert [len(o.token_ids) for o in out] == [14, 20, 9]
     if method:
         assert sum(o.num_accepted for o in out) > 0   # drafts were accepted: commits of several entries
+
+
+@pytest.mark.parametrize("name,method", [("mamba2", None), ("nemotron_h", "ngram"), ("qwen3_next", "ngram")])
+def test_auto_greedy_tokens_match_torch_auto(hf_model_dir, name, method):
+    """``auto`` with a threshold of 10: the prompt of 13 starts in replay form, the others
+    switch while generating (in a decode or a verify)."""
+    path = hf_model_dir(name)
+    spec = SpeculativeConfig("ngram", num_tokens=3) if method else None
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = [o.token_ids for o in LLM(path, dtype="float64", decode_mode="auto", auto_threshold=10, buffer_size=8,
+                                        speculative=spec).generate(PROMPTS, _params())]
+    finally:
+        torch.set_num_threads(n)
+    llm = JaxLLM(path, dtype="float64", decode_mode="auto", auto_threshold=10, buffer_size=8, speculative=spec)
+    assert [o.token_ids for o in llm.generate(PROMPTS, _params())] == ref
 
 
 @pytest.mark.parametrize("name", ["nemotron_h", "qwen3_next"])
@@ -132,29 +150,104 @@ def test_kv_cache_steps_match_references(hf_model_dir, name):
     assert np.asarray(c.ring_len).tolist() == np.asarray(c.seq_len).tolist() == [len(seqs[0]) + 1, len(seqs[1])]
 
 
-def _fold(sp, p, spec, st, b, n):
-    """The state of row ``b`` folded from its ``n`` entries (S0 = 0), every layer of a stage:
-    ``S_n = Σ_j e^{Σ_{i>j} a_i} (entry_j)`` through the replay ops."""
+def _fold(sp, p, spec, st, b, n, start=0, S0=None):
+    """The state of row ``b`` folded from its ``n`` entries from ``start`` onto ``S0`` (default
+    0), every layer of a stage: ``S_n = e^{Σ a} S0 + Σ_j e^{Σ_{i>j} a_i} (entry_j)`` through the
+    replay ops."""
     s = next(i for i, (sb, _) in enumerate(spec.stages) if sb.mixer is sp)
     outs = []
     for layer in range(spec.stages[s][1]):
-        valid = jnp.arange(n)[None, :] < n
+        def ring(name):
+            a = jnp.asarray(st[name])[layer, b:b + 1]
+            return ops.gather_ring(a, jnp.asarray([start]))
+        valid = jnp.arange(st["rx" if sp.kind == "mamba" else "ru"].shape[2])[None, :] < n
+        init = None if S0 is None else jnp.asarray(S0)[layer, b:b + 1]
         if sp.kind == "mamba":
             A = -jnp.exp(p["stages"][s]["mixer"]["A_log"][layer])
-            x, B, dt = (jnp.asarray(st[k])[layer, b:b + 1, :n] for k in ("rx", "rB", "rdt"))
-            S0 = jnp.zeros((1, sp.H, sp.d, sp.n), dt.dtype)
-            outs.append(ops.m2_build_state(S0, x, B, dt, A * dt, valid))
+            x, B, dt = ring("rx"), ring("rB"), ring("rdt")
+            dt = jnp.where(valid[..., None], dt, 0.0)
+            init = jnp.zeros((1, sp.H, sp.d, sp.n), dt.dtype) if init is None else init
+            outs.append(ops.m2_build_state(init, jnp.where(valid[..., None, None], x, 0.0),
+                                           jnp.where(valid[..., None, None], B, 0.0), dt, A * dt, valid))
         else:
-            u, k, g = (jnp.asarray(st[k_])[layer, b:b + 1, :n] for k_ in ("ru", "rk", "rg"))
+            u, k, g = ring("ru"), ring("rk"), ring("rg")
             w, tot = ops.gdn_hist_weights(g, valid)
-            outs.append(ops.gdn_build_state(jnp.zeros((1, sp.HV, sp.K, sp.V), g.dtype), u, k, w, tot))
+            init = jnp.zeros((1, sp.HV, sp.K, sp.V), g.dtype) if init is None else init
+            outs.append(ops.gdn_build_state(init, jnp.where(valid[..., None, None], u, 0.0),
+                                            jnp.where(valid[..., None, None], k, 0.0), w, tot))
     return np.stack([np.asarray(o) for o in outs])
+
+
+@pytest.mark.parametrize("name", ["mamba2", "nemotron_h", "qwen3_next"])
+def test_auto_switches_rows_at_the_threshold(hf_model_dir, name):
+    """``auto`` (threshold 6, ring 8, verify windows of 3): a prompt of 7 starts in replay form
+    (the prefill's state, ring empty); a prompt of 3 reaches 6 tokens in a verify and switches
+    at the next verify (``S0 = S_6``, the accepted entries in the ring); a prompt of 4 reaches 5
+    and switches in a decode (``S0 = S_6``, ring empty, then one entry).  Logits equal the
+    full forward's; each row's checkpoint equals the recurrent form's state at its switch /
+    flush, and checkpoint + ring fold to the recurrent state after all its tokens (float64)."""
+    llm = JaxLLM(hf_model_dir(name), dtype="float64", decode_mode="auto", buffer_size=8, auto_threshold=6)
+    spec, p = llm.spec, llm.params
+    S = 32
+    prefill = jax.jit(lambda p, c, i, n: M.prefill(spec, p, c, i, n))
+    decode = jax.jit(lambda p, c, t: M.decode(spec, p, c, t))
+
+    @jax.jit
+    def verify_commit(p, c, tok, a):
+        lv, c, pend = M.verify(spec, p, c, tok)
+        return lv, M.commit(spec, c, pend, a)
+
+    seqs = [[3, 5, 7, 3, 5, 9, 2], [1, 2, 9], [4, 4, 8, 1]]
+    ids = jnp.asarray([sq + [0] * (7 - len(sq)) for sq in seqs], jnp.int32)
+    c = M.init_cache(spec, 3, "auto", 8, S, fill=float("nan"), auto_threshold=6)
+    assert c.L == S and c.auto == (8, 6)
+    lg, c = prefill(p, c, ids, jnp.asarray([len(sq) for sq in seqs], jnp.int32))
+    assert np.asarray(c.ring_len).tolist() == [0, 3, 4]
+    got = [[np.asarray(lg[b])] for b in range(3)]
+    for tok, a in (([[10, 11, 12], [13, 14, 15], [16, 17, 18]], [3, 3, 1]),
+                   ([[19, 20, 21], [22, 23, 24], [25, 26, 27]], [3, 1, 0])):
+        lv, c = verify_commit(p, c, jnp.asarray(tok, jnp.int32), jnp.asarray(a, jnp.int32))
+        for b in range(3):
+            seqs[b] += tok[b][:a[b]]
+            got[b] += [np.asarray(lv[b, j]) for j in range(a[b])]
+    for t in ([30, 31, 32], [33, 34, 35]):
+        lg, c = decode(p, c, jnp.asarray(t, jnp.int32))
+        for b in range(3):
+            seqs[b].append(t[b])
+            got[b].append(np.asarray(lg[b]))
+    lens = [len(sq) for sq in seqs]
+    assert np.asarray(c.seq_len).tolist() == lens == [15, 9, 7]
+    # row 0: replay from the prompt, flushed S_10 in the second verify (h = 3: 3 + 6 > 8), then
+    # 3 + 2 entries; row 1: 6 entries, switched in the second verify (S_6, 1 entry) + 2;
+    # row 2: 5 entries, switched in the first decode (S_6, ring empty) + 1
+    assert np.asarray(c.ring_len).tolist() == [5, 3, 1]
+    switched = [10, 6, 6]
+    T = max(lens) + 1
+    padded = jnp.asarray([sq + [2] * (T - len(sq)) for sq in seqs], jnp.int32)
+    full = np.asarray(jax.jit(lambda p, i: M.forward(spec, p, i))(p, padded))
+    rec = prefill(p, M.init_cache(spec, 3, "recurrent", 8, S), padded, jnp.asarray(lens, jnp.int32))[1]
+    at = prefill(p, M.init_cache(spec, 3, "recurrent", 8, S), padded, jnp.asarray(switched, jnp.int32))[1]
+    for b, n in enumerate(lens):
+        np.testing.assert_allclose(np.stack(got[b]), full[b, n - len(got[b]):n], **TOL)
+        for (sb, cnt), st, rst, ast in zip(spec.stages, c.stages, rec.stages, at.stages):
+            if "state" not in st:
+                continue
+            np.testing.assert_allclose(np.asarray(st["state"])[:, b], np.asarray(ast["state"])[:, b], **TOL)
+            h = int(c.ring_len[b])
+            folded = _fold(sb.mixer, p, spec, st, b, h, int(c.ring_start[b]), st["state"])
+            np.testing.assert_allclose(folded[:, 0], np.asarray(rst["state"])[:, b], **TOL)
+            for key in [k for k in rst if k.startswith("win_")]:
+                np.testing.assert_allclose(np.asarray(st[key])[:, b], np.asarray(rst[key])[:, b], **TOL)
 
 
 def test_kv_bad_input_is_refused_before_compile(hf_model_dir, monkeypatch):
     path = hf_model_dir("mamba2")
-    with pytest.raises(ValueError, match="auto.*not supported.*'kv'"):
-        JaxLLM(path, decode_mode="auto")
+    with pytest.raises(ValueError, match="auto_threshold must be a positive int"):
+        JaxLLM(path, decode_mode="auto", auto_threshold=0)
+    with pytest.raises(ValueError, match="auto_threshold must be a positive int with decode_mode='auto'"):
+        JaxLLM(path, decode_mode="kv", auto_threshold=8)
+    with pytest.raises(ValueError, match="entry buffers"):
+        JaxLLM(path, dtype="float64", decode_mode="auto", max_seq_len=2**40)
     with pytest.raises(ValueError, match="entry buffers.*lower max_seq_len or use decode_mode='replay'"):
         JaxLLM(path, dtype="float64", decode_mode="kv", max_seq_len=2**40)
     JaxLLM(path, dtype="float64", decode_mode="replay", max_seq_len=2**40)   # replay keeps no per-token entries
