@@ -20,7 +20,8 @@ model); the rest is in the model dtype.  Flush rules: decode flushes when ``h + 
 (``S0 ← S_{h+1}``), verify when ``h + 2T > L`` (``S0 ← S_h``, committed entries only).
 The KV-only form (``mode="kv"``) has no ``state`` (``S0 = 0``) and a ring of
 ``L = max_seq_len`` holding every token (``ring_start = 0``, ``ring_len == seq_len``; never
-flushed).
+flushed).  ``mode="auto"``: a state and a ring of ``max_seq_len``; rows run the replay steps,
+KV-only (state 0, every entry) until their switch, a flush at the threshold (:func:`flush_rows`).
 """
 
 from __future__ import annotations
