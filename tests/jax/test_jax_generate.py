@@ -264,7 +264,8 @@ def test_cli_backend_jax_streams_the_torch_tokens(hf_model_dir, capsys):
 
 
 @pytest.mark.parametrize("name,mode,method", [("nemotron_h", "replay", None), ("mamba2", "replay", "ngram"),
-                                              ("mamba2_g3", "recurrent", None), ("qwen3_next", "replay", None)])
+                                              ("mamba2_g3", "recurrent", None), ("qwen3_next", "replay", None),
+                                              ("mamba2", "kv", "ngram"), ("mamba2", "auto", "ngram")])
 def test_compiled_loop_updates_the_cache_in_place(hf_model_dir, name, mode, method):
     """XLA copies an array it cannot update in place; a copy of a state, ring or K/V array
     inside the decode loop would move the whole cache every step.  None is copied: states
