@@ -35,8 +35,8 @@ def generate_main(args, model_dir: Path, default_draft: Path, err) -> int:
         import jax
     except ImportError:
         return err("--backend jax needs jax: pip install 'replayssm[jax]'")
-    if args.mode not in ("replay", "recurrent"):
-        return err(f"--backend jax supports --mode replay or recurrent, not {args.mode!r}")
+    if args.mode not in ("replay", "recurrent", "kv", "auto"):
+        return err(f"--backend jax supports --mode replay, recurrent, kv or auto, not {args.mode!r}")
     if args.speculative not in (None, "ngram", "draft"):
         return err(f"--backend jax speculates with chains (ngram, draft), not {args.speculative!r}")
     if args.cuda_graphs:

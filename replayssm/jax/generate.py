@@ -23,7 +23,8 @@ tokens), ``n`` samples (``n`` rows) and stop strings (checked on the host betwee
 loop iterations).  ``structured_outputs`` and ``bad_words`` are refused by name.
 
 Differences from the PyTorch engine: one static batch per call (no continuous batching), the
-``recurrent`` and ``replay`` forms only (no KV-only / auto), chain speculation only (n-gram or
+``recurrent``, ``replay``, ``kv`` and ``auto`` forms (``kv`` / ``auto`` keep a static entry buffer of
+``max_seq_len`` per row), chain speculation only (n-gram or
 draft model; the draft runs the recurrent form and keeps one state snapshot per drafted
 token so that its rollback is a selection; penalties, ``logit_bias`` and ``min_tokens`` with
 n-gram drafts only), and its own PRNG (sampled outputs follow the same distributions, not
@@ -87,6 +88,7 @@ class GenerateConfig:
     use_bias: bool = False       # logit_bias
     use_min_tokens: bool = False
     logprobs: int = -1           # alternatives kept per token (-1: no logprobs)
+    auto_threshold: int = 0      # mode "auto": cached tokens at which a row switches KV-only -> replay
 
 
 def _ssm_part(cache: M.Cache):
@@ -155,7 +157,7 @@ class _Program:
     def _start(self, params, dparams, ids, lengths, rowp, key):
         cfg, spec = self.cfg, self.spec
         B = cfg.batch
-        cache = M.init_cache(spec, B, cfg.mode, cfg.buffer_size, cfg.max_seq_len)
+        cache = M.init_cache(spec, B, cfg.mode, cfg.buffer_size, cfg.max_seq_len, auto_threshold=cfg.auto_threshold)
         logits, cache = M.prefill(spec, params, cache, ids, lengths)
         if self.mesh is None and isinstance(params["stages"][0], list):   # unrolled layers: per-layer caches
             cache = M.split_cache(cache)
@@ -235,7 +237,7 @@ class _Program:
         kind = "verify" if cfg.spec_method else "decode"
 
         def no_flush(c):
-            return running(c) & ~jnp.any(M.ring_flush(c["cache"].ring_len, kind, T, cfg.buffer_size))
+            return running(c) & ~jnp.any(M.flush_rows(c["cache"], kind, T))
 
         def outer(c):
             return step(True)(lax.while_loop(no_flush, step(False), c))
@@ -329,6 +331,44 @@ class _Row:
 DEFAULT_MAX_SEQ_LEN = 2048
 
 
+def default_auto_threshold(spec: ModelSpec, buffer_size: int) -> int:
+    """The PyTorch engine's default switch point: the context length past which a KV-only step
+    reads more bytes than amortised replay (:func:`replayssm.forms.kv.kv_only_threshold`), from
+    one row's state and per-token entry bytes."""
+    from ..forms.kv import kv_only_threshold
+
+    entry = M.entry_bytes(spec, "kv", 1, buffer_size, 1)
+    if entry <= 0:
+        return 1
+    _, cdt = M._dtypes(spec)
+    state = sum(cnt * (sb.mixer.H * sb.mixer.d * sb.mixer.n if sb.mixer.kind == "mamba"
+                       else sb.mixer.HV * sb.mixer.K * sb.mixer.V)
+                for sb, cnt in spec.stages if sb.mixer.kind in ("mamba", "gdn")) * jnp.dtype(cdt).itemsize
+    return kv_only_threshold(state, entry, buffer_size)
+
+
+def _memory_bytes() -> int:
+    """Memory of the first device (its allocator's limit), else the host's physical memory."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:   # backends without memory statistics
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_entry_memory(spec: ModelSpec, mode: str, batch: int, buffer_size: int, max_seq_len: int) -> None:
+    """Refuse a KV-only entry buffer (``max_seq_len`` tokens per row and SSM layer) larger than
+    the device's memory, before anything is allocated or compiled."""
+    need = M.entry_bytes(spec, mode, batch, buffer_size, max_seq_len)
+    have = _memory_bytes()
+    if need > have:
+        raise ValueError(f"decode_mode={mode!r} keeps every token's entries: {batch} row(s) x max_seq_len "
+                         f"{max_seq_len} need {need / 2**30:.1f} GiB of entry buffers, more than the "
+                         f"{have / 2**30:.1f} GiB of device memory; lower max_seq_len or use decode_mode='replay'")
+
+
 def _processed(sp) -> bool:
     """The request changes the logits before sampling (penalties, logit_bias, min_tokens)."""
     return (sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
@@ -353,8 +393,12 @@ class JaxLLM:
     """Generate with the JAX backend (same checkpoints and settings as :class:`replayssm.LLM`).
 
     ``model``: an HF-layout directory (or a ``(ModelSpec, params)`` pair from
-    :func:`replayssm.jax.params.load_params`).  ``decode_mode``: ``"replay"`` or
-    ``"recurrent"``.  ``speculative``: ``None`` or a
+    :func:`replayssm.jax.params.load_params`).  ``decode_mode``: ``"replay"``,
+    ``"recurrent"``, ``"kv"`` (KV-only: no state, every token's entries in a buffer of
+    ``max_seq_len``, checked against the device's memory before any compile) or ``"auto"``
+    (each row KV-only until ``auto_threshold`` tokens are cached, default
+    :func:`default_auto_threshold`, then folded into a state and replay with a ring of
+    ``buffer_size``, in the same buffer).  ``speculative``: ``None`` or a
     :class:`~replayssm.engine.config.SpeculativeConfig` with method ``"ngram"`` or
     ``"draft"`` (chains).  ``dtype="float64"`` needs ``jax_enable_x64``.  Each
     ``generate`` runs its prompts as one batch; compiled programs are cached per shape
@@ -376,7 +420,7 @@ class JaxLLM:
     def __init__(self, model, dtype: str = "float32", decode_mode: str = "replay", buffer_size: int = 16,
                  speculative=None, max_seq_len: int | None = None, chunk_size: int | None = None,
                  seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1, layer_loop: str | None = None,
-                 layer_group: int = 8, compiler_options: dict | None = None):
+                 layer_group: int = 8, compiler_options: dict | None = None, auto_threshold: int | None = None):
         if layer_loop is None:
             layer_loop = "scan"
         if layer_loop not in LAYER_LOOPS:
@@ -386,9 +430,13 @@ class JaxLLM:
         self.compiler_options = _compiler_options(compiler_options, defaults=layer_loop != "scan")
         mesh = make_mesh(tensor_parallel_size)   # validates the size and the device count
         self.mesh = mesh if tensor_parallel_size > 1 else None
-        if decode_mode not in M.MODES:
-            raise ValueError(f"decode_mode must be one of {M.MODES} for the JAX backend, got {decode_mode!r} "
-                             "(kv / auto are PyTorch-engine forms)")
+        if decode_mode not in M.MODES + (M.AUTO,):
+            raise ValueError(f"decode_mode must be one of {M.MODES + (M.AUTO,)} for the JAX backend, "
+                             f"got {decode_mode!r}")
+        if auto_threshold is not None and (decode_mode != M.AUTO or isinstance(auto_threshold, bool)
+                                           or not isinstance(auto_threshold, int) or auto_threshold < 1):
+            raise ValueError(f"auto_threshold must be a positive int with decode_mode='auto', got "
+                             f"{auto_threshold!r} with decode_mode={decode_mode!r}")
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
             raise ValueError(f"buffer_size must be a positive int, got {buffer_size!r}")
         if speculative is not None:
@@ -416,6 +464,11 @@ class JaxLLM:
             self.spec = _with_chunk(self.spec, chunk_size)
         self.decode_mode, self.buffer_size, self.speculative = decode_mode, buffer_size, speculative
         self.max_seq_len = max_seq_len
+        self.auto_threshold = 0
+        if decode_mode == M.AUTO:
+            self.auto_threshold = auto_threshold or default_auto_threshold(self.spec, buffer_size)
+        if max_seq_len is not None:   # KV-only: one row's entry buffer must fit at all
+            _check_entry_memory(self.spec, decode_mode, 1, buffer_size, max_seq_len)
         self.key = jax.random.PRNGKey(seed)
         self.dspec = self.dparams = None
         if speculative is not None and speculative.method == "draft":
@@ -489,9 +542,11 @@ class JaxLLM:
                               or r.params.repetition_penalty != 1 for r in rows),
             use_bias=any(bool(r.params.logit_bias) for r in rows),
             use_min_tokens=any(r.params.min_tokens > 0 for r in rows),
-            logprobs=max([-1] + [r.params.logprobs for r in rows if r.params.logprobs is not None]))
+            logprobs=max([-1] + [r.params.logprobs for r in rows if r.params.logprobs is not None]),
+            auto_threshold=self.auto_threshold)
         prog = self._programs.get(cfg)
-        if prog is None:
+        if prog is None:   # before any compile: the batch's entry buffers must fit
+            _check_entry_memory(self.spec, cfg.mode, cfg.batch, cfg.buffer_size, cfg.max_seq_len)
             prog = self._programs[cfg] = _Program(self.spec, self.dspec, cfg, self.mesh, self.compiler_options)
         return prog, cfg
 

@@ -20,8 +20,10 @@ ring).  Each SSM family maps the op entries it implements to one function here, 
 per-``(form, kind)`` dispatch dict (:data:`M2_STEPS`, :data:`GDN_STEPS`) is built from the
 table with each row's decisions bound; the functions read those decisions, never the kind's
 name.  Of the table this backend runs the kinds ``full`` / ``prefill`` / ``decode`` /
-``verify`` of the ``recurrent`` and ``replay`` forms (:data:`FORMS`); its prefill takes fresh
-rows only (every row's cache is overwritten), so a prefill reads no state, ring or KV.
+``verify`` of the ``recurrent``, ``replay`` and ``kv`` forms (:data:`FORMS`); its prefill takes
+fresh rows only (every row's cache is overwritten), so a prefill reads no state, ring or KV.
+The KV-only form's ``kv_verify`` is the replay step with ``S0 = 0`` over an entry buffer of
+``max_seq_len`` (a ring that never wraps or flushes); its prefill writes the prompt's entries.
 
 ==========  ===========================  ======================================
 kind        recurrent                    replay
@@ -57,7 +59,7 @@ from .ops import compute_dtype, ein, linear
 
 __all__ = ["Ctx", "MIXERS", "FORMS", "KINDS_RUN", "M2_STEPS", "GDN_STEPS"]
 
-#: the step kinds this backend runs (``tree`` and the KV-only form are PyTorch-engine only)
+#: the step kinds this backend runs (``tree`` is PyTorch-engine only)
 KINDS_RUN = ("full", "prefill", "decode", "verify")
 
 
@@ -78,6 +80,8 @@ class Ctx:
     L: int = 0                     # ring capacity
     write_flush: bool = True       # static: False compiles a step that writes no checkpoint
     unrolled: bool = False         # static: layers unrolled (per-layer weights): windows via updates
+    auto_threshold: int = 0        # static: a KV-only prefill of ``auto`` rows also stores the final
+    #                                state of rows with ``lengths >= auto_threshold`` (0 elsewhere)
 
 
 def _get(p: dict, name: str):
@@ -366,7 +370,7 @@ def _m2_replay(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
     a causal mask; flushing rows write the checkpoint, the new inputs go to the ring."""
     Bt, T, H, d = x.shape
     xc, Bc, Cc = x.astype(cdt), B.astype(cdt), C.astype(cdt)
-    S0 = c["state"][i].astype(cdt)
+    S0 = c["state"][i].astype(cdt) if st.state.read else jnp.zeros((Bt, H, d, sp.n), cdt)
     (hx, hB, hdt), valid = _history(c, ("rx", "rB", "rdt"), i, ctx, cdt)
     hl = A * hdt
     nl = A * dt
@@ -377,15 +381,39 @@ def _m2_replay(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
     y = ops.m2_attend(S0, (hx, xc), Bs, dts, logs, Cc, P)
     c = _flush_state(c, i, ctx, st, S0, y, lambda: ops.m2_build_state(S0, xs, Bs, dts, logs, P[:, 0]),
                      lambda: ops.m2_build_state(S0, hx, hB, hdt, hl, valid), upd)
-    if st.ring.write:
+    if st.ring.write or st.pages.write:
         upd.update(rx=x, rB=B, rdt=dt)
     return y, c, {}
+
+
+def _m2_kv(st: Step, sp, x, dt, A, B, C, ctx: Ctx, c, i, cdt, upd: dict):
+    """``kv_verify`` (KV-only form): the replay formula with ``S0 = 0`` over every entry of the
+    row (the entry buffer is a ring that never wraps or flushes).  A fresh prefill computes the
+    same outputs with the chunked SSD from a zero state and writes the prompt's entries
+    ``(x, B, Δ)`` at ``0 .. T-1`` (padding past a row's length is never read)."""
+    if not _fresh(st.info):
+        return _m2_replay(st, sp, x, dt, A, B, C, ctx, c, i, cdt, upd)
+    Bt, T, H, d = x.shape
+    dtm = jnp.where(ctx.valid[..., None], dt, jnp.zeros((), cdt))   # padding leaves S unchanged
+    y, S = ops.m2_chunked(x.astype(cdt), dtm, A, B.astype(cdt), C.astype(cdt), jnp.zeros((Bt, H, d, sp.n), cdt),
+                          sp.chunk)
+    upd.update(rx=x, rB=B, rdt=dt)
+    _auto_state(ctx, S, upd)
+    return y, c, {}
+
+
+def _auto_state(ctx: Ctx, S, upd: dict) -> None:
+    """``auto`` prefill: the final state of the rows that start past the threshold, 0 on the
+    rows that start KV-only."""
+    if ctx.auto_threshold:
+        past = (ctx.lengths >= ctx.auto_threshold).reshape((-1,) + (1,) * (S.ndim - 1))
+        upd["state"] = jnp.where(past, S, jnp.zeros((), S.dtype))
 
 
 #: ``(form, kind) -> Mamba-2 step`` from the forms' table (the op entries implemented here)
 M2_STEPS = _build_steps({"chunked_prefill": _m2_chunked, "chunked_prefill_varlen": _m2_chunked,
                          "recurrent_update": _m2_serial, "snapshot_verify": _m2_serial,
-                         "replay_decode": _m2_replay, "replay_verify": _m2_replay})
+                         "replay_decode": _m2_replay, "replay_verify": _m2_replay, "kv_verify": _m2_kv})
 
 
 # ------------------------------------------------------------------------------ Gated DeltaNet
@@ -466,7 +494,7 @@ def _gdn_replay(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
     T = q.shape[1]
     HV = sp.HV
     qn, kn, vc, gc, bc = _gdn_args(q, k, v, g, beta, cdt)
-    S0 = c["state"][i].astype(cdt)
+    S0 = c["state"][i].astype(cdt) if st.state.read else jnp.zeros((q.shape[0], HV, sp.K, sp.V), cdt)
     (hu, hk, hg), valid = _history(c, ("ru", "rk", "rg"), i, ctx, cdt)
     w, tot = ops.gdn_hist_weights(hg, valid)
     r = ops.gdn_readout(S0, hu, hk, w, tot, jnp.concatenate([kn, qn], 1))   # S_h k_s, S_h q_s
@@ -481,15 +509,31 @@ def _gdn_replay(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
         return jnp.exp(gc[:, 0])[..., None, None] * Sh + k_s[..., :, None] * u_s[..., None, :]
 
     c = _flush_state(c, i, ctx, st, S0, y, with_new, lambda: ops.gdn_build_state(S0, hu, hk, w, tot), upd)
-    if st.ring.write:
+    if st.ring.write or st.pages.write:
         upd.update(ru=U, rk=kn, rg=gc)
+    return y.astype(v.dtype), c, {}
+
+
+def _gdn_kv(st: Step, sp, q, k, v, g, beta, ctx: Ctx, c, i, cdt, upd: dict):
+    """``kv_verify`` (KV-only form): the replay formula with ``S0 = 0`` over every entry of the
+    row.  A fresh prefill runs the chunked delta rule from a zero state, which also yields each
+    token's correction ``U_s`` (the ring's ``u``): the entries ``(U, k, g)`` go to ``0 .. T-1``."""
+    if not _fresh(st.info):
+        return _gdn_replay(st, sp, q, k, v, g, beta, ctx, c, i, cdt, upd)
+    qn, kn, vc, gc, bc = _gdn_args(q, k, v, g, beta, cdt)
+    m = ctx.valid[..., None]   # padding: g = β = 0 (U = 0 there; never read)
+    gc, bc = jnp.where(m, gc, jnp.zeros((), cdt)), jnp.where(m, bc, jnp.zeros((), cdt))
+    y, S, U = ops.gdn_chunked(qn, kn, vc, gc, bc, jnp.zeros((q.shape[0], sp.HV, sp.K, sp.V), cdt), sp.chunk,
+                              with_u=True)
+    upd.update(ru=U, rk=kn, rg=gc)
+    _auto_state(ctx, S, upd)
     return y.astype(v.dtype), c, {}
 
 
 #: ``(form, kind) -> Gated DeltaNet step`` from the forms' table (the op entries implemented here)
 GDN_STEPS = _build_steps({"chunked_prefill": _gdn_chunked, "chunked_prefill_varlen": _gdn_chunked,
                           "recurrent_update": _gdn_serial, "snapshot_verify": _gdn_serial,
-                          "replay_decode": _gdn_replay, "replay_verify": _gdn_replay})
+                          "replay_decode": _gdn_replay, "replay_verify": _gdn_replay, "kv_verify": _gdn_kv})
 
 #: forms this backend runs: those with a Mamba-2 and a Gated DeltaNet step for every kind it runs
 FORMS = tuple(f for f in dict.fromkeys(f for f, _ in STEPS)

@@ -18,6 +18,10 @@ of a row lives at ``(start + j) % L``), and per stage of the spec the stacked pe
 attention ``k, v [Ly,B,S,Hkv,Dh]``.  States and decays are fp32 (fp64 for a float64
 model); the rest is in the model dtype.  Flush rules: decode flushes when ``h + 1 == L``
 (``S0 ← S_{h+1}``), verify when ``h + 2T > L`` (``S0 ← S_h``, committed entries only).
+The KV-only form (``mode="kv"``) has no ``state`` (``S0 = 0``) and a ring of
+``L = max_seq_len`` holding every token (``ring_start = 0``, ``ring_len == seq_len``; never
+flushed).  ``mode="auto"``: a state and a ring of ``max_seq_len``; rows run the replay steps,
+KV-only (state 0, every entry) until their switch, a flush at the threshold (:func:`flush_rows`).
 """
 
 from __future__ import annotations
@@ -33,36 +37,78 @@ from . import ops
 from .layers import FORMS, MIXERS, Ctx, apply_updates, commit_conv, commit_snapshots, window_of
 from .params import ModelSpec, jnp_dtype
 
-__all__ = ["Cache", "unstack_params", "group_params", "group_size", "split_cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
+__all__ = ["Cache", "AUTO", "flush_rows", "keeps_entries", "entry_capacity", "entry_bytes", "unstack_params", "group_params", "group_size", "split_cache", "ring_flush", "ring_commit", "init_cache", "forward", "prefill", "decode", "verify", "commit",
            "MODES", "uses_ring"]
 
-#: cache modes (forms) of this backend, from the forms' table: ``("recurrent", "replay")``
+#: cache modes (forms) of this backend, from the forms' table: ``("recurrent", "replay", "kv")``
 MODES = FORMS
+
+
+#: the per-row switch KV-only -> replay (the PyTorch engine's ``auto``): a composition, no form
+AUTO = "auto"
+
+
+def _stores(mode: str) -> frozenset:
+    """Stores of a cache mode; ``auto`` holds a state and a ring (used as the KV-only buffer
+    until the row's switch)."""
+    return frozenset({"state", "ring"}) if mode == AUTO else table.form_stores(mode)
 
 
 def uses_ring(mode: str) -> bool:
     """The form keeps a ring of inputs (ring pointers move, steps flush its checkpoints)."""
-    return "ring" in table.form_stores(mode)
+    return "ring" in _stores(mode)
+
+
+def keeps_entries(mode: str) -> bool:
+    """The form keeps per-token entries: the replay ring, or the KV-only form's entries of
+    every token (held here as a ring of capacity ``max_seq_len`` that never wraps or flushes:
+    ``ring_start`` stays 0 and ``ring_len == seq_len``)."""
+    return bool({"ring", "pages"} & _stores(mode))
+
+
+def entry_capacity(mode: str, buffer_size: int, max_seq_len: int) -> int:
+    """Entries a row's buffer holds: ``buffer_size`` (replay ring), ``max_seq_len`` (KV-only,
+    and ``auto``, whose rows start KV-only)."""
+    return max_seq_len if mode == AUTO or "pages" in _stores(mode) else buffer_size
+
+
+def entry_bytes(spec: ModelSpec, mode: str, batch: int, buffer_size: int, max_seq_len: int) -> int:
+    """Bytes of the SSM layers' entry buffers of ``batch`` rows (0 for a form without entries):
+    Mamba-2 ``x, B`` in the model dtype and ``Δ`` in the state dtype per token, GDN ``u, k``
+    and ``g``."""
+    if not keeps_entries(mode):
+        return 0
+    dt, cdt = _dtypes(spec)
+    a, b = jnp.dtype(dt).itemsize, jnp.dtype(cdt).itemsize
+    per = 0
+    for sb, cnt in spec.stages:
+        sp = sb.mixer
+        if sp.kind == "mamba":
+            per += cnt * ((sp.H * sp.d + sp.G * sp.n) * a + sp.H * b)
+        elif sp.kind == "gdn":
+            per += cnt * ((sp.HV * sp.V + sp.H * sp.K) * a + sp.HV * b)
+    return per * batch * entry_capacity(mode, buffer_size, max_seq_len)
 
 
 @jax.tree_util.register_pytree_node_class
 class Cache:
-    """Per-row caches of one batch: arrays are pytree leaves, ``mode`` and ``L`` (ring
-    capacity) are static (part of the compiled program)."""
+    """Per-row caches of one batch: arrays are pytree leaves, ``mode``, ``L`` (ring
+    capacity) and ``auto`` (``(buffer_size, threshold)`` of the ``auto`` mode, else None) are
+    static (part of the compiled program)."""
 
     _FIELDS = ("seq_len", "ring_start", "ring_len", "stages")
 
-    def __init__(self, seq_len, ring_start, ring_len, stages, mode: str, L: int):
+    def __init__(self, seq_len, ring_start, ring_len, stages, mode: str, L: int, auto=None):
         self.seq_len, self.ring_start, self.ring_len, self.stages = seq_len, ring_start, ring_len, stages
-        self.mode, self.L = mode, L
+        self.mode, self.L, self.auto = mode, L, auto
 
     def replace(self, **kw) -> "Cache":
         d = {f: getattr(self, f) for f in self._FIELDS}
         d.update(kw)
-        return Cache(**d, mode=self.mode, L=self.L)
+        return Cache(**d, mode=self.mode, L=self.L, auto=self.auto)
 
     def tree_flatten(self):
-        return tuple(getattr(self, f) for f in self._FIELDS), (self.mode, self.L)
+        return tuple(getattr(self, f) for f in self._FIELDS), (self.mode, self.L, self.auto)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -75,15 +121,20 @@ def _dtypes(spec: ModelSpec):
 
 
 def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: int = 16,
-               max_seq_len: int = 256, fill=0.0) -> Cache:
-    """Zeroed caches for ``batch`` rows (``fill=nan`` poisons every float array: tests)."""
-    if mode not in MODES:
-        raise ValueError(f"decode_mode must be one of {MODES} for the JAX backend, got {mode!r}")
+               max_seq_len: int = 256, fill=0.0, auto_threshold: int = 0) -> Cache:
+    """Zeroed caches for ``batch`` rows (``fill=nan`` poisons every float array: tests).
+    ``mode="auto"``: rows start KV-only (state 0, entries in a buffer of ``max_seq_len``) and
+    switch to replay (a ring of ``buffer_size``) once ``auto_threshold`` tokens are cached."""
+    if mode not in MODES + (AUTO,):
+        raise ValueError(f"decode_mode must be one of {MODES + (AUTO,)} for the JAX backend, got {mode!r}")
     if not isinstance(buffer_size, int) or buffer_size < 1:
         raise ValueError(f"buffer_size must be a positive int, got {buffer_size!r}")
+    if mode == AUTO and (not isinstance(auto_threshold, int) or auto_threshold < 1):
+        raise ValueError(f"auto_threshold must be a positive int, got {auto_threshold!r}")
     dt, cdt = _dtypes(spec)
-    L, B = buffer_size, batch
-    ring = uses_ring(mode)
+    L, B = entry_capacity(mode, buffer_size, max_seq_len), batch
+    ring = keeps_entries(mode)
+    state = "state" in _stores(mode)   # the KV-only form keeps none (S0 = 0)
 
     def full(shape, dtype):
         return jnp.full(shape, fill, dtype)
@@ -94,15 +145,18 @@ def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: i
         c = {}
         if sp.kind == "mamba":
             w = (cnt, B, sp.W - 1)
-            c = {"state": full((cnt, B, sp.H, sp.d, sp.n), cdt), "win_x": full(w + (sp.H * sp.d,), dt),
-                 "win_bc": full(w + (2 * sp.G * sp.n,), dt)}
+            c = {"win_x": full(w + (sp.H * sp.d,), dt), "win_bc": full(w + (2 * sp.G * sp.n,), dt)}
+            if state:
+                c["state"] = full((cnt, B, sp.H, sp.d, sp.n), cdt)
             if ring:
                 c.update(rx=full((cnt, B, L, sp.H, sp.d), dt), rB=full((cnt, B, L, sp.G, sp.n), dt),
                          rdt=full((cnt, B, L, sp.H), cdt))
         elif sp.kind == "gdn":
             w = (cnt, B, sp.W - 1)
-            c = {"state": full((cnt, B, sp.HV, sp.K, sp.V), cdt), "win_q": full(w + (sp.H * sp.K,), dt),
-                 "win_k": full(w + (sp.H * sp.K,), dt), "win_v": full(w + (sp.HV * sp.V,), dt)}
+            c = {"win_q": full(w + (sp.H * sp.K,), dt), "win_k": full(w + (sp.H * sp.K,), dt),
+                 "win_v": full(w + (sp.HV * sp.V,), dt)}
+            if state:
+                c["state"] = full((cnt, B, sp.HV, sp.K, sp.V), cdt)
             if ring:
                 c.update(ru=full((cnt, B, L, sp.HV, sp.V), dt), rk=full((cnt, B, L, sp.H, sp.K), dt),
                          rg=full((cnt, B, L, sp.HV), cdt))
@@ -110,7 +164,7 @@ def init_cache(spec: ModelSpec, batch: int, mode: str = "replay", buffer_size: i
             c = {"k": full((cnt, B, max_seq_len, sp.Hkv, sp.Dh), dt), "v": full((cnt, B, max_seq_len, sp.Hkv, sp.Dh), dt)}
         stages.append(c)
     z = jnp.zeros((B,), jnp.int32)
-    return Cache(z, z, z, stages, mode, L)
+    return Cache(z, z, z, stages, mode, L, (buffer_size, auto_threshold) if mode == AUTO else None)
 
 
 def unstack_params(params):
@@ -284,12 +338,21 @@ def prefill(spec: ModelSpec, params, cache: Cache, ids, lengths):
     B, T = ids.shape
     t = jnp.arange(T)
     lengths = lengths.astype(jnp.int32)
-    ctx = Ctx(kind="prefill", mode=cache.mode, T=T, positions=jnp.broadcast_to(t, (B, T)),
-              valid=t[None, :] < lengths[:, None], lengths=lengths, L=cache.L)
+    z = jnp.zeros((B,), jnp.int32)
+    auto = cache.mode == AUTO
+    pages = auto or "pages" in _stores(cache.mode)
+    if pages and T > cache.L:
+        raise ValueError(f"a padded prompt of {T} tokens does not fit the KV-only entry buffer of {cache.L}")
+    # auto: the KV-only prefill, which also stores the final state of the rows already past
+    # the threshold (they start in replay form: ring empty; the others keep S0 = 0)
+    thr = cache.auto[1] if auto else 0
+    ctx = Ctx(kind="prefill", mode="kv" if auto else cache.mode, T=T, positions=jnp.broadcast_to(t, (B, T)),
+              valid=t[None, :] < lengths[:, None], lengths=lengths, L=cache.L, start=z, hist=z, auto_threshold=thr)
     h, stages, _ = _trunk(spec, params, cache.stages, ids, ctx)
     last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    z = jnp.zeros((B,), jnp.int32)
-    return _head(spec, params, last), cache.replace(seq_len=lengths, ring_start=z, ring_len=z, stages=stages)
+    # replay: the ring starts empty; KV-only: the prompt's entries are the buffer's first ones
+    rl = jnp.where(lengths >= thr, 0, lengths) if auto else (lengths if pages else z)
+    return _head(spec, params, last), cache.replace(seq_len=lengths, ring_start=z, ring_len=rl, stages=stages)
 
 
 def ring_flush(hist, kind: str, T: int, L: int):
@@ -297,6 +360,23 @@ def ring_flush(hist, kind: str, T: int, L: int):
     (``h + 1 == L``), verify one window early (``h + 2T > L``); the forms' rule,
     :func:`replayssm.forms.table.ring_flush`."""
     return table.ring_flush(hist, kind, T, L)
+
+
+def flush_rows(cache: Cache, kind: str, T: int):
+    """Rows that write their checkpoint in a step of ``kind`` with ``T`` new entries: the
+    replay ring's rule (:func:`ring_flush`); none in the KV-only form; in ``auto``, a row still
+    KV-only (``ring_len == seq_len``: it never flushed) switches once ``threshold`` tokens are
+    cached after a decode step (``S0 ← S_{h+1}``, all its entries folded) or before a verify
+    step (``S0 ← S_h``) -- the state the PyTorch engine's switch folds after the step that
+    reached the threshold -- and a switched row follows the ring rule at ``buffer_size``."""
+    hist = cache.ring_len
+    if cache.mode == AUTO:
+        cap, thr = cache.auto
+        switch = hist >= thr if table.KINDS[kind].tentative else hist + 1 >= thr
+        return jnp.where(hist == cache.seq_len, switch, ring_flush(hist, kind, T, cap))
+    if uses_ring(cache.mode):
+        return ring_flush(hist, kind, T, cache.L)
+    return jnp.zeros_like(hist, bool)
 
 
 def ring_commit(start, hist, flush, L: int, accepted=None):
@@ -312,8 +392,9 @@ def _step_ctx(cache: Cache, kind: str, T: int, flush: bool = True) -> Ctx:
     L = cache.L
     seq = cache.seq_len
     start, hist = cache.ring_start, cache.ring_len
-    write_flush, flush = flush, ring_flush(hist, kind, T, L)
-    return Ctx(kind=kind, mode=cache.mode, T=T, positions=seq[:, None] + jnp.arange(T)[None, :],
+    write_flush, flush = flush, flush_rows(cache, kind, T)
+    mode = "replay" if cache.mode == AUTO else cache.mode   # auto: replay steps (S0 = 0 until the switch)
+    return Ctx(kind=kind, mode=mode, T=T, positions=seq[:, None] + jnp.arange(T)[None, :],
                seq_len=seq, start=start, hist=hist, flush=flush, L=L, write_flush=write_flush)
 
 
@@ -329,6 +410,8 @@ def decode(spec: ModelSpec, params, cache: Cache, ids, active=None, flush: bool 
     L = cache.L
     step = jnp.ones_like(ctx.seq_len) if active is None else active.astype(jnp.int32)
     rs, rl = ring_commit(ctx.start, ctx.hist, ctx.flush, L)
+    if "pages" in _stores(cache.mode):   # KV-only: one entry per committed token
+        rs, rl = ctx.start, ctx.hist + step
     new = cache.replace(stages=stages, seq_len=ctx.seq_len + step, ring_start=rs, ring_len=rl)
     return _head(spec, params, h[:, 0]), new
 
@@ -339,8 +422,9 @@ def verify(spec: ModelSpec, params, cache: Cache, ids, flush: bool = True):
     :func:`commit`; returns ``(logits, cache, pending)``.  ``flush=False``: as in
     :func:`decode`."""
     T = ids.shape[1]
-    if uses_ring(cache.mode) and cache.L < 2 * T:
-        raise ValueError(f"buffer_size {cache.L} < 2 * {T} verify tokens: speculation needs L >= 2T")
+    cap = cache.auto[0] if cache.mode == AUTO else cache.L
+    if uses_ring(cache.mode) and cap < 2 * T:
+        raise ValueError(f"buffer_size {cap} < 2 * {T} verify tokens: speculation needs L >= 2T")
     ctx = _step_ctx(cache, "verify", T, flush)
     h, stages, pends = _trunk(spec, params, cache.stages, ids, ctx)
     pending = {"stages": pends, "start": ctx.start, "hist": ctx.hist, "flush": ctx.flush}
@@ -352,7 +436,7 @@ def commit(spec: ModelSpec, cache: Cache, pending: dict, accepted):
     pointers (replay), snapshot states (recurrent), conv windows, ``seq_len``."""
     a = accepted.astype(jnp.int32)
     L = cache.L
-    st = table.step(cache.mode, "verify")
+    st = table.step("replay" if cache.mode == AUTO else cache.mode, "verify")
     stages = []
     for s, (sb, cnt) in enumerate(spec.stages):
         c, pend = dict(cache.stages[s]), pending["stages"][s]
@@ -366,4 +450,6 @@ def commit(spec: ModelSpec, cache: Cache, pending: dict, accepted):
     if st.ring.write:
         rs, rl = ring_commit(start, hist, flush, L, a)
         new = new.replace(ring_start=rs, ring_len=rl)
+    elif st.pages.write:   # KV-only: the accepted entries follow the committed ones
+        new = new.replace(ring_len=hist + a)
     return new

@@ -313,13 +313,14 @@ def gdn_block(hk, hq, q, k, v, G, beta, mask):
     return jnp.swapaxes(U, 1, 2), y
 
 
-def gdn_chunked(q, k, v, g, beta, St, Q: int):
+def gdn_chunked(q, k, v, g, beta, St, Q: int, with_u: bool = False):
     """Chunked delta rule (WY/UT form) from state ``St [Bt,HV,K,V]``: per chunk of Q tokens
     (``G`` = in-chunk cumulative log-decay) :func:`gdn_block` against the incoming state, then
     ``St ← e^{G_Q} St + Σ_s e^{G_Q−G_s} k_s ⊗ U_s``.  The chunk-local triangular inverse is
     formed for all chunks at once; only the state passing runs sequentially (``lax.scan``).
     q/k prepared ``[Bt,T,H,K]``, v ``[Bt,T,HV,V]``, g/beta ``[Bt,T,HV]`` (padding: g = β = 0).
-    Returns ``(y [Bt,T,HV,V], final state)``."""
+    Returns ``(y [Bt,T,HV,V], final state)``, and with ``with_u`` the corrections
+    ``U [Bt,T,HV,V]`` (``S_s = e^{g_s} S_{s-1} + k_s ⊗ U_s``)."""
     Bt, T, H, K = q.shape
     HV, V = v.shape[2:]
     cdt = v.dtype
@@ -360,11 +361,16 @@ def gdn_chunked(q, k, v, g, beta, St, Q: int):
         U = Uv_c - ein("bhsk,bhkv->bhsv", Wk_c, S)                   # [Bt,HV,Q,V]
         y = eG_c * ein("bshk,bhkv->bshv", qe_c, S) + ein("bhst,bhtv->bshv", Wqk_c, U)
         S = tot_c[..., None, None] * S + ein("bsh,bshk,bhsv->bhkv", last_c, ke_c, U)
-        return S, y
+        return S, ((y, jnp.swapaxes(U, 1, 2)) if with_u else y)
 
     S, ys = lax.scan(chunk, St, (Uv, Wk, Wqk, qe, ke, eG, last, tot))
-    y = jnp.swapaxes(ys, 0, 1).reshape(Bt, nc * Q, HV, V)[:, :T]
-    return y, S
+
+    def tokens(t):   # chunk-major [nc, Bt, Q, ...] -> [Bt, T, ...]
+        return jnp.swapaxes(t, 0, 1).reshape((Bt, nc * Q) + t.shape[3:])[:, :T]
+
+    if with_u:
+        return tokens(ys[0]), S, tokens(ys[1])
+    return tokens(ys), S
 
 
 def gdn_hist_weights(g, valid):

@@ -224,7 +224,7 @@ def test_decode_loop_has_no_host_callback(hf_model_dir):
 def test_bad_settings_raise(hf_model_dir):
     path = hf_model_dir("mamba2")
     with pytest.raises(ValueError, match="decode_mode"):
-        JaxLLM(path, decode_mode="kv")
+        JaxLLM(path, decode_mode="paged")
     with pytest.raises(ValueError, match="chains"):
         JaxLLM(path, speculative=SpeculativeConfig("tree"))
     with pytest.raises(ValueError, match="buffer_size 8 < 2"):
@@ -259,11 +259,13 @@ def test_cli_backend_jax_streams_the_torch_tokens(hf_model_dir, capsys):
     cap = capsys.readouterr()
     assert cap.out.split() == want and len(want) == 12
     assert "backend=jax" in cap.err
-    assert main(argv + ["--backend", "jax", "--mode", "kv"]) == 2
+    assert main(argv + ["--backend", "jax", "--mode", "kv"]) == 0
+    assert capsys.readouterr().out.split() == want
 
 
 @pytest.mark.parametrize("name,mode,method", [("nemotron_h", "replay", None), ("mamba2", "replay", "ngram"),
-                                              ("mamba2_g3", "recurrent", None), ("qwen3_next", "replay", None)])
+                                              ("mamba2_g3", "recurrent", None), ("qwen3_next", "replay", None),
+                                              ("mamba2", "kv", "ngram"), ("mamba2", "auto", "ngram")])
 def test_compiled_loop_updates_the_cache_in_place(hf_model_dir, name, mode, method):
     """XLA copies an array it cannot update in place; a copy of a state, ring or K/V array
     inside the decode loop would move the whole cache every step.  None is copied: states
