@@ -99,10 +99,11 @@ def test_jax_dispatch_is_built_from_the_table():
     pytest.importorskip("jax")
     from replayssm.jax import layers, model
 
-    assert model.MODES == layers.FORMS == ("recurrent", "replay")
+    assert model.MODES == layers.FORMS == ("recurrent", "replay", "kv")
     for steps in (layers.M2_STEPS, layers.GDN_STEPS):
         for form in layers.FORMS:
             for kind in layers.KINDS_RUN:
                 assert steps[(form, kind)].args[0] is table.step(form, kind)
-        assert not any(k[0] == "kv" and k[1] != "full" for k in steps)
-    assert model.uses_ring("replay") and not model.uses_ring("recurrent")
+    # kv keeps every entry and never flushes (no ring rule); auto is a composition, not a form
+    assert model.uses_ring("replay") and not model.uses_ring("recurrent") and not model.uses_ring("kv")
+    assert "auto" not in layers.FORMS and model.uses_ring("auto")
