@@ -207,6 +207,14 @@ def usable(*tensors) -> bool:
     return devs == {"cpu"} and interpreting()
 
 
+def few_new_tokens(t, limit: int) -> bool:
+    """Whether a KV-only verify call's lead input ``t [Bt, T, H, ·]`` carries at most ``limit``
+    new tokens: those kernels' score tiles grow with the square of the padded ``T``, so
+    longer steps (a KV-only prefill of a long chunk) run the reference op (a module's
+    ``SUPPORTS``, :mod:`.dispatch`)."""
+    return getattr(t, "dim", None) is not None and t.dim() == 4 and t.shape[1] <= limit
+
+
 #: ``tl.dot`` input precisions for fp32 operands
 DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
 

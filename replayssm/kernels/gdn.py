@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ._triton import (HAVE_TRITON, check_ring, count_args, count_flags, flag_chunk, flat_grid, history_entries, next_pow2,
                       nth_flag, pad16, persistent_programs, tile, tile_ids, token_rows, triton, tl,
-                      verify_precision)
+                      verify_precision, few_new_tokens)
 from ._triton import contiguous as _c
 from ..ops.gdn.naive import check_kv_fold, check_rebuild_state
 from .append import append_entries
@@ -903,12 +903,8 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
 KV_MAX_NEW = 64
 
 
-def _few_new(t) -> bool:
-    return isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] <= KV_MAX_NEW
-
-
 #: calls the kernels take (others run the reference; ``kernels.dispatch``)
-SUPPORTS = {"kv_verify": lambda kv, pplan, q, *args, **kw: _few_new(q)}
+SUPPORTS = {"kv_verify": lambda kv, pplan, q, *args, **kw: few_new_tokens(q, KV_MAX_NEW)}
 
 
 def kv_verify(kv, pplan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,

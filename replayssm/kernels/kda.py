@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import HAVE_TRITON, check_ring, flat_grid, next_pow2, pad16, tile, tile_ids, triton, tl
+from ._triton import HAVE_TRITON, check_ring, few_new_tokens, flat_grid, next_pow2, pad16, tile, tile_ids, triton, tl
 from ._triton import contiguous as _c
 from ..ops.common import check_route, check_tree, want_check
 from ..ops.kda import naive as _ref
@@ -227,13 +227,9 @@ HISTORY_CHUNK = 16
 KV_MAX_NEW = 16
 
 
-def _few_new(q) -> bool:
-    return isinstance(q, Tensor) and q.dim() == 4 and q.shape[1] <= KV_MAX_NEW
-
-
 #: calls the kernels take (others run the reference; ``kernels.dispatch``)
-SUPPORTS = {"kv_verify": lambda kv, pplan, q, *args, **kw: _few_new(q),
-            "kv_tree_verify": lambda kv, pplan, parent, q, *args, **kw: _few_new(q)}
+SUPPORTS = {"kv_verify": lambda kv, pplan, q, *args, **kw: few_new_tokens(q, KV_MAX_NEW),
+            "kv_tree_verify": lambda kv, pplan, parent, q, *args, **kw: few_new_tokens(q, KV_MAX_NEW)}
 
 
 def _scale(scale, K):

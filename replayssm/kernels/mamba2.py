@@ -23,7 +23,7 @@ from torch import Tensor
 from ..cache.tree import ancestor_bits, ancestor_mask
 from ..ops.mamba2.naive import check_conv_fold, check_kv_fold, check_rebuild_state
 from ._triton import (HAVE_TRITON, check_ring, flat_grid, history_entries, next_pow2, pad16, tile, tile_ids,
-                      token_rows, triton, tl, verify_precision)
+                      token_rows, triton, tl, verify_precision, few_new_tokens)
 from ._triton import contiguous as _c
 from .append import append_entries
 from .fold import conv_fold as _conv_fold
@@ -940,12 +940,8 @@ def tree_verify(buf, plan, parent: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: 
 KV_MAX_NEW = 64
 
 
-def _few_new(t) -> bool:
-    return isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] <= KV_MAX_NEW
-
-
 #: calls the kernels take (others run the reference; ``kernels.dispatch``)
-SUPPORTS = {"kv_verify": lambda kv, pplan, x, *args, **kw: _few_new(x)}
+SUPPORTS = {"kv_verify": lambda kv, pplan, x, *args, **kw: few_new_tokens(x, KV_MAX_NEW)}
 
 
 def kv_verify(kv, pplan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
