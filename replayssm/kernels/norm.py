@@ -74,6 +74,21 @@ if HAVE_TRITON:
 
 
     @triton.jit
+    def rmsnorm_row(x, w_ptr, y_row, j, m, N, eps, ZERO_CENTERED: tl.constexpr):
+        """One row's RMSNorm into ``y_row`` (its dtype is the activation dtype): ``x`` (fp32,
+        lanes ``j``, valid ``m``) rounded to the activation dtype, then ``y = w · rms(x)``
+        (``rms`` rounded to the activation dtype before the product) or ``(1 + w) · rms(x)``."""
+        act = y_row.dtype.element_ty
+        x = x.to(act).to(tl.float32)
+        xn = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+        w = tl.load(w_ptr + j, mask=m, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            y = xn * (1.0 + w)
+        else:
+            y = xn.to(act).to(tl.float32) * w
+        tl.store(y_row + j, y.to(act), mask=m)
+
+    @triton.jit
     def _rmsnorm_kernel(
         h_ptr, r_ptr, w_ptr, y_ptr, s_ptr, N, h_stride, r_stride, eps,
         BN: tl.constexpr, ADD: tl.constexpr, ZERO_CENTERED: tl.constexpr,
@@ -85,21 +100,13 @@ if HAVE_TRITON:
         row = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, BN)
         m = j < N
-        act = y_ptr.dtype.element_ty
         x = tl.load(h_ptr + row * h_stride + j, mask=m, other=0.0).to(tl.float32)
         if ADD:
             x += tl.load(r_ptr + row * r_stride + j, mask=m, other=0.0).to(tl.float32)
             s = x.to(s_ptr.dtype.element_ty)
             tl.store(s_ptr + row * N + j, s, mask=m)
             x = s.to(tl.float32)
-        x = x.to(act).to(tl.float32)
-        xn = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-        w = tl.load(w_ptr + j, mask=m, other=0.0).to(tl.float32)
-        if ZERO_CENTERED:
-            y = xn * (1.0 + w)
-        else:
-            y = xn.to(act).to(tl.float32) * w
-        tl.store(y_ptr + row * N + j, y.to(act), mask=m)
+        rmsnorm_row(x, w_ptr, y_ptr + row * N, j, m, N, eps, ZERO_CENTERED)
 
 
 def _rows(t: Tensor, N: int) -> Tensor:

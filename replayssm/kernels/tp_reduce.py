@@ -42,6 +42,9 @@ from torch import Tensor
 
 from ._triton import HAVE_TRITON, next_pow2, triton, tl
 
+if HAVE_TRITON:
+    from .norm import rmsnorm_row
+
 __all__ = ["tp_reduce"]
 
 if HAVE_TRITON:
@@ -111,15 +114,7 @@ if HAVE_TRITON:
                 tl.store(s_ptr + r64 * N + j, s, mask=m)
                 x = s.to(tl.float32)
             if NORM:
-                nact = y_ptr.dtype.element_ty
-                x = x.to(nact).to(tl.float32)
-                xn = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-                w = tl.load(w_ptr + j, mask=m, other=0.0).to(tl.float32)
-                if ZERO_CENTERED:
-                    y = xn * (1.0 + w)
-                else:
-                    y = xn.to(nact).to(tl.float32) * w
-                tl.store(y_ptr + r64 * N + j, y.to(nact), mask=m)
+                rmsnorm_row(x, w_ptr, y_ptr + r64 * N, j, m, N, eps, ZERO_CENTERED)
         if BARRIER:
             tl.debug_barrier()
             if tl.atomic_add(own + 2 * W + 3, 1, sem="acq_rel", scope="gpu") == npr - 1:
