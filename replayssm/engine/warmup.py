@@ -69,18 +69,21 @@ def _ring_of(runner, slots):
 
 
 def _timer(device, reps: int):
-    """``timed(fn)``: the fastest of ``reps`` synchronised runs of ``fn`` after one untimed run."""
+    """``timed(fn, before=None)``: the fastest of ``reps`` synchronised runs of ``fn`` after
+    one untimed run; ``before()`` (untimed) precedes every run."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
-    def timed(fn) -> float:
-        fn()
+    def timed(fn, before=None) -> float:
         best = float("inf")
-        for _ in range(reps):
+        for r in range(reps + 1):
+            if before is not None:
+                before()
             sync()
             t0 = time.perf_counter()
             fn()
             sync()
-            best = min(best, time.perf_counter() - t0)
+            if r:
+                best = min(best, time.perf_counter() - t0)
         return best
 
     return timed
@@ -104,7 +107,7 @@ def measure_step_costs(runner, shapes, reps: int = 3, slots=None, context: int =
     runs after one untimed run, the slots' bookkeeping reset before each.  A shape the cache
     form cannot verify (``NotImplementedError``) gets ``nodes`` decode steps' time."""
     dev = runner.device
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    timer = _timer(dev, reps)
     cache, ring = _ring_of(runner, slots)
     free = sorted(int(s) for s in slots) if cache is not None else [0]
     if cache is not None:
@@ -129,16 +132,7 @@ def measure_step_costs(runner, shapes, reps: int = 3, slots=None, context: int =
                 ring.length[idx] = h
 
     def timed(fn, h: int = 0) -> float:
-        best = float("inf")
-        for r in range(reps + 1):
-            setup(h)
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if r:
-                best = min(best, time.perf_counter() - t0)
-        return best
+        return timer(fn, lambda: setup(h))
 
     table, flush = {}, {}
     L = ring.capacity if ring is not None else 0
