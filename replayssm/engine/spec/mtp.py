@@ -291,10 +291,10 @@ class MTPSteps:
             for b, (_, toks, ph) in enumerate(group):
                 ids[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
                 hid[b, : len(toks)] = ph
-            slots = torch.tensor([g[0] for g in group], dtype=torch.long, device=self.device)
-            lengths = torch.tensor([len(g[1]) for g in group], dtype=torch.long, device=self.device)
+            slots = host_to_device(torch.tensor([g[0] for g in group], dtype=torch.long), self.device)
+            lengths = host_to_device(torch.tensor([len(g[1]) for g in group], dtype=torch.long), self.device)
             with torch.inference_mode():
-                self.head.prefill(self.cache, slots, ids.to(self.device), lengths, hid)
+                self.head.prefill(self.cache, slots, host_to_device(ids, self.device), lengths, hid)
 
     def inputs(self, rows) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(slots [B], tokens [B, K+1], nodes [B, K+1], count [B])`` of packed catch-up

@@ -172,7 +172,7 @@ class DraftTreeDrafter(DraftModelBase):
             keep.append(k)
             if k > 0:
                 dpath[b, :k] = p[b, 1:1 + k] - 1
-        self.runner.commit(torch.tensor(keep, dtype=torch.long, device=self.device), dpath.to(self.device))
+        self.runner.commit(host_to_device(torch.tensor(keep, dtype=torch.long), self.device), host_to_device(dpath, self.device))
         for s, k in zip(seqs, keep):
             s.draft_cached += k
         self._deferred = False
