@@ -155,8 +155,10 @@ def _copy_bandwidth(jax, jnp) -> float:
     return 2 * 4 * n / min(times)
 
 
-def _sizes(spec, params, L: int) -> dict:
-    """Per-step byte counts of :data:`__doc__` (weights, per-row state / window / ring bytes)."""
+def _sizes(spec, params, L: int, ctx: float = 0.0) -> dict:
+    """Per-step byte counts of :data:`__doc__` (weights, per-row state / window / ring bytes);
+    ``kv`` reads the entries of the row's whole context (``ctx`` tokens on average) and no state;
+    ``auto`` is counted as replay (its rows switch at the threshold)."""
     import jax
 
     leaves = jax.tree_util.tree_leaves(params)
@@ -172,7 +174,9 @@ def _sizes(spec, params, L: int) -> dict:
             ring += cnt * (m.H * m.d * 2 + m.G * m.n * 2 + m.H * 4)      # rx, rB (bf16), rdt (fp32) per entry
     rec = 2 * st + 2 * win
     rep = st + ring * ((L - 1) / 2 + 1) + st / L + 2 * win
-    return {"weights": wbytes, "recurrent_row": rec, "replay_row": rep, "state_row": st}
+    kv = ring * max(ctx, 1.0) + 2 * win
+    return {"weights": wbytes, "recurrent_row": rec, "replay_row": rep, "kv_row": kv, "auto_row": rep,
+            "state_row": st}
 
 
 def _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, tp=1, layer_loop=None, llm=None):
@@ -222,7 +226,7 @@ def single(args, run: Run):
         tmodel = load_model(path, device=device, dtype=dtype)
         spec, params = from_torch_model(tmodel, dtype)
         nparams = sum(a.size for a in jax.tree_util.tree_leaves(params))
-        sizes = _sizes(spec, params, args.buffer_size)
+        sizes = _sizes(spec, params, args.buffer_size, args.prompt_len + args.max_tokens / 2)
         run.res["sizes"] = sizes
         need = args.prompt_len + args.max_tokens + 16
         ns = SimpleNamespace(max_tokens=args.max_tokens, prompt_len=args.prompt_len, device=device, dtype=dtype,

@@ -176,6 +176,12 @@ def _null(graphs, key, count_at=None):
     if g is None:
         return None
     ins = g[1] if isinstance(g[1], (tuple, list)) else (g[1],)
+    with torch.inference_mode():   # the graphs' static inputs are inference tensors
+        _null_inputs(ins, count_at)
+    return g
+
+
+def _null_inputs(ins, count_at) -> None:
     for i, t in enumerate(ins):
         if t.dtype == torch.bool:    # valid: the root only
             t.zero_()
@@ -184,7 +190,6 @@ def _null(graphs, key, count_at=None):
             t.fill_(1)
         elif not (t.dim() == 2 and i == 2 and count_at is None):   # a verify step's parent stays a chain
             t.zero_()
-    return g
 
 
 def breakdown(llm, model, args, batches) -> dict:
