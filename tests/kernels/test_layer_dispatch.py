@@ -293,7 +293,7 @@ def test_every_op_is_routed_or_declared_reference_only():
                 "chunked_prefill_varlen", "rebuild_state", "snapshot_verify", "snapshot_commit", "kv_fold",
                 "kv_to_state"),
         "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
-        "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
+        "attention": ("token_positions", "new_slots", "check_paged", "check_write", "check_mla"),
         "moe": ("activation", "check_experts"),
         "fp8": ("quantize_block", "dequantize_block", "quantize_tensor", "dequantize_tensor", "quantize_groups",
                 "dequantize_groups", "expand_scale", "scale_grid", "quantize_experts", "dequantize_experts",
