@@ -123,7 +123,8 @@ def check() -> None:
 
 # ---------------------------------------------------------------------------- 2. kernel timing
 def timing(copy_bw: float) -> None:
-    print(f"\n{'B':>4} {'ctx':>5} {'old µs':>9} {'new µs':>9} {'speed-up':>8} {'new TB/s':>9} {'% copy':>7} {'S':>3}")
+    print(f"\n{'B':>4} {'ctx':>5} {'old µs':>9} {'new µs':>9} {'speed-up':>8} {'new TB/s':>9} {'% copy':>7} "
+          f"{'old %':>6} {'S':>3}")
     for ctx in CONTEXTS:
         for B in BATCHES:
             q, pool, bt, cu, kv = make(B, [ctx] * B, seed=2)
@@ -133,10 +134,11 @@ def timing(copy_bw: float) -> None:
             tbs = nbytes / (t_new * 1e-6) / 1e12
             BM, HG, QT, BN, warps = KM.mla_tiles(B, B, H, R)
             S = KA.default_splits(B * (-(-H // HG)), q.device)
+            old_pct = 100 * nbytes / (t_old * 1e-6) / 1e12 / copy_bw
             row = dict(B=B, ctx=ctx, old_us=t_old, new_us=t_new, speedup=t_old / t_new, new_tbs=tbs,
-                       pct_copy=100 * tbs / copy_bw, splits=S, latent_mb=nbytes / 1e6)
+                       pct_copy=100 * tbs / copy_bw, old_pct_copy=old_pct, splits=S, latent_mb=nbytes / 1e6)
             RESULTS["kernel"].append(row)
-            print(f"{B:4d} {ctx:5d} {t_old:9.1f} {t_new:9.1f} {t_old / t_new:7.2f}x {tbs:9.2f} {row['pct_copy']:6.1f}% {S:3d}")
+            print(f"{B:4d} {ctx:5d} {t_old:9.1f} {t_new:9.1f} {t_old / t_new:7.2f}x {tbs:9.2f} {row['pct_copy']:6.1f}% {old_pct:5.1f}% {S:3d}")
             del q, pool, bt, cu, kv
 
 

@@ -45,7 +45,7 @@ CASES = [
     # kv_lens, q_lens, H, rank, dr, BS, splits, tree
     ([5, 3, 9, 1, 6], [1, 1, 1, 1, 1], 3, 7, 4, 4, 1, False),     # decode, odd rank, context < a block
     ([37, 8, 1, 70], [1, 1, 1, 1], 5, 7, 4, 8, 3, False),         # decode, split-K
-    ([29, 17], [1, 1], 40, 9, 3, 3, 2, False),                   # 40 heads: two head groups
+    ([29, 17], [1, 1], 40, 9, 3, 3, 2, False),                   # 40 heads in one 64-row program
     ([11, 4, 3], [3, 3, 3], 3, 6, 0, 3, 2, False),               # chain verify, no shared key part
     ([30, 7, 12], [4, 0, 2], 2, 20, 5, 4, 1, False),             # varlen rows, an empty row
     ([14, 6, 23], [6, 6, 6], 3, 7, 4, 4, 2, True),               # tree verify
@@ -76,6 +76,15 @@ def test_tile_sizes_give_the_same_result(block_m, block_n, warps):
     args, dense = mla_case(3, [21, 13, 9], [3, 3, 3], 6, 10, 3, 4, torch.float64)
     got = KM.mla_attention(**args, rank=10, scale=SCALE, block_m=block_m, block_n=block_n, num_warps=warps,
                            num_splits=2)
+    assert (got.cpu() - dense).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("q_lens,tree", [([1, 1, 1], False), ([3, 3, 3], False), ([3, 3, 3], True)])
+def test_head_groups(q_lens, tree):
+    """20 heads in 16-row programs: two head groups per token, the second one part empty."""
+    args, dense = mla_case(7, [21, 13, 9], q_lens, 20, 12, 4, 4, torch.float64, tree)
+    assert KM.mla_tiles(len(args["q"]), 3, 20, 12, block_m=16)[:3] == (16, 16, 1)
+    got = KM.mla_attention(**args, rank=12, scale=SCALE, block_m=16, num_splits=2)
     assert (got.cpu() - dense).abs().max().item() < 1e-12
 
 
