@@ -8,13 +8,16 @@ multi-query head of ``R + dr`` channels), at Kimi-Linear-48B-A3B's shapes: 32 he
 2. Kernel timing (CUDA-graph replays): B = 1 / 16 / 64 / 256 × context 1K / 4K, µs of each
    path, speed-up, and the new kernel's latent read (``B · L · 576 · 2`` bytes) per second as
    % of the device's copy bandwidth (a 1 GiB ``copy_``: read + write per byte copied).
-3. A small launch sweep (keys per step, warps, stages; splits) at two shapes.
+3. A small launch sweep (keys per step, warps, stages at B=64 × 4K; splits at four shapes).
 4. One whole ``MLAttention`` decode step (projections, up-projections, write, attention)
    old vs new at B = 64 / 256 × 4K.
+5. Prefill (packed prompts of 1 × 2048 and 8 × 512 tokens): the generic kernel the layer
+   uses for prefill against the MLA kernel, errors against float64 (whether MLA prefill
+   should move to the MLA kernel too).
 
     PYTHONPATH=. python scripts/gpu_mla.py
 
-Prints a short table; writes ``$OUT/gpu_mla.json`` when ``OUT`` is set.  About 2 minutes.
+Prints a short table; writes ``$OUT/gpu_mla.json`` when ``OUT`` is set.  About 2-3 minutes.
 """
 
 from __future__ import annotations
@@ -39,13 +42,15 @@ H, R, DR, DN, DV, HID, BS = 32, 512, 64, 128, 128, 2304, 16
 D = R + DR
 SCALE = (DN + DR) ** -0.5
 BATCHES, CONTEXTS = (1, 16, 64, 256), (1024, 4096)
-_TILES = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (16, 32, 64) for w in (4, 8) for st in (2, 3)]
-_SPLITS = [dict(num_splits=s) for s in (1, 4, 8, 16, 32, 64)]
-SWEEP_SHAPES = ((64, 4096, _TILES + _SPLITS[:3]), (256, 1024, _TILES + _SPLITS[:3]), (1, 4096, _SPLITS[1:]),
-                (16, 4096, _SPLITS[1:]))
+_TILES = ([dict(block_n=bn, num_warps=w) for bn in (16, 32, 64) for w in (4, 8)]
+          + [dict(block_n=32, num_warps=8, num_stages=st) for st in (2, 3, 4)])
+_SPLITS = [dict(num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
+SWEEP_SHAPES = ((64, 4096, _TILES + [_SPLITS[i] for i in (0, 2, 3)]), (256, 1024, _SPLITS[:4]),
+                (1, 4096, _SPLITS[2:]), (16, 4096, _SPLITS[2:]))
 LAYER_BATCHES, LAYER_CTX = (64, 256), 4096
+PREFILL_SHAPES = ((1, 2048), (8, 512))
 CHECK_LENS = [1000, 37, 4097, 16, 1]
-RESULTS: dict = {"device": "", "check": {}, "kernel": [], "sweep": [], "layer": []}
+RESULTS: dict = {"device": "", "check": {}, "kernel": [], "sweep": [], "layer": [], "prefill": []}
 
 
 def bench(fn) -> float:
@@ -59,6 +64,18 @@ def bench(fn) -> float:
     except Exception as e:  # pragma: no cover - depends on the device
         print(f"  (graph capture failed: {type(e).__name__}; plain do_bench)")
         return 1e3 * float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def attempt(fn, what: str) -> float:
+    """``fn()`` or NaN when it raises (the old path may not compile at 576 channels: its tile
+    pads them to 1024); the error is printed and kept in the JSON."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - any compile / launch failure is a result here
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        print(f"  {what} failed: {msg}")
+        RESULTS.setdefault("errors", []).append(dict(what=what, error=msg))
+        return float("nan")
 
 
 def copy_tbs() -> float:
@@ -115,10 +132,11 @@ def check() -> None:
             out.fill_(float("nan"))
             got = new_path(q, pool, bt, cu, kv, bits, out=out, num_splits=S)
             errs[f"new S={S or 'auto'}"] = float((got.double() - ref).abs().max())
-        errs["old"] = float((old_path(q, pool, bt, cu, kv, bits).double() - ref).abs().max())
+        errs["old"] = attempt(lambda: float((old_path(q, pool, bt, cu, kv, bits).double() - ref).abs().max()),
+                              f"old path, {name}")
         RESULTS["check"][name] = errs
         print(f"check {name:13s} max|err| vs fp64: " + "  ".join(f"{k} {v:.1e}" for k, v in errs.items()))
-        assert all(v < 2e-2 for v in errs.values()), errs   # bf16 inputs and p
+        assert all(v < 2e-2 for k, v in errs.items() if k != "old"), errs   # bf16 inputs and p
 
 
 # ---------------------------------------------------------------------------- 2. kernel timing
@@ -128,7 +146,7 @@ def timing(copy_bw: float) -> None:
     for ctx in CONTEXTS:
         for B in BATCHES:
             q, pool, bt, cu, kv = make(B, [ctx] * B, seed=2)
-            t_old = bench(lambda: old_path(q, pool, bt, cu, kv))
+            t_old = attempt(lambda: bench(lambda: old_path(q, pool, bt, cu, kv)), f"old path B={B} ctx={ctx}")
             t_new = bench(lambda: new_path(q, pool, bt, cu, kv))
             nbytes = B * ctx * D * 2
             tbs = nbytes / (t_new * 1e-6) / 1e12
@@ -138,8 +156,8 @@ def timing(copy_bw: float) -> None:
             row = dict(B=B, ctx=ctx, old_us=t_old, new_us=t_new, speedup=t_old / t_new, new_tbs=tbs,
                        pct_copy=100 * tbs / copy_bw, old_pct_copy=old_pct, splits=S, latent_mb=nbytes / 1e6)
             RESULTS["kernel"].append(row)
-            print(f"{B:4d} {ctx:5d} {t_old:9.1f} {t_new:9.1f} {t_old / t_new:7.2f}x {tbs:9.2f} {row['pct_copy']:6.1f}% {old_pct:5.1f}% {S:3d}")
-            del q, pool, bt, cu, kv
+            print(f"{B:4d} {ctx:5d} {t_old:9.1f} {t_new:9.1f} {t_old / t_new:7.2f}x {tbs:9.2f} "
+                  f"{row['pct_copy']:6.1f}% {old_pct:5.1f}% {S:3d}")
 
 
 # ---------------------------------------------------------------------------- 3. sweep
@@ -150,15 +168,27 @@ def sweep() -> None:
         q, pool, bt, cu, kv = make(B, [ctx] * B, seed=3)
         line = []
         for cfg in [dict()] + configs:
-            try:
-                t = bench(lambda: new_path(q, pool, bt, cu, kv, **cfg))
-            except Exception as e:  # out of shared memory / registers for this tile
-                t = float("nan")
-                print(f"  {cfg}: {type(e).__name__}")
+            t = attempt(lambda: bench(lambda: new_path(q, pool, bt, cu, kv, **cfg)), f"sweep B={B} ctx={ctx} {cfg}")
             RESULTS["sweep"].append(dict(B=B, ctx=ctx, **cfg, us=t))
             line.append(f"{','.join(f'{short[k]}{v}' for k, v in cfg.items()) or 'default'} {t:.1f}")
         print(f"B={B} ctx={ctx}: " + "  ".join(line))
-        del q, pool, bt, cu, kv
+
+
+# ---------------------------------------------------------------------------- 5. prefill
+def prefill() -> None:
+    """Prefill stays on the generic kernel in the layer; this times the MLA kernel on the same
+    packed prompts (causal, from position 0) to decide whether it should take prefill too."""
+    print(f"\n{'prefill B×T':>12} {'old µs':>9} {'new µs':>9} {'speed-up':>8} {'old err':>8} {'new err':>8}")
+    for B, T in PREFILL_SHAPES:
+        q, pool, bt, cu, kv = make(B, [T] * B, T, seed=5)
+        ref = M.mla_attention(q.double(), pool.double(), bt, cu, kv, rank=R, scale=SCALE)
+        e_old = attempt(lambda: float((old_path(q, pool, bt, cu, kv).double() - ref).abs().max()),
+                        f"old prefill {B}x{T}")
+        e_new = float((new_path(q, pool, bt, cu, kv).double() - ref).abs().max())
+        t_old = attempt(lambda: bench(lambda: old_path(q, pool, bt, cu, kv)), f"old prefill {B}x{T}")
+        t_new = bench(lambda: new_path(q, pool, bt, cu, kv))
+        RESULTS["prefill"].append(dict(B=B, T=T, old_us=t_old, new_us=t_new, old_err=e_old, new_err=e_new))
+        print(f"{f'{B}×{T}':>12} {t_old:9.1f} {t_new:9.1f} {t_old / t_new:7.2f}x {e_old:8.1e} {e_new:8.1e}")
 
 
 # ---------------------------------------------------------------------------- 4. layer step
@@ -182,16 +212,17 @@ def layer_step() -> None:
         ctx_len = LAYER_CTX
         _, pool, bt, _, kv = make(B, [ctx_len] * B, seed=4)
         seq = kv.long() - 1
-        ctx = StepContext(kind="decode", T=1, positions=seq[:, None], cache=SimpleNamespace(layers={0: {"k": pool, "v": pool}}),
+        cache = SimpleNamespace(layers={0: {"k": pool, "v": pool}})
+        ctx = StepContext(kind="decode", T=1, positions=seq[:, None], cache=cache,
                           slots=torch.arange(1, B + 1, device=DEV), seq_len=seq, attn_table=bt)
         x = torch.randn(B, 1, HID, device=DEV).to(DTYPE)
         with torch.no_grad():
-            diff = float((old_forward(x, ctx).float() - layer(x, ctx).float()).abs().max())
-            t_old = bench(lambda: old_forward(x, ctx))
+            diff = attempt(lambda: float((old_forward(x, ctx).float() - layer(x, ctx).float()).abs().max()),
+                           f"old layer step B={B}")
+            t_old = attempt(lambda: bench(lambda: old_forward(x, ctx)), f"old layer step B={B}")
             t_new = bench(lambda: layer(x, ctx))
         RESULTS["layer"].append(dict(B=B, ctx=ctx_len, old_us=t_old, new_us=t_new, max_diff=diff))
         print(f"{B:14d} {ctx_len:5d} {t_old:9.1f} {t_new:9.1f} {t_old / t_new:7.2f}x {diff:9.1e}")
-        del pool, bt, kv
 
 
 def main() -> int:
@@ -205,6 +236,7 @@ def main() -> int:
     timing(bw)
     sweep()
     layer_step()
+    prefill()
     RESULTS["seconds"] = time.time() - t0
     print(f"\n{RESULTS['seconds']:.0f} s")
     out = os.environ.get("OUT")
