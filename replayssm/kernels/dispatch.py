@@ -55,6 +55,7 @@ from . import fp8_gemm
 from . import gdn as gdn_kernels
 from . import gdn_prefill
 from . import kda as kda_kernels
+from . import mla as mla_kernels
 from . import mamba2 as mamba2_kernels
 from . import mamba2_prefill
 from . import moe as moe_kernels
@@ -69,7 +70,7 @@ _REFERENCE = {"mamba2": mamba2_naive, "gdn": gdn_naive, "kda": kda_naive, "conv"
               "attention": attention_naive, "moe": moe_naive, "fp8": fp8_naive}
 #: where each family's kernels live (the first module defining an op's name has it)
 _KERNELS = {"mamba2": (mamba2_kernels, mamba2_prefill), "gdn": (gdn_kernels, gdn_prefill), "kda": (kda_kernels,),
-            "conv": (conv_kernels,), "attention": (attention_kernels,), "moe": (moe_kernels,), "fp8": (fp8_gemm,)}
+            "conv": (conv_kernels,), "attention": (attention_kernels, mla_kernels), "moe": (moe_kernels,), "fp8": (fp8_gemm,)}
 
 #: ops with a Triton kernel of the reference op's signature, per family
 ROUTED = {
@@ -79,7 +80,7 @@ ROUTED = {
             "kv_verify", "snapshot_verify", "chunked_prefill_varlen", "kv_fold", "rebuild_state"),
     "kda": ("replay_decode", "replay_verify", "tree_verify", "kv_verify", "kv_tree_verify"),
     "conv": ("conv_decode", "conv_verify", "conv_commit", "conv_prefill_varlen"),
-    "attention": ("write_kv", "paged_attention"),
+    "attention": ("write_kv", "paged_attention", "mla_attention"),
     "moe": ("experts",),
     "fp8": ("linear",),
 }
@@ -95,7 +96,7 @@ REFERENCE_ONLY = {
             "chunked_prefill_varlen", "rebuild_state", "snapshot_verify", "snapshot_commit", "kv_fold",
             "kv_to_state"),
     "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
-    "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
+    "attention": ("token_positions", "new_slots", "check_paged", "check_write", "check_mla"),
     "moe": ("activation", "check_experts"),
     "fp8": ("quantize_block", "dequantize_block", "quantize_tensor", "dequantize_tensor", "quantize_groups",
             "dequantize_groups", "expand_scale", "scale_grid", "quantize_experts", "dequantize_experts",

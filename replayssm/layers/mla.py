@@ -12,7 +12,10 @@ part, ``dv`` the value head dim, ``R = kv_lora_rank``)::
 computed in the absorbed form: ``q_h·k_j = [W_uk_hᵀ q_nope_h | q_rot_h]·[c_j | k_rot_j]``
 and ``o_h = W_uv_h Σ_j p_hj c_j``, i.e. multi-query attention with one key/value head
 ``[c | k_rot]`` of ``R + dr`` channels: the paged cache stores that vector once per token
-(the key and value pools are one tensor; the value's first ``R`` channels are read).  The q_a / kv_a norms use
+(the key and value pools are one tensor; the value's first ``R`` channels are read).  Decode,
+verify and tree steps run ``ops_for("attention").mla_attention`` (one read of each cached
+latent for scores and values, all heads of a sequence in one program); prefill runs the
+generic ``paged_attention`` over the same pool.  The q_a / kv_a norms use
 ``eps = 1e-6`` (transformers builds them without the config's ``rms_norm_eps``).
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..kernels.dispatch import ops_for
 from .attention import Attention
 from .context import StepContext
 from .mlp import Linear
@@ -95,9 +99,32 @@ class MLAttention(Attention):
         if ctx.cache is None:
             t = torch.arange(T, device=x.device)
             o = self._attend(q, k, v, (t[None, :] <= t[:, None]).expand(B, T, T))
+            o = o.view(B, T, self.H, self.Dh)[..., :self.R]
+        elif ctx.kind == "prefill":
+            o = self._paged(q, k, v, ctx).view(B, T, self.H, self.Dh)[..., :self.R]
         else:
-            o = self._paged(q, k, v, ctx)
-        o = o.view(B, T, self.H, self.Dh)[..., :self.R]
+            o = self._latent_step(q, k, ctx)
         _, w_uv = self._up()
         o = torch.einsum("bthr,hvr->bthv", o, w_uv).reshape(B, T, self.H * self.dv)
         return self.o_proj(o)
+
+    def _latent_step(self, q: Tensor, kv: Tensor, ctx: StepContext) -> Tensor:
+        """Decode / verify / tree step: write the new latents ``kv [B, T, 1, R+dr]`` at
+        ``seq_len + i``, then ``ops.mla_attention`` (the MLA kernel on CUDA: each cached
+        latent read once for scores and values) over the last ``T`` of ``seq_len + T``
+        positions; returns the latent outputs ``[B, T, H, R]`` (before ``W_uv``)."""
+        B, T = q.shape[:2]
+        ops = ops_for("attention")
+        pool = ctx.cache.layers[self.layer_id]["k"]
+        table = ctx.attn_table
+        cu = torch.arange(B + 1, device=q.device) * T
+        kv_lens = ctx.seq_len + T
+        bits = None
+        if ctx.kind == "tree":
+            if ctx.tree_bits is None:
+                raise ValueError(f"a draft tree of {T} nodes is too large for attention layers (at most 31)")
+            bits = ctx.tree_bits
+        qf, kf = q.reshape(B * T, self.H, self.Dh), kv.reshape(B * T, 1, self.Dh)
+        ops.write_kv(pool, pool, kf, kf, ops.new_slots(table, cu, kv_lens, pool.shape[1], B * T))
+        o = ops.mla_attention(qf, pool, table, cu, kv_lens, rank=self.R, scale=self.scale, tree_bits=bits)
+        return o.view(B, T, self.H, self.R)

@@ -134,8 +134,8 @@ def run_scenario(model, mode: str):
 def kernel_calls(monkeypatch):
     """Count calls of each routed kernel wrapper (``{(family, op): n}``)."""
     calls: dict = {}
-    for fam in ("mamba2", "gdn", "kda"):
-        for name in dispatch.ROUTED[fam]:
+    for fam, names in [(f, dispatch.ROUTED[f]) for f in ("mamba2", "gdn", "kda")] + [("attention", ("mla_attention",))]:
+        for name in names:
             f = dispatch.kernel_for(fam, name)
             mod = sys.modules[f.__module__]
 
@@ -175,6 +175,8 @@ def test_layers_kernels_match_naive(name, mode, kernels_env, kernel_calls):
             assert not kernel_calls, f"naive run called kernels: {kernel_calls}"
         else:
             assert expected <= used, f"{mode}: kernels {sorted(expected - used)} never ran"
+            if name == "kimi_linear":   # the MLA layer's decode / verify / tree steps
+                assert kernel_calls.get(("attention", "mla_attention"), 0) >= 9, kernel_calls
     (lg_n, sn_n), (lg_t, sn_t) = res["naive"], res["triton"]
     assert len(lg_n) == len(lg_t)
     real = [0, 2]  # row 1 pads on the null slot: its logits are garbage (racy on a GPU)
@@ -293,7 +295,7 @@ def test_every_op_is_routed_or_declared_reference_only():
                 "chunked_prefill_varlen", "rebuild_state", "snapshot_verify", "snapshot_commit", "kv_fold",
                 "kv_to_state"),
         "conv": ("conv_prefill", "conv_tree", "conv_commit_tree", "conv_window_out"),
-        "attention": ("token_positions", "new_slots", "check_paged", "check_write"),
+        "attention": ("token_positions", "new_slots", "check_paged", "check_write", "check_mla"),
         "moe": ("activation", "check_experts"),
         "fp8": ("quantize_block", "dequantize_block", "quantize_tensor", "dequantize_tensor", "quantize_groups",
                 "dequantize_groups", "expand_scale", "scale_grid", "quantize_experts", "dequantize_experts",

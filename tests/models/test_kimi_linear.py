@@ -328,3 +328,35 @@ def test_published_config_layout():
     assert c.linear_num_heads == 32 and c.linear_head_dim == 128 and c.linear_conv_kernel_dim == 4
     assert not c.is_moe_layer(0) and all(c.is_moe_layer(i) for i in range(1, 27))
     assert c.max_position_embeddings == 1048576 and c.eos_token_id == 163586 and c.q_lora_rank is None
+
+
+@pytest.mark.parametrize("name", ["moe", "qlora_dense"])
+def test_generation_with_the_mla_kernel_matches_transformers(built, name, monkeypatch):
+    """The MLA layers' decode / verify / tree steps through the Triton MLA kernel (the CPU
+    interpreter here, float64 accumulation) give transformers' greedy tokens in float64 in
+    every decode mode and with chain and tree speculation; the kernel ran in every run
+    (``qlora_dense``: no shared key part, ``dr = 0``); every other call splits the keys in two."""
+    pytest.importorskip("triton")
+    from replayssm.kernels import _triton, dispatch
+    from replayssm.kernels import mla as KM
+
+    if not _triton.interpreting():
+        pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1)")
+    calls = []
+    kinds = set()
+
+    def kernel(q, cache, block_table, cu, kv_lens, **kw):
+        calls.append(1)
+        kinds.add("tree" if kw.get("tree_bits") is not None else "chain" if q.shape[0] > kv_lens.shape[0] else "decode")
+        # one split or two, alternately (split-K in the model; fewer interpreted programs)
+        return KM.mla_attention(q, cache, block_table, cu, kv_lens, num_splits=1 + len(calls) % 2, **kw)
+
+    monkeypatch.setattr(dispatch.ops_for("attention"), "mla_attention", kernel)
+    hf, _, ours = built(name)
+    ref = [H.hf_greedy(hf, p, N) for p in PROMPTS]
+    for kw in H.engine_runs(ours, ngram_modes=("replay", "kv")):
+        calls.clear()
+        llm = LLM(ours, dtype="float64", auto_threshold=6, max_seq_len=64, kv_block_size=4, **kw)
+        assert H.generate_quiet(llm, PROMPTS, N) == ref, kw
+        assert calls, f"the MLA kernel never ran: {kw}"
+    assert kinds == {"decode", "chain", "tree"}

@@ -34,7 +34,8 @@ from torch import Tensor
 from ...runtime import compute_dtype
 from ..common import shape_str, want_check
 
-__all__ = ["write_kv", "paged_attention", "token_positions", "new_slots", "check_paged", "check_write"]
+__all__ = ["write_kv", "paged_attention", "mla_attention", "token_positions", "new_slots", "check_paged", "check_write",
+           "check_mla"]
 
 _INDEX = (torch.int32, torch.int64)
 
@@ -230,3 +231,6 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         ob = torch.einsum("grtl,lgd->tgrd", p, V)
         o[t0:t1] = ob.reshape(T, H, Dh).to(o.dtype)
     return o
+
+
+from .mla import check_mla, mla_attention  # noqa: E402  (the MLA op, beside; it uses the helpers above)
