@@ -481,3 +481,27 @@ def test_a_drafter_that_finds_nothing_is_asked_less(target, expected):
     assert [o.token_ids for o in outs] == [reference_greedy(target, p, N) for p in prompts]
     steps = sum(llm.stats[f"spec_T{T}_steps"] for T in range(5))
     assert calls["n"] < steps / 2, (calls, steps)
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft", "ngram-tree", "tree-beam"])
+def test_adaptive_policy_keeps_plain_replays_greedy_output(target, draft, expected, name):
+    """The adaptive policy on, in replay form, with a table where drafting pays at one or two
+    rows and loses at more (a compute-bound verify): it drafts the longest at the cold start,
+    then switches between plain and verify steps as the batch drains, and every request's
+    greedy output equals plain replay's (and the full-forward reference)."""
+    table = {(b, t): 1.0 + (0.5 * t * b if b > 2 else 0.0) for b in (1, 2, 4, 8) for t in range(7)}
+    sp = _specs(draft)[name]
+    sp = SpeculativeConfig(**{**sp.__dict__, "step_costs": {k: v for k, v in table.items()
+                                                            if k[1] in (0,) + sp.candidate_lengths}})
+    plain = LLM(target, decode_mode="replay", buffer_size=16, pad_batches=True)
+    base = [o.token_ids for o in plain.generate(PROMPTS, SamplingParams(max_tokens=N))]
+    llm = LLM(target, decode_mode="replay", speculative=sp, buffer_size=16, pad_batches=True)
+    prompts = PROMPTS + [PROMPTS[3]]                    # a batch of 6 that drains unevenly
+    params = [SamplingParams(max_tokens=N if i in (1, 3) else N // 2) for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs][:len(PROMPTS)] == [b[:p.max_tokens] for b, p in zip(base, params)]
+    assert [o.token_ids for o in outs][:len(PROMPTS)] == [e[:p.max_tokens] for e, p in zip(expected, params)]
+    L = llm.executor.lengths
+    assert isinstance(L, AdaptiveLengths) and L.probes >= 1
+    hist = {T: llm.stats.get(f"spec_T{T}_steps", 0) for T in (0,) + L.lengths}
+    assert hist[0] > 0 and sum(hist.values()) - hist[0] > L.probes, hist   # plain at 4+ rows, drafts at 1-2
