@@ -24,6 +24,8 @@ second over the batch::
   verify step of ``N`` inputs flushes when ``h + 2N > L``, so long drafts with high
   acceptance flush every other step on a 16-entry ring, plain steps every ``L``-th), so a
   step is priced ``t(B, T) + φ(L, N, E) · flush(B, T)``;
+* a row with ``r`` tokens left before ``max_tokens`` keeps at most ``r`` of a step's:
+  it counts ``E(α, min(T, r - 1))`` (:attr:`Sequence.remaining`; rows without it, none);
 * the rule: ``T = 0`` unless some ``T > 0`` has strictly more expected tokens per second
   (ties go to the fewer drafts), so with a right table a step never predicts fewer tokens
   per second than a plain one.  One ``T`` serves the whole batch: a verify graph runs
@@ -264,7 +266,12 @@ class AdaptiveLengths(_Lengths):
         """``(bucket, {T: expected tokens over the batch}, {T: predicted step seconds})``."""
         Bp, n = self.bucket(len(seqs)), max(len(seqs), 1)
         acc = self.acceptance
-        es = [acc.expected(s) for s in seqs]
+        es, D = [], acc.depth
+        for s in seqs:
+            e, left = acc.expected(s), getattr(s, "remaining", None)
+            if left is not None and left <= D:   # tokens past max_tokens are not kept
+                e = [e[min(d, max(left, 1) - 1)] for d in range(D + 1)]
+            es.append(e)
         sums = [sum(col) for col in zip(*es)] if es else [0.0] * (acc.depth + 1)
         tokens, times = {0: float(len(seqs))}, {}
         for T in self.lengths:

@@ -23,10 +23,10 @@ __all__ = ["Request", "SimResult", "best_length", "simulate"]
 
 
 class Request:
-    """A stand-in sequence: its remaining tokens (policies key rows on identity)."""
+    """A stand-in sequence: ``remaining`` tokens (None: unbounded; policies key rows on identity)."""
 
     def __init__(self, tokens: int | None):
-        self.left = tokens
+        self.remaining = tokens
 
 
 @dataclass
@@ -90,11 +90,11 @@ def simulate(policy, alpha: Sequence[float], cost: Callable[[int, int], float], 
         out.batch.append(len(rows))
         keep, made = [], 0
         for r, a in zip(rows, acc):
-            got = a if r.left is None else min(a, r.left)
+            got = a if r.remaining is None else min(a, r.remaining)
             made += got
-            if r.left is not None:
-                r.left -= got
-                if r.left == 0:
+            if r.remaining is not None:
+                r.remaining -= got
+                if r.remaining == 0:
                     if refill:
                         keep.append(Request(tokens))
                     continue
