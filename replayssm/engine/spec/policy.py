@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from ..batching import bucket_for
 from ..config import default_lengths
@@ -266,13 +266,7 @@ class AdaptiveLengths(_Lengths):
         """``(bucket, {T: expected tokens over the batch}, {T: predicted step seconds})``."""
         Bp, n = self.bucket(len(seqs)), max(len(seqs), 1)
         acc = self.acceptance
-        es, D = [], acc.depth
-        for s in seqs:
-            e, left = acc.expected(s), getattr(s, "remaining", None)
-            if left is not None and left <= D:   # tokens past max_tokens are not kept
-                e = [e[min(d, max(left, 1) - 1)] for d in range(D + 1)]
-            es.append(e)
-        sums = [sum(col) for col in zip(*es)] if es else [0.0] * (acc.depth + 1)
+        sums = acc.batch_expected(seqs)   # tokens past a row's max_tokens are not counted
         tokens, times = {0: float(len(seqs))}, {}
         for T in self.lengths:
             tokens[T] = sums[self.depth[T]]
