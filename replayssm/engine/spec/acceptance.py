@@ -18,6 +18,7 @@ that the accepted path reaches depth ``j`` given it reached ``j - 1``).  One ver
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Iterable, Sequence
 
 __all__ = ["AcceptanceStats", "expected_tokens", "prefix_expectations"]
@@ -167,9 +168,9 @@ class AcceptanceStats:
         ``j <= accepted``.  The pool takes every row's trials; rows' rates follow the updated
         pool when next read."""
         accepted = list(accepted)
-        if isinstance(tried, bool) or not isinstance(tried, int) or tried < 0:
+        if isinstance(tried, bool) or not isinstance(tried, Integral) or tried < 0:
             raise ValueError(f"AcceptanceStats.observe: tried must be an int >= 0, got {tried!r}")
-        bad = [a for a in accepted if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= tried]
+        bad = [a for a in accepted if isinstance(a, bool) or not isinstance(a, Integral) or not 0 <= a <= tried]
         if bad:
             raise ValueError(f"AcceptanceStats.observe: need 0 <= accepted ({bad[0]!r}) <= tried ({tried})")
         if len(accepted) != len(seqs):
