@@ -179,17 +179,22 @@ def report(res: dict, args) -> list[str]:
     return fails
 
 
-def summary(presets: list, args) -> None:
-    """adaptive / replay, / fixed, / standard per preset, drafter and batch, one line each."""
+def summary(presets: list, args) -> dict:
+    """adaptive / replay, / fixed, / standard per preset, drafter and batch, one line each;
+    returns them as ``{preset: {drafter: {baseline: {B: ratio}}}}``."""
     print(f"\nsummary (decode tok/s ratios of the adaptive policy; B = {', '.join(map(str, args.batches))})")
+    out: dict = {}
     for res in presets:
         runs = res["runs"]
         for d in args.drafters:
             ad = runs[f"{d}-adaptive"]
             for name, base in (("replay", runs["replay"]), ("fixed", runs[f"{d}-fixed"]),
                                ("standard", runs["standard"])):
-                vals = " / ".join(f"{_tps(ad[B]) / _tps(base[B]):.2f}" for B in args.batches)
+                ratios = {B: _tps(ad[B]) / _tps(base[B]) for B in args.batches}
+                out.setdefault(res["preset"], {}).setdefault(d, {})[name] = ratios
+                vals = " / ".join(f"{r:.2f}" for r in ratios.values())
                 print(f"  {res['preset']:<12} {d:<7} adaptive / {name:<9} {vals}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -230,7 +235,7 @@ def main(argv=None) -> int:
                 for r in rows.values():
                     r.pop("outputs")
             out["presets"].append(res)
-    summary(out["presets"], args)
+    out["summary"] = summary(out["presets"], args)
     out["elapsed_s"] = time.perf_counter() - t0
     out["failed_checks"] = fails
     print(f"\nchecks ({out['elapsed_s']:.0f} s): " + ("all passed (adaptive >= plain replay at every batch, "
