@@ -127,17 +127,3 @@ def test_simulate_checks_its_inputs():
         simulate(pol, [0.5] * 3, _cost(1 / 256), 1, 1)
     with pytest.raises(ValueError, match="alpha"):
         simulate(pol, [0.5, 0.5, 1.5, 0.5], _cost(1 / 256), 1, 1)
-
-
-def test_rows_near_max_tokens_count_only_the_tokens_they_keep():
-    """A row with ``r`` tokens left keeps at most ``r`` of a step's: with free verify steps and
-    acceptance 1, one token left means plain steps, three left means two drafts (more would
-    tie; ties go to the fewer), and an unbounded row drafts the most."""
-    cost = lambda b, T: 1.0   # noqa: E731
-    pol = _policy(cost, probe_budget=0.0)
-    pol.acceptance.hits, pol.acceptance.trials = [1e9] * 4, [1e9] * 4
-    pol.acceptance._refresh_pool()
-    assert pol.choose([Request(1), Request(1)]) == 0
-    assert pol.choose([Request(3)]) == 2
-    assert pol.choose([Request(None)]) == 4 and pol.choose([Request(9)]) == 4
-    assert pol.scores([Request(3), Request(None)])[4] == pytest.approx(3 + 5)

@@ -113,39 +113,26 @@ class AcceptanceStats:
         return self._pooled_e
 
     def batch_expected(self, seqs) -> list[float]:
-        """``[Σ_rows E_r(α_row, d) for d = 0..D]``: the batch's expected tokens from a step of
-        depth ``d``, each row's rates against the current pool, capped where a row has
-        ``r = seq.remaining <= D`` tokens left (``E_r(α, d) = E(α, min(d, r - 1))``; rows
-        without ``remaining``: uncapped).  One pass, no per-row caching (the pool moves
-        every verify step)."""
+        """``[Σ_rows E(α_row, d) for d = 0..D]``: the batch's expected tokens from a step of
+        depth ``d``, each row's rates against the current pool (one pass, no per-row caching:
+        the pool moves every verify step)."""
         D, k, p, rows = self.depth, self.row_weight, self.pooled, self._rows
-        pe = self._pooled_e
         sums = [0.0] * (D + 1)
         fresh = 0
         for s in seqs:
             e = rows.get(id(s))
-            left = getattr(s, "remaining", None)
-            capped = left is not None and left <= D
             if e is None or e[0] is not s:
-                if not capped:
-                    fresh += 1
-                    continue
-                ex = pe
-            else:
-                h, n = e[1], e[2]
-                ex, acc, pr = [1.0], 1.0, 1.0
-                for j in range(D):
-                    pr *= (h[j] + k * p[j]) / (n[j] + k)
-                    acc += pr
-                    ex.append(acc)
-            if capped:
-                last = max(left, 1) - 1
-                for d in range(D + 1):
-                    sums[d] += ex[d if d < last else last]
-            else:
-                for d in range(D + 1):
-                    sums[d] += ex[d]
+                fresh += 1
+                continue
+            h, n = e[1], e[2]
+            acc, pr = 1.0, 1.0
+            sums[0] += 1.0
+            for j in range(D):
+                pr *= (h[j] + k * p[j]) / (n[j] + k)
+                acc += pr
+                sums[j + 1] += acc
         if fresh:
+            pe = self._pooled_e
             for d in range(D + 1):
                 sums[d] += fresh * pe[d]
         return sums

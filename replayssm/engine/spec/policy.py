@@ -24,8 +24,6 @@ second over the batch::
   verify step of ``N`` inputs flushes when ``h + 2N > L``, so long drafts with high
   acceptance flush every other step on a 16-entry ring, plain steps every ``L``-th), so a
   step is priced ``t(B, T) + φ(L, N, E) · flush(B, T)``;
-* a row with ``r`` tokens left before ``max_tokens`` keeps at most ``r`` of a step's:
-  it counts ``E(α, min(T, r - 1))`` (:attr:`Sequence.remaining`; rows without it, none);
 * the rule: ``T = 0`` unless some ``T > 0`` has strictly more expected tokens per second
   (ties go to the fewer drafts), so with a right table a step never predicts fewer tokens
   per second than a plain one.  One ``T`` serves the whole batch: a verify graph runs
@@ -266,7 +264,7 @@ class AdaptiveLengths(_Lengths):
         """``(bucket, {T: expected tokens over the batch}, {T: predicted step seconds})``."""
         Bp, n = self.bucket(len(seqs)), max(len(seqs), 1)
         acc = self.acceptance
-        sums = acc.batch_expected(seqs)   # tokens past a row's max_tokens are not counted
+        sums = acc.batch_expected(seqs)
         tokens, times = {0: float(len(seqs))}, {}
         for T in self.lengths:
             tokens[T] = sums[self.depth[T]]
