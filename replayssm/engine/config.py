@@ -311,9 +311,12 @@ class SpeculativeConfig:
     default: 1..``num_tokens`` up to 4, else powers of two below it and itself; trees
     choose between 0 and the whole tree).  ``step_costs``: ``{(batch, T): seconds}`` overriding the measured
     table (and switching online refinement off).  ``probe_interval``: after this many steps
-    in a row below the largest length, one step drafts the next larger length (acceptance
-    estimates stay current while speculation is off), as long as probes have lost less than
-    1% of the predicted run time.  Greedy output is identical for every
+    in a row below the largest length, one step drafts the largest (it observes acceptance
+    at every depth, so estimates stay current while speculation is off), as long as probes
+    have lost less than 1% of the predicted run time (the first such step of an engine
+    probes on credit).  Acceptance is estimated per depth from counts pooled over the
+    drafter's requests, each request shrunk to the pool (docs/MATH.md, "Choosing the draft
+    length").  Greedy output is identical for every
     choice, and sampled output keeps the target's distribution; a seeded sampled request
     repeats exactly when the chosen lengths do (CPU, ``step_costs`` given, or ``"fixed"``:
     with measured step times the lengths depend on timing).

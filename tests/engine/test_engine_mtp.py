@@ -338,6 +338,30 @@ def test_mtp_with_forced_random_draft_lengths_keeps_greedy_output(mtp_models, mo
 
 
 
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_mtp_adaptive_policy_keeps_plain_replays_greedy_output(mtp_models, tree):
+    """The adaptive policy in replay form with a table where drafting pays at one or two rows
+    and loses at more: plain steps while the batch is full, MTP drafts once it drains, and
+    every output equals plain replay's."""
+    from replayssm.engine.spec.policy import AdaptiveLengths
+
+    m, expected, _ = mtp_models["mamba2"]
+    lens = _spec(tree).candidate_lengths
+    table = {(b, t): 1.0 + (0.5 * t * b if b > 2 else 0.0) for b in (1, 2, 4, 8) for t in (0,) + lens}
+    sp = SpeculativeConfig("mtp", num_tokens=3, tree=tree, tree_width=2, step_costs=table)
+    params = [SamplingParams(max_tokens=N if i in (0, 3) else N // 2) for i in range(len(PROMPTS))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = LLM(m, dtype="float64", decode_mode="replay", max_seq_len=MAXLEN, pad_batches=True)
+        base = [o.token_ids for o in plain.generate(PROMPTS, params)]
+        llm = LLM(m, dtype="float64", decode_mode="replay", speculative=sp, max_seq_len=MAXLEN, pad_batches=True)
+        outs = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert outs == base == [e[:p.max_tokens] for e, p in zip(expected, params)]
+    L = llm.executor.lengths
+    hist = {T: llm.stats.get(f"spec_T{T}_steps", 0) for T in (0,) + L.lengths}
+    assert isinstance(L, AdaptiveLengths) and hist[0] > 0 and sum(hist.values()) - hist[0] > L.probes, hist
+
+
 @pytest.mark.parametrize("mode", ["replay", "kv"])
 @pytest.mark.parametrize("arch", ["qwen3_next", "mamba2"])
 def test_plain_step_runs_catch_up_one_pair_per_row_and_proposals_stay_the_heads(mtp_models, arch, mode):

@@ -7,6 +7,8 @@
 * :mod:`.mtp`   — the target's own MTP head (``mtp``), with its CUDA-graph draft step
 * :mod:`.policy` — how many tokens each step drafts (0: a plain decode step), chosen from
   measured acceptance and step cost (``SpeculativeConfig.spec_policy``)
+* :mod:`.acceptance` — per-depth acceptance estimates (pooled over the drafter's rows, per request)
+* :mod:`.simulate` — a length policy on a synthetic acceptance trace (tests, offline comparisons)
 
 The engine calls two functions::
 

@@ -9,8 +9,9 @@ second over the batch::
 
     T* = argmax_T  Σ_rows E(α_row, T) / t(B, T)
 
-* acceptance: :class:`AcceptanceStats`, an exponential moving average of ``α_j`` per
-  request, new requests starting from the pooled average of all requests;
+* acceptance: :class:`~.acceptance.AcceptanceStats`, per-depth success counts pooled over
+  every row of the drafter (a depth never reached takes the rate of the one above it) and
+  per request (shrunk to the pool: a new request starts from it);
 * cost: :class:`StepCosts`, a table ``t(B, T)`` over the batch buckets and draft lengths:
   measured when a CUDA engine starts, after graph capture, on distinct free slots
   (:func:`replayssm.engine.warmup.measure_step_costs`), and
@@ -29,13 +30,15 @@ second over the batch::
   ``T + 1`` inputs on every row, so a row drafting fewer would save no device time;
 * host work: the policy's own time (choosing, updating the estimates) is added to the step
   time it observes, so the bookkeeping of speculating is priced too;
-* probing: after ``probe_interval`` steps in a row below the largest length, one step uses
-  the next larger one, so acceptance estimates stay alive while speculation is off and a
-  request can come back to it -- but only out of a budget: every step adds ``probe_budget``
-  (default 1%) of its predicted time, and a probe spends its predicted loss (its time less
-  the time the best choice needs for the same expected tokens), so probes cost at most that
-  fraction of the predicted run time.  The interval doubles after each probe (up to 16x)
-  and returns to ``probe_interval`` when the estimates favour a longer length than before.
+* probing: a step of the longest length observes acceptance at every depth, so exploring
+  means drafting the most: on the first step that would not (a cold start), and after
+  ``probe_interval`` steps in a row below the longest length, one step drafts the longest
+  -- but only out of a budget: every step adds ``probe_budget`` (default 1%) of its
+  predicted time, and a probe spends its predicted loss (its time less the time the best
+  choice needs for the same expected tokens), so probes lose at most that fraction of the
+  predicted run time, plus the one probe of a cold start (borrowed: repaid before the
+  next).  The interval doubles after each probe (up to 16x) and returns to
+  ``probe_interval`` when the estimates favour a longer length than before.
 
 Greedy output is the same for every ``T`` (verification accepts only the target's own
 choices); sampled acceptance stays distribution-exact because ``T`` depends only on
@@ -47,25 +50,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from ..batching import bucket_for
 from ..config import default_lengths
+from .acceptance import AcceptanceStats, expected_tokens
 
 __all__ = ["AcceptanceStats", "AdaptiveLengths", "FixedLengths", "ScriptedLengths", "StepCosts",
            "analytic_step_cost", "default_lengths", "expected_tokens", "flush_fraction", "length_policy"]
-
-
-def expected_tokens(alpha: Sequence[float], T: int) -> float:
-    """``1 + Σ_{i=1..T} Π_{j<=i} α_j``: tokens a row yields in expectation from a step of
-    ``T`` drafts (``T = 0``: exactly one); ``alpha`` must hold at least ``T`` rates."""
-    if T > len(alpha):
-        raise ValueError(f"expected_tokens: {T} drafts need {T} acceptance rates, got {len(alpha)}")
-    e, p = 1.0, 1.0
-    for i in range(T):
-        p *= alpha[i]
-        e += p
-    return e
 
 
 def analytic_step_cost(B: int, T: int) -> float:
@@ -92,89 +84,6 @@ def flush_fraction(L: int, nodes: int, tokens: float) -> float:
         return 1.0 / L
     R = L - 2 * nodes
     return 1.0 if R < 0 else tokens / (R + tokens)
-
-
-def _prefix_expectations(alpha: list[float]) -> list[float]:
-    """``[E(α, 0), E(α, 1), ..., E(α, D)]``."""
-    out, e, p = [1.0], 1.0, 1.0
-    for a in alpha:
-        p *= a
-        e += p
-        out.append(e)
-    return out
-
-
-class AcceptanceStats:
-    """Per-request acceptance rates ``α_1..α_D`` (EMA, weight ``decay`` for the newest step),
-    and the pooled rates every new request starts from (``prior`` before any step).  Each
-    request's expected tokens ``E(α, d)`` for ``d = 0..D`` are kept beside its rates
-    (:meth:`expected`: a step's choice reads them, it does not recompute them)."""
-
-    def __init__(self, depth: int, prior: float = 0.5, decay: float = 0.25):
-        if depth < 1:
-            raise ValueError(f"AcceptanceStats: depth must be >= 1, got {depth}")
-        if not 0.0 <= prior <= 1.0 or not 0.0 < decay <= 1.0:
-            raise ValueError(f"AcceptanceStats: prior in [0, 1] and decay in (0, 1] needed, got {prior}, {decay}")
-        self.depth, self.decay = depth, decay
-        self.pooled = [prior] * depth
-        self._pooled_e = _prefix_expectations(self.pooled)
-        self._rows: dict[int, tuple[object, list[float], list[float]]] = {}   # id(seq) -> (seq, rates, E)
-
-    def alpha(self, seq) -> list[float]:
-        """The rates of ``seq`` (the pooled ones until it has speculated)."""
-        e = self._rows.get(id(seq))
-        return e[1] if e is not None and e[0] is seq else self.pooled
-
-    def expected(self, seq) -> list[float]:
-        """``[E(α, 0), ..., E(α, D)]`` of ``seq``'s rates."""
-        e = self._rows.get(id(seq))
-        if e is not None and e[0] is seq:
-            return e[2]
-        return self.pooled_expected()
-
-    def pooled_expected(self) -> list[float]:
-        """``[E(α, 0), ..., E(α, D)]`` of the pooled rates (what a new request starts from)."""
-        if self._pooled_e is None:
-            self._pooled_e = _prefix_expectations(self.pooled)
-        return self._pooled_e
-
-    def observe(self, seq, tried: int, accepted: int) -> None:
-        """One step of ``seq``: drafts at depths ``1..tried`` were offered, the first
-        ``accepted`` of them accepted.  Depth ``j <= min(tried, accepted + 1)`` was reached;
-        it succeeded iff ``j <= accepted``."""
-        self.observe_batch((seq,), tried, (accepted,))
-
-    def observe_batch(self, seqs, tried: int, accepted) -> None:
-        """:meth:`observe` of every ``(seq, accepted)`` pair in order, ``tried`` drafts each
-        (one pass: a verify step of 256 rows costs the host well under a millisecond)."""
-        if any(not 0 <= a <= tried for a in accepted):
-            bad = next(a for a in accepted if not 0 <= a <= tried)
-            raise ValueError(f"AcceptanceStats.observe: need 0 <= accepted ({bad}) <= tried ({tried})")
-        rows, pooled, w = self._rows, self.pooled, self.decay
-        wp, depth = w / 8, self.depth   # the pooled rates move slower: many requests feed them
-        for seq, a in zip(seqs, accepted):
-            e = rows.get(id(seq))
-            if e is None or e[0] is not seq:
-                e = rows[id(seq)] = (seq, list(pooled), [])
-            rates = e[1]
-            for j in range(min(tried, a + 1, depth)):
-                hit = 1.0 if j < a else 0.0
-                rates[j] += w * (hit - rates[j])
-                pooled[j] += wp * (hit - pooled[j])
-            ex, p, acc = e[2], 1.0, 1.0
-            ex.clear()
-            ex.append(1.0)
-            for r in rates:
-                p *= r
-                acc += p
-                ex.append(acc)
-        self._pooled_e = None   # recomputed when next read
-
-    def prune(self, live: Iterable) -> None:
-        """Forget requests not in ``live`` (finished ones)."""
-        keep = {id(s) for s in live}
-        for k in [k for k in self._rows if k not in keep]:
-            del self._rows[k]
 
 
 class StepCosts:
@@ -323,26 +232,30 @@ class AdaptiveLengths(_Lengths):
     better.  ``depth``: ``T -> `` the deepest draft a step of ``T`` drafts reaches (a chain:
     ``T``; a tree of ``T`` nodes: its depth); ``buckets``: the runner's batch buckets;
     ``costs``: a :class:`StepCosts`; ``probe_budget``: the largest share of the predicted
-    run time probes may lose (module docstring)."""
+    run time probes may lose (module docstring); ``prior`` and ``acceptance``: keyword
+    arguments of :class:`~.acceptance.AcceptanceStats`."""
 
     def __init__(self, lengths: Sequence[int], costs: StepCosts, buckets: Sequence[int], tree: bool = False,
                  depth: dict | None = None, probe_interval: int = 16, prior: float = 0.5,
-                 probe_budget: float = 0.01):
+                 probe_budget: float = 0.01, acceptance: dict | None = None):
         super().__init__(lengths, tree, depth)
-        if probe_interval < 1:
-            raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
+        if isinstance(probe_interval, bool) or not isinstance(probe_interval, int) or probe_interval < 1:
+            raise ValueError(f"probe_interval must be an int >= 1, got {probe_interval!r}")
         if not 0.0 <= probe_budget <= 1.0:
             raise ValueError(f"probe_budget must be in [0, 1], got {probe_budget}")
         self.costs, self.buckets, self.probe_interval = costs, list(buckets), probe_interval
         self.probe_budget = probe_budget
-        self.acceptance = AcceptanceStats(max(self.depth.values()), prior)
-        self._below = 0       # steps in a row below the largest length
+        self.acceptance = AcceptanceStats(max(self.depth.values()), prior, **(acceptance or {}))
+        self._below = 0       # steps in a row below the longest length
         self._interval = probe_interval   # steps between probes: doubles after each, up to 16x
         self._natural = self.max          # the last choice before probing
-        self._credit = 0.0                # predicted seconds probes may still lose
+        self._credit = 0.0                # predicted seconds probes may still lose (< 0: a borrowed probe)
         self._flush_part: dict[int, float] = {}   # T -> the flush time predicted for its last choice
         self._own = 0.0                   # host seconds of the last choose (not yet charged)
+        self._drafted_top = False         # whether a step has drafted the longest length yet
         self.probes = 0
+        self.probe_loss = 0.0             # predicted seconds all probes lost (vs the best choice)
+        self.predicted = 0.0              # predicted seconds of every chosen best step
 
     def bucket(self, B: int) -> int:
         return bucket_for(self.buckets, B)
@@ -351,9 +264,7 @@ class AdaptiveLengths(_Lengths):
         """``(bucket, {T: expected tokens over the batch}, {T: predicted step seconds})``."""
         Bp, n = self.bucket(len(seqs)), max(len(seqs), 1)
         acc = self.acceptance
-        rows, pooled = acc._rows, acc.pooled_expected()
-        es = [e[2] if (e := rows.get(id(s))) is not None and e[0] is s else pooled for s in seqs]
-        sums = [sum(col) for col in zip(*es)] if es else [0.0] * (acc.depth + 1)
+        sums = acc.batch_expected(seqs)
         tokens, times = {0: float(len(seqs))}, {}
         for T in self.lengths:
             tokens[T] = sums[self.depth[T]]
@@ -389,20 +300,27 @@ class AdaptiveLengths(_Lengths):
             self._interval = self.probe_interval
         self._natural = best
         self._credit += self.probe_budget * times[best]
-        if best < self.max:
-            self._below += 1
-            if self._below >= self._interval:   # due for a probe of the next larger length
-                probe = min(t for t in self.lengths if t > best)
-                loss = max(times[probe] - tokens[probe] / sc[best], 0.0)   # vs the same tokens at the best rate
-                if loss <= self._credit:
-                    self._credit -= loss
-                    self._below = 0
-                    self._interval = min(2 * self._interval, 16 * self.probe_interval)   # back off
-                    self.probes += 1
-                    best = probe
-        else:
-            self._below = 0
-        return best
+        self.predicted += times[best]
+        if best == self.max:
+            self._below, self._drafted_top = 0, True
+            return best
+        self._below += 1
+        top = self.max
+        cold = not self._drafted_top and self.probe_budget > 0   # never drafted the longest: nothing known deep
+        if not (cold or self._below >= self._interval):
+            return best
+        # a probe drafts the longest: one verify observes acceptance at every depth up to it
+        loss = max(times[top] - tokens[top] / sc[best], 0.0)   # vs the same tokens at the best rate
+        if loss > self._credit and not cold:
+            return best
+        self._credit -= loss
+        self.probe_loss += loss
+        self._below = 0
+        if not cold:
+            self._interval = min(2 * self._interval, 16 * self.probe_interval)   # back off
+        self.probes += 1
+        self._drafted_top = True
+        return top
 
     def observe(self, seqs, T: int, accepted: list[int], seconds: float | None) -> None:
         """After a step (see :class:`_Lengths`): the acceptance estimates, then the step's
