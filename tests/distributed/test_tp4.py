@@ -310,3 +310,95 @@ def test_random_80b_structure_generates_on_four_ranks(group):
         assert [len(o) for o in rec] == [N_NEW] * len(PROMPTS)
     finally:
         model.close()
+
+
+def test_state_dtype_reaches_every_rank(models):
+    """A bf16 state spec on four ranks: logits equal one rank's with the same bf16 states and
+    differ from float64 states' (every worker took the spec)."""
+    from replayssm.cache.spec import CacheSpec
+
+    ref, tp = models("qwen3_next_80b")
+    spec = CacheSpec(mode="kv", max_seq_len=32, block_size=4, max_new=2, ssm_state_dtype="bfloat16")
+    c1, c2, c3 = ref.make_cache(3, spec), tp.make_cache(3, spec), ref.make_cache(3, spec, ssm_state_dtype="auto")
+    runs = ((ref, c1), (tp, c2), (ref, c3))
+    slots, ids, lens = torch.tensor([1, 2]), torch.tensor([[3, 4, 5, 9], [6, 1, 0, 0]]), torch.tensor([4, 2])
+    outs = [[m.prefill(c, slots, ids, lens)] for m, c in runs]
+    for _, c in runs:
+        c.switch_to_state([1, 2])                # KV-only -> a bf16 state on every rank
+    for t in ([7, 8], [2, 3], [4, 4]):
+        for o, (m, c) in zip(outs, runs):
+            o.append(m.decode(c, slots, torch.tensor(t)))
+    one, split, f64 = (torch.stack(o) for o in outs)
+    torch.testing.assert_close(split, one, rtol=0, atol=1e-10)
+    assert (one - f64).abs().max() > 1e-9
+
+
+def test_mtp_chunked_forked_preempted_matches_one_rank(models):
+    """The MTP head's per-rank state on four ranks through chunked prefills (chunks of 5),
+    samples forked from one prefill, swaps out and back, and plain steps while more than two
+    requests run: output equals one rank's and plain decoding's."""
+    import dataclasses
+
+    ref, tp = models("qwen3_next_80b", mtp=True)
+    sp = dataclasses.replace(SpeculativeConfig("mtp", num_tokens=3), disable_by_batch_size=2)
+    kw = dict(decode_mode="replay", speculative=sp, max_num_batched_tokens=5, max_num_seqs=3, kv_block_size=4)
+
+    def serve(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with LLM(model, max_seq_len=MAXLEN, **kw) as llm:
+                seqs = [llm.add_request(p, SamplingParams(max_tokens=N_NEW, n=n)) for p, n in zip(PROMPTS, (1, 2, 1))]
+                step = 0
+                while llm.has_unfinished():
+                    llm.step()
+                    step += 1
+                    if step % 3 == 0:
+                        for s in [s for s in llm.scheduler.running if not s.prefilling][-2:]:
+                            llm.scheduler.preempt(s)
+                return [[x.output_ids for x in s.group] for s in seqs], llm.stats["preemptions"]
+
+    want = [[e] * n for e, n in zip(_generate(ref), (1, 2, 1))]
+    (one, n1), (four, n4) = serve(ref), serve(tp)
+    assert four == one == want
+    assert n4 == n1 >= 2
+
+
+# ---------------------------------------------------------------------------------------
+# last: an engine-owned group of four (the module's group is closed first)
+# ---------------------------------------------------------------------------------------
+def test_engine_owned_four_ranks_shared_memory_unfused_and_a_worker_killed(paths, group, monkeypatch):
+    """``LLM(path, tensor_parallel_size=4)`` with the GPU's control channel (a shared-memory
+    ring with three readers) and the fused finish off (``REPLAYSSM_TP_FUSED=0``: the sharded
+    gated norm's all-reduced sums over four ranks): greedy output equals one rank's; a killed
+    worker fails the next call by name, and close leaves no process."""
+    import signal
+    import time
+
+    from replayssm.distributed import WorkerFailed
+    from replayssm.distributed.layers import DeferredGatedNorm, ShardedGatedRMSNorm
+
+    want = _generate(load_model(paths["mamba2"], dtype="float64"))
+    group.close()
+    assert multiprocessing.active_children() == []
+    monkeypatch.setenv("REPLAYSSM_TP_CONTROL", "shm")
+    monkeypatch.setenv("REPLAYSSM_TP_FUSED", "0")   # read by every rank as it builds (workers inherit it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM(paths["mamba2"], dtype="float64", tensor_parallel_size=4, max_seq_len=MAXLEN, decode_mode="replay")
+    try:
+        tp = llm.model
+        assert tp.group._channel is not None and tp.tensor_parallel_size == 4
+        norms = [m for m in tp.local.modules() if isinstance(m, ShardedGatedRMSNorm)]
+        assert norms and not any(isinstance(m, DeferredGatedNorm) for m in norms)
+        assert {(m.group_index, m.num_groups) for m in norms} == {(0, 1)}
+        assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))] == want
+        workers = sorted(multiprocessing.active_children(), key=lambda p: p.name)
+        assert len(workers) == 3
+        os.kill(workers[1].pid, signal.SIGKILL)          # rank 2
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailed, match=rf"rank 2 \(pid {workers[1].pid}\) exited with code -9"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+        assert time.monotonic() - t0 < 30
+    finally:
+        llm.close()
+    assert multiprocessing.active_children() == []
