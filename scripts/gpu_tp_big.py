@@ -117,6 +117,12 @@ def main(argv=None) -> int:
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model": a.model, "tp": a.tp, "params": n,
            "bf16_GiB": n * 2 / 2**30, "state_dtype": a.state_dtype, "rows": []}
     print(f"model: {a.model}{'' if cuda else ' (smoke shape)'}, {n / 1e9:.1f} B parameters ({n * 2 / 2**30:.0f} GiB bf16), TP={a.tp}", flush=True)
+    if cuda:   # refuse a split whose weights alone overfill a GPU before building anything
+        need, total = n * 2 / a.tp, torch.cuda.mem_get_info()[1]
+        if need > 0.92 * total:
+            print(f"{a.model} at TP={a.tp}: {need / 2**30:.0f} GiB of bf16 weights a GPU, more than "
+                  f"{torch.cuda.get_device_name()}'s {total / 2**30:.0f} GiB; use a larger --tp", flush=True)
+            return 2
     spec = SpeculativeConfig("ngram", num_tokens=4, spec_policy="fixed")
     with TensorParallelGroup(a.tp, dev) as group:
         t0 = time.perf_counter()
