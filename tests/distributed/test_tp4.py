@@ -363,6 +363,54 @@ def test_mtp_chunked_forked_preempted_matches_one_rank(models):
     assert n4 == n1 >= 2
 
 
+def test_fp8_checkpoint_splits_over_four_ranks(paths, group, tmp_path):
+    """The 80B structure quantized to FP8 (per-tensor scales: replicated on every rank): the
+    four-rank model's logits and greedy output equal the one-device FP8 model's."""
+    from replayssm.models.quantize import quantize_checkpoint
+
+    d = str(tmp_path / "fp8")
+    quantize_checkpoint(paths["qwen3_next_80b"], d, None)
+    one, tp = load_model(d, dtype="float64"), group.load_model(d, dtype="float64")
+    fp8 = [n for n, p in tp.local.named_parameters() if p.dtype == torch.float8_e4m3fn]
+    assert any("experts" in n for n in fp8) and any("linear_attn" in n for n in fp8)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    a, b = one(ids), tp(ids)
+    assert (a - b).abs().max().item() <= 1e-9 * a.abs().max().item()
+    assert _generate(tp, decode_mode="replay") == _generate(one, decode_mode="replay")
+
+
+def test_constrained_speculation_on_four_ranks_equals_plain_constrained(group, tmp_path):
+    """Grammar masks of a speculative step reach all four ranks: constrained n-gram
+    speculation under TP=4 gives one rank's plain constrained output (a Mamba-2 of 12 heads
+    with the shipped byte tokenizer: the shipped model's 10 heads do not split in four)."""
+    pytest.importorskip("llguidance")
+    from replayssm.models.loader import load_tokenizer
+
+    asset = os.path.join(ROOT, "replayssm", "assets", "tiny-mamba2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = H.save_tiny(H.tiny_mamba2(seed=9, vocab_size=257, num_heads=12, head_dim=5, hidden_size=30, n_groups=1,
+                                      pad_token_id=None), str(tmp_path / "m"))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(asset, f), d)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    prompts = ["Person: ", "abab abab ab", "the the the "]
+    params = [SamplingParams(max_tokens=24, structured_outputs={"json": schema}),
+              SamplingParams(max_tokens=12, structured_outputs={"regex": r"(ab|cd)+x?"}),
+              SamplingParams(max_tokens=10)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with LLM(d, max_seq_len=128, dtype="float64") as llm:
+            want = [o.token_ids for o in llm.generate(prompts, params)]
+        sp = SpeculativeConfig("ngram", num_tokens=3, prompt_lookup_min=1, spec_policy="fixed")
+        with LLM(group.load_model(d, dtype="float64"), max_seq_len=128, speculative=sp,
+                 tokenizer=load_tokenizer(d)) as llm:
+            outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert outs[0].num_verify_steps + outs[1].num_verify_steps > 0     # constrained rows speculated
+
+
 # ---------------------------------------------------------------------------------------
 # last: an engine-owned group of four (the module's group is closed first)
 # ---------------------------------------------------------------------------------------
