@@ -32,7 +32,10 @@ For each batch in ``--batches`` (bf16, CUDA graphs, ``bench e2e``'s measurement)
 tokens/s of ``recurrent`` (standard decoding) and ``replay``, and of replay speculation with
 the oracle drafter (``--accept``, T=4; random weights, so the greedy continuation the oracle
 knows is the model's own, taken from the recurrent run), then the ratios replay ÷ recurrent
-(target ≥ 1.3×) and speculation ÷ standard (target ≥ 1.8×).  ``--state-dtype bfloat16`` halves
+(target ≥ 1.3×) and speculation ÷ standard (target ≥ 1.8×).  Before the timings, a check:
+greedy tokens of 4 prompts in replay and kv decoding (CUDA graphs) equal recurrent's
+(``check: ... replay 64/64, kv 64/64``; ``MISMATCH`` otherwise); after them, how long the
+group's ``close()`` took (``closed in ... s``: bounded, a few seconds at most).  ``--state-dtype bfloat16`` halves
 the states (B=256 fits two H200s only so).  Keep NVLink multicast off.  Writes
 ``tp_big.json`` (``tp_big_<model>.json`` for a non-default model) to ``$OUT``.  ``--smoke``: a
 tiny shape of the chosen preset's structure on CPU (``--tp`` 1, 2 or 4).
@@ -90,6 +93,25 @@ SMOKE_QWEN3_NEXT = dict(QWEN3_NEXT_80B, vocab_size=256, hidden_size=32, num_hidd
 PRESETS = {"nemotron-h-56b": (NEMOTRON_H_56B, SMOKE_NEMOTRON), "qwen3-next-80b": (QWEN3_NEXT_80B, SMOKE_QWEN3_NEXT)}
 
 
+def check_forms(model, args, n: int = 4, tokens: int = 16) -> dict:
+    """Greedy tokens of ``n`` prompts in ``recurrent`` (eager), ``replay`` and ``kv`` (CUDA
+    graphs on GPUs) decoding on the split model: ``{mode: tokens equal to recurrent's, of
+    all}``.  The margin recipe makes every form's greedy choice the same well above bf16
+    rounding, so a mismatch is an error of the split path (the fused finish over ``tp``
+    ranks, the replicated KV heads, the sharded experts), not noise."""
+    vocab = int(model.config.vocab_size)
+    prompts = e2e._prompts(n, args.prompt_len, vocab, seed=123)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    out = {}
+    for mode, graphs in (("recurrent", False), ("replay", args.cuda_graphs), ("kv", args.cuda_graphs)):
+        with LLM(model, device=args.device, dtype=args.dtype, decode_mode=mode, max_num_seqs=n, cuda_graphs=graphs,
+                 max_seq_len=args.max_seq_len, ssm_state_dtype=args.ssm_state_dtype) as llm:
+            out[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+    want = out["recurrent"]
+    return {m: (sum(a == b for x, y in zip(want, got) for a, b in zip(x, y)), n * tokens) for m, got in out.items()
+            if m != "recurrent"}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=sorted(PRESETS), default="nemotron-h-56b")
@@ -129,6 +151,15 @@ def main(argv=None) -> int:
         model = group.random_model(cfg, dtype=args.dtype, seed=0, margin=True)
         res["build_s"] = time.perf_counter() - t0
         print(f"built in {res['build_s']:.0f} s", flush=True)
+        faulthandler.dump_traceback_later(a.hang_s, exit=False)
+        try:
+            res["check"] = check_forms(model, args)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        ok = all(same == total for same, total in res["check"].values())
+        print("check: greedy tokens equal to recurrent's: " + ", ".join(
+            f"{m} {same}/{total}" for m, (same, total) in res["check"].items()) + ("" if ok else "  MISMATCH"),
+            flush=True)
         for b in [int(x) for x in a.batches.split(",")]:
             for mode, sp in (("recurrent", None), ("replay", None), ("replay", spec)):
                 if time.perf_counter() - t_start > a.budget_s:
@@ -148,6 +179,10 @@ def main(argv=None) -> int:
                       f"{row['decode_tokens_per_s']:.0f} tok/s, acc {row['mean_accepted_length']:.2f}, "
                       f"peak {row['peak_memory_GB']} GB", flush=True)
         model.close()
+        t0 = time.perf_counter()
+        group.close()       # bounded (distributed.teardown); the with-block's exit then does nothing
+        res["close_s"] = time.perf_counter() - t0
+        print(f"closed in {res['close_s']:.1f} s", flush=True)
     os.makedirs(a.out, exist_ok=True)
     name = "tp_big.json" if a.model == "nemotron-h-56b" else f"tp_big_{a.model}.json"
     with open(os.path.join(a.out, name), "w") as f:
