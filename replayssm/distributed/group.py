@@ -121,6 +121,10 @@ class TensorParallelGroup:
         if control not in ("shm", "gloo"):
             raise ValueError(f"control must be 'shm' or 'gloo', got {control!r}")
         if dist.is_initialized():
+            if any(t.is_alive() for t in teardown.STUCK):
+                raise ValueError("torch.distributed is still initialised in this process: an earlier tensor-parallel "
+                                 "group's teardown blocked and was given up (its warning was logged); start the "
+                                 "next group in a new process")
             raise ValueError("torch.distributed is already initialised in this process: one tensor-parallel "
                              "group at a time (close the other first; under torchrun use "
                              "TensorParallelGroup.from_torchrun())")

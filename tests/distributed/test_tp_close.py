@@ -91,6 +91,9 @@ def test_close_is_bounded_when_teardown_blocks_everywhere(worker, monkeypatch, c
         assert "given up" in caplog.text
         assert not group.alive
         group.close()                                             # idempotent, immediate
+        with pytest.raises(ValueError, match="teardown blocked and was given up"):
+            TensorParallelGroup(2, "cpu")                         # named, before any process starts
+        assert multiprocessing.active_children() == []
     finally:
         release.set()                                             # the blocked steps finish now
         for t in list(teardown.STUCK):
