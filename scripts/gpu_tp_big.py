@@ -72,8 +72,8 @@ NEMOTRON_H_56B = dict(
     intermediate_size=32768, mlp_hidden_act="relu2", mamba_num_heads=256, mamba_head_dim=64, ssm_state_size=256,
     n_groups=8, conv_kernel=4, chunk_size=256, layer_norm_epsilon=1e-5, use_conv_bias=True, use_bias=False,
     mlp_bias=False, tie_word_embeddings=False, eos_token_id=None)
-SMOKE_NEMOTRON = dict(NEMOTRON_H_56B, vocab_size=256, hidden_size=32, hybrid_override_pattern="M-M*-M-", num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8,
+SMOKE_NEMOTRON = dict(NEMOTRON_H_56B, vocab_size=256, hidden_size=32, hybrid_override_pattern="M-M*-M-",
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8,
              ssm_state_size=8, n_groups=2)
 QWEN3_NEXT_80B = dict(
     model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=151936, hidden_size=2048,
@@ -138,7 +138,8 @@ def main(argv=None) -> int:
     args.max_seq_len = -(-(args.prompt_len + args.max_tokens + 16) // 64) * 64
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model": a.model, "tp": a.tp, "params": n,
            "bf16_GiB": n * 2 / 2**30, "state_dtype": a.state_dtype, "rows": []}
-    print(f"model: {a.model}{'' if cuda else ' (smoke shape)'}, {n / 1e9:.1f} B parameters ({n * 2 / 2**30:.0f} GiB bf16), TP={a.tp}", flush=True)
+    print(f"model: {a.model}{'' if cuda else ' (smoke shape)'}, {n / 1e9:.1f} B parameters "
+          f"({n * 2 / 2**30:.0f} GiB bf16), TP={a.tp}", flush=True)
     if cuda:   # refuse a split whose weights alone overfill a GPU before building anything
         need, total = n * 2 / a.tp, torch.cuda.mem_get_info()[1]
         if need > 0.92 * total:

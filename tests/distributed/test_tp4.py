@@ -175,7 +175,8 @@ def test_80b_preset_splits_every_layer_kind(n):
     loc = local_config(cfg, n)
     assert (loc.num_attention_heads, loc.num_key_value_heads) == (16 // n, 2 // n if n == 2 else 1)
     assert (loc.linear_num_key_heads, loc.linear_num_value_heads) == (16 // n, 32 // n)
-    assert (loc.moe_intermediate_size, loc.shared_expert_intermediate_size, loc.num_experts) == (512 // n, 512 // n, 512)
+    assert (loc.moe_intermediate_size, loc.shared_expert_intermediate_size) == (512 // n, 512 // n)
+    assert loc.num_experts == 512 and loc.num_experts_per_tok == 10              # every expert on every rank
     gmodel = _skeletons(cfg, torch.bfloat16, "meta", 0, n, None)[0]
     for r in range(n):
         rules = shard_rules(gmodel, n, r)
