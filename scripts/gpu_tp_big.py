@@ -8,8 +8,9 @@ Two random-weight presets (``--model``):
   256 heads of 64, d_state 256, 8 groups, vocab 131072 (~56 B parameters, ~105 GiB in bf16:
   more than one H100, most of one H200).  The order of the layer kinds is assumed (attention
   spread evenly; the paper's exact pattern is not available offline).
-* ``qwen3-next-80b``: a **Qwen3-Next-80B-A3B-class** hybrid (``qwen3_next``, ~80 B parameters,
-  ~3 B active a token; ~150 GiB in bf16: four H100s or two H200s).  From the published
+* ``qwen3-next-80b``: a **Qwen3-Next-80B-A3B-class** hybrid (``qwen3_next``, 79.7 B parameters,
+  3.9 B of them used a token, 0.6 B of those the embedding and head; 148 GiB in bf16: four
+  H100s or two H200s).  From the published
   config (the same values are transformers 5.17's ``Qwen3NextConfig`` defaults, documented as
   the 80B-A3B configuration): hidden 2048, 48 layers with full attention every 4th
   (``full_attention_interval`` 4: 36 Gated DeltaNet, 12 attention), attention 16 query / 2 KV
@@ -35,8 +36,8 @@ knows is the model's own, taken from the recurrent run), then the ratios replay 
 (target ≥ 1.3×) and speculation ÷ standard (target ≥ 1.8×).  Before the timings, a check:
 greedy tokens of 4 prompts in replay and kv decoding (CUDA graphs) equal recurrent's
 (``check: ... replay 64/64, kv 64/64``; ``MISMATCH`` otherwise); after them, how long the
-group's ``close()`` took (``closed in ... s``: bounded, a few seconds at most).  ``--state-dtype bfloat16`` halves
-the states (B=256 fits two H200s only so).  Keep NVLink multicast off.  Writes
+group's ``close()`` took (``closed in ... s``: bounded, a few seconds at most).
+``--state-dtype bfloat16`` halves the states (B=256 fits two H200s only so).  Keep NVLink multicast off.  Writes
 ``tp_big.json`` (``tp_big_<model>.json`` for a non-default model) to ``$OUT``.  ``--smoke``: a
 tiny shape of the chosen preset's structure on CPU (``--tp`` 1, 2 or 4).
 
