@@ -1,6 +1,9 @@
 """Tensor parallelism over four ranks on CPU (gloo): every model type, float64, equal to one rank.
 
-One four-rank group serves the module.  Sizes are chosen so that four ranks exercise what
+One four-rank group serves the module (forwards, greedy replay/KV decoding, speculation,
+MTP, prefix caching, bf16 states, FP8, grammar masks); the last test closes it and starts an
+engine-owned group of four (shared-memory control ring, fused finish off), then kills a
+worker.  Sizes are chosen so that four ranks exercise what
 two do not: KV heads replicated across ranks (2 KV heads over 4 ranks, each kept by two),
 Mamba-2 norm groups spanning 4 and 2 ranks (the fused finish's reference path with W=4),
 odd per-rank counts (3 GDN value heads, 3 expert channels, 5 shared-expert channels) and an
