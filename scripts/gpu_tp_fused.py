@@ -1,14 +1,15 @@
-"""The fused tensor-parallel finish on two GPUs: correctness under CUDA graphs, then its cost.
+"""The fused tensor-parallel finish on two (or ``--ranks`` 4) GPUs: correctness under CUDA graphs, then its cost.
 
-(a) Correctness: :class:`replayssm.distributed.fused.FusedFinish` on 2 ranks, B in 1, 7,
+(a) Correctness: :class:`replayssm.distributed.fused.FusedFinish` on 2 ranks (``--ranks``), B in 1, 7,
     64, 256, 1000 rows of D = 2560: a sequence of finishes as a model step makes them (with
     the deferred gated-norm scale, without it, the last one a plain residual add with the
     trailing barrier) captured in one CUDA graph and replayed 200 times, one rank or the other
     delayed by a sleep kernel before some calls (a barrier race would read a stale or half-written
     buffer).  Every replay's outputs must equal the eager run's bitwise, every output and
     the residual written must match the float64 reference
-    (:func:`replayssm.ops.tp_reduce.reduce_add_norm`), and both ranks must hold
-    bitwise-identical outputs.
+    (:func:`replayssm.ops.tp_reduce.reduce_add_norm`), and all ranks must hold
+    bitwise-identical outputs.  With 4 ranks the second scaled finish uses two norm groups
+    of two ranks (the first: one group over all).
 (b) Microbench (µs per call, 32 calls a graph, 20 replays), B = 1, 64, 256, D = 2560 and 8192:
     ``finish``: today's ``one_shot_all_reduce_copy`` + ``rmsnorm(residual=)`` vs the fused
     kernel (partial already in the buffer, as Mamba-2's ``out_proj`` leaves it) and the fused
@@ -18,7 +19,7 @@
 
 (c) End to end (``--skip-e2e`` to leave out): the ``small`` random Mamba-2 preset (one norm
     group: the gated norm deferred across ranks), bf16, CUDA graphs, replay decode: TP=1,
-    TP=2 with ``REPLAYSSM_TP_FUSED=0`` and with ``=1``: full-forward logits against TP=1
+    TP=2 (``--ranks``) with ``REPLAYSSM_TP_FUSED=0`` and with ``=1``: full-forward logits against TP=1
     and greedy tokens of 8 prompts (the preset's logit margins are far above bf16 rounding,
     so every path must give the same tokens).
 
@@ -28,7 +29,10 @@
     width at ~140 GB/s).
 
 ``PYTHONPATH=. python scripts/gpu_tp_fused.py`` (two GPUs; NVLink multicast off); prints
-tables and writes ``gpu_tp_fused.json`` under ``$OUT``.
+tables and writes ``gpu_tp_fused.json`` under ``$OUT``.  Four ranks (the barrier and the
+sums over four GPUs, groups of two; ``gpu_tp_fused_4.json``)::
+
+    PYTHONPATH=. python scripts/gpu_tp_fused.py --ranks 4 --skip-bench
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ def _inputs(r: int, c: int, B: int, D: int, dev):
     return p, q
 
 
+def _groups(c: int, size: int) -> int:
+    """Norm groups of call ``c``'s deferred scale: two groups (of ``size / 2`` ranks) in
+    call 2 when there are four ranks or more, else one over all ranks."""
+    return 2 if c == 2 and size >= 4 and size % 2 == 0 else 1
+
+
 def _check(rank: int, size: int, dev, res: dict) -> None:
     from replayssm.distributed.fused import FusedFinish, GroupScale
     from replayssm.layers.norms import RMSNorm
@@ -93,7 +103,8 @@ def _check(rank: int, size: int, dev, res: dict) -> None:
                 scale = None
                 if scaled:
                     fin.sums_out(B).copy_(q)
-                    scale = GroupScale(fin.sums_out(B), 0, 1, gsize, GATE_EPS)
+                    G = _groups(c, size)
+                    scale = GroupScale(fin.sums_out(B), rank // (size // G), G, gsize, GATE_EPS)
                 if (rank == 1 and c % 2 == 1) or (rank == 0 and c == 2):
                     torch.cuda._sleep(20000)    # a slow peer (either way)
                 if c < ncalls - 1:
@@ -115,7 +126,8 @@ def _check(rank: int, size: int, dev, res: dict) -> None:
             last = c == ncalls - 1
             y, s, _ = reduce_add_norm([allsrc[r][c][0] for r in range(size)],
                                       [allsrc[r][c][1] for r in range(size)] if scaled else None,
-                                      group_size=gsize, gate_eps=GATE_EPS, residual=h,
+                                      ranks_per_group=size // _groups(c, size), group_size=gsize,
+                                      gate_eps=GATE_EPS, residual=h,
                                       weight=None if last else norm.weight, eps=EPS, dtype=torch.float64)
             err[f"s{c}"] = float((eager[f"s{c}"].double() - s).abs().max() / s.abs().max().clamp(min=1))
             if not last:
@@ -285,7 +297,7 @@ def _diagnose(rank: int, size: int, dev, ar) -> list:
     return rows
 
 
-def _worker(rank: int, size: int, port: int, q) -> None:
+def _worker(rank: int, size: int, port: int, q, bench: bool = True) -> None:
     sys.path.insert(0, os.getcwd())
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -296,9 +308,10 @@ def _worker(rank: int, size: int, port: int, q) -> None:
     try:
         _check(rank, size, dev, res)
         res["check_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        _bench(rank, size, dev, res)
-        res["bench_s"] = time.perf_counter() - t
+        if bench:
+            t = time.perf_counter()
+            _bench(rank, size, dev, res)
+            res["bench_s"] = time.perf_counter() - t
     except Exception:  # noqa: BLE001 - reported
         import traceback
 
@@ -308,7 +321,7 @@ def _worker(rank: int, size: int, port: int, q) -> None:
     dist.destroy_process_group()
 
 
-def _e2e(out: dict) -> None:
+def _e2e(out: dict, size: int = 2) -> None:
     from replayssm import LLM, SamplingParams
     from replayssm.bench import e2e
     from replayssm.distributed import TensorParallelGroup
@@ -318,7 +331,8 @@ def _e2e(out: dict) -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = e2e._random_model_dir("small", tmp)
-        for name, tp, fused in (("TP=1", 1, "1"), ("TP=2 fused=0", 2, "0"), ("TP=2 fused=1", 2, "1")):
+        for name, tp, fused in (("TP=1", 1, "1"), (f"TP={size} fused=0", size, "0"),
+                                (f"TP={size} fused=1", size, "1")):
             os.environ["REPLAYSSM_TP_FUSED"] = fused     # the workers inherit it at spawn
             t = time.perf_counter()
             if tp == 1:
@@ -350,19 +364,22 @@ def _e2e(out: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--ranks", type=int, default=2, choices=(2, 4), help="GPUs (ranks) of the check and e2e")
+    ap.add_argument("--skip-bench", action="store_true", help="leave out (b), the microbenchmark")
     ap.add_argument("--diagnose", action="store_true",
                     help="also time the kernel alone with/without barrier, peer/local reads, warp counts")
     args = ap.parse_args()
     if args.diagnose:
         os.environ["GPU_TP_FUSED_DIAGNOSE"] = "1"     # the spawned ranks read it at import
     t0 = time.perf_counter()
-    if torch.cuda.device_count() < 2:
-        print("needs two GPUs")
+    size = args.ranks
+    if torch.cuda.device_count() < size:
+        print(f"needs {size} GPUs")
         return 2
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     port = 29500 + os.getpid() % 1000
-    ps = [ctx.Process(target=_worker, args=(r, 2, port, q)) for r in range(2)]
+    ps = [ctx.Process(target=_worker, args=(r, size, port, q, not args.skip_bench)) for r in range(size)]
     for p in ps:
         p.start()
     for p in ps:
@@ -370,7 +387,7 @@ def main() -> int:
     for p in ps:
         if p.is_alive():
             p.kill()
-    out = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
+    out = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(), "ranks": size,
            "exitcodes": [p.exitcode for p in ps]}
     while not q.empty():
         r = q.get()
@@ -382,7 +399,8 @@ def main() -> int:
         print(e)
     if "check_error" in out:
         print("fused finish unavailable:", out["check_error"])
-    print("(a) correctness: 5 finishes per step, CUDA graph replayed", REPLAYS, "times, rank 1 delayed")
+    print(f"(a) correctness on {size} ranks: 5 finishes per step, CUDA graph replayed", REPLAYS,
+          "times, rank 0 or 1 delayed" + (", call 2 in two norm groups" if size >= 4 else ""))
     print(f"{'B':>6}{'ranks equal':>13}{'bad replays':>13}{'max rel y':>12}{'max rel s':>11}{'ok':>5}")
     for r in out.get("check", []):
         print(f"{r['B']:>6}{str(r['ranks_bitwise_equal']):>13}{r['replays_differing']:>13}{r['max_rel_err_y']:>12.2e}"
@@ -402,7 +420,7 @@ def main() -> int:
             print(f"  D={r['D']} B={r['B']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if k not in ("D", "B")))
     if not args.skip_e2e:
         try:
-            _e2e(out)
+            _e2e(out, size)
         except Exception:  # noqa: BLE001 - reported
             import traceback
 
@@ -418,7 +436,7 @@ def main() -> int:
     od = os.environ.get("OUT")
     if od:
         os.makedirs(od, exist_ok=True)
-        with open(os.path.join(od, "gpu_tp_fused.json"), "w") as f:
+        with open(os.path.join(od, "gpu_tp_fused.json" if size == 2 else f"gpu_tp_fused_{size}.json"), "w") as f:
             json.dump(out, f, indent=1)
     ok = "errors" not in out and all(r["ok"] for r in out.get("check", [])) and out.get("check") and \
         all(r["tokens_equal_tp1"] for r in out.get("e2e", []))

@@ -48,6 +48,7 @@ from .loading import load_shard, random_shard
 from .model import TensorParallelModel
 from .sharding import check_tensor_parallel
 from .shm_channel import ShmChannel
+from . import teardown
 from .startup import StartupTimes, activate, format_times, is_startup_call, watch_triton_compiles
 from .worker import READY_KEY, REPORT_KEY, Worker, WorkerSpec, init_groups, worker_main
 
@@ -93,31 +94,8 @@ _LIVE: "weakref.WeakSet[TensorParallelGroup]" = weakref.WeakSet()
 @atexit.register
 def _close_live() -> None:  # pragma: no cover - interpreter exit
     for g in list(_LIVE):
-        g.close()
-
-
-def _abort_process_group() -> None:
-    """Drop the default process group without waiting for peers (after a failure)."""
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    try:
-        if abort is not None:
-            abort()
-        elif dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # pragma: no cover - best effort after a failure
-        pass
-
-
-def _leave_process_group(clean: bool) -> None:
-    """``destroy_process_group`` when the peers leave too (``clean``), else abort it."""
-    if not clean:
-        _abort_process_group()
-        return
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # pragma: no cover - after a failure
-        pass
+        g.close(timeout_s=2 * teardown.STEP_S)   # a healthy worker stops within STEP_S (its own bound)
+    teardown.guard_exit()
 
 
 class TensorParallelGroup:
@@ -143,6 +121,10 @@ class TensorParallelGroup:
         if control not in ("shm", "gloo"):
             raise ValueError(f"control must be 'shm' or 'gloo', got {control!r}")
         if dist.is_initialized():
+            if any(t.is_alive() for t in teardown.STUCK):
+                raise ValueError("torch.distributed is still initialised in this process: an earlier tensor-parallel "
+                                 "group's teardown blocked and was given up (its warning was logged); start the "
+                                 "next group in a new process")
             raise ValueError("torch.distributed is already initialised in this process: one tensor-parallel "
                              "group at a time (close the other first; under torchrun use "
                              "TensorParallelGroup.from_torchrun())")
@@ -297,40 +279,49 @@ class TensorParallelGroup:
         return "; ".join(parts) or "a worker failed"
 
     def _terminate(self) -> None:
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self._procs:
-            p.join(5)
+        """Every worker still running: SIGTERM, then SIGKILL (never left behind)."""
+        killed = teardown.stop_processes(self._procs)
+        if killed:
+            log.warning("tensor-parallel workers %s ignored SIGTERM and were killed", killed)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the workers (they free everything) and leave the process group.  Idempotent."""
+        """Stop the workers (they free everything) and leave the process group.  Idempotent.
+
+        Bounded: the workers get ``timeout_s`` to stop, then are killed; each teardown step
+        that can block on a peer (sending ``stop``, leaving the process group, aborting it)
+        is given up after :data:`~.teardown.STEP_S` (see :mod:`~.teardown`), so ``close``
+        returns within about ``timeout_s + 4 STEP_S`` whatever the peers do."""
         if self._closed:
             return
         self._closing = True
+        t_end = time.monotonic() + timeout_s
         stopped = False
         if self._failure is None:
-            try:
-                self._send("stop", ())
-                stopped = True
-            except Exception:
-                pass
+            done, err = teardown.bounded(lambda: self._send("stop", ()), "replayssm-tp-stop",
+                                         min(timeout_s, teardown.STEP_S))
+            stopped = done and err is None
         # Leave the process group while the workers leave it: NCCL's teardown (with
         # symmetric-memory buffers registered) waits for every rank, so rank 0 must not join
         # the workers first.  After a failure the peers are gone: abort instead of waiting.
         leave = None
         if dist.is_initialized():
-            leave = threading.Thread(target=_leave_process_group, args=(stopped,), name="replayssm-tp-leave",
-                                     daemon=True)
+            leave = threading.Thread(target=teardown.leave_process_group, args=(stopped,),
+                                     name="replayssm-tp-leave", daemon=True)
             leave.start()
         for p in self._procs:
-            p.join(timeout_s)
+            p.join(max(0.0, t_end - time.monotonic()))
         self._terminate()
         if leave is not None:
             # the workers are gone by now: a teardown still waiting for them will not finish
-            leave.join(min(timeout_s, 5.0))
-            if leave.is_alive():   # pragma: no cover - a teardown stuck (seen on GPUs) or a dead peer
-                _abort_process_group()
+            leave.join(teardown.STEP_S)
+            if leave.is_alive():
+                teardown.STUCK.append(leave)
+                # an abort waits for the destroy's lock on NCCL: it may block too (bounded)
+                aborted = stopped and teardown.bounded(teardown.abort_process_group, "replayssm-tp-abort",
+                                                       teardown.STEP_S)[0]
+                if not aborted:
+                    log.warning("tensor-parallel close: leaving the process group did not finish; given up "
+                                "(torch.distributed stays initialised in this process)")
         self._close_channel()
         self._restore_threads()
         if self._monitor is not None:

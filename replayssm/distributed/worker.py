@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import teardown
 from .comm import CONTROL_TIMEOUT, Comm
 from .loading import load_shard, random_shard
 from .shm_channel import ShmChannel
@@ -167,18 +167,12 @@ def _boot_times(spec: WorkerSpec) -> StartupTimes:
     return times
 
 
-#: how long a stopping worker waits for NCCL's teardown before it exits anyway (a
-#: teardown with symmetric-memory buffers registered has hung on the GPU: rank 0 and a
-#: worker both blocked in ``destroy_process_group`` for over a minute)
-LEAVE_TIMEOUT_S = 5.0
-
-
 def _leave_bounded(timeout_s: float) -> None:
-    """``destroy_process_group`` on a daemon thread, waited for at most ``timeout_s``: the
-    process exits next, which releases whatever the teardown still holds."""
-    t = threading.Thread(target=dist.destroy_process_group, name="replayssm-tp-leave", daemon=True)
-    t.start()
-    t.join(timeout_s)
+    """``destroy_process_group``, waited for at most ``timeout_s`` (a teardown with
+    symmetric-memory buffers registered has hung on the GPU: rank 0 and a worker both
+    blocked in it for over a minute): the process exits next, which releases whatever the
+    teardown still holds."""
+    teardown.bounded(dist.destroy_process_group, "replayssm-tp-leave", timeout_s)
 
 
 def worker_main(spec: WorkerSpec, errors) -> None:  # pragma: no cover - runs in the spawned process
@@ -190,7 +184,7 @@ def worker_main(spec: WorkerSpec, errors) -> None:  # pragma: no cover - runs in
             torch.set_num_threads(spec.threads)
         comm, store = join(spec, times)
         Worker(comm, store, times).serve()
-        _leave_bounded(LEAVE_TIMEOUT_S)
+        _leave_bounded(teardown.STEP_S)
     except BaseException:
         try:
             errors.put((spec.rank, traceback.format_exc()))

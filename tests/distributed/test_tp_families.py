@@ -4,7 +4,8 @@ Qwen3.5 (dense and MoE: separate GDN projections, gated attention, experts with 
 expert), Granite-4.0-H (Mamba-2 with one group: a norm spanning ranks; attention; experts
 ``input_linear`` / ``output_linear`` and a shared MLP; every multiplier), Bamba (one KV head:
 replicated) and Falcon-H1 (Mamba-2 and attention in parallel, muP multipliers, two norm
-layouts and both group layouts).  Each: TP=2 full-forward logits equal TP=1 in float64,
+layouts and both group layouts), and the Qwen3-Next-80B-A3B structure at tiny size (the TP
+preset of ``scripts/gpu_tp_big.py``).  Each: TP=2 full-forward logits equal TP=1 in float64,
 greedy generation equal in replay and KV modes, prefix caching keeps greedy output; sizes
 that do not split are named before any process starts.  Zamba2 and Kimi-Linear are refused.
 """
@@ -83,8 +84,11 @@ SPECS = {
                                      use_mem_rope=False, num_attention_heads=4, num_key_value_heads=2,
                                      n_mamba_heads=8, mamba_ngroups=1, intermediate_size=12, tie_word_embeddings=True,
                                      hidden_act="silu")),
+    # the Qwen3-Next-80B-A3B structure (hf_utils.QWEN3_NEXT_80B_TINY): 4 query heads and one
+    # KV head a rank, 2 GDN key / 6 value heads, 6 channels of each of 7 experts, shared 10
+    "qwen3_next_80b": (H.tiny_qwen3_next, H.QWEN3_NEXT_80B_TINY),
 }
-GENERATE = ["qwen3_5", "qwen3_5_moe", "granite", "bamba", "falcon_h1", "falcon_h1_g1", "zamba2", "zamba2_gqa"]
+GENERATE = ["qwen3_next_80b", "qwen3_5", "qwen3_5_moe", "granite", "bamba", "falcon_h1", "falcon_h1_g1", "zamba2", "zamba2_gqa"]
 
 
 @pytest.fixture(autouse=True)

@@ -149,6 +149,18 @@ def tiny_qwen3_next(seed=0, **over):
     return build_tiny(Qwen3NextForCausalLM, Qwen3NextConfig(**kw), seed)
 
 
+#: the Qwen3-Next-80B-A3B structure (``scripts/gpu_tp_big.py --model qwen3-next-80b``) at tiny,
+#: odd sizes that split over 2 and 4 ranks: 4 layers (GDN, GDN, GDN, attention), 8 query / 2 KV
+#: heads of 8 (rotary on 2 channels), GDN 4 key / 12 value heads, 7 experts top-3 of 12
+#: channels, a shared expert of 20, hidden 21, vocabulary 67
+QWEN3_NEXT_80B_TINY = dict(vocab_size=67, hidden_size=21, num_hidden_layers=4, full_attention_interval=4,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.25,
+                           linear_num_key_heads=4, linear_num_value_heads=12, linear_key_head_dim=6,
+                           linear_value_head_dim=5, linear_conv_kernel_dim=4, num_experts=7, num_experts_per_tok=3,
+                           moe_intermediate_size=12, shared_expert_intermediate_size=20, decoder_sparse_step=1,
+                           mlp_only_layers=[], rms_norm_eps=1e-6)
+
+
 def _eager(cls, cfg):
     """Eager attention and eager (per-expert loop) MoE: the plain torch paths."""
     cfg._attn_implementation = "eager"
