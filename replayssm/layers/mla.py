@@ -100,25 +100,29 @@ class MLAttention(Attention):
             t = torch.arange(T, device=x.device)
             o = self._attend(q, k, v, (t[None, :] <= t[:, None]).expand(B, T, T))
             o = o.view(B, T, self.H, self.Dh)[..., :self.R]
-        elif ctx.kind == "prefill":
-            o = self._paged(q, k, v, ctx).view(B, T, self.H, self.Dh)[..., :self.R]
-        else:
+        else:   # prefill (packed) and decode / verify / tree steps: the MLA kernel on CUDA
             o = self._latent_step(q, k, ctx)
         _, w_uv = self._up()
         o = torch.einsum("bthr,hvr->bthv", o, w_uv).reshape(B, T, self.H * self.dv)
         return self.o_proj(o)
 
     def _latent_step(self, q: Tensor, kv: Tensor, ctx: StepContext) -> Tensor:
-        """Decode / verify / tree step: write the new latents ``kv [B, T, 1, R+dr]`` at
-        ``seq_len + i``, then ``ops.mla_attention`` (the MLA kernel on CUDA: each cached
-        latent read once for scores and values) over the last ``T`` of ``seq_len + T``
-        positions; returns the latent outputs ``[B, T, H, R]`` (before ``W_uv``)."""
+        """Write the new latents ``kv [B, T, 1, R+dr]``, then ``ops.mla_attention`` (the MLA
+        kernel on CUDA: each cached latent read once for scores and values); returns the
+        latent outputs ``[B, T, H, R]`` (before ``W_uv``).  Decode / verify / tree steps: row
+        ``b``'s ``T`` queries are the last of ``seq_len + T`` positions.  Prefill runs packed
+        (``B = 1``; row ``b`` owns ``cu_seqlens[b]:[b+1]`` of the stream, causal over
+        ``seq_len + lengths`` keys) — the generic paged kernel cannot hold a 576-wide head at
+        Kimi-Linear's rank 512 in shared memory on an H200 (it asked for 786 KiB)."""
         B, T = q.shape[:2]
         ops = ops_for("attention")
         pool = ctx.cache.layers[self.layer_id]["k"]
         table = ctx.attn_table
-        cu = torch.arange(B + 1, device=q.device) * T
-        kv_lens = ctx.seq_len + T
+        if ctx.kind == "prefill":
+            cu, kv_lens = ctx.cu_seqlens, ctx.seq_len + ctx.lengths
+        else:
+            cu = torch.arange(B + 1, device=q.device) * T
+            kv_lens = ctx.seq_len + T
         bits = None
         if ctx.kind == "tree":
             if ctx.tree_bits is None:
