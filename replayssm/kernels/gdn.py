@@ -899,8 +899,9 @@ def tree_verify(buf, plan, parent: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
 #: the KV-only kernel takes steps of at most this many new tokens: its score tiles grow with
 #: the square of the padded step length (a 245-token KV-only prefill asked for 512 KiB of
 #: shared memory on an H200, which has 227 KiB); longer steps (KV-only prefill of a long
-#: chunk) run the reference op
-KV_MAX_NEW = 64
+#: chunk) run the reference op.  16, as KDA's: at Qwen3-Next-80B's shapes under TP=4 (8 value
+#: heads of 128 a rank) ptxas had not finished the 32-token form after 90 s on an H200
+KV_MAX_NEW = 16
 
 
 #: calls the kernels take (others run the reference; ``kernels.dispatch``)
