@@ -39,6 +39,11 @@ M2_FORMS = {
     "fma_d4_scores": dict(fold_form="fma", block_d=4, num_warps=1, pre_scores=True),
     "fma_d8": dict(fold_form="fma", block_d=8, num_warps=4, pre_scores=False),
     "dot_d16": dict(fold_form="dot", block_d=16, num_warps=2, pre_scores=True),
+    "hold_d16": dict(fold_form="hold", block_d=16, num_warps=1, pre_scores=False),
+    "hold_d16_early": dict(fold_form="hold", block_d=16, num_warps=2, pre_scores=False, prefetch=True),
+    "hold_d16_scores_early": dict(fold_form="hold", block_d=16, num_warps=2, pre_scores=True, prefetch=True),
+    "fma_d4_early": dict(fold_form="fma", block_d=4, num_warps=1, pre_scores=False, prefetch=True),
+    "dot_d16_early": dict(fold_form="dot", block_d=16, num_warps=2, pre_scores=True, prefetch=True),
 }
 #: GDN forms: V = 9 in 1-, 4- and 16-wide blocks
 GDN_FORMS = {
