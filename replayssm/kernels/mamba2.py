@@ -735,10 +735,20 @@ def decode_defaults(Bt: int, H: int, d: int, block_d: int | None = None, state_i
         base.update(pre_scores=False, num_warps=4)
     else:
         base.update(pre_scores=True, num_warps=2)
-    for max_batch, itemsize, cfg in DECODE_TABLE:
+    return dict(base, **table_row(DECODE_TABLE, DECODE_KEYS, Bt, state_itemsize))
+
+
+def table_row(table: list, keys: tuple, Bt: int, state_itemsize: int) -> dict:
+    """The config of the first ``(max_batch, state_itemsize, config)`` row of a decode table
+    with ``Bt <= max_batch`` and a matching state element size (``None``: any), else ``{}``;
+    a row naming a key outside ``keys`` raises ``ValueError`` (a pasted row with a typo)."""
+    for max_batch, itemsize, cfg in table:
+        bad = sorted(set(cfg) - set(keys))
+        if bad:
+            raise ValueError(f"decode table row for batches <= {max_batch} has unknown keys {bad}: expected {keys}")
         if Bt <= max_batch and itemsize in (None, state_itemsize):
-            return dict(base, **cfg)
-    return base
+            return dict(cfg)
+    return {}
 
 
 def decode_block(size: int, block: int, fold_form: str) -> int:

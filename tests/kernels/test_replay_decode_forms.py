@@ -52,6 +52,17 @@ GDN_FORMS = {
     "fused_fma_v4_scores": dict(flush_mode="fused", fold_form="fma", block_v=4, num_warps=1, pre_scores=True),
     "fused_fma_v16_scores": dict(flush_mode="fused", fold_form="fma", block_v=16, num_warps=2, pre_scores=True),
     "apart_fma_v4_scores": dict(flush_mode="apart", fold_form="fma", block_v=4, pre_scores=True, fold_warps=1),
+    "fused_hold_v16": dict(flush_mode="fused", fold_form="hold", block_v=16, num_warps=1, pre_scores=False),
+    "fused_hold_v16_early": dict(flush_mode="fused", fold_form="hold", block_v=16, num_warps=2, pre_scores=False,
+                                 prefetch=True),
+    "fused_hold_v16_scores_early": dict(flush_mode="fused", fold_form="hold", block_v=16, num_warps=2,
+                                        pre_scores=True, prefetch=True),
+    "fused_fma_v4_early": dict(flush_mode="fused", fold_form="fma", block_v=4, num_warps=1, pre_scores=False,
+                               prefetch=True),
+    "apart_dot_v16_scores_early": dict(flush_mode="apart", fold_form="dot", block_v=16, pre_scores=True,
+                                       prefetch=True),
+    "apart_hold_v16_scores_early": dict(flush_mode="apart", fold_form="hold", block_v=16, pre_scores=True,
+                                        fold_warps=2, prefetch=True),
 }
 
 
@@ -237,6 +248,13 @@ def test_decode_table_rows(monkeypatch):
     got = KG.decode_defaults(1, 32, 128, 4)
     assert (got["block_v"], got["fold_form"], got["flush_mode"]) == (8, "fma", "fused")
     assert KG.decode_defaults(2, 32, 128, 4)["block_v"] == 32
+    # a pasted row with an unknown key raises, naming it
+    monkeypatch.setattr(K2, "DECODE_TABLE", [(8, None, dict(block_dd=8))])
+    with pytest.raises(ValueError, match="block_dd"):
+        K2.decode_defaults(4, 128, 64, None, 4)
+    monkeypatch.setattr(KG, "DECODE_TABLE", [(8, None, dict(prefetch=True, warps=2))])
+    with pytest.raises(ValueError, match="warps"):
+        KG.decode_defaults(4, 32, 128, 4)
     # the table's form runs (and is exact) through the wrapper's defaults
     monkeypatch.setattr(K2, "DECODE_TABLE", [(1 << 20, None, dict(block_d=4, fold_form="fma", num_warps=1))])
     _run_m2({}, torch.float32, steps=1)
@@ -247,6 +265,7 @@ def test_decode_block_widths():
     assert K2.decode_block(7, 32, "fma") == 8          # at most next_pow2(size)
     assert K2.decode_block(64, 4, "dot") == 16         # tl.dot needs 16 rows
     assert K2.decode_block(64, 3, "fma") == 4
+    assert K2.decode_block(64, 4, "hold") == 16        # tl.dot needs 16 rows
     with pytest.raises(ValueError, match="fold_form"):
         K2.decode_block(64, 4, "rank1")
     with pytest.raises(ValueError, match="positive"):
@@ -266,6 +285,8 @@ def test_bad_forms_raise_before_touching_memory():
     ins = gdn_inputs(s, DEVICE)
     with pytest.raises(ValueError, match="fold_form='fma'"):
         KG.replay_decode(gbuf, ring.plan_decode(slots), *ins, flush_mode="split", fold_form="fma")
+    with pytest.raises(ValueError, match="fold_form='hold'"):
+        KG.replay_decode(gbuf, ring.plan_decode(slots), *ins, flush_mode="split", fold_form="hold")
     with pytest.raises(ValueError, match="fold_form"):
         KG.replay_decode(gbuf, ring.plan_decode(slots), *ins, fold_form="rank1")
     for a, b in zip(gsnap, (gbuf.state, gbuf.u, gbuf.k, gbuf.g)):
