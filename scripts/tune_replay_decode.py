@@ -1,16 +1,15 @@
 """Replay-decode launch forms against the current defaults and the peers, at B = 1 / 8 / 64 / 256
 (GPU; one run decides the rows of ``DECODE_TABLE`` in ``kernels/mamba2.py`` and ``kernels/gdn.py``).
 
-Layers: Mamba-2 2.7B (128 heads × head_dim 64 × d_state 128, 8 groups) and GDN Qwen3-Next
-(32 value heads, 16 key heads, K = V = 128), bf16 activations, fp32 and bf16 checkpoint states,
-ring L = 16.  Per (family, state dtype, batch):
+Layers: Mamba-2 2.7B (80 heads × head_dim 64 × d_state 128, 8 groups) and GDN Qwen3-Next
+(32 value heads, 16 key heads, K = V = 128), bf16 activations, fp32 checkpoint states (bf16 too
+with ``--state-dtypes float32,bfloat16``), ring L = 16.  Per (family, state dtype, batch):
 
 * the peer's one recurrent step (``mamba_ssm.selective_state_update`` /
   ``fla.fused_recurrent_gated_delta_rule``, state read + written; absent peers are named);
-* ``default``: the wrappers' current choice (``DECODE_TABLE`` empty);
-* each candidate form (tile width, warps, scores kernel, ``fold_form`` "dot" / "fma", GDN
-  flush mode): small-tile forms at B <= 8 (more programs at small batches), wide-tile forms at
-  B >= 64 (for bf16 states: tiles holding as many bytes as the fp32 tile).
+* ``default``: the wrappers' current choice (``DECODE_TABLE`` as committed);
+* every candidate form of :data:`FORMS` (tile width, warps, scores kernel, ``fold_form``
+  "dot" / "fma" / "hold", ``prefetch``, GDN flush mode), at every batch.
 
 Each form is timed at a non-flush fill (h = 7: the mean cost of h = 0..14), the all-flush step
 (h = 15) and a staggered fill (row r at h = r mod 16: 1/16 of the rows flush, the running
@@ -49,7 +48,7 @@ from replayssm.kernels import mamba2 as km
 from replayssm.ops.gdn import naive as ng
 from replayssm.ops.mamba2 import naive as nm
 
-SHAPES = {"mamba2": dict(H=128, d=64, n=128, G=8), "gdn": dict(HK=16, HV=32, K=128, V=128)}
+SHAPES = {"mamba2": dict(H=80, d=64, n=128, G=8), "gdn": dict(HK=16, HV=32, K=128, V=128)}
 SMOKE = {"mamba2": dict(H=4, d=8, n=16, G=2), "gdn": dict(HK=2, HV=4, K=16, V=16)}
 F64 = torch.float64
 #: activation / ring dtype: bf16 on the GPU; fp32 under the CPU interpreter (whose bf16 ``tl.dot``
@@ -57,59 +56,66 @@ F64 = torch.float64
 ACT = {"dtype": torch.bfloat16}
 
 
-def _m2(bd, nw, pre, fold):
-    return dict(block_d=bd, num_warps=nw, pre_scores=pre, fold_form=fold)
+def _m2(bd, nw, pre, fold, early=False):
+    return dict(block_d=bd, num_warps=nw, pre_scores=pre, fold_form=fold, prefetch=early)
 
 
-def _gdn(bv, nw, pre, fold, mode="fused"):
-    return dict(block_v=bv, num_warps=nw, pre_scores=pre, fold_form=fold, flush_mode=mode)
+def _gdn(bv, nw, pre, fold, mode="fused", early=False, fw=4):
+    return dict(block_v=bv, num_warps=nw, pre_scores=pre, fold_form=fold, flush_mode=mode, prefetch=early,
+                fold_warps=fw)
 
 
-#: candidate forms by (family, batch class); "default" (the wrappers' choice) is always timed.
-#: Small batches: narrower tiles, so a step has 2-8x the programs of the default (the peers run
-#: 2048 (mamba_ssm) and 512 (fla) programs at B = 1, our defaults 256 and 128).
+#: candidate forms per family, each timed at every batch ("default", the wrappers' choice, too).
+#: ``-e``: ``prefetch`` (the plan words and the flush flag in one round of loads, before the
+#: state); ``hold``: the flush rows' fold as one ``tl.dot`` over the tile the readout holds.
+#: The defaults: Mamba-2 32-wide, 4 warps, one launch below 2048 tiles (B <= 12 at 80 heads), else
+#: 2 warps with the scores kernel; GDN 32-wide, 4 warps, fused below 2048 tiles (B <= 16), else
+#: 64-wide, 2 warps, scores kernel, flush rows apart.  The peers at B = 1: 1280 programs of 4 × 128
+#: (mamba_ssm, 80 heads) and 512 of 128 × 8 (fla); the defaults 160 and 128.
 FORMS = {
-    ("mamba2", "small"): {
-        "d16w2-fma": _m2(16, 2, False, "fma"), "d8w1-fma": _m2(8, 1, False, "fma"),
-        "d8w2-fma": _m2(8, 2, False, "fma"), "d4w2-fma": _m2(4, 2, False, "fma"),
-        "d8w2-fma-sc": _m2(8, 2, True, "fma"),  # the group scores once (2 launches), not per program
-        "d32w4-fma": _m2(32, 4, False, "fma"),  # the default's tile, fma fold: the flush step alone
+    "mamba2": {
+        # small batches: the default tile + prefetch, then more programs (16-, 8-, 4-wide)
+        "d32w4-e": _m2(32, 4, False, "dot", True),
+        "d16w1-hold-e": _m2(16, 1, False, "hold", True),
+        "d16w2-hold-e": _m2(16, 2, False, "hold", True),
+        "d16w2-hold": _m2(16, 2, False, "hold"),
+        "d8w1-fma-e": _m2(8, 1, False, "fma", True),
+        "d4w1-fma-e": _m2(4, 1, False, "fma", True),
+        # large batches: the default tile (scores kernel) + prefetch, the held fold, wider tiles
+        "d32w2-sc-e": _m2(32, 2, True, "dot", True),
+        "d32w2-sc-hold-e": _m2(32, 2, True, "hold", True),
+        "d32w4-sc-hold-e": _m2(32, 4, True, "hold", True),
+        "d64w4-sc-hold-e": _m2(64, 4, True, "hold", True),
+        "d32w2-sc-fma": _m2(32, 2, True, "fma"),
     },
-    ("mamba2", "large"): {  # the default: 32-wide, 2 warps, scores kernel, dot fold
-        "d32w2-fma": _m2(32, 2, True, "fma"), "d32w4-fma": _m2(32, 4, True, "fma"),
-        "d64w4-fma": _m2(64, 4, True, "fma"),
-    },
-    ("mamba2", "large-16bit"): {  # a [64, 128] bf16 tile holds the bytes of the fp32 [32, 128] one
-        "d32w2-fma": _m2(32, 2, True, "fma"), "d64w2-dot": _m2(64, 2, True, "dot"),
-        "d64w2-fma": _m2(64, 2, True, "fma"), "d64w4-dot": _m2(64, 4, True, "dot"),
-    },
-    ("gdn", "small"): {  # the default: 32-wide, 4 warps, fused, dot fold
-        "v16w2-fma": _gdn(16, 2, False, "fma"), "v16w1-fma": _gdn(16, 1, False, "fma"),
-        "v8w1-fma": _gdn(8, 1, False, "fma"), "v8w2-fma": _gdn(8, 2, False, "fma"),
-        "v8w1-fma-sc": _gdn(8, 1, True, "fma"),  # norms and scores once per key head (2 launches)
-        "v32w4-fma": _gdn(32, 4, False, "fma"),  # the default's tile, fma fold: the flush step alone
-    },
-    ("gdn", "large"): {  # the default: 64-wide, 2 warps, scores kernel, apart, dot fold
-        "v64w2-fused-fma": _gdn(64, 2, True, "fma"), "v64w4-fused-fma": _gdn(64, 4, True, "fma"),
-        "v128w4-fused-fma": _gdn(128, 4, True, "fma"), "v64w2-apart-fma": _gdn(64, 2, True, "fma", "apart"),
-    },
-    ("gdn", "large-16bit"): {  # a [128, 128] bf16 tile holds the bytes of the fp32 [128, 64] one
-        "v64w2-fused-fma": _gdn(64, 2, True, "fma"), "v64w4-fused-fma": _gdn(64, 4, True, "fma"),
-        "v128w4-fused-fma": _gdn(128, 4, True, "fma"), "v128w8-fused-fma": _gdn(128, 8, True, "fma"),
+    "gdn": {
+        # small batches
+        "v32w4-e": _gdn(32, 4, False, "dot", early=True),
+        "v16w1-hold-e": _gdn(16, 1, False, "hold", early=True),
+        "v16w2-hold-e": _gdn(16, 2, False, "hold", early=True),
+        "v16w2-hold": _gdn(16, 2, False, "hold"),
+        "v8w1-fma-e": _gdn(8, 1, False, "fma", early=True),
+        "v8w2-fma-e": _gdn(8, 2, False, "fma", early=True),
+        # large batches: the apart default + prefetch (flag, plan, state: 3 rounds -> 2), narrower
+        # hot tiles (fewer registers, more programs per SM), the held fold fused or apart
+        "v64w2-apart-e": _gdn(64, 2, True, "dot", "apart", True),
+        "v32w2-apart-e": _gdn(32, 2, True, "dot", "apart", True),
+        "v32w1-apart-e": _gdn(32, 1, True, "dot", "apart", True),
+        "v64w2-apart-hold-e": _gdn(64, 2, True, "hold", "apart", True),
+        "v32w2-fused-hold-e": _gdn(32, 2, True, "hold", "fused", True),
+        "v32w4-fused-hold-e": _gdn(32, 4, True, "hold", "fused", True),
+        "v64w4-fused-hold-e": _gdn(64, 4, True, "hold", "fused", True),
+        "v64w2-fused-fma": _gdn(64, 2, True, "fma"),
     },
 }
 
 
 def forms_for(fam: str, sdt: torch.dtype, B: int, smoke: bool) -> dict:
-    if B <= 8:
-        cls = "small"
-    else:
-        cls = "large-16bit" if sdt.itemsize == 2 else "large"
-    forms = dict(FORMS[(fam, cls)])
-    if cls == "small" and sdt.itemsize == 2:  # bf16 states at small batches: two of the fma forms
-        forms = dict(list(forms.items())[1:3])
+    """Every form of ``fam`` (all batches: the table picks per batch); smoke: three."""
+    forms = dict(FORMS[fam])
     if smoke:
-        forms = dict(list(forms.items())[:2])
+        forms = {k: v for k, v in forms.items() if k in ("d16w1-hold-e", "d4w1-fma-e", "d32w2-sc-hold-e",
+                                                          "v16w1-hold-e", "v32w2-apart-e", "v64w2-apart-hold-e")}
     return {"default": {}, **forms}
 
 
@@ -332,7 +338,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--fams", default="mamba2,gdn")
-    ap.add_argument("--state-dtypes", default="float32,bfloat16")
+    ap.add_argument("--state-dtypes", default="float32", help="comma list (float32,bfloat16: about twice the run)")
     ap.add_argument("--peers", default=None,
                     help="folder holding mamba_ssm/ and fla/ (default $REPLAYSSM_PEERS or .peers)")
     ap.add_argument("--device", default="cuda")
@@ -489,10 +495,16 @@ def main(argv=None) -> int:
     print("\n== DECODE_TABLE rows these numbers support (a row covers the batches above the previous row's"
           " bound; {} = the default form)")
     for fam, rows in table.items():
+        mod = km if fam == "mamba2" else kg
+        measured = {itemsize for _, itemsize, _ in rows}
+        # the committed rows of state dtypes this run did not measure stay; the measured ones are replaced
+        kept = [tuple(r) for r in mod.DECODE_TABLE if r[1] is not None and r[1] not in measured]
         if any(cfg for _, _, cfg in rows):
-            print(f"{fam}.DECODE_TABLE = {rows!r}")
+            merged = kept + [r for r in rows if r[2] or any(c for b_, i, c in rows if i == r[1] and b_ > r[0])]
+            print(f"# paste into replayssm/kernels/{'mamba2' if fam == 'mamba2' else 'gdn'}.py:")
+            print(f"DECODE_TABLE = {merged!r}")
         else:
-            print(f"{fam}: no form beat the default by 3%; DECODE_TABLE stays empty")
+            print(f"{fam}: no form beat the default by 3%; DECODE_TABLE keeps {mod.DECODE_TABLE!r}")
     res["table_rows"] = {k: [list(r) for r in v] for k, v in table.items()}
     res["wall_s"] = time.time() - t_start
     path = _write(res, args.out)
