@@ -76,36 +76,39 @@ FORMS = {
     "mamba2": {
         # small batches: the default tile + prefetch, then more programs (16-, 8-, 4-wide)
         "d32w4-e": _m2(32, 4, False, "dot", True),
-        "d16w1-hold-e": _m2(16, 1, False, "hold", True),
         "d16w2-hold-e": _m2(16, 2, False, "hold", True),
         "d16w2-hold": _m2(16, 2, False, "hold"),
+        "d16w4-hold-e": _m2(16, 4, False, "hold", True),
         "d8w1-fma-e": _m2(8, 1, False, "fma", True),
         "d4w1-fma-e": _m2(4, 1, False, "fma", True),
         # large batches: the default tile (scores kernel) + prefetch, the held fold, wider tiles
         "d32w2-sc-e": _m2(32, 2, True, "dot", True),
-        "d32w2-sc-hold-e": _m2(32, 2, True, "hold", True),
-        "d32w4-sc-hold-e": _m2(32, 4, True, "hold", True),
-        "d64w4-sc-hold-e": _m2(64, 4, True, "hold", True),
+        "d32w2-sc-fma-e": _m2(32, 2, True, "fma", True),
         "d32w2-sc-fma": _m2(32, 2, True, "fma"),
+        "d32w4-sc-hold-e": _m2(32, 4, True, "hold", True),
+        "d64w8-sc-hold-e": _m2(64, 8, True, "hold", True),
     },
     "gdn": {
         # small batches
         "v32w4-e": _gdn(32, 4, False, "dot", early=True),
-        "v16w1-hold-e": _gdn(16, 1, False, "hold", early=True),
         "v16w2-hold-e": _gdn(16, 2, False, "hold", early=True),
         "v16w2-hold": _gdn(16, 2, False, "hold"),
+        "v16w4-hold-e": _gdn(16, 4, False, "hold", early=True),
         "v8w1-fma-e": _gdn(8, 1, False, "fma", early=True),
         "v8w2-fma-e": _gdn(8, 2, False, "fma", early=True),
-        # large batches: the apart default + prefetch (flag, plan, state: 3 rounds -> 2), narrower
-        # hot tiles (fewer registers, more programs per SM), the held fold fused or apart
+        # large batches: the apart default + prefetch (flag, plan, state: 3 rounds -> 2), other hot
+        # tiles, the flush rows' persistent kernel on 8 warps / with the held fold
         "v64w2-apart-e": _gdn(64, 2, True, "dot", "apart", True),
+        "v64w2-apart-e-fw8": _gdn(64, 2, True, "dot", "apart", True, fw=8),
+        "v64w2-apart-hold-e": _gdn(64, 2, True, "hold", "apart", True, fw=8),
         "v32w2-apart-e": _gdn(32, 2, True, "dot", "apart", True),
-        "v32w1-apart-e": _gdn(32, 1, True, "dot", "apart", True),
-        "v64w2-apart-hold-e": _gdn(64, 2, True, "hold", "apart", True),
-        "v32w2-fused-hold-e": _gdn(32, 2, True, "hold", "fused", True),
+        "v64w4-apart-e": _gdn(64, 4, True, "dot", "apart", True),
+        # gated: the flush rows' decode + fold over the whole grid instead of the persistent kernel
+        "v64w2-gated-e": _gdn(64, 2, True, "dot", "gated", True, fw=8),
+        "v64w2-gated-hold-e": _gdn(64, 2, True, "hold", "gated", True, fw=8),
+        "v32w2-gated-hold-e": _gdn(32, 2, True, "hold", "gated", True, fw=4),
         "v32w4-fused-hold-e": _gdn(32, 4, True, "hold", "fused", True),
-        "v64w4-fused-hold-e": _gdn(64, 4, True, "hold", "fused", True),
-        "v64w2-fused-fma": _gdn(64, 2, True, "fma"),
+        "v64w8-fused-hold-e": _gdn(64, 8, True, "hold", "fused", True),
     },
 }
 
@@ -114,8 +117,8 @@ def forms_for(fam: str, sdt: torch.dtype, B: int, smoke: bool) -> dict:
     """Every form of ``fam`` (all batches: the table picks per batch); smoke: three."""
     forms = dict(FORMS[fam])
     if smoke:
-        forms = {k: v for k, v in forms.items() if k in ("d16w1-hold-e", "d4w1-fma-e", "d32w2-sc-hold-e",
-                                                          "v16w1-hold-e", "v32w2-apart-e", "v64w2-apart-hold-e")}
+        forms = {k: v for k, v in forms.items() if k in ("d16w2-hold-e", "d4w1-fma-e", "d32w4-sc-hold-e",
+                                                          "v16w2-hold-e", "v32w2-apart-e", "v32w2-gated-hold-e")}
     return {"default": {}, **forms}
 
 

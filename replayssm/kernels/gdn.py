@@ -318,11 +318,14 @@ if HAVE_TRITON:
         LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
         L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr,
         PREC: tl.constexpr, SKIP_FLUSH: tl.constexpr, PERSIST: tl.constexpr, FMA: tl.constexpr,
-        HOLD: tl.constexpr = False, EARLY: tl.constexpr = False,
+        HOLD: tl.constexpr = False, EARLY: tl.constexpr = False, ONLY_FLUSH: tl.constexpr = False,
     ):
         """Replay decode (:func:`_gdn_decode_tile`) over a flat grid of ``V-blocks × value
         heads × rows`` (V-blocks of one (row, head) side by side: they share DRAM pages).
-        ``SKIP_FLUSH`` / ``PERSIST``: as in the Mamba-2 kernel (the ``apart`` form).
+        ``SKIP_FLUSH``: flush rows' programs return at once (the hot kernel of ``apart`` and
+        ``gated``); ``PERSIST``: a persistent grid over the flush rows only, found on the
+        device (``apart``); ``ONLY_FLUSH``: the whole grid, every program of a row that does
+        not flush returning after its flag (``gated``).
         ``EARLY``: the row's slot, start, fill and flush flag in one round of loads (the late
         form reads the flag first where it skips flush rows, then the plan words: two rounds
         before the state's)."""
@@ -349,8 +352,12 @@ if HAVE_TRITON:
                 pslot, pstart, ph, pfl = _plan_words(slot_ptr, start_ptr, hist_ptr, flush_ptr, r)
                 if SKIP_FLUSH:
                     go = pfl == 0
+                if ONLY_FLUSH:
+                    go = pfl != 0
             elif SKIP_FLUSH:
                 go = tl.load(flush_ptr + r) == 0
+            elif ONLY_FLUSH:
+                go = tl.load(flush_ptr + r) != 0
             if go:
                 _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
                                  q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
@@ -705,7 +712,7 @@ def _fold(buf, plan, extra: int, grid, BV: int, precision: str) -> None:
 
 
 #: ``flush_mode`` of :func:`replay_decode` (see :func:`replayssm.kernels.mamba2.replay_decode`)
-FLUSH_MODES = ("split", "fused", "apart")
+FLUSH_MODES = ("split", "fused", "apart", "gated")
 
 #: up to this many (row, value head, 32-wide V-block) tiles a decode step is one launch
 SMALL_GRID = 2048
@@ -746,10 +753,13 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     * ``"apart"``: the hot kernel (no flush code) skips the flush rows; a persistent kernel of
       ``fold_warps``-warp programs then runs decode + fold for them only, the rows found on
       the device (large batches).
+    * ``"gated"``: the hot kernel as in ``apart``, then decode + fold for the flush rows in a
+      second kernel over the whole grid (``fold_warps`` warps; the other rows' programs
+      return after one load): no device-side search for the flush rows per tile.
     * ``"split"``: the hot kernel for every row, then the fold kernel re-reads the flush
       rows' checkpoints (three state passes on a flush step; the state route's form).
 
-    ``fold_form`` (``fused`` / ``apart``): flush rows re-read their tile in K chunks (from L2);
+    ``fold_form`` (``fused`` / ``apart`` / ``gated``): flush rows re-read their tile in K chunks (from L2);
     ``"dot"`` folds 32-row chunks with ``tl.dot`` (``precision``); ``"fma"`` by rank-1 updates
     over the row's entries, a run-time loop (any ``block_v``, no shared memory; chunks of up to
     :data:`~replayssm.kernels.mamba2.FMA_CHUNK` state values); ``"hold"``: one ``tl.dot`` over
@@ -781,7 +791,8 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     if route == "state" and (pre_scores or flush_mode != "split"):
         raise ValueError("route='state' runs with pre_scores=False and flush_mode='split' only")
     if fold_form in ("fma", "hold") and flush_mode == "split":
-        raise ValueError(f"fold_form={fold_form!r} folds inside the decode kernel: flush_mode 'fused' or 'apart'")
+        raise ValueError(f"fold_form={fold_form!r} folds inside the decode kernel: flush_mode 'fused', 'apart' "
+                         "or 'gated'")
     BV = decode_block(V, block_v or auto["block_v"], fold_form if flush_mode != "split" else "dot")
     (q, QS), (k, KS), (v, VS) = token_rows(q, 1), token_rows(k, 1), token_rows(v, 1)
     g, beta = _c(g), _c(beta)
@@ -809,11 +820,14 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
                  HOLD=fold_form == "hold", EARLY=prefetch)
     grid = flat_grid(nv, HV, Bt)
     _gdn_replay_decode_kernel[grid](*args, Bt, 1, *dims_args, **const, FOLD=flush_mode == "fused",
-                                    SKIP_FLUSH=flush_mode == "apart", PERSIST=False, num_warps=num_warps)
+                                    SKIP_FLUSH=flush_mode in ("apart", "gated"), PERSIST=False, num_warps=num_warps)
     if flush_mode == "apart":
         nprog = persistent_programs(v.device, Bt * HV * nv, 32 // fold_warps)
         _gdn_replay_decode_kernel[(nprog,)](*args, Bt, nprog, *dims_args, **const, FOLD=True, SKIP_FLUSH=False,
                                             PERSIST=True, num_warps=fold_warps)
+    elif flush_mode == "gated":
+        _gdn_replay_decode_kernel[grid](*args, Bt, 1, *dims_args, **const, FOLD=True, SKIP_FLUSH=False, PERSIST=False,
+                                        ONLY_FLUSH=True, num_warps=fold_warps)
     elif flush_mode == "split":
         _fold(buf, plan, 1, grid, BV, precision)
     return y

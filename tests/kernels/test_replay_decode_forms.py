@@ -61,6 +61,10 @@ GDN_FORMS = {
                                prefetch=True),
     "apart_dot_v16_scores_early": dict(flush_mode="apart", fold_form="dot", block_v=16, pre_scores=True,
                                        prefetch=True),
+    "gated_hold_v16_scores_early": dict(flush_mode="gated", fold_form="hold", block_v=16, pre_scores=True,
+                                        fold_warps=4, prefetch=True),
+    "gated_dot_v16": dict(flush_mode="gated", fold_form="dot", block_v=16, pre_scores=False, fold_warps=2),
+    "gated_fma_v4_scores": dict(flush_mode="gated", fold_form="fma", block_v=4, pre_scores=True, fold_warps=1),
     "apart_hold_v16_scores_early": dict(flush_mode="apart", fold_form="hold", block_v=16, pre_scores=True,
                                         fold_warps=2, prefetch=True),
 }
@@ -208,12 +212,12 @@ def test_gdn_decode_reads_qkv_in_place(form, nan_empty):
     _run_gdn(form, torch.float32, steps=1, packed=True)
 
 
-@pytest.mark.parametrize("name", ["fma_d4", "dot_d16"])
+@pytest.mark.parametrize("name", ["fma_d4", "dot_d16", "hold_d16_scores_early"])
 def test_mamba2_decode_forms_bf16_state(name, nan_empty):
     _run_m2(M2_FORMS[name], torch.bfloat16, steps=2)
 
 
-@pytest.mark.parametrize("name", ["fused_fma_v4", "apart_fma_v4_scores"])
+@pytest.mark.parametrize("name", ["fused_fma_v4", "apart_fma_v4_scores", "gated_hold_v16_scores_early"])
 def test_gdn_decode_forms_bf16_state(name, nan_empty):
     _run_gdn(GDN_FORMS[name], torch.bfloat16, steps=2)
 
