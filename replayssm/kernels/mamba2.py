@@ -170,13 +170,33 @@ if HAVE_TRITON:
             tl.store(state_ptr + sbase + offs_k[None, :], Sn.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
+    def _m2_fold_unrolled(state_ptr, xr_ptr, Br_ptr, dtr_ptr, sbase, S0, slot, start, h, hd, g, A, tot, lv, dtv, xv,
+                          bnew, offs_d, md, offs_n, mn, L, H, G, d, n, LP: tl.constexpr):
+        """The ``fma`` fold for narrow tiles: ``S_{h+1} = e^{tot+l} S0 + Δ x Bᵀ + Σ_{j<h} Δ_j
+        e^{tot-cum_j+l} x_j B_jᵀ`` over the tile the readout holds, one rank-1 update per ring
+        position in a loop unrolled over all ``LP`` positions (entries past ``h`` masked to zero):
+        every entry's loads are independent, so they go out together (one L2 round trip, where
+        the run-time loop of :func:`_m2_fold_fma` waits for each)."""
+        Sn = tl.exp(tot + lv) * S0 + (dtv * xv)[:, None] * bnew[None, :]
+        c = tot * 0.0
+        for j in tl.static_range(LP):
+            ok = h > j
+            ej = slot * L + (start + j) % L
+            dj = tl.where(ok, tl.load(dtr_ptr + ej * H + hd).to(tl.float32), 0.0)  # a ring entry, maybe unused
+            c += A * dj
+            xj = tl.load(xr_ptr + (ej * H + hd) * d + offs_d, mask=md & (offs_d * 0 + j < h), other=0.0).to(tl.float32)
+            bj = tl.load(Br_ptr + (ej * G + g) * n + offs_n, mask=mn & (offs_n * 0 + j < h), other=0.0).to(tl.float32)
+            Sn += (dj * tl.exp(tot - c + lv) * xj)[:, None] * bj[None, :]
+        tl.store(state_ptr + sbase + offs_n[None, :], Sn.to(state_ptr.dtype.element_ty), mask=md[:, None] & mn[None, :])
+
+    @triton.jit
     def _m2_decode_tile(
         state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
         r, hd, db, L, H, G, d, n, HPG, XS, BS, CS,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
         HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr, FMA: tl.constexpr,
-        HOLD: tl.constexpr = False, EARLY: tl.constexpr = False,
+        HOLD: tl.constexpr = False, EARLY: tl.constexpr = False, UNROLL: tl.constexpr = False,
     ):
         """One ``(row, head, d-block)`` tile of output-only replay decode:
         ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + Δ (B·C) x + D x``; appends
@@ -192,6 +212,8 @@ if HAVE_TRITON:
         ``tl.dot``, no shared memory, no 16-row minimum: any ``BD``).  ``HOLD``: the readout's
         tile stays in registers and one ``tl.dot`` over the entries already loaded gives the
         whole ``S_{h+1}`` tile (no re-read, no second walk over the ring; small tiles).
+        ``UNROLL``: the held tile folded by rank-1 updates, one per ring position, unrolled
+        (:func:`_m2_fold_unrolled`: no ``tl.dot``, any ``BD``; narrow tiles).
         ``EARLY``: the flush flag is loaded with the slot, start and fill, before the state (one
         dependent round trip fewer at the end of the program than the late load after the
         stores)."""
@@ -267,6 +289,12 @@ if HAVE_TRITON:
                 Sn = tl.exp(tot + lv) * S0 + tl.dot(XW, Bf, input_precision=PREC)
                 tl.store(state_ptr + sbase + offs_n[None, :], Sn.to(state_ptr.dtype.element_ty),
                          mask=md[:, None] & mn[None, :])
+        elif UNROLL:
+            if flush:
+                if PRE_SCORES:
+                    bnew = tl.load(B_ptr + bbase + offs_n, mask=mn, other=0.0).to(tl.float32)
+                _m2_fold_unrolled(state_ptr, xr_ptr, Br_ptr, dtr_ptr, sbase, S0, slot, start, h, hd, g, A, tot, lv,
+                                  dtv, xv, bnew, offs_d, md, offs_n, mn, L, H, G, d, n, LP)
         elif FMA:
             if flush:
                 _m2_fold_fma(state_ptr, xr_ptr, Br_ptr, dtr_ptr, B_ptr, sbase, slot, start, h, hd, g, A, tot, lv,
@@ -295,7 +323,7 @@ if HAVE_TRITON:
         L, H, G, d, n, HPG, XS, BS, CS,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
         HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr, FMA: tl.constexpr,
-        HOLD: tl.constexpr = False, EARLY: tl.constexpr = False,
+        HOLD: tl.constexpr = False, EARLY: tl.constexpr = False, UNROLL: tl.constexpr = False,
     ):
         """Replay decode (:func:`_m2_decode_tile`) over a flat grid of ``d-blocks × heads ×
         rows`` (d-blocks of one (row, head) side by side: one contiguous stream)."""
@@ -303,7 +331,7 @@ if HAVE_TRITON:
         _m2_decode_tile(state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
                         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
                         r, hd, db, L, H, G, d, n, HPG, XS, BS, CS, LP, BD, BN, BNC, HAS_D, PRE_SCORES, PREC, FMA,
-                        HOLD, EARLY)
+                        HOLD, EARLY, UNROLL)
 
     @triton.jit
     def _m2_fold_kernel(
@@ -701,8 +729,9 @@ SMALL_GRID = 2048
 
 #: ``fold_form`` of :func:`replay_decode`: how a flush row folds its entries into ``S_{h+1}``
 #: (``dot``: re-read chunks and ``tl.dot``; ``fma``: re-read chunks and rank-1 updates in a
-#: run-time loop; ``hold``: one ``tl.dot`` over the tile and entries the readout holds)
-FOLD_FORMS = ("dot", "fma", "hold")
+#: run-time loop; ``hold``: one ``tl.dot`` over the tile and entries the readout holds;
+#: ``unroll``: rank-1 updates of the held tile, one per ring position, unrolled)
+FOLD_FORMS = ("dot", "fma", "hold", "unroll")
 #: state values per chunk of the ``fma`` fold (both families): the chunks are a run-time loop,
 #: each re-read from L2 and held while the row's entries are added (16 fp32 registers a thread
 #: on 2 warps; local sm_90 compile, 2026-11-27: the GDN 64-wide tile on 2 warps at 206
@@ -754,12 +783,12 @@ def table_row(table: list, keys: tuple, Bt: int, state_itemsize: int) -> dict:
 def decode_block(size: int, block: int, fold_form: str) -> int:
     """Tile width along ``d`` (Mamba-2) / ``V`` (GDN) of a replay-decode program: ``block``
     rounded up to a power of two, at most ``next_pow2(size)``; the ``dot`` and ``hold`` folds
-    need 16 rows (``tl.dot``), the ``fma`` fold takes any width."""
+    need 16 rows (``tl.dot``), ``fma`` and ``unroll`` take any width."""
     if fold_form not in FOLD_FORMS:
         raise ValueError(f"bad fold_form {fold_form!r}: expected one of {FOLD_FORMS}")
     if int(block) < 1:
         raise ValueError(f"tile width must be positive, got {block}")
-    return max(1 if fold_form == "fma" else 16, min(next_pow2(block), next_pow2(size)))
+    return max(1 if fold_form in ("fma", "unroll") else 16, min(next_pow2(block), next_pow2(size)))
 
 
 def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
@@ -773,7 +802,9 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
     ``fold_form="dot"``: chunks of ``block_n``, folded with ``tl.dot`` (``precision``);
     ``"fma"``: rank-1 updates over the row's entries, a run-time loop (any ``block_d``, no
     shared memory; chunks of up to :data:`FMA_CHUNK` state values); ``"hold"``: one ``tl.dot``
-    over the tile and ring entries the readout already holds (small tiles: no re-read).
+    over the tile and ring entries the readout already holds (small tiles: no re-read);
+    ``"unroll"``: rank-1 updates of the held tile, one per ring position, unrolled (narrow
+    tiles: the entries' loads go out together).
     ``prefetch``: the flush flag loaded with the row's slot, start and fill (before the state)
     instead of after the stores.
     ``pre_scores``: a small kernel first computes the per-group ``B_j·C`` once (and appends
@@ -811,7 +842,8 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
         x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
         L, H, G, d, n, H // G, XS, BS, CS,
         LP=LP, BD=BD, BN=BN, BNC=BNC, HAS_D=D is not None, PRE_SCORES=pre_scores,
-        PREC=precision, FMA=fold_form == "fma", HOLD=fold_form == "hold", EARLY=prefetch, num_warps=num_warps)
+        PREC=precision, FMA=fold_form == "fma", HOLD=fold_form == "hold", EARLY=prefetch, UNROLL=fold_form == "unroll",
+        num_warps=num_warps)
     return y
 
 

@@ -43,6 +43,8 @@ M2_FORMS = {
     "hold_d16_early": dict(fold_form="hold", block_d=16, num_warps=2, pre_scores=False, prefetch=True),
     "hold_d16_scores_early": dict(fold_form="hold", block_d=16, num_warps=2, pre_scores=True, prefetch=True),
     "fma_d4_early": dict(fold_form="fma", block_d=4, num_warps=1, pre_scores=False, prefetch=True),
+    "unroll_d2": dict(fold_form="unroll", block_d=2, num_warps=1, pre_scores=False),
+    "unroll_d8_scores_early": dict(fold_form="unroll", block_d=8, num_warps=2, pre_scores=True, prefetch=True),
     "dot_d16_early": dict(fold_form="dot", block_d=16, num_warps=2, pre_scores=True, prefetch=True),
 }
 #: GDN forms: V = 9 in 1-, 4- and 16-wide blocks
