@@ -117,12 +117,16 @@ FORMS = {
 }
 
 
-def forms_for(fam: str, sdt: torch.dtype, B: int, smoke: bool) -> dict:
-    """Every form of ``fam`` (all batches: the table picks per batch); smoke: three."""
+def forms_for(fam: str, sdt: torch.dtype, B: int, smoke: bool, only: str | None = None) -> dict:
+    """``default`` and every form of ``fam`` (all batches: the table picks per batch); smoke: three;
+    ``only``: a comma list of form names (the others skipped)."""
     forms = dict(FORMS[fam])
     if smoke:
         forms = {k: v for k, v in forms.items() if k in ("d16w2-hold-e", "d4w1-unroll-e", "d32w4-sc-hold-e",
                                                           "v16w2-hold-e", "v32w2-apart-e", "v32w2-gated-hold-e")}
+    if only:
+        keep = set(only.split(","))
+        forms = {k: v for k, v in forms.items() if k in keep}
     return {"default": {}, **forms}
 
 
@@ -339,6 +343,60 @@ def peer_fn(fam, s, peers, Bt, sdt, dev):
                                                               output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
+def time_section(res, fam, s, sdt, B, L, dev, peers, bw, chk, args) -> None:
+    """Time the peer and every checked form of ``fam`` at batch ``B`` (rows into ``res``)."""
+    sname = _sname(sdt)
+    mod = km if fam == "mamba2" else kg
+    label, pf = peer_fn(fam, s, peers, B, sdt, dev) if dev == "cuda" else ("cpu run", None)
+    peer_us = graph_us(pf, dev) if pf is not None else float("nan")
+    sb = sdt.itemsize
+    if pf is not None:
+        pb = peer_bytes(fam, s, B, sb)
+        print(f"{fam:6} {sname:5} {B:>4} {'peer':18} {peer_us:8.1f} {'':>8} {'':>8} {peer_us:8.1f} "
+              f"{100 * pb / (peer_us * 1e-6) / bw:6.1f}   ({label})", flush=True)
+    else:
+        print(f"{fam:6} {sname:5} {B:>4} {'peer':18} absent: {label}", flush=True)
+    res["rows"].append(dict(family=fam, state=sname, B=B, form="peer", peer=label, us=peer_us))
+    buf = setup(fam, s, B, L, sdt, dev)
+    ring = RingIndex(B, L, buf.state.device)
+    slots = torch.arange(1, B + 1, device=buf.state.device)
+    inp = inputs(fam, s, B, dev)
+    plans = {}
+    for key, h in (("mid", (L - 2) // 2), ("flush", L - 1), ("stagger", None)):
+        hs = set_fill(ring, slots, h, seed=2)
+        plans[key] = (ring.plan_decode(slots), step_bytes(fam, s, hs.tolist(), L, sb))
+    cyc_bytes = step_bytes(fam, s, list(range(L)), L, sb) * B / L
+    def_cycle = def_stag = None
+    for name, form in forms_for(fam, sdt, B, args.smoke, args.forms).items():
+        if not chk.get(name, {}).get("ok"):
+            print(f"{fam:6} {sname:5} {B:>4} {name:18} not timed: failed its check", flush=True)
+            continue
+        try:
+            t = {key: graph_us(lambda p=p, b=buf: mod.replay_decode(b, p, **inp, **form), dev)
+                 for key, (p, _) in plans.items()}
+        except Exception as exc:
+            print(f"{fam:6} {sname:5} {B:>4} {name:18} failed: {repr(exc)[:160]}", flush=True)
+            res["rows"].append(dict(family=fam, state=sname, B=B, form=name, error=repr(exc)[:300]))
+            continue
+        cycle = ((L - 1) * t["mid"] + t["flush"]) / L
+        if name == "default":
+            def_cycle, def_stag = cycle, t["stagger"]
+        nan = float("nan")
+        pct = 100 * cyc_bytes / (cycle * 1e-6) / bw
+        row = dict(family=fam, state=sname, B=B, form=name, config=form, mid_us=t["mid"],
+                   flush_us=t["flush"], stagger_us=t["stagger"], cycle_us=cycle, cycle_pct_copy=pct,
+                   stagger_pct_copy=100 * plans["stagger"][1] / (t["stagger"] * 1e-6) / bw,
+                   x_peer=peer_us / cycle, x_default=(def_cycle or nan) / cycle,
+                   x_default_stagger=(def_stag or nan) / t["stagger"])
+        res["rows"].append(row)
+        print(f"{fam:6} {sname:5} {B:>4} {name:18} {t['mid']:8.1f} {t['flush']:8.1f} "
+              f"{t['stagger']:8.1f} "
+              f"{cycle:8.1f} {pct:6.1f} {peer_us / cycle:6.2f} {row['x_default']:6.2f} ok", flush=True)
+    del buf, ring
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+
 # ============================================================================ main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -349,6 +407,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", default=None,
                     help="folder holding mamba_ssm/ and fla/ (default $REPLAYSSM_PEERS or .peers)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--forms", default=None, help="comma list of form names to time (default: all of FORMS)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, two forms per class (CPU interpreter)")
     ap.add_argument("--budget-s", type=float, default=225.0, help="skip the remaining sections past this")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -377,89 +436,47 @@ def main(argv=None) -> int:
     mid = f"h={(L - 2) // 2}"
     head = (f"{'family':6} {'state':5} {'B':>4} {'form':18} {mid:>8} {'flush':>8} {'stagger':>8} {'cycle':>8} "
             f"{'%copy':>6} {'xpeer':>6} {'xdef':>6} check")
-    print(head)
+    # ---- phase 1 (most of the compiles): every form of every section against the float64 reference
+    checks = {}
     for sdt in sdts:
         sname = _sname(sdt)
         for fam in fams:
-            try:
-                s = shapes[fam]
-                mod = km if fam == "mamba2" else kg
-                # ---- correctness of every form this dtype will time (8 rows, 2 steps, float64 reference)
-                names = {}
-                for B in batches:
-                    names.update(forms_for(fam, sdt, B, args.smoke))
-                chk, base = {}, None
-                for name in ["default"] + [n for n in names if n != "default"]:
-                    try:
-                        err, result = check_form(fam, s, names[name], sdt, dev, L, base)
-                    except Exception as exc:  # a form the compiler rejects
-                        err = dict(ok=False, error=repr(exc)[:300])
-                        result = None
-                    if name == "default":
-                        base = result
-                    chk[name] = err
-                res["checks"][f"{fam}/{sname}"] = chk
-                bad = [n for n, e in chk.items() if not e.get("ok")]
-                worst = max((e.get("vs_default_state", 0.0) for e in chk.values() if e.get("ok")), default=0.0)
-                print(f"# {fam} {sname}: {len(chk)} forms checked vs float64 reference; failing: {bad or 'none'}; "
-                      f"max state rel diff vs default {worst:.1e}", flush=True)
-                for B in batches:
-                    if time.time() - t_start > args.budget_s:
-                        res["skipped"].append(f"{fam}/{sname}/B={B}")
-                        print(f"# skipped {fam} {sname} B={B}: past the {args.budget_s:.0f} s budget", flush=True)
-                        continue
-                    label, pf = peer_fn(fam, s, peers, B, sdt, dev) if dev == "cuda" else ("cpu run", None)
-                    peer_us = graph_us(pf, dev) if pf is not None else float("nan")
-                    sb = sdt.itemsize
-                    if pf is not None:
-                        pb = peer_bytes(fam, s, B, sb)
-                        print(f"{fam:6} {sname:5} {B:>4} {'peer':18} {peer_us:8.1f} {'':>8} {'':>8} {peer_us:8.1f} "
-                              f"{100 * pb / (peer_us * 1e-6) / bw:6.1f}   ({label})", flush=True)
-                    else:
-                        print(f"{fam:6} {sname:5} {B:>4} {'peer':18} absent: {label}", flush=True)
-                    res["rows"].append(dict(family=fam, state=sname, B=B, form="peer", peer=label, us=peer_us))
-                    buf = setup(fam, s, B, L, sdt, dev)
-                    ring = RingIndex(B, L, buf.state.device)
-                    slots = torch.arange(1, B + 1, device=buf.state.device)
-                    inp = inputs(fam, s, B, dev)
-                    plans = {}
-                    for key, h in (("mid", (L - 2) // 2), ("flush", L - 1), ("stagger", None)):
-                        hs = set_fill(ring, slots, h, seed=2)
-                        plans[key] = (ring.plan_decode(slots), step_bytes(fam, s, hs.tolist(), L, sb))
-                    cyc_bytes = step_bytes(fam, s, list(range(L)), L, sb) * B / L
-                    def_cycle = def_stag = None
-                    for name, form in forms_for(fam, sdt, B, args.smoke).items():
-                        if not chk.get(name, {}).get("ok"):
-                            print(f"{fam:6} {sname:5} {B:>4} {name:18} not timed: failed its check", flush=True)
-                            continue
-                        try:
-                            t = {key: graph_us(lambda p=p, b=buf: mod.replay_decode(b, p, **inp, **form), dev)
-                                 for key, (p, _) in plans.items()}
-                        except Exception as exc:
-                            print(f"{fam:6} {sname:5} {B:>4} {name:18} failed: {repr(exc)[:160]}", flush=True)
-                            res["rows"].append(dict(family=fam, state=sname, B=B, form=name, error=repr(exc)[:300]))
-                            continue
-                        cycle = ((L - 1) * t["mid"] + t["flush"]) / L
-                        if name == "default":
-                            def_cycle, def_stag = cycle, t["stagger"]
-                        nan = float("nan")
-                        pct = 100 * cyc_bytes / (cycle * 1e-6) / bw
-                        row = dict(family=fam, state=sname, B=B, form=name, config=form, mid_us=t["mid"],
-                                   flush_us=t["flush"], stagger_us=t["stagger"], cycle_us=cycle, cycle_pct_copy=pct,
-                                   stagger_pct_copy=100 * plans["stagger"][1] / (t["stagger"] * 1e-6) / bw,
-                                   x_peer=peer_us / cycle, x_default=(def_cycle or nan) / cycle,
-                                   x_default_stagger=(def_stag or nan) / t["stagger"])
-                        res["rows"].append(row)
-                        print(f"{fam:6} {sname:5} {B:>4} {name:18} {t['mid']:8.1f} {t['flush']:8.1f} "
-                              f"{t['stagger']:8.1f} "
-                              f"{cycle:8.1f} {pct:6.1f} {peer_us / cycle:6.2f} {row['x_default']:6.2f} ok", flush=True)
-                    del buf, ring
-                    if dev == "cuda":
-                        torch.cuda.empty_cache()
-            except Exception as exc:  # one section failing must not lose the others
-                res.setdefault("errors", []).append(f"{fam}/{sname}: {exc!r}"[:500])
-                print(f"# {fam} {sname}: section failed: {exc!r}"[:300], flush=True)
-            _write(res, args.out)
+            chk, base = {}, None
+            names = forms_for(fam, sdt, 0, args.smoke, args.forms)
+            for name in names:
+                try:
+                    err, result = check_form(fam, shapes[fam], names[name], sdt, dev, L, base)
+                except Exception as exc:  # a form the compiler rejects
+                    err = dict(ok=False, error=repr(exc)[:300])
+                    result = None
+                if name == "default":
+                    base = result
+                chk[name] = err
+            checks[(fam, sname)] = res["checks"][f"{fam}/{sname}"] = chk
+            bad = [n for n, e in chk.items() if not e.get("ok")]
+            worst = max((e.get("vs_default_state", 0.0) for e in chk.values() if e.get("ok")), default=0.0)
+            print(f"# {fam} {sname}: {len(chk)} forms checked vs float64 reference; failing: {bad or 'none'}; "
+                  f"max state rel diff vs default {worst:.1e}  ({time.time() - t_start:.0f} s)", flush=True)
+            for n in bad:
+                print(f"#   {n}: {chk[n].get('error') or {k: v for k, v in chk[n].items() if k != 'ok'}}"[:300])
+    _write(res, args.out)
+    print(head)
+    # ---- phase 2: timing, the targets' batches (B = 1 and the largest) first, within the budget
+    order = sorted(batches, key=lambda b: (b not in (min(batches), max(batches)), batches.index(b)))
+    for B in order:
+        for sdt in sdts:
+            sname = _sname(sdt)
+            for fam in fams:
+                if time.time() - t_start > args.budget_s:
+                    res["skipped"].append(f"{fam}/{sname}/B={B}")
+                    print(f"# skipped {fam} {sname} B={B}: past the {args.budget_s:.0f} s budget", flush=True)
+                    continue
+                try:
+                    time_section(res, fam, shapes[fam], sdt, B, L, dev, peers, bw, checks[(fam, sname)], args)
+                except Exception as exc:  # one section failing must not lose the others
+                    res.setdefault("errors", []).append(f"{fam}/{sname}/B={B}: {exc!r}"[:500])
+                    print(f"# {fam} {sname} B={B}: section failed: {exc!r}"[:300], flush=True)
+                _write(res, args.out)
     # ---- summary: the fastest checked form per (family, state, B), by cycle and by staggered fill
     print("\n== fastest form per family / state dtype / batch (cycle average; staggered in brackets)")
     table = {}
@@ -476,6 +493,9 @@ def main(argv=None) -> int:
                 bst = min(rows, key=lambda r: r["stagger_us"])
                 peer = next((r["us"] for r in res["rows"] if r["family"] == fam and r["state"] == sname
                              and r["B"] == B and r["form"] == "peer"), float("nan"))
+                if d is not None:
+                    print(f"{fam:6} {sname:5} B={B:<4} default {'':15} {d['cycle_us']:8.1f} us "
+                          f"{d['cycle_pct_copy']:5.1f}% copy  {'':11}  x{peer / d['cycle_us']:.2f} peer")
                 print(f"{fam:6} {sname:5} B={B:<4} best {best['form']:18} {best['cycle_us']:8.1f} us "
                       f"{best['cycle_pct_copy']:5.1f}% copy  x{best['x_default']:.2f} default  "
                       f"x{peer / best['cycle_us']:.2f} peer   [staggered: {bst['form']} "
