@@ -68,7 +68,8 @@ def _gdn(bv, nw, pre, fold, mode="fused", early=False, fw=4):
 #: candidate forms per family, each timed at every batch ("default", the wrappers' choice, too).
 #: ``-e``: ``prefetch`` (the plan words and the flush flag in one round of loads, before the
 #: state); ``hold``: the flush rows' fold as one ``tl.dot`` over the tile the readout holds;
-#: ``unroll``: rank-1 updates of the held tile, unrolled over the ring positions (narrow tiles).
+#: ``unroll``: rank-1 updates of the held tile, unrolled over the ring positions (narrow tiles;
+#: at B = 1 ``v8w4-unroll-e`` has fla's 512 programs, ``d4w1-unroll-e`` mamba_ssm's 1280).
 #: Chosen so that none spills on a local sm_90 compile (``scripts/tune_registers.py``'s
 #: machinery, Triton 3.9; the device's 3.6 may differ).
 #: The defaults: Mamba-2 32-wide, 4 warps, one launch below 2048 tiles (B <= 12 at 80 heads), else
@@ -98,7 +99,7 @@ FORMS = {
         "v16w2-hold-e": _gdn(16, 2, False, "hold", early=True),
         "v16w2-hold": _gdn(16, 2, False, "hold"),
         "v16w4-hold-e": _gdn(16, 4, False, "hold", early=True),
-        "v8w1-fma-e": _gdn(8, 1, False, "fma", early=True),
+        "v8w4-unroll-e": _gdn(8, 4, False, "unroll", early=True),
         "v8w2-fma-e": _gdn(8, 2, False, "fma", early=True),
         # large batches: the apart default + prefetch (flag, plan, state: 3 rounds -> 2), other hot
         # tiles, the flush rows' persistent kernel on 8 warps / with the held fold

@@ -160,6 +160,24 @@ if HAVE_TRITON:
             tl.store(cptr, Sn.to(state_ptr.dtype.element_ty), mask=mcv)
 
     @triton.jit
+    def _gdn_fold_unrolled(state_ptr, ur_ptr, kr_ptr, gr_ptr, soff, S0, kn, slot, start, h, hv, kh, tot, gs, us,
+                           offs_k, mk, offs_v, mv, L, H, HV, K, V, LP: tl.constexpr):
+        """The ``fma`` fold for narrow tiles: ``S_{h+1} = e^{tot'} S0 + k uᵀ + Σ_{j<h} e^{tot'-cum_j}
+        k_j u_jᵀ`` over the tile the readout holds, one rank-1 update per ring position in a loop
+        unrolled over all ``LP`` positions (entries past ``h`` masked to zero): the entries' loads
+        are independent and go out together.  ``kn``: the new key as the ring stores it."""
+        tot1 = tot + gs.to(tl.float32)
+        Sn = tl.exp(tot1) * S0 + kn[:, None] * us.to(tl.float32)[None, :]
+        c = tot * 0.0
+        for j in tl.static_range(LP):
+            ej = slot * L + (start + j) % L
+            c += tl.where(h > j, tl.load(gr_ptr + ej * HV + hv).to(tl.float32), 0.0)  # a ring entry, maybe unused
+            kj = tl.load(kr_ptr + (ej * H + kh) * K + offs_k, mask=mk & (offs_k * 0 + j < h), other=0.0).to(tl.float32)
+            uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv & (offs_v * 0 + j < h), other=0.0).to(tl.float32)
+            Sn += (tl.exp(tot1 - c) * kj)[:, None] * uj[None, :]
+        tl.store(state_ptr + soff, Sn.to(state_ptr.dtype.element_ty), mask=mk[:, None] & mv[None, :])
+
+    @triton.jit
     def _gdn_decode_tile(
         state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
@@ -167,6 +185,7 @@ if HAVE_TRITON:
         LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
         OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
         FMA: tl.constexpr, HOLD: tl.constexpr = False, EARLY: tl.constexpr = False, pslot=0, pstart=0, ph=0, pfl=0,
+        UNROLL: tl.constexpr = False,
     ):
         """One ``(row, value head, V-block)`` tile of GDN replay: ``u = β(v − α S_h k)``,
         ``y = α S_h q + u (k·q)``; appends ``u``, ``g`` (and the normalised ``k`` unless
@@ -180,7 +199,9 @@ if HAVE_TRITON:
         route): each re-read chunk is instead folded by a run-time loop of rank-1 updates over
         the row's ``h`` entries (:func:`_gdn_fold_fma`: no ``tl.dot``, no shared memory, any
         ``BV``).  ``HOLD``: the readout's tile stays in registers and one ``tl.dot`` over the
-        ring entries gives the whole ``S_{h+1}`` tile (no re-read).  ``EARLY``: the caller
+        ring entries gives the whole ``S_{h+1}`` tile (no re-read).  ``UNROLL``: the held tile
+        folded by rank-1 updates unrolled over the ring positions (:func:`_gdn_fold_unrolled`;
+        narrow tiles).  ``EARLY``: the caller
         loaded the plan words ``pslot, pstart, ph`` and the flush flag ``pfl`` in one round
         (before any other load) and passes them; else they are loaded here, the flush flag
         after the stores."""
@@ -278,6 +299,10 @@ if HAVE_TRITON:
                     Uf = tl.where(newj[:, None], us.to(tl.float32)[None, :], Uh)                             # [LP, BV]
                     Sn = tl.exp(tot1) * S0 + tl.dot(tl.trans(Kf * wf[:, None]), Uf, input_precision=PREC)
                     tl.store(state_ptr + soff, Sn.to(state_ptr.dtype.element_ty), mask=m2)
+                elif UNROLL:
+                    _gdn_fold_unrolled(state_ptr, ur_ptr, kr_ptr, gr_ptr, soff, S0,
+                                       k.to(kr_ptr.dtype.element_ty).to(tl.float32), slot, start, h, hv, kh, tot, gs,
+                                       us, offs_k, mk, offs_v, mv, L, H, HV, K, V, LP)
                 elif FMA:
                     _gdn_fold_fma(state_ptr, ur_ptr, kr_ptr, gr_ptr, k_ptr, qk_ptr, slot, start, h, r64, hv, kh, tot,
                                   gs, us, rk, qbase, offs_v, mv, L, H, HV, K, V, KS, BK, BKC, PRE_SCORES)
@@ -319,6 +344,7 @@ if HAVE_TRITON:
         L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr,
         PREC: tl.constexpr, SKIP_FLUSH: tl.constexpr, PERSIST: tl.constexpr, FMA: tl.constexpr,
         HOLD: tl.constexpr = False, EARLY: tl.constexpr = False, ONLY_FLUSH: tl.constexpr = False,
+        UNROLL: tl.constexpr = False,
     ):
         """Replay decode (:func:`_gdn_decode_tile`) over a flat grid of ``V-blocks × value
         heads × rows`` (V-blocks of one (row, head) side by side: they share DRAM pages).
@@ -343,7 +369,7 @@ if HAVE_TRITON:
                                  q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
                                  r, t // nv, t % nv, L, H, HV, K, V, REP, scale, QS, KS, VS,
                                  LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA, HOLD, EARLY,
-                                 pslot, pstart, ph, pfl)
+                                 pslot, pstart, ph, pfl, UNROLL)
         else:
             vb, hv, r = tile_ids(nv, HV)
             go = True
@@ -363,7 +389,7 @@ if HAVE_TRITON:
                                  q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
                                  r, hv, vb, L, H, HV, K, V, REP, scale, QS, KS, VS,
                                  LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA, HOLD, EARLY,
-                                 pslot, pstart, ph, pfl)
+                                 pslot, pstart, ph, pfl, UNROLL)
 
     @triton.jit
     def _plan_words(slot_ptr, start_ptr, hist_ptr, flush_ptr, r):
@@ -763,7 +789,8 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     ``"dot"`` folds 32-row chunks with ``tl.dot`` (``precision``); ``"fma"`` by rank-1 updates
     over the row's entries, a run-time loop (any ``block_v``, no shared memory; chunks of up to
     :data:`~replayssm.kernels.mamba2.FMA_CHUNK` state values); ``"hold"``: one ``tl.dot`` over
-    the readout's tile, still in registers, and the ring entries (no re-read; small tiles).
+    the readout's tile, still in registers, and the ring entries (no re-read; small tiles);
+    ``"unroll"``: rank-1 updates of the held tile unrolled over the ring positions (narrow tiles).
     ``prefetch``: the row's slot, start, fill and flush flag in one round of loads, before
     the state (the late form: the flag first where flush rows are skipped, or after the stores).
     ``pre_scores``: normalised ``q``/``k`` and the history scores once per (row, key head) in
@@ -790,7 +817,7 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
         raise ValueError(f"bad flush_mode {flush_mode!r}: expected one of {FLUSH_MODES}")
     if route == "state" and (pre_scores or flush_mode != "split"):
         raise ValueError("route='state' runs with pre_scores=False and flush_mode='split' only")
-    if fold_form in ("fma", "hold") and flush_mode == "split":
+    if fold_form in ("fma", "hold", "unroll") and flush_mode == "split":
         raise ValueError(f"fold_form={fold_form!r} folds inside the decode kernel: flush_mode 'fused', 'apart' "
                          "or 'gated'")
     BV = decode_block(V, block_v or auto["block_v"], fold_form if flush_mode != "split" else "dot")
@@ -817,7 +844,7 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     BKC = min(BK, 32) if fold_form == "dot" else min(BK, max(16, FMA_CHUNK // BV))
     const = dict(LP=LP, BK=BK, BKC=BKC, BV=BV, BT=flag_chunk(Bt), L2=bool(use_qk_l2norm),
                  OUTPUT_ROUTE=route == "output", PRE_SCORES=pre_scores, PREC=precision, FMA=fold_form == "fma",
-                 HOLD=fold_form == "hold", EARLY=prefetch)
+                 HOLD=fold_form == "hold", EARLY=prefetch, UNROLL=fold_form == "unroll")
     grid = flat_grid(nv, HV, Bt)
     _gdn_replay_decode_kernel[grid](*args, Bt, 1, *dims_args, **const, FOLD=flush_mode == "fused",
                                     SKIP_FLUSH=flush_mode in ("apart", "gated"), PERSIST=False, num_warps=num_warps)

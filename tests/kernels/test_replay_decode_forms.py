@@ -61,6 +61,11 @@ GDN_FORMS = {
                                         pre_scores=True, prefetch=True),
     "fused_fma_v4_early": dict(flush_mode="fused", fold_form="fma", block_v=4, num_warps=1, pre_scores=False,
                                prefetch=True),
+    "fused_unroll_v2": dict(flush_mode="fused", fold_form="unroll", block_v=2, num_warps=1, pre_scores=False),
+    "fused_unroll_v8_scores_early": dict(flush_mode="fused", fold_form="unroll", block_v=8, num_warps=2,
+                                         pre_scores=True, prefetch=True),
+    "gated_unroll_v4_early": dict(flush_mode="gated", fold_form="unroll", block_v=4, pre_scores=False, fold_warps=1,
+                                  prefetch=True),
     "apart_dot_v16_scores_early": dict(flush_mode="apart", fold_form="dot", block_v=16, pre_scores=True,
                                        prefetch=True),
     "gated_hold_v16_scores_early": dict(flush_mode="gated", fold_form="hold", block_v=16, pre_scores=True,
@@ -291,6 +296,8 @@ def test_bad_forms_raise_before_touching_memory():
     ins = gdn_inputs(s, DEVICE)
     with pytest.raises(ValueError, match="fold_form='fma'"):
         KG.replay_decode(gbuf, ring.plan_decode(slots), *ins, flush_mode="split", fold_form="fma")
+    with pytest.raises(ValueError, match="fold_form='unroll'"):
+        KG.replay_decode(gbuf, ring.plan_decode(slots), *ins, flush_mode="split", fold_form="unroll")
     with pytest.raises(ValueError, match="fold_form='hold'"):
         KG.replay_decode(gbuf, ring.plan_decode(slots), *ins, flush_mode="split", fold_form="hold")
     with pytest.raises(ValueError, match="fold_form"):
