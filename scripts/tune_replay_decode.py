@@ -108,6 +108,7 @@ FORMS = {
         "v64w2-apart-hold-e": _gdn(64, 2, True, "hold", "apart", True, fw=8),
         "v32w2-apart-e": _gdn(32, 2, True, "dot", "apart", True),
         "v64w4-apart-e": _gdn(64, 4, True, "dot", "apart", True),
+        "v128w4-apart-fma-e": _gdn(128, 4, True, "fma", "apart", True),  # 64 KiB hot tiles (fold: no spills)
         # gated: the flush rows' decode + fold over the whole grid instead of the persistent kernel
         "v64w2-gated-e": _gdn(64, 2, True, "dot", "gated", True, fw=8),
         "v64w2-gated-hold-e": _gdn(64, 2, True, "hold", "gated", True, fw=8),
