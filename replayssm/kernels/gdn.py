@@ -354,22 +354,38 @@ if HAVE_TRITON:
         not flush returning after its flag (``gated``).
         ``EARLY``: the row's slot, start, fill and flush flag in one round of loads (the late
         form reads the flag first where it skips flush rows, then the plan words: two rounds
-        before the state's)."""
+        before the state's); the persistent grid then takes a contiguous range of tiles per
+        program (a row's tiles one after another: the row is searched once per row, not per
+        tile)."""
         nv = tl.cdiv(V, BV)
         if PERSIST:
             ntile = nv * HV
             work = count_flags(flush_ptr, Bt, BT) * ntile
-            for w in range(tl.program_id(0), work, NPROG):
-                r = nth_flag(flush_ptr, Bt, w // ntile, BT)
-                t = w % ntile
-                pslot, pstart, ph, pfl = 0, 0, 0, 0
-                if EARLY:
+            if EARLY:  # a contiguous range of tiles per program: the row is searched once per row, not per tile
+                per = tl.cdiv(work, NPROG)
+                lo = tl.program_id(0) * per
+                rank = lo // ntile
+                r = nth_flag(flush_ptr, Bt, rank, BT)
+                for w in range(lo, tl.minimum(lo + per, work)):
+                    if w // ntile != rank:
+                        rank = w // ntile
+                        r = nth_flag(flush_ptr, Bt, rank, BT)
+                    t = w % ntile
                     pslot, pstart, ph, pfl = _plan_words(slot_ptr, start_ptr, hist_ptr, flush_ptr, r)
-                _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
-                                 q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
-                                 r, t // nv, t % nv, L, H, HV, K, V, REP, scale, QS, KS, VS,
-                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA, HOLD, EARLY,
-                                 pslot, pstart, ph, pfl, UNROLL)
+                    _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+                                     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
+                                     r, t // nv, t % nv, L, H, HV, K, V, REP, scale, QS, KS, VS,
+                                     LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA, HOLD, EARLY,
+                                     pslot, pstart, ph, pfl, UNROLL)
+            else:  # tiles strided by the grid, the row searched for every tile (the measured default)
+                for w in range(tl.program_id(0), work, NPROG):
+                    r = nth_flag(flush_ptr, Bt, w // ntile, BT)
+                    t = w % ntile
+                    _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+                                     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
+                                     r, t // nv, t % nv, L, H, HV, K, V, REP, scale, QS, KS, VS,
+                                     LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA, HOLD, EARLY,
+                                     0, 0, 0, 0, UNROLL)
         else:
             vb, hv, r = tile_ids(nv, HV)
             go = True

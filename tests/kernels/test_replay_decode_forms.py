@@ -211,6 +211,17 @@ def test_gdn_decode_forms(name, nan_empty):
     _run_gdn(GDN_FORMS[name], torch.float32, steps=1 if name.endswith("v1") else 2, packed="scores" in name)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gdn_persistent_ranges_cross_rows(prefetch, monkeypatch, nan_empty):
+    """The ``apart`` persistent kernel on 3 programs for 2 flush rows × 4 tiles: with
+    ``prefetch`` each program takes 3 contiguous tiles, so the second one's range starts on
+    one flush row and ends on the next (the row search redone at the boundary); without it
+    the tiles are strided by the grid."""
+    monkeypatch.setattr(KG, "persistent_programs", lambda device, work, per_sm: 3)
+    _run_gdn(dict(flush_mode="apart", fold_form="hold", block_v=16, pre_scores=True, prefetch=prefetch,
+                  fold_warps=2), torch.float32, steps=2)
+
+
 @pytest.mark.parametrize("form", [dict(flush_mode="fused", block_v=16), dict(flush_mode="split", block_v=16),
                                   dict(route="state")])
 def test_gdn_decode_reads_qkv_in_place(form, nan_empty):
