@@ -101,8 +101,9 @@ FORMS = {
         "v16w4-hold-e": _gdn(16, 4, False, "hold", early=True),
         "v8w4-unroll-e": _gdn(8, 4, False, "unroll", early=True),
         "v8w2-fma-e": _gdn(8, 2, False, "fma", early=True),
-        # large batches: the apart default + prefetch (flag, plan, state: 3 rounds -> 2), other hot
-        # tiles, the flush rows' persistent kernel on 8 warps / with the held fold
+        # large batches: the apart default + prefetch (hot kernel: flag, plan, state, 3 rounds -> 2;
+        # persistent kernel: contiguous tile ranges), other hot tiles, the persistent kernel on 8
+        # warps / with the held fold
         "v64w2-apart-e": _gdn(64, 2, True, "dot", "apart", True),
         "v64w2-apart-e-fw8": _gdn(64, 2, True, "dot", "apart", True, fw=8),
         "v64w2-apart-hold-e": _gdn(64, 2, True, "hold", "apart", True, fw=8),
@@ -110,8 +111,7 @@ FORMS = {
         "v64w4-apart-e": _gdn(64, 4, True, "dot", "apart", True),
         "v128w4-apart-fma-e": _gdn(128, 4, True, "fma", "apart", True),  # 64 KiB hot tiles (fold: no spills)
         # gated: the flush rows' decode + fold over the whole grid instead of the persistent kernel
-        "v64w2-gated-e": _gdn(64, 2, True, "dot", "gated", True, fw=8),
-        "v64w2-gated-hold-e": _gdn(64, 2, True, "hold", "gated", True, fw=8),
+        # (every step launches that grid: 2 programs per SM on 4 warps, 1 on 8)
         "v32w2-gated-hold-e": _gdn(32, 2, True, "hold", "gated", True, fw=4),
         "v32w4-fused-hold-e": _gdn(32, 4, True, "hold", "fused", True),
         "v64w8-fused-hold-e": _gdn(64, 8, True, "hold", "fused", True),
