@@ -16,7 +16,9 @@ Each form is timed at a non-flush fill (h = 7: the mean cost of h = 0..14), the 
 batch's case); ``cycle = (15 × non-flush + flush) / 16`` is the flush-cycle average that
 ``bench kernels`` reports.  ``%copy``: the cycle's bytes (state read once, written on flush,
 ring entries read, inputs, outputs, the new entry) over its time, against a 1 GiB ``copy_``
-timed in the same run.  Times: back-to-back calls replayed from a CUDA graph (per call, median
+timed in the same run; ``xpeer``: the peer's step time over the cycle; ``progs``: the decode
+kernel's programs at that batch (the peers at B = 1: 1280 for mamba_ssm, 512 for fla).
+Times: back-to-back calls replayed from a CUDA graph (per call, median
 of 7 replays).  Before timing, every form runs two decode steps (rows flushing, ring entries
 wrapping) on 8 rows and is compared with the float64 reference op (outputs, every state and ring
 entry) and with the default form.
@@ -345,6 +347,17 @@ def peer_fn(fam, s, peers, Bt, sdt, dev):
                                                               output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
+def programs(fam, s, B, form, sdt) -> int:
+    """Programs of ``form``'s decode kernel at batch ``B`` (its tile width as the wrapper picks it)."""
+    if fam == "mamba2":
+        auto = km.decode_defaults(B, s["H"], s["d"], form.get("block_d"), sdt.itemsize)
+        cfg = dict(auto, **form)
+        return -(-s["d"] // km.decode_block(s["d"], cfg["block_d"], cfg["fold_form"])) * s["H"] * B
+    cfg = dict(kg.decode_defaults(B, s["HV"], s["V"], sdt.itemsize), **form)
+    fold = cfg["fold_form"] if cfg["flush_mode"] != "split" else "dot"
+    return -(-s["V"] // km.decode_block(s["V"], cfg["block_v"], fold)) * s["HV"] * B
+
+
 def time_section(res, fam, s, sdt, B, L, dev, peers, bw, chk, args) -> None:
     """Time the peer and every checked form of ``fam`` at batch ``B`` (rows into ``res``)."""
     sname = _sname(sdt)
@@ -385,7 +398,8 @@ def time_section(res, fam, s, sdt, B, L, dev, peers, bw, chk, args) -> None:
             def_cycle, def_stag = cycle, t["stagger"]
         nan = float("nan")
         pct = 100 * cyc_bytes / (cycle * 1e-6) / bw
-        row = dict(family=fam, state=sname, B=B, form=name, config=form, mid_us=t["mid"],
+        row = dict(family=fam, state=sname, B=B, form=name, config=form, programs=programs(fam, s, B, form, sdt),
+                   mid_us=t["mid"],
                    flush_us=t["flush"], stagger_us=t["stagger"], cycle_us=cycle, cycle_pct_copy=pct,
                    stagger_pct_copy=100 * plans["stagger"][1] / (t["stagger"] * 1e-6) / bw,
                    x_peer=peer_us / cycle, x_default=(def_cycle or nan) / cycle,
@@ -393,7 +407,8 @@ def time_section(res, fam, s, sdt, B, L, dev, peers, bw, chk, args) -> None:
         res["rows"].append(row)
         print(f"{fam:6} {sname:5} {B:>4} {name:18} {t['mid']:8.1f} {t['flush']:8.1f} "
               f"{t['stagger']:8.1f} "
-              f"{cycle:8.1f} {pct:6.1f} {peer_us / cycle:6.2f} {row['x_default']:6.2f} ok", flush=True)
+              f"{cycle:8.1f} {pct:6.1f} {peer_us / cycle:6.2f} {row['x_default']:6.2f} {row['programs']:>7}",
+              flush=True)
     del buf, ring
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -437,7 +452,7 @@ def main(argv=None) -> int:
           f"{ {k: v for k, v in res['peers'].items()} or 'none importable'}", flush=True)
     mid = f"h={(L - 2) // 2}"
     head = (f"{'family':6} {'state':5} {'B':>4} {'form':18} {mid:>8} {'flush':>8} {'stagger':>8} {'cycle':>8} "
-            f"{'%copy':>6} {'xpeer':>6} {'xdef':>6} check")
+            f"{'%copy':>6} {'xpeer':>6} {'xdef':>6} {'progs':>7}")
     # ---- phase 1 (most of the compiles): every form of every section against the float64 reference
     checks = {}
     for sdt in sdts:
