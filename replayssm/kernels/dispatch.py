@@ -63,7 +63,8 @@ from . import moe as moe_kernels
 BACKENDS = ("auto", "triton", "naive")
 KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "precision", "snapshots", "impl",
                "fused_fold", "flush_mode", "fold_warps", "block_n", "block_t", "block_c", "num_stages", "wu_warps",
-               "inv_precision", "inv", "num_splits", "block_m", "block_k", "act_quant", "split_k", "fold_form")
+               "inv_precision", "inv", "num_splits", "block_m", "block_k", "act_quant", "split_k", "fold_form",
+               "prefetch")
 _KERNEL_ONLY = frozenset(KERNEL_ONLY)
 
 _REFERENCE = {"mamba2": mamba2_naive, "gdn": gdn_naive, "kda": kda_naive, "conv": conv_naive,

@@ -21,7 +21,7 @@ from ._triton import contiguous as _c
 from ..ops.gdn.naive import check_kv_fold, check_rebuild_state
 from .append import append_entries
 from .fold import paged_fold, ring_fold
-from .mamba2 import FMA_CHUNK, decode_block, tree_bits
+from .mamba2 import FMA_CHUNK, decode_block, table_row, tree_bits
 
 __all__ = [
     "recurrent_step",
@@ -160,13 +160,32 @@ if HAVE_TRITON:
             tl.store(cptr, Sn.to(state_ptr.dtype.element_ty), mask=mcv)
 
     @triton.jit
+    def _gdn_fold_unrolled(state_ptr, ur_ptr, kr_ptr, gr_ptr, soff, S0, kn, slot, start, h, hv, kh, tot, gs, us,
+                           offs_k, mk, offs_v, mv, L, H, HV, K, V, LP: tl.constexpr):
+        """The ``fma`` fold for narrow tiles: ``S_{h+1} = e^{tot'} S0 + k uᵀ + Σ_{j<h} e^{tot'-cum_j}
+        k_j u_jᵀ`` over the tile the readout holds, one rank-1 update per ring position in a loop
+        unrolled over all ``LP`` positions (entries past ``h`` masked to zero): the entries' loads
+        are independent and go out together.  ``kn``: the new key as the ring stores it."""
+        tot1 = tot + gs.to(tl.float32)
+        Sn = tl.exp(tot1) * S0 + kn[:, None] * us.to(tl.float32)[None, :]
+        c = tot * 0.0
+        for j in tl.static_range(LP):
+            ej = slot * L + (start + j) % L
+            c += tl.where(h > j, tl.load(gr_ptr + ej * HV + hv).to(tl.float32), 0.0)  # a ring entry, maybe unused
+            kj = tl.load(kr_ptr + (ej * H + kh) * K + offs_k, mask=mk & (offs_k * 0 + j < h), other=0.0).to(tl.float32)
+            uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv & (offs_v * 0 + j < h), other=0.0).to(tl.float32)
+            Sn += (tl.exp(tot1 - c) * kj)[:, None] * uj[None, :]
+        tl.store(state_ptr + soff, Sn.to(state_ptr.dtype.element_ty), mask=mk[:, None] & mv[None, :])
+
+    @triton.jit
     def _gdn_decode_tile(
         state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
         r, hv, vb, L, H, HV, K, V, REP, scale, QS, KS, VS,
         LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
         OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
-        FMA: tl.constexpr,
+        FMA: tl.constexpr, HOLD: tl.constexpr = False, EARLY: tl.constexpr = False, pslot=0, pstart=0, ph=0, pfl=0,
+        UNROLL: tl.constexpr = False,
     ):
         """One ``(row, value head, V-block)`` tile of GDN replay: ``u = β(v − α S_h k)``,
         ``y = α S_h q + u (k·q)``; appends ``u``, ``g`` (and the normalised ``k`` unless
@@ -179,12 +198,23 @@ if HAVE_TRITON:
         L2, not DRAM), so no register tile is held across the fold's ``tl.dot``.  ``FMA`` (output
         route): each re-read chunk is instead folded by a run-time loop of rank-1 updates over
         the row's ``h`` entries (:func:`_gdn_fold_fma`: no ``tl.dot``, no shared memory, any
-        ``BV``)."""
+        ``BV``).  ``HOLD``: the readout's tile stays in registers and one ``tl.dot`` over the
+        ring entries gives the whole ``S_{h+1}`` tile (no re-read).  ``UNROLL``: the held tile
+        folded by rank-1 updates unrolled over the ring positions (:func:`_gdn_fold_unrolled`;
+        narrow tiles).  ``EARLY``: the caller
+        loaded the plan words ``pslot, pstart, ph`` and the flush flag ``pfl`` in one round
+        (before any other load) and passes them; else they are loaded here, the flush flag
+        after the stores."""
         kh = hv // REP
         r64 = r.to(tl.int64)
-        slot = tl.load(slot_ptr + r).to(tl.int64)
-        start = tl.load(start_ptr + r).to(tl.int64)
-        h = tl.load(hist_ptr + r).to(tl.int64)
+        if EARLY:
+            slot = pslot.to(tl.int64)
+            start = pstart.to(tl.int64)
+            h = ph.to(tl.int64)
+        else:
+            slot = tl.load(slot_ptr + r).to(tl.int64)
+            start = tl.load(start_ptr + r).to(tl.int64)
+            h = tl.load(hist_ptr + r).to(tl.int64)
         offs_k = tl.arange(0, BK)
         offs_v = vb * BV + tl.arange(0, BV)
         mk = offs_k < K
@@ -249,12 +279,31 @@ if HAVE_TRITON:
                 if hv % REP == 0:
                     tl.store(kr_ptr + (enew * H + kh) * K + offs_k, k.to(kr_ptr.dtype.element_ty), mask=mk)
         if FOLD:
-            if tl.load(flush_ptr + r) != 0:
+            if EARLY:
+                flush = pfl != 0
+            else:
+                flush = tl.load(flush_ptr + r) != 0
+            if flush:
                 rk = 1.0
                 if not PRE_SCORES:
                     if L2:  # the factor _l2n applied to the whole row
                         rk = tl.rsqrt(tl.sum(kraw * kraw, 0) + 1e-6)
-                if FMA:
+                if HOLD:
+                    if PRE_SCORES:  # the scores kernel read the ring keys; this program reads them here
+                        Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :],
+                                     mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)
+                    newj = jj == h
+                    tot1 = tot + gs.to(tl.float32)
+                    wf = tl.where(newj, 1.0, tl.where(mj, tl.exp(tot1 - cj), 0.0))
+                    Kf = tl.where(newj[:, None], k.to(kr_ptr.dtype.element_ty).to(tl.float32)[None, :], Kh)   # [LP, BK]
+                    Uf = tl.where(newj[:, None], us.to(tl.float32)[None, :], Uh)                             # [LP, BV]
+                    Sn = tl.exp(tot1) * S0 + tl.dot(tl.trans(Kf * wf[:, None]), Uf, input_precision=PREC)
+                    tl.store(state_ptr + soff, Sn.to(state_ptr.dtype.element_ty), mask=m2)
+                elif UNROLL:
+                    _gdn_fold_unrolled(state_ptr, ur_ptr, kr_ptr, gr_ptr, soff, S0,
+                                       k.to(kr_ptr.dtype.element_ty).to(tl.float32), slot, start, h, hv, kh, tot, gs,
+                                       us, offs_k, mk, offs_v, mv, L, H, HV, K, V, LP)
+                elif FMA:
                     _gdn_fold_fma(state_ptr, ur_ptr, kr_ptr, gr_ptr, k_ptr, qk_ptr, slot, start, h, r64, hv, kh, tot,
                                   gs, us, rk, qbase, offs_v, mv, L, H, HV, K, V, KS, BK, BKC, PRE_SCORES)
                 else:
@@ -294,31 +343,74 @@ if HAVE_TRITON:
         LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
         L2: tl.constexpr, OUTPUT_ROUTE: tl.constexpr, PRE_SCORES: tl.constexpr, FOLD: tl.constexpr,
         PREC: tl.constexpr, SKIP_FLUSH: tl.constexpr, PERSIST: tl.constexpr, FMA: tl.constexpr,
+        HOLD: tl.constexpr = False, EARLY: tl.constexpr = False, ONLY_FLUSH: tl.constexpr = False,
+        UNROLL: tl.constexpr = False,
     ):
         """Replay decode (:func:`_gdn_decode_tile`) over a flat grid of ``V-blocks × value
         heads × rows`` (V-blocks of one (row, head) side by side: they share DRAM pages).
-        ``SKIP_FLUSH`` / ``PERSIST``: as in the Mamba-2 kernel (the ``apart`` form)."""
+        ``SKIP_FLUSH``: flush rows' programs return at once (the hot kernel of ``apart`` and
+        ``gated``); ``PERSIST``: a persistent grid over the flush rows only, found on the
+        device (``apart``); ``ONLY_FLUSH``: the whole grid, every program of a row that does
+        not flush returning after its flag (``gated``).
+        ``EARLY``: the row's slot, start, fill and flush flag in one round of loads (the late
+        form reads the flag first where it skips flush rows, then the plan words: two rounds
+        before the state's); the persistent grid then takes a contiguous range of tiles per
+        program (a row's tiles one after another: the row is searched once per row, not per
+        tile)."""
         nv = tl.cdiv(V, BV)
         if PERSIST:
             ntile = nv * HV
             work = count_flags(flush_ptr, Bt, BT) * ntile
-            for w in range(tl.program_id(0), work, NPROG):
-                r = nth_flag(flush_ptr, Bt, w // ntile, BT)
-                t = w % ntile
-                _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
-                                 q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
-                                 r, t // nv, t % nv, L, H, HV, K, V, REP, scale, QS, KS, VS,
-                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA)
+            if EARLY:  # a contiguous range of tiles per program: the row is searched once per row, not per tile
+                per = tl.cdiv(work, NPROG)
+                lo = tl.program_id(0) * per
+                rank = lo // ntile
+                r = nth_flag(flush_ptr, Bt, rank, BT)
+                for w in range(lo, tl.minimum(lo + per, work)):
+                    if w // ntile != rank:
+                        rank = w // ntile
+                        r = nth_flag(flush_ptr, Bt, rank, BT)
+                    t = w % ntile
+                    pslot, pstart, ph, pfl = _plan_words(slot_ptr, start_ptr, hist_ptr, flush_ptr, r)
+                    _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+                                     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
+                                     r, t // nv, t % nv, L, H, HV, K, V, REP, scale, QS, KS, VS,
+                                     LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA, HOLD, EARLY,
+                                     pslot, pstart, ph, pfl, UNROLL)
+            else:  # tiles strided by the grid, the row searched for every tile (the measured default)
+                for w in range(tl.program_id(0), work, NPROG):
+                    r = nth_flag(flush_ptr, Bt, w // ntile, BT)
+                    t = w % ntile
+                    _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+                                     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
+                                     r, t // nv, t % nv, L, H, HV, K, V, REP, scale, QS, KS, VS,
+                                     LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA, HOLD, EARLY,
+                                     0, 0, 0, 0, UNROLL)
         else:
             vb, hv, r = tile_ids(nv, HV)
             go = True
-            if SKIP_FLUSH:
+            pslot, pstart, ph, pfl = 0, 0, 0, 0
+            if EARLY:
+                pslot, pstart, ph, pfl = _plan_words(slot_ptr, start_ptr, hist_ptr, flush_ptr, r)
+                if SKIP_FLUSH:
+                    go = pfl == 0
+                if ONLY_FLUSH:
+                    go = pfl != 0
+            elif SKIP_FLUSH:
                 go = tl.load(flush_ptr + r) == 0
+            elif ONLY_FLUSH:
+                go = tl.load(flush_ptr + r) != 0
             if go:
                 _gdn_decode_tile(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
                                  q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, y_ptr, sc_ptr, qk_ptr,
                                  r, hv, vb, L, H, HV, K, V, REP, scale, QS, KS, VS,
-                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA)
+                                 LP, BK, BKC, BV, L2, OUTPUT_ROUTE, PRE_SCORES, FOLD, PREC, FMA, HOLD, EARLY,
+                                 pslot, pstart, ph, pfl, UNROLL)
+
+    @triton.jit
+    def _plan_words(slot_ptr, start_ptr, hist_ptr, flush_ptr, r):
+        """``(slot, start, fill, flush flag)`` of row ``r``: four independent loads, one round."""
+        return tl.load(slot_ptr + r), tl.load(start_ptr + r), tl.load(hist_ptr + r), tl.load(flush_ptr + r)
 
     @triton.jit
     def _gdn_fold_kernel(
@@ -662,13 +754,13 @@ def _fold(buf, plan, extra: int, grid, BV: int, precision: str) -> None:
 
 
 #: ``flush_mode`` of :func:`replay_decode` (see :func:`replayssm.kernels.mamba2.replay_decode`)
-FLUSH_MODES = ("split", "fused", "apart")
+FLUSH_MODES = ("split", "fused", "apart", "gated")
 
 #: up to this many (row, value head, 32-wide V-block) tiles a decode step is one launch
 SMALL_GRID = 2048
 
 #: the keys a launch config of :func:`replay_decode` may set (:data:`DECODE_TABLE`)
-DECODE_KEYS = ("block_v", "num_warps", "pre_scores", "flush_mode", "fold_form", "fold_warps")
+DECODE_KEYS = ("block_v", "num_warps", "pre_scores", "flush_mode", "fold_form", "fold_warps", "prefetch")
 
 #: tuned launch configs of :func:`replay_decode` (output route), consulted before the measured
 #: defaults of :func:`decode_defaults`: rows ``(max_batch, state_itemsize, config)`` as in
@@ -682,22 +774,20 @@ def decode_defaults(Bt: int, HV: int, V: int, state_itemsize: int = 4) -> dict:
     small grids run as one launch (``fused``, 4 warps: its fold spills on fewer); larger ones
     run the per-head scores kernel, the hot kernel on 64-wide V tiles and 2 warps, and the
     flush rows apart.  Flush rows fold with ``tl.dot``."""
-    base = dict(fold_form="dot", fold_warps=4)
+    base = dict(fold_form="dot", fold_warps=4, prefetch=False)
     if Bt * HV * triton.cdiv(V, 32) <= SMALL_GRID:
         base.update(pre_scores=False, flush_mode="fused", num_warps=4, block_v=32)
     else:
         base.update(pre_scores=True, flush_mode="apart", num_warps=2, block_v=64)
-    for max_batch, itemsize, cfg in DECODE_TABLE:
-        if Bt <= max_batch and itemsize in (None, state_itemsize):
-            return dict(base, **cfg)
-    return base
+    return dict(base, **table_row(DECODE_TABLE, DECODE_KEYS, Bt, state_itemsize))
 
 
 def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   scale: float | None = None, use_qk_l2norm: bool = True, route: str = "output",
                   check: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   precision: str = "tf32x3", pre_scores: bool | None = None, flush_mode: str | None = None,
-                  fold_warps: int | None = None, fold_form: str | None = None) -> Tensor:
+                  fold_warps: int | None = None, fold_form: str | None = None,
+                  prefetch: bool | None = None) -> Tensor:
     """Replay decode, appending ``(u, k, g)``.  ``flush_mode`` (default:
     :func:`decode_defaults`) is how flush rows store ``S_{h+1}``:
 
@@ -705,13 +795,20 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     * ``"apart"``: the hot kernel (no flush code) skips the flush rows; a persistent kernel of
       ``fold_warps``-warp programs then runs decode + fold for them only, the rows found on
       the device (large batches).
+    * ``"gated"``: the hot kernel as in ``apart``, then decode + fold for the flush rows in a
+      second kernel over the whole grid (``fold_warps`` warps; the other rows' programs
+      return after one load): no device-side search for the flush rows per tile.
     * ``"split"``: the hot kernel for every row, then the fold kernel re-reads the flush
       rows' checkpoints (three state passes on a flush step; the state route's form).
 
-    ``fold_form`` (``fused`` / ``apart``): flush rows re-read their tile in K chunks (from L2);
+    ``fold_form`` (``fused`` / ``apart`` / ``gated``): flush rows re-read their tile in K chunks (from L2);
     ``"dot"`` folds 32-row chunks with ``tl.dot`` (``precision``); ``"fma"`` by rank-1 updates
     over the row's entries, a run-time loop (any ``block_v``, no shared memory; chunks of up to
-    :data:`~replayssm.kernels.mamba2.FMA_CHUNK` state values).
+    :data:`~replayssm.kernels.mamba2.FMA_CHUNK` state values); ``"hold"``: one ``tl.dot`` over
+    the readout's tile, still in registers, and the ring entries (no re-read; small tiles);
+    ``"unroll"``: rank-1 updates of the held tile unrolled over the ring positions (narrow tiles).
+    ``prefetch``: the row's slot, start, fill and flush flag in one round of loads, before
+    the state (the late form: the flag first where flush rows are skipped, or after the stores).
     ``pre_scores``: normalised ``q``/``k`` and the history scores once per (row, key head) in
     a small kernel (output route only).  ``route="state"`` rebuilds ``S_h`` in the kernel.
     ``precision``: the ``tl.dot`` of the state route and of the fold."""
@@ -724,18 +821,21 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     _check_ring(buf, plan, v, dims)
     auto = decode_defaults(Bt, HV, V, buf.state.element_size())
     if route == "state":
-        auto = dict(pre_scores=False, flush_mode="split", num_warps=1, block_v=32, fold_form="dot", fold_warps=4)
+        auto = dict(pre_scores=False, flush_mode="split", num_warps=1, block_v=32, fold_form="dot", fold_warps=4,
+                    prefetch=False)
     flush_mode = flush_mode or auto["flush_mode"]
     pre_scores = auto["pre_scores"] if pre_scores is None else bool(pre_scores)
     num_warps = num_warps or auto["num_warps"]
     fold_warps = fold_warps or auto["fold_warps"]
     fold_form = fold_form or auto["fold_form"]
+    prefetch = auto["prefetch"] if prefetch is None else bool(prefetch)
     if flush_mode not in FLUSH_MODES:
         raise ValueError(f"bad flush_mode {flush_mode!r}: expected one of {FLUSH_MODES}")
     if route == "state" and (pre_scores or flush_mode != "split"):
         raise ValueError("route='state' runs with pre_scores=False and flush_mode='split' only")
-    if fold_form == "fma" and flush_mode == "split":
-        raise ValueError("fold_form='fma' folds inside the decode kernel: flush_mode 'fused' or 'apart'")
+    if fold_form in ("fma", "hold", "unroll") and flush_mode == "split":
+        raise ValueError(f"fold_form={fold_form!r} folds inside the decode kernel: flush_mode 'fused', 'apart' "
+                         "or 'gated'")
     BV = decode_block(V, block_v or auto["block_v"], fold_form if flush_mode != "split" else "dot")
     (q, QS), (k, KS), (v, VS) = token_rows(q, 1), token_rows(k, 1), token_rows(v, 1)
     g, beta = _c(g), _c(beta)
@@ -759,14 +859,18 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     # with 4096 the Qwen3-Next-shape 64-wide tile on 2 warps compiled at 254 registers, with 1024 at 206)
     BKC = min(BK, 32) if fold_form == "dot" else min(BK, max(16, FMA_CHUNK // BV))
     const = dict(LP=LP, BK=BK, BKC=BKC, BV=BV, BT=flag_chunk(Bt), L2=bool(use_qk_l2norm),
-                 OUTPUT_ROUTE=route == "output", PRE_SCORES=pre_scores, PREC=precision, FMA=fold_form == "fma")
+                 OUTPUT_ROUTE=route == "output", PRE_SCORES=pre_scores, PREC=precision, FMA=fold_form == "fma",
+                 HOLD=fold_form == "hold", EARLY=prefetch, UNROLL=fold_form == "unroll")
     grid = flat_grid(nv, HV, Bt)
     _gdn_replay_decode_kernel[grid](*args, Bt, 1, *dims_args, **const, FOLD=flush_mode == "fused",
-                                    SKIP_FLUSH=flush_mode == "apart", PERSIST=False, num_warps=num_warps)
+                                    SKIP_FLUSH=flush_mode in ("apart", "gated"), PERSIST=False, num_warps=num_warps)
     if flush_mode == "apart":
         nprog = persistent_programs(v.device, Bt * HV * nv, 32 // fold_warps)
         _gdn_replay_decode_kernel[(nprog,)](*args, Bt, nprog, *dims_args, **const, FOLD=True, SKIP_FLUSH=False,
                                             PERSIST=True, num_warps=fold_warps)
+    elif flush_mode == "gated":
+        _gdn_replay_decode_kernel[grid](*args, Bt, 1, *dims_args, **const, FOLD=True, SKIP_FLUSH=False, PERSIST=False,
+                                        ONLY_FLUSH=True, num_warps=fold_warps)
     elif flush_mode == "split":
         _fold(buf, plan, 1, grid, BV, precision)
     return y

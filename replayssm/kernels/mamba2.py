@@ -170,12 +170,33 @@ if HAVE_TRITON:
             tl.store(state_ptr + sbase + offs_k[None, :], Sn.to(state_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
+    def _m2_fold_unrolled(state_ptr, xr_ptr, Br_ptr, dtr_ptr, sbase, S0, slot, start, h, hd, g, A, tot, lv, dtv, xv,
+                          bnew, offs_d, md, offs_n, mn, L, H, G, d, n, LP: tl.constexpr):
+        """The ``fma`` fold for narrow tiles: ``S_{h+1} = e^{tot+l} S0 + Δ x Bᵀ + Σ_{j<h} Δ_j
+        e^{tot-cum_j+l} x_j B_jᵀ`` over the tile the readout holds, one rank-1 update per ring
+        position in a loop unrolled over all ``LP`` positions (entries past ``h`` masked to zero):
+        every entry's loads are independent, so they go out together (one L2 round trip, where
+        the run-time loop of :func:`_m2_fold_fma` waits for each)."""
+        Sn = tl.exp(tot + lv) * S0 + (dtv * xv)[:, None] * bnew[None, :]
+        c = tot * 0.0
+        for j in tl.static_range(LP):
+            ok = h > j
+            ej = slot * L + (start + j) % L
+            dj = tl.where(ok, tl.load(dtr_ptr + ej * H + hd).to(tl.float32), 0.0)  # a ring entry, maybe unused
+            c += A * dj
+            xj = tl.load(xr_ptr + (ej * H + hd) * d + offs_d, mask=md & (offs_d * 0 + j < h), other=0.0).to(tl.float32)
+            bj = tl.load(Br_ptr + (ej * G + g) * n + offs_n, mask=mn & (offs_n * 0 + j < h), other=0.0).to(tl.float32)
+            Sn += (dj * tl.exp(tot - c + lv) * xj)[:, None] * bj[None, :]
+        tl.store(state_ptr + sbase + offs_n[None, :], Sn.to(state_ptr.dtype.element_ty), mask=md[:, None] & mn[None, :])
+
+    @triton.jit
     def _m2_decode_tile(
         state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
         r, hd, db, L, H, G, d, n, HPG, XS, BS, CS,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
         HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr, FMA: tl.constexpr,
+        HOLD: tl.constexpr = False, EARLY: tl.constexpr = False, UNROLL: tl.constexpr = False,
     ):
         """One ``(row, head, d-block)`` tile of output-only replay decode:
         ``y = e^{pre}(S0 C) + Σ_j Δ_j e^{pre-pre_j} (B_j·C) x_j + Δ (B·C) x + D x``; appends
@@ -188,11 +209,20 @@ if HAVE_TRITON:
         not held across the fold's ``tl.dot``.  One DRAM read and, on flush rows, one write: no
         second pass over the state.  ``FMA``: each re-read chunk is instead folded by a
         run-time loop of rank-1 updates over the row's ``h`` entries (:func:`_m2_fold_fma`: no
-        ``tl.dot``, no shared memory, no 16-row minimum: any ``BD``)."""
+        ``tl.dot``, no shared memory, no 16-row minimum: any ``BD``).  ``HOLD``: the readout's
+        tile stays in registers and one ``tl.dot`` over the entries already loaded gives the
+        whole ``S_{h+1}`` tile (no re-read, no second walk over the ring; small tiles).
+        ``UNROLL``: the held tile folded by rank-1 updates, one per ring position, unrolled
+        (:func:`_m2_fold_unrolled`: no ``tl.dot``, any ``BD``; narrow tiles).
+        ``EARLY``: the flush flag is loaded with the slot, start and fill, before the state (one
+        dependent round trip fewer at the end of the program than the late load after the
+        stores)."""
         g = hd // HPG
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int64)
         h = tl.load(hist_ptr + r).to(tl.int64)
+        if EARLY:
+            fl = tl.load(flush_ptr + r)
         r64 = r.to(tl.int64)
         offs_d = db * BD + tl.arange(0, BD)
         offs_n = tl.arange(0, BN)
@@ -228,7 +258,8 @@ if HAVE_TRITON:
             Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :], mask=mj[:, None] & mn[None, :],
                          other=0.0).to(tl.float32)
             sc = tl.sum(Bh * Cv[None, :], 1)
-            scn = tl.sum(tl.load(B_ptr + bbase + offs_n, mask=mn, other=0.0).to(tl.float32) * Cv, 0)
+            bnew = tl.load(B_ptr + bbase + offs_n, mask=mn, other=0.0).to(tl.float32)
+            scn = tl.sum(bnew * Cv, 0)
         coef = tl.where(mj, wj * sc, 0.0)
         y = tl.exp(tot + lv) * tl.sum(S0 * Cv[None, :], 1) + tl.sum(coef[:, None] * Xh, 0) + (dtv * scn) * xv
         if HAS_D:
@@ -242,11 +273,33 @@ if HAVE_TRITON:
             if not PRE_SCORES:
                 if hd % HPG == 0:
                     tl.store(Br_ptr + (enew * G + g) * n + offs_n, tl.load(B_ptr + bbase + offs_n, mask=mn), mask=mn)
-        if FMA:
-            if tl.load(flush_ptr + r) != 0:
+        if EARLY:
+            flush = fl != 0
+        else:
+            flush = tl.load(flush_ptr + r) != 0  # after the stores: the order of the measured defaults
+        if HOLD:
+            if flush:
+                if PRE_SCORES:  # the scores kernel read B; this program reads its entries here
+                    Bh = tl.load(Br_ptr + (e[:, None] * G + g) * n + offs_n[None, :],
+                                 mask=mj[:, None] & mn[None, :], other=0.0).to(tl.float32)
+                    bnew = tl.load(B_ptr + bbase + offs_n, mask=mn, other=0.0).to(tl.float32)
+                newj = jj == h
+                XW = tl.trans(tl.where(newj[:, None], xv[None, :], Xh) * tl.where(newj, dtv, wj)[:, None])  # [BD, LP]
+                Bf = tl.where(newj[:, None], bnew[None, :], Bh)                                            # [LP, BN]
+                Sn = tl.exp(tot + lv) * S0 + tl.dot(XW, Bf, input_precision=PREC)
+                tl.store(state_ptr + sbase + offs_n[None, :], Sn.to(state_ptr.dtype.element_ty),
+                         mask=md[:, None] & mn[None, :])
+        elif UNROLL:
+            if flush:
+                if PRE_SCORES:
+                    bnew = tl.load(B_ptr + bbase + offs_n, mask=mn, other=0.0).to(tl.float32)
+                _m2_fold_unrolled(state_ptr, xr_ptr, Br_ptr, dtr_ptr, sbase, S0, slot, start, h, hd, g, A, tot, lv,
+                                  dtv, xv, bnew, offs_d, md, offs_n, mn, L, H, G, d, n, LP)
+        elif FMA:
+            if flush:
                 _m2_fold_fma(state_ptr, xr_ptr, Br_ptr, dtr_ptr, B_ptr, sbase, slot, start, h, hd, g, A, tot, lv,
                              dtv, xv, bbase, offs_d, md, L, H, G, d, n, BN, BNC)
-        elif tl.load(flush_ptr + r) != 0:
+        elif flush:
             newj = jj == h
             # S_{h+1} weights: Δ_j e^{tot+l_new-cum_j} for j < h, Δ for the new entry (row h)
             XW = tl.trans(tl.where(newj[:, None], xv[None, :], Xh) * tl.where(newj, dtv, wj)[:, None])  # [BD, LP]
@@ -270,13 +323,15 @@ if HAVE_TRITON:
         L, H, G, d, n, HPG, XS, BS, CS,
         LP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BNC: tl.constexpr,
         HAS_D: tl.constexpr, PRE_SCORES: tl.constexpr, PREC: tl.constexpr, FMA: tl.constexpr,
+        HOLD: tl.constexpr = False, EARLY: tl.constexpr = False, UNROLL: tl.constexpr = False,
     ):
         """Replay decode (:func:`_m2_decode_tile`) over a flat grid of ``d-blocks × heads ×
         rows`` (d-blocks of one (row, head) side by side: one contiguous stream)."""
         db, hd, r = tile_ids(tl.cdiv(d, BD), H)
         _m2_decode_tile(state_ptr, xr_ptr, Br_ptr, dtr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
                         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, sc_ptr,
-                        r, hd, db, L, H, G, d, n, HPG, XS, BS, CS, LP, BD, BN, BNC, HAS_D, PRE_SCORES, PREC, FMA)
+                        r, hd, db, L, H, G, d, n, HPG, XS, BS, CS, LP, BD, BN, BNC, HAS_D, PRE_SCORES, PREC, FMA,
+                        HOLD, EARLY, UNROLL)
 
     @triton.jit
     def _m2_fold_kernel(
@@ -673,14 +728,17 @@ def _fold(buf, plan, A: Tensor, extra: int, grid, BD: int, precision: str) -> No
 SMALL_GRID = 2048
 
 #: ``fold_form`` of :func:`replay_decode`: how a flush row folds its entries into ``S_{h+1}``
-FOLD_FORMS = ("dot", "fma")
+#: (``dot``: re-read chunks and ``tl.dot``; ``fma``: re-read chunks and rank-1 updates in a
+#: run-time loop; ``hold``: one ``tl.dot`` over the tile and entries the readout holds;
+#: ``unroll``: rank-1 updates of the held tile, one per ring position, unrolled)
+FOLD_FORMS = ("dot", "fma", "hold", "unroll")
 #: state values per chunk of the ``fma`` fold (both families): the chunks are a run-time loop,
 #: each re-read from L2 and held while the row's entries are added (16 fp32 registers a thread
 #: on 2 warps; local sm_90 compile, 2026-11-27: the GDN 64-wide tile on 2 warps at 206
 #: registers against 202 without flush code; 4096-value chunks 254, unrolled chunks spilled)
 FMA_CHUNK = 1024
 #: the keys a launch config of :func:`replay_decode` may set (:data:`DECODE_TABLE`)
-DECODE_KEYS = ("block_d", "num_warps", "pre_scores", "fold_form", "block_n")
+DECODE_KEYS = ("block_d", "num_warps", "pre_scores", "fold_form", "block_n", "prefetch")
 
 #: tuned launch configs of :func:`replay_decode`, consulted before the measured defaults of
 #: :func:`decode_defaults`: rows ``(max_batch, state_itemsize, config)`` (``state_itemsize``
@@ -701,38 +759,54 @@ def decode_defaults(Bt: int, H: int, d: int, block_d: int | None = None, state_i
     small grids are launch-bound and run as one launch on 4 warps; larger ones compute the
     per-group scores in a small kernel first and run the decode kernel on 2 warps; 32-wide
     d-blocks, flush rows folding with ``tl.dot``."""
-    base = dict(block_d=32, fold_form="dot", block_n=32)
+    base = dict(block_d=32, fold_form="dot", block_n=32, prefetch=False)
     if Bt * H * triton.cdiv(d, _block_d(d, block_d or 32)) <= SMALL_GRID:
         base.update(pre_scores=False, num_warps=4)
     else:
         base.update(pre_scores=True, num_warps=2)
-    for max_batch, itemsize, cfg in DECODE_TABLE:
+    return dict(base, **table_row(DECODE_TABLE, DECODE_KEYS, Bt, state_itemsize))
+
+
+def table_row(table: list, keys: tuple, Bt: int, state_itemsize: int) -> dict:
+    """The config of the first ``(max_batch, state_itemsize, config)`` row of a decode table
+    with ``Bt <= max_batch`` and a matching state element size (``None``: any), else ``{}``;
+    a row naming a key outside ``keys`` raises ``ValueError`` (a pasted row with a typo)."""
+    for max_batch, itemsize, cfg in table:
+        bad = sorted(set(cfg) - set(keys))
+        if bad:
+            raise ValueError(f"decode table row for batches <= {max_batch} has unknown keys {bad}: expected {keys}")
         if Bt <= max_batch and itemsize in (None, state_itemsize):
-            return dict(base, **cfg)
-    return base
+            return dict(cfg)
+    return {}
 
 
 def decode_block(size: int, block: int, fold_form: str) -> int:
     """Tile width along ``d`` (Mamba-2) / ``V`` (GDN) of a replay-decode program: ``block``
-    rounded up to a power of two, at most ``next_pow2(size)``; the ``dot`` fold needs 16 rows
-    (``tl.dot``), the ``fma`` fold takes any width."""
+    rounded up to a power of two, at most ``next_pow2(size)``; the ``dot`` and ``hold`` folds
+    need 16 rows (``tl.dot``), ``fma`` and ``unroll`` take any width."""
     if fold_form not in FOLD_FORMS:
         raise ValueError(f"bad fold_form {fold_form!r}: expected one of {FOLD_FORMS}")
     if int(block) < 1:
         raise ValueError(f"tile width must be positive, got {block}")
-    return max(16 if fold_form == "dot" else 1, min(next_pow2(block), next_pow2(size)))
+    return max(1 if fold_form in ("fma", "unroll") else 16, min(next_pow2(block), next_pow2(size)))
 
 
 def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                   D: Tensor | None = None, route: str = "output", check: bool | None = None,
                   block_d: int | None = None, num_warps: int | None = None, pre_scores: bool | None = None,
-                  precision: str = "tf32x3", block_n: int | None = None, fold_form: str | None = None) -> Tensor:
+                  precision: str = "tf32x3", block_n: int | None = None, fold_form: str | None = None,
+                  prefetch: bool | None = None) -> Tensor:
     """Replay decode, output-only (``route`` is accepted for API parity: both routes
     give the same numbers), in one pass over the checkpoints: flush rows store ``S_{h+1}`` in
     the kernel that reads ``S0``, re-reading the tile in ``n`` chunks (from L2).
     ``fold_form="dot"``: chunks of ``block_n``, folded with ``tl.dot`` (``precision``);
     ``"fma"``: rank-1 updates over the row's entries, a run-time loop (any ``block_d``, no
-    shared memory; chunks of up to :data:`FMA_CHUNK` state values).
+    shared memory; chunks of up to :data:`FMA_CHUNK` state values); ``"hold"``: one ``tl.dot``
+    over the tile and ring entries the readout already holds (small tiles: no re-read);
+    ``"unroll"``: rank-1 updates of the held tile, one per ring position, unrolled (narrow
+    tiles: the entries' loads go out together).
+    ``prefetch``: the flush flag loaded with the row's slot, start and fill (before the state)
+    instead of after the stores.
     ``pre_scores``: a small kernel first computes the per-group ``B_j·C`` once (and appends
     ``B``) instead of every head's programs.  Unset knobs come from :func:`decode_defaults`.
     """
@@ -749,6 +823,7 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
     fold_form = fold_form or auto["fold_form"]
     BD = decode_block(d, block_d or auto["block_d"], fold_form)
     block_n = block_n or auto["block_n"]
+    prefetch = auto["prefetch"] if prefetch is None else bool(prefetch)
     (x, XS), (B, BS), (C, CS), dt = token_rows(x, 1), token_rows(B, 1), token_rows(C, 1), _c(dt)
     L = plan.capacity
     LP, BN = pad16(L), pad16(n)
@@ -767,7 +842,8 @@ def replay_decode(buf, plan, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Ten
         x, dt, A, B, C, D if D is not None else A, y, sc if sc is not None else y,
         L, H, G, d, n, H // G, XS, BS, CS,
         LP=LP, BD=BD, BN=BN, BNC=BNC, HAS_D=D is not None, PRE_SCORES=pre_scores,
-        PREC=precision, FMA=fold_form == "fma", num_warps=num_warps)
+        PREC=precision, FMA=fold_form == "fma", HOLD=fold_form == "hold", EARLY=prefetch, UNROLL=fold_form == "unroll",
+        num_warps=num_warps)
     return y
 
 

@@ -98,6 +98,10 @@ def test_mamba2_launches_past_the_grid_limit(launches):
         mamba2.replay_decode(buf, ring.plan_decode(slots), x, dt, A, B, C, pre_scores=pre)
         mamba2.replay_decode(buf, ring.plan_decode(slots), x, dt, A, B, C, pre_scores=pre, fold_form="fma",
                              block_d=1)
+        mamba2.replay_decode(buf, ring.plan_decode(slots), x, dt, A, B, C, pre_scores=pre, fold_form="hold",
+                             prefetch=True)
+        mamba2.replay_decode(buf, ring.plan_decode(slots), x, dt, A, B, C, pre_scores=pre, fold_form="unroll",
+                             block_d=1, prefetch=True)
     mamba2.recurrent_update(buf.state, x, dt, A, B, C, slot=slots)
     xT, dtT, BT_, CT = (t[:, None].expand(-1, T, *t.shape[1:]).contiguous() for t in (x, dt, B, C))
     ring, slots = _ring(T, 0)
@@ -122,6 +126,10 @@ def test_gdn_launches_past_the_grid_limit(launches):
             if mode != "split":
                 gdn.replay_decode(buf, ring.plan_decode(slots), q, k, v, g, beta, flush_mode=mode, pre_scores=pre,
                                   fold_form="fma", block_v=1)
+                gdn.replay_decode(buf, ring.plan_decode(slots), q, k, v, g, beta, flush_mode=mode, pre_scores=pre,
+                                  fold_form="hold", prefetch=True)
+                gdn.replay_decode(buf, ring.plan_decode(slots), q, k, v, g, beta, flush_mode=mode, pre_scores=pre,
+                                  fold_form="unroll", block_v=1, prefetch=True)
     gdn.replay_decode(buf, ring.plan_decode(slots), q, k, v, g, beta, route="state")
     gdn.recurrent_update(buf.state, q, k, v, g, beta, slot=slots)
     qT, kT, vT, gT, bT = (t[:, None].expand(-1, T, *t.shape[1:]).contiguous() for t in (q, k, v, g, beta))

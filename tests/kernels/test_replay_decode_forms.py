@@ -39,6 +39,13 @@ M2_FORMS = {
     "fma_d4_scores": dict(fold_form="fma", block_d=4, num_warps=1, pre_scores=True),
     "fma_d8": dict(fold_form="fma", block_d=8, num_warps=4, pre_scores=False),
     "dot_d16": dict(fold_form="dot", block_d=16, num_warps=2, pre_scores=True),
+    "hold_d16": dict(fold_form="hold", block_d=16, num_warps=1, pre_scores=False),
+    "hold_d16_early": dict(fold_form="hold", block_d=16, num_warps=2, pre_scores=False, prefetch=True),
+    "hold_d16_scores_early": dict(fold_form="hold", block_d=16, num_warps=2, pre_scores=True, prefetch=True),
+    "fma_d4_early": dict(fold_form="fma", block_d=4, num_warps=1, pre_scores=False, prefetch=True),
+    "unroll_d2": dict(fold_form="unroll", block_d=2, num_warps=1, pre_scores=False),
+    "unroll_d8_scores_early": dict(fold_form="unroll", block_d=8, num_warps=2, pre_scores=True, prefetch=True),
+    "dot_d16_early": dict(fold_form="dot", block_d=16, num_warps=2, pre_scores=True, prefetch=True),
 }
 #: GDN forms: V = 9 in 1-, 4- and 16-wide blocks
 GDN_FORMS = {
@@ -47,6 +54,26 @@ GDN_FORMS = {
     "fused_fma_v4_scores": dict(flush_mode="fused", fold_form="fma", block_v=4, num_warps=1, pre_scores=True),
     "fused_fma_v16_scores": dict(flush_mode="fused", fold_form="fma", block_v=16, num_warps=2, pre_scores=True),
     "apart_fma_v4_scores": dict(flush_mode="apart", fold_form="fma", block_v=4, pre_scores=True, fold_warps=1),
+    "fused_hold_v16": dict(flush_mode="fused", fold_form="hold", block_v=16, num_warps=1, pre_scores=False),
+    "fused_hold_v16_early": dict(flush_mode="fused", fold_form="hold", block_v=16, num_warps=2, pre_scores=False,
+                                 prefetch=True),
+    "fused_hold_v16_scores_early": dict(flush_mode="fused", fold_form="hold", block_v=16, num_warps=2,
+                                        pre_scores=True, prefetch=True),
+    "fused_fma_v4_early": dict(flush_mode="fused", fold_form="fma", block_v=4, num_warps=1, pre_scores=False,
+                               prefetch=True),
+    "fused_unroll_v2": dict(flush_mode="fused", fold_form="unroll", block_v=2, num_warps=1, pre_scores=False),
+    "fused_unroll_v8_scores_early": dict(flush_mode="fused", fold_form="unroll", block_v=8, num_warps=2,
+                                         pre_scores=True, prefetch=True),
+    "gated_unroll_v4_early": dict(flush_mode="gated", fold_form="unroll", block_v=4, pre_scores=False, fold_warps=1,
+                                  prefetch=True),
+    "apart_dot_v16_scores_early": dict(flush_mode="apart", fold_form="dot", block_v=16, pre_scores=True,
+                                       prefetch=True),
+    "gated_hold_v16_scores_early": dict(flush_mode="gated", fold_form="hold", block_v=16, pre_scores=True,
+                                        fold_warps=4, prefetch=True),
+    "gated_dot_v16": dict(flush_mode="gated", fold_form="dot", block_v=16, pre_scores=False, fold_warps=2),
+    "gated_fma_v4_scores": dict(flush_mode="gated", fold_form="fma", block_v=4, pre_scores=True, fold_warps=1),
+    "apart_hold_v16_scores_early": dict(flush_mode="apart", fold_form="hold", block_v=16, pre_scores=True,
+                                        fold_warps=2, prefetch=True),
 }
 
 
@@ -184,6 +211,17 @@ def test_gdn_decode_forms(name, nan_empty):
     _run_gdn(GDN_FORMS[name], torch.float32, steps=1 if name.endswith("v1") else 2, packed="scores" in name)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gdn_persistent_ranges_cross_rows(prefetch, monkeypatch, nan_empty):
+    """The ``apart`` persistent kernel on 3 programs for 2 flush rows × 4 tiles: with
+    ``prefetch`` each program takes 3 contiguous tiles, so the second one's range starts on
+    one flush row and ends on the next (the row search redone at the boundary); without it
+    the tiles are strided by the grid."""
+    monkeypatch.setattr(KG, "persistent_programs", lambda device, work, per_sm: 3)
+    _run_gdn(dict(flush_mode="apart", fold_form="hold", block_v=16, pre_scores=True, prefetch=prefetch,
+                  fold_warps=2), torch.float32, steps=2)
+
+
 @pytest.mark.parametrize("form", [dict(flush_mode="fused", block_v=16), dict(flush_mode="split", block_v=16),
                                   dict(route="state")])
 def test_gdn_decode_reads_qkv_in_place(form, nan_empty):
@@ -192,12 +230,12 @@ def test_gdn_decode_reads_qkv_in_place(form, nan_empty):
     _run_gdn(form, torch.float32, steps=1, packed=True)
 
 
-@pytest.mark.parametrize("name", ["fma_d4", "dot_d16"])
+@pytest.mark.parametrize("name", ["fma_d4", "dot_d16", "hold_d16_scores_early"])
 def test_mamba2_decode_forms_bf16_state(name, nan_empty):
     _run_m2(M2_FORMS[name], torch.bfloat16, steps=2)
 
 
-@pytest.mark.parametrize("name", ["fused_fma_v4", "apart_fma_v4_scores"])
+@pytest.mark.parametrize("name", ["fused_fma_v4", "apart_fma_v4_scores", "gated_hold_v16_scores_early"])
 def test_gdn_decode_forms_bf16_state(name, nan_empty):
     _run_gdn(GDN_FORMS[name], torch.bfloat16, steps=2)
 
@@ -232,6 +270,13 @@ def test_decode_table_rows(monkeypatch):
     got = KG.decode_defaults(1, 32, 128, 4)
     assert (got["block_v"], got["fold_form"], got["flush_mode"]) == (8, "fma", "fused")
     assert KG.decode_defaults(2, 32, 128, 4)["block_v"] == 32
+    # a pasted row with an unknown key raises, naming it
+    monkeypatch.setattr(K2, "DECODE_TABLE", [(8, None, dict(block_dd=8))])
+    with pytest.raises(ValueError, match="block_dd"):
+        K2.decode_defaults(4, 128, 64, None, 4)
+    monkeypatch.setattr(KG, "DECODE_TABLE", [(8, None, dict(prefetch=True, warps=2))])
+    with pytest.raises(ValueError, match="warps"):
+        KG.decode_defaults(4, 32, 128, 4)
     # the table's form runs (and is exact) through the wrapper's defaults
     monkeypatch.setattr(K2, "DECODE_TABLE", [(1 << 20, None, dict(block_d=4, fold_form="fma", num_warps=1))])
     _run_m2({}, torch.float32, steps=1)
@@ -242,6 +287,7 @@ def test_decode_block_widths():
     assert K2.decode_block(7, 32, "fma") == 8          # at most next_pow2(size)
     assert K2.decode_block(64, 4, "dot") == 16         # tl.dot needs 16 rows
     assert K2.decode_block(64, 3, "fma") == 4
+    assert K2.decode_block(64, 4, "hold") == 16        # tl.dot needs 16 rows
     with pytest.raises(ValueError, match="fold_form"):
         K2.decode_block(64, 4, "rank1")
     with pytest.raises(ValueError, match="positive"):
@@ -261,6 +307,10 @@ def test_bad_forms_raise_before_touching_memory():
     ins = gdn_inputs(s, DEVICE)
     with pytest.raises(ValueError, match="fold_form='fma'"):
         KG.replay_decode(gbuf, ring.plan_decode(slots), *ins, flush_mode="split", fold_form="fma")
+    with pytest.raises(ValueError, match="fold_form='unroll'"):
+        KG.replay_decode(gbuf, ring.plan_decode(slots), *ins, flush_mode="split", fold_form="unroll")
+    with pytest.raises(ValueError, match="fold_form='hold'"):
+        KG.replay_decode(gbuf, ring.plan_decode(slots), *ins, flush_mode="split", fold_form="hold")
     with pytest.raises(ValueError, match="fold_form"):
         KG.replay_decode(gbuf, ring.plan_decode(slots), *ins, fold_form="rank1")
     for a, b in zip(gsnap, (gbuf.state, gbuf.u, gbuf.k, gbuf.g)):
