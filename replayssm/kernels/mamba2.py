@@ -746,10 +746,16 @@ DECODE_KEYS = ("block_d", "num_warps", "pre_scores", "fold_form", "block_n", "pr
 #: matching state dtype gives the config (keys of :data:`DECODE_KEYS`).  Empty: the defaults.
 #: ``scripts/tune_replay_decode.py`` prints the rows its GPU run measured fastest.  Rows of
 #: the H200 run of 2026-11-27: bf16 states at 9..64 rows, 64-wide d-blocks on 4 warps (1.03x
-#: the default, staggered 1.02x); everything else kept its default.
+#: the default, staggered 1.02x); everything else kept its default.  fp32 rows of the H200 run
+#: of 2026-11-27 evening (80 heads, the 2.7B; the peers in the same run): one row 4.3 vs 4.7 us
+#: (held fold, state loads issued with the plan words), 2..8 rows 10.6 vs 13.7 us, 9..64 rows
+#: 56.0 vs 57.8 us (prefetch on 32-wide d-blocks); 256 rows kept the default.
 DECODE_TABLE: list = [
     (8, 2, {}),
     (64, 2, {"block_d": 64, "num_warps": 4, "pre_scores": True, "fold_form": "dot"}),
+    (1, 4, {"block_d": 16, "num_warps": 2, "pre_scores": False, "fold_form": "hold", "prefetch": True}),
+    (8, 4, {"block_d": 32, "num_warps": 2, "pre_scores": True, "fold_form": "dot", "prefetch": True}),
+    (64, 4, {"block_d": 32, "num_warps": 2, "pre_scores": True, "fold_form": "dot", "prefetch": True}),
 ]
 
 
