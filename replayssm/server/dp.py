@@ -149,9 +149,9 @@ class DataParallelPool:
                 self._remotes.append(ConnectedEngine(ReplicaSpec(i, model_dir, a, warm_up, log_level), connected[i]))
                 continue
             slot = local_rank if connected else i
-            a.device = replica_device(slot, tp, args.device, cuda)
+            a.device = replica_device(slot, tp, args.device, cuda, single=config.size == 1 and not connected)
             if a.device != "cpu":
-                last_gpu = max(last_gpu, slot * tp + tp - 1)
+                last_gpu = max(last_gpu, int(a.device.partition(":")[2] or 0) + tp - 1)
             self._remotes.append(RemoteEngine(ReplicaSpec(i, model_dir, a, warm_up, log_level), ctx))
         if last_gpu >= 0 and last_gpu >= torch.cuda.device_count():
             raise ValueError(f"--data-parallel-size {config.size} x --tensor-parallel-size {tp} needs GPUs up to "

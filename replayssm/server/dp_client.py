@@ -46,12 +46,17 @@ class _SocketWake:
                 pass
 
     def clear(self) -> None:
-        self._set = False
+        """Drain the socket, then disarm: a :meth:`set` racing with this either finds the flag
+        still up (its command is read by the caller's next inbox pass, which follows) or
+        comes after and sends a byte that stays.  (Disarming first let a ``set`` in between
+        send a byte that the drain then swallowed, leaving the flag up with nothing to wake
+        the next wait: a command, or the stop, sat unseen until the replica spoke.)"""
         try:
             while self._r.recv(4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        self._set = False
 
     def wait(self, timeout: float | None = None) -> bool:
         connection.wait([self._r], timeout)
