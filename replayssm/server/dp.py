@@ -249,6 +249,11 @@ class DataParallelPool:
                 if not any(up):
                     down = ", ".join(f"replica {c.index} {c.state}" for c in self.clients)
                     raise QueueFull(f"no engine replica is up ({down}); retry later")
+                if len(self.clients) == 1:   # one engine process: the in-process server's words
+                    c = self.clients[0]
+                    raise QueueFull(f"server is at capacity: {c.in_flight} sequences in flight, at most "
+                                    f"{c.max_running + c.max_queue} (max_num_seqs {c.max_running} + max_queue "
+                                    f"{c.max_queue}); retry later")
                 raise QueueFull(f"server is at capacity: every replica holds its max_num_seqs {self.max_running} "
                                 f"+ max_queue {self.max_queue} sequences; retry later")
             r, reason = self.router.route(requests[0][1], loads, usable)
