@@ -378,10 +378,14 @@ def _serve_data_parallel(args, sock, family, log) -> int:
         print(f"replayssm serve: listening on {url} (model {name!r}, {where})", flush=True)
 
     server.startup = announce
+    pool.on_failed = lambda: setattr(server, "should_exit", True)   # nothing left to serve: exit, not hang
     try:
         server.run(sockets=[sock])
     finally:
         pool.shutdown()
+    if pool.failed is not None:
+        print(f"replayssm serve: error: engine failed: {pool.failed}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

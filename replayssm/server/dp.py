@@ -159,6 +159,8 @@ class DataParallelPool:
         self.clients: list[ReplicaClient] = []
         self.view: DataParallelView | None = None
         self.infos: list[dict] = []
+        self.failed: str | None = None   # every replica failed for good: why (the last one's error)
+        self.on_failed = None             # called once then (the server exits 1, as with one engine in-process)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def launch(self, tokenizer=None) -> list[dict]:
@@ -229,6 +231,19 @@ class DataParallelPool:
     @property
     def max_running(self) -> int:
         return self.view.num_slots
+
+    def replica_failed(self) -> None:
+        """A replica failed for good (no restart left): when none is left to serve, the pool
+        is :attr:`failed` and ``on_failed`` is called (from that replica's client thread)."""
+        if self.failed is not None or self.stopping or any(c.state in ("up", "restarting") for c in self.clients):
+            return
+        self.failed = next((c.last_error for c in reversed(self.clients) if c.last_error), "every replica failed")
+        log.error("no engine replica is left to serve: %s", self.failed)
+        if self.on_failed is not None:
+            try:
+                self.on_failed()
+            except Exception:  # pragma: no cover - the reason is logged above
+                log.exception("on_failed raised")
 
     def router_forget(self, index: int) -> None:
         with self._route_lock:

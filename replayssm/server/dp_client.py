@@ -373,6 +373,7 @@ class ReplicaClient(AsyncEngine):
             log.error("replica %d is not restarted (%s); the server runs degraded", self.index,
                       "not a process of this server" if not remote.restartable else
                       f"{self.restarts} restarts, --data-parallel-max-restarts {self.pool.config.max_restarts}")
+            self.pool.replica_failed()
             return
         self.restarts += 1
         if self.metrics is not None:
@@ -384,7 +385,9 @@ class ReplicaClient(AsyncEngine):
             info = remote.wait_ready(self.pool.config.start_timeout_s, lambda: self.pool.stopping or self._stop)
         except ReplicaDied as e:
             self.state = "failed"
+            self.last_error = str(e)
             log.error("%s; the server runs degraded", e)
+            self.pool.replica_failed()
             return
         if self.pool.stopping:   # shut down while it started
             remote.stop(5)

@@ -303,3 +303,40 @@ def test_sigterm_drains_and_stops_the_engine_process(proc_server):
             os.kill(pid, 0)
             time.sleep(0.1)
     assert "Traceback" not in "".join(proc_server.log)
+
+
+def test_a_killed_engine_process_is_restarted_then_the_server_exits_1(chat_model_dir, offline):
+    """The engine process killed mid-stream: the stream ends with an error naming it, the engine
+    is restarted (--data-parallel-max-restarts 1) and serves the offline engine's text again;
+    killed once more, no restart is left and the server exits 1 (as one in-process engine that
+    fails does, so that a supervisor restarts it) instead of answering 503 forever."""
+    import os
+
+    s = Server(chat_model_dir, "--engine-process", "on", "--served-model-name", NAME, "--max-seq-len", "2048",
+               "--data-parallel-max-restarts", "1", "--log-stats-interval", "0").wait(180)
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+        def pid():   # the engine process's, from the startup and restart log lines
+            line = [ln for ln in s.log if "engine process (pid " in ln or "is back (pid " in ln][-1]
+            return int(line.split("pid ")[1].split(")")[0].split(",")[0])
+
+        for round_ in range(2):
+            victim = pid()
+            with pytest.raises(openai.APIError, match=rf"engine replica 0 \(pid {victim}\) was killed by SIGKILL"):
+                for k, _ in enumerate(c.completions.create(model=NAME, prompt="def f(x):", max_tokens=1900,
+                                                           stream=True, extra_body={"ignore_eos": True})):
+                    if k == 2:
+                        os.kill(victim, signal.SIGKILL)
+            if round_ == 0:
+                deadline = time.time() + 120
+                while httpx.get(s.url + "/health").json()["status"] != "ok" and time.time() < deadline:
+                    time.sleep(0.2)
+                assert pid() != victim
+                r = c.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=MAX, temperature=0)
+                assert r.choices[0].text == offline.generate([PROMPTS[1]], SamplingParams(max_tokens=MAX))[0].text
+        assert s.proc.wait(30) == 1
+        out = "".join(s.log)
+        assert "replayssm serve: error: engine failed: engine replica 0" in out and "Traceback" not in out
+    finally:
+        s.stop()
