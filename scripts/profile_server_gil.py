@@ -92,7 +92,7 @@ def metric(url: str, name: str) -> float:
     import httpx
 
     text = httpx.get(url + "/metrics", timeout=30).text
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else float("nan")
 
 
