@@ -9,6 +9,10 @@ connections (``--port 0`` picks a free port and prints it), logs throughput ever
 ``--log-stats-interval`` seconds of traffic, and on SIGTERM / SIGINT stops admitting (503),
 lets the requests in flight finish for up to ``--shutdown-timeout`` seconds, ends the rest
 with ``finish_reason: "abort"`` and exits 0.
+
+On CUDA the engine runs in a process of its own (``--engine-process``, the data-parallel
+replica machinery with one replica); ``--engine-in-process`` keeps it on a thread of the API
+process, as on CPU (docs/SERVING.md).
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ engine loop's interface to the app: ``submit`` routes the request (:mod:`.dp_rou
 ``abort`` reaches the replica that holds it, ``drain`` drains them all, ``health`` reports
 every replica.
 
+With one replica this is the single-engine server's engine process (``serve
+--engine-process``, the default on CUDA): HTTP work in the API process never holds its GIL.
+
 Faults: a replica that dies (killed, a CUDA error, a tensor-parallel worker lost) is seen at
 once (its process sentinel and pipe); the requests it held end with an error naming the
 replica and how it died (HTTP 500 / a stream ``error`` event), the router forgets its
