@@ -352,7 +352,10 @@ def _serve_data_parallel(args, sock, family, log) -> int:
         infos = pool.launch(load_tokenizer(args.model))
     except (ValueError, ReplicaDied) as e:
         sock.close()
-        print(f"replayssm serve: error: {e}", file=sys.stderr)
+        msg = str(e)
+        if args.data_parallel_size == 1:   # one engine process: no replicas to speak of
+            msg = msg.replace("replica 0 ", "the engine process ", 1)
+        print(f"replayssm serve: error: {msg}", file=sys.stderr)
         return 2
     for i, info in enumerate(infos):
         who = f"replica {i}" if cfg.size > 1 else "engine process"

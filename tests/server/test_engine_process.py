@@ -92,6 +92,13 @@ def test_the_flag_decides_where_the_engine_runs(tmp_path, monkeypatch, capsys):
     assert where() is False   # multi-node tensor parallelism: rank 0's engine stays in the API process
     with pytest.raises(ValueError, match="not supported under torchrun"):
         where("--engine-process", "on")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.delenv("WORLD_SIZE")
+    # an engine that cannot be built: the engine process's error, exit 2, nothing left running
+    assert serve_cli.main([str(MODEL), "--port", "0", "--engine-process", "on", "--device", "cpu",
+                           "--max-seq-len", "-5", "--torch-threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the engine process could not start: ValueError: " in err and "max_seq_len" in err, err
     cfg = tmp_path / "serve.yaml"
     for body, want in (("engine-in-process: true\n", "off"), ("engine_process: on\n", "on"),
                        ("engine-in-process: false\n", "auto")):
