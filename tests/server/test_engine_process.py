@@ -5,7 +5,9 @@ engine in the API process (``plain_server``, the same flags) and the offline eng
 Every feature of the in-process server goes through the pipe: streaming, n > 1, logprobs,
 echo, structured outputs, tool calls (a grammar), priorities, prefix caching of prompts and
 of replies, the tokenizer routes, the metric names, error mapping (a bad request beside good
-ones), a client that leaves, a full queue, and a graceful SIGTERM (last: it stops the server).
+ones), a client that leaves, a full queue, and a graceful SIGTERM (it stops the module's server);
+then servers of their own: preemption and priorities on a tiny hybrid under a small memory
+budget (both placements), and a killed engine process (restarted, then the exit).
 """
 
 from __future__ import annotations
@@ -345,5 +347,82 @@ def test_a_killed_engine_process_is_restarted_then_the_server_exits_1(chat_model
         assert s.proc.wait(30) == 1
         out = "".join(s.log)
         assert "replayssm serve: error: engine failed: engine replica 0" in out and "Traceback" not in out
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    """A tiny Nemotron-H hybrid (attention KV in a paged pool: a small budget forces preemption)."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.NemotronHConfig(
+        vocab_size=61, hidden_size=32, num_hidden_layers=4, hybrid_override_pattern="M*M-", num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=16,
+        ssm_state_size=16, n_groups=2, mamba_n_groups=2, conv_kernel=4, eos_token_id=None)
+    torch.manual_seed(3)
+    d = tmp_path_factory.mktemp("preempt") / "nemotron_h"
+    transformers.NemotronHForCausalLM(cfg).save_pretrained(str(d))
+    return d
+
+
+LONG = 100
+
+
+@pytest.mark.parametrize("where", ["off", "on"])
+def test_preemption_and_priorities_through_the_server(hybrid_dir, where):
+    """Six requests into four slots whose block pools hold two sequences' worth: the engine
+    preempts (swaps to host memory and back) and every greedy output is still the unconstrained
+    engine's; the preemptions reach /metrics; a priority -5 request sent while priority-0 ones
+    wait is admitted before them (it finishes before any of them)."""
+    import asyncio
+
+    import torch
+
+    from replayssm import LLM
+
+    kw = dict(dtype="float64", decode_mode="replay", kv_block_size=4, max_seq_len=128)
+    prompts = [[(7 * i + 3 * j + 2) % 61 for j in range(4 + 3 * (i % 3))] for i in range(6)]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = [o.token_ids for o in LLM(str(hybrid_dir), max_num_seqs=6, **kw).generate(
+            prompts, SamplingParams(max_tokens=LONG, ignore_eos=True))]
+        probe = LLM(str(hybrid_dir), max_num_seqs=4, memory_budget=1 << 32, **kw)
+        mem = probe.plan.memory
+        budget = (1 << 32) - probe.blocks.pool_bytes + 2 * mem.dynamic(56 + mem.verify_tokens)
+    finally:
+        torch.set_num_threads(n)
+    s = Server(hybrid_dir, "--engine-process", where, "--dtype", "float64", "--mode", "replay", "--kv-block-size", "4",
+               "--max-seq-len", "128", "--max-num-seqs", "4", "--memory-budget", str(budget), "--log-stats-interval",
+               "0", "--served-model-name", "h").wait(180)
+    try:
+        async def main():
+            ac = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            done = []
+
+            async def one(i, prompt, priority=0, max_tokens=LONG):
+                r = await ac.completions.create(model="h", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                            "priority": priority})
+                done.append(i)
+                return r.choices[0].token_ids
+
+            tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+            for _ in range(200):   # the urgent one comes while priority-0 requests wait
+                m = await asyncio.to_thread(s.metrics)
+                if m["replayssm:num_requests_waiting"] >= 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert m["replayssm:num_requests_waiting"] >= 1 and not done
+            urgent = asyncio.ensure_future(one("urgent", prompts[0][:3], priority=-5, max_tokens=2))
+            got = await asyncio.gather(*tasks)
+            await urgent
+            return got, done
+        got, done = asyncio.run(main())
+        assert got == want
+        assert done[0] == "urgent"   # admitted ahead of the priority-0 queue
+        m = s.metrics()
+        assert m["replayssm:num_preemptions_total"] >= 1
     finally:
         s.stop()
