@@ -66,7 +66,7 @@ def wait_idle(server, timeout=15.0) -> dict:
         time.sleep(0.05)
 
 
-def test_the_flag_decides_where_the_engine_runs(tmp_path, monkeypatch, capsys):
+def test_the_flag_decides_where_the_engine_runs(tmp_path, monkeypatch, capsys, serve_logging):
     """auto: its own process on CUDA only (and not under torchrun); on / off / --engine-in-process
     force it; contradictions are refused by name, before any model loads; --config gives it too."""
     from server_helpers import MODEL
