@@ -1,16 +1,19 @@
-"""Data-parallel serving on a multi-GPU machine: ``serve --data-parallel-size 1`` against
-``--data-parallel-size N`` (N = visible GPUs, or ``--dp``) on a random-weight hybrid preset.
+"""Data-parallel serving on a multi-GPU machine: one engine in the API process
+(``serve --engine-in-process``), one engine in a process of its own (``--engine-process on``,
+the default on CUDA) and ``--data-parallel-size N`` (N = visible GPUs, or ``--dp``) on a
+random-weight hybrid preset.
 
-For each size it starts ``replayssm serve`` (CUDA graphs, warm-up), checks correctness
-(greedy token ids of a few prompts, one at a time, identical across the two servers; with
+For each server it starts ``replayssm serve`` (CUDA graphs, warm-up), checks correctness
+(greedy token ids of a few prompts, one at a time, identical across the three servers; with
 N replicas, requests sharing a prefix all routed to one replica, read from ``/metrics``), then
 runs ``replayssm bench serve --url`` at rate inf with ``--per-replica`` requests per replica
-(each replica sees the same load as the single engine) and reports output tokens/s and the
-ratio ``tok/s(N) / tok/s(1)`` against the target ``>= 0.9 N``, plus the CPU seconds of the
-API process, the replicas and the benchmark client (a saturated API or client process is
-what would cap the ratio).
+(each replica sees the same load as the single engine) and reports output tokens/s, the
+ratios engine process / in-process and ``tok/s(N) / tok/s(1)`` (against both single-engine
+servers; target ``>= 0.9 N`` against the engine process, the same machinery), plus the CPU
+seconds of the API process, the engine processes and the benchmark client (a saturated API
+or client process is what would cap the ratio).
 
-    PYTHONPATH=. python scripts/gpu_dp.py [--preset nemotron-h-4b] [--dp N]
+    PYTHONPATH=. python scripts/gpu_dp.py [--preset nemotron-h-4b] [--dp N] [--only in-process,engine-process,dp]
 
 Needs the serve extra (fastapi, uvicorn, prometheus-client) and httpx: without them it says
 so and exits 2.  Prints a table; writes ``gpu_dp.json`` (and the bench and server logs) to
@@ -78,18 +81,24 @@ def _routed(url: str) -> dict:
     return got
 
 
-def run_size(dp: int, model_dir: str, args, out: Path) -> dict:
+#: the servers compared: (name, replicas or None for --dp, engine placement flags)
+SERVERS = (("in-process", 1, ["--engine-in-process"]), ("engine proc", 1, ["--engine-process", "on"]),
+           ("DP", None, []))
+
+
+def run_size(dp: int, model_dir: str, args, out: Path, name: str = "DP", where: tuple = ()) -> dict:
     from replayssm.bench.serve import ServerProcess, model_name
     from replayssm.bench.serve import main as bench_main
 
     flags = ["--data-parallel-size", str(dp), "--max-num-seqs", str(args.max_num_seqs), "--max-seq-len", "512",
-             "--max-queue", "100000", "--log-level", "warning", "--log-stats-interval", "0"]
+             "--max-queue", "100000", "--log-level", "warning", "--log-stats-interval", "0", *where]
     if args.device == "cpu":   # a mechanics check off the GPU machine
         flags += ["--device", "cpu", "--torch-threads", "1"]
-    print(f"[gpu_dp] DP={dp}: replayssm serve {model_dir} {' '.join(flags)}", file=sys.stderr, flush=True)
+    tag = f"dp{dp}" + ("_" + name.replace(" ", "_").replace("-", "_") if dp == 1 else "")
+    print(f"[gpu_dp] {name} (DP={dp}): replayssm serve {model_dir} {' '.join(flags)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    server = ServerProcess(model_dir, flags, out / f"server_dp{dp}.log")
-    row: dict = {"dp": dp}
+    server = ServerProcess(model_dir, flags, out / f"server_{tag}.log")
+    row: dict = {"server": name, "dp": dp}
     try:
         url = server.wait(args.server_timeout)
         row["startup_s"] = time.perf_counter() - t0
@@ -104,7 +113,7 @@ def run_size(dp: int, model_dir: str, args, out: Path) -> dict:
         cpu0 = {p: _cpu_s(p) for p in pids}
         client0 = time.process_time()
         n = args.per_replica * dp
-        bench_out = out / f"bench_dp{dp}"
+        bench_out = out / f"bench_{tag}"
         rc = bench_main(["--url", url, "--configs", "replay", "--request-rates", "inf", "--num-prompts", str(n),
                          "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
                          "--prompt-kind", "random", "--warmup", str(min(n, args.max_num_seqs * dp)),
@@ -137,12 +146,19 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--server-timeout", type=float, default=300.0)
+    p.add_argument("--only", default="in-process,engine-process,dp",
+                   help="which servers to run, a comma list of in-process, engine-process, dp (default: all three)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: check the script's mechanics with a tiny preset (no timing claim)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu_dp_"))
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"preset": args.preset, "args": vars(args)}
+    only = {"in-process": "in-process", "engine-process": "engine proc", "dp": "DP"}
+    bad = [x for x in args.only.split(",") if x not in only]
+    if bad or not args.only:
+        p.error(f"--only takes a comma list of {', '.join(only)}; got {args.only!r}")
+    only = {only[x] for x in args.only.split(",")}
     missing = _missing()
     if missing:
         msg = (f"gpu_dp: cannot run: {', '.join(missing)} not installed (the serve extra: "
@@ -157,7 +173,7 @@ def main() -> int:
 
     gpus = torch.cuda.device_count() if args.device == "cuda" else os.cpu_count()
     n = args.dp or gpus
-    if n < 2 or n > gpus:
+    if "DP" in only and (n < 2 or n > gpus):
         msg = f"gpu_dp: needs --dp N with 2 <= N <= visible GPUs ({gpus}); got {n}"
         print(msg)
         result["error"] = msg
@@ -169,37 +185,57 @@ def main() -> int:
         print(f"[gpu_dp] writing a random-weight {args.preset}", file=sys.stderr, flush=True)
         model_dir = _random_model_dir(args.preset, tmp)
         result["write_s"] = time.perf_counter() - t0
-        rows = [run_size(1, model_dir, args, out), run_size(n, model_dir, args, out)]
+        rows = [run_size(size or n, model_dir, args, out, name, where) for name, size, where in SERVERS
+                if name in only]
     result["rows"] = rows
-    one, many = rows
-    ok = "error" not in one and "error" not in many
+    by = {r["server"]: r for r in rows}
+    inproc, proc, many = (by.get(k) for k in ("in-process", "engine proc", "DP"))
+    ok = all("error" not in r for r in rows)
     if ok:
-        result["greedy_identical"] = one["greedy"] == many["greedy"]
-        routes = many.get("affinity_routes", {})
-        result["affinity_one_replica"] = sorted(routes.values(), reverse=True)[:2] == [8.0, 0.0] if len(routes) > 1 \
-            else None
-        result["ratio"] = many["out_tok_s"] / one["out_tok_s"] if one["out_tok_s"] else float("nan")
-        result["target"] = 0.9 * n
-        result["meets_target"] = result["ratio"] >= 0.9 * n
+        result["greedy_identical"] = all(r["greedy"] == rows[0]["greedy"] for r in rows)
+
+        def ratio(a, b):
+            if a is None or b is None:
+                return None
+            return a["out_tok_s"] / b["out_tok_s"] if b["out_tok_s"] else float("nan")
+
+        result["ratio_engine_process"] = ratio(proc, inproc)
+        result["ratio"] = ratio(many, proc)
+        result["ratio_vs_in_process"] = ratio(many, inproc)
+        if many is not None:
+            routes = many.get("affinity_routes", {})
+            result["affinity_one_replica"] = sorted(routes.values(), reverse=True)[:2] == [8.0, 0.0] \
+                if len(routes) > 1 else None
+            result["target"] = 0.9 * n
+            if result["ratio"] is not None:
+                result["meets_target"] = result["ratio"] >= 0.9 * n
     (out / "gpu_dp.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"gpu_dp: {args.preset} (random weights), {result['gpus'][0]} x{gpus}; rate inf, prompt {args.prompt_len}, "
           f"output {args.output_len}, {args.per_replica} requests and {args.max_num_seqs} slots per replica")
-    print(f"{'DP':>3}{'reqs':>6}{'fail':>5}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}{'start s':>9}"
-          f"{'API cpu s':>10}{'repl cpu s':>11}{'client cpu s':>13}")
+    print(f"{'server':>12}{'DP':>3}{'reqs':>6}{'fail':>5}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}"
+          f"{'start s':>9}{'API cpu s':>10}{'engine cpu s':>13}{'client cpu s':>13}")
     for r in rows:
         if "error" in r:
-            print(f"{r['dp']:>3}  error: {r['error']}")
+            print(f"{r['server']:>12}{r['dp']:>3}  error: {r['error']}")
             continue
-        print(f"{r['dp']:>3}{r['requests']:>6}{r['failed']:>5}{r['out_tok_s']:>11.0f}{r['ttft_p50_ms']:>10.0f}"
-              f"{r['tpot_p50_ms']:>10.2f}{r['startup_s']:>9.0f}{r['api_cpu_s']:>10.1f}{r['replica_cpu_s']:>11.1f}"
-              f"{r['client_cpu_s']:>13.1f}")
+        print(f"{r['server']:>12}{r['dp']:>3}{r['requests']:>6}{r['failed']:>5}{r['out_tok_s']:>11.0f}"
+              f"{r['ttft_p50_ms']:>10.0f}{r['tpot_p50_ms']:>10.2f}{r['startup_s']:>9.0f}{r['api_cpu_s']:>10.1f}"
+              f"{r['replica_cpu_s']:>13.1f}{r['client_cpu_s']:>13.1f}")
     if ok:
-        print(f"greedy tokens identical DP=1 vs DP={n}: {result['greedy_identical']}; shared-prefix requests on one "
-              f"replica: {result['affinity_one_replica']} ({many.get('affinity_routes')})")
-        verdict = "met" if result["meets_target"] else "MISSED"
-        if args.device == "cpu":
-            verdict = "cpu: a mechanics check, no timing claim"
-        print(f"throughput ratio DP={n} / DP=1: {result['ratio']:.2f} (target >= {0.9 * n:.1f}: {verdict})")
+        print(f"greedy tokens identical across {', '.join(r['server'] for r in rows)}: {result['greedy_identical']}")
+        if many is not None:
+            print(f"shared-prefix requests on one replica: {result['affinity_one_replica']} "
+                  f"({many.get('affinity_routes')})")
+        if result["ratio_engine_process"] is not None:
+            print(f"throughput ratio engine process / in-process (DP=1): {result['ratio_engine_process']:.2f}")
+        if result["ratio"] is not None:
+            verdict = "met" if result["meets_target"] else "MISSED"
+            if args.device == "cpu":
+                verdict = "cpu: a mechanics check, no timing claim"
+            print(f"throughput ratio DP={n} / DP=1 engine process: {result['ratio']:.2f} (target >= {0.9 * n:.1f}: "
+                  f"{verdict})")
+        if result["ratio_vs_in_process"] is not None:
+            print(f"throughput ratio DP={n} / DP=1 in-process: {result['ratio_vs_in_process']:.2f}")
     print(f"wrote {out / 'gpu_dp.json'}")
     return 0 if ok and result["greedy_identical"] else 1
 

@@ -9,6 +9,10 @@ connections (``--port 0`` picks a free port and prints it), logs throughput ever
 ``--log-stats-interval`` seconds of traffic, and on SIGTERM / SIGINT stops admitting (503),
 lets the requests in flight finish for up to ``--shutdown-timeout`` seconds, ends the rest
 with ``finish_reason: "abort"`` and exits 0.
+
+On CUDA the engine runs in a process of its own (``--engine-process``, the data-parallel
+replica machinery with one replica); ``--engine-in-process`` keeps it on a thread of the API
+process, as on CPU (docs/SERVING.md).
 """
 
 from __future__ import annotations
@@ -74,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-up", default="auto", choices=["auto", "on", "off"],
                    help="run every kind of step once before listening, so no request waits for a kernel "
                         "compile (auto: on for CUDA)")
+    p.add_argument("--engine-process", default="auto", choices=["auto", "on", "off"],
+                   help="run the engine in a process of its own, fed over a pipe by the API process (the "
+                        "data-parallel replica machinery with one replica), so that HTTP, tokenizing and "
+                        "streaming never hold the engine's GIL (auto: on for CUDA, off on CPU and under torchrun)")
+    p.add_argument("--engine-in-process", dest="engine_process", action="store_const", const="off",
+                   help="the engine on a thread of the API process (same as --engine-process off)")
     add_engine_args(p)
     return p
 
@@ -115,10 +125,10 @@ def config_argv(parser: argparse.ArgumentParser, path: str) -> list[str]:
         if value is None:   # the default
             continue
         flag = "--" + name
-        if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction)):
             if not isinstance(value, bool):
                 raise ValueError(f"--config {path}: {key!r} is a switch: give true or false, got {value!r}")
-            if value == isinstance(a, argparse._StoreTrueAction):
+            if value == (not isinstance(a, argparse._StoreFalseAction)):
                 out.append(flag)
             continue
         if isinstance(value, bool):   # YAML reads on/off/yes/no as booleans
@@ -218,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"replayssm serve: error: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    if args.data_parallel_size > 1:
+    try:
+        own_process = engine_process(args)
+    except ValueError as e:
+        sock.close()
+        print(f"replayssm serve: error: {e}", file=sys.stderr)
+        return 2
+    if args.data_parallel_size > 1 or own_process:
         return _serve_data_parallel(args, sock, family, log)
     try:
         engine = build_engine(args.model, args)
@@ -265,6 +281,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def engine_process(args) -> bool:
+    """Whether the engine runs in a process of its own (``--engine-process``): ``auto`` is on
+    when the device is CUDA, except under ``torchrun`` (multi-node tensor parallelism keeps
+    rank 0's engine in the API process).  ``ValueError`` for contradicting flags."""
+    from ..distributed import launched_by_torchrun
+
+    mode = getattr(args, "engine_process", "auto")
+    if mode == "off":
+        if args.data_parallel_size > 1:
+            raise ValueError(f"--engine-in-process runs one engine in the API process; --data-parallel-size "
+                             f"{args.data_parallel_size} runs every replica in a process of its own")
+        return False
+    torchrun = launched_by_torchrun() and args.data_parallel_size == 1
+    if mode == "on":
+        if torchrun:
+            raise ValueError("--engine-process on is not supported under torchrun with --data-parallel-size 1 "
+                             "(tensor parallelism over hosts keeps rank 0's engine in the API process)")
+        return True
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device.startswith("cuda") and not torchrun
+
+
 def _server_config(args, name: str):
     from .app import ServerConfig
 
@@ -276,7 +314,8 @@ def _server_config(args, name: str):
 
 
 def _serve_data_parallel(args, sock, family, log) -> int:
-    """``--data-parallel-size N``: N replica processes (:mod:`replayssm.server.dp`) behind one app."""
+    """``--data-parallel-size N``: N replica processes (:mod:`replayssm.server.dp`) behind one
+    app; N = 1 is the engine in a process of its own (``--engine-process``)."""
     import uvicorn
 
     from ..models.loader import load_tokenizer
@@ -313,10 +352,14 @@ def _serve_data_parallel(args, sock, family, log) -> int:
         infos = pool.launch(load_tokenizer(args.model))
     except (ValueError, ReplicaDied) as e:
         sock.close()
-        print(f"replayssm serve: error: {e}", file=sys.stderr)
+        msg = str(e)
+        if args.data_parallel_size == 1:   # one engine process: no replicas to speak of
+            msg = msg.replace("replica 0 ", "the engine process ", 1)
+        print(f"replayssm serve: error: {msg}", file=sys.stderr)
         return 2
     for i, info in enumerate(infos):
-        line = f"replica {i} (pid {info['pid']}, {info['device']}): {info['summary']}"
+        who = f"replica {i}" if cfg.size > 1 else "engine process"
+        line = f"{who} (pid {info['pid']}, {info['device']}): {info['summary']}"
         if log.isEnabledFor(logging.INFO):
             log.info(line)
         else:
@@ -337,13 +380,19 @@ def _serve_data_parallel(args, sock, family, log) -> int:
         await startup(sockets=sockets)
         server.loop = asyncio.get_running_loop()
         url = f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}"
-        print(f"replayssm serve: listening on {url} (model {name!r}, {cfg.size} data-parallel replicas)", flush=True)
+        where = (f"{cfg.size} data-parallel replicas" if cfg.size > 1 else
+                 f"engine process pid {infos[0]['pid']}")
+        print(f"replayssm serve: listening on {url} (model {name!r}, {where})", flush=True)
 
     server.startup = announce
+    pool.on_failed = lambda: setattr(server, "should_exit", True)   # nothing left to serve: exit, not hang
     try:
         server.run(sockets=[sock])
     finally:
         pool.shutdown()
+    if pool.failed is not None:
+        print(f"replayssm serve: error: engine failed: {pool.failed}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -18,6 +18,9 @@ engine loop's interface to the app: ``submit`` routes the request (:mod:`.dp_rou
 ``abort`` reaches the replica that holds it, ``drain`` drains them all, ``health`` reports
 every replica.
 
+With one replica this is the single-engine server's engine process (``serve
+--engine-process``, the default on CUDA): HTTP work in the API process never holds its GIL.
+
 Faults: a replica that dies (killed, a CUDA error, a tensor-parallel worker lost) is seen at
 once (its process sentinel and pipe); the requests it held end with an error naming the
 replica and how it died (HTTP 500 / a stream ``error`` event), the router forgets its
@@ -149,9 +152,9 @@ class DataParallelPool:
                 self._remotes.append(ConnectedEngine(ReplicaSpec(i, model_dir, a, warm_up, log_level), connected[i]))
                 continue
             slot = local_rank if connected else i
-            a.device = replica_device(slot, tp, args.device, cuda)
+            a.device = replica_device(slot, tp, args.device, cuda, single=config.size == 1 and not connected)
             if a.device != "cpu":
-                last_gpu = max(last_gpu, slot * tp + tp - 1)
+                last_gpu = max(last_gpu, int(a.device.partition(":")[2] or 0) + tp - 1)
             self._remotes.append(RemoteEngine(ReplicaSpec(i, model_dir, a, warm_up, log_level), ctx))
         if last_gpu >= 0 and last_gpu >= torch.cuda.device_count():
             raise ValueError(f"--data-parallel-size {config.size} x --tensor-parallel-size {tp} needs GPUs up to "
@@ -159,6 +162,8 @@ class DataParallelPool:
         self.clients: list[ReplicaClient] = []
         self.view: DataParallelView | None = None
         self.infos: list[dict] = []
+        self.failed: str | None = None   # every replica failed for good: why (the last one's error)
+        self.on_failed = None             # called once then (the server exits 1, as with one engine in-process)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def launch(self, tokenizer=None) -> list[dict]:
@@ -230,6 +235,19 @@ class DataParallelPool:
     def max_running(self) -> int:
         return self.view.num_slots
 
+    def replica_failed(self) -> None:
+        """A replica failed for good (no restart left): when none is left to serve, the pool
+        is :attr:`failed` and ``on_failed`` is called (from that replica's client thread)."""
+        if self.failed is not None or self.stopping or any(c.state in ("up", "restarting") for c in self.clients):
+            return
+        self.failed = next((c.last_error for c in reversed(self.clients) if c.last_error), "every replica failed")
+        log.error("no engine replica is left to serve: %s", self.failed)
+        if self.on_failed is not None:
+            try:
+                self.on_failed()
+            except Exception:  # pragma: no cover - the reason is logged above
+                log.exception("on_failed raised")
+
     def router_forget(self, index: int) -> None:
         with self._route_lock:
             self.router.forget(index)
@@ -249,6 +267,11 @@ class DataParallelPool:
                 if not any(up):
                     down = ", ".join(f"replica {c.index} {c.state}" for c in self.clients)
                     raise QueueFull(f"no engine replica is up ({down}); retry later")
+                if len(self.clients) == 1:   # one engine process: the in-process server's words
+                    c = self.clients[0]
+                    raise QueueFull(f"server is at capacity: {c.in_flight} sequences in flight, at most "
+                                    f"{c.max_running + c.max_queue} (max_num_seqs {c.max_running} + max_queue "
+                                    f"{c.max_queue}); retry later")
                 raise QueueFull(f"server is at capacity: every replica holds its max_num_seqs {self.max_running} "
                                 f"+ max_queue {self.max_queue} sequences; retry later")
             r, reason = self.router.route(requests[0][1], loads, usable)

@@ -10,7 +10,6 @@ message, or silence past the step timeout), ends its requests with the reason an
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import signal
 import socket
@@ -46,12 +45,17 @@ class _SocketWake:
                 pass
 
     def clear(self) -> None:
-        self._set = False
+        """Drain the socket, then disarm: a :meth:`set` racing with this either finds the flag
+        still up (its command is read by the caller's next inbox pass, which follows) or
+        comes after and sends a byte that stays.  (Disarming first let a ``set`` in between
+        send a byte that the drain then swallowed, leaving the flag up with nothing to wake
+        the next wait: a command, or the stop, sat unseen until the replica spoke.)"""
         try:
             while self._r.recv(4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        self._set = False
 
     def wait(self, timeout: float | None = None) -> bool:
         connection.wait([self._r], timeout)
@@ -211,30 +215,9 @@ class ReplicaClient(AsyncEngine):
         self.restarts = 0
         self._assembler = StepAssembler()
         self._last_msg = time.monotonic()
-        self._held: list | None = None   # while a step message is delivered: (stream, item) to hand over
         self._tokens_counter = None if metrics is None else metrics.r_tokens.labels(metrics.model_name,
                                                                                      str(self.index))
 
-    def submit(self, requests: list[tuple], loop: asyncio.AbstractEventLoop | None = None):
-        stream = super().submit(requests, loop)
-        stream.put = lambda item, s=stream: self._put(s, item)   # batched per step (below)
-        return stream
-
-    def _put(self, stream, item) -> None:
-        """A stream's item: held while a step message is delivered (one wake-up of the event
-        loop per step, not one per request), else handed over at once."""
-        if self._held is not None:
-            self._held.append((stream, item))
-        else:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-
-    def _release(self) -> None:
-        held, self._held = self._held, None
-        by_loop: dict = {}
-        for stream, item in held or ():
-            by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_hand_over, items)
 
     # -- the thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -368,6 +351,7 @@ class ReplicaClient(AsyncEngine):
             log.error("replica %d is not restarted (%s); the server runs degraded", self.index,
                       "not a process of this server" if not remote.restartable else
                       f"{self.restarts} restarts, --data-parallel-max-restarts {self.pool.config.max_restarts}")
+            self.pool.replica_failed()
             return
         self.restarts += 1
         if self.metrics is not None:
@@ -379,7 +363,9 @@ class ReplicaClient(AsyncEngine):
             info = remote.wait_ready(self.pool.config.start_timeout_s, lambda: self.pool.stopping or self._stop)
         except ReplicaDied as e:
             self.state = "failed"
+            self.last_error = str(e)
             log.error("%s; the server runs degraded", e)
+            self.pool.replica_failed()
             return
         if self.pool.stopping:   # shut down while it started
             remote.stop(5)
@@ -395,8 +381,3 @@ class ReplicaClient(AsyncEngine):
         self.state = "stopped"
         self._wake.close()
 
-
-def _hand_over(held: list) -> None:
-    """On the event loop: put one step's items into their streams' queues, in order."""
-    for stream, item in held:
-        stream.queue.put_nowait(item)

@@ -54,9 +54,11 @@ class ReplicaSpec:
     log_level: str = "info"
 
 
-def replica_device(index: int, tensor_parallel_size: int, device: str | None, cuda: bool) -> str:
+def replica_device(index: int, tensor_parallel_size: int, device: str | None, cuda: bool,
+                   single: bool = False) -> str:
     """The first device of replica ``index``: ``cuda:index*tp`` (its tensor-parallel ranks
-    take the next ``tp - 1``) on CUDA, ``cpu`` otherwise.  ``device``: the ``--device`` flag."""
+    take the next ``tp - 1``) on CUDA, ``cpu`` otherwise.  ``device``: the ``--device`` flag;
+    ``single`` (one engine process, no data parallelism): a ``cuda:K`` it names is kept."""
     if index < 0 or tensor_parallel_size < 1:
         raise ValueError(f"replica index must be >= 0 and tensor_parallel_size >= 1, got {index}, "
                          f"{tensor_parallel_size}")
@@ -66,6 +68,8 @@ def replica_device(index: int, tensor_parallel_size: int, device: str | None, cu
     if kind != "cuda":
         raise ValueError(f"data parallelism runs replicas on cpu or cuda, got --device {device!r}")
     if device is not None and ":" in device:
+        if single:
+            return device
         raise ValueError(f"--device {device!r} names one GPU; with --data-parallel-size give --device cuda "
                          f"(replica i uses cuda:i*tp .. i*tp+tp-1)")
     return f"cuda:{index * tensor_parallel_size}"

@@ -71,9 +71,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="serve: N engine replicas (processes, each possibly tensor-parallel: replica i on "
                         "cuda:i*tp ..) behind one endpoint, requests routed by prefix affinity and load")
     g.add_argument("--data-parallel-max-restarts", type=int, default=3, metavar="K",
-                   help="serve: times a replica that dies is restarted (0: never; the server runs degraded)")
+                   help="serve: times a replica (or the single engine process) that dies is restarted (0: never; "
+                        "the server runs degraded, and exits 1 once no replica is left)")
     g.add_argument("--data-parallel-step-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="serve: a replica holding requests that sends no step for this long counts as hung: its "
+                   help="serve: a replica (or the engine process) holding requests that sends no step for this long "
+                        "counts as hung: its "
                         "requests end with an error and it is killed and restarted (0: never)")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens per engine step: decodes plus prompt chunks (chunked prefill)")

@@ -164,6 +164,7 @@ class AsyncEngine:
         self.last_error: Optional[str] = None
         self.failed: Optional[str] = None   # the engine cannot go on: why
         self.on_failed = None               # called (from the engine thread) once the engine failed
+        self._held: list | None = None      # while a step's outputs are delivered: (stream, item) to hand over
 
     # -- asyncio side ----------------------------------------------------------------------
     def start(self) -> None:
@@ -203,6 +204,7 @@ class AsyncEngine:
                                 f"(max_num_seqs {self.max_running} + max_queue {self.max_queue}); retry later")
             self._in_flight += seqs
             stream = RequestStream(loop, [r[0] for r in requests], seqs, samples=requests[0][2].n)
+            stream.put = lambda item, s=stream: self._put(s, item)   # batched per step (below)
             for rid, ids, params in requests:
                 self._streams[rid] = stream
                 stream.prompts[rid] = list(ids)
@@ -242,6 +244,24 @@ class AsyncEngine:
         self._wake.set()
 
     # -- engine thread ---------------------------------------------------------------------
+    def _put(self, stream: RequestStream, item) -> None:
+        """A stream's item: held while a step's outputs are delivered (one wake-up of the event
+        loop per step, not one per output: each wake-up is a write to its self-pipe that hands
+        the GIL to the event loop's thread while the stepping thread still has work), else
+        handed over at once."""
+        if self._held is not None:
+            self._held.append((stream, item))
+        else:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _release(self) -> None:
+        held, self._held = self._held, None
+        by_loop: dict = {}
+        for stream, item in held or ():
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_hand_over, items)
+
     def _run(self) -> None:
         dev = getattr(self.engine, "device", None)
         if getattr(dev, "type", None) == "cuda":   # a new thread starts on device 0
@@ -268,8 +288,12 @@ class AsyncEngine:
                     self._note_admitted(t0)
                 if dt > self.slow_step_s:
                     self._log_slow_step(dt, stats, len(outs))
-                for out in outs:
-                    self._deliver(out)
+                self._held = []
+                try:
+                    for out in outs:
+                        self._deliver(out)
+                finally:
+                    self._release()
                 if self.metrics is not None:
                     self.metrics.on_step(self.engine, outs, dt, self)
             except Exception as e:  # never let bookkeeping kill the engine thread
@@ -437,6 +461,12 @@ class AsyncEngine:
                 self.on_failed()
             except Exception:  # pragma: no cover - the reason is logged above
                 log.exception("on_failed raised")
+
+
+def _hand_over(held: list) -> None:
+    """On the event loop: put one step's items into their streams' queues, in order."""
+    for stream, item in held:
+        stream.queue.put_nowait(item)
 
 
 def fatal_error(exc: BaseException) -> bool:

@@ -75,3 +75,17 @@ def offline():
     torch.set_num_threads(1)
     yield LLM(str(MODEL), max_seq_len=512, max_num_seqs=16)
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def serve_logging():
+    """``serve``'s main sets up the ``replayssm`` logger (its own handler, no propagation):
+    put it back, so later tests' ``caplog`` still sees the records."""
+    import logging
+
+    lg = logging.getLogger("replayssm")
+    saved = (list(lg.handlers), lg.level, lg.propagate)
+    yield
+    lg.handlers[:] = saved[0]
+    lg.setLevel(saved[1])
+    lg.propagate = saved[2]

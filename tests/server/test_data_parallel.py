@@ -176,20 +176,6 @@ def test_a_client_that_leaves_is_aborted_on_its_replica(dp_server):
     assert aborted >= 1
 
 
-@pytest.fixture
-def serve_logging():
-    """``serve``'s main sets up the ``replayssm`` logger (its own handler, no propagation):
-    put it back, so later tests' ``caplog`` still sees the records."""
-    import logging
-
-    lg = logging.getLogger("replayssm")
-    saved = (list(lg.handlers), lg.level, lg.propagate)
-    yield
-    lg.handlers[:] = saved[0]
-    lg.setLevel(saved[1])
-    lg.propagate = saved[2]
-
-
 def test_bad_data_parallel_flags_are_refused_before_any_replica_starts(capsys, serve_logging):
     from replayssm.server import cli as serve_cli
 

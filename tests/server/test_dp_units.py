@@ -123,6 +123,8 @@ def test_dp_config_and_devices():
     assert replica_device(3, 2, None, False) == replica_device(3, 2, "cpu", True) == "cpu"
     with pytest.raises(ValueError, match="names one GPU"):
         replica_device(0, 1, "cuda:1", True)
+    assert replica_device(0, 2, "cuda:1", True, single=True) == "cuda:1"   # one engine process: kept
+    assert replica_device(0, 1, "cpu", True, single=True) == "cpu"
     with pytest.raises(ValueError, match="cpu or cuda"):
         replica_device(0, 1, "mps", True)
 
@@ -182,3 +184,36 @@ def test_bench_serve_passes_the_data_parallel_flags_to_its_servers():
     assert flags[flags.index("--data-parallel-size") + 1] == "2"
     assert flags[flags.index("--data-parallel-max-restarts") + 1] == "0"
     assert "--data-parallel-size" not in engine_flags(build_parser().parse_args([]), "replay", False)
+
+
+def test_a_wake_set_while_it_is_cleared_is_never_lost():
+    """A ``set`` from another thread during ``clear``'s drain (forced here from inside the
+    drain) must leave the wake able to wake the next wait: either its byte stays, or the
+    flag is down so that the next ``set`` sends one."""
+    from multiprocessing import connection
+
+    from replayssm.server.dp_client import _SocketWake
+
+    w = _SocketWake()
+    try:
+        w.set()
+        real, calls = w._r, []
+
+        class Racing:   # the socket, with a set() from "another thread" at the first recv
+            def recv(self, n):
+                if not calls:
+                    calls.append(1)
+                    w.set()
+                return real.recv(n)
+
+        w._r = Racing()
+        w.clear()
+        w._r = real
+        w.set()   # a later command's wake-up
+        assert connection.wait([real], 0.5) == [real]
+        w.clear()
+        assert connection.wait([real], 0.05) == []   # drained and disarmed: a wait sleeps
+        w.set()
+        assert connection.wait([real], 0.5) == [real] and w.wait(0) is True
+    finally:
+        w.close()

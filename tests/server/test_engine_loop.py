@@ -231,3 +231,39 @@ def test_drain_lets_short_requests_finish_and_aborts_the_rest_with_a_final_outpu
             loop.shutdown()
 
     asyncio.run(main())
+
+
+def test_one_event_loop_wake_up_per_step_and_outputs_in_order():
+    """Six requests decoding together: every step's outputs reach the event loop in one
+    ``call_soon_threadsafe`` (not one per output: each is a self-pipe write that hands the GIL
+    to the event loop's thread mid-delivery), each stream gets every output in order, and the
+    tokens are the offline engine's."""
+    torch.set_num_threads(1)
+    target, _ = tiny_pair(vocab_size=32)
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11, 3], [2, 2, 2]]
+    want = [o.token_ids for o in LLM(target).generate(prompts, SamplingParams(max_tokens=7, ignore_eos=True))]
+    loop = AsyncEngine(LLM(target, max_num_seqs=8), max_running=8, max_queue=0)
+
+    async def main():
+        ev = asyncio.get_running_loop()
+        wakes = []
+        real = ev.call_soon_threadsafe
+        ev.call_soon_threadsafe = lambda *a, **k: (wakes.append(a[0]), real(*a, **k))[1]
+        loop.start()
+        try:
+            streams = [loop.submit([(loop.new_id("r"), p, SamplingParams(max_tokens=7, ignore_eos=True))])
+                       for p in prompts]
+            seen = []
+            for s in streams:
+                lens = []
+                async for out in s:
+                    lens.append(len(out.token_ids))
+                seen.append((lens, out.token_ids))
+        finally:
+            loop.shutdown()
+            ev.call_soon_threadsafe = real
+        assert [ids for _, ids in seen] == want
+        assert all(lens == sorted(lens) and lens[-1] == 7 for lens, _ in seen)
+        outputs = sum(len(lens) for lens, _ in seen) + len(prompts)   # outputs + each stream's end
+        assert loop.steps <= len(wakes) <= loop.steps + 2 < outputs
+    asyncio.run(main())
