@@ -41,7 +41,7 @@ def test_table_has_a_column_per_rank_and_marks_missing_phases():
 def test_module_phase_adds_to_the_active_timings_only():
     from replayssm.distributed import startup
 
-    t = StartupTimes()
+    t, before = StartupTimes(), startup._current
     startup.activate(None)
     with startup.phase("symm.rendezvous"):
         pass
@@ -52,5 +52,5 @@ def test_module_phase_adds_to_the_active_timings_only():
         with startup.phase("symm.rendezvous"):
             pass
     finally:
-        startup.activate(None)
+        startup.activate(before)
     assert t.counts == {"symm.rendezvous": 2} and t.times["symm.rendezvous"] >= 0
