@@ -308,10 +308,13 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
                                       f"expected {list(lparams[name].shape)}")
             with phase("load.to_device"):
                 tensors[name] = _cast_checked(t, src.keys[0], key_file, device, pdt)
+    except BaseException:
+        setup.thread.join()      # the peers run the same setup collectives: never leave it mid-way
+        raise
     finally:
         handles.clear()
         phase.flush()
-        model = setup.join()     # always: the peers run the same setup collectives
+    model = setup.join()
     rparams = dict(model.named_parameters())
     for name, t in tensors.items():
         if tuple(rparams[name].shape) != tuple(t.shape):  # pragma: no cover - the plan mirrors the model
