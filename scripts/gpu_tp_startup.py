@@ -72,6 +72,9 @@ def child(tp: int, path: str, t_spawn: float, device: str) -> dict:
         out["group"] = time.perf_counter() - t0
         model = group.load_model(path, "bfloat16")
         sync()
+        fin = model.local.tp_fused      # the setup ran beside the reading: did it still succeed?
+        out["allreduce"] = model.local.tp.allreduce.method
+        out["fused"] = "off" if fin is None else ("on" if fin.ok else f"unavailable: {fin.why_not}")
     t1 = time.perf_counter()
     out["load"] = t1 - t0 - out.get("group", 0.0)
     llm = LLM(model, device=dev, dtype="bfloat16", **dict(LLM_KW, cuda_graphs=cuda))
@@ -193,6 +196,7 @@ def main() -> int:
                     pair[tp] = r
                     print(_row(name, rnd, r), flush=True)
                     if tp == 2 and "ranks" in r:
+                        print(f"  all-reduce {r.get('allreduce')}, fused finish {r.get('fused')}", flush=True)
                         print(_ranks_table(r["ranks"]), flush=True)
                 if 1 in pair and 2 in pair and "tokens" in pair[1] and "tokens" in pair[2]:
                     same = pair[1]["tokens"] == pair[2]["tokens"]
