@@ -196,7 +196,7 @@ def _one_config(path: str, config: tuple, batches, modes, budget_s: float, profi
         fin = model.local.tp_fused
         fz = "fused" if fin is not None and fin.ok else ("fused-off" if fin is None else "fused-ref")
         if fin is not None and fin.ok and how:
-            fz = f"{fin.method}<={fin.fused_rows}"
+            fz = f"{getattr(fin, 'method', 'pull')}<={fin.fused_rows}"
         used = f"{control}+{model.local.tp.allreduce.method}+{fz}"
     else:
         used = "-"
