@@ -7,7 +7,10 @@
 3. End to end: the 2.7B preset, decode tokens/s TP=1 vs TP=2 with each all-reduce method
    (``REPLAYSSM_TP_ALLREDUCE``) and with the fused sub-block finish on or off
    (``REPLAYSSM_TP_FUSED``: a config's fourth field), replay (and recurrent) mode; the step
-   time and the captured graph alone (``replay_ms``) per config; startup times.
+   time and the captured graph alone (``replay_ms``) per config; startup times.  Each config
+   runs in a process of its own (``replayssm.bench.isolated``: a TP group whose teardown was
+   given up leaves ``torch.distributed`` initialised, so no second group could start in the
+   same process) and sends one result back, also printed as a ``CONFIG {json}`` line.
 4. A profiler table of rank 0's TP=2 decode steps (CUDA kernels and host ops).
 
 Run with NVLink multicast off (the machine's environment).  ``--budget-s`` stops starting
@@ -151,77 +154,122 @@ def _print_profile(prof: dict) -> None:
     sys.stdout.flush()
 
 
-def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS, profile: bool = True) -> dict:
+def _one_config(path: str, config: tuple, batches, modes, budget_s: float, profile: bool) -> dict:
+    """One TP config end to end, in a fresh process (:func:`replayssm.bench.isolated.run_isolated`):
+    load, decode rows, the optional profile; returns ``{"startup": row, "throughput": rows,
+    "profile": ...}`` (``budget_s``: wall seconds this config may start parts within)."""
     from replayssm import LLM, SamplingParams
     from replayssm.bench import e2e
-    from replayssm.bench.common import free_memory
     from replayssm.distributed import TensorParallelGroup
     from replayssm.engine.loading import load
 
+    t_begin = time.perf_counter()
+
+    def left() -> float:
+        return budget_s - (time.perf_counter() - t_begin)
+
+    tp, control, method, fused, *how = config
     dev = "cuda:0"
     args = argparse.Namespace(device=dev, dtype="bfloat16", buffer_size=16, cuda_graphs=True, max_tokens=64,
                               prompt_len=32, spec_method=None, oracle_accept=1.0, max_seq_len=128, model=None,
                               ssm_state_dtype="auto")
-    out = {"throughput": [], "startup": [], "profile": None}
+    out = {"throughput": [], "startup": None, "profile": None}
+    os.environ["REPLAYSSM_TP_ALLREDUCE"] = method
+    os.environ["REPLAYSSM_TP_CONTROL"] = control
+    os.environ["REPLAYSSM_TP_FUSED"] = fused      # workers inherit it when the group starts
+    for k, v in zip(("REPLAYSSM_TP_FUSED_METHOD", "REPLAYSSM_TP_FUSED_MAX_ROWS"), (how + [None, None])[:2]):
+        if v is None:
+            os.environ.pop(k, None)               # the default
+        else:
+            os.environ[k] = v
+    t = time.perf_counter()
+    group_s = 0.0
+    if tp == 1:
+        model = load(path, torch.device(dev), torch.bfloat16, 1)[0]
+    else:
+        group = TensorParallelGroup(tp, dev)
+        group_s = time.perf_counter() - t
+        model = group.load_model(path, "bfloat16")
+        model.owns_group = True
+    load_s = time.perf_counter() - t
+    if tp > 1:
+        fin = model.local.tp_fused
+        fz = "fused" if fin is not None and fin.ok else ("fused-off" if fin is None else "fused-ref")
+        if fin is not None and fin.ok and how:
+            fz = f"{getattr(fin, 'method', 'pull')}<={fin.fused_rows}"
+        used = f"{control}+{model.local.tp.allreduce.method}+{fz}"
+    else:
+        used = "-"
+    row = {"tp": tp, "method": used, "fused": fused, "load_s": load_s, "group_start_s": group_s}
+    if tp > 1 and fin is not None and not fin.ok:
+        row["fused_why_not"] = fin.why_not
+        print(f"fused finish unavailable: {fin.why_not}", flush=True)
+    out["startup"] = row
+    print(f"[{_elapsed():.0f}s] TP={tp} {used}: loaded in {load_s:.1f} s (group start {group_s:.1f} s)",
+          flush=True)
+    if tp > 1:   # every rank's phases (scripts/gpu_tp_startup.py compares them with TP=1)
+        from replayssm.distributed.startup import format_times
+
+        row["phases"] = group.startup_times
+        print(format_times(row["phases"]), flush=True)
+    for mode in modes:
+        for b in batches:
+            if left() < 0:
+                out["skipped_from"] = [mode, b]
+                break
+            r = e2e._run(LLM, SamplingParams, model, args, b, mode)
+            r.update(tensor_parallel_size=tp, allreduce=used, fused=fused, load_s=load_s,
+                     graph_ms=_graph_ms(LLM, SamplingParams, model, dev, b, mode))
+            out["throughput"].append(r)
+            print(f"[{_elapsed():.0f}s] TP={tp} {used} {mode} B={b}: {r['decode_tokens_per_s']:.0f} tok/s "
+                  f"= {1e3 * b / r['decode_tokens_per_s']:.2f} ms/step, graph alone {r['graph_ms']:.2f} ms "
+                  f"(capture {r['capture_s']:.1f} s)", flush=True)
+    if profile and tp == 2 and left() > 0:
+        out["profile"] = _profile(LLM, SamplingParams, model, dev)
+        _print_profile(out["profile"])
+    if tp > 1:
+        # close() is bounded; a teardown it gives up leaves torch.distributed initialised in
+        # this process, which ends right after sending the result (no next group starts here)
+        try:
+            _close_with_watchdog(model, f"TP={tp} {used}")
+        except SystemExit:
+            out["close"] = "still running after 60 s (stacks printed)"
+    return out
+
+
+def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS, profile: bool = True) -> dict:
+    """Every config in its own process (one result back each), the checkpoint written once."""
+    from replayssm.bench import e2e
+    from replayssm.bench.isolated import run_isolated
+
+    out = {"throughput": [], "startup": [], "profile": None, "errors": []}
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         path = e2e._random_model_dir("2.7b", tmp)
         out["write_checkpoint_s"] = time.perf_counter() - t
         print(f"[{_elapsed():.0f}s] checkpoint written in {out['write_checkpoint_s']:.0f} s", flush=True)
-        for tp, control, method, fused in configs:
-            if _elapsed() > budget_s:
-                out["skipped_from"] = [tp, control, method, fused]
+        for config in configs:
+            left = budget_s - _elapsed()
+            if left <= 0:
+                out["skipped_from"] = list(config)
                 break
-            os.environ["REPLAYSSM_TP_ALLREDUCE"] = method
-            os.environ["REPLAYSSM_TP_CONTROL"] = control
-            os.environ["REPLAYSSM_TP_FUSED"] = fused      # workers inherit it when the group starts
-            t = time.perf_counter()
-            group_s = 0.0
-            if tp == 1:
-                model = load(path, torch.device(dev), torch.bfloat16, 1)[0]
-            else:
-                group = TensorParallelGroup(tp, dev)
-                group_s = time.perf_counter() - t
-                model = group.load_model(path, "bfloat16")
-                model.owns_group = True
-            load_s = time.perf_counter() - t
-            if tp > 1:
-                fin = model.local.tp_fused
-                fz = "fused" if fin is not None and fin.ok else ("fused-off" if fin is None else "fused-ref")
-                used = f"{control}+{model.local.tp.allreduce.method}+{fz}"
-            else:
-                used = "-"
-            row = {"tp": tp, "method": used, "fused": fused, "load_s": load_s, "group_start_s": group_s}
-            if tp > 1 and fin is not None and not fin.ok:
-                row["fused_why_not"] = fin.why_not
-                print(f"fused finish unavailable: {fin.why_not}", flush=True)
-            out["startup"].append(row)
-            print(f"[{_elapsed():.0f}s] TP={tp} {used}: loaded in {load_s:.1f} s (group start {group_s:.1f} s)",
-                  flush=True)
-            if tp > 1:   # every rank's phases (scripts/gpu_tp_startup.py compares them with TP=1)
-                from replayssm.distributed.startup import format_times
-
-                row["phases"] = group.startup_times
-                print(format_times(row["phases"]), flush=True)
-            for mode in modes:
-                for b in batches:
-                    if _elapsed() > budget_s:
-                        break
-                    row = e2e._run(LLM, SamplingParams, model, args, b, mode)
-                    row.update(tensor_parallel_size=tp, allreduce=used, fused=fused, load_s=load_s,
-                               graph_ms=_graph_ms(LLM, SamplingParams, model, dev, b, mode))
-                    out["throughput"].append(row)
-                    print(f"[{_elapsed():.0f}s] TP={tp} {used} {mode} B={b}: {row['decode_tokens_per_s']:.0f} tok/s "
-                          f"= {1e3 * b / row['decode_tokens_per_s']:.2f} ms/step, graph alone {row['graph_ms']:.2f} ms "
-                          f"(capture {row['capture_s']:.1f} s)", flush=True)
-            if profile and out["profile"] is None and tp == 2 and control == "shm" and method == "auto" \
-                    and _elapsed() < budget_s:
-                out["profile"] = _profile(LLM, SamplingParams, model, dev)
-                _print_profile(out["profile"])
-            if tp > 1:
-                _close_with_watchdog(model, f"TP={tp} {used}")
-            del model
-            free_memory(dev)
+            tp, control, method = config[:3]
+            want_profile = profile and out["profile"] is None and tp == 2 and control == "shm" and method == "auto"
+            # a config past the budget still finishes the part it started: kill only a stuck one
+            r = run_isolated(_one_config, path, tuple(config), list(batches), list(modes), left, want_profile,
+                             timeout_s=left + 300)
+            if "error" in r:
+                print(f"[{_elapsed():.0f}s] config {':'.join(map(str, config))} failed: {r['error']}", flush=True)
+                out["errors"].append({"config": list(config), "error": r["error"]})
+                continue
+            print("CONFIG " + json.dumps({"config": list(config), "startup": r["startup"],
+                                          "throughput": r["throughput"]}, default=str), flush=True)
+            out["startup"].append(r["startup"])
+            out["throughput"] += r["throughput"]
+            if r.get("profile") is not None:
+                out["profile"] = r["profile"]
+            if "skipped_from" in r:
+                out.setdefault("skipped", []).append({"config": list(config), "from": r["skipped_from"]})
     return out
 
 
@@ -264,8 +312,9 @@ def main() -> int:
     p.add_argument("--modes", default="replay,recurrent")
     p.add_argument("--skip-micro", action="store_true")
     p.add_argument("--configs", default=",".join(":".join(map(str, c)) for c in CONFIGS),
-                   help="TP:control:allreduce[:fused] entries (fused: REPLAYSSM_TP_FUSED, default 1), "
-                        "e.g. 1:gloo:nccl,2:shm:auto:0,2:shm:auto:1")
+                   help="TP:control:allreduce[:fused[:rows]] entries (fused: REPLAYSSM_TP_FUSED 0 or 1, "
+                        "default 1, or a REPLAYSSM_TP_FUSED_METHOD: pull, pullv, push, twoshot; rows: "
+                        "REPLAYSSM_TP_FUSED_MAX_ROWS), e.g. 1:gloo:nccl,2:shm:auto:0,2:shm:auto:1,2:shm:auto:push:1024")
     p.add_argument("--skip-profile", action="store_true", help="no profiler table of a TP=2 config")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = p.parse_args()
@@ -281,9 +330,14 @@ def main() -> int:
     configs = []
     for e in a.configs.split(","):
         f = e.split(":")
-        if len(f) not in (3, 4) or (len(f) == 4 and f[3] not in ("0", "1")):
-            p.error(f"bad config {e!r}: TP:control:allreduce[:0|1]")
-        configs.append((int(f[0]), f[1], f[2], f[3] if len(f) == 4 else "1"))
+        methods = ("pull", "pullv", "push", "twoshot")
+        if len(f) not in (3, 4, 5) or (len(f) >= 4 and f[3] not in ("0", "1") + methods) or \
+                (len(f) == 5 and (f[3] not in methods or not f[4].isdigit())):
+            p.error(f"bad config {e!r}: TP:control:allreduce[:0|1|method[:max rows]]")
+        if len(f) >= 4 and f[3] in methods:
+            configs.append((int(f[0]), f[1], f[2], "1", *f[3:]))
+        else:
+            configs.append((int(f[0]), f[1], f[2], f[3] if len(f) == 4 else "1"))
     res.update(e2e_rows(a.budget_s, [int(b) for b in a.batches.split(",")], a.modes.split(","), configs,
                         profile=not a.skip_profile))
     os.makedirs(a.out, exist_ok=True)
@@ -298,8 +352,10 @@ def main() -> int:
         print(f"{r['mode']:<10}{r['batch']:>5}{r['allreduce'] if r['tensor_parallel_size'] > 1 else 'TP=1':>24}"
               f"{r['decode_tokens_per_s']:>9.0f}{(r['decode_tokens_per_s'] / b if b else float('nan')):>7.2f}x"
               f"{1e3 * r['batch'] / r['decode_tokens_per_s']:>9.2f}{r['graph_ms']:>10.2f}")
+    for e in res.get("errors", []):
+        print(f"config {':'.join(map(str, e['config']))} FAILED (see its traceback above)")
     print(f"total {_elapsed():.0f} s")
-    return 0
+    return 1 if res.get("errors") else 0
 
 
 if __name__ == "__main__":

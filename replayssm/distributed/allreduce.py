@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .startup import phase
+
 __all__ = ["AllReduce", "METHODS"]
 
 METHODS = ("auto", "nccl", "symm")
@@ -79,19 +81,24 @@ class AllReduce:
             self._group_name = grp.group_name
             for dt in self.dtypes:
                 n = self.symm_max_bytes // (torch.finfo(dt).bits // 8)
-                buf = symm_mem.empty(n, dtype=dt, device=self.device)
-                symm_mem.rendezvous(buf, grp)
+                with phase("symm.alloc"):
+                    buf = symm_mem.empty(n, dtype=dt, device=self.device)
+                with phase("symm.rendezvous"):
+                    symm_mem.rendezvous(buf, grp)
                 self._bufs[dt] = buf
-            probe = torch.full((7, 3), float(dist.get_rank(self.group) + 1), dtype=self.dtypes[-1], device=self.device)
-            got = self._symm(probe)
-            size = dist.get_world_size(self.group)
-            want = size * (size + 1) / 2
-            if not bool(torch.all(got == want)):
-                ok, why = False, f"probe sum gave {got.flatten()[0].item()}, want {want}"
+            with phase("symm.probe"):
+                probe = torch.full((7, 3), float(dist.get_rank(self.group) + 1), dtype=self.dtypes[-1],
+                                   device=self.device)
+                got = self._symm(probe)
+                size = dist.get_world_size(self.group)
+                want = size * (size + 1) / 2
+                if not bool(torch.all(got == want)):
+                    ok, why = False, f"probe sum gave {got.flatten()[0].item()}, want {want}"
         except Exception as e:  # noqa: BLE001 - any failure means: use NCCL
             ok, why = False, f"{type(e).__name__}: {e}"
-        flag = torch.tensor([1 if ok else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        with phase("symm.agree"):
+            flag = torch.tensor([1 if ok else 0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         if ok and not int(flag.item()):
             ok, why = False, "another rank could not use symmetric memory"
         if not ok:

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ..models.registry import parse_config, read_config
 from ..runtime import canonical_device
-from .comm import CONTROL_TIMEOUT, Comm, HostTensor, Ref, TensorArg, scalars_only
+from .comm import CONTROL_TIMEOUT, Comm, HostTensor, Plain, Ref, TensorArg, scalars_only
 from .loading import load_shard, random_shard
 from .model import TensorParallelModel
 from .sharding import check_tensor_parallel
@@ -360,6 +360,8 @@ class TensorParallelGroup:
 
     def _encode(self, x, tensors: list):
         """``(what the workers get, what rank 0 runs with)`` for one argument."""
+        if type(x) is Plain:
+            return x, x.value
         handle = getattr(x, "_tp_handle", None)
         if handle is not None:
             return Ref(handle), x.local

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 import zlib
 
@@ -156,18 +157,61 @@ def _pad(t: torch.Tensor, rule: Shard) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], rule.dim)
 
 
-def _skeletons(cfg, dtype, device, rank: int, size: int, group, mtp_keys=None, times=None):
+def _skeletons(cfg, dtype, device, rank: int, size: int, group, mtp_keys=None, times=None, gmodel=None):
     """``(global model, local model)`` on the meta device (no memory); both with an MTP head
-    when ``mtp_keys`` (the checkpoint's tensor names) is given."""
+    when ``mtp_keys`` (the checkpoint's tensor names) is given (``gmodel``: the global one,
+    already built)."""
     check_tensor_parallel(cfg, size, mtp=mtp_keys is not None)
     cls = model_class(cfg)
-    with torch.device("meta"):
-        gmodel = cls(cfg, dtype, device)
-        if mtp_keys is not None:
-            attach_mtp(gmodel, mtp_keys)
+    if gmodel is None:
+        with torch.device("meta"):
+            gmodel = cls(cfg, dtype, device)
+            if mtp_keys is not None:
+                attach_mtp(gmodel, mtp_keys)
     lmodel = build_local_model(cls, cfg, local_config(cfg, size), dtype, device, rank, size, group, mtp_keys,
                                times=times)
     return gmodel, lmodel
+
+
+def _real_skeleton(path, cfg, dtype, device, rank: int, size: int, group, mtp_keys, key_file, gmodel, times):
+    """The local model the weights are installed into: its all-reduce's (and fused
+    finish's) collective setup runs here, and the same FP8 layers as the plan's."""
+    _, model = _skeletons(cfg, dtype, device, rank, size, group, mtp_keys, times, gmodel=gmodel)
+    prepare_quant(path, model, key_file, type(gmodel).key_aliases())
+    return model
+
+
+class _Setup:
+    """``fn()`` on a thread started now (bound to ``device`` when it is a GPU: the current
+    device is per thread); :meth:`join` waits and returns its result or raises its error.
+    ``times`` gets ``load.setup`` (the thread's time) and ``load.setup_wait`` (the caller's
+    wait in :meth:`join`: the part of the setup the reading did not hide)."""
+
+    def __init__(self, fn, device: torch.device, times: StartupTimes):
+        self.box: list = [None, None]
+        self.times = times
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
+                self.box[0] = fn()
+            except BaseException as e:  # noqa: BLE001 - raised by join
+                self.box[1] = e
+            finally:
+                times.add("load.setup", time.perf_counter() - t0)
+
+        self.thread = threading.Thread(target=run, name="replayssm-tp-setup", daemon=True)
+        self.thread.start()
+
+    def join(self):
+        t0 = time.perf_counter()
+        self.thread.join()
+        self.times.add("load.setup_wait", time.perf_counter() - t0)
+        if self.box[1] is not None:
+            raise self.box[1]
+        return self.box[0]
 
 
 def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -204,23 +248,33 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     times.add("load.check", time.perf_counter() - t0)
     t0 = time.perf_counter()
-    ar0 = times.times.get("load.allreduce_setup", 0.0)
-    gmodel, model = _skeletons(cfg, tdtype, device, rank, size, group, key_file if mtp else None, times)
+    mtp_keys = key_file if mtp else None
+    with torch.device("meta"):
+        gmodel = model_class(cfg)(cfg, tdtype, device)
+        if mtp_keys is not None:
+            attach_mtp(gmodel, mtp_keys)
+    # the plan: a skeleton without the collective setup (meta device: no symmetric memory, no
+    # fused finish), so this rank reads its shard while the real skeleton's setup — the
+    # symmetric-memory rendezvous and probes, a collective every rank runs — goes on beside it
+    _, plan_model = _skeletons(cfg, tdtype, torch.device("meta"), rank, size, None, mtp_keys, gmodel=gmodel)
     aliases, read_past, scales = prepare_quant(path, gmodel, key_file, type(gmodel).key_aliases())
-    prepare_quant(path, model, key_file, type(gmodel).key_aliases())    # the same layers FP8, local sizes
+    prepare_quant(path, plan_model, key_file, type(gmodel).key_aliases())    # the same layers FP8, local sizes
     gparams = dict(gmodel.named_parameters())
-    lparams = dict(model.named_parameters())
+    lparams = dict(plan_model.named_parameters())
     if set(gparams) != set(lparams):  # pragma: no cover - the local model mirrors the global one
         raise WeightError(f"local model parameters differ from the global model's: {sorted(set(gparams) ^ set(lparams))[:4]}")
     plan = source_plan(path, cfg, gparams, key_file, aliases, type(gmodel).tied_copy, read_past)
     check_tied_copies(cfg, key_file, type(gmodel).tied_copy)
     rules = shard_rules(gmodel, size, rank)
     rules.update(scale_rules(gmodel, rules, lparams))
-    transforms = model.load_transforms()
-    transforms.update(fp8_transforms(model, transforms))
-    times.add("load.skeleton", time.perf_counter() - t0 - (times.times.get("load.allreduce_setup", 0.0) - ar0))
+    transforms = plan_model.load_transforms()
+    transforms.update(fp8_transforms(plan_model, transforms))
+    times.add("load.skeleton", time.perf_counter() - t0)
     handles = {}
     phase = _Phases(times)
+    setup = _Setup(lambda: _real_skeleton(path, cfg, tdtype, device, rank, size, group, mtp_keys, key_file, gmodel,
+                                          times), device, times)
+    tensors: dict = {}
     try:
         with phase("load.check"):
             for fn in sorted(set(key_file.values())):
@@ -253,10 +307,20 @@ def load_shard(path: str, rank: int, size: int, device="cpu", dtype="float32", g
                     raise WeightError(f"rank {rank}: shard of {name} has shape {list(t.shape)}, "
                                       f"expected {list(lparams[name].shape)}")
             with phase("load.to_device"):
-                _install(model, name, _cast_checked(t, src.keys[0], key_file, device, pdt))
+                tensors[name] = _cast_checked(t, src.keys[0], key_file, device, pdt)
+    except BaseException:
+        setup.thread.join()      # the peers run the same setup collectives: never leave it mid-way
+        raise
     finally:
         handles.clear()
         phase.flush()
+    model = setup.join()
+    rparams = dict(model.named_parameters())
+    for name, t in tensors.items():
+        if tuple(rparams[name].shape) != tuple(t.shape):  # pragma: no cover - the plan mirrors the model
+            raise WeightError(f"rank {rank}: {name} is {list(rparams[name].shape)} in the model, "
+                              f"{list(t.shape)} in its plan")
+        _install(model, name, t)
     return model.eval()
 
 

@@ -38,6 +38,7 @@ from torch import Tensor
 from ..cache.spec import CacheSpec
 from ..models.protocols import ModelCacheLike, changes, reads
 from ..runtime import canonical_device
+from .comm import Plain
 
 __all__ = ["TensorParallelModel", "ShardedCache", "ShardedObject", "ShardedRunner"]
 
@@ -129,13 +130,13 @@ class ShardedRunner(_Proxy):
         return self._call("replay_ms", int(batch), int(n))
 
     def decode(self, slots, tokens: Tensor) -> Tensor:
-        return self._call("decode", list(slots), tokens)
+        return self._call("decode", Plain(list(slots)), tokens)
 
     def verify(self, slots, tokens: Tensor) -> Tensor:
-        return self._call("verify", list(slots), tokens)
+        return self._call("verify", Plain(list(slots)), tokens)
 
     def verify_tree(self, slots, tokens: Tensor, parent: Tensor) -> Tensor:
-        return self._call("verify_tree", list(slots), tokens, parent)
+        return self._call("verify_tree", Plain(list(slots)), tokens, parent)
 
     def commit(self, accepted: Tensor, path: Tensor | None = None) -> None:
         return self._call("commit", accepted, path)
@@ -144,11 +145,11 @@ class ShardedRunner(_Proxy):
                            mask: Tensor | None = None):
         """``mask [B, N, V]`` (constrained rows' grammar masks) travels as bytes: every rank
         applies it, so every rank accepts the same tokens."""
-        return self._call("greedy_verify_step", list(slots), tokens, parent, valid, bool(tree), mask=mask)
+        return self._call("greedy_verify_step", Plain(list(slots)), tokens, parent, valid, bool(tree), mask=mask)
 
     def sampled_verify_step(self, slots, tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool, q, sb, u,
                             mask: Tensor | None = None):
-        return self._call("sampled_verify_step", list(slots), tokens, parent, valid, bool(tree), q, sb, u, mask=mask)
+        return self._call("sampled_verify_step", Plain(list(slots)), tokens, parent, valid, bool(tree), q, sb, u, mask=mask)
 
     def capture(self, spec_shapes=(), sampled_shapes=()) -> int:
         return self._call("capture", [tuple(s) for s in spec_shapes], [tuple(s) for s in sampled_shapes])

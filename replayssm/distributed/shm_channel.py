@@ -16,10 +16,16 @@ GIL release/acquire around the poll gives the ordering in practice), so a reader
 the stamp sees the payload.  A message larger than a slot stores length ``-1``: its payload
 follows on the fallback (gloo) channel.
 
-Waiting: readers spin for ``spin_s`` after their last message (a decode loop's next call
-comes within that), then sleep 50 µs between polls, 1 ms once idle for a second; readers
-and the writer call ``alive()`` every ~0.2 s while they wait and raise :class:`ChannelClosed`
-when it says the other side is gone.
+Waiting: a reader spins (polls without sleeping) for a window after its last message, then
+sleeps 50 µs between polls, 1 ms once idle for a second.  The window follows the traffic:
+``max(spin_s, 2 × the recent gap between messages)``, at most ``spin_max_s`` (50 ms), so a
+decode loop whose steps are longer than ``spin_s`` (a 2.7B model's B=64 step is ~6 ms, its
+B=256 step ~12 ms) still finds its worker spinning when the next call comes; with a fixed
+5 ms window every such step woke the worker from a sleep (``time.sleep(5e-5)`` returns
+after 60 µs or more), and that delay reached rank 0 at the step's first all-reduce.  An
+idle engine's workers sleep once the window passes.  Readers and the writer call
+``alive()`` every ~0.2 s while they wait and raise :class:`ChannelClosed` when it says
+the other side is gone.
 """
 
 from __future__ import annotations
@@ -47,10 +53,14 @@ class ShmChannel:
     message is on the fallback channel)."""
 
     def __init__(self, shm: shared_memory.SharedMemory, readers: int, rank: int, slots: int, slot_bytes: int,
-                 owner: bool, spin_s: float = 0.005):
+                 owner: bool, spin_s: float = 0.005, spin_max_s: float = 0.05):
+        if not 0 <= spin_s <= spin_max_s:
+            raise ValueError(f"need 0 <= spin_s <= spin_max_s, got spin_s={spin_s!r}, spin_max_s={spin_max_s!r}")
         self.shm, self.buf = shm, shm.buf
         self.readers, self.rank, self.slots, self.slot_bytes = readers, rank, slots, slot_bytes
-        self.owner, self.spin_s = owner, spin_s
+        self.owner, self.spin_s, self.spin_max_s = owner, spin_s, spin_max_s
+        self.gap_s = 0.0            # reader: recent gap between messages (a moving average)
+        self._last = None           # reader: when the last message arrived
         self._base = _LINE * (readers + 1)
         self.seq = 0          # writer: last sent; reader: last read
         self.alive = lambda: True
@@ -95,10 +105,19 @@ class ShmChannel:
         return fits
 
     # -- reader -------------------------------------------------------------------------------
+    def spin_window(self) -> float:
+        """How long a reader polls without sleeping after its last message (see the module doc)."""
+        return min(self.spin_max_s, max(self.spin_s, 2.0 * self.gap_s))
+
     def recv(self):
         seq = self.seq + 1
         off = self._slot(seq)
-        self._wait(lambda: _Q.unpack_from(self.buf, off)[0] == seq)
+        self._wait(lambda: _Q.unpack_from(self.buf, off)[0] == seq, self._last, self.spin_window())
+        now = time.perf_counter()
+        if self._last is not None:   # gaps past the cap (an idle engine) count as the cap
+            gap = min(now - self._last, self.spin_max_s)
+            self.gap_s = gap if self.gap_s == 0.0 else 0.75 * self.gap_s + 0.25 * gap
+        self._last = now
         _, n = _QQ.unpack_from(self.buf, off)
         obj = pickle.loads(self.buf[off + 16: off + 16 + n]) if n >= 0 else None
         self.seq = seq
@@ -106,14 +125,18 @@ class ShmChannel:
         return obj
 
     # -- waiting ------------------------------------------------------------------------------
-    def _wait(self, ready) -> None:
+    def _wait(self, ready, since: float | None = None, spin_s: float | None = None) -> None:
+        """Poll ``ready()``: spinning for ``spin_s`` (default ``self.spin_s``) counted from
+        ``since`` (default: now), then sleeping between polls."""
         if ready():
             return
-        t0 = time.perf_counter()
-        check = t0 + 0.2
+        now = time.perf_counter()
+        t0 = now if since is None else min(since, now)
+        spin = self.spin_s if spin_s is None else spin_s
+        check = now + 0.2
         while not ready():
             now = time.perf_counter()
-            if now - t0 > self.spin_s:
+            if now - t0 > spin:
                 time.sleep(5e-5 if now - t0 < 1.0 else 1e-3)
             if now > check:
                 if not self.alive():

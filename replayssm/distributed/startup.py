@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 
-__all__ = ["StartupTimes", "activate", "format_times", "is_startup_call", "watch_triton_compiles"]
+__all__ = ["StartupTimes", "activate", "format_times", "is_startup_call", "phase", "watch_triton_compiles"]
 
 log = logging.getLogger("replayssm.distributed")
 
@@ -80,6 +80,18 @@ def activate(times: StartupTimes | None) -> None:
     """Make ``times`` the one this process's Triton compiles add to (None: none)."""
     global _current
     _current = times
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Time the ``with`` body as phase ``name`` of the timings made current by
+    :func:`activate` (nothing when none is: code shared with one-rank use)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if _current is not None:
+            _current.add(name, time.perf_counter() - t0)
 
 
 def watch_triton_compiles() -> None:

@@ -115,3 +115,25 @@ def test_bad_control_name_is_refused():
 
     with pytest.raises(ValueError, match="control"):
         TensorParallelGroup(2, "cpu", control="tcp")
+
+
+def test_reader_spin_window_follows_the_gap_between_messages():
+    w = ShmChannel.create(readers=1, slots=4, slot_bytes=256)
+    r = ShmChannel.attach(w.name, 1, 1, slots=4, slot_bytes=256)
+    try:
+        assert r.spin_window() == r.spin_s                    # no traffic yet: the floor
+        for i in range(6):                                    # a loop of ~12 ms steps
+            w.send(i)
+            assert r.recv() == i
+            time.sleep(0.012)
+        assert 0.010 <= r.gap_s <= 0.05 and 0.02 <= r.spin_window() <= r.spin_max_s
+        for i in range(3):                                    # idle gaps count as the cap
+            w.send(i)
+            assert r.recv() == i
+            time.sleep(0.08)
+        assert r.gap_s <= r.spin_max_s and r.spin_window() == r.spin_max_s
+    finally:
+        r.close()
+        w.close()
+    with pytest.raises(ValueError, match="spin_s"):
+        ShmChannel(w.shm, 1, 0, 4, 256, owner=False, spin_s=0.1, spin_max_s=0.05)

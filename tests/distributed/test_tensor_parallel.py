@@ -652,12 +652,14 @@ def test_startup_report_times_every_phase_on_every_rank(models, group, caplog):
     r0, r1 = before[0], before[1]
     assert {"spawn", "wait_workers", "init_process_group", "control_group", "group_start", "load",
             "load.check", "load.skeleton", "load.allreduce_setup", "load.read", "load.transform",
-            "load.to_device"} <= set(r0)
+            "load.to_device", "load.setup", "load.setup_wait"} <= set(r0)
     assert {"process_start", "imports", "store_connect", "init_process_group", "control_group", "load",
-            "load.read", "load.to_device"} <= set(r1)
+            "load.read", "load.to_device", "load.setup", "load.setup_wait"} <= set(r1)
     assert "spawn" not in r1 and "process_start" not in r0
     assert all(math.isfinite(v) and v >= 0 for r in (r0, r1) for v in r.values())
     assert r0["group_start"] >= r0["wait_workers"] and r1["load"] >= r1["load.read"]
+    for r in (r0, r1):   # the collective setup runs beside the reading: its wait is what it did not hide
+        assert r["load.setup"] >= r["load.allreduce_setup"] and r["load.setup_wait"] <= r["load"]
     assert group.startup_times[1] == r1                      # a report adds no phase
     _generate(tp, decode_mode="replay")                      # an engine: caches and a runner on every rank
     with caplog.at_level(logging.INFO, logger="replayssm.distributed"):

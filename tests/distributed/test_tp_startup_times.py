@@ -36,3 +36,21 @@ def test_table_has_a_column_per_rank_and_marks_missing_phases():
     assert list(rows) == ["spawn", "load", "process_start"]      # rank 0's order, then the others'
     assert rows["spawn"] == ["0.010", "-"] and rows["load"] == ["0.750", "0.500"]
     assert rows["process_start"] == ["-", "2.000"]
+
+
+def test_module_phase_adds_to_the_active_timings_only():
+    from replayssm.distributed import startup
+
+    t, before = StartupTimes(), startup._current
+    startup.activate(None)
+    with startup.phase("symm.rendezvous"):
+        pass
+    startup.activate(t)
+    try:
+        with pytest.raises(RuntimeError), startup.phase("symm.rendezvous"):
+            raise RuntimeError("x")
+        with startup.phase("symm.rendezvous"):
+            pass
+    finally:
+        startup.activate(before)
+    assert t.counts == {"symm.rendezvous": 2} and t.times["symm.rendezvous"] >= 0

@@ -88,3 +88,26 @@ def test_worker_makes_and_calls_with_its_own_objects():
     assert t.args == ("model", ["model", 3]) and t.kwargs == {"k": "model"}
     assert w.objects[5] == (t, ["model"])
     assert 1 not in w.objects                              # freed by the last message
+
+
+def test_plain_values_travel_unwalked_on_both_sides():
+    """A step's slot list wrapped in ``Plain``: rank 0 runs with the bare list, the message
+    keeps the wrapper, and the worker's fill unwraps it without looking inside."""
+    import pickle
+    import threading
+
+    from replayssm.distributed.comm import Plain
+    from replayssm.distributed.group import TensorParallelGroup
+
+    g = TensorParallelGroup.__new__(TensorParallelGroup)
+    g._frees, g._frees_lock = [], threading.RLock()
+    g.comm = Comm(0, 2, torch.device("cpu"), None, None, None)
+    slots = [3, 0, 11]
+    tensors: list = []
+    wire, local = g._encode((Plain(slots), torch.arange(3)), tensors)
+    assert local[0] is slots and isinstance(wire[0], Plain) and wire[0].value is slots
+    assert isinstance(wire[1], TensorArg) and len(tensors) == 1
+    got = fill(pickle.loads(pickle.dumps(wire)), tensors)
+    assert got[0] == slots and type(got[0]) is list and got[1] is tensors[0]
+    odd = Plain([TensorArg(0)])                            # not walked: what is inside stays as sent
+    assert fill(odd, tensors) == [TensorArg(0)]
