@@ -261,20 +261,22 @@ def test_mtp_with_prefix_caching_keeps_greedy_output(mtp_models, arch):
     assert llm.stats["prefix_hit_tokens"] > 0
 
 
-@pytest.mark.parametrize("tree", [None, "topk"])
+@pytest.mark.parametrize("tree,window", [(None, 0), ("topk", 0), (None, 16), ("topk", 3)])
 @pytest.mark.parametrize("mode", ["replay", "recurrent"])
-def test_mtp_head_stays_exact_across_steps_without_speculation(mtp_models, mode, tree):
-    """``disable_by_batch_size=2``: while 3-4 requests run, steps decode plainly (the head
-    commits its pending pairs before each); once 2 are left they speculate.  Greedy output is
-    unchanged, and the head's first-draft logits equal those of an always-speculating run at
-    the same position of the same request (its cache holds the same pairs either way)."""
+def test_mtp_head_stays_exact_across_steps_without_speculation(mtp_models, mode, tree, window):
+    """``disable_by_batch_size=2``: while 3-4 requests run, steps decode plainly (without a
+    window the head commits its pending pairs before each; with one they wait in the window,
+    committed when drafting resumes or the window fills); once 2 are left they speculate.
+    Greedy output is unchanged, and the head's first-draft logits equal those of an
+    always-speculating run at the same position of the same request (its cache holds the
+    same pairs either way)."""
     import dataclasses
 
     m, expected, _ = mtp_models["qwen3_next"]
     lens = [N, N - 2, 6, 4]
 
     def run(limit):
-        sp = dataclasses.replace(_spec(tree), disable_by_batch_size=limit)
+        sp = dataclasses.replace(_spec(tree), disable_by_batch_size=limit, mtp_window=window)
         llm = LLM(m, dtype="float64", decode_mode=mode, speculative=sp, max_seq_len=MAXLEN, max_num_seqs=4)
         first, order, cur = {}, {}, {"keys": None}
         propose, head_logits = llm.drafter.propose, llm.drafter.head.logits
@@ -299,14 +301,17 @@ def test_mtp_head_stays_exact_across_steps_without_speculation(mtp_models, mode,
         while llm.has_unfinished():
             llm.step()
         assert [s.output_ids for s in seqs] == [e[:n] for e, n in zip(expected, lens)]
-        return first, seqs, widths
+        return first, seqs, widths, llm.drafter
 
-    always, _, _ = run(None)
-    limited, seqs, widths = run(2)
+    always, _, _, _ = run(None)
+    limited, seqs, widths, drafter = run(2)
     assert all(s.num_verify_steps < s.num_steps for s in seqs[:2])   # plain steps happened
-    # runs of plain steps catch up one pair per row; after a prefill the pending pairs are
-    # also one per row
-    assert set(widths) == {1}, widths
+    if window:   # no catch-up before a plain step: the window passes commit the pairs
+        assert widths == [] and drafter.num_deferred > 0 and drafter.num_flushes > 0
+        assert drafter.window == -(-window // drafter.width) * drafter.width
+    else:   # runs of plain steps catch up one pair per row; after a prefill the pending pairs
+        # are also one per row
+        assert set(widths) == {1}, widths
     common = sorted(set(always) & set(limited))
     assert common, "no position was drafted in both runs"
     for k in common:
@@ -371,9 +376,11 @@ def test_plain_step_runs_catch_up_one_pair_per_row_and_proposals_stay_the_heads(
     recomputed without a cache, and the output equals plain decoding."""
     from replayssm.engine.spec.policy import ScriptedLengths
 
+    import dataclasses
+
     m, expected, _ = mtp_models[arch]
-    llm = LLM(m, dtype="float64", decode_mode=mode, speculative=_spec(None), max_seq_len=MAXLEN,
-              pad_batches=(mode == "replay"))
+    llm = LLM(m, dtype="float64", decode_mode=mode, speculative=dataclasses.replace(_spec(None), mtp_window=0),
+              max_seq_len=MAXLEN, pad_batches=(mode == "replay"))
     L, drafter = llm.executor.lengths, llm.drafter
     llm.executor.lengths = ScriptedLengths(L.lengths, [3, 0, 0, 0, 2, 0, 3, 0, 0, 1], L.tree, L.depth)
     widths, checked, propose = [], [], drafter.propose
@@ -427,3 +434,85 @@ def test_cost_table_adds_the_mtp_draft_step_and_leaves_requests_exact(mtp_models
     for bad in [(0, 1), (2, -1), (2, L.max + 1 if tree is None else 99), (True, 1)]:
         with pytest.raises(ValueError, match="draft-step probe"):
             llm.drafter.null_step(*bad)
+
+
+@pytest.mark.parametrize("mode,window,preempt", [("replay", 16, False), ("kv", 4, True), ("recurrent", 8, True),
+                                                 ("auto", 4, False)])
+def test_mtp_window_defers_catch_up_and_proposals_stay_the_heads(mtp_models, mode, window, preempt):
+    """Scripted lengths with runs of plain steps longer than the window, rows of different
+    lengths (some finish with pairs still deferred), chunked prefill and (some cases)
+    preemption every few steps: no catch-up runs before a plain step (the pairs wait in the
+    window; a full window is committed before the plain step, the rest when drafting
+    resumes), every proposal equals the head's drafts recomputed without a cache over all
+    pairs (nothing lost), and the output equals plain decoding."""
+    import dataclasses
+
+    from replayssm.engine.spec.policy import ScriptedLengths
+
+    m, expected, _ = mtp_models["qwen3_next"]
+    sp = dataclasses.replace(_spec(None), mtp_window=window)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM(m, dtype="float64", decode_mode=mode, speculative=sp, max_seq_len=MAXLEN, auto_threshold=10,
+                  pad_batches=(mode == "replay"), max_num_batched_tokens=8)
+    L, drafter = llm.executor.lengths, llm.drafter
+    llm.executor.lengths = ScriptedLengths(L.lengths, [3] + [0] * 9 + [2, 0, 0, 1, 0, 0, 0, 0, 0, 0, 3], L.tree,
+                                           L.depth)
+    ran, checked, propose = [], [], drafter.propose
+    for r in (drafter.steps.plain_runner, drafter.steps.plain_runner1):
+        r.run = (lambda run: lambda *a: (ran.append(a), run(*a))[1])(r.run)
+
+    def checking(seqs, k=None):
+        prop = propose(seqs, k)
+        for b, s in enumerate(seqs):
+            want = _reference(m, s.all_ids, drafter.parent, [0] * drafter.num_nodes)
+            assert prop.tokens[b].tolist() == want[:prop.tokens.shape[1]], (s.all_ids, b)
+            checked.append(b)
+        return prop
+
+    drafter.propose = checking
+    lens = [N, 5, N - 3, 9]
+    seqs = [llm.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS, lens)]
+    step = 0
+    while llm.has_unfinished():
+        llm.step()
+        step += 1
+        if preempt and step % 5 == 0:
+            for s in [s for s in llm.scheduler.running if not s.prefilling][:2]:
+                llm.scheduler.preempt(s)
+    assert [s.output_ids for s in seqs] == [e[:n] for e, n in zip(expected, lens)]
+    assert ran == [] and checked and drafter.num_deferred > 0 and drafter.num_flushes > 0
+    assert drafter._stashed == {} and drafter._nodes == {}
+    if preempt:
+        assert llm.stats["preemptions"] > 0
+
+
+def test_mtp_window_bad_input_and_pass_counts(mtp_models):
+    """``mtp_window`` must be an int >= 0; the window is whole passes; ``catchup_passes``
+    counts the passes a step runs first (speculative: all deferred pairs; plain: only a
+    window about to overflow); a stash beyond the window raises before any write."""
+    import dataclasses
+
+    from replayssm.engine.sequence import Sequence
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="mtp_window"):
+            SpeculativeConfig("mtp", num_tokens=3, mtp_window=bad)
+    m, _, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=dataclasses.replace(_spec(None), mtp_window=5), max_seq_len=MAXLEN)
+    d = llm.drafter
+    assert (d.width, d.window, d.chunks) == (4, 8, 2)
+    s = Sequence([1, 2, 3], SamplingParams(max_tokens=4), request_id=7)
+    d._nodes[7], d._stashed[7] = [0, 1, 2], 5
+    assert d.catchup_passes([s], 2) == 2 and d.catchup_passes([s], 0) == 0
+    d._stashed[7] = 6
+    assert d.catchup_passes([s], 0) == 2 and d.catchup_passes([s], 1) == 2
+    d._stashed[7] = 0
+    assert d.catchup_passes([s], 3) == 0
+    before = d.steps.stash_buf.clone()
+    with pytest.raises(ValueError, match="exceed the window"):
+        d.steps.stash([(1, 0, [0]), (2, 7, [0, 1])])
+    assert torch.equal(before, d.steps.stash_buf)
+    assert d.null_flush(2) is not None and d.null_step(3, 0) is not None
+    with pytest.raises(ValueError, match="draft-step probe"):
+        d.null_flush(0)
