@@ -24,7 +24,7 @@ from .sequence import Sequence
 from .spec.base import Proposal
 from .spec.policy import AdaptiveLengths, length_policy
 from .structured import DraftMasks, LogitsMasker
-from .warmup import measure_draft_costs, measure_step_costs
+from .warmup import measure_catchup_costs, measure_draft_costs, measure_step_costs
 
 #: one sequence's result of a step: (sequence, new tokens, per-token logprobs or None)
 Step = tuple
@@ -53,6 +53,8 @@ class StepExecutor:
         self.lengths = None if spec_config is None else length_policy(spec_config, runner)
         for T in [0] + list(self.lengths.lengths if self.lengths else []):
             self.stats.setdefault(f"spec_T{T}_steps", 0)
+        if isinstance(self.lengths, AdaptiveLengths) and hasattr(drafter, "catchup_passes"):
+            self.lengths.passes = drafter.catchup_passes   # deferred MTP catch-up, priced per step
         self._tree_needs_state = False
         self.masker = LogitsMasker(sampler.device, self.stats)   # constrained rows' masks and biases
         self.draft_masks = DraftMasks(self.masker)     # ... at every verify position
@@ -101,6 +103,7 @@ class StepExecutor:
                                           reps).items():
             if key in table:
                 table[key] += s
+        L.costs.set_catchup(measure_catchup_costs(self.drafter, self.runner.buckets, self.runner.device, reps))
         L.costs.table.update(table)
         if flush:
             L.costs.flush.update(flush)

@@ -409,7 +409,7 @@ def test_cost_table_adds_the_mtp_draft_step_and_leaves_requests_exact(mtp_models
     the head's catch-up.  The drafter's probe covers every bucket and length; run between
     steps of live requests it writes only the null slot's entries (row 0 of the head's
     stores, nothing of the target's cache), and the outputs stay exact."""
-    from replayssm.engine.warmup import measure_draft_costs
+    from replayssm.engine.warmup import measure_catchup_costs, measure_draft_costs
 
     m, expected, _ = mtp_models["qwen3_next"]
     llm = LLM(m, dtype="float64", speculative=_spec(tree), max_seq_len=MAXLEN, max_num_seqs=5, pad_batches=True)
@@ -419,11 +419,16 @@ def test_cost_table_adds_the_mtp_draft_step_and_leaves_requests_exact(mtp_models
     for _ in range(3):
         llm.step()
     head, target = [t.clone() for t in llm.drafter.cache.tensors()], [t.clone() for t in llm.cache.tensors()]
+    window = llm.drafter.steps.stash_buf.clone()
     draft = measure_draft_costs(llm.drafter, buckets, L.lengths, llm.device, reps=1)
     assert set(draft) == keys and all(v > 0 for v in draft.values())
+    passes = measure_catchup_costs(llm.drafter, buckets, llm.device, reps=1)
+    assert set(passes) == set(buckets) and all(v > 0 for v in passes.values())
     table = llm.executor._cost_table(L, reps=1)
     assert set(table) == keys and all(v > 0 for v in table.values())
     assert all(L.costs.table[k] == table[k] for k in keys)
+    assert all(L.costs.catchup_cost(b) > 0 for b in buckets) and L.passes == llm.drafter.catchup_passes
+    assert torch.equal(window[1:], llm.drafter.steps.stash_buf[1:])
     for a, b in zip(head, llm.drafter.cache.tensors()):
         assert torch.equal(a[1:], b[1:])
     for a, b in zip(target, llm.cache.tensors()):   # the verify/decode probes: null slot only
