@@ -521,3 +521,76 @@ def test_mtp_window_bad_input_and_pass_counts(mtp_models):
     assert d.null_flush(2) is not None and d.null_step(3, 0) is not None
     with pytest.raises(ValueError, match="draft-step probe"):
         d.null_flush(0)
+
+
+# names whose call reads a device tensor on the host (a CUDA stream sync), or a host tensor's
+# pageable copy; the graph bodies (replayed on CUDA, never run by the host) are exempt
+_HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
+               "masked_select", "unique", "repeat_interleave", "equal"}
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_no_host_read_between_propose_and_verify(mtp_models, tree):
+    """From the start of ``propose`` to the verify step's return, and in a plain step's
+    window write, the host reads no tensor (no ``.item()``, ``.tolist()``, ``bool()``,
+    ``nonzero`` ...): each would wait for the device on CUDA.  The graph bodies are exempt
+    (on CUDA they are replays); tensors reach the device through ``host_to_device``."""
+    from torch.overrides import TorchFunctionMode
+
+    from replayssm.engine.spec.policy import ScriptedLengths
+
+    m, expected, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=_spec(tree), max_seq_len=MAXLEN, pad_batches=True)
+    d, st, runner = llm.drafter, llm.drafter.steps, llm.runner
+    depth, hits = {"body": 0, "window": 0}, []
+
+    def body(f):
+        def g(*a, **k):
+            depth["body"] += 1
+            try:
+                return f(*a, **k)
+            finally:
+                depth["body"] -= 1
+        return g
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if depth["window"] and not depth["body"] and getattr(func, "__name__", "") in _HOST_READS:
+                hits.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def window(f):
+        def g(*a, **k):
+            depth["window"] += 1
+            try:
+                return f(*a, **k)
+            finally:
+                depth["window"] -= 1
+        return g
+
+    for r in (st.runner, st.plain_runner, st.plain_runner1, st.stash_runner):
+        r.body = body(r.body)
+    runner._greedy_body = body(runner._greedy_body)
+    propose, verify = d.propose, runner.greedy_verify_step
+    d.propose = lambda seqs, k=None: (depth.__setitem__("window", depth["window"] + 1), propose(seqs, k))[1]
+
+    def closing(*a, **k):
+        try:
+            return verify(*a, **k)
+        finally:
+            depth["window"] -= 1
+
+    runner.greedy_verify_step = closing
+    d.plain_step = window(d.plain_step)
+    L = llm.executor.lengths
+    llm.executor.lengths = ScriptedLengths(L.lengths, [3, 0, 0, 2, 0, 1], L.tree, L.depth)
+    with Reads():
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    assert llm.stats["spec_T0_steps"] > 0 and d.num_flushes > 0 and depth["window"] == 0
+    assert hits == [], sorted(set(hits))
+    depth["window"] = 1   # the check itself: a read in the window is caught
+
+    with Reads():
+        torch.ones(2).sum().item()
+    assert hits == ["item"]
