@@ -28,10 +28,16 @@ host-to-device copy, the graph gathers ``cache.hidden`` itself.  The draft step 
 its own, launched right before the target's verify graph with nothing between them that waits
 for the device (the tokens it drafts stay on the device as the verify graph's input; the
 host's one sync is the verify step's result), so one fused graph would save only a graph
-launch.  Before a plain step (the length policy's ``T = 0``) the catch-up runs alone, as a
-graph of ``K+1`` pairs per row after a speculative step and of one pair per row after a plain
-one.  Sampled rows draw from the MTP distribution (eager), so speculative sampling stays
+launch.  Sampled rows draw from the MTP distribution (eager), so speculative sampling stays
 lossless.
+
+Plain steps (the length policy's ``T = 0``) defer the catch-up: the pending pairs' hidden
+states move into a per-slot window of ``W`` pairs (``mtp_window`` rounded up to a multiple of
+``K+1``; a gather and a scatter, no sync) and are committed, ``K+1`` per pass and in order,
+when drafting resumes, when a row's window would overflow, or before a swap-out (window
+passes: one graph per bucket and pass count).  The head's cache ends exactly as if it had
+caught up every step.  ``mtp_window=0``: the catch-up runs before every plain step instead
+(a graph of ``K+1`` pairs per row after a speculative step, of one pair after a plain one).
 """
 
 from __future__ import annotations
