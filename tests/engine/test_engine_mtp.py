@@ -594,3 +594,66 @@ def test_no_host_read_between_propose_and_verify(mtp_models, tree):
     with Reads():
         torch.ones(2).sum().item()
     assert hits == ["item"]
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+@pytest.mark.parametrize("mode", ["replay", "kv", "recurrent", "auto"])
+def test_fused_draft_and_verify_step_equals_the_two_steps(mtp_models, mode, tree):
+    """``mtp_fused``: the head's draft step and the target's verify/accept/commit as one
+    function (one graph per bucket and length on CUDA; run eagerly here, padded to buckets in
+    replay form; trees over KV-only slots keep the two steps).  Stepped in lockstep with the
+    unfused engine through scripted lengths (0 included), every step's outputs and both caches (the target's and the head's, every
+    slot but the null one) are equal, and the output equals plain decoding."""
+    import dataclasses
+
+    from replayssm.engine.spec.policy import ScriptedLengths
+
+    m, expected, _ = mtp_models["qwen3_next"]
+    engines = []
+    for fused in (False, True):
+        sp = dataclasses.replace(_spec(tree), mtp_fused=fused, mtp_window=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            llm = LLM(m, dtype="float64", decode_mode=mode, speculative=sp, auto_threshold=10, max_seq_len=MAXLEN,
+                      pad_batches=(mode == "replay"))
+        L = llm.executor.lengths
+        llm.executor.lengths = ScriptedLengths(L.lengths, [3, 0, 2, 0, 0, 1, 3], L.tree, L.depth)
+        engines.append(llm)
+    plain, fused = engines
+    assert plain.drafter.fused is None and fused.drafter.fused is not None
+    calls = []
+    body = fused.drafter.fused.body
+    fused.drafter.fused.body = lambda *a: (calls.append(a[-1]), body(*a))[1]
+    lens = [N, 6, N - 2, 9]
+    seqs = [[llm.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS, lens)] for llm in engines]
+    while plain.has_unfinished() or fused.has_unfinished():
+        a, b = plain.step(), fused.step()
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        for x, y in zip(plain.cache.tensors() + plain.drafter.cache.tensors(),
+                        fused.cache.tensors() + fused.drafter.cache.tensors()):
+            assert torch.equal(x[1:], y[1:])
+    assert [s.output_ids for s in seqs[1]] == [s.output_ids for s in seqs[0]] == [e[:n] for e, n in
+                                                                                  zip(expected, lens)]
+    counts = {k: v for k, v in plain.stats.items() if isinstance(v, int)}
+    assert counts == {k: v for k, v in fused.stats.items() if isinstance(v, int)}
+    assert bool(calls) == (not tree or mode != "kv")   # trees over KV-only slots: the two steps
+    assert fused.runner.num_calls == plain.runner.num_calls
+
+
+def test_fused_step_falls_back_for_sampling_rows_and_bad_config(mtp_models):
+    """Sampling rows use the two steps (the fused graph is greedy); ``mtp_fused`` is MTP's."""
+    import dataclasses
+
+    with pytest.raises(ValueError, match="mtp_fused"):
+        SpeculativeConfig("ngram", mtp_fused=True)
+    with pytest.raises(ValueError, match="mtp_fused must be a bool"):
+        SpeculativeConfig("mtp", mtp_fused=1)
+    m, expected, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=dataclasses.replace(_spec(None), mtp_fused=True), max_seq_len=MAXLEN)
+    calls = []
+    body = llm.drafter.fused.body
+    llm.drafter.fused.body = lambda *a: (calls.append(a[-1]), body(*a))[1]
+    out = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=N, temperature=0.8, seed=1),
+                                     SamplingParams(max_tokens=N)])
+    assert calls == [] and out[1].token_ids == expected[1] and len(out[0].token_ids) == N
+    assert llm.generate(PROMPTS[1:2], SamplingParams(max_tokens=N))[0].token_ids == expected[1] and calls

@@ -81,7 +81,8 @@ class MTPDrafter(Drafter):
     samples_q = True
 
     def __init__(self, target, target_cache, sampler: Sampler, device, max_batch: int, spec, num_tokens: int,
-                 tree=None, cuda_graphs: bool = False, pad_batches: bool = False, window: int = 16):
+                 tree=None, cuda_graphs: bool = False, pad_batches: bool = False, window: int = 16,
+                 fused_runner=None):
         mtp_head_of(target)
         self.target_cache, self.sampler = target_cache, sampler
         self.device = canonical_device(device)
@@ -101,6 +102,10 @@ class MTPDrafter(Drafter):
         self.num_deferred = 0              # pairs deferred so far (stats)
         self.num_flushes = 0               # window passes run (on resume, on a full window, before a swap)
         self._parent_t = torch.tensor(self.parent, dtype=torch.long, device=self.device)
+        # the draft step and the target's verify as one graph (``mtp_fused``; one rank only)
+        self.fused = None
+        if fused_runner is not None and not self._split:
+            self.fused = MTPFusedStep(self.steps, fused_runner, cuda_graphs, pad_batches)
 
     # the device half's parts (under tensor parallelism: rank 0's, to read)
     @property
@@ -123,15 +128,18 @@ class MTPDrafter(Drafter):
     def create(cls, setup, *, target, cache, sampler, runner, num_slots):
         sp = setup.config
         return cls(target, cache, sampler, setup.device, num_slots, setup.spec, sp.num_tokens, tree=sp.tree,
-                   cuda_graphs=runner.use_graphs, pad_batches=runner.pad_batches, window=sp.mtp_window)
+                   cuda_graphs=runner.use_graphs, pad_batches=runner.pad_batches, window=sp.mtp_window,
+                   fused_runner=runner if sp.mtp_fused else None)
 
     def graph_shapes(self):
         return [(self.num_nodes, self.tree)]
 
     def capture(self, lengths=()) -> int:
         """The greedy draft step's graphs: per batch bucket and chain length in ``lengths``
-        (a tree: its one shape), and the catch-up alone (before plain steps)."""
-        return self.steps.capture(self._node_counts(lengths))
+        (a tree: its one shape), the catch-up alone (before plain steps), the window passes,
+        and with ``mtp_fused`` the fused draft-and-verify graphs."""
+        ns = self._node_counts(lengths)
+        return self.steps.capture(ns) + (self.fused.capture(ns) if self.fused is not None else 0)
 
     def null_step(self, batch: int, T: int):
         """A call running the draft step of ``T`` drafts (``T = 0``: the drafter's work before
@@ -291,6 +299,23 @@ class MTPDrafter(Drafter):
         tokens, q = self.steps.sampled(rows, greedy, sb, u, n)
         return Proposal(tokens, parent, valid, q, tree=self.tree)
 
+    def fused_step(self, seqs: list[Sequence], k: int | None = None):
+        """With ``mtp_fused``, for all-greedy rows: the proposal of :meth:`propose` and the
+        target's verify, greedy acceptance and commit of it, as one call (one graph per
+        bucket and length); returns ``(proposal, accepted [B], bonus [B], path [B, N] | None)``,
+        or None where the step cannot be fused (sampling rows, no fused runner)."""
+        if self.fused is None or not all(s.params.greedy for s in seqs):
+            return None
+        B = len(seqs)
+        n = self.num_nodes if (self.tree or k is None) else min(int(k), self.k) + 1
+        if self.window:
+            self._flush(seqs)
+        tokens, acc, bonus, path = self.fused.run(self._catchup_rows(seqs), n)
+        parent = (self._parent_t.expand(B, -1).contiguous() if self.tree
+                  else chain_parent(B, n, self.device))
+        valid = torch.ones(B, n, dtype=torch.bool, device=self.device)
+        return Proposal(tokens, parent, valid, None, tree=self.tree), acc, bonus, path
+
 
 class MTPSteps:
     """The device half of MTP drafting: the head, its cache (``spec.for_draft()``, the
@@ -308,7 +333,7 @@ class MTPSteps:
     def __init__(self, target, target_cache, device, max_batch: int, spec, num_tokens: int, tree=None,
                  cuda_graphs: bool = False, pad_batches: bool = False, window: int = 0):
         self.head = mtp_head_of(target)
-        self.target_cache = target_cache
+        self.target_cache, self.max_batch = target_cache, max_batch
         self.device = canonical_device(target.device if device is None else device)
         self.tree = tree is not None
         if self.tree:
@@ -549,6 +574,13 @@ def _check_probe(batch, T, most: int) -> None:
         raise ValueError(f"draft-step probe: T must be an int in [0, {most}], got {T!r}")
 
 
+def _rows(out, B: int):
+    """The first ``B`` rows of a step's output (a tensor or a tuple of tensors / None)."""
+    if isinstance(out, tuple):
+        return tuple(None if x is None else x[:B] for x in out)
+    return out[:B]
+
+
 def _greedy_pick(logits: Tensor, i: int, rank: int):
     if rank == 0:
         return logits.argmax(-1), None
@@ -594,8 +626,8 @@ class MTPStepGraphs:
                 for dst, src in zip(static_in, ins):
                     dst.copy_(src)
                 graph.replay()
-                return out[:B]
-        return self.body(*ins, n)[:B]
+                return _rows(out, B)
+        return _rows(self.body(*ins, n), B)
 
     def capture(self, ns) -> int:
         """Capture every bucket's graph for each node count in ``ns`` (largest first);
@@ -626,3 +658,46 @@ class MTPStepGraphs:
             return None
         self._graphs[(Bp, n)] = (graph, ins, out)
         return self._graphs[(Bp, n)]
+
+
+class MTPFusedStep:
+    """The greedy MTP draft step and the target's greedy verify step (verify, accept, commit:
+    ``runner._greedy_body``) as one body, one CUDA graph per (batch bucket, nodes ``n``, the
+    target cache's form).  ``body(slots, tokens, nodes, count, n) -> (drafts [Bp, n],
+    accepted [Bp], bonus [Bp], path [Bp, n] | None)``; padding rows (the null slot 0) keep only
+    their root valid, as the verify step pads them."""
+
+    def __init__(self, steps: "MTPSteps", runner, cuda_graphs: bool = False, pad_batches: bool = False):
+        self.steps, self.runner = steps, runner
+        self.cuda_graphs, self.pad_batches = cuda_graphs, pad_batches
+        self._graphs: dict = {}   # target form -> MTPStepGraphs
+        self._parent = torch.tensor(steps.parent, dtype=torch.long, device=steps.device)
+
+    def _graphs_for_form(self) -> MTPStepGraphs:
+        form = self.runner._form()
+        g = self._graphs.get(form)
+        if g is None:
+            g = self._graphs[form] = MTPStepGraphs(self.body, self.steps.device, self.steps.max_batch,
+                                                   self.steps.width, self.cuda_graphs, self.pad_batches)
+        return g
+
+    def body(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor, n: int):
+        st = self.steps
+        tokens = st._greedy_body(slots, toks, nodes, count, n)
+        Bp = tokens.shape[0]
+        if st.tree:
+            parent = self._parent.expand(Bp, -1).contiguous()
+        else:
+            parent = chain_parent(Bp, n, tokens.device)
+        valid = (slots != 0)[:, None].expand(Bp, n).clone()
+        valid[:, 0] = True
+        acc, bonus, path = self.runner._greedy_body(slots, tokens, parent, valid, st.tree, None)
+        return tokens, acc, bonus, path
+
+    def run(self, rows, n: int):
+        """``(drafts [B, n], accepted [B], bonus [B], path [B, n] | None)`` of packed catch-up rows."""
+        self.runner.num_calls["tree" if self.steps.tree else "verify"] += 1
+        return self._graphs_for_form().run(*self.steps.inputs(rows), int(n))
+
+    def capture(self, ns) -> int:
+        return self._graphs_for_form().capture(list(ns))
