@@ -21,8 +21,9 @@ bf16, replay form, CUDA graphs.  Sections:
 2. **breakdown** (MTP engine, null-slot rows, CUDA-graph replays back to back): the decode
    graph, the verify graph (``T`` drafts), the MTP draft graph, its catch-up-only graph,
    the window's write before a plain step ("w write", eager) and one window pass ("w pass":
-   ``T + 1`` deferred pairs per row), draft then verify chained (what one fused graph could
-   save is the difference from the sum), the LM head's GEMM (+ argmax) alone, one pass of the head's decoder layer over
+   ``T + 1`` deferred pairs per row), draft then verify chained ("d+v"), the fused
+   draft-and-verify graph (``mtp_fused``; "fused") and the sum of the two graphs alone, the
+   LM head's GEMM (+ argmax) alone, one pass of the head's decoder layer over
    1 and ``T + 1`` pairs, the draft step priced as those parts ("parts": ``T`` heads, one
    catch-up pass, ``T - 1`` one-pair passes), and the bytes a draft step reads with the floor
    they give at the measured copy bandwidth; a kernel table (``torch.profiler``) of one MTP draft-graph replay
@@ -213,7 +214,7 @@ def breakdown(llm, model, args, batches) -> dict:
     out = {"copy_bandwidth_GBps": bw / 1e9, "batches": {}}
     print(f"\n== breakdown (null-slot rows, graph replays back to back; copy bandwidth {bw / 1e9:.0f} GB/s)")
     print(f"{'B':>5}{'decode':>8}{'verify':>8}{'draft':>8}{'catchup':>8}{'catch1':>8}{'w write':>8}{'w pass':>8}"
-          f"{'d+v':>8}{'d+v sum':>8}"
+          f"{'d+v':>8}{'fused':>8}{'d+v sum':>8}"
           f"{'lm_head':>8}"
           f"{'+argmax':>8}{'pass 1':>8}{f'pass {T + 1}':>8}{'parts':>8}{'bytes GB':>9}{'floor':>7}   (ms)")
     for B in batches:
@@ -231,6 +232,9 @@ def breakdown(llm, model, args, batches) -> dict:
         r["catchup_1pair_ms"] = _events_ms(c1[0].replay) if c1 else float("nan")
         r["draft_then_verify_ms"] = (_events_ms(lambda: (d[0].replay(), v[0].replay())) if d and v
                                      else float("nan"))
+        fz = llm.drafter.fused
+        f = _null(fz._graphs_for_form()._graphs, (Bp, T + 1), count_at=3) if fz is not None else None
+        r["fused_ms"] = _events_ms(f[0].replay) if f else float("nan")
         # a plain step's drafter work with the window (its write, eager) and one window pass (graph)
         w, wp = llm.drafter.null_step(Bp, 0), llm.drafter.null_flush(Bp)
         r["window_write_ms"] = _events_ms(w) if w and llm.drafter.window else float("nan")
@@ -259,7 +263,7 @@ def breakdown(llm, model, args, batches) -> dict:
         out["batches"][B] = r
         print(f"{B:>5}{r['decode_ms']:>8.2f}{r['verify_ms']:>8.2f}{r['draft_ms']:>8.2f}{r['catchup_ms']:>8.2f}"
               f"{r['catchup_1pair_ms']:>8.2f}{r['window_write_ms']:>8.3f}{r['window_pass_ms']:>8.2f}"
-              f"{r['draft_then_verify_ms']:>8.2f}"
+              f"{r['draft_then_verify_ms']:>8.2f}{r['fused_ms']:>8.2f}"
               f"{r['draft_ms'] + r['verify_ms']:>8.2f}{r['lm_head_ms']:>8.3f}"
               f"{r['lm_head_argmax_ms']:>8.3f}{r['layer_pass_1_ms']:>8.3f}{r[f'layer_pass_{T + 1}_ms']:>8.3f}"
               f"{r['parts_ms']:>8.2f}{r['bytes']['total'] / 1e9:>9.2f}{r['byte_floor_ms']:>7.2f}")
@@ -289,10 +293,12 @@ class _SyncWindow:
     """Turns CUDA sync warnings on at ``propose`` and at ``plain_step`` (MTP: the window
     write, or a full window's passes); the verify and decode steps' wrappers turn them off."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, fused: bool = False):
+        self.inner, self.fused = inner, fused
 
     def __getattr__(self, name):
+        if name == "fused_step":   # (the property's AttributeError lands here)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def propose(self, seqs, k=None):
@@ -302,6 +308,21 @@ class _SyncWindow:
     def plain_step(self, seqs):
         torch.cuda.set_sync_debug_mode(1)
         return self.inner.plain_step(seqs)
+
+    @property
+    def fused_step(self):
+        """The fused step (when asked for): its window ends with its return (it verified too)."""
+        inner = getattr(self.inner, "fused_step", None) if self.fused else None
+        if inner is None:
+            raise AttributeError("fused_step")
+
+        def run(seqs, k=None):
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                return inner(seqs, k)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return run
 
 
 def _where() -> str:
@@ -332,13 +353,13 @@ def sync_check(llm, args, prompts, refs) -> dict:
     runner.greedy_verify_step, runner.decode = closing(verify), closing(decode)
     out, where = {}, {}
     try:
-        pairs = [("mtp", inner)]
+        pairs = [("mtp", inner)] + ([("mtp fused", inner)] if getattr(inner, "fused", None) is not None else [])
         if refs:   # the benchmarks' oracle wrapper (needs the plain run's continuations)
             pairs.append(("oracle(mtp)", OracleTokens(inner, OracleDrafter(refs, T, args.accept, V, llm.device))))
         for name, d in pairs:
             for rep in range(2):   # the second pass: what remains once everything ran once
                 llm.executor.lengths = ScriptedLengths((T,), [T, 0, 0, 0, T, 0, T, T])
-                llm.drafter = _SyncWindow(d)
+                llm.drafter = _SyncWindow(d, fused=name == "mtp fused")
                 seen = []
                 with warnings.catch_warnings():   # (restores showwarning on exit)
                     warnings.simplefilter("always")
@@ -398,6 +419,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--sections", default="e2e,breakdown,sync")
+    p.add_argument("--no-fused", dest="fused", action="store_false",
+                   help="build the MTP engine without mtp_fused (no fused graphs to capture, time, sync-check)")
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda":
@@ -445,7 +468,8 @@ def main(argv=None) -> int:
             free_memory(args.device)
         mtp_llm = None
         for d in drafters:
-            spec = SpeculativeConfig(d, num_tokens=args.num_tokens)
+            fused = {"mtp_fused": args.fused} if d == "mtp" else {}
+            spec = SpeculativeConfig(d, num_tokens=args.num_tokens, **fused)
             llm = _engine(model, args, max(batches), spec)
             costs = getattr(llm.executor.lengths, "costs", None)   # the start-up table (CUDA), ms
             res["config"][f"{d}_start_cost_table_ms"] = {f"{b},{t}": v * 1e3 for (b, t), v

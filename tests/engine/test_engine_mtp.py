@@ -602,8 +602,9 @@ def test_fused_draft_and_verify_step_equals_the_two_steps(mtp_models, mode, tree
     """``mtp_fused``: the head's draft step and the target's verify/accept/commit as one
     function (one graph per bucket and length on CUDA; run eagerly here, padded to buckets in
     replay form; trees over KV-only slots keep the two steps).  Stepped in lockstep with the
-    unfused engine through scripted lengths (0 included), every step's outputs and both caches (the target's and the head's, every
-    slot but the null one) are equal, and the output equals plain decoding."""
+    unfused engine through scripted lengths (0 included), every step's outputs and both
+    caches (the target's and the head's, every slot but the null one) are equal, and the
+    output equals plain decoding."""
     import dataclasses
 
     from replayssm.engine.spec.policy import ScriptedLengths

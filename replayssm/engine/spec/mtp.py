@@ -439,7 +439,8 @@ class MTPSteps:
         idx = host_to_device(torch.tensor([dst, src], dtype=torch.long), self.device)
         D = self.stash_buf.shape[-1]
         with torch.inference_mode():
-            self.stash_buf.view(-1, D).index_copy_(0, idx[0], self.target_cache.hidden.view(-1, D).index_select(0, idx[1]))
+            rows = self.target_cache.hidden.view(-1, D).index_select(0, idx[1])
+            self.stash_buf.view(-1, D).index_copy_(0, idx[0], rows)
 
     def flush(self, rows, n: int) -> None:
         """Commit deferred pairs: ``rows`` per row ``[slot, m, tokens (window)]`` (the token
