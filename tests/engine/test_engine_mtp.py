@@ -658,3 +658,13 @@ def test_fused_step_falls_back_for_sampling_rows_and_bad_config(mtp_models):
                                      SamplingParams(max_tokens=N)])
     assert calls == [] and out[1].token_ids == expected[1] and len(out[0].token_ids) == N
     assert llm.generate(PROMPTS[1:2], SamplingParams(max_tokens=N))[0].token_ids == expected[1] and calls
+    # a failed fused capture (CUDA) leaves neither cache with a half-done verify
+    d = llm.drafter
+    d.cache._in_use.add(1)
+    slots = torch.tensor([1])
+    d.head.verify(d.cache, slots, torch.tensor([[3, 4]]), torch.randn(1, 2, m.config.hidden_size, dtype=torch.float64))
+    m.verify(llm.cache, slots, torch.tensor([[3, 4]]))
+    assert d.cache.pending is not None and llm.cache.pending is not None
+    d.fused._drop_pending()
+    assert d.cache.pending is None and llm.cache.pending is None
+    d.cache._in_use.discard(1)

@@ -596,8 +596,10 @@ class MTPStepGraphs:
     (batch bucket, nodes ``n``); ``capture(ns)`` takes every bucket's graphs before serving
     (largest first, one memory pool); a key whose capture fails runs eagerly, with a warning."""
 
-    def __init__(self, body, device, max_batch: int, width: int, cuda_graphs: bool = False, pad: bool = False):
+    def __init__(self, body, device, max_batch: int, width: int, cuda_graphs: bool = False, pad: bool = False,
+                 on_fail=None):
         self.body, self.device, self.width = body, canonical_device(device), width
+        self.on_fail = on_fail   # called after a failed capture (drop the caches' pending verify)
         self.buckets = batch_buckets(max_batch)
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.pad = pad or self.use_graphs
@@ -656,6 +658,8 @@ class MTPStepGraphs:
             warnings.warn(f"CUDA graph capture of the MTP draft step (batch {Bp}, {n} nodes) failed, "
                           f"running eagerly: {e}")
             self._failed.add((Bp, n))
+            if self.on_fail is not None:
+                self.on_fail()
             return None
         self._graphs[(Bp, n)] = (graph, ins, out)
         return self._graphs[(Bp, n)]
@@ -679,7 +683,8 @@ class MTPFusedStep:
         g = self._graphs.get(form)
         if g is None:
             g = self._graphs[form] = MTPStepGraphs(self.body, self.steps.device, self.steps.max_batch,
-                                                   self.steps.width, self.cuda_graphs, self.pad_batches)
+                                                   self.steps.width, self.cuda_graphs, self.pad_batches,
+                                                   on_fail=self._drop_pending)
         return g
 
     def body(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor, n: int):
@@ -694,6 +699,11 @@ class MTPFusedStep:
         valid[:, 0] = True
         acc, bonus, path = self.runner._greedy_body(slots, tokens, parent, valid, st.tree, None)
         return tokens, acc, bonus, path
+
+    def _drop_pending(self) -> None:
+        """After a failed capture: forget the target's and the head's half-done verify."""
+        self.runner._drop_pending()
+        self.steps.reset()
 
     def run(self, rows, n: int):
         """``(drafts [B, n], accepted [B], bonus [B], path [B, n] | None)`` of packed catch-up rows."""
