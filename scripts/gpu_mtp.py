@@ -31,11 +31,14 @@ bf16, replay form, CUDA graphs.  Sections:
 3. **sync check**: engine steps (lengths scripted through runs of ``T = 0``) with
    ``torch.cuda.set_sync_debug_mode`` on from the start of ``propose`` to the return of the
    verify step and from ``plain_step`` to the return of the decode step: the count of
-   synchronising CUDA calls and where each came from, for the MTP drafter and for the
+   synchronising CUDA calls and where each came from, for the MTP drafter (its own drafts:
+   the window's passes and, with ``mtp_fused``, the fused graphs run here) and for the
    bench's oracle wrapper around it, twice each ("first": one-off work such as a lazy
-   capture may sync; the second pass must count 0).
+   capture may sync; the second pass must count 0); each run's greedy output is checked
+   against the plain run (must be 0 mismatches).
 
-Usage (one H100 or H200; meant to take under 4 minutes, not yet run on a GPU)::
+Usage (one H100 or H200; meant to take under 4 minutes; ``--no-fused`` and
+``--draft-batches ''`` make it shorter)::
 
     PYTHONPATH=. python scripts/gpu_mtp.py
 
@@ -351,7 +354,7 @@ def sync_check(llm, args, prompts, refs) -> dict:
     adaptive = llm.executor.lengths
     T = args.num_tokens
     runner.greedy_verify_step, runner.decode = closing(verify), closing(decode)
-    out, where = {}, {}
+    out, where, mism = {}, {}, {}
     try:
         pairs = [("mtp", inner)] + ([("mtp fused", inner)] if getattr(inner, "fused", None) is not None else [])
         if refs:   # the benchmarks' oracle wrapper (needs the plain run's continuations)
@@ -364,11 +367,14 @@ def sync_check(llm, args, prompts, refs) -> dict:
                 with warnings.catch_warnings():   # (restores showwarning on exit)
                     warnings.simplefilter("always")
                     warnings.showwarning = lambda msg, *a, **k: seen.append((str(msg), _where()))
-                    llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+                    outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
                 syncs = [w for m, w in seen if "synchroniz" in m]
                 key = name if rep else f"{name} (first)"
                 out[key] = len(syncs)
                 where[key] = sorted(set(syncs))
+                if refs:   # greedy output of the captured graphs (window passes, fused steps) = plain decoding
+                    mism[key] = sum(o.token_ids[:len(r)] != r for o, r in
+                                    ((o, refs[tuple(p)][:24]) for o, p in zip(outs, prompts)))
     finally:
         torch.cuda.set_sync_debug_mode(0)
         llm.drafter, llm.executor.lengths = inner, adaptive
@@ -378,7 +384,9 @@ def sync_check(llm, args, prompts, refs) -> dict:
     for k, ws in where.items():
         for w in ws:
             print(f"   {k}: {w}")
-    return {"counts": out, "where": where}
+    if mism:
+        print("   greedy mismatches against the plain run: " + ", ".join(f"{k} {v}" for k, v in mism.items()))
+    return {"counts": out, "where": where, "mismatch": mism}
 
 
 def report(rows: list[dict]) -> None:
@@ -500,6 +508,8 @@ def main(argv=None) -> int:
              for r in res["rows"] if r.get("mismatch")]
     fails += [f"sync check {k}: {v} synchronising calls" for k, v in res.get("sync_check", {}).get("counts", {}).items()
               if v and "first" not in k]
+    fails += [f"sync check {k}: {v} greedy mismatches" for k, v in res.get("sync_check", {}).get("mismatch", {}).items()
+              if v]
     res["fails"] = fails
     _save(res)
     for f in fails:
