@@ -9,7 +9,9 @@ bf16, replay form, CUDA graphs.  Sections:
 
 1. **end to end** at each batch in ``--batches``: no speculation, n-gram, the MTP head (each
    drafter with ``spec_policy="fixed"``, always ``--num-tokens`` drafts, and ``"adaptive"``,
-   the engine's default, whose chosen draft lengths are printed), and the draft model (a
+   the engine's default, whose chosen draft lengths are printed; MTP also with every step
+   forced to ``T = 0``, policy "T=0": what a plain step costs with the MTP drafter, whose
+   head defers its catch-up into a window, against no speculation), and the draft model (a
    random 512-wide 8-layer Mamba-2 with the target's vocabulary) at ``--draft-batches``.
    Per row: generated tok/s, ratio to none, the mean accepted length, draft ms per
    speculative step (CUDA events from the start of ``propose`` to the completion of its
@@ -18,18 +20,25 @@ bf16, replay form, CUDA graphs.  Sections:
    serves every batch in turn (graphs captured once); fixed and adaptive share it.
 2. **breakdown** (MTP engine, null-slot rows, CUDA-graph replays back to back): the decode
    graph, the verify graph (``T`` drafts), the MTP draft graph, its catch-up-only graph,
-   draft then verify chained (what one fused graph could save is the difference from the
-   sum), the LM head's GEMM (+ argmax) alone, one pass of the head's decoder layer over
+   the window's write before a plain step ("w write", eager) and one window pass ("w pass":
+   ``T + 1`` deferred pairs per row), draft then verify chained ("d+v"), the fused
+   draft-and-verify graph (``mtp_fused``; "fused") and the sum of the two graphs alone, the
+   LM head's GEMM (+ argmax) alone, one pass of the head's decoder layer over
    1 and ``T + 1`` pairs, the draft step priced as those parts ("parts": ``T`` heads, one
    catch-up pass, ``T - 1`` one-pair passes), and the bytes a draft step reads with the floor
    they give at the measured copy bandwidth; a kernel table (``torch.profiler``) of one MTP draft-graph replay
    at the smallest and largest batch: kernel time vs the replay's wall time.
-3. **sync check**: engine steps with ``torch.cuda.set_sync_debug_mode`` on from the start of
-   ``propose`` to the return of the verify step: the count of synchronising CUDA calls
-   between drafting and verify (must be 0), for the MTP drafter and for the bench's oracle
-   wrapper around it.
+3. **sync check**: engine steps (lengths scripted through runs of ``T = 0``) with
+   ``torch.cuda.set_sync_debug_mode`` on from the start of ``propose`` to the return of the
+   verify step and from ``plain_step`` to the return of the decode step: the count of
+   synchronising CUDA calls and where each came from, for the MTP drafter (its own drafts:
+   the window's passes and, with ``mtp_fused``, the fused graphs run here) and for the
+   bench's oracle wrapper around it, twice each ("first": one-off work such as a lazy
+   capture may sync; the second pass must count 0); each run's greedy output is checked
+   against the plain run (must be 0 mismatches).
 
-Usage (one H100 or H200; meant to take under 4 minutes, not yet run on a GPU)::
+Usage (one H100 or H200; meant to take under 4 minutes; ``--no-fused`` and
+``--draft-batches ''`` make it shorter)::
 
     PYTHONPATH=. python scripts/gpu_mtp.py
 
@@ -46,6 +55,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 import torch
@@ -60,7 +70,7 @@ from replayssm.engine.config import SamplingParams, SpeculativeConfig
 from replayssm.engine.llm import LLM
 from replayssm.engine.loading import load
 from replayssm.engine.model_runner import GraphKey
-from replayssm.engine.spec.policy import AdaptiveLengths, FixedLengths
+from replayssm.engine.spec.policy import AdaptiveLengths, FixedLengths, ScriptedLengths
 
 
 def _engine(model, args, max_batch: int, spec=None) -> LLM:
@@ -98,11 +108,16 @@ def _sweep(llm, args, batches, prompts, refs, label: str, policy: str) -> list[d
     return rows
 
 
-def _fixed_and_adaptive(llm, args, batches, prompts, refs, label: str) -> list[dict]:
-    """The drafter with the fixed length (always ``num_tokens``), then the engine's adaptive policy."""
+def _fixed_and_adaptive(llm, args, batches, prompts, refs, label: str, plain: bool = False) -> list[dict]:
+    """The drafter with the fixed length (always ``num_tokens``), then the engine's adaptive
+    policy; with ``plain``, also every step forced to ``T = 0`` (the drafter's cost of a plain
+    step: MTP's window writes and, every ``window`` steps, its passes)."""
     adaptive = llm.executor.lengths
     llm.executor.lengths = FixedLengths((args.num_tokens,))
     rows = _sweep(llm, args, batches, prompts, refs, label, "fixed")
+    if plain:
+        llm.executor.lengths = ScriptedLengths((args.num_tokens,), [0])
+        rows += _sweep(llm, args, batches, prompts, refs, label, "T=0")
     llm.executor.lengths = adaptive
     name = "adaptive" if isinstance(adaptive, AdaptiveLengths) else type(adaptive).__name__
     return rows + _sweep(llm, args, batches, prompts, refs, label, name)
@@ -201,7 +216,8 @@ def breakdown(llm, model, args, batches) -> dict:
     W = model.head_weight()
     out = {"copy_bandwidth_GBps": bw / 1e9, "batches": {}}
     print(f"\n== breakdown (null-slot rows, graph replays back to back; copy bandwidth {bw / 1e9:.0f} GB/s)")
-    print(f"{'B':>5}{'decode':>8}{'verify':>8}{'draft':>8}{'catchup':>8}{'catch1':>8}{'d+v':>8}{'d+v sum':>8}"
+    print(f"{'B':>5}{'decode':>8}{'verify':>8}{'draft':>8}{'catchup':>8}{'catch1':>8}{'w write':>8}{'w pass':>8}"
+          f"{'d+v':>8}{'fused':>8}{'d+v sum':>8}"
           f"{'lm_head':>8}"
           f"{'+argmax':>8}{'pass 1':>8}{f'pass {T + 1}':>8}{'parts':>8}{'bytes GB':>9}{'floor':>7}   (ms)")
     for B in batches:
@@ -219,6 +235,13 @@ def breakdown(llm, model, args, batches) -> dict:
         r["catchup_1pair_ms"] = _events_ms(c1[0].replay) if c1 else float("nan")
         r["draft_then_verify_ms"] = (_events_ms(lambda: (d[0].replay(), v[0].replay())) if d and v
                                      else float("nan"))
+        fz = llm.drafter.fused
+        f = _null(fz._graphs_for_form()._graphs, (Bp, T + 1), count_at=3) if fz is not None else None
+        r["fused_ms"] = _events_ms(f[0].replay) if f else float("nan")
+        # a plain step's drafter work with the window (its write, eager) and one window pass (graph)
+        w, wp = llm.drafter.null_step(Bp, 0), llm.drafter.null_flush(Bp)
+        r["window_write_ms"] = _events_ms(w) if w and llm.drafter.window else float("nan")
+        r["window_pass_ms"] = _events_ms(wp) if wp else float("nan")
         x = torch.randn(Bp, D, dtype=W.dtype, device=dev)
         with torch.inference_mode():
             r["lm_head_ms"] = graph_replay_ms(lambda: torch.nn.functional.linear(x, W))
@@ -242,7 +265,8 @@ def breakdown(llm, model, args, batches) -> dict:
                          + (T - 1) * r["layer_pass_1_ms"])
         out["batches"][B] = r
         print(f"{B:>5}{r['decode_ms']:>8.2f}{r['verify_ms']:>8.2f}{r['draft_ms']:>8.2f}{r['catchup_ms']:>8.2f}"
-              f"{r['catchup_1pair_ms']:>8.2f}{r['draft_then_verify_ms']:>8.2f}"
+              f"{r['catchup_1pair_ms']:>8.2f}{r['window_write_ms']:>8.3f}{r['window_pass_ms']:>8.2f}"
+              f"{r['draft_then_verify_ms']:>8.2f}{r['fused_ms']:>8.2f}"
               f"{r['draft_ms'] + r['verify_ms']:>8.2f}{r['lm_head_ms']:>8.3f}"
               f"{r['lm_head_argmax_ms']:>8.3f}{r['layer_pass_1_ms']:>8.3f}{r[f'layer_pass_{T + 1}_ms']:>8.3f}"
               f"{r['parts_ms']:>8.2f}{r['bytes']['total'] / 1e9:>9.2f}{r['byte_floor_ms']:>7.2f}")
@@ -269,52 +293,100 @@ def breakdown(llm, model, args, batches) -> dict:
 
 # ---- section 3: host syncs between drafting and verify ---------------------------------------
 class _SyncWindow:
-    """Turns CUDA sync warnings on at ``propose``; the verify step's wrapper turns them off."""
+    """Turns CUDA sync warnings on at ``propose`` and at ``plain_step`` (MTP: the window
+    write, or a full window's passes); the verify and decode steps' wrappers turn them off."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, fused: bool = False):
+        self.inner, self.fused = inner, fused
 
     def __getattr__(self, name):
+        if name == "fused_step":   # (the property's AttributeError lands here)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def propose(self, seqs, k=None):
         torch.cuda.set_sync_debug_mode(1)
         return self.inner.propose(seqs, k)
 
+    def plain_step(self, seqs):
+        torch.cuda.set_sync_debug_mode(1)
+        return self.inner.plain_step(seqs)
+
+    @property
+    def fused_step(self):
+        """The fused step (when asked for): its window ends with its return (it verified too)."""
+        inner = getattr(self.inner, "fused_step", None) if self.fused else None
+        if inner is None:
+            raise AttributeError("fused_step")
+
+        def run(seqs, k=None):
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                return inner(seqs, k)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return run
+
+
+def _where() -> str:
+    """The innermost project frames of the current Python stack (where a sync warning came from)."""
+    frames = [f for f in traceback.extract_stack()[:-2] if "replayssm" in f.filename or "gpu_mtp" in f.filename]
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
+
 
 def sync_check(llm, args, prompts, refs) -> dict:
-    """Synchronising CUDA calls from the start of ``propose`` to the verify step's return."""
-    inner, verify = llm.drafter, llm.runner.greedy_verify_step
+    """Synchronising CUDA calls from the start of ``propose`` to the verify step's return and
+    from ``plain_step`` to the decode step's return (lengths scripted through ``T = 0`` runs,
+    so MTP's window writes and its passes on resume run too), with where each came from."""
+    inner = llm.drafter
+    runner = llm.runner
+    verify, decode = runner.greedy_verify_step, runner.decode
     V = int(llm.model.config.vocab_size)
 
-    def closing(*a, **kw):
-        try:
-            return verify(*a, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    def closing(fn):
+        def run(*a, **kw):
+            try:
+                return fn(*a, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return run
 
     adaptive = llm.executor.lengths
-    llm.executor.lengths = FixedLengths((args.num_tokens,))
-    llm.runner.greedy_verify_step = closing
-    out = {}
+    T = args.num_tokens
+    runner.greedy_verify_step, runner.decode = closing(verify), closing(decode)
+    out, where, mism = {}, {}, {}
     try:
-        pairs = [("mtp", inner)]
+        pairs = [("mtp", inner)] + ([("mtp fused", inner)] if getattr(inner, "fused", None) is not None else [])
         if refs:   # the benchmarks' oracle wrapper (needs the plain run's continuations)
-            pairs.append(("oracle(mtp)", OracleTokens(inner, OracleDrafter(refs, args.num_tokens, args.accept, V,
-                                                                           llm.device))))
+            pairs.append(("oracle(mtp)", OracleTokens(inner, OracleDrafter(refs, T, args.accept, V, llm.device))))
         for name, d in pairs:
-            llm.drafter = _SyncWindow(d)
-            with warnings.catch_warnings(record=True) as w:
-                warnings.simplefilter("always")
-                llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-            out[name] = sum("synchroniz" in str(x.message) for x in w)
+            for rep in range(2):   # the second pass: what remains once everything ran once
+                llm.executor.lengths = ScriptedLengths((T,), [T, 0, 0, 0, T, 0, T, T])
+                llm.drafter = _SyncWindow(d, fused=name == "mtp fused")
+                seen = []
+                with warnings.catch_warnings():   # (restores showwarning on exit)
+                    warnings.simplefilter("always")
+                    warnings.showwarning = lambda msg, *a, **k: seen.append((str(msg), _where()))
+                    outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+                syncs = [w for m, w in seen if "synchroniz" in m]
+                key = name if rep else f"{name} (first)"
+                out[key] = len(syncs)
+                where[key] = sorted(set(syncs))
+                if refs:   # greedy output of the captured graphs (window passes, fused steps) = plain decoding
+                    mism[key] = sum(o.token_ids[:len(r)] != r for o, r in
+                                    ((o, refs[tuple(p)][:24]) for o, p in zip(outs, prompts)))
     finally:
         torch.cuda.set_sync_debug_mode(0)
         llm.drafter, llm.executor.lengths = inner, adaptive
-        del llm.runner.greedy_verify_step
-    print("\n== sync check: synchronising CUDA calls between propose and verify: "
+        del runner.greedy_verify_step, runner.decode
+    print("\n== sync check: synchronising CUDA calls from propose to verify and from plain_step to decode: "
           + ", ".join(f"{k} {v}" for k, v in out.items()))
-    return out
+    for k, ws in where.items():
+        for w in ws:
+            print(f"   {k}: {w}")
+    if mism:
+        print("   greedy mismatches against the plain run: " + ", ".join(f"{k} {v}" for k, v in mism.items()))
+    return {"counts": out, "where": where, "mismatch": mism}
 
 
 def report(rows: list[dict]) -> None:
@@ -355,6 +427,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--sections", default="e2e,breakdown,sync")
+    p.add_argument("--no-fused", dest="fused", action="store_false",
+                   help="build the MTP engine without mtp_fused (no fused graphs to capture, time, sync-check)")
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda":
@@ -402,14 +476,15 @@ def main(argv=None) -> int:
             free_memory(args.device)
         mtp_llm = None
         for d in drafters:
-            spec = SpeculativeConfig(d, num_tokens=args.num_tokens)
+            fused = {"mtp_fused": args.fused} if d == "mtp" else {}
+            spec = SpeculativeConfig(d, num_tokens=args.num_tokens, **fused)
             llm = _engine(model, args, max(batches), spec)
             costs = getattr(llm.executor.lengths, "costs", None)   # the start-up table (CUDA), ms
             res["config"][f"{d}_start_cost_table_ms"] = {f"{b},{t}": v * 1e3 for (b, t), v
                                                          in (costs.table.items() if costs else [])}
             res["config"][f"{d}_capture_s"] = llm.capture_s
             if e2e:
-                res["rows"] += _fixed_and_adaptive(llm, args, batches, prompts, refs, d)
+                res["rows"] += _fixed_and_adaptive(llm, args, batches, prompts, refs, d, plain=(d == "mtp"))
                 _save(res)
             if d == "mtp":
                 mtp_llm = llm
@@ -431,7 +506,10 @@ def main(argv=None) -> int:
           f"acceptance {args.accept}, {args.max_tokens} tokens per request; {res['elapsed_s']:.0f} s")
     fails = [f"B={r['batch']} {r['drafter']} {r['policy']}: {r['mismatch']} greedy mismatches"
              for r in res["rows"] if r.get("mismatch")]
-    fails += [f"sync check {k}: {v} synchronising calls" for k, v in res.get("sync_check", {}).items() if v]
+    fails += [f"sync check {k}: {v} synchronising calls" for k, v in res.get("sync_check", {}).get("counts", {}).items()
+              if v and "first" not in k]
+    fails += [f"sync check {k}: {v} greedy mismatches" for k, v in res.get("sync_check", {}).get("mismatch", {}).items()
+              if v]
     res["fails"] = fails
     _save(res)
     for f in fails:

@@ -325,7 +325,19 @@ class SpeculativeConfig:
     speculation (output unchanged).  At large batches a verify step costs several decode
     steps on models whose dense or MoE layers dominate (H100, Qwen3-Next-class 4B at B=256:
     speculation 0.78x plain decoding), so speculation pays only below some batch.  Drafters
-    catch up on the plain steps' tokens (the MTP head commits its pending pairs before each).
+    catch up on the plain steps' tokens.
+
+    ``mtp_window`` (MTP only): plain steps defer the head's catch-up; their pairs wait in a
+    per-slot window of this many pairs (rounded up to a multiple of the catch-up width
+    ``num_tokens + 1``, or the tree's nodes) and are committed, ``num_tokens + 1`` pairs a
+    pass, when drafting resumes or the window fills (then before the plain step).  So a run
+    of plain steps costs one head pass per ``num_tokens + 1`` steps instead of one per step,
+    and none until speculation pays again.  ``0``: catch up before every plain step.
+
+    ``mtp_fused`` (MTP only): all-greedy steps without constrained rows run the head's draft
+    step and the target's verify, acceptance and commit as one function, one CUDA graph per
+    (batch bucket, draft length) (default: two graphs launched back to back).  Not under
+    tensor parallelism (there the two stay separate).
     """
 
     method: str = "ngram"
@@ -341,6 +353,8 @@ class SpeculativeConfig:
     draft_lengths: tuple | None = None
     step_costs: dict | None = None
     probe_interval: int = 16
+    mtp_window: int = 16
+    mtp_fused: bool = False
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -359,6 +373,12 @@ class SpeculativeConfig:
                 f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.disable_by_batch_size is not None:
             _int("SpeculativeConfig.disable_by_batch_size", self.disable_by_batch_size, 1)
+        _int("SpeculativeConfig.mtp_window", self.mtp_window, 0)
+        if not isinstance(self.mtp_fused, bool):
+            raise ValueError(f"SpeculativeConfig.mtp_fused must be a bool, got {self.mtp_fused!r}")
+        if self.mtp_fused and self.method != "mtp":
+            raise ValueError(f"SpeculativeConfig.mtp_fused fuses the MTP draft step into the verify graph; "
+                             f"method is {self.method!r}")
         if self.method == "draft" and self.draft_model is None:
             raise ValueError("SpeculativeConfig(method='draft') needs draft_model (a directory or model)")
         if self.method == "ngram" and self.draft_model is not None:

@@ -24,7 +24,7 @@ from .sequence import Sequence
 from .spec.base import Proposal
 from .spec.policy import AdaptiveLengths, length_policy
 from .structured import DraftMasks, LogitsMasker
-from .warmup import measure_draft_costs, measure_step_costs
+from .warmup import measure_catchup_costs, measure_draft_costs, measure_step_costs
 
 #: one sequence's result of a step: (sequence, new tokens, per-token logprobs or None)
 Step = tuple
@@ -53,6 +53,8 @@ class StepExecutor:
         self.lengths = None if spec_config is None else length_policy(spec_config, runner)
         for T in [0] + list(self.lengths.lengths if self.lengths else []):
             self.stats.setdefault(f"spec_T{T}_steps", 0)
+        if isinstance(self.lengths, AdaptiveLengths) and hasattr(drafter, "catchup_passes"):
+            self.lengths.passes = drafter.catchup_passes   # deferred MTP catch-up, priced per step
         self._tree_needs_state = False
         self.masker = LogitsMasker(sampler.device, self.stats)   # constrained rows' masks and biases
         self.draft_masks = DraftMasks(self.masker)     # ... at every verify position
@@ -101,6 +103,7 @@ class StepExecutor:
                                           reps).items():
             if key in table:
                 table[key] += s
+        L.costs.set_catchup(measure_catchup_costs(self.drafter, self.runner.buckets, self.runner.device, reps))
         L.costs.table.update(table)
         if flush:
             L.costs.flush.update(flush)
@@ -257,7 +260,8 @@ class StepExecutor:
         seqs = self.blocks.reserve_tokens(seqs, self.max_new)
         if not seqs:
             return []
-        prop = self.drafter.propose(seqs, T)
+        fused = self._fused(seqs, T)
+        prop = fused[0] if fused is not None else self.drafter.propose(seqs, T)
         if prop is None:  # nothing to draft anywhere: a plain decode step
             out = self.decode(seqs, reserve=False)
             for s in seqs:
@@ -269,14 +273,17 @@ class StepExecutor:
         if not prop.tree and prop.tokens.shape[1] > T + 1:   # a drafter that drafts a fixed chain
             prop = prop.truncate(T + 1)
         mask = None
-        if any(s.constraint is not None for s in seqs):   # walk the grammars over the drafts
+        if fused is not None:    # drafted, verified, accepted and committed in one go
+            accepted, bonus, path, lps = *fused[1:], None
+        elif any(s.constraint is not None for s in seqs):   # walk the grammars over the drafts
             V = int(self.sampler.vocab_size)   # the logits width (also under tensor parallelism)
             tw = time.perf_counter()
             mask, valid = self.draft_masks.build(seqs, prop.tokens, prop.parent, prop.valid, prop.tree,
                                                  prop.q is not None, V)
             self.stats["grammar_walk_s"] = self.stats.get("grammar_walk_s", 0.0) + time.perf_counter() - tw
             prop = Proposal(prop.tokens, prop.parent, valid, prop.q, prop.tree)
-        accepted, bonus, path, lps = self._verify(seqs, prop, mask)
+        if fused is None:
+            accepted, bonus, path, lps = self._verify(seqs, prop, mask)
         N = prop.tokens.shape[1]
         parts = [accepted[:, None], bonus[:, None], prop.num_drafts[:, None], prop.tokens]
         if path is not None:
@@ -300,6 +307,16 @@ class StepExecutor:
         self._count(T)
         self.lengths.observe(seqs, T, acc, time.perf_counter() - t0)
         return out
+
+    def _fused(self, seqs: list[Sequence], T: int):
+        """The drafter's fused draft-and-verify step (MTP with ``mtp_fused``) where it applies:
+        plain greedy rows, no constraints, no tree over KV-only slots; else None."""
+        fused = getattr(self.drafter, "fused_step", None)
+        if fused is None or not all(_plain(s.params) and s.constraint is None for s in seqs):
+            return None
+        if getattr(self.drafter, "tree", False) and any(s.mode == "kv" for s in seqs):
+            return None
+        return fused(seqs, T)
 
     def _verify(self, seqs: list[Sequence], prop, mask=None):
         """Verify, accept and commit ``prop`` (KV-only slots get a state first when the model

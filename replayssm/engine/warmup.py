@@ -182,3 +182,19 @@ def measure_draft_costs(drafter, buckets, lengths, device, reps: int = 3) -> dic
             if fn is not None:
                 out[(Bp, T)] = timed(fn)
     return out
+
+
+def measure_catchup_costs(drafter, buckets, device, reps: int = 3) -> dict:
+    """``{bucket: seconds}`` of one drafter catch-up pass (MTP: ``width`` deferred pairs per
+    row, ``drafter.null_flush(bucket)`` on null-slot rows), timed like
+    :func:`measure_draft_costs`; empty for drafters without one."""
+    probe = getattr(drafter, "null_flush", None)
+    if probe is None:
+        return {}
+    timed = _timer(torch.device(device), reps)
+    out = {}
+    for Bp in buckets:
+        fn = probe(Bp)
+        if fn is not None:
+            out[Bp] = timed(fn)
+    return out

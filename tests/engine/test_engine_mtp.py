@@ -261,20 +261,22 @@ def test_mtp_with_prefix_caching_keeps_greedy_output(mtp_models, arch):
     assert llm.stats["prefix_hit_tokens"] > 0
 
 
-@pytest.mark.parametrize("tree", [None, "topk"])
+@pytest.mark.parametrize("tree,window", [(None, 0), ("topk", 0), (None, 16), ("topk", 3)])
 @pytest.mark.parametrize("mode", ["replay", "recurrent"])
-def test_mtp_head_stays_exact_across_steps_without_speculation(mtp_models, mode, tree):
-    """``disable_by_batch_size=2``: while 3-4 requests run, steps decode plainly (the head
-    commits its pending pairs before each); once 2 are left they speculate.  Greedy output is
-    unchanged, and the head's first-draft logits equal those of an always-speculating run at
-    the same position of the same request (its cache holds the same pairs either way)."""
+def test_mtp_head_stays_exact_across_steps_without_speculation(mtp_models, mode, tree, window):
+    """``disable_by_batch_size=2``: while 3-4 requests run, steps decode plainly (without a
+    window the head commits its pending pairs before each; with one they wait in the window,
+    committed when drafting resumes or the window fills); once 2 are left they speculate.
+    Greedy output is unchanged, and the head's first-draft logits equal those of an
+    always-speculating run at the same position of the same request (its cache holds the
+    same pairs either way)."""
     import dataclasses
 
     m, expected, _ = mtp_models["qwen3_next"]
     lens = [N, N - 2, 6, 4]
 
     def run(limit):
-        sp = dataclasses.replace(_spec(tree), disable_by_batch_size=limit)
+        sp = dataclasses.replace(_spec(tree), disable_by_batch_size=limit, mtp_window=window)
         llm = LLM(m, dtype="float64", decode_mode=mode, speculative=sp, max_seq_len=MAXLEN, max_num_seqs=4)
         first, order, cur = {}, {}, {"keys": None}
         propose, head_logits = llm.drafter.propose, llm.drafter.head.logits
@@ -299,14 +301,17 @@ def test_mtp_head_stays_exact_across_steps_without_speculation(mtp_models, mode,
         while llm.has_unfinished():
             llm.step()
         assert [s.output_ids for s in seqs] == [e[:n] for e, n in zip(expected, lens)]
-        return first, seqs, widths
+        return first, seqs, widths, llm.drafter
 
-    always, _, _ = run(None)
-    limited, seqs, widths = run(2)
+    always, _, _, _ = run(None)
+    limited, seqs, widths, drafter = run(2)
     assert all(s.num_verify_steps < s.num_steps for s in seqs[:2])   # plain steps happened
-    # runs of plain steps catch up one pair per row; after a prefill the pending pairs are
-    # also one per row
-    assert set(widths) == {1}, widths
+    if window:   # no catch-up before a plain step: the window passes commit the pairs
+        assert widths == [] and drafter.num_deferred > 0 and drafter.num_flushes > 0
+        assert drafter.window == -(-window // drafter.width) * drafter.width
+    else:   # runs of plain steps catch up one pair per row; after a prefill the pending pairs
+        # are also one per row
+        assert set(widths) == {1}, widths
     common = sorted(set(always) & set(limited))
     assert common, "no position was drafted in both runs"
     for k in common:
@@ -371,9 +376,11 @@ def test_plain_step_runs_catch_up_one_pair_per_row_and_proposals_stay_the_heads(
     recomputed without a cache, and the output equals plain decoding."""
     from replayssm.engine.spec.policy import ScriptedLengths
 
+    import dataclasses
+
     m, expected, _ = mtp_models[arch]
-    llm = LLM(m, dtype="float64", decode_mode=mode, speculative=_spec(None), max_seq_len=MAXLEN,
-              pad_batches=(mode == "replay"))
+    llm = LLM(m, dtype="float64", decode_mode=mode, speculative=dataclasses.replace(_spec(None), mtp_window=0),
+              max_seq_len=MAXLEN, pad_batches=(mode == "replay"))
     L, drafter = llm.executor.lengths, llm.drafter
     llm.executor.lengths = ScriptedLengths(L.lengths, [3, 0, 0, 0, 2, 0, 3, 0, 0, 1], L.tree, L.depth)
     widths, checked, propose = [], [], drafter.propose
@@ -402,7 +409,7 @@ def test_cost_table_adds_the_mtp_draft_step_and_leaves_requests_exact(mtp_models
     the head's catch-up.  The drafter's probe covers every bucket and length; run between
     steps of live requests it writes only the null slot's entries (row 0 of the head's
     stores, nothing of the target's cache), and the outputs stay exact."""
-    from replayssm.engine.warmup import measure_draft_costs
+    from replayssm.engine.warmup import measure_catchup_costs, measure_draft_costs
 
     m, expected, _ = mtp_models["qwen3_next"]
     llm = LLM(m, dtype="float64", speculative=_spec(tree), max_seq_len=MAXLEN, max_num_seqs=5, pad_batches=True)
@@ -412,11 +419,16 @@ def test_cost_table_adds_the_mtp_draft_step_and_leaves_requests_exact(mtp_models
     for _ in range(3):
         llm.step()
     head, target = [t.clone() for t in llm.drafter.cache.tensors()], [t.clone() for t in llm.cache.tensors()]
+    window = llm.drafter.steps.stash_buf.clone()
     draft = measure_draft_costs(llm.drafter, buckets, L.lengths, llm.device, reps=1)
     assert set(draft) == keys and all(v > 0 for v in draft.values())
+    passes = measure_catchup_costs(llm.drafter, buckets, llm.device, reps=1)
+    assert set(passes) == set(buckets) and all(v > 0 for v in passes.values())
     table = llm.executor._cost_table(L, reps=1)
     assert set(table) == keys and all(v > 0 for v in table.values())
     assert all(L.costs.table[k] == table[k] for k in keys)
+    assert all(L.costs.catchup_cost(b) > 0 for b in buckets) and L.passes == llm.drafter.catchup_passes
+    assert torch.equal(window[1:], llm.drafter.steps.stash_buf[1:])
     for a, b in zip(head, llm.drafter.cache.tensors()):
         assert torch.equal(a[1:], b[1:])
     for a, b in zip(target, llm.cache.tensors()):   # the verify/decode probes: null slot only
@@ -427,3 +439,232 @@ def test_cost_table_adds_the_mtp_draft_step_and_leaves_requests_exact(mtp_models
     for bad in [(0, 1), (2, -1), (2, L.max + 1 if tree is None else 99), (True, 1)]:
         with pytest.raises(ValueError, match="draft-step probe"):
             llm.drafter.null_step(*bad)
+
+
+@pytest.mark.parametrize("mode,window,preempt", [("replay", 16, False), ("kv", 4, True), ("recurrent", 8, True),
+                                                 ("auto", 4, False)])
+def test_mtp_window_defers_catch_up_and_proposals_stay_the_heads(mtp_models, mode, window, preempt):
+    """Scripted lengths with runs of plain steps longer than the window, rows of different
+    lengths (some finish with pairs still deferred), chunked prefill and (some cases)
+    preemption every few steps: no catch-up runs before a plain step (the pairs wait in the
+    window; a full window is committed before the plain step, the rest when drafting
+    resumes), every proposal equals the head's drafts recomputed without a cache over all
+    pairs (nothing lost), and the output equals plain decoding."""
+    import dataclasses
+
+    from replayssm.engine.spec.policy import ScriptedLengths
+
+    m, expected, _ = mtp_models["qwen3_next"]
+    sp = dataclasses.replace(_spec(None), mtp_window=window)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM(m, dtype="float64", decode_mode=mode, speculative=sp, max_seq_len=MAXLEN, auto_threshold=10,
+                  pad_batches=(mode == "replay"), max_num_batched_tokens=8)
+    L, drafter = llm.executor.lengths, llm.drafter
+    llm.executor.lengths = ScriptedLengths(L.lengths, [3] + [0] * 9 + [2, 0, 0, 1, 0, 0, 0, 0, 0, 0, 3], L.tree,
+                                           L.depth)
+    ran, checked, propose = [], [], drafter.propose
+    for r in (drafter.steps.plain_runner, drafter.steps.plain_runner1):
+        r.run = (lambda run: lambda *a: (ran.append(a), run(*a))[1])(r.run)
+
+    def checking(seqs, k=None):
+        prop = propose(seqs, k)
+        for b, s in enumerate(seqs):
+            want = _reference(m, s.all_ids, drafter.parent, [0] * drafter.num_nodes)
+            assert prop.tokens[b].tolist() == want[:prop.tokens.shape[1]], (s.all_ids, b)
+            checked.append(b)
+        return prop
+
+    drafter.propose = checking
+    lens = [N, 5, N - 3, 9]
+    seqs = [llm.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS, lens)]
+    step = 0
+    while llm.has_unfinished():
+        llm.step()
+        step += 1
+        if preempt and step % 5 == 0:
+            for s in [s for s in llm.scheduler.running if not s.prefilling][:2]:
+                llm.scheduler.preempt(s)
+    assert [s.output_ids for s in seqs] == [e[:n] for e, n in zip(expected, lens)]
+    assert ran == [] and checked and drafter.num_deferred > 0 and drafter.num_flushes > 0
+    assert drafter._stashed == {} and drafter._nodes == {}
+    if preempt:
+        assert llm.stats["preemptions"] > 0
+
+
+def test_mtp_window_bad_input_and_pass_counts(mtp_models):
+    """``mtp_window`` must be an int >= 0; the window is whole passes; ``catchup_passes``
+    counts the passes a step runs first (speculative: all deferred pairs; plain: only a
+    window about to overflow); a stash beyond the window raises before any write."""
+    import dataclasses
+
+    from replayssm.engine.sequence import Sequence
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="mtp_window"):
+            SpeculativeConfig("mtp", num_tokens=3, mtp_window=bad)
+    m, _, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=dataclasses.replace(_spec(None), mtp_window=5), max_seq_len=MAXLEN)
+    d = llm.drafter
+    assert (d.width, d.window, d.chunks) == (4, 8, 2)
+    s = Sequence([1, 2, 3], SamplingParams(max_tokens=4), request_id=7)
+    d._nodes[7], d._stashed[7] = [0, 1, 2], 5
+    assert d.catchup_passes([s], 2) == 2 and d.catchup_passes([s], 0) == 0
+    d._stashed[7] = 6
+    assert d.catchup_passes([s], 0) == 2 and d.catchup_passes([s], 1) == 2
+    d._stashed[7] = 0
+    assert d.catchup_passes([s], 3) == 0
+    before = d.steps.stash_buf.clone()
+    with pytest.raises(ValueError, match="exceed the window"):
+        d.steps.stash([(1, 0, [0]), (2, 7, [0, 1])])
+    assert torch.equal(before, d.steps.stash_buf)
+    assert d.null_flush(2) is not None and d.null_step(3, 0) is not None
+    with pytest.raises(ValueError, match="draft-step probe"):
+        d.null_flush(0)
+
+
+# names whose call reads a device tensor on the host (a CUDA stream sync), or a host tensor's
+# pageable copy; the graph bodies (replayed on CUDA, never run by the host) are exempt
+_HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
+               "masked_select", "unique", "repeat_interleave", "equal"}
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_no_host_read_between_propose_and_verify(mtp_models, tree):
+    """From the start of ``propose`` to the verify step's return, and in a plain step's
+    window write, the host reads no tensor (no ``.item()``, ``.tolist()``, ``bool()``,
+    ``nonzero`` ...): each would wait for the device on CUDA.  The graph bodies are exempt
+    (on CUDA they are replays); tensors reach the device through ``host_to_device``."""
+    from torch.overrides import TorchFunctionMode
+
+    from replayssm.engine.spec.policy import ScriptedLengths
+
+    m, expected, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=_spec(tree), max_seq_len=MAXLEN, pad_batches=True)
+    d, st, runner = llm.drafter, llm.drafter.steps, llm.runner
+    depth, hits = {"body": 0, "window": 0}, []
+
+    def body(f):
+        def g(*a, **k):
+            depth["body"] += 1
+            try:
+                return f(*a, **k)
+            finally:
+                depth["body"] -= 1
+        return g
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if depth["window"] and not depth["body"] and getattr(func, "__name__", "") in _HOST_READS:
+                hits.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def window(f):
+        def g(*a, **k):
+            depth["window"] += 1
+            try:
+                return f(*a, **k)
+            finally:
+                depth["window"] -= 1
+        return g
+
+    for r in (st.runner, st.plain_runner, st.plain_runner1, st.stash_runner):
+        r.body = body(r.body)
+    runner._greedy_body = body(runner._greedy_body)
+    propose, verify = d.propose, runner.greedy_verify_step
+    d.propose = lambda seqs, k=None: (depth.__setitem__("window", depth["window"] + 1), propose(seqs, k))[1]
+
+    def closing(*a, **k):
+        try:
+            return verify(*a, **k)
+        finally:
+            depth["window"] -= 1
+
+    runner.greedy_verify_step = closing
+    d.plain_step = window(d.plain_step)
+    L = llm.executor.lengths
+    llm.executor.lengths = ScriptedLengths(L.lengths, [3, 0, 0, 2, 0, 1], L.tree, L.depth)
+    with Reads():
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert [o.token_ids for o in outs] == expected
+    assert llm.stats["spec_T0_steps"] > 0 and d.num_flushes > 0 and depth["window"] == 0
+    assert hits == [], sorted(set(hits))
+    depth["window"] = 1   # the check itself: a read in the window is caught
+
+    with Reads():
+        torch.ones(2).sum().item()
+    assert hits == ["item"]
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+@pytest.mark.parametrize("mode", ["replay", "kv", "recurrent", "auto"])
+def test_fused_draft_and_verify_step_equals_the_two_steps(mtp_models, mode, tree):
+    """``mtp_fused``: the head's draft step and the target's verify/accept/commit as one
+    function (one graph per bucket and length on CUDA; run eagerly here, padded to buckets in
+    replay form; trees over KV-only slots keep the two steps).  Stepped in lockstep with the
+    unfused engine through scripted lengths (0 included), every step's outputs and both
+    caches (the target's and the head's, every slot but the null one) are equal, and the
+    output equals plain decoding."""
+    import dataclasses
+
+    from replayssm.engine.spec.policy import ScriptedLengths
+
+    m, expected, _ = mtp_models["qwen3_next"]
+    engines = []
+    for fused in (False, True):
+        sp = dataclasses.replace(_spec(tree), mtp_fused=fused, mtp_window=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            llm = LLM(m, dtype="float64", decode_mode=mode, speculative=sp, auto_threshold=10, max_seq_len=MAXLEN,
+                      pad_batches=(mode == "replay"))
+        L = llm.executor.lengths
+        llm.executor.lengths = ScriptedLengths(L.lengths, [3, 0, 2, 0, 0, 1, 3], L.tree, L.depth)
+        engines.append(llm)
+    plain, fused = engines
+    assert plain.drafter.fused is None and fused.drafter.fused is not None
+    calls = []
+    body = fused.drafter.fused.body
+    fused.drafter.fused.body = lambda *a: (calls.append(a[-1]), body(*a))[1]
+    lens = [N, 6, N - 2, 9]
+    seqs = [[llm.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS, lens)] for llm in engines]
+    while plain.has_unfinished() or fused.has_unfinished():
+        a, b = plain.step(), fused.step()
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        for x, y in zip(plain.cache.tensors() + plain.drafter.cache.tensors(),
+                        fused.cache.tensors() + fused.drafter.cache.tensors()):
+            assert torch.equal(x[1:], y[1:])
+    assert [s.output_ids for s in seqs[1]] == [s.output_ids for s in seqs[0]] == [e[:n] for e, n in
+                                                                                  zip(expected, lens)]
+    counts = {k: v for k, v in plain.stats.items() if isinstance(v, int)}
+    assert counts == {k: v for k, v in fused.stats.items() if isinstance(v, int)}
+    assert bool(calls) == (not tree or mode != "kv")   # trees over KV-only slots: the two steps
+    assert fused.runner.num_calls == plain.runner.num_calls
+
+
+def test_fused_step_falls_back_for_sampling_rows_and_bad_config(mtp_models):
+    """Sampling rows use the two steps (the fused graph is greedy); ``mtp_fused`` is MTP's."""
+    import dataclasses
+
+    with pytest.raises(ValueError, match="mtp_fused"):
+        SpeculativeConfig("ngram", mtp_fused=True)
+    with pytest.raises(ValueError, match="mtp_fused must be a bool"):
+        SpeculativeConfig("mtp", mtp_fused=1)
+    m, expected, _ = mtp_models["qwen3_next"]
+    llm = LLM(m, dtype="float64", speculative=dataclasses.replace(_spec(None), mtp_fused=True), max_seq_len=MAXLEN)
+    calls = []
+    body = llm.drafter.fused.body
+    llm.drafter.fused.body = lambda *a: (calls.append(a[-1]), body(*a))[1]
+    out = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=N, temperature=0.8, seed=1),
+                                     SamplingParams(max_tokens=N)])
+    assert calls == [] and out[1].token_ids == expected[1] and len(out[0].token_ids) == N
+    assert llm.generate(PROMPTS[1:2], SamplingParams(max_tokens=N))[0].token_ids == expected[1] and calls
+    # a failed fused capture (CUDA) leaves neither cache with a half-done verify
+    d = llm.drafter
+    d.cache._in_use.add(1)
+    slots = torch.tensor([1])
+    d.head.verify(d.cache, slots, torch.tensor([[3, 4]]), torch.randn(1, 2, m.config.hidden_size, dtype=torch.float64))
+    m.verify(llm.cache, slots, torch.tensor([[3, 4]]))
+    assert d.cache.pending is not None and llm.cache.pending is not None
+    d.fused._drop_pending()
+    assert d.cache.pending is None and llm.cache.pending is None
+    d.cache._in_use.discard(1)

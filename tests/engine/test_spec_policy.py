@@ -219,6 +219,37 @@ def test_adaptive_turns_speculation_off_when_it_loses_and_probes():
     assert pol._interval == 4                    # back to the base rate
 
 
+def test_adaptive_prices_the_drafters_catch_up_passes():
+    """A drafter that deferred work (MTP's window) makes the step that resumes drafting run
+    ``passes(seqs, T)`` catch-up passes first: each is priced ``catchup_cost(B)`` on top of
+    the step (a step that would win on its own loses when the passes eat the gain), the
+    observed time of such a step is refined with their predicted part taken out, and bad
+    entries raise."""
+    table = {(4, 0): 1.0, (4, 1): 1.2, (4, 2): 1.3}
+    costs = StepCosts(table, online=True, catchup={4: 0.8})
+    assert costs.catchup_cost(3) == costs.catchup_cost(9) == 0.8 and StepCosts(table).catchup_cost(4) == 0.0
+    pol = AdaptiveLengths((1, 2), costs, [4], probe_budget=0.0)
+    seqs = [_Seq() for _ in range(4)]
+    for s in seqs:
+        for _ in range(30):
+            pol.acceptance.observe(s, 2, 2)      # everything accepted: E(2) = 3 per row
+    deferred = {"passes": 0}
+    pol.passes = lambda ss, T: deferred["passes"] if T else 0
+    assert pol.choose(seqs) == 2                 # 12 / 1.3 > 4 / 1.0
+    deferred["passes"] = 3                       # about 12 / (1.3 + 2.4) = 3.24 < 4: stay plain
+    sc, tokens = pol.scores(seqs), pol._rates(seqs)[1]
+    assert tokens[2] > 11.5 and sc[2] == pytest.approx(tokens[2] / (1.3 + 2.4)) and sc[0] == pytest.approx(4.0)
+    assert pol.choose(seqs) == 0
+    deferred["passes"] = 1                       # 12 / 2.1 > 4
+    assert pol.choose(seqs) == 2
+    costs.observe(4, 2, 2.1)                     # the first observation of a key is dropped
+    pol.observe(seqs, 2, [3] * 4, 2.1)           # 0.8 of it predicted as the pass: t(4, 2) stays 1.3
+    assert costs.table[(4, 2)] == pytest.approx(1.3, abs=0.01)
+    for bad in ({0: 1.0}, {4: -1.0}, {4: float("inf")}):
+        with pytest.raises(ValueError, match="catch-up cost table"):
+            StepCosts(table, catchup=bad)
+
+
 def test_fixed_and_scripted_lengths():
     f = FixedLengths((4,))
     assert f.choose([_Seq()]) == 4

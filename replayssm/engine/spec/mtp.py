@@ -28,10 +28,16 @@ host-to-device copy, the graph gathers ``cache.hidden`` itself.  The draft step 
 its own, launched right before the target's verify graph with nothing between them that waits
 for the device (the tokens it drafts stay on the device as the verify graph's input; the
 host's one sync is the verify step's result), so one fused graph would save only a graph
-launch.  Before a plain step (the length policy's ``T = 0``) the catch-up runs alone, as a
-graph of ``K+1`` pairs per row after a speculative step and of one pair per row after a plain
-one.  Sampled rows draw from the MTP distribution (eager), so speculative sampling stays
+launch.  Sampled rows draw from the MTP distribution (eager), so speculative sampling stays
 lossless.
+
+Plain steps (the length policy's ``T = 0``) defer the catch-up: the pending pairs' hidden
+states move into a per-slot window of ``W`` pairs (``mtp_window`` rounded up to a multiple of
+``K+1``; a gather and a scatter, no sync) and are committed, ``K+1`` per pass and in order,
+when drafting resumes, when a row's window would overflow, or before a swap-out (window
+passes: one graph per bucket and pass count).  The head's cache ends exactly as if it had
+caught up every step.  ``mtp_window=0``: the catch-up runs before every plain step instead
+(a graph of ``K+1`` pairs per row after a speculative step, of one pair after a plain one).
 """
 
 from __future__ import annotations
@@ -75,12 +81,13 @@ class MTPDrafter(Drafter):
     samples_q = True
 
     def __init__(self, target, target_cache, sampler: Sampler, device, max_batch: int, spec, num_tokens: int,
-                 tree=None, cuda_graphs: bool = False, pad_batches: bool = False):
+                 tree=None, cuda_graphs: bool = False, pad_batches: bool = False, window: int = 16,
+                 fused_runner=None):
         mtp_head_of(target)
         self.target_cache, self.sampler = target_cache, sampler
         self.device = canonical_device(device)
         kw = dict(max_batch=max_batch, spec=spec, num_tokens=num_tokens, tree=tree, cuda_graphs=cuda_graphs,
-                  pad_batches=pad_batches)
+                  pad_batches=pad_batches, window=window)
         self._split = hasattr(type(target), "make_on_every_rank")
         if self._split:   # split over ranks: each rank's device
             self.steps = target.make_on_every_rank(MTPSteps, target, target_cache, None, **kw)
@@ -89,8 +96,16 @@ class MTPDrafter(Drafter):
         st = self.steps
         self.tree, self.parent, self.rank, self.depth = st.tree, st.parent, st.rank, st.depth
         self.k, self.num_nodes, self.width = st.k, st.num_nodes, st.width
+        self.window, self.chunks = st.window, st.chunks
         self._nodes: dict = {}             # request id -> target nodes of its pending catch-up pairs
+        self._stashed: dict = {}           # request id -> pairs deferred in the head's window (plain steps)
+        self.num_deferred = 0              # pairs deferred so far (stats)
+        self.num_flushes = 0               # window passes run (on resume, on a full window, before a swap)
         self._parent_t = torch.tensor(self.parent, dtype=torch.long, device=self.device)
+        # the draft step and the target's verify as one graph (``mtp_fused``; one rank only)
+        self.fused = None
+        if fused_runner is not None and not self._split:
+            self.fused = MTPFusedStep(self.steps, fused_runner, cuda_graphs, pad_batches)
 
     # the device half's parts (under tensor parallelism: rank 0's, to read)
     @property
@@ -113,31 +128,61 @@ class MTPDrafter(Drafter):
     def create(cls, setup, *, target, cache, sampler, runner, num_slots):
         sp = setup.config
         return cls(target, cache, sampler, setup.device, num_slots, setup.spec, sp.num_tokens, tree=sp.tree,
-                   cuda_graphs=runner.use_graphs, pad_batches=runner.pad_batches)
+                   cuda_graphs=runner.use_graphs, pad_batches=runner.pad_batches, window=sp.mtp_window,
+                   fused_runner=runner if sp.mtp_fused else None)
 
     def graph_shapes(self):
         return [(self.num_nodes, self.tree)]
 
     def capture(self, lengths=()) -> int:
         """The greedy draft step's graphs: per batch bucket and chain length in ``lengths``
-        (a tree: its one shape), and the catch-up alone (before plain steps)."""
-        return self.steps.capture(self._node_counts(lengths))
+        (a tree: its one shape), the catch-up alone (before plain steps), the window passes,
+        and with ``mtp_fused`` the fused draft-and-verify graphs."""
+        ns = self._node_counts(lengths)
+        return self.steps.capture(ns) + (self.fused.capture(ns) if self.fused is not None else 0)
 
     def null_step(self, batch: int, T: int):
-        """A call running the draft step of ``T`` drafts (``T = 0``: the one-pair catch-up
-        before a plain step that follows another) on ``batch`` null-slot rows, as graph padding does: what the length
-        policy's start-up table adds to a step's cost (``warmup.measure_draft_costs``).  None
-        for a model split over ranks (its steps run on every rank)."""
+        """A call running the draft step of ``T`` drafts (``T = 0``: the drafter's work before
+        a plain step that follows another: the window's one-pair write, or without a window
+        the one-pair catch-up) on ``batch`` null-slot rows, as graph padding does: what the
+        length policy's start-up table adds to a step's cost (``warmup.measure_draft_costs``).
+        None for a model split over ranks (its steps run on every rank)."""
         _check_probe(batch, T, self.num_nodes - 1 if self.tree else self.k)
         if self._split:
             return None
         st = self.steps
-        if T == 0:   # a run of plain steps: one pending pair per row
+        if T == 0:
+            if self.window:   # a run of plain steps: one pair per row into the window
+                rows = [(0, 0, [0])] * batch
+                return lambda: st.stash(rows)
             ins1 = st.plain_runner1._inputs(batch)
             return lambda: st.plain_runner1.run(*ins1, 1)
         ins = st.runner._inputs(batch)
         n = self.num_nodes if self.tree else min(int(T), self.k) + 1
         return lambda: st.runner.run(*ins, n)
+
+    def null_flush(self, batch: int):
+        """A call running one window pass (``width`` deferred pairs per row) on ``batch``
+        null-slot rows: the length policy's price of each pass a step runs first
+        (:meth:`catchup_passes`); None without a window or for a model split over ranks."""
+        _check_probe(batch, 0, 0)
+        if self._split or not self.window:
+            return None
+        ins = self.steps.stash_runner._inputs(batch)
+        return lambda: self.steps.stash_runner.run(*ins, 1)
+
+    def catchup_passes(self, seqs: list[Sequence], T: int) -> int:
+        """Window passes a step of ``T`` drafts over ``seqs`` runs before its own work: a
+        speculative step first commits every deferred pair (``ceil(max deferred / width)``
+        passes); a plain step only when some row's window would overflow (then its whole
+        window).  The length policy adds their price to the step's."""
+        if not self.window:
+            return 0
+        m = [self._stashed.get(s.request_id, 0) for s in seqs]
+        if T:
+            return -(-max(m, default=0) // self.width)
+        over = [mi for mi, s in zip(m, seqs) if mi + len(self._nodes.get(s.request_id) or [0]) > self.window]
+        return -(-max(over) // self.width) if over else 0
 
     def _node_counts(self, lengths) -> list[int]:
         if self.tree or not lengths:
@@ -149,6 +194,7 @@ class MTPDrafter(Drafter):
         """Run the head over each prompt's pairs (:meth:`MTPSteps.prefill`)."""
         for s in seqs:
             self._nodes[s.request_id] = [0]
+            self._stashed[s.request_id] = 0
         self.steps.prefill([(s.slot, list(s.prompt_ids)) for s in seqs])
 
     def accepted(self, seqs, accepted, path) -> None:
@@ -158,21 +204,56 @@ class MTPDrafter(Drafter):
             self._nodes[s.request_id] = rows[b][:a] if rows is not None else list(range(a))
 
     def plain_step(self, seqs: list[Sequence]) -> None:
-        """Before a step without speculation: commit the pending pairs while ``cache.hidden``
-        still holds them (the plain step overwrites it); afterwards the plain step's own
-        pair, its hidden state at node 0 with the token it produced, is the one pending."""
-        self.steps.catch_up(self._catchup_rows(seqs))
+        """Before a step without speculation: the pending pairs leave ``cache.hidden`` (the
+        plain step overwrites it) for the head's window, to be committed when drafting
+        resumes; rows whose window would overflow commit it first (one pass per ``width``
+        pairs).  Without a window the head commits the pending pairs now.  Afterwards the
+        plain step's own pair, its hidden state at node 0 with the token it produced, is the
+        one pending."""
+        if not self.window:
+            self.steps.catch_up(self._catchup_rows(seqs))
+        else:
+            full = [s for s in seqs
+                    if self._stashed.get(s.request_id, 0) + len(self._nodes.get(s.request_id) or [0]) > self.window]
+            if full:
+                self._flush(full)
+            moves = []
+            for s in seqs:
+                nodes, m = self._nodes.get(s.request_id) or [0], self._stashed.get(s.request_id, 0)
+                moves.append((s.slot, m, nodes))
+                self._stashed[s.request_id] = m + len(nodes)
+                self.num_deferred += len(nodes)
+            self.steps.stash(moves)
         for s in seqs:
             self._nodes[s.request_id] = [0]
 
+    def _flush(self, seqs: list[Sequence]) -> None:
+        """Commit the deferred pairs of ``seqs`` (rows with none are left out): one window
+        pass per ``width`` pairs of the row with the most."""
+        rows, most, W = [], 0, self.window
+        for s in seqs:
+            m = self._stashed.get(s.request_id, 0)
+            if m:
+                a = len(self._nodes.get(s.request_id) or [0])
+                toks = s.last_ids(m + a)[:m]
+                rows.append([s.slot, m] + toks + [toks[-1]] * (W - m))
+                most = max(most, m)
+                self._stashed[s.request_id] = 0
+        if rows:
+            self.num_flushes += 1
+            self.steps.flush(rows, -(-most // self.width))
+
     def release(self, seq: Sequence) -> None:
         self._nodes.pop(seq.request_id, None)
+        self._stashed.pop(seq.request_id, None)
         if seq.slot is not None:
             self.steps.release(seq.slot)
 
     def swap_out(self, seq: Sequence) -> None:
-        """The head's cache slot goes to host memory; the pending catch-up nodes stay (their
-        hidden states travel with the target's slot, ``ModelCache.swap_out``)."""
+        """The head's cache slot goes to host memory (its deferred pairs committed first);
+        the pending catch-up nodes stay (their hidden states travel with the target's slot,
+        ``ModelCache.swap_out``)."""
+        self._flush([seq])
         self.steps.swap_out(seq.slot, seq.swap_key)
 
     def swap_in(self, seq: Sequence) -> None:
@@ -180,6 +261,7 @@ class MTPDrafter(Drafter):
 
     def drop_swapped(self, seq: Sequence) -> None:
         self._nodes.pop(seq.request_id, None)
+        self._stashed.pop(seq.request_id, None)
         self.steps.drop_swapped(seq.swap_key)
 
     def reset(self) -> None:
@@ -202,6 +284,8 @@ class MTPDrafter(Drafter):
         """A chain of ``k`` drafts (default ``num_tokens``) or the whole tree."""
         B = len(seqs)
         n = self.num_nodes if (self.tree or k is None) else min(int(k), self.k) + 1
+        if self.window:   # drafting resumes: the pairs deferred by plain steps first
+            self._flush(seqs)
         rows = self._catchup_rows(seqs)
         parent = (self._parent_t.expand(B, -1).contiguous() if self.tree
                   else chain_parent(B, n, self.device))
@@ -215,6 +299,23 @@ class MTPDrafter(Drafter):
         tokens, q = self.steps.sampled(rows, greedy, sb, u, n)
         return Proposal(tokens, parent, valid, q, tree=self.tree)
 
+    def fused_step(self, seqs: list[Sequence], k: int | None = None):
+        """With ``mtp_fused``, for all-greedy rows: the proposal of :meth:`propose` and the
+        target's verify, greedy acceptance and commit of it, as one call (one graph per
+        bucket and length); returns ``(proposal, accepted [B], bonus [B], path [B, N] | None)``,
+        or None where the step cannot be fused (sampling rows, no fused runner)."""
+        if self.fused is None or not all(s.params.greedy for s in seqs):
+            return None
+        B = len(seqs)
+        n = self.num_nodes if (self.tree or k is None) else min(int(k), self.k) + 1
+        if self.window:
+            self._flush(seqs)
+        tokens, acc, bonus, path = self.fused.run(self._catchup_rows(seqs), n)
+        parent = (self._parent_t.expand(B, -1).contiguous() if self.tree
+                  else chain_parent(B, n, self.device))
+        valid = torch.ones(B, n, dtype=torch.bool, device=self.device)
+        return Proposal(tokens, parent, valid, None, tree=self.tree), acc, bonus, path
+
 
 class MTPSteps:
     """The device half of MTP drafting: the head, its cache (``spec.for_draft()``, the
@@ -226,13 +327,13 @@ class MTPSteps:
     for sampled steps, rank 0's sampling batch and uniforms, so every rank drafts the same
     tokens and feeds them back identically.  ``device=None``: the target's."""
 
-    EVERY_RANK = ("prefill", "catch_up", "greedy", "sampled", "release", "swap_out", "swap_in", "drop_swapped",
-                  "reset", "capture")
+    EVERY_RANK = ("prefill", "catch_up", "stash", "flush", "greedy", "sampled", "release", "swap_out", "swap_in",
+                  "drop_swapped", "reset", "capture")
 
     def __init__(self, target, target_cache, device, max_batch: int, spec, num_tokens: int, tree=None,
-                 cuda_graphs: bool = False, pad_batches: bool = False):
+                 cuda_graphs: bool = False, pad_batches: bool = False, window: int = 0):
         self.head = mtp_head_of(target)
-        self.target_cache = target_cache
+        self.target_cache, self.max_batch = target_cache, max_batch
         self.device = canonical_device(target.device if device is None else device)
         self.tree = tree is not None
         if self.tree:
@@ -255,6 +356,18 @@ class MTPSteps:
         self.plain_runner = MTPStepGraphs(self._plain_body, self.device, max_batch, self.width, cuda_graphs,
                                           pad_batches)
         self.plain_runner1 = MTPStepGraphs(self._plain_body, self.device, max_batch, 1, cuda_graphs, pad_batches)
+        # the window of pairs deferred by plain steps: their hidden states [P, W, D] (W a
+        # multiple of the catch-up width), committed ``width`` pairs a pass (a graph per pass count)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"MTP window must be an int >= 0 (pairs), got {window!r}")
+        self.chunks = -(-window // self.width)
+        self.window = self.chunks * self.width
+        self.stash_buf = None
+        if self.window:
+            h = target_cache.hidden
+            self.stash_buf = torch.zeros(max_batch + 1, self.window, h.shape[-1], dtype=h.dtype, device=self.device)
+        self.stash_runner = MTPStepGraphs(self._stash_body, self.device, max_batch, max(self.window, 1), cuda_graphs,
+                                          pad_batches)
         # per tree level: the head's parent array over the nodes evaluated so far (made here:
         # a host-to-device copy is not allowed while a CUDA graph captures)
         self._level_parent = {}
@@ -312,6 +425,30 @@ class MTPSteps:
         else:
             self.plain_runner.run(slots, toks, nodes, count, 1)
 
+    def stash(self, moves) -> None:
+        """Move pending pairs' hidden states into the window: ``moves`` per row ``(slot, m,
+        nodes)``: ``cache.hidden[slot, nodes[j]]`` to window entry ``m + j`` (one
+        host-to-device copy of the flat indices, a gather and a scatter; no host sync)."""
+        W, N = self.window, self.target_cache.hidden.shape[1]
+        dst, src = [], []
+        for slot, m, nodes in moves:
+            if m + len(nodes) > W:
+                raise ValueError(f"MTP window: {m} + {len(nodes)} pairs exceed the window of {W}")
+            dst += [slot * W + m + j for j in range(len(nodes))]
+            src += [slot * N + int(x) for x in nodes]
+        idx = host_to_device(torch.tensor([dst, src], dtype=torch.long), self.device)
+        D = self.stash_buf.shape[-1]
+        with torch.inference_mode():
+            rows = self.target_cache.hidden.view(-1, D).index_select(0, idx[1])
+            self.stash_buf.view(-1, D).index_copy_(0, idx[0], rows)
+
+    def flush(self, rows, n: int) -> None:
+        """Commit deferred pairs: ``rows`` per row ``[slot, m, tokens (window)]`` (the token
+        after each deferred hidden state, padded), ``n`` passes of ``width`` pairs."""
+        t = host_to_device(torch.tensor(rows, dtype=torch.long), self.device)
+        toks = t[:, 2:]
+        self.stash_runner.run(t[:, 0], toks, toks, t[:, 1], int(n))
+
     def greedy(self, rows, n: int | None = None) -> Tensor:
         """The greedy proposal's tokens ``[B, n]`` (a chain of ``n`` nodes, default all;
         replayed graph, or eager)."""
@@ -354,7 +491,8 @@ class MTPSteps:
         """Graphs of the greedy step for each node count in ``ns`` (default: all nodes) and of
         the catch-up alone (``K+1`` pairs and one pair per row)."""
         return (self.runner.capture(list(ns) if ns else [self.num_nodes]) + self.plain_runner.capture([1])
-                + self.plain_runner1.capture([1]))
+                + self.plain_runner1.capture([1])
+                + (self.stash_runner.capture(range(1, self.chunks + 1)) if self.window else 0))
 
     # ---- the draft step (device work only) ------------------------------------------------------
     def _catch_up(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor) -> Tensor:
@@ -412,6 +550,16 @@ class MTPSteps:
         qs[0] = torch.zeros_like(qs[1])
         return tok, torch.stack(qs, 1)
 
+    def _stash_body(self, slots, toks, nodes, count, n: int) -> Tensor:
+        """``n`` passes over the window: pass ``j`` verifies entries ``j·w .. (j+1)·w - 1``
+        (``w`` = width) with their tokens and commits ``clamp(count - j·w, 0, w)`` per row."""
+        w = self.width
+        for j in range(n):
+            hid = self.stash_buf[slots, j * w:(j + 1) * w]
+            self.head.verify(self.cache, slots, toks[:, j * w:(j + 1) * w].contiguous(), hid)
+            self.head.commit(self.cache, (count - j * w).clamp(0, w))
+        return count
+
     def _plain_body(self, slots, toks, nodes, count, n: int) -> Tensor:
         return self._catch_up(slots, toks, nodes, count)
 
@@ -425,6 +573,13 @@ def _check_probe(batch, T, most: int) -> None:
         raise ValueError(f"draft-step probe: batch must be a positive int, got {batch!r}")
     if isinstance(T, bool) or not isinstance(T, int) or not 0 <= T <= most:
         raise ValueError(f"draft-step probe: T must be an int in [0, {most}], got {T!r}")
+
+
+def _rows(out, B: int):
+    """The first ``B`` rows of a step's output (a tensor or a tuple of tensors / None)."""
+    if isinstance(out, tuple):
+        return tuple(None if x is None else x[:B] for x in out)
+    return out[:B]
 
 
 def _greedy_pick(logits: Tensor, i: int, rank: int):
@@ -441,8 +596,10 @@ class MTPStepGraphs:
     (batch bucket, nodes ``n``); ``capture(ns)`` takes every bucket's graphs before serving
     (largest first, one memory pool); a key whose capture fails runs eagerly, with a warning."""
 
-    def __init__(self, body, device, max_batch: int, width: int, cuda_graphs: bool = False, pad: bool = False):
+    def __init__(self, body, device, max_batch: int, width: int, cuda_graphs: bool = False, pad: bool = False,
+                 on_fail=None):
         self.body, self.device, self.width = body, canonical_device(device), width
+        self.on_fail = on_fail   # called after a failed capture (drop the caches' pending verify)
         self.buckets = batch_buckets(max_batch)
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.pad = pad or self.use_graphs
@@ -472,8 +629,8 @@ class MTPStepGraphs:
                 for dst, src in zip(static_in, ins):
                     dst.copy_(src)
                 graph.replay()
-                return out[:B]
-        return self.body(*ins, n)[:B]
+                return _rows(out, B)
+        return _rows(self.body(*ins, n), B)
 
     def capture(self, ns) -> int:
         """Capture every bucket's graph for each node count in ``ns`` (largest first);
@@ -501,6 +658,57 @@ class MTPStepGraphs:
             warnings.warn(f"CUDA graph capture of the MTP draft step (batch {Bp}, {n} nodes) failed, "
                           f"running eagerly: {e}")
             self._failed.add((Bp, n))
+            if self.on_fail is not None:
+                self.on_fail()
             return None
         self._graphs[(Bp, n)] = (graph, ins, out)
         return self._graphs[(Bp, n)]
+
+
+class MTPFusedStep:
+    """The greedy MTP draft step and the target's greedy verify step (verify, accept, commit:
+    ``runner._greedy_body``) as one body, one CUDA graph per (batch bucket, nodes ``n``, the
+    target cache's form).  ``body(slots, tokens, nodes, count, n) -> (drafts [Bp, n],
+    accepted [Bp], bonus [Bp], path [Bp, n] | None)``; padding rows (the null slot 0) keep only
+    their root valid, as the verify step pads them."""
+
+    def __init__(self, steps: "MTPSteps", runner, cuda_graphs: bool = False, pad_batches: bool = False):
+        self.steps, self.runner = steps, runner
+        self.cuda_graphs, self.pad_batches = cuda_graphs, pad_batches
+        self._graphs: dict = {}   # target form -> MTPStepGraphs
+        self._parent = torch.tensor(steps.parent, dtype=torch.long, device=steps.device)
+
+    def _graphs_for_form(self) -> MTPStepGraphs:
+        form = self.runner._form()
+        g = self._graphs.get(form)
+        if g is None:
+            g = self._graphs[form] = MTPStepGraphs(self.body, self.steps.device, self.steps.max_batch,
+                                                   self.steps.width, self.cuda_graphs, self.pad_batches,
+                                                   on_fail=self._drop_pending)
+        return g
+
+    def body(self, slots: Tensor, toks: Tensor, nodes: Tensor, count: Tensor, n: int):
+        st = self.steps
+        tokens = st._greedy_body(slots, toks, nodes, count, n)
+        Bp = tokens.shape[0]
+        if st.tree:
+            parent = self._parent.expand(Bp, -1).contiguous()
+        else:
+            parent = chain_parent(Bp, n, tokens.device)
+        valid = (slots != 0)[:, None].expand(Bp, n).clone()
+        valid[:, 0] = True
+        acc, bonus, path = self.runner._greedy_body(slots, tokens, parent, valid, st.tree, None)
+        return tokens, acc, bonus, path
+
+    def _drop_pending(self) -> None:
+        """After a failed capture: forget the target's and the head's half-done verify."""
+        self.runner._drop_pending()
+        self.steps.reset()
+
+    def run(self, rows, n: int):
+        """``(drafts [B, n], accepted [B], bonus [B], path [B, n] | None)`` of packed catch-up rows."""
+        self.runner.num_calls["tree" if self.steps.tree else "verify"] += 1
+        return self._graphs_for_form().run(*self.steps.inputs(rows), int(n))
+
+    def capture(self, ns) -> int:
+        return self._graphs_for_form().capture(list(ns))

@@ -28,6 +28,10 @@ second over the batch::
   (ties go to the fewer drafts), so with a right table a step never predicts fewer tokens
   per second than a plain one.  One ``T`` serves the whole batch: a verify graph runs
   ``T + 1`` inputs on every row, so a row drafting fewer would save no device time;
+* drafter catch-up (MTP with a window): plain steps defer the head's catch-up, so the step
+  that resumes drafting first commits the deferred pairs, ``passes(seqs, T)`` passes of
+  ``StepCosts.catchup_cost(B)`` each (a plain step only when a window fills); a step is
+  priced with the passes it would run, so speculation resumes only when it pays for them;
 * host work: the policy's own time (choosing, updating the estimates) is added to the step
   time it observes, so the bookkeeping of speculating is priced too;
 * probing: a step of the longest length observes acceptance at every depth, so exploring
@@ -106,9 +110,12 @@ class StepCosts:
     replace a measured entry)."""
 
     def __init__(self, table: dict | None = None, fallback=analytic_step_cost, online: bool = False,
-                 decay: float = 0.2, flush: dict | None = None, ring: int | None = None):
+                 decay: float = 0.2, flush: dict | None = None, ring: int | None = None,
+                 catchup: dict | None = None):
         self.table = self._checked(table, "step cost table", positive=True)
         self.flush = self._checked(flush, "flush cost table", positive=False)
+        self.catchup: dict[tuple[int, int], float] = {}
+        self.set_catchup(catchup or {})
         if ring is not None and (isinstance(ring, bool) or not isinstance(ring, int) or ring < 1):
             raise ValueError(f"StepCosts: ring must be a positive int (the ring capacity L) or None, got {ring!r}")
         self.fallback, self.online, self.decay, self.ring = fallback, online, decay, ring
@@ -143,6 +150,17 @@ class StepCosts:
         if self.ring is None:
             return 0.0
         v = self._lookup(self.flush, B, T)
+        return 0.0 if v is None else v
+
+    def set_catchup(self, per_batch: dict) -> None:
+        """``{batch: seconds}`` of one drafter catch-up pass (MTP: ``width`` deferred pairs
+        per row), ValueError on a bad entry."""
+        table = self._checked({(b, 0): v for b, v in per_batch.items()}, "catch-up cost table", positive=False)
+        self.catchup.update(table)
+
+    def catchup_cost(self, B: int) -> float:
+        """One drafter catch-up pass at bucket ``B`` (0 without an entry)."""
+        v = self._lookup(self.catchup, B, 0)
         return 0.0 if v is None else v
 
     def flush_share(self, T: int, nodes: int, tokens: float) -> float:
@@ -250,7 +268,10 @@ class AdaptiveLengths(_Lengths):
         self._interval = probe_interval   # steps between probes: doubles after each, up to 16x
         self._natural = self.max          # the last choice before probing
         self._credit = 0.0                # predicted seconds probes may still lose (< 0: a borrowed probe)
-        self._flush_part: dict[int, float] = {}   # T -> the flush time predicted for its last choice
+        self._flush_part: dict[int, float] = {}   # T -> the flush (+ catch-up) time predicted for its last choice
+        # (seqs, T) -> drafter catch-up passes a step of T drafts runs first (MTP's deferred
+        # pairs, :meth:`MTPDrafter.catchup_passes`), each priced ``costs.catchup_cost(B)``
+        self.passes = None
         self._own = 0.0                   # host seconds of the last choose (not yet charged)
         self._drafted_top = False         # whether a step has drafted the longest length yet
         self.probes = 0
@@ -268,10 +289,13 @@ class AdaptiveLengths(_Lengths):
         tokens, times = {0: float(len(seqs))}, {}
         for T in self.lengths:
             tokens[T] = sums[self.depth[T]]
+        per_pass = self.costs.catchup_cost(Bp) if self.passes is not None else 0.0
         for T, tok in tokens.items():
             N = 1 if T == 0 else self.nodes[T]
             base = self.costs.get(Bp, T)
             flush = self.costs.flush_share(T, N, tok / n) * self.costs.flush_cost(Bp, T)
+            if per_pass:
+                flush += self.passes(seqs, T) * per_pass
             self._flush_part[T] = flush
             times[T] = base + flush
         return Bp, tokens, times
