@@ -34,7 +34,7 @@ pytest.importorskip("transformers")
 
 from test_falcon_h1 import tiny_falcon_h1  # noqa: E402
 from test_granite_bamba import _build as granite_or_bamba  # noqa: E402
-from test_qwen3_5 import _text_kw, tiny_qwen3_5  # noqa: E402
+from test_qwen3_5 import tiny_qwen3_5, tiny_qwen3_5_moe  # noqa: E402
 from test_zamba2 import tiny_zamba2  # noqa: E402
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
@@ -43,14 +43,6 @@ from replayssm.models import load_model  # noqa: E402
 dist_mod = pytest.importorskip("replayssm.distributed")
 
 
-
-def tiny_qwen3_5_moe(seed=0, **over):
-    """Qwen3.5-MoE with the expert sizes given in ``over`` (``test_qwen3_5``'s text config)."""
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-
-    kw = _text_kw(num_experts=5, num_experts_per_tok=2, **over)
-    kw.pop("intermediate_size")
-    return H.build_tiny(Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**kw), seed)
 
 
 N = 4

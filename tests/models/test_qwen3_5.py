@@ -41,10 +41,12 @@ def tiny_qwen3_5(seed=0, **over):
 
 
 def tiny_qwen3_5_moe(seed=0, **over):
+    """Qwen3.5-MoE, 5 experts top-2 of odd widths (``over`` may set any text-config field,
+    the expert widths included: the tensor-parallel tests give widths that split)."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    kw = _text_kw(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=7,
-                  shared_expert_intermediate_size=9, **over)
+    kw = _text_kw(**{"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 7,
+                     "shared_expert_intermediate_size": 9, **over})
     kw.pop("intermediate_size")
     return H.build_tiny(Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**kw), seed)
 
