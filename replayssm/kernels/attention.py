@@ -63,6 +63,31 @@ if HAVE_TRITON:
         before = tl.sum(tl.where(offs < b, tiles, 0), 0)
         return b, pid - before
 
+    @triton.jit
+    def _mask_keys(sc, row_ok, pm, pos, qpos, bits, L, T_TREE: tl.constexpr, TREE: tl.constexpr):
+        """Scores ``sc [M, N]`` with the keys a row may not read set to -inf: causal (keys up
+        to the row's query position ``qpos``) or, for a draft tree, the committed prefix plus
+        the row's ancestors (bit ``i`` of ``bits`` = tree node ``i``; unused without TREE)."""
+        ok = row_ok[:, None] & pm[None, :]
+        if TREE:
+            rel = pos - (L - T_TREE)
+            node = ((bits[:, None] >> tl.maximum(rel, 0)[None, :]) & 1) != 0
+            ok = ok & ((rel < 0)[None, :] | node)
+        else:
+            ok = ok & (pos[None, :] <= qpos[:, None])
+        return tl.where(ok, sc, float("-inf"))
+
+    @triton.jit
+    def _softmax_step(sc, m_i, l_i):
+        """One key block of the online softmax (base 2): ``m' = max(m, max_j sc)``,
+        ``p = 2^(sc - m')``, ``α = 2^(m - m')``, ``l' = α l + Σ_j p``; returns
+        ``(p, α, m', l')`` (a row with no readable key yet keeps ``m' = -inf``, ``p = 0``)."""
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(sc - m_use[:, None])
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
     @triton.jit(**count_args("N", "Nt"))
     def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, len_ptr, bits_ptr, o_ptr, part_ptr, ml_ptr,
@@ -98,6 +123,7 @@ if HAVE_TRITON:
                 bits = tl.load(bits_ptr + b64 * T_TREE + tok_local, mask=row_ok, other=0)
             else:
                 kv_hi = L - Tb + tl.minimum(Tb, (j + 1) * QT)
+                bits = qpos                                # not read without TREE
             chunk = tl.cdiv(tl.cdiv(kv_hi, S), BLOCK_N) * BLOCK_N
             lo = s * chunk
             hi = tl.minimum(kv_hi, lo + chunk)
@@ -113,19 +139,8 @@ if HAVE_TRITON:
                 kmask = pm[:, None] & dm[None, :]
                 K = tl.load(k_ptr + krow[:, None] + dd[None, :], mask=kmask, other=0.0)
                 sc = tl.dot(Q, tl.trans(K.to(Q.dtype)), input_precision=PREC) * qk_scale
-                ok = row_ok[:, None] & pm[None, :]
-                if TREE:
-                    rel = pos - (L - T_TREE)
-                    node = ((bits[:, None] >> tl.maximum(rel, 0)[None, :]) & 1) != 0
-                    ok = ok & ((rel < 0)[None, :] | node)
-                else:
-                    ok = ok & (pos[None, :] <= qpos[:, None])
-                sc = tl.where(ok, sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_use)
-                p = tl.exp2(sc - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
+                sc = _mask_keys(sc, row_ok, pm, pos, qpos, bits, L, T_TREE, TREE)
+                p, alpha, m_new, l_i = _softmax_step(sc, m_i, l_i)
                 V = tl.load(v_ptr + krow[:, None] + dd[None, :], mask=kmask, other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype), V, input_precision=PREC)
                 m_i = m_new

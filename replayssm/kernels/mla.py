@@ -30,7 +30,7 @@ from .attention import _LOG2E, _sm_count
 __all__ = ["mla_attention", "mla_tiles"]
 
 if HAVE_TRITON:
-    from .attention import _combine_kernel, _find_tile
+    from .attention import _combine_kernel, _find_tile, _mask_keys, _softmax_step
 
     @triton.jit(**count_args("N", "Nt"))
     def _mla_kernel(
@@ -70,6 +70,7 @@ if HAVE_TRITON:
                 bits = tl.load(bits_ptr + b64 * T_TREE + tok_local, mask=row_ok, other=0)
             else:
                 kv_hi = L - Tb + tl.minimum(Tb, (j + 1) * QT)
+                bits = qpos                                # not read without TREE
             chunk = tl.cdiv(tl.cdiv(kv_hi, S), BLOCK_N) * BLOCK_N
             lo = s * chunk
             hi = tl.minimum(kv_hi, lo + chunk)
@@ -89,20 +90,8 @@ if HAVE_TRITON:
                     Kr = tl.load(c_ptr + crow[:, None] + RANK + ee[None, :], mask=pm[:, None] & em[None, :],
                                  other=0.0)
                     sc += tl.dot(Qr, tl.trans(Kr.to(Qr.dtype)), out_dtype=ACC, input_precision=PREC)
-                sc = sc * qk_scale
-                ok = row_ok[:, None] & pm[None, :]
-                if TREE:
-                    rel = pos - (L - T_TREE)
-                    node = ((bits[:, None] >> tl.maximum(rel, 0)[None, :]) & 1) != 0
-                    ok = ok & ((rel < 0)[None, :] | node)
-                else:
-                    ok = ok & (pos[None, :] <= qpos[:, None])
-                sc = tl.where(ok, sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_use)
-                p = tl.exp2(sc - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
+                sc = _mask_keys(sc * qk_scale, row_ok, pm, pos, qpos, bits, L, T_TREE, TREE)
+                p, alpha, m_new, l_i = _softmax_step(sc, m_i, l_i)
                 acc = acc * alpha[:, None] + tl.dot(p.to(C.dtype), C, out_dtype=ACC, input_precision=PREC)
                 m_i = m_new
             orow = tok * H + head
