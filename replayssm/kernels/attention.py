@@ -27,7 +27,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ..ops.attention.naive import check_paged, check_write
+from ..ops.attention.checks import check_paged, check_write
 from ._triton import HAVE_TRITON, count_args, next_pow2, triton, tl
 
 __all__ = ["write_kv", "paged_attention", "default_splits"]

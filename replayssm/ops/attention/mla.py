@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ...runtime import compute_dtype
 from ..common import shape_str
-from .naive import allowed_keys, check_paged
+from .checks import allowed_keys, check_paged
 
 __all__ = ["mla_attention", "check_mla"]
 
