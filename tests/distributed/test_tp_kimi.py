@@ -4,7 +4,7 @@ KDA split by heads (2 of 4 heads of 5 channels a rank), MLA split by heads with 
 ``[c | k_rot]`` replicated (every rank caches the whole latent of each token), the MoE's
 experts and shared experts along their intermediate channels, the router replicated.  TP=2
 logits equal TP=1's, greedy generation equals one rank's in every decode mode and with
-n-gram speculation, prefix caching resumes with the same hits and output; sizes that do not
+n-gram (chain and tree: MLA's tree commit on every rank) and draft-model speculation, prefix caching resumes with the same hits and output; sizes that do not
 split are named before any process starts.
 """
 
@@ -202,6 +202,8 @@ def test_greedy_matches_one_rank_in_every_mode(models, arch):
     assert len({tuple(w) for w in want}) > 1     # the continuations differ: the test can fail
     runs = [dict(decode_mode=m) for m in ("recurrent", "replay", "kv", "auto")]
     runs += [dict(decode_mode=m, speculative=SpeculativeConfig("ngram", num_tokens=3)) for m in ("replay", "kv")]
+    runs += [dict(decode_mode="kv", speculative=SpeculativeConfig("tree", num_tokens=3, tree_width=2)),
+             dict(decode_mode="replay", speculative=SpeculativeConfig("draft", num_tokens=3, draft_model=ref))]
     for kw in runs if arch == "moe" else runs[1:3]:
         assert _run(tp, **kw) == want, kw
 
