@@ -188,6 +188,25 @@ def test_rank_cache_holds_the_whole_latent(models):
     assert 2 * b.entry_bytes == a.entry_bytes > 0           # and half of each ring entry
 
 
+def test_mla_op_runs_the_rank_heads_over_the_whole_latent(models, monkeypatch):
+    """Rank 0's decode steps call ``mla_attention`` with its 2 query heads of ``R + dr`` and
+    the latent pool ``[blocks, block_size, 1, R + dr]``; the output is the latent ``[.., 2, R]``."""
+    from replayssm.kernels.dispatch import ops_for
+
+    _, tp = models("moe")
+    ops = ops_for("attention")
+    real, seen = ops.mla_attention, []
+
+    def spy(q, pool, *args, **kw):
+        out = real(q, pool, *args, **kw)
+        seen.append((tuple(q.shape[1:]), tuple(pool.shape[2:]), kw["rank"], tuple(out.shape[1:])))
+        return out
+
+    monkeypatch.setattr(ops, "mla_attention", spy)
+    _run(tp, PROMPTS[:1], 3, decode_mode="kv")
+    assert seen and set(seen) == {((2, 10), (1, 10), 7, (2, 7))}
+
+
 def _run(model, prompts=PROMPTS, n=N_NEW, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
