@@ -1,6 +1,7 @@
 """Tensor parallelism of the newer families on two GPUs (Qwen3.5 dense/MoE, Granite-4.0-H,
 Bamba, Falcon-H1, Zamba2, Kimi-Linear): the tiny checkpoints of
-``tests/distributed/test_tp_families.py`` and ``test_tp_kimi.py`` in float32 on CUDA (Triton kernels, CUDA graphs, NCCL all-reduces inside them).
+``tests/distributed/test_tp_families.py`` and ``test_tp_kimi.py`` in float32 on CUDA (Triton
+kernels, CUDA graphs, NCCL all-reduces inside them).
 
 Per family: the largest |logit| difference of TP=2 against TP=1 (full forward, one batch);
 greedy tokens of TP=2 against TP=1 in replay and KV modes and with prefix caching; the

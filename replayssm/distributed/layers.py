@@ -268,8 +268,8 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
 
 
 #: mixers whose forward returns their last projection's output as it is: (class, projection)
-_OUT_PROJ = ((Mamba2Mixer, "out_proj"), (KimiDeltaAttention, "o_proj"), (GatedDeltaNet, "out_proj"), (Attention, "o_proj"),
-             (GatedMLP, "down_proj"), (PlainMLP, "down_proj"))
+_OUT_PROJ = ((Mamba2Mixer, "out_proj"), (KimiDeltaAttention, "o_proj"), (GatedDeltaNet, "out_proj"),
+             (Attention, "o_proj"), (GatedMLP, "down_proj"), (PlainMLP, "down_proj"))
 
 
 def _write_into_buffer(mixer: nn.Module, fin: FusedFinish) -> None:

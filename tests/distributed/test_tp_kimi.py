@@ -3,9 +3,10 @@
 KDA split by heads (2 of 4 heads of 5 channels a rank), MLA split by heads with the latent
 ``[c | k_rot]`` replicated (every rank caches the whole latent of each token), the MoE's
 experts and shared experts along their intermediate channels, the router replicated.  TP=2
-logits equal TP=1's, greedy generation equals one rank's in every decode mode and with
-n-gram (chain and tree: MLA's tree commit on every rank) and draft-model speculation, prefix caching resumes with the same hits and output; sizes that do not
-split are named before any process starts.
+logits equal TP=1's; greedy generation equals one rank's in every decode mode and with
+n-gram (chain and tree: MLA's tree commit on every rank) and draft-model speculation;
+prefix caching resumes with the same hits and output; sizes that do not split are named
+before any process starts.  (TP=4: ``test_tp4.py``.)
 """
 
 from __future__ import annotations
