@@ -1,6 +1,7 @@
 """Tensor parallelism of the newer families on two GPUs (Qwen3.5 dense/MoE, Granite-4.0-H,
-Bamba, Falcon-H1, Zamba2): the tiny checkpoints of ``tests/distributed/test_tp_families.py``
-in float32 on CUDA (Triton kernels, CUDA graphs, NCCL all-reduces inside them).
+Bamba, Falcon-H1, Zamba2, Kimi-Linear): the tiny checkpoints of
+``tests/distributed/test_tp_families.py`` and ``test_tp_kimi.py`` in float32 on CUDA (Triton
+kernels, CUDA graphs, NCCL all-reduces inside them).
 
 Per family: the largest |logit| difference of TP=2 against TP=1 (full forward, one batch);
 greedy tokens of TP=2 against TP=1 in replay and KV modes and with prefix caching; the
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "distr
 
 import hf_utils as H  # noqa: E402
 import test_tp_families as T  # noqa: E402
+import test_tp_kimi as K  # noqa: E402
 
 from replayssm import LLM, SamplingParams  # noqa: E402
 from replayssm.distributed import TensorParallelGroup  # noqa: E402
@@ -37,9 +39,13 @@ from replayssm.models import load_model  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv
 DEVICE = "cpu" if SMOKE else "cuda"
-FAMILIES = ["qwen3_5", "qwen3_5_moe", "granite", "bamba", "falcon_h1", "falcon_h1_g1", "zamba2", "zamba2_gqa"]
+#: name -> (builder, overrides): Kimi-Linear's KDA (Triton kernels, 2 heads a rank) and MLA
+#: (the MLA kernel over 2 query heads a rank and the replicated latent), with MoE / low-rank q
+SPECS = dict(T.SPECS, kimi_linear=(K.tiny_kimi, K.SPECS["moe"]), kimi_linear_qlora=(K.tiny_kimi, K.SPECS["qlora"]))
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "granite", "bamba", "falcon_h1", "falcon_h1_g1", "zamba2", "zamba2_gqa",
+            "kimi_linear", "kimi_linear_qlora"]
 if SMOKE:
-    FAMILIES = ["granite", "zamba2"]
+    FAMILIES = ["granite", "zamba2", "kimi_linear"]
 RUNS = {   # name -> LLM keywords
     "replay": dict(decode_mode="replay"),
     "kv": dict(decode_mode="kv"),
@@ -68,7 +74,7 @@ def main() -> int:
     root, rows, bad = tempfile.mkdtemp(), [], 0
     with TensorParallelGroup(2, DEVICE) as group:
         for i, name in enumerate(FAMILIES):
-            fn, over = T.SPECS[name]
+            fn, over = SPECS[name]
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")

@@ -47,6 +47,7 @@ from ..kernels.dispatch import fused_ok
 from ..kernels.norm import gated_rmsnorm, gated_sumsq
 from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
+from ..layers.kda import KimiDeltaAttention
 from ..layers.linear import Linear
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.mlp import GatedMLP, PlainMLP
@@ -267,8 +268,8 @@ def build_local_model(cls: type, cfg, lcfg, dtype: torch.dtype, device, rank: in
 
 
 #: mixers whose forward returns their last projection's output as it is: (class, projection)
-_OUT_PROJ = ((Mamba2Mixer, "out_proj"), (GatedDeltaNet, "out_proj"), (Attention, "o_proj"),
-             (GatedMLP, "down_proj"), (PlainMLP, "down_proj"))
+_OUT_PROJ = ((Mamba2Mixer, "out_proj"), (KimiDeltaAttention, "o_proj"), (GatedDeltaNet, "out_proj"),
+             (Attention, "o_proj"), (GatedMLP, "down_proj"), (PlainMLP, "down_proj"))
 
 
 def _write_into_buffer(mixer: nn.Module, fin: FusedFinish) -> None:

@@ -47,7 +47,15 @@ split, its partial output summed by one all-reduce per sub-block):
   they are registered (attention by heads, ``gate_up_proj = [gate | up]`` rows, ``down_proj``
   columns); each invocation's LoRA adapters ``x -> B (A x)`` keep ``A`` whole (replicated)
   and split ``B``'s rows like the projection they add to, so ``q + B A x`` stays each rank's
-  own heads exactly.  Kimi-Linear (MLA's latent projections) is refused by name.
+  own heads exactly.  Kimi-Linear: KDA by heads (``q/k/v_proj``, their convs, the decay's
+  ``f_b_proj`` and ``dt_bias``, ``A_log``, ``b_proj`` and the output gate's ``g_b_proj`` by
+  head; the low-rank inputs ``f_a_proj`` / ``g_a_proj`` and the per-head gated norm's
+  weight replicated: each head's norm stays whole on one rank), ``o_proj`` row-parallel.
+  MLA by heads: ``q_proj`` (or ``q_b_proj``) rows and ``kv_b_proj``'s per-head
+  ``[W_uk_h | W_uv_h]`` rows split, ``o_proj`` row-parallel; ``q_a_proj`` / ``kv_a_proj_with_mqa``
+  and their norms replicated, so every rank computes and caches the whole latent
+  ``[c | k_rot]`` of each token (MLA's one KV head, replicated as a KV head is when
+  ranks outnumber KV heads).  Its MoE as above (``gate_up_proj = [gate | up]``).
 * An MTP head (``mtp.*``, loaded with ``mtp=True``): its decoder layers follow the rules of
   their kind above (same hooks); it shares the target's vocabulary-parallel embedding and
   head.  Its ``fc`` / ``eh_proj`` ``[D, 2D]`` mixes ``[n_e(E x) ; n_h(h)]``, both complete
@@ -64,8 +72,10 @@ from dataclasses import dataclass
 
 from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
+from ..layers.kda import KimiDeltaAttention
 from ..layers.mamba2 import Mamba2Mixer
-from ..layers.mlp import GatedMLP, PlainMLP, SigmoidMoE, SoftmaxMoE
+from ..layers.mla import MLAttention
+from ..layers.mlp import GatedMLP, GatedSigmoidMoE, PlainMLP, SigmoidMoE, SoftmaxMoE
 from ..models.granite_hybrid import GraniteMoE, GraniteSharedMLP
 from ..models.zamba2 import HybridBlock, SharedTransformer
 from ..models.qwen3_5 import QWEN3_5_TYPES, Qwen3_5GatedDeltaNet
@@ -286,6 +296,27 @@ def _check_zamba2(cfg, N: int) -> None:
         _divides(N, "intermediate_size", cfg.intermediate_size, "shared-MLP channels")
 
 
+def _check_kimi(cfg, N: int) -> None:
+    kinds = set(cfg.layer_kinds)
+    if "kda" in kinds:
+        _divides(N, "linear_attn_config.num_heads", cfg.linear_num_heads, "KDA heads")
+    if "attention" in kinds:
+        _divides(N, "num_attention_heads", cfg.num_attention_heads,
+                 "MLA heads (the latent [c | k_rot] is replicated)")
+    moe = [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)]
+    if not all(moe):
+        _divides(N, "intermediate_size", cfg.intermediate_size, "MLP channels")
+    if any(moe):
+        _divides(N, "moe_intermediate_size", cfg.moe_intermediate_size,
+                 "channels of every expert (and of every shared expert)")
+
+
+def _local_kimi(cfg, div, kv, groups):
+    return dataclasses.replace(
+        cfg, linear_num_heads=div(cfg.linear_num_heads), num_attention_heads=div(cfg.num_attention_heads),
+        intermediate_size=div(cfg.intermediate_size), moe_intermediate_size=div(cfg.moe_intermediate_size))
+
+
 def _local_zamba2(cfg, div, kv, groups):
     return dataclasses.replace(
         cfg, n_mamba_heads=div(cfg.n_mamba_heads), mamba_ngroups=groups(cfg.mamba_ngroups),
@@ -295,19 +326,17 @@ def _local_zamba2(cfg, div, kv, groups):
 
 
 _FAMILY_CHECKS = {"bamba": _check_bamba, "granitemoehybrid": _check_granite, "falcon_h1": _check_falcon_h1,
-                  "zamba2": _check_zamba2}
+                  "zamba2": _check_zamba2, "kimi_linear": _check_kimi}
 _FAMILY_LOCAL = {
     "bamba": _local_hybrid,
     "granitemoehybrid": lambda c, div, kv, g: _local_hybrid(c, div, kv, g,
                                                             shared_intermediate_size=div(c.shared_intermediate_size)),
     "falcon_h1": lambda c, div, kv, g: _local_hybrid(c, div, kv, g, mamba_d_ssm=div(c.mamba_d_ssm)),
     "zamba2": _local_zamba2,
+    "kimi_linear": _local_kimi,
 }
 #: families refused by name, and why
-_REFUSED = {
-    "kimi_linear": "no sharding rules: MLA's latent projections (kv_a_proj_with_mqa, kv_b_proj) do not split "
-                   "by head without replicating the latent path",
-}
+_REFUSED: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------------------------------
@@ -410,6 +439,43 @@ def _gdn_separate_rules(m, N: int, r: int) -> dict:
             "out_proj.weight": Shard(1, _pieces((v0 * V, v1 * V)))}
 
 
+def _kda_rules(m, N: int, r: int) -> dict:
+    """KDA (``H`` heads of ``K`` channels): every ``[H K]`` row block (q/k/v projections and
+    convs, ``f_b_proj``, ``dt_bias``, ``g_b_proj``) by head, ``A_log [1, 1, H, 1]`` and
+    ``b_proj [H]`` by head, ``o_proj`` columns by head."""
+    h0, h1 = _split(m.H, N, r)
+    ch = Shard(0, _pieces((h0 * m.K, h1 * m.K)))
+    out = {f"{n}.{p}": ch for n in ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj") for p in ("weight", "bias")}
+    out.update({f"{n}_conv1d.weight": ch for n in "qkv"})
+    heads = Shard(0, _pieces((h0, h1)))
+    out.update({"dt_bias": ch, "A_log": Shard(2, _pieces((h0, h1))), "b_proj.weight": heads, "b_proj.bias": heads,
+                "o_proj.weight": Shard(1, _pieces((h0 * m.K, h1 * m.K))), "o_proj.bias": ROOT_ONLY})
+    return out
+
+
+def _mla_rules(m, N: int, r: int) -> dict:
+    """MLA (``H`` heads): ``q_proj`` / ``q_b_proj`` rows ``[dn + dr]`` per head, ``kv_b_proj``
+    rows ``[dn + dv]`` per head, ``o_proj`` columns ``[dv]`` per head; the latent path
+    (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) replicated."""
+    h0, h1 = _split(m.H, N, r)
+    dq, dkv = m.dn + m.dr, m.dn + m.dv
+    q = Shard(0, _pieces((h0 * dq, h1 * dq)))
+    return {"q_proj.weight": q, "q_b_proj.weight": q, "kv_b_proj.weight": Shard(0, _pieces((h0 * dkv, h1 * dkv))),
+            "o_proj.weight": Shard(1, _pieces((h0 * m.dv, h1 * m.dv))), "o_proj.bias": ROOT_ONLY}
+
+
+def _gated_sigmoid_moe_rules(m, N: int, r: int) -> dict:
+    """Kimi-Linear's MoE: experts ``gate_up_proj [E, 2I, D]`` (``[gate | up]``), ``down_proj
+    [E, D, I]``, the SwiGLU shared experts; router and correction bias replicated."""
+    I = m.experts.down_proj.shape[2]
+    a, b = _split(I, N, r)
+    out = {"experts.gate_up_proj": Shard(1, _pieces((a, b), (I + a, I + b))),
+           "experts.down_proj": Shard(2, _pieces((a, b)))}
+    if m.shared_experts is not None:
+        out.update(_mlp_rules(m.shared_experts, N, r, "shared_experts."))
+    return out
+
+
 def _granite_mlp_rules(m, N: int, r: int) -> dict:
     """Granite's shared MLP: ``input_linear = [gate (S) | up (S)]`` rows, ``output_linear`` columns."""
     S = m.output_linear.weight.shape[1]
@@ -463,7 +529,9 @@ def _held_rules(model, N: int, r: int) -> dict:
 
 
 def _layer_rules(m, N: int, r: int) -> dict:
-    for cls, fn in ((Qwen3_5GatedDeltaNet, _gdn_separate_rules), (GraniteSharedMLP, _granite_mlp_rules)):
+    for cls, fn in ((Qwen3_5GatedDeltaNet, _gdn_separate_rules), (GraniteSharedMLP, _granite_mlp_rules),
+                    (KimiDeltaAttention, _kda_rules), (MLAttention, _mla_rules),
+                    (GatedSigmoidMoE, _gated_sigmoid_moe_rules)):
         if isinstance(m, cls):
             return fn(m, N, r)
     for cls, fn in ((Mamba2Mixer, _mamba_rules), (GatedDeltaNet, _gdn_rules), (Attention, _attention_rules),

@@ -34,6 +34,7 @@ pytest.importorskip("transformers")
 
 from test_falcon_h1 import tiny_falcon_h1  # noqa: E402
 from test_granite_bamba import _build as granite_or_bamba  # noqa: E402
+from test_kimi_linear import tiny_kimi  # noqa: E402
 from test_qwen3_5 import tiny_qwen3_5, tiny_qwen3_5_moe  # noqa: E402
 from test_zamba2 import tiny_zamba2  # noqa: E402
 
@@ -79,6 +80,10 @@ SPECS = {
     # shared blocks with adapters, 4 heads of 8, Mamba-2 8 heads in 4 groups (split)
     "zamba2": (tiny_zamba2, dict(hidden_size=16, num_attention_heads=4, n_mamba_heads=8, mamba_ngroups=4,
                                  intermediate_size=12)),
+    # KDA and MLA one head a rank (MLA's latent on all four), experts of 3 channels a rank and
+    # a shared expert of 3, dense MLP of 5 a rank
+    "kimi_linear": (tiny_kimi, dict(num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4,
+                                    linear_head_dim=5, moe_intermediate_size=12, intermediate_size=20)),
 }
 MTP_ARCHS = {"qwen3_next_80b": 1.5, "nemotron_h": 1.5}   # name: the MTP fc's noise (drafts accepted and rejected)
 
@@ -273,7 +278,7 @@ def test_mtp_speculation_matches_one_rank(models, arch, tree):
     assert 0 < sum(o.num_accepted for o in four) < sum(o.num_drafted for o in four)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next_80b", "mamba2", "zamba2"])
+@pytest.mark.parametrize("arch", ["qwen3_next_80b", "mamba2", "zamba2", "kimi_linear"])
 def test_prefix_caching_matches_one_rank(models, arch):
     ref, tp = models(arch)
     V = ref.config.vocab_size
