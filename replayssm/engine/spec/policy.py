@@ -105,15 +105,25 @@ class StepCosts:
     include a compile or a graph capture —; a key without an entry takes the next one as
     it is; later ones, clipped to 4x of the entry either way, make it the mean of the seed
     and the samples so far until that weighs a sample less than ``decay``, then an EMA of
-    weight ``decay``: host work the start-up timing leaves out (the drafter, the step's
-    Python) comes in within a few steps, while one step that happened to flush does not
-    replace a measured entry)."""
+    weight ``decay``: host work the start-up timing leaves out (the step's Python, the
+    policy's own) comes in within a few steps, while one step that happened to flush does
+    not replace a measured entry).
+
+    ``host``: ``{(batch, T >= 1): seconds}``, the drafter's host time per step (its
+    ``propose`` call: the device waits for it, the verify launches after it returns),
+    :meth:`host_cost`, refined online by :meth:`observe_host`.  The caller observes the
+    device table with the step's time *less* the measured ``propose`` time, so a step is
+    priced ``t(B, T) + h(B, T)`` and the drafter's host time is counted once."""
 
     def __init__(self, table: dict | None = None, fallback=analytic_step_cost, online: bool = False,
                  decay: float = 0.2, flush: dict | None = None, ring: int | None = None,
-                 catchup: dict | None = None):
+                 catchup: dict | None = None, host: dict | None = None):
         self.table = self._checked(table, "step cost table", positive=True)
         self.flush = self._checked(flush, "flush cost table", positive=False)
+        self.host = self._checked(host, "drafter host time table", positive=False)
+        if any(t == 0 for _, t in self.host):
+            raise ValueError("drafter host time table: T = 0 does not draft, give keys with T >= 1")
+        self._host_seen: dict = {}
         self.catchup: dict[tuple[int, int], float] = {}
         self.set_catchup(catchup or {})
         if ring is not None and (isinstance(ring, bool) or not isinstance(ring, int) or ring < 1):
@@ -162,6 +172,41 @@ class StepCosts:
         """One drafter catch-up pass at bucket ``B`` (0 without an entry)."""
         v = self._lookup(self.catchup, B, 0)
         return 0.0 if v is None else v
+
+    def host_cost(self, B: int, T: int) -> float:
+        """``h(B, T)``: the drafter's host time (its ``propose`` call) in a step of ``T``
+        drafts at bucket ``B``; 0 for ``T = 0`` (a plain step proposes nothing) and before
+        any measurement.  A bucket with entries answers from its nearest ``T`` (ties: the
+        longer); a bucket without any from the nearest bucket that has some, scaled by
+        ``B / b`` (host drafting is per-row work) until it has its own."""
+        if T == 0 or not self.host:
+            return 0.0
+        buckets = sorted({b for b, _ in self.host})
+        if B in buckets:
+            b = B
+        else:
+            below = [b for b in buckets if b < B]
+            b = below[-1] if below else buckets[0]
+        t = min((t for bb, t in self.host if bb == b), key=lambda t: (abs(t - T), -t))
+        return self.host[(b, t)] * (B / b)
+
+    def observe_host(self, B: int, T: int, seconds: float) -> None:
+        """A measured ``propose`` of ``T`` drafts at bucket ``B`` (online only): the first of
+        a key is dropped (it may capture or compile), then a running mean that turns into
+        an EMA of weight ``decay``; later samples are clipped to 4x of the entry either way."""
+        if not self.online or T < 1 or not seconds >= 0:
+            return
+        n = self._host_seen.get((B, T), 0)
+        self._host_seen[(B, T)] = n + 1
+        if n == 0:
+            return
+        est = self.host.get((B, T))
+        if est is None:
+            self.host[(B, T)] = float(seconds)
+            return
+        x = min(max(seconds, est / 4), est * 4) if est > 0 else float(seconds)
+        w = max(self.decay, 1.0 / n)
+        self.host[(B, T)] = est + w * (x - est)
 
     def flush_share(self, T: int, nodes: int, tokens: float) -> float:
         """``φ``: the share of rows flushing per step (:func:`flush_fraction`; 0 without a ring)."""
@@ -212,10 +257,12 @@ class _Lengths:
     def record(self, T: int) -> None:
         self.histogram[T] += 1
 
-    def observe(self, seqs, T: int, accepted: list[int], seconds: float | None) -> None:
+    def observe(self, seqs, T: int, accepted: list[int], seconds: float | None,
+                host: float | None = None) -> None:
         """After a step of ``T`` drafts (0: plain) over ``seqs``: ``accepted`` per row
         (accepted drafts + 1; a row offered fewer than ``T`` drafts failed at the first
-        missing one), the step's wall time (None: not a step of that cost)."""
+        missing one), the step's wall time (None: not a step of that cost), and the part of
+        it the drafter's ``propose`` took on the host (None: not measured)."""
 
 
 class FixedLengths(_Lengths):
@@ -297,7 +344,7 @@ class AdaptiveLengths(_Lengths):
             if per_pass:
                 flush += self.passes(seqs, T) * per_pass
             self._flush_part[T] = flush
-            times[T] = base + flush
+            times[T] = base + flush + self.costs.host_cost(Bp, T)
         return Bp, tokens, times
 
     def scores(self, seqs) -> dict[int, float]:
@@ -346,18 +393,25 @@ class AdaptiveLengths(_Lengths):
         self._drafted_top = True
         return top
 
-    def observe(self, seqs, T: int, accepted: list[int], seconds: float | None) -> None:
-        """After a step (see :class:`_Lengths`): the acceptance estimates, then the step's
-        cost with the policy's own host time (this call and the step's :meth:`choose`)
-        added, so that a step that only just wins on device time is not chosen when the
-        bookkeeping of speculating eats the gain."""
+    def observe(self, seqs, T: int, accepted: list[int], seconds: float | None,
+                host: float | None = None) -> None:
+        """After a step (see :class:`_Lengths`): the acceptance estimates, the drafter's
+        host time ``host`` (its ``propose`` call; None: not measured) into
+        :meth:`StepCosts.observe_host`, then the step's cost less ``host`` (priced apart:
+        counted once) with the policy's own host time (this call and the step's
+        :meth:`choose`) added, so that a step that only just wins on device time is not
+        chosen when the bookkeeping of speculating eats the gain."""
         t0 = time.perf_counter()
+        Bp = self.bucket(len(seqs))
         if T:
             d = self.depth[T]
             self.acceptance.observe_batch(seqs, d, [min(a - 1, d) for a in accepted])
+            if host is not None:
+                self.costs.observe_host(Bp, T, host)
         if seconds is not None:
             own = self._own + (time.perf_counter() - t0)
-            self.costs.observe(self.bucket(len(seqs)), T, seconds + own, self._flush_part.get(T, 0.0))
+            drafted = host if T and host is not None else 0.0
+            self.costs.observe(Bp, T, seconds - drafted + own, self._flush_part.get(T, 0.0))
         self._own = 0.0
 
 
