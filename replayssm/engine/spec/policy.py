@@ -130,6 +130,8 @@ class StepCosts:
             raise ValueError(f"StepCosts: ring must be a positive int (the ring capacity L) or None, got {ring!r}")
         self.fallback, self.online, self.decay, self.ring = fallback, online, decay, ring
         self._seen: dict = {}
+        self._seed: dict = {}     # (B, T) -> its seed, for keys refined online
+        self._offset: dict = {}   # (B, T > 0) -> mean (entry - seed) over the refined keys of that group
 
     @staticmethod
     def _checked(table, what: str, positive: bool) -> dict:
@@ -151,9 +153,19 @@ class StepCosts:
         return table[(next((b for b in bs if b >= B), bs[-1]), T)]
 
     def get(self, B: int, T: int) -> float:
-        """``t(B, T)``: a step in which no row flushes."""
-        v = self._lookup(self.table, B, T)
-        return self.fallback(B, T) if v is None else v
+        """``t(B, T)``: a step in which no row flushes.  A seeded entry not yet refined
+        online takes the mean correction its refined siblings got (same bucket, both
+        plain or both drafting): what the start-up timing leaves out of one length (the
+        speculative step's Python) it leaves out of the others, so an unexplored length
+        does not look cheap only because its seed is still bare."""
+        keys = [b for b, t in self.table if t == T]
+        if not keys:
+            return self.fallback(B, T)
+        b = min((k for k in keys if k >= B), default=max(keys))
+        v = self.table[(b, T)]
+        if (b, T) not in self._seed:
+            v = max(v + self._offset.get((b, T > 0), 0.0), 0.25 * v)
+        return v
 
     def flush_cost(self, B: int, T: int) -> float:
         """What a step costs more when every row flushes (0 without an entry or a ring)."""
@@ -230,9 +242,13 @@ class StepCosts:
         if est is None:   # no seed: the first kept observation is the entry
             self.table[(B, T)] = x
             return
+        if (B, T) not in self._seed:   # first refinement: start from the seed as its siblings correct it
+            est, self._seed[(B, T)] = self.get(B, T), est
         x = min(max(x, est / 4), est * 4)
         w = max(self.decay, 1.0 / (n + 1))   # a running mean with the seed as one sample, then the EMA
         self.table[(B, T)] = est + w * (x - est)
+        group = [k for k in self._seed if k[0] == B and (k[1] > 0) == (T > 0)]
+        self._offset[(B, T > 0)] = sum(self.table[k] - self._seed[k] for k in group) / len(group)
 
 
 class _Lengths:
