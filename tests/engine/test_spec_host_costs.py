@@ -157,3 +157,38 @@ def test_unrefined_seeds_take_the_correction_of_refined_siblings():
     costs.observe(1, 1, true[1])
     costs.observe(1, 1, true[1])
     assert costs.get(1, 1) == pytest.approx(true[1], rel=0.1)
+
+
+def test_engine_passes_propose_time_and_greedy_output_is_unchanged(target):
+    """The executor times ``propose`` (here slowed by 3 ms) and hands it to the policy: the
+    host table learns it, the device table is observed with it taken out, and greedy output
+    equals plain decoding's."""
+    import time
+
+    from replayssm import LLM, SamplingParams, SpeculativeConfig
+    from engine_helpers import PROMPTS, reference_greedy
+
+    expected = [reference_greedy(target, p, 12) for p in PROMPTS]
+    llm = LLM(target, speculative=SpeculativeConfig("ngram", num_tokens=4))
+    L = llm.executor.lengths
+    costs = L.costs = StepCosts({(b, T): 1e-3 for b in L.buckets for T in (0,) + L.lengths}, online=True)
+    drafter, propose = llm.executor.drafter, llm.executor.drafter.propose
+
+    def slow(seqs, k=None):
+        time.sleep(0.003)
+        return propose(seqs, k)
+
+    drafter.propose = slow
+    told, device = [], []
+    observe, dev_observe = L.observe, costs.observe
+    L.observe = lambda seqs, T, acc, sec, host=None: (told.append((T, sec, host)), observe(seqs, T, acc, sec, host))
+    costs.observe = lambda B, T, sec, flush_part=0.0: (device.append((T, sec)), dev_observe(B, T, sec, flush_part))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12))
+    assert [o.token_ids for o in outs] == expected
+    drafted = [(T, sec, h) for T, sec, h in told if T and sec is not None]
+    assert drafted and all(h is not None and h >= 0.003 for _, _, h in drafted)
+    for (T, sec, h), (T2, dsec) in zip([x for x in told if x[1] is not None], device):
+        assert T == T2
+        if T:   # the device table sees the step less the propose time (plus the policy's µs)
+            assert sec - h <= dsec < sec - h + 0.002
+    assert costs.host and all(v >= 0.003 for v in costs.host.values())
