@@ -15,8 +15,8 @@ second over the batch::
 * cost: :class:`StepCosts`, a table ``t(B, T)`` over the batch buckets and draft lengths:
   measured when a CUDA engine starts, after graph capture, on distinct free slots
   (:func:`replayssm.engine.warmup.measure_step_costs`), and
-  refined online by the step times the engine observes (they include the drafter's own
-  work), supplied by the user (``SpeculativeConfig.step_costs``), or, on CPU, the
+  refined online by the step times the engine observes (they include the drafter's device
+  work; a seed not yet refined takes its refined siblings' mean correction), supplied by the user (``SpeculativeConfig.step_costs``), or, on CPU, the
   deterministic roofline :func:`analytic_step_cost` (reproducible tests);
 * flushes (replay form): a row whose ring is full writes its checkpoint state, a step of
   its own price (``StepCosts.flush``: the extra time of a step in which every row flushes).
@@ -33,7 +33,10 @@ second over the batch::
   ``StepCosts.catchup_cost(B)`` each (a plain step only when a window fills); a step is
   priced with the passes it would run, so speculation resumes only when it pays for them;
 * host work: the policy's own time (choosing, updating the estimates) is added to the step
-  time it observes, so the bookkeeping of speculating is priced too;
+  time it observes, so the bookkeeping of speculating is priced too; the drafter's
+  ``propose`` (host time the device waits through: the verify launches after it returns)
+  is measured by the engine and priced apart, ``StepCosts.host_cost(B, T)`` on every
+  ``T > 0``, and taken out of the step time that refines ``t(B, T)`` (counted once);
 * probing: a step of the longest length observes acceptance at every depth, so exploring
   means drafting the most: on the first step that would not (a cold start), and after
   ``probe_interval`` steps in a row below the longest length, one step drafts the longest
