@@ -192,3 +192,17 @@ def test_engine_passes_propose_time_and_greedy_output_is_unchanged(target):
         if T:   # the device table sees the step less the propose time (plus the policy's µs)
             assert sec - h <= dsec < sec - h + 0.002
     assert costs.host and all(v >= 0.003 for v in costs.host.values())
+
+
+def test_sibling_correction_leaves_unseeded_and_other_buckets_alone():
+    """Only seeded keys refined online define the correction; an entry that came from
+    observations alone is not shifted, nor is another bucket or the plain key."""
+    c = StepCosts({(4, 0): 1.0, (4, 1): 2.0, (4, 2): 3.0, (16, 1): 5.0}, online=True, decay=0.5)
+    for _ in range(6):
+        c.observe(4, 1, 4.0)        # refined towards 4: the drafting correction at bucket 4 grows
+        c.observe(4, 3, 9.0)        # no seed: its own samples only
+    off = c.get(4, 1) - 2.0
+    assert off > 1.5
+    assert c.get(4, 2) == pytest.approx(3.0 + off)       # the unrefined sibling
+    assert c.get(4, 3) == pytest.approx(9.0)              # unseeded: as observed
+    assert c.get(4, 0) == 1.0 and c.get(16, 1) == 5.0     # plain key, other bucket: untouched

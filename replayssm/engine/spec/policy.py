@@ -133,7 +133,8 @@ class StepCosts:
             raise ValueError(f"StepCosts: ring must be a positive int (the ring capacity L) or None, got {ring!r}")
         self.fallback, self.online, self.decay, self.ring = fallback, online, decay, ring
         self._seen: dict = {}
-        self._seed: dict = {}     # (B, T) -> its seed, for keys refined online
+        self._seed: dict = {}     # (B, T) -> its seed, for seeded keys refined online
+        self._refined: set = set()   # keys refined online (seeded or not)
         self._offset: dict = {}   # (B, T > 0) -> mean (entry - seed) over the refined keys of that group
 
     @staticmethod
@@ -166,7 +167,7 @@ class StepCosts:
             return self.fallback(B, T)
         b = min((k for k in keys if k >= B), default=max(keys))
         v = self.table[(b, T)]
-        if (b, T) not in self._seed:
+        if (b, T) not in self._refined:
             v = max(v + self._offset.get((b, T > 0), 0.0), 0.25 * v)
         return v
 
@@ -244,14 +245,17 @@ class StepCosts:
         est = self.table.get((B, T))
         if est is None:   # no seed: the first kept observation is the entry
             self.table[(B, T)] = x
+            self._refined.add((B, T))
             return
-        if (B, T) not in self._seed:   # first refinement: start from the seed as its siblings correct it
+        if (B, T) not in self._refined:   # first refinement: start from the seed as its siblings correct it
             est, self._seed[(B, T)] = self.get(B, T), est
+            self._refined.add((B, T))
         x = min(max(x, est / 4), est * 4)
         w = max(self.decay, 1.0 / (n + 1))   # a running mean with the seed as one sample, then the EMA
         self.table[(B, T)] = est + w * (x - est)
-        group = [k for k in self._seed if k[0] == B and (k[1] > 0) == (T > 0)]
-        self._offset[(B, T > 0)] = sum(self.table[k] - self._seed[k] for k in group) / len(group)
+        if (B, T) in self._seed:
+            group = [k for k in self._seed if k[0] == B and (k[1] > 0) == (T > 0)]
+            self._offset[(B, T > 0)] = sum(self.table[k] - self._seed[k] for k in group) / len(group)
 
 
 class _Lengths:
