@@ -16,8 +16,9 @@ second over the batch::
   measured when a CUDA engine starts, after graph capture, on distinct free slots
   (:func:`replayssm.engine.warmup.measure_step_costs`), and
   refined online by the step times the engine observes (they include the drafter's device
-  work; a seed not yet refined takes its refined siblings' mean correction), supplied by the user (``SpeculativeConfig.step_costs``), or, on CPU, the
-  deterministic roofline :func:`analytic_step_cost` (reproducible tests);
+  work; a seed not yet refined takes its refined siblings' mean correction), supplied by
+  the user (``SpeculativeConfig.step_costs``), or, on CPU, the deterministic roofline
+  :func:`analytic_step_cost` (reproducible tests);
 * flushes (replay form): a row whose ring is full writes its checkpoint state, a step of
   its own price (``StepCosts.flush``: the extra time of a step in which every row flushes).
   How often a row flushes depends on ``T`` and acceptance (:func:`flush_fraction`: a
