@@ -9,7 +9,9 @@ bf16, replay form, CUDA graphs.  Sections:
 
 1. **end to end** at each batch in ``--batches``: no speculation, n-gram, the MTP head (each
    drafter with ``spec_policy="fixed"``, always ``--num-tokens`` drafts, and ``"adaptive"``,
-   the engine's default, whose chosen draft lengths are printed; MTP also with every step
+   the engine's default, whose chosen draft lengths and, after the batch, predicted drafter
+   host ms per length (``host ms T1 .. T4``: what it prices ``propose`` at), predicted device
+   step ms per length and pooled per-depth acceptance are printed; MTP also with every step
    forced to ``T = 0``, policy "T=0": what a plain step costs with the MTP drafter, whose
    head defers its catch-up into a window, against no speculation), and the draft model (a
    random 512-wide 8-layer Mamba-2 with the target's vocabulary) at ``--draft-batches``.
@@ -62,7 +64,7 @@ import torch
 
 from replayssm.bench.common import free_memory, graph_replay_ms, private_copy, warm_then_time
 from replayssm.bench.e2e import (OracleDrafter, OracleTokens, _prompts, _random_model_dir, draft_length_steps,
-                                 format_lengths)
+                                 format_host_ms, format_lengths, predicted_host_ms, predicted_step_ms)
 from replayssm.bench.mtp import TimedDrafter, _draft_dir
 from replayssm.bench.random_mtp import add_random_mtp
 from replayssm.engine.batching import bucket_for
@@ -99,11 +101,19 @@ def _sweep(llm, args, batches, prompts, refs, label: str, policy: str) -> list[d
             row["draft_ms_per_step"], row["draft_host_ms_per_step"] = timer.per_step_ms()
             row["draft_steps"] = timer.steps
             row["draft_lengths"] = draft_length_steps(stats)
+            host = predicted_host_ms(llm.executor.lengths, B)
+            if host:
+                row["predicted_host_ms"] = host
+                row["predicted_step_ms"] = predicted_step_ms(llm.executor.lengths, B)
+                row["pooled_alpha"] = [round(a, 3) for a in llm.executor.lengths.acceptance.pooled]
         rows.append(row)
         print(f"[gpu_mtp] {label:<6} {policy:<8} B={B:<4} {row['tokens_per_s']:>9.0f} tok/s  acc "
               f"{row['mean_accepted_length']:.2f}  draft {row.get('draft_ms_per_step', 0):.2f} ms "
               f"(host {row.get('draft_host_ms_per_step', 0):.2f})  "
-              f"{format_lengths(row.get('draft_lengths', {}))}", file=sys.stderr, flush=True)
+              f"{format_lengths(row.get('draft_lengths', {}))}  {format_host_ms(row.get('predicted_host_ms', {}))}"
+              + (f"  device ms {' '.join(f'T{t} {v:.2f}' for t, v in row['predicted_step_ms'].items())}"
+                 f"  pooled α {row['pooled_alpha']}" if "predicted_step_ms" in row else ""),
+              file=sys.stderr, flush=True)
     llm.drafter = inner
     return rows
 
@@ -401,7 +411,7 @@ def report(rows: list[dict]) -> None:
         print(f"{r['batch']:>5} {r['drafter']:<7}{r['policy']:<9}{r['tokens_per_s']:>9.0f}{rel:>8.2f}x"
               f"{r['mean_accepted_length']:>6.2f}{r.get('draft_ms_per_step', float('nan')):>10.2f}"
               f"{r.get('draft_host_ms_per_step', float('nan')):>9.2f}{r['mismatch'] or 0:>5}  "
-              f"{format_lengths(r.get('draft_lengths', {}))}")
+              f"{format_lengths(r.get('draft_lengths', {}))}  {format_host_ms(r.get('predicted_host_ms', {}))}")
 
 
 def _save(res: dict) -> None:

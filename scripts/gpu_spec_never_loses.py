@@ -87,10 +87,10 @@ class StepLog:
         L = self.ex.lengths
         observe = L.observe
 
-        def logged_observe(seqs, T, accepted, seconds):
+        def logged_observe(seqs, T, accepted, seconds, host=None):
             if self.on and seconds is not None:
                 self.seen[(bucket_for(self.buckets, len(seqs)), T)].append(seconds)
-            return observe(seqs, T, accepted, seconds)
+            return observe(seqs, T, accepted, seconds, host)
 
         L.observe = logged_observe
         if isinstance(L, AdaptiveLengths):

@@ -19,8 +19,9 @@ Every speculative run's greedy outputs are compared with plain replay's (``misma
 counts requests that differ; it must be 0).  Prints one table per preset and drafter with
 the ratios adaptive / replay (target: >= 1.00 at every batch; a check, with a 2% noise
 allowance), adaptive / fixed and adaptive / standard (target >= 2.00 at B=256: reported),
-the draft lengths the adaptive policy chose (``T=<len>:<steps>``), its probes and its pooled
-per-depth acceptance estimate after the batch; then a summary of the three ratios per preset
+the draft lengths the adaptive policy chose (``T=<len>:<steps>``), its probes, its pooled
+per-depth acceptance estimate and the drafter host ms per step it predicts per length
+(``host ms T1 ..``: the measured ``propose`` time it prices) after the batch; then a summary of the three ratios per preset
 and batch.  Writes ``spec_policy.json`` to ``$OUT`` when set.  One engine per configuration
 serves every batch size in turn (graphs captured once), so the adaptive policy's estimates
 carry over as in a server.  No preset starts past ``--budget-s`` seconds.
@@ -48,7 +49,7 @@ import torch
 
 from replayssm.bench.common import free_memory, private_copy, warm_then_time
 from replayssm.bench.e2e import (OracleDrafter, OracleTokens, _prompts, _random_model_dir, draft_length_steps,
-                                 format_lengths)
+                                 format_host_ms, format_lengths, predicted_host_ms)
 from replayssm.bench.random_mtp import add_random_mtp
 from replayssm.engine.config import SamplingParams, SpeculativeConfig
 from replayssm.engine.llm import LLM
@@ -72,6 +73,12 @@ def _policy_state(llm) -> dict:
     return {"probes": L.probes, "pooled_alpha": [round(a, 3) for a in L.acceptance.pooled]}
 
 
+def _host_state(llm, B: int) -> dict:
+    """The drafter host ms per step the adaptive policy predicts per length at ``B`` rows."""
+    host = predicted_host_ms(getattr(llm.executor, "lengths", None), B)
+    return {"predicted_host_ms": host} if host else {}
+
+
 def _sweep(llm, args, prompts: dict, label: str) -> dict:
     """Time every batch size on one engine: ``{B: row}`` (the fastest of ``--repeats`` by
     decode tokens per second)."""
@@ -87,7 +94,8 @@ def _sweep(llm, args, prompts: dict, label: str) -> dict:
                    "decode_tokens_per_s": (gen - len(outs)) / max(stats["decode_s"], 1e-9),
                    "outputs": [o.token_ids for o in outs],
                    "mean_accepted_length": sum(o.mean_accepted_length for o in outs) / len(outs),
-                   "draft_lengths": draft_length_steps(stats), "num_slots": llm.num_slots, **_policy_state(llm)}
+                   "draft_lengths": draft_length_steps(stats), "num_slots": llm.num_slots, **_policy_state(llm),
+                   **_host_state(llm, B)}
             if best is None or row["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
                 best = row
         rows[B] = best
@@ -96,6 +104,8 @@ def _sweep(llm, args, prompts: dict, label: str) -> dict:
             extra = f"  acc {best['mean_accepted_length']:.2f}  {format_lengths(best['draft_lengths'])}"
             if "pooled_alpha" in best:
                 extra += f"  probes {best['probes']}  pooled α {best['pooled_alpha']}"
+            if "predicted_host_ms" in best:
+                extra += "  " + format_host_ms(best["predicted_host_ms"])
         print(f"[spec policy] {label:<16} B={B:<4} {best['decode_tokens_per_s']:>10.0f} decode tok/s "
               f"({best['tokens_per_s']:.0f} overall){extra}", file=sys.stderr, flush=True)
     return rows
@@ -168,7 +178,8 @@ def report(res: dict, args) -> list[str]:
             s, r, f, a = (_tps(runs["standard"][B]), _tps(runs["replay"][B]), _tps(fx[B]), _tps(ad[B]))
             mism = fx[B]["mismatch"] + ad[B]["mismatch"]
             print(f"{B:>5}{s:>10.0f}{r:>10.0f}{f:>10.0f}{a:>10.0f}{a / r:>10.2f}x{a / f:>9.2f}x{a / s:>7.2f}x"
-                  f"{ad[B]['mean_accepted_length']:>6.2f}{mism:>5}  {format_lengths(ad[B]['draft_lengths'])}")
+                  f"{ad[B]['mean_accepted_length']:>6.2f}{mism:>5}  {format_lengths(ad[B]['draft_lengths'])}"
+                  f"  {format_host_ms(ad[B].get('predicted_host_ms', {}))}")
             if a / r < NOISE:
                 fails.append(f"{res['preset']} {d} B={B}: adaptive / replay = {a / r:.3f} < {NOISE}")
             if mism:

@@ -262,6 +262,32 @@ def format_lengths(hist: dict) -> str:
     return " ".join(f"T={t}:{n}" for t, n in sorted(hist.items()) if n) or "-"
 
 
+def predicted_host_ms(lengths, batch: int) -> dict:
+    """``{T: ms}``: the drafter host time (``propose``) the adaptive length policy ``lengths``
+    now predicts per step of ``T`` drafts at ``batch`` rows (empty for other policies)."""
+    costs = getattr(lengths, "costs", None)
+    if costs is None or not hasattr(costs, "host_cost"):
+        return {}
+    Bp = lengths.bucket(batch)
+    return {T: round(costs.host_cost(Bp, T) * 1e3, 3) for T in lengths.lengths}
+
+
+def predicted_step_ms(lengths, batch: int) -> dict:
+    """``{T: ms}``: the device step time ``t(B, T)`` (no flushes, no host drafting) the
+    adaptive length policy ``lengths`` now predicts at ``batch`` rows, ``T = 0`` included
+    (empty for other policies)."""
+    costs = getattr(lengths, "costs", None)
+    if costs is None or not hasattr(costs, "host_cost"):
+        return {}
+    Bp = lengths.bucket(batch)
+    return {T: round(costs.get(Bp, T) * 1e3, 3) for T in (0, *lengths.lengths)}
+
+
+def format_host_ms(host: dict) -> str:
+    """``host ms T1 0.12 T4 0.15``-style text of :func:`predicted_host_ms` (empty: ``""``)."""
+    return ("host ms " + " ".join(f"T{t} {v:.2f}" for t, v in sorted(host.items()))) if host else ""
+
+
 def _plots(res: dict, out: Path) -> list[str]:
     import matplotlib
 

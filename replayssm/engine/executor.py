@@ -261,14 +261,21 @@ class StepExecutor:
         if not seqs:
             return []
         fused = self._fused(seqs, T)
-        prop = fused[0] if fused is not None else self.drafter.propose(seqs, T)
+        drafting = None   # the drafter's host time: the device idles through it (verify launches after)
+        if fused is not None:
+            prop = fused[0]
+        else:
+            th = time.perf_counter()
+            prop = self.drafter.propose(seqs, T)
+            drafting = time.perf_counter() - th
         if prop is None:  # nothing to draft anywhere: a plain decode step
             out = self.decode(seqs, reserve=False)
             for s in seqs:
                 s.accepted_lengths.append(1)
             self._count(0)
-            # as T drafts all rejected (so a drafter that finds nothing is asked less), no step time
-            self.lengths.observe(seqs, T, [1] * len(seqs), None)
+            # as T drafts all rejected (so a drafter that finds nothing is asked less), no step
+            # time; the proposing was spent all the same
+            self.lengths.observe(seqs, T, [1] * len(seqs), None, drafting)
             return out
         if not prop.tree and prop.tokens.shape[1] > T + 1:   # a drafter that drafts a fixed chain
             prop = prop.truncate(T + 1)
@@ -305,7 +312,7 @@ class StepExecutor:
             s.accepted_lengths.append(a)
             out.append((s, [toks[i] for i in nodes] + [bonus_b], None if lp_rows is None else lp_rows[b][:a]))
         self._count(T)
-        self.lengths.observe(seqs, T, acc, time.perf_counter() - t0)
+        self.lengths.observe(seqs, T, acc, time.perf_counter() - t0, drafting)
         return out
 
     def _fused(self, seqs: list[Sequence], T: int):

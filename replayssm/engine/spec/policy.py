@@ -15,9 +15,10 @@ second over the batch::
 * cost: :class:`StepCosts`, a table ``t(B, T)`` over the batch buckets and draft lengths:
   measured when a CUDA engine starts, after graph capture, on distinct free slots
   (:func:`replayssm.engine.warmup.measure_step_costs`), and
-  refined online by the step times the engine observes (they include the drafter's own
-  work), supplied by the user (``SpeculativeConfig.step_costs``), or, on CPU, the
-  deterministic roofline :func:`analytic_step_cost` (reproducible tests);
+  refined online by the step times the engine observes (they include the drafter's device
+  work; a seed not yet refined takes its refined siblings' mean correction), supplied by
+  the user (``SpeculativeConfig.step_costs``), or, on CPU, the deterministic roofline
+  :func:`analytic_step_cost` (reproducible tests);
 * flushes (replay form): a row whose ring is full writes its checkpoint state, a step of
   its own price (``StepCosts.flush``: the extra time of a step in which every row flushes).
   How often a row flushes depends on ``T`` and acceptance (:func:`flush_fraction`: a
@@ -33,7 +34,10 @@ second over the batch::
   ``StepCosts.catchup_cost(B)`` each (a plain step only when a window fills); a step is
   priced with the passes it would run, so speculation resumes only when it pays for them;
 * host work: the policy's own time (choosing, updating the estimates) is added to the step
-  time it observes, so the bookkeeping of speculating is priced too;
+  time it observes, so the bookkeeping of speculating is priced too; the drafter's
+  ``propose`` (host time the device waits through: the verify launches after it returns)
+  is measured by the engine and priced apart, ``StepCosts.host_cost(B, T)`` on every
+  ``T > 0``, and taken out of the step time that refines ``t(B, T)`` (counted once);
 * probing: a step of the longest length observes acceptance at every depth, so exploring
   means drafting the most: on the first step that would not (a cold start), and after
   ``probe_interval`` steps in a row below the longest length, one step drafts the longest
@@ -105,21 +109,34 @@ class StepCosts:
     include a compile or a graph capture —; a key without an entry takes the next one as
     it is; later ones, clipped to 4x of the entry either way, make it the mean of the seed
     and the samples so far until that weighs a sample less than ``decay``, then an EMA of
-    weight ``decay``: host work the start-up timing leaves out (the drafter, the step's
-    Python) comes in within a few steps, while one step that happened to flush does not
-    replace a measured entry)."""
+    weight ``decay``: host work the start-up timing leaves out (the step's Python, the
+    policy's own) comes in within a few steps, while one step that happened to flush does
+    not replace a measured entry).
+
+    ``host``: ``{(batch, T >= 1): seconds}``, the drafter's host time per step (its
+    ``propose`` call: the device waits for it, the verify launches after it returns),
+    :meth:`host_cost`, refined online by :meth:`observe_host`.  The caller observes the
+    device table with the step's time *less* the measured ``propose`` time, so a step is
+    priced ``t(B, T) + h(B, T)`` and the drafter's host time is counted once."""
 
     def __init__(self, table: dict | None = None, fallback=analytic_step_cost, online: bool = False,
                  decay: float = 0.2, flush: dict | None = None, ring: int | None = None,
-                 catchup: dict | None = None):
+                 catchup: dict | None = None, host: dict | None = None):
         self.table = self._checked(table, "step cost table", positive=True)
         self.flush = self._checked(flush, "flush cost table", positive=False)
+        self.host = self._checked(host, "drafter host time table", positive=False)
+        if any(t == 0 for _, t in self.host):
+            raise ValueError("drafter host time table: T = 0 does not draft, give keys with T >= 1")
+        self._host_seen: dict = {}
         self.catchup: dict[tuple[int, int], float] = {}
         self.set_catchup(catchup or {})
         if ring is not None and (isinstance(ring, bool) or not isinstance(ring, int) or ring < 1):
             raise ValueError(f"StepCosts: ring must be a positive int (the ring capacity L) or None, got {ring!r}")
         self.fallback, self.online, self.decay, self.ring = fallback, online, decay, ring
         self._seen: dict = {}
+        self._seed: dict = {}     # (B, T) -> its seed, for seeded keys refined online
+        self._refined: set = set()   # keys refined online (seeded or not)
+        self._offset: dict = {}   # (B, T > 0) -> mean (entry - seed) over the refined keys of that group
 
     @staticmethod
     def _checked(table, what: str, positive: bool) -> dict:
@@ -141,9 +158,19 @@ class StepCosts:
         return table[(next((b for b in bs if b >= B), bs[-1]), T)]
 
     def get(self, B: int, T: int) -> float:
-        """``t(B, T)``: a step in which no row flushes."""
-        v = self._lookup(self.table, B, T)
-        return self.fallback(B, T) if v is None else v
+        """``t(B, T)``: a step in which no row flushes.  A seeded entry not yet refined
+        online takes the mean correction its refined siblings got (same bucket, both
+        plain or both drafting): what the start-up timing leaves out of one length (the
+        speculative step's Python) it leaves out of the others, so an unexplored length
+        does not look cheap only because its seed is still bare."""
+        keys = [b for b, t in self.table if t == T]
+        if not keys:
+            return self.fallback(B, T)
+        b = min((k for k in keys if k >= B), default=max(keys))
+        v = self.table[(b, T)]
+        if (b, T) not in self._refined:
+            v = max(v + self._offset.get((b, T > 0), 0.0), 0.25 * v)
+        return v
 
     def flush_cost(self, B: int, T: int) -> float:
         """What a step costs more when every row flushes (0 without an entry or a ring)."""
@@ -162,6 +189,41 @@ class StepCosts:
         """One drafter catch-up pass at bucket ``B`` (0 without an entry)."""
         v = self._lookup(self.catchup, B, 0)
         return 0.0 if v is None else v
+
+    def host_cost(self, B: int, T: int) -> float:
+        """``h(B, T)``: the drafter's host time (its ``propose`` call) in a step of ``T``
+        drafts at bucket ``B``; 0 for ``T = 0`` (a plain step proposes nothing) and before
+        any measurement.  A bucket with entries answers from its nearest ``T`` (ties: the
+        longer); a bucket without any from the nearest bucket that has some, scaled by
+        ``B / b`` (host drafting is per-row work) until it has its own."""
+        if T == 0 or not self.host:
+            return 0.0
+        buckets = sorted({b for b, _ in self.host})
+        if B in buckets:
+            b = B
+        else:
+            below = [b for b in buckets if b < B]
+            b = below[-1] if below else buckets[0]
+        t = min((t for bb, t in self.host if bb == b), key=lambda t: (abs(t - T), -t))
+        return self.host[(b, t)] * (B / b)
+
+    def observe_host(self, B: int, T: int, seconds: float) -> None:
+        """A measured ``propose`` of ``T`` drafts at bucket ``B`` (online only): the first of
+        a key is dropped (it may capture or compile), then a running mean that turns into
+        an EMA of weight ``decay``; later samples are clipped to 4x of the entry either way."""
+        if not self.online or T < 1 or not seconds >= 0:
+            return
+        n = self._host_seen.get((B, T), 0)
+        self._host_seen[(B, T)] = n + 1
+        if n == 0:
+            return
+        est = self.host.get((B, T))
+        if est is None:
+            self.host[(B, T)] = float(seconds)
+            return
+        x = min(max(seconds, est / 4), est * 4) if est > 0 else float(seconds)
+        w = max(self.decay, 1.0 / n)
+        self.host[(B, T)] = est + w * (x - est)
 
     def flush_share(self, T: int, nodes: int, tokens: float) -> float:
         """``φ``: the share of rows flushing per step (:func:`flush_fraction`; 0 without a ring)."""
@@ -184,10 +246,17 @@ class StepCosts:
         est = self.table.get((B, T))
         if est is None:   # no seed: the first kept observation is the entry
             self.table[(B, T)] = x
+            self._refined.add((B, T))
             return
+        if (B, T) not in self._refined:   # first refinement: start from the seed as its siblings correct it
+            est, self._seed[(B, T)] = self.get(B, T), est
+            self._refined.add((B, T))
         x = min(max(x, est / 4), est * 4)
         w = max(self.decay, 1.0 / (n + 1))   # a running mean with the seed as one sample, then the EMA
         self.table[(B, T)] = est + w * (x - est)
+        if (B, T) in self._seed:
+            group = [k for k in self._seed if k[0] == B and (k[1] > 0) == (T > 0)]
+            self._offset[(B, T > 0)] = sum(self.table[k] - self._seed[k] for k in group) / len(group)
 
 
 class _Lengths:
@@ -212,10 +281,12 @@ class _Lengths:
     def record(self, T: int) -> None:
         self.histogram[T] += 1
 
-    def observe(self, seqs, T: int, accepted: list[int], seconds: float | None) -> None:
+    def observe(self, seqs, T: int, accepted: list[int], seconds: float | None,
+                host: float | None = None) -> None:
         """After a step of ``T`` drafts (0: plain) over ``seqs``: ``accepted`` per row
         (accepted drafts + 1; a row offered fewer than ``T`` drafts failed at the first
-        missing one), the step's wall time (None: not a step of that cost)."""
+        missing one), the step's wall time (None: not a step of that cost), and the part of
+        it the drafter's ``propose`` took on the host (None: not measured)."""
 
 
 class FixedLengths(_Lengths):
@@ -297,7 +368,7 @@ class AdaptiveLengths(_Lengths):
             if per_pass:
                 flush += self.passes(seqs, T) * per_pass
             self._flush_part[T] = flush
-            times[T] = base + flush
+            times[T] = base + flush + self.costs.host_cost(Bp, T)
         return Bp, tokens, times
 
     def scores(self, seqs) -> dict[int, float]:
@@ -346,18 +417,25 @@ class AdaptiveLengths(_Lengths):
         self._drafted_top = True
         return top
 
-    def observe(self, seqs, T: int, accepted: list[int], seconds: float | None) -> None:
-        """After a step (see :class:`_Lengths`): the acceptance estimates, then the step's
-        cost with the policy's own host time (this call and the step's :meth:`choose`)
-        added, so that a step that only just wins on device time is not chosen when the
-        bookkeeping of speculating eats the gain."""
+    def observe(self, seqs, T: int, accepted: list[int], seconds: float | None,
+                host: float | None = None) -> None:
+        """After a step (see :class:`_Lengths`): the acceptance estimates, the drafter's
+        host time ``host`` (its ``propose`` call; None: not measured) into
+        :meth:`StepCosts.observe_host`, then the step's cost less ``host`` (priced apart:
+        counted once) with the policy's own host time (this call and the step's
+        :meth:`choose`) added, so that a step that only just wins on device time is not
+        chosen when the bookkeeping of speculating eats the gain."""
         t0 = time.perf_counter()
+        Bp = self.bucket(len(seqs))
         if T:
             d = self.depth[T]
             self.acceptance.observe_batch(seqs, d, [min(a - 1, d) for a in accepted])
+            if host is not None:
+                self.costs.observe_host(Bp, T, host)
         if seconds is not None:
             own = self._own + (time.perf_counter() - t0)
-            self.costs.observe(self.bucket(len(seqs)), T, seconds + own, self._flush_part.get(T, 0.0))
+            drafted = host if T and host is not None else 0.0
+            self.costs.observe(Bp, T, seconds - drafted + own, self._flush_part.get(T, 0.0))
         self._own = 0.0
 
 

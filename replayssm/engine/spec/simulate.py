@@ -4,7 +4,9 @@
 accepted, seconds)``) over ``batch`` rows for ``steps`` steps, or until every request is
 done.  Each step of ``T`` drafts accepts, per row, draft ``j`` with probability ``alpha[j-1]``
 while the drafts before it were accepted (``T = 0``: one token), and takes
-``cost(B, T)`` seconds (the true table, which the policy may know only in part).  Requests
+``cost(B, T)`` seconds of device work (the true table, which the policy may know only in
+part) plus, for ``T > 0``, ``host(B, T)`` seconds of the drafter's ``propose`` on the host
+(the device idles through it; the policy is told it as the engine tells it).  Requests
 of ``tokens`` tokens are replaced by new ones as they finish when ``refill`` (a server under
 steady load), else the batch drains (a benchmark's batch submitted at once).  Used by the
 tests and to compare policies off the GPU; :func:`best_length` is the length an oracle that
@@ -47,19 +49,21 @@ class SimResult:
 
 
 def best_length(alpha: Sequence[float], cost: Callable[[int, int], float], B: int, lengths: Sequence[int],
-                depth: dict | None = None) -> int:
-    """``argmax_T E(α, depth(T)) / cost(B, T)`` over ``{0} ∪ lengths`` (ties: the fewer drafts)."""
+                depth: dict | None = None, host: Callable[[int, int], float] | None = None) -> int:
+    """``argmax_T E(α, depth(T)) / (cost(B, T) + host(B, T))`` over ``{0} ∪ lengths``
+    (``host``: 0 at ``T = 0``; ties: the fewer drafts)."""
     depth = depth or {t: t for t in lengths}
     best, rate = 0, 1.0 / cost(B, 0)
     for T in sorted(lengths):
-        r = expected_tokens(alpha, depth[T]) / cost(B, T)
+        r = expected_tokens(alpha, depth[T]) / (cost(B, T) + (host(B, T) if host else 0.0))
         if r > rate:
             best, rate = T, r
     return best
 
 
 def simulate(policy, alpha: Sequence[float], cost: Callable[[int, int], float], batch: int, steps: int,
-             tokens: int | None = None, refill: bool = False, seed: int = 0) -> SimResult:
+             tokens: int | None = None, refill: bool = False, seed: int = 0,
+             host: Callable[[int, int], float] | None = None) -> SimResult:
     """Run ``policy`` on the trace (module docstring); ``depth`` of each length comes from
     ``policy.depth`` (trees) and ``alpha`` must cover the deepest."""
     if batch < 1 or steps < 0:
@@ -83,8 +87,11 @@ def simulate(policy, alpha: Sequence[float], cost: Callable[[int, int], float], 
             while a < d and rng.random() < alpha[a]:
                 a += 1
             acc.append(a + 1)
-        sec = cost(len(rows), T)
-        policy.observe(rows, T, acc, sec)
+        h = host(len(rows), T) if host is not None and T else None
+        if h is not None and not h >= 0:
+            raise ValueError(f"simulate: host({len(rows)}, {T}) must be >= 0 seconds, got {h}")
+        sec = cost(len(rows), T) + (h or 0.0)
+        policy.observe(rows, T, acc, sec, h)
         out.seconds += sec
         out.chosen.append(T)
         out.batch.append(len(rows))
