@@ -253,6 +253,7 @@ def main(argv=None) -> int:
                                                     f"{NOISE} noise allowance; greedy outputs identical)"
                           if not fails else "FAILED\n  " + "\n  ".join(fails)))
     if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
         path = os.path.join(os.environ["OUT"], "spec_policy.json")
         with open(path, "w") as f:
             json.dump(out, f, indent=1, default=str)
