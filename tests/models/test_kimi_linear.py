@@ -245,11 +245,13 @@ def test_config_sizes_checked_against_the_tensors(built, tmp_path, edit, msg):
         load_model(bad, dtype="float64")
 
 
-def test_jax_and_tensor_parallel_refuse_by_name(built):
+def test_jax_refuses_by_name_and_tensor_parallel_names_the_size(built):
+    """The JAX backend refuses KDA by name; tensor parallelism (tests/distributed/test_tp_kimi.py)
+    refuses a split that does not divide, naming the config field (this model has 3 KDA heads)."""
     from replayssm.distributed.sharding import check_tensor_parallel
 
     _, _, ours = built("moe")
-    with pytest.raises(ValueError, match=r"model_type 'kimi_linear' \(no sharding rules: MLA"):
+    with pytest.raises(ValueError, match=r"linear_attn_config.num_heads \(3\)"):
         check_tensor_parallel(ours.config, 2)
     pytest.importorskip("jax")
     from replayssm.jax.params import from_torch_model
