@@ -182,3 +182,52 @@ def test_push_rejects_bad_input():
     with pytest.raises(ValueError, match="programs"):
         tp_push(p, b, 4, programs=5)
     assert int(wd.ctl[0][0]) == 0 and all(int(m.abs().sum()) == 0 for m in wd.mem)   # nothing touched
+
+
+@pytest.mark.parametrize("method", ["push", "twoshot"])
+def test_fused_finish_drives_the_push_kernels(method, monkeypatch):
+    """``FusedFinish`` with ``REPLAYSSM_TP_FUSED_METHOD=push|twoshot``: a deferred sum with
+    the gated-norm scale finished by ``add_norm`` on rank 0 of two (rank 1's pushes and flags
+    pre-set) against the float64 reference; the method switch rejects unknown names."""
+    from replayssm.distributed.fused import DeferredSum, FusedFinish, GroupScale, fused_method, fused_programs
+    from replayssm.layers.norms import RMSNorm
+
+    monkeypatch.setenv("REPLAYSSM_TP_FUSED_METHOD", method)
+    assert fused_method() == method
+    with pytest.raises(ValueError, match="REPLAYSSM_TP_FUSED_METHOD"):
+        fused_method("nvls")
+    for bad in ("0", "x"):
+        with pytest.raises(ValueError, match="REPLAYSSM_TP_FUSED_PROGRAMS"):
+            fused_programs(bad)
+    D, R, P = 24, 5, 4
+    wd = World(2, 8, D, torch.float32, P)
+    f = FusedFinish.__new__(FusedFinish)
+    f.rank, f.size, f.D, f.dtype, f.max_rows, f.parity, f.ok = 0, 2, D, torch.float32, 8, 0, True
+    f.method, f.programs, f.push = fused_method(), P, wd.bufs[0]
+    f.parts = [torch.zeros(8, D, device=DEVICE) for _ in range(2)]
+    f.sums = [torch.zeros(8, device=DEVICE) for _ in range(2)]
+    g = torch.Generator().manual_seed(4)
+    p = [torch.randn(R, D, generator=g).to(DEVICE) for _ in range(2)]
+    q = [torch.rand(R, generator=g).to(DEVICE) * 30 + 1 for _ in range(2)]
+    h = torch.randn(1, R, D, generator=g).to(DEVICE)
+    norm = RMSNorm(D, 1e-6)
+    norm.weight.data = (1 + 0.2 * torch.randn(D, generator=g)).to(DEVICE)
+    wd.recv(0)[0, 1, :R] = p[1]
+    wd.qrecv(0)[0, 1, :R] = q[1]
+    wd.flags(0)[:, 1, :] = 1
+    if method == "twoshot":   # rank 1's reduced slice [12, 24) already gathered here
+        _, _, o = reduce_add_norm(p, q, group_size=2 * D, gate_eps=1e-5)
+        wd.gather(0)[:R, 12:] = o[:, 12:]
+    f.part_out(R).copy_(p[0])
+    f.sums_out(R).copy_(q[0])
+    d = DeferredSum(f, f.part_out(R).view(1, R, D), GroupScale(f.sums_out(R), 0, 1, 2 * D, 1e-5), "fused")
+    y, s = d.add_norm(h, norm, torch.float32, torch.float32)
+    y64, s64, _ = reduce_add_norm(p, q, group_size=2 * D, gate_eps=1e-5, residual=h.reshape(R, D),
+                                  weight=norm.weight, eps=1e-6, dtype=torch.float64)
+    torch.testing.assert_close(y.reshape(R, D).double(), y64, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s.reshape(R, D).double(), s64, atol=1e-5, rtol=1e-5)
+    assert int(wd.ctl[0][0]) == 1 and f.parity == 1
+    if method == "push":
+        assert torch.equal(wd.recv(1)[0, 0, :R], p[0]) and torch.equal(wd.qrecv(1)[0, 0, :R], q[0])
+    else:
+        assert torch.equal(wd.recv(1)[0, 0, :R, 12:], p[0][:, 12:])
