@@ -9,8 +9,8 @@
     the residual written must match the float64 reference
     (:func:`replayssm.ops.tp_reduce.reduce_add_norm`), and both ranks must hold
     bitwise-identical outputs.  All of it for each ``REPLAYSSM_TP_FUSED_METHOD`` (``pull``,
-    ``push``, ``twoshot``; 1000 rows exceed the push kernels' 256 programs, so programs
-    stride), and the push methods' outputs must equal the pull method's bitwise.
+    ``pullv``, ``push``, ``twoshot``; 1000 rows exceed the push kernels' 256 programs, so
+    programs stride), and every method's outputs must equal the pull method's bitwise.
 (b) Microbench (µs per call, 32 calls a graph, 20 replays), B = 1, 64, 256, D = 2560 and 8192:
     ``finish``: today's ``one_shot_all_reduce_copy`` + ``rmsnorm(residual=)`` vs the fused
     kernel (partial already in the buffer, as Mamba-2's ``out_proj`` leaves it) and the fused
@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BATCHES_CHECK = (1, 7, 64, 256, 1000)
-METHODS = ("pull", "push", "twoshot")     # REPLAYSSM_TP_FUSED_METHOD
+METHODS = ("pull", "pullv", "push", "twoshot")     # REPLAYSSM_TP_FUSED_METHOD
 BATCHES_BENCH = (1, 64, 256)
 DIMS_BENCH = (2560, 8192)
 REPLAYS = 200
@@ -168,7 +168,8 @@ def _check_method(rank, size, dev, fin, method, norm, gsize, first, rows) -> Non
             as_pull = all(torch.equal(first[B][k], v) for k, v in eager.items())
         ok = same and as_pull and bad == 0 and max(v for k, v in err.items() if k[0] == "y") < 0.03 and \
             max(v for k, v in err.items() if k[0] == "s") < 0.01
-        rows.append({"method": method, "B": B, "ranks_bitwise_equal": same, "bitwise_as_pull": as_pull, "graph_replays": REPLAYS, "replays_differing": bad,
+        rows.append({"method": method, "B": B, "ranks_bitwise_equal": same, "bitwise_as_pull": as_pull,
+                     "graph_replays": REPLAYS, "replays_differing": bad,
                      "max_rel_err_y": max(v for k, v in err.items() if k[0] == "y"),
                      "max_rel_err_s": max(v for k, v in err.items() if k[0] == "s"), "ok": ok})
         del graph
@@ -260,7 +261,7 @@ def _bench(rank: int, size: int, dev, res: dict) -> None:
                 st[f"fused_{m}"] = _time_graph(fused_finish)
                 st[f"fused_copy_in_{m}"] = _time_graph(fused_copy)
                 st[f"new_tail_{m}"] = _time_graph(new_tail)
-                if m != "pull":          # the grid cap (default 256 programs)
+                if m in ("push", "twoshot"):          # the grid cap (default 256 programs)
                     for P in (64, sms):
                         fin.programs = P
                         st[f"fused_{m}_P{P}"] = _time_graph(fused_finish)
@@ -349,7 +350,8 @@ def _e2e(out: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = e2e._random_model_dir("small", tmp)
         for name, tp, fused, method in (("TP=1", 1, "1", "pull"), ("TP=2 fused=0", 2, "0", "pull"),
-                                        ("TP=2 fused=1", 2, "1", "pull"), ("TP=2 push", 2, "1", "push"),
+                                        ("TP=2 fused=1", 2, "1", "pull"), ("TP=2 pullv", 2, "1", "pullv"),
+                                        ("TP=2 push", 2, "1", "push"),
                                         ("TP=2 twoshot", 2, "1", "twoshot")):
             os.environ["REPLAYSSM_TP_FUSED"] = fused     # the workers inherit it at spawn
             os.environ["REPLAYSSM_TP_FUSED_METHOD"] = method

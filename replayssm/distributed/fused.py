@@ -16,7 +16,8 @@ A mixer of a plain :class:`~replayssm.models.base.Block` returns its partial out
   ``[partial ; sums]`` then the same scale, add and norm in PyTorch
   (:func:`reference_sum`);
 * ``REPLAYSSM_TP_FUSED_METHOD`` picks how the kernel moves the partials: ``pull`` (default:
-  each rank reads the peers' buffers), ``push`` (each rank stores its partial into the
+  each rank reads the peers' buffers), ``pullv`` (the same with the loads provably 16-byte
+  vectors: ``pull`` compiles to 2-byte loads), ``push``  (each rank stores its partial into the
   peers' receive slots, then sums locally) or ``twoshot`` (each rank sums one column slice
   and stores it into every rank: half the bytes at 4 ranks); see
   :mod:`~replayssm.kernels.tp_push` (``REPLAYSSM_TP_FUSED_PROGRAMS`` caps its grid);
@@ -54,7 +55,7 @@ ENV = "REPLAYSSM_TP_FUSED"
 ROWS_ENV = "REPLAYSSM_TP_FUSED_MAX_ROWS"
 METHOD_ENV = "REPLAYSSM_TP_FUSED_METHOD"
 PROGRAMS_ENV = "REPLAYSSM_TP_FUSED_PROGRAMS"
-METHODS = ("pull", "push", "twoshot")
+METHODS = ("pull", "pullv", "push", "twoshot")
 #: the fused finish takes calls of at most this many rows (``REPLAYSSM_TP_FUSED_MAX_ROWS``
 #: overrides).  Measured on two H200s (2026-11-27, d = 2560): the fused Mamba-2 tail costs
 #: 16.2 µs a layer at 1 row against today's 23.7, but 28.7 vs 27.9 at 64 rows and 58.9 vs
@@ -191,7 +192,7 @@ class FusedFinish:
             self.pad_ptrs = torch.tensor(list(hdl.signal_pad_ptrs), **i64)
             if int(hdl.signal_pad_size) < 4 * (2 * self.size + 4):
                 raise RuntimeError(f"signal pad of {hdl.signal_pad_size} bytes is too small for the barrier counters")
-            if self.method != "pull":
+            if self.method in ("push", "twoshot"):
                 from ..kernels.tp_push import PushBuffers, push_layout
 
                 total = push_layout(self.size, self.max_rows, self.D, es, self.programs)["total"][1]
@@ -216,7 +217,7 @@ class FusedFinish:
                 if self.method == "pull":
                     _, s, _ = tp_reduce(self.part_ptrs[0], self.parts[0], n, rank=self.rank, residual=ones,
                                         sum_dtype=torch.float32, pad_ptrs=self.pad_ptrs, trailing=True)
-                else:
+                else:   # the method's own kernel (parity 0, trailing: it leaves the parity at 0)
                     _, s, _ = self.run(self.parts[0][:n], None, ones, torch.float32, trailing=True)
                 want = self.size * (self.size + 1) / 2 + 1
                 if not bool(torch.all(s == want)):
@@ -267,11 +268,11 @@ class FusedFinish:
             if scale.sums.data_ptr() != sb.data_ptr():
                 sb.copy_(scale.sums.reshape(rows))
             kw = dict(ranks_per_group=self.size // scale.groups, group_size=scale.size, gate_eps=scale.eps)
-            if self.method == "pull":
+            if self.method in ("pull", "pullv"):
                 kw["ss_ptrs"] = self.ss_ptrs[self.parity]
             else:
                 kw["sums"] = sb
-        if self.method != "pull":
+        if self.method in ("push", "twoshot"):
             from ..kernels.tp_push import tp_push
 
             out = tp_push(buf, self.push, rows, rank=self.rank, two_shot=self.method == "twoshot",
@@ -286,7 +287,8 @@ class FusedFinish:
                         residual=None if residual is None else residual.reshape(rows, self.D),
                         sum_dtype=sum_dtype, weight=None if norm is None else norm.weight,
                         eps=0.0 if norm is None else norm.eps, zero_centered=bool(norm is not None and norm.zero_centered),
-                        want_sum=want_sum, pad_ptrs=self.pad_ptrs, trailing=trailing, **kw)
+                        want_sum=want_sum, pad_ptrs=self.pad_ptrs, trailing=trailing,
+                        aligned=self.method == "pullv", **kw)
         self.parity = 0 if trailing else 1 - self.parity
         return out
 

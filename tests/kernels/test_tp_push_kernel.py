@@ -231,3 +231,31 @@ def test_fused_finish_drives_the_push_kernels(method, monkeypatch):
         assert torch.equal(wd.recv(1)[0, 0, :R], p[0]) and torch.equal(wd.qrecv(1)[0, 0, :R], q[0])
     else:
         assert torch.equal(wd.recv(1)[0, 0, :R, 12:], p[0][:, 12:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pull_kernel_aligned_addressing_is_the_same_sum(dtype):
+    """``tp_reduce(aligned=True)`` (``REPLAYSSM_TP_FUSED_METHOD=pullv``) addresses each rank's
+    partial as ``like`` plus an element offset: bitwise the plain form's result on 16-byte
+    aligned buffers (one allocation, rows of 48 channels), and ``like`` must be aligned."""
+    W, R, N = 3, 5, 48
+    g = torch.Generator().manual_seed(8)
+    es = torch.finfo(dtype).bits // 8
+    step = -(-R * N * es // 256) * 256 // es                 # 256-byte aligned partials in one buffer
+    flat = torch.zeros(W * step + 16, dtype=dtype, device=DEVICE)
+    off = (-flat.data_ptr() % 256) // es
+    parts = [flat[off + k * step: off + k * step + R * N].view(R, N) for k in range(W)]
+    for p in parts:
+        p.copy_(torch.randn(R, N, generator=g).to(dtype))
+    ss = [torch.rand(R, generator=g).to(DEVICE) * 9 + 1 for _ in range(W)]
+    h = torch.randn(R, N, generator=g).to(DEVICE)
+    w = (1 + 0.2 * torch.randn(N, generator=g)).to(dtype).to(DEVICE)
+    kw = dict(ss_ptrs=_ptrs(ss), group_size=2 * N, gate_eps=1e-5, residual=h, sum_dtype=torch.float32, weight=w,
+              eps=1e-6, want_sum=True)
+    for rank in range(W):
+        a = tp_reduce(_ptrs(parts), parts[rank], R, rank=rank, **kw)
+        b = tp_reduce(_ptrs(parts), parts[rank], R, rank=rank, aligned=True, **kw)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="aligned"):
+        tp_reduce(_ptrs(parts), flat[off + 1: off + 1 + R * N].view(R, N), R, aligned=True, **kw)
