@@ -168,13 +168,18 @@ def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS, profile: bool = T
         path = e2e._random_model_dir("2.7b", tmp)
         out["write_checkpoint_s"] = time.perf_counter() - t
         print(f"[{_elapsed():.0f}s] checkpoint written in {out['write_checkpoint_s']:.0f} s", flush=True)
-        for tp, control, method, fused in configs:
+        for tp, control, method, fused, *how in configs:
             if _elapsed() > budget_s:
-                out["skipped_from"] = [tp, control, method, fused]
+                out["skipped_from"] = [tp, control, method, fused, *how]
                 break
             os.environ["REPLAYSSM_TP_ALLREDUCE"] = method
             os.environ["REPLAYSSM_TP_CONTROL"] = control
             os.environ["REPLAYSSM_TP_FUSED"] = fused      # workers inherit it when the group starts
+            for k, v in zip(("REPLAYSSM_TP_FUSED_METHOD", "REPLAYSSM_TP_FUSED_MAX_ROWS"), (how + [None, None])[:2]):
+                if v is None:
+                    os.environ.pop(k, None)               # the default
+                else:
+                    os.environ[k] = v
             t = time.perf_counter()
             group_s = 0.0
             if tp == 1:
@@ -188,6 +193,8 @@ def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS, profile: bool = T
             if tp > 1:
                 fin = model.local.tp_fused
                 fz = "fused" if fin is not None and fin.ok else ("fused-off" if fin is None else "fused-ref")
+                if fin is not None and fin.ok and how:
+                    fz = f"{fin.method}<={fin.fused_rows}"
                 used = f"{control}+{model.local.tp.allreduce.method}+{fz}"
             else:
                 used = "-"
@@ -264,8 +271,9 @@ def main() -> int:
     p.add_argument("--modes", default="replay,recurrent")
     p.add_argument("--skip-micro", action="store_true")
     p.add_argument("--configs", default=",".join(":".join(map(str, c)) for c in CONFIGS),
-                   help="TP:control:allreduce[:fused] entries (fused: REPLAYSSM_TP_FUSED, default 1), "
-                        "e.g. 1:gloo:nccl,2:shm:auto:0,2:shm:auto:1")
+                   help="TP:control:allreduce[:fused[:rows]] entries (fused: REPLAYSSM_TP_FUSED 0 or 1, "
+                        "default 1, or a REPLAYSSM_TP_FUSED_METHOD: pull, pullv, push, twoshot; rows: "
+                        "REPLAYSSM_TP_FUSED_MAX_ROWS), e.g. 1:gloo:nccl,2:shm:auto:0,2:shm:auto:1,2:shm:auto:push:1024")
     p.add_argument("--skip-profile", action="store_true", help="no profiler table of a TP=2 config")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = p.parse_args()
@@ -281,9 +289,14 @@ def main() -> int:
     configs = []
     for e in a.configs.split(","):
         f = e.split(":")
-        if len(f) not in (3, 4) or (len(f) == 4 and f[3] not in ("0", "1")):
-            p.error(f"bad config {e!r}: TP:control:allreduce[:0|1]")
-        configs.append((int(f[0]), f[1], f[2], f[3] if len(f) == 4 else "1"))
+        methods = ("pull", "pullv", "push", "twoshot")
+        if len(f) not in (3, 4, 5) or (len(f) >= 4 and f[3] not in ("0", "1") + methods) or \
+                (len(f) == 5 and (f[3] not in methods or not f[4].isdigit())):
+            p.error(f"bad config {e!r}: TP:control:allreduce[:0|1|method[:max rows]]")
+        if len(f) >= 4 and f[3] in methods:
+            configs.append((int(f[0]), f[1], f[2], "1", *f[3:]))
+        else:
+            configs.append((int(f[0]), f[1], f[2], f[3] if len(f) == 4 else "1"))
     res.update(e2e_rows(a.budget_s, [int(b) for b in a.batches.split(",")], a.modes.split(","), configs,
                         profile=not a.skip_profile))
     os.makedirs(a.out, exist_ok=True)
