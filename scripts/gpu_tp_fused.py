@@ -9,7 +9,7 @@
     the residual written must match the float64 reference
     (:func:`replayssm.ops.tp_reduce.reduce_add_norm`), and both ranks must hold
     bitwise-identical outputs.  All of it for each ``REPLAYSSM_TP_FUSED_METHOD`` (``pull``,
-    ``pullv``, ``push``, ``twoshot``; 1000 rows exceed the push kernels' 256 programs, so
+    ``pull-b16``, ``push``, ``twoshot``; 1000 rows exceed the push kernels' 256 programs, so
     programs stride), and every method's outputs must equal the pull method's bitwise.
 (b) Microbench (µs per call, 32 calls a graph, 20 replays), B = 1, 64, 256, D = 2560 and 8192:
     ``finish``: today's ``one_shot_all_reduce_copy`` + ``rmsnorm(residual=)`` vs the fused
@@ -26,8 +26,9 @@
     and greedy tokens of 8 prompts (the preset's logit margins are far above bf16 rounding,
     so every path must give the same tokens).
 
-(d) ``--diagnose``: the kernel alone with and without its barrier, reading the peers' or only
-    local partials, at 1-16 warps: where its time goes (2026-11-27 on two H200s: 48.7 µs at 256
+(d) ``--diagnose``: the pull kernel alone with and without its barrier, reading the peers' or
+    only local partials, with its former 2-byte loads (``b16``) and its 16-byte vectors
+    (``v16``), the latter at 1-16 warps: where its time goes (2026-11-27 on two H200s: 48.7 µs at 256
     rows of 2560 against 19.1 for the one-shot all-reduce + add/RMSNorm, growing with rows x
     width at ~140 GB/s).
 
@@ -50,7 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BATCHES_CHECK = (1, 7, 64, 256, 1000)
-METHODS = ("pull", "pullv", "push", "twoshot")     # REPLAYSSM_TP_FUSED_METHOD
+METHODS = ("pull", "pull-b16", "push", "twoshot")     # REPLAYSSM_TP_FUSED_METHOD
 BATCHES_BENCH = (1, 64, 256)
 DIMS_BENCH = (2560, 8192)
 REPLAYS = 200
@@ -298,20 +299,22 @@ def _diagnose(rank: int, size: int, dev, ar) -> list:
             torch.cuda.synchronize()
             dist.barrier()
             row = {"D": D, "B": B}
-            for peers in (True, False):
-                for barrier in (True, False):
-                    for nw in (None, 1, 2, 4, 16):
-                        if nw is not None and not (peers and barrier):
-                            continue
-                        ptrs = fin.part_ptrs[0] if peers else local[0]
+            for aligned in (False, True):      # the former 2-byte loads, the 16-byte vectors (default now)
+                for peers in (True, False):
+                    for barrier in (True, False):
+                        for nw in (None, 1, 2, 4, 16):
+                            if nw is not None and not (peers and barrier and aligned):
+                                continue
+                            ptrs = fin.part_ptrs[0] if peers else local[0]
 
-                        def call():
-                            tp_reduce(ptrs, fin.parts[0], B, rank=rank, residual=h, sum_dtype=torch.float32,
-                                      weight=w, eps=EPS, pad_ptrs=fin.pad_ptrs if barrier else None,
-                                      num_warps=nw)
+                            def call():
+                                tp_reduce(ptrs, fin.parts[0], B, rank=rank, residual=h, sum_dtype=torch.float32,
+                                          weight=w, eps=EPS, pad_ptrs=fin.pad_ptrs if barrier else None,
+                                          num_warps=nw, aligned=aligned)
 
-                        key = f"{'peers' if peers else 'local'}{'+barrier' if barrier else ''}" + (f" w{nw}" if nw else "")
-                        row[key] = _time_graph(call)
+                            key = (f"{'v16' if aligned else 'b16'} {'peers' if peers else 'local'}"
+                                   f"{'+barrier' if barrier else ''}" + (f" w{nw}" if nw else ""))
+                            row[key] = _time_graph(call)
             rows.append(row)
     return rows
 
@@ -350,7 +353,7 @@ def _e2e(out: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = e2e._random_model_dir("small", tmp)
         for name, tp, fused, method in (("TP=1", 1, "1", "pull"), ("TP=2 fused=0", 2, "0", "pull"),
-                                        ("TP=2 fused=1", 2, "1", "pull"), ("TP=2 pullv", 2, "1", "pullv"),
+                                        ("TP=2 fused=1", 2, "1", "pull"), ("TP=2 pull-b16", 2, "1", "pull-b16"),
                                         ("TP=2 push", 2, "1", "push"),
                                         ("TP=2 twoshot", 2, "1", "twoshot")):
             os.environ["REPLAYSSM_TP_FUSED"] = fused     # the workers inherit it at spawn

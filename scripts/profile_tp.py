@@ -272,7 +272,7 @@ def main() -> int:
     p.add_argument("--skip-micro", action="store_true")
     p.add_argument("--configs", default=",".join(":".join(map(str, c)) for c in CONFIGS),
                    help="TP:control:allreduce[:fused[:rows]] entries (fused: REPLAYSSM_TP_FUSED 0 or 1, "
-                        "default 1, or a REPLAYSSM_TP_FUSED_METHOD: pull, pullv, push, twoshot; rows: "
+                        "default 1, or a REPLAYSSM_TP_FUSED_METHOD: pull, pull-b16, push, twoshot; rows: "
                         "REPLAYSSM_TP_FUSED_MAX_ROWS), e.g. 1:gloo:nccl,2:shm:auto:0,2:shm:auto:1,2:shm:auto:push:1024")
     p.add_argument("--skip-profile", action="store_true", help="no profiler table of a TP=2 config")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -289,7 +289,7 @@ def main() -> int:
     configs = []
     for e in a.configs.split(","):
         f = e.split(":")
-        methods = ("pull", "pullv", "push", "twoshot")
+        methods = ("pull", "pull-b16", "push", "twoshot")
         if len(f) not in (3, 4, 5) or (len(f) >= 4 and f[3] not in ("0", "1") + methods) or \
                 (len(f) == 5 and (f[3] not in methods or not f[4].isdigit())):
             p.error(f"bad config {e!r}: TP:control:allreduce[:0|1|method[:max rows]]")

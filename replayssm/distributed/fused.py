@@ -16,8 +16,8 @@ A mixer of a plain :class:`~replayssm.models.base.Block` returns its partial out
   ``[partial ; sums]`` then the same scale, add and norm in PyTorch
   (:func:`reference_sum`);
 * ``REPLAYSSM_TP_FUSED_METHOD`` picks how the kernel moves the partials: ``pull`` (default:
-  each rank reads the peers' buffers), ``pullv`` (the same with the loads provably 16-byte
-  vectors: ``pull`` compiles to 2-byte loads), ``push``  (each rank stores its partial into the
+  each rank reads the peers' buffers as 16-byte vectors), ``pull-b16`` (the kernel's
+  former addressing, which compiles to 2-byte loads: kept to measure against), ``push``  (each rank stores its partial into the
   peers' receive slots, then sums locally) or ``twoshot`` (each rank sums one column slice
   and stores it into every rank: half the bytes at 4 ranks); see
   :mod:`~replayssm.kernels.tp_push` (``REPLAYSSM_TP_FUSED_PROGRAMS`` caps its grid);
@@ -55,7 +55,7 @@ ENV = "REPLAYSSM_TP_FUSED"
 ROWS_ENV = "REPLAYSSM_TP_FUSED_MAX_ROWS"
 METHOD_ENV = "REPLAYSSM_TP_FUSED_METHOD"
 PROGRAMS_ENV = "REPLAYSSM_TP_FUSED_PROGRAMS"
-METHODS = ("pull", "pullv", "push", "twoshot")
+METHODS = ("pull", "pull-b16", "push", "twoshot")
 #: the fused finish takes calls of at most this many rows (``REPLAYSSM_TP_FUSED_MAX_ROWS``
 #: overrides).  Measured on two H200s (2026-11-27, d = 2560): the fused Mamba-2 tail costs
 #: 16.2 µs a layer at 1 row against today's 23.7, but 28.7 vs 27.9 at 64 rows and 58.9 vs
@@ -209,16 +209,10 @@ class FusedFinish:
         ok, why = self._agree(ok, why)
         if ok:   # probe (every rank, or none: it waits for its peers): rank r sends r + 1, plus a residual of 1
             try:
-                from ..kernels.tp_reduce import tp_reduce
-
                 n = min(3, self.max_rows)
                 self.parts[0][:n].fill_(self.rank + 1)
                 ones = torch.ones(n, self.D, dtype=self.dtype, device=self.device)
-                if self.method == "pull":
-                    _, s, _ = tp_reduce(self.part_ptrs[0], self.parts[0], n, rank=self.rank, residual=ones,
-                                        sum_dtype=torch.float32, pad_ptrs=self.pad_ptrs, trailing=True)
-                else:   # the method's own kernel (parity 0, trailing: it leaves the parity at 0)
-                    _, s, _ = self.run(self.parts[0][:n], None, ones, torch.float32, trailing=True)
+                _, s, _ = self.run(self.parts[0][:n], None, ones, torch.float32, trailing=True)   # parity 0 -> 0
                 want = self.size * (self.size + 1) / 2 + 1
                 if not bool(torch.all(s == want)):
                     ok, why = False, f"probe gave {s.flatten()[0].item()}, want {want}"
@@ -268,7 +262,7 @@ class FusedFinish:
             if scale.sums.data_ptr() != sb.data_ptr():
                 sb.copy_(scale.sums.reshape(rows))
             kw = dict(ranks_per_group=self.size // scale.groups, group_size=scale.size, gate_eps=scale.eps)
-            if self.method in ("pull", "pullv"):
+            if self.method in ("pull", "pull-b16"):
                 kw["ss_ptrs"] = self.ss_ptrs[self.parity]
             else:
                 kw["sums"] = sb
@@ -288,7 +282,7 @@ class FusedFinish:
                         sum_dtype=sum_dtype, weight=None if norm is None else norm.weight,
                         eps=0.0 if norm is None else norm.eps, zero_centered=bool(norm is not None and norm.zero_centered),
                         want_sum=want_sum, pad_ptrs=self.pad_ptrs, trailing=trailing,
-                        aligned=self.method == "pullv", **kw)
+                        aligned=self.method == "pull", **kw)
         self.parity = 0 if trailing else 1 - self.parity
         return out
 

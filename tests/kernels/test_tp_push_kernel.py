@@ -235,7 +235,7 @@ def test_fused_finish_drives_the_push_kernels(method, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_pull_kernel_aligned_addressing_is_the_same_sum(dtype):
-    """``tp_reduce(aligned=True)`` (``REPLAYSSM_TP_FUSED_METHOD=pullv``) addresses each rank's
+    """``tp_reduce(aligned=True)`` (``REPLAYSSM_TP_FUSED_METHOD=pull``, the default) addresses each rank's
     partial as ``like`` plus an element offset: bitwise the plain form's result on 16-byte
     aligned buffers (one allocation, rows of 48 channels), and ``like`` must be aligned."""
     W, R, N = 3, 5, 48
