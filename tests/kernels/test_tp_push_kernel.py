@@ -259,3 +259,29 @@ def test_pull_kernel_aligned_addressing_is_the_same_sum(dtype):
             assert torch.equal(x, y)
     with pytest.raises(ValueError, match="aligned"):
         tp_reduce(_ptrs(parts), flat[off + 1: off + 1 + R * N].view(R, N), R, aligned=True, **kw)
+
+
+def test_push_grid_is_capped_by_programs(monkeypatch):
+    """The launch grid is ``min(rows, programs)`` (programs stride over the rows past it), so
+    no row count reaches a grid limit; a bad method name fails before any buffer is built."""
+    from replayssm.distributed.fused import FusedFinish
+    from replayssm.kernels import tp_push as mod
+
+    seen = []
+    real = mod._tp_push_kernel
+
+    class Rec:
+        def __getitem__(self, grid):
+            seen.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(mod, "_tp_push_kernel", Rec())
+    wd = World(1, 40, 8, torch.float32, 3)
+    x = torch.randn(40, 8, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    for two_shot in (False, True):
+        _, _, o = mod.tp_push(x, wd.bufs[0], 40, two_shot=two_shot, programs=3)
+        assert torch.equal(o, x)                       # one rank: the sum is its partial
+    _, _, o = mod.tp_push(x, wd.bufs[0], 2, programs=3)
+    assert seen == [(3,), (3,), (2,)] and torch.equal(o, x[:2])
+    with pytest.raises(ValueError, match="REPLAYSSM_TP_FUSED_METHOD"):
+        FusedFinish(None, "cpu", torch.float32, 8, 1024, 0, 1, None, method="multimem")
