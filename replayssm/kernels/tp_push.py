@@ -18,7 +18,9 @@ rows), both in one launch:
   flags; phase 2 sums this rank's slice over the ranks (scale, rounding) and stores the
   reduced slice into every rank's ``gather`` rows; flags; phase 3 reads full rows of ``o``
   from the local ``gather`` and adds the residual and the norm.  Bytes sent:
-  ``2·(W-1)/W·R·N·es`` (half the one-shot's at W = 4, the same at W = 2).
+  ``2·(W-1)/W·R·N·es`` (half the one-shot's at W = 4, the same at W = 2).  The norm's sum
+  of squares is not exchanged per slice: every rank holds the same full rows of ``o`` and
+  the same residual, so each computes the same norm locally (one read of a local row).
 
 Synchronisation: each program raises ``flags[phase][rank][pid]`` on every peer to ``e + 1``
 (release, system scope, after a block barrier: the program's stores before it) and spins
@@ -150,9 +152,11 @@ if HAVE_TRITON:
                 b = tl.where(k == rank, r64 * N, dr + ((slot0 + k) * MAXR + r64) * N)
                 if ALIGNED:
                     b = tl.multiple_of(b, 16 // ES)
-                part += tl.load(part_ptr + b + cols, mask=mc, other=0.0).to(tl.float32)
+                # past L1 (.cg): the peers wrote these lines over NVLink since this SM last read them
+                part += tl.load(part_ptr + b + cols, mask=mc, other=0.0, cache_modifier=".cg").to(tl.float32)
                 if SCALED:
-                    tot += tl.load(q_ptr + tl.where(k == rank, r64, dq + (slot0 + k) * MAXR + r64))
+                    tot += tl.load(q_ptr + tl.where(k == rank, r64, dq + (slot0 + k) * MAXR + r64),
+                                   cache_modifier=".cg")
             if SCALED:
                 acc += part * tl.rsqrt(tot * inv_gsize + gate_eps)
             else:
@@ -222,7 +226,7 @@ if HAVE_TRITON:
             gv = _at(gather_ptrs, rank, part_ptr, me, ES, ALIGNED)
             for row in range(pid, R, G):
                 r64 = tl.cast(row, tl.int64)
-                x = tl.load(gv + r64 * N + j, mask=m, other=0.0).to(tl.float32)
+                x = tl.load(gv + r64 * N + j, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
                 _finish_row(x, h_ptr, w_ptr, y_ptr, s_ptr, o_ptr, r64, j, m, N, h_stride, eps,
                             ADD, NORM, ZERO_CENTERED, OUT)
         else:
