@@ -432,16 +432,14 @@ def main() -> int:
         ["old_mamba_tail"] + [f"new_tail_{m}" for m in METHODS]
     extra = sorted({k for r in out.get("bench", []) for k in r if k.startswith("fused_") and k.split("_")[-1][0] == "P"})
     cols += extra
-    short = {c: c.replace("fused_copy_in_", "+copy ").replace("fused_", "fin ").replace("new_tail_", "tail ")
-             .replace("old_mamba_tail", "old tail").replace("old_finish", "old fin") for c in cols}
-    print(f"{'D':>6}{'B':>5}" + "".join(f"{short[c]:>{max(9, len(short[c]) + 1)}}" for c in cols))
-    for r in out.get("bench", []):
-        print(f"{r['D']:>6}{r['B']:>5}" + "".join(
-            f"{r[c]:>{max(9, len(short[c]) + 1)}.1f}" if c in r else f"{'-':>{max(9, len(short[c]) + 1)}}"
-            for c in cols))
+    bench = out.get("bench", [])
+    print(f"{'variant (D x B)':<22}" + "".join(f"{r['D']}x{r['B']}".rjust(11) for r in bench))
+    for c in cols:
+        print(f"{c:<22}" + "".join((f"{r[c]:.1f}" if c in r else "-").rjust(11) for r in bench))
+    for r in bench:
         for k, v in r.items():
             if k.startswith("error_"):
-                print("  ", k, v)
+                print("  ", r["D"], r["B"], k, v)
     if out.get("diagnose"):
         print("(diagnose) the kernel alone, µs per call: peers' or only local partials, with or without "
               "the barrier, warp counts (default: by width)")
