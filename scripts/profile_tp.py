@@ -8,7 +8,8 @@
    (``REPLAYSSM_TP_ALLREDUCE``) and with the fused sub-block finish on or off
    (``REPLAYSSM_TP_FUSED``: a config's fourth field), replay (and recurrent) mode; the step
    time and the captured graph alone (``replay_ms``) per config; startup times.
-4. A profiler table of rank 0's TP=2 decode steps (CUDA kernels and host ops).
+4. A profiler table of rank 0's TP=2 decode steps (CUDA kernels and host ops), and of TP=1's
+   (``--profile-batch``: their batch, default 64).
 
 Run with NVLink multicast off (the machine's environment).  ``--budget-s`` stops starting
 new parts past that wall time.  Writes ``profile_tp.json`` under ``$OUT`` (or ``--out``).
@@ -151,7 +152,7 @@ def _print_profile(prof: dict) -> None:
     sys.stdout.flush()
 
 
-def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS, profile: bool = True) -> dict:
+def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS, profile: bool = True, profile_batch: int = 64) -> dict:
     from replayssm import LLM, SamplingParams
     from replayssm.bench import e2e
     from replayssm.bench.common import free_memory
@@ -223,8 +224,12 @@ def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS, profile: bool = T
                           f"(capture {row['capture_s']:.1f} s)", flush=True)
             if profile and out["profile"] is None and tp == 2 and control == "shm" and method == "auto" \
                     and _elapsed() < budget_s:
-                out["profile"] = _profile(LLM, SamplingParams, model, dev)
+                out["profile"] = _profile(LLM, SamplingParams, model, dev, profile_batch)
                 _print_profile(out["profile"])
+            elif profile and tp == 1 and out.get("profile_tp1") is None and _elapsed() < budget_s:
+                out["profile_tp1"] = _profile(LLM, SamplingParams, model, dev, profile_batch)   # to compare
+                print(f"TP=1 profile (B={profile_batch}):")
+                _print_profile(out["profile_tp1"])
             if tp > 1:
                 _close_with_watchdog(model, f"TP={tp} {used}")
             del model
@@ -244,12 +249,11 @@ def _graph_ms(LLM, SamplingParams, model, dev, B: int, mode: str) -> float:
         return float(llm.runner.replay_ms(B, 20))
 
 
-def _profile(LLM, SamplingParams, model, dev) -> dict:
+def _profile(LLM, SamplingParams, model, dev, B: int = 64) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from replayssm.bench import e2e
 
-    B = 64
     prompts = e2e._prompts(B, 32, int(model.config.vocab_size), seed=3)
     with LLM(model, device=dev, decode_mode="replay", max_num_seqs=B, cuda_graphs=True, max_seq_len=128) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -275,6 +279,7 @@ def main() -> int:
                         "default 1, or a REPLAYSSM_TP_FUSED_METHOD: pull, pull-b16, push, twoshot; rows: "
                         "REPLAYSSM_TP_FUSED_MAX_ROWS), e.g. 1:gloo:nccl,2:shm:auto:0,2:shm:auto:1,2:shm:auto:push:1024")
     p.add_argument("--skip-profile", action="store_true", help="no profiler table of a TP=2 config")
+    p.add_argument("--profile-batch", type=int, default=64, help="the profiled TP=2 config's batch")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = p.parse_args()
     res = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
@@ -298,7 +303,7 @@ def main() -> int:
         else:
             configs.append((int(f[0]), f[1], f[2], f[3] if len(f) == 4 else "1"))
     res.update(e2e_rows(a.budget_s, [int(b) for b in a.batches.split(",")], a.modes.split(","), configs,
-                        profile=not a.skip_profile))
+                        profile=not a.skip_profile, profile_batch=a.profile_batch))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "profile_tp.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
