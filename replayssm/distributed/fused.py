@@ -59,8 +59,12 @@ METHODS = ("pull", "pull-b16", "push", "twoshot")
 #: the fused finish takes calls of at most this many rows (``REPLAYSSM_TP_FUSED_MAX_ROWS``
 #: overrides).  Measured on two H200s (2026-11-27, d = 2560): the fused Mamba-2 tail costs
 #: 16.2 µs a layer at 1 row against today's 23.7, but 28.7 vs 27.9 at 64 rows and 58.9 vs
-#: 38.2 at 256 (the kernel moves ~130-150 GB/s at large row counts; why is not yet known);
-#: rows between 1 and 64 are not measured.
+#: 38.2 at 256; rows between 1 and 64 are not measured.  Those numbers are the kernel's
+#: former 2-byte loads (``pull-b16``: ~40 GB/s over NVLink); with 16-byte loads the same
+#: raw pull of 256 rows runs at 206 GB/s, and the 2.7B preset's TP=2 decode with this cap
+#: at 819 rows gave 1.10x / 1.29x / 1.49x TP=1 at B = 1 / 64 / 256 (two H200s) against the
+#: issue's 0.99x / 1.10x / 1.32x of the earlier kernel: the cap is for the lead to raise once
+#: ``scripts/gpu_tp_fused.py`` has compared both paths on one machine.
 DEFAULT_MAX_ROWS = 16
 
 
