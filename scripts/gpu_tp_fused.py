@@ -9,22 +9,29 @@
     the residual written must match the float64 reference
     (:func:`replayssm.ops.tp_reduce.reduce_add_norm`), and all ranks must hold
     bitwise-identical outputs.  With 4 ranks the second scaled finish uses two norm groups
-    of two ranks (the first: one group over all).
+    of two ranks (the first: one group over all).  All of it for each
+    ``REPLAYSSM_TP_FUSED_METHOD`` (``pull``, ``pull-b16``, ``push``, ``twoshot``; 1000 rows exceed
+    the push kernels' 256 programs, so programs stride), and every method's outputs must equal
+    the pull method's bitwise.
 (b) Microbench (µs per call, 32 calls a graph, 20 replays), B = 1, 64, 256, D = 2560 and 8192:
     ``finish``: today's ``one_shot_all_reduce_copy`` + ``rmsnorm(residual=)`` vs the fused
     kernel (partial already in the buffer, as Mamba-2's ``out_proj`` leaves it) and the fused
     kernel with the copy in (other mixers); ``mamba tail``: today's ``gated_sumsq`` +
     all-reduce of the sums + ``gated_rmsnorm`` + ``out_proj`` + all-reduce + add/norm vs
-    ``gated_sumsq(w, out=)`` + ``out_proj`` into the buffer + the fused kernel.
+    ``gated_sumsq(w, out=)`` + ``out_proj`` into the buffer + the fused kernel; each fused
+    column for each method, and the push methods with their grid capped at 64 programs
+    and at the SM count (``P64``, ``P132``: ``REPLAYSSM_TP_FUSED_PROGRAMS``).
 
 (c) End to end (``--skip-e2e`` to leave out): the ``small`` random Mamba-2 preset (one norm
     group: the gated norm deferred across ranks), bf16, CUDA graphs, replay decode: TP=1,
-    TP=2 (``--ranks``) with ``REPLAYSSM_TP_FUSED=0`` and with ``=1``: full-forward logits against TP=1
+    TP=2 (``--ranks``) with ``REPLAYSSM_TP_FUSED=0``, with ``=1`` and with ``=1`` and each other
+    method: full-forward logits against TP=1
     and greedy tokens of 8 prompts (the preset's logit margins are far above bf16 rounding,
     so every path must give the same tokens).
 
-(d) ``--diagnose``: the kernel alone with and without its barrier, reading the peers' or only
-    local partials, at 1-16 warps: where its time goes (2026-11-27 on two H200s: 48.7 µs at 256
+(d) ``--diagnose``: the pull kernel alone with and without its barrier, reading the peers' or
+    only local partials, with its former 2-byte loads (``b16``) and its 16-byte vectors
+    (``v16``), the latter at 1-16 warps: where its time goes (2026-11-27 on two H200s: 48.7 µs at 256
     rows of 2560 against 19.1 for the one-shot all-reduce + add/RMSNorm, growing with rows x
     width at ~140 GB/s).
 
@@ -50,11 +57,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BATCHES_CHECK = (1, 7, 64, 256, 1000)
+METHODS = ("pull", "pull-b16", "push", "twoshot")     # REPLAYSSM_TP_FUSED_METHOD
 BATCHES_BENCH = (1, 64, 256)
 DIMS_BENCH = (2560, 8192)
 REPLAYS = 200
 DIAGNOSE = os.environ.get("GPU_TP_FUSED_DIAGNOSE") == "1"   # set by --diagnose for the spawned ranks
 EPS, GATE_EPS = 1e-5, 1e-5
+_KEEP: list = []
 
 
 def _gen(seed: int, *shape, dev, scale=1.0) -> torch.Tensor:
@@ -76,18 +85,29 @@ def _groups(c: int, size: int) -> int:
 
 
 def _check(rank: int, size: int, dev, res: dict) -> None:
-    from replayssm.distributed.fused import FusedFinish, GroupScale
+    from replayssm.distributed.fused import FusedFinish
     from replayssm.layers.norms import RMSNorm
-    from replayssm.ops.tp_reduce import reduce_add_norm
 
     D, gsize = 2560, 2 * 2560
-    fin = FusedFinish(None, dev, torch.bfloat16, D, 1000 * D * 2, rank, size, None)
-    if not fin.ok:
-        res["check_error"] = fin.why_not
-        return
     norm = RMSNorm(D, EPS)
     norm.weight.data = (1 + 0.2 * _gen(5, D, dev=dev)).to(torch.bfloat16)
     rows = []
+    first: dict = {}       # B -> the pull method's eager outputs (every method must equal them bitwise)
+    for method in METHODS:
+        fin = FusedFinish(None, dev, torch.bfloat16, D, 1000 * D * 2, rank, size, None, method=method)
+        if not fin.ok:
+            res.setdefault("check_error", {})[method] = fin.why_not
+            continue
+        _check_method(rank, size, dev, fin, method, norm, gsize, first, rows)
+        _KEEP.append(fin)      # symmetric buffers live until the group ends
+    res["check"] = rows
+
+
+def _check_method(rank, size, dev, fin, method, norm, gsize, first, rows) -> None:
+    from replayssm.distributed.fused import GroupScale
+    from replayssm.ops.tp_reduce import reduce_add_norm
+
+    D = fin.D
     for B in BATCHES_CHECK:
         ncalls = 5                      # scaled, plain, scaled, plain, last add (trailing)
         h0 = _gen(99 + B, B, D, dev=dev).float()
@@ -156,13 +176,18 @@ def _check(rank: int, size: int, dev, res: dict) -> None:
             graph.replay()
             bad += int(sum(not torch.equal(gouts[k], eager[k]) for k in gouts))
         torch.cuda.synchronize()
-        ok = same and bad == 0 and max(v for k, v in err.items() if k[0] == "y") < 0.03 and \
+        as_pull = True
+        if method == "pull":
+            first[B] = eager
+        elif B in first:
+            as_pull = all(torch.equal(first[B][k], v) for k, v in eager.items())
+        ok = same and as_pull and bad == 0 and max(v for k, v in err.items() if k[0] == "y") < 0.03 and \
             max(v for k, v in err.items() if k[0] == "s") < 0.01
-        rows.append({"B": B, "ranks_bitwise_equal": same, "graph_replays": REPLAYS, "replays_differing": bad,
+        rows.append({"method": method, "B": B, "ranks_bitwise_equal": same, "bitwise_as_pull": as_pull,
+                     "graph_replays": REPLAYS, "replays_differing": bad,
                      "max_rel_err_y": max(v for k, v in err.items() if k[0] == "y"),
                      "max_rel_err_s": max(v for k, v in err.items() if k[0] == "s"), "ok": ok})
         del graph
-    res["check"] = rows
 
 
 def _time_graph(fn, K: int = 32, reps: int = 20) -> float:
@@ -197,40 +222,26 @@ def _bench(rank: int, size: int, dev, res: dict) -> None:
 
     bf = torch.bfloat16
     ar = AllReduce(None, dev, "symm", dtypes=(bf, torch.float32))
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows, keep = [], []
     for D in DIMS_BENCH:
-        fin = FusedFinish(None, dev, bf, D, 4 << 20, rank, size, ar)
+        fins = {m: FusedFinish(None, dev, bf, D, 4 << 20, rank, size, ar, method=m) for m in METHODS}
         norm = RMSNorm(D, EPS)
         norm.weight.data = torch.ones(D, dtype=bf, device=dev)
         inter = D            # the local channels of a 2x-expanded mixer on 2 ranks
         Wout = (_gen(3, D, inter, dev=dev) * inter ** -0.5).to(bf)
         wg = torch.ones(inter, dtype=bf, device=dev)
         for B in BATCHES_BENCH:
-            if not fin.ok:
-                rows.append({"D": D, "B": B, "error": fin.why_not})
-                continue
             p = _gen(rank, B, D, dev=dev).to(bf)
             h = _gen(9, B, D, dev=dev).float()
             x = _gen(11 + rank, B, inter, dev=dev).to(bf)
             z = _gen(12 + rank, B, inter, dev=dev).to(bf)
             q = torch.rand(B, device=dev) * 100 + 1
-            for par in range(2):     # both parities hold the inputs (calls alternate between them)
-                fin.parts[par][:B].copy_(p)
-                fin.sums[par][:B].copy_(q)
-            st = {}
-
-            def scale():
-                return GroupScale(fin.sums_out(B), 0, 1, 2 * inter, GATE_EPS)
+            st = {"D": D, "B": B}
 
             def old_finish():
                 o = ar(p)
                 rmsnorm(h, norm.weight, EPS, False, residual=o, sum_dtype=torch.float32)
-
-            def fused_finish():
-                fin.run(fin.part_out(B), scale(), h, torch.float32, norm)
-
-            def fused_copy():
-                fin.run(p, scale(), h, torch.float32, norm)
 
             def old_tail():
                 ss = ar(gated_sumsq(x, z))
@@ -238,17 +249,40 @@ def _bench(rank: int, size: int, dev, res: dict) -> None:
                 o = ar(torch.nn.functional.linear(y, Wout))
                 rmsnorm(h, norm.weight, EPS, False, residual=o, sum_dtype=torch.float32)
 
-            def new_tail():
-                u, _ = gated_sumsq(x, z, wg, out=fin.sums_out(B))
-                torch.mm(u, Wout.t(), out=fin.part_out(B))
-                fin.run(fin.part_out(B), scale(), h, torch.float32, norm)
+            st["old_finish"] = _time_graph(old_finish)
+            st["old_mamba_tail"] = _time_graph(old_tail)
+            for m, fin in fins.items():
+                if not fin.ok:
+                    st[f"error_{m}"] = fin.why_not
+                    continue
+                for par in range(2):     # both parities hold the inputs (calls alternate between them)
+                    fin.parts[par][:B].copy_(p)
+                    fin.sums[par][:B].copy_(q)
 
-            for name, fn in (("old_finish", old_finish), ("fused_finish", fused_finish),
-                             ("fused_finish_copy_in", fused_copy), ("old_mamba_tail", old_tail),
-                             ("new_mamba_tail", new_tail)):
-                st[name] = _time_graph(fn)
-            rows.append({"D": D, "B": B, **st})
-        keep.append(fin)      # symmetric buffers live until the group ends
+                def scale(fin=fin):
+                    return GroupScale(fin.sums_out(B), 0, 1, 2 * inter, GATE_EPS)
+
+                def fused_finish(fin=fin):
+                    fin.run(fin.part_out(B), scale(), h, torch.float32, norm)
+
+                def fused_copy(fin=fin):
+                    fin.run(p, scale(), h, torch.float32, norm)
+
+                def new_tail(fin=fin):
+                    u, _ = gated_sumsq(x, z, wg, out=fin.sums_out(B))
+                    torch.mm(u, Wout.t(), out=fin.part_out(B))
+                    fin.run(fin.part_out(B), scale(), h, torch.float32, norm)
+
+                st[f"fused_{m}"] = _time_graph(fused_finish)
+                st[f"fused_copy_in_{m}"] = _time_graph(fused_copy)
+                st[f"new_tail_{m}"] = _time_graph(new_tail)
+                if m in ("push", "twoshot"):          # the grid cap (default 256 programs)
+                    for P in (64, sms):
+                        fin.programs = P
+                        st[f"fused_{m}_P{P}"] = _time_graph(fused_finish)
+                    fin.programs = fin.push.max_programs
+            rows.append(st)
+        keep.append(fins)      # symmetric buffers live until the group ends
     res["bench"] = rows
     if DIAGNOSE:
         res["diagnose"] = _diagnose(rank, size, dev, ar)
@@ -279,20 +313,22 @@ def _diagnose(rank: int, size: int, dev, ar) -> list:
             torch.cuda.synchronize()
             dist.barrier()
             row = {"D": D, "B": B}
-            for peers in (True, False):
-                for barrier in (True, False):
-                    for nw in (None, 1, 2, 4, 16):
-                        if nw is not None and not (peers and barrier):
-                            continue
-                        ptrs = fin.part_ptrs[0] if peers else local[0]
+            for aligned in (False, True):      # the former 2-byte loads, the 16-byte vectors (default now)
+                for peers in (True, False):
+                    for barrier in (True, False):
+                        for nw in (None, 1, 2, 4, 16):
+                            if nw is not None and not (peers and barrier and aligned):
+                                continue
+                            ptrs = fin.part_ptrs[0] if peers else local[0]
 
-                        def call():
-                            tp_reduce(ptrs, fin.parts[0], B, rank=rank, residual=h, sum_dtype=torch.float32,
-                                      weight=w, eps=EPS, pad_ptrs=fin.pad_ptrs if barrier else None,
-                                      num_warps=nw)
+                            def call():
+                                tp_reduce(ptrs, fin.parts[0], B, rank=rank, residual=h, sum_dtype=torch.float32,
+                                          weight=w, eps=EPS, pad_ptrs=fin.pad_ptrs if barrier else None,
+                                          num_warps=nw, aligned=aligned)
 
-                        key = f"{'peers' if peers else 'local'}{'+barrier' if barrier else ''}" + (f" w{nw}" if nw else "")
-                        row[key] = _time_graph(call)
+                            key = (f"{'v16' if aligned else 'b16'} {'peers' if peers else 'local'}"
+                                   f"{'+barrier' if barrier else ''}" + (f" w{nw}" if nw else ""))
+                            row[key] = _time_graph(call)
             rows.append(row)
     return rows
 
@@ -321,44 +357,60 @@ def _worker(rank: int, size: int, port: int, q, bench: bool = True) -> None:
     dist.destroy_process_group()
 
 
-def _e2e(out: dict, size: int = 2) -> None:
+def _e2e_one(path: str, tp: int, fused: str, method: str) -> dict:
+    """One end-to-end config in a fresh process (a TP group whose teardown was given up
+    leaves ``torch.distributed`` initialised there): logits of two prompts and greedy tokens."""
     from replayssm import LLM, SamplingParams
     from replayssm.bench import e2e
     from replayssm.distributed import TensorParallelGroup
     from replayssm.engine.loading import load
 
     dev = "cuda:0"
+    os.environ["REPLAYSSM_TP_FUSED"] = fused     # the workers inherit it at spawn
+    os.environ["REPLAYSSM_TP_FUSED_METHOD"] = method
+    t = time.perf_counter()
+    if tp == 1:
+        model = load(path, torch.device(dev), torch.bfloat16, 1)[0]
+        state = "-"
+    else:
+        model = TensorParallelGroup(tp, dev).load_model(path, "bfloat16")
+        model.owns_group = True
+        fin = model.local.tp_fused
+        state = "off" if fin is None else ("on" if fin.ok else f"unavailable: {fin.why_not}")
+    V = int(model.config.vocab_size)
+    prompts = e2e._prompts(8, 16, V, seed=1)
+    ids = torch.tensor(prompts[:2], device=dev)
+    logits = model(ids).float().cpu()
+    with LLM(model, device=dev, decode_mode="replay", max_num_seqs=8, cuda_graphs=True, max_seq_len=128) as llm:
+        toks = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+    row = {"fused_finish": state, "logits": logits, "tokens": toks, "s": time.perf_counter() - t}
+    if tp > 1:
+        model.close()
+    return row
+
+
+def _e2e(out: dict, size: int = 2) -> None:
+    from replayssm.bench import e2e
+    from replayssm.bench.isolated import run_isolated
+
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = e2e._random_model_dir("small", tmp)
-        for name, tp, fused in (("TP=1", 1, "1"), (f"TP={size} fused=0", size, "0"),
-                                (f"TP={size} fused=1", size, "1")):
-            os.environ["REPLAYSSM_TP_FUSED"] = fused     # the workers inherit it at spawn
-            t = time.perf_counter()
-            if tp == 1:
-                model = load(path, torch.device(dev), torch.bfloat16, 1)[0]
-                state = "-"
-            else:
-                model = TensorParallelGroup(tp, dev).load_model(path, "bfloat16")
-                model.owns_group = True
-                fin = model.local.tp_fused
-                state = "off" if fin is None else ("on" if fin.ok else f"unavailable: {fin.why_not}")
-            V = int(model.config.vocab_size)
-            prompts = e2e._prompts(8, 16, V, seed=1)
-            ids = torch.tensor(prompts[:2], device=dev)
-            logits = model(ids).float().cpu()
-            with LLM(model, device=dev, decode_mode="replay", max_num_seqs=8, cuda_graphs=True,
-                     max_seq_len=128) as llm:
-                toks = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
-            rows[name] = {"fused_finish": state, "logits": logits, "tokens": toks, "s": time.perf_counter() - t}
-            if tp > 1:
-                model.close()
-            del model
-            torch.cuda.empty_cache()
-    ref = rows["TP=1"]
+        for name, tp, fused, method in (("TP=1", 1, "1", "pull"), (f"TP={size} fused=0", size, "0", "pull"),
+                                        (f"TP={size} fused=1", size, "1", "pull"),
+                                        (f"TP={size} pull-b16", size, "1", "pull-b16"),
+                                        (f"TP={size} push", size, "1", "push"),
+                                        (f"TP={size} twoshot", size, "1", "twoshot")):
+            r = run_isolated(_e2e_one, path, tp, fused, method, timeout_s=300)
+            if "error" in r:
+                print(f"{name}: {r['error']}", flush=True)
+                out.setdefault("e2e_errors", []).append({"config": name, "error": r["error"]})
+                continue
+            rows[name] = r
+    ref = rows.get("TP=1")
     out["e2e"] = [{"config": k, "fused_finish": r["fused_finish"], "seconds": r["s"],
                    "max_logit_diff_vs_tp1": float((r["logits"] - ref["logits"]).abs().max()),
-                   "tokens_equal_tp1": r["tokens"] == ref["tokens"]} for k, r in rows.items()]
+                   "tokens_equal_tp1": r["tokens"] == ref["tokens"]} for k, r in rows.items()] if ref else []
 
 
 def main() -> int:
@@ -400,19 +452,26 @@ def main() -> int:
     if "check_error" in out:
         print("fused finish unavailable:", out["check_error"])
     print(f"(a) correctness on {size} ranks: 5 finishes per step, CUDA graph replayed", REPLAYS,
-          "times, rank 0 or 1 delayed" + (", call 2 in two norm groups" if size >= 4 else ""))
-    print(f"{'B':>6}{'ranks equal':>13}{'bad replays':>13}{'max rel y':>12}{'max rel s':>11}{'ok':>5}")
+          "times, a rank delayed" + (", call 2 in two norm groups" if size >= 4 else ""))
+    print(f"{'method':>8}{'B':>6}{'ranks equal':>13}{'= pull':>8}{'bad replays':>13}{'max rel y':>12}"
+          f"{'max rel s':>11}{'ok':>5}")
     for r in out.get("check", []):
-        print(f"{r['B']:>6}{str(r['ranks_bitwise_equal']):>13}{r['replays_differing']:>13}{r['max_rel_err_y']:>12.2e}"
-              f"{r['max_rel_err_s']:>11.2e}{str(r['ok']):>5}")
-    print("(b) µs per call (32 a graph, 20 replays)")
-    print(f"{'D':>6}{'B':>5}{'old finish':>12}{'fused':>8}{'fused+copy':>12}{'old tail':>10}{'new tail':>10}")
-    for r in out.get("bench", []):
-        if "error" in r:
-            print(r)
-            continue
-        print(f"{r['D']:>6}{r['B']:>5}{r['old_finish']:>12.1f}{r['fused_finish']:>8.1f}{r['fused_finish_copy_in']:>12.1f}"
-              f"{r['old_mamba_tail']:>10.1f}{r['new_mamba_tail']:>10.1f}")
+        print(f"{r['method']:>8}{r['B']:>6}{str(r['ranks_bitwise_equal']):>13}{str(r['bitwise_as_pull']):>8}"
+              f"{r['replays_differing']:>13}{r['max_rel_err_y']:>12.2e}{r['max_rel_err_s']:>11.2e}{str(r['ok']):>5}")
+    print("(b) µs per call (32 a graph, 20 replays): finish = the kernel alone (partial already in place), "
+          "+copy = a mixer's output copied in, tail = gated sums + out_proj + finish")
+    cols = ["old_finish"] + [f"fused_{m}" for m in METHODS] + [f"fused_copy_in_{m}" for m in METHODS] + \
+        ["old_mamba_tail"] + [f"new_tail_{m}" for m in METHODS]
+    extra = sorted({k for r in out.get("bench", []) for k in r if k.startswith("fused_") and k.split("_")[-1][0] == "P"})
+    cols += extra
+    bench = out.get("bench", [])
+    print(f"{'variant (D x B)':<22}" + "".join(f"{r['D']}x{r['B']}".rjust(11) for r in bench))
+    for c in cols:
+        print(f"{c:<22}" + "".join((f"{r[c]:.1f}" if c in r else "-").rjust(11) for r in bench))
+    for r in bench:
+        for k, v in r.items():
+            if k.startswith("error_"):
+                print("  ", r["D"], r["B"], k, v)
     if out.get("diagnose"):
         print("(diagnose) the kernel alone, µs per call: peers' or only local partials, with or without "
               "the barrier, warp counts (default: by width)")

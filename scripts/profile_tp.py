@@ -11,7 +11,8 @@
    runs in a process of its own (``replayssm.bench.isolated``: a TP group whose teardown was
    given up leaves ``torch.distributed`` initialised, so no second group could start in the
    same process) and sends one result back, also printed as a ``CONFIG {json}`` line.
-4. A profiler table of rank 0's TP=2 decode steps (CUDA kernels and host ops).
+4. A profiler table of rank 0's TP=2 decode steps (CUDA kernels and host ops), and of TP=1's
+   (``--profile-batch``: their batch, default 64).
 
 Run with NVLink multicast off (the machine's environment).  ``--budget-s`` stops starting
 new parts past that wall time.  Writes ``profile_tp.json`` under ``$OUT`` (or ``--out``).
@@ -154,7 +155,8 @@ def _print_profile(prof: dict) -> None:
     sys.stdout.flush()
 
 
-def _one_config(path: str, config: tuple, batches, modes, budget_s: float, profile: bool) -> dict:
+def _one_config(path: str, config: tuple, batches, modes, budget_s: float, profile: bool,
+                profile_batch: int = 64) -> dict:
     """One TP config end to end, in a fresh process (:func:`replayssm.bench.isolated.run_isolated`):
     load, decode rows, the optional profile; returns ``{"startup": row, "throughput": rows,
     "profile": ...}`` (``budget_s``: wall seconds this config may start parts within)."""
@@ -224,8 +226,10 @@ def _one_config(path: str, config: tuple, batches, modes, budget_s: float, profi
             print(f"[{_elapsed():.0f}s] TP={tp} {used} {mode} B={b}: {r['decode_tokens_per_s']:.0f} tok/s "
                   f"= {1e3 * b / r['decode_tokens_per_s']:.2f} ms/step, graph alone {r['graph_ms']:.2f} ms "
                   f"(capture {r['capture_s']:.1f} s)", flush=True)
-    if profile and tp == 2 and left() > 0:
-        out["profile"] = _profile(LLM, SamplingParams, model, dev)
+    if profile and left() > 0:   # TP=2's table, and TP=1's to compare kernel by kernel
+        out["profile"] = _profile(LLM, SamplingParams, model, dev, profile_batch)
+        if tp == 1:
+            print(f"TP=1 profile (B={profile_batch}):")
         _print_profile(out["profile"])
     if tp > 1:
         # close() is bounded; a teardown it gives up leaves torch.distributed initialised in
@@ -237,7 +241,8 @@ def _one_config(path: str, config: tuple, batches, modes, budget_s: float, profi
     return out
 
 
-def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS, profile: bool = True) -> dict:
+def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS, profile: bool = True,
+             profile_batch: int = 64) -> dict:
     """Every config in its own process (one result back each), the checkpoint written once."""
     from replayssm.bench import e2e
     from replayssm.bench.isolated import run_isolated
@@ -254,10 +259,11 @@ def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS, profile: bool = T
                 out["skipped_from"] = list(config)
                 break
             tp, control, method = config[:3]
-            want_profile = profile and out["profile"] is None and tp == 2 and control == "shm" and method == "auto"
+            key = "profile" if tp == 2 else "profile_tp1"
+            want_profile = profile and out.get(key) is None and (tp == 1 or (control == "shm" and method == "auto"))
             # a config past the budget still finishes the part it started: kill only a stuck one
             r = run_isolated(_one_config, path, tuple(config), list(batches), list(modes), left, want_profile,
-                             timeout_s=left + 300)
+                             profile_batch, timeout_s=left + 300)
             if "error" in r:
                 print(f"[{_elapsed():.0f}s] config {':'.join(map(str, config))} failed: {r['error']}", flush=True)
                 out["errors"].append({"config": list(config), "error": r["error"]})
@@ -267,7 +273,7 @@ def e2e_rows(budget_s: float, batches, modes, configs=CONFIGS, profile: bool = T
             out["startup"].append(r["startup"])
             out["throughput"] += r["throughput"]
             if r.get("profile") is not None:
-                out["profile"] = r["profile"]
+                out[key] = r["profile"]
             if "skipped_from" in r:
                 out.setdefault("skipped", []).append({"config": list(config), "from": r["skipped_from"]})
     return out
@@ -285,12 +291,11 @@ def _graph_ms(LLM, SamplingParams, model, dev, B: int, mode: str) -> float:
         return float(llm.runner.replay_ms(B, 20))
 
 
-def _profile(LLM, SamplingParams, model, dev) -> dict:
+def _profile(LLM, SamplingParams, model, dev, B: int = 64) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from replayssm.bench import e2e
 
-    B = 64
     prompts = e2e._prompts(B, 32, int(model.config.vocab_size), seed=3)
     with LLM(model, device=dev, decode_mode="replay", max_num_seqs=B, cuda_graphs=True, max_seq_len=128) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -313,9 +318,10 @@ def main() -> int:
     p.add_argument("--skip-micro", action="store_true")
     p.add_argument("--configs", default=",".join(":".join(map(str, c)) for c in CONFIGS),
                    help="TP:control:allreduce[:fused[:rows]] entries (fused: REPLAYSSM_TP_FUSED 0 or 1, "
-                        "default 1, or a REPLAYSSM_TP_FUSED_METHOD: pull, pullv, push, twoshot; rows: "
+                        "default 1, or a REPLAYSSM_TP_FUSED_METHOD: pull, pull-b16, push, twoshot; rows: "
                         "REPLAYSSM_TP_FUSED_MAX_ROWS), e.g. 1:gloo:nccl,2:shm:auto:0,2:shm:auto:1,2:shm:auto:push:1024")
     p.add_argument("--skip-profile", action="store_true", help="no profiler table of a TP=2 config")
+    p.add_argument("--profile-batch", type=int, default=64, help="the profiled TP=2 config's batch")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = p.parse_args()
     res = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
@@ -330,7 +336,7 @@ def main() -> int:
     configs = []
     for e in a.configs.split(","):
         f = e.split(":")
-        methods = ("pull", "pullv", "push", "twoshot")
+        methods = ("pull", "pull-b16", "push", "twoshot")
         if len(f) not in (3, 4, 5) or (len(f) >= 4 and f[3] not in ("0", "1") + methods) or \
                 (len(f) == 5 and (f[3] not in methods or not f[4].isdigit())):
             p.error(f"bad config {e!r}: TP:control:allreduce[:0|1|method[:max rows]]")
@@ -339,7 +345,7 @@ def main() -> int:
         else:
             configs.append((int(f[0]), f[1], f[2], f[3] if len(f) == 4 else "1"))
     res.update(e2e_rows(a.budget_s, [int(b) for b in a.batches.split(",")], a.modes.split(","), configs,
-                        profile=not a.skip_profile))
+                        profile=not a.skip_profile, profile_batch=a.profile_batch))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "profile_tp.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)

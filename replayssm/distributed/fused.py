@@ -15,6 +15,12 @@ A mixer of a plain :class:`~replayssm.models.base.Block` returns its partial out
 * on CPUs, float64 and anything the kernel does not take: the reference, the all-reduce of
   ``[partial ; sums]`` then the same scale, add and norm in PyTorch
   (:func:`reference_sum`);
+* ``REPLAYSSM_TP_FUSED_METHOD`` picks how the kernel moves the partials: ``pull`` (default:
+  each rank reads the peers' buffers as 16-byte vectors), ``pull-b16`` (the kernel's
+  former addressing, which compiles to 2-byte loads: kept to measure against), ``push``  (each rank stores its partial into the
+  peers' receive slots, then sums locally) or ``twoshot`` (each rank sums one column slice
+  and stores it into every rank: half the bytes at 4 ranks); see
+  :mod:`~replayssm.kernels.tp_push` (``REPLAYSSM_TP_FUSED_PROGRAMS`` caps its grid);
 * on GPUs past the one-shot size (long prefills) or past ``REPLAYSSM_TP_FUSED_MAX_ROWS``
   rows (default 16: the kernel wins at one row and loses from 64, measured): today's path
   (all-reduce, then the block's fused add + norm).
@@ -43,15 +49,22 @@ from ..models.base import Deferred
 from ..runtime import compute_dtype
 
 __all__ = ["DeferredSum", "GroupScale", "FusedFinish", "SymmOutProj", "fused_enabled", "fused_max_rows",
-           "reference_sum"]
+           "fused_method", "fused_programs", "reference_sum"]
 
 ENV = "REPLAYSSM_TP_FUSED"
 ROWS_ENV = "REPLAYSSM_TP_FUSED_MAX_ROWS"
+METHOD_ENV = "REPLAYSSM_TP_FUSED_METHOD"
+PROGRAMS_ENV = "REPLAYSSM_TP_FUSED_PROGRAMS"
+METHODS = ("pull", "pull-b16", "push", "twoshot")
 #: the fused finish takes calls of at most this many rows (``REPLAYSSM_TP_FUSED_MAX_ROWS``
 #: overrides).  Measured on two H200s (2026-11-27, d = 2560): the fused Mamba-2 tail costs
 #: 16.2 µs a layer at 1 row against today's 23.7, but 28.7 vs 27.9 at 64 rows and 58.9 vs
-#: 38.2 at 256 (the kernel moves ~130-150 GB/s at large row counts; why is not yet known);
-#: rows between 1 and 64 are not measured.
+#: 38.2 at 256; rows between 1 and 64 are not measured.  Those numbers are the kernel's
+#: former 2-byte loads (``pull-b16``: ~40 GB/s over NVLink); with 16-byte loads the same
+#: raw pull of 256 rows runs at 206 GB/s, and the 2.7B preset's TP=2 decode with this cap
+#: at 819 rows gave 1.10x / 1.29x / 1.49x TP=1 at B = 1 / 64 / 256 (two H200s) against the
+#: issue's 0.99x / 1.10x / 1.32x of the earlier kernel: the cap is for the lead to raise once
+#: ``scripts/gpu_tp_fused.py`` has compared both paths on one machine.
 DEFAULT_MAX_ROWS = 16
 
 
@@ -65,6 +78,29 @@ def fused_max_rows(value: str | None = None) -> int:
         n = 0
     if n < 1:
         raise ValueError(f"{ROWS_ENV} must be a positive integer, got {v!r}")
+    return n
+
+
+def fused_method(value: str | None = None) -> str:
+    """``REPLAYSSM_TP_FUSED_METHOD`` (or ``value``): one of :data:`METHODS` (default ``pull``)."""
+    v = os.environ.get(METHOD_ENV, "pull") if value is None else value
+    if v not in METHODS:
+        raise ValueError(f"{METHOD_ENV} must be one of {', '.join(METHODS)}, got {v!r}")
+    return v
+
+
+def fused_programs(value: str | None = None) -> int:
+    """``REPLAYSSM_TP_FUSED_PROGRAMS`` (or ``value``): the push kernels' grid cap, a positive
+    integer (default :data:`~replayssm.kernels.tp_push.DEFAULT_PROGRAMS`)."""
+    from ..kernels.tp_push import DEFAULT_PROGRAMS
+
+    v = os.environ.get(PROGRAMS_ENV, str(DEFAULT_PROGRAMS)) if value is None else value
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{PROGRAMS_ENV} must be a positive integer, got {v!r}")
     return n
 
 
@@ -107,12 +143,23 @@ class FusedFinish:
     counter gives within one forward (graphs capture it as constants); a forward's last
     call (:meth:`DeferredSum.add`, or the last before blocks that defer nothing) waits for
     every peer to finish reading (the trailing barrier), so the next forward (or graph
-    replay) starts again at parity 0 whatever the count before it."""
+    replay) starts again at parity 0 whatever the count before it.
+
+    ``method`` (default ``REPLAYSSM_TP_FUSED_METHOD``): ``push`` / ``twoshot`` add a second
+    symmetric allocation (:func:`~replayssm.kernels.tp_push.push_layout`: receive slots,
+    gather rows, flags) and a local epoch counter; their kernel orders its own reuse of
+    the slots, so the parities and the trailing barrier do not matter to them (the partial
+    is only read locally)."""
+
+    method = "pull"
+    push = None
 
     def __init__(self, group, device, dtype: torch.dtype, hidden: int, max_bytes: int, rank: int, size: int,
-                 allreduce):
+                 allreduce, method: str | None = None, programs: int | None = None):
         self.group, self.device, self.dtype, self.D = group, torch.device(device), dtype, int(hidden)
         self.rank, self.size, self.allreduce = rank, size, allreduce
+        self.method = fused_method(method)
+        self.programs = fused_programs() if programs is None else fused_programs(str(programs))
         self.parity = 0
         self.max_rows = max(1, int(max_bytes) // (self.D * torch.finfo(dtype).bits // 8))
         self.fused_rows = min(self.max_rows, fused_max_rows())   # calls the kernel takes
@@ -149,18 +196,27 @@ class FusedFinish:
             self.pad_ptrs = torch.tensor(list(hdl.signal_pad_ptrs), **i64)
             if int(hdl.signal_pad_size) < 4 * (2 * self.size + 4):
                 raise RuntimeError(f"signal pad of {hdl.signal_pad_size} bytes is too small for the barrier counters")
+            if self.method in ("push", "twoshot"):
+                from ..kernels.tp_push import PushBuffers, push_layout
+
+                total = push_layout(self.size, self.max_rows, self.D, es, self.programs)["total"][1]
+                pbuf = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+                phdl = symm_mem.rendezvous(pbuf, grp.group_name)
+                pbuf.zero_()                      # the flags start at 0 (epoch 0)
+                torch.cuda.synchronize(self.device)
+                self._pbuf = pbuf
+                ctl = torch.zeros(2, dtype=torch.int32, device=self.device)      # this rank's epoch, count
+                self.push = PushBuffers.from_bases(list(phdl.buffer_ptrs), ctl, self.D, es, self.max_rows,
+                                                   self.programs)
         except Exception as e:  # noqa: BLE001 - any failure: the reference / today's path
             ok, why = False, f"{type(e).__name__}: {e}"
         ok, why = self._agree(ok, why)
         if ok:   # probe (every rank, or none: it waits for its peers): rank r sends r + 1, plus a residual of 1
             try:
-                from ..kernels.tp_reduce import tp_reduce
-
                 n = min(3, self.max_rows)
                 self.parts[0][:n].fill_(self.rank + 1)
-                _, s, _ = tp_reduce(self.part_ptrs[0], self.parts[0], n, rank=self.rank,
-                                    residual=torch.ones(n, self.D, dtype=self.dtype, device=self.device),
-                                    sum_dtype=torch.float32, pad_ptrs=self.pad_ptrs, trailing=True)
+                ones = torch.ones(n, self.D, dtype=self.dtype, device=self.device)
+                _, s, _ = self.run(self.parts[0][:n], None, ones, torch.float32, trailing=True)   # parity 0 -> 0
                 want = self.size * (self.size + 1) / 2 + 1
                 if not bool(torch.all(s == want)):
                     ok, why = False, f"probe gave {s.flatten()[0].item()}, want {want}"
@@ -209,13 +265,28 @@ class FusedFinish:
             sb = self.sums_out(rows)
             if scale.sums.data_ptr() != sb.data_ptr():
                 sb.copy_(scale.sums.reshape(rows))
-            kw = dict(ss_ptrs=self.ss_ptrs[self.parity], ranks_per_group=self.size // scale.groups,
-                      group_size=scale.size, gate_eps=scale.eps)
+            kw = dict(ranks_per_group=self.size // scale.groups, group_size=scale.size, gate_eps=scale.eps)
+            if self.method in ("pull", "pull-b16"):
+                kw["ss_ptrs"] = self.ss_ptrs[self.parity]
+            else:
+                kw["sums"] = sb
+        if self.method in ("push", "twoshot"):
+            from ..kernels.tp_push import tp_push
+
+            out = tp_push(buf, self.push, rows, rank=self.rank, two_shot=self.method == "twoshot",
+                          residual=None if residual is None else residual.reshape(rows, self.D),
+                          sum_dtype=sum_dtype, weight=None if norm is None else norm.weight,
+                          eps=0.0 if norm is None else norm.eps,
+                          zero_centered=bool(norm is not None and norm.zero_centered), want_sum=want_sum,
+                          programs=min(self.programs, self.push.max_programs), **kw)
+            self.parity = 0 if trailing else 1 - self.parity
+            return out
         out = tp_reduce(self.part_ptrs[self.parity], buf, rows, rank=self.rank,
                         residual=None if residual is None else residual.reshape(rows, self.D),
                         sum_dtype=sum_dtype, weight=None if norm is None else norm.weight,
                         eps=0.0 if norm is None else norm.eps, zero_centered=bool(norm is not None and norm.zero_centered),
-                        want_sum=want_sum, pad_ptrs=self.pad_ptrs, trailing=trailing, **kw)
+                        want_sum=want_sum, pad_ptrs=self.pad_ptrs, trailing=trailing,
+                        aligned=self.method == "pull", **kw)
         self.parity = 0 if trailing else 1 - self.parity
         return out
 

@@ -73,7 +73,7 @@ if HAVE_TRITON:
         R, N, h_stride, rank, eps, gate_eps, inv_gsize,
         W: tl.constexpr, RPG: tl.constexpr, SCALED: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
         ZERO_CENTERED: tl.constexpr, OUT: tl.constexpr, BARRIER: tl.constexpr, TRAIL: tl.constexpr,
-        BN: tl.constexpr,
+        BN: tl.constexpr, ALIGNED: tl.constexpr = False, ES: tl.constexpr = 2,
     ):
         pid = tl.program_id(0)
         npr = tl.num_programs(0)
@@ -94,9 +94,14 @@ if HAVE_TRITON:
                 part = tl.zeros([BN], dtype=tl.float32)
                 tot = 0.0
                 for k in tl.static_range(RPG):
-                    # partial addresses must be 16-byte aligned (FusedFinish checks): say so, or every
-                    # thread reads its row element by element (2-byte requests over NVLink)
-                    src = tl.multiple_of(tl.load(part_ptrs + g * RPG + k), 16).to(tl.pointer_type(act))
+                    if ALIGNED:
+                        # like_ptr plus an element offset declared a multiple of 16 bytes: the
+                        # compiler then reads 16-byte vectors (an address cast to a pointer loses
+                        # its divisibility, so the other form reads 2-byte elements over NVLink)
+                        d = (tl.load(part_ptrs + g * RPG + k) - like_ptr.to(tl.int64)) // ES
+                        src = like_ptr + tl.multiple_of(d, 16 // ES)
+                    else:
+                        src = tl.multiple_of(tl.load(part_ptrs + g * RPG + k), 16).to(tl.pointer_type(act))
                     part += tl.load(src + r64 * N + j, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
                     if SCALED:
                         sq = tl.load(ss_ptrs + g * RPG + k).to(tl.pointer_type(tl.float32))
@@ -132,7 +137,8 @@ def tp_reduce(part_ptrs: Tensor, like: Tensor, rows: int, *, rank: int = 0, ss_p
               ranks_per_group: int | None = None, group_size: int = 1, gate_eps: float = 0.0,
               residual: Tensor | None = None, sum_dtype: torch.dtype | None = None, weight: Tensor | None = None,
               eps: float = 0.0, zero_centered: bool = False, want_sum: bool = False,
-              pad_ptrs: Tensor | None = None, trailing: bool = False, num_warps: int | None = None):
+              pad_ptrs: Tensor | None = None, trailing: bool = False, num_warps: int | None = None,
+              aligned: bool = False):
     """Launch the kernel over ``rows`` rows of ``N = like.shape[-1]`` channels.
 
     ``part_ptrs [W]`` int64: each rank's partial ``[rows, N]`` (contiguous, ``like``'s dtype)
@@ -142,7 +148,9 @@ def tp_reduce(part_ptrs: Tensor, like: Tensor, rows: int, *, rank: int = 0, ss_p
     stored in ``sum_dtype``; ``weight [N]``: the next RMSNorm (output in its dtype).
     ``pad_ptrs [W]`` int64: the signal pads (None: no barrier, the ranks' buffers are
     already complete); ``trailing``: a second barrier after the reads; ``num_warps``: a
-    launch override (default: by the row width).  Returns
+    launch override (default: by the row width); ``aligned``: the caller vouches that every
+    ``part_ptrs`` address is 16-byte aligned (``like`` must be too), and the partials are
+    addressed from ``like`` so that they load as 16-byte vectors.  Returns
     ``(y, s, o)``: the normed rows (or None), the new residual stream (or None), the
     reduced rows (when ``want_sum`` or neither of the others is asked for, else None)."""
     W = int(part_ptrs.numel())
@@ -161,6 +169,8 @@ def tp_reduce(part_ptrs: Tensor, like: Tensor, rows: int, *, rank: int = 0, ss_p
         raise ValueError(f"norm weight {tuple(weight.shape)} does not match {N} channels")
     if pad_ptrs is not None and (pad_ptrs.numel() != W or pad_ptrs.dtype != torch.int64):
         raise ValueError("pad_ptrs must be W int64 addresses")
+    if aligned and like.data_ptr() % 16:
+        raise ValueError("aligned: like must be 16-byte aligned")
     dev = like.device
     want_sum = want_sum or (residual is None and weight is None)
     y = torch.empty(rows, N, dtype=weight.dtype, device=dev) if weight is not None else None
@@ -179,5 +189,5 @@ def tp_reduce(part_ptrs: Tensor, like: Tensor, rows: int, *, rank: int = 0, ss_p
         1.0 / float(group_size), W=W, RPG=rpg, SCALED=ss_ptrs is not None, ADD=residual is not None,
         NORM=weight is not None, ZERO_CENTERED=bool(zero_centered), OUT=o is not None,
         BARRIER=pad_ptrs is not None, TRAIL=bool(trailing) and pad_ptrs is not None, BN=BN,
-        num_warps=num_warps or min(8, max(1, BN // 512)))
+        ALIGNED=bool(aligned), ES=like.element_size(), num_warps=num_warps or min(8, max(1, BN // 512)))
     return y, s, o
