@@ -57,15 +57,16 @@ METHOD_ENV = "REPLAYSSM_TP_FUSED_METHOD"
 PROGRAMS_ENV = "REPLAYSSM_TP_FUSED_PROGRAMS"
 METHODS = ("pull", "pull-b16", "push", "twoshot")
 #: the fused finish takes calls of at most this many rows (``REPLAYSSM_TP_FUSED_MAX_ROWS``
-#: overrides).  Measured on two H200s (2026-11-27, d = 2560): the fused Mamba-2 tail costs
-#: 16.2 µs a layer at 1 row against today's 23.7, but 28.7 vs 27.9 at 64 rows and 58.9 vs
-#: 38.2 at 256; rows between 1 and 64 are not measured.  Those numbers are the kernel's
-#: former 2-byte loads (``pull-b16``: ~40 GB/s over NVLink); with 16-byte loads the same
-#: raw pull of 256 rows runs at 206 GB/s, and the 2.7B preset's TP=2 decode with this cap
-#: at 819 rows gave 1.10x / 1.29x / 1.49x TP=1 at B = 1 / 64 / 256 (two H200s) against the
-#: issue's 0.99x / 1.10x / 1.32x of the earlier kernel: the cap is for the lead to raise once
-#: ``scripts/gpu_tp_fused.py`` has compared both paths on one machine.
-DEFAULT_MAX_ROWS = 16
+#: overrides; the buffers' own ``max_rows`` caps it too: 819 rows of d = 2560 in 4 MiB).
+#: Measured on two H200s (2026-11-27 night, `scripts/gpu_tp_fused.py`, both paths in one
+#: run), µs per call at 1 / 64 / 256 rows: the fused pull with 16-byte loads 6.8 / 8.4 / 13.4
+#: (d = 2560) and 8.5 / 12.7 / 25.8 (d = 8192) against the all-reduce + add/norm it replaces
+#: 8.4 / 11.6 / 19.3 and 9.7 / 17.9 / 41.7; the Mamba-2 tail 15.1 / 17.3 / 23.3 against
+#: 23.5 / 28.0 / 38.2.  End to end (2.7B, replay, TP=2 ÷ TP=1): 1.10x / 1.29x / 1.49x at
+#: B = 1 / 64 / 256 with every decode call fused, against 0.99x / 1.10x / 1.32x with the
+#: former cap of 16 rows (and the former 2-byte loads, which made 64 and 256 rows slower than
+#: the unfused path).  So the fused path takes every call its buffer holds.
+DEFAULT_MAX_ROWS = 4096
 
 
 def fused_max_rows(value: str | None = None) -> int:

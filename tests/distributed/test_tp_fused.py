@@ -56,12 +56,14 @@ def test_switch_reads_zero_or_one(monkeypatch):
 
 
 def test_max_rows_reads_a_positive_count_and_bounds_the_fused_calls(monkeypatch):
-    """Calls of more rows than ``REPLAYSSM_TP_FUSED_MAX_ROWS`` (default 16) take today's
-    path: the fused kernel wins at one row and loses from 64 on the GPU."""
+    """Calls of more rows than ``REPLAYSSM_TP_FUSED_MAX_ROWS`` (default: every call the buffers
+    hold) or than the buffers hold take the unfused path."""
     from replayssm.distributed.fused import DEFAULT_MAX_ROWS, FusedFinish, fused_max_rows
 
     monkeypatch.delenv("REPLAYSSM_TP_FUSED_MAX_ROWS", raising=False)
-    assert fused_max_rows() == DEFAULT_MAX_ROWS == 16
+    assert fused_max_rows() == DEFAULT_MAX_ROWS == 4096
+    small = FusedFinish(None, "cpu", torch.bfloat16, 8, 160, 0, 1, None)          # 10 rows of 8 channels
+    assert small.max_rows == 10 and small.fused_rows == 10                     # the buffer caps the default
     monkeypatch.setenv("REPLAYSSM_TP_FUSED_MAX_ROWS", "5")
     assert fused_max_rows() == 5
     for bad in ("0", "-3", "many"):
