@@ -42,6 +42,9 @@ import torch.multiprocessing as mp
 import triton
 import triton.language as tl
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_tp_fused import _time_graph  # noqa: E402  (the same graph timer)
+
 ROWS = (1, 64, 256, 1024)
 DIMS = (2560, 8192)
 MAXE = max(ROWS) * max(DIMS)          # elements of one slot
@@ -162,29 +165,8 @@ def _barrier_only(flag_ptrs, ctl, rank, MAXT, W: tl.constexpr):
 
 
 def _time(fn) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    dist.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(K):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t[0].record()
-    for _ in range(REPS):
-        g.replay()
-    t[1].record()
-    torch.cuda.synchronize()
-    del g
-    return t[0].elapsed_time(t[1]) * 1e3 / (REPS * K)
+    """µs per call of ``fn`` (K calls a graph, REPS replays, every rank aligned by a barrier)."""
+    return _time_graph(fn, K, REPS)
 
 
 def _variants(sms: int):

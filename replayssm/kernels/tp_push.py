@@ -55,7 +55,7 @@ from torch import Tensor
 from ._triton import HAVE_TRITON, next_pow2, triton, tl
 
 if HAVE_TRITON:
-    from .norm import rmsnorm_row
+    from .tp_reduce import _finish_row
 
 __all__ = ["PushBuffers", "push_layout", "tp_push"]
 
@@ -162,21 +162,6 @@ if HAVE_TRITON:
             else:
                 acc += part
         return acc
-
-    @triton.jit
-    def _finish_row(x, h_ptr, w_ptr, y_ptr, s_ptr, o_ptr, r64, j, m, N, h_stride, eps,
-                    ADD: tl.constexpr, NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, OUT: tl.constexpr):
-        """The reduced row ``x`` (fp32 of activation-dtype values): store it, add the
-        residual, store the sum, apply the norm (as :mod:`.tp_reduce`)."""
-        if OUT:
-            tl.store(o_ptr + r64 * N + j, x.to(o_ptr.dtype.element_ty), mask=m)
-        if ADD:
-            x += tl.load(h_ptr + r64 * h_stride + j, mask=m, other=0.0).to(tl.float32)
-            s = x.to(s_ptr.dtype.element_ty)
-            tl.store(s_ptr + r64 * N + j, s, mask=m)
-            x = s.to(tl.float32)
-        if NORM:
-            rmsnorm_row(x, w_ptr, y_ptr + r64 * N, j, m, N, eps, ZERO_CENTERED)
 
     @triton.jit(do_not_specialize=["R", "rank"])
     def _tp_push_kernel(

@@ -66,6 +66,21 @@ if HAVE_TRITON:
                 peer = tl.load(pad_ptrs + p).to(tl.pointer_type(tl.int32))
                 tl.atomic_add(peer + base + rank, 1, sem="release", scope="sys")
 
+    @triton.jit
+    def _finish_row(x, h_ptr, w_ptr, y_ptr, s_ptr, o_ptr, r64, j, m, N, h_stride, eps,
+                    ADD: tl.constexpr, NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, OUT: tl.constexpr):
+        """The reduced row ``x`` (fp32 of activation-dtype values): store it, add the
+        residual, store the sum, apply the norm (the pull kernel's and :mod:`.tp_push`'s kernels' row end)."""
+        if OUT:
+            tl.store(o_ptr + r64 * N + j, x.to(o_ptr.dtype.element_ty), mask=m)
+        if ADD:
+            x += tl.load(h_ptr + r64 * h_stride + j, mask=m, other=0.0).to(tl.float32)
+            s = x.to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + r64 * N + j, s, mask=m)
+            x = s.to(tl.float32)
+        if NORM:
+            rmsnorm_row(x, w_ptr, y_ptr + r64 * N, j, m, N, eps, ZERO_CENTERED)
+
     # one binary for every row count (a new batch size compiles nothing) and every rank
     @triton.jit(do_not_specialize=["R", "rank"])
     def _tp_reduce_kernel(
@@ -110,16 +125,8 @@ if HAVE_TRITON:
                     acc += part * tl.rsqrt(tot * inv_gsize + gate_eps)
                 else:
                     acc += part
-            x = acc.to(act).to(tl.float32)
-            if OUT:
-                tl.store(o_ptr + r64 * N + j, x.to(o_ptr.dtype.element_ty), mask=m)
-            if ADD:
-                x += tl.load(h_ptr + r64 * h_stride + j, mask=m, other=0.0).to(tl.float32)
-                s = x.to(s_ptr.dtype.element_ty)
-                tl.store(s_ptr + r64 * N + j, s, mask=m)
-                x = s.to(tl.float32)
-            if NORM:
-                rmsnorm_row(x, w_ptr, y_ptr + r64 * N, j, m, N, eps, ZERO_CENTERED)
+            _finish_row(acc.to(act).to(tl.float32), h_ptr, w_ptr, y_ptr, s_ptr, o_ptr, r64, j, m, N, h_stride, eps,
+                        ADD, NORM, ZERO_CENTERED, OUT)
         if BARRIER:
             tl.debug_barrier()
             if tl.atomic_add(own + 2 * W + 3, 1, sem="acq_rel", scope="gpu") == npr - 1:
