@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 import hf_utils as H  # noqa: E402
+from tp_prefix import cached_runs, prefix_prompts  # noqa: E402
 import mtp_checkpoint as M  # noqa: E402
 
 pytest.importorskip("transformers")
@@ -281,19 +282,8 @@ def test_mtp_speculation_matches_one_rank(models, arch, tree):
 @pytest.mark.parametrize("arch", ["qwen3_next_80b", "mamba2", "zamba2", "kimi_linear"])
 def test_prefix_caching_matches_one_rank(models, arch):
     ref, tp = models(arch)
-    V = ref.config.vocab_size
-    base = [(7 * i + 3) % V for i in range(30)]
-    prompts = [base, base[:9] + [1, 2], base[:17] + [3], base]
-    kw = dict(decode_mode="replay", kv_block_size=4, buffer_size=6, enable_prefix_caching=True,
-              prefix_checkpoint_interval=8)
-    runs = []
-    for m in (tp, ref):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with LLM(m, max_seq_len=MAXLEN, **kw) as llm:
-                runs.append(([llm.generate([p], SamplingParams(max_tokens=5))[0].token_ids for p in prompts],
-                             llm.stats["prefix_hit_tokens"]))
-    (got, hits), (want_cached, ref_hits) = runs
+    prompts = prefix_prompts(ref.config.vocab_size)
+    (got, hits), (want_cached, ref_hits) = cached_runs((tp, ref), prompts, MAXLEN)
     assert got == want_cached == _generate(ref, SamplingParams(max_tokens=5), prompts=prompts)
     assert hits == ref_hits > 0
 
