@@ -64,6 +64,22 @@ if HAVE_TRITON:
         return b, pid - before
 
     @triton.jit
+    def _key_span(bits_ptr, b64, tok_local, row_ok, qpos, L, Tb, j, s, S,
+                  QT: tl.constexpr, BLOCK_N: tl.constexpr, T_TREE: tl.constexpr, TREE: tl.constexpr):
+        """Keys ``[lo, hi)`` split ``s`` of ``S`` of a tile may read — up to its last query's
+        position, all ``L`` for a tree — in whole ``BLOCK_N`` steps, and the rows' tree bits
+        (``qpos`` as a placeholder without TREE: not read)."""
+        if TREE:
+            kv_hi = L
+            bits = tl.load(bits_ptr + b64 * T_TREE + tok_local, mask=row_ok, other=0)
+        else:
+            kv_hi = L - Tb + tl.minimum(Tb, (j + 1) * QT)
+            bits = qpos
+        chunk = tl.cdiv(tl.cdiv(kv_hi, S), BLOCK_N) * BLOCK_N
+        lo = s * chunk
+        return lo, tl.minimum(kv_hi, lo + chunk), bits
+
+    @triton.jit
     def _mask_keys(sc, row_ok, pm, pos, qpos, bits, L, T_TREE: tl.constexpr, TREE: tl.constexpr):
         """Scores ``sc [M, N]`` with the keys a row may not read set to -inf: causal (keys up
         to the row's query position ``qpos``) or, for a draft tree, the committed prefix plus
@@ -117,16 +133,7 @@ if HAVE_TRITON:
             dm = dd < DH
             qrow = (tok * H + head) * DH
             Q = tl.load(q_ptr + qrow[:, None] + dd[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
-            # keys this tile may read: up to its last query's position (all L for trees)
-            if TREE:
-                kv_hi = L
-                bits = tl.load(bits_ptr + b64 * T_TREE + tok_local, mask=row_ok, other=0)
-            else:
-                kv_hi = L - Tb + tl.minimum(Tb, (j + 1) * QT)
-                bits = qpos                                # not read without TREE
-            chunk = tl.cdiv(tl.cdiv(kv_hi, S), BLOCK_N) * BLOCK_N
-            lo = s * chunk
-            hi = tl.minimum(kv_hi, lo + chunk)
+            lo, hi, bits = _key_span(bits_ptr, b64, tok_local, row_ok, qpos, L, Tb, j, s, S, QT, BLOCK_N, T_TREE, TREE)
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, DP], tl.float32)

@@ -30,7 +30,7 @@ from .attention import _LOG2E, _sm_count
 __all__ = ["mla_attention", "mla_tiles"]
 
 if HAVE_TRITON:
-    from .attention import _combine_kernel, _find_tile, _mask_keys, _softmax_step
+    from .attention import _combine_kernel, _find_tile, _key_span, _mask_keys, _softmax_step
 
     @triton.jit(**count_args("N", "Nt"))
     def _mla_kernel(
@@ -65,15 +65,7 @@ if HAVE_TRITON:
                 em = ee < DR
                 Qr = tl.load(q_ptr + qrow[:, None] + RANK + ee[None, :], mask=row_ok[:, None] & em[None, :],
                              other=0.0)
-            if TREE:
-                kv_hi = L
-                bits = tl.load(bits_ptr + b64 * T_TREE + tok_local, mask=row_ok, other=0)
-            else:
-                kv_hi = L - Tb + tl.minimum(Tb, (j + 1) * QT)
-                bits = qpos                                # not read without TREE
-            chunk = tl.cdiv(tl.cdiv(kv_hi, S), BLOCK_N) * BLOCK_N
-            lo = s * chunk
-            hi = tl.minimum(kv_hi, lo + chunk)
+            lo, hi, bits = _key_span(bits_ptr, b64, tok_local, row_ok, qpos, L, Tb, j, s, S, QT, BLOCK_N, T_TREE, TREE)
             m_i = tl.full([BLOCK_M], float("-inf"), ACC)
             l_i = tl.zeros([BLOCK_M], ACC)
             acc = tl.zeros([BLOCK_M, RP], ACC)
