@@ -69,17 +69,22 @@ METHODS = ("pull", "pull-b16", "push", "twoshot")
 DEFAULT_MAX_ROWS = 4096
 
 
-def fused_max_rows(value: str | None = None) -> int:
-    """``REPLAYSSM_TP_FUSED_MAX_ROWS`` (or ``value``): a positive row count (default
-    :data:`DEFAULT_MAX_ROWS`)."""
-    v = os.environ.get(ROWS_ENV, str(DEFAULT_MAX_ROWS)) if value is None else value
+def _positive_env(name: str, default: int, value: str | None) -> int:
+    """``value`` (or environment variable ``name``, else ``default``) as a positive integer."""
+    v = os.environ.get(name, str(default)) if value is None else value
     try:
         n = int(v)
     except ValueError:
         n = 0
     if n < 1:
-        raise ValueError(f"{ROWS_ENV} must be a positive integer, got {v!r}")
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
     return n
+
+
+def fused_max_rows(value: str | None = None) -> int:
+    """``REPLAYSSM_TP_FUSED_MAX_ROWS`` (or ``value``): a positive row count (default
+    :data:`DEFAULT_MAX_ROWS`)."""
+    return _positive_env(ROWS_ENV, DEFAULT_MAX_ROWS, value)
 
 
 def fused_method(value: str | None = None) -> str:
@@ -95,14 +100,7 @@ def fused_programs(value: str | None = None) -> int:
     integer (default :data:`~replayssm.kernels.tp_push.DEFAULT_PROGRAMS`)."""
     from ..kernels.tp_push import DEFAULT_PROGRAMS
 
-    v = os.environ.get(PROGRAMS_ENV, str(DEFAULT_PROGRAMS)) if value is None else value
-    try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{PROGRAMS_ENV} must be a positive integer, got {v!r}")
-    return n
+    return _positive_env(PROGRAMS_ENV, DEFAULT_PROGRAMS, value)
 
 
 def fused_enabled(value: str | None = None) -> bool:
