@@ -35,8 +35,8 @@ import traceback
 
 import torch
 
-from replayssm.bench.common import free_memory, warm_then_time
-from replayssm.bench.e2e import (PRESETS, OracleDrafter, _prompts, _random_model_dir, draft_length_steps,
+from replayssm.bench.common import fastest_run, free_memory
+from replayssm.bench.e2e import (PRESETS, OracleDrafter, _prompts, _random_model_dir,
                                  format_lengths)
 from replayssm.bench.hybrid_presets import HYBRID_PRESETS
 from replayssm.engine.config import SamplingParams, SpeculativeConfig
@@ -54,18 +54,8 @@ def _engine(model, args, mode: str, max_batch: int, spec=None) -> LLM:
 def _timed(llm: LLM, prompts: list, args, label: str) -> dict:
     """One warm-up then the fastest of ``args.repeats`` timed runs of ``prompts``."""
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    best = None
-    for _ in range(args.repeats):
-        outs, wall = warm_then_time(llm, prompts, prompts, params, args.device)
-        stats = dict(llm.stats)
-        gen = sum(len(o.token_ids) for o in outs)
-        row = {"batch": len(prompts), "generated": gen, "capture_s": llm.capture_s, "wall_s": wall, "tokens_per_s": gen / wall,
-               "decode_s": stats["decode_s"],
-               "decode_tokens_per_s": (gen - len(outs)) / max(stats["decode_s"], 1e-9),
-               "mean_accepted_length": sum(o.mean_accepted_length for o in outs) / len(outs),
-               "draft_lengths": draft_length_steps(stats), "outputs": [o.token_ids for o in outs]}
-        if best is None or row["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
-            best = row
+    best = fastest_run(llm, prompts, params, args.device, args.repeats,
+                       extra=lambda: {"batch": len(prompts), "capture_s": llm.capture_s})
     print(f"[family presets] {label:<18} B={best['batch']:<4} {best['decode_tokens_per_s']:>9.0f} decode tok/s "
           f"({best['tokens_per_s']:.0f} tok/s overall), acc {best['mean_accepted_length']:.2f}, "
           f"graphs captured in {best['capture_s']:.0f} s"

@@ -44,8 +44,8 @@ from collections import defaultdict
 
 import torch
 
-from replayssm.bench.common import free_memory, warm_then_time
-from replayssm.bench.e2e import OracleDrafter, _prompts, _random_model_dir, draft_length_steps, format_lengths
+from replayssm.bench.common import fastest_run, free_memory
+from replayssm.bench.e2e import OracleDrafter, _prompts, _random_model_dir, format_lengths
 from replayssm.engine.batching import bucket_for
 from replayssm.engine.config import SamplingParams, SpeculativeConfig
 from replayssm.engine.llm import LLM
@@ -117,22 +117,11 @@ def _sweep(llm: LLM, args, prompts: dict, label: str) -> dict:
     log = StepLog(llm)
     rows = {}
     for B in args.batches:
-        best = None
-        for _ in range(args.repeats):
-            outs, wall = warm_then_time(llm, prompts[B], prompts[B], params, args.device, on_warm=log.start)
-            stats = dict(llm.stats)
-            gen = sum(len(o.token_ids) for o in outs)
-            row = {"tokens_per_s": gen / wall, "wall_s": wall, "generated": gen, "decode_s": stats["decode_s"],
-                   "decode_tokens_per_s": (gen - len(outs)) / max(stats["decode_s"], 1e-9),
-                   "outputs": [o.token_ids for o in outs],
-                   "mean_accepted_length": sum(o.mean_accepted_length for o in outs) / len(outs),
-                   "draft_lengths": draft_length_steps(stats),
-                   "steps_ms": {f"{b},{t}": 1e3 * sum(v) / len(v) for (b, t), v in log.seen.items()},
-                   "steps_n": {f"{b},{t}": len(v) for (b, t), v in log.seen.items()},
-                   "pred_ms": {f"{b},{t}": 1e3 * sum(v) / len(v) for (b, t), v in log.pred.items()}}
-            if best is None or row["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
-                best = row
-        rows[B] = best
+        rows[B] = best = fastest_run(llm, prompts[B], params, args.device, args.repeats, on_warm=log.start,
+                                     extra=lambda: {
+            "steps_ms": {f"{b},{t}": 1e3 * sum(v) / len(v) for (b, t), v in log.seen.items()},
+            "steps_n": {f"{b},{t}": len(v) for (b, t), v in log.seen.items()},
+            "pred_ms": {f"{b},{t}": 1e3 * sum(v) / len(v) for (b, t), v in log.pred.items()}})
         print(f"[never loses] {label:<9} B={B:<4} {best['decode_tokens_per_s']:>9.0f} decode tok/s "
               f"({best['tokens_per_s']:.0f} overall)"
               + (f"  acc {best['mean_accepted_length']:.2f}  {format_lengths(best['draft_lengths'])}"

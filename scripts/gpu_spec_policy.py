@@ -47,8 +47,8 @@ import time
 
 import torch
 
-from replayssm.bench.common import free_memory, private_copy, warm_then_time
-from replayssm.bench.e2e import (OracleDrafter, OracleTokens, _prompts, _random_model_dir, draft_length_steps,
+from replayssm.bench.common import fastest_run, free_memory, private_copy
+from replayssm.bench.e2e import (OracleDrafter, OracleTokens, _prompts, _random_model_dir,
                                  format_host_ms, format_lengths, predicted_host_ms)
 from replayssm.bench.random_mtp import add_random_mtp
 from replayssm.engine.config import SamplingParams, SpeculativeConfig
@@ -85,20 +85,8 @@ def _sweep(llm, args, prompts: dict, label: str) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rows = {}
     for B in args.batches:
-        best = None
-        for _ in range(args.repeats):
-            outs, wall = warm_then_time(llm, prompts[B], prompts[B], params, args.device)
-            stats = dict(llm.stats)
-            gen = sum(len(o.token_ids) for o in outs)
-            row = {"tokens_per_s": gen / wall, "wall_s": wall, "generated": gen, "decode_s": stats["decode_s"],
-                   "decode_tokens_per_s": (gen - len(outs)) / max(stats["decode_s"], 1e-9),
-                   "outputs": [o.token_ids for o in outs],
-                   "mean_accepted_length": sum(o.mean_accepted_length for o in outs) / len(outs),
-                   "draft_lengths": draft_length_steps(stats), "num_slots": llm.num_slots, **_policy_state(llm),
-                   **_host_state(llm, B)}
-            if best is None or row["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
-                best = row
-        rows[B] = best
+        rows[B] = best = fastest_run(llm, prompts[B], params, args.device, args.repeats, extra=lambda B=B: {
+            "num_slots": llm.num_slots, **_policy_state(llm), **_host_state(llm, B)})
         extra = ""
         if llm.drafter is not None:
             extra = f"  acc {best['mean_accepted_length']:.2f}  {format_lengths(best['draft_lengths'])}"

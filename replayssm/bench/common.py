@@ -60,6 +60,35 @@ def warm_then_time(llm, warm, prompts, params: SamplingParams, device, on_warm=N
     return outs, time.perf_counter() - t0
 
 
+def draft_length_steps(stats: dict) -> dict[int, int]:
+    """``{T: steps}`` of the engine's ``spec_T<T>_steps`` counters (the draft lengths its
+    length policy chose; 0: plain decode steps)."""
+    return {int(k[6:-6]): int(v) for k, v in sorted(stats.items(), key=lambda kv: kv[0])
+            if k.startswith("spec_T") and k.endswith("_steps")}
+
+
+def fastest_run(llm, prompts, params: SamplingParams, device, repeats: int = 1, on_warm=None,
+                extra: Callable[[], dict] | None = None) -> dict:
+    """The fastest (decode tokens/s) of ``repeats`` runs of :func:`warm_then_time` with
+    ``prompts`` as their own warm-up: ``{tokens_per_s, wall_s, generated, decode_s,
+    decode_tokens_per_s, outputs, mean_accepted_length, draft_lengths}`` plus ``extra()``,
+    read right after each run (the first token of each request comes from prefill, so decode
+    tokens/s counts the rest)."""
+    best = None
+    for _ in range(repeats):
+        outs, wall = warm_then_time(llm, prompts, prompts, params, device, on_warm=on_warm)
+        stats = dict(llm.stats)
+        gen = sum(len(o.token_ids) for o in outs)
+        row = {"tokens_per_s": gen / wall, "wall_s": wall, "generated": gen, "decode_s": stats["decode_s"],
+               "decode_tokens_per_s": (gen - len(outs)) / max(stats["decode_s"], 1e-9),
+               "outputs": [o.token_ids for o in outs],
+               "mean_accepted_length": sum(o.mean_accepted_length for o in outs) / len(outs),
+               "draft_lengths": draft_length_steps(stats), **(extra() if extra is not None else {})}
+        if best is None or row["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
+            best = row
+    return best
+
+
 def free_memory(device) -> None:
     """Collect garbage and return the caching allocator's free blocks (after an engine is dropped)."""
     gc.collect()

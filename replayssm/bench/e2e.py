@@ -36,7 +36,7 @@ from ..engine.spec import Proposal, chain_parent
 from ..models.margin import branch_scale, permuted_head
 from ..runtime import host_to_device
 from . import prefix, ttft
-from .common import free_memory, random_model_dir, warm_then_time
+from .common import draft_length_steps, free_memory, random_model_dir, warm_then_time
 # hybrid presets (Nemotron-H-class, Qwen3-Next-class with MoE)
 from .hybrid_presets import HYBRID_PRESETS, TINY_OF, preset_config, random_hybrid_dir
 from .random_mtp import add_random_mtp
@@ -248,13 +248,6 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
           + (f", draft lengths {format_lengths(row['draft_length_steps'])}" if spec else "")
           + (f", peak memory {row['peak_memory_GB']:.1f} GB" if cuda else ""), file=sys.stderr, flush=True)
     return row
-
-
-def draft_length_steps(stats: dict) -> dict[int, int]:
-    """``{T: steps}`` of the engine's ``spec_T<T>_steps`` counters (the draft lengths its
-    length policy chose; 0: plain decode steps)."""
-    return {int(k[6:-6]): int(v) for k, v in sorted(stats.items(), key=lambda kv: kv[0])
-            if k.startswith("spec_T") and k.endswith("_steps")}
 
 
 def format_lengths(hist: dict) -> str:
