@@ -45,6 +45,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_tp_fused import _time_graph  # noqa: E402  (the same graph timer)
 
+from replayssm.kernels.tp_push import _epoch_done, _flag_and_wait  # noqa: E402  (the push kernels' flags)
+
 ROWS = (1, 64, 256, 1024)
 DIMS = (2560, 8192)
 MAXE = max(ROWS) * max(DIMS)          # elements of one slot
@@ -102,31 +104,6 @@ def _push(src, ptrs, base, R, N, rank, MAXE, W: tl.constexpr, BLOCK: tl.constexp
                 tl.store(dst + rank.to(tl.int64) * MAXE + off, x, mask=m, cache_modifier=CACHE)
 
 
-@triton.jit
-def _flags(flag_ptrs, ctl, e, rank, MAXT, W: tl.constexpr):
-    """Flag this program to every peer (``e + 1``, release, system scope), wait for theirs."""
-    pid = tl.program_id(0)
-    tl.debug_barrier()
-    for p in tl.static_range(W):
-        if p != rank:
-            fl = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(fl + rank * MAXT + pid, e + 1, sem="release", scope="sys")
-    own = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
-    for p in tl.static_range(W):
-        if p != rank:
-            while tl.atomic_add(own + p * MAXT + pid, 0, sem="acquire", scope="sys") - (e + 1) < 0:
-                pass
-    tl.debug_barrier()
-
-
-@triton.jit
-def _epoch_done(ctl):
-    tl.debug_barrier()
-    if tl.atomic_add(ctl + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        tl.atomic_xchg(ctl + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_add(ctl, 1, sem="release", scope="gpu")
-
-
 @triton.jit(do_not_specialize=["R", "rank"])
 def _push_reduce(src, ptrs, base, flag_ptrs, ctl, out, R, N, rank, MAXE, MAXT, W: tl.constexpr,
                  BLOCK: tl.constexpr):
@@ -145,7 +122,7 @@ def _push_reduce(src, ptrs, base, flag_ptrs, ctl, out, R, N, rank, MAXE, MAXT, W
         if p != rank:
             dst = _addr(ptrs, p, base, 2)
             tl.store(dst + (par * W + rank) * MAXE + off, x, mask=m)
-    _flags(flag_ptrs, ctl, e, rank, MAXT, W)
+    _flag_and_wait(flag_ptrs, 0, e, rank, tl.program_id(0), MAXT, W)
     own = _addr(ptrs, rank, base, 2)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.static_range(W):
@@ -160,7 +137,7 @@ def _push_reduce(src, ptrs, base, flag_ptrs, ctl, out, R, N, rank, MAXE, MAXT, W
 @triton.jit(do_not_specialize=["rank"])
 def _barrier_only(flag_ptrs, ctl, rank, MAXT, W: tl.constexpr):
     e = tl.atomic_add(ctl, 0, sem="acquire", scope="gpu")
-    _flags(flag_ptrs, ctl, e, rank, MAXT, W)
+    _flag_and_wait(flag_ptrs, 0, e, rank, tl.program_id(0), MAXT, W)
     _epoch_done(ctl)
 
 
