@@ -406,14 +406,19 @@ def _mlp_rules(m, N: int, r: int, prefix: str = "") -> dict:
     return out
 
 
-def _softmax_moe_rules(m, N: int, r: int) -> dict:
-    I = m.experts.gate_up_proj.shape[1] // 2
+def _stacked_experts_rules(I: int, shared, shared_prefix: str, N: int, r: int) -> dict:
+    """Experts stacked as ``gate_up_proj [E, 2I, D]`` (``[gate | up]``) and ``down_proj
+    [E, D, I]``, split along ``I``; the SwiGLU shared expert(s) ``shared`` (or None) by rows."""
     a, b = _split(I, N, r)
     out = {"experts.gate_up_proj": Shard(1, _pieces((a, b), (I + a, I + b))),
            "experts.down_proj": Shard(2, _pieces((a, b)))}
-    if m.shared_expert is not None:
-        out.update(_mlp_rules(m.shared_expert, N, r, "shared_expert."))
+    if shared is not None:
+        out.update(_mlp_rules(shared, N, r, shared_prefix))
     return out
+
+
+def _softmax_moe_rules(m, N: int, r: int) -> dict:
+    return _stacked_experts_rules(m.experts.gate_up_proj.shape[1] // 2, m.shared_expert, "shared_expert.", N, r)
 
 
 def _sigmoid_moe_rules(m, N: int, r: int) -> dict:
@@ -467,13 +472,7 @@ def _mla_rules(m, N: int, r: int) -> dict:
 def _gated_sigmoid_moe_rules(m, N: int, r: int) -> dict:
     """Kimi-Linear's MoE: experts ``gate_up_proj [E, 2I, D]`` (``[gate | up]``), ``down_proj
     [E, D, I]``, the SwiGLU shared experts; router and correction bias replicated."""
-    I = m.experts.down_proj.shape[2]
-    a, b = _split(I, N, r)
-    out = {"experts.gate_up_proj": Shard(1, _pieces((a, b), (I + a, I + b))),
-           "experts.down_proj": Shard(2, _pieces((a, b)))}
-    if m.shared_experts is not None:
-        out.update(_mlp_rules(m.shared_experts, N, r, "shared_experts."))
-    return out
+    return _stacked_experts_rules(m.experts.down_proj.shape[2], m.shared_experts, "shared_experts.", N, r)
 
 
 def _granite_mlp_rules(m, N: int, r: int) -> dict:
