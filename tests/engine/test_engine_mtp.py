@@ -167,14 +167,11 @@ def _reference(model, all_ids, parent, rank):
     return out
 
 
-@pytest.mark.parametrize("tree", [None, "topk"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_proposals_equal_the_head_without_cache(mtp_models, arch, tree):
-    m, expected, _ = mtp_models[arch]
-    mode = {"mamba2": "replay", "qwen3_next": "auto", "nemotron_h": "recurrent"}[arch]
-    llm = LLM(m, dtype="float64", decode_mode=mode, speculative=_spec(tree), auto_threshold=10, max_seq_len=MAXLEN)
-    drafter, checked = llm.drafter, []
-    propose = drafter.propose
+def _check_proposals(m, drafter) -> list:
+    """Wrap ``drafter.propose`` so every proposal is compared with the head recomputed without
+    a cache (:func:`_reference`; a chain takes the top choice at every node); returns the list
+    that collects, per checked row, the sequence's output length at the time."""
+    checked, propose = [], drafter.propose
 
     def checking(seqs, k=None):
         prop = propose(seqs, k)
@@ -187,6 +184,17 @@ def test_proposals_equal_the_head_without_cache(mtp_models, arch, tree):
         return prop
 
     drafter.propose = checking
+    return checked
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_proposals_equal_the_head_without_cache(mtp_models, arch, tree):
+    m, expected, _ = mtp_models[arch]
+    mode = {"mamba2": "replay", "qwen3_next": "auto", "nemotron_h": "recurrent"}[arch]
+    llm = LLM(m, dtype="float64", decode_mode=mode, speculative=_spec(tree), auto_threshold=10, max_seq_len=MAXLEN)
+    drafter = llm.drafter
+    checked = _check_proposals(m, drafter)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
     assert [o.token_ids for o in outs] == expected
     assert len(checked) > len(PROMPTS) * 3
@@ -383,19 +391,10 @@ def test_plain_step_runs_catch_up_one_pair_per_row_and_proposals_stay_the_heads(
               max_seq_len=MAXLEN, pad_batches=(mode == "replay"))
     L, drafter = llm.executor.lengths, llm.drafter
     llm.executor.lengths = ScriptedLengths(L.lengths, [3, 0, 0, 0, 2, 0, 3, 0, 0, 1], L.tree, L.depth)
-    widths, checked, propose = [], [], drafter.propose
+    widths = []
     for r in (drafter.steps.plain_runner, drafter.steps.plain_runner1):
         r.run = (lambda run: lambda *a: (widths.append((a[1].shape[1], a[3].max().item())), run(*a))[1])(r.run)
-
-    def checking(seqs, k=None):
-        prop = propose(seqs, k)
-        for b, s in enumerate(seqs):
-            want = _reference(m, s.all_ids, drafter.parent, [0] * drafter.num_nodes)
-            assert prop.tokens[b].tolist() == want[:prop.tokens.shape[1]], (s.all_ids, b)
-            checked.append(b)
-        return prop
-
-    drafter.propose = checking
+    checked = _check_proposals(m, drafter)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N))
     assert [o.token_ids for o in outs] == expected
     assert {w for w, _ in widths} == {1, drafter.width}, widths
@@ -463,19 +462,10 @@ def test_mtp_window_defers_catch_up_and_proposals_stay_the_heads(mtp_models, mod
     L, drafter = llm.executor.lengths, llm.drafter
     llm.executor.lengths = ScriptedLengths(L.lengths, [3] + [0] * 9 + [2, 0, 0, 1, 0, 0, 0, 0, 0, 0, 3], L.tree,
                                            L.depth)
-    ran, checked, propose = [], [], drafter.propose
+    ran = []
     for r in (drafter.steps.plain_runner, drafter.steps.plain_runner1):
         r.run = (lambda run: lambda *a: (ran.append(a), run(*a))[1])(r.run)
-
-    def checking(seqs, k=None):
-        prop = propose(seqs, k)
-        for b, s in enumerate(seqs):
-            want = _reference(m, s.all_ids, drafter.parent, [0] * drafter.num_nodes)
-            assert prop.tokens[b].tolist() == want[:prop.tokens.shape[1]], (s.all_ids, b)
-            checked.append(b)
-        return prop
-
-    drafter.propose = checking
+    checked = _check_proposals(m, drafter)
     lens = [N, 5, N - 3, 9]
     seqs = [llm.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS, lens)]
     step = 0
