@@ -74,3 +74,30 @@ class Server:
             name, _, val = line.rpartition(" ")
             out[name.split("{")[0] if "finished_reason" not in name else name] = float(val)
         return out
+
+
+def wait_idle(server, timeout: float = 10.0) -> dict:
+    """Metrics once nothing runs or waits (slots all free)."""
+    deadline = time.time() + timeout
+    while True:
+        m = server.metrics()
+        if (m["replayssm:num_requests_running"] == 0 and m["replayssm:num_requests_in_flight"] == 0
+                and m["replayssm:free_slots"] == m["replayssm:total_slots"]):
+            return m
+        if time.time() > deadline:
+            raise AssertionError(f"server not idle: {m}")
+        time.sleep(0.05)
+
+
+def open_stream(server, max_tokens: int = 1500):
+    """A long streaming request (raw HTTP), its headers received: it is queued or running;
+    returns ``(client, context manager, response)``."""
+    import httpx
+
+    cl = httpx.Client(timeout=60)
+    cm = cl.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"prompt": "def f(x):", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                         "stream": True})
+    resp = cm.__enter__()
+    assert resp.status_code == 200
+    return cl, cm, resp

@@ -20,7 +20,8 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, CHAT_TEMPLATE, Server
+from server_helpers import API_KEY, CHAT_TEMPLATE, Server, open_stream
+from server_helpers import wait_idle as _wait_idle
 
 from replayssm import SamplingParams
 
@@ -54,16 +55,10 @@ def client(server, **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60, **kw)
 
 
+
 def wait_idle(server, timeout=15.0) -> dict:
-    deadline = time.time() + timeout
-    while True:
-        m = server.metrics()
-        if (m["replayssm:num_requests_running"] == 0 and m["replayssm:num_requests_in_flight"] == 0
-                and m["replayssm:free_slots"] == m["replayssm:total_slots"]):
-            return m
-        if time.time() > deadline:
-            raise AssertionError(f"server not idle: {m}")
-        time.sleep(0.05)
+    """:func:`server_helpers.wait_idle` with a longer bound (a step crosses a process here)."""
+    return _wait_idle(server, timeout)
 
 
 def test_the_flag_decides_where_the_engine_runs(tmp_path, monkeypatch, capsys, serve_logging):
@@ -242,19 +237,10 @@ def test_a_bad_request_never_harms_the_others(server, offline):
     wait_idle(server)
 
 
-def _open_stream(server, max_tokens=1500):
-    cl = httpx.Client(timeout=60)
-    cm = cl.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                   json={"prompt": "def f(x):", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                         "stream": True})
-    resp = cm.__enter__()
-    assert resp.status_code == 200
-    return cl, cm, resp
-
 
 def test_a_client_that_leaves_and_a_full_queue(proc_server, offline):
     m0 = wait_idle(proc_server)
-    held = [_open_stream(proc_server) for _ in range(3)]     # 2 running + 1 queued = capacity
+    held = [open_stream(proc_server) for _ in range(3)]     # 2 running + 1 queued = capacity
     try:
         lines = held[0][2].iter_lines()   # (kept: a dropped line iterator closes the response)
         assert next(x for x in lines if x.startswith("data: "))

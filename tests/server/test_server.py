@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY
+from server_helpers import API_KEY, open_stream, wait_idle
 
 from replayssm import SamplingParams
 
@@ -26,18 +26,6 @@ def offline_greedy(offline, prompt, n=MAX, ids=None):
     out = offline.generate([ids if ids is not None else prompt], SamplingParams(max_tokens=n))[0]
     return out
 
-
-def wait_idle(server, timeout=10.0) -> dict:
-    """Metrics once nothing runs or waits (slots all free)."""
-    deadline = time.time() + timeout
-    while True:
-        m = server.metrics()
-        if (m["replayssm:num_requests_running"] == 0 and m["replayssm:num_requests_in_flight"] == 0
-                and m["replayssm:free_slots"] == m["replayssm:total_slots"]):
-            return m
-        if time.time() > deadline:
-            raise AssertionError(f"server not idle: {m}")
-        time.sleep(0.05)
 
 
 # ---- plain server: completions, chat, parity ---------------------------------------------------
@@ -222,19 +210,9 @@ def test_api_key(plain_server):
     assert httpx.get(plain_server.url + "/metrics").status_code == 200
 
 
-def _open_stream(server, max_tokens=1500):
-    """A long streaming request (raw HTTP), its headers received: it is queued or running."""
-    cl = httpx.Client(timeout=60)
-    cm = cl.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                   json={"prompt": "def f(x):", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                         "stream": True})
-    resp = cm.__enter__()
-    assert resp.status_code == 200
-    return cl, cm, resp
-
 
 def test_disconnect_mid_stream_frees_the_slot(plain_server, offline):
-    cl, cm, resp = _open_stream(plain_server)
+    cl, cm, resp = open_stream(plain_server)
     lines = resp.iter_lines()
     first = next(x for x in lines if x.startswith("data: "))
     assert json.loads(first[6:])["choices"][0]["text"]
@@ -249,7 +227,7 @@ def test_disconnect_mid_stream_frees_the_slot(plain_server, offline):
 
 
 def test_full_queue_answers_503_and_recovers(plain_server, offline):
-    held = [_open_stream(plain_server) for _ in range(3)]     # 2 running + 1 queued = capacity
+    held = [open_stream(plain_server) for _ in range(3)]     # 2 running + 1 queued = capacity
     try:
         r = httpx.post(plain_server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                        json={"prompt": "x", "max_tokens": 2})
