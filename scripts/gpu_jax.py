@@ -136,6 +136,7 @@ class Run:
     def save(self):
         out = os.environ.get("OUT")
         if out:
+            os.makedirs(out, exist_ok=True)
             with open(os.path.join(out, "gpu_jax.json"), "w") as f:
                 json.dump(self.res, f, indent=1, default=str)
 

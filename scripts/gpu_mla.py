@@ -241,6 +241,7 @@ def main() -> int:
     print(f"\n{RESULTS['seconds']:.0f} s")
     out = os.environ.get("OUT")
     if out:
+        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "gpu_mla.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
     return 0

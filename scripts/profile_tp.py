@@ -146,6 +146,11 @@ def _close_with_watchdog(model, what: str, limit_s: float = 60.0) -> None:
 
 
 def _print_profile(prof: dict) -> None:
+    if prof.get("kernels"):
+        print(f"rank-0 decode graph kernels (µs per step, launches per step; all kernels "
+              f"{prof['kernels_total_us']:.0f} µs):")
+        for k, us, n in prof["kernels"]:
+            print(f"  {us:9.1f} {n:6.0f}  {k}")
     print("rank-0 CUDA time (ms, calls):")
     for k, ms, n in prof["cuda"]:
         print(f"  {ms:9.2f} {n:6d}  {k}")
@@ -291,7 +296,11 @@ def _graph_ms(LLM, SamplingParams, model, dev, B: int, mode: str) -> float:
         return float(llm.runner.replay_ms(B, 20))
 
 
-def _profile(LLM, SamplingParams, model, dev, B: int = 64) -> dict:
+def _profile(LLM, SamplingParams, model, dev, B: int = 64, replays: int = 10) -> dict:
+    """Profiler tables of ``replays`` back-to-back replays of the captured decode graph at
+    batch ``B`` (``runner.replay_ms``: the step's kernels only, no prefill, no host work),
+    every kernel's time per step in µs (``kernels``, top 40), plus the CUDA / host-op tables
+    of a short greedy generate (``cuda``, ``cpu_self``, top 15: what the host does per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     from replayssm.bench import e2e
@@ -300,13 +309,21 @@ def _profile(LLM, SamplingParams, model, dev, B: int = 64) -> dict:
     with LLM(model, device=dev, decode_mode="replay", max_num_seqs=B, cuda_graphs=True, max_seq_len=128) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as graph_prof:
+            llm.runner.replay_ms(B, replays)
+            torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
             torch.cuda.synchronize()
+    gk = [e for e in graph_prof.key_averages() if getattr(e, "device_time_total", 0) > 0
+          and not e.key.startswith(("aten::", "c10d::", "record_param", "cuda"))]
+    gk.sort(key=lambda e: -e.device_time_total)
     ka = prof.key_averages()
     cuda = sorted(ka, key=lambda e: -getattr(e, "device_time_total", 0))[:15]
     cpu = sorted(ka, key=lambda e: -e.self_cpu_time_total)[:15]
-    return {"cuda": [(e.key[:80], getattr(e, "device_time_total", 0) / 1e3, e.count) for e in cuda],
+    return {"kernels": [(e.key[:80], e.device_time_total / replays, e.count / replays) for e in gk[:40]],
+            "kernels_total_us": sum(e.device_time_total for e in gk) / replays,
+            "cuda": [(e.key[:80], getattr(e, "device_time_total", 0) / 1e3, e.count) for e in cuda],
             "cpu_self": [(e.key[:80], e.self_cpu_time_total / 1e3, e.count) for e in cpu]}
 
 
