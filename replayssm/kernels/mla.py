@@ -119,12 +119,17 @@ def mla_tiles(Nt: int, N: int, H: int, rank: int, block_m: int | None = None,
 
 
 def mla_splits(programs: int, device) -> int:
-    """Split-K count from shapes only: enough programs for one wave, at most 64.  H200 sweep
-    (2026-11-27, rank 512, 32 heads; µs): B=1 × 4K 15.3 at 64 splits (31.9 at 16, 19.9 at 32),
-    B=16 × 4K 70.2 at 8 (77.0 at 16), B=64 × 4K 246.6 at 4 (278 at 9), B=256 × 1K 238 at 1
-    (285 at 3) — the rule picks 64 / 9 / 3 / 1 there (four waves, the generic kernel's
-    rule, picked 16 / 16 / 9 / 3)."""
-    return max(1, min(64, -(-_sm_count(device) // max(programs, 1))))
+    """Split-K count from shapes only: about two waves of programs while the rows alone fill
+    less than one, at most 64; one split once they fill a wave.  H200 sweeps at the shipped
+    tiles (64 keys a step, 4 warps; rank 512, 32 heads; µs, 2026-11-27 night): B=1 × 4K 15.0
+    at 64 splits (17.6 at 32); B=16 × 4K 50.1 at 16 (71.3 at 8, 62.7 at 32); B=64 × 4K 146 at
+    4 (182 at 3, 158 at 8); B=256 × 1K 123 at 1 (171 at 2) — the rule picks 64 / 17 / 5 / 1
+    (the first rule, one wave, picked 64 / 9 / 3 / 1)."""
+    sms = _sm_count(device)
+    programs = max(programs, 1)
+    if programs >= sms:
+        return 1
+    return max(1, min(64, -(-2 * sms // programs)))
 
 
 def mla_attention(q: Tensor, cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor, *,
