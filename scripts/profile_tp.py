@@ -321,8 +321,9 @@ def _profile(LLM, SamplingParams, model, dev, B: int = 64, replays: int = 10) ->
     ka = prof.key_averages()
     cuda = sorted(ka, key=lambda e: -getattr(e, "device_time_total", 0))[:15]
     cpu = sorted(ka, key=lambda e: -e.self_cpu_time_total)[:15]
-    return {"kernels": [(e.key[:80], e.device_time_total / replays, e.count / replays) for e in gk[:40]],
-            "kernels_total_us": sum(e.device_time_total for e in gk) / replays,
+    n = replays + 1   # replay_ms replays once before its timed replays
+    return {"kernels": [(e.key[:80], e.device_time_total / n, e.count / n) for e in gk[:40]],
+            "kernels_total_us": sum(e.device_time_total for e in gk) / n,
             "cuda": [(e.key[:80], getattr(e, "device_time_total", 0) / 1e3, e.count) for e in cuda],
             "cpu_self": [(e.key[:80], e.self_cpu_time_total / 1e3, e.count) for e in cpu]}
 
