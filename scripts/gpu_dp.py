@@ -13,7 +13,10 @@ servers; target ``>= 0.9 N`` against the engine process, the same machinery), pl
 seconds of the API process, the engine processes and the benchmark client (a saturated API
 or client process is what would cap the ratio).
 
-    PYTHONPATH=. python scripts/gpu_dp.py [--preset nemotron-h-4b] [--dp N] [--only in-process,engine-process,dp]
+    PYTHONPATH=. python scripts/gpu_dp.py [--preset nemotron-h-4b] [--dp N] [--only in-process,engine-process,dp,tp] [--tp 2]
+
+``tp`` adds one server of one engine over ``--tp`` GPUs (``serve --tensor-parallel-size``),
+measured the same way; its ratio is against the engine-process server on one GPU.
 
 Needs the serve extra (fastapi, uvicorn, prometheus-client) and httpx: without them it says
 so and exits 2.  Prints a table; writes ``gpu_dp.json`` (and the bench and server logs) to
@@ -81,9 +84,10 @@ def _routed(url: str) -> dict:
     return got
 
 
-#: the servers compared: (name, replicas or None for --dp, engine placement flags)
+#: the servers compared: (name, replicas or None for --dp, engine placement flags); "TP" is
+#: one engine over ``--tp`` GPUs (``serve --tensor-parallel-size``), its flags set in main
 SERVERS = (("in-process", 1, ["--engine-in-process"]), ("engine proc", 1, ["--engine-process", "on"]),
-           ("DP", None, []))
+           ("DP", None, []), ("TP", 1, None))
 
 
 def run_size(dp: int, model_dir: str, args, out: Path, name: str = "DP", where: tuple = ()) -> dict:
@@ -147,14 +151,15 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--server-timeout", type=float, default=300.0)
     p.add_argument("--only", default="in-process,engine-process,dp",
-                   help="which servers to run, a comma list of in-process, engine-process, dp (default: all three)")
+                   help="which servers to run, a comma list of in-process, engine-process, dp, tp (default: the first three)")
+    p.add_argument("--tp", type=int, default=2, help="the TP server's tensor-parallel size (--only ...,tp)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: check the script's mechanics with a tiny preset (no timing claim)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu_dp_"))
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"preset": args.preset, "args": vars(args)}
-    only = {"in-process": "in-process", "engine-process": "engine proc", "dp": "DP"}
+    only = {"in-process": "in-process", "engine-process": "engine proc", "dp": "DP", "tp": "TP"}
     bad = [x for x in args.only.split(",") if x not in only]
     if bad or not args.only:
         p.error(f"--only takes a comma list of {', '.join(only)}; got {args.only!r}")
@@ -185,11 +190,12 @@ def main() -> int:
         print(f"[gpu_dp] writing a random-weight {args.preset}", file=sys.stderr, flush=True)
         model_dir = _random_model_dir(args.preset, tmp)
         result["write_s"] = time.perf_counter() - t0
-        rows = [run_size(size or n, model_dir, args, out, name, where) for name, size, where in SERVERS
-                if name in only]
+        tp_flags = ["--tensor-parallel-size", str(args.tp)]
+        rows = [run_size(size or n, model_dir, args, out, name, tp_flags if where is None else where)
+                for name, size, where in SERVERS if name in only]
     result["rows"] = rows
     by = {r["server"]: r for r in rows}
-    inproc, proc, many = (by.get(k) for k in ("in-process", "engine proc", "DP"))
+    inproc, proc, many, tp = (by.get(k) for k in ("in-process", "engine proc", "DP", "TP"))
     ok = all("error" not in r for r in rows)
     if ok:
         result["greedy_identical"] = all(r["greedy"] == rows[0]["greedy"] for r in rows)
@@ -202,6 +208,7 @@ def main() -> int:
         result["ratio_engine_process"] = ratio(proc, inproc)
         result["ratio"] = ratio(many, proc)
         result["ratio_vs_in_process"] = ratio(many, inproc)
+        result["ratio_tp"] = ratio(tp, proc)
         if many is not None:
             routes = many.get("affinity_routes", {})
             result["affinity_one_replica"] = sorted(routes.values(), reverse=True)[:2] == [8.0, 0.0] \
@@ -236,6 +243,8 @@ def main() -> int:
                   f"{verdict})")
         if result["ratio_vs_in_process"] is not None:
             print(f"throughput ratio DP={n} / DP=1 in-process: {result['ratio_vs_in_process']:.2f}")
+        if result["ratio_tp"] is not None:
+            print(f"throughput ratio TP={args.tp} / one GPU (engine process): {result['ratio_tp']:.2f}")
     print(f"wrote {out / 'gpu_dp.json'}")
     return 0 if ok and result["greedy_identical"] else 1
 
