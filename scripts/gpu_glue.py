@@ -95,7 +95,7 @@ def main() -> int:
             r = {f: run_config(model, mode, f, a, prompts) for f in ("0", "1")}
             mism = {B: sum(x != y for x, y in zip(r["0"]["tokens"][B], r["1"]["tokens"][B])) for B in a.batches}
             bad += sum(mism.values())
-            res["presets"][f"{preset}/{mode}"] = row = {
+            res["presets"][f"{preset}/{mode}"] = {
                 "ms_off": r["0"]["ms"], "ms_on": r["1"]["ms"], "mismatch": mism,
                 "profile_off": r["0"]["profile"], "profile_on": r["1"]["profile"]}
             print(f"[glue {time.perf_counter() - T0:.0f}s] {preset}/{mode} done", file=sys.stderr, flush=True)
@@ -112,7 +112,8 @@ def main() -> int:
         print(f"{'':<22}kernels/step at B={a.profile_batch}: off {po['kernels_per_step']:.0f} "
               f"({po['us_per_step']:.0f} µs)  on {pn['kernels_per_step']:.0f} ({pn['us_per_step']:.0f} µs)")
         for tag, pr in (("off", po), ("on", pn)):
-            print(f"{'':<24}top kernels {tag}: " + "; ".join(f"{k[:38]} {us:.0f}µs x{c:.0f}" for k, us, c in pr["top"][:8]))
+            top = "; ".join(f"{k[:38]} {us:.0f}µs x{c:.0f}" for k, us, c in pr["top"][:8])
+            print(f"{'':<24}top kernels {tag}: {top}")
     print("greedy tokens on == off: " + ("OK" if bad == 0 else f"MISMATCH ({bad} requests)"))
     if a.out:
         os.makedirs(a.out, exist_ok=True)

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 #: aten operators that launch no kernel (views, metadata, allocation)
 _FREE = {"empty", "empty_strided", "empty_like", "detach", "alias", "lift_fresh", "_to_copy_noop", "size", "stride",
          "is_same_size", "set_", "new_empty", "new_empty_strided", "_local_scalar_dense", "item", "sym_size",
-         "sym_stride", "sym_numel", "sym_storage_offset", "resize_"}
+         "sym_stride", "sym_numel", "sym_storage_offset", "resize_", "promote_types"}
 
 
 class _Counter(TorchDispatchMode):
