@@ -1,7 +1,7 @@
 """One routing API from the layers to the ops: the Triton kernel or the reference op.
 
 ``ops_for(family)`` (``"mamba2"``, ``"gdn"``, ``"kda"``, ``"conv"``, ``"attention"``, ``"moe"``,
-``"fp8"``) returns a :class:`KernelOps`: an object with one attribute per op of the family's reference module
+``"fp8"``, ``"gates"``) returns a :class:`KernelOps`: an object with one attribute per op of the family's reference module
 (``replayssm.ops.<family>.naive``).  Each op is declared in exactly one of two lists:
 
 * :data:`ROUTED` — it has a Triton kernel with the reference op's signature
@@ -44,6 +44,7 @@ from torch import Tensor
 from ..ops.attention import naive as attention_naive
 from ..ops.conv import naive as conv_naive
 from ..ops.fp8 import naive as fp8_naive
+from ..ops.gates import naive as gates_naive
 from ..ops.gdn import naive as gdn_naive
 from ..ops.kda import naive as kda_naive
 from ..ops.mamba2 import naive as mamba2_naive
@@ -52,6 +53,7 @@ from . import _triton
 from . import attention as attention_kernels
 from . import conv as conv_kernels
 from . import fp8_gemm
+from . import gates as gates_kernels
 from . import gdn as gdn_kernels
 from . import gdn_prefill
 from . import kda as kda_kernels
@@ -68,10 +70,11 @@ KERNEL_ONLY = ("block_d", "block_v", "num_warps", "pre_scores", "bits", "precisi
 _KERNEL_ONLY = frozenset(KERNEL_ONLY)
 
 _REFERENCE = {"mamba2": mamba2_naive, "gdn": gdn_naive, "kda": kda_naive, "conv": conv_naive,
-              "attention": attention_naive, "moe": moe_naive, "fp8": fp8_naive}
+              "attention": attention_naive, "moe": moe_naive, "fp8": fp8_naive, "gates": gates_naive}
 #: where each family's kernels live (the first module defining an op's name has it)
 _KERNELS = {"mamba2": (mamba2_kernels, mamba2_prefill), "gdn": (gdn_kernels, gdn_prefill), "kda": (kda_kernels,),
-            "conv": (conv_kernels,), "attention": (attention_kernels, mla_kernels), "moe": (moe_kernels,), "fp8": (fp8_gemm,)}
+            "conv": (conv_kernels,), "attention": (attention_kernels, mla_kernels), "moe": (moe_kernels,), "fp8": (fp8_gemm,),
+            "gates": (gates_kernels,)}
 
 #: ops with a Triton kernel of the reference op's signature, per family
 ROUTED = {
@@ -84,6 +87,7 @@ ROUTED = {
     "attention": ("write_kv", "paged_attention", "mla_attention"),
     "moe": ("experts",),
     "fp8": ("linear",),
+    "gates": ("gates",),
 }
 #: ops (and helpers) that run the reference on every device, per family
 REFERENCE_ONLY = {
@@ -102,6 +106,7 @@ REFERENCE_ONLY = {
     "fp8": ("quantize_block", "dequantize_block", "quantize_tensor", "dequantize_tensor", "quantize_groups",
             "dequantize_groups", "expand_scale", "scale_grid", "quantize_experts", "dequantize_experts",
             "expert_scale_shape", "linear_act_quant", "check_block"),
+    "gates": ("check_gates", "clamps"),
 }
 
 

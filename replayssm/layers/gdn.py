@@ -19,7 +19,9 @@ from torch import Tensor, nn
 
 from ..cache.buffers import GDNBuffers
 from ..cache.paged import GDNPagedBuffers
+from ..kernels.dispatch import ops_for
 from .context import StepContext
+from .derived import derived, fused_gates
 from .mlp import Linear, _param
 from ..runtime import compute_dtype
 from .norms import GatedRMSNorm
@@ -114,6 +116,24 @@ class GatedDeltaNet(SSMLayer):
         return [out[2], self.ops().l2norm(k.to(compute_dtype(k.dtype))), a["g"][0]]
 
     # ---- forward ---------------------------------------------------------------------------
+    def _neg_exp_A(self, cdt) -> Tensor:
+        """``-exp(A_log)`` in ``cdt`` (cached, see :mod:`.derived`)."""
+        return derived(self, ("A", cdt), (self.A_log,), lambda: -torch.exp(self.A_log.to(cdt)))
+
+    def _bias(self, cdt) -> Tensor:
+        """``dt_bias`` in ``cdt`` (cached; the parameter itself when it has it)."""
+        p = self.dt_bias
+        return p if p.dtype == cdt else derived(self, ("dt_bias", cdt), (p,), lambda: p.to(cdt))
+
+    def gates(self, a_: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """``g = -exp(A_log) · softplus(a + dt_bias)`` (fp32+) and ``β = sigmoid(b)`` (``b``'s
+        dtype) of ``a, b [.., HV]`` (slices of the projections): one launch on the GPU."""
+        cdt = compute_dtype(a_.dtype)
+        if fused_gates():
+            return ops_for("gates").gates(a_, self._bias(cdt), self._neg_exp_A(cdt), beta_in=b)
+        g = -torch.exp(self.A_log.to(cdt)) * F.softplus(a_.to(cdt) + self.dt_bias.to(cdt))
+        return g, torch.sigmoid(b)
+
     def forward(self, h: Tensor, ctx: StepContext) -> Tensor:
         Bt, T, _ = h.shape
         qkvz = self.in_proj_qkvz(h)
@@ -121,9 +141,7 @@ class GatedDeltaNet(SSMLayer):
         b, a_ = self.in_proj_ba(h).split([self.HV, self.HV], dim=-1)
         qkv = self._conv(qkv, ctx)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        cdt = compute_dtype(h.dtype)
-        g = -torch.exp(self.A_log.to(cdt)) * F.softplus(a_.to(cdt) + self.dt_bias.to(cdt))
-        beta = torch.sigmoid(b)
+        g, beta = self.gates(a_, b)
         args = {"q": q.reshape(Bt, T, self.H, self.K), "k": k.reshape(Bt, T, self.H, self.K),
                 "v": v.reshape(Bt, T, self.HV, self.V), "g": g, "beta": beta}
         y = self._ssm(args, ctx)                                        # [Bt, T, HV, V]

@@ -23,9 +23,10 @@ from torch import Tensor, nn
 
 from ..cache.buffers import KDABuffers
 from ..cache.paged import KDAPagedBuffers
-from ..kernels.dispatch import KERNEL_ONLY, REFERENCE_ONLY
+from ..kernels.dispatch import KERNEL_ONLY, REFERENCE_ONLY, ops_for
 from ..runtime import compute_dtype
 from .context import StepContext
+from .derived import derived, fused_gates
 from .gdn import GatedDeltaNet
 from .mlp import Linear, _param
 from .ssm_base import SSMLayer
@@ -83,8 +84,10 @@ class KimiDeltaAttention(GatedDeltaNet):
         self.o_proj = Linear(D, hidden)
 
     def _conv_weight(self) -> tuple[Tensor, None]:
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
-        return w.reshape(self.conv_dim, self.conv_kernel), None
+        """The three convs' weights as one ``[3·H·K, W]`` (cached, see :mod:`.derived`)."""
+        ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        cat = lambda: torch.cat(ws, 0).reshape(self.conv_dim, self.conv_kernel)  # noqa: E731
+        return (derived(self, "conv_weight", ws, cat) if fused_gates() else cat()), None
 
     # ---- family hooks (forms call these) -------------------------------------------------
     def op(self, name: str, *prefix, a: dict, t0: bool = False, packed: bool = False, **kw):
@@ -110,20 +113,26 @@ class KimiDeltaAttention(GatedDeltaNet):
                                         state_dtype=compute_dtype(dtype), device=device)
 
     # ---- forward ---------------------------------------------------------------------------
-    def decay(self, x: Tensor) -> Tensor:
-        """``g [.., H, K]`` (fp32+) of the layer inputs ``x [.., hidden]``."""
+    def decay(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``g [.., H, K]`` (fp32+) and ``β = sigmoid(b_proj(x)) [.., H]`` of the layer inputs
+        ``x [.., hidden]`` (the gate math in one launch on the GPU)."""
         cdt = compute_dtype(x.dtype)
-        f = self.f_b_proj(self.f_a_proj(x)).to(cdt) + self.dt_bias.to(cdt)
-        f = f.reshape(*x.shape[:-1], self.H, self.K)
-        return -torch.exp(self.A_log.to(cdt).reshape(self.H, 1)) * softplus20(f)
+        f = self.f_b_proj(self.f_a_proj(x))
+        if fused_gates():
+            g, beta = ops_for("gates").gates(f, self._bias(cdt), self._neg_exp_A(cdt), group=self.K,
+                                             beta_in=self.b_proj(x))
+            return g.reshape(*x.shape[:-1], self.H, self.K), beta
+        f = (f.to(cdt) + self.dt_bias.to(cdt)).reshape(*x.shape[:-1], self.H, self.K)
+        g = -torch.exp(self.A_log.to(cdt).reshape(self.H, 1)) * softplus20(f)
+        return g, torch.sigmoid(self.b_proj(x))
 
     def forward(self, h: Tensor, ctx: StepContext) -> Tensor:
         Bt, T, _ = h.shape
         qkv = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], -1)
         q, k, v = self._conv(qkv, ctx).split(self.key_dim, dim=-1)
+        g, beta = self.decay(h)
         args = {"q": q.reshape(Bt, T, self.H, self.K), "k": k.reshape(Bt, T, self.H, self.K),
-                "v": v.reshape(Bt, T, self.HV, self.V), "g": self.decay(h),
-                "beta": torch.sigmoid(self.b_proj(h))}
+                "v": v.reshape(Bt, T, self.HV, self.V), "g": g, "beta": beta}
         y = self._ssm(args, ctx)                                        # [Bt, T, HV, V]
         gate = self.g_b_proj(self.g_a_proj(h)).reshape(Bt, T, self.HV, self.V)
         y = self.o_norm(y.to(h.dtype), gate)

@@ -16,7 +16,9 @@ from torch import Tensor, nn
 from ..cache.buffers import Mamba2Buffers
 from ..cache.paged import Mamba2PagedBuffers
 from ..cache.prefix import Mamba2StoredEntries
+from ..kernels.dispatch import ops_for
 from .context import StepContext
+from .derived import derived, fused_gates
 from .mlp import Linear, _param
 from ..runtime import compute_dtype
 from .norms import GatedRMSNorm
@@ -48,11 +50,21 @@ class Mamba2Mixer(SSMLayer):
 
     # ---- family hooks (forms call these) -------------------------------------------------
     def _A(self, dtype) -> Tensor:
-        return -torch.exp(self.A_log.to(dtype))
+        """``A = -exp(A_log)`` in ``dtype`` ``[H]`` (cached, see :mod:`.derived`)."""
+        if not fused_gates():
+            return -torch.exp(self.A_log.to(dtype))
+        return derived(self, ("A", dtype), (self.A_log,), lambda: -torch.exp(self.A_log.to(dtype)))
+
+    def _cast(self, name: str, dtype) -> Tensor:
+        """Parameter ``name`` in ``dtype`` (cached; the parameter itself when it has it)."""
+        p = getattr(self, name)
+        if p.dtype == dtype or not fused_gates():
+            return p.to(dtype)
+        return derived(self, (name, dtype), (p,), lambda: p.to(dtype))
 
     def op(self, name: str, *prefix, a: dict, t0: bool = False, packed: bool = False, **kw):
         x, dt, B, C = self._args(a, ("x", "dt", "B", "C"), t0, packed)
-        return getattr(self.ops(), name)(*prefix, x, dt, self._A(dt.dtype), B, C, self.D.to(dt.dtype), **kw)
+        return getattr(self.ops(), name)(*prefix, x, dt, self._A(dt.dtype), B, C, self._cast("D", dt.dtype), **kw)
 
     def mask_padding(self, a: dict, valid: Tensor) -> dict:
         a = dict(a)
@@ -109,17 +121,25 @@ class Mamba2Mixer(SSMLayer):
         return [x, B, pools.entries.dt[rows[:, -1]]]
 
     # ---- forward ---------------------------------------------------------------------------
+    def delta(self, dt: Tensor) -> Tensor:
+        """``Δ = clamp(softplus(dt + dt_bias), *time_step_limit)`` in the compute dtype, ``dt
+        [.., H]`` (a slice of the projection): one launch on the GPU (``ops_for("gates")``)."""
+        cdt = compute_dtype(dt.dtype)
+        if fused_gates():
+            return ops_for("gates").gates(dt, self._cast("dt_bias", cdt), time_step_limit=self.time_step_limit)[0]
+        dt = F.softplus(dt.to(cdt) + self.dt_bias.to(cdt))
+        lo, hi = self.time_step_limit
+        if lo > 0.0 or hi != float("inf"):
+            dt = dt.clamp(min=lo, max=hi)
+        return dt
+
     def forward(self, h: Tensor, ctx: StepContext) -> Tensor:
         Bt, T, _ = h.shape
         zxbcdt = self.in_proj(h)
         z, xbc, dt = zxbcdt.split([self.inter, self.conv_dim, self.H], dim=-1)
         xbc = self._conv(xbc, ctx)
         x, B, C = xbc.split([self.inter, self.G * self.n, self.G * self.n], dim=-1)
-        cdt = compute_dtype(h.dtype)
-        dt = F.softplus(dt.to(cdt) + self.dt_bias.to(cdt))
-        lo, hi = self.time_step_limit
-        if lo > 0.0 or hi != float("inf"):
-            dt = dt.clamp(min=lo, max=hi)
+        dt = self.delta(dt)
         a = {"x": x.reshape(Bt, T, self.H, self.d), "dt": dt,
              "B": B.reshape(Bt, T, self.G, self.n), "C": C.reshape(Bt, T, self.G, self.n)}
         y = self._ssm(a, ctx)

@@ -29,13 +29,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..layers.context import StepContext
 from ..layers.gdn import GatedDeltaNet
 from ..layers.mlp import Linear
-from ..runtime import compute_dtype
 from .config import ConfigError, Qwen3NextConfig
 from .qwen3_next import Qwen3NextLM
 
@@ -112,9 +110,7 @@ class Qwen3_5GatedDeltaNet(GatedDeltaNet):
         Bt, T, _ = h.shape
         qkv = self._conv(self.in_proj_qkv(h), ctx)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        cdt = compute_dtype(h.dtype)
-        g = -torch.exp(self.A_log.to(cdt)) * F.softplus(self.in_proj_a(h).to(cdt) + self.dt_bias.to(cdt))
-        beta = torch.sigmoid(self.in_proj_b(h))
+        g, beta = self.gates(self.in_proj_a(h), self.in_proj_b(h))
         args = {"q": q.reshape(Bt, T, self.H, self.K), "k": k.reshape(Bt, T, self.H, self.K),
                 "v": v.reshape(Bt, T, self.HV, self.V), "g": g, "beta": beta}
         y = self._ssm(args, ctx)                                        # [Bt, T, HV, V]

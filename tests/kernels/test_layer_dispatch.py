@@ -274,13 +274,14 @@ def test_every_op_is_routed_or_declared_reference_only():
     from replayssm.ops.attention import naive as NA
     from replayssm.ops.conv import naive as NC
     from replayssm.ops.fp8 import naive as NF
+    from replayssm.ops.gates import naive as NT
     from replayssm.ops.gdn import naive as NG
     from replayssm.ops.mamba2 import naive as N2
     from replayssm.ops.kda import naive as NK
     from replayssm.ops.moe import naive as NM
 
     for fam, naive in (("mamba2", N2), ("gdn", NG), ("kda", NK), ("conv", NC), ("attention", NA), ("moe", NM),
-                       ("fp8", NF)):
+                       ("fp8", NF), ("gates", NT)):
         routed, ref = set(dispatch.ROUTED[fam]), set(dispatch.REFERENCE_ONLY[fam])
         ops = {n for n in naive.__all__ if callable(getattr(naive, n))}
         assert not routed & ref, fam
@@ -300,6 +301,7 @@ def test_every_op_is_routed_or_declared_reference_only():
         "fp8": ("quantize_block", "dequantize_block", "quantize_tensor", "dequantize_tensor", "quantize_groups",
                 "dequantize_groups", "expand_scale", "scale_grid", "quantize_experts", "dequantize_experts",
                 "expert_scale_shape", "linear_act_quant", "check_block"),
+        "gates": ("check_gates", "clamps"),
     }
 
 

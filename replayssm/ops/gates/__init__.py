@@ -1,0 +1,1 @@
+"""Per-token gate preparation of the recurrent mixers: reference op in ``naive``."""
