@@ -21,8 +21,10 @@ def test_tail_index_first_equals_the_scan(n_min, n_max):
     rng = random.Random(n_min * 10 + n_max)
     for trial in range(30):
         pool = rng.choice([[0, 1], [0, 1, 2], [5, 2**32 - 1, 7], [-3, 4, 2**32, 2**40 + 1], list(range(1000))])
-        idx = NgramTailIndex(n_min, n_max)
+        idx, adv = NgramTailIndex(n_min, n_max), NgramTailIndex(n_min, n_max)
         ids: list[int] = []
+        prompt = [rng.choice(pool) for _ in range(rng.randint(1, 6))]
+        output: list[int] = []
         for _ in range(rng.randint(1, 25)):
             new = [rng.choice(pool) for _ in range(rng.randint(1, 5))]
             ids += new
@@ -31,7 +33,15 @@ def test_tail_index_first_equals_the_scan(n_min, n_max):
             for length in (0, 1, 3, 7):
                 ref = ngram_continuations(ids, n_min, n_max, length, 1)
                 assert idx.first(length) == (ref[0] if ref else [])
+            # the drafter's path: sync + first in one call, on prompt + a growing output
+            output += new
+            length = rng.choice([0, 1, 4])
+            ref = ngram_continuations(prompt + output, n_min, n_max, length, 1)
+            assert adv.advance(prompt, output, length) == (ref[0] if ref else [])
+            ref = ngram_continuations(prompt + output, n_min, n_max, 2, 1)   # again, nothing new
+            assert adv.advance(prompt, output, 2) == (ref[0] if ref else [])
         assert idx.exact == all(0 <= t < 2**32 for t in ids)
+        assert adv.tokens.tolist() == prompt + output
 
 
 def test_chained_index_with_out_of_range_ids_matches_the_scan():
