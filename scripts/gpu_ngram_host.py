@@ -36,8 +36,16 @@ import time
 import torch
 
 from replayssm.bench.common import free_memory, warm_then_time
-from replayssm.bench.e2e import (OracleDrafter, OracleTokens, _prompts, _random_model_dir, draft_length_steps,
-                                 format_host_ms, format_lengths, predicted_host_ms)
+from replayssm.bench.e2e import (
+    OracleDrafter,
+    OracleTokens,
+    _prompts,
+    _random_model_dir,
+    draft_length_steps,
+    format_host_ms,
+    format_lengths,
+    predicted_host_ms,
+)
 from replayssm.engine.config import SamplingParams, SpeculativeConfig
 from replayssm.engine.llm import LLM
 from replayssm.engine.loading import load
@@ -102,7 +110,7 @@ def sweep(llm, args, batches, prompts, refs, policy: str) -> list[dict]:
             outer = HostTimes(OracleTokens(own, OracleDrafter(refs, args.num_tokens, args.accept, V, llm.device)))
             llm.drafter = outer
 
-        def clear():
+        def clear(own=own, outer=outer):
             if own is not None:
                 own.times.clear()
                 outer.times.clear()

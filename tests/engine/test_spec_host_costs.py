@@ -64,8 +64,8 @@ def test_observe_host_drops_the_first_then_takes_the_window_median():
     assert off.host == {(16, 3): 0.002}        # offline tables are not refined
 
 
-@pytest.mark.parametrize("bad", [dict(host_window=0), dict(host_min=0), dict(host_window=3, host_min=4),
-                                 dict(host_window=2.0), dict(host_min=True)])
+@pytest.mark.parametrize("bad", [{"host_window": 0}, {"host_min": 0}, {"host_window": 3, "host_min": 4},
+                                 {"host_window": 2.0}, {"host_min": True}])
 def test_host_window_rejects_bad_sizes(bad):
     with pytest.raises(ValueError, match="host_min"):
         StepCosts(**bad)

@@ -8,8 +8,11 @@
   ``tree_width`` distinct continuations of ``depth`` tokens; its size varies per step, so
   its verify graphs are captured when first met.
 
-Lookups go through :class:`NgramIndex`, an incremental per-request index of n-gram start
-positions (a lookup costs the matches it visits and the new tokens, not a scan).
+Lookups go through incremental per-request indexes (O(1) work per new token and ``n``, no
+scan, no container object per n-gram for the garbage collector to walk):
+:class:`NgramTailIndex` (chains: the most recent match of the tail, O(1)) and
+:class:`NgramIndex` (tries: every earlier match, as chains of starts).  Prompts are indexed
+at the prefill; :func:`ngram_continuations` is the plain reference both equal.
 """
 
 from __future__ import annotations
