@@ -140,3 +140,25 @@ def test_indexes_hold_no_objects_the_collector_walks_per_token():
         assert not any(gc.is_tracked(d) for d in idx.last)            # int -> int dicts
         arrays = (idx.tokens, *getattr(idx, "prev", ()))
         assert all(len(gc.get_referents(a)) <= 1 for a in arrays)     # (at most its type)
+
+
+def test_plain_steps_call_no_propose_and_output_is_greedy(target):
+    """Steps the length policy runs plain (T = 0) never call ``propose``: one call per
+    speculative step, and the index catches up on the tokens of the plain steps between."""
+    from engine_helpers import PROMPTS, reference_greedy
+
+    from replayssm import LLM
+    from replayssm.engine.config import SpeculativeConfig
+    from replayssm.engine.spec.policy import ScriptedLengths
+
+    llm = LLM(target, speculative=SpeculativeConfig("ngram", num_tokens=3))
+    lengths = llm.executor.lengths = ScriptedLengths((3,), [0, 3, 0, 0, 3])
+    chosen, choose = [], lengths.choose
+    lengths.choose = lambda seqs: (chosen.append(choose(seqs)), chosen[-1])[1]
+    d = llm.executor.drafter
+    calls, propose = [], d.propose
+    d.propose = lambda seqs, k=None: (calls.append(k), propose(seqs, k))[1]
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=14))
+    assert [o.token_ids for o in outs] == [reference_greedy(target, p, 14) for p in PROMPTS]
+    assert chosen.count(0) > 0 and llm.stats.get("spec_T3_steps", 0) > 0
+    assert len(calls) == chosen.count(3) and set(calls) == {3}
