@@ -11,8 +11,11 @@ n-gram drafter's own ``propose`` host ms per speculative step (median, mean and 
 the steps: a pause shows as the max), the oracle wrapper's host ms on top (bench cost, not
 the drafter's), the chosen draft lengths, the policy's predicted host ms per length,
 full garbage collections during the timed run (and the longest), greedy mismatches against
-the plain run (must be 0).  The engine freezes the garbage collector's objects once built
-(``gc_freeze``, on with CUDA graphs); ``--no-gc-freeze`` runs without.
+the plain run (must be 0).  The n-gram rows run twice: as built, then (policies
+``fixed+frz``, ``adaptive+frz``; the adaptive policy keeps what it learnt in the first) after
+``gc.freeze()``, what ``LLM(gc_freeze=True)`` does once an engine is built
+(``--no-gc-freeze`` skips the second pass).  Last, the n-gram
+drafter's device proposals (three made back to back, then read) against the plain scan.
 
 Usage (one H100 or H200; about 2-3 minutes)::
 
@@ -131,7 +134,7 @@ def sweep(llm, args, batches, prompts, refs, policy: str) -> list[dict]:
             row["predicted_host_ms"] = predicted_host_ms(llm.executor.lengths, B)
         rows.append(row)
         p = row.get("propose_ms", {})
-        print(f"[ngram_host] {row['drafter']:<6}{policy:<9} B={B:<4} {row['tokens_per_s']:>9.0f} tok/s  acc "
+        print(f"[ngram_host] {row['drafter']:<6}{policy:<13} B={B:<4} {row['tokens_per_s']:>9.0f} tok/s  acc "
               f"{row['mean_accepted_length']:.2f}  propose ms med {p.get('median', 0):.3f} mean {p.get('mean', 0):.3f} "
               f"max {p.get('max', 0):.2f} ({p.get('calls', 0)} calls)  oracle +{row.get('oracle_ms_mean', 0):.3f}  "
               f"{format_lengths(row.get('draft_lengths', {}))}  {format_host_ms(row.get('predicted_host_ms', {}))}  "
@@ -179,14 +182,14 @@ def check_proposals(drafter, V: int, k: int) -> int:
 def report(rows: list[dict]) -> list[str]:
     base = {r["batch"]: r for r in rows if r["drafter"] == "none"}
     fails = []
-    print(f"\n{'B':>5} {'drafter':<7}{'policy':<9}{'tok/s':>9}{'vs none':>9}{'acc':>6}{'prop med':>9}{'mean':>7}"
+    print(f"\n{'B':>5} {'drafter':<7}{'policy':<13}{'tok/s':>9}{'vs none':>9}{'acc':>6}{'prop med':>9}{'mean':>7}"
           f"{'max':>7}{'oracle':>8}{'gc':>4}{'gc ms':>7}{'mism':>5}  chosen T / priced host ms")
     for r in sorted(rows, key=lambda r: (r["batch"], r["drafter"] != "none", r["policy"])):
         b = base[r["batch"]]
         r["vs_none"] = r["tokens_per_s"] / b["tokens_per_s"]
         r["mismatch"] = sum(x != y for x, y in zip(r["outputs"], b["outputs"]))
         p = r.get("propose_ms", {})
-        print(f"{r['batch']:>5} {r['drafter']:<7}{r['policy']:<9}{r['tokens_per_s']:>9.0f}{r['vs_none']:>8.2f}x"
+        print(f"{r['batch']:>5} {r['drafter']:<7}{r['policy']:<13}{r['tokens_per_s']:>9.0f}{r['vs_none']:>8.2f}x"
               f"{r['mean_accepted_length']:>6.2f}{p.get('median', float('nan')):>9.3f}{p.get('mean', float('nan')):>7.3f}"
               f"{p.get('max', float('nan')):>7.2f}{r.get('oracle_ms_mean', float('nan')):>8.3f}{r['full_gcs']:>4}"
               f"{r['max_gc_ms']:>7.1f}{r['mismatch']:>5}  {format_lengths(r.get('draft_lengths', {}))}  "
@@ -220,8 +223,7 @@ def main(argv=None) -> int:
 
     def engine(model, spec=None):
         return LLM(model, device=args.device, dtype=dtype, decode_mode="replay", speculative=spec,
-                   max_num_seqs=max(batches), max_seq_len=max_seq_len, buffer_size=buffer_size,
-                   gc_freeze=args.gc_freeze if cuda else False)
+                   max_num_seqs=max(batches), max_seq_len=max_seq_len, buffer_size=buffer_size)
 
     with tempfile.TemporaryDirectory() as tmp:
         model = load(_random_model_dir(args.preset, tmp), torch.device(args.device), getattr(torch, dtype))[0]
@@ -238,9 +240,19 @@ def main(argv=None) -> int:
         adaptive = llm.executor.lengths
         llm.executor.lengths = FixedLengths((args.num_tokens,))
         res["rows"] += sweep(llm, args, batches, prompts, refs, "fixed")
+        name = "adaptive" if isinstance(adaptive, AdaptiveLengths) else type(adaptive).__name__
         llm.executor.lengths = adaptive
-        res["rows"] += sweep(llm, args, batches, prompts, refs,
-                             "adaptive" if isinstance(adaptive, AdaptiveLengths) else type(adaptive).__name__)
+        res["rows"] += sweep(llm, args, batches, prompts, refs, name)
+        if args.gc_freeze:   # what LLM(gc_freeze=True) does once built (the adaptive policy keeps its estimates)
+            gc.collect()
+            gc.freeze()
+            try:
+                llm.executor.lengths = FixedLengths((args.num_tokens,))
+                res["rows"] += sweep(llm, args, batches, prompts, refs, "fixed+frz")
+                llm.executor.lengths = adaptive
+                res["rows"] += sweep(llm, args, batches, prompts, refs, name + "+frz")
+            finally:
+                gc.unfreeze()
         res["proposal_mismatches"] = check_proposals(llm.drafter, V, args.num_tokens)
         print(f"[ngram_host] device proposals vs the plain scan: {res['proposal_mismatches']} rows differ",
               file=sys.stderr, flush=True)
@@ -252,7 +264,7 @@ def main(argv=None) -> int:
     res["elapsed_s"] = time.perf_counter() - t0
     res["fails"] = fails
     print(f"\n{args.preset}, {res['config']['device_name']}, {dtype}, T={args.num_tokens}, oracle acceptance "
-          f"{args.accept}, {args.max_tokens} tokens per request, gc_freeze {args.gc_freeze and cuda}; "
+          f"{args.accept}, {args.max_tokens} tokens per request; "
           f"{res['elapsed_s']:.0f} s")
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
