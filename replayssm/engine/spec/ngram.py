@@ -56,8 +56,8 @@ class NgramIndex:
     none), so the occurrences of an n-gram, most recent first, are a chain through ``prev``.
     A key packs the n-gram's tokens into one int, ``Σ_i t_i << 32 (n - 1 - i)`` (exact for
     ids in ``[0, 2**32)``; other ids may collide, then every match is verified against the
-    tokens).  Tokens, chains and maps are arrays and int -> int dicts, which the garbage
-    collector does not track (no per-n-gram lists or tuples for full collections to walk).
+    tokens).  Tokens, chains and maps are arrays and int -> int dicts: no references for a
+    full garbage collection to walk (no per-n-gram lists or tuples).
     :meth:`continuations` returns exactly what :func:`ngram_continuations` returns; token ids
     must fit in int64."""
 
@@ -321,8 +321,8 @@ class HostStaging:
             self._buf = torch.empty(max(m, 4096), dtype=torch.long, pin_memory=True)
             self._np = self._buf.numpy()
         self._np[:m] = values
-        out = self._buf[:m].to(self.device, non_blocking=True)
-        self._event.record()
+        out = self._buf[:m].to(self.device, non_blocking=True)   # on the device's current stream
+        self._event.record(torch.cuda.current_stream(self.device))
         return out
 
 
