@@ -162,3 +162,22 @@ def test_plain_steps_call_no_propose_and_output_is_greedy(target):
     assert [o.token_ids for o in outs] == [reference_greedy(target, p, 14) for p in PROMPTS]
     assert chosen.count(0) > 0 and llm.stats.get("spec_T3_steps", 0) > 0
     assert len(calls) == chosen.count(3) and set(calls) == {3}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned staging)")
+def test_cuda_proposals_equal_cpu_ones_back_to_back():
+    """Three proposals staged through the one pinned buffer before any is read."""
+    rng = random.Random(11)
+    batches = [_seqs(rng, 7 + b, [5, 30]) for b in range(3)]
+    cpu, gpu = NgramDrafter(4, 1, 3, "cpu", pad=True), NgramDrafter(4, 1, 3, "cuda", pad=True)
+    props = []
+    for seqs in batches:
+        cpu.prefill(seqs)
+        gpu.prefill(seqs)
+        props.append((cpu.propose(seqs), gpu.propose(seqs)))
+    for a, b in props:
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert b.tokens.is_cuda and b.valid.is_cuda
+            assert a.tokens.tolist() == b.tokens.tolist() and a.valid.tolist() == b.valid.tolist()
+            assert a.parent.tolist() == b.parent.tolist()
