@@ -14,6 +14,7 @@ Each part is a room of its own: memory (``cache_plan``), slots and blocks
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 
 
@@ -63,7 +64,7 @@ class LLMEngine:
                  prefix_checkpoint_interval: int | None = None, prefix_cache_fraction: float = 0.25,
                  prefix_cache_blocks: int | None = None, prefix_cache_replies: bool = True,
                  preemption_mode: str = "swap",
-                 revision: str | None = None, ssm_state_dtype: str = "auto"):
+                 revision: str | None = None, ssm_state_dtype: str = "auto", gc_freeze: bool = False):
         self.config = ec = EngineConfig(
             decode_mode=decode_mode, buffer_size=buffer_size, max_num_seqs=max_num_seqs,
             memory_budget=memory_budget, max_seq_len=max_seq_len, kv_block_size=kv_block_size,
@@ -73,7 +74,7 @@ class LLMEngine:
             prefix_cache_blocks=prefix_cache_blocks, prefix_cache_replies=prefix_cache_replies,
             gpu_memory_utilization=gpu_memory_utilization,
             pad_batches=pad_batches, tensor_parallel_size=tensor_parallel_size, preemption_mode=preemption_mode,
-            ssm_state_dtype=ssm_state_dtype)
+            ssm_state_dtype=ssm_state_dtype, gc_freeze=gc_freeze)
         # validated, as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu")
         self.device = check_device(device)
         if ec.cuda_graphs is None:   # the fast default: graphs wherever they can run
@@ -110,6 +111,9 @@ class LLMEngine:
             self.executor.capture()
         self.capture_s = time.perf_counter() - t0 if self.runner.use_graphs else 0.0
         self.executor.measure_step_costs()   # adaptive speculation on CUDA: its t(B, T) table
+        if ec.gc_freeze:   # what exists now lives as long as the engine: full collections skip it
+            gc.collect()
+            gc.freeze()
 
     def _plan_caches(self):
         """Load the drafter (at the model's context) and plan the caches (``self.plan``: the
@@ -151,7 +155,10 @@ class LLMEngine:
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
         """Free the engine's caches; stop tensor-parallel workers the engine started itself
-        (a model passed in stays usable).  The engine cannot step afterwards."""
+        (a model passed in stays usable); with ``gc_freeze``, unfreeze the collector's objects
+        (a dropped engine's cycles are collected again).  The engine cannot step afterwards."""
+        if self.config.gc_freeze:
+            gc.unfreeze()
         if isinstance(self.model, TensorParallelModel):   # the workers' runner and cache
             self.runner.close()
             self.cache.close()

@@ -42,20 +42,56 @@ def test_host_table_rejects_bad_entries(host):
         StepCosts(host=host)
 
 
-def test_observe_host_drops_the_first_then_means_then_ema():
-    c = StepCosts(online=True, decay=0.25)
+def test_observe_host_drops_the_first_then_takes_the_window_median():
+    c = StepCosts(online=True, host_window=5, host_min=3)
     c.observe_host(16, 3, 0.100)               # first of the key: may capture or compile
     assert c.host == {}
     c.observe_host(16, 3, 0.004)
-    assert c.host[(16, 3)] == pytest.approx(0.004)
-    c.observe_host(16, 3, 0.008)               # running mean
+    c.observe_host(16, 3, 0.008)
+    assert c.host == {}                        # fewer than host_min samples: no price yet
+    c.observe_host(16, 3, 0.006)
     assert c.host[(16, 3)] == pytest.approx(0.006)
-    c.observe_host(16, 3, 1.0)                 # clipped to 4x, weight max(decay, 1/3)
-    assert c.host[(16, 3)] == pytest.approx(0.006 + (0.024 - 0.006) / 3)
+    c.observe_host(16, 3, 1.0)                 # a pause: the median moves by one rank
+    assert c.host[(16, 3)] == pytest.approx(0.007)
+    for x in (0.005, 0.005, 0.005, 0.005):     # the window slides past it
+        c.observe_host(16, 3, x)
+    assert c.host[(16, 3)] == pytest.approx(0.005)
     c.observe_host(16, 0, 0.5)                 # T = 0 has no host entry
-    off = StepCosts()
-    off.observe_host(16, 3, 0.004), off.observe_host(16, 3, 0.004)
-    assert off.host == {}                      # offline tables are not refined
+    assert (16, 0) not in c.host
+    off = StepCosts(host={(16, 3): 0.002})
+    for _ in range(5):
+        off.observe_host(16, 3, 0.004)
+    assert off.host == {(16, 3): 0.002}        # offline tables are not refined
+
+
+@pytest.mark.parametrize("bad", [{"host_window": 0}, {"host_min": 0}, {"host_window": 3, "host_min": 4},
+                                 {"host_window": 2.0}, {"host_min": True}])
+def test_host_window_rejects_bad_sizes(bad):
+    with pytest.raises(ValueError, match="host_min"):
+        StepCosts(**bad)
+
+
+@pytest.mark.parametrize("at", [1, 2, 3, 7])
+def test_one_host_pause_does_not_stop_speculation(at):
+    """B=64, 1 ms of host drafting a step where drafting pays (5 ms plain step): one
+    ``propose`` of the run takes 105 ms (a full collection).  Wherever it lands -- even as
+    the first kept sample of the only length drafted -- the policy keeps drafting: the price
+    stays the median of normal samples (a mean or a single sample would have priced every
+    length at the pause and stopped speculation, and with it the samples that correct it)."""
+    calls = {"n": 0}
+
+    def host(B, T):
+        calls["n"] += 1
+        return 105 * MS if calls["n"] == at + 1 else 1 * MS   # call 1 is dropped as a first
+
+    pol = AdaptiveLengths(LENGTHS, _seeded(), BUCKETS)
+    res = simulate(pol, ALPHA, _device, 64, 60, seed=2, host=host)
+    assert calls["n"] > at + 1                               # the pause happened
+    assert 0 not in res.chosen[-50:], res.chosen
+    for T in LENGTHS:
+        h = pol.costs.host_cost(64, T)
+        assert h == 0.0 or h == pytest.approx(1 * MS)
+    assert res.plain_seconds / res.seconds > 1.3
 
 
 def test_host_time_is_counted_once():

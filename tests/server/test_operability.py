@@ -256,7 +256,9 @@ def test_cuda_graphs_by_default_on_cuda_and_enforce_eager(monkeypatch):
     serve_cli.build_engine("M", p.parse_args(["M", "--device", "cuda", "--cuda-graphs"]))   # old flag: accepted
     assert seen["cuda_graphs"] is True
     serve_cli.build_engine("M", p.parse_args(["M", "--device", "cpu"]))
-    assert seen["cuda_graphs"] is False
+    assert seen["cuda_graphs"] is False and seen["gc_freeze"] is False
+    serve_cli.build_engine("M", p.parse_args(["M", "--gc-freeze"]))
+    assert seen["gc_freeze"] is True
     assert p.parse_args(["M"]).warm_up == "auto"                       # auto: on for CUDA
 
 

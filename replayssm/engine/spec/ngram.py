@@ -8,11 +8,16 @@
   ``tree_width`` distinct continuations of ``depth`` tokens; its size varies per step, so
   its verify graphs are captured when first met.
 
-Lookups go through :class:`NgramIndex`, an incremental per-request index of n-gram start
-positions (a lookup costs the matches it visits and the new tokens, not a scan).
+Lookups go through incremental per-request indexes (O(1) work per new token and ``n``, no
+scan, no container object per n-gram for the garbage collector to walk):
+:class:`NgramTailIndex` (chains: the most recent match of the tail, O(1)) and
+:class:`NgramIndex` (tries: every earlier match, as chains of starts).  Prompts are indexed
+at the prefill; :func:`ngram_continuations` is the plain reference both equal.
 """
 
 from __future__ import annotations
+
+from array import array
 
 import torch
 
@@ -43,69 +48,316 @@ def ngram_continuations(ids: list[int], n_min: int, n_max: int, length: int, max
 
 
 class NgramIndex:
-    """Incremental index of one sequence's n-grams (``n_min..n_max``): start positions per
-    n-gram, so a lookup costs the matches it visits, not a scan of the whole sequence.
-    :meth:`continuations` returns exactly what :func:`ngram_continuations` returns."""
+    """Incremental index of one sequence's n-grams (``n_min..n_max``), O(1) work per new
+    token and n-gram length: a lookup costs the matches it visits, not a scan.
+
+    Per ``n``: ``last[key]``, the most recent start of the n-gram ``key``, and
+    ``prev[start]``, the start of the previous occurrence of the n-gram at ``start`` (-1:
+    none), so the occurrences of an n-gram, most recent first, are a chain through ``prev``.
+    A key packs the n-gram's tokens into one int, ``Σ_i t_i << 32 (n - 1 - i)`` (exact for
+    ids in ``[0, 2**32)``; other ids may collide, then every match is verified against the
+    tokens).  Tokens, chains and maps are arrays and int -> int dicts: no references for a
+    full garbage collection to walk (no per-n-gram lists or tuples).
+    :meth:`continuations` returns exactly what :func:`ngram_continuations` returns; token ids
+    must fit in int64."""
+
+    __slots__ = ("n_min", "n_max", "tokens", "last", "prev", "ends", "exact", "owner")
 
     def __init__(self, n_min: int, n_max: int):
+        if not (isinstance(n_min, int) and isinstance(n_max, int) and 1 <= n_min <= n_max):
+            raise ValueError(f"NgramIndex: need 1 <= n_min <= n_max, got {n_min!r}, {n_max!r}")
         self.n_min, self.n_max = n_min, n_max
-        self.maps: dict[int, dict[tuple, list[int]]] = {n: {} for n in range(n_min, n_max + 1)}
-        self.indexed = 0
-        self.tokens: list[int] = []   # :meth:`sync`'s copy of the sequence's tokens
+        self.tokens = array("q")                              # the sequence's tokens, as indexed
+        self.last = [{} for _ in range(n_min, n_max + 1)]      # per n: key -> most recent start
+        self.prev = [array("q") for _ in range(n_min, n_max + 1)]   # per n: start -> previous start
+        self.ends = [0] * n_max      # ends[j]: key of the (j + 1)-gram ending at the last token
+        self.exact = True            # every id so far in [0, 2**32): keys are exact
+        self.owner = None            # the Sequence it indexes (a request id may be used again)
 
-    def sync(self, prompt: list[int], output: list[int]) -> list[int]:
-        """The index's own copy of an append-only sequence (``prompt + output``), extended by
-        the tokens it lacks: a lookup costs the new tokens, not a copy of the whole context
-        (``Sequence.all_ids`` concatenates, 32 K tokens x 256 rows per step)."""
-        ids, P = self.tokens, len(prompt)
-        if len(ids) < P:
-            ids.extend(prompt[len(ids):])
-        ids.extend(output[len(ids) - P:])
-        return ids
+    @property
+    def indexed(self) -> int:
+        return len(self.tokens)
 
-    def update(self, ids: list[int]) -> None:
-        L, first = len(ids), self.indexed
-        if L <= first:
-            return
-        for n, m in self.maps.items():
-            get = m.get
-            for start in range(max(0, first - n + 1), L - n + 1):
-                key = tuple(ids[start:start + n])
-                lst = get(key)
-                if lst is None:
-                    m[key] = [start]
-                else:
-                    lst.append(start)
-        self.indexed = L
+    def extend(self, new) -> None:
+        """Append and index ``new`` tokens: per token and ``n``, one key, one dict lookup and
+        one store."""
+        toks, ends, last, prev = self.tokens, self.ends, self.last, self.prev
+        n_min, top = self.n_min, self.n_max - 1
+        for t in new:
+            if t >> 32:   # negative or >= 2**32: keys may collide from here on
+                self.exact = False
+            toks.append(t)
+            L = len(toks)
+            for j in range(top, 0, -1):
+                ends[j] = (ends[j - 1] << 32) | t
+            ends[0] = t
+            for j in range(min(top, L - 1), n_min - 2, -1):   # n = j + 1 <= L
+                d, key, start = last[j - n_min + 1], ends[j], L - 1 - j
+                prev[j - n_min + 1].append(d.get(key, -1))
+                d[key] = start
 
-    def continuations(self, ids: list[int], length: int, max_count: int) -> list[list[int]]:
-        self.update(ids)
-        out: list[list[int]] = []
-        L = len(ids)
+    def sync(self, prompt: list[int], output: list[int]):
+        """Index the tokens of the append-only sequence ``prompt + output`` the index lacks
+        (a lookup costs the new tokens, not a copy of the whole context: ``Sequence.all_ids``
+        concatenates, 32 K tokens x 256 rows per step); returns the index's tokens."""
+        L, P = len(self.tokens), len(prompt)
+        if L < P:
+            self.extend(prompt[L:])
+            L = P
+        if L - P < len(output):
+            self.extend(output[L - P:])
+        return self.tokens
+
+    def update(self, ids) -> None:
+        """Index the tokens of ``ids`` (an append-only list) past :attr:`indexed`."""
+        if ids is not None and ids is not self.tokens and len(ids) > len(self.tokens):
+            self.extend(ids[len(self.tokens):])
+
+    def _matches(self, n: int):
+        """Starts of the earlier occurrences of the sequence's last ``n`` tokens (the tail
+        itself excluded), most recent first."""
+        toks, chain = self.tokens, self.prev[n - self.n_min]
+        L = len(toks)
+        start = chain[L - n]
+        if self.exact:
+            while start >= 0:
+                yield start
+                start = chain[start]
+        else:
+            tail = toks[L - n:]
+            while start >= 0:
+                if toks[start:start + n] == tail:
+                    yield start
+                start = chain[start]
+
+    def first(self, length: int) -> list[int]:
+        """``continuations(tokens, length, 1)[0]`` (or ``[]``): what followed the most recent
+        earlier occurrence of the longest tail ``n``-gram that has one; O(1) with exact keys."""
+        toks = self.tokens
+        L = len(toks)
+        if length <= 0:
+            return []
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            for start in reversed(self.maps[n].get(tuple(ids[L - n:]), ())):
-                if start + n >= L:
-                    continue  # the tail itself
-                cont = ids[start + n:start + n + length]
-                if cont and not any(c[: len(cont)] == cont for c in out):
-                    out = [c for c in out if cont[: len(c)] != c]
+            chain = self.prev[n - self.n_min]
+            start = chain[L - n]
+            if not self.exact:
+                tail = toks[L - n:]
+                while start >= 0 and toks[start:start + n] != tail:
+                    start = chain[start]
+            if start >= 0:   # start + n <= L - 1: at least one token follows
+                return toks[start + n:start + n + length].tolist()
+        return []
+
+    def continuations(self, ids, length: int, max_count: int) -> list[list[int]]:
+        """Up to ``max_count`` distinct continuations of ``ids`` (see
+        :func:`ngram_continuations`); ``ids`` must extend what was indexed before."""
+        self.update(ids)
+        toks = self.tokens
+        L = len(toks)
+        out: list[list[int]] = []
+        if length <= 0:
+            return out
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            for start in self._matches(n):
+                cont = toks[start + n:start + n + length].tolist()
+                if not any(c[: len(cont)] == cont for c in out):
+                    out = [c for c in out if cont[: len(c)] != c]   # a longer one replaces its prefix
                     out.append(cont)
                     if len(out) >= max_count:
                         return out
         return out
 
 
+def _tail_functions(n_min: int, n_max: int):
+    """``(extend, advance)`` of :class:`NgramTailIndex` unrolled for ``n_min..n_max``
+    (generated once per pair: loops over ``n`` per token, and a call per step for each
+    part, would double the cost).  Both need ``len(index.tokens) >= n_max - 1`` (every
+    n-gram ending at a new token starts at >= 0); ``advance`` checks it."""
+    ns = list(range(n_min, n_max + 1))
+    ks = ", ".join(f"k{n}" for n in range(1, n_max + 1))
+    ds = ", ".join(f"d{n}" for n in ns)
+    bs = ", ".join(f"b{n}" for n in ns)
+
+    def index_new(ind: str) -> str:
+        """Index ``new`` (a non-empty list) after ``L`` tokens; sets ``b<n>``."""
+        roll = [f"k{n} = (k{n - 1} << 32) | t" for n in range(n_max, 1, -1)] + ["k1 = t"]
+        lines = [f"{ds}, = self.last", f"{ks}, = self.ends", "for t in new[:-1]:",
+                 "    if t >> 32:", "        self.exact = False"]
+        lines += ["    " + r for r in roll] + [f"    d{n}[k{n}] = L - {n - 1}" for n in ns] + ["    L += 1"]
+        lines += ["t = new[-1]", "if t >> 32:", "    self.exact = False"] + roll
+        for n in ns:
+            lines += [f"b{n} = d{n}.get(k{n}, -1)", f"d{n}[k{n}] = L - {n - 1}"]
+        lines += [f"self.before = [{bs}]", f"self.ends = [{ks}]", "toks.extend(new)"]
+        return "".join(f"{ind}{x}\n" for x in lines)
+
+    lookup = "".join(f"    if b{n} >= 0:\n        return toks[b{n} + {n}:b{n} + {n} + length].tolist()\n"
+                     for n in reversed(ns))
+    src = ("def extend(self, new):\n    toks = self.tokens\n    L = len(toks)\n" + index_new("    ")
+           + "\n\ndef advance(self, prompt, output, length):\n"
+           + "    toks = self.tokens\n    L = len(toks)\n    P = len(prompt)\n"
+           + f"    if L < P or L < {n_max - 1} or not self.exact or length <= 0:\n"
+           + "        self.sync(prompt, output)\n        return self.first(length)\n"
+           + "    new = output[L - P:]\n    if new:\n" + index_new("        ")
+           + "        if not self.exact:\n            return self.first(length)\n"
+           + f"    else:\n        {bs}, = self.before\n" + lookup + "    return []\n")
+    scope: dict = {}
+    exec(compile(src, f"<ngram tail index {n_min}..{n_max}>", "exec"), scope)
+    return scope["extend"], scope["advance"]
+
+
+_TAIL_FUNCTIONS: dict = {}
+
+
+class NgramTailIndex:
+    """The chain drafter's index of one sequence: per ``n`` in ``n_min..n_max`` the most
+    recent start of every n-gram (an int -> int dict; keys pack the tokens as in
+    :class:`NgramIndex`), and for the tail (the last ``n`` tokens) the start of its previous
+    occurrence, read while the tail is stored.  A new token costs one store per ``n``
+    (plus one lookup per ``n`` for a step's last token); :meth:`first` is O(1) and equals
+    ``ngram_continuations(tokens, n_min, n_max, length, 1)``.  Ids outside ``[0, 2**32)``
+    (keys could collide) switch the index to that plain scan."""
+
+    __slots__ = ("n_min", "n_max", "tokens", "last", "ends", "before", "exact", "owner", "_fast", "_advance")
+
+    def __init__(self, n_min: int, n_max: int):
+        if not (isinstance(n_min, int) and isinstance(n_max, int) and 1 <= n_min <= n_max):
+            raise ValueError(f"NgramTailIndex: need 1 <= n_min <= n_max, got {n_min!r}, {n_max!r}")
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens = array("q")
+        self.last = [{} for _ in range(n_min, n_max + 1)]
+        self.ends = [0] * n_max                      # keys of the 1..n_max-grams ending at the last token
+        self.before = [-1] * (n_max - n_min + 1)     # per n: previous start of the tail n-gram
+        self.exact = True
+        self.owner = None
+        fns = _TAIL_FUNCTIONS.get((n_min, n_max))
+        if fns is None:
+            fns = _TAIL_FUNCTIONS[(n_min, n_max)] = _tail_functions(n_min, n_max)
+        self._fast, self._advance = fns
+
+    def advance(self, prompt: list[int], output: list[int], length: int) -> list[int]:
+        """:meth:`sync` then :meth:`first` in one call (unrolled; the drafter's per-row step)."""
+        return self._advance(self, prompt, output, length)
+
+    @property
+    def indexed(self) -> int:
+        return len(self.tokens)
+
+    def _extend_one(self, t: int) -> None:
+        """One token, every guard spelled out (a sequence's first ``n_max - 1`` tokens)."""
+        toks, n_min = self.tokens, self.n_min
+        L = len(toks)             # t's position
+        toks.append(t)
+        if t >> 32:               # negative or >= 2**32: keys may collide from here on
+            self.exact = False
+        self.ends = ends = [t] + [(k << 32) | t for k in self.ends[:-1]]
+        for n in range(n_min, self.n_max + 1):
+            if n > L + 1:
+                self.before[n - n_min] = -1
+                continue
+            d = self.last[n - n_min]
+            self.before[n - n_min] = d.get(ends[n - 1], -1)
+            d[ends[n - 1]] = L + 1 - n
+
+    def extend(self, new) -> None:
+        """Append and index ``new`` tokens (a list)."""
+        if not new:
+            return
+        i = 0
+        while i < len(new) and len(self.tokens) < self.n_max - 1:
+            self._extend_one(new[i])
+            i += 1
+        if i < len(new):
+            self._fast(self, new[i:] if i else new)
+
+    def sync(self, prompt: list[int], output: list[int]):
+        """Index what the append-only sequence ``prompt + output`` added since the last call
+        (no copy of the whole context); returns the index's tokens."""
+        L, P = len(self.tokens), len(prompt)
+        if L < P:
+            self.extend(prompt[L:])
+            L = P
+        if L - P < len(output):
+            self.extend(output[L - P:])
+        return self.tokens
+
+    def first(self, length: int) -> list[int]:
+        """The ``length`` tokens (or fewer) that followed the most recent earlier occurrence
+        of the longest tail n-gram that has one (``[]``: none, or ``length <= 0``)."""
+        if length <= 0:
+            return []
+        toks = self.tokens
+        if not self.exact:
+            c = ngram_continuations(toks.tolist(), self.n_min, self.n_max, length, 1)
+            return c[0] if c else []
+        L, before = len(toks), self.before
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            b = before[n - self.n_min]
+            if b >= 0:
+                return toks[b + n:b + n + length].tolist()
+        return []
+
+
+class HostStaging:
+    """One int64 host buffer reused for every proposal's copy to the device (pinned on
+    CUDA: the copy is asynchronous, the host does not wait for queued kernels).  A CUDA
+    event recorded after each copy is waited on before the buffer is written again (the
+    step's host sync has normally passed it: the wait returns at once)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._buf = self._np = self._event = None
+
+    def to_device(self, values: list[int]) -> torch.Tensor:
+        """``values`` as a 1-D int64 tensor on the device (one copy)."""
+        if not self.cuda:
+            return torch.frombuffer(array("q", values), dtype=torch.long).to(self.device)
+        m = len(values)
+        if self._event is not None:
+            self._event.synchronize()
+        else:
+            self._event = torch.cuda.Event()
+        if self._buf is None or self._buf.numel() < m:
+            self._buf = torch.empty(max(m, 4096), dtype=torch.long, pin_memory=True)
+            self._np = self._buf.numpy()
+        self._np[:m] = values
+        out = self._buf[:m].to(self.device, non_blocking=True)   # on the device's current stream
+        self._event.record(torch.cuda.current_stream(self.device))
+        return out
+
+
 class _NgramBase(Drafter):
+    index_class = NgramIndex
+
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
-        self._index: dict[int, NgramIndex] = {}
+        self._index: dict = {}
+
+    def _index_of(self, s: Sequence):
+        """``s``'s index, synced to its tokens (a new one for a request id used again)."""
+        idx = self._index.get(s.request_id)
+        if idx is None or idx.owner is not s:
+            idx = self._index[s.request_id] = self.index_class(self.n_min, self.n_max)
+            idx.owner = s
+        idx.sync(s.prompt_ids, s.output_ids)
+        return idx
 
     def _lookup(self, s: Sequence, length: int, count: int) -> list[list[int]]:
-        idx = self._index.get(s.request_id)
-        if idx is None or idx.owner is not s:   # a request id used again after its release
-            idx = self._index[s.request_id] = NgramIndex(self.n_min, self.n_max)
-            idx.owner = s
-        return idx.continuations(idx.sync(s.prompt_ids, s.output_ids), length, count) if length > 0 else []
+        """Up to ``count`` continuations of up to ``length`` tokens (:func:`ngram_continuations`)."""
+        if length <= 0:
+            return []
+        idx = self._index_of(s)
+        if isinstance(idx, NgramTailIndex):
+            if count != 1:
+                raise ValueError(f"{type(self).__name__}: its index finds one continuation, asked for {count}")
+            c = idx.first(length)
+            return [c] if c else []
+        return idx.continuations(None, length, count)
+
+    def prefill(self, seqs):
+        """Index the prompts now (a step's ``propose`` then indexes only its new tokens)."""
+        for s in seqs:
+            self._index_of(s)
 
     def release(self, seq):
         self._index.pop(seq.request_id, None)
@@ -113,10 +365,12 @@ class _NgramBase(Drafter):
 
 class NgramDrafter(_NgramBase):
     method = "ngram"
+    index_class = NgramTailIndex   # one continuation per row: no chains of earlier matches
 
     def __init__(self, num_tokens: int, n_min: int, n_max: int, device, pad: bool = False):
         super().__init__(n_min, n_max)
         self.k, self.device, self.pad = num_tokens, canonical_device(device), pad
+        self._stage = HostStaging(self.device)
 
     @classmethod
     def create(cls, setup, *, target, cache, sampler, runner, num_slots):
@@ -130,26 +384,47 @@ class NgramDrafter(_NgramBase):
     def propose(self, seqs, k=None):
         """Chains of up to ``k`` (default: ``num_tokens``) looked-up drafts; shorter rows are
         padded with invalid nodes (to ``k`` when ``pad``: one verify shape per draft length,
-        hence one CUDA graph per batch bucket and length)."""
+        hence one CUDA graph per batch bucket and length).  A row with ``remaining <= 1``
+        drafts nothing (its index catches up when it next drafts).
+
+        Host work per row: the new tokens' index entries and one lookup per n (no copy of
+        the context); the tokens and their counts go to the device as one tensor (one copy,
+        pinned on CUDA), ``valid`` is derived there."""
         k = self.k if k is None else k
-        drafts = []
+        index, n_min, n_max = self._index, self.n_min, self.n_max
+        drafts, lasts, n = [], [], 0
         for s in seqs:
-            c = self._lookup(s, min(k, max(s.remaining - 1, 0)), 1)
-            drafts.append(c[0] if c else [])
-        n = max(len(d) for d in drafts)
+            length = s.remaining - 1
+            if length > k:
+                length = k
+            if length <= 0:
+                drafts.append(())
+                lasts.append(s.last_token)
+                continue
+            idx = index.get(s.request_id)
+            if idx is None or idx.owner is not s:   # new, or a request id used again after its release
+                idx = index[s.request_id] = self.index_class(n_min, n_max)
+                idx.owner = s
+            d = idx._advance(idx, s.prompt_ids, s.output_ids, length)
+            drafts.append(d)
+            lasts.append(idx.tokens[-1])
+            if len(d) > n:
+                n = len(d)
         if n == 0:
             return None
         if self.pad:
             n = k
         B, N = len(seqs), n + 1
-        rows = [[s.last_token] + d + [0] * (n - len(d)) for s, d in zip(seqs, drafts)]
-        lens = torch.tensor([1 + len(d) for d in drafts])
-        tokens = torch.tensor(rows, dtype=torch.long)
-        valid = torch.arange(N)[None, :] < lens[:, None]
-        # staged through pinned memory: a pageable `.to` waits for the previous step's kernels
-        # (7.6 ms of host time a step at B=256 on an H200), so the host could not run ahead
-        return Proposal(host_to_device(tokens, self.device), chain_parent(B, N, self.device),
-                        host_to_device(valid, self.device))
+        flat = [0] * (B * N + B)    # [B, N] tokens (root, drafts, zeros), then the B counts
+        for b, (t, d) in enumerate(zip(lasts, drafts)):
+            o = b * N
+            flat[o] = t
+            flat[o + 1:o + 1 + len(d)] = d
+            flat[B * N + b] = 1 + len(d)
+        dev = self._stage.to_device(flat)
+        tokens = dev[:B * N].view(B, N)
+        valid = torch.arange(N, device=self.device)[None, :] < dev[B * N:, None]
+        return Proposal(tokens, chain_parent(B, N, self.device), valid)
 
 
 class NgramTreeDrafter(_NgramBase):

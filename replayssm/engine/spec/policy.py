@@ -56,8 +56,9 @@ replays a given sequence of lengths (tests, experiments).
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Sequence
 
 from ..batching import bucket_for
@@ -115,19 +116,26 @@ class StepCosts:
 
     ``host``: ``{(batch, T >= 1): seconds}``, the drafter's host time per step (its
     ``propose`` call: the device waits for it, the verify launches after it returns),
-    :meth:`host_cost`, refined online by :meth:`observe_host`.  The caller observes the
+    :meth:`host_cost`, refined online by :meth:`observe_host` (the median of the last
+    ``host_window`` samples of a key once it has ``host_min``: robust to pauses).  The caller observes the
     device table with the step's time *less* the measured ``propose`` time, so a step is
     priced ``t(B, T) + h(B, T)`` and the drafter's host time is counted once."""
 
     def __init__(self, table: dict | None = None, fallback=analytic_step_cost, online: bool = False,
                  decay: float = 0.2, flush: dict | None = None, ring: int | None = None,
-                 catchup: dict | None = None, host: dict | None = None):
+                 catchup: dict | None = None, host: dict | None = None, host_window: int = 15,
+                 host_min: int = 3):
         self.table = self._checked(table, "step cost table", positive=True)
         self.flush = self._checked(flush, "flush cost table", positive=False)
         self.host = self._checked(host, "drafter host time table", positive=False)
         if any(t == 0 for _, t in self.host):
             raise ValueError("drafter host time table: T = 0 does not draft, give keys with T >= 1")
         self._host_seen: dict = {}
+        self._host_samples: dict = {}   # (B, T) -> deque of the last host_window samples
+        if isinstance(host_window, bool) or not isinstance(host_window, int) or host_window < 1 \
+                or isinstance(host_min, bool) or not isinstance(host_min, int) or not 1 <= host_min <= host_window:
+            raise ValueError(f"StepCosts: need ints 1 <= host_min <= host_window, got {host_min!r}, {host_window!r}")
+        self.host_window, self.host_min = host_window, host_min
         self.catchup: dict[tuple[int, int], float] = {}
         self.set_catchup(catchup or {})
         if ring is not None and (isinstance(ring, bool) or not isinstance(ring, int) or ring < 1):
@@ -208,22 +216,26 @@ class StepCosts:
         return self.host[(b, t)] * (B / b)
 
     def observe_host(self, B: int, T: int, seconds: float) -> None:
-        """A measured ``propose`` of ``T`` drafts at bucket ``B`` (online only): the first of
-        a key is dropped (it may capture or compile), then a running mean that turns into
-        an EMA of weight ``decay``; later samples are clipped to 4x of the entry either way."""
+        """A measured ``propose`` of ``T`` drafts at bucket ``B`` (online only).  The first of
+        a key is dropped (it may capture or compile); the others go into a window of the
+        last ``host_window`` samples, and once it holds ``host_min`` of them the entry is
+        their median: host time has rare, large upward outliers (a full garbage collection,
+        a page fault: 100 ms against 1), so one of them moves the price by at most one rank
+        instead of pricing every draft length at the pause -- which would stop speculation
+        and with it the samples that could correct the price.  Until then the key keeps its
+        seed (if any) and :meth:`host_cost` answers from its neighbours."""
         if not self.online or T < 1 or not seconds >= 0:
             return
         n = self._host_seen.get((B, T), 0)
         self._host_seen[(B, T)] = n + 1
         if n == 0:
             return
-        est = self.host.get((B, T))
-        if est is None:
-            self.host[(B, T)] = float(seconds)
-            return
-        x = min(max(seconds, est / 4), est * 4) if est > 0 else float(seconds)
-        w = max(self.decay, 1.0 / n)
-        self.host[(B, T)] = est + w * (x - est)
+        w = self._host_samples.get((B, T))
+        if w is None:
+            w = self._host_samples[(B, T)] = deque(maxlen=self.host_window)
+        w.append(float(seconds))
+        if len(w) >= self.host_min:
+            self.host[(B, T)] = statistics.median(w)
 
     def flush_share(self, T: int, nodes: int, tokens: float) -> float:
         """``φ``: the share of rows flushing per step (:func:`flush_fraction`; 0 without a ring)."""
