@@ -79,9 +79,12 @@ class _Proxy:
 def _plain(x):
     """``x`` as plain host values (tensors as lists or ints, integers as ``int``), so rank 0
     and the workers run a cache call on the same arguments."""
+    t = type(x)
+    if t is int or t is bool or t is str or t is float or x is None:   # most arguments: no ABC checks
+        return x
     if isinstance(x, Tensor):
         return x.tolist()
-    if isinstance(x, bool) or x is None:
+    if isinstance(x, bool):
         return x
     if isinstance(x, numbers.Integral):
         return int(x)
