@@ -277,10 +277,14 @@ class TensorParallelModel(_Proxy):
             return self._call("decode", cache, slots, input_ids, True)
         return self._call("decode", cache, slots, input_ids)
 
-    def verify(self, cache, slots, input_ids):
+    def verify(self, cache, slots, input_ids, greedy: bool = False):
+        if greedy:
+            return self._call("verify", cache, slots, input_ids, True)
         return self._call("verify", cache, slots, input_ids)
 
-    def verify_tree(self, cache, slots, input_ids, parent):
+    def verify_tree(self, cache, slots, input_ids, parent, greedy: bool = False):
+        if greedy:
+            return self._call("verify_tree", cache, slots, input_ids, parent, True)
         return self._call("verify_tree", cache, slots, input_ids, parent)
 
     def commit(self, cache, accepted, path=None):

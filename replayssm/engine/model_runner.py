@@ -202,14 +202,19 @@ class ModelRunner:
     def _greedy_body(self, slots_t: Tensor, tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool,
                      mask: Tensor | None = None):
         """verify -> (token mask ``[B, N, V]``: disallowed logits -> -inf) -> greedy
-        acceptance -> commit, all device work (graph-capturable)."""
+        acceptance -> commit, all device work (graph-capturable).  Unmasked, a
+        :attr:`greedy_decode` runner's verify returns the argmax tokens (no logits gather
+        under tensor parallelism)."""
+        kw = {"greedy": True} if self.greedy_decode and mask is None else {}
         if tree:
-            logits = self.model.verify_tree(self.cache, slots_t, tokens, parent)
+            out = self.model.verify_tree(self.cache, slots_t, tokens, parent, **kw)
         else:
-            logits = self.model.verify(self.cache, slots_t, tokens)
-        if mask is not None:
-            logits = logits.masked_fill(~mask, float("-inf"))
-        accepted, leaf, bonus = accept_greedy(logits, tokens, parent, valid)
+            out = self.model.verify(self.cache, slots_t, tokens, **kw)
+        if kw:
+            accepted, leaf, bonus = accept_greedy(None, tokens, parent, valid, g=out)
+        else:
+            logits = out if mask is None else out.masked_fill(~mask, float("-inf"))
+            accepted, leaf, bonus = accept_greedy(logits, tokens, parent, valid)
         if tree:
             path = path_to(parent, leaf)[0]
             self.model.commit(self.cache, accepted, path)

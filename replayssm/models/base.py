@@ -405,8 +405,9 @@ class CausalLM(nn.Module):
         return (self._greedy_kept if greedy else self._head_kept)(cache, slots, h)[:, 0]
 
     @torch.no_grad()
-    def verify(self, cache: ModelCache, slots: Tensor, input_ids: Tensor) -> Tensor:
-        """``T`` tentative tokens per row (a chain): ``input_ids [B, T] -> logits [B, T, V]``.
+    def verify(self, cache: ModelCache, slots: Tensor, input_ids: Tensor, greedy: bool = False) -> Tensor:
+        """``T`` tentative tokens per row (a chain): ``input_ids [B, T] -> logits [B, T, V]``
+        (``greedy=True``: the argmax tokens ``[B, T]`` int64 instead, as :meth:`decode`).
         Nothing is kept until :meth:`commit`."""
         cache._check_idle()
         ids = self._check_ids(input_ids, 2, "input_ids")
@@ -419,12 +420,14 @@ class CausalLM(nn.Module):
         ctx = self._context(cache, "verify", slots, T, cache.seq_len[slots][:, None] + t[None, :])
         h = self._trunk(ids, ctx)
         cache.pending = ctx
-        return self._head_kept(cache, slots, h)
+        return (self._greedy_kept if greedy else self._head_kept)(cache, slots, h)
 
     @torch.no_grad()
-    def verify_tree(self, cache: ModelCache, slots: Tensor, input_ids: Tensor, parent: Tensor) -> Tensor:
+    def verify_tree(self, cache: ModelCache, slots: Tensor, input_ids: Tensor, parent: Tensor,
+                    greedy: bool = False) -> Tensor:
         """A draft tree of ``N`` nodes per row (``parent [B, N]`` or ``[N]``, topological,
-        ``-1`` = child of the last committed token): ``logits [B, N, V]``; kept until commit."""
+        ``-1`` = child of the last committed token): ``logits [B, N, V]`` (``greedy=True``:
+        the argmax tokens ``[B, N]``); kept until commit."""
         cache._check_idle()
         ids = self._check_ids(input_ids, 2, "input_ids")
         B, N = ids.shape
@@ -448,7 +451,7 @@ class CausalLM(nn.Module):
                             parent=parent, anc=anc, tree_bits=ancestor_bits(anc) if N <= 31 else None)
         h = self._trunk(ids, ctx)
         cache.pending = ctx
-        return self._head_kept(cache, slots, h)
+        return (self._greedy_kept if greedy else self._head_kept)(cache, slots, h)
 
     @torch.no_grad()
     def commit(self, cache: ModelCache, accepted: Tensor, path: Tensor | None = None) -> None:

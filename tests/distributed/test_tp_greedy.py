@@ -135,6 +135,44 @@ def test_model_greedy_decode_is_the_logits_argmax_and_touches_the_cache_alike(ti
         m.decode(caches[1], slots, torch.tensor([1.0, 2.0, 3.0]), greedy=True)
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_model_greedy_verify_is_the_logits_argmax_and_commits_alike(tied, tree):
+    """``verify`` / ``verify_tree(..., greedy=True)`` return the argmax tokens ``[B, N]`` of
+    the logits; after the same commit every cache tensor is the same."""
+    from replayssm.engine.sampler import accept_greedy
+
+    m = load_model(tied, dtype="float64")
+    caches = [m.make_cache(4, max_seq_len=32, mode="replay", max_new=4) for _ in range(2)]
+    slots = torch.tensor([2, 1])
+    for c in caches:
+        for s in slots.tolist():
+            c.reserve(s, 32)
+        m.prefill(c, slots, torch.tensor([[5, 30, 31], [7, 1, 0]]), torch.tensor([3, 2]))
+    toks = torch.tensor([[31, 30, 2, 30], [2, 31, 31, 5]])
+    parent = torch.tensor([-1, 0, 0, 1]) if tree else torch.tensor([-1, 0, 1, 2])
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    if tree:
+        logits = m.verify_tree(caches[0], slots, toks, parent)
+        g = m.verify_tree(caches[1], slots, toks, parent, greedy=True)
+    else:
+        logits = m.verify(caches[0], slots, toks)
+        g = m.verify(caches[1], slots, toks, greedy=True)
+    assert g.dtype == torch.long and torch.equal(g, logits.argmax(-1))
+    par = parent.expand(2, 4)
+    want = accept_greedy(logits, toks, par, valid)
+    got = accept_greedy(None, toks, par, valid, g=g)
+    assert all(torch.equal(x, y) for x, y in zip(want, got))
+    acc = want[0]
+    for c in caches:
+        if tree:
+            from replayssm.cache.tree import path_to
+            m.commit(c, acc, path_to(par, want[1])[0])
+        else:
+            m.commit(c, acc)
+    for a, b in zip(caches[0].tensors(), caches[1].tensors()):
+        assert torch.equal(a, b)
+
+
 class _Replay:
     """A CUDA graph stand-in on CPU: replay reruns the captured body into its outputs."""
 
@@ -197,6 +235,25 @@ def test_two_ranks_greedy_equals_one_rank_through_the_tie(models, mode, monkeypa
     monkeypatch.setenv("REPLAYSSM_TP_GREEDY_LOCAL", "0")
     got, n_greedy, n_logits = G.generate(tp, **kw)
     assert got == want and n_greedy == 0 and n_logits > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "tree"])
+def test_two_ranks_greedy_speculation_equals_one_rank(models, method, monkeypatch):
+    """Greedy verify steps take the argmax tokens too (switch on) or the gathered logits
+    (off): the one-rank tokens either way, drafts accepted."""
+    from replayssm import SpeculativeConfig
+
+    ref, tp = models
+    want = _expected(ref)
+    sp = SpeculativeConfig("ngram", num_tokens=3) if method == "ngram" else \
+        SpeculativeConfig("tree", num_tokens=3, tree_width=2)
+    for env in ("1", "0"):
+        monkeypatch.setenv("REPLAYSSM_TP_GREEDY_LOCAL", env)
+        with LLM(tp, max_seq_len=64, decode_mode="replay", speculative=sp) as llm:
+            assert llm.runner.greedy_decode is (env == "1")
+            outs = llm.generate(G.PROMPTS, SamplingParams(max_tokens=12))
+        assert [o.token_ids for o in outs] == want
+        assert sum(o.num_verify_steps for o in outs) > 0
 
 
 def test_mixed_greedy_and_sampled_batches_gather_the_logits(models):
