@@ -186,8 +186,6 @@ class _Replay:
 def test_runner_greedy_decode_graphs_are_their_own_keys(tied):
     """A runner with ``greedy_decode`` (forced on one rank) runs plain greedy steps through
     "gdecode" graphs (simulated on CPU) and the same tokens as the logits path."""
-    from replayssm.engine.model_runner import GraphKey
-
     m = load_model(tied, dtype="float64")
     want, n_greedy, _ = G.generate(m, pad_batches=True)
     assert n_greedy == 0                     # one rank: no argmax head, logits as before
