@@ -178,6 +178,16 @@ class RecomputeCache:
     def write_pending(self) -> None:
         """Nothing is deferred here (``reserve`` writes at once)."""
 
+    def reserve_step(self, slots, totals) -> list:
+        out = []
+        for slot, total in zip(slots, totals):
+            try:
+                self.reserve(slot, total, defer=True)
+                out.append(None)
+            except (RuntimeError, ValueError) as e:
+                out.append(str(e))
+        return out
+
     def reserve(self, slot: int, total_len: int, defer: bool = False) -> None:
         """KV-only slots with a finite pool: make room for ``total_len`` entries (between steps)."""
         self._check_idle()

@@ -35,6 +35,9 @@ __all__ = ["Comm", "HostTensor", "Plain", "TensorArg", "Ref", "scalars_only"]
 #: the control group never times out (a worker waits for the next call while the engine idles)
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
+#: CPU ranks: tensors up to this size travel inside the control message (see :meth:`Comm.is_wire_tensor`)
+INLINE_HOST_BYTES = 8192
+
 
 @dataclass(frozen=True)
 class TensorArg:
@@ -129,8 +132,13 @@ class Comm:
         self.data, self.control, self.channel = data_group, control_group, channel
 
     def is_wire_tensor(self, x) -> bool:
-        """Tensors that travel on the data group: those on this rank's device."""
-        return isinstance(x, Tensor) and x.device.type == self.device.type
+        """Tensors that travel on the data group: those on this rank's device, except, on
+        CPU ranks, small ones (up to :data:`INLINE_HOST_BYTES`: a step's tokens, slots,
+        accepted counts), which ride in the message as host values like a GPU rank's host
+        tensors: gloo's broadcast waits for every worker to arrive, the ring does not."""
+        if not isinstance(x, Tensor) or x.device.type != self.device.type:
+            return False
+        return x.device.type != "cpu" or x.numel() * x.element_size() > INLINE_HOST_BYTES
 
     # -- rank 0 -----------------------------------------------------------------------------
     def send(self, msg, tensors: list[Tensor]) -> None:

@@ -10,7 +10,9 @@ share of heads and channels), with four additions:
   all-reduce of the rows assembles each token's embedding (one rank contributes it);
 * the LM head holds the same shard: the local logits ``[..., Vs]`` are all-gathered to
   ``[..., N Vs]`` and cut to ``V``, so every rank holds the complete, identical logits (and
-  computes identical greedy acceptances from them);
+  computes identical greedy acceptances from them); a greedy step that needs only the
+  argmax (``decode(..., greedy=True)``) exchanges each shard's ``(max, index)`` instead
+  (:mod:`.greedy`);
 * an MTP head (``mtp_keys``: the checkpoint's tensor names) is built on the local model the
   same way: its decoder layers at local sizes with the same hooks, its ``fc`` / ``eh_proj``
   and norms replicated (their input ``[n_e(E x) ; n_h(h)]`` is complete on every rank: the
@@ -54,6 +56,7 @@ from ..layers.mlp import GatedMLP, PlainMLP
 from ..models.mtp import attach_mtp
 from ..runtime import compute_dtype
 from .allreduce import AllReduce
+from .greedy import argmax_over_shards, greedy_local_enabled
 from .fused import FusedFinish, GroupScale, SymmOutProj, deferring_hook, fused_enabled
 from ..layers.norms import GatedRMSNorm
 from ..models.base import Block
@@ -200,9 +203,25 @@ class TensorParallelLM:
         full = all_gather_last(local, self.tp.size, self.tp.group)            # [..., N Vs]
         return full[..., : self.tp.config.vocab_size]
 
+    def _argmax(self, hn: Tensor) -> Tensor:
+        """Greedy tokens ``[...]`` without gathering the logits: each rank's shard's per-row
+        max and first argmax, then one all-gather of the ``(max, global index)`` pairs
+        (:func:`~.greedy.argmax_over_shards`: ``[..., 2]`` per rank instead of ``[..., Vs]``)."""
+        tp = self.tp
+        local = super(TensorParallelLM, self)._logits(hn)                     # [..., Vs]
+        return argmax_over_shards(local, tp.vocab_start, tp.config.vocab_size, tp.size, tp.group)
+
     @property
     def tensor_parallel_size(self) -> int:
         return self.tp.size
+
+    @property
+    def argmax_head(self) -> bool:
+        """Whether greedy tokens (:meth:`_argmax`) cost less than the logits (no vocabulary
+        gather): runners then keep a greedy decode step beside the logits one.
+        ``REPLAYSSM_TP_GREEDY_LOCAL=0`` turns it off (greedy steps gather the logits again);
+        rank 0's reading decides for every rank (``TensorParallelModel.make_runner``)."""
+        return self.tp.size > 1 and greedy_local_enabled()
 
 
 @functools.lru_cache(maxsize=None)

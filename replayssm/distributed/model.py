@@ -79,9 +79,12 @@ class _Proxy:
 def _plain(x):
     """``x`` as plain host values (tensors as lists or ints, integers as ``int``), so rank 0
     and the workers run a cache call on the same arguments."""
+    t = type(x)
+    if t is int or t is bool or t is str or t is float or x is None:   # most arguments: no ABC checks
+        return x
     if isinstance(x, Tensor):
         return x.tolist()
-    if isinstance(x, bool) or x is None:
+    if isinstance(x, bool):
         return x
     if isinstance(x, numbers.Integral):
         return int(x)
@@ -125,11 +128,15 @@ class ShardedRunner(_Proxy):
     def prefill(self, slots, prompts):
         return self._call("prefill", list(slots), [list(p) for p in prompts])
 
-    def replay_ms(self, batch: int, n: int = 20) -> float:
+    def replay_ms(self, batch: int, n: int = 20, greedy: bool = False) -> float:
         """Every rank replays its plain-decode graph ``n`` times (rank 0's time returned)."""
-        return self._call("replay_ms", int(batch), int(n))
+        return self._call("replay_ms", int(batch), int(n), bool(greedy))
 
-    def decode(self, slots, tokens: Tensor) -> Tensor:
+    def decode(self, slots, tokens: Tensor, greedy: bool = False) -> Tensor:
+        """Logits ``[B, V]`` on rank 0, or with ``greedy=True`` the greedy tokens ``[B]``
+        (every rank's shard maxima exchanged, no vocabulary gather)."""
+        if greedy:
+            return self._call("decode", Plain(list(slots)), tokens, True)
         return self._call("decode", Plain(list(slots)), tokens)
 
     def verify(self, slots, tokens: Tensor) -> Tensor:
@@ -238,6 +245,10 @@ class TensorParallelModel(_Proxy):
             raise ValueError("a tensor-parallel runner needs a cache from this model's make_cache")
         h = self._group.new_handle()
         kw = dict(max_batch=max_batch, cuda_graphs=cuda_graphs, pad_batches=pad_batches)
+        if "greedy_decode" in inspect.signature(runner_cls).parameters:
+            # rank 0 decides (REPLAYSSM_TP_GREEDY_LOCAL as rank 0 reads it): every rank then
+            # captures the same graphs and runs the same collectives
+            kw["greedy_decode"] = bool(self.local.argmax_head)
         local = self._group.run("runner", (h, self._tp_handle, cache._tp_handle, runner_cls, kw),
                                 lambda: runner_cls(self.local, cache.local, self.device, **kw))
         return ShardedRunner(self._group, h, local)
@@ -261,13 +272,19 @@ class TensorParallelModel(_Proxy):
     def prefill(self, cache, slots, input_ids, lengths):
         return self._call("prefill", cache, slots, input_ids, lengths)
 
-    def decode(self, cache, slots, input_ids):
+    def decode(self, cache, slots, input_ids, greedy: bool = False):
+        if greedy:
+            return self._call("decode", cache, slots, input_ids, True)
         return self._call("decode", cache, slots, input_ids)
 
-    def verify(self, cache, slots, input_ids):
+    def verify(self, cache, slots, input_ids, greedy: bool = False):
+        if greedy:
+            return self._call("verify", cache, slots, input_ids, True)
         return self._call("verify", cache, slots, input_ids)
 
-    def verify_tree(self, cache, slots, input_ids, parent):
+    def verify_tree(self, cache, slots, input_ids, parent, greedy: bool = False):
+        if greedy:
+            return self._call("verify_tree", cache, slots, input_ids, parent, True)
         return self._call("verify_tree", cache, slots, input_ids, parent)
 
     def commit(self, cache, accepted, path=None):

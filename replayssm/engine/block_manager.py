@@ -255,18 +255,17 @@ class BlockManager:
         request ends with an error and the others go on.  Returns the sequences that can run."""
         if not self.uses_pages:
             return [s for s, _ in totals]
+        # one cache call for the step (the cache reserves in the pools each slot uses, then
+        # writes the new blocks in one block-table write per pool); under tensor parallelism
+        # one message to the workers instead of one per row
+        errors = self.cache.reserve_step([s.slot for s, _ in totals], [min(n, self.max_seq_len) for _, n in totals])
         ok = []
-        try:
-            for s, n in totals:
-                try:   # the cache reserves in the pools the slot uses (attention KV, KV-only entries)
-                    self.cache.reserve(s.slot, min(n, self.max_seq_len), defer=True)
-                except (RuntimeError, ValueError) as e:  # PoolExhausted is a ValueError
-                    s.error = f"KV-only block pool exhausted: {e}"
-                    s.finish_reason = "error"
-                    continue
-                ok.append(s)
-        finally:   # the step's new blocks in one block-table write per pool
-            self.cache.write_pending()
+        for (s, _), e in zip(totals, errors):
+            if e is not None:   # PoolExhausted is a ValueError
+                s.error = f"KV-only block pool exhausted: {e}"
+                s.finish_reason = "error"
+                continue
+            ok.append(s)
         return ok
 
     def switch_to_state(self, seqs: list[Sequence]) -> None:

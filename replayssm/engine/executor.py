@@ -240,9 +240,13 @@ class StepExecutor:
                 return []
             if self.drafter is not None:   # speculation is off for this step (disable_by_batch_size)
                 self.drafter.plain_step(seqs)
+        toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
+        if getattr(self.runner, "greedy_decode", False) and all(_plain(s.params) and s.constraint is None
+                                                                 for s in seqs):
+            # greedy tokens straight from the model (tensor parallelism: no logits gather)
+            return self._sampled(seqs, None, self.runner.decode([s.slot for s in seqs], toks, greedy=True), None)
         job = self.masker.prepare(seqs)   # grammar masks fill on a worker while the forward runs
         try:
-            toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
             logits = self.runner.decode([s.slot for s in seqs], toks)
         except BaseException:
             self.masker.wait()   # the fill borrows the matchers: free them before the error goes up

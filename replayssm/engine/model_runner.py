@@ -46,8 +46,8 @@ CAPTURE_ERROR_MODE = "thread_local"
 class GraphKey:
     """What one captured graph bakes in (the key of :attr:`ModelRunner._graphs`).
 
-    ``kind``: ``"decode"``, ``"spec"`` (a greedy verify step) or ``"sspec"`` (a sampled
-    verify step); ``batch``: the batch bucket ``Bp``; ``form``: the cache's SSM form
+    ``kind``: ``"decode"``, ``"gdecode"`` (a decode step returning greedy tokens),
+    ``"spec"`` (a greedy verify step) or ``"sspec"`` (a sampled verify step); ``batch``: the batch bucket ``Bp``; ``form``: the cache's SSM form
     (``cache.ssm_form()``, None for caches without one).  Verify steps add ``nodes`` (``N``
     inputs per row) and ``tree`` (verify_tree, else a chain); sampled steps add ``has_q``
     (draft distributions ``q [Bp, N, V]`` given) and ``sampling``
@@ -67,7 +67,7 @@ class GraphKey:
 
 class ModelRunner:
     def __init__(self, model, cache, device, max_batch: int, cuda_graphs: bool = False,
-                 pad_batches: bool = False):
+                 pad_batches: bool = False, greedy_decode: bool | None = None):
         self.model, self.cache = model, cache
         self.device = canonical_device(device)
         self.max_batch = max_batch
@@ -79,7 +79,11 @@ class ModelRunner:
         self._graphs: dict[GraphKey, tuple] = {}   # captured graph and its static tensors
         self._graph_failed: set[GraphKey] = set()  # keys whose capture failed (run eagerly)
         self._pool = None
-        self.num_calls = {"prefill": 0, "decode": 0, "verify": 0, "tree": 0}
+        # greedy tokens cost less than logits (tensor parallelism: no vocabulary gather):
+        # plain greedy decode steps take their own graphs (kind "gdecode").  None: as the
+        # model says (every tensor-parallel rank gets rank 0's decision)
+        self.greedy_decode = bool(getattr(model, "argmax_head", False) if greedy_decode is None else greedy_decode)
+        self.num_calls = {"prefill": 0, "decode": 0, "verify": 0, "tree": 0, "greedy_decode": 0}
 
     # -- helpers ---------------------------------------------------------------------------
     def _h2d(self, t: Tensor) -> Tensor:
@@ -118,14 +122,17 @@ class ModelRunner:
         return self.model.prefill(self.cache, self._slots(slots), self._h2d(ids), self._h2d(lengths))
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], tokens: Tensor) -> Tensor:
-        self.num_calls["decode"] += 1
+    def decode(self, slots: list[int], tokens: Tensor, greedy: bool = False) -> Tensor:
+        """One decode step: ``logits [B, V]``, or with ``greedy=True`` each row's argmax
+        token ``[B]`` int64 (the model's ``decode(..., greedy=True)``: its own graphs)."""
+        self.num_calls["greedy_decode" if greedy else "decode"] += 1
         B = len(slots)
         tokens = self._h2d(tokens)
+        kw = {"greedy": True} if greedy else {}
         if not self.pad_batches:
-            return self.model.decode(self.cache, self._slots(slots), tokens)
+            return self.model.decode(self.cache, self._slots(slots), tokens, **kw)
         Bp = bucket_for(self.buckets, B)
-        key = GraphKey("decode", Bp, self._form())
+        key = GraphKey("gdecode" if greedy else "decode", Bp, self._form())
         if self.use_graphs and key not in self._graph_failed:
             g = self._graphs.get(key)
             if g is None:
@@ -136,16 +143,18 @@ class ModelRunner:
                 t_in.copy_(pad_rows(tokens, Bp))
                 graph.replay()
                 return out[:B]
-        out = self.model.decode(self.cache, self._slots(slots, Bp), pad_rows(tokens, Bp))
+        out = self.model.decode(self.cache, self._slots(slots, Bp), pad_rows(tokens, Bp), **kw)
         return out[:B]
 
     @torch.inference_mode()
-    def replay_ms(self, batch: int, n: int = 20) -> float:
-        """Milliseconds per replay of the captured plain-decode graph of ``batch``'s bucket,
+    def replay_ms(self, batch: int, n: int = 20, greedy: bool = False) -> float:
+        """Milliseconds per replay of the captured plain-decode graph of ``batch``'s bucket
+        (``greedy``: the greedy-token one, :attr:`greedy_decode` runners),
         ``n`` replays back to back (device time of the step alone, no host work between; a
         benchmark probe: the cache's contents are not meaningful afterwards).  NaN when no
         such graph was captured."""
-        g = self._graphs.get(GraphKey("decode", bucket_for(self.buckets, batch), self._form()))
+        g = self._graphs.get(GraphKey("gdecode" if greedy else "decode", bucket_for(self.buckets, batch),
+                                      self._form()))
         if g is None or not self.device.type == "cuda":
             return float("nan")
         graph = g[0]
@@ -193,14 +202,19 @@ class ModelRunner:
     def _greedy_body(self, slots_t: Tensor, tokens: Tensor, parent: Tensor, valid: Tensor, tree: bool,
                      mask: Tensor | None = None):
         """verify -> (token mask ``[B, N, V]``: disallowed logits -> -inf) -> greedy
-        acceptance -> commit, all device work (graph-capturable)."""
+        acceptance -> commit, all device work (graph-capturable).  Unmasked, a
+        :attr:`greedy_decode` runner's verify returns the argmax tokens (no logits gather
+        under tensor parallelism)."""
+        kw = {"greedy": True} if self.greedy_decode and mask is None else {}
         if tree:
-            logits = self.model.verify_tree(self.cache, slots_t, tokens, parent)
+            out = self.model.verify_tree(self.cache, slots_t, tokens, parent, **kw)
         else:
-            logits = self.model.verify(self.cache, slots_t, tokens)
-        if mask is not None:
-            logits = logits.masked_fill(~mask, float("-inf"))
-        accepted, leaf, bonus = accept_greedy(logits, tokens, parent, valid)
+            out = self.model.verify(self.cache, slots_t, tokens, **kw)
+        if kw:
+            accepted, leaf, bonus = accept_greedy(None, tokens, parent, valid, g=out)
+        else:
+            logits = out if mask is None else out.masked_fill(~mask, float("-inf"))
+            accepted, leaf, bonus = accept_greedy(logits, tokens, parent, valid)
         if tree:
             path = path_to(parent, leaf)[0]
             self.model.commit(self.cache, accepted, path)
@@ -429,6 +443,8 @@ class ModelRunner:
         keys: list[tuple[GraphKey, object]] = []   # (key, the sampled step's SamplingBatch | None)
         for Bp in sorted(self.buckets, reverse=True):
             keys.append((GraphKey("decode", Bp, form), None))
+            if self.greedy_decode:
+                keys.append((GraphKey("gdecode", Bp, form), None))
             keys += [(GraphKey("spec", Bp, form, N, tree), None) for N, tree in spec_shapes]
             for N, tree, has_q in sampled_shapes:
                 sb = blank_batch(Bp, 0, self.device)
@@ -438,9 +454,10 @@ class ModelRunner:
         for key, sb in keys:
             Bp, N = key.batch, key.nodes
             try:
-                if key.kind == "decode":
+                if key.kind in ("decode", "gdecode"):
                     ins = self._decode_inputs(Bp)
-                    self._warm(lambda: self.model.decode(self.cache, *ins), passes=1)
+                    greedy = key.kind == "gdecode"
+                    self._warm(lambda: self.model.decode(self.cache, *ins, greedy=greedy), passes=1)
                 elif key.kind == "sspec":
                     _, a = self._sampled_inputs(Bp, N, key.has_q, sb)
                     self._warm(lambda: self._sampled_body(*a[:6], a[6], key.tree, a[7]), passes=1)
@@ -458,7 +475,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         for key, sb in runnable:
             Bp, N = key.batch, key.nodes
-            if key.kind == "decode":
+            if key.kind in ("decode", "gdecode"):
                 n += self._capture_decode(key, Bp, warm=False) is not None
             elif key.kind == "sspec":
                 n += self._capture_sampled(key, Bp, N, key.tree, key.has_q, sb, warm=False) is not None
@@ -473,11 +490,12 @@ class ModelRunner:
     def _capture_decode(self, key, Bp: int, warm: bool = True):
         try:
             s_in, t_in = self._decode_inputs(Bp)
+            kw = {"greedy": True} if key.kind == "gdecode" else {}
             if warm:  # on the null slot only
-                self._warm(lambda: self.model.decode(self.cache, s_in, t_in))
+                self._warm(lambda: self.model.decode(self.cache, s_in, t_in, **kw))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE):
-                out = self.model.decode(self.cache, s_in, t_in)
+                out = self.model.decode(self.cache, s_in, t_in, **kw)
             self._pool = graph.pool()
             entry = (graph, s_in, t_in, out)
             self._graphs[key] = entry

@@ -20,7 +20,10 @@ from ..models.protocols import ModelCacheLike
 
 @runtime_checkable
 class CachedModel(Protocol):
-    """A causal LM with cached, slot-addressed decoding."""
+    """A causal LM with cached, slot-addressed decoding.  A model whose ``argmax_head`` is
+    true (tensor parallelism: greedy tokens without the logits gather) also takes
+    ``greedy=True`` in ``decode`` / ``verify`` / ``verify_tree``, returning the argmax tokens
+    instead of the logits; the runner asks for them only from such models."""
 
     config: Any               # vocab_size, eos_token_id, ...
     dtype: torch.dtype

@@ -340,15 +340,18 @@ def sample_from(p: Tensor, u: Tensor) -> Tensor:
     return torch.minimum(idx, last_pos)
 
 
-def accept_greedy(logits: Tensor, tokens: Tensor, parent: Tensor, valid: Tensor):
+def accept_greedy(logits: Tensor | None, tokens: Tensor, parent: Tensor, valid: Tensor, g: Tensor | None = None):
     """Greedy acceptance over a draft tree (a chain is ``parent[i] = i - 1``).
 
     ``logits [B, N, V]`` are the verifier's outputs for the ``N`` nodes (node 0 = the last
-    accepted token, the root); ``tokens/parent/valid [B, N]``.  Returns ``(accepted [B],
-    leaf [B], bonus [B])``: ``accepted`` counts the nodes on the accepted root path
-    (root included), ``leaf`` is its last node, ``bonus`` the verifier's argmax after it.
+    accepted token, the root); ``tokens/parent/valid [B, N]``; ``g [B, N]``: their argmaxes
+    when already known (``logits`` then unused: a model that returns greedy tokens).
+    Returns ``(accepted [B], leaf [B], bonus [B])``: ``accepted`` counts the nodes on the
+    accepted root path (root included), ``leaf`` is its last node, ``bonus`` the
+    verifier's argmax after it.
     """
-    g = logits.argmax(-1)                                     # [B, N]
+    if g is None:
+        g = logits.argmax(-1)                                 # [B, N]
     B, N = tokens.shape
     ar = torch.arange(B, device=tokens.device)
     alive = torch.zeros(B, N, dtype=torch.bool, device=tokens.device)

@@ -214,6 +214,12 @@ class CausalLM(nn.Module):
         out = nn.functional.linear(hn.to(w.dtype), w).to(compute_dtype(self._dtype))
         return out / self.logits_scaling if self.logits_scaling != 1.0 else out
 
+    def _argmax(self, hn: Tensor) -> Tensor:
+        """Greedy tokens ``[...]`` (int64) of the LM head on ``hn [..., D]``:
+        ``argmax_v logits[..., v]``, the first index on ties.  Tensor parallelism overrides it
+        (each rank's vocabulary shard's max, then an exchange of the ``(max, index)`` pairs)."""
+        return self._logits(hn).argmax(-1)
+
     def _head(self, h: Tensor) -> Tensor:
         return self._logits(self.final_norm()(h))
 
@@ -225,6 +231,13 @@ class CausalLM(nn.Module):
         if cache.hidden is not None:
             cache.record_hidden(slots, self.final_norm()(h))
         return self._head(h)
+
+    def _greedy_kept(self, cache: ModelCache, slots: Tensor, h: Tensor) -> Tensor:
+        """:meth:`_head_kept` returning the greedy tokens ``[B, T]`` (:meth:`_argmax`)."""
+        hn = self.final_norm()(h)
+        if cache.hidden is not None:
+            cache.record_hidden(slots, hn)
+        return self._argmax(hn)
 
     def _check_ids(self, ids: Tensor, dims: int, what: str) -> Tensor:
         if not isinstance(ids, Tensor) or ids.dim() != dims or ids.dtype not in (torch.int32, torch.int64):
@@ -377,8 +390,10 @@ class CausalLM(nn.Module):
         return self._head(last)
 
     @torch.no_grad()
-    def decode(self, cache: ModelCache, slots: Tensor, input_ids: Tensor) -> Tensor:
-        """One always-accepted token per row: ``input_ids [B] -> logits [B, V]`` (commits)."""
+    def decode(self, cache: ModelCache, slots: Tensor, input_ids: Tensor, greedy: bool = False) -> Tensor:
+        """One always-accepted token per row: ``input_ids [B] -> logits [B, V]`` (commits);
+        ``greedy=True`` returns each row's argmax token ``[B]`` (int64) instead (the logits
+        are never assembled: under tensor parallelism no vocabulary gather)."""
         cache._check_idle()
         ids = self._check_ids(input_ids, 1, "input_ids")
         B = ids.shape[0]
@@ -387,11 +402,12 @@ class CausalLM(nn.Module):
         ctx = self._context(cache, "decode", slots, 1, cache.seq_len[slots][:, None])
         h = self._trunk(ids[:, None], ctx)
         self._finish(ctx, None)
-        return self._head_kept(cache, slots, h)[:, 0]
+        return (self._greedy_kept if greedy else self._head_kept)(cache, slots, h)[:, 0]
 
     @torch.no_grad()
-    def verify(self, cache: ModelCache, slots: Tensor, input_ids: Tensor) -> Tensor:
-        """``T`` tentative tokens per row (a chain): ``input_ids [B, T] -> logits [B, T, V]``.
+    def verify(self, cache: ModelCache, slots: Tensor, input_ids: Tensor, greedy: bool = False) -> Tensor:
+        """``T`` tentative tokens per row (a chain): ``input_ids [B, T] -> logits [B, T, V]``
+        (``greedy=True``: the argmax tokens ``[B, T]`` int64 instead, as :meth:`decode`).
         Nothing is kept until :meth:`commit`."""
         cache._check_idle()
         ids = self._check_ids(input_ids, 2, "input_ids")
@@ -404,12 +420,14 @@ class CausalLM(nn.Module):
         ctx = self._context(cache, "verify", slots, T, cache.seq_len[slots][:, None] + t[None, :])
         h = self._trunk(ids, ctx)
         cache.pending = ctx
-        return self._head_kept(cache, slots, h)
+        return (self._greedy_kept if greedy else self._head_kept)(cache, slots, h)
 
     @torch.no_grad()
-    def verify_tree(self, cache: ModelCache, slots: Tensor, input_ids: Tensor, parent: Tensor) -> Tensor:
+    def verify_tree(self, cache: ModelCache, slots: Tensor, input_ids: Tensor, parent: Tensor,
+                    greedy: bool = False) -> Tensor:
         """A draft tree of ``N`` nodes per row (``parent [B, N]`` or ``[N]``, topological,
-        ``-1`` = child of the last committed token): ``logits [B, N, V]``; kept until commit."""
+        ``-1`` = child of the last committed token): ``logits [B, N, V]`` (``greedy=True``:
+        the argmax tokens ``[B, N]``); kept until commit."""
         cache._check_idle()
         ids = self._check_ids(input_ids, 2, "input_ids")
         B, N = ids.shape
@@ -433,7 +451,7 @@ class CausalLM(nn.Module):
                             parent=parent, anc=anc, tree_bits=ancestor_bits(anc) if N <= 31 else None)
         h = self._trunk(ids, ctx)
         cache.pending = ctx
-        return self._head_kept(cache, slots, h)
+        return (self._greedy_kept if greedy else self._head_kept)(cache, slots, h)
 
     @torch.no_grad()
     def commit(self, cache: ModelCache, accepted: Tensor, path: Tensor | None = None) -> None:

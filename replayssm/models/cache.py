@@ -310,6 +310,26 @@ class ModelCache:
             if p is not None:
                 p.write_pending()
 
+    def reserve_step(self, slots, totals) -> list:
+        """A step's reservations: ``reserve(slots[i], totals[i], defer=True)`` for each ``i``
+        (lists of ints), then :meth:`write_pending` (also when one fails).  Returns per slot
+        None, or the message of the :class:`PoolExhausted` / ``ValueError`` /
+        ``RuntimeError`` that left that slot unchanged.  One call for the whole batch: under
+        tensor parallelism one message to the workers, not one per row."""
+        if len(slots) != len(totals):
+            raise ValueError(f"reserve_step: {len(slots)} slots but {len(totals)} totals")
+        out: list = []
+        try:
+            for slot, total in zip(slots, totals):
+                try:
+                    self.reserve(slot, total, defer=True)
+                    out.append(None)
+                except (RuntimeError, ValueError) as e:
+                    out.append(str(e))
+        finally:
+            self.write_pending()
+        return out
+
     # ------------------------------------------------------------------ slot lifecycle
     def start(self, slot: int) -> None:
         """Hold an empty sequence in the free ``slot`` without a prefill (an MTP head's slot

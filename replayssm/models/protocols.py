@@ -75,6 +75,11 @@ class ModelCacheLike(Protocol):
         """The block-table writes of ``reserve(..., defer=True)``."""
 
     @every_rank
+    def reserve_step(self, slots, totals) -> list:
+        """A step's reservations (``totals[i]`` tokens for ``slots[i]``) then their block-table
+        writes, in one call; per slot None or why it failed (that slot left unchanged)."""
+
+    @every_rank
     def switch_to_state(self, slots) -> None:
         """KV-only ``slots`` -> replay form."""
 

@@ -402,6 +402,28 @@ def test_constrained_speculation_on_four_ranks_equals_plain_constrained(group, t
     assert outs[0].num_verify_steps + outs[1].num_verify_steps > 0     # constrained rows speculated
 
 
+@pytest.mark.parametrize("mode", ["replay", "kv"])
+def test_greedy_exchange_over_four_ranks_resolves_boundary_ties(group, tmp_path, mode, monkeypatch):
+    """V = 67 over four ranks (shards of 17; the last holds 16): rows tied at every shard
+    boundary and between shards; greedy tokens from the four shards' (max, index) pairs equal
+    one rank's, and the logits gather (switch off) gives the same."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import tp_greedy as G
+
+    path = G.tied_head_checkpoint(str(tmp_path / "tied"), 67, N, num_heads=12, head_dim=5, hidden_size=30,
+                                  n_groups=1)
+    ref, tp = load_model(path, dtype="float64"), group.load_model(path, dtype="float64")
+    want, _, _ = G.generate(ref, decode_mode=mode)
+    assert any(b - 1 in row for row in want for b in G.boundaries(67, N))   # a boundary tie decided
+    monkeypatch.setenv("REPLAYSSM_TP_GREEDY_LOCAL", "1")
+    got, n_greedy, _ = G.generate(tp, decode_mode=mode, pad_batches=mode == "replay")
+    assert got == want and n_greedy > 0
+    monkeypatch.setenv("REPLAYSSM_TP_GREEDY_LOCAL", "0")
+    got, n_greedy, n_logits = G.generate(tp, decode_mode=mode)
+    assert got == want and n_greedy == 0 and n_logits > 0
+    tp.close()
+
+
 # ---------------------------------------------------------------------------------------
 # last: an engine-owned group of four (the module's group is closed first)
 # ---------------------------------------------------------------------------------------

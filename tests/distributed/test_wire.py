@@ -96,7 +96,7 @@ def test_plain_values_travel_unwalked_on_both_sides():
     import pickle
     import threading
 
-    from replayssm.distributed.comm import Plain
+    from replayssm.distributed.comm import INLINE_HOST_BYTES, Plain
     from replayssm.distributed.group import TensorParallelGroup
 
     g = TensorParallelGroup.__new__(TensorParallelGroup)
@@ -104,10 +104,14 @@ def test_plain_values_travel_unwalked_on_both_sides():
     g.comm = Comm(0, 2, torch.device("cpu"), None, None, None)
     slots = [3, 0, 11]
     tensors: list = []
-    wire, local = g._encode((Plain(slots), torch.arange(3)), tensors)
+    big = torch.arange(INLINE_HOST_BYTES // 8 + 1)          # past the inline size: the data group
+    wire, local = g._encode((Plain(slots), big, torch.arange(3)), tensors)
     assert local[0] is slots and isinstance(wire[0], Plain) and wire[0].value is slots
     assert isinstance(wire[1], TensorArg) and len(tensors) == 1
+    # a small CPU tensor rides in the message (no gloo broadcast, which waits for every worker)
+    assert isinstance(wire[2], HostTensor) and local[2] is not None
     got = fill(pickle.loads(pickle.dumps(wire)), tensors)
     assert got[0] == slots and type(got[0]) is list and got[1] is tensors[0]
+    assert torch.equal(got[2], torch.arange(3)) and got[2].dtype == torch.long
     odd = Plain([TensorArg(0)])                            # not walked: what is inside stays as sent
     assert fill(odd, tensors) == [TensorArg(0)]
