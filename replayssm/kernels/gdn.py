@@ -685,7 +685,7 @@ if HAVE_TRITON:
         kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, bt_ptr,
         q_ptr, k_ptr, g_ptr, b_ptr, bits_ptr, ko_ptr, qk_ptr, cf_ptr,
         T, L, H, HV, K, REP, MAXB, scale, NC,
-        TP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr,
+        TP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
         L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, SPREC: tl.constexpr,
     ):
         """Split verify, part 1: everything of a verify that reads no state, once per (row, key
@@ -709,23 +709,43 @@ if HAVE_TRITON:
         ss = tl.arange(0, TP)
         ms = ss < T
         tok = r64 * T + ss
-        offs_k = tl.arange(0, BK)
-        mk = offs_k < K
-        mks = ms[:, None] & mk[None, :]
-        Qn = _l2n_rows(tl.load(q_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
-                               other=0.0).to(tl.float32), L2) * scale
-        Kn = _l2n_rows(tl.load(k_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
-                               other=0.0).to(tl.float32), L2)
-        tl.store(ko_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], Kn.to(ko_ptr.dtype.element_ty), mask=mks)
         qrow = (r64 * H + kh) * 2 * T + ss
-        tl.store(qk_ptr + qrow[:, None] * K + offs_k[None, :], Kn, mask=mks)
-        tl.store(qk_ptr + (qrow[:, None] + T) * K + offs_k[None, :], Qn, mask=mks)
-        Kh = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
-                     other=0.0).to(tl.float32)                                              # [LP, BK]
-        KK = tl.dot(Kn, tl.trans(Kn), input_precision=SPREC)                                # [TP, TP]
-        QK = tl.dot(Qn, tl.trans(Kn), input_precision=SPREC)
-        SK = tl.dot(Kn, tl.trans(Kh), input_precision=SPREC)                                # [TP, LP]
-        SQ = tl.dot(Qn, tl.trans(Kh), input_precision=SPREC)
+        sq = tl.zeros([TP], dtype=tl.float32)
+        sk = tl.zeros([TP], dtype=tl.float32)
+        for k0 in range(0, BK, BKC):  # l2 norms of the drafts' q and k rows
+            offs_k = k0 + tl.arange(0, BKC)
+            mks = ms[:, None] & (offs_k < K)[None, :]
+            qc = tl.load(q_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks, other=0.0).to(tl.float32)
+            kc = tl.load(k_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks, other=0.0).to(tl.float32)
+            sq += tl.sum(qc * qc, 1)
+            sk += tl.sum(kc * kc, 1)
+        if L2:
+            rq = tl.rsqrt(sq + 1e-6) * scale
+            rk = tl.rsqrt(sk + 1e-6)
+        else:
+            rq = tl.zeros([TP], dtype=tl.float32) + scale
+            rk = tl.zeros([TP], dtype=tl.float32) + 1.0
+        KK = tl.zeros([TP, TP], dtype=tl.float32)
+        QK = tl.zeros([TP, TP], dtype=tl.float32)
+        SK = tl.zeros([TP, LP], dtype=tl.float32)
+        SQ = tl.zeros([TP, LP], dtype=tl.float32)
+        for k0 in range(0, BK, BKC):  # normalised rows out; products over K chunk by chunk
+            offs_k = k0 + tl.arange(0, BKC)
+            mk = offs_k < K
+            mks = ms[:, None] & mk[None, :]
+            qc = tl.load(q_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
+                         other=0.0).to(tl.float32) * rq[:, None]                            # [TP, BKC]
+            kc = tl.load(k_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
+                         other=0.0).to(tl.float32) * rk[:, None]
+            tl.store(ko_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], kc.to(ko_ptr.dtype.element_ty), mask=mks)
+            tl.store(qk_ptr + qrow[:, None] * K + offs_k[None, :], kc, mask=mks)
+            tl.store(qk_ptr + (qrow[:, None] + T) * K + offs_k[None, :], qc, mask=mks)
+            khc = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
+                          other=0.0).to(tl.float32)                                         # [LP, BKC]
+            KK += tl.dot(kc, tl.trans(kc), input_precision=SPREC)
+            QK += tl.dot(qc, tl.trans(kc), input_precision=SPREC)
+            SK += tl.dot(kc, tl.trans(khc), input_precision=SPREC)
+            SQ += tl.dot(qc, tl.trans(khc), input_precision=SPREC)
         jj = tl.arange(0, LP)
         eye = (ss[:, None] == ss[None, :]).to(tl.float32)
         m2 = ms[:, None] & ms[None, :]
@@ -775,14 +795,14 @@ if HAVE_TRITON:
         T, L, H, HV, K, V, REP, MAXB, NC,
         TP: tl.constexpr, TPP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         BKC: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr, FOLD: tl.constexpr,
-        FOLD_PREC: tl.constexpr,
     ):
         """Split verify, part 2, one program per (row, value head, V-block): the checkpoint
         streamed once in ``K`` chunks of ``BKC`` like a decode step, ``P = [Kn; Qn] S0``
         (``[2T, BV]``, one ``tl.dot`` per chunk on the operand of
         :func:`_gdn_verify_prep_kernel`), then ``U = Cu [P; Uh; Vn]``, ``Y = Cy [P; Uh; Vn]``
         (six small products, no forward substitution).  ``FOLD``: flush rows store
-        ``S_h = a0 S0 + Σ_j w_j k_j u_jᵀ`` chunk by chunk in the same pass (at ``FOLD_PREC``).
+        ``S_h = a0 S0 + Σ_j w_j k_j u_jᵀ`` chunk by chunk in the same pass, by rank-1 updates
+        over the row's entries (fp32 FMA; a ``tl.dot`` there cost ~100 registers a thread).
         ``PAGED``: KV-only (``S0 = 0``, no state read)."""
         vb, hv, r = tile_ids(tl.cdiv(V, BV), HV)
         kh = hv // REP
@@ -799,10 +819,8 @@ if HAVE_TRITON:
         if not PAGED:
             if FOLD:
                 flush = tl.load(flush_ptr + r) != 0
-                gj = tl.where(mj, tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32), 0.0)
-                cj = tl.cumsum(gj, 0)
-                tot = tl.sum(gj, 0)
-                wj = tl.where(mj, tl.exp(tot - cj), 0.0)
+                start = tl.load(start_ptr + r).to(tl.int64)
+                tot = tl.sum(tl.where(mj, tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32), 0.0), 0)
                 a0 = tl.exp(tot)
             for k0 in tl.static_range(0, BK, BKC):
                 offs_k = k0 + tl.arange(0, BKC)
@@ -812,12 +830,21 @@ if HAVE_TRITON:
                 sptr = state_ptr + ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
                 S0 = tl.load(sptr, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)   # [BKC, BV]
                 P += tl.dot(opnd, S0, input_precision=PREC)
-                if FOLD:
-                    if flush:
-                        khc = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :],
-                                      mask=mj[:, None] & mk[None, :], other=0.0).to(tl.float32)   # [LP, BKC]
-                        Sh = a0 * S0 + tl.dot(tl.trans(khc * wj[:, None]), Uh, input_precision=FOLD_PREC)
-                        tl.store(sptr, Sh.to(state_ptr.dtype.element_ty), mask=mk[:, None] & mv[None, :])
+            if FOLD:
+                if flush:  # a second pass over the tile (from L2), rank-1 updates over the h entries (fp32 FMA)
+                    for f0 in range(0, BK, BKC):
+                        offs_f = f0 + tl.arange(0, BKC)
+                        mf = offs_f < K
+                        fptr = state_ptr + ((slot * HV + hv) * K + offs_f[:, None]) * V + offs_v[None, :]
+                        Sh = a0 * tl.load(fptr, mask=mf[:, None] & mv[None, :], other=0.0).to(tl.float32)
+                        c = tot * 0.0
+                        for j in range(0, h):
+                            ej = slot * L + (start + j) % L
+                            c += tl.load(gr_ptr + ej * HV + hv).to(tl.float32)
+                            kj = tl.load(kr_ptr + (ej * H + kh) * K + offs_f, mask=mf, other=0.0).to(tl.float32)
+                            uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+                            Sh += (tl.exp(tot - c) * kj)[:, None] * uj[None, :]
+                        tl.store(fptr, Sh.to(state_ptr.dtype.element_ty), mask=mf[:, None] & mv[None, :])
         ss = tl.arange(0, TP)
         ms = ss < T
         tok = r64 * T + ss
@@ -1061,6 +1088,13 @@ VERIFY_IMPLS = ("rows", "dot", "split")
 #: ``scripts/tune_gdn_verify.py`` times the neighbours)
 SPLIT_TABLE = [(2048, 64, 2), (0, 32, 4)]
 
+#: ``tl.dot`` precision of the split prep's products (they feed the T×T solve; fp32 FMA: the
+#: tf32x3 form compiled at 255 registers with spills, ieee at 196 without, sm_90)
+PREP_PRECISION = "ieee"
+
+#: warps of a split prep program (one per row and key head)
+PREP_WARPS = 4
+
 
 def verify_form(dtype: torch.dtype, T: int, impl: str | None, precision: str | None,
                 fold_precision: str = "tf32x3") -> tuple[str, str]:
@@ -1182,15 +1216,15 @@ def _verify_split(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, bits, paged
     _gdn_verify_prep_kernel[flat_grid(H, Bt)](
         kr, gr, slot, start, hist, bt, q, k, g, beta, bits, Kn, qk, cf,
         T, L, H, HV, K, HV // H, MAXB, _scale(scale, K), NC,
-        TP=TP, LP=LP, BK=BK, L2=bool(use_qk_l2norm), TREE=tree, PAGED=paged is not None,
-        SPREC=fold_precision, num_warps=4)
+        TP=TP, LP=LP, BK=BK, BKC=min(32, BK), L2=bool(use_qk_l2norm), TREE=tree, PAGED=paged is not None,
+        SPREC=PREP_PRECISION, num_warps=PREP_WARPS)
     grid = flat_grid(triton.cdiv(V, BV), HV, Bt)
     fold_in_pass = paged is None and fused_fold
     _gdn_verify_readout_kernel[grid](
         state, ur, kr, gr, slot, start, hist, bt, flush, v, qk, cf, y, U,
         T, L, H, HV, K, V, HV // H, MAXB, NC,
         TP=TP, TPP=TPP, LP=LP, BK=BK, BV=BV, BKC=min(32, BK), PAGED=paged is not None, PREC=precision,
-        FOLD=fold_in_pass, FOLD_PREC=fold_precision, num_warps=num_warps)
+        FOLD=fold_in_pass, num_warps=num_warps)
     if paged is None and not fused_fold:
         _fold(buf, plan, 0, grid, BV, fold_precision)
     return y, U, Kn
