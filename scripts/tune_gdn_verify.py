@@ -13,7 +13,8 @@ B = 1, 16, 64, 256 and T = 5 (and 3) drafts, fp32 and bf16 checkpoint states:
   % of copy bandwidth from the bytes each call must move.
 
 Variants: the default (``verify_form``), ``impl="dot"``, ``impl="split"`` at its table's
-launch and a few neighbouring tiles / warps, and the split prep on 2 or 8 warps.
+launch (flush rows folded in the readout, or by the separate fold kernel: ``fused_fold=False``)
+and a few neighbouring tiles / warps, and the split prep on 2 or 8 warps.
 ``--counts`` prints the byte / FLOP / schedule count of one verify call (no GPU).
 
     PYTHONPATH=. python scripts/tune_gdn_verify.py            # ~3-4 min on an H100; JSON to $OUT
@@ -51,7 +52,7 @@ def gdn_shapes() -> dict:
 
 
 def variants(T: int, Bt: int, HV: int) -> list[dict]:
-    base = [{}, dict(impl="dot"), dict(impl="split")]
+    base = [{}, dict(impl="dot"), dict(impl="split"), dict(impl="split", fused_fold=False)]
     if T < 5:
         return base + [dict(impl="split", block_v=64, num_warps=4)]
     tiles = [(32, 4), (64, 4), (64, 2), (128, 4), (32, 2)]
@@ -209,7 +210,7 @@ def main() -> None:
         tag = "/".join(names)
         for T in [int(t) for t in args.T.split(",")]:
             for var in variants(T, 256, HV):
-                if var.get("block_v") or var.get("prep_warps"):
+                if var.get("block_v") or var.get("prep_warps"):  # the same code at other launch sizes
                     continue
                 e = check_variant(s, dev, var, T)
                 ok = e["y"] < 2e-2 and e["state"] < 1e-4 and e["u"] < 2e-2 and e["k"] < 1e-2

@@ -681,6 +681,50 @@ if HAVE_TRITON:
         return bn, anc, Gs
 
     @triton.jit
+    def _fold_rank1(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot, start, h, tot, hv, kh, offs_v, mv,
+                    L, H, HV, K, V, BK: tl.constexpr, BKC: tl.constexpr):
+        """``S_h = e^{tot} S0 + Σ_{j<h} e^{tot−cum_j} k_j u_jᵀ`` over one ``[K, BV]`` tile, ``K`` in
+        chunks of ``BKC``, by rank-1 updates over the ``h`` ring entries (fp32 FMA); stored
+        rounded once."""
+        a0 = tl.exp(tot)
+        for f0 in range(0, BK, BKC):
+            offs_f = f0 + tl.arange(0, BKC)
+            mf = offs_f < K
+            fptr = state_ptr + ((slot * HV + hv) * K + offs_f[:, None]) * V + offs_v[None, :]
+            Sh = a0 * tl.load(fptr, mask=mf[:, None] & mv[None, :], other=0.0).to(tl.float32)
+            c = tot * 0.0
+            for j in range(0, h):
+                ej = slot * L + (start + j) % L
+                c += tl.load(gr_ptr + ej * HV + hv).to(tl.float32)
+                kj = tl.load(kr_ptr + (ej * H + kh) * K + offs_f, mask=mf, other=0.0).to(tl.float32)
+                uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+                Sh += (tl.exp(tot - c) * kj)[:, None] * uj[None, :]
+            tl.store(fptr, Sh.to(state_ptr.dtype.element_ty), mask=mf[:, None] & mv[None, :])
+
+    @triton.jit
+    def _gdn_verify_fold_kernel(
+        state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
+        L, H, HV, K, V, REP,
+        LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
+    ):
+        """The split verify's flush rows when not folded in the readout (``fused_fold=False``):
+        one program per (row, value head, V-block); the other rows' programs return after one
+        load.  :func:`_fold_rank1` over the row's committed entries."""
+        vb, hv, r = tile_ids(tl.cdiv(V, BV), HV)
+        if tl.load(flush_ptr + r) != 0:
+            kh = hv // REP
+            slot = tl.load(slot_ptr + r).to(tl.int64)
+            start = tl.load(start_ptr + r).to(tl.int64)
+            h = tl.load(hist_ptr + r).to(tl.int64)
+            jj = tl.arange(0, LP)
+            mj = jj < h
+            e = slot * L + (start + jj) % L
+            tot = tl.sum(tl.where(mj, tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32), 0.0), 0)
+            offs_v = vb * BV + tl.arange(0, BV)
+            _fold_rank1(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot, start, h, tot, hv, kh, offs_v, offs_v < V,
+                        L, H, HV, K, V, BK, BKC)
+
+    @triton.jit
     def _gdn_verify_prep_kernel(
         kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, bt_ptr,
         q_ptr, k_ptr, g_ptr, b_ptr, bits_ptr, ko_ptr, qk_ptr, cf_ptr,
@@ -821,7 +865,6 @@ if HAVE_TRITON:
                 flush = tl.load(flush_ptr + r) != 0
                 start = tl.load(start_ptr + r).to(tl.int64)
                 tot = tl.sum(tl.where(mj, tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32), 0.0), 0)
-                a0 = tl.exp(tot)
             for k0 in tl.static_range(0, BK, BKC):
                 offs_k = k0 + tl.arange(0, BKC)
                 mk = offs_k < K
@@ -831,20 +874,9 @@ if HAVE_TRITON:
                 S0 = tl.load(sptr, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)   # [BKC, BV]
                 P += tl.dot(opnd, S0, input_precision=PREC)
             if FOLD:
-                if flush:  # a second pass over the tile (from L2), rank-1 updates over the h entries (fp32 FMA)
-                    for f0 in range(0, BK, BKC):
-                        offs_f = f0 + tl.arange(0, BKC)
-                        mf = offs_f < K
-                        fptr = state_ptr + ((slot * HV + hv) * K + offs_f[:, None]) * V + offs_v[None, :]
-                        Sh = a0 * tl.load(fptr, mask=mf[:, None] & mv[None, :], other=0.0).to(tl.float32)
-                        c = tot * 0.0
-                        for j in range(0, h):
-                            ej = slot * L + (start + j) % L
-                            c += tl.load(gr_ptr + ej * HV + hv).to(tl.float32)
-                            kj = tl.load(kr_ptr + (ej * H + kh) * K + offs_f, mask=mf, other=0.0).to(tl.float32)
-                            uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-                            Sh += (tl.exp(tot - c) * kj)[:, None] * uj[None, :]
-                        tl.store(fptr, Sh.to(state_ptr.dtype.element_ty), mask=mf[:, None] & mv[None, :])
+                if flush:  # a second pass over the tile (from L2)
+                    _fold_rank1(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot, start, h, tot, hv, kh, offs_v, mv,
+                                L, H, HV, K, V, BK, BKC)
         ss = tl.arange(0, TP)
         ms = ss < T
         tok = r64 * T + ss
@@ -1184,8 +1216,10 @@ def _verify_split(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, bits, paged
     """``impl="split"``: :func:`_gdn_verify_prep_kernel` once per (row, key head) (norms, the
     ``T × (T + L)`` score products and the solved ``T × T`` system as output coefficients, for
     the group's value heads), then :func:`_gdn_verify_readout_kernel` per (row, value head,
-    V-block), which streams the checkpoint once (flush rows folded in the same pass when
-    ``fused_fold``, else by :func:`_fold` after).  Scratch: ``[Bt, H, 2T, K]`` + ``[Bt, HV, 2, T,
+    V-block), which streams the checkpoint once (flush rows folded by a second pass over
+    their tile in the same kernel when ``fused_fold``, else by :func:`_gdn_verify_fold_kernel`
+    after, which keeps the fold's registers out of the readout).  Folds are fp32 FMA
+    (``fold_precision`` is not used).  Scratch: ``[Bt, H, 2T, K]`` + ``[Bt, HV, 2, T,
     3T + L']`` fp32."""
     Bt, T, H, HV, K, V = _dims(q, v, True)
     bv0, w0 = split_defaults(Bt, HV)
@@ -1226,7 +1260,8 @@ def _verify_split(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, bits, paged
         TP=TP, TPP=TPP, LP=LP, BK=BK, BV=BV, BKC=min(32, BK), PAGED=paged is not None, PREC=precision,
         FOLD=fold_in_pass, num_warps=num_warps)
     if paged is None and not fused_fold:
-        _fold(buf, plan, 0, grid, BV, fold_precision)
+        _gdn_verify_fold_kernel[grid](state, ur, kr, gr, slot, start, hist, flush, L, H, HV, K, V, HV // H,
+                                      LP=LP, BK=BK, BV=BV, BKC=min(32, BK), num_warps=num_warps)
     return y, U, Kn
 
 
