@@ -204,7 +204,8 @@ def main() -> None:
         shapes = {tuple(max(2, x // 8) for x in shp): names for shp, names in shapes.items()}
     timer = Timer(dev, quick=True)
     bw = copy_bandwidth(dev, timer)
-    res.update(device=torch.cuda.get_device_name() if dev == "cuda" else dev, copy_TBps=bw / 1e12, checks=[], rows=[], skipped=[])
+    res.update(device=torch.cuda.get_device_name() if dev == "cuda" else dev, copy_TBps=bw / 1e12, checks=[], rows=[],
+               skipped=[])
     print(f"device {res['device']}  copy {bw / 1e12:.2f} TB/s")
     for (HK, HV, K, V), names in shapes.items():
         s = dict(HK=HK, HV=HV, K=K, V=V)
@@ -270,7 +271,8 @@ def main() -> None:
                         res["rows"].append(row)
                         print(f"  T={T} {json.dumps(var or 'default'):<46} " + " ".join(
                             f"{f} {ts[f]:7.1f}" for f in ts) + f" us  mixed {pct['mixed']:3.0f}% copy, "
-                            f"x{row['x_decode']:.2f} decode, snapshot {snap:7.1f} us (snapshot/verify {row['x_snapshot']:.2f})",
+                            f"x{row['x_decode']:.2f} decode, snapshot {snap:7.1f} us "
+                            f"(snapshot/verify {row['x_snapshot']:.2f})",
                             flush=True)
                 buf = None
                 if dev == "cuda":

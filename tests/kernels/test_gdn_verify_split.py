@@ -14,7 +14,8 @@ import torch
 pytest.importorskip("triton")
 
 from kernel_device import kernel_device  # noqa: E402
-from test_kernels import GDN_BUF, _paged, clone_gdn, close, close_buffers, gdn_inputs, prep_gdn, random_parents  # noqa: E402
+from test_kernels import (GDN_BUF, _paged, clone_gdn, close, close_buffers, gdn_inputs, prep_gdn,  # noqa: E402
+                          random_parents)
 
 from replayssm.kernels import gdn as KG  # noqa: E402
 from replayssm.ops.gdn import naive as NG  # noqa: E402
