@@ -1128,14 +1128,23 @@ PREP_PRECISION = "ieee"
 PREP_WARPS = 4
 
 
+#: measured overrides of :func:`verify_form`'s rule for 16-bit activations: rows ``(min_T,
+#: min row × value-head pairs, impl)``, the first row the call reaches wins.  Empty: the rule
+#: below.  The ``split`` form goes here once ``scripts/tune_gdn_verify.py`` has timed it.
+VERIFY_TABLE: list = []
+
+
 def verify_form(dtype: torch.dtype, T: int, impl: str | None, precision: str | None,
-                fold_precision: str = "tf32x3") -> tuple[str, str]:
-    """``(impl, precision)`` of a verify call of ``T`` queries: for 16-bit activations the
+                fold_precision: str = "tf32x3", pairs: int | None = None) -> tuple[str, str]:
+    """``(impl, precision)`` of a verify call of ``T`` queries over ``pairs`` (row, value head)
+    pairs: a matching :data:`VERIFY_TABLE` row, else for 16-bit activations the
     ``dot`` kernel with tf32 output products from T = 5 (H100 sweep 2026-11-25, B = 1..256,
     T = 5: whole 128-wide V tiles on 4 warps ran 1.5-2.2x the rows kernel; at tf32x3 that
     tile spilled and lost; its 16-row padding makes small T its worst case, not measured);
     else the ``rows`` kernel (FMA outputs, fp32-level)."""
     precision = verify_precision(dtype, precision, fold_precision)
+    if impl is None and precision == "tf32" and pairs is not None:
+        impl = next((name for tmin, pmin, name in VERIFY_TABLE if T >= tmin and pairs >= pmin), None)
     if impl is None:
         impl = "dot" if precision == "tf32" and T >= 5 else "rows"
     return impl, precision
@@ -1152,7 +1161,7 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     Bt, T, H, HV, K, V = _dims(q, v, True)
-    impl, precision = verify_form(q.dtype, T, impl, precision, fold_precision)
+    impl, precision = verify_form(q.dtype, T, impl, precision, fold_precision, pairs=Bt * HV)
     if impl not in VERIFY_IMPLS:
         raise ValueError(f"bad verify impl {impl!r}: expected one of {VERIFY_IMPLS}")
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))

@@ -132,3 +132,28 @@ def test_split_defaults_table():
     assert KG.split_defaults(1, 32) == (32, 4)
     assert "split" in KG.VERIFY_IMPLS
     assert KG.verify_form(torch.bfloat16, 5, None, None)[0] == "dot"  # the default is unchanged until measured
+
+
+def test_verify_table_selects_split(monkeypatch):
+    """A ``VERIFY_TABLE`` row routes default calls (16-bit activations) to the split form from its
+    bounds on; other calls keep the rule; the split call gives the explicit call's numbers."""
+    monkeypatch.setattr(KG, "VERIFY_TABLE", [(5, 20, "split")])
+    assert KG.verify_form(torch.bfloat16, 5, None, None, pairs=24) == ("split", "tf32")
+    assert KG.verify_form(torch.bfloat16, 5, None, None, pairs=12)[0] == "dot"
+    assert KG.verify_form(torch.bfloat16, 4, None, None, pairs=24)[0] == "rows"
+    assert KG.verify_form(torch.float32, 5, None, None, pairs=24)[0] == "rows"
+    assert KG.verify_form(torch.bfloat16, 5, "dot", None, pairs=24)[0] == "dot"
+    seen = []
+    real = KG._verify_split
+    monkeypatch.setattr(KG, "_verify_split", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    s, T = _shape(dtype=torch.bfloat16), 5
+    ring, slots, buf = prep_gdn(s, DEVICE, seed=60, T=T, kind="verify")
+    other = clone_gdn(buf)
+    plan = ring.plan_verify(slots, T, "verify")
+    q, k, v, g, beta = gdn_inputs(s, DEVICE, T)
+    y0 = KG.replay_verify(other, plan, q, k, v, g, beta, impl="split", block_v=_bv())
+    y1 = KG.replay_verify(buf, plan, q, k, v, g, beta, block_v=_bv())  # Bt × HV = 36 pairs: the table's row
+    assert len(seen) == 2
+    assert torch.equal(y0, y1)
+    for name in GDN_BUF:
+        assert torch.equal(getattr(other, name).nan_to_num(), getattr(buf, name).nan_to_num()), name
