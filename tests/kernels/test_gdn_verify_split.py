@@ -37,13 +37,13 @@ def _bv():
 
 @pytest.mark.parametrize("pattern", ["reject", "accept", "random"])
 def test_split_verify_cycle(pattern, nan_empty):
-    """Three verify steps in a row, each committed with the pattern's accept counts."""
+    """Verify steps in a row, each committed with the pattern's accept counts."""
     s, T = _shape(), 5
     ring, slots, buf = prep_gdn(s, DEVICE, seed=21, T=T, kind="verify")
     ref = clone_gdn(buf)
     gen = torch.Generator().manual_seed(22)
     kinds = set()
-    for step in range(3):
+    for step in range(2):
         plan = ring.plan_verify(slots, T, "verify")
         q, k, v, g, beta = gdn_inputs(s, DEVICE, T)
         y_ref = NG.replay_verify(ref, plan, q, k, v, g, beta)
