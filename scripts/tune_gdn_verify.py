@@ -15,7 +15,8 @@ bf16 and fp32 checkpoint states:
 
 Variants: the default (``verify_form``), ``impl="dot"``, ``impl="split"`` at its table's
 launch (flush rows folded in the readout, or by the separate fold kernel: ``fused_fold=False``)
-and a few neighbouring tiles / warps, and the split prep on 2 or 8 warps.
+and a few neighbouring tiles / warps, the split prep on 2 or 8 warps, and each split kernel
+alone (``skip``: the other one's launch left out; timing only).
 ``--counts`` prints the byte / FLOP / schedule count of one verify call (no GPU).
 
     PYTHONPATH=. python scripts/tune_gdn_verify.py            # ~3-4 min on an H100; JSON to $OUT
@@ -59,19 +60,31 @@ def variants(T: int, Bt: int, HV: int) -> list[dict]:
     tiles = [(32, 4), (64, 4), (64, 2), (128, 4), (32, 2)]
     own = kg.split_defaults(Bt, HV)
     return base + [dict(impl="split", block_v=bv, num_warps=w) for bv, w in tiles if (bv, w) != own] + [
-        dict(impl="split", prep_warps=2), dict(impl="split", prep_warps=8)]
+        dict(impl="split", prep_warps=2), dict(impl="split", prep_warps=8),
+        dict(impl="split", skip="readout"), dict(impl="split", skip="prep")]
+
+
+class _Skip:
+    """Stands in for a kernel whose launch is skipped (timing the other split kernel alone)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
 
 
 def call(buf, plan, inp, var: dict):
+    """One verify call; ``prep_warps`` sets ``PREP_WARPS``; ``skip`` ("prep" / "readout") leaves
+    that split kernel out (timing only: the outputs are then not the verify's)."""
     var = dict(var)
-    pw = var.pop("prep_warps", None)
-    old = kg.PREP_WARPS
+    pw, skip = var.pop("prep_warps", None), var.pop("skip", None)
+    saved = kg.PREP_WARPS, kg._gdn_verify_prep_kernel, kg._gdn_verify_readout_kernel
     if pw:
         kg.PREP_WARPS = pw
+    if skip:
+        setattr(kg, f"_gdn_verify_{skip}_kernel", _Skip())
     try:
         return kg.replay_verify(buf, plan, **inp, **var)
     finally:
-        kg.PREP_WARPS = old
+        kg.PREP_WARPS, kg._gdn_verify_prep_kernel, kg._gdn_verify_readout_kernel = saved
 
 
 def setup(Bt: int, s: dict, dev: str, state_dtype, dt=torch.bfloat16, seed: int = 0) -> GDNBuffers:
@@ -212,7 +225,7 @@ def main() -> None:
         tag = "/".join(names)
         for T in [int(t) for t in args.T.split(",")]:
             for var in variants(T, 256, HV):
-                if var.get("block_v") or var.get("prep_warps"):  # the same code at other launch sizes
+                if var.get("block_v") or var.get("prep_warps") or var.get("skip"):  # same code / timing only
                     continue
                 e = check_variant(s, dev, var, T)
                 ok = e["y"] < 2e-2 and e["state"] < 1e-4 and e["u"] < 2e-2 and e["k"] < 1e-2
@@ -279,6 +292,8 @@ def main() -> None:
                     torch.cuda.empty_cache()
     best: dict = {}
     for r in res["rows"]:
+        if isinstance(r["var"], dict) and r["var"].get("skip"):
+            continue
         key = (r["shape"], r["state"], r["B"], r["T"])
         if key not in best or r["us"]["mixed"] < best[key]["us"]["mixed"]:
             best[key] = r
