@@ -1156,8 +1156,10 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
     """The verify kernel (output route: both routes give the same numbers up to rounding).
     ``impl="rows"``: one draft at a time on register tiles, then the fold kernel for the rows
     that flush.  ``impl="dot"``: small tensor-core products over K chunks, the flush rows
-    folded in the same pass when ``fused_fold``.  ``impl=None`` / ``precision=None``:
-    :func:`verify_form`.  Folds (fused or not) run at ``fold_precision``."""
+    folded in the same pass when ``fused_fold``.  ``impl="split"``: :func:`_verify_split`
+    (a per key-head prep kernel, then a readout that streams the checkpoint once; fp32 FMA
+    folds).  ``impl=None`` / ``precision=None``: :func:`verify_form`.  The rows / dot folds
+    (fused or not) run at ``fold_precision``."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     Bt, T, H, HV, K, V = _dims(q, v, True)
