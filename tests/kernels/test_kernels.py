@@ -399,11 +399,11 @@ def test_gdn_replay_decode_cycle(device, route, pre_scores, flush_mode):
 @pytest.mark.parametrize("kind,route,T", [
     ("verify", "state", 3), ("verify", "output", 3), ("verify", "output", 4),
     ("tree", "state", 3), ("tree", "output", 4), ("tree", "output", 3)])
-@pytest.mark.parametrize("impl", ["rows", "dot", "dot-unfused"])
+@pytest.mark.parametrize("impl", ["rows", "dot", "dot-unfused", "split", "split-unfused"])
 def test_gdn_verify(device, kind, route, T, impl):
     """Every verify kernel variant: outputs and every buffer (state after the flush rows'
     fold, ring entries) against the naive op."""
-    kw = dict(impl="dot", fused_fold=False) if impl == "dot-unfused" else dict(impl=impl)
+    kw = dict(impl=impl.split("-")[0], fused_fold=not impl.endswith("-unfused"))
     s = shapes(device)
     ring, slots, buf = prep_gdn(s, device, seed=8, T=T, kind=kind)
     ref = clone_gdn(buf)
