@@ -168,46 +168,6 @@ class NgramIndex:
         return out
 
 
-def _tail_functions(n_min: int, n_max: int):
-    """``(extend, advance)`` of :class:`NgramTailIndex` unrolled for ``n_min..n_max``
-    (generated once per pair: loops over ``n`` per token, and a call per step for each
-    part, would double the cost).  Both need ``len(index.tokens) >= n_max - 1`` (every
-    n-gram ending at a new token starts at >= 0); ``advance`` checks it."""
-    ns = list(range(n_min, n_max + 1))
-    ks = ", ".join(f"k{n}" for n in range(1, n_max + 1))
-    ds = ", ".join(f"d{n}" for n in ns)
-    bs = ", ".join(f"b{n}" for n in ns)
-
-    def index_new(ind: str) -> str:
-        """Index ``new`` (a non-empty list) after ``L`` tokens; sets ``b<n>``."""
-        roll = [f"k{n} = (k{n - 1} << 32) | t" for n in range(n_max, 1, -1)] + ["k1 = t"]
-        lines = [f"{ds}, = self.last", f"{ks}, = self.ends", "for t in new[:-1]:",
-                 "    if t >> 32:", "        self.exact = False"]
-        lines += ["    " + r for r in roll] + [f"    d{n}[k{n}] = L - {n - 1}" for n in ns] + ["    L += 1"]
-        lines += ["t = new[-1]", "if t >> 32:", "    self.exact = False"] + roll
-        for n in ns:
-            lines += [f"b{n} = d{n}.get(k{n}, -1)", f"d{n}[k{n}] = L - {n - 1}"]
-        lines += [f"self.before = [{bs}]", f"self.ends = [{ks}]", "toks.extend(new)"]
-        return "".join(f"{ind}{x}\n" for x in lines)
-
-    lookup = "".join(f"    if b{n} >= 0:\n        return toks[b{n} + {n}:b{n} + {n} + length].tolist()\n"
-                     for n in reversed(ns))
-    src = ("def extend(self, new):\n    toks = self.tokens\n    L = len(toks)\n" + index_new("    ")
-           + "\n\ndef advance(self, prompt, output, length):\n"
-           + "    toks = self.tokens\n    L = len(toks)\n    P = len(prompt)\n"
-           + f"    if L < P or L < {n_max - 1} or not self.exact or length <= 0:\n"
-           + "        self.sync(prompt, output)\n        return self.first(length)\n"
-           + "    new = output[L - P:]\n    if new:\n" + index_new("        ")
-           + "        if not self.exact:\n            return self.first(length)\n"
-           + f"    else:\n        {bs}, = self.before\n" + lookup + "    return []\n")
-    scope: dict = {}
-    exec(compile(src, f"<ngram tail index {n_min}..{n_max}>", "exec"), scope)
-    return scope["extend"], scope["advance"]
-
-
-_TAIL_FUNCTIONS: dict = {}
-
-
 class NgramTailIndex:
     """The chain drafter's index of one sequence: per ``n`` in ``n_min..n_max`` the most
     recent start of every n-gram (an int -> int dict; keys pack the tokens as in
@@ -217,7 +177,7 @@ class NgramTailIndex:
     ``ngram_continuations(tokens, n_min, n_max, length, 1)``.  Ids outside ``[0, 2**32)``
     (keys could collide) switch the index to that plain scan."""
 
-    __slots__ = ("n_min", "n_max", "tokens", "last", "ends", "before", "exact", "owner", "_fast", "_advance")
+    __slots__ = ("n_min", "n_max", "tokens", "last", "ends", "before", "exact", "owner")
 
     def __init__(self, n_min: int, n_max: int):
         if not (isinstance(n_min, int) and isinstance(n_max, int) and 1 <= n_min <= n_max):
@@ -229,45 +189,38 @@ class NgramTailIndex:
         self.before = [-1] * (n_max - n_min + 1)     # per n: previous start of the tail n-gram
         self.exact = True
         self.owner = None
-        fns = _TAIL_FUNCTIONS.get((n_min, n_max))
-        if fns is None:
-            fns = _TAIL_FUNCTIONS[(n_min, n_max)] = _tail_functions(n_min, n_max)
-        self._fast, self._advance = fns
 
     def advance(self, prompt: list[int], output: list[int], length: int) -> list[int]:
-        """:meth:`sync` then :meth:`first` in one call (unrolled; the drafter's per-row step)."""
-        return self._advance(self, prompt, output, length)
+        """:meth:`sync` then :meth:`first` (the drafter's per-row step)."""
+        self.sync(prompt, output)
+        return self.first(length)
 
     @property
     def indexed(self) -> int:
         return len(self.tokens)
 
-    def _extend_one(self, t: int) -> None:
-        """One token, every guard spelled out (a sequence's first ``n_max - 1`` tokens)."""
-        toks, n_min = self.tokens, self.n_min
-        L = len(toks)             # t's position
-        toks.append(t)
-        if t >> 32:               # negative or >= 2**32: keys may collide from here on
-            self.exact = False
-        self.ends = ends = [t] + [(k << 32) | t for k in self.ends[:-1]]
-        for n in range(n_min, self.n_max + 1):
-            if n > L + 1:
-                self.before[n - n_min] = -1
-                continue
-            d = self.last[n - n_min]
-            self.before[n - n_min] = d.get(ends[n - 1], -1)
-            d[ends[n - 1]] = L + 1 - n
-
     def extend(self, new) -> None:
-        """Append and index ``new`` tokens (a list)."""
-        if not new:
-            return
-        i = 0
-        while i < len(new) and len(self.tokens) < self.n_max - 1:
-            self._extend_one(new[i])
-            i += 1
-        if i < len(new):
-            self._fast(self, new[i:] if i else new)
+        """Append and index ``new`` tokens (a list): per token and ``n``, the key of the
+        n-gram ending at it (rolled from the previous token's keys) is looked up — the tail's
+        previous start, kept in :attr:`before` — and stored as its latest start."""
+        toks, ends, before, last, n_min = self.tokens, self.ends, self.before, self.last, self.n_min
+        for t in new:
+            L = len(toks)             # t's position
+            toks.append(t)
+            if t >> 32:               # negative or >= 2**32: keys may collide from here on
+                self.exact = False
+            for i in range(len(ends) - 1, 0, -1):   # ends[i]: the (i+1)-gram ending at t
+                ends[i] = (ends[i - 1] << 32) | t
+            ends[0] = t
+            n = n_min
+            for j, d in enumerate(last):
+                if n > L + 1:         # the sequence is shorter than n
+                    before[j] = -1
+                else:
+                    key = ends[n - 1]
+                    before[j] = d.get(key, -1)
+                    d[key] = L + 1 - n
+                n += 1
 
     def sync(self, prompt: list[int], output: list[int]):
         """Index what the append-only sequence ``prompt + output`` added since the last call
@@ -405,7 +358,7 @@ class NgramDrafter(_NgramBase):
             if idx is None or idx.owner is not s:   # new, or a request id used again after its release
                 idx = index[s.request_id] = self.index_class(n_min, n_max)
                 idx.owner = s
-            d = idx._advance(idx, s.prompt_ids, s.output_ids, length)
+            d = idx.advance(s.prompt_ids, s.output_ids, length)
             drafts.append(d)
             lasts.append(idx.tokens[-1])
             if len(d) > n:
