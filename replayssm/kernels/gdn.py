@@ -1129,9 +1129,13 @@ PREP_WARPS = 4
 
 
 #: measured overrides of :func:`verify_form`'s rule for 16-bit activations: rows ``(min_T,
-#: min row × value-head pairs, impl)``, the first row the call reaches wins.  Empty: the rule
-#: below.  The ``split`` form goes here once ``scripts/tune_gdn_verify.py`` has timed it.
-VERIFY_TABLE: list = []
+#: min row × value-head pairs, impl)``, the first row the call reaches wins.  H100
+#: (``scripts/tune_gdn_verify.py``, 2026-11-27, Qwen3.5-4B / Qwen3-Next-4B shapes, bf16 and
+#: fp32 states, mixed fills): ``dot`` beat ``rows`` at T = 3 and 4 at every batch measured —
+#: B = 256, T = 4: 437 vs 826 µs (bf16 states), 496 vs 710 (fp32); B = 16, T = 4: 26.6 vs
+#: 78.0; B = 1, T = 3: 10.6 vs 15.6 — so ``dot`` from T = 3; T = 2 (one draft) not measured.
+#: The ``split`` form lost everywhere (B = 256, T = 5: 681 vs 463 µs; its prep alone 263).
+VERIFY_TABLE: list = [(3, 0, "dot")]
 
 
 def verify_form(dtype: torch.dtype, T: int, impl: str | None, precision: str | None,

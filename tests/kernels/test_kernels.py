@@ -497,8 +497,9 @@ def test_flush_row_compaction(device, Bt, BT):
 
 def test_verify_forms():
     """The verify kernels' default forms: tf32 output products for 16-bit activations only
-    (fp32 keeps fp32-level products), the GDN dot kernel for 16-bit activations from T = 5, and
-    explicit arguments win."""
+    (fp32 keeps fp32-level products), the GDN dot kernel for 16-bit activations from T = 5 by
+    the rule and from T = 3 by the measured table (calls that give their pairs), and explicit
+    arguments win."""
     from replayssm.kernels._triton import verify_precision
 
     assert verify_precision(torch.bfloat16) == verify_precision(torch.float16) == "tf32"
@@ -506,6 +507,10 @@ def test_verify_forms():
     assert verify_precision(torch.bfloat16, "ieee") == "ieee"
     assert KG.verify_form(torch.bfloat16, 5, None, None) == ("dot", "tf32")
     assert KG.verify_form(torch.bfloat16, 4, None, None) == ("rows", "tf32")
+    assert KG.verify_form(torch.bfloat16, 4, None, None, pairs=1) == ("dot", "tf32")
+    assert KG.verify_form(torch.bfloat16, 3, None, None, pairs=8192) == ("dot", "tf32")
+    assert KG.verify_form(torch.bfloat16, 2, None, None, pairs=8192) == ("rows", "tf32")
+    assert KG.verify_form(torch.float32, 4, None, None, pairs=8192) == ("rows", "tf32x3")
     assert KG.verify_form(torch.float32, 5, None, None) == ("rows", "tf32x3")
     assert KG.verify_form(torch.bfloat16, 5, "rows", "tf32x3") == ("rows", "tf32x3")
     for bad in (dict(precision="fp64"), dict(fold_precision="tf16")):
