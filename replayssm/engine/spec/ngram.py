@@ -47,7 +47,43 @@ def ngram_continuations(ids: list[int], n_min: int, n_max: int, length: int, max
     return out
 
 
-class NgramIndex:
+class _SequenceIndex:
+    """What both n-gram indexes keep of one append-only sequence: its tokens as indexed, per
+    ``n`` in ``n_min..n_max`` an int -> int dict from an n-gram's key to its latest start,
+    the keys of the 1..n_max-grams ending at the last token, whether every id so far packs
+    exactly, and the :class:`Sequence` it indexes (a request id may be used again)."""
+
+    __slots__ = ("n_min", "n_max", "tokens", "last", "ends", "exact", "owner")
+
+    def __init__(self, n_min: int, n_max: int):
+        if not (isinstance(n_min, int) and isinstance(n_max, int) and 1 <= n_min <= n_max):
+            raise ValueError(f"{type(self).__name__}: need 1 <= n_min <= n_max, got {n_min!r}, {n_max!r}")
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens = array("q")                              # the sequence's tokens, as indexed
+        self.last = [{} for _ in range(n_min, n_max + 1)]      # per n: key -> most recent start
+        self.ends = [0] * n_max      # ends[j]: key of the (j + 1)-gram ending at the last token
+        self.exact = True            # every id so far in [0, 2**32): keys are exact
+        self.owner = None
+
+    @property
+    def indexed(self) -> int:
+        return len(self.tokens)
+
+    def sync(self, prompt: list[int], output: list[int]):
+        """Index (the subclass's ``extend``) the tokens of the append-only sequence
+        ``prompt + output`` the index lacks
+        (a lookup costs the new tokens, not a copy of the whole context: ``Sequence.all_ids``
+        concatenates, 32 K tokens x 256 rows per step); returns the index's tokens."""
+        L, P = len(self.tokens), len(prompt)
+        if L < P:
+            self.extend(prompt[L:])
+            L = P
+        if L - P < len(output):
+            self.extend(output[L - P:])
+        return self.tokens
+
+
+class NgramIndex(_SequenceIndex):
     """Incremental index of one sequence's n-grams (``n_min..n_max``), O(1) work per new
     token and n-gram length: a lookup costs the matches it visits, not a scan.
 
@@ -61,22 +97,11 @@ class NgramIndex:
     :meth:`continuations` returns exactly what :func:`ngram_continuations` returns; token ids
     must fit in int64."""
 
-    __slots__ = ("n_min", "n_max", "tokens", "last", "prev", "ends", "exact", "owner")
+    __slots__ = ("prev",)
 
     def __init__(self, n_min: int, n_max: int):
-        if not (isinstance(n_min, int) and isinstance(n_max, int) and 1 <= n_min <= n_max):
-            raise ValueError(f"NgramIndex: need 1 <= n_min <= n_max, got {n_min!r}, {n_max!r}")
-        self.n_min, self.n_max = n_min, n_max
-        self.tokens = array("q")                              # the sequence's tokens, as indexed
-        self.last = [{} for _ in range(n_min, n_max + 1)]      # per n: key -> most recent start
+        super().__init__(n_min, n_max)
         self.prev = [array("q") for _ in range(n_min, n_max + 1)]   # per n: start -> previous start
-        self.ends = [0] * n_max      # ends[j]: key of the (j + 1)-gram ending at the last token
-        self.exact = True            # every id so far in [0, 2**32): keys are exact
-        self.owner = None            # the Sequence it indexes (a request id may be used again)
-
-    @property
-    def indexed(self) -> int:
-        return len(self.tokens)
 
     def extend(self, new) -> None:
         """Append and index ``new`` tokens: per token and ``n``, one key, one dict lookup and
@@ -95,18 +120,6 @@ class NgramIndex:
                 d, key, start = last[j - n_min + 1], ends[j], L - 1 - j
                 prev[j - n_min + 1].append(d.get(key, -1))
                 d[key] = start
-
-    def sync(self, prompt: list[int], output: list[int]):
-        """Index the tokens of the append-only sequence ``prompt + output`` the index lacks
-        (a lookup costs the new tokens, not a copy of the whole context: ``Sequence.all_ids``
-        concatenates, 32 K tokens x 256 rows per step); returns the index's tokens."""
-        L, P = len(self.tokens), len(prompt)
-        if L < P:
-            self.extend(prompt[L:])
-            L = P
-        if L - P < len(output):
-            self.extend(output[L - P:])
-        return self.tokens
 
     def update(self, ids) -> None:
         """Index the tokens of ``ids`` (an append-only list) past :attr:`indexed`."""
@@ -168,7 +181,7 @@ class NgramIndex:
         return out
 
 
-class NgramTailIndex:
+class NgramTailIndex(_SequenceIndex):
     """The chain drafter's index of one sequence: per ``n`` in ``n_min..n_max`` the most
     recent start of every n-gram (an int -> int dict; keys pack the tokens as in
     :class:`NgramIndex`), and for the tail (the last ``n`` tokens) the start of its previous
@@ -177,27 +190,16 @@ class NgramTailIndex:
     ``ngram_continuations(tokens, n_min, n_max, length, 1)``.  Ids outside ``[0, 2**32)``
     (keys could collide) switch the index to that plain scan."""
 
-    __slots__ = ("n_min", "n_max", "tokens", "last", "ends", "before", "exact", "owner")
+    __slots__ = ("before",)
 
     def __init__(self, n_min: int, n_max: int):
-        if not (isinstance(n_min, int) and isinstance(n_max, int) and 1 <= n_min <= n_max):
-            raise ValueError(f"NgramTailIndex: need 1 <= n_min <= n_max, got {n_min!r}, {n_max!r}")
-        self.n_min, self.n_max = n_min, n_max
-        self.tokens = array("q")
-        self.last = [{} for _ in range(n_min, n_max + 1)]
-        self.ends = [0] * n_max                      # keys of the 1..n_max-grams ending at the last token
+        super().__init__(n_min, n_max)
         self.before = [-1] * (n_max - n_min + 1)     # per n: previous start of the tail n-gram
-        self.exact = True
-        self.owner = None
 
     def advance(self, prompt: list[int], output: list[int], length: int) -> list[int]:
         """:meth:`sync` then :meth:`first` (the drafter's per-row step)."""
         self.sync(prompt, output)
         return self.first(length)
-
-    @property
-    def indexed(self) -> int:
-        return len(self.tokens)
 
     def extend(self, new) -> None:
         """Append and index ``new`` tokens (a list): per token and ``n``, the key of the
@@ -221,17 +223,6 @@ class NgramTailIndex:
                     before[j] = d.get(key, -1)
                     d[key] = L + 1 - n
                 n += 1
-
-    def sync(self, prompt: list[int], output: list[int]):
-        """Index what the append-only sequence ``prompt + output`` added since the last call
-        (no copy of the whole context); returns the index's tokens."""
-        L, P = len(self.tokens), len(prompt)
-        if L < P:
-            self.extend(prompt[L:])
-            L = P
-        if L - P < len(output):
-            self.extend(output[L - P:])
-        return self.tokens
 
     def first(self, length: int) -> list[int]:
         """The ``length`` tokens (or fewer) that followed the most recent earlier occurrence
