@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from replayssm.cache.spec import CacheSpec
-from replayssm.models.cache import CacheLayout
+from replayssm.models.cache import CacheLayout, ModelCache
 from replayssm.runtime import canonical_device
 
 
@@ -178,15 +178,7 @@ class RecomputeCache:
     def write_pending(self) -> None:
         """Nothing is deferred here (``reserve`` writes at once)."""
 
-    def reserve_step(self, slots, totals) -> list:
-        out = []
-        for slot, total in zip(slots, totals):
-            try:
-                self.reserve(slot, total, defer=True)
-                out.append(None)
-            except (RuntimeError, ValueError) as e:
-                out.append(str(e))
-        return out
+    reserve_step = ModelCache.reserve_step   # per-slot reserve, then write_pending (a no-op here)
 
     def reserve(self, slot: int, total_len: int, defer: bool = False) -> None:
         """KV-only slots with a finite pool: make room for ``total_len`` entries (between steps)."""
