@@ -2,8 +2,8 @@
 
 For the GDN layer shapes of the Qwen3.5-4B and Qwen3-Next-4B presets (read from
 ``replayssm/bench/hybrid_presets.py``; shapes that coincide are timed once), batches
-B = 256, 64, 16, 1 and T = 5 (T = 4 and 3: the first three forms at staggered fills only),
-bf16 and fp32 checkpoint states:
+B = 256, 64, 16, 1 and T = 5 (T = 4 and 3: staggered fills only), bf16 and fp32 checkpoint
+states:
 
 * correctness first: every verify variant against the float64 naive op on the GPU (B = 16,
   a mixed fill with flush and non-flush rows): max relative error of ``y``, the stored states
@@ -13,10 +13,10 @@ bf16 and fp32 checkpoint states:
   the largest non-flush fill (h = L − 2T), staggered fills, and every row flushing (h = L − T);
   % of copy bandwidth from the bytes each call must move.
 
-Variants: the default (``verify_form``), ``impl="dot"``, ``impl="split"`` at its table's
-launch (flush rows folded in the readout, or by the separate fold kernel: ``fused_fold=False``)
-and a few neighbouring tiles / warps, the split prep on 2 or 8 warps, and each split kernel
-alone (``skip``: the other one's launch left out; timing only).
+Variants: the default (``verify_form``), ``impl="dot"``, ``impl="rows"``, and at T = 5 the dot
+kernel with the flush rows folded by the separate fold kernel (``fused_fold=False``).  (A
+``split`` form, a per key-head prep kernel and a state-streaming readout, lost at every shape
+on the H100 and was removed: docs/KERNEL_NOTES.md.)
 ``--counts`` prints the byte / FLOP / schedule count of one verify call (no GPU).
 
     PYTHONPATH=. python scripts/tune_gdn_verify.py            # ~3-4 min on an H100; JSON to $OUT
@@ -53,38 +53,14 @@ def gdn_shapes() -> dict:
     return out
 
 
-def variants(T: int, Bt: int, HV: int) -> list[dict]:
-    base = [{}, dict(impl="dot"), dict(impl="split"), dict(impl="split", fused_fold=False)]
-    if T < 5:
-        return base[:3]
-    tiles = [(32, 4), (64, 4), (64, 2), (128, 4), (32, 2)]
-    own = kg.split_defaults(Bt, HV)
-    return base + [dict(impl="split", block_v=bv, num_warps=w) for bv, w in tiles if (bv, w) != own] + [
-        dict(impl="split", prep_warps=2), dict(impl="split", prep_warps=8),
-        dict(impl="split", skip="readout"), dict(impl="split", skip="prep")]
-
-
-class _Skip:
-    """Stands in for a kernel whose launch is skipped (timing the other split kernel alone)."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+def variants(T: int) -> list[dict]:
+    base = [{}, dict(impl="dot"), dict(impl="rows")]
+    return base + [dict(impl="dot", fused_fold=False)] if T >= 5 else base
 
 
 def call(buf, plan, inp, var: dict):
-    """One verify call; ``prep_warps`` sets ``PREP_WARPS``; ``skip`` ("prep" / "readout") leaves
-    that split kernel out (timing only: the outputs are then not the verify's)."""
-    var = dict(var)
-    pw, skip = var.pop("prep_warps", None), var.pop("skip", None)
-    saved = kg.PREP_WARPS, kg._gdn_verify_prep_kernel, kg._gdn_verify_readout_kernel
-    if pw:
-        kg.PREP_WARPS = pw
-    if skip:
-        setattr(kg, f"_gdn_verify_{skip}_kernel", _Skip())
-    try:
-        return kg.replay_verify(buf, plan, **inp, **var)
-    finally:
-        kg.PREP_WARPS, kg._gdn_verify_prep_kernel, kg._gdn_verify_readout_kernel = saved
+    """One verify call with the variant's arguments."""
+    return kg.replay_verify(buf, plan, **inp, **var)
 
 
 def setup(Bt: int, s: dict, dev: str, state_dtype, dt=torch.bfloat16, seed: int = 0) -> GDNBuffers:
@@ -114,8 +90,8 @@ def decode_bytes(Bt, s, h_mean, flush_frac, sb) -> float:
 # ----------------------------------------------------------------------------------- counts
 def counts(s: dict, Bt: int, T: int, h: int, sb: int = 4) -> dict:
     """One verify call by the current default schedule (``impl="dot"``: one program per (row,
-    value head, V-block)) against the split form and a decode step: programs, bytes, tensor-core
-    FLOPs issued (padded tiles) and useful, per-program chains.  A count, not a measurement."""
+    value head, V-block)) against a decode step: programs, bytes, tensor-core FLOPs issued
+    (padded tiles) and useful, per-program chains.  A count, not a measurement."""
     HK, HV, K, V = s["HK"], s["HV"], s["K"], s["V"]
     REP, TP, LP, BKC = HV // HK, max(16, 1 << (T - 1).bit_length()), 16, 32
     big = Bt * HV >= 2048
@@ -133,12 +109,6 @@ def counts(s: dict, Bt: int, T: int, h: int, sb: int = 4) -> dict:
     req = prog * (K * BV * sb + 2 * 2 * T * K * 2 + h * K * 2 + h * BV * 2 + T * BV * 2 + T * BV * 2 * 2)
     # operands staged through shared memory for tl.dot (fp32, written and read once each)
     smem = prog * (nk * 4 * (2 * TP * BKC + LP * BKC + BKC * BV) + 4 * (2 * TP * LP + LP * BV + TP * TP + TP * BV))
-    # split: prep per (row, key head), readout per (row, value head, V-block)
-    sBV = kg.split_defaults(Bt, HV)[0]
-    s_prog = Bt * HV * (V // sBV)
-    TPP = max(16, 1 << (2 * T - 1).bit_length())
-    split_tc = s_prog * ((K // BKC) * 2 * TPP * BKC * sBV + 2 * (2 * TP * (TPP + LP + TP) * sBV))
-    prep_fma = Bt * HK * (2 * 2 * TP * TP * K + 2 * 2 * TP * LP * K) + Bt * HV * (3 * 2 * TP ** 3 + TP ** 3)
     return dict(
         B=Bt, T=T, h=h, state_bytes=Bt * HV * K * V * sb,
         verify_bytes=verify_bytes(Bt, s, h, 0.0, T, sb), decode_bytes=decode_bytes(Bt, s, h, 0.0, sb),
@@ -146,10 +116,7 @@ def counts(s: dict, Bt: int, T: int, h: int, sb: int = 4) -> dict:
         dot_qk_passes=2, dot_request_bytes=req, dot_smem_staged=smem,
         dot_tc_flops=dot_tc, dot_tc_flops_scores=scores_tc, useful_flops=useful,
         dot_chain=f"{2 * nk} K-chunk steps, {6 * nk + 3} dots, {T - 1} solve steps on [{TP},{BV}]",
-        score_redundancy=REP * nv, row_padding=TP / T,
-        split_programs=f"{Bt * HK} prep + {s_prog} readout", split_tc_flops=split_tc, split_prep_fma=prep_fma,
-        split_scratch_bytes=Bt * HK * 2 * T * K * 4 + Bt * HV * 2 * T * (3 * T + LP) * 4,
-        split_chain=f"{K // BKC} K-chunk steps, {K // BKC + 6} dots, no solve")
+        score_redundancy=REP * nv, row_padding=TP / T)
 
 
 def print_counts(shapes) -> list:
@@ -158,7 +125,7 @@ def print_counts(shapes) -> list:
         s = dict(HK=HK, HV=HV, K=K, V=V)
         print(f"== counts {'/'.join(names)}: HK={HK} HV={HV} K={K} V={V}, fp32 state")
         print(f"{'B':>4} {'h':>3} {'state MB':>9} {'verify MB':>9} {'decode MB':>9} {'progs':>6} {'req MB':>7} "
-              f"{'smem MB':>8} {'TC GF':>6} {'scores':>6} {'useful':>6} {'split TC':>8} {'scratch MB':>10}")
+              f"{'smem MB':>8} {'TC GF':>6} {'scores':>6} {'useful':>6}")
         for Bt in (256, 64):
             for h in (1, 4, 8, 11):
                 c = counts(s, Bt, 5, h)
@@ -166,10 +133,9 @@ def print_counts(shapes) -> list:
                 print(f"{Bt:>4} {h:>3} {c['state_bytes'] / 1e6:9.1f} {c['verify_bytes'] / 1e6:9.1f} "
                       f"{c['decode_bytes'] / 1e6:9.1f} {c['dot_programs']:>6} {c['dot_request_bytes'] / 1e6:7.1f} "
                       f"{c['dot_smem_staged'] / 1e6:8.1f} {c['dot_tc_flops'] / 1e9:6.2f} "
-                      f"{c['dot_tc_flops_scores'] / 1e9:6.2f} {c['useful_flops'] / 1e9:6.2f} "
-                      f"{c['split_tc_flops'] / 1e9:8.2f} {c['split_scratch_bytes'] / 1e6:10.1f}")
+                      f"{c['dot_tc_flops_scores'] / 1e9:6.2f} {c['useful_flops'] / 1e9:6.2f}")
             print(f"     dot tile {c['dot_tile']}: {c['dot_chain']}; scores recomputed by {c['score_redundancy']} "
-                  f"programs, rows padded {c['row_padding']:.1f}x; split: {c['split_programs']}, {c['split_chain']}")
+                  f"programs, rows padded {c['row_padding']:.1f}x")
     return rows
 
 
@@ -224,9 +190,7 @@ def main() -> None:
         s = dict(HK=HK, HV=HV, K=K, V=V)
         tag = "/".join(names)
         for T in [int(t) for t in args.T.split(",")]:
-            for var in variants(T, 256, HV):
-                if var.get("block_v") or var.get("prep_warps") or var.get("skip"):  # same code / timing only
-                    continue
+            for var in variants(T):
                 e = check_variant(s, dev, var, T)
                 ok = e["y"] < 2e-2 and e["state"] < 1e-4 and e["u"] < 2e-2 and e["k"] < 1e-2
                 res["checks"].append(dict(shape=tag, T=T, var=var or "default", ok=ok, **e))
@@ -263,7 +227,7 @@ def main() -> None:
                     snap = timer(lambda: kg.snapshot_verify(pool, slots, **inp, snapshots=snaps))
                     snaps = None
                     fills = {"nonflush": L - 2 * T, "mixed": "mixed", "flush": L - T} if T >= 5 else {"mixed": "mixed"}
-                    for var in variants(T, Bt, HV):
+                    for var in variants(T):
                         ts, by = {}, {}
                         try:
                             for fname, h in fills.items():
@@ -292,8 +256,6 @@ def main() -> None:
                     torch.cuda.empty_cache()
     best: dict = {}
     for r in res["rows"]:
-        if isinstance(r["var"], dict) and r["var"].get("skip"):
-            continue
         key = (r["shape"], r["state"], r["B"], r["T"])
         if key not in best or r["us"]["mixed"] < best[key]["us"]["mixed"]:
             best[key] = r

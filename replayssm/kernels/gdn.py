@@ -667,236 +667,6 @@ if HAVE_TRITON:
         tl.store(y_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], Y.to(y_ptr.dtype.element_ty), mask=mo)
         tl.store(uo_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], U.to(uo_ptr.dtype.element_ty), mask=mo)
 
-    @triton.jit
-    def _draft_gates(g_ptr, b_ptr, bits_ptr, tok, ss, ms, hv, HV, TREE: tl.constexpr):
-        """:func:`_draft_inputs` without the values: ``β``, ``anc [s, s']`` and ``G_s``."""
-        gn = tl.where(ms, tl.load(g_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
-        bn = tl.where(ms, tl.load(b_ptr + tok * HV + hv, mask=ms, other=0.0).to(tl.float32), 0.0)
-        if TREE:
-            bits = tl.load(bits_ptr + tok, mask=ms, other=0)
-        else:
-            bits = (2 << ss) - 1
-        anc = (((bits[:, None] >> ss[None, :]) & 1) != 0) & ms[:, None] & ms[None, :]
-        Gs = tl.sum(tl.where(anc, gn[None, :], 0.0), 1)
-        return bn, anc, Gs
-
-    @triton.jit
-    def _fold_rank1(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot, start, h, tot, hv, kh, offs_v, mv,
-                    L, H, HV, K, V, BK: tl.constexpr, BKC: tl.constexpr):
-        """``S_h = e^{tot} S0 + Σ_{j<h} e^{tot−cum_j} k_j u_jᵀ`` over one ``[K, BV]`` tile, ``K`` in
-        chunks of ``BKC``, by rank-1 updates over the ``h`` ring entries (fp32 FMA); stored
-        rounded once."""
-        a0 = tl.exp(tot)
-        for f0 in range(0, BK, BKC):
-            offs_f = f0 + tl.arange(0, BKC)
-            mf = offs_f < K
-            fptr = state_ptr + ((slot * HV + hv) * K + offs_f[:, None]) * V + offs_v[None, :]
-            Sh = a0 * tl.load(fptr, mask=mf[:, None] & mv[None, :], other=0.0).to(tl.float32)
-            c = tot * 0.0
-            for j in range(0, h):
-                ej = slot * L + (start + j) % L
-                c += tl.load(gr_ptr + ej * HV + hv).to(tl.float32)
-                kj = tl.load(kr_ptr + (ej * H + kh) * K + offs_f, mask=mf, other=0.0).to(tl.float32)
-                uj = tl.load(ur_ptr + (ej * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-                Sh += (tl.exp(tot - c) * kj)[:, None] * uj[None, :]
-            tl.store(fptr, Sh.to(state_ptr.dtype.element_ty), mask=mf[:, None] & mv[None, :])
-
-    @triton.jit
-    def _gdn_verify_fold_kernel(
-        state_ptr, ur_ptr, kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, flush_ptr,
-        L, H, HV, K, V, REP,
-        LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
-    ):
-        """The split verify's flush rows when not folded in the readout (``fused_fold=False``):
-        one program per (row, value head, V-block); the other rows' programs return after one
-        load.  :func:`_fold_rank1` over the row's committed entries."""
-        vb, hv, r = tile_ids(tl.cdiv(V, BV), HV)
-        if tl.load(flush_ptr + r) != 0:
-            kh = hv // REP
-            slot = tl.load(slot_ptr + r).to(tl.int64)
-            start = tl.load(start_ptr + r).to(tl.int64)
-            h = tl.load(hist_ptr + r).to(tl.int64)
-            jj = tl.arange(0, LP)
-            mj = jj < h
-            e = slot * L + (start + jj) % L
-            tot = tl.sum(tl.where(mj, tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32), 0.0), 0)
-            offs_v = vb * BV + tl.arange(0, BV)
-            _fold_rank1(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot, start, h, tot, hv, kh, offs_v, offs_v < V,
-                        L, H, HV, K, V, BK, BKC)
-
-    @triton.jit
-    def _gdn_verify_prep_kernel(
-        kr_ptr, gr_ptr, slot_ptr, start_ptr, hist_ptr, bt_ptr,
-        q_ptr, k_ptr, g_ptr, b_ptr, bits_ptr, ko_ptr, qk_ptr, cf_ptr,
-        T, L, H, HV, K, REP, MAXB, scale, NC,
-        TP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
-        L2: tl.constexpr, TREE: tl.constexpr, PAGED: tl.constexpr, SPREC: tl.constexpr,
-    ):
-        """Split verify, part 1: everything of a verify that reads no state, once per (row, key
-        head) and its ``REP`` value heads.  Writes the normalised keys ``Kn`` (ring dtype, to
-        ``ko``), the readout operand ``qk [Bt, H, 2T, K]`` (fp32: rows ``Kn``, then ``Qn``
-        scaled) and per (row, value head) the coefficients ``cf [Bt, HV, 2, T, NC]`` that turn
-        the readout into the outputs without a sequential step:
-
-        ``W = (I + A)⁻¹`` (forward substitution on the identity, ``A`` as in
-        :func:`_solve_drafts`), ``Mq = anc ∘ e^{G_s−G_s'} QKᵀ``, ``c = β e^{G}``;
-        ``U = Cu [P; Uh; Vn]``, ``Y = Cy [P; Uh; Vn]`` with ``P = [Kn; Qn] S0`` and
-        ``Cu = [−W c a0, 0 | −W c (SK∘w) | W β]``,
-        ``Cy = [−M c a0, e^{G} a0 | e^{G}(SQ∘w) − M c (SK∘w) | M β]``, ``M = Mq W``
-        (column blocks of widths ``2T``, ``LP``, ``T``; ``NC = 3T + LP``; ``SK = Kn Khᵀ``,
-        ``SQ = Qn Khᵀ`` over the ring keys ``Kh``, ``w_j = e^{tot−cum_j}``, ``a0 = e^{tot}``)."""
-        pid = tl.program_id(0)
-        kh = pid % H
-        r = pid // H
-        r64 = r.to(tl.int64)
-        slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, bt_ptr, r, L, MAXB, LP, PAGED)
-        ss = tl.arange(0, TP)
-        ms = ss < T
-        tok = r64 * T + ss
-        qrow = (r64 * H + kh) * 2 * T + ss
-        sq = tl.zeros([TP], dtype=tl.float32)
-        sk = tl.zeros([TP], dtype=tl.float32)
-        for k0 in range(0, BK, BKC):  # l2 norms of the drafts' q and k rows
-            offs_k = k0 + tl.arange(0, BKC)
-            mks = ms[:, None] & (offs_k < K)[None, :]
-            qc = tl.load(q_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks, other=0.0).to(tl.float32)
-            kc = tl.load(k_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks, other=0.0).to(tl.float32)
-            sq += tl.sum(qc * qc, 1)
-            sk += tl.sum(kc * kc, 1)
-        if L2:
-            rq = tl.rsqrt(sq + 1e-6) * scale
-            rk = tl.rsqrt(sk + 1e-6)
-        else:
-            rq = tl.zeros([TP], dtype=tl.float32) + scale
-            rk = tl.zeros([TP], dtype=tl.float32) + 1.0
-        KK = tl.zeros([TP, TP], dtype=tl.float32)
-        QK = tl.zeros([TP, TP], dtype=tl.float32)
-        SK = tl.zeros([TP, LP], dtype=tl.float32)
-        SQ = tl.zeros([TP, LP], dtype=tl.float32)
-        for k0 in range(0, BK, BKC):  # normalised rows out; products over K chunk by chunk
-            offs_k = k0 + tl.arange(0, BKC)
-            mk = offs_k < K
-            mks = ms[:, None] & mk[None, :]
-            qc = tl.load(q_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
-                         other=0.0).to(tl.float32) * rq[:, None]                            # [TP, BKC]
-            kc = tl.load(k_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], mask=mks,
-                         other=0.0).to(tl.float32) * rk[:, None]
-            tl.store(ko_ptr + (tok[:, None] * H + kh) * K + offs_k[None, :], kc.to(ko_ptr.dtype.element_ty), mask=mks)
-            tl.store(qk_ptr + qrow[:, None] * K + offs_k[None, :], kc, mask=mks)
-            tl.store(qk_ptr + (qrow[:, None] + T) * K + offs_k[None, :], qc, mask=mks)
-            khc = tl.load(kr_ptr + (e[:, None] * H + kh) * K + offs_k[None, :], mask=mj[:, None] & mk[None, :],
-                          other=0.0).to(tl.float32)                                         # [LP, BKC]
-            KK += tl.dot(kc, tl.trans(kc), input_precision=SPREC)
-            QK += tl.dot(qc, tl.trans(kc), input_precision=SPREC)
-            SK += tl.dot(kc, tl.trans(khc), input_precision=SPREC)
-            SQ += tl.dot(qc, tl.trans(khc), input_precision=SPREC)
-        jj = tl.arange(0, LP)
-        eye = (ss[:, None] == ss[None, :]).to(tl.float32)
-        m2 = ms[:, None] & ms[None, :]
-        mh = ms[:, None] & (jj < LP)[None, :]
-        for i in range(0, REP):
-            hv = kh * REP + i
-            gj = tl.where(mj, tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32), 0.0)
-            cj = tl.cumsum(gj, 0)
-            tot = tl.sum(gj, 0)
-            wj = tl.where(mj, tl.exp(tot - cj), 0.0)
-            a0 = tl.exp(tot)
-            bn, anc, Gs = _draft_gates(g_ptr, b_ptr, bits_ptr, tok, ss, ms, hv, HV, TREE)
-            eG = tl.exp(Gs)
-            Dm = tl.exp(tl.where(anc, Gs[:, None] - Gs[None, :], 0.0))
-            strict = anc & (ss[:, None] != ss[None, :])
-            Amat = tl.where(strict, bn[:, None] * Dm * KK, 0.0)
-            W = eye
-            for s in range(1, T):  # row s of W = e_s − Σ_{s'<s} A[s, s'] W[s']
-                sel = ss[:, None] == s
-                arow = tl.sum(tl.where(sel, Amat, 0.0), 0)
-                corr = tl.sum(arow[:, None] * W, 0)
-                W = tl.where(sel, W - corr[None, :], W)
-            Mq = tl.where(anc, Dm * QK, 0.0)
-            M = tl.dot(Mq, W, input_precision=SPREC)
-            c = bn * eG
-            SKw = SK * wj[None, :]
-            WcS = tl.dot(W * c[None, :], SKw, input_precision=SPREC)                         # [TP, LP]
-            McS = tl.dot(M * c[None, :], SKw, input_precision=SPREC)
-            base = (r64 * HV + hv) * 2 * T * NC
-            ro = ss[:, None] * NC
-            cu = cf_ptr + base + ro
-            cy = cf_ptr + base + T * NC + ro
-            tl.store(cu + ss[None, :], -W * (c * a0)[None, :], mask=m2)
-            tl.store(cu + T + ss[None, :], tl.zeros([TP, TP], dtype=tl.float32), mask=m2)
-            tl.store(cu + 2 * T + jj[None, :], -WcS, mask=mh)
-            tl.store(cu + 2 * T + LP + ss[None, :], W * bn[None, :], mask=m2)
-            tl.store(cy + ss[None, :], -M * (c * a0)[None, :], mask=m2)
-            tl.store(cy + T + ss[None, :], eye * (eG * a0)[:, None], mask=m2)
-            tl.store(cy + 2 * T + jj[None, :], eG[:, None] * SQ * wj[None, :] - McS, mask=mh)
-            tl.store(cy + 2 * T + LP + ss[None, :], M * bn[None, :], mask=m2)
-
-    @triton.jit
-    def _gdn_verify_readout_kernel(
-        state_ptr, ur_ptr, kr_ptr, gr_ptr,
-        slot_ptr, start_ptr, hist_ptr, bt_ptr, flush_ptr,
-        v_ptr, qk_ptr, cf_ptr, y_ptr, uo_ptr,
-        T, L, H, HV, K, V, REP, MAXB, NC,
-        TP: tl.constexpr, TPP: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        BKC: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr, FOLD: tl.constexpr,
-    ):
-        """Split verify, part 2, one program per (row, value head, V-block): the checkpoint
-        streamed once in ``K`` chunks of ``BKC`` like a decode step, ``P = [Kn; Qn] S0``
-        (``[2T, BV]``, one ``tl.dot`` per chunk on the operand of
-        :func:`_gdn_verify_prep_kernel`), then ``U = Cu [P; Uh; Vn]``, ``Y = Cy [P; Uh; Vn]``
-        (six small products, no forward substitution).  ``FOLD``: flush rows store
-        ``S_h = a0 S0 + Σ_j w_j k_j u_jᵀ`` chunk by chunk in the same pass, by rank-1 updates
-        over the row's entries (fp32 FMA; a ``tl.dot`` there cost ~100 registers a thread).
-        ``PAGED``: KV-only (``S0 = 0``, no state read)."""
-        vb, hv, r = tile_ids(tl.cdiv(V, BV), HV)
-        kh = hv // REP
-        r64 = r.to(tl.int64)
-        offs_v = vb * BV + tl.arange(0, BV)
-        mv = offs_v < V
-        slot, h, mj, e = history_entries(slot_ptr, start_ptr, hist_ptr, bt_ptr, r, L, MAXB, LP, PAGED)
-        Uh = tl.load(ur_ptr + (e[:, None] * HV + hv) * V + offs_v[None, :], mask=mj[:, None] & mv[None, :],
-                     other=0.0).to(tl.float32)                                              # [LP, BV]
-        pp = tl.arange(0, TPP)
-        mp = pp < 2 * T
-        qrow = (r64 * H + kh) * 2 * T + pp
-        P = tl.zeros([TPP, BV], dtype=tl.float32)
-        if not PAGED:
-            if FOLD:
-                flush = tl.load(flush_ptr + r) != 0
-                start = tl.load(start_ptr + r).to(tl.int64)
-                tot = tl.sum(tl.where(mj, tl.load(gr_ptr + e * HV + hv, mask=mj, other=0.0).to(tl.float32), 0.0), 0)
-            for k0 in tl.static_range(0, BK, BKC):
-                offs_k = k0 + tl.arange(0, BKC)
-                mk = offs_k < K
-                opnd = tl.load(qk_ptr + qrow[:, None] * K + offs_k[None, :], mask=mp[:, None] & mk[None, :],
-                               other=0.0)                                                   # [TPP, BKC]
-                sptr = state_ptr + ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
-                S0 = tl.load(sptr, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)   # [BKC, BV]
-                P += tl.dot(opnd, S0, input_precision=PREC)
-            if FOLD:
-                if flush:  # a second pass over the tile (from L2)
-                    _fold_rank1(state_ptr, ur_ptr, kr_ptr, gr_ptr, slot, start, h, tot, hv, kh, offs_v, mv,
-                                L, H, HV, K, V, BK, BKC)
-        ss = tl.arange(0, TP)
-        ms = ss < T
-        tok = r64 * T + ss
-        mo = ms[:, None] & mv[None, :]
-        Vn = tl.load(v_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], mask=mo, other=0.0).to(tl.float32)
-        ro = (r64 * HV + hv) * 2 * T * NC + ss[:, None] * NC
-        jj = tl.arange(0, LP)
-        cP = ms[:, None] & mp[None, :]
-        cH = ms[:, None] & (jj < LP)[None, :]
-        cV = ms[:, None] & ms[None, :]
-        U = tl.dot(tl.load(cf_ptr + ro + pp[None, :], mask=cP, other=0.0), P, input_precision=PREC)
-        U += tl.dot(tl.load(cf_ptr + ro + 2 * T + jj[None, :], mask=cH, other=0.0), Uh, input_precision=PREC)
-        U += tl.dot(tl.load(cf_ptr + ro + 2 * T + LP + ss[None, :], mask=cV, other=0.0), Vn, input_precision=PREC)
-        ro += T * NC
-        Y = tl.dot(tl.load(cf_ptr + ro + pp[None, :], mask=cP, other=0.0), P, input_precision=PREC)
-        Y += tl.dot(tl.load(cf_ptr + ro + 2 * T + jj[None, :], mask=cH, other=0.0), Uh, input_precision=PREC)
-        Y += tl.dot(tl.load(cf_ptr + ro + 2 * T + LP + ss[None, :], mask=cV, other=0.0), Vn, input_precision=PREC)
-        tl.store(y_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], Y.to(y_ptr.dtype.element_ty), mask=mo)
-        tl.store(uo_ptr + (tok[:, None] * HV + hv) * V + offs_v[None, :], U.to(uo_ptr.dtype.element_ty), mask=mo)
-
 
 # =============================================================================== wrappers
 def _dims(q: Tensor, v: Tensor, has_time: bool):
@@ -1111,22 +881,8 @@ def replay_decode(buf, plan, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     return y
 
 
-#: verify kernels: ``rows`` (register tiles), ``dot`` (tensor-core products over K chunks),
-#: ``split`` (per key head prep + a state-streaming readout, no solve per V-block)
-VERIFY_IMPLS = ("rows", "dot", "split")
-
-#: launch config of the ``split`` readout by grid size, ``(min row × value-head pairs, block_v,
-#: num_warps)``, the first row whose bound the batch reaches (not yet measured on a GPU:
-#: ``scripts/tune_gdn_verify.py`` times the neighbours)
-SPLIT_TABLE = [(2048, 64, 2), (0, 32, 4)]
-
-#: ``tl.dot`` precision of the split prep's products (they feed the T×T solve; fp32 FMA: the
-#: tf32x3 form compiled at 255 registers with spills, ieee at 196 without, sm_90)
-PREP_PRECISION = "ieee"
-
-#: warps of a split prep program (one per row and key head)
-PREP_WARPS = 4
-
+#: verify kernels: ``rows`` (register tiles), ``dot`` (tensor-core products over K chunks)
+VERIFY_IMPLS = ("rows", "dot")
 
 #: measured overrides of :func:`verify_form`'s rule for 16-bit activations: rows ``(min_T,
 #: min row × value-head pairs, impl)``, the first row the call reaches wins.  H100
@@ -1134,7 +890,9 @@ PREP_WARPS = 4
 #: fp32 states, mixed fills): ``dot`` beat ``rows`` at T = 3 and 4 at every batch measured —
 #: B = 256, T = 4: 437 vs 826 µs (bf16 states), 496 vs 710 (fp32); B = 16, T = 4: 26.6 vs
 #: 78.0; B = 1, T = 3: 10.6 vs 15.6 — so ``dot`` from T = 3; T = 2 (one draft) not measured.
-#: The ``split`` form lost everywhere (B = 256, T = 5: 681 vs 463 µs; its prep alone 263).
+#: A third form (``split``, a per key-head prep kernel and a state-streaming readout) lost
+#: everywhere (B = 256, T = 5: 681 vs 463 µs; its prep alone 263) and was removed
+#: (docs/KERNEL_NOTES.md).
 VERIFY_TABLE: list = [(3, 0, "dot")]
 
 
@@ -1160,10 +918,8 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
     """The verify kernel (output route: both routes give the same numbers up to rounding).
     ``impl="rows"``: one draft at a time on register tiles, then the fold kernel for the rows
     that flush.  ``impl="dot"``: small tensor-core products over K chunks, the flush rows
-    folded in the same pass when ``fused_fold``.  ``impl="split"``: :func:`_verify_split`
-    (a per key-head prep kernel, then a readout that streams the checkpoint once; fp32 FMA
-    folds).  ``impl=None`` / ``precision=None``: :func:`verify_form`.  The rows / dot folds
-    (fused or not) run at ``fold_precision``."""
+    folded in the same pass when ``fused_fold``.  ``impl=None`` / ``precision=None``:
+    :func:`verify_form`.  Folds (fused or not) run at ``fold_precision``."""
     if route not in ("state", "output"):
         raise ValueError(f"bad route {route!r}: expected 'state' or 'output'")
     Bt, T, H, HV, K, V = _dims(q, v, True)
@@ -1171,9 +927,6 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
     if impl not in VERIFY_IMPLS:
         raise ValueError(f"bad verify impl {impl!r}: expected one of {VERIFY_IMPLS}")
     q, k, v, g, beta = (_c(t) for t in (q, k, v, g, beta))
-    if impl == "split":
-        return _verify_split(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, bits, paged, block_v, num_warps,
-                             ring_dtype, precision, fused_fold, fold_precision)
     flush = ()
     if impl == "rows":
         wide = T >= 5  # H100 sweep (scripts/tune_verify.py): 64-wide V tiles on 2 warps win from T = 5
@@ -1218,65 +971,6 @@ def _verify(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, route, bits, page
             q, k, v, g, beta, bits if bits is not None else pplan.slot, y, U, Kn, *flush,
             T, pplan.block_size, H, HV, K, V, HV // H, bt.shape[1], _scale(scale, K),
             LP=pad16(pplan.max_len), PAGED=True, **common)
-    return y, U, Kn
-
-
-def split_defaults(Bt: int, HV: int) -> tuple[int, int]:
-    """``(block_v, num_warps)`` of the split readout (:data:`SPLIT_TABLE`)."""
-    return next((bv, w) for lo, bv, w in SPLIT_TABLE if Bt * HV >= lo)
-
-
-def _verify_split(buf, plan, q, k, v, g, beta, scale, use_qk_l2norm, bits, paged, block_v, num_warps, ring_dtype,
-                  precision, fused_fold, fold_precision):
-    """``impl="split"``: :func:`_gdn_verify_prep_kernel` once per (row, key head) (norms, the
-    ``T × (T + L)`` score products and the solved ``T × T`` system as output coefficients, for
-    the group's value heads), then :func:`_gdn_verify_readout_kernel` per (row, value head,
-    V-block), which streams the checkpoint once (flush rows folded by a second pass over
-    their tile in the same kernel when ``fused_fold``, else by :func:`_gdn_verify_fold_kernel`
-    after, which keeps the fold's registers out of the readout).  Folds are fp32 FMA
-    (``fold_precision`` is not used).  Scratch: ``[Bt, H, 2T, K]`` + ``[Bt, HV, 2, T,
-    3T + L']`` fp32."""
-    Bt, T, H, HV, K, V = _dims(q, v, True)
-    bv0, w0 = split_defaults(Bt, HV)
-    BV = _bv(V, block_v or bv0)
-    num_warps = num_warps or w0
-    y = torch.empty_like(v)
-    U = torch.empty(Bt, T, HV, V, dtype=ring_dtype[0], device=v.device)
-    Kn = torch.empty(Bt, T, H, K, dtype=ring_dtype[1], device=v.device)
-    if Bt == 0:
-        return y, U, Kn
-    if paged is None:
-        ur, kr, gr, state = buf.u, buf.k, buf.g, buf.state
-        slot, start, hist, bt, flush, L, MAXB = plan.slot, plan.start, plan.hist, plan.slot, plan.flush, \
-            plan.capacity, 1
-        LP = pad16(plan.capacity)
-    else:
-        kv, pplan = paged
-        bt = pplan.block_table.contiguous()
-        ur, kr, gr, state = kv.u, kv.k, kv.g, v
-        slot, start, hist, flush, L, MAXB = pplan.slot, pplan.length, pplan.length, pplan.slot, pplan.block_size, \
-            bt.shape[1]
-        LP = pad16(pplan.max_len)
-    NC = 3 * T + LP
-    TP, TPP, BK = max(16, next_pow2(T)), pad16(2 * T), pad16(K)
-    qk = torch.empty(Bt, H, 2 * T, K, dtype=torch.float32, device=v.device)
-    cf = torch.empty(Bt, HV, 2, T, NC, dtype=torch.float32, device=v.device)
-    tree, bits = bits is not None, bits if bits is not None else slot
-    _gdn_verify_prep_kernel[flat_grid(H, Bt)](
-        kr, gr, slot, start, hist, bt, q, k, g, beta, bits, Kn, qk, cf,
-        T, L, H, HV, K, HV // H, MAXB, _scale(scale, K), NC,
-        TP=TP, LP=LP, BK=BK, BKC=min(32, BK), L2=bool(use_qk_l2norm), TREE=tree, PAGED=paged is not None,
-        SPREC=PREP_PRECISION, num_warps=PREP_WARPS)
-    grid = flat_grid(triton.cdiv(V, BV), HV, Bt)
-    fold_in_pass = paged is None and fused_fold
-    _gdn_verify_readout_kernel[grid](
-        state, ur, kr, gr, slot, start, hist, bt, flush, v, qk, cf, y, U,
-        T, L, H, HV, K, V, HV // H, MAXB, NC,
-        TP=TP, TPP=TPP, LP=LP, BK=BK, BV=BV, BKC=min(32, BK), PAGED=paged is not None, PREC=precision,
-        FOLD=fold_in_pass, num_warps=num_warps)
-    if paged is None and not fused_fold:
-        _gdn_verify_fold_kernel[grid](state, ur, kr, gr, slot, start, hist, flush, L, H, HV, K, V, HV // H,
-                                      LP=LP, BK=BK, BV=BV, BKC=min(32, BK), num_warps=num_warps)
     return y, U, Kn
 
 

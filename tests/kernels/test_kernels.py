@@ -399,7 +399,7 @@ def test_gdn_replay_decode_cycle(device, route, pre_scores, flush_mode):
 @pytest.mark.parametrize("kind,route,T", [
     ("verify", "state", 3), ("verify", "output", 3), ("verify", "output", 4),
     ("tree", "state", 3), ("tree", "output", 4), ("tree", "output", 3)])
-@pytest.mark.parametrize("impl", ["rows", "dot", "dot-unfused", "split", "split-unfused"])
+@pytest.mark.parametrize("impl", ["rows", "dot", "dot-unfused"])
 def test_gdn_verify(device, kind, route, T, impl):
     """Every verify kernel variant: outputs and every buffer (state after the flush rows'
     fold, ring entries) against the naive op."""
@@ -516,3 +516,54 @@ def test_verify_forms():
     for bad in (dict(precision="fp64"), dict(fold_precision="tf16")):
         with pytest.raises(ValueError, match="precision"):
             verify_precision(torch.bfloat16, **bad)
+
+
+class _Launches:
+    """Stands in for a Triton kernel in the module and counts its launches."""
+
+    def __init__(self, kernel, seen, name):
+        self.kernel, self.seen, self.name = kernel, seen, name
+
+    def __getitem__(self, grid):
+        self.seen.append(self.name)
+        return self.kernel[grid]
+
+
+def test_verify_table_routes_default_calls(monkeypatch):
+    """A ``VERIFY_TABLE`` row routes default calls (16-bit activations) from its bounds on
+    (T and row × value-head pairs); other calls keep the rule (dot from T = 5); explicit
+    arguments win.  The routed call gives the explicit call's numbers bit for bit; a removed
+    or unknown impl raises before any write."""
+    monkeypatch.setattr(KG, "VERIFY_TABLE", [(5, 20, "rows")])
+    assert KG.verify_form(torch.bfloat16, 5, None, None, pairs=24) == ("rows", "tf32")
+    assert KG.verify_form(torch.bfloat16, 5, None, None, pairs=12) == ("dot", "tf32")
+    assert KG.verify_form(torch.bfloat16, 4, None, None, pairs=24) == ("rows", "tf32")
+    assert KG.verify_form(torch.float32, 5, None, None, pairs=24) == ("rows", "tf32x3")
+    assert KG.verify_form(torch.bfloat16, 5, "dot", None, pairs=24) == ("dot", "tf32")
+    assert KG.VERIFY_IMPLS == ("rows", "dot")
+
+    device = DEVICES[0]
+    s, T = dict(shapes(device), dtype=torch.bfloat16, L=12), 5  # L >= 2T
+    pairs = s["Bt"] * s["HV"]
+    seen = []
+    for name in ("_gdn_verify_rows_kernel", "_gdn_verify_dot_kernel"):
+        monkeypatch.setattr(KG, name, _Launches(getattr(KG, name), seen, name.split("_")[-2]))
+    ring, slots, buf = prep_gdn(s, device, seed=60, T=T, kind="verify")
+    plan = ring.plan_verify(slots, T, "verify")
+    q, k, v, g, beta = gdn_inputs(s, device, T)
+    for bound, form in ((pairs, "rows"), (pairs + 1, "dot")):
+        monkeypatch.setattr(KG, "VERIFY_TABLE", [(T, bound, "rows")])
+        want, got = clone_gdn(buf), clone_gdn(buf)
+        seen.clear()
+        y0 = KG.replay_verify(want, plan, q, k, v, g, beta, impl=form)
+        y1 = KG.replay_verify(got, plan, q, k, v, g, beta)
+        assert seen == [form, form], (bound, seen)
+        assert torch.equal(y0, y1), form
+        for name in GDN_BUF:
+            assert torch.equal(getattr(want, name).nan_to_num(), getattr(got, name).nan_to_num()), (form, name)
+    before = clone_gdn(buf)
+    for bad in ("split", "nope"):
+        with pytest.raises(ValueError, match="verify impl"):
+            KG.replay_verify(buf, plan, q, k, v, g, beta, impl=bad)
+    for name in GDN_BUF:
+        assert torch.equal(getattr(before, name).nan_to_num(), getattr(buf, name).nan_to_num()), name
