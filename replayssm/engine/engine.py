@@ -291,10 +291,11 @@ class LLMEngine:
         finished = list(batch.rejected)
         if self.prefix_cache is not None:   # the step's finished replies, cached in one call
             self.prefix_cache.capture_ends([s for s in self.scheduler.running if s.finish_reason is not None])
-        for s in list(self.scheduler.running):
-            if s.finish_reason is not None:
-                self._finish(s)
-                finished.append(s)
+        with self.blocks.batched_releases():   # the step's finished slots in one release
+            for s in list(self.scheduler.running):
+                if s.finish_reason is not None:
+                    self._finish(s)
+                    finished.append(s)
         self.blocks.switch_to_state(self.policy.after_step(self.scheduler.running))
         for s in finished:
             if all(m.is_finished for m in s.group):

@@ -71,7 +71,8 @@ def test_reserve_step_equals_the_per_slot_calls(path):
 def test_a_decode_step_is_at_most_two_messages(path, group, mode):
     """KV-only slots (paged pools: reservations every step) and replay (none): two messages
     per decode step at most for 5 rows (before: one ``reserve`` per row, then
-    ``write_pending``, then the decode); tokens as on one rank."""
+    ``write_pending``, then the decode), and one ``release`` per step that finished requests
+    (before: one per request); tokens as on one rank."""
     tp = group.load_model(path, dtype="float64")
     ref = load_model(path, dtype="float64")
     sent = []
@@ -80,16 +81,17 @@ def test_a_decode_step_is_at_most_two_messages(path, group, mode):
     try:
         with LLM(tp, max_seq_len=64, decode_mode=mode) as llm:
             for p in G.PROMPTS:
-                llm.add_request(p, SamplingParams(max_tokens=12))
-            llm.step()                      # the prefills
-            steps = 0
+                llm.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
+            llm.step()                      # the prefills (every request finishes in the same step)
+            steps = finishing = 0
             sent.clear()
             while llm.has_unfinished():
-                llm.step()
+                finishing += any(o.finished for o in llm.step())
                 steps += 1
             got = [o for o in sent if o[0][0] == "call"]
         names = [m[1][1] for m, _ in got]
-        assert names.count("release") == len(G.PROMPTS)     # once per finished request, not per step
+        assert finishing == 1
+        assert names.count("release") == finishing   # one per step that finished requests, not one per request
         got = [o for o, n in zip(got, names) if n != "release"]
         names = [n for n in names if n != "release"]
         assert names.count("decode") == steps and len(got) <= 2 * steps

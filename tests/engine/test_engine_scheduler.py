@@ -126,3 +126,31 @@ def test_sequence_token_views_equal_all_ids():
         a = s.all_ids
         assert [s.token_at(i) for i in range(len(a))] == a
         assert all(s.last_ids(k) == a[-k:] for k in range(1, len(a) + 1))
+
+
+@pytest.mark.parametrize("mode", ["replay", "kv"])
+def test_a_step_releases_its_finished_slots_in_one_call(target, expected, mode):
+    """Requests finishing in the same step give their slots back in one ``cache.release``
+    (one message to the workers under TP); requests finishing apart, one call per step; an
+    abort outside a step releases at once.  Every slot comes back, later requests reuse them,
+    outputs are the greedy reference's."""
+    llm = LLM(target, decode_mode=mode, max_seq_len=64, max_num_seqs=4)
+    calls = []
+    orig = llm.cache.release
+    llm.cache.release = lambda slots: (calls.append(sorted(int(s) for s in slots)), orig(slots))[1]
+    p = SamplingParams(max_tokens=N, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:4], p)                            # four finish together
+    assert [o.token_ids for o in outs] == expected[:4]
+    assert calls == [[1, 2, 3, 4]] and sorted(llm.blocks.free_slots) == [1, 2, 3, 4]
+    calls.clear()
+    lens = [N, N - 3, N - 3, N - 7]
+    outs = llm.generate(PROMPTS[:4], [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens])
+    assert [o.token_ids for o in outs] == [e[:n] for e, n in zip(expected, lens)]
+    assert len(calls) == 3 and sorted(s for c in calls for s in c) == [1, 2, 3, 4]
+    assert [len(c) for c in calls] == [1, 2, 1]                    # N-7, then the two N-3, then N
+    calls.clear()
+    seq = llm.add_request(PROMPTS[4], p)
+    llm.step()
+    assert llm.abort(seq.request_id)
+    assert len(calls) == 1 and len(calls[0]) == 1 and not llm.has_unfinished()
+    assert sorted(llm.blocks.free_slots) == [1, 2, 3, 4]
