@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 import hf_utils as H  # noqa: E402
+from tp_checks import assert_forward_matches, save_tiny_specs  # noqa: E402
 from tp_prefix import cached_runs, prefix_prompts  # noqa: E402
 import mtp_checkpoint as M  # noqa: E402
 
@@ -110,11 +111,7 @@ def group():
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp4")
-    out = {}
-    for i, (name, (fn, over)) in enumerate(SPECS.items()):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out[name] = H.save_tiny(fn(seed=41 + i, **over), str(root / name))
+    out = save_tiny_specs(root, SPECS, seed=41)
     for i, (name, noise) in enumerate(MTP_ARCHS.items()):
         d = str(root / (name + "_mtp"))
         shutil.copytree(out[name], d)
@@ -205,12 +202,7 @@ def test_80b_preset_splits_every_layer_kind(n):
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", list(SPECS))
 def test_full_forward_matches(models, arch):
-    ref, tp = models(arch)
-    V = ref.config.vocab_size
-    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
-    a, b = ref(ids), tp(ids)
-    assert b.shape == a.shape == (2, 9, V)
-    torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    assert_forward_matches(*models(arch), atol=1e-12)
 
 
 @pytest.mark.parametrize("arch", list(SPECS))

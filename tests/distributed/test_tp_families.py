@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 import hf_utils as H  # noqa: E402
+from tp_checks import assert_forward_matches, save_tiny_specs  # noqa: E402
 from tp_prefix import cached_runs, prefix_prompts  # noqa: E402
 
 pytest.importorskip("transformers")
@@ -88,13 +89,7 @@ def _one_thread(one_thread):
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp_families")
-    out = {}
-    for i, (name, (fn, over)) in enumerate(SPECS.items()):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out[name] = H.save_tiny(fn(seed=21 + i, **over), str(root / name))
-    return out
+    return save_tiny_specs(tmp_path_factory.mktemp("tp_families"), SPECS, seed=21)
 
 
 @pytest.fixture(scope="module")
@@ -205,12 +200,7 @@ def test_rank_shards_are_slices_of_the_full_model(paths, arch):
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", list(SPECS))
 def test_full_forward_matches(models, arch):
-    ref, tp = models(arch)
-    V = ref.config.vocab_size
-    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
-    a, b = ref(ids), tp(ids)
-    assert b.shape == a.shape == (2, 9, V)
-    torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    assert_forward_matches(*models(arch), atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["replay", "kv"])

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 import hf_utils as H  # noqa: E402
+from tp_checks import assert_forward_matches  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -165,12 +166,7 @@ def test_rank_shards_are_slices_of_the_full_model(paths, arch):
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", list(SPECS))
 def test_full_forward_matches(models, arch):
-    ref, tp = models(arch)
-    V = ref.config.vocab_size
-    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
-    a, b = ref(ids), tp(ids)
-    assert b.shape == a.shape == (2, 9, V)
-    torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+    assert_forward_matches(*models(arch), atol=1e-10)
 
 
 def test_rank_cache_holds_the_whole_latent(models):
