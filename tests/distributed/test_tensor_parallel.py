@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 import hf_utils as H  # noqa: E402
 import mtp_checkpoint as M  # noqa: E402
+from tp_checks import assert_bf16_states_on_every_rank  # noqa: E402
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from replayssm.cache.spec import CacheSpec  # noqa: E402
@@ -545,22 +546,7 @@ def test_state_dtype_reaches_every_rank(models, mode):
     """A 16-bit state spec is every rank's: the split model's logits equal the one-rank model's
     with the same bf16 states (each head's state rounds the same way on its rank) and differ
     from the float64 states' (so the workers did not keep their default)."""
-    ref, tp = models("qwen3_next")
-    spec = CacheSpec(mode=mode, max_seq_len=32, block_size=4, max_new=2, ssm_state_dtype="bfloat16")
-    c1, c2, c3 = ref.make_cache(3, spec), tp.make_cache(3, spec), ref.make_cache(3, spec, ssm_state_dtype="auto")
-    assert c2.spec.ssm_state_dtype == "bfloat16" and c2.state_dtype == torch.bfloat16
-    runs = ((ref, c1), (tp, c2), (ref, c3))
-    slots, ids, lens = torch.tensor([1, 2]), torch.tensor([[3, 4, 5, 9], [6, 1, 0, 0]]), torch.tensor([4, 2])
-    outs = [[m.prefill(c, slots, ids, lens)] for m, c in runs]
-    if mode == "kv":
-        for _, c in runs:
-            c.switch_to_state([1, 2])      # KV-only -> a bf16 state on every rank
-    for t in ([7, 8], [2, 3], [4, 4]):
-        for o, (m, c) in zip(outs, runs):
-            o.append(m.decode(c, slots, torch.tensor(t)))
-    one, split, f64 = (torch.stack(o) for o in outs)
-    torch.testing.assert_close(split, one, rtol=0, atol=1e-10)
-    assert (one - f64).abs().max() > 1e-9
+    assert_bf16_states_on_every_rank(*models("qwen3_next"), mode=mode)
 
 RANDOM_CFG = dict(model_type="nemotron_h", vocab_size=61, hidden_size=16, hybrid_override_pattern="M*E",
                   num_attention_heads=2, num_key_value_heads=2, head_dim=8, mamba_num_heads=4, mamba_head_dim=4,

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 import hf_utils as H  # noqa: E402
-from tp_checks import assert_forward_matches, save_tiny_specs  # noqa: E402
+from tp_checks import assert_bf16_states_on_every_rank, assert_forward_matches, save_tiny_specs  # noqa: E402
 from tp_prefix import cached_runs, prefix_prompts  # noqa: E402
 import mtp_checkpoint as M  # noqa: E402
 
@@ -298,22 +298,7 @@ def test_random_80b_structure_generates_on_four_ranks(group):
 def test_state_dtype_reaches_every_rank(models):
     """A bf16 state spec on four ranks: logits equal one rank's with the same bf16 states and
     differ from float64 states' (every worker took the spec)."""
-    from replayssm.cache.spec import CacheSpec
-
-    ref, tp = models("qwen3_next_80b")
-    spec = CacheSpec(mode="kv", max_seq_len=32, block_size=4, max_new=2, ssm_state_dtype="bfloat16")
-    c1, c2, c3 = ref.make_cache(3, spec), tp.make_cache(3, spec), ref.make_cache(3, spec, ssm_state_dtype="auto")
-    runs = ((ref, c1), (tp, c2), (ref, c3))
-    slots, ids, lens = torch.tensor([1, 2]), torch.tensor([[3, 4, 5, 9], [6, 1, 0, 0]]), torch.tensor([4, 2])
-    outs = [[m.prefill(c, slots, ids, lens)] for m, c in runs]
-    for _, c in runs:
-        c.switch_to_state([1, 2])                # KV-only -> a bf16 state on every rank
-    for t in ([7, 8], [2, 3], [4, 4]):
-        for o, (m, c) in zip(outs, runs):
-            o.append(m.decode(c, slots, torch.tensor(t)))
-    one, split, f64 = (torch.stack(o) for o in outs)
-    torch.testing.assert_close(split, one, rtol=0, atol=1e-10)
-    assert (one - f64).abs().max() > 1e-9
+    assert_bf16_states_on_every_rank(*models("qwen3_next_80b"), mode="kv")
 
 
 def test_mtp_chunked_forked_preempted_matches_one_rank(models):
