@@ -30,19 +30,11 @@ T0 = time.perf_counter()
 
 
 def _profile(llm, B: int, replays: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
+    from replayssm.bench.common import graph_kernels
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.runner.replay_ms(B, replays)
-        torch.cuda.synchronize()
-    ks = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0
-          and not e.key.startswith(("aten::", "c10d::", "record_param", "cuda"))]
-    ks.sort(key=lambda e: -e.device_time_total)
-    n = replays + 1   # replay_ms replays once before timing
-    return {"kernels_per_step": sum(e.count for e in ks) / n,
-            "us_per_step": sum(e.device_time_total for e in ks) / n,
-            "top": [(e.key[:70], e.device_time_total / n, e.count / n) for e in ks[:12]]}
+    ks = graph_kernels(llm, B, replays)
+    return {"kernels_per_step": sum(n for _, _, n in ks), "us_per_step": sum(us for _, us, _ in ks),
+            "top": [(k[:70], us, n) for k, us, n in ks[:12]]}
 
 
 def run_config(model, mode: str, fused: str, args, prompts: dict) -> dict:

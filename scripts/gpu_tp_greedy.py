@@ -44,14 +44,10 @@ def _log(msg: str) -> None:
 
 
 def _allgather_us(llm, B: int, greedy: bool, replays: int = 10) -> float:
-    """µs per step of the all-gather kernels in ``replays`` replays of the decode graph."""
-    from torch.profiler import ProfilerActivity, profile
+    """µs per step of the all-gather kernels in the decode graph (:func:`graph_kernels`)."""
+    from replayssm.bench.common import graph_kernels
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.runner.replay_ms(B, replays, greedy=greedy)
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages() if "AllGather" in e.key) / replays
+    return sum(us for k, us, _ in graph_kernels(llm, B, replays, greedy=greedy) if "AllGather" in k)
 
 
 class _SendTimer:

@@ -70,17 +70,6 @@ def _trace_kernels(trace_dir: str) -> tuple[dict, list]:
     return dict(out), sorted(set(names.values()))
 
 
-def _torch_kernels(llm, B: int, replays: int = 10) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.runner.replay_ms(B, replays)
-        torch.cuda.synchronize()
-    n = replays + 1   # replay_ms replays once before its timed replays
-    return {e.key: [e.count / n, e.device_time_total / n] for e in prof.key_averages()
-            if getattr(e, "device_time_total", 0) > 0 and not e.key.startswith(("aten::", "cuda"))}
-
-
 def _table(title: str, rows: dict, rows_n: int) -> None:
     tot_n = sum(r[0] for r in rows.values())
     tot_us = sum(r[1] for r in rows.values())
@@ -95,6 +84,7 @@ def main() -> int:
 
     from replayssm import LLM, SamplingParams
     from replayssm.bench import e2e
+    from replayssm.bench.common import graph_kernels
     from replayssm.jax.generate import JaxLLM
     from replayssm.jax.params import from_torch_model
     from replayssm.models import load_model
@@ -130,7 +120,7 @@ def main() -> int:
                      cuda_graphs=True, max_seq_len=-(-(a.prompt_len + a.max_tokens + 16) // 64) * 64) as llm:
                 tout = llm.generate(prompts, sp)
                 graph_ms = llm.runner.replay_ms(B, 20)
-                trows = _torch_kernels(llm, B)
+                trows = {k: [n, us] for k, us, n in graph_kernels(llm, B)}
             res["torch"] = {"graph_us": 1e3 * graph_ms,
                             "kernels": sorted(([k, *v] for k, v in trows.items()), key=lambda r: -r[2])[:80]}
             _table(f"PyTorch engine (graph replay {1e3 * graph_ms:.0f} µs)", trows, a.rows)

@@ -304,26 +304,20 @@ def _profile(LLM, SamplingParams, model, dev, B: int = 64, replays: int = 10) ->
     from torch.profiler import ProfilerActivity, profile
 
     from replayssm.bench import e2e
+    from replayssm.bench.common import graph_kernels
 
     prompts = e2e._prompts(B, 32, int(model.config.vocab_size), seed=3)
     with LLM(model, device=dev, decode_mode="replay", max_num_seqs=B, cuda_graphs=True, max_seq_len=128) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as graph_prof:
-            llm.runner.replay_ms(B, replays)
-            torch.cuda.synchronize()
+        gk = graph_kernels(llm, B, replays)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
             torch.cuda.synchronize()
-    gk = [e for e in graph_prof.key_averages() if getattr(e, "device_time_total", 0) > 0
-          and not e.key.startswith(("aten::", "c10d::", "record_param", "cuda"))]
-    gk.sort(key=lambda e: -e.device_time_total)
     ka = prof.key_averages()
     cuda = sorted(ka, key=lambda e: -getattr(e, "device_time_total", 0))[:15]
     cpu = sorted(ka, key=lambda e: -e.self_cpu_time_total)[:15]
-    n = replays + 1   # replay_ms replays once before its timed replays
-    return {"kernels": [(e.key[:80], e.device_time_total / n, e.count / n) for e in gk[:40]],
-            "kernels_total_us": sum(e.device_time_total for e in gk) / n,
+    return {"kernels": [(k[:80], us, n) for k, us, n in gk[:40]],
+            "kernels_total_us": sum(us for _, us, _ in gk),
             "cuda": [(e.key[:80], getattr(e, "device_time_total", 0) / 1e3, e.count) for e in cuda],
             "cpu_self": [(e.key[:80], e.self_cpu_time_total / 1e3, e.count) for e in cpu]}
 

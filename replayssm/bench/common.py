@@ -89,6 +89,23 @@ def fastest_run(llm, prompts, params: SamplingParams, device, repeats: int = 1, 
     return best
 
 
+def graph_kernels(llm, batch: int, replays: int = 10, **replay_kw) -> list[tuple[str, float, float]]:
+    """The kernels of ``llm``'s captured decode graph of ``batch`` rows, from ``replays``
+    back-to-back replays under ``torch.profiler`` (``runner.replay_ms``: the step's kernels
+    only, no host work): ``(name, µs per step, launches per step)``, slowest first; torch
+    operator and runtime-call entries left out (their kernels are listed themselves)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.runner.replay_ms(batch, replays, **replay_kw)
+        torch.cuda.synchronize()
+    n = replays + 1   # replay_ms replays once before its timed replays
+    ks = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0
+          and not e.key.startswith(("aten::", "c10d::", "record_param", "cuda"))]
+    return sorted(((e.key, e.device_time_total / n, e.count / n) for e in ks), key=lambda r: -r[1])
+
+
 def free_memory(device) -> None:
     """Collect garbage and return the caching allocator's free blocks (after an engine is dropped)."""
     gc.collect()
