@@ -118,8 +118,6 @@ def _engine_host_row(model, B: int, steps: int, group=None) -> dict:
     group the control messages and rank 0's encode+send time (call start -> local part)."""
     import collections
 
-    import torch  # noqa: F401
-
     from replayssm import LLM, SamplingParams
     from replayssm.bench.e2e import _prompts
     from replayssm.engine.model_runner import ModelRunner
