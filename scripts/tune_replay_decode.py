@@ -6,7 +6,9 @@ Layers: Mamba-2 2.7B (80 heads × head_dim 64 × d_state 128, 8 groups) and GDN 
 with ``--state-dtypes float32,bfloat16``), ring L = 16.  Per (family, state dtype, batch):
 
 * the peer's one recurrent step (``mamba_ssm.selective_state_update`` /
-  ``fla.fused_recurrent_gated_delta_rule``, state read + written; absent peers are named);
+  ``fla.fused_recurrent_gated_delta_rule``, state read + written; absent peers are named), and
+  for Mamba-2 the same step with its states in a slot pool read through ``state_batch_indices``
+  (``peer-indexed``: how vLLM and SGLang call it, the indirection our kernels always take);
 * ``default``: the wrappers' current choice (``DECODE_TABLE`` as committed);
 * every candidate form of :data:`FORMS` (tile width, warps, scores kernel, ``fold_form``
   "dot" / "fma" / "hold", ``prefetch``, GDN flush mode), at every batch.
@@ -324,13 +326,17 @@ def check_form(fam, s, form, sdt, dev, L, default_result=None):
 
 
 # ============================================================================ peers
-def peer_fn(fam, s, peers, Bt, sdt, dev):
-    """``(label, fn)`` of the peer's decode step, or ``(why not, None)``."""
+def peer_fn(fam, s, peers, Bt, sdt, dev, indexed: bool = False):
+    """``(label, fn)`` of the peer's decode step, or ``(why not, None)``.  ``indexed``: the
+    state read through a slot index per row (``state_batch_indices``, how vLLM and SGLang call
+    ``selective_state_update``; Mamba-2 only: fla's recurrent step takes no slot indices)."""
     name = "mamba_ssm" if fam == "mamba2" else "fla"
     if name not in peers:
         return (peers.get(name + "_error") or f"{name} not importable"), None
     f = peers[name]
     inp = inputs(fam, s, Bt, dev)
+    if indexed and fam != "mamba2":
+        return "fla's recurrent step has no slot indices", None
     if fam == "mamba2":
         H, d, n = s["H"], s["d"], s["n"]
         st = torch.randn(Bt, H, d, n, device=dev).to(sdt)
@@ -338,6 +344,12 @@ def peer_fn(fam, s, peers, Bt, sdt, dev):
         dt3 = inp["dt"][:, :, None].expand(Bt, H, d)
         bias = torch.zeros(H, device=dev)[:, None].expand(H, d)
         D2 = inp["D"][:, None].expand(H, d)
+        if indexed:   # as serving engines call it: states in a slot pool, one slot index per row
+            pool = torch.randn(2 * Bt + 1, H, d, n, device=dev).to(sdt)
+            idx = torch.randperm(2 * Bt + 1, device=dev)[:Bt].to(torch.int32)
+            return "mamba_ssm.selective_state_update(state_batch_indices)", lambda: f(
+                pool, inp["x"], dt3, A3, inp["B"], inp["C"], D=D2, dt_bias=bias, dt_softplus=False,
+                state_batch_indices=idx)
         return "mamba_ssm.selective_state_update", lambda: f(st, inp["x"], dt3, A3, inp["B"], inp["C"], D=D2,
                                                               dt_bias=bias, dt_softplus=False)
     st = (torch.randn(Bt, s["HV"], s["K"], s["V"], device=dev) * 0.05).to(sdt)
@@ -372,6 +384,12 @@ def time_section(res, fam, s, sdt, B, L, dev, peers, bw, chk, args) -> None:
     else:
         print(f"{fam:6} {sname:5} {B:>4} {'peer':18} absent: {label}", flush=True)
     res["rows"].append(dict(family=fam, state=sname, B=B, form="peer", peer=label, us=peer_us))
+    ilabel, ipf = peer_fn(fam, s, peers, B, sdt, dev, indexed=True) if dev == "cuda" else ("cpu run", None)
+    ipeer_us = graph_us(ipf, dev) if ipf is not None else float("nan")
+    if ipf is not None:
+        print(f"{fam:6} {sname:5} {B:>4} {'peer-indexed':18} {ipeer_us:8.1f} {'':>8} {'':>8} {ipeer_us:8.1f} "
+              f"{100 * peer_bytes(fam, s, B, sb) / (ipeer_us * 1e-6) / bw:6.1f}   ({ilabel})", flush=True)
+        res["rows"].append(dict(family=fam, state=sname, B=B, form="peer-indexed", peer=ilabel, us=ipeer_us))
     buf = setup(fam, s, B, L, sdt, dev)
     ring = RingIndex(B, L, buf.state.device)
     slots = torch.arange(1, B + 1, device=buf.state.device)
@@ -402,7 +420,7 @@ def time_section(res, fam, s, sdt, B, L, dev, peers, bw, chk, args) -> None:
                    mid_us=t["mid"],
                    flush_us=t["flush"], stagger_us=t["stagger"], cycle_us=cycle, cycle_pct_copy=pct,
                    stagger_pct_copy=100 * plans["stagger"][1] / (t["stagger"] * 1e-6) / bw,
-                   x_peer=peer_us / cycle, x_default=(def_cycle or nan) / cycle,
+                   x_peer=peer_us / cycle, x_peer_indexed=ipeer_us / cycle, x_default=(def_cycle or nan) / cycle,
                    x_default_stagger=(def_stag or nan) / t["stagger"])
         res["rows"].append(row)
         print(f"{fam:6} {sname:5} {B:>4} {name:18} {t['mid']:8.1f} {t['flush']:8.1f} "
@@ -510,9 +528,12 @@ def main(argv=None) -> int:
                 bst = min(rows, key=lambda r: r["stagger_us"])
                 peer = next((r["us"] for r in res["rows"] if r["family"] == fam and r["state"] == sname
                              and r["B"] == B and r["form"] == "peer"), float("nan"))
+                ipeer = next((r["us"] for r in res["rows"] if r["family"] == fam and r["state"] == sname
+                              and r["B"] == B and r["form"] == "peer-indexed"), float("nan"))
                 if d is not None:
                     print(f"{fam:6} {sname:5} B={B:<4} default {'':15} {d['cycle_us']:8.1f} us "
-                          f"{d['cycle_pct_copy']:5.1f}% copy  {'':11}  x{peer / d['cycle_us']:.2f} peer")
+                          f"{d['cycle_pct_copy']:5.1f}% copy  {'':11}  x{peer / d['cycle_us']:.2f} peer"
+                          + (f"  x{ipeer / d['cycle_us']:.2f} indexed peer" if ipeer == ipeer else ""))
                 print(f"{fam:6} {sname:5} B={B:<4} best {best['form']:18} {best['cycle_us']:8.1f} us "
                       f"{best['cycle_pct_copy']:5.1f}% copy  x{best['x_default']:.2f} default  "
                       f"x{peer / best['cycle_us']:.2f} peer   [staggered: {bst['form']} "
