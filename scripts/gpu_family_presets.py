@@ -176,6 +176,7 @@ def main(argv=None) -> int:
         fails += f
         out["presets"].append(res)
         if os.environ.get("OUT"):   # what was measured so far, should a later preset fail
+            os.makedirs(os.environ["OUT"], exist_ok=True)
             with open(os.path.join(os.environ["OUT"], "family_presets.json"), "w") as fh:
                 json.dump(out, fh, indent=1, default=str)
     out["failed_checks"], out["elapsed_s"] = fails, time.perf_counter() - t0

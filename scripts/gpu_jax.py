@@ -115,6 +115,14 @@ LOOP_VARIANTS = {
     "scan-dsf": ("scan", 8, {"xla_gpu_enable_dynamic_slice_fusion": True}),   # cuBLAS reads the slice in place?
     "group8": ("group", 8, {}),                    # scan over groups of 8, the group unrolled
     "group8-dsf": ("group", 8, {"xla_gpu_enable_dynamic_slice_fusion": True}),
+    # XLA's dot merger concatenates the weights of projections that share their input (the
+    # Mamba-2 in_proj's z and x blocks: bf16[10240, 2560], 52 MB written and read again per
+    # layer and step) into one GEMM; a threshold of 0 MB keeps the GEMMs apart
+    "scan-nomerge": ("scan", 8, {"xla_gpu_dot_merger_threshold_mb": 0}),
+    "scan-dsf-nomerge": ("scan", 8, {"xla_gpu_enable_dynamic_slice_fusion": True,
+                                     "xla_gpu_dot_merger_threshold_mb": 0}),
+    "group8-nomerge": ("group", 8, {"xla_gpu_dot_merger_threshold_mb": 0}),
+    "unroll-nomerge": ("unroll", 8, {"xla_gpu_dot_merger_threshold_mb": 0}),
 }
 
 

@@ -444,6 +444,7 @@ def main() -> int:
     print(f"correctness {'OK' if ok else 'FAILED'}; {RESULTS['wall_s']:.0f} s", flush=True)
     out = os.environ.get("OUT")
     if out:
+        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "gpu_state_dtype.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
     return 0 if ok else 1
