@@ -123,6 +123,8 @@ LOOP_VARIANTS = {
                                      "xla_gpu_dot_merger_threshold_mb": 0}),
     "group8-nomerge": ("group", 8, {"xla_gpu_dot_merger_threshold_mb": 0}),
     "unroll-nomerge": ("unroll", 8, {"xla_gpu_dot_merger_threshold_mb": 0}),
+    "group16-nomerge": ("group", 16, {"xla_gpu_dot_merger_threshold_mb": 0}),
+    "group32-nomerge": ("group", 32, {"xla_gpu_dot_merger_threshold_mb": 0}),
 }
 
 

@@ -34,6 +34,16 @@ from collections import defaultdict
 import torch
 
 
+def _options(items) -> dict:
+    """``NAME=VALUE`` strings as compiler options (ints, booleans, else text)."""
+    out = {}
+    for item in items:
+        k, _, v = item.partition("=")
+        low = v.strip().lower()
+        out[k.strip()] = True if low == "true" else False if low == "false" else int(v) if v.strip().lstrip("-").isdigit() else v
+    return out
+
+
 def _args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="2.7b")
@@ -41,7 +51,10 @@ def _args():
     p.add_argument("--mode", default="replay", choices=("replay", "recurrent"))
     p.add_argument("--max-tokens", type=int, default=33)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--layer-loop", default=None, choices=(None, "scan", "unroll"))
+    p.add_argument("--layer-loop", default=None, choices=(None, "scan", "group", "unroll"))
+    p.add_argument("--layer-group", type=int, default=8, help="--layer-loop group: layers per group")
+    p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an XLA compiler option over the backend's (repeatable; VALUE an int, true/false or text)")
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--out", default=os.environ.get("OUT"))
     return p.parse_args()
@@ -99,7 +112,8 @@ def main() -> int:
         spec, params = from_torch_model(tmodel, dtype)
         prompts = e2e._prompts(B, a.prompt_len, spec.vocab_size, seed=B)
         sp = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
-        jl = JaxLLM((spec, params), decode_mode=a.mode, buffer_size=16, chunk_size=64, layer_loop=a.layer_loop)
+        jl = JaxLLM((spec, params), decode_mode=a.mode, buffer_size=16, chunk_size=64, layer_loop=a.layer_loop,
+                    layer_group=a.layer_group, compiler_options=_options(a.xla_option) or None)
         jl.generate(prompts, sp)                      # compile
         jl.generate(prompts, sp)
         trace_dir = os.path.join(tmp, "trace")
