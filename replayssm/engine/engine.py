@@ -167,6 +167,9 @@ class LLMEngine:
         (a dropped engine's cycles are collected again).  The engine cannot step afterwards."""
         if self.config.gc_freeze:
             gc.unfreeze()
+        if self._inflight is not None:   # async scheduling: let the step on the device end first
+            self._inflight.wait()
+            self._inflight = None
         if isinstance(self.model, TensorParallelModel):   # the workers' runner and cache
             self.runner.close()
             self.cache.close()
