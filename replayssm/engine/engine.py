@@ -270,10 +270,7 @@ class LLMEngine:
         error: their caches hold a token their outputs never got."""
         fl, self._inflight = self._inflight, None
         if fl is not None:
-            for s in fl.seqs:
-                if not s.is_finished:
-                    s.finish_reason, s.error = "error", "an engine step failed while this request's step was in flight"
-                    self._finish(s)
+            self._abandon(fl)
         self.cache.clear_pending()
         if self.drafter is not None:
             self.drafter.reset()
@@ -343,7 +340,11 @@ class LLMEngine:
             if fl is None:   # no row could reserve its block: they end with the error
                 return self._run(ScheduledBatch(), t0)
         self._inflight, failed = self._launch_next(fl)
-        new = self.executor.collect(fl)
+        try:
+            new = self.executor.collect(fl)
+        except BaseException:
+            self._abandon(fl)
+            raise
         # a step whose rows were all dropped (every sequence ended by the step before) is
         # no step of the synchronous engine: counted apart
         self.stats["steps" if new else "async_wasted_steps"] += 1
@@ -361,6 +362,16 @@ class LLMEngine:
                 if all(m.is_finished for m in s.group):
                     self._requests.pop(s.group_id, None)
         return advanced, finished
+
+    def _abandon(self, fl: InFlight) -> None:
+        """End ``fl``'s unfinished sequences with an error (a step failed while ``fl`` was in
+        flight: their caches may hold a token their outputs never got)."""
+        for s in fl.seqs:
+            if not s.is_finished:
+                s.finish_reason, s.error = "error", "an engine step failed while this request's step was in flight"
+                self._finish(s)
+                if all(m.is_finished for m in s.group):
+                    self._requests.pop(s.group_id, None)
 
     def _overlaps(self, batch) -> bool:
         """Whether a freshly scheduled step may start the overlapped loop: a pure decode step
@@ -408,6 +419,9 @@ class LLMEngine:
         waiting = self.scheduler.waiting
         if not waiting or not self.blocks.free_slots:
             return True
+        head = waiting[0]
+        if head.index == 0 and not head.swapped and len(head.group) > len(self.blocks.free_slots):
+            return True   # a request's samples start together
         if self.prefix_cache is not None:   # a prefix match has side effects: let the scheduler decide
             return False
         adm = self.blocks.plan(waiting[0])

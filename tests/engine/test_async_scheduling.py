@@ -140,9 +140,12 @@ def test_stop_strings(mamba2):
     _overlapped(st, calls)
 
 
-def test_n_greedy_samples(mamba2):
+@pytest.mark.parametrize("slots", [8, 3])
+def test_n_greedy_samples(mamba2, slots):
+    """``n > 1`` greedy samples (identical); with 3 slots the later requests wait for their
+    samples' slots while the others decode overlapped."""
     ps = [SamplingParams(max_tokens=10, n=3), SamplingParams(max_tokens=7), SamplingParams(max_tokens=13, n=2)]
-    want, st, calls = _both(mamba2, PROMPTS[:3], ps, max_num_seqs=8)
+    want, st, calls = _both(mamba2, PROMPTS[:3], ps, same_steps=slots == 8, max_num_seqs=slots)
     assert len(want) == 6 and want[0][0] == want[1][0] == want[2][0]
     _overlapped(st, calls)
 
@@ -347,3 +350,33 @@ def test_config_is_validated():
     with pytest.raises(ValueError, match="async_scheduling must be a bool"):
         EngineConfig(async_scheduling="yes")
     assert EngineConfig(async_scheduling=True).async_scheduling is True
+
+
+def test_a_failed_step_ends_the_requests_in_flight(mamba2):
+    """A launch that raises with a step in flight: ``recover()`` ends that step's requests
+    with an error and frees their slots (their caches are a token ahead of their outputs);
+    the engine then serves new requests exactly."""
+    want, _, _ = _run(mamba2, PROMPTS[:2], SamplingParams(max_tokens=6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM(mamba2, max_seq_len=MAXLEN, async_scheduling=True)
+    seqs = [llm.add_request(p, SamplingParams(max_tokens=20)) for p in PROMPTS]
+    real, calls = llm.runner.decode_rows, []
+
+    def failing(slots, rows):
+        calls.append(len(slots))
+        if len(calls) == 3:
+            raise RuntimeError("device fault")
+        return real(slots, rows)
+
+    llm.runner.decode_rows = failing
+    with pytest.raises(RuntimeError, match="device fault"):
+        while llm.has_unfinished():
+            llm.step()
+    assert llm._inflight is not None
+    llm.recover()
+    assert not llm.has_unfinished() and len(llm.blocks.free_slots) == llm.num_slots and llm.blocks.reserved == 0
+    assert all(s.finish_reason == "error" and "in flight" in s.error for s in seqs)
+    llm.runner.decode_rows = real
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6))
+    assert [(o.token_ids, o.finish_reason, o.text) for o in outs] == want and llm.stats["async_steps"] > 0
