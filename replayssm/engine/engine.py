@@ -336,6 +336,9 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if not self._overlaps(batch):
                 return self._run(batch, t0)
+            t1 = time.perf_counter()   # scheduling counts as prefill time, as in a synchronous step
+            self.stats["prefill_s"] += t1 - t0
+            t0 = t1
             fl = self.executor.launch(batch.running)
             if fl is None:   # no row could reserve its block: they end with the error
                 return self._run(ScheduledBatch(), t0)
@@ -349,8 +352,10 @@ class LLMEngine:
         # no step of the synchronous engine: counted apart
         self.stats["steps" if new else "async_wasted_steps"] += 1
         self.stats["async_steps"] += fl.lagged and bool(new)
-        self.stats["decode_s"] += time.perf_counter() - t0
         advanced, finished = self._postprocess(ScheduledBatch(), new)
+        # the whole step, postprocessing included: it runs while the device runs the next
+        # step, so this is the step's wall time (a synchronous step's decode_s leaves it out)
+        self.stats["decode_s"] += time.perf_counter() - t0
         if failed:   # reservations for the next step that failed: they end now, as a synchronous step ends them
             with self.blocks.batched_releases():
                 for s, reason, error in failed:
