@@ -6,6 +6,9 @@ A step is three calls (nano-vllm's shape)::
     new, _ = self.executor.run(batch)        # prefill / decode / draft-verify-accept-commit
     return self._postprocess(batch, new)     # append tokens, stop criteria, free, switch forms
 
+With ``async_scheduling`` a plain greedy decode step is launched before the previous one's
+tokens are read, so the host's postprocessing overlaps the device (:mod:`.overlap`).
+
 Each part is a room of its own: memory (``cache_plan``), slots and blocks
 (``block_manager``, with ``prefix/``), ``scheduler``, model calls (``executor``), drafters
 (``spec/``), the decode-mode policy (``mode_policy``), outputs (``output_processor``).
