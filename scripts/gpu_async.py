@@ -3,10 +3,10 @@
 The 2.7B random Mamba-2 preset (greedy-margin weights), bf16, replay decode, CUDA graphs, at
 B = 1 / 64 / 256 (``--batches``), each TP size (``--tp``) in a process of its own
 (``replayssm.bench.isolated``), and a hybrid row (``--hybrid``, default nemotron-h-4b at
-B = 64, one GPU).  Per (TP, B): a synchronous engine and one with ``async_scheduling=True``,
-one after the other in the same process.  Each is timed on its decode steps alone: the
-requests are added and prefilled (their first token), then the engine steps until all are
-done (every request ``--max-tokens`` tokens, ``ignore_eos``) between device syncs; ms per
+B = 64, one GPU).  Per TP size: a synchronous engine and one with ``async_scheduling=True``
+(``max(batches)`` slots each), one after the other in the same process, each timed at every
+B on its decode steps alone: the requests are added and prefilled (their first token), then
+the engine steps until all are done (every request ``--max-tokens`` tokens, ``ignore_eos``) between device syncs; ms per
 step = that time / steps (all host work included: scheduling, output processing, under TP
 the control message), tokens/s = decode tokens / that time; best of two runs after a warm
 run.  ``graph ms``: the captured decode graph replayed back to back (``runner.replay_ms``:
@@ -71,7 +71,8 @@ def _decode_run(llm, prompts, params, dev: str) -> dict:
 
 
 def _engine_rows(model, label: str, batches, args, max_seq_len: int = 128) -> list[dict]:
-    """Sync then async engine at every batch size (one engine at a time)."""
+    """A synchronous engine, then an async one (one at a time, ``max(batches)`` slots, graphs
+    of every bucket captured once), each timed at every batch size."""
     from replayssm import LLM, SamplingParams
     from replayssm.bench import e2e
     from replayssm.bench.common import free_memory
@@ -80,12 +81,12 @@ def _engine_rows(model, label: str, batches, args, max_seq_len: int = 128) -> li
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     cuda = args.device.startswith("cuda")
     out = []
-    for B in batches:
-        prompts = e2e._prompts(B, 32, V, seed=B)
-        for asy in (False, True):
-            with LLM(model, device=args.device, dtype="bfloat16" if cuda else "float32", decode_mode="replay",
-                     max_num_seqs=B, cuda_graphs=cuda, max_seq_len=max_seq_len, async_scheduling=asy) as llm:
-                llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))   # compile, capture, warm
+    for asy in (False, True):
+        with LLM(model, device=args.device, dtype="bfloat16" if cuda else "float32", decode_mode="replay",
+                 max_num_seqs=max(batches), cuda_graphs=cuda, max_seq_len=max_seq_len, async_scheduling=asy) as llm:
+            for B in batches:
+                prompts = e2e._prompts(B, 32, V, seed=B)
+                llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))   # compile, warm
                 best = None
                 for _ in range(2):
                     r = _decode_run(llm, prompts, params, args.device)
@@ -96,11 +97,11 @@ def _engine_rows(model, label: str, batches, args, max_seq_len: int = 128) -> li
                 row = {"model": label, "async": asy, "batch": B, **best, "graph_ms": graph_ms,
                        "host_ms": best["step_ms"] - graph_ms, "greedy_token_graphs": greedy,
                        "capture_s": llm.capture_s}
-            free_memory(args.device)
-            out.append(row)
-            _log(f"{label} {'async' if asy else 'sync '} B={B}: {row['step_ms']:.2f} ms/step, graph {graph_ms:.2f} ms, "
-                 f"host {row['host_ms']:.2f} ms, {row['decode_tokens_per_s']:.0f} tok/s, "
-                 f"overlapped {row['overlapped']:.0%}")
+                out.append(row)
+                _log(f"{label} {'async' if asy else 'sync '} B={B}: {row['step_ms']:.2f} ms/step, graph "
+                     f"{graph_ms:.2f} ms, host {row['host_ms']:.2f} ms, {row['decode_tokens_per_s']:.0f} tok/s, "
+                     f"overlapped {row['overlapped']:.0%}")
+        free_memory(args.device)
     return out
 
 
@@ -165,6 +166,7 @@ def main() -> int:
                 res["errors"].append({"tp": tp, "error": r["error"]})
                 continue
             res["rows"] += r["rows"]
+    res["rows"].sort(key=lambda r: (r["model"], r["batch"], r["async"]))
     rows = {(r["model"], r["async"], r["batch"]): r for r in res["rows"]}
     ok = not res["errors"]
     print(f"\n{'model':<22}{'sched':<7}{'B':>5}{'ms/step':>9}{'graph ms':>10}{'host ms':>9}{'tok/s':>9}"
