@@ -380,3 +380,19 @@ def test_a_failed_step_ends_the_requests_in_flight(mamba2):
     llm.runner.decode_rows = real
     outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6))
     assert [(o.token_ids, o.finish_reason, o.text) for o in outs] == want and llm.stats["async_steps"] > 0
+
+
+def test_stream_leaves_nothing_in_flight(mamba2):
+    """``LLM.stream`` yields the synchronous engine's tokens; a request ended by EOS leaves
+    no step in flight behind it (its dropped row is collected)."""
+    outs = []
+    for asy in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            llm = LLM(mamba2, max_seq_len=MAXLEN, async_scheduling=asy)
+        toks = [t for c in llm.stream(PROMPTS[0], SamplingParams(max_tokens=12)) for t in c]
+        llm.outputs.eos_token_id = toks[7]
+        chunks = list(llm.stream(PROMPTS[0], SamplingParams(max_tokens=12)))
+        assert not llm.has_unfinished() and llm.last_output.finish_reason == "stop"
+        outs.append((toks, chunks, llm.stats.get("async_dropped_rows")))
+    assert outs[0][:2] == outs[1][:2] and outs[1][2] == 1
