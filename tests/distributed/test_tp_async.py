@@ -73,3 +73,25 @@ def test_two_ranks_async_equals_sync_and_one_rank(models, mode):
     finally:
         tp.group._send = send
     assert any(r == "stop" for _, r in want_eos)
+
+
+def test_two_ranks_hybrid_with_paged_attention(tmp_path, group):
+    """Nemotron-H over two ranks (Mamba groups and attention heads split, paged attention KV in
+    blocks of 4, a ring of 4 wrapped many times): async equals sync, EOS mid-batch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = H.tiny_nemotron_h(hybrid_override_pattern="M*-EM", mamba_num_heads=6, n_groups=2, num_attention_heads=6,
+                              num_key_value_heads=1, intermediate_size=18, moe_intermediate_size=10,
+                              moe_shared_expert_intermediate_size=6, moe_latent_size=5)
+        tp = group.load_model(H.save_tiny(m, str(tmp_path / "nh")), dtype="float64")
+    kw = dict(decode_mode="replay", buffer_size=4, kv_block_size=4)
+    try:
+        want, _, _ = _generate(tp, **kw)
+        eos = want[0][0][5]
+        for e in (None, eos):
+            want, _, _ = _generate(tp, eos=e, **kw)
+            got, st, calls = _generate(tp, eos=e, async_scheduling=True, **kw)
+            assert got == want and st["async_steps"] > 0 and calls["rows_decode"] > 0
+        assert any(r == "stop" for _, r in want)
+    finally:
+        tp.close()
