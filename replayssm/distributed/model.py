@@ -139,6 +139,12 @@ class ShardedRunner(_Proxy):
             return self._call("decode", Plain(list(slots)), tokens, True)
         return self._call("decode", Plain(list(slots)), tokens)
 
+    def decode_rows(self, slots, rows) -> Tensor:
+        """A greedy decode step fed from the previous one's greedy tokens, gathered by ``rows``
+        on every rank from its own copy (identical on every rank): the message carries the
+        two index lists only, no tokens.  The greedy tokens ``[B]`` on rank 0."""
+        return self._call("decode_rows", Plain(list(slots)), Plain(list(rows)))
+
     def verify(self, slots, tokens: Tensor) -> Tensor:
         return self._call("verify", Plain(list(slots)), tokens)
 

@@ -222,7 +222,9 @@ class BlockManager:
         self.reserved -= b
 
     def _release(self, slots: list[int]) -> None:
-        self.cache.release(torch.tensor(slots, dtype=torch.long, device=self.cache.device))
+        # a host tensor: the cache reads the ids on the host anyway, and a device tensor's
+        # read would wait for the queued steps (async scheduling keeps one on the device)
+        self.cache.release(torch.tensor(slots, dtype=torch.long))
 
     @contextmanager
     def batched_releases(self):

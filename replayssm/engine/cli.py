@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture decode in CUDA graphs (default: on for a CUDA device, off elsewhere)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="overlap plain greedy decode steps' host work (outputs, stop checks, scheduling) with the "
+                        "device running the previous step; other steps run as usual, outputs unchanged")
     p.add_argument("--torch-threads", type=positive_int, default=None,
                    help="torch intra-op threads (CPU work); default: min(physical cores, cores not busy), from "
                         "this process's CPU affinity and the 1-minute load average, at least 1 (so a busy "
@@ -295,7 +298,7 @@ def _generate(args) -> int:
         llm = LLM(str(model_dir), device=device, dtype=args.dtype, decode_mode=args.mode,
                   buffer_size=args.buffer_size, speculative=spec, max_num_seqs=1, cuda_graphs=args.cuda_graphs,
                   tokenizer=tok, max_seq_len=max_seq_len, tensor_parallel_size=args.tensor_parallel_size,
-                  ssm_state_dtype=args.ssm_state_dtype)
+                  ssm_state_dtype=args.ssm_state_dtype, async_scheduling=args.async_scheduling)
         _clip_note(args, llm, len(prompt))
         t_load = time.perf_counter() - t0
         dt = _stream(llm, prompt, text, params, tok)

@@ -599,6 +599,13 @@ class EngineConfig:
     never collected: meant for one engine per process (a server); ``close()`` unfreezes, so
     close an engine before dropping it and building another (else its cycles, caches
     included, stay).
+
+    ``async_scheduling`` (off by default): overlap the host work of a decode step (output
+    processing, stop criteria, scheduling, the tensor-parallel control message) with the
+    device running the previous one.  Only plain greedy decode steps overlap (no prefill,
+    no speculation, decode mode ``replay`` or ``recurrent``, no prefix caching of replies);
+    any other step first finishes the one in flight and runs as usual.  Outputs are exactly
+    those of the synchronous engine (:mod:`replayssm.engine.overlap`).
     """
 
     decode_mode: str = "replay"
@@ -626,6 +633,7 @@ class EngineConfig:
     preemption_mode: str = "swap"
     ssm_state_dtype: str = "auto"                    # checkpoint states: auto | float32 | bfloat16 | float16
     gc_freeze: bool = False                          # gc.freeze() once built (one engine per process)
+    async_scheduling: bool = False                   # overlap greedy decode steps' host work (engine.overlap)
     #: where the effective ``max_seq_len`` came from (set by the engine once it is resolved)
     max_seq_len_source: str | None = field(default=None, init=False, compare=False)
 
@@ -651,7 +659,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be a bool or None, got {self.cuda_graphs!r}")
         if not isinstance(self.gc_freeze, bool):
             raise ValueError(f"gc_freeze must be a bool, got {self.gc_freeze!r}")
-        for name in ("pad_batches", "enable_prefix_caching", "prefix_cache_replies"):
+        for name in ("pad_batches", "enable_prefix_caching", "prefix_cache_replies", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         g = self.gpu_memory_utilization

@@ -6,6 +6,9 @@ A step is three calls (nano-vllm's shape)::
     new, _ = self.executor.run(batch)        # prefill / decode / draft-verify-accept-commit
     return self._postprocess(batch, new)     # append tokens, stop criteria, free, switch forms
 
+With ``async_scheduling`` a plain greedy decode step is launched before the previous one's
+tokens are read, so the host's postprocessing overlaps the device (:mod:`.overlap`).
+
 Each part is a room of its own: memory (``cache_plan``), slots and blocks
 (``block_manager``, with ``prefix/``), ``scheduler``, model calls (``executor``), drafters
 (``spec/``), the decode-mode policy (``mode_policy``), outputs (``output_processor``).
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import inspect
 import time
 
 
@@ -24,7 +28,7 @@ from .block_manager import BlockManager
 from .cache_plan import context_limit, plan_caches
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
 from .detokenizer import Detokenizer
-from .executor import StepExecutor
+from .executor import StepExecutor, plain_rows
 from .inputs import encode_prompt
 from ..models.loader import parse_dtype
 from .loading import check_tokenizer_vocab, load_target
@@ -32,9 +36,10 @@ from .mode_policy import decode_policy
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput, request_output
+from .overlap import OVERLAP_MODES, InFlight, ends_with_pending
 from .prefix import PrefixCache
 from .sampler import Sampler
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, fresh_request_id
 from .spec import prepare_drafter
 from .structured import ConstraintFactory
@@ -64,7 +69,8 @@ class LLMEngine:
                  prefix_checkpoint_interval: int | None = None, prefix_cache_fraction: float = 0.25,
                  prefix_cache_blocks: int | None = None, prefix_cache_replies: bool = True,
                  preemption_mode: str = "swap",
-                 revision: str | None = None, ssm_state_dtype: str = "auto", gc_freeze: bool = False):
+                 revision: str | None = None, ssm_state_dtype: str = "auto", gc_freeze: bool = False,
+                 async_scheduling: bool = False):
         self.config = ec = EngineConfig(
             decode_mode=decode_mode, buffer_size=buffer_size, max_num_seqs=max_num_seqs,
             memory_budget=memory_budget, max_seq_len=max_seq_len, kv_block_size=kv_block_size,
@@ -74,7 +80,7 @@ class LLMEngine:
             prefix_cache_blocks=prefix_cache_blocks, prefix_cache_replies=prefix_cache_replies,
             gpu_memory_utilization=gpu_memory_utilization,
             pad_batches=pad_batches, tensor_parallel_size=tensor_parallel_size, preemption_mode=preemption_mode,
-            ssm_state_dtype=ssm_state_dtype, gc_freeze=gc_freeze)
+            ssm_state_dtype=ssm_state_dtype, gc_freeze=gc_freeze, async_scheduling=async_scheduling)
         # validated, as tensors report it ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu")
         self.device = check_device(device)
         if ec.cuda_graphs is None:   # the fast default: graphs wherever they can run
@@ -105,6 +111,9 @@ class LLMEngine:
                 target=self.model, cache=self.cache, sampler=self.sampler, runner=self.runner,
                 num_slots=self.num_slots))
         self._requests: dict = {}            # unfinished requests by id (abort, outputs)
+        self._inflight: InFlight | None = None   # async scheduling: the decode step on the device
+        if ec.async_scheduling:
+            self.stats.update(async_steps=0, async_dropped_rows=0, async_wasted_steps=0)
         self.constraints = ConstraintFactory(self.tokenizer, self.vocab_size, eos)
         t0 = time.perf_counter()
         if self.runner.use_graphs:   # every graph a step can need, before the first request
@@ -140,6 +149,8 @@ class LLMEngine:
         kw = dict(cuda_graphs=ec.cuda_graphs, pad_batches=ec.pad_batches)
         if isinstance(self.model, TensorParallelModel):   # every rank runs its own runner
             return self.model.make_runner(self.cache, self.num_slots, runner_cls=ModelRunner, **kw)
+        if ec.async_scheduling and "greedy" in inspect.signature(self.model.decode).parameters:
+            kw["greedy_decode"] = True   # overlapped steps feed on the device's greedy tokens
         return ModelRunner(self.model, self.cache, self.device, self.num_slots, **kw)
 
     # -- parts -----------------------------------------------------------------------------
@@ -159,6 +170,9 @@ class LLMEngine:
         (a dropped engine's cycles are collected again).  The engine cannot step afterwards."""
         if self.config.gc_freeze:
             gc.unfreeze()
+        if self._inflight is not None:   # async scheduling: let the step on the device end first
+            self._inflight.wait()
+            self._inflight = None
         if isinstance(self.model, TensorParallelModel):   # the workers' runner and cache
             self.runner.close()
             self.cache.close()
@@ -227,7 +241,8 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests waiting or running, or (async scheduling) a decode step still in flight."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def warm_up(self, max_prompt_len: int | None = None) -> float:
         """Run every kind of step once before serving (:func:`replayssm.engine.warmup.warm_up`);
@@ -253,7 +268,12 @@ class LLMEngine:
 
     def recover(self) -> None:
         """After a step raised half-way: forget the verify that will never be committed
-        (target and draft caches), so that aborts and the next steps can run."""
+        (target and draft caches), so that aborts and the next steps can run.  A decode step
+        still in flight (async scheduling) is dropped and its unfinished sequences end with an
+        error: their caches hold a token their outputs never got."""
+        fl, self._inflight = self._inflight, None
+        if fl is not None:
+            self._abandon(fl)
         self.cache.clear_pending()
         if self.drafter is not None:
             self.drafter.reset()
@@ -272,8 +292,14 @@ class LLMEngine:
 
     def _step(self) -> tuple[list[Sequence], list[Sequence]]:
         """schedule -> run -> postprocess; returns (sequences that got tokens, finished ones)."""
+        if self.config.async_scheduling:
+            return self._async_step()
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        return self._run(batch, t0)
+
+    def _run(self, batch, t0: float) -> tuple[list[Sequence], list[Sequence]]:
+        """A synchronous step of ``batch`` (scheduled at ``t0``): run, then postprocess."""
         new, t1 = self.executor.run(batch)
         self.stats["steps"] += 1
         self.stats["prefill_s"] += t1 - t0
@@ -301,6 +327,129 @@ class LLMEngine:
             if all(m.is_finished for m in s.group):
                 self._requests.pop(s.group_id, None)
         return advanced, finished
+
+    # -- async scheduling (engine.overlap) ----------------------------------------------------
+    def _async_step(self) -> tuple[list[Sequence], list[Sequence]]:
+        """One step with async scheduling: launch the next decode step (when it may overlap),
+        then collect and postprocess the one in flight; without one in flight, schedule as
+        usual and either launch an overlappable decode step or run synchronously."""
+        t0 = time.perf_counter()
+        fl = self._inflight
+        if fl is None:
+            batch = self.scheduler.schedule()
+            if not self._overlaps(batch):
+                return self._run(batch, t0)
+            t1 = time.perf_counter()   # scheduling counts as prefill time, as in a synchronous step
+            self.stats["prefill_s"] += t1 - t0
+            t0 = t1
+            fl = self.executor.launch(batch.running)
+            if fl is None:   # no row could reserve its block: they end with the error
+                return self._run(ScheduledBatch(), t0)
+        self._inflight, failed = self._launch_next(fl)
+        try:
+            new = self.executor.collect(fl)
+        except BaseException:
+            self._abandon(fl)
+            raise
+        # a step whose rows were all dropped (every sequence ended by the step before) is
+        # no step of the synchronous engine: counted apart
+        self.stats["steps" if new else "async_wasted_steps"] += 1
+        self.stats["async_steps"] += fl.lagged and bool(new)
+        advanced, finished = self._postprocess(ScheduledBatch(), new)
+        # the whole step, postprocessing included: it runs while the device runs the next
+        # step, so this is the step's wall time (a synchronous step's decode_s leaves it out)
+        self.stats["decode_s"] += time.perf_counter() - t0
+        if failed:   # reservations for the next step that failed: they end now, as a synchronous step ends them
+            with self.blocks.batched_releases():
+                for s, reason, error in failed:
+                    if not s.is_finished:
+                        s.finish_reason, s.error = reason, error
+                        self._finish(s)
+                        finished.append(s)
+            for s, _, _ in failed:
+                if all(m.is_finished for m in s.group):
+                    self._requests.pop(s.group_id, None)
+        return advanced, finished
+
+    def _abandon(self, fl: InFlight) -> None:
+        """End ``fl``'s unfinished sequences with an error (a step failed while ``fl`` was in
+        flight: their caches may hold a token their outputs never got)."""
+        for s in fl.seqs:
+            if not s.is_finished:
+                s.finish_reason, s.error = "error", "an engine step failed while this request's step was in flight"
+                self._finish(s)
+                if all(m.is_finished for m in s.group):
+                    self._requests.pop(s.group_id, None)
+
+    def _overlaps(self, batch) -> bool:
+        """Whether a freshly scheduled step may start the overlapped loop: a pure decode step
+        of every running sequence, all plain greedy, on an engine whose decode steps can
+        overlap (:meth:`_can_overlap`)."""
+        return (bool(batch.running) and not batch.prefill and not batch.rejected
+                and len(batch.running) == len(self.scheduler.running) and self._can_overlap()
+                and plain_rows(batch.running))
+
+    def _can_overlap(self) -> bool:
+        """No drafter, decode mode replay or recurrent (``auto`` switches forms from host
+        lengths after each step), no caching of finished replies (a reply's state is
+        captured at finish: the wasted row would have advanced it), a runner with greedy
+        decode (the tokens the next step feeds on)."""
+        ec = self.config
+        return (self.drafter is None and ec.decode_mode in OVERLAP_MODES and self.runner.greedy_decode
+                and (self.prefix_cache is None or not ec.prefix_cache_replies))
+
+    def _launch_next(self, fl: InFlight) -> tuple[InFlight | None, list]:
+        """Launch the decode step after ``fl`` before its tokens are read, when it may
+        overlap: no waiting request could be admitted now, the rows that continue (every
+        sequence of ``fl`` not known to end with its token) grow their reservations without
+        preempting.  Returns ``(the launched step or None, [(sequence, finish reason,
+        error)] whose blocks could not be reserved)``: those end after ``fl``'s tokens."""
+        if not self._can_overlap() or not self._admits_nothing():
+            return None, []
+        limit = self.scheduler.token_limit
+        rows = [s for s in fl.seqs if not s.is_finished and s.finish_reason is None
+                and not ends_with_pending(s, limit)]
+        if not rows or not self._grow(rows):
+            return None, []
+        ok = self.blocks.reserve_tokens(rows, 2)   # the pending token and the new one
+        failed = []
+        if len(ok) < len(rows):
+            kept = set(map(id, ok))
+            for s in rows:
+                if id(s) not in kept:   # its reason applies after fl's token (which may end it first)
+                    failed.append((s, s.finish_reason, s.error))
+                    s.finish_reason = s.error = None
+        return (self.executor.launch_rows(fl, ok) if ok else None), failed
+
+    def _admits_nothing(self) -> bool:
+        """Whether the scheduler would admit no waiting request now (none waits, no slot is
+        free, or, without a prefix cache, the first one's bytes do not fit)."""
+        waiting = self.scheduler.waiting
+        if not waiting or not self.blocks.free_slots:
+            return True
+        head = waiting[0]
+        if head.index == 0 and not head.swapped and len(head.group) > len(self.blocks.free_slots):
+            return True   # a request's samples start together
+        if self.prefix_cache is not None:   # a prefix match has side effects: let the scheduler decide
+            return False
+        adm = self.blocks.plan(waiting[0])
+        return not isinstance(adm, str) and not self.blocks.can_allocate(adm)
+
+    def _grow(self, rows: list[Sequence]) -> bool:
+        """Grow the rows' reservations for the overlapped step (the pending token and one
+        verify window: what the scheduler grows them to after the pending token); False,
+        nothing grown, when that does not fit without preempting."""
+        b = self.blocks
+        if not b.grows:
+            return True
+        T = b.memory.verify_tokens
+        need = [b.grow_need(s, s.num_cached + 1 + T) for s in rows]
+        if b.free_bytes is not None and sum(need) > b.free_bytes:
+            return False
+        for s, n in zip(rows, need):
+            if n:
+                b.grow(s, n)
+        return True
 
     def _finish(self, s: Sequence) -> None:
         if self.drafter is not None:   # (a swapped-out one holds no slot: its per-request state goes)

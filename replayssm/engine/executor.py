@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .config import SamplingParams
 from .output_processor import logprob_rows
+from .overlap import InFlight
 from .sampler import token_logprobs
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -33,6 +34,12 @@ Step = tuple
 def _plain(p: SamplingParams) -> bool:
     """Greedy with no penalties and no logprobs: the argmax fast path."""
     return p.greedy and not p.penalized and p.logprobs is None
+
+
+def plain_rows(seqs: list[Sequence]) -> bool:
+    """Every sequence plain greedy (:func:`_plain`) and unconstrained: its next token is the
+    argmax alone (the runner's greedy decode; async scheduling's overlapped steps)."""
+    return all(_plain(s.params) and s.constraint is None for s in seqs)
 
 
 class StepExecutor:
@@ -254,6 +261,37 @@ class StepExecutor:
         masked = self.masker.apply(logits, seqs, job)
         sb = None if all(_plain(s.params) for s in seqs) else self.sampler.batch(seqs)  # plain: argmax
         return self._sampled(seqs, logits, self.sampler.sample(masked, seqs, sb), sb)
+
+    # -- overlapped decode (async scheduling: engine.overlap) ------------------------------------
+    def launch(self, seqs: list[Sequence]) -> InFlight | None:
+        """Reserve one token each and launch a greedy decode step of ``seqs`` (plain greedy
+        rows, no drafter) from the host's last tokens, without waiting for its tokens.  None
+        when no row could reserve (those end with an error, as in :meth:`decode`)."""
+        seqs = self.blocks.reserve_tokens(seqs, 1)
+        if not seqs:
+            return None
+        toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
+        return InFlight.launched(seqs, self.runner.decode([s.slot for s in seqs], toks, greedy=True))
+
+    def launch_rows(self, prev: InFlight, rows: list[Sequence]) -> InFlight:
+        """Launch the greedy decode step after ``prev`` for ``rows`` (a subset of its
+        sequences, in order, blocks reserved for the pending token and the new one), fed
+        on the device from ``prev``'s tokens (``ModelRunner.decode_rows``)."""
+        out = self.runner.decode_rows([s.slot for s in rows], prev.rows_of(rows))
+        return InFlight.launched(rows, out, lagged=True)
+
+    def collect(self, fl: InFlight) -> list[Step]:
+        """Wait for ``fl``'s tokens: one per sequence still unfinished (a row whose sequence
+        ended meanwhile — aborted, or finished by the previous step's token — is dropped)."""
+        toks = fl.wait()
+        out = []
+        for s, t in zip(fl.seqs, toks):
+            if s.is_finished:
+                self.stats["async_dropped_rows"] = self.stats.get("async_dropped_rows", 0) + 1
+                continue
+            s.num_steps += 1
+            out.append((s, [t], None))
+        return out
 
     # -- speculation -------------------------------------------------------------------------
     def speculate(self, seqs: list[Sequence], T: int | None = None) -> list[Step]:

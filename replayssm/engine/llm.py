@@ -67,6 +67,8 @@ class LLM(LLMEngine):
             self._step()
             if len(seq.output_ids) > before:
                 yield seq.output_ids[before:]
+        while self._inflight is not None and all(s.is_finished for s in self._inflight.seqs):
+            self._step()   # async scheduling: a step left in flight with only this request's dropped row
         self.last_output = self.output(seq)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -83,7 +83,10 @@ class ModelRunner:
         # plain greedy decode steps take their own graphs (kind "gdecode").  None: as the
         # model says (every tensor-parallel rank gets rank 0's decision)
         self.greedy_decode = bool(getattr(model, "argmax_head", False) if greedy_decode is None else greedy_decode)
-        self.num_calls = {"prefill": 0, "decode": 0, "verify": 0, "tree": 0, "greedy_decode": 0}
+        self.num_calls = {"prefill": 0, "decode": 0, "verify": 0, "tree": 0, "greedy_decode": 0, "rows_decode": 0}
+        # the last greedy decode's tokens [B] on the device (a view of its graph's static
+        # output): what :meth:`decode_rows` feeds the next step from; None after any other call
+        self._last_greedy: Tensor | None = None
 
     # -- helpers ---------------------------------------------------------------------------
     def _h2d(self, t: Tensor) -> Tensor:
@@ -114,6 +117,7 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> Tensor:
         self.num_calls["prefill"] += 1
+        self._last_greedy = None
         B, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(B, T, dtype=torch.long)
         for b, p in enumerate(prompts):
@@ -126,8 +130,12 @@ class ModelRunner:
         """One decode step: ``logits [B, V]``, or with ``greedy=True`` each row's argmax
         token ``[B]`` int64 (the model's ``decode(..., greedy=True)``: its own graphs)."""
         self.num_calls["greedy_decode" if greedy else "decode"] += 1
+        out = self._decode(slots, self._h2d(tokens), greedy)
+        self._last_greedy = out if greedy else None
+        return out
+
+    def _decode(self, slots: list[int], tokens: Tensor, greedy: bool) -> Tensor:
         B = len(slots)
-        tokens = self._h2d(tokens)
         kw = {"greedy": True} if greedy else {}
         if not self.pad_batches:
             return self.model.decode(self.cache, self._slots(slots), tokens, **kw)
@@ -147,6 +155,33 @@ class ModelRunner:
         return out[:B]
 
     @torch.inference_mode()
+    def decode_rows(self, slots: list[int], rows: list[int]) -> Tensor:
+        """A greedy decode step whose input tokens are the previous greedy decode's output,
+        row ``rows[b]`` of it for row ``b`` (``tokens = prev[rows]``, gathered on the device:
+        no host round trip); returns the greedy tokens ``[B]`` as :meth:`decode`.
+
+        The gather (and whatever the caller queued on the previous output, e.g. its copy to
+        the host) is queued on the stream before this step's replay overwrites the graph's
+        static output.  Under tensor parallelism every rank gathers from its own previous
+        output (identical on every rank: the greedy tokens are exchanged), so the control
+        message carries only ``slots`` and ``rows``.  ``ValueError`` (nothing run) when the
+        last call was not a greedy decode or a row is out of range."""
+        prev = self._last_greedy
+        if prev is None:
+            raise ValueError("decode_rows needs a greedy decode step just before it (the tokens it feeds from)")
+        if len(rows) != len(slots) or not rows:
+            raise ValueError(f"decode_rows: {len(rows)} rows for {len(slots)} slots (one each, at least one)")
+        n = int(prev.shape[0])
+        if min(rows) < 0 or max(rows) >= n:
+            raise ValueError(f"decode_rows: rows must be in [0, {n}), got {list(rows)}")
+        self.num_calls["greedy_decode"] += 1
+        self.num_calls["rows_decode"] += 1
+        tokens = prev if list(rows) == list(range(n)) else prev[self._h2d(torch.tensor(rows, dtype=torch.long))]
+        out = self._decode(slots, tokens, True)
+        self._last_greedy = out
+        return out
+
+    @torch.inference_mode()
     def replay_ms(self, batch: int, n: int = 20, greedy: bool = False) -> float:
         """Milliseconds per replay of the captured plain-decode graph of ``batch``'s bucket
         (``greedy``: the greedy-token one, :attr:`greedy_decode` runners),
@@ -157,6 +192,7 @@ class ModelRunner:
                                       self._form()))
         if g is None or not self.device.type == "cuda":
             return float("nan")
+        self._last_greedy = None
         graph = g[0]
         graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -171,6 +207,7 @@ class ModelRunner:
     def verify(self, slots: list[int], tokens: Tensor) -> Tensor:
         self.num_calls["verify"] += 1
         B = len(slots)
+        self._last_greedy = None
         tokens = self._h2d(tokens)
         Bp = self._padded(B)
         out = self.model.verify(self.cache, self._slots(slots, Bp), pad_rows(tokens, Bp))
@@ -181,6 +218,7 @@ class ModelRunner:
     def verify_tree(self, slots: list[int], tokens: Tensor, parent: Tensor) -> Tensor:
         self.num_calls["tree"] += 1
         B = len(slots)
+        self._last_greedy = None
         tokens, parent = self._h2d(tokens), self._h2d(parent)
         Bp = self._padded(B)
         out = self.model.verify_tree(self.cache, self._slots(slots, Bp), pad_rows(tokens, Bp),
@@ -232,6 +270,7 @@ class ModelRunner:
         slot 0.  ``mask [B, N, V]`` bool (constrained rows): the tokens allowed after each node."""
         self.num_calls["tree" if tree else "verify"] += 1
         B, N = tokens.shape
+        self._last_greedy = None
         tokens, parent, valid = self._h2d(tokens), self._h2d(parent), self._h2d(valid)
         Bp = self._padded(B)
         tokens, parent, valid = self._pad_step(Bp, tokens, parent, valid)
@@ -299,6 +338,7 @@ class ModelRunner:
         :meth:`greedy_verify_step`.  Padding rows are greedy on slot 0."""
         self.num_calls["tree" if tree else "verify"] += 1
         B, N = tokens.shape
+        self._last_greedy = None
         tokens, parent, valid, u = self._h2d(tokens), self._h2d(parent), self._h2d(valid), self._h2d(u)
         Bp = self._padded(B)
         if Bp != B:

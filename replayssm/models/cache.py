@@ -33,6 +33,7 @@ from ..cache.spec import CacheSpec
 from ..forms import CACHE_FORMS, get_form
 from . import prefix as prefix_ops
 from ..runtime import canonical_device  # noqa: F401  (re-exported: models code imports it here)
+from ..runtime import host_to_device
 
 
 def _as_list(slots) -> list[int]:
@@ -349,7 +350,7 @@ class ModelCache:
                 raise ValueError(f"slot must be in [1, {self.P - 1}], got {s}")
         if not ids:
             return
-        t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        t = host_to_device(torch.tensor(ids, dtype=torch.long), self.device)   # no wait for queued steps
         self.seq_len[t] = 0
         self.ring.reset(t)
         for s in ids:

@@ -72,7 +72,7 @@ def test_bench_e2e_prefill_workload_smoke(tmp_path, capsys):
 
 @pytest.mark.skipif(not (cli.DEFAULT_MODEL / "config.json").is_file(), reason="shipped model not present")
 @pytest.mark.parametrize("extra", [[], ["--speculative", "draft"], ["--speculative", "tree", "--mode", "auto"],
-                                   ["--speculative", "ngram", "--mode", "kv"]])
+                                   ["--speculative", "ngram", "--mode", "kv"], ["--async-scheduling"]])
 def test_generate_with_shipped_model(capsys, extra):
     if "draft" in extra or "tree" in extra:
         if not (cli.DEFAULT_DRAFT / "config.json").is_file():
@@ -89,13 +89,15 @@ def test_shipped_model_greedy_is_the_same_in_every_configuration():
 
     outs = set()
     draft = str(cli.DEFAULT_DRAFT) if (cli.DEFAULT_DRAFT / "config.json").is_file() else None
-    configs = [("replay", None), ("recurrent", None), ("auto", None), ("replay", SpeculativeConfig("ngram", 3))]
+    configs = [("replay", None), ("recurrent", None), ("auto", None), ("replay", SpeculativeConfig("ngram", 3)),
+               ("async", None)]
     if draft:
         configs += [("replay", SpeculativeConfig("draft", 3, draft_model=draft)),
                     ("recurrent", SpeculativeConfig("tree", draft_model=draft, tree_width=2, tree_depth=2))]
     for mode, sp in configs:
-        llm = LLM(str(cli.DEFAULT_MODEL), dtype="float64", decode_mode=mode, speculative=sp, max_seq_len=128,
-                  auto_threshold=24)
+        asy = mode == "async"   # replay with async scheduling
+        llm = LLM(str(cli.DEFAULT_MODEL), dtype="float64", decode_mode="replay" if asy else mode, speculative=sp,
+                  max_seq_len=128, auto_threshold=24, async_scheduling=asy)
         o = llm.generate(["def fibonacci(n):\n    "], SamplingParams(max_tokens=24))[0]
         outs.add(tuple(o.token_ids))
     assert len(outs) == 1

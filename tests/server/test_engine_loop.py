@@ -90,6 +90,9 @@ def test_serve_flags_reach_the_speculative_config():
                                       "--warm-up", "off", "--device", "cpu", "--max-num-seqs", "2"])
     llm = build_engine(model, args)
     assert llm.config.speculative.disable_by_batch_size == 8 and args.warm_up == "off"
+    assert not llm.config.async_scheduling
+    args = build_parser().parse_args([model, "--async-scheduling", "--device", "cpu", "--max-num-seqs", "2"])
+    assert build_engine(model, args).config.async_scheduling
     bad = build_parser().parse_args([model, "--speculative", "ngram", "--speculative-disable-by-batch-size", "0"])
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         build_engine(model, bad)
