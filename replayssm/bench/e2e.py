@@ -233,7 +233,7 @@ def _run(LLM, SamplingParams, model, args, batch: int, mode: str, spec=None, pro
     llm = LLM(model, device=args.device, dtype=args.dtype, decode_mode=mode, buffer_size=args.buffer_size,
               speculative=spec, max_num_seqs=batch, cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len,
               ssm_state_dtype=getattr(args, "ssm_state_dtype", "auto"),
-              async_scheduling=getattr(args, "async_scheduling", False), **kw)
+              async_scheduling=getattr(args, "async_scheduling", None), **kw)
     if refs is not None:
         oracle = OracleDrafter(refs, spec.num_tokens, args.oracle_accept, vocab, llm.device)
         if args.spec_method == "mtp":  # random weights: the MTP head drafts, the oracle's tokens are verified
@@ -380,8 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=list(STATE_DTYPES), help="storage dtype of the SSM checkpoint states (default: float32)")
     p.add_argument("--memory-budget", type=positive_float, default=None, help="bytes (default: 64 replay sequences)")
     p.add_argument("--cuda-graphs", action="store_true")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="throughput and speculative runs: async scheduling (plain greedy decode steps overlap)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="throughput and speculative runs: async scheduling (plain greedy decode steps overlap; "
+                        "default: the engine's, on for CUDA)")
     p.add_argument("--skip-concurrency", action="store_true", help="skip section 3 (sequences in a memory budget)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N GPUs (loaded once, shared by every run)")

@@ -75,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture decode in CUDA graphs (default: on for a CUDA device, off elsewhere)")
-    p.add_argument("--async-scheduling", action="store_true",
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap plain greedy decode steps' host work (outputs, stop checks, scheduling) with the "
-                        "device running the previous step; other steps run as usual, outputs unchanged")
+                        "device running the previous step; other steps run as usual, outputs unchanged "
+                        "(default: on for CUDA devices)")
     p.add_argument("--torch-threads", type=positive_int, default=None,
                    help="torch intra-op threads (CPU work); default: min(physical cores, cores not busy), from "
                         "this process's CPU affinity and the 1-minute load average, at least 1 (so a busy "

@@ -600,7 +600,8 @@ class EngineConfig:
     close an engine before dropping it and building another (else its cycles, caches
     included, stay).
 
-    ``async_scheduling`` (off by default): overlap the host work of a decode step (output
+    ``async_scheduling`` (``None``, the default: on for CUDA devices, off elsewhere, where
+    the host runs the model itself and has nothing to overlap): overlap the host work of a decode step (output
     processing, stop criteria, scheduling, the tensor-parallel control message) with the
     device running the previous one.  Only plain greedy decode steps overlap (no prefill,
     no speculation, decode mode ``replay`` or ``recurrent``, no prefix caching of replies);
@@ -633,7 +634,7 @@ class EngineConfig:
     preemption_mode: str = "swap"
     ssm_state_dtype: str = "auto"                    # checkpoint states: auto | float32 | bfloat16 | float16
     gc_freeze: bool = False                          # gc.freeze() once built (one engine per process)
-    async_scheduling: bool = False                   # overlap greedy decode steps' host work (engine.overlap)
+    async_scheduling: bool | None = None             # overlap greedy decode steps' host work (engine.overlap); None: on CUDA
     #: where the effective ``max_seq_len`` came from (set by the engine once it is resolved)
     max_seq_len_source: str | None = field(default=None, init=False, compare=False)
 
@@ -659,9 +660,11 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be a bool or None, got {self.cuda_graphs!r}")
         if not isinstance(self.gc_freeze, bool):
             raise ValueError(f"gc_freeze must be a bool, got {self.gc_freeze!r}")
-        for name in ("pad_batches", "enable_prefix_caching", "prefix_cache_replies", "async_scheduling"):
+        for name in ("pad_batches", "enable_prefix_caching", "prefix_cache_replies"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
         g = self.gpu_memory_utilization
         if g is not None and not (isinstance(g, (int, float)) and not isinstance(g, bool) and 0.0 < g <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1] or None, got {g!r}")

@@ -70,7 +70,7 @@ class LLMEngine:
                  prefix_cache_blocks: int | None = None, prefix_cache_replies: bool = True,
                  preemption_mode: str = "swap",
                  revision: str | None = None, ssm_state_dtype: str = "auto", gc_freeze: bool = False,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool | None = None):
         self.config = ec = EngineConfig(
             decode_mode=decode_mode, buffer_size=buffer_size, max_num_seqs=max_num_seqs,
             memory_budget=memory_budget, max_seq_len=max_seq_len, kv_block_size=kv_block_size,
@@ -85,6 +85,8 @@ class LLMEngine:
         self.device = check_device(device)
         if ec.cuda_graphs is None:   # the fast default: graphs wherever they can run
             ec.cuda_graphs = self.device.type == "cuda"
+        if ec.async_scheduling is None:   # overlap where a device runs the steps
+            ec.async_scheduling = self.device.type == "cuda"
         self.model, self.tokenizer, self.dtype, self._owns_model = load_target(
             model, self.device, parse_dtype(dtype), ec, tokenizer, revision)
         self.vocab_size = int(self.model.config.vocab_size)

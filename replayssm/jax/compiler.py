@@ -10,8 +10,16 @@ for minutes.  The backend therefore compiles its programs with
   engine runs its GEMMs) instead of timing candidates.
 
 With them the 2.7B's unrolled replay program compiled in 93 s on an H200 (2026-11-27; without
-them it had not finished in 125 s).  The scan loop (the default) keeps XLA's own defaults:
-its GPU speed was measured with those, not with these.
+them it had not finished in 125 s).  The scan loop keeps XLA's own GEMM choices: its GPU speed
+was measured with those, not with these.
+
+Every loop also compiles with ``xla_gpu_dot_merger_threshold_mb=0``: XLA's dot merger joins
+GEMMs that share an operand by concatenating the other operands, and for a decode step the
+shared operand is the activation, so it concatenated the Mamba-2 ``in_proj``'s ``z`` and ``x``
+weights (bf16 ``[10240, 2560]``, 52 MB) into a new array every layer of every step: a
+third of the step's bytes (``scripts/gpu_jax.py --loops``, 2026-11-27: bytes per step 3.44 →
+2.62× the ideal; the grouped loop 0.38 → 0.55× the PyTorch engine at B=1 and 0.58× at
+B=64 on an H100, the unrolled one 0.47 → 0.74× at B=1).
 
 They are per-program options (``jax.jit(..., compiler_options=...)``): they do not touch
 other programs of the process, and need no restart.  XLA keeps one option set for every
@@ -30,10 +38,13 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["DEFAULT_COMPILER_OPTIONS", "compiler_options"]
+__all__ = ["DEFAULT_COMPILER_OPTIONS", "SCAN_COMPILER_OPTIONS", "compiler_options"]
 
-#: options every program of the backend is compiled with (module docstring)
-DEFAULT_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+#: options every program of the grouped and unrolled loops is compiled with (module docstring)
+DEFAULT_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0,
+                            "xla_gpu_dot_merger_threshold_mb": 0}
+#: ... and of the scan loop (XLA's own GEMM choices)
+SCAN_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
 def _flag_names(flags: str) -> set[str]:
@@ -41,8 +52,9 @@ def _flag_names(flags: str) -> set[str]:
 
 
 def compiler_options(overrides: dict | None = None, xla_flags: str | None = None, defaults: bool = True) -> dict:
-    """The defaults (``defaults=False``: none) without those ``xla_flags`` (default:
-    ``$XLA_FLAGS``) names, updated with ``overrides`` (a ``None`` value drops the option)."""
+    """The defaults (``defaults=False``: the scan loop's, :data:`SCAN_COMPILER_OPTIONS`)
+    without those ``xla_flags`` (default: ``$XLA_FLAGS``) names, updated with ``overrides``
+    (a ``None`` value drops the option)."""
     if overrides is not None and not isinstance(overrides, dict):
         raise ValueError(f"compiler_options must be a dict or None, got {overrides!r}")
     for k, v in (overrides or {}).items():
@@ -51,7 +63,8 @@ def compiler_options(overrides: dict | None = None, xla_flags: str | None = None
         if v is not None and not isinstance(v, (bool, int, float, str)):
             raise ValueError(f"compiler option {k} must be a bool, number or string, got {v!r}")
     named = _flag_names(os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
-    opts = {k: v for k, v in DEFAULT_COMPILER_OPTIONS.items() if k not in named} if defaults else {}
+    base = DEFAULT_COMPILER_OPTIONS if defaults else SCAN_COMPILER_OPTIONS
+    opts = {k: v for k, v in base.items() if k not in named}
     for k, v in (overrides or {}).items():
         if v is None:
             opts.pop(k, None)

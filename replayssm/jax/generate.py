@@ -405,15 +405,14 @@ class JaxLLM:
     (batch, padded prompt length, output length, sampling flags).
     ``tensor_parallel_size=N`` shards heads, MLPs and experts over the first ``N`` devices
     with ``jax.sharding`` (:mod:`replayssm.jax.shard`; the compiler inserts the collectives).
-    ``layer_loop``: ``"scan"`` (the default; one ``lax.scan`` over each stage's stacked
-    weights: short compiles, each weight copied out of its stack every step where the
-    backend does not read the slice in place), ``"unroll"`` (one device; per-layer weights,
-    :func:`replayssm.jax.model.unstack_params`: decode and verify read each weight in place
-    instead of through a sliced copy, at the price of a compile per layer — 93 s for the
-    2.7B's replay program on an H200, and 0.57x the PyTorch engine at B=1 there, so it is
-    not the default) or ``"group"`` (a scan over groups of ``layer_group``
-    layers, each group unrolled: :func:`replayssm.jax.model.group_params`; on the CPU it
-    copies as the scan does).  ``compiler_options``: XLA options over the backend's
+    ``layer_loop``: ``"group"`` (the default on one device, ``"scan"`` under tensor
+    parallelism: a scan over groups of ``layer_group`` layers,
+    each group unrolled, :func:`replayssm.jax.model.group_params`; 0.55x / 0.58x the PyTorch
+    engine at B=1 / 64 on an H100 against the scan's 0.42x, with compiles as short),
+    ``"scan"`` (one ``lax.scan`` over each stage's stacked weights) or ``"unroll"`` (one
+    device; per-layer weights, :func:`replayssm.jax.model.unstack_params`: 0.74x at B=1 on
+    an H100, but a compile per layer — ~100 s for the 2.7B's replay program — so it is not
+    the default; JAX's persistent compilation cache makes later processes load it).  ``compiler_options``: XLA options over the backend's
     defaults (:mod:`replayssm.jax.compiler`; a ``None`` value drops a default).
     """
 
@@ -421,8 +420,8 @@ class JaxLLM:
                  speculative=None, max_seq_len: int | None = None, chunk_size: int | None = None,
                  seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1, layer_loop: str | None = None,
                  layer_group: int = 8, compiler_options: dict | None = None, auto_threshold: int | None = None):
-        if layer_loop is None:
-            layer_loop = "scan"
+        if layer_loop is None:   # grouped weights are one device's layout (sharding takes stacks)
+            layer_loop = "group" if tensor_parallel_size == 1 else "scan"
         if layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
         M.group_size(1, layer_group)   # validates layer_group

@@ -54,9 +54,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() once the engine is built: Python's full garbage collections skip the "
                         "objects made at start-up (~40 ms each otherwise, mid-step)")
-    g.add_argument("--async-scheduling", action="store_true",
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap plain greedy decode steps' host work (outputs, stop checks, scheduling) with the "
-                        "device running the previous step; other steps run as usual, outputs unchanged")
+                        "device running the previous step; other steps run as usual, outputs unchanged "
+                        "(default: on for CUDA devices)")
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (cache slots)")
     g.add_argument("--preemption-mode", default="swap", choices=["swap", "off"],
                    help="swap: admit when the prompt fits and swap sequences to host memory when the block "
@@ -178,7 +179,7 @@ def build_engine(model_dir: str, args):
                prefix_checkpoint_interval=args.prefix_checkpoint_interval,
                prefix_cache_fraction=args.prefix_cache_fraction,
                prefix_cache_replies=getattr(args, "prefix_cache_replies", True), ssm_state_dtype=args.ssm_state_dtype,
-               gc_freeze=getattr(args, "gc_freeze", False), async_scheduling=getattr(args, "async_scheduling", False))
+               gc_freeze=getattr(args, "gc_freeze", False), async_scheduling=getattr(args, "async_scheduling", None))
 
 
 def _bytes(n) -> str:

@@ -350,6 +350,13 @@ def test_config_is_validated():
     with pytest.raises(ValueError, match="async_scheduling must be a bool"):
         EngineConfig(async_scheduling="yes")
     assert EngineConfig(async_scheduling=True).async_scheduling is True
+    assert EngineConfig().async_scheduling is None   # resolved by the engine: on for CUDA devices
+
+
+def test_default_is_off_on_the_cpu(mamba2):
+    """``None`` (the default) resolves to off on the CPU, where the host runs the model itself."""
+    llm = LLM(mamba2, max_seq_len=MAXLEN)
+    assert llm.config.async_scheduling is False and "async_steps" not in llm.stats
 
 
 def test_a_failed_step_ends_the_requests_in_flight(mamba2):

@@ -85,7 +85,7 @@ def test_unrolled_layer_loop_reads_weights_in_place(hf_model_dir):
     (replay: the loop's common step, no checkpoint write)."""
     from replayssm.jax.generate import JaxLLM
 
-    assert JaxLLM(hf_model_dir("mamba2")).layer_loop == "scan"        # the default (short compiles)
+    assert JaxLLM(hf_model_dir("mamba2")).layer_loop == "group"       # the default (short compiles)
     spec, params = costs.abstract_model("tiny", "float32", layers=4)
     unrolled = costs.loop_params(params, "unroll")
     assert isinstance(unrolled["stages"][0], list) and len(unrolled["stages"][0]) == 4

@@ -100,7 +100,7 @@ def test_kv_cache_steps_match_references(hf_model_dir, name):
     buffers (and K/V) equal those of a KV-only prefill of each row's whole committed sequence,
     ``ring_len == seq_len``, and the state folded from the entries and the conv windows equal
     the recurrent form's after the same tokens (float64)."""
-    llm = JaxLLM(hf_model_dir(name), dtype="float64", decode_mode="kv")
+    llm = JaxLLM(hf_model_dir(name), dtype="float64", decode_mode="kv", layer_loop="scan")   # stacked params
     spec, p = llm.spec, llm.params
     S = 32
     prefill = jax.jit(lambda p, c, i, n: M.prefill(spec, p, c, i, n))   # compiled: eager steps are slow
@@ -186,7 +186,8 @@ def test_auto_switches_rows_at_the_threshold(hf_model_dir, name):
     and switches in a decode (``S0 = S_6``, ring empty, then one entry).  Logits equal the
     full forward's; each row's checkpoint equals the recurrent form's state at its switch /
     flush, and checkpoint + ring fold to the recurrent state after all its tokens (float64)."""
-    llm = JaxLLM(hf_model_dir(name), dtype="float64", decode_mode="auto", buffer_size=8, auto_threshold=6)
+    llm = JaxLLM(hf_model_dir(name), dtype="float64", decode_mode="auto", buffer_size=8, auto_threshold=6,
+                 layer_loop="scan")   # the model functions below take stacked params
     spec, p = llm.spec, llm.params
     S = 32
     prefill = jax.jit(lambda p, c, i, n: M.prefill(spec, p, c, i, n))

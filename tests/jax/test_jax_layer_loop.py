@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from replayssm.jax import model as M  # noqa: E402
-from replayssm.jax.compiler import DEFAULT_COMPILER_OPTIONS, compiler_options  # noqa: E402
+from replayssm.jax.compiler import DEFAULT_COMPILER_OPTIONS, SCAN_COMPILER_OPTIONS, compiler_options  # noqa: E402
 from replayssm.jax.generate import JaxLLM  # noqa: E402
 
 PROMPTS = [[3, 5, 7, 3, 5, 7, 3, 5], [11, 2, 9, 40, 33, 11, 2, 9, 40, 1, 2, 3, 4], [8]]
@@ -102,12 +102,14 @@ def test_group_layout_and_bad_input():
 
 def test_compiler_options_defaults_user_flags_and_overrides(hf_model_dir):
     assert compiler_options(xla_flags="") == DEFAULT_COMPILER_OPTIONS
-    assert DEFAULT_COMPILER_OPTIONS == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+    assert DEFAULT_COMPILER_OPTIONS == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0,
+                                        "xla_gpu_dot_merger_threshold_mb": 0}
     # an option the user's XLA_FLAGS sets is left to the flag
     got = compiler_options(xla_flags="--xla_gpu_autotune_level=4 --xla_dump_to=/x")
-    assert got == {"xla_gpu_enable_triton_gemm": False}
+    assert got == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
     got = compiler_options({"xla_gpu_enable_triton_gemm": None, "xla_gpu_enable_dynamic_slice_fusion": True}, "")
-    assert got == {"xla_gpu_autotune_level": 0, "xla_gpu_enable_dynamic_slice_fusion": True}
+    assert got == {"xla_gpu_autotune_level": 0, "xla_gpu_enable_dynamic_slice_fusion": True,
+                   "xla_gpu_dot_merger_threshold_mb": 0}
     for bad, match in (("fast", "dict"), ({"autotune": 1}, "xla_"), ({"xla_x": [1]}, "bool, number")):
         with pytest.raises(ValueError, match=match):
             compiler_options(bad, "")
@@ -118,10 +120,12 @@ def test_compiler_options_defaults_user_flags_and_overrides(hf_model_dir):
         JaxLLM(path, layer_loop="groups")
     with pytest.raises(ValueError, match="group size"):
         JaxLLM(path, layer_loop="group", layer_group=0)
-    # the unrolled and grouped loops take the defaults; the scan (the default loop) compiles
-    # with XLA's own, as its GPU figures were measured
-    assert compiler_options(xla_flags="", defaults=False) == {}
-    assert JaxLLM(path).compiler_options == {} and JaxLLM(path).layer_loop == "scan"
+    # the unrolled and grouped (the default) loops take the defaults; the scan compiles with
+    # XLA's own GEMM choices, as its GPU figures were measured, and the dot merger off
+    assert compiler_options(xla_flags="", defaults=False) == SCAN_COMPILER_OPTIONS
+    assert SCAN_COMPILER_OPTIONS == {"xla_gpu_dot_merger_threshold_mb": 0}
+    assert JaxLLM(path).layer_loop == "group" and JaxLLM(path).compiler_options == compiler_options()
+    assert JaxLLM(path, layer_loop="scan").compiler_options == SCAN_COMPILER_OPTIONS
     assert JaxLLM(path, layer_loop="unroll").compiler_options == compiler_options()
     # the options compile on this backend (the xla_gpu_* names are ignored off GPUs)
     llm = JaxLLM(path, dtype="float64", decode_mode="recurrent", layer_loop="scan",
