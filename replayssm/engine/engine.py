@@ -305,8 +305,11 @@ class LLMEngine:
         new, t1 = self.executor.run(batch)
         self.stats["steps"] += 1
         self.stats["prefill_s"] += t1 - t0
+        out = self._postprocess(batch, new)
+        # the decode part and the postprocessing (as an async step counts its whole time), so
+        # decode tokens/s compare across scheduling modes
         self.stats["decode_s"] += time.perf_counter() - t1
-        return self._postprocess(batch, new)
+        return out
 
     def _postprocess(self, batch, new: list) -> tuple[list[Sequence], list[Sequence]]:
         """Append tokens (stop criteria), free finished sequences, switch KV-only ones that
