@@ -362,7 +362,7 @@ class LLMEngine:
         self.stats["async_steps"] += fl.lagged and bool(new)
         advanced, finished = self._postprocess(ScheduledBatch(), new)
         # the whole step, postprocessing included: it runs while the device runs the next
-        # step, so this is the step's wall time (a synchronous step's decode_s leaves it out)
+        # step, so this is the step's wall time (a synchronous step counts its postprocessing too)
         self.stats["decode_s"] += time.perf_counter() - t0
         if failed:   # reservations for the next step that failed: they end now, as a synchronous step ends them
             with self.blocks.batched_releases():
