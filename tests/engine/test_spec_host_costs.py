@@ -205,7 +205,11 @@ def test_engine_passes_propose_time_and_greedy_output_is_unchanged(target):
     expected = [reference_greedy(target, p, 12) for p in PROMPTS]
     llm = LLM(target, speculative=SpeculativeConfig("ngram", num_tokens=4))
     L = llm.executor.lengths
-    costs = L.costs = StepCosts({(b, T): 1e-3 for b in L.buckets for T in (0,) + L.lengths}, online=True)
+    # host_min=1: a key's price is learnt from its second sample (the first is dropped), so
+    # the check below holds however the policy spreads its steps over draft lengths (which
+    # depends on the measured step times, i.e. on the machine's load)
+    costs = L.costs = StepCosts({(b, T): 1e-3 for b in L.buckets for T in (0,) + L.lengths}, online=True,
+                                host_min=1)
     drafter, propose = llm.executor.drafter, llm.executor.drafter.propose
 
     def slow(seqs, k=None):
@@ -225,7 +229,9 @@ def test_engine_passes_propose_time_and_greedy_output_is_unchanged(target):
         assert T == T2
         if T:   # the device table sees the step less the propose time (plus the policy's µs)
             assert sec - h <= dsec < sec - h + 0.002
-    assert costs.host and all(v >= 0.003 for v in costs.host.values())
+    assert all(v >= 0.003 for v in costs.host.values())
+    if len(drafted) > len({T for T, _, _ in drafted}):   # some draft length was proposed twice
+        assert costs.host
 
 
 def test_sibling_correction_leaves_unseeded_and_other_buckets_alone():
