@@ -17,8 +17,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))
 
 import tp_greedy as G  # noqa: E402
+from engine_helpers import simulate_decode_graphs  # noqa: E402
 
 from replayssm import LLM, SamplingParams  # noqa: E402
 from replayssm.distributed.greedy import (argmax_over_shards_reference, combine_shard_maxima,  # noqa: E402
@@ -173,16 +175,6 @@ def test_model_greedy_verify_is_the_logits_argmax_and_commits_alike(tied, tree):
         assert torch.equal(a, b)
 
 
-class _Replay:
-    """A CUDA graph stand-in on CPU: replay reruns the captured body into its outputs."""
-
-    def __init__(self, body):
-        self.body, self.out = body, body()
-
-    def replay(self):
-        self.out.copy_(self.body())
-
-
 def test_runner_greedy_decode_graphs_are_their_own_keys(tied):
     """A runner with ``greedy_decode`` (forced on one rank) runs plain greedy steps through
     "gdecode" graphs (simulated on CPU) and the same tokens as the logits path."""
@@ -190,20 +182,12 @@ def test_runner_greedy_decode_graphs_are_their_own_keys(tied):
     want, n_greedy, _ = G.generate(m, pad_batches=True)
     assert n_greedy == 0                     # one rank: no argmax head, logits as before
     llm = LLM(m, max_seq_len=64, pad_batches=True)
-    r, keys = llm.runner, []
-
-    def capture(key, Bp, warm=True):
-        s_in, t_in = r._decode_inputs(Bp)
-        g = _Replay(lambda: r.model.decode(r.cache, s_in, t_in, **({"greedy": True} if key.kind == "gdecode" else {})))
-        keys.append(key)
-        r._graphs[key] = (g, s_in, t_in, g.out)
-        return r._graphs[key]
-
-    r._capture_decode, r.use_graphs, r.greedy_decode = capture, True, True
+    keys = simulate_decode_graphs(llm.runner)
+    llm.runner.greedy_decode = True
     outs = llm.generate(G.PROMPTS, SamplingParams(max_tokens=12))
     assert [o.token_ids for o in outs] == want
     assert keys and {k.kind for k in keys} == {"gdecode"}
-    assert r.num_calls["greedy_decode"] > 0 and r.num_calls["decode"] == 0
+    assert llm.runner.num_calls["greedy_decode"] > 0 and llm.runner.num_calls["decode"] == 0
 
 
 def _expected(model, n_new=12):

@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 import hf_utils as H  # noqa: E402
+from engine_helpers import CharTok, simulate_decode_graphs  # noqa: E402
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from replayssm.engine.config import EngineConfig  # noqa: E402
@@ -116,22 +117,9 @@ def test_eos_mid_batch(mamba2, mode):
     assert st["async_dropped_rows"] > 0    # rows launched for sequences their EOS ended: dropped
 
 
-class _CharTok:
-    """Token i is the character chr(ord('a') + i)."""
-
-    class _Enc:
-        def __init__(self, ids):
-            self.ids = ids
-
-    def encode(self, s):
-        return self._Enc([ord(c) - ord("a") for c in s])
-
-    def decode(self, ids):
-        return "".join(chr(ord("a") + i) for i in ids)
-
 
 def test_stop_strings(mamba2):
-    tok = _CharTok()
+    tok = CharTok()
     base, _, _ = _run(mamba2, PROMPTS, SamplingParams(max_tokens=16), tokenizer=tok)
     stops = [base[0][2][4:6], base[2][2][6:8]]
     ps = SamplingParams(max_tokens=16, stop=stops)
@@ -259,16 +247,6 @@ def test_mixed_batch_overlaps_once_the_sampled_request_ends(mamba2):
     assert st["async_steps"] <= 16 - 4
 
 
-class _Replay:
-    """A CUDA graph stand-in on CPU: replay reruns the captured body into its static output."""
-
-    def __init__(self, body):
-        self.body, self.out = body, body()
-
-    def replay(self):
-        self.out.copy_(self.body())
-
-
 def test_graph_static_buffers(mamba2):
     """With the decode graphs simulated on CPU (static inputs and outputs, each replay
     overwriting the output the previous step returned) the overlapped steps still feed on
@@ -277,16 +255,8 @@ def test_graph_static_buffers(mamba2):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = LLM(mamba2, max_seq_len=MAXLEN, async_scheduling=True, max_num_seqs=8)
-    r, keys = llm.runner, []
-
-    def capture(key, Bp, warm=True):
-        s_in, t_in = r._decode_inputs(Bp)
-        g = _Replay(lambda: r.model.decode(r.cache, s_in, t_in, **({"greedy": True} if key.kind == "gdecode" else {})))
-        keys.append(key)
-        r._graphs[key] = (g, s_in, t_in, g.out)
-        return r._graphs[key]
-
-    r._capture_decode, r.use_graphs, r.pad_batches = capture, True, True
+    keys = simulate_decode_graphs(llm.runner)
+    llm.runner.pad_batches = True
     outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=k) for k in (12, 5, 9, 1, 20)])
     assert [(o.token_ids, o.finish_reason, o.text) for o in outs] == want
     assert {k.kind for k in keys} == {"gdecode"} and len({k.batch for k in keys}) >= 3   # buckets change

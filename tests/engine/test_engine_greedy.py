@@ -4,7 +4,7 @@ import pytest
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig
 
-from engine_helpers import PROMPTS, reference_greedy
+from engine_helpers import PROMPTS, CharTok, reference_greedy
 
 N = 24
 
@@ -139,22 +139,9 @@ def test_stop_inside_accepted_drafts(target, draft, expected):
     assert out.token_ids == e[:7]
 
 
-class _CharTok:
-    """Minimal tokenizer: token i <-> chr(ord('a') + i)."""
-
-    class _Enc:
-        def __init__(self, ids):
-            self.ids = ids
-
-    def encode(self, s):
-        return self._Enc([ord(c) - ord("a") for c in s])
-
-    def decode(self, ids):
-        return "".join(chr(ord("a") + i) for i in ids)
-
 
 def test_string_prompts_and_stop_strings(target, expected):
-    tok = _CharTok()
+    tok = CharTok()
     llm = LLM(target, tokenizer=tok)
     prompt = tok.decode(PROMPTS[0])
     out = llm.generate([prompt], SamplingParams(max_tokens=N))[0]

@@ -14,7 +14,7 @@ from replayssm.engine.detokenizer import Detokenizer, find_stop
 from replayssm.engine.model_runner import GraphKey
 from replayssm.engine.sampler import apply_penalties, blank_batch
 
-from engine_helpers import PROMPTS
+from engine_helpers import PROMPTS, CharTok
 from test_engine_sampling import assert_first_three_follow
 
 N = 12
@@ -235,21 +235,10 @@ def test_find_stop_only_searches_new_text():
     assert find_stop("abc", 2, []) is None
 
 
-class _CharTok:
-    class _Enc:
-        def __init__(self, ids):
-            self.ids = ids
-
-    def encode(self, s):
-        return self._Enc([ord(c) - ord("a") for c in s])
-
-    def decode(self, ids):
-        return "".join(chr(ord("a") + i) for i in ids)
-
 
 @pytest.mark.parametrize("method", [None, "ngram", "draft", "tree"])
 def test_stop_string_cut_even_past_a_speculative_step(target, draft, method):
-    tok = _CharTok()
+    tok = CharTok()
     base = LLM(target, tokenizer=tok).generate([PROMPTS[3]], SamplingParams(max_tokens=N))[0]
     stop = base.text[5:7]
     cut = base.text.index(stop)
