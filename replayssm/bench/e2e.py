@@ -123,6 +123,7 @@ class OracleDrafter:
     (random-weight models accept almost nothing from real drafters)."""
 
     method = "oracle"
+    lazy_catch_up = True   # nothing to run before a plain step
 
     def __init__(self, refs: dict, k: int, accept: float, vocab: int, device, seed: int = 0):
         import random
@@ -175,6 +176,7 @@ class OracleTokens:
         self.inner, self.oracle = inner, oracle
         self.method = getattr(inner, "method", "?")
         self.runner = getattr(inner, "runner", None)
+        self.lazy_catch_up = getattr(inner, "lazy_catch_up", False)   # its plain steps may overlap
 
     def prefill(self, seqs):
         self.inner.prefill(seqs)

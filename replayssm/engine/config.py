@@ -604,7 +604,9 @@ class EngineConfig:
     the host runs the model itself and has nothing to overlap): overlap the host work of a decode step (output
     processing, stop criteria, scheduling, the tensor-parallel control message) with the
     device running the previous one.  Only plain greedy decode steps overlap (no prefill,
-    no speculation, decode mode ``replay`` or ``recurrent``, no prefix caching of replies);
+    no speculation this step — no drafter, or a lazily catching-up one (n-gram, draft model)
+    above ``disable_by_batch_size`` —, decode mode ``replay`` or ``recurrent``, no prefix
+    caching of replies);
     any other step first finishes the one in flight and runs as usual.  Outputs are exactly
     those of the synchronous engine (:mod:`replayssm.engine.overlap`).
     """

@@ -391,16 +391,18 @@ class LLMEngine:
         of every running sequence, all plain greedy, on an engine whose decode steps can
         overlap (:meth:`_can_overlap`)."""
         return (bool(batch.running) and not batch.prefill and not batch.rejected
-                and len(batch.running) == len(self.scheduler.running) and self._can_overlap()
+                and len(batch.running) == len(self.scheduler.running) and self._can_overlap(len(batch.running))
                 and plain_rows(batch.running))
 
-    def _can_overlap(self) -> bool:
-        """No drafter, decode mode replay or recurrent (``auto`` switches forms from host
+    def _can_overlap(self, rows: int) -> bool:
+        """A step of ``rows`` sequences that does not speculate (no drafter, or a drafter
+        that catches up lazily on a step above ``disable_by_batch_size``:
+        :meth:`StepExecutor.overlaps_drafter`), decode mode replay or recurrent (``auto`` switches forms from host
         lengths after each step), no caching of finished replies (a reply's state is
         captured at finish: the wasted row would have advanced it), a runner with greedy
         decode (the tokens the next step feeds on)."""
         ec = self.config
-        return (self.drafter is None and ec.decode_mode in OVERLAP_MODES and self.runner.greedy_decode
+        return (self.executor.overlaps_drafter(rows) and ec.decode_mode in OVERLAP_MODES and self.runner.greedy_decode
                 and (self.prefix_cache is None or not ec.prefix_cache_replies))
 
     def _launch_next(self, fl: InFlight) -> tuple[InFlight | None, list]:
@@ -409,12 +411,12 @@ class LLMEngine:
         sequence of ``fl`` not known to end with its token) grow their reservations without
         preempting.  Returns ``(the launched step or None, [(sequence, finish reason,
         error)] whose blocks could not be reserved)``: those end after ``fl``'s tokens."""
-        if not self._can_overlap() or not self._admits_nothing():
+        if not self._admits_nothing():
             return None, []
         limit = self.scheduler.token_limit
         rows = [s for s in fl.seqs if not s.is_finished and s.finish_reason is None
                 and not ends_with_pending(s, limit)]
-        if not rows or not self._grow(rows):
+        if not rows or not self._can_overlap(len(rows)) or not self._grow(rows):
             return None, []
         ok = self.blocks.reserve_tokens(rows, 2)   # the pending token and the new one
         failed = []

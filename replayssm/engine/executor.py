@@ -263,13 +263,25 @@ class StepExecutor:
         return self._sampled(seqs, logits, self.sampler.sample(masked, seqs, sb), sb)
 
     # -- overlapped decode (async scheduling: engine.overlap) ------------------------------------
+    def overlaps_drafter(self, rows: int) -> bool:
+        """Whether a plain step of ``rows`` sequences may overlap as far as speculation goes:
+        no drafter, or one that catches up lazily from the token ids
+        (:attr:`~replayssm.engine.spec.base.Drafter.lazy_catch_up`: nothing to run before a
+        plain step) on a step speculation is off for (``disable_by_batch_size``).  Steps the
+        length policy gives ``T = 0`` run synchronously (the policy times them)."""
+        d = self.drafter
+        return d is None or (getattr(d, "lazy_catch_up", False) and not self.speculates(rows))
+
     def launch(self, seqs: list[Sequence]) -> InFlight | None:
         """Reserve one token each and launch a greedy decode step of ``seqs`` (plain greedy
-        rows, no drafter) from the host's last tokens, without waiting for its tokens.  None
-        when no row could reserve (those end with an error, as in :meth:`decode`)."""
+        rows, no speculation this step: :meth:`overlaps_drafter`) from the host's last
+        tokens, without waiting for its tokens.  None when no row could reserve (those end
+        with an error, as in :meth:`decode`)."""
         seqs = self.blocks.reserve_tokens(seqs, 1)
         if not seqs:
             return None
+        if self.drafter is not None:
+            self._count(0)
         toks = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
         return InFlight.launched(seqs, self.runner.decode([s.slot for s in seqs], toks, greedy=True))
 
@@ -277,6 +289,8 @@ class StepExecutor:
         """Launch the greedy decode step after ``prev`` for ``rows`` (a subset of its
         sequences, in order, blocks reserved for the pending token and the new one), fed
         on the device from ``prev``'s tokens (``ModelRunner.decode_rows``)."""
+        if self.drafter is not None:
+            self._count(0)
         out = self.runner.decode_rows([s.slot for s in rows], prev.rows_of(rows))
         return InFlight.launched(rows, out, lagged=True)
 

@@ -238,6 +238,38 @@ def test_ineligible_configs_run_synchronously(mamba2, case):
     assert st["async_steps"] == 0 and calls["rows_decode"] == 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_plain_steps_above_disable_by_batch_size_overlap(mamba2, method):
+    """With speculation off above ``disable_by_batch_size``, a drafter that catches up lazily
+    from the token ids (n-gram, draft model) lets those plain steps overlap; once few enough
+    rows remain, speculation resumes synchronously.  Outputs equal the synchronous engine's."""
+    spec = SpeculativeConfig(method, num_tokens=3, disable_by_batch_size=2,
+                             draft_model=mamba2 if method == "draft" else None)
+    ps = [SamplingParams(max_tokens=k) for k in (14, 6, 10, 4, 16)]
+    _, st, calls = _both(mamba2, PROMPTS, ps, speculative=spec)
+    _overlapped(st, calls)
+    assert st["spec_T3_steps"] > 0 and st["spec_T0_steps"] >= st["async_steps"]   # both kinds of step ran
+
+
+def test_drafters_that_work_before_a_plain_step_never_overlap(mamba2):
+    """``overlaps_drafter``: no drafter, or a lazy one on a step speculation is off for; the
+    MTP head (work before every plain step) never."""
+    from replayssm.engine.spec.base import Drafter
+    from replayssm.engine.spec.mtp import MTPDrafter
+
+    assert Drafter.lazy_catch_up and not MTPDrafter.lazy_catch_up
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM(mamba2, max_seq_len=MAXLEN, async_scheduling=True,
+                  speculative=SpeculativeConfig("ngram", num_tokens=3, disable_by_batch_size=2))
+    ex = llm.executor
+    assert ex.overlaps_drafter(3) and not ex.overlaps_drafter(2)     # above the limit only
+    ex.drafter.lazy_catch_up = False
+    assert not ex.overlaps_drafter(3)
+    ex.drafter = None
+    assert ex.overlaps_drafter(1)
+
+
 def test_mixed_batch_overlaps_once_the_sampled_request_ends(mamba2):
     """Sampled and greedy requests together: synchronous while the sampled one runs, then
     the greedy ones overlap."""

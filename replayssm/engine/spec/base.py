@@ -135,10 +135,14 @@ class Drafter:
     def drop_swapped(self, seq: Sequence) -> None:
         """``seq`` was aborted while swapped out: forget its host copy."""
 
+    #: whether the drafter catches up lazily from the token ids (:meth:`plain_step` does
+    #: nothing): its plain steps may then overlap under async scheduling
+    lazy_catch_up: bool = True
+
     def plain_step(self, seqs: list[Sequence]) -> None:
         """``seqs`` are about to decode one token without speculation (the engine's
         ``disable_by_batch_size``).  Drafters that catch up lazily from the token ids need
-        nothing; the MTP head commits its pending pairs here."""
+        nothing; the MTP head commits its pending pairs here (``lazy_catch_up = False``)."""
 
     def reset(self) -> None:
         """Forget a draft step left half-way by a failed engine step."""

@@ -78,6 +78,7 @@ class MTPDrafter(Drafter):
 
     method = "mtp"
     uses_mtp_head = True
+    lazy_catch_up = False   # plain_step moves the pending pairs into the head's window
     samples_q = True
 
     def __init__(self, target, target_cache, sampler: Sampler, device, max_batch: int, spec, num_tokens: int,
