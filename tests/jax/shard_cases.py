@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from replayssm import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
+from replayssm.jax import model as M  # noqa: E402
 from replayssm.jax.generate import JaxLLM  # noqa: E402
 from replayssm.jax.shard import AXIS, param_specs  # noqa: E402
 
@@ -112,10 +113,10 @@ def test_sharded_greedy_tokens_match_torch_engine(hf_model_dir, name):
 
 @pytest.mark.parametrize("name,extra,group,mode,method", [
     # 6 layers, groups of at most 4: the largest divisor, 3 (two groups; verify steps too)
-    ("mamba2_g3", dict(num_hidden_layers=6), 4, "replay", "ngram"),
-    ("mamba2_g3", dict(num_hidden_layers=6), 4, "recurrent", None),
+    ("mamba2_g3", {"num_hidden_layers": 6}, 4, "replay", "ngram"),
+    ("mamba2_g3", {"num_hidden_layers": 6}, 4, "recurrent", None),
     # a hybrid with a 4-layer Mamba-2 stage, groups of at most 3: 2
-    ("nemotron_h", dict(hybrid_override_pattern="MMMM*-E"), 3, "replay", None),
+    ("nemotron_h", {"hybrid_override_pattern": "MMMM*-E"}, 3, "replay", None),
 ])
 def test_grouped_stages_the_group_size_does_not_divide(hf_model_dir, name, extra, group, mode, method):
     """Sharded grouped tokens equal one device's and the engine's; each of the ``g`` stacks
@@ -123,7 +124,8 @@ def test_grouped_stages_the_group_size_does_not_divide(hf_model_dir, name, extra
     loop (per-layer weights and caches) under the mesh too (recurrent)."""
     path = hf_model_dir(name, **{**MODELS[name], **extra})
     spec = SpeculativeConfig(method, num_tokens=3) if method else None
-    kw = dict(dtype="float64", decode_mode=mode, buffer_size=8, speculative=spec, layer_loop="group", layer_group=group)
+    kw = {"dtype": "float64", "decode_mode": mode, "buffer_size": 8, "speculative": spec, "layer_loop": "group",
+          "layer_group": group}
     one = [o.token_ids for o in JaxLLM(path, **kw).generate(PROMPTS, _params())]
     assert one == _torch(path, mode)
     llm = JaxLLM(path, tensor_parallel_size=2, **kw)
@@ -133,6 +135,10 @@ def test_grouped_stages_the_group_size_does_not_divide(hf_model_dir, name, extra
     assert llm.params["stages"][0][0]["mixer"]["in_x_w"].shape[0] == cnt // g
     assert [o.token_ids for o in llm.generate(PROMPTS, _params())] == one
     _check_split_params(llm.spec, llm.params)
+    # each stack's specs are those of the stage stacked back into one [cnt, ...] stack
+    stacked = param_specs(llm.spec, {**llm.params, "stages": [M._ungroup(p) for p in llm.params["stages"]]}, 2)
+    for st, grouped in zip(stacked["stages"], param_specs(llm.spec, llm.params, 2)["stages"]):
+        assert len(grouped) >= 1 and all(q == st for q in grouped)
     assert "state" in _split_caches(llm, llm._rows(PROMPTS, _params()))
     if mode == "recurrent":   # unrolled layers under the mesh: per-layer weights and caches split
         llm = JaxLLM(path, tensor_parallel_size=2, **{**kw, "layer_loop": "unroll"})
