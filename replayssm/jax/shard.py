@@ -20,6 +20,10 @@ MLP / experts   up/gate rows and down columns by the intermediate axis (every ex
 embedding/head  by vocabulary rows.
 ==============  ==================================================================
 
+Every layer layout of :class:`~replayssm.jax.generate.JaxLLM`'s loops takes the same splits: a
+stage stacked ``[cnt, ...]`` (scan), a tuple of ``g`` stacks ``[cnt/g, ...]`` (grouped loop)
+or a list of per-layer leaves (unrolled loop; its caches are per-layer lists too).
+
 Mamba-2's single-group gated norm is folded past ``out_proj`` (:func:`fold_norms`): one
 all-reduce per layer carries both the norm's sum of squares and the partial products.
 
