@@ -14,9 +14,10 @@ One GPU (about 4 minutes; ``--time-budget`` skips what is left and still prints 
   the flush's state write every ``L`` steps) times JAX steps/s, over the copy bandwidth
   measured here (``y = x + 1`` on a 2 GiB array: 2 bytes moved per byte);
 * one variant against the default at B = 1 and 64 (``--variant``): ``unroll`` (the default:
-  the other layer loop than ``--layer-loop``'s, i.e. ``JaxLLM(layer_loop="unroll")``, per-layer
-  weights and caches read in place instead of sliced out of stacked arrays; its first call
-  compiles every layer, so it takes longer) or ``reduce`` (``replayssm.jax.ops.set_step_readout``: outputs
+  another layer loop than ``--layer-loop``'s -- ``"scan"`` against the grouped or unrolled
+  loop, ``JaxLLM(layer_loop="unroll")`` against the scan: per-layer weights and caches read in
+  place instead of sliced out of stacked arrays; its first call compiles every layer, so it
+  takes longer) or ``reduce`` (``replayssm.jax.ops.set_step_readout``: outputs
   read from the old state beside the update): tokens/s over the engine's, and its greedy
   tokens against the default's;
 * with ``--cost-analysis``: per decode row, the bytes of one compiled decode step as XLA
@@ -43,7 +44,8 @@ Two GPUs::
 
     PYTHONPATH=. python scripts/gpu_jax.py --tp 2
 
-* ``JaxLLM(tensor_parallel_size=1)`` and ``=2`` at B = 64 (both forms): decode tokens/s, the
+* ``JaxLLM(tensor_parallel_size=1)`` and ``=2`` at B = 64 (both forms, ``--layer-loop``'s loop,
+  by default JaxLLM's: the grouped one): decode tokens/s, the
   ratio, and whether the greedy tokens agree (``jax.sharding``; the compiler inserts the
   collectives).
 
@@ -81,7 +83,8 @@ def _args():
     p.add_argument("--prefill-shapes", default="16x512,64x256")
     p.add_argument("--prefill-chunks", default="64,128")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--layer-loop", default="scan", choices=("scan", "unroll"), help="the JAX runs' layer loop")
+    p.add_argument("--layer-loop", default=None, choices=("scan", "group", "unroll"),
+                   help="the JAX runs' layer loop (default: JaxLLM's, the grouped loop)")
     p.add_argument("--variant", default="unroll", choices=("unroll", "reduce", "none"),
                    help="timed against the default at B = 1 and 64")
     p.add_argument("--cost-analysis", action="store_true",
@@ -204,9 +207,15 @@ def _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, tp
     dec = statistics.median(s["decode_s"] for s in stats)
     gen = stats[-1]["generated"]
     call = statistics.median(s["decode_s"] + s["prefill_s"] for s in stats)
-    return {"tok_s": (gen - B) / dec, "steps": stats[-1]["loop_steps"], "decode_s": dec, "first_call_s": first,
+    return {"tok_s": (gen - B) / dec, "layer_loop": llm.layer_loop, "steps": stats[-1]["loop_steps"], "decode_s": dec, "first_call_s": first,
             "compile_s": first - call,
             "tokens": [o.token_ids for o in out]}
+
+
+def _other_loop(loop: str) -> str:
+    """The layer loop the ``unroll`` variant times against ``loop``: the unrolled one against
+    the scan, the scan against the grouped or unrolled loop."""
+    return "unroll" if loop == "scan" else "scan"
 
 
 def single(args, run: Run):
@@ -218,7 +227,7 @@ def single(args, run: Run):
     from replayssm.bench.common import free_memory
     from replayssm.jax import model as M
     from replayssm.jax import ops
-    from replayssm.jax.costs import step_costs
+    from replayssm.jax.costs import loop_params, step_costs
     from replayssm.jax.generate import JaxLLM, _with_chunk
     from replayssm.jax.params import from_torch_model
     from replayssm.models import load_model
@@ -264,13 +273,13 @@ def single(args, run: Run):
                     finally:
                         ops.set_step_readout("dot")
                 else:                          # the other layer loop
-                    other = "unroll" if args.layer_loop == "scan" else "scan"
+                    other = _other_loop(j["layer_loop"])
                     red = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, layer_loop=other)
                 same = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(red["tokens"], j["tokens"]))
                 red["match_dot"] = same / sum(len(x) for x in j["tokens"])
             cost = None
             if args.cost_analysis and run.left(f"cost analysis {mode} B={B}"):
-                p = params if args.layer_loop == "scan" else M.unstack_params(params)
+                p = loop_params(params, j["layer_loop"], 8)
                 cost = step_costs(spec, p, mode, B, args.buffer_size, top=3)
             row_bytes = sizes[f"{mode}_row"]
             step_bytes = sizes["weights"] + B * row_bytes
@@ -284,8 +293,8 @@ def single(args, run: Run):
                                "jax_reduce_tok_s": red and red["tok_s"],
                                "reduce_ratio": red and red["tok_s"] / r["decode_tokens_per_s"],
                                "reduce_tokens_match_dot": red and red["match_dot"],
-                               "variant": args.variant if args.variant != "unroll" else
-                               ("scan" if args.layer_loop == "unroll" else "unroll"),
+                               "layer_loop": j["layer_loop"],
+                               "variant": args.variant if args.variant != "unroll" else _other_loop(j["layer_loop"]),
                                "variant_first_call_s": red and red["first_call_s"],
                                "step_hlo_bytes": cost and cost["hlo"], "step_ideal_bytes": cost and cost["ideal"],
                                "step_xla_bytes": cost and cost["xla"], "step_top": cost and cost["top"]})
@@ -535,7 +544,7 @@ def tensor_parallel(args, run: Run):
             one = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, tp=1)
             many = _jax_decode(JaxLLM, SamplingParams, spec, params, mode, B, prompts, args, tp=args.tp)
             same = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(one["tokens"], many["tokens"]))
-            run.log("tp", {"mode": mode, "batch": B, "tp1_tok_s": one["tok_s"], f"tp{args.tp}_tok_s": many["tok_s"],
+            run.log("tp", {"mode": mode, "batch": B, "layer_loop": many["layer_loop"], "tp1_tok_s": one["tok_s"], f"tp{args.tp}_tok_s": many["tok_s"],
                            "ratio": many["tok_s"] / one["tok_s"],
                            "tokens_match": same / sum(len(x) for x in one["tokens"])})
     _table(run.res)
@@ -562,7 +571,7 @@ def _table(res: dict):
                   f"{100 * r['torch_mfu']:>9.1f}%{100 * r['jax_mfu']:>8.1f}%")
     for r in res["tp"]:
         keys = [k for k in r if k.startswith("tp") and k.endswith("_tok_s")]
-        print(f"TP {r['mode']:<10} B={r['batch']}: " + ", ".join(f"{k} {r[k]:.0f}" for k in keys)
+        print(f"TP {r['mode']:<10} B={r['batch']} ({r['layer_loop']}): " + ", ".join(f"{k} {r[k]:.0f}" for k in keys)
               + f"; ratio {r['ratio']:.2f}x; tokens match {r['tokens_match']:.2f}")
     for s in res["skipped"]:
         print(f"skipped (time budget): {s}")

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=480.0, help="seconds; later measurements are skipped")
     p.add_argument("--no-torch", action="store_true", help="JAX only")
     p.add_argument("--layer-loop", default=None, choices=("scan", "group", "unroll"),
-                   help="the JAX decode loop's layer loop (default: JaxLLM's, unroll on one device)")
+                   help="the JAX decode loop's layer loop (default: JaxLLM's, the grouped loop)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run")
     return p
 

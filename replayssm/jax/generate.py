@@ -159,7 +159,7 @@ class _Program:
         B = cfg.batch
         cache = M.init_cache(spec, B, cfg.mode, cfg.buffer_size, cfg.max_seq_len, auto_threshold=cfg.auto_threshold)
         logits, cache = M.prefill(spec, params, cache, ids, lengths)
-        if self.mesh is None and isinstance(params["stages"][0], list):   # unrolled layers: per-layer caches
+        if isinstance(params["stages"][0], list):   # unrolled layers: per-layer caches
             cache = M.split_cache(cache)
         key, sub = split_rows(key)
         z = jnp.zeros((B,), jnp.int32)
@@ -405,12 +405,13 @@ class JaxLLM:
     (batch, padded prompt length, output length, sampling flags).
     ``tensor_parallel_size=N`` shards heads, MLPs and experts over the first ``N`` devices
     with ``jax.sharding`` (:mod:`replayssm.jax.shard`; the compiler inserts the collectives).
-    ``layer_loop``: ``"group"`` (the default on one device, ``"scan"`` under tensor
-    parallelism: a scan over groups of ``layer_group`` layers,
-    each group unrolled, :func:`replayssm.jax.model.group_params`; 0.55x / 0.58x the PyTorch
+    ``layer_loop``: ``"group"`` (the default, on one device and under tensor parallelism:
+    a scan over groups of ``layer_group`` layers, each group unrolled,
+    :func:`replayssm.jax.model.group_params`, each group's weight stacks split over the mesh
+    on the stacked weights' axes; 0.55x / 0.58x the PyTorch
     engine at B=1 / 64 on an H100 against the scan's 0.42x, with compiles as short),
-    ``"scan"`` (one ``lax.scan`` over each stage's stacked weights) or ``"unroll"`` (one
-    device; per-layer weights, :func:`replayssm.jax.model.unstack_params`: 0.74x at B=1 on
+    ``"scan"`` (one ``lax.scan`` over each stage's stacked weights) or ``"unroll"``
+    (per-layer weights and caches, :func:`replayssm.jax.model.unstack_params`: 0.74x at B=1 on
     an H100, but a compile per layer — ~100 s for the 2.7B's replay program — so it is not
     the default; JAX's persistent compilation cache makes later processes load it).  ``compiler_options``: XLA options over the backend's
     defaults (:mod:`replayssm.jax.compiler`; a ``None`` value drops a default).
@@ -420,8 +421,8 @@ class JaxLLM:
                  speculative=None, max_seq_len: int | None = None, chunk_size: int | None = None,
                  seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1, layer_loop: str | None = None,
                  layer_group: int = 8, compiler_options: dict | None = None, auto_threshold: int | None = None):
-        if layer_loop is None:   # grouped weights are one device's layout (sharding takes stacks)
-            layer_loop = "group" if tensor_parallel_size == 1 else "scan"
+        if layer_loop is None:   # the grouped loop, on one device and under tensor parallelism
+            layer_loop = "group"
         if layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
         M.group_size(1, layer_group)   # validates layer_group
@@ -490,9 +491,15 @@ class JaxLLM:
         self.layer_loop, self.layer_group = layer_loop, layer_group
         if layer_loop != "scan":   # per-layer or grouped weights (decode / verify unroll them)
             lay = M.unstack_params if layer_loop == "unroll" else (lambda p: M.group_params(p, layer_group))
+            # under a mesh: sliced from the split stacks (no device holds a whole copy), then
+            # placed by the layout's own specs (each stack split on the stacked leaves' axes)
             self.params = lay(self.params)
+            if self.mesh is not None:
+                self.params = shard_params(self.spec, self.params, self.mesh)
             if self.dparams is not None:
                 self.dparams = lay(self.dparams)
+                if self.mesh is not None:
+                    self.dparams = shard_params(self.dspec, self.dparams, self.mesh)
         self._programs: dict = {}
         self.last_stats: dict = {}
 

@@ -20,6 +20,10 @@ MLP / experts   up/gate rows and down columns by the intermediate axis (every ex
 embedding/head  by vocabulary rows.
 ==============  ==================================================================
 
+Every layer layout of :class:`~replayssm.jax.generate.JaxLLM`'s loops takes the same splits: a
+stage stacked ``[cnt, ...]`` (scan), a tuple of ``g`` stacks ``[cnt/g, ...]`` (grouped loop)
+or a list of per-layer leaves (unrolled loop; its caches are per-layer lists too).
+
 Mamba-2's single-group gated norm is folded past ``out_proj`` (:func:`fold_norms`): one
 all-reduce per layer carries both the norm's sum of squares and the partial products.
 
@@ -95,32 +99,47 @@ def _heads(sp, tp: int) -> bool:
     return True   # MLPs / experts: per leaf (the intermediate size) below
 
 
+def _layout(p):
+    """``(stacks, wrap)`` of one stage in any layout: a stacked dict (leaves ``[cnt, ...]``), a
+    tuple of stacks (grouped, :func:`~replayssm.jax.model.group_params`: leaves ``[cnt/g, ...]``)
+    or a list of per-layer dicts (:func:`~replayssm.jax.model.unstack_params`, no layer axis);
+    ``stacks`` is a list of ``(pytree, leading layer axes)``, ``wrap`` rebuilds the layout."""
+    if isinstance(p, tuple):
+        return [(q, 1) for q in p], tuple
+    if isinstance(p, list):
+        return [(q, 0) for q in p], list
+    return [(p, 1)], lambda xs: xs[0]
+
+
 def param_specs(spec: ModelSpec, params, tp: int):
-    """A pytree of :class:`PartitionSpec` matching ``params`` (stage leaves carry a leading
-    layer axis, never split)."""
+    """A pytree of :class:`PartitionSpec` matching ``params`` in any layer layout (stacked,
+    grouped or per-layer; a stack's leading layer axis is never split: a grouped stack's
+    leaves split on the axes of the stacked ones)."""
     def leaf(sp, name, a, stacked: int):
         ax = _PARAM_AXES.get(sp.kind, {}).get(name)
         if ax is None or not _heads(sp, tp):
             return P()
-        s = _split(a.ndim, ax + stacked, a.shape[ax + stacked], tp)
-        return s
+        return _split(a.ndim, ax + stacked, a.shape[ax + stacked], tp)
 
     stages = []
     for (sb, _), p in zip(spec.stages, params["stages"]):
-        mix = {k: leaf(sb.mixer, k, v, 1) for k, v in p["mixer"].items()}
-        stages.append({"norm": P(), "mixer": mix})
+        stacks, wrap = _layout(p)
+        stages.append(wrap([{"norm": P(), "mixer": {k: leaf(sb.mixer, k, v, n) for k, v in q["mixer"].items()}}
+                            for q, n in stacks]))
     out = {"embed": _split(2, 0, params["embed"].shape[0], tp), "final_norm": P(), "stages": stages}
     if "head" in params:
         out["head"] = _split(2, 0, params["head"].shape[0], tp)
     return out
 
 
-def cache_spec(kind_sp, name: str, shape, tp: int) -> P:
-    """The :class:`PartitionSpec` of one stacked cache array ``[Ly, B, ...]``."""
+def cache_spec(kind_sp, name: str, shape, tp: int, stacked: int = 1) -> P:
+    """The :class:`PartitionSpec` of one cache array: stacked ``[Ly, B, ...]``
+    (``stacked=1``) or one layer's ``[B, ...]`` (``stacked=0``: per-layer caches,
+    :func:`~replayssm.jax.model.split_cache`)."""
     ax = _CACHE_AXES.get(kind_sp.kind, {}).get(name)
     if ax is None or not _heads(kind_sp, tp):
         return P()
-    return _split(len(shape), ax + 1, shape[ax + 1], tp)
+    return _split(len(shape), ax + stacked, shape[ax + stacked], tp)
 
 
 def fold_norms(spec: ModelSpec) -> ModelSpec:
@@ -151,12 +170,17 @@ def shard_params(spec: ModelSpec, params, mesh: Mesh):
 
 def constrain_cache(spec: ModelSpec, cache, mesh: Mesh | None):
     """``cache`` with every stage array pinned to its sharding (inside ``jit``), so that the
-    compiled loop's carry keeps one layout from step to step."""
+    compiled loop's carry keeps one layout from step to step.  Stacked caches ``[Ly, B, ...]``
+    (the scan and grouped loops) or per-layer lists of ``[B, ...]`` (unrolled layers)."""
     if mesh is None:
         return cache
     tp = mesh.devices.size
+
+    def pin(sp, k, v, stacked):
+        return jax.lax.with_sharding_constraint(v, NamedSharding(mesh, cache_spec(sp, k, v.shape, tp, stacked)))
+
     stages = []
     for (sb, _), c in zip(spec.stages, cache.stages):
-        stages.append({k: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, cache_spec(sb.mixer, k, v.shape, tp)))
+        stages.append({k: [pin(sb.mixer, k, a, 0) for a in v] if isinstance(v, list) else pin(sb.mixer, k, v, 1)
                        for k, v in c.items()})
     return cache.replace(stages=stages)

@@ -3,9 +3,10 @@ run in a child pytest process with a time limit and up to two retries on timeout
 
 Why: under a loaded two-core CI machine, XLA's CPU runtime deadlocked in about one of three
 full-suite runs (twice so far) inside a sharded ``block_until_ready`` (the process blocked at
-low CPU in its in-process collective rendezvous; the same cases pass alone in ~35 s).  A hang
-of the CPU backend must not stall the suite; a failing case still fails this test (its output
-is shown).  A hang costs ``LIMIT_S`` (about 4x a loaded run), three in a row fail."""
+low CPU in its in-process collective rendezvous; the same cases pass alone in ~65 s, both
+layer loops and the unrolled one).  A hang of the CPU backend must not stall the suite; a
+failing case still fails this test (its output is shown).  A hang costs ``LIMIT_S`` (about 4x
+an unloaded run), three in a row fail."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 pytest.importorskip("jax")
 
 CASES = os.path.join(os.path.dirname(__file__), "shard_cases.py")
-LIMIT_S = 150
+LIMIT_S = 260
 ATTEMPTS = 3
 
 
