@@ -328,10 +328,15 @@ class LLMEngine:
                     self._finish(s)
                     finished.append(s)
         self.blocks.switch_to_state(self.policy.after_step(self.scheduler.running))
-        for s in finished:
+        self._forget_done(finished)
+        return advanced, finished
+
+    def _forget_done(self, seqs) -> None:
+        """Drop the requests of ``seqs`` whose every sample has finished (``abort`` and the
+        outputs look requests up here)."""
+        for s in seqs:
             if all(m.is_finished for m in s.group):
                 self._requests.pop(s.group_id, None)
-        return advanced, finished
 
     # -- async scheduling (engine.overlap) ----------------------------------------------------
     def _async_step(self) -> tuple[list[Sequence], list[Sequence]]:
@@ -371,9 +376,7 @@ class LLMEngine:
                         s.finish_reason, s.error = reason, error
                         self._finish(s)
                         finished.append(s)
-            for s, _, _ in failed:
-                if all(m.is_finished for m in s.group):
-                    self._requests.pop(s.group_id, None)
+            self._forget_done([s for s, _, _ in failed])
         return advanced, finished
 
     def _abandon(self, fl: InFlight) -> None:
@@ -383,8 +386,7 @@ class LLMEngine:
             if not s.is_finished:
                 s.finish_reason, s.error = "error", "an engine step failed while this request's step was in flight"
                 self._finish(s)
-                if all(m.is_finished for m in s.group):
-                    self._requests.pop(s.group_id, None)
+                self._forget_done([s])
 
     def _overlaps(self, batch) -> bool:
         """Whether a freshly scheduled step may start the overlapped loop: a pure decode step
@@ -411,12 +413,12 @@ class LLMEngine:
         sequence of ``fl`` not known to end with its token) grow their reservations without
         preempting.  Returns ``(the launched step or None, [(sequence, finish reason,
         error)] whose blocks could not be reserved)``: those end after ``fl``'s tokens."""
-        if not self._admits_nothing():
+        if not self.scheduler.admits_nothing():
             return None, []
         limit = self.scheduler.token_limit
         rows = [s for s in fl.seqs if not s.is_finished and s.finish_reason is None
                 and not ends_with_pending(s, limit)]
-        if not rows or not self._can_overlap(len(rows)) or not self._grow(rows):
+        if not rows or not self._can_overlap(len(rows)) or not self.scheduler.grow_ahead(rows):
             return None, []
         ok = self.blocks.reserve_tokens(rows, 2)   # the pending token and the new one
         failed = []
@@ -427,36 +429,6 @@ class LLMEngine:
                     failed.append((s, s.finish_reason, s.error))
                     s.finish_reason = s.error = None
         return (self.executor.launch_rows(fl, ok) if ok else None), failed
-
-    def _admits_nothing(self) -> bool:
-        """Whether the scheduler would admit no waiting request now (none waits, no slot is
-        free, or, without a prefix cache, the first one's bytes do not fit)."""
-        waiting = self.scheduler.waiting
-        if not waiting or not self.blocks.free_slots:
-            return True
-        head = waiting[0]
-        if head.index == 0 and not head.swapped and len(head.group) > len(self.blocks.free_slots):
-            return True   # a request's samples start together
-        if self.prefix_cache is not None:   # a prefix match has side effects: let the scheduler decide
-            return False
-        adm = self.blocks.plan(waiting[0])
-        return not isinstance(adm, str) and not self.blocks.can_allocate(adm)
-
-    def _grow(self, rows: list[Sequence]) -> bool:
-        """Grow the rows' reservations for the overlapped step (the pending token and one
-        verify window: what the scheduler grows them to after the pending token); False,
-        nothing grown, when that does not fit without preempting."""
-        b = self.blocks
-        if not b.grows:
-            return True
-        T = b.memory.verify_tokens
-        need = [b.grow_need(s, s.num_cached + 1 + T) for s in rows]
-        if b.free_bytes is not None and sum(need) > b.free_bytes:
-            return False
-        for s, n in zip(rows, need):
-            if n:
-                b.grow(s, n)
-        return True
 
     def _finish(self, s: Sequence) -> None:
         if self.drafter is not None:   # (a swapped-out one holds no slot: its per-request state goes)

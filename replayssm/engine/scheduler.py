@@ -130,6 +130,39 @@ class Scheduler:
                     self.blocks.grow(s, need)
                 i += 1
 
+    def grow_ahead(self, seqs: list[Sequence]) -> bool:
+        """Grow the reservations of ``seqs`` for the step after the one in flight (async
+        scheduling: their pending token and one verify window, what :meth:`_make_room` grows
+        them to once that token is appended) without preempting; False, nothing grown, when
+        that does not fit."""
+        b = self.blocks
+        if not b.grows:
+            return True
+        T = b.memory.verify_tokens
+        need = [b.grow_need(s, s.num_cached + 1 + T) for s in seqs]
+        if b.free_bytes is not None and sum(need) > b.free_bytes:
+            return False
+        for s, n in zip(seqs, need):
+            if n:
+                b.grow(s, n)
+        return True
+
+    def admits_nothing(self) -> bool:
+        """Whether :meth:`schedule` would admit no waiting request now (none waits, no slot is
+        free, a request's samples need more free slots than there are, or, without a prefix
+        cache, the first one's bytes do not fit; with one, a prefix match has side effects:
+        False, the schedule decides)."""
+        waiting, b = self.waiting, self.blocks
+        if not waiting or not b.free_slots:
+            return True
+        head = waiting[0]
+        if head.index == 0 and not head.swapped and len(head.group) > len(b.free_slots):
+            return True   # a request's samples start together
+        if b.prefix is not None:
+            return False
+        adm = b.plan(head)
+        return not isinstance(adm, str) and not b.can_allocate(adm)
+
     def schedule(self) -> ScheduledBatch:
         """Make room for the running sequences' next step (preempting where the budget runs
         dry), decode every running sequence, then spend the rest of the token budget on
